@@ -1,0 +1,120 @@
+"""Masking, dtype and broadcasting helpers shared by every normalizer.
+
+Numerics policy (DESIGN.md §4): low-precision inputs are computed in float32 and cast
+back; masked entries (``where=False`` or a ``-inf`` logit) get exactly 0 weight and
+enter no max, sum or threshold; a row with no visible entry returns zeros with zero
+gradient.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "canonical_axis",
+    "compute_dtype",
+    "prepare",
+    "visible_count",
+    "masked_max",
+    "safe_divide",
+    "row_param",
+    "finish",
+]
+
+
+def canonical_axis(axis: int, ndim: int, fn_name: str) -> int:
+  """Returns ``axis`` in [0, ndim); ValueError naming ``axis`` otherwise."""
+  if not isinstance(axis, (int, np.integer)):
+    raise ValueError(f"{fn_name}: `axis` must be an int, got {axis!r}")
+  if ndim == 0:
+    raise ValueError(f"{fn_name}: `x` must have at least one dimension, got a scalar")
+  if not -ndim <= axis < ndim:
+    raise ValueError(f"{fn_name}: `axis` {axis} is out of range for `x` of rank {ndim}")
+  return int(axis) % ndim
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """float32 for bf16/fp16/int inputs, the dtype itself for float32/float64."""
+  dtype = jnp.dtype(dtype)
+  if dtype in (jnp.float32, jnp.float64):
+    return dtype
+  return jnp.dtype(jnp.float32)
+
+
+def prepare(x, axis: int, where, fn_name: str):
+  """Validates and upcasts ``x``; returns ``(x_safe, mask, axis)``.
+
+  ``mask`` is a boolean array of ``x``'s shape: ``where`` (broadcast) and ``x > -inf``.
+  ``x_safe`` holds 0 at masked positions so no gradient through them is NaN.
+  """
+  x = jnp.asarray(x)
+  axis = canonical_axis(axis, x.ndim, fn_name)
+  xc = x.astype(compute_dtype(x.dtype))
+  mask = xc != -jnp.inf
+  if where is not None:
+    where = jnp.asarray(where)
+    try:
+      where = jnp.broadcast_to(where, x.shape)
+    except ValueError:
+      raise ValueError(
+          f"{fn_name}: `where` of shape {where.shape} does not broadcast to `x` of shape "
+          f"{x.shape}") from None
+    mask = jnp.logical_and(mask, where.astype(bool))
+  x_safe = jnp.where(mask, xc, jnp.zeros_like(xc))
+  return x_safe, mask, axis
+
+
+def visible_count(mask, axis: int, dtype=jnp.float32):
+  """n: the number of visible entries of each row, keepdims."""
+  return jnp.sum(mask, axis=axis, keepdims=True).astype(dtype)
+
+
+def masked_max(z, mask, axis: int):
+  """Row max over visible entries (keepdims), 0 for a fully masked row, no gradient.
+
+  The stabiliser of class-E normalizers; its value cancels in the result, so it carries
+  no gradient (as in jax.nn.softmax).
+  """
+  m = jnp.max(jnp.where(mask, z, -jnp.inf), axis=axis, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
+  return jax.lax.stop_gradient(m)
+
+
+def safe_divide(num, den):
+  """``num / den`` where ``den != 0``, else 0, with a gradient free of NaN."""
+  ok = den != 0
+  return jnp.where(ok, num / jnp.where(ok, den, jnp.ones_like(den)), jnp.zeros_like(num))
+
+
+def row_param(value, x_shape, axis: int, name: str, fn_name: str, dtype=jnp.float32):
+  """A hyperparameter given as a scalar or an array broadcast to the rows of ``x``.
+
+  Arrays broadcast against ``x`` numpy-style (aligned on the right) and must have size 1
+  along ``axis``: e.g. a per-head alpha for scores ``[B, N, T, S]`` is ``[N, 1, 1]``.
+  """
+  v = jnp.asarray(value, dtype=dtype)
+  if v.ndim == 0:
+    return v
+  ndim = len(x_shape)
+  if v.ndim > ndim:
+    raise ValueError(
+        f"{fn_name}: `{name}` of shape {v.shape} has more dimensions than `x` {tuple(x_shape)}")
+  full = (1,) * (ndim - v.ndim) + tuple(v.shape)
+  if full[axis] != 1:
+    raise ValueError(
+        f"{fn_name}: `{name}` must have size 1 along the normalized axis {axis} (one value "
+        f"per row), got shape {v.shape} for `x` of shape {tuple(x_shape)}")
+  try:
+    np.broadcast_shapes(full, tuple(x_shape))
+  except ValueError:
+    raise ValueError(
+        f"{fn_name}: `{name}` of shape {v.shape} does not broadcast to the rows of `x` "
+        f"{tuple(x_shape)}") from None
+  return v.reshape(full)
+
+
+def finish(w, mask, dtype):
+  """Exact zeros at masked entries, then the input dtype."""
+  return jnp.where(mask, w, jnp.zeros_like(w)).astype(dtype)

@@ -1,0 +1,62 @@
+"""N01 softmax with temperature: the class-E exemplar every other normalizer follows."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["softmax"]
+
+_TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
+
+
+def softmax(x, axis: int = -1, where=None, temperature=1.0):
+  r"""Softmax with temperature (CATALOGUE N01, kernel class E).
+
+  .. math::
+    \mathrm{softmax}(x)_i = \frac{e^{x_i / T}}{\sum_{j \in V} e^{x_j / T}}
+
+  over the visible entries V of the row (``where`` True and ``x > -inf``). Computed as
+  ``exp(x/T - m)`` with ``m`` the row max, in float32 for low-precision inputs.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+    temperature: T > 0, a scalar or an array broadcast to the rows (size 1 along
+      ``axis``); differentiable.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros (where
+    ``jax.nn.softmax`` gives NaN), with zero gradient.
+  """
+  _TEMPERATURE.validate(temperature, "softmax")
+  xs, mask, axis = c.prepare(x, axis, where, "softmax")
+  t = c.row_param(temperature, xs.shape, axis, "temperature", "softmax", xs.dtype)
+  z = xs / t
+  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def exp_numerator(z, m, **_):
+  """Class-E numerator and denominator: e^{z - m}."""
+  return jnp.exp(z - m)
+
+
+def temperature_score_map(x, length, temperature=1.0, **_):
+  return x / temperature
+
+
+SPEC = register(NormalizerSpec(
+    name="softmax",
+    fn=softmax,
+    kernel_class="E",
+    catalogue_id="N01",
+    params=(_TEMPERATURE,),
+    tile=TileRule(score_map=temperature_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator),
+    description="exp(x/T) / sum exp(x/T)",
+))

@@ -1,0 +1,209 @@
+"""NormalizerSpec: the declaration every normalizer ships with, and the registry.
+
+A spec says what a normalizer is (its function, its kernel class, the properties it
+guarantees, its hyperparameters and their valid ranges) and, for the blockwise classes
+E, S and P, the *tile rule*: the per-block math that the chunked XLA path and the Pallas
+engine share. The test-suite is generated from these declarations.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Mapping
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Param",
+    "TileRule",
+    "NormalizerSpec",
+    "REGISTRY",
+    "register",
+    "get",
+    "names",
+    "resolve",
+]
+
+KERNEL_CLASSES = ("E", "S", "P", "R", "T", "X")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+  """A hyperparameter of a normalizer.
+
+  Attributes:
+    name: keyword name in the normalizer's signature.
+    default: value used when the caller omits it (``None`` allowed when the
+      docstring gives the data-dependent default, e.g. ssmax's ``n``).
+    low, high: valid range (``None`` = unbounded on that side).
+    low_open, high_open: whether the bound itself is excluded.
+    sample: a valid, non-default value the generated tests also exercise.
+    row_broadcast: ``True`` when an array broadcast to the rows is accepted
+      (shape broadcastable against ``x`` with size 1 along ``axis``).
+  """
+
+  name: str
+  default: Any
+  low: float | None = None
+  high: float | None = None
+  low_open: bool = False
+  high_open: bool = False
+  sample: Any = None
+  row_broadcast: bool = False
+
+  def validate(self, value, fn_name: str) -> None:
+    """Raises ValueError naming the argument when a *concrete* value is out of range."""
+    if value is None:
+      return
+    try:
+      v = float(value)  # only concrete scalars are checked at trace time
+    except Exception:  # arrays / tracers: checked by the caller if it can
+      return
+    if math.isnan(v):
+      raise ValueError(f"{fn_name}: `{self.name}` must not be NaN")
+    if self.low is not None and (v < self.low or (self.low_open and v == self.low)):
+      op = ">" if self.low_open else ">="
+      raise ValueError(f"{fn_name}: `{self.name}` must be {op} {self.low}, got {value}")
+    if self.high is not None and (v > self.high or (self.high_open and v == self.high)):
+      op = "<" if self.high_open else "<="
+      raise ValueError(f"{fn_name}: `{self.name}` must be {op} {self.high}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileRule:
+  """Per-tile math shared by the chunked XLA path and the Pallas engine (classes E/S/P).
+
+  Over key blocks, with ``z = score_map(x, length, **hp)`` elementwise and ``m`` the
+  stabiliser (the running row max of ``z`` over visible entries for class E; 0 for S
+  and P), a normalizer of these classes computes::
+
+      w_j = numerator(z_j, m, **hp) / D,
+      D   = sum_j denominator(z_j, m, **hp) + offset(m, length, **hp)   (S, E)
+      D   = 1                                                         (P)
+
+  ``numerator`` and ``denominator`` scale by the same factor when ``m`` changes
+  (``f(z, m') = f(z, m)·e^{m-m'}`` for class E), so the online (m, l) merge of
+  FlashAttention applies; ``offset`` is the row's extra mass (softmax_n's ``n·e^{-m}``,
+  a sink logit's ``e^{s-m}``), ``None`` meaning 0. Masked entries contribute 0 to D and
+  a row whose D is 0 gets zero weights.
+
+  ``length`` is the number of visible entries of the row (float32, broadcast like a
+  row statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
+  ``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'·dP``),
+  the derivatives taken elementwise at fixed ``m``.
+  """
+
+  score_map: Callable[..., Any]
+  numerator: Callable[..., Any]
+  denominator: Callable[..., Any] | None = None
+  offset: Callable[..., Any] | None = None
+  uses_max: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class NormalizerSpec:
+  """The declaration of one normalizer (DESIGN.md §2).
+
+  Attributes:
+    name: registry name, usable as ``normalizer="name"`` everywhere.
+    fn: ``fn(x, axis=-1, where=None, **hparams)`` (``fn(key, x, ...)`` when
+      ``needs_key``).
+    kernel_class: one of E, S, P, R, T, X (CATALOGUE.md).
+    catalogue_id: e.g. "N01".
+    sums_to_one: rows with a visible entry sum to 1.
+    at_most_one: rows sum to at most 1 (implied by ``sums_to_one``).
+    nonnegative: every weight is >= 0.
+    shift_invariant: ``fn(x + c) == fn(x)`` for a per-row constant c.
+    can_be_sparse: exact zeros can appear on visible entries.
+    length_dependent: the output depends on n, the visible count of the row.
+    params: hyperparameters with defaults and valid ranges.
+    tile: the tile rule for classes E, S, P; ``None`` otherwise.
+    needs_key: the function takes a PRNG key first (stochastic normalizers).
+    smooth: differentiable everywhere (``check_grads`` applies at random points).
+    description: one line for tables.
+  """
+
+  name: str
+  fn: Callable[..., Any]
+  kernel_class: str
+  catalogue_id: str
+  sums_to_one: bool = True
+  at_most_one: bool = True
+  nonnegative: bool = True
+  shift_invariant: bool = True
+  can_be_sparse: bool = False
+  length_dependent: bool = False
+  params: tuple[Param, ...] = ()
+  tile: TileRule | None = None
+  needs_key: bool = False
+  smooth: bool = True
+  description: str = ""
+
+  def __post_init__(self):
+    if self.kernel_class not in KERNEL_CLASSES:
+      raise ValueError(f"kernel_class must be one of {KERNEL_CLASSES}, got {self.kernel_class!r}")
+    if self.kernel_class in ("E", "S", "P") and self.tile is None:
+      raise ValueError(f"normalizer {self.name!r} of class {self.kernel_class} needs a tile rule")
+
+  @property
+  def defaults(self) -> dict[str, Any]:
+    return {p.name: p.default for p in self.params}
+
+  def param(self, name: str) -> Param:
+    for p in self.params:
+      if p.name == name:
+        return p
+    raise KeyError(f"normalizer {self.name!r} has no parameter {name!r}")
+
+  def validate(self, hparams: Mapping[str, Any]) -> None:
+    """Raises ValueError naming the argument for unknown or out-of-range hparams."""
+    known = {p.name for p in self.params}
+    for k, v in hparams.items():
+      if k not in known:
+        raise ValueError(
+            f"normalizer {self.name!r} got unknown hyperparameter `{k}`; it takes {sorted(known)}")
+      self.param(k).validate(v, self.name)
+
+  def __call__(self, *args, **kwargs):
+    return self.fn(*args, **kwargs)
+
+
+REGISTRY: dict[str, NormalizerSpec] = {}
+
+
+def register(spec: NormalizerSpec) -> NormalizerSpec:
+  """Adds ``spec`` to the registry (names are unique)."""
+  if spec.name in REGISTRY and REGISTRY[spec.name] is not spec:
+    raise ValueError(f"normalizer {spec.name!r} is already registered")
+  REGISTRY[spec.name] = spec
+  return spec
+
+
+def get(name: str) -> NormalizerSpec:
+  """Returns the registered spec for ``name``; KeyError naming it otherwise."""
+  try:
+    return REGISTRY[name]
+  except KeyError:
+    raise KeyError(
+        f"unknown normalizer {name!r}; registered: {', '.join(sorted(REGISTRY))}") from None
+
+
+def names() -> list[str]:
+  return sorted(REGISTRY)
+
+
+def resolve(normalizer) -> NormalizerSpec | Callable[..., Any]:
+  """A name, a NormalizerSpec or a callable -> a spec (or the callable itself)."""
+  if isinstance(normalizer, NormalizerSpec):
+    return normalizer
+  if isinstance(normalizer, str):
+    return get(normalizer)
+  if callable(normalizer):
+    return normalizer
+  raise TypeError(
+      f"`normalizer` must be a registered name, a NormalizerSpec or a callable, got {normalizer!r}")
+
+
+def zeros_offset(m, length, **_):
+  return jnp.zeros_like(m)

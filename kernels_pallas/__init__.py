@@ -1,0 +1,1 @@
+"""Pallas kernels for jaxsoft (imported lazily by ``implementation="pallas*"``)."""
