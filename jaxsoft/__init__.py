@@ -1,7 +1,19 @@
-"""jaxsoft: softmax-like normalizers, attention variants and softmax-based losses in JAX."""
+"""jaxsoft: softmax-like normalizers, attention variants and softmax-based losses in JAX.
 
-from jaxsoft import normalizers
+``jaxsoft.nn`` (Flax NNX modules) is imported on first access, so the functional core
+needs no flax import.
+"""
+
+import importlib
+
+from jaxsoft import attention, linear, losses, normalizers, testing
 
 __version__ = "0.1.0"
 
-__all__ = ["normalizers", "__version__"]
+__all__ = ["attention", "linear", "losses", "nn", "normalizers", "testing", "__version__"]
+
+
+def __getattr__(name):
+  if name == "nn":
+    return importlib.import_module("jaxsoft.nn")
+  raise AttributeError(f"module 'jaxsoft' has no attribute {name!r}")

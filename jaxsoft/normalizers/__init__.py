@@ -1,29 +1,32 @@
 """Softmax-like normalizers: ``f(x, axis=-1, where=None, **hparams) -> weights``.
 
 Every normalizer is registered with a :class:`NormalizerSpec`; ``get(name)`` returns it
-and ``REGISTRY`` maps names to specs.
+and ``REGISTRY`` maps names to specs. Each family lives in its own private module and
+lists its public names in that module's ``__all__``.
 """
 
+# ruff: noqa: F401, F403
 from jaxsoft.normalizers._spec import (
     REGISTRY,
     NormalizerSpec,
     Param,
+    ThresholdRule,
     TileRule,
     get,
     names,
     register,
     resolve,
 )
-from jaxsoft.normalizers._softmax import softmax
-
-__all__ = [
-    "REGISTRY",
-    "NormalizerSpec",
-    "Param",
-    "TileRule",
-    "get",
-    "names",
-    "register",
-    "resolve",
-    "softmax",
-]
+from jaxsoft.normalizers._softmax import *
+from jaxsoft.normalizers._logsumexp import *
+from jaxsoft.normalizers._sink import *
+from jaxsoft.normalizers._ssmax import *
+from jaxsoft.normalizers._gumbel import *
+from jaxsoft.normalizers._topk import *
+from jaxsoft.normalizers._sparsemax import *
+from jaxsoft.normalizers._entmax import *
+from jaxsoft.normalizers._stablemax import *
+from jaxsoft.normalizers._softpick import *
+from jaxsoft.normalizers._pointwise import *
+from jaxsoft.normalizers._softplus import *
+from jaxsoft.normalizers._taylor import *

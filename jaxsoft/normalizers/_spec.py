@@ -17,6 +17,7 @@ import jax.numpy as jnp
 __all__ = [
     "Param",
     "TileRule",
+    "ThresholdRule",
     "NormalizerSpec",
     "REGISTRY",
     "register",
@@ -102,6 +103,33 @@ class TileRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class ThresholdRule:
+  """Class T: weights from a per-row threshold tau solved over the whole row.
+
+  With ``z = score_map(x, length, **hp)`` elementwise and ``m`` the row max of ``z`` over
+  visible entries, tau solves ``sum_j mass(z_j, tau, **hp) = target(length, **hp)``
+  (``mass`` non-increasing in tau; ``bracket(m, length, **hp) -> (lo, hi)`` encloses the
+  root: ``sum mass(lo) >= target >= sum mass(hi)``), and then::
+
+      w_j = weight(z_j, tau, m, **hp) / sum_k weight(z_k, tau, m, **hp)
+
+  (the final normalisation removes the residual error of a fixed-iteration solve). A
+  blockwise driver computes m in a first pass over key blocks, tau by bisection (a fixed
+  ``iterations`` count, each a pass over key blocks) and then runs a class-P/E pass with
+  ``weight`` (DESIGN.md §3). Examples: sparsemax ``mass = weight = [z - tau]_+`` with
+  target 1; top-k ``mass = 1[z >= tau]`` with target ``min(k, n)`` and
+  ``weight = e^{z-m}·1[z >= tau]``.
+  """
+
+  score_map: Callable[..., Any]
+  mass: Callable[..., Any]
+  target: Callable[..., Any]
+  bracket: Callable[..., Any]
+  weight: Callable[..., Any]
+  iterations: int = 30
+
+
+@dataclasses.dataclass(frozen=True)
 class NormalizerSpec:
   """The declaration of one normalizer (DESIGN.md §2).
 
@@ -119,6 +147,7 @@ class NormalizerSpec:
     length_dependent: the output depends on n, the visible count of the row.
     params: hyperparameters with defaults and valid ranges.
     tile: the tile rule for classes E, S, P; ``None`` otherwise.
+    threshold: the threshold rule for class T; ``None`` otherwise.
     needs_key: the function takes a PRNG key first (stochastic normalizers).
     smooth: differentiable everywhere (``check_grads`` applies at random points).
     description: one line for tables.
@@ -136,6 +165,7 @@ class NormalizerSpec:
   length_dependent: bool = False
   params: tuple[Param, ...] = ()
   tile: TileRule | None = None
+  threshold: ThresholdRule | None = None
   needs_key: bool = False
   smooth: bool = True
   description: str = ""

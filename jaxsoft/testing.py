@@ -1,0 +1,1 @@
+"""Property checks for any normalizer (being written)."""
