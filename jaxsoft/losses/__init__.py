@@ -1,1 +1,24 @@
-"""(being written)"""
+"""Softmax-based losses (CATALOGUE L01–L04), optax-compatible: one value per example.
+
+Each family lives in its own private module; this package re-exports exactly the
+public names.
+"""
+
+from jaxsoft.losses._classification import (
+    softmax_cross_entropy,
+    softmax_cross_entropy_with_integer_labels,
+    top_k_cross_entropy,
+)
+from jaxsoft.losses._fenchel_young import fenchel_young_loss
+from jaxsoft.losses._orthogonal import orthogonal_gradient
+from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
+
+__all__ = [
+    "fenchel_young_loss",
+    "orthogonal_gradient",
+    "softmax_collapse_fraction",
+    "softmax_cross_entropy",
+    "softmax_cross_entropy_with_integer_labels",
+    "stablemax_cross_entropy",
+    "top_k_cross_entropy",
+]

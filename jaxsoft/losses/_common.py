@@ -1,0 +1,131 @@
+"""Argument checks and masking shared by the losses.
+
+Conventions (as optax): a loss returns one value per example, of the logits' shape
+without the class ``axis``, in the logits' dtype (computed in float32 for bf16/fp16).
+
+``where`` is either an element mask broadcastable to ``logits`` (a False *class* is left
+out of every sum, max and normaliser, as a ``-inf`` logit is) or, when it has exactly one
+dimension fewer than ``logits``, a mask over *examples* (optax's convention): an example
+whose mask is False gets loss 0 and zero gradient. To mask classes of a ``[B, K]`` batch
+with one ``[K]`` row, pass it as ``[1, K]``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoft.normalizers import _common as nc
+
+
+def check_logits(logits, fn_name: str):
+  """``logits`` as an array of a floating dtype with at least one dimension."""
+  logits = jnp.asarray(logits)
+  if not jnp.issubdtype(logits.dtype, jnp.floating):
+    raise ValueError(f"{fn_name}: `logits` must have a floating dtype, got {logits.dtype}")
+  if logits.ndim == 0:
+    raise ValueError(f"{fn_name}: `logits` must have a class axis, got a scalar")
+  return logits
+
+
+def example_where(where, logits_ndim: int, axis: int):
+  """optax's convention: a mask with one dimension fewer is per example."""
+  if where is None:
+    return None
+  where = jnp.asarray(where)
+  if where.ndim == logits_ndim - 1:
+    where = jnp.expand_dims(where, axis)
+  return where
+
+
+def prepare(logits, axis: int, where, fn_name: str):
+  """Returns ``(x, mask, axis)``: float32 logits with 0 at masked entries, the mask.
+
+  ``mask`` is False for ``where=False`` entries, ``-inf`` logits and every class of a
+  masked example; ``x`` is safe to differentiate everywhere.
+  """
+  logits = check_logits(logits, fn_name)
+  axis = nc.canonical_axis(axis, logits.ndim, fn_name)
+  return nc.prepare(logits, axis, example_where(where, logits.ndim, axis), fn_name)
+
+
+def check_probability_labels(labels, logits_shape, fn_name: str, hint: str = ""):
+  """Probability targets: same shape as ``logits``, returned as float32."""
+  labels = jnp.asarray(labels)
+  if labels.shape != tuple(logits_shape):
+    raise ValueError(
+        f"{fn_name}: `labels` of shape {labels.shape} must have the shape of `logits` "
+        f"{tuple(logits_shape)} (probability targets){hint}")
+  if jnp.issubdtype(labels.dtype, jnp.floating):
+    return labels.astype(nc.compute_dtype(labels.dtype))
+  return labels.astype(jnp.float32)
+
+
+def check_integer_labels(labels, logits_shape, axis: int, fn_name: str):
+  """Integer labels: an integer array of ``logits``' shape without ``axis``."""
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise ValueError(f"{fn_name}: `labels` must have an integer dtype, got {labels.dtype}")
+  expected = tuple(logits_shape[:axis]) + tuple(logits_shape[axis + 1:])
+  if labels.shape != expected:
+    raise ValueError(
+        f"{fn_name}: `labels` of shape {labels.shape} must have the shape of `logits` "
+        f"{tuple(logits_shape)} without the class axis {axis}, i.e. {expected}")
+  return labels
+
+
+def check_ignore_index(ignore_index, fn_name: str):
+  if ignore_index is None:
+    return None
+  if isinstance(ignore_index, (bool, np.bool_)) or not isinstance(ignore_index, (int, np.integer)):
+    raise ValueError(f"{fn_name}: `ignore_index` must be an int or None, got {ignore_index!r}")
+  return int(ignore_index)
+
+
+def check_label_smoothing(label_smoothing, fn_name: str):
+  """``label_smoothing`` in [0, 1); concrete values are checked at trace time."""
+  try:
+    v = float(label_smoothing)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return label_smoothing  # a traced value: the caller vouches for it
+  if not 0.0 <= v < 1.0:
+    raise ValueError(f"{fn_name}: `label_smoothing` must be in [0, 1), got {label_smoothing}")
+  return label_smoothing
+
+
+def gather_label(x, mask, labels, axis: int):
+  """The label's logit and whether the label names a visible class of its row.
+
+  A label outside ``[0, n)`` or on a masked class is *not visible*: its logit is taken as
+  0 (so no NaN flows anywhere) and the caller decides what the loss is.
+  """
+  n = x.shape[axis]
+  in_range = (labels >= 0) & (labels < n)
+  idx = jnp.expand_dims(jnp.where(in_range, labels, 0), axis)
+  x_y = jnp.take_along_axis(x, idx, axis=axis).squeeze(axis)
+  m_y = jnp.take_along_axis(mask, idx, axis=axis).squeeze(axis)
+  return x_y, in_range & m_y
+
+
+def one_hot(labels, n: int, axis: int, dtype=jnp.float32):
+  """One-hot along ``axis``; labels outside [0, n) give an all-zero row."""
+  return jnp.moveaxis(jax.nn.one_hot(labels, n, dtype=dtype), -1, axis)
+
+
+def masked_logsumexp(x, mask, axis: int):
+  """log sum_{visible} e^x (no keepdims) and the row's visible flag; 0 for empty rows.
+
+  The max shift carries no gradient (it cancels), so the gradient is the masked
+  softmax, free of NaN for fully masked rows.
+  """
+  m = nc.masked_max(x, mask, axis)
+  s = jnp.sum(jnp.where(mask, jnp.exp(x - m), 0.0), axis=axis, keepdims=True)
+  any_visible = s > 0
+  lse = jnp.log(jnp.where(any_visible, s, 1.0)) + m
+  return lse.squeeze(axis), any_visible.squeeze(axis)
+
+
+def finish(loss, keep, dtype):
+  """0 (with zero gradient) where ``keep`` is False, then the logits' dtype."""
+  return jnp.where(keep, loss, jnp.zeros_like(loss)).astype(dtype)
