@@ -1,3 +1,86 @@
-"""(being written)"""
+"""N13 Gumbel-softmax (Concrete) relaxation with the straight-through hard variant."""
 
-__all__ = []
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+
+__all__ = ["gumbel_softmax"]
+
+_TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
+
+
+def gumbel_softmax(key, x, tau=1.0, hard: bool = False, axis: int = -1, where=None):
+  r"""Gumbel-softmax sample (CATALOGUE N13, kernel class X; Jang et al. 2017, paper 000#33).
+
+  .. math::
+    y_i = \frac{e^{(x_i + g_i)/\tau}}{\sum_{j \in V} e^{(x_j + g_j)/\tau}},
+    \qquad g_i = -\log(-\log u_i),\ u_i \sim U(0, 1)
+
+  with ``x`` the (unnormalised) log-probabilities ``log pi`` and the noise drawn from the
+  explicit ``key`` (deterministic given the key). Gumbel-max: ``argmax_i (x_i + g_i)`` is
+  distributed as ``softmax(x)`` for any tau. ``hard=True`` is the straight-through
+  estimator: the forward value is ``one_hot(argmax y)`` (exactly one 1 per row), the
+  gradient is that of the soft sample ``y`` (``y_hard + y - stop_gradient(y)``).
+
+  Args:
+    key: a ``jax.random`` key.
+    x: logits (log pi up to a per-row constant; the sample is invariant to it).
+    tau: temperature tau > 0, a scalar or an array broadcast to the rows; differentiable.
+      tau -> 0 approaches one-hot samples, tau -> inf the uniform vector.
+    hard: return the straight-through one-hot sample.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; masked entries get exactly 0 and
+      are never the argmax.
+
+  Returns:
+    A sample of ``x``'s shape and dtype on the simplex of the visible entries (noise and
+    softmax in float32); a row with no visible entry is all zeros with zero gradient.
+  """
+  _TAU.validate(tau, "gumbel_softmax")
+  xs, mask, ax = c.prepare(x, axis, where, "gumbel_softmax")
+  t = c.row_param(tau, xs.shape, ax, "tau", "gumbel_softmax", xs.dtype)
+  g = jax.random.gumbel(key, xs.shape, xs.dtype)
+  z = (xs + g) / t
+  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, ax)), 0.0)
+  y = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  if hard:
+    idx = jnp.argmax(jnp.where(mask, z, -jnp.inf), axis=ax, keepdims=True)
+    pos = jax.lax.broadcasted_iota(jnp.int32, xs.shape, ax)
+    y_hard = (pos == idx).astype(y.dtype)
+    # Parenthesised so the forward value is exactly one-hot: (y - y) is exactly 0, whereas
+    # (y_hard + y) - y can round away from 1.
+    y = y_hard + (y - jax.lax.stop_gradient(y))
+  return c.finish(y, mask, jnp.asarray(x).dtype)
+
+
+SPEC = register(NormalizerSpec(
+    name="gumbel_softmax",
+    fn=gumbel_softmax,
+    kernel_class="X",
+    catalogue_id="N13",
+    sums_to_one=True,
+    shift_invariant=True,
+    params=(_TAU,),
+    needs_key=True,
+    description="softmax((x + Gumbel noise) / tau), explicit PRNG key",
+))
+
+SPEC_HARD = register(NormalizerSpec(
+    name="gumbel_softmax_hard",
+    fn=functools.partial(gumbel_softmax, hard=True),
+    kernel_class="X",
+    catalogue_id="N13",
+    sums_to_one=True,
+    shift_invariant=True,
+    can_be_sparse=True,
+    params=(_TAU,),
+    needs_key=True,
+    smooth=False,
+    description="straight-through one-hot Gumbel sample (gradient of the soft sample)",
+))

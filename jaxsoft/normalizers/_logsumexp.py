@@ -1,3 +1,138 @@
-"""(being written)"""
+"""N02 log-softmax, logsumexp and the smooth max/min LSE_eps (class E reductions).
 
-__all__ = []
+These return log-weights or a row reduction, not weights, so they are plain functions
+and not registered NormalizerSpecs.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import Param
+
+__all__ = ["log_softmax", "logsumexp", "smooth_max", "smooth_min"]
+
+_TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
+_EPS = Param("eps", 1.0, low=0.0, low_open=True, sample=0.1, row_broadcast=True)
+
+
+def _masked_lse(z, mask, axis):
+  """Row logsumexp over visible entries (keepdims); -inf for a row with none.
+
+  The max stabiliser carries no gradient (it cancels), and the log is taken of a sum that
+  is replaced by 1 on empty rows so that the gradient there is 0 rather than ``inf * 0``.
+  """
+  m = c.masked_max(z, mask, axis)
+  s = jnp.sum(jnp.where(mask, jnp.exp(z - m), 0.0), axis=axis, keepdims=True)
+  ok = s > 0
+  return jnp.where(ok, m + jnp.log(jnp.where(ok, s, 1.0)), -jnp.inf)
+
+
+def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
+  r"""Log-sum-exp over the visible entries of a row (CATALOGUE N02, kernel class E).
+
+  .. math::
+    \mathrm{LSE}(x) = \log \sum_{j \in V} e^{x_j} = m + \log \sum_{j \in V} e^{x_j - m},
+    \quad m = \max_{j \in V} x_j
+
+  with V the visible entries (``where`` True and ``x > -inf``). Its gradient is
+  ``softmax(x)`` (0 at masked entries).
+
+  Args:
+    x: scores.
+    axis: the axis to reduce over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out.
+    keepdims: keep the reduced axis with size 1.
+
+  Returns:
+    The row LSE in ``x``'s dtype (computed in float32 for low precision). A row with no
+    visible entry gives ``-inf`` (the log of an empty sum, as ``jax.nn.logsumexp``) with a
+    zero gradient, never NaN.
+  """
+  xs, mask, ax = c.prepare(x, axis, where, "logsumexp")
+  out = _masked_lse(xs, mask, ax)
+  if not keepdims:
+    out = jnp.squeeze(out, axis=ax)
+  return out.astype(jnp.asarray(x).dtype)
+
+
+def log_softmax(x, axis: int = -1, where=None, temperature=1.0):
+  r"""Log-softmax with temperature (CATALOGUE N02, kernel class E).
+
+  .. math::
+    \log \mathrm{softmax}(x)_i = \frac{x_i}{T} - \log \sum_{j \in V} e^{x_j / T}
+
+  over the visible entries V of the row, in float32 for low-precision inputs.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``.
+    temperature: T > 0, a scalar or an array broadcast to the rows (size 1 along
+      ``axis``); differentiable.
+
+  Returns:
+    Log-weights of ``x``'s shape and dtype. Masked entries hold exactly 0 (not ``-inf``
+    as in ``jax.nn.log_softmax``) so that products such as ``p * log_p`` and masked
+    cross-entropies stay finite; a fully masked row is all zeros with zero gradient.
+  """
+  _TEMPERATURE.validate(temperature, "log_softmax")
+  xs, mask, ax = c.prepare(x, axis, where, "log_softmax")
+  t = c.row_param(temperature, xs.shape, ax, "temperature", "log_softmax", xs.dtype)
+  z = xs / t
+  lse = _masked_lse(z, mask, ax)
+  # A fully masked row has lse = -inf; substitute 0 so `z - lse` has no inf to mask away.
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+  return c.finish(z - lse, mask, jnp.asarray(x).dtype)
+
+
+def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):
+  """``sign * eps * LSE(sign * x / eps)`` over visible entries (sign=+1 max, -1 min)."""
+  _EPS.validate(eps, fn_name)
+  # The mask comes from x itself, so a -inf (masked) entry stays masked for smooth_min.
+  xs, mask, ax = c.prepare(x, axis, where, fn_name)
+  e = c.row_param(eps, xs.shape, ax, "eps", fn_name, xs.dtype)
+  out = sign * e * _masked_lse(sign * xs / e, mask, ax)
+  if not keepdims:
+    out = jnp.squeeze(out, axis=ax)
+  return out.astype(jnp.asarray(x).dtype)
+
+
+def smooth_max(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
+  r"""Smooth maximum ``LSE_eps`` (CATALOGUE N02, kernel class E; papers 001#88, 004#53).
+
+  .. math::
+    \mathrm{LSE}_\varepsilon(x) = \varepsilon \log \sum_{j \in V} e^{x_j / \varepsilon},
+    \qquad \max_V x \le \mathrm{LSE}_\varepsilon(x) \le \max_V x + \varepsilon \log n
+
+  It tends to the max as eps -> 0 (the tropical limit) and its gradient is
+  ``softmax(x / eps)``.
+
+  Args:
+    x: scores.
+    eps: smoothing eps > 0, a scalar or an array broadcast to the rows (size 1 along
+      ``axis``); differentiable.
+    axis: the axis to reduce over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out.
+    keepdims: keep the reduced axis with size 1.
+
+  Returns:
+    The row value in ``x``'s dtype (float32 compute for low precision); ``-inf`` for a row
+    with no visible entry, with zero gradient.
+  """
+  return _smooth_extreme(x, eps, axis, where, keepdims, 1.0, "smooth_max")
+
+
+def smooth_min(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
+  r"""Smooth minimum ``-LSE_eps(-x)`` (CATALOGUE N02, kernel class E; paper 004#41).
+
+  .. math::
+    \mathrm{softmin}_\varepsilon(x) = -\varepsilon \log \sum_{j \in V} e^{-x_j / \varepsilon}
+    \in [\min_V x - \varepsilon \log n, \min_V x]
+
+  Its gradient is ``softmax(-x / eps)``. Arguments as :func:`smooth_max`; ``-inf``
+  entries are masked (not the minimum). A row with no visible entry gives ``+inf``, with
+  zero gradient.
+  """
+  return _smooth_extreme(x, eps, axis, where, keepdims, -1.0, "smooth_min")

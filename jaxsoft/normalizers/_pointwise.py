@@ -1,3 +1,148 @@
-"""(being written)"""
+"""N21 sigmoid and N22 ReLU maps: pointwise, unnormalised "normalizers" (class P).
 
-__all__ = []
+Each weight depends on its own score (and at most on n, the row's visible count), so a
+blockwise kernel carries nothing across key blocks and rows need not sum to 1.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["sigmoid", "relu", "relu_n", "relu2"]
+
+_BIAS = Param("bias", None, sample=-1.0, row_broadcast=True)
+
+
+def _log_length(length):
+  # log(max(n, 1)): an empty row (n = 0) stays finite; its entries are masked anyway.
+  return jnp.log(jnp.maximum(length, 1.0))
+
+
+def sigmoid(x, bias=None, axis: int = -1, where=None):
+  r"""Sigmoid attention weights (CATALOGUE N21, kernel class P; Ramapuram et al., paper 000#40).
+
+  .. math::
+    w_i = \sigma(x_i + b), \qquad b = -\log n \text{ by default}
+
+  with n the number of visible entries of the row (causal and padding aware), the
+  paper's recommended bias: with zero scores the row sums to ``n / (n + 1)``. No row
+  normalisation: weights lie in (0, 1), adding a key leaves the others unchanged when
+  ``bias`` is given, and the Jacobian is diagonal, ``sigma (1 - sigma) <= 1/4``.
+
+  Args:
+    x: scores.
+    bias: b; ``None`` means ``-log n``. A scalar or an array broadcast to the rows (size 1
+      along ``axis``); differentiable.
+    axis: the axis the bias's n counts over (the key axis).
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are not counted in n.
+
+  Returns:
+    Weights of ``x``'s shape and dtype (f32 compute); a fully masked row is all zeros
+    with zero gradient.
+  """
+  _BIAS.validate(bias, "sigmoid")
+  xs, mask, ax = c.prepare(x, axis, where, "sigmoid")
+  if bias is None:
+    b = -_log_length(c.visible_count(mask, ax, xs.dtype))
+  else:
+    b = c.row_param(bias, xs.shape, ax, "bias", "sigmoid", xs.dtype)
+  return c.finish(jax.nn.sigmoid(xs + b), mask, jnp.asarray(x).dtype)
+
+
+def relu(x, axis: int = -1, where=None):
+  r"""ReLU weights ``max(0, x_i)`` (CATALOGUE N22, kernel class P; papers 000#47, 004#116).
+
+  No normalisation: rows do not sum to 1, and a row whose scores are all <= 0 is all
+  zeros ("attend to nothing"; for classification its argmax is ill-defined: ties broken
+  by ``jnp.argmax``, the first index). Gradient 1 for x > 0, 0 for x <= 0.
+
+  Args:
+    x: scores.
+    axis: the normalized (key) axis; used for validation and the mask.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype.
+  """
+  xs, mask, _ = c.prepare(x, axis, where, "relu")
+  return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
+
+
+def relu_n(x, axis: int = -1, where=None):
+  r"""Length-normalised ReLU ``max(0, x_i) / n`` (CATALOGUE N22, class P; papers 001#2, 004#116).
+
+  n is the number of visible entries of the row, so for i.i.d. scores the output of
+  ReLU attention stays O(1) as the length grows (Wortsman et al.'s ``ReLU(QK^T/sqrt d)/L``).
+  Arguments and returns as :func:`relu`; a fully masked row is zeros.
+  """
+  xs, mask, ax = c.prepare(x, axis, where, "relu_n")
+  n = jnp.maximum(c.visible_count(mask, ax, xs.dtype), 1.0)
+  return c.finish(jax.nn.relu(xs) / n, mask, jnp.asarray(x).dtype)
+
+
+def relu2(x, axis: int = -1, where=None):
+  r"""Squared ReLU ``max(0, x_i)^2`` (CATALOGUE N22, kernel class P; paper 001#2).
+
+  C^1 (gradient ``2 max(0, x)``), unnormalised. Arguments and returns as :func:`relu`.
+  """
+  xs, mask, _ = c.prepare(x, axis, where, "relu2")
+  return c.finish(jnp.square(jax.nn.relu(xs)), mask, jnp.asarray(x).dtype)
+
+
+def _sigmoid_score_map(x, length, bias=None, **_):
+  return x + (-_log_length(length) if bias is None else bias)
+
+
+def _sigmoid_numerator(z, m, **_):
+  return jax.nn.sigmoid(z)
+
+
+def _identity_score_map(x, length, **_):
+  return x
+
+
+def _per_length_score_map(x, length, **_):
+  # relu(x) / n = relu(x / n) for n > 0, so the division moves into the score map.
+  return x / jnp.maximum(length, 1.0)
+
+
+def _relu_numerator(z, m, **_):
+  return jax.nn.relu(z)
+
+
+def _relu2_numerator(z, m, **_):
+  return jnp.square(jax.nn.relu(z))
+
+
+_POINTWISE = dict(kernel_class="P", catalogue_id="N22", sums_to_one=False, at_most_one=False,
+                  nonnegative=True, shift_invariant=False)
+
+SPEC_SIGMOID = register(NormalizerSpec(
+    name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,
+    smooth=True,
+    tile=TileRule(score_map=_sigmoid_score_map, numerator=_sigmoid_numerator,
+                  denominator=None, uses_max=False),
+    description="sigmoid(x + b), b = -log n", **{**_POINTWISE, "catalogue_id": "N21"}))
+
+SPEC_RELU = register(NormalizerSpec(
+    name="relu", fn=relu, can_be_sparse=True, smooth=False,
+    tile=TileRule(score_map=_identity_score_map, numerator=_relu_numerator, denominator=None,
+                  uses_max=False),
+    description="max(0, x)", **_POINTWISE))
+
+SPEC_RELU_N = register(NormalizerSpec(
+    name="relu_n", fn=relu_n, can_be_sparse=True, smooth=False, length_dependent=True,
+    tile=TileRule(score_map=_per_length_score_map, numerator=_relu_numerator,
+                  denominator=None, uses_max=False),
+    description="max(0, x) / n", **_POINTWISE))
+
+SPEC_RELU2 = register(NormalizerSpec(
+    name="relu2", fn=relu2, can_be_sparse=True, smooth=True,
+    tile=TileRule(score_map=_identity_score_map, numerator=_relu2_numerator, denominator=None,
+                  uses_max=False),
+    description="max(0, x)^2", **_POINTWISE))

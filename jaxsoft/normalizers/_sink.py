@@ -1,3 +1,142 @@
-"""(being written)"""
+"""N03 softmax with an implicit sink: softmax_n, softmax_1 (off-by-one) and a learned sink logit.
 
-__all__ = []
+All three are softmax over the row plus one extra, invisible logit whose weight is dropped,
+so a row can "attend to nothing": weights sum to ``S / (c + S) < 1`` with ``S = sum e^x``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._softmax import exp_numerator
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["softmax_n", "softmax_1", "softmax_sink"]
+
+_N = Param("n", 1.0, low=0.0, sample=3.0, row_broadcast=True)
+_SINK = Param("sink_logit", 0.0, sample=-1.5, row_broadcast=True)
+
+
+def _sink_softmax(x, axis, where, coef, logit, fn_name):
+  """``e^{x_i} / (coef * e^{logit} + sum_j e^{x_j})`` over visible entries.
+
+  Stabilised with ``M = max(max_V x, logit)``, the max over the row *and* the sink, so
+  neither ``e^{x - M}`` nor ``e^{logit - M}`` can overflow (notes 001#1: "m = max(max z, 0)").
+  ``M`` cancels, so it carries no gradient; ``coef`` and ``logit`` do.
+  """
+  xs, mask, axis = c.prepare(x, axis, where, fn_name)
+  m = jnp.maximum(c.masked_max(xs, mask, axis), jax.lax.stop_gradient(logit))
+  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
+  den = jnp.sum(e, axis=axis, keepdims=True) + coef * jnp.exp(logit - m)
+  w = c.safe_divide(e, den)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def softmax_n(x, n=1.0, axis: int = -1, where=None):
+  r"""Softmax with ``n`` units of sink mass (CATALOGUE N03, kernel class E; paper 001#1).
+
+  .. math::
+    \mathrm{softmax}_n(x)_i = \frac{e^{x_i}}{n + \sum_{j \in V} e^{x_j}}
+    = \mathrm{softmax}([x, \log n])_{1..|x|}
+
+  over the visible entries V of the row. ``n = 0`` is softmax, ``n = 1`` is softmax_1
+  ("attention is off by one", OutEffHop). Not shift invariant: the sink logit is fixed at
+  ``log n``. Computed max-stabilised with ``m = max(max_V x, 0)``, so ``x = +-1000`` is fine.
+
+  Args:
+    x: scores.
+    n: sink mass n >= 0, a scalar or an array broadcast to the rows (size 1 along
+      ``axis``); differentiable.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype, summing to ``S / (n + S) <= 1``; a row with no
+    visible entry is all zeros with zero gradient.
+
+  Tile rule: ``e^{z - m}`` as numerator and denominator plus the offset ``n e^{-m}``.
+  """
+  _N.validate(n, "softmax_n")
+  xs_shape = jnp.shape(x)
+  ax = c.canonical_axis(axis, len(xs_shape), "softmax_n")
+  coef = c.row_param(n, xs_shape, ax, "n", "softmax_n")
+  return _sink_softmax(x, ax, where, coef, jnp.zeros_like(coef), "softmax_n")
+
+
+def softmax_1(x, axis: int = -1, where=None):
+  r"""Softmax_1 = ``e^{x_i} / (1 + sum_j e^{x_j}) = softmax([x, 0])[:-1]`` (N03, class E).
+
+  Softmax with an implicit zero logit (Miller's "attention is off by one"; OutEffHop,
+  paper 001#1): all weights tend to 0 as every ``x_j -> -inf``. See :func:`softmax_n`.
+  """
+  return softmax_n(x, n=1.0, axis=axis, where=where)
+
+
+def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
+  r"""Softmax with a (learned) sink logit (CATALOGUE N03, kernel class E; papers 001#82, 004#116).
+
+  .. math::
+    w_i = \frac{e^{x_i}}{e^{s} + \sum_{j \in V} e^{x_j}} = \mathrm{softmax}([x, s])_{1..|x|}
+
+  The sink ``s`` absorbs the mass a row does not want to give to any key; the sink's own
+  weight is dropped. ``s = log n`` is :func:`softmax_n`.
+
+  Args:
+    x: scores, e.g. ``[B, N, T, S]``.
+    sink_logit: ``s``, a scalar or an array broadcast to the rows (size 1 along ``axis``),
+      e.g. one learned logit per head ``[N, 1, 1]``; differentiable.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype (sum < 1); a row with no visible entry is all
+    zeros with zero gradient (also in ``sink_logit``).
+  """
+  _SINK.validate(sink_logit, "softmax_sink")
+  xs_shape = jnp.shape(x)
+  ax = c.canonical_axis(axis, len(xs_shape), "softmax_sink")
+  s = c.row_param(sink_logit, xs_shape, ax, "sink_logit", "softmax_sink")
+  return _sink_softmax(x, ax, where, jnp.ones_like(s), s, "softmax_sink")
+
+
+def _identity_score_map(x, length, **_):
+  return x
+
+
+def _n_offset(m, length, n=1.0, **_):
+  """Sink mass ``n e^{-m}``; it overflows only when m < log n - 88, where the true weights
+  are below float32's range anyway (they come out as 0)."""
+  return n * jnp.exp(-m)
+
+
+def _one_offset(m, length, **_):
+  return jnp.exp(-m)
+
+
+def _sink_offset(m, length, sink_logit=0.0, **_):
+  return jnp.exp(sink_logit - m)
+
+
+_COMMON = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False, at_most_one=True,
+               nonnegative=True, shift_invariant=False, can_be_sparse=False,
+               length_dependent=False, smooth=True)
+
+SPEC_N = register(NormalizerSpec(
+    name="softmax_n", fn=softmax_n, params=(_N,),
+    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator, offset=_n_offset),
+    description="exp(x) / (n + sum exp(x))", **_COMMON))
+
+SPEC_1 = register(NormalizerSpec(
+    name="softmax_1", fn=softmax_1,
+    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator, offset=_one_offset),
+    description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]", **_COMMON))
+
+SPEC_SINK = register(NormalizerSpec(
+    name="softmax_sink", fn=softmax_sink, params=(_SINK,),
+    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator, offset=_sink_offset),
+    description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit", **_COMMON))

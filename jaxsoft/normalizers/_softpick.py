@@ -1,3 +1,80 @@
-"""(being written)"""
+"""N20 softpick: rectified softmax with no sink (weights may sum to less than 1)."""
 
-__all__ = []
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
+
+__all__ = ["softpick"]
+
+
+def softpick(x, axis: int = -1, where=None):
+  r"""Softpick (CATALOGUE N20, kernel class E; Zuhri et al. 2025, papers 000#46, 004#26).
+
+  .. math::
+    \mathrm{softpick}(x)_i = \frac{\mathrm{ReLU}(e^{x_i} - 1)}{\sum_{j \in V} |e^{x_j} - 1|}
+    = \frac{\mathrm{ReLU}(e^{x_i - m} - e^{-m})}{\sum_{j \in V} |e^{x_j - m} - e^{-m}|}
+
+  over the visible entries V. The second (overflow-free) form multiplies numerator and
+  denominator by ``e^{-m}``; here ``m = max(max_V x, 0)`` so that neither ``e^{x - m}``
+  nor ``e^{-m}`` can overflow (x = +-1000 is fine). Masked entries add 0 to the
+  denominator (not ``|0 - 1|``: the mask trap of the notes).
+
+  Properties: exact zeros where ``x_i <= 0``; rows sum to at most 1, to exactly 1 iff no
+  visible ``x_j < 0``, and to 0 when all ``x <= 0`` ("attend to nothing"); not shift
+  invariant. The paper adds eps = 1e-8 to the denominator, which matters only when every
+  visible entry is exactly 0; here that 0/0 row is defined as zeros exactly, with no eps
+  (so all other rows are exact). Gradient at ``x = 0``: the subgradient 0 of ReLU and of
+  ``|.|``.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype (f32 compute); a fully masked row is all zeros with
+    zero gradient.
+
+  Tile rule: ``numerator = ReLU(e^{z-m} - e^{-m})`` and ``denominator = |e^{z-m} - e^{-m}|``
+  both scale by ``e^{m_old - m_new}`` when the running max changes, so the online (m, l)
+  merge is exact. Caveat for drivers: with the running max of the visible scores as m,
+  ``e^{-m}`` overflows float32 when a key block's max is below about -88; a driver that
+  floors the running max at 0 (``m = max(m, 0)``, as the function does) avoids it.
+  """
+  xs, mask, ax = c.prepare(x, axis, where, "softpick")
+  m = jnp.maximum(c.masked_max(xs, mask, ax), 0.0)
+  d = jnp.where(mask, jnp.exp(xs - m) - jnp.exp(-m), 0.0)
+  w = c.safe_divide(jnp.maximum(d, 0.0), jnp.sum(jnp.abs(d), axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def _identity_score_map(x, length, **_):
+  return x
+
+
+def _softpick_numerator(z, m, **_):
+  return jnp.maximum(jnp.exp(z - m) - jnp.exp(-m), 0.0)
+
+
+def _softpick_denominator(z, m, **_):
+  return jnp.abs(jnp.exp(z - m) - jnp.exp(-m))
+
+
+SPEC = register(NormalizerSpec(
+    name="softpick",
+    fn=softpick,
+    kernel_class="E",
+    catalogue_id="N20",
+    sums_to_one=False,
+    at_most_one=True,
+    nonnegative=True,
+    shift_invariant=False,
+    can_be_sparse=True,
+    smooth=False,
+    tile=TileRule(score_map=_identity_score_map, numerator=_softpick_numerator,
+                  denominator=_softpick_denominator),
+    description="ReLU(e^x - 1) / sum |e^x - 1|",
+))

@@ -1,3 +1,147 @@
-"""(being written)"""
+"""N23 softplus-l1 (LSSA) with a log-length scale, and the LSSAR power re-weighting.
 
-__all__ = []
+Gao & Spratling, "Softplus Attention with Re-weighting Boosts Length Extrapolation in Large
+Language Models" (arXiv 2501.13428; notes 000#5, 001#81). The paper's exact scale law and
+re-weighting are not available to us: both forms here are the notes' reconstruction [R],
+with their constants exposed as parameters.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["softplus_l1", "lssar", "length_scale"]
+
+_BASE = Param("base", 512.0, low=1.0, low_open=True, sample=64.0)
+_SCALE = Param("scale", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
+_P = Param("p", 2.0, low=1.0, sample=3.0, row_broadcast=True)
+
+# Below this, softplus(z) = e^z (1 - e^z/2 + ...) and log softplus(z) = z - e^z/2 to ~1e-13.
+_SMALL = -15.0
+
+
+def length_scale(n, base=512.0, scale=1.0):
+  r"""The [R] scale law ``lambda(n) = scale * log(n) / log(base) = scale * log_base(n)``.
+
+  Notes 000#5: lambda grows like log N ("entropy-invariance scaling a la log_512(N)"), so
+  ``lambda(base) = scale``; the paper's exact constants are unknown. ``base=None`` turns
+  the length scale off (``lambda = scale``). ``n`` is clamped to >= 1 (empty rows).
+  """
+  if base is None:
+    return scale * jnp.ones_like(n)
+  return scale * jnp.log(jnp.maximum(n, 1.0)) / jnp.log(jnp.asarray(base, jnp.float32))
+
+
+def _log_softplus(z):
+  """log(softplus(z)) without underflow to log(0) for very negative z."""
+  big = jnp.log(jax.nn.softplus(jnp.maximum(z, _SMALL)))
+  zs = jnp.minimum(z, _SMALL)
+  small = zs + jnp.log1p(-0.5 * jnp.exp(zs))
+  return jnp.where(z >= _SMALL, big, small)
+
+
+def _powered_softplus(x, axis, where, p, base, scale, fn_name):
+  """``softplus(z)^p / sum softplus(z)^p`` with ``z = lambda(n) x``, as a softmax of
+  ``p log softplus(z)``: exact, and rows whose softplus values all underflow float32
+  (z below about -87) still get the right (softmax-like) weights instead of 0/0."""
+  for prm, v in ((_P, p), (_BASE, base), (_SCALE, scale)):
+    prm.validate(v, fn_name)
+  xs, mask, ax = c.prepare(x, axis, where, fn_name)
+  pv = c.row_param(p, xs.shape, ax, "p", fn_name, xs.dtype)
+  sv = c.row_param(scale, xs.shape, ax, "scale", fn_name, xs.dtype)
+  lam = length_scale(c.visible_count(mask, ax, xs.dtype), base, sv)
+  a = pv * _log_softplus(lam * xs)
+  e = jnp.where(mask, jnp.exp(a - c.masked_max(a, mask, ax)), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
+  r"""Softplus-l1 attention weights, LSSA (CATALOGUE N23, kernel class S; papers 000#5, 001#81).
+
+  .. math::
+    w_i = \frac{\mathrm{softplus}(\lambda(n) x_i)}{\sum_{j \in V} \mathrm{softplus}(\lambda(n) x_j)},
+    \qquad \lambda(n) = \mathrm{scale} \cdot \log_{\mathrm{base}} n
+
+  with n the visible count of the row. The paper keeps softmax's l1 normalisation and
+  replaces exp by softplus (no overflow: softplus is ~linear) with a "dynamic length
+  scale" from invariance entropy. That scale law is a **reconstruction** [R] (notes 000#5:
+  grows like log N, "a la log_512(N)"); its constants are the parameters ``base`` and
+  ``scale``. ``base=None`` gives ``lambda = scale`` (no length dependence). Note that
+  ``log_512 n < 1`` for rows shorter than 512, which flattens them.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are not counted in n.
+    base: the length at which lambda = scale (> 1), or None to disable the length scale.
+    scale: the constant factor (> 0), a scalar or an array broadcast to the rows.
+
+  Returns:
+    Weights of ``x``'s shape and dtype summing to 1 (computed as a softmax of
+    ``log softplus``, f32); a fully masked row is all zeros with zero gradient.
+
+  Tile rule: ``z = lambda(n) x``, numerator = denominator = ``softplus(z)`` (no max:
+  class S; the tile form underflows to 0/0 only if every z < -87).
+  """
+  return _powered_softplus(x, axis, where, 1.0, base, scale, "softplus_l1")
+
+
+def lssar(x, p=2.0, axis: int = -1, where=None, base=512.0, scale=1.0):
+  r"""LSSAR: softplus-l1 weights sharpened by a power (CATALOGUE N23, class S; papers 000#5, 001#81).
+
+  .. math::
+    w'_i = \frac{A_i^p}{\sum_{j \in V} A_j^p},\quad A = \mathrm{softplus\_l1}(x)
+    \;\Rightarrow\; w'_i = \frac{\mathrm{softplus}(\lambda(n) x_i)^p}
+                               {\sum_{j \in V} \mathrm{softplus}(\lambda(n) x_j)^p}
+
+  The paper's "training-free re-weighting that amplifies significant attention weights
+  while diminishing weaker ones" is a power function; its exact form is unknown and this
+  plain renormalised power (no threshold at 1/N) is the notes' reconstruction [R].
+  ``p = 1`` is the identity (softplus_l1); ``p > 1`` raises the max weight and lowers the
+  entropy.
+
+  Args:
+    x: scores.
+    p: power p >= 1, a scalar or an array broadcast to the rows; differentiable.
+    axis, where, base, scale: as :func:`softplus_l1`.
+
+  Returns:
+    Weights of ``x``'s shape and dtype summing to 1; a fully masked row is all zeros.
+  """
+  return _powered_softplus(x, axis, where, p, base, scale, "lssar")
+
+
+def _lssa_score_map(x, length, base=512.0, scale=1.0, **_):
+  return length_scale(length, base, scale) * x
+
+
+def _softplus_tile(z, m, **_):
+  return jax.nn.softplus(z)
+
+
+def _softplus_pow_tile(z, m, p=2.0, **_):
+  return jax.nn.softplus(z) ** p
+
+
+_COMMON = dict(kernel_class="S", catalogue_id="N23", sums_to_one=True, nonnegative=True,
+               shift_invariant=False, can_be_sparse=False, length_dependent=True, smooth=True)
+
+SPEC = register(NormalizerSpec(
+    name="softplus_l1", fn=softplus_l1, params=(_BASE, _SCALE),
+    tile=TileRule(score_map=_lssa_score_map, numerator=_softplus_tile,
+                  denominator=_softplus_tile, uses_max=False),
+    description="softplus(lambda(n) x) / sum softplus(lambda(n) x), lambda = log_512 n [R]",
+    **_COMMON))
+
+SPEC_LSSAR = register(NormalizerSpec(
+    name="lssar", fn=lssar, params=(_P, _BASE, _SCALE),
+    tile=TileRule(score_map=_lssa_score_map, numerator=_softplus_pow_tile,
+                  denominator=_softplus_pow_tile, uses_max=False),
+    description="LSSA weights to the power p, renormalised [R]",
+    **_COMMON))

@@ -1,3 +1,87 @@
-"""(being written)"""
+"""N05 SSMax (Scalable-Softmax): softmax with a log-length scale on the scores."""
 
-__all__ = []
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._softmax import exp_numerator
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["ssmax"]
+
+# s init 0.43: the default of the unofficial port gdevos010/Scalable-Softmax, which says "as
+# used in paper" (notes 000#19 mark it unverified). s is learnable per layer/head.
+_S = Param("s", 0.43, low=0.0, sample=1.0, row_broadcast=True)
+_NPARAM = Param("n", None, low=1.0, sample=64.0, row_broadcast=True)
+_BIAS = Param("bias", 0.0, sample=0.25, row_broadcast=True)
+
+
+def _scale(length, s, n, bias):
+  """``s log n + b`` with n the visible count unless given; log(max(n, 1)) keeps an
+  empty row (n = 0) finite."""
+  nn = length if n is None else n
+  return s * jnp.log(jnp.maximum(nn, 1.0)) + bias
+
+
+def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
+  r"""Scalable-Softmax (CATALOGUE N05, kernel class E; Nakanishi 2025, paper 000#19).
+
+  .. math::
+    \mathrm{SSMax}(x)_i = \frac{n^{s x_i}}{\sum_{j \in V} n^{s x_j}}
+    = \mathrm{softmax}\big((s \log n + b)\, x\big)_i
+
+  with n the number of visible entries of the row (for causal attention, row i sees
+  n_i = i + 1 keys) and ``b`` the optional bias of the paper's bias variant (off by
+  default; the paper reports it helps training but can hurt length generalization). The
+  scale *multiplies* the scores: the port that writes ``exp(x - s log n)`` is a no-op
+  under softmax (pitfall in the notes). ``s log n = 1`` gives softmax. With the tiny
+  default s = 0.43 short rows are flattened: n <= 10 gives a scale below 1.
+
+  Args:
+    x: scores.
+    s: scale s >= 0 (default 0.43, the unofficial port's "as used in paper" init; treat
+      as unverified); a scalar or an array broadcast to the rows; differentiable.
+    n: length n >= 1 to use instead of the visible count (e.g. a fixed training length);
+      a scalar or an array broadcast to the rows.
+    bias: b, added to the scale; a scalar or an array broadcast to the rows.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are not counted in n.
+
+  Returns:
+    Weights of ``x``'s shape and dtype, summing to 1 on rows with a visible entry; a row
+    with none is all zeros with zero gradient. A one-entry row is ``[1]`` (log 1 = 0).
+
+  Tile rule: ``z = (s log n + b) x`` (the per-row scale is known before the key pass, so
+  SSMax stays in class E), then softmax's ``e^{z - m}``.
+  """
+  for p, v in ((_S, s), (_NPARAM, n), (_BIAS, bias)):
+    p.validate(v, "ssmax")
+  xs, mask, ax = c.prepare(x, axis, where, "ssmax")
+  sv = c.row_param(s, xs.shape, ax, "s", "ssmax", xs.dtype)
+  bv = c.row_param(bias, xs.shape, ax, "bias", "ssmax", xs.dtype)
+  nv = None if n is None else c.row_param(n, xs.shape, ax, "n", "ssmax", xs.dtype)
+  z = _scale(c.visible_count(mask, ax, xs.dtype), sv, nv, bv) * xs
+  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, ax)), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def _ssmax_score_map(x, length, s=0.43, n=None, bias=0.0, **_):
+  return _scale(length, s, n, bias) * x
+
+
+SPEC = register(NormalizerSpec(
+    name="ssmax",
+    fn=ssmax,
+    kernel_class="E",
+    catalogue_id="N05",
+    sums_to_one=True,
+    shift_invariant=True,
+    length_dependent=True,
+    params=(_S, _NPARAM, _BIAS),
+    tile=TileRule(score_map=_ssmax_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator),
+    description="softmax((s log n + b) x), n = visible keys",
+))

@@ -1,3 +1,70 @@
-"""(being written)"""
+"""N19 StableMax: a rational replacement for exp that cannot overflow or collapse."""
 
-__all__ = []
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
+
+__all__ = ["stablemax", "stablemax_map"]
+
+
+def stablemax_map(x):
+  r"""The positive map ``s(x) = x + 1`` for ``x >= 0`` and ``1 / (1 - x)`` for ``x < 0``.
+
+  ``s > 0``, increasing, C^1 at 0 (``s(0) = s'(0) = 1``); linear growth instead of exp.
+  Each branch sees only its own half-line, so neither produces an inf (or a NaN
+  gradient) on the other side of 0.
+  """
+  pos = jnp.maximum(x, 0.0)
+  neg = jnp.minimum(x, 0.0)
+  return jnp.where(x >= 0, pos + 1.0, 1.0 / (1.0 - neg))
+
+
+def stablemax(x, axis: int = -1, where=None):
+  r"""StableMax (CATALOGUE N19, kernel class S; Prieto et al. ICLR 2025, paper 000#86).
+
+  .. math::
+    \mathrm{StableMax}(x)_i = \frac{s(x_i)}{\sum_{j \in V} s(x_j)},\qquad
+    s(x) = \begin{cases} x + 1 & x \ge 0 \\ \frac{1}{1 - x} & x < 0 \end{cases}
+
+  over the visible entries V. Ratios grow polynomially in the logit gap, so the float32
+  "softmax collapse" (loss exactly 0, vanishing gradient) does not happen. Not shift
+  invariant. No max is needed (class S): s(x) is at most ``x + 1``; only scores near
+  float32's max (~3e38) overflow the row sum.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype summing to 1 (f32 compute for low precision); a
+    row with no visible entry is all zeros with zero gradient.
+  """
+  xs, mask, ax = c.prepare(x, axis, where, "stablemax")
+  e = jnp.where(mask, stablemax_map(xs), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def _identity_score_map(x, length, **_):
+  return x
+
+
+def _stablemax_tile(z, m, **_):
+  return stablemax_map(z)
+
+
+SPEC = register(NormalizerSpec(
+    name="stablemax",
+    fn=stablemax,
+    kernel_class="S",
+    catalogue_id="N19",
+    sums_to_one=True,
+    shift_invariant=False,
+    tile=TileRule(score_map=_identity_score_map, numerator=_stablemax_tile,
+                  denominator=_stablemax_tile, uses_max=False),
+    description="s(x)/sum s(x), s(x) = x+1 (x>=0), 1/(1-x) (x<0)",
+))

@@ -1,3 +1,93 @@
-"""(being written)"""
+"""N24 Taylor softmax: exp replaced by its even-order Taylor polynomial."""
 
-__all__ = []
+from __future__ import annotations
+
+import numpy as np
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+
+__all__ = ["taylor_softmax", "taylor_exp"]
+
+_ORDER = Param("order", 2, low=2, sample=4)
+
+
+def _check_order(order, fn_name: str) -> int:
+  """order must be a concrete even int >= 2; ValueError naming `order` otherwise."""
+  if isinstance(order, (bool, np.bool_)) or not isinstance(order, (int, np.integer)):
+    raise ValueError(f"{fn_name}: `order` must be a Python int (a static even order >= 2), "
+                     f"got {order!r}")
+  _ORDER.validate(order, fn_name)
+  if order % 2:
+    raise ValueError(
+        f"{fn_name}: `order` must be even (odd truncations of exp take negative values, so "
+        f"the weights could be negative), got {order}")
+  return int(order)
+
+
+def taylor_exp(x, order: int = 2):
+  r"""The order-m Taylor polynomial of exp, ``sum_{k=0}^{m} x^k / k!`` (Horner form).
+
+  For even m it is strictly positive on the reals (its minimum, at the real root of the
+  order-(m-1) polynomial, equals ``x^m / m! > 0``).
+  """
+  order = _check_order(order, "taylor_exp")
+  acc = jnp.ones_like(x)
+  # Horner: 1 + x(1 + x/2(1 + x/3(... (1 + x/m)))).
+  for k in range(order, 0, -1):
+    acc = 1.0 + acc * x / k
+  return acc
+
+
+def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
+  r"""Taylor softmax (CATALOGUE N24, kernel class S; TaylorShift, papers 001#31, 004#115).
+
+  .. math::
+    \mathrm{TSM}_m(x)_i = \frac{\sum_{k=0}^{m} x_i^k / k!}{\sum_{j \in V} \sum_{k=0}^{m} x_j^k / k!},
+    \qquad m = 2:\ \frac{1 + x_i + x_i^2/2}{\sum_j (1 + x_j + x_j^2/2)}
+
+  over the visible entries V. Only even orders m are allowed: even truncations of exp are
+  strictly positive (``1 + x + x^2/2 >= 1/2``), odd ones are not. Growth is polynomial, so
+  no max is needed (class S) and large scores do not overflow unless ``|x|^m / m!`` passes
+  float32's max (e.g. |x| > 2.6e19 for m = 2). Not shift invariant; as m grows it tends to
+  softmax for moderate x.
+
+  Args:
+    x: scores.
+    order: the even truncation order m >= 2 (a static Python int).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype summing to 1 (f32 compute); a fully masked row is
+    all zeros with zero gradient.
+  """
+  order = _check_order(order, "taylor_softmax")
+  xs, mask, ax = c.prepare(x, axis, where, "taylor_softmax")
+  e = jnp.where(mask, taylor_exp(xs, order), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def _identity_score_map(x, length, **_):
+  return x
+
+
+def _taylor_tile(z, m, order=2, **_):
+  return taylor_exp(z, order)
+
+
+SPEC = register(NormalizerSpec(
+    name="taylor_softmax",
+    fn=taylor_softmax,
+    kernel_class="S",
+    catalogue_id="N24",
+    sums_to_one=True,
+    nonnegative=True,
+    shift_invariant=False,
+    params=(_ORDER,),
+    tile=TileRule(score_map=_identity_score_map, numerator=_taylor_tile,
+                  denominator=_taylor_tile, uses_max=False),
+    description="(sum_{k<=m} x^k/k!) / sum_j (...), even m",
+))
