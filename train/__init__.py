@@ -1,0 +1,6 @@
+"""jaxsoft's training loop: ``python train/train.py --preset smoke --workdir DIR``.
+
+Modules: config (dataclass, presets, CLI), model (decoder LM with jaxsoft attention), data
+(pydoc_data corpus and synthetic probes), sharding (mesh, layouts), checkpoint (orbax), metrics
+(jsonl, tqdm, comparison table/plot) and train (the entry point and the train step).
+"""

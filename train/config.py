@@ -1,0 +1,281 @@
+"""The training configuration: one frozen dataclass, presets, and a command line made from its fields.
+
+Resolution order (later wins): the dataclass defaults, the ``--preset``, ``--set key=value`` pairs,
+then explicit ``--field value`` flags. The resolved config is saved as ``config.json`` in the
+workdir; resuming with a different *model* config (``MODEL_FIELDS``) is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import typing
+from typing import Any, Sequence
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "PRESETS",
+    "MODEL_FIELDS",
+    "ATTENTION_VARIANTS",
+    "DATASETS",
+    "make_parser",
+    "from_argv",
+    "validate",
+    "save",
+    "load",
+    "check_resume_compatible",
+]
+
+ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
+DATASETS = ("text", "recall", "copy", "sort", "needle")
+IMPLEMENTATIONS = (None, "xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+DTYPES = ("float32", "bfloat16")
+
+
+class ConfigError(ValueError):
+  """A bad configuration; raised before any work is done. The message names the problem."""
+
+
+def _f(default, help_: str):
+  return dataclasses.field(default=default, metadata={"help": help_})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run depends on. Field names are the command-line flags."""
+
+  # Data.
+  dataset: str = _f("text", f"one of {DATASETS}: the pydoc_data corpus or a synthetic probe")
+  seq_len: int = _f(64, "tokens per training sequence")
+  batch_size: int = _f(16, "global batch (sequences per optimizer step, all devices)")
+  # Model.
+  d_model: int = _f(64, "width of the residual stream")
+  num_layers: int = _f(2, "decoder blocks")
+  num_heads: int = _f(4, "query heads")
+  num_kv_heads: int = _f(0, "key/value heads (GQA); 0 means num_heads")
+  mlp_dim: int = _f(256, "hidden width of the MLP")
+  rope_base: float = _f(10000.0, "RoPE base frequency")
+  normalizer: str = _f("softmax", "attention normalizer, a name from jaxsoft.normalizers.names()")
+  normalizer_params: str = _f("{}", "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
+  attention: str = _f("full", f"attention variant, one of {ATTENTION_VARIANTS}")
+  implementation: str = _f("", "attention implementation ('' = jaxsoft's choice, xla, xla_chunked, "
+                               "pallas, ...)")
+  window: int = _f(32, "left window size for --attention window")
+  softcap: float = _f(30.0, "logit soft cap for --attention softcap")
+  dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32")
+  # Optimizer.
+  steps: int = _f(200, "optimizer steps in total")
+  learning_rate: float = _f(3e-3, "peak learning rate")
+  warmup_steps: int = _f(20, "linear warm-up steps before the cosine decay")
+  min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
+  weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
+  b1: float = _f(0.9, "Adam beta1")
+  b2: float = _f(0.95, "Adam beta2")
+  clip_norm: float = _f(1.0, "global gradient-norm clip (0 = off)")
+  grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+  # Run.
+  seed: int = _f(0, "seed of the parameters, the data order and the step RNG")
+  workdir: str = _f("", "where config.json, metrics.jsonl and checkpoints go (auto-resume)")
+  init_from: str = _f("", "a workdir (or checkpoint step dir) to take the parameters from")
+  log_every: int = _f(20, "steps between log lines (and attention statistics)")
+  save_every: int = _f(100, "steps between checkpoints (the last step is always saved)")
+  max_to_keep: int = _f(3, "checkpoints kept")
+  fsdp: bool = _f(False, "shard the parameters and optimizer state over the data axis (FSDP)")
+  num_cpu_devices: int = _f(0, "fake CPU devices (0 = what the platform has)")
+  progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off")
+  tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboardX)")
+  # Testing hooks: they drive the real signal paths so tests need no timing games.
+  preempt_at_step: int = _f(-1, "testing: send SIGTERM to this process after this step")
+  kill_after_save_at_step: int = _f(-1, "testing: SIGKILL this process right after starting the "
+                                        "async save of this step")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.num_heads
+
+  @property
+  def normalizer_kwargs(self) -> dict[str, Any]:
+    return json.loads(self.normalizer_params)
+
+  @property
+  def micro_batch(self) -> int:
+    return self.batch_size // self.grad_accum
+
+
+# Fields that determine the parameter shapes or the function the model computes: a resumed run must
+# match them. (--steps, --learning_rate, ... may change on resume.)
+MODEL_FIELDS = ("dataset", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
+                "rope_base", "normalizer", "normalizer_params", "attention", "window", "softcap")
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # About a minute on 2 CPU cores, including start-up and compilation.
+    "smoke": dict(dataset="text", seq_len=64, batch_size=16, d_model=64, num_layers=2,
+                  num_heads=4, mlp_dim=256, steps=150, warmup_steps=15, learning_rate=3e-3,
+                  log_every=25, save_every=50),
+    # A real character LM on the pydoc corpus; minutes on a laptop, seconds on an accelerator.
+    "charlm": dict(dataset="text", seq_len=256, batch_size=32, d_model=256, num_layers=4,
+                   num_heads=8, mlp_dim=1024, steps=3000, warmup_steps=200, learning_rate=1e-3,
+                   log_every=100, save_every=500),
+    # Associative recall: the probe that separates attention normalizers quickly.
+    "recall": dict(dataset="recall", seq_len=64, batch_size=64, d_model=128, num_layers=2,
+                   num_heads=4, mlp_dim=512, steps=2000, warmup_steps=100, learning_rate=1e-3,
+                   weight_decay=0.0, log_every=100, save_every=500),
+    # A TPU pod slice: bf16 compute, FSDP, a global batch spread over every host.
+    "tpu_pod": dict(dataset="text", seq_len=1024, batch_size=256, d_model=1024, num_layers=12,
+                    num_heads=16, mlp_dim=4096, steps=20000, warmup_steps=1000,
+                    learning_rate=3e-4, dtype="bfloat16", fsdp=True, log_every=100,
+                    save_every=1000, max_to_keep=2),
+}
+
+
+def _field_type(field: dataclasses.Field) -> type:
+  hints = typing.get_type_hints(Config)
+  return hints[field.name]
+
+
+def _parse_bool(text: str) -> bool:
+  lowered = str(text).lower()
+  if lowered in ("1", "true", "yes", "on"):
+    return True
+  if lowered in ("0", "false", "no", "off"):
+    return False
+  raise argparse.ArgumentTypeError(f"expected a boolean, got {text!r}")
+
+
+def _converter(field: dataclasses.Field):
+  kind = _field_type(field)
+  return _parse_bool if kind is bool else kind
+
+
+def make_parser() -> argparse.ArgumentParser:
+  """An argparse parser with one ``--flag`` per Config field, plus --preset, --set, --compare."""
+  parser = argparse.ArgumentParser(
+      prog="train.py", description="Train a small decoder LM with a jaxsoft attention normalizer.")
+  parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                      help="a named starting point; other flags override it")
+  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                      help="override any config field (repeatable)")
+  parser.add_argument("--compare", default="",
+                      help="comma-separated normalizers trained on identical data and seeds; "
+                           "writes compare.md and compare.png in --workdir")
+  for field in dataclasses.fields(Config):
+    parser.add_argument(f"--{field.name}", type=_converter(field), default=None,
+                        help=f"{field.metadata['help']} (default: {field.default!r})")
+  return parser
+
+
+def _apply_set(overrides: dict[str, Any], pairs: Sequence[str]) -> None:
+  fields = {f.name: f for f in dataclasses.fields(Config)}
+  for pair in pairs:
+    if "=" not in pair:
+      raise ConfigError(f"--set expects KEY=VALUE, got {pair!r}")
+    key, value = pair.split("=", 1)
+    if key not in fields:
+      raise ConfigError(f"--set: unknown config field {key!r}; fields: {', '.join(sorted(fields))}")
+    try:
+      overrides[key] = _converter(fields[key])(value)
+    except (ValueError, argparse.ArgumentTypeError) as e:
+      raise ConfigError(f"--set {key}: cannot parse {value!r}: {e}") from None
+
+
+def from_argv(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
+  """Parses ``argv`` into a Config (not yet validated) and the raw namespace."""
+  args = make_parser().parse_args(argv)
+  overrides: dict[str, Any] = dict(PRESETS[args.preset]) if args.preset else {}
+  _apply_set(overrides, args.set)
+  for field in dataclasses.fields(Config):
+    value = getattr(args, field.name)
+    if value is not None:
+      overrides[field.name] = value
+  return Config(**overrides), args
+
+
+def validate(cfg: Config) -> None:
+  """Checks everything that can be checked without devices; raises ConfigError naming the field."""
+  from jaxsoft import normalizers  # imported here so `--help` stays instant
+
+  if cfg.normalizer not in normalizers.REGISTRY:
+    raise ConfigError(f"--normalizer: unknown normalizer {cfg.normalizer!r}; registered: "
+                      f"{', '.join(normalizers.names())}")
+  spec = normalizers.get(cfg.normalizer)
+  if spec.needs_key:
+    raise ConfigError(f"--normalizer: {cfg.normalizer!r} is stochastic (needs a PRNG key), which the "
+                      "attention layer does not thread through; pick a deterministic normalizer")
+  try:
+    kwargs = cfg.normalizer_kwargs
+  except json.JSONDecodeError as e:
+    raise ConfigError(f"--normalizer_params: not valid JSON: {e}") from None
+  if not isinstance(kwargs, dict):
+    raise ConfigError(f"--normalizer_params: expected a JSON object, got {cfg.normalizer_params!r}")
+  try:
+    spec.validate(kwargs)
+  except ValueError as e:
+    raise ConfigError(f"--normalizer_params: {e}") from None
+  if cfg.attention not in ATTENTION_VARIANTS:
+    raise ConfigError(f"--attention: unknown variant {cfg.attention!r}; one of {ATTENTION_VARIANTS}")
+  if (cfg.implementation or None) not in IMPLEMENTATIONS:
+    raise ConfigError(f"--implementation: unknown implementation {cfg.implementation!r}; one of "
+                      f"{[i for i in IMPLEMENTATIONS if i]}")
+  if cfg.dataset not in DATASETS:
+    raise ConfigError(f"--dataset: unknown dataset {cfg.dataset!r}; one of {DATASETS}")
+  if cfg.dtype not in DTYPES:
+    raise ConfigError(f"--dtype: must be one of {DTYPES}, got {cfg.dtype!r}")
+  if cfg.progress not in ("auto", "on", "off"):
+    raise ConfigError(f"--progress: must be auto, on or off, got {cfg.progress!r}")
+  positive = ("seq_len", "batch_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
+              "grad_accum", "log_every", "save_every", "max_to_keep")
+  for name in positive:
+    if getattr(cfg, name) <= 0:
+      raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+  if cfg.d_model % cfg.num_heads:
+    raise ConfigError(f"--d_model ({cfg.d_model}) must be divisible by --num_heads ({cfg.num_heads})")
+  if cfg.head_dim % 2:
+    raise ConfigError(f"--d_model / --num_heads = {cfg.head_dim} must be even for RoPE")
+  if cfg.num_heads % cfg.kv_heads:
+    raise ConfigError(f"--num_heads ({cfg.num_heads}) must be divisible by --num_kv_heads "
+                      f"({cfg.kv_heads})")
+  if cfg.batch_size % cfg.grad_accum:
+    raise ConfigError(f"--batch_size ({cfg.batch_size}) must be divisible by --grad_accum "
+                      f"({cfg.grad_accum})")
+  if cfg.warmup_steps < 0 or cfg.warmup_steps > cfg.steps:
+    raise ConfigError(f"--warmup_steps must be in [0, --steps], got {cfg.warmup_steps}")
+  if not cfg.workdir:
+    raise ConfigError("--workdir is required")
+  _check_writable(cfg.workdir)
+
+
+def _check_writable(workdir: str) -> None:
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise ConfigError(f"--workdir {workdir!r} cannot be created: {e.strerror}") from None
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise ConfigError(f"--workdir {workdir!r} is not writable (missing permissions)")
+
+
+def save(cfg: Config, path: str) -> None:
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2, sort_keys=True)
+    f.write("\n")
+
+
+def load(path: str) -> dict[str, Any]:
+  with open(path) as f:
+    return json.load(f)
+
+
+def check_resume_compatible(cfg: Config, saved: dict[str, Any]) -> None:
+  """Refuses to resume when the saved run's model config differs (the checkpoint would not fit)."""
+  diffs = [f"{k}: saved {saved.get(k)!r} != now {getattr(cfg, k)!r}"
+           for k in MODEL_FIELDS if saved.get(k) != getattr(cfg, k)]
+  if diffs:
+    raise ConfigError("cannot resume from --workdir " + repr(cfg.workdir) + " with a different model "
+                      "config (" + "; ".join(diffs) + "); use a fresh --workdir, or --init_from "
+                      "for a compatible model")

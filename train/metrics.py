@@ -1,0 +1,140 @@
+"""Where the numbers go: metrics.jsonl (always), a log line every --log_every, a tqdm bar with
+tokens/s on a terminal, TensorBoard as an option; and the --compare table and loss-curve plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from typing import Any, Sequence
+
+from etils import epath
+
+__all__ = ["MetricsLogger", "read_jsonl", "write_comparison"]
+
+
+def read_jsonl(path) -> list[dict[str, Any]]:
+  path = epath.Path(path)
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+  """Logs on the main process only (every host computes the same replicated metrics)."""
+
+  def __init__(self, workdir: str, *, start_step: int, total_steps: int, tokens_per_step: int,
+               progress: str = "auto", tensorboard: bool = False, enabled: bool = True):
+    self.enabled = enabled
+    self.path = epath.Path(workdir) / "metrics.jsonl"
+    self.tokens_per_step = tokens_per_step
+    self._t0: float | None = None  # the clock starts after the first (compiling) step
+    self._steps_timed = 0
+    self._last_log = (time.perf_counter(), start_step)
+    self.tokens_per_sec = float("nan")
+    if not enabled:
+      self.bar, self.tb = None, None
+      return
+    # A resumed run drops records past its checkpoint, so each step appears once.
+    kept = [r for r in read_jsonl(self.path) if r["step"] <= start_step]
+    self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    show = progress == "on" or (progress == "auto" and sys.stderr.isatty())
+    self.bar = None
+    if show:
+      from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+      self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+    self.tb = None
+    if tensorboard:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self.tb = SummaryWriter(str(epath.Path(workdir) / "tb"))
+
+  def step_done(self, step: int) -> None:
+    """Called after every step (host-side, metrics already fetched)."""
+    now = time.perf_counter()
+    if self._t0 is None:
+      self._t0, self._last_log = now, (now, step)
+    else:
+      self._steps_timed += 1
+      self.tokens_per_sec = self._steps_timed * self.tokens_per_step / (now - self._t0)
+    if self.bar is not None:
+      self.bar.update(1)
+      if math.isfinite(self.tokens_per_sec):
+        self.bar.set_postfix_str(f"{self.tokens_per_sec:,.0f} tok/s", refresh=False)
+
+  def log(self, step: int, metrics: dict[str, float]) -> None:
+    """One record: metrics.jsonl, a line on stdout, TensorBoard."""
+    if not self.enabled:
+      return
+    record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+    if math.isfinite(self.tokens_per_sec):
+      record["tokens_per_sec"] = self.tokens_per_sec
+    with self.path.open("a") as f:
+      f.write(json.dumps(record) + "\n")
+    line = f"step {step:6d} | " + " | ".join(
+        f"{k} {v:.4g}" for k, v in record.items() if k != "step")
+    if self.bar is not None:
+      self.bar.write(line)
+    else:
+      print(line, flush=True)
+    if self.tb is not None:
+      for k, v in record.items():
+        if k != "step":
+          self.tb.add_scalar(k, v, step)
+
+  def message(self, text: str) -> None:
+    if not self.enabled:
+      return
+    if self.bar is not None:
+      self.bar.write(text)
+    else:
+      print(text, flush=True)
+
+  def close(self) -> None:
+    if self.bar is not None:
+      self.bar.close()
+    if self.tb is not None:
+      self.tb.close()
+
+
+def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) -> tuple[str, str]:
+  """compare.md (final loss, tokens/s, attention entropy/sparsity) and compare.png (loss curves)."""
+  rows = ["| normalizer | final loss | tokens/s | attn entropy | attn sparsity |",
+          "|---|---|---|---|---|"]
+  curves = {}
+  for name, run in zip(names, runs):
+    records = read_jsonl(epath.Path(run) / "metrics.jsonl")
+    curves[name] = [(r["step"], r["loss"]) for r in records]
+    last = records[-1] if records else {}
+    stats = [r for r in records if "attn_entropy" in r]
+    stat = stats[-1] if stats else {}
+
+    def fmt(x, spec):
+      return format(x, spec) if isinstance(x, (int, float)) else "—"
+
+    rows.append(f"| {name} | {fmt(last.get('loss'), '.4f')} | "
+                f"{fmt(last.get('tokens_per_sec'), ',.0f')} | "
+                f"{fmt(stat.get('attn_entropy'), '.3f')} | {fmt(stat.get('attn_sparsity'), '.3f')} |")
+  table = "\n".join(rows) + "\n"
+  md_path = epath.Path(workdir) / "compare.md"
+  md_path.write_text(table)
+
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  fig, ax = plt.subplots(figsize=(7, 4.5))
+  for name, points in curves.items():
+    if points:
+      steps, losses = zip(*points)
+      ax.plot(steps, losses, label=name)
+  ax.set_xlabel("step")
+  ax.set_ylabel("training loss (nats/token)")
+  ax.set_title("loss curves, identical data and seeds")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  png_path = epath.Path(workdir) / "compare.png"
+  fig.savefig(str(png_path), dpi=120, bbox_inches="tight")
+  plt.close(fig)
+  return str(md_path), str(png_path)

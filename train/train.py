@@ -1,0 +1,298 @@
+r"""Train a small decoder LM with a jaxsoft attention normalizer.
+
+    python train/train.py --preset smoke --workdir /tmp/run              # about a minute on 2 CPU cores
+    python train/train.py --preset charlm --workdir /tmp/lm --normalizer sparsemax
+    python train/train.py --preset smoke --workdir /tmp/cmp --compare softmax,sigmoid,ssmax
+    python train/train.py --preset smoke --workdir /tmp/dp --num_cpu_devices 8
+
+``main`` only wires config -> mesh -> data -> state -> loop; ``train_step(state, batch) -> (state,
+metrics)`` is one pure jitted function; checkpoints and logging happen at the edges. Re-running a
+command with the same --workdir resumes from its latest checkpoint, bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import sys
+import time
+from typing import Any, Sequence
+
+if __name__ == "__main__" and not __package__:
+  # Run as a script: make the repository root importable so `train` is this package, not this file.
+  sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+from etils import epath  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from train import checkpoint, config, data, metrics, model, sharding  # noqa: E402
+from train.config import Config, ConfigError  # noqa: E402
+
+__all__ = ["main", "run", "make_optimizer", "make_train_step", "init_state", "EXIT_NONFINITE"]
+
+EXIT_NONFINITE = 3
+
+
+# ---------------------------------------------------------------------------------------------
+# The math: optimizer, loss, train step (pure functions).
+
+
+def make_schedule(cfg: Config) -> optax.Schedule:
+  """Linear warm-up to the peak, then cosine decay to ``min_lr_ratio`` of it at the last step."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
+      decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+      end_value=cfg.learning_rate * cfg.min_lr_ratio)
+
+
+def decay_mask(params: Any) -> Any:
+  """Weight decay on matrices only: not on norm scales, biases or the (tied) embedding."""
+
+  def decays(path, leaf):
+    names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
+    return leaf.ndim >= 2 and "embed" not in names
+
+  return jax.tree_util.tree_map_with_path(decays, params)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+  """AdamW with warm-up + cosine decay, after global-norm clipping."""
+  adamw = optax.adamw(make_schedule(cfg), b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay,
+                      mask=decay_mask)
+  if cfg.clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(cfg.clip_norm), adamw)
+  return adamw
+
+
+def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
+  """(sum of weighted token cross-entropies, sum of weights) of one micro-batch."""
+  logits = nnx.merge(graphdef, params)(batch["inputs"])
+  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule):
+  """``train_step(state, batch) -> (state, metrics)`` for batches ``[grad_accum, micro, T]``.
+
+  Gradients of the summed loss are accumulated over the micro-batches with ``lax.scan`` and divided
+  by the total weight once, so the update equals that of one big batch of the token-mean loss.
+  """
+
+  def train_step(state, batch):
+    params = state["params"]
+    grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
+
+    def micro_step(carry, micro_batch):
+      grads, loss_sum, weight_sum = carry
+      (loss, weight), g = grad_fn(params, micro_batch)
+      return (jax.tree.map(jnp.add, grads, g), loss_sum + loss, weight_sum + weight), None
+
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    (grads, loss_sum, weight_sum), _ = jax.lax.scan(
+        micro_step, (zeros, jnp.float32(0), jnp.float32(0)), batch)
+    weight_sum = jnp.maximum(weight_sum, 1.0)
+    grads = jax.tree.map(lambda g: g / weight_sum, grads)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], params)
+    # The step key is split every step so a resumed run draws the same randomness.
+    rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
+    new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
+                 "opt_state": opt_state, "rng": jax.random.key_data(rng)}
+    step_metrics = {"loss": loss_sum / weight_sum, "grad_norm": optax.global_norm(grads),
+                    "learning_rate": schedule(state["step"])}
+    return new_state, step_metrics
+
+  return train_step
+
+
+def init_state(cfg: Config, graphdef, params, optimizer) -> dict[str, Any]:
+  return {"step": jnp.int32(0), "params": params, "opt_state": optimizer.init(params),
+          "rng": jax.random.key_data(jax.random.key(cfg.seed + 1))}
+
+
+# ---------------------------------------------------------------------------------------------
+# The edges: signals, checkpoints, logging, the loop.
+
+
+class _StopFlag:
+  """Set by SIGTERM: the loop saves a checkpoint after the current step and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+
+  def __call__(self, signum, frame):  # signal handler
+    del frame
+    self.requested = True
+    print(f"received signal {signum}: saving a checkpoint and stopping", flush=True)
+
+
+def build(cfg: Config, mesh):
+  """Model, optimizer, sharded initial state and its abstract twin (shapes + shardings)."""
+  dataset = data.make_dataset(cfg.dataset, cfg.seq_len, cfg.batch_size, cfg.seed)
+  wrap = sharding.shard_map_attention(mesh) if cfg.implementation.startswith("pallas") else None
+  abstract_model = nnx.eval_shape(
+      lambda: model.make_model(cfg, dataset.vocab_size, cfg.seed, wrap=wrap))
+  graphdef, abstract_params = nnx.split(abstract_model)
+  abstract_params = nnx.to_pure_dict(abstract_params)
+  optimizer = make_optimizer(cfg)
+
+  def init():
+    params = nnx.to_pure_dict(nnx.state(
+        model.make_model(cfg, dataset.vocab_size, cfg.seed, wrap=wrap)))
+    return init_state(cfg, graphdef, params, optimizer)
+
+  abstract_state = jax.eval_shape(init)
+  state_sharding = sharding.param_sharding(mesh, abstract_state, cfg.fsdp)
+  abstract_state = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
+      state_sharding)
+  init_fn = jax.jit(init, out_shardings=state_sharding)
+  return dataset, graphdef, optimizer, init_fn, abstract_state, state_sharding, wrap
+
+
+def run(cfg: Config, mesh) -> int:
+  """Trains ``cfg`` on ``mesh``; returns the process exit code."""
+  is_main = jax.process_index() == 0
+  workdir = epath.Path(cfg.workdir)
+  dataset, graphdef, optimizer, init_fn, abstract_state, state_sharding, _ = build(cfg, mesh)
+  schedule = make_schedule(cfg)
+  ckpt = checkpoint.Checkpointer(cfg.workdir, cfg.max_to_keep, cfg.save_every)
+
+  latest = ckpt.latest_step()
+  if latest is not None:
+    state, meta = ckpt.restore(latest, abstract_state)
+    position = int(meta["data_position"])
+    start = f"resumed from step {latest} in {ckpt.directory}"
+  else:
+    state, position = init_fn(), 0
+    start = "fresh start"
+    if cfg.init_from:
+      params, step = checkpoint.restore_params(cfg.init_from, abstract_state["params"])
+      state = dict(state, params=params)
+      start = f"parameters from {cfg.init_from} (step {step})"
+  if is_main:
+    config.save(cfg, str(workdir / "config.json"))
+
+  batch_sharding = sharding.batch_sharding(mesh)
+  train_step = jax.jit(make_train_step(graphdef, optimizer, schedule),
+                       in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=(state_sharding, None), donate_argnums=0)
+  stats_fn = jax.jit(lambda params, tokens: model.attention_stats(
+      nnx.merge(graphdef, params), tokens, cfg))
+
+  step = int(jax.device_get(state["step"]))
+  log = metrics.MetricsLogger(
+      cfg.workdir, start_step=step, total_steps=cfg.steps,
+      tokens_per_step=cfg.batch_size * cfg.seq_len, progress=cfg.progress,
+      tensorboard=cfg.tensorboard, enabled=is_main)
+  n_params = sum(x.size for x in jax.tree.leaves(abstract_state["params"]))
+  log.message(f"{start}; {n_params:,} parameters; {jax.device_count()} device(s) "
+              f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} attention={cfg.attention}")
+
+  stop = _StopFlag()
+  previous_handler = _install(signal.SIGTERM, stop)
+  code = 0
+  try:
+    while step < cfg.steps:
+      batch = sharding.global_batch(dataset, position, cfg, batch_sharding)
+      new_state, step_metrics = train_step(state, batch)
+      step_metrics = jax.device_get(step_metrics)
+      if not all(math.isfinite(float(step_metrics[k])) for k in ("loss", "grad_norm")):
+        last = ckpt.latest_step()
+        log.message(
+            f"error: non-finite loss/grad_norm at step {step + 1} (loss={step_metrics['loss']}, "
+            f"grad_norm={step_metrics['grad_norm']}); stopped without saving. The last good "
+            f"checkpoint is step {last} in {ckpt.directory}" if last is not None else
+            f"error: non-finite loss/grad_norm at step {step + 1}; stopped; no checkpoint yet")
+        code = EXIT_NONFINITE
+        break
+      state, step, position = new_state, step + 1, position + 1
+      log.step_done(step)
+      if step % cfg.log_every == 0 or step == cfg.steps:
+        tokens = batch["inputs"][0, :1]  # one sequence is enough for the attention statistics
+        stats = jax.device_get(stats_fn(state["params"], tokens))
+        log.log(step, {**step_metrics, **stats})
+      final = step == cfg.steps
+      if step == cfg.preempt_at_step:  # testing: exercise the real SIGTERM path
+        os.kill(os.getpid(), signal.SIGTERM)
+        _wait_for(stop)
+      ckpt.save(step, state, position, force=final or stop.requested)
+      if step == cfg.kill_after_save_at_step:  # testing: die while the async save is in flight
+        os.kill(os.getpid(), signal.SIGKILL)
+      if stop.requested and not final:
+        log.message(f"stopped at step {step} (SIGTERM); checkpoint saved in {ckpt.directory}; "
+                    "run the same command again to resume")
+        break
+  finally:
+    ckpt.close()
+    log.close()
+    _install(signal.SIGTERM, previous_handler)
+  if code == 0 and step == cfg.steps:
+    log.message(f"done: {step} steps. metrics: {workdir / 'metrics.jsonl'}; checkpoints: "
+                f"{ckpt.directory}")
+  return code
+
+
+def _install(signum, handler):
+  """Installs a signal handler when possible (only the main thread may); returns the old one."""
+  try:
+    return signal.signal(signum, handler)
+  except ValueError:
+    return None
+
+
+def _wait_for(stop: _StopFlag, timeout: float = 5.0) -> None:
+  deadline = time.monotonic() + timeout
+  while not stop.requested and time.monotonic() < deadline:
+    time.sleep(0.01)
+
+
+def compare(cfg: Config, mesh, names: Sequence[str]) -> int:
+  """Trains each normalizer on identical data and seeds; writes compare.md and compare.png."""
+  runs = []
+  for name in names:
+    sub = dataclasses.replace(cfg, normalizer=name,
+                              workdir=str(epath.Path(cfg.workdir) / "compare" / name))
+    code = run(sub, mesh)
+    if code:
+      return code
+    runs.append(sub.workdir)
+  if jax.process_index() == 0:
+    md, png = metrics.write_comparison(cfg.workdir, names, runs)
+    print(epath.Path(md).read_text(), end="")
+    print(f"table: {md}\nplot: {png}")
+  return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point: parse and check everything, then train (or compare). Returns the exit code."""
+  cfg, args = config.from_argv(argv)
+  names = [n for n in args.compare.split(",") if n]
+  try:
+    for name in names:  # every compared normalizer must be valid before anything runs
+      config.validate(dataclasses.replace(cfg, normalizer=name))
+    config.validate(cfg)
+    if cfg.tensorboard:
+      try:
+        import tensorboardX  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+      except ImportError:
+        raise ConfigError("--tensorboard needs the tensorboardX package") from None
+    saved = epath.Path(cfg.workdir) / "config.json"
+    if saved.exists() and not names:
+      config.check_resume_compatible(cfg, config.load(str(saved)))
+    sharding.setup_devices(cfg)
+    mesh = sharding.make_mesh(cfg)
+  except ConfigError as e:
+    raise SystemExit(f"train.py: error: {e}") from None
+  if names:
+    return compare(cfg, mesh, names)
+  return run(cfg, mesh)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
