@@ -11,6 +11,7 @@ import argparse
 import dataclasses
 import json
 import os
+import tempfile
 import typing
 from typing import Any, Sequence
 
@@ -117,8 +118,8 @@ MODEL_FIELDS = ("dataset", "d_model", "num_layers", "num_heads", "num_kv_heads",
 PRESETS: dict[str, dict[str, Any]] = {
     # About a minute on 2 CPU cores, including start-up and compilation.
     "smoke": dict(dataset="text", seq_len=64, batch_size=16, d_model=64, num_layers=2,
-                  num_heads=4, mlp_dim=256, steps=150, warmup_steps=15, learning_rate=3e-3,
-                  log_every=25, save_every=50),
+                  num_heads=4, mlp_dim=256, steps=400, warmup_steps=40, learning_rate=3e-3,
+                  log_every=50, save_every=100),
     # A real character LM on the pydoc corpus; minutes on a laptop, seconds on an accelerator.
     "charlm": dict(dataset="text", seq_len=256, batch_size=32, d_model=256, num_layers=4,
                    num_heads=8, mlp_dim=1024, steps=3000, warmup_steps=200, learning_rate=1e-3,
@@ -252,12 +253,18 @@ def validate(cfg: Config) -> None:
 
 
 def _check_writable(workdir: str) -> None:
+  """Creates ``workdir`` and writes a probe file (os.access alone is fooled by root and ACLs)."""
+  if "://" in workdir:  # gs:// and friends: orbax/epath check on first write
+    return
   try:
     os.makedirs(workdir, exist_ok=True)
   except OSError as e:
     raise ConfigError(f"--workdir {workdir!r} cannot be created: {e.strerror}") from None
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise ConfigError(f"--workdir {workdir!r} is not writable (missing permissions)")
+  try:
+    with tempfile.TemporaryFile(dir=workdir):
+      pass
+  except OSError as e:
+    raise ConfigError(f"--workdir {workdir!r} is not writable: {e.strerror}") from None
 
 
 def save(cfg: Config, path: str) -> None:
@@ -273,8 +280,11 @@ def load(path: str) -> dict[str, Any]:
 
 def check_resume_compatible(cfg: Config, saved: dict[str, Any]) -> None:
   """Refuses to resume when the saved run's model config differs (the checkpoint would not fit)."""
-  diffs = [f"{k}: saved {saved.get(k)!r} != now {getattr(cfg, k)!r}"
-           for k in MODEL_FIELDS if saved.get(k) != getattr(cfg, k)]
+  def canonical(key, value):
+    return json.loads(value) if key == "normalizer_params" and isinstance(value, str) else value
+
+  diffs = [f"{k}: saved {saved.get(k)!r} != now {getattr(cfg, k)!r}" for k in MODEL_FIELDS
+           if canonical(k, saved.get(k)) != canonical(k, getattr(cfg, k))]
   if diffs:
     raise ConfigError("cannot resume from --workdir " + repr(cfg.workdir) + " with a different model "
                       "config (" + "; ".join(diffs) + "); use a fresh --workdir, or --init_from "

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 from etils import epath
 
-__all__ = ["MetricsLogger", "read_jsonl", "write_comparison"]
+__all__ = ["MetricsLogger", "read_jsonl", "write_comparison", "plot_curves", "plot_run"]
 
 
 def read_jsonl(path) -> list[dict[str, Any]]:
@@ -120,6 +120,13 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
   md_path = epath.Path(workdir) / "compare.md"
   md_path.write_text(table)
 
+  png_path = epath.Path(workdir) / "compare.png"
+  plot_curves(curves, png_path, "loss curves, identical data and seeds")
+  return str(md_path), str(png_path)
+
+
+def plot_curves(curves: dict[str, list[tuple[int, float]]], path, title: str) -> None:
+  """Loss against step, one line per entry of ``curves``, saved as a PNG."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -131,10 +138,17 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
       ax.plot(steps, losses, label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("training loss (nats/token)")
-  ax.set_title("loss curves, identical data and seeds")
-  ax.legend()
+  ax.set_title(title)
+  if len(curves) > 1:
+    ax.legend()
   ax.grid(alpha=0.3)
-  png_path = epath.Path(workdir) / "compare.png"
-  fig.savefig(str(png_path), dpi=120, bbox_inches="tight")
+  fig.savefig(str(path), dpi=120, bbox_inches="tight")
   plt.close(fig)
-  return str(md_path), str(png_path)
+
+
+def plot_run(workdir: str, title: str) -> str:
+  """loss.png of one run from its metrics.jsonl; returns its path."""
+  records = read_jsonl(epath.Path(workdir) / "metrics.jsonl")
+  path = epath.Path(workdir) / "loss.png"
+  plot_curves({"loss": [(r["step"], r["loss"]) for r in records]}, path, title)
+  return str(path)

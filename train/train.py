@@ -232,9 +232,10 @@ def run(cfg: Config, mesh) -> int:
     ckpt.close()
     log.close()
     _install(signal.SIGTERM, previous_handler)
-  if code == 0 and step == cfg.steps:
-    log.message(f"done: {step} steps. metrics: {workdir / 'metrics.jsonl'}; checkpoints: "
-                f"{ckpt.directory}")
+  if code == 0 and step == cfg.steps and is_main:
+    plot = metrics.plot_run(cfg.workdir, f"{cfg.dataset}, normalizer={cfg.normalizer}")
+    log.message(f"done: {step} steps.\n  metrics:     {workdir / 'metrics.jsonl'}\n"
+                f"  checkpoints: {ckpt.directory}\n  loss plot:   {plot}")
   return code
 
 
