@@ -46,7 +46,7 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
 
   def kv_index(bi, ni, qi, ki, lo, hi):
     r = bi * nq + qi
-    return bi, ni // g, _clamp(ki, lo[r], hi[r]), 0
+    return bi, jax.lax.div(ni, g), _clamp(ki, lo[r], hi[r]), 0
 
   q_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
   row_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
@@ -145,7 +145,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
   def kv_index(bi, ni, qi, ki, lo, hi):
     r = bi * nq + qi
-    return bi, ni // g, _clamp(ki, lo[r], hi[r]), 0
+    return bi, jax.lax.div(ni, g), _clamp(ki, lo[r], hi[r]), 0
 
   q_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
   in_specs = [
