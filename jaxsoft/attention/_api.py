@@ -1,0 +1,442 @@
+"""jaxsoft.attention.dot_product_attention: the one entry point (validation and dispatch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoft.attention import _chunked, _dense
+from jaxsoft.attention._masks import MaskStructure, normalize_segment_ids, normalize_window
+from jaxsoft.normalizers import _spec
+
+__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "AttentionCall"]
+
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+
+# implementation=None uses the chunked path when one head's score matrix has at least this
+# many entries (T·S >= 1024·1024, 4 MiB of float32): below it the dense path's T x S
+# buffers are small and its few large fused ops are faster on CPU; above it the chunked
+# path is faster (causal block skipping, no T x S round trips to memory) and its memory
+# is O(T·H) instead of O(T·S).
+CHUNKED_MIN_SCORES = 1024 * 1024
+
+
+@dataclasses.dataclass
+class AttentionCall:
+  """A validated call in canonical form (what every implementation receives).
+
+  q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv] (4-D; unbatched inputs got B = 1);
+  bias float and mask bool, each None or 4-D broadcastable to [B, N, T, S];
+  scale a float (or scalar array); window ``(left, right)`` or None; segment_ids
+  ``(q_ids [B, T], kv_ids [B, S])`` int32 or None; lengths int32 [B] or None;
+  spec a NormalizerSpec or a plain callable; params the hyperparameters (a dict,
+  without ``key``); key the PRNG key of a stochastic normalizer or None;
+  decay_bias ``(cq [B, T, N], ck [B, S, N])`` float32 or None.
+  """
+
+  q: Any
+  k: Any
+  v: Any
+  bias: Any
+  mask: Any
+  scale: Any
+  is_causal: bool
+  query_seq_lengths: Any
+  key_value_seq_lengths: Any
+  local_window_size: tuple[int, int] | None
+  segment_ids: tuple[Any, Any] | None
+  logits_soft_cap: float | None
+  spec: Any
+  params: dict
+  key: Any
+  decay_bias: tuple[Any, Any] | None
+  decay_prune_threshold: float | None
+
+  @property
+  def structure(self) -> MaskStructure:
+    q_ids, kv_ids = self.segment_ids if self.segment_ids is not None else (None, None)
+    return MaskStructure(
+        T=self.q.shape[1], S=self.k.shape[1], is_causal=bool(self.is_causal),
+        window=self.local_window_size, q_lengths=self.query_seq_lengths,
+        kv_lengths=self.key_value_seq_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
+  def normalize_fn(self) -> Callable[[Any, Any], Any]:
+    """``(logits, where) -> weights`` with the hyperparameters bound."""
+    spec, params, key = self.spec, self.params, self.key
+    if isinstance(spec, _spec.NormalizerSpec):
+      if spec.needs_key:
+        return lambda x, where: spec.fn(key, x, axis=-1, where=where, **params)
+      return lambda x, where: spec.fn(x, axis=-1, where=where, **params)
+    return lambda x, where: spec(x, axis=-1, where=where, **params)
+
+
+# ------------------------------------------------------------------------ validation
+
+
+def _ensure_4d(t):
+  t = jnp.asarray(t)
+  return t.reshape((1,) * (4 - t.ndim) + t.shape) if t.ndim < 4 else t
+
+
+def _check_broadcast(t, name: str, target: tuple[int, ...]):
+  t = jnp.asarray(t)
+  if t.ndim > 4:
+    raise ValueError(f"`{name}` must have at most 4 dimensions [B, N, T, S], got shape {t.shape}")
+  t = _ensure_4d(t)
+  for d, (have, want) in enumerate(zip(t.shape, target)):
+    if have not in (1, want):
+      raise ValueError(
+          f"`{name}` of shape {t.shape} does not broadcast to [B, N, T, S] = {list(target)} "
+          f"(dimension {d})")
+  return t
+
+
+def _check_lengths(x, name: str, B: int):
+  if x is None:
+    return None
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"`{name}` must be an integer array of shape [B], got dtype {x.dtype}")
+  if x.ndim == 0:
+    x = jnp.broadcast_to(x, (B,))
+  if x.shape != (B,):
+    raise ValueError(f"`{name}` must have shape [B] = [{B}], got {x.shape}")
+  return x.astype(jnp.int32)
+
+
+def _resolve_normalizer(normalizer):
+  if isinstance(normalizer, str):
+    try:
+      return _spec.get(normalizer)
+    except KeyError as e:
+      raise KeyError(f"`normalizer`: {e.args[0]}") from None
+  if isinstance(normalizer, _spec.NormalizerSpec) or callable(normalizer):
+    return normalizer
+  raise ValueError(
+      "`normalizer` must be a registered name, a NormalizerSpec or a callable "
+      f"f(x, axis=-1, where=None), got {normalizer!r}")
+
+
+def _check_params(spec, normalizer_params, target):
+  """Validates normalizer_params; returns (params without 'key', key)."""
+  if normalizer_params is None:
+    params = {}
+  elif isinstance(normalizer_params, dict):
+    params = dict(normalizer_params)
+  else:
+    raise ValueError(f"`normalizer_params` must be a dict or None, got {normalizer_params!r}")
+  key = params.pop("key", None)
+  if isinstance(spec, _spec.NormalizerSpec):
+    if spec.needs_key and key is None:
+      raise ValueError(
+          f"normalizer {spec.name!r} is stochastic: pass its PRNG key as "
+          "`normalizer_params['key']`")
+    if not spec.needs_key and key is not None:
+      raise ValueError(
+          f"`normalizer_params['key']`: normalizer {spec.name!r} takes no PRNG key")
+    try:
+      spec.validate(params)
+    except ValueError as e:
+      raise ValueError(f"`normalizer_params`: {e}") from None
+  elif key is not None:
+    params["key"] = key  # a plain callable gets everything as keywords
+    key = None
+  B, N, T, _ = target
+  for name, value in params.items():
+    if value is None or isinstance(value, (bool, int, float, str, np.integer, np.floating)):
+      continue
+    try:
+      arr = jnp.asarray(value)
+    except TypeError:
+      continue
+    if arr.ndim == 0:
+      continue
+    full = (1,) * (4 - arr.ndim) + tuple(arr.shape) if arr.ndim <= 4 else None
+    ok = full is not None and full[3] == 1 and all(
+        h in (1, w) for h, w in zip(full[:3], (B, N, T)))
+    if not ok:
+      raise ValueError(
+          f"`normalizer_params['{name}']` of shape {arr.shape} must broadcast right-aligned "
+          f"against the logits [B, N, T, S] = [{B}, {N}, {T}, S] with size 1 along S "
+          "(e.g. a per-head value has shape [N, 1, 1])")
+  return params, key
+
+
+def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
+                    key_value_seq_lengths, local_window_size, segment_ids, logits_soft_cap,
+                    normalizer, normalizer_params, decay_bias, decay_prune_threshold):
+  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+  for t, name in ((q, "query"), (k, "key"), (v, "value")):
+    if t.ndim not in (3, 4):
+      raise ValueError(
+          f"`{name}` must have shape [B, L, heads, H] or [L, heads, H], got {t.shape}")
+    if not jnp.issubdtype(t.dtype, jnp.floating):
+      raise ValueError(f"`{name}` must be a floating array, got dtype {t.dtype}")
+  if not q.ndim == k.ndim == v.ndim:
+    raise ValueError(
+        f"`query`, `key` and `value` must have the same rank, got {q.ndim}, {k.ndim}, {v.ndim}")
+  q, k, v = _ensure_4d(q), _ensure_4d(k), _ensure_4d(v)
+  B, S, K, H = k.shape
+  _, T, N, Hq = q.shape
+  if q.shape[0] != B:
+    raise ValueError(f"`query` batch {q.shape[0]} does not match `key` batch {B}")
+  if Hq != H:
+    raise ValueError(
+        f"`query` head dimension {Hq} does not match `key` head dimension {H} "
+        f"(query {q.shape}, key {k.shape})")
+  if v.shape[:3] != (B, S, K):
+    raise ValueError(
+        f"`value` of shape {v.shape} must match `key` [B, S, K] = {[B, S, K]} in its first "
+        "three dimensions")
+  if N % K != 0:
+    raise ValueError(
+        f"the number of `query` heads N={N} must be a multiple of the number of `key`/`value` "
+        f"heads K={K} (GQA/MQA)")
+  target = (B, N, T, S)
+  if bias is not None:
+    bias = _check_broadcast(bias, "bias", target)
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      bias = bias.astype(jnp.float32)
+  if mask is not None:
+    mask = _check_broadcast(mask, "mask", target)
+    if jnp.issubdtype(mask.dtype, jnp.floating):
+      raise ValueError("`mask` must be boolean (True = attend); pass an additive mask as `bias`")
+    mask = mask.astype(bool)
+  if scale is None:
+    scale = 1.0 / float(np.sqrt(H))
+  elif isinstance(scale, (int, float, np.integer, np.floating)):
+    scale = float(scale)
+  else:
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.ndim != 0:
+      raise ValueError(f"`scale` must be a scalar, got shape {scale.shape}")
+  if not isinstance(is_causal, (bool, np.bool_)):
+    raise ValueError(f"`is_causal` must be a bool, got {is_causal!r}")
+  query_seq_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", B)
+  key_value_seq_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
+  window = normalize_window(local_window_size)
+  segment_ids = normalize_segment_ids(segment_ids, B, T, S)
+  if logits_soft_cap is not None:
+    try:
+      cap = float(logits_soft_cap)
+    except TypeError:
+      raise ValueError(
+          f"`logits_soft_cap` must be a positive float or None, got {logits_soft_cap!r}") from None
+    if not cap > 0:
+      raise ValueError(f"`logits_soft_cap` must be > 0, got {logits_soft_cap!r}")
+    logits_soft_cap = cap
+  spec = _resolve_normalizer(normalizer)
+  params, key = _check_params(spec, normalizer_params, target)
+  if decay_bias is not None:
+    try:
+      cq, ck = decay_bias
+    except (TypeError, ValueError):
+      raise ValueError("`decay_bias` must be a pair (cq [B, T, N], ck [B, S, N])") from None
+    cq, ck = jnp.asarray(cq), jnp.asarray(ck)
+    if q.ndim == 4 and cq.ndim == 2:
+      cq, ck = cq[None], ck[None]
+    if cq.shape != (B, T, N) or ck.shape != (B, S, N):
+      raise ValueError(
+          f"`decay_bias` must be (cq [B, T, N] = {[B, T, N]}, ck [B, S, N] = {[B, S, N]}), got "
+          f"{cq.shape} and {ck.shape}")
+    decay_bias = (cq.astype(jnp.float32), ck.astype(jnp.float32))
+  if decay_prune_threshold is not None:
+    if decay_bias is None:
+      raise ValueError("`decay_prune_threshold` needs `decay_bias`")
+    try:
+      thr = float(decay_prune_threshold)
+    except TypeError:
+      raise ValueError(
+          f"`decay_prune_threshold` must be a float < 0, got {decay_prune_threshold!r}") from None
+    if not thr < 0:
+      raise ValueError(f"`decay_prune_threshold` must be < 0, got {decay_prune_threshold!r}")
+    decay_prune_threshold = thr
+  return AttentionCall(
+      q=q, k=k, v=v, bias=bias, mask=mask, scale=scale, is_causal=bool(is_causal),
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=window, segment_ids=segment_ids, logits_soft_cap=logits_soft_cap,
+      spec=spec, params=params, key=key, decay_bias=decay_bias,
+      decay_prune_threshold=decay_prune_threshold)
+
+
+# ------------------------------------------------------------------------ implementations
+
+
+def _run_xla(call: AttentionCall):
+  return _dense.dense_attention(
+      call.q, call.k, call.v, bias=call.bias, mask=call.mask, structure=call.structure,
+      scale=call.scale, logits_soft_cap=call.logits_soft_cap, normalize=call.normalize_fn(),
+      decay_bias=call.decay_bias)
+
+
+def _run_xla_chunked(call: AttentionCall):
+  return _chunked.chunked_attention(call)
+
+
+def _run_pallas(call: AttentionCall, backend):
+  if not isinstance(call.spec, _spec.NormalizerSpec):
+    raise NotImplementedError("the Pallas kernels need a registered normalizer (a NormalizerSpec)")
+  try:
+    dispatch = importlib.import_module("kernels_pallas.dispatch")
+  except ImportError as e:
+    raise NotImplementedError(f"kernels_pallas.dispatch is not available: {e}") from e
+  params = dict(call.params)
+  if call.key is not None:
+    params["key"] = call.key
+  return dispatch.dot_product_attention(
+      call.q, call.k, call.v, backend=backend, bias=call.bias, mask=call.mask,
+      scale=call.scale, is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
+      key_value_seq_lengths=call.key_value_seq_lengths,
+      local_window_size=call.local_window_size, segment_ids=call.segment_ids,
+      logits_soft_cap=call.logits_soft_cap, spec=call.spec, normalizer_params=params,
+      decay_bias=call.decay_bias)
+
+
+_RUNNERS = {
+    "xla": _run_xla,
+    "xla_chunked": _run_xla_chunked,
+    "pallas": lambda call: _run_pallas(call, None),
+    "pallas_triton": lambda call: _run_pallas(call, "triton"),
+    "pallas_mosaic_tpu": lambda call: _run_pallas(call, "mosaic_tpu"),
+}
+
+
+def _default_order(call: AttentionCall) -> list[str]:
+  order = []
+  if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
+    order.append("pallas")
+  T, S = call.q.shape[1], call.k.shape[1]
+  if T * S >= CHUNKED_MIN_SCORES:
+    order.append("xla_chunked")
+  order.append("xla")
+  return order
+
+
+def _implementation_order(implementation) -> list[str] | None:
+  """None -> None (automatic); a name or a sequence of names -> a list; ValueError else."""
+  if implementation is None:
+    return None
+  names = [implementation] if isinstance(implementation, str) else implementation
+  try:
+    names = list(names)
+  except TypeError:
+    raise ValueError(
+        f"`implementation` must be None, one of {IMPLEMENTATIONS} or a sequence of them, got "
+        f"{implementation!r}") from None
+  if not names:
+    raise ValueError("`implementation` must not be an empty sequence")
+  for name in names:
+    if name not in IMPLEMENTATIONS:
+      raise ValueError(
+          f"`implementation`: unknown implementation {name!r}; choose from {IMPLEMENTATIONS} "
+          "(or None, or a sequence of them)")
+  return names
+
+
+def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False,
+                          query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, segment_ids=None, logits_soft_cap=None,
+                          normalizer="softmax", normalizer_params=None, implementation=None,
+                          decay_bias=None, decay_prune_threshold=None):
+  r"""Scaled dot-product attention with any normalizer (CATALOGUE A01, A02).
+
+  A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments, in the
+  same positions, with the same meaning. For each batch b, head n and query i:
+
+  .. math::
+    \ell_{ij} = c \tanh\Big(\frac{s\, q_i \cdot k_j + cq_i - ck_j}{c}\Big) + \mathrm{bias}_{ij},
+    \qquad w_{i\cdot} = f(\ell_{i\cdot};\ \mathrm{where}=V_i), \qquad
+    o_i = \sum_{j \in V_i} w_{ij} v_j
+
+  where s is ``scale`` (default 1/sqrt(H)), c is ``logits_soft_cap`` (no tanh when
+  None), the decay terms appear only with ``decay_bias``, f is the normalizer over the
+  key axis, and V_i is the set of keys query i sees: the intersection of ``mask``,
+  ``is_causal`` (j <= i), ``local_window_size`` (i - left <= j <= i + right), the
+  sequence lengths (i < query_seq_lengths[b], j < key_value_seq_lengths[b]), equal
+  ``segment_ids``, and finite logits (a ``-inf`` in ``bias`` masks too).
+
+  With ``normalizer="softmax"`` the result and its gradients equal jax.nn's, with one
+  documented difference: **a query row with no visible key returns zeros** (with zero
+  gradient), where jax.nn returns the average of the values (its masked logits are a
+  large finite negative number). Rows past ``query_seq_lengths`` are zeros in both.
+
+  Args:
+    q: queries [B, T, N, H] (or [T, N, H]).
+    k: keys [B, S, K, H] (or [S, K, H]); N % K == 0 (GQA/MQA: query head n uses key/value
+      head n // (N / K), as jax.nn).
+    v: values [B, S, K, Hv] (Hv may differ from H).
+    bias: optional float array broadcastable to [B, N, T, S] (right-aligned), added to the
+      logits after soft-capping; differentiable.
+    mask: optional boolean array broadcastable to [B, N, T, S]; True = attend.
+    scale: logit scale; None = 1/sqrt(H).
+    is_causal: query i sees keys j <= i (top-left aligned when T != S, as jax.nn).
+    query_seq_lengths, key_value_seq_lengths: optional int arrays [B] (padding).
+    local_window_size: int w (= (w, w)) or (left, right).
+    segment_ids: int [B, T] (self-attention) or a pair (q_ids [B, T], kv_ids [B, S]) for
+      packed sequences: a query sees only keys of its own segment.
+    logits_soft_cap: optional c > 0: logits -> c·tanh(logits / c) (before bias and mask).
+    normalizer: a registered name (``jaxsoft.normalizers.names()``), a NormalizerSpec or a
+      callable ``f(x, axis=-1, where=None, **params)``.
+    normalizer_params: dict of the normalizer's hyperparameters. Array values broadcast
+      right-aligned against the logits [B, N, T, S] with size 1 along S (a per-head
+      value has shape [N, 1, 1]); they are differentiable. A stochastic normalizer gets its
+      PRNG key as ``normalizer_params["key"]``. Length-dependent normalizers (ssmax,
+      sigmoid with bias -log n, ...) use n = the number of visible keys of each query row.
+    implementation: None, "xla", "xla_chunked", "pallas", "pallas_triton",
+      "pallas_mosaic_tpu", or a sequence of these tried in order: an implementation that
+      cannot handle the call raises NotImplementedError and the next one is tried; a single
+      explicitly requested implementation that cannot handle it raises. None tries
+      "pallas" on GPU/TPU, then "xla_chunked" when T·S >= 1024·1024 (and the normalizer has
+      a tile or threshold rule), then "xla". "xla" is the dense reference (O(T·S) memory);
+      "xla_chunked" computes blockwise with the normalizer's tile rule and a recomputing
+      backward pass (O(T·H) memory; causal/window/length/segment structure skips blocks).
+    decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
+      is added to the scaled logits (before soft-capping), as in Forgetting attention
+      (FoX, CATALOGUE A08) where cq = ck = cumulative sums of log forget gates;
+      differentiable.
+    decay_prune_threshold: optional float t < 0, only with ``decay_bias`` and used only by
+      "xla_chunked": a (query block, key block) pair is skipped when
+      ``max_i cq[i] - min_j ck[j] < t`` over the pair (and all batches and heads). Every
+      skipped logit is then below its undecayed value plus t, so for class-E normalizers
+      (softmax) each skipped weight is at most ``e^t · e^{l_ij} / D_i``, with l_ij the
+      logit without the decay term and D_i the row's full denominator; when the
+      query's own key is visible with zero decay (FoX: cq = ck), D_i >= e^{l_ii}, so each
+      skipped weight is <= e^{t + l_ij - l_ii} and the output changes by at most
+      ``2·max|v|·sum_{skipped j} e^{t + l_ij - l_ii}``.
+
+  Returns:
+    [B, T, N, Hv] (or [T, N, Hv]) in q's dtype.
+
+  Raises:
+    ValueError naming the argument for impossible shapes, dtypes or values; KeyError for
+    an unknown normalizer name; NotImplementedError when no requested implementation can
+    handle the call.
+  """
+  order = _implementation_order(implementation)
+  unbatched = jnp.ndim(q) == 3
+  call = _canonical_call(
+      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+      local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
+      decay_bias, decay_prune_threshold)
+  explicit = order is not None
+  if order is None:
+    order = _default_order(call)
+  reasons = []
+  for name in order:
+    try:
+      out = _RUNNERS[name](call)
+    except NotImplementedError as e:
+      reasons.append(f"{name}: {e}")
+      continue
+    return out[0] if unbatched else out
+  if explicit and len(order) == 1:
+    raise NotImplementedError(
+        f"`implementation`={order[0]!r} cannot handle this call: {reasons[0]}")
+  raise NotImplementedError(
+      f"no implementation in `implementation`={order} can handle this call: "
+      + "; ".join(reasons))

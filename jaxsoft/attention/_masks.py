@@ -1,0 +1,291 @@
+"""Mask *structure*: which keys a query row sees, without a T x S mask.
+
+Attention masks in jaxsoft come in two kinds:
+
+* structure: ``is_causal``, ``local_window_size``, ``query_seq_lengths`` /
+  ``key_value_seq_lengths`` and ``segment_ids``. These are described by O(B·(T+S))
+  numbers, so the chunked path and the kernels can compute, per query row, the exact
+  number of visible keys and the range of keys it may see, and per block pair whether
+  it can be skipped — all without materialising a T x S mask.
+* a dense boolean ``mask`` (and ``-inf`` entries of ``bias``): arbitrary, applied tile by
+  tile, never used for skipping.
+
+Semantics (as jax.nn.dot_product_attention): query i (0-based) sees key j iff
+
+* ``is_causal``: j <= i (top-left aligned, also when T != S);
+* ``local_window_size=(left, right)``: i - left <= j <= i + right;
+* lengths: i < query_seq_lengths[b] and j < key_value_seq_lengths[b];
+* segments: q_segment_ids[b, i] == kv_segment_ids[b, j].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = [
+    "MaskStructure",
+    "normalize_window",
+    "normalize_segment_ids",
+]
+
+
+def normalize_window(local_window_size):
+  """``int | (left, right) | None`` -> ``(left, right) | None``; ValueError naming it."""
+  if local_window_size is None:
+    return None
+  if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
+    return (int(local_window_size), int(local_window_size))
+  try:
+    left, right = local_window_size
+  except (TypeError, ValueError):
+    raise ValueError(
+        "`local_window_size` must be an int or a pair of ints (left, right), got "
+        f"{local_window_size!r}") from None
+  for side in (left, right):
+    if not isinstance(side, (int, np.integer)) or isinstance(side, bool):
+      raise ValueError(
+          "`local_window_size` must be an int or a pair of ints (left, right), got "
+          f"{local_window_size!r}")
+  return (int(left), int(right))
+
+
+def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
+  """``ids [B,T]`` (when T == S) or ``(q_ids [B,T], kv_ids [B,S])`` -> a pair or None."""
+  if segment_ids is None:
+    return None
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2:
+      raise ValueError(
+          "`segment_ids` must be one array [B, T] (self-attention) or a pair "
+          f"(q_segment_ids [B, T], kv_segment_ids [B, S]); got a sequence of {len(segment_ids)}")
+    q_ids, kv_ids = (jnp.asarray(s) for s in segment_ids)
+  else:
+    q_ids = kv_ids = jnp.asarray(segment_ids)
+    if T != S:
+      raise ValueError(
+          "`segment_ids` as one array needs T == S; for cross-attention pass a pair "
+          f"(q_segment_ids [B, T], kv_segment_ids [B, S]); got T={T}, S={S}")
+  for ids, name, L in ((q_ids, "q", T), (kv_ids, "kv", S)):
+    if ids.ndim == 1:  # unbatched inputs (TNH) get a batch dimension
+      ids = ids[None]
+    if ids.ndim != 2 or ids.shape[1] != L or ids.shape[0] not in (1, B):
+      raise ValueError(
+          f"`segment_ids`: {name} segment ids must have shape [B, {L}] = [{B}, {L}], got "
+          f"{tuple(ids.shape)}")
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"`segment_ids` must be integer arrays, got dtype {ids.dtype}")
+    if name == "q":
+      q_ids = jnp.broadcast_to(ids, (B, L)).astype(jnp.int32)
+    else:
+      kv_ids = jnp.broadcast_to(ids, (B, L)).astype(jnp.int32)
+  return q_ids, kv_ids
+
+
+def _bounded_search(sorted_vals, lo, hi, x):
+  """Smallest p in [lo, hi] with ``sorted_vals[b, p] >= x`` (ascending on [lo, hi)).
+
+  Vectorised binary search with a fixed iteration count: ``sorted_vals`` [B, S];
+  ``lo``, ``hi``, ``x`` [B, T].
+  """
+  S = sorted_vals.shape[-1]
+  iters = max(1, math.ceil(math.log2(S + 1)) + 1)
+
+  def body(_, state):
+    lo, hi = state
+    active = lo < hi
+    mid = (lo + hi) // 2
+    val = jnp.take_along_axis(sorted_vals, jnp.clip(mid, 0, S - 1), axis=-1)
+    go_right = active & (val < x)
+    go_left = active & ~(val < x)
+    return jnp.where(go_right, mid + 1, lo), jnp.where(go_left, mid, hi)
+
+  lo, _ = jax.lax.fori_loop(0, iters, body, (lo, hi))
+  return lo
+
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass
+class MaskStructure:
+  """The structured part of an attention mask (see the module docstring).
+
+  Array fields are pytree children (so the structure can be passed through jit,
+  vmap and custom_vjp); ``T``, ``S``, ``is_causal`` and ``window`` are static.
+
+  Attributes:
+    T, S: query and key lengths.
+    is_causal: query i sees keys j <= i.
+    window: ``(left, right)``: i - left <= j <= i + right; None = unbounded.
+    q_lengths, kv_lengths: int32 [B] or None.
+    q_segment_ids, kv_segment_ids: int32 [B, T] and [B, S], or None.
+  """
+
+  T: int
+  S: int
+  is_causal: bool = False
+  window: tuple[int, int] | None = None
+  q_lengths: jax.Array | None = None
+  kv_lengths: jax.Array | None = None
+  q_segment_ids: jax.Array | None = None
+  kv_segment_ids: jax.Array | None = None
+
+  def tree_flatten(self):
+    children = (self.q_lengths, self.kv_lengths, self.q_segment_ids, self.kv_segment_ids)
+    return children, (self.T, self.S, self.is_causal, self.window)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls(*aux, *children)
+
+  @property
+  def has_segments(self) -> bool:
+    return self.q_segment_ids is not None
+
+  @property
+  def is_trivial(self) -> bool:
+    """True when every query sees every key."""
+    return (not self.is_causal and self.window is None and self.q_lengths is None
+            and self.kv_lengths is None and not self.has_segments)
+
+  # ---------------------------------------------------------------- tiles / dense mask
+
+  def tile_visible(self, q_pos, k_pos, q_seg=None, kv_seg=None):
+    """Visibility of a tile from positions: bool broadcastable to [B, 1, bq, bk].
+
+    Args:
+      q_pos: int32 [bq] query positions (positions >= T are padding and see nothing).
+      k_pos: int32 [bk] key positions (positions >= S are padding and are never seen).
+      q_seg, kv_seg: the segment ids of these positions, [B, bq] and [B, bk] (only when
+        the structure has segments).
+    """
+    i = q_pos[:, None]
+    j = k_pos[None, :]
+    vis = (i < self.T) & (j < self.S)
+    if self.is_causal:
+      vis = vis & (j <= i)
+    if self.window is not None:
+      left, right = self.window
+      vis = vis & (i <= j + left) & (i >= j - right)
+    vis = vis[None, None]  # [1, 1, bq, bk]
+    if self.q_lengths is not None:
+      vis = vis & (i < self.q_lengths[:, None, None, None])
+    if self.kv_lengths is not None:
+      vis = vis & (j < self.kv_lengths[:, None, None, None])
+    if self.has_segments:
+      vis = vis & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
+    return vis
+
+  def dense(self):
+    """The full structure mask, bool broadcastable to [B, 1, T, S] (dense path only)."""
+    return self.tile_visible(
+        jnp.arange(self.T, dtype=jnp.int32), jnp.arange(self.S, dtype=jnp.int32),
+        self.q_segment_ids, self.kv_segment_ids)
+
+  def tile_is_full(self, q_start, bq: int, k_start, bk: int):
+    """True when every (i, j) of the tile is visible by structure (no masking needed).
+
+    Conservative: with segment ids it is always False.
+    """
+    q_end = q_start + bq  # exclusive
+    k_end = k_start + bk
+    full = (q_end <= self.T) & (k_end <= self.S)
+    if self.has_segments:
+      return jnp.zeros((), bool)
+    if self.is_causal:
+      full = full & (k_end - 1 <= q_start)
+    if self.window is not None:
+      left, right = self.window
+      # every i in [q_start, q_end), j in [k_start, k_end): i - left <= j, j <= i + right
+      full = full & (q_end - 1 - left <= k_start) & (k_end - 1 <= q_start + right)
+    if self.q_lengths is not None:
+      full = full & (q_end <= jnp.min(self.q_lengths))
+    if self.kv_lengths is not None:
+      full = full & (k_end <= jnp.min(self.kv_lengths))
+    return full
+
+  # ---------------------------------------------------------------- per-row closed forms
+
+  def _interval(self):
+    """Per query row the key interval [lo, hi) allowed by causal/window/lengths.
+
+    Returns int32 arrays broadcastable to [B, T] (leading dim 1 without lengths).
+    """
+    i = jnp.arange(self.T, dtype=jnp.int32)[None, :]
+    lo = jnp.zeros_like(i)
+    hi = jnp.full_like(i, self.S)
+    if self.is_causal:
+      hi = jnp.minimum(hi, i + 1)
+    if self.window is not None:
+      left, right = self.window
+      lo = jnp.maximum(lo, i - left)
+      hi = jnp.minimum(hi, i + right + 1)
+    if self.kv_lengths is not None:
+      hi = jnp.minimum(hi, self.kv_lengths.astype(jnp.int32)[:, None])
+    if self.q_lengths is not None:
+      # rows past the query length see nothing: an empty interval
+      hi = jnp.where(i < self.q_lengths.astype(jnp.int32)[:, None], hi, 0)
+    hi = jnp.maximum(hi, lo)  # empty intervals as lo == hi
+    return lo, hi
+
+  def row_ranges(self):
+    """Per query row the tight key range ``[first, last + 1)`` of its visible keys.
+
+    Returns ``(lo, hi, count)`` int32 broadcastable to [B, T]: every visible key of row
+    i lies in [lo, hi), and ``count`` is the exact number of visible keys (closed form:
+    interval lengths; with segment ids a binary search among the key positions of the
+    row's segment, O((T + S) log S)). Rows without a visible key have lo == hi.
+    """
+    lo, hi = self._interval()
+    if not self.has_segments:
+      return lo, hi, hi - lo
+    q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
+    B = q_seg.shape[0]
+    lo = jnp.broadcast_to(lo, (B, self.T))
+    hi = jnp.broadcast_to(hi, (B, self.T))
+    # key positions sorted by (segment id, position): the keys of one segment form a run
+    order = jnp.argsort(kv_seg, axis=-1, stable=True).astype(jnp.int32)
+    sorted_seg = jnp.take_along_axis(kv_seg, order, axis=-1)
+    run_lo = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left"))(sorted_seg, q_seg)
+    run_hi = jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="right"))(sorted_seg, q_seg)
+    run_lo, run_hi = run_lo.astype(jnp.int32), run_hi.astype(jnp.int32)
+    c_lo = _bounded_search(order, run_lo, run_hi, lo)
+    c_hi = _bounded_search(order, run_lo, run_hi, hi)
+    count = c_hi - c_lo
+    S = self.S
+    first = jnp.take_along_axis(order, jnp.clip(c_lo, 0, S - 1), axis=-1)
+    last = jnp.take_along_axis(order, jnp.clip(c_hi - 1, 0, S - 1), axis=-1)
+    nonempty = count > 0
+    new_lo = jnp.where(nonempty, first, 0)
+    new_hi = jnp.where(nonempty, last + 1, 0)
+    return new_lo, new_hi, count
+
+  def visible_counts(self):
+    """n: the number of visible keys of each query row, float32 broadcastable to [B, T]."""
+    return self.row_ranges()[2].astype(jnp.float32)
+
+  def block_key_ranges(self, block_q: int, num_q_blocks: int, block_k: int):
+    """Per query block the range of key blocks ``[kb_lo, kb_hi)`` that can be visible.
+
+    Reduced over the batch (the chunked loop is shared by the batch); an all-invisible
+    query block gets an empty range. Returns two int32 arrays [num_q_blocks].
+    """
+    lo, hi, count = self.row_ranges()
+    Tp = num_q_blocks * block_q
+    shape = (max(lo.shape[0], hi.shape[0], count.shape[0]), self.T)
+    lo, hi, count = (jnp.broadcast_to(a, shape) for a in (lo, hi, count))
+    pad = Tp - self.T
+    big = np.int32(np.iinfo(np.int32).max)
+    lo = jnp.where(count > 0, lo, big)
+    hi = jnp.where(count > 0, hi, 0)
+    lo = jnp.pad(lo, ((0, 0), (0, pad)), constant_values=big)
+    hi = jnp.pad(hi, ((0, 0), (0, pad)), constant_values=0)
+    lo = jnp.min(lo.reshape(shape[0], num_q_blocks, block_q), axis=(0, 2))
+    hi = jnp.max(hi.reshape(shape[0], num_q_blocks, block_q), axis=(0, 2))
+    empty = hi <= lo
+    kb_lo = jnp.where(empty, 0, lo // block_k).astype(jnp.int32)
+    kb_hi = jnp.where(empty, 0, (hi + block_k - 1) // block_k).astype(jnp.int32)
+    return kb_lo, kb_hi
