@@ -1,3 +1,328 @@
-"""(being written)"""
+"""N17 alpha-entmax: 1.5-entmax exact (sort-free), any alpha > 1 by bisection, learned alpha.
 
-__all__ = []
+alpha-entmax (Peters, Niculae & Martins, ACL 2019; Correia, Niculae & Martins, EMNLP 2019)
+maps scores to ``p = [(alpha - 1) x - tau]_+^{1/(alpha - 1)}`` with tau such that the row sums
+to 1. alpha -> 1 is softmax, alpha = 2 is sparsemax, alpha = 1.5 has an exact closed form
+once the support is known.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import _sparsemax
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
+
+__all__ = ["entmax15", "entmax", "learned_alpha"]
+
+_ALPHA = Param("alpha", 1.5, low=1.0, low_open=True, sample=1.25, row_broadcast=True)
+_N_ITER = Param("n_iter", None, low=1, sample=40)
+
+_to_last = _sparsemax._to_last
+_from_last = _sparsemax._from_last
+_decouple = _sparsemax._decouple
+
+
+# --- 1.5-entmax: exact ----------------------------------------------------------------------
+
+
+def entmax15_threshold(ym):
+  """tau with ``sum_j [y_j - tau]_+^2 = 1`` over the last axis, for rows with ``max y = 0``.
+
+  ``ym`` holds ``x/2`` minus its row max, ``-inf`` at masked entries, so tau lies in
+  ``[-1, -n^{-1/2}]``. Each pass at a lower bound t (``f(t) = sum [y - t]_+^2 - 1 >= 0``)
+  computes, over the support ``S = {y > t}``, ``s1 = sum (y - t)``, ``s2 = sum (y - t)^2`` and
+  ``|S|``, and from them
+
+  * the exact root if S is the final support (Peters et al. 2019, Alg. 2, without the
+    sort): ``|S| d^2 - 2 s1 d + s2 - 1 = 0``, ``d = (s2 - 1) / (s1 + sqrt(s1^2 - |S|(s2 - 1)))``,
+    accepted when the count above ``t + d`` is still ``|S|`` (then tau = t + d exactly);
+  * otherwise a Newton step ``t + (s2 - 1) / (2 s1)``, which stays below the root because f
+    is convex and decreasing.
+
+  Returns:
+    tau of shape ``ym.shape[:-1] + (1,)`` (0 for rows with no visible entry).
+  """
+  shape = ym.shape[:-1] + (1,)
+  n_max = ym.shape[-1] + 2
+
+  def cond(state):
+    i, _, _, done = state
+    return jnp.logical_and(i < n_max, ~jnp.all(done))
+
+  def body(state):
+    i, t, tau, done = state
+    s1 = jnp.sum(jnp.maximum(ym - t, 0.0), axis=-1, keepdims=True)
+    d = jnp.maximum(ym - _decouple(t, s1), 0.0)
+    s2 = jnp.sum(d * d, axis=-1, keepdims=True)
+    # d <= 1 (y <= 0, t >= -1), so ceil(d) is the support indicator.
+    d = jnp.maximum(ym - _decouple(t, s2), 0.0)
+    cnt = jnp.sum(jnp.ceil(jnp.minimum(d, 1.0)), axis=-1, keepdims=True)
+    f = s2 - 1.0
+    den = s1 + jnp.sqrt(jnp.maximum(s1 * s1 - cnt * f, 0.0))
+    cand = t + jnp.where(den > 0, f / jnp.where(den > 0, den, 1.0), 0.0)
+    cnt_cand = jnp.sum(ym > cand, axis=-1, keepdims=True, dtype=ym.dtype)
+    now_done = jnp.logical_or(cnt_cand == cnt, cnt == 0)
+    newton = t + jnp.where(s1 > 0, f / (2.0 * jnp.where(s1 > 0, s1, 1.0)), 0.0)
+    t_new = jnp.maximum(t, newton)  # monotone by construction, whatever the rounding
+    tau = jnp.where(done, tau, jnp.where(cnt > 0, cand, 0.0))
+    return i + 1, jnp.where(done | now_done, t, t_new), tau, done | now_done
+
+  minus_one = jnp.full(shape, -1.0, ym.dtype)
+  state = (jnp.asarray(0), minus_one, minus_one, jnp.zeros(shape, bool))
+  return jax.lax.while_loop(cond, body, state)[2]
+
+
+@jax.custom_jvp
+def _entmax15_last(x, mask):
+  ym = jnp.where(mask, (x - c.masked_max(x, mask, -1)) * 0.5, -jnp.inf)
+  d = jnp.maximum(ym - entmax15_threshold(ym), 0.0)
+  return d * d
+
+
+@_entmax15_last.defjvp
+def _entmax15_last_jvp(primals, tangents):
+  x, mask = primals
+  x_dot, _ = tangents
+  p = _entmax15_last(x, mask)
+  return p, _support_jvp(jnp.sqrt(p), x_dot)
+
+
+def _support_jvp(g, v):
+  """``J v`` for ``J = diag(g) - g g^T / sum(g)`` (g = p^{2 - alpha} on the support)."""
+  gv = g * v
+  return gv - g * c.safe_divide(jnp.sum(gv, axis=-1, keepdims=True),
+                                jnp.sum(g, axis=-1, keepdims=True))
+
+
+def entmax15(x, axis: int = -1, where=None):
+  r"""1.5-entmax, exact (CATALOGUE N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
+
+  .. math::
+    \mathrm{entmax}_{1.5}(x)_i = \left[\tfrac{x_i}{2} - \tau\right]_+^2, \qquad
+    \sum_{j \in V} \left[\tfrac{x_j}{2} - \tau\right]_+^2 = 1
+
+  over the visible entries V of the row: ``argmax_{p in simplex} p.x + H_1.5(p)`` with the
+  Tsallis entropy ``H_a(p) = sum(p - p^a) / (a (a - 1))``. tau is exact (the closed form of
+  the support's quadratic, found without a sort by Newton passes, see
+  :func:`entmax15_threshold`). Sparse, shift invariant, differentiable; the Jacobian is
+  ``J v = g v - g (sum g v) / sum g`` with ``g = sqrt(p)`` (a ``custom_jvp``).
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
+    row with no visible entry is all zeros, with zero gradient.
+  """
+  xs, mask, axis = c.prepare(x, axis, where, "entmax15")
+  p = _from_last(_entmax15_last(_to_last(xs, axis), _to_last(mask, axis)), axis)
+  return c.finish(p, mask, jnp.asarray(x).dtype)
+
+
+# --- any alpha > 1: bisection --------------------------------------------------------------
+
+
+def _power(d, q):
+  """``d ** q`` for ``d >= 0``; integer q (static) uses repeated multiplication."""
+  if isinstance(q, float) and q.is_integer() and 1 <= q <= 8:
+    return jax.lax.integer_pow(d, int(q))
+  return jnp.power(d, q)
+
+
+def entmax_bisect_threshold(ym, am1, n_visible, n_iter: int, q=None):
+  """tau for ``sum_j [y_j - tau]_+^{1/(alpha-1)} = 1`` by ``n_iter`` bisection steps.
+
+  ``ym = (alpha - 1) x`` minus its row max (``-inf`` masked). The bracket is the one of
+  Peters et al. (2019): ``f(-1) >= 0`` from the max entry alone and ``f(-n^{1-alpha}) <= 0``
+  since every entry then contributes at most ``1/n``. Returns the lower end ``lo`` (where
+  ``f(lo) >= 0``, so the support is never empty).
+  """
+  q = 1.0 / am1 if q is None else q
+  n_safe = jnp.maximum(n_visible, 1.0)
+  lo = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  hi = -jnp.power(n_safe, -am1) + jnp.zeros_like(lo)
+
+  def body(_, bounds):
+    lo, hi = bounds
+    mid = 0.5 * (lo + hi)
+    f = jnp.sum(_power(jnp.maximum(ym - mid, 0.0), q), axis=-1, keepdims=True) - 1.0
+    return jnp.where(f >= 0, mid, lo), jnp.where(f >= 0, hi, mid)
+
+  return jax.lax.fori_loop(0, n_iter, body, (lo, hi))[0]
+
+
+def _entmax_bisect_forward(x, mask, alpha, n_iter, q):
+  am1 = alpha - 1.0
+  z = x * am1
+  ym = jnp.where(mask, z - c.masked_max(z, mask, -1), -jnp.inf)
+  n = c.visible_count(mask, -1, x.dtype)
+  tau = entmax_bisect_threshold(ym, am1, n, n_iter, q)
+  p = _power(jnp.maximum(ym - tau, 0.0), 1.0 / am1 if q is None else q)
+  return c.safe_divide(p, jnp.sum(p, axis=-1, keepdims=True))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _entmax_bisect_last(x, mask, alpha, n_iter, q):
+  return _entmax_bisect_forward(x, mask, alpha, n_iter, q)
+
+
+@_entmax_bisect_last.defjvp
+def _entmax_bisect_last_jvp(n_iter, q, primals, tangents):
+  x, mask, alpha = primals
+  x_dot, _, alpha_dot = tangents
+  p = _entmax_bisect_last(x, mask, alpha, n_iter, q)
+  am1 = alpha - 1.0
+  on = p > 0
+  p_on = jnp.where(on, p, 1.0)
+  g = jnp.where(on, jnp.power(p_on, 1.0 - am1), 0.0)  # p^{2 - alpha}
+  dx = _support_jvp(g, x_dot)
+  # dp/dalpha in closed form (Correia, Niculae & Martins 2019, App. B): with
+  # p~ = g / sum g and the Shannon terms p log p,
+  #   dp/dalpha = (p - p~) / (alpha - 1)^2 - (p log p - p~ sum(p log p)) / (alpha - 1).
+  plogp = jnp.where(on, p_on * jnp.log(p_on), 0.0)
+  skew = c.safe_divide(g, jnp.sum(g, axis=-1, keepdims=True))
+  ent = jnp.sum(plogp, axis=-1, keepdims=True)
+  dp_dalpha = (p - skew) / (am1 * am1) - (plogp - skew * ent) / am1
+  return p, dx + dp_dalpha * alpha_dot
+
+
+def _is_python_scalar(v) -> bool:
+  return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
+
+
+def _check_alpha(alpha):
+  if _is_python_scalar(alpha):
+    _ALPHA.validate(alpha, "entmax")
+    return
+  if isinstance(alpha, jax.core.Tracer):
+    return  # checked when concrete; learned_alpha keeps a traced alpha > 1
+  a = np.asarray(alpha)
+  if a.size and (np.any(np.isnan(a)) or np.any(a <= 1.0)):
+    raise ValueError(f"entmax: `alpha` must be > 1 everywhere, got min {np.nanmin(a)!r}"
+                     + (" (and NaN)" if np.any(np.isnan(a)) else ""))
+
+
+def entmax(x, alpha=1.5, axis: int = -1, where=None, n_iter: int | None = None):
+  r"""alpha-entmax for any alpha > 1 (CATALOGUE N17, kernel class T).
+
+  .. math::
+    \mathrm{entmax}_\alpha(x)_i = [(\alpha - 1) x_i - \tau]_+^{1/(\alpha - 1)}, \qquad
+    \sum_{j \in V} [(\alpha - 1) x_j - \tau]_+^{1/(\alpha - 1)} = 1
+
+  over the visible entries V: ``argmax_{p in simplex} p.x + H_alpha(p)`` with the Tsallis
+  entropy (Peters, Niculae & Martins 2019). alpha -> 1 approaches softmax, alpha = 2 is
+  sparsemax. tau is found by ``n_iter`` bisection steps in float32 (also for bf16/fp16 x)
+  on ``[max - 1, max - n^{1-alpha}]``, and p renormalised. A Python-number alpha of exactly
+  1.5 or 2 takes the exact sort-free solvers of :func:`entmax15` / ``sparsemax`` instead.
+
+  Differentiable in x (``J v = g v - g (sum g v)/sum g``, ``g = p^{2-alpha}`` on the
+  support) and in alpha (the closed form of Correia, Niculae & Martins, EMNLP 2019,
+  "Adaptively Sparse Transformers"), both through a ``custom_jvp``. For a learned alpha use
+  ``alpha = learned_alpha(z)``, which is > 1 by construction.
+
+  Args:
+    x: scores.
+    alpha: > 1; a Python float or an array broadcast to the rows (shape broadcastable
+      against ``x`` with size 1 along ``axis``, e.g. ``[N, 1, 1]`` per head of
+      ``[B, N, T, S]`` scores).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+    n_iter: bisection steps; default 30 (float32; the bracket is narrower than 1, so this
+      reaches float32 resolution), 60 for float64 inputs.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros, with zero
+    gradient.
+
+  Raises:
+    ValueError: alpha <= 1 (checked for concrete values), bad ``n_iter``, ``axis`` or
+      ``where``.
+  """
+  _check_alpha(alpha)
+  if n_iter is not None and (not isinstance(n_iter, (int, np.integer)) or n_iter < 1):
+    raise ValueError(f"entmax: `n_iter` must be a positive int, got {n_iter!r}")
+  if _is_python_scalar(alpha) and float(alpha) == 1.5:
+    return entmax15(x, axis=axis, where=where)
+  if _is_python_scalar(alpha) and float(alpha) == 2.0:
+    return _sparsemax.sparsemax(x, axis=axis, where=where)
+  xs, mask, axis = c.prepare(x, axis, where, "entmax")
+  if n_iter is None:
+    n_iter = 60 if xs.dtype == jnp.float64 else 30
+  # A Python alpha gives a static exponent (integer powers become multiplications).
+  q = 1.0 / (float(alpha) - 1.0) if _is_python_scalar(alpha) else None
+  a = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
+  a = _to_last(a, axis) if a.ndim else a
+  p = _entmax_bisect_last(_to_last(xs, axis), _to_last(mask, axis), a, int(n_iter), q)
+  return c.finish(_from_last(p, axis), mask, jnp.asarray(x).dtype)
+
+
+def learned_alpha(z):
+  """``alpha = 1 + softplus(z)``: an unconstrained parameter mapped into alpha > 1."""
+  return 1.0 + jax.nn.softplus(z)
+
+
+# --- class-T rules (DESIGN.md §3) ----------------------------------------------------------
+
+
+def _half_score_map(x, length, **_):
+  return 0.5 * x
+
+
+def _sq_relu(z, tau, *_, **__):
+  d = jnp.maximum(z - tau, 0.0)
+  return d * d
+
+
+def _entmax15_bracket(m, length, **_):
+  return m - 1.0, m - jax.lax.rsqrt(jnp.maximum(length, 1.0))
+
+
+def _alpha_score_map(x, length, alpha=1.5, **_):
+  return (alpha - 1.0) * x
+
+
+def _alpha_mass(z, tau, *_, alpha=1.5, **__):
+  return jnp.power(jnp.maximum(z - tau, 0.0), 1.0 / (alpha - 1.0))
+
+
+def _alpha_bracket(m, length, alpha=1.5, **_):
+  return m - 1.0, m - jnp.power(jnp.maximum(length, 1.0), 1.0 - alpha)
+
+
+ENTMAX15_RULE = ThresholdRule(
+    score_map=_half_score_map, mass=_sq_relu, target=_sparsemax._unit_target,
+    bracket=_entmax15_bracket, weight=_sq_relu, iterations=30)
+
+ENTMAX_RULE = ThresholdRule(
+    score_map=_alpha_score_map, mass=_alpha_mass, target=_sparsemax._unit_target,
+    bracket=_alpha_bracket, weight=_alpha_mass, iterations=30)
+
+SPEC15 = register(NormalizerSpec(
+    name="entmax15",
+    fn=entmax15,
+    kernel_class="T",
+    catalogue_id="N17",
+    can_be_sparse=True,
+    threshold=ENTMAX15_RULE,
+    description="[x/2 - tau]_+^2, exact 1.5-entmax",
+))
+
+SPEC = register(NormalizerSpec(
+    name="entmax",
+    fn=entmax,
+    kernel_class="T",
+    catalogue_id="N17",
+    can_be_sparse=True,
+    params=(_ALPHA, _N_ITER),
+    threshold=ENTMAX_RULE,
+    description="[(alpha-1)x - tau]_+^(1/(alpha-1)), bisection for any alpha > 1",
+))
