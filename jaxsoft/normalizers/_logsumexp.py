@@ -17,16 +17,23 @@ _TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row
 _EPS = Param("eps", 1.0, low=0.0, low_open=True, sample=0.1, row_broadcast=True)
 
 
-def _masked_lse(z, mask, axis):
-  """Row logsumexp over visible entries (keepdims); -inf for a row with none.
+def _masked_lse_parts(z, mask, axis):
+  """``(m, log s)`` with ``LSE = m + log s`` over visible entries (keepdims).
 
-  The max stabiliser carries no gradient (it cancels), and the log is taken of a sum that
-  is replaced by 1 on empty rows so that the gradient there is 0 rather than ``inf * 0``.
+  ``m`` is the max stabiliser (no gradient: it cancels); ``log s`` is ``-inf`` for a row
+  with no visible entry, taken of a sum replaced by 1 there so that its gradient is 0
+  rather than ``inf * 0``.
   """
   m = c.masked_max(z, mask, axis)
   s = jnp.sum(jnp.where(mask, jnp.exp(z - m), 0.0), axis=axis, keepdims=True)
   ok = s > 0
-  return jnp.where(ok, m + jnp.log(jnp.where(ok, s, 1.0)), -jnp.inf)
+  return m, jnp.where(ok, jnp.log(jnp.where(ok, s, 1.0)), -jnp.inf)
+
+
+def _masked_lse(z, mask, axis):
+  """Row logsumexp over visible entries (keepdims); -inf for a row with none."""
+  m, log_s = _masked_lse_parts(z, mask, axis)
+  return m + log_s
 
 
 def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
@@ -81,10 +88,11 @@ def log_softmax(x, axis: int = -1, where=None, temperature=1.0):
   xs, mask, ax = c.prepare(x, axis, where, "log_softmax")
   t = c.row_param(temperature, xs.shape, ax, "temperature", "log_softmax", xs.dtype)
   z = xs / t
-  lse = _masked_lse(z, mask, ax)
-  # A fully masked row has lse = -inf; substitute 0 so `z - lse` has no inf to mask away.
-  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
-  return c.finish(z - lse, mask, jnp.asarray(x).dtype)
+  m, log_s = _masked_lse_parts(z, mask, ax)
+  # (z - m) - log s, not z - LSE: subtracting two large numbers would lose the low bits
+  # (x = 1000 has an f32 ulp of 6e-5). A fully masked row has log s = -inf; use 0 there.
+  log_s = jnp.where(jnp.isfinite(log_s), log_s, 0.0)
+  return c.finish((z - m) - log_s, mask, jnp.asarray(x).dtype)
 
 
 def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):
