@@ -1,3 +1,226 @@
-"""(being written)"""
+"""N15 truncated softmax: top-k, top-p (nucleus), epsilon- and eta-truncation.
 
-__all__ = []
+Each keeps a set K of the visible entries of a row and renormalises the softmax over it:
+
+    w_i = e^{x_i} / sum_{j in K} e^{x_j}   for i in K,   0 elsewhere.
+
+They differ only in K. The kept set carries no gradient (it is piecewise constant in x);
+the weights are differentiable inside K, zero-gradient outside.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
+
+__all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"]
+
+DEFAULT_K = 8
+_K = Param("k", DEFAULT_K, low=1, sample=3)
+_P = Param("p", 0.9, low=0.0, high=1.0, low_open=True, sample=0.5)
+_EPSILON = Param("epsilon", 3e-4, low=0.0, high=1.0, high_open=True, sample=0.05)
+_ETA = Param("eta", 3e-4, low=0.0, high=1.0, high_open=True, sample=0.05)
+
+
+def _softmax_over(xs, keep, axis):
+  """Softmax restricted to ``keep`` (exact zeros elsewhere; an empty row gives zeros)."""
+  m = c.masked_max(xs, keep, axis)
+  e = jnp.where(keep, jnp.exp(jnp.where(keep, xs - m, 0.0)), 0.0)
+  return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+
+
+def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
+  r"""Top-k (sparse) softmax (CATALOGUE N15, kernel class T; Sun et al. 2021, arXiv 2112.12433).
+
+  .. math::
+    w_i = \frac{e^{x_i}}{\sum_{j \in \Omega_k} e^{x_j}} \; (i \in \Omega_k), \qquad 0 \text{ otherwise}
+
+  with ``Omega_k`` the k largest visible entries of the row (ties broken towards the lower
+  index, as ``jax.lax.top_k`` does). A row with fewer than k visible entries keeps all of
+  them, so ``k = n`` is ``jax.nn.softmax`` and ``k = 1`` the one-hot argmax. Also the top-K
+  MoE gate (Nguyen et al., ICLR 2024) and CadLLM's top-M subset softmax.
+
+  Args:
+    x: scores.
+    k: entries kept per row, a static int in ``[1, x.shape[axis]]``; default 8.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+
+  Raises:
+    ValueError: ``k`` not an int in ``[1, x.shape[axis]]``, bad ``axis`` or ``where``.
+  """
+  xs, mask, axis = c.prepare(x, axis, where, "top_k_softmax")
+  n = xs.shape[axis]
+  if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
+    raise ValueError(f"top_k_softmax: `k` must be a static int, got {k!r}")
+  if not 1 <= k <= n:
+    raise ValueError(f"top_k_softmax: `k` must be in [1, {n}] (the row length along axis "
+                     f"{axis}), got {k}")
+  if k < n:
+    xl = jnp.moveaxis(jnp.where(mask, xs, -jnp.inf), axis, -1)
+    _, idx = jax.lax.top_k(jax.lax.stop_gradient(xl), int(k))
+    keep = jnp.put_along_axis(jnp.zeros(xl.shape, bool), idx, True, axis=-1, inplace=False)
+    keep = jnp.logical_and(jnp.moveaxis(keep, -1, axis), mask)
+  else:
+    keep = mask
+  return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
+
+
+def _full_softmax(xs, mask, axis):
+  return jax.lax.stop_gradient(_softmax_over(xs, mask, axis))
+
+
+def top_p_softmax(x, p=0.9, axis: int = -1, where=None):
+  r"""Nucleus (top-p) softmax (CATALOGUE N15, kernel class T; Holtzman et al., ICLR 2020).
+
+  .. math::
+    K = \text{the smallest set of largest } \pi_i \text{ with } \sum_{i \in K} \pi_i \ge p,
+    \qquad w_i = \pi_i / \textstyle\sum_{j \in K} \pi_j \; (i \in K)
+
+  with ``pi = softmax(x)`` over the visible entries. An entry is kept when the mass of the
+  entries strictly before it (in descending order) is below p; entries tied with the last
+  kept probability are kept too. ``p = 1`` keeps every visible entry (softmax).
+
+  Args:
+    x: scores.
+    p: nucleus mass in (0, 1]; default 0.9 (a Python float).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+  """
+  _P.validate(p, "top_p_softmax")
+  xs, mask, axis = c.prepare(x, axis, where, "top_p_softmax")
+  if float(p) >= 1.0:
+    keep = mask
+  else:
+    probs = _full_softmax(xs, mask, axis)
+    desc = -jnp.sort(-probs, axis=axis)
+    before = jnp.cumsum(desc, axis=axis) - desc
+    last_kept = jnp.min(jnp.where(before < p, desc, jnp.inf), axis=axis, keepdims=True)
+    keep = jnp.logical_and(mask, probs >= last_kept)
+  return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
+
+
+def _truncated(xs, mask, axis, threshold):
+  """Keeps ``pi_i >= threshold`` and always the row's argmax, then renormalises."""
+  probs = _full_softmax(xs, mask, axis)
+  top = jnp.max(probs, axis=axis, keepdims=True)
+  keep = jnp.logical_and(mask, jnp.logical_or(probs >= threshold, probs >= top))
+  return _softmax_over(xs, keep, axis)
+
+
+def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
+  r"""epsilon-truncated softmax (CATALOGUE N15, kernel class T; Hewitt, Manning & Liang 2022).
+
+  .. math::
+    K = \{i : \pi_i \ge \varepsilon\} \cup \{\arg\max \pi\}, \qquad
+    w_i = \pi_i / \textstyle\sum_{j \in K} \pi_j \; (i \in K)
+
+  with ``pi = softmax(x)`` over the visible entries ("Truncation Sampling as Language
+  Model Desmoothing"; the argmax is always kept, as in the reference implementation's
+  ``min_tokens_to_keep = 1``).
+
+  Args:
+    x: scores.
+    epsilon: probability threshold in [0, 1); default 3e-4 (the paper's range for large
+      vocabularies is 1e-4 to 1e-3).
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+  """
+  _EPSILON.validate(epsilon, "epsilon_softmax")
+  xs, mask, axis = c.prepare(x, axis, where, "epsilon_softmax")
+  w = _truncated(xs, mask, axis, jnp.asarray(epsilon, xs.dtype))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
+  r"""eta-truncated softmax (CATALOGUE N15, kernel class T; Hewitt, Manning & Liang 2022).
+
+  .. math::
+    \eta' = \min\!\left(\eta, \sqrt{\eta}\, e^{-H(\pi)}\right), \quad
+    K = \{i : \pi_i \ge \eta'\} \cup \{\arg\max \pi\}, \quad
+    w_i = \pi_i / \textstyle\sum_{j \in K} \pi_j \; (i \in K)
+
+  with ``pi = softmax(x)`` over the visible entries and ``H`` its Shannon entropy (nats):
+  the threshold drops for high-entropy rows, so a flat row keeps more entries.
+
+  Args:
+    x: scores.
+    eta: base threshold in [0, 1); default 3e-4.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+  """
+  _ETA.validate(eta, "eta_softmax")
+  xs, mask, axis = c.prepare(x, axis, where, "eta_softmax")
+  probs = _full_softmax(xs, mask, axis)
+  plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
+  entropy = -jnp.sum(plogp, axis=axis, keepdims=True)
+  eta = jnp.asarray(eta, xs.dtype)
+  threshold = jnp.minimum(eta, jnp.sqrt(eta) * jnp.exp(-entropy))
+  w = _truncated(xs, mask, axis, threshold)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+# --- class-T rule for top-k (the example of the ThresholdRule docstring) ------------------
+
+# exp(-110) underflows to 0 in float32, so entries further than this below the max have
+# weight 0 whether or not they are among the k largest: the bracket need not reach them.
+_TOPK_REACH = 110.0
+
+
+def _topk_score_map(x, length, **_):
+  return x
+
+
+def _topk_mass(z, tau, *_, **__):
+  return (z >= tau).astype(jnp.result_type(z, jnp.float32))
+
+
+def _topk_target(length, k=DEFAULT_K, **_):
+  return jnp.minimum(jnp.asarray(k, length.dtype), length)
+
+
+def _topk_bracket(m, length, **_):
+  return m - _TOPK_REACH, m + 1.0
+
+
+def _topk_weight(z, tau, m, **_):
+  return jnp.where(z >= tau, jnp.exp(jnp.minimum(z - m, 0.0)), 0.0)
+
+
+TOP_K_RULE = ThresholdRule(
+    score_map=_topk_score_map, mass=_topk_mass, target=_topk_target,
+    bracket=_topk_bracket, weight=_topk_weight,
+    # tau must be the lower end ``lo`` of the final bracket (count >= k there); 48
+    # halvings take the 111-wide bracket below float32 resolution.
+    iterations=48)
+
+_COMMON = dict(kernel_class="T", catalogue_id="N15", can_be_sparse=True, smooth=False)
+
+SPEC = register(NormalizerSpec(
+    name="top_k_softmax", fn=top_k_softmax, params=(_K,), threshold=TOP_K_RULE,
+    description="softmax over the k largest (k=8 by default), 0 elsewhere", **_COMMON))
+SPEC_TOP_P = register(NormalizerSpec(
+    name="top_p_softmax", fn=top_p_softmax, params=(_P,),
+    description="nucleus: softmax over the smallest top set with mass >= p", **_COMMON))
+SPEC_EPSILON = register(NormalizerSpec(
+    name="epsilon_softmax", fn=epsilon_softmax, params=(_EPSILON,),
+    description="softmax over {pi >= epsilon} (and the argmax)", **_COMMON))
+SPEC_ETA = register(NormalizerSpec(
+    name="eta_softmax", fn=eta_softmax, params=(_ETA,),
+    description="softmax over {pi >= min(eta, sqrt(eta) e^-H)} (and the argmax)", **_COMMON))
