@@ -56,30 +56,7 @@ def attention_kwargs(cfg: Config) -> dict[str, Any]:
 
 
 def _attend(q, k, v, *, kwargs):
-  fn = getattr(js_attention, "dot_product_attention", None)
-  if fn is None:  # TODO(train): remove once jaxsoft.attention lands (development stand-in).
-    return _dense_attention(q, k, v, **kwargs)
-  return fn(q, k, v, **kwargs)
-
-
-def _dense_attention(q, k, v, *, is_causal, normalizer, implementation=None,
-                     normalizer_params=None, local_window_size=None, logits_soft_cap=None):
-  del implementation
-  dtype = q.dtype
-  q, k, v = (a.astype(jnp.float32) for a in (q, k, v))
-  groups = q.shape[2] // k.shape[2]
-  k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
-  s = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
-  if logits_soft_cap:
-    s = logits_soft_cap * jnp.tanh(s / logits_soft_cap)
-  t = s.shape[-1]
-  i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
-  mask = j <= i
-  if local_window_size is not None:
-    mask &= j >= i - local_window_size[0]
-  w = normalizers.get(normalizer).fn(s, where=jnp.broadcast_to(mask, s.shape),
-                                     **(normalizer_params or {}))
-  return jnp.einsum("bnts,bsnh->btnh", w, v).astype(dtype)
+  return js_attention.dot_product_attention(q, k, v, **kwargs)
 
 
 class Attention(nnx.Module):
@@ -139,8 +116,9 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: Config, vocab_size: int, *, rngs: nnx.Rngs,
                wrap: AttentionWrapper | None = None, attention_factory=None):
     dtype = _dtype(cfg)
+    # std 1/sqrt(d): the tied output layer then starts with unit-scale logits (loss ≈ log vocab).
     self.embed = nnx.Embed(vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
-                           embedding_init=nnx.initializers.normal(1.0), rngs=rngs)
+                           embedding_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs, wrap=wrap, attention_factory=attention_factory)
                             for _ in range(cfg.num_layers)])
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)

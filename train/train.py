@@ -103,7 +103,7 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                  "opt_state": opt_state, "rng": jax.random.key_data(rng)}
-    step_metrics = {"loss": loss_sum / weight_sum, "grad_norm": optax.global_norm(grads),
+    step_metrics = {"loss": loss_sum / weight_sum, "grad_norm": optax.tree.norm(grads),
                     "learning_rate": schedule(state["step"])}
     return new_state, step_metrics
 

@@ -1,0 +1,97 @@
+"""Bad configurations stop with a message naming the problem, before any work is done."""
+
+import dataclasses
+import os
+
+import pytest
+
+from train import config
+from train import train as train_lib
+from train.sharding import check_batch
+
+TINY = ["--seq_len", "8", "--batch_size", "4", "--d_model", "16", "--num_layers", "1",
+        "--num_heads", "2", "--mlp_dim", "16", "--steps", "2", "--warmup_steps", "1",
+        "--progress", "off"]
+
+
+def _fails(argv, *needles):
+  with pytest.raises(SystemExit) as info:
+    train_lib.main(argv)
+  message = str(info.value.code)
+  assert info.value.code not in (0, None), message
+  for needle in needles:
+    assert needle in message, message
+  return message
+
+
+def test_unknown_normalizer_is_named_and_nothing_is_written(tmp_path):
+  workdir = tmp_path / "run"
+  _fails(TINY + ["--workdir", str(workdir), "--normalizer", "no_such_max"],
+         "--normalizer", "no_such_max", "softmax")
+  assert not workdir.exists()
+
+
+def test_unknown_normalizer_in_compare_is_named(tmp_path):
+  workdir = tmp_path / "cmp"
+  _fails(TINY + ["--workdir", str(workdir), "--compare", "softmax,nope_max"], "nope_max")
+  assert not workdir.exists()
+
+
+def test_bad_normalizer_hyperparameter_is_named(tmp_path):
+  _fails(TINY + ["--workdir", str(tmp_path / "r"), "--normalizer", "softmax",
+                 "--normalizer_params", '{"temperature": -1}'], "temperature")
+
+
+def test_batch_not_divisible_by_devices_is_named():
+  with pytest.raises(config.ConfigError, match=r"--batch_size \(12\).*number of devices \(8\)"):
+    check_batch(12, 1, 8)
+  with pytest.raises(config.ConfigError, match=r"micro-batch.*\(6\).*devices \(4\)"):
+    check_batch(12, 2, 4)
+  check_batch(16, 2, 8)  # divisible: no error
+
+
+def test_batch_not_divisible_by_grad_accum_is_named(tmp_path):
+  workdir = tmp_path / "run"
+  _fails(TINY + ["--workdir", str(workdir), "--grad_accum", "3"], "--batch_size (4)",
+         "--grad_accum (3)")
+
+
+def test_unwritable_workdir_is_named(tmp_path):
+  if os.geteuid() == 0:
+    # root ignores file permissions; sysfs refuses new directories even to root.
+    workdir = "/sys/jaxsoft_train_test/run"
+  else:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    workdir = str(locked / "run")
+  message = _fails(TINY + ["--workdir", workdir], "--workdir", workdir)
+  assert "cannot be created" in message or "not writable" in message
+
+
+def test_missing_workdir_and_unknown_field_are_named():
+  _fails(TINY, "--workdir")
+  _fails(TINY + ["--workdir", "/tmp/x", "--set", "no_such_field=1"], "no_such_field")
+
+
+def test_resuming_with_a_different_model_is_refused(tmp_path):
+  cfg = config.Config(workdir=str(tmp_path), d_model=64)
+  config.save(cfg, str(tmp_path / "config.json"))
+  _fails(["--workdir", str(tmp_path), "--d_model", "32", "--num_heads", "2"], "d_model",
+         "saved 64", "now 32")
+  # Training-only fields may change on resume, and JSON spelling does not matter.
+  saved = config.load(str(tmp_path / "config.json"))
+  config.check_resume_compatible(dataclasses.replace(cfg, steps=999, learning_rate=1.0), saved)
+  config.check_resume_compatible(dataclasses.replace(cfg, normalizer_params=" { } "), saved)
+
+
+def test_precedence_defaults_preset_set_flags():
+  cfg, _ = config.from_argv(["--preset", "smoke", "--set", "d_model=32", "--set", "steps=7",
+                             "--steps", "9", "--set", "fsdp=true"])
+  assert cfg.d_model == 32 and cfg.steps == 9 and cfg.fsdp is True
+  assert cfg.seq_len == config.PRESETS["smoke"]["seq_len"]
+  assert cfg.mlp_dim == config.PRESETS["smoke"]["mlp_dim"]
+  # Every field is a flag.
+  parser = config.make_parser()
+  flags = {a.dest for a in parser._actions}  # pylint: disable=protected-access
+  assert {f.name for f in dataclasses.fields(config.Config)} <= flags
