@@ -198,8 +198,11 @@ def from_argv(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
   return Config(**overrides), args
 
 
-def validate(cfg: Config) -> None:
-  """Checks everything that can be checked without devices; raises ConfigError naming the field."""
+def validate(cfg: Config, check_workdir: bool = True) -> None:
+  """Checks everything that can be checked without devices; raises ConfigError naming the field.
+
+  The workdir is created (and probed for write access) last, only when everything else is valid.
+  """
   from jaxsoft import normalizers  # imported here so `--help` stays instant
 
   if cfg.normalizer not in normalizers.REGISTRY:
@@ -249,7 +252,8 @@ def validate(cfg: Config) -> None:
     raise ConfigError(f"--warmup_steps must be in [0, --steps], got {cfg.warmup_steps}")
   if not cfg.workdir:
     raise ConfigError("--workdir is required")
-  _check_writable(cfg.workdir)
+  if check_workdir:
+    _check_writable(cfg.workdir)
 
 
 def _check_writable(workdir: str) -> None:

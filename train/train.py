@@ -272,11 +272,11 @@ def compare(cfg: Config, mesh, names: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point: parse and check everything, then train (or compare). Returns the exit code."""
-  cfg, args = config.from_argv(argv)
-  names = [n for n in args.compare.split(",") if n]
   try:
+    cfg, args = config.from_argv(argv)
+    names = [n for n in args.compare.split(",") if n]
     for name in names:  # every compared normalizer must be valid before anything runs
-      config.validate(dataclasses.replace(cfg, normalizer=name))
+      config.validate(dataclasses.replace(cfg, normalizer=name), check_workdir=False)
     config.validate(cfg)
     if cfg.tensorboard:
       try:
