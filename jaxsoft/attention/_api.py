@@ -13,6 +13,7 @@ import numpy as np
 from jaxsoft.attention import _chunked, _dense
 from jaxsoft.attention._masks import MaskStructure, normalize_segment_ids, normalize_window
 from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers._common import compute_dtype
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "AttentionCall"]
 
@@ -201,7 +202,7 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
   if bias is not None:
     bias = _check_broadcast(bias, "bias", target)
     if not jnp.issubdtype(bias.dtype, jnp.floating):
-      bias = bias.astype(jnp.float32)
+      bias = bias.astype(jnp.float32)  # e.g. an integer bias
   if mask is not None:
     mask = _check_broadcast(mask, "mask", target)
     if jnp.issubdtype(mask.dtype, jnp.floating):
@@ -244,7 +245,8 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
       raise ValueError(
           f"`decay_bias` must be (cq [B, T, N] = {[B, T, N]}, ck [B, S, N] = {[B, S, N]}), got "
           f"{cq.shape} and {ck.shape}")
-    decay_bias = (cq.astype(jnp.float32), ck.astype(jnp.float32))
+    cdt = compute_dtype(jnp.promote_types(cq.dtype, ck.dtype))
+    decay_bias = (cq.astype(cdt), ck.astype(cdt))
   if decay_prune_threshold is not None:
     if decay_bias is None:
       raise ValueError("`decay_prune_threshold` needs `decay_bias`")

@@ -24,8 +24,9 @@ sink logit, ...). Class T adds the implicit-function term of tau:
 ``dz_j = w'_j (dP_j - Δ)/W - (g_tau / M_tau)·mass'_j`` with
 ``g_tau = sum_k d_tau weight_k (dP_k - Δ)/W`` and ``M_tau = sum_k d_tau mass_k``.
 
-Internally everything is float32; q is pre-multiplied by the scale (so ``scale`` and its
-gradient are handled by ordinary autodiff outside the custom_vjp) and GQA keeps one copy
+Internally everything is float32 (float64 for float64 inputs); q is pre-multiplied by the
+scale (so ``scale`` and its gradient are handled by ordinary autodiff outside the
+custom_vjp) and GQA keeps one copy
 of K/V: q is viewed as [B, K, G, T, H] and each key block serves the G query heads of its
 group in one batched matmul.
 """
@@ -42,6 +43,7 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.normalizers._common import compute_dtype
 from jaxsoft.normalizers._spec import NormalizerSpec
 
 __all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K", "THRESHOLD_CANDIDATES"]
@@ -106,6 +108,7 @@ class _Config:
   """Static description of one chunked call."""
 
   kind: str  # "E", "S", "P" or "T"
+  dtype: Any  # the compute dtype (float32; float64 for float64 inputs)
   rule: Any  # TileRule or ThresholdRule
   static_hp: tuple  # ((name, python value), ...)
   cap: float | None
@@ -165,7 +168,7 @@ class _Tiles:
     ks = kj * cfg.bk
     k_blk = lax.dynamic_slice_in_dim(d["k"], ks, cfg.bk, 2)
     v_blk = lax.dynamic_slice_in_dim(d["v"], ks, cfg.bk, 2)
-    s = jnp.einsum("bkgqh,bksh->bkgqs", qb["q"], k_blk, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bkgqh,bksh->bkgqs", qb["q"], k_blk, preferred_element_type=cfg.dtype)
     if cfg.has_decay:
       ck = lax.dynamic_slice_in_dim(d["ck"], ks, cfg.bk, 3)
       s = s + (qb["cq"][..., :, None] - ck[..., None, :])
@@ -262,7 +265,7 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
         m_new = m_use = m
         alpha = None
       num, den = _esp_maps(cfg, x, vis, m_use, n, hp)
-      pv = jnp.einsum("bkgqs,bksh->bkgqh", num, v_blk, preferred_element_type=jnp.float32)
+      pv = jnp.einsum("bkgqs,bksh->bkgqh", num, v_blk, preferred_element_type=cfg.dtype)
       if alpha is not None:
         acc = acc * alpha + pv
         l = l * alpha + jnp.sum(den, axis=-1, keepdims=True)
@@ -272,8 +275,8 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
           l = l + jnp.sum(den, axis=-1, keepdims=True)
       return m_new, l, acc
 
-    m0 = jnp.full(row, -jnp.inf if _uses_max(cfg) else 0.0, jnp.float32)
-    init = (m0, jnp.zeros(row, jnp.float32), jnp.zeros(row[:-1] + (Hv,), jnp.float32))
+    m0 = jnp.full(row, -jnp.inf if _uses_max(cfg) else 0.0, cfg.dtype)
+    init = (m0, jnp.zeros(row, cfg.dtype), jnp.zeros(row[:-1] + (Hv,), cfg.dtype))
     m, l, acc = tiles.loop(qi, step, init)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     if cfg.kind == "P":
@@ -437,15 +440,15 @@ def _t_search(cfg: _Config, tiles: _Tiles, qi, qb, hp, n):
     z = rule.score_map(_where(vis, x, 0.0), n, **hp)
     return jnp.maximum(m, jnp.max(_where(vis, z, -jnp.inf), axis=-1, keepdims=True))
 
-  m = tiles.loop(qi, max_step, jnp.full(row, -jnp.inf, jnp.float32))
+  m = tiles.loop(qi, max_step, jnp.full(row, -jnp.inf, cfg.dtype))
   m = jnp.where(m == -jnp.inf, 0.0, m)
   lo, hi = rule.bracket(m, n, **hp)
-  lo = jnp.broadcast_to(jnp.asarray(lo, jnp.float32), row)
-  hi = jnp.broadcast_to(jnp.asarray(hi, jnp.float32), row)
-  target = jnp.broadcast_to(jnp.asarray(rule.target(n, **hp), jnp.float32), row)
+  lo = jnp.broadcast_to(jnp.asarray(lo, cfg.dtype), row)
+  hi = jnp.broadcast_to(jnp.asarray(hi, cfg.dtype), row)
+  target = jnp.broadcast_to(jnp.asarray(rule.target(n, **hp), cfg.dtype), row)
   C = THRESHOLD_CANDIDATES
   passes = max(1, math.ceil(rule.iterations / math.log2(C + 1)))
-  fracs = jnp.arange(1, C + 1, dtype=jnp.float32) / (C + 1)
+  fracs = jnp.arange(1, C + 1, dtype=cfg.dtype) / (C + 1)
 
   def search_pass(_, bracket):
     lo, hi = bracket
@@ -462,7 +465,7 @@ def _t_search(cfg: _Config, tiles: _Tiles, qi, qb, hp, n):
         mass = jnp.where(vis[..., None], mass, 0.0)
       return acc + jnp.sum(mass, axis=-2)[..., None, :]
 
-    total = tiles.loop(qi, mass_step, jnp.zeros(row + (C,), jnp.float32))
+    total = tiles.loop(qi, mass_step, jnp.zeros(row + (C,), cfg.dtype))
     ok = total >= target[..., None]  # mass non-increasing in tau: True up to the root
     # new lo: the largest candidate with enough mass; new hi: the smallest without
     new_lo = jnp.max(jnp.where(ok, taus, lo[..., None]), axis=-1)
@@ -494,8 +497,8 @@ def _fwd_t(cfg: _Config, d: dict, aux: dict):
       acc = acc + jnp.einsum("bkgqs,bksh->bkgqh", w, v_blk)
       return l + jnp.sum(w, axis=-1, keepdims=True), acc
 
-    l, acc = tiles.loop(qi, step, (jnp.zeros(row, jnp.float32),
-                                   jnp.zeros(row[:-1] + (Hv,), jnp.float32)))
+    l, acc = tiles.loop(qi, step, (jnp.zeros(row, cfg.dtype),
+                                   jnp.zeros(row[:-1] + (Hv,), cfg.dtype)))
     return _safe_div(acc, l), m, l, tau
 
   out, m, W, tau = lax.map(q_block, jnp.arange(cfg.nq))
@@ -532,7 +535,7 @@ def _bwd_t(cfg: _Config, d: dict, aux: dict, res: dict, dout):
       g = g + jnp.sum(dw * (dp - delta), axis=-1, keepdims=True) * inv_w
       return g, mt + jnp.sum(dm, axis=-1, keepdims=True)
 
-    zero = jnp.zeros(row, jnp.float32)
+    zero = jnp.zeros(row, cfg.dtype)
     g_tau, m_tau = tiles.loop(qi, tau_step, (zero, zero))
     coef = _safe_div(g_tau, m_tau)  # dL/dtau / (dF/dtau): the implicit-function factor
 
@@ -571,7 +574,7 @@ def _bwd_t(cfg: _Config, d: dict, aux: dict, res: dict, dout):
       # F = sum mass - target(n): the target's hyperparameters enter with +coef
       _, vjp_t = jax.vjp(
           lambda hpa: jnp.broadcast_to(
-              jnp.asarray(rule.target(n, **{**hp_static, **hpa}), jnp.float32), row), hp_arr)
+              jnp.asarray(rule.target(n, **{**hp_static, **hpa}), cfg.dtype), row), hp_arr)
       (dhp_tgt,) = vjp_t(coef)
       dhp_b = jax.tree.map(jnp.add, dhp_b, dhp_tgt)
     dhp = _add_hp_grad(dhp, dhp_b, start)
@@ -613,9 +616,9 @@ def _make_attend(cfg: _Config):
   return attend
 
 
-def _params_5d(value, N: int, K: int, G: int, T: int, Tp: int):
+def _params_5d(value, N: int, K: int, G: int, T: int, Tp: int, dtype):
   """A row-broadcast hyperparameter array -> 5-D [b, k, g, t, 1] padded along T."""
-  a = jnp.asarray(value, jnp.float32)
+  a = jnp.asarray(value, dtype)
   a = a.reshape((1,) * (4 - a.ndim) + a.shape)
   a = _heads5(a, N, K, G)
   if a.shape[3] == T and T != 1:
@@ -661,10 +664,10 @@ def _dense_counts(cfg: _Config, d: dict, aux: dict):
       if bias_rows is not None:
         vis = vis & (_slice(bias_rows, ks, cfg.bk, 4) > -jnp.inf)
       vis = jnp.broadcast_to(vis, (B, K, G, cfg.bq, cfg.bk))
-      return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(jnp.float32)
+      return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(cfg.dtype)
 
     return lax.fori_loop(aux["kb_lo"][qi], aux["kb_hi"][qi], body,
-                         jnp.zeros((B, K, G, cfg.bq, 1), jnp.float32))
+                         jnp.zeros((B, K, G, cfg.bq, 1), cfg.dtype))
 
   return _unblock(lax.map(q_block, jnp.arange(cfg.nq)))
 
@@ -707,15 +710,16 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   Tp, Sp = _round_up(T, bq), _round_up(S, bk)
   nq, nk = Tp // bq, Sp // bk
 
-  # differentiable inputs, float32, GQA view of q with the scale folded in
-  qs = (q.astype(jnp.float32) * call.scale).reshape(B, T, K, G, H)
+  cdt = compute_dtype(q.dtype)  # float32, or float64 for float64 inputs
+  # differentiable inputs in the compute dtype, GQA view of q with the scale folded in
+  qs = (q.astype(cdt) * call.scale).reshape(B, T, K, G, H)
   qs = _pad_axis(jnp.transpose(qs, (0, 2, 3, 1, 4)), 3, Tp)
-  k4 = _pad_axis(jnp.transpose(k.astype(jnp.float32), (0, 2, 1, 3)), 2, Sp)
-  v4 = _pad_axis(jnp.transpose(v.astype(jnp.float32), (0, 2, 1, 3)), 2, Sp)
+  k4 = _pad_axis(jnp.transpose(k.astype(cdt), (0, 2, 1, 3)), 2, Sp)
+  v4 = _pad_axis(jnp.transpose(v.astype(cdt), (0, 2, 1, 3)), 2, Sp)
   d = {"q": qs, "k": k4, "v": v4}
   has_bias = call.bias is not None
   if has_bias:
-    b5 = _heads5(call.bias.astype(jnp.float32), N, K, G)
+    b5 = _heads5(call.bias.astype(cdt), N, K, G)
     if T != 1:
       b5 = _pad_axis(b5, 3, Tp)
     if S != 1:
@@ -730,7 +734,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   static_hp, hp, hp_int = [], {}, {}
   for name, value in params.items():
     if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype, jnp.floating):
-      hp[name] = _params_5d(value, N, K, G, T, Tp)
+      hp[name] = _params_5d(value, N, K, G, T, Tp, cdt)
     elif isinstance(value, (jax.Array, np.ndarray)):
       hp_int[name] = jnp.asarray(value)  # integer arrays: not differentiable
     else:
@@ -758,7 +762,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
     aux["prune"] = _block_prune_table(d["cq"], d["ck"], bq, bk, call.decay_prune_threshold)
 
   cfg = _Config(
-      kind=kind, rule=rule, static_hp=tuple(static_hp), cap=call.logits_soft_cap, bq=bq,
+      kind=kind, dtype=cdt, rule=rule, static_hp=tuple(static_hp), cap=call.logits_soft_cap, bq=bq,
       bk=bk, nq=nq, nk=nk, T=T, S=S, has_bias=has_bias, has_mask=has_mask,
       has_decay=has_decay, has_prune=has_prune,
       may_skip_mask=not (has_bias or has_mask or st.has_segments))

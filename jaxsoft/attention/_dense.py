@@ -8,12 +8,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.normalizers._common import compute_dtype
 
 __all__ = ["dense_logits", "dense_attention"]
 
 
 def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=None):
-  r"""Logits [B, N, T, S] in float32, in the order every implementation uses.
+  r"""Logits [B, N, T, S] in float32 (float64 for float64 inputs), in the order every implementation uses.
 
   .. math::
     \ell_{bnij} = c\,\tanh\!\Big(\frac{s\, q_{bin} \cdot k_{bj\kappa(n)}
@@ -26,17 +27,18 @@ def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=Non
   B, T, N, H = q.shape
   K = k.shape[2]
   G = N // K
-  qg = q.astype(jnp.float32).reshape(B, T, K, G, H)
-  logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(jnp.float32))
+  cdt = compute_dtype(q.dtype)  # float32 (float64 for float64 inputs)
+  qg = q.astype(cdt).reshape(B, T, K, G, H)
+  logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(cdt))
   logits = scale * logits.reshape(B, N, T, k.shape[1])
   if decay_bias is not None:
     cq, ck = decay_bias
-    logits = logits + (jnp.transpose(cq.astype(jnp.float32), (0, 2, 1))[..., :, None]
-                       - jnp.transpose(ck.astype(jnp.float32), (0, 2, 1))[..., None, :])
+    logits = logits + (jnp.transpose(cq.astype(cdt), (0, 2, 1))[..., :, None]
+                       - jnp.transpose(ck.astype(cdt), (0, 2, 1))[..., None, :])
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   if bias is not None:
-    logits = logits + bias.astype(jnp.float32)
+    logits = logits + bias.astype(cdt)
   return logits
 
 
@@ -64,9 +66,9 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
   visible = jnp.broadcast_to(structure.dense(), logits.shape)
   if mask is not None:
     visible = visible & mask
-  weights = normalize(logits, visible).astype(jnp.float32)
+  weights = normalize(logits, visible).astype(logits.dtype)
   # exact zeros off the visible set, whatever the normalizer does there
   weights = jnp.where(visible, weights, 0.0)
   weights = weights.reshape(B, K, N // K, T, -1)
-  out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(jnp.float32))
+  out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(logits.dtype))
   return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
