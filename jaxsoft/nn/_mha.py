@@ -1,0 +1,368 @@
+"""``MultiHeadAttention``: a Flax NNX attention layer with every jaxsoft variant as an option.
+
+The layer is ``flax.nnx.MultiHeadAttention``'s projections around
+:func:`jaxsoft.attention.dot_product_attention`, plus the learned parameters of the
+variants (CATALOGUE A03, A07-A10), each held as an ``nnx.Param`` in an unconstrained
+form and mapped into its valid range by construction (DESIGN.md §4), never clipped:
+
+==================  ===================================  =================================
+option              parameter (per head)                 parameterisation
+==================  ===================================  =================================
+``sink=True``       sink logit (softmax_sink, A03)       free
+``learned=("s",)``  SSMax s (A09)                        ``softplus(z)``
+``("alpha",)``      entmax alpha (A10)                   ``1 + softplus(z)``
+``("temperature",)`` softmax temperature                 ``softplus(z)`` (> 0)
+other names         from the normalizer's Param range    softplus above a lower bound,
+                                                          sigmoid between two bounds
+``gated=True``      gate ``W_theta [D, N, H]``, bias     ``Y ⊙ sigmoid(X W + b)`` (A07)
+``forget_gate``     projection ``[D, N]``, bias          ``log f = log sigmoid(x w + b)``
+==================  ===================================  =================================
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.module import first_from
+from flax.nnx.nn import initializers
+from flax.nnx.nn.linear import default_kernel_init
+
+from jaxsoft.attention import _variants as variants
+from jaxsoft.nn._attention_fn import _flatten_logit_array, attend
+from jaxsoft.normalizers import _spec
+
+__all__ = ["MultiHeadAttention", "param_transform"]
+
+# Open bounds are kept open in floating point by this margin (softplus and sigmoid
+# saturate to exactly their limits for large |z|), relative to the bound's scale.
+_OPEN_MARGIN = 1e-3
+
+
+def param_transform(param: _spec.Param):
+  """``(to_range, from_range)`` for a normalizer hyperparameter, from its declared range.
+
+  * no bounds: the identity (e.g. a sink logit);
+  * a lower bound ``l`` only: ``l + softplus(z)`` (``1 + softplus(z)`` for entmax alpha,
+    ``softplus(z)`` for SSMax s and temperatures), plus a margin of ``1e-3·max(1, |l|)``
+    when the bound is open;
+  * an upper bound ``u`` only: ``u - softplus(-z)`` (margin likewise);
+  * both: ``l + (u - l)·sigmoid(z)``, shrunk by the margins of the open ends.
+
+  ``from_range`` inverts ``to_range`` (for initialising at the spec default).
+  """
+  low, high = param.low, param.high
+  lo_m = _OPEN_MARGIN * max(1.0, abs(low)) if (low is not None and param.low_open) else 0.0
+  hi_m = _OPEN_MARGIN * max(1.0, abs(high)) if (high is not None and param.high_open) else 0.0
+  if low is None and high is None:
+    return (lambda z: z), (lambda y: jnp.asarray(y, jnp.float32))
+  if high is None:
+    return (lambda z: variants.softplus_to_range(z, low, lo_m),
+            lambda y: variants.softplus_from_range(y, low, lo_m))
+  if low is None:
+    return (lambda z: -variants.softplus_to_range(-z, -high, hi_m),
+            lambda y: -variants.softplus_from_range(-jnp.asarray(y), -high, hi_m))
+  a, b = low + lo_m, high - hi_m
+  if not a < b:
+    raise ValueError(f"parameter `{param.name}`: empty range [{low}, {high}]")
+
+  def to_range(z):
+    z = jnp.asarray(z)
+    return a + (b - a) * jax.nn.sigmoid(z.astype(jnp.promote_types(z.dtype, jnp.float32)))
+
+  def from_range(y):
+    u = (jnp.asarray(y, jnp.float32) - a) / (b - a)
+    return jnp.log(u) - jnp.log1p(-u)
+
+  return to_range, from_range
+
+
+def _init_value(param: _spec.Param, normalizer_name: str):
+  if param.default is not None:
+    return float(param.default)
+  if param.sample is not None:
+    return float(param.sample)
+  raise ValueError(
+      f"MultiHeadAttention: `learned` parameter {param.name!r} of {normalizer_name!r} has no "
+      "default to initialise from")
+
+
+class MultiHeadAttention(nnx.Module):
+  r"""Multi-head attention with any jaxsoft normalizer and the variants' learned parameters.
+
+  .. math::
+    \mathrm{MHA}(X_q, X_k, X_v) = \big[\, g_n \odot f_n\big(Q_n K_{n'}^\top/\sqrt{d}
+      + D\big) V_{n'} \big]_{n=1}^{N} W_O
+
+  with ``Q = X_q W_Q``, ``K = X_k W_K``, ``V = X_v W_V`` (``num_kv_heads`` K/V heads shared
+  by groups of query heads: GQA), ``f_n`` the normalizer with head ``n``'s hyperparameters,
+  ``D`` the optional FoX forget-gate decay (A08) and ``g_n`` the optional output gate (A07).
+
+  Args:
+    num_heads: number of query heads N.
+    in_features: input feature size D (of ``inputs_q``; also ``inputs_k``/``inputs_v``).
+    qkv_features: total q/k/v size (default ``in_features``), divisible by ``num_heads``.
+    out_features: output size (default ``in_features``).
+    num_kv_heads: number of key/value heads K (default N); N % K == 0.
+    normalizer: a registered name (or NormalizerSpec / callable when nothing is learned).
+    normalizer_params: fixed hyperparameters of the normalizer.
+    learned: names of normalizer hyperparameters to learn per head (e.g. ``("alpha",)``
+      for entmax, ``("s",)`` for ssmax, ``("temperature",)`` for softmax); each starts at
+      the normalizer's default and stays in its valid range (see the module docstring).
+    gated: add the A07 output gate ``Y ⊙ sigmoid(X_q W_theta + b)`` (elementwise per head).
+    forget_gate: add the A08 FoX forget gate ``log f_t = log sigmoid(x_t w + b)`` per head
+      (self-attention; the call is then causal).
+    forget_bias_init: initial forget-gate bias (``f = sigmoid(b)`` at zero input).
+    forget_prune_epsilon: with ``forget_gate``, turn on ACP pruning with this weight bound
+      (:func:`jaxsoft.attention._variants.acp_prune_threshold`; softmax only).
+    sink: learn a per-head sink logit (``softmax``/``softmax_1`` become ``softmax_sink``).
+    implementation: passed to ``dot_product_attention``.
+    dropout_rate, broadcast_dropout, deterministic: dropout on the attention weights, as
+      in ``flax.nnx.MultiHeadAttention`` (computed through the dense weights).
+    use_bias, kernel_init, bias_init, precision: of the q/k/v/out projections.
+    dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
+    rngs: ``nnx.Rngs`` for initialisation (and dropout).
+  """
+
+  def __init__(
+      self,
+      num_heads: int,
+      in_features: int,
+      qkv_features: int | None = None,
+      out_features: int | None = None,
+      *,
+      num_kv_heads: int | None = None,
+      normalizer: Any = "softmax",
+      normalizer_params: dict | None = None,
+      learned: Sequence[str] = (),
+      gated: bool = False,
+      forget_gate: bool = False,
+      forget_bias_init: float = 0.0,
+      forget_prune_epsilon: float | None = None,
+      sink: bool = False,
+      implementation: Any = None,
+      dropout_rate: float = 0.0,
+      broadcast_dropout: bool = True,
+      deterministic: bool | None = None,
+      use_bias: bool = True,
+      kernel_init=default_kernel_init,
+      bias_init=initializers.zeros_init(),
+      precision=None,
+      dtype=None,
+      param_dtype=jnp.float32,
+      rngs: nnx.Rngs,
+  ):
+    name = "MultiHeadAttention"
+    qkv_features = in_features if qkv_features is None else qkv_features
+    out_features = in_features if out_features is None else out_features
+    num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+    for arg, val in (("num_heads", num_heads), ("in_features", in_features),
+                     ("qkv_features", qkv_features), ("out_features", out_features),
+                     ("num_kv_heads", num_kv_heads)):
+      if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"{name}: `{arg}` must be a positive int, got {val!r}")
+    if qkv_features % num_heads:
+      raise ValueError(
+          f"{name}: `qkv_features` ({qkv_features}) must be divisible by `num_heads` "
+          f"({num_heads})")
+    if num_heads % num_kv_heads:
+      raise ValueError(
+          f"{name}: `num_heads` ({num_heads}) must be divisible by `num_kv_heads` "
+          f"({num_kv_heads})")
+    if not 0.0 <= dropout_rate < 1.0:
+      raise ValueError(f"{name}: `dropout_rate` must be in [0, 1), got {dropout_rate}")
+    if isinstance(learned, str):
+      learned = (learned,)
+    learned = tuple(learned)
+    normalizer_params = dict(normalizer_params or {})
+
+    if sink:
+      if normalizer in ("softmax", "softmax_1"):
+        normalizer = "softmax_sink"
+      spec = _spec.resolve(normalizer)
+      if not (isinstance(spec, _spec.NormalizerSpec)
+              and any(p.name == "sink_logit" for p in spec.params)):
+        raise ValueError(
+            f"{name}: `sink` needs normalizer 'softmax', 'softmax_1' or one with a "
+            f"`sink_logit` hyperparameter, got {normalizer!r}")
+      if "sink_logit" not in learned:
+        learned = learned + ("sink_logit",)
+    spec = _spec.resolve(normalizer)
+    if isinstance(spec, _spec.NormalizerSpec):
+      spec.validate(normalizer_params)
+    elif learned:
+      raise ValueError(
+          f"{name}: `learned` needs a registered normalizer (a name or NormalizerSpec) to "
+          f"know the parameters' ranges, got {normalizer!r}")
+    if forget_prune_epsilon is not None and not forget_gate:
+      raise ValueError(f"{name}: `forget_prune_epsilon` needs `forget_gate=True`")
+    if forget_prune_epsilon is not None and not 0.0 < forget_prune_epsilon < 1.0:
+      raise ValueError(
+          f"{name}: `forget_prune_epsilon` must be in (0, 1), got {forget_prune_epsilon}")
+
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.in_features = in_features
+    self.qkv_features = qkv_features
+    self.out_features = out_features
+    self.head_dim = qkv_features // num_heads
+    self.normalizer = normalizer
+    self.normalizer_params = normalizer_params
+    self.learned = learned
+    self.gated = gated
+    self.forget_gate = forget_gate
+    self.forget_prune_epsilon = forget_prune_epsilon
+    self.implementation = implementation
+    self.dropout_rate = dropout_rate
+    self.broadcast_dropout = broadcast_dropout
+    self.deterministic = deterministic
+    self.precision = precision
+    self.dtype = dtype
+    self.param_dtype = param_dtype
+
+    # Learned normalizer hyperparameters, stored free, one per head.
+    free = {}
+    for pname in learned:
+      if pname in normalizer_params:
+        raise ValueError(
+            f"{name}: `learned` parameter {pname!r} is also fixed in `normalizer_params`")
+      try:
+        p = spec.param(pname)
+      except KeyError:
+        raise ValueError(
+            f"{name}: `learned` names {pname!r}, which normalizer {spec.name!r} does not take "
+            f"(it takes {[q.name for q in spec.params]})") from None
+      _, from_range = param_transform(p)
+      z0 = from_range(_init_value(p, spec.name))
+      free[pname] = nnx.Param(jnp.full((num_heads,), z0, param_dtype))
+    self.normalizer_free = nnx.Dict(free)
+
+    def linear(in_f, out_f, axis=-1):
+      return nnx.LinearGeneral(
+          in_f, out_f, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=kernel_init, bias_init=bias_init, precision=precision, rngs=rngs)
+
+    self.query = linear(in_features, (num_heads, self.head_dim))
+    self.key = linear(in_features, (num_kv_heads, self.head_dim))
+    self.value = linear(in_features, (num_kv_heads, self.head_dim))
+    self.out = linear((num_heads, self.head_dim), out_features, axis=(-2, -1))
+
+    if gated:
+      self.gate_kernel = nnx.Param(
+          kernel_init(rngs.params(), (in_features, num_heads, self.head_dim), param_dtype))
+      self.gate_bias = nnx.Param(jnp.zeros((num_heads, self.head_dim), param_dtype))
+    if forget_gate:
+      self.forget_kernel = nnx.Param(
+          kernel_init(rngs.params(), (in_features, num_heads), param_dtype))
+      self.forget_bias = nnx.Param(jnp.full((num_heads,), forget_bias_init, param_dtype))
+    self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+
+  def normalizer_values(self) -> dict[str, jax.Array]:
+    """The learned hyperparameters in their valid range, ``{name: [num_heads]}`` (float32)."""
+    spec = _spec.resolve(self.normalizer)
+    out = {}
+    for pname, z in self.normalizer_free.items():
+      to_range, _ = param_transform(spec.param(pname))
+      out[pname] = to_range(jnp.asarray(z[...], jnp.float32))
+    return out
+
+  def log_forget_gates(self, inputs):
+    """``log f = log sigmoid(x w + b)``, ``[batch..., T, N]`` in float32 (forget_gate only)."""
+    if not self.forget_gate:
+      raise ValueError("MultiHeadAttention.log_forget_gates: the layer has no `forget_gate`")
+    x = jnp.asarray(inputs, jnp.float32)
+    logits = x @ self.forget_kernel[...].astype(jnp.float32) + self.forget_bias[...].astype(
+        jnp.float32)
+    return jax.nn.log_sigmoid(logits)
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+               is_causal: bool = False, segment_ids=None, deterministic: bool | None = None,
+               rngs=None, sow_weights: bool = False, **attention_kwargs):
+    """Applies attention; inputs ``[batch..., length, in_features]``.
+
+    ``inputs_k`` defaults to ``inputs_q`` and ``inputs_v`` to ``inputs_k``. ``mask`` is
+    broadcast to ``[batch..., num_heads, T, S]`` (True = attend); ``is_causal``: query i
+    sees keys j <= i; ``segment_ids`` as in ``dot_product_attention`` (``[batch, T]``
+    for a packed self-attention batch). ``deterministic`` (or the constructor's) turns
+    dropout off; ``rngs`` overrides the dropout stream; ``sow_weights`` sows the weights
+    into ``nnx.Intermediate`` under ``'attention_weights'``. Other keywords go to
+    ``dot_product_attention`` (``local_window_size``, ``query_seq_lengths``, ...).
+    """
+    name = "MultiHeadAttention"
+    if inputs_k is None:
+      if inputs_v is not None:
+        raise ValueError(f"{name}: `inputs_k` cannot be None when `inputs_v` is given")
+      inputs_k = inputs_q
+    if inputs_v is None:
+      inputs_v = inputs_k
+    xq, xk, xv = (jnp.asarray(a) for a in (inputs_q, inputs_k, inputs_v))
+    for arg, a in (("inputs_q", xq), ("inputs_k", xk), ("inputs_v", xv)):
+      if a.ndim < 2 or a.shape[-1] != self.in_features:
+        raise ValueError(
+            f"{name}: `{arg}` must have shape [batch..., length, {self.in_features}], got "
+            f"{a.shape}")
+    batch = tuple(xq.shape[:-2])
+    if tuple(xk.shape[:-2]) != batch or tuple(xv.shape[:-2]) != batch:
+      raise ValueError(f"{name}: `inputs_q`, `inputs_k`, `inputs_v` batch shapes differ: "
+                       f"{xq.shape}, {xk.shape}, {xv.shape}")
+    if xk.shape[-2] != xv.shape[-2]:
+      raise ValueError(f"{name}: `inputs_k` and `inputs_v` lengths differ: {xk.shape[-2]} "
+                       f"and {xv.shape[-2]}")
+    bsz = math.prod(batch)
+    xq = xq.reshape((bsz,) + xq.shape[-2:])
+    xk = xk.reshape((bsz,) + xk.shape[-2:])
+    xv = xv.reshape((bsz,) + xv.shape[-2:])
+
+    q = self.query(xq)
+    k = self.key(xk)
+    v = self.value(xv)
+
+    params = dict(self.normalizer_params)
+    for pname, val in self.normalizer_values().items():
+      params[pname] = val.reshape(self.num_heads, 1, 1)
+
+    kw = dict(attention_kwargs)
+    if segment_ids is not None:
+      kw["segment_ids"] = segment_ids
+    if self.forget_gate:
+      if xk.shape[-2] != xq.shape[-2]:
+        raise ValueError(
+            f"{name}: `forget_gate` needs self-attention (keys as long as queries), got "
+            f"T={xq.shape[-2]}, S={xk.shape[-2]}")
+      is_causal = True  # the decay c_i - c_j is a forgetting bias only for j <= i
+      kw["decay_bias"] = variants.forget_gate_decay(self.log_forget_gates(xq))
+      if self.forget_prune_epsilon is not None:
+        kw["decay_prune_threshold"] = variants.acp_prune_threshold(
+            q, k, epsilon=self.forget_prune_epsilon)
+
+    if self.dropout_rate > 0.0:
+      deterministic = first_from(
+          deterministic, self.deterministic,
+          error_msg=f"{name}: no `deterministic` given to __call__ or the constructor")
+      if not deterministic:
+        stream = self.rngs if rngs is None else (
+            rngs.dropout if isinstance(rngs, nnx.Rngs) else rngs)
+        if stream is None:
+          raise ValueError(f"{name}: `rngs` is needed for dropout")
+        dropout_rng = stream()
+      else:
+        dropout_rng = None
+    else:
+      deterministic, dropout_rng = True, None
+
+    m = _flatten_logit_array(mask, batch, "mask", name)
+    if m is not None:
+      m = m.astype(bool)
+    y = attend(
+        q, k, v, None, m, normalizer=self.normalizer, normalizer_params=params or None,
+        implementation=self.implementation, dropout_rng=dropout_rng,
+        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+        deterministic=deterministic, module=self if sow_weights else None,
+        precision=self.precision, batch_shape=batch, is_causal=is_causal, **kw)
+    if self.gated:
+      y = variants.gated_attention_output(y, xq, self.gate_kernel[...], self.gate_bias[...])
+    out = self.out(y)
+    return out.reshape(batch + out.shape[1:])
