@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -68,9 +67,9 @@ def restore_params(path: str, abstract_params: Any) -> tuple[Any, int]:
     if step is None:
       raise FileNotFoundError(f"--init_from {path!r}: no checkpoint found")
     step_dir = root / str(step)
-  abstract_state = {"params": abstract_params}
+  target = {"params": abstract_params}  # a partial restore: the optimizer state is not read
+  args = ocp.args.PyTreeRestore(item=target, partial_restore=True,
+                                restore_args=ocp.checkpoint_utils.construct_restore_args(target))
   with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
-    restored = ckptr.restore(step_dir, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state, strict=False)))
-  params = restored["state"]["params"]
-  return jax.tree.map(lambda x: x, params), step
+    restored = ckptr.restore(step_dir, args=ocp.args.Composite(state=args))
+  return restored["state"]["params"], step
