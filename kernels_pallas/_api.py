@@ -171,7 +171,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
   for name_, val in sorted(params.items()):
     if E.is_static_scalar(val):
       if val is not None:
-        static_hp.append((name_, float(val) if not isinstance(val, bool) else val))
+        static_hp.append((name_, val))
     else:
       dyn_names.append(name_)
       dyn_vals.append(val)
@@ -213,11 +213,12 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
       has_sink=sinks is not None, scale=scale, soft_cap=logits_soft_cap, causal=bool(is_causal),
       window=window, has_segments=has_segments, t=t, s=s, t_pad=t_pad, s_pad=s_pad,
       head_dim=h, head_dim_pad=h_pad, num_heads=n, num_kv_heads=kh, blocks=bl,
-      backend=backend, interpret=interpret, debug=debug)
+      backend=backend, interpret=interpret, debug=debug,
+      acc="float64" if q.dtype == jnp.float64 else "float32")
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
   def rows(x, name_):
-    r = E.row_broadcast(x, b, n, t, name_)
+    r = E.row_broadcast(x, b, n, t, name_, cfg.acc_dtype)
     return jnp.pad(r, ((0, 0), (0, 0), (0, t_pad - t)), mode="edge")[..., None]
 
   dyn = tuple(rows(x, nm) for x, nm in zip(dyn_vals, dyn_names))
@@ -225,7 +226,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
 
   length = E.visible_counts(t, s, cfg.causal, window, q_seg, k_seg)
   length = jnp.broadcast_to(length, (b, t))
-  length = jnp.pad(length, ((0, 0), (0, t_pad - t)))[..., None]
+  length = jnp.pad(length, ((0, 0), (0, t_pad - t)))[..., None].astype(cfg.acc_dtype)
   q_seg_p = k_seg_p = None
   if has_segments:
     q_seg_p = jnp.pad(q_seg, ((0, 0), (0, t_pad - t)), constant_values=E.Q_PAD_SEGMENT)

@@ -131,6 +131,11 @@ class Config:
   backend: str
   interpret: Any
   debug: bool = False
+  acc: str = "float32"  # the compute dtype: float32, or float64 for float64 inputs
+
+  @property
+  def acc_dtype(self):
+    return jnp.dtype(self.acc)
 
   @property
   def groups(self) -> int:
@@ -164,7 +169,7 @@ class Config:
 
 def tile_logits(cfg: Config, q, k):
   """s = cap * tanh(scale * q k^T / cap) in float32; q [bq, H], k [bk, H]."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=cfg.acc_dtype)
   s = s * cfg.scale
   if cfg.soft_cap is not None:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
@@ -227,9 +232,9 @@ def _masked(x, mask):
 
 
 def init_state(cfg: Config, bq: int, hd: int):
-  m = jnp.full((bq, 1), -jnp.inf, jnp.float32)
-  l = jnp.zeros((bq, 1), jnp.float32)
-  acc = jnp.zeros((bq, hd), jnp.float32)
+  m = jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype)
+  l = jnp.zeros((bq, 1), cfg.acc_dtype)
+  acc = jnp.zeros((bq, hd), cfg.acc_dtype)
   return m, l, acc
 
 
@@ -261,7 +266,7 @@ def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
     z = _scores(cfg, s, mask, m_use, length, hp)
   num = _masked(rule.numerator(z, m_use, **hp), mask)
   pv = jax.lax.dot_general(num.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32)
+                           preferred_element_type=cfg.acc_dtype)
   if cfg.normalized:
     den = _masked(rule.denominator(z, m_use, **hp), mask)
     l_add = jnp.sum(den, axis=1, keepdims=True)
@@ -472,7 +477,8 @@ def _core_fwd(cfg, q, k, v, dyn, sink, aux):
 
 def _core_bwd(cfg, res, do):
   q, k, v, dyn, sink, aux, o, m, d = res
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(jnp.float32), do.astype(jnp.float32))[..., None]
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
+                     do.astype(cfg.acc_dtype))[..., None]
   drv = _driver(cfg)
   dq, ddyn = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux)
   dk, dv = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux)

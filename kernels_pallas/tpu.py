@@ -20,6 +20,11 @@ from kernels_pallas import engine as E
 __all__ = ["forward", "backward_dq", "backward_dkv"]
 
 
+def _div(x, g: int):
+  # lax.div, not //: floor division lowers through sign, which Mosaic resolves per chip.
+  return jax.lax.div(x, jnp.asarray(g, x.dtype))
+
+
 def _interpret(cfg):
   # True: the generic Pallas interpreter; a pltpu.InterpretParams: TPU interpret mode.
   return cfg.interpret if cfg.interpret is not None else False
@@ -46,7 +51,7 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
 
   def kv_index(bi, ni, qi, ki, lo, hi):
     r = bi * nq + qi
-    return bi, jax.lax.div(ni, g), _clamp(ki, lo[r], hi[r]), 0
+    return bi, _div(ni, g), _clamp(ki, lo[r], hi[r]), 0
 
   q_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
   row_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
@@ -70,13 +75,13 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
   args += extra
   out_shape = [
       jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), q.dtype),
-      jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32),
-      jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32),
+      jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype),
+      jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype),
   ]
   out_specs = [pl.BlockSpec((None, None, bq, hp), q_index),
                _row_spec(bq, row_index), _row_spec(bq, row_index)]
-  scratch = [pltpu.VMEM((bq, 1), jnp.float32), pltpu.VMEM((bq, 1), jnp.float32),
-             pltpu.VMEM((bq, hp), jnp.float32)]
+  scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, 1), cfg.acc_dtype),
+             pltpu.VMEM((bq, hp), cfg.acc_dtype)]
   n_dyn = len(dyn)
   has_sink = sink is not None
 
@@ -145,7 +150,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
   def kv_index(bi, ni, qi, ki, lo, hi):
     r = bi * nq + qi
-    return bi, jax.lax.div(ni, g), _clamp(ki, lo[r], hi[r]), 0
+    return bi, _div(ni, g), _clamp(ki, lo[r], hi[r]), 0
 
   q_index = lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, 0)
   in_specs = [
@@ -168,11 +173,11 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   in_specs += [_row_spec(bq, q_index) for _ in dyn]
   args += list(dyn)
   n_dyn = len(dyn)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), jnp.float32)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32) for _ in dyn]
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype) for _ in dyn]
   out_specs = [pl.BlockSpec((None, None, bq, hp), q_index)]
   out_specs += [_row_spec(bq, q_index) for _ in dyn]
-  scratch = [pltpu.VMEM((bq, hp), jnp.float32)] + [pltpu.VMEM((bq, 1), jnp.float32)
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)] + [pltpu.VMEM((bq, 1), cfg.acc_dtype)
                                                    for _ in dyn]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
@@ -203,13 +208,13 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                          qs_ref[...] if qs_ref is not None else None,
                          ks_ref[...] if ks_ref is not None else None)
       dp = jax.lax.dot_general(do_ref[...], v_ref[...], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=cfg.acc_dtype)
       dyn_v = tuple(rf[...] for rf in dyn_refs)
       _, ds, ddyn = E.backward_tile(cfg, s, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                     len_ref[...], dyn_v)
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
       dq_sc[...] += jax.lax.dot_general(ds.astype(kt.dtype), kt, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+                                        preferred_element_type=cfg.acc_dtype)
       for sc, x in zip(ddyn_sc, ddyn):
         sc[...] += x
 
@@ -269,9 +274,9 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   in_specs += [_row_spec(bq, q_index) for _ in dyn]
   args += list(dyn)
   n_dyn = len(dyn)
-  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), jnp.float32)] * 2
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)] * 2
   out_specs = [pl.BlockSpec((None, None, bk, hp), kv_index)] * 2
-  scratch = [pltpu.VMEM((bk, hp), jnp.float32), pltpu.VMEM((bk, hp), jnp.float32)]
+  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hp), cfg.acc_dtype)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     refs = list(refs)
@@ -297,15 +302,15 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                          qs_ref[...] if qs_ref is not None else None,
                          ks_ref[...] if ks_ref is not None else None)
       dp = jax.lax.dot_general(dot_, vt, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=cfg.acc_dtype)
       dyn_v = tuple(rf[...] for rf in dyn_refs)
       w, ds, _ = E.backward_tile(cfg, s, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                  len_ref[...], dyn_v)
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
       dv_sc[...] += jax.lax.dot_general(w.T.astype(dot_.dtype), dot_, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+                                        preferred_element_type=cfg.acc_dtype)
       dk_sc[...] += jax.lax.dot_general(ds.T.astype(qt.dtype), qt, (((1,), (0,)), ((), ())),
-                                        preferred_element_type=jnp.float32)
+                                        preferred_element_type=cfg.acc_dtype)
 
     @pl.when(jnp.logical_and(gi == g - 1, qi == nq - 1))
     def _finish():

@@ -21,6 +21,11 @@ from kernels_pallas import engine as E
 __all__ = ["forward", "backward_dq", "backward_dkv"]
 
 
+def _div(x, g: int):
+  # lax.div, not //: floor division lowers through sign, which Mosaic resolves per chip.
+  return jax.lax.div(x, jnp.asarray(g, x.dtype))
+
+
 def _params(cfg, bq):
   warps = 4 if cfg.head_dim_pad <= 64 and bq <= 64 else 8
   return plgpu.CompilerParams(num_warps=warps, num_stages=2)
@@ -43,8 +48,8 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
   in_specs = [
       _scalar_spec(), _scalar_spec(),
       pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0)),
-      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, jax.lax.div(ni, g), 0)),
-      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, jax.lax.div(ni, g), 0)),
+      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0)),
+      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0)),
   ]
   args = [aux.fwd_lo, aux.fwd_hi, q, k, v]
   if cfg.has_segments:
@@ -58,8 +63,8 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
   in_specs += [row] * len(extra)
   args += extra
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32),
-               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32)]
+               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype),
+               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
   out_specs = [pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0)), row, row]
   n_dyn, has_sink = len(dyn), sink is not None
 
@@ -101,7 +106,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   b, n, hp, g = q.shape[0], cfg.num_heads, cfg.head_dim_pad, cfg.groups
   nq = cfg.t_pad // bq
   q_spec = pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0))
-  kv_spec = pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, jax.lax.div(ni, g), 0))
+  kv_spec = pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0))
   row = pl.BlockSpec((None, None, bq, 1), lambda qi, bi, ni: (bi, ni, qi, 0))
   in_specs = [_scalar_spec(), _scalar_spec(), q_spec, kv_spec, kv_spec, q_spec, row, row, row]
   args = [aux.dq_lo, aux.dq_hi, q, k, v, do, m, d, delta]
@@ -114,8 +119,8 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   in_specs += [row] * len(dyn)
   args += list(dyn)
   n_dyn = len(dyn)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), jnp.float32)] * n_dyn
+  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
   out_specs = [q_spec] + [row] * n_dyn
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
@@ -137,15 +142,15 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          ks_ref[:, sl] if ks_ref is not None else None)
       dp = jax.lax.dot_general(dot_, v_ref[sl, :], (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+                               preferred_element_type=cfg.acc_dtype)
       _, ds, dd = E.backward_tile(cfg, s, mask, mt, dt, delt, dp, length, dyn_v)
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
       dq = dq + jax.lax.dot_general(ds.astype(kt.dtype), kt, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=jnp.float32)
+                                    preferred_element_type=cfg.acc_dtype)
       return dq, tuple(a + x for a, x in zip(ddyn, dd))
 
-    init = (jnp.zeros((bq, hp), jnp.float32),
-            tuple(jnp.zeros((bq, 1), jnp.float32) for _ in range(n_dyn)))
+    init = (jnp.zeros((bq, hp), cfg.acc_dtype),
+            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_dyn)))
     dq, ddyn = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, init)
     dq_ref[...] = dq
     for rf, x in zip(ddyn_refs, ddyn):
@@ -178,7 +183,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   in_specs += [row] * len(dyn)
   args += list(dyn)
   n_dyn = len(dyn)
-  out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float32)] * 2
+  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)] * 2
   out_specs = [kv_spec, kv_spec]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
@@ -191,7 +196,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     dyn_refs = [refs.pop(0) for _ in range(n_dyn)]
     dk_ref, dv_ref = refs
     kt, vt = k_ref[...], v_ref[...]
-    carry = (jnp.zeros((bk, hp), jnp.float32), jnp.zeros((bk, hp), jnp.float32))
+    carry = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hp), cfg.acc_dtype))
     for gi in range(g):  # the query heads sharing this KV head
 
       def body(i, carry, gi=gi):
@@ -202,15 +207,15 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            qs_ref[sl, :] if qs_ref is not None else None, ks)
         dp = jax.lax.dot_general(dot_, vt, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=jnp.float32)
+                                 preferred_element_type=cfg.acc_dtype)
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
         w, ds, _ = E.backward_tile(cfg, s, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
                                    delta_ref[gi, sl, :], dp, len_ref[sl, :], dyn_v)
         ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
         dv = dv + jax.lax.dot_general(w.astype(dot_.dtype), dot_, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
+                                      preferred_element_type=cfg.acc_dtype)
         dk = dk + jax.lax.dot_general(ds.astype(qt.dtype), qt, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=jnp.float32)
+                                      preferred_element_type=cfg.acc_dtype)
         return dk, dv
 
       carry = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, carry)
