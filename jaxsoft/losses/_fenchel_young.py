@@ -53,7 +53,8 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
   shift invariant for targets on the simplex), with
   :math:`\sum_j p_j^\alpha - 1 = \sum_j p_j \operatorname{expm1}((\alpha-1)\log p_j)` so
   that alpha near 1 loses no precision; tiny negative rounding is clipped to 0 in the
-  value (not in the gradient). Probability targets must lie on the simplex of the visible
+  value (not in the gradient), and centred logits below the float range are clamped to
+  its edge (so the loss stays finite, never NaN, for any finite logits). Probability targets must lie on the simplex of the visible
   classes; mass on masked classes is dropped. Masked / ignored examples and labels naming
   no visible class are handled as in :func:`softmax_cross_entropy_with_integer_labels`
   (loss 0, resp. ``+inf``). Gradients in probability ``labels`` are exact up to a
@@ -101,7 +102,7 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
 
   # The loss is invariant to a per-row shift of the logits (for simplex targets): centre
   # them so <theta, p - y> does not cancel catastrophically for huge logits.
-  z = jnp.where(mask, x - nc.masked_max(x, mask, axis), 0.0)
+  z = jnp.where(mask, _centre(x, nc.masked_max(x, mask, axis)), 0.0)
   alpha_arr = jnp.asarray(1.0 if alpha is None else alpha, x.dtype) if name != "softmax" else None
   conjugate = _conjugate(z, mask, alpha_arr, axis, name)
   loss = conjugate - jnp.sum(z * y, axis=axis) + _omega(y, alpha_arr, axis)
@@ -143,6 +144,18 @@ def _alpha(name: str, hparams, fn_name: str):
   if np.any(np.isnan(values)) or np.any(values <= 1.0):
     raise ValueError(f"{fn_name}: entmax `alpha` must be > 1, got {alpha}")
   return alpha
+
+
+@jax.custom_jvp
+def _centre(x, m):
+  """``x - m`` kept finite (it overflows for logits of opposite sign near the float max),
+  with the derivative of ``x - m``: the loss stays finite and its gradient p - y."""
+  return jnp.maximum(x - m, -jnp.finfo(x.dtype).max)
+
+
+@_centre.defjvp
+def _centre_jvp(primals, tangents):
+  return _centre(*primals), tangents[0] - tangents[1]
 
 
 def _omega(p, alpha, axis: int):

@@ -1,0 +1,282 @@
+"""L02 Fenchel-Young losses against optax, the definition computed densely, and p - y."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoft as js
+
+fy = js.losses.fenchel_young_loss
+
+
+# ------------------------------------------------------- dense float64 references (numpy)
+
+
+def _ref_weights(z, alpha):
+  """argmax_p <z, p> - Omega_alpha(p) over the simplex, one row, float64."""
+  z = np.asarray(z, np.float64)
+  if alpha == 1.0:
+    e = np.exp(z - z.max())
+    return e / e.sum()
+  if alpha == 2.0:  # sparsemax by sorting (Martins & Astudillo 2016)
+    s = np.sort(z)[::-1]
+    cs = np.cumsum(s)
+    k = np.arange(1, len(z) + 1)
+    support = k[1 + k * s > cs].max()
+    tau = (cs[support - 1] - 1) / support
+    return np.maximum(z - tau, 0.0)
+  # alpha-entmax by bisection on tau: p = [(alpha-1) z - tau]_+^(1/(alpha-1)), sum p = 1
+  zs = (alpha - 1) * z
+  lo, hi = zs.max() - 1.0, zs.max()
+  for _ in range(200):
+    mid = (lo + hi) / 2
+    if np.sum(np.maximum(zs - mid, 0.0) ** (1 / (alpha - 1))) >= 1:
+      lo = mid
+    else:
+      hi = mid
+  p = np.maximum(zs - lo, 0.0) ** (1 / (alpha - 1))
+  return p / p.sum()
+
+
+def _ref_omega(p, alpha):
+  p = np.asarray(p, np.float64)
+  if alpha == 1.0:
+    return float(np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1.0)), 0.0)))
+  return float((np.sum(p ** alpha) - 1.0) / (alpha * (alpha - 1.0)))
+
+
+def _ref_loss_and_grad(x, y, alpha):
+  """The definition Omega(y) - Omega(p) + <x, p - y> and its gradient p - y, per row."""
+  x = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+  y = np.asarray(y, np.float64).reshape(x.shape)
+  alphas = np.broadcast_to(np.asarray(alpha, np.float64).reshape(-1), (x.shape[0],))
+  loss, grad = np.zeros(x.shape[0]), np.zeros_like(x)
+  for r in range(x.shape[0]):
+    p = _ref_weights(x[r], alphas[r])
+    loss[r] = _ref_omega(y[r], alphas[r]) - _ref_omega(p, alphas[r]) + x[r] @ (p - y[r])
+    grad[r] = p - y[r]
+  return loss, grad
+
+
+def _logits(seed, shape, scale=1.5, dtype=jnp.float32):
+  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+
+
+def _value_and_vjp(f, *args, seed=99):
+  """f(*args) and its VJP with a random cotangent (one jitted call)."""
+
+  @jax.jit
+  def run(*a):
+    out, vjp = jax.vjp(f, *a)
+    ct = jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
+    return out, vjp(ct), ct
+
+  return run(*args)
+
+
+NAMES = [("softmax", {}, 1.0), ("sparsemax", {}, 2.0), ("entmax15", {}, 1.5),
+         ("entmax", {"alpha": 1.3}, 1.3), ("entmax", {"alpha": 1.5}, 1.5),
+         ("entmax", {"alpha": 2.5}, 2.5)]
+
+
+# ------------------------------------------------------------------------------ tests
+
+
+@pytest.mark.parametrize("name,hp,alpha", NAMES)
+def test_matches_definition_and_gradient_is_p_minus_y(name, hp, alpha):
+  x = _logits(0, (6, 7))
+  labels = jax.random.randint(jax.random.key(1), (6,), 0, 7)
+  targets = jax.nn.softmax(2 * jax.random.normal(jax.random.key(2), (6, 7)))
+  targets = targets.at[0].set(jnp.array([0.5, 0.5, 0, 0, 0, 0, 0]))  # zeros in the target
+  for y_arg, y_dense in ((labels, jax.nn.one_hot(labels, 7)), (targets, targets)):
+    out, (dx,), ct = _value_and_vjp(lambda a, y=y_arg: fy(a, y, name, **hp), x)
+    ref_loss, ref_grad = _ref_loss_and_grad(x, y_dense, alpha)
+    chex.assert_trees_all_close(out, ref_loss.astype(np.float32), rtol=1e-4, atol=2e-5)
+    chex.assert_trees_all_close(dx, (ct[:, None] * ref_grad).astype(np.float32), rtol=1e-4,
+                                atol=2e-5)
+    assert np.all(out >= 0.0)
+
+
+def test_softmax_is_cross_entropy_and_kl():
+  x = _logits(3, (5, 6))
+  labels = jax.random.randint(jax.random.key(4), (5,), 0, 6)
+  out, (dx,), _ = _value_and_vjp(lambda a: fy(a, labels, "softmax"), x)
+  ref, (rdx,), _ = _value_and_vjp(
+      lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, labels), x)
+  chex.assert_trees_all_close((out, dx), (ref, rdx), rtol=1e-5, atol=1e-6)
+  y = jax.nn.softmax(jax.random.normal(jax.random.key(5), (5, 6)))
+  kl = optax.losses.softmax_cross_entropy(x, y) + jnp.sum(y * jnp.log(y), -1)
+  chex.assert_trees_all_close(fy(x, y, "softmax"), kl, rtol=1e-5, atol=1e-6)
+
+
+def test_sparsemax_matches_optax_multiclass_sparsemax_loss():
+  x = _logits(6, (8, 5))
+  labels = jax.random.randint(jax.random.key(7), (8,), 0, 5)
+  out, (dx,), _ = _value_and_vjp(lambda a: fy(a, labels, "sparsemax"), x)
+  ref, (rdx,), _ = _value_and_vjp(
+      lambda a: optax.losses.multiclass_sparsemax_loss(a, labels), x)
+  chex.assert_trees_all_close((out, dx), (ref, rdx), rtol=1e-5, atol=1e-6)
+  p = optax.projections.projection_simplex(x[0])
+  chex.assert_trees_all_close(jax.grad(lambda a: fy(a, labels, "sparsemax").sum())(x)[0],
+                              p - jax.nn.one_hot(labels[0], 5), atol=1e-6)
+
+
+def test_zero_iff_prediction_equals_target():
+  labels = jnp.array([0, 0, 0])
+  x = jnp.array([[2.0, 1.0, 0.5], [1.5, 1.0, 0.0], [0.9, 1.0, 0.0]])  # margins 1, 0.5, -0.1
+  out = fy(x, labels, "sparsemax")
+  assert out[0] == 0.0 and out[1] > 0 and out[2] > 0
+  assert np.all(jax.grad(lambda a: fy(a, labels, "sparsemax")[0])(x) == 0.0)
+  # entmax15 reaches 0 once the margin is 1/(alpha-1) = 2; softmax never does
+  x15 = jnp.array([[3.0, 1.0, 0.5], [2.9, 1.0, 0.0]])
+  out15 = fy(x15, labels[:2], "entmax15")
+  assert out15[0] == 0.0 and out15[1] > 0
+  assert fy(x15, labels[:2], "softmax")[0] > 0
+  # a probability target equal to the prediction gives 0
+  y = optax.projections.projection_simplex(jnp.array([0.3, 0.1, -0.2, 0.25]))
+  np.testing.assert_allclose(fy(jnp.array([0.3, 0.1, -0.2, 0.25]), y, "sparsemax"), 0.0,
+                             atol=1e-6)
+
+
+def test_alpha_limits_and_per_row_alpha():
+  x = _logits(8, (4, 6))
+  labels = jnp.array([0, 1, 2, 3])
+  chex.assert_trees_all_close(fy(x, labels, "entmax", alpha=1.001), fy(x, labels, "softmax"),
+                              rtol=1e-2, atol=1e-3)
+  chex.assert_trees_all_close(fy(x, labels, "entmax", alpha=2.0), fy(x, labels, "sparsemax"),
+                              rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(fy(x, labels, "entmax", alpha=1.5), fy(x, labels, "entmax15"),
+                              rtol=1e-5, atol=1e-6)
+  alpha = jnp.array([1.2, 1.5, 2.0, 3.0])[:, None]
+  out, (dx,), ct = _value_and_vjp(lambda a: fy(a, labels, "entmax", alpha=alpha), x)
+  ref_loss, ref_grad = _ref_loss_and_grad(x, jax.nn.one_hot(labels, 6), np.asarray(alpha))
+  chex.assert_trees_all_close(out, ref_loss.astype(np.float32), rtol=1e-4, atol=2e-5)
+  chex.assert_trees_all_close(dx, (ct[:, None] * ref_grad).astype(np.float32), rtol=1e-4,
+                              atol=2e-5)
+
+
+def test_gradient_in_alpha_matches_finite_differences():
+  y = jax.nn.softmax(jax.random.normal(jax.random.key(9), (3, 5)))
+  x = _logits(10, (3, 5))
+
+  def f(alpha):
+    return fy(x, y, "entmax", alpha=alpha).sum()
+
+  g = jax.grad(f)(jnp.float32(1.6))
+  h = 1e-3
+  ref = [(_ref_loss_and_grad(x, y, a + h)[0].sum() - _ref_loss_and_grad(x, y, a - h)[0].sum())
+         / (2 * h) for a in (1.6,)][0]
+  np.testing.assert_allclose(g, ref, rtol=2e-3, atol=1e-5)
+
+
+def test_check_grads_float64():
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.key(11), (3, 5), jnp.float64)
+    y = jax.nn.softmax(jax.random.normal(jax.random.key(12), (3, 5), jnp.float64))
+    labels = jnp.array([0, 4, 2])
+    check_grads(jax.jit(lambda a: fy(a, labels, "softmax")), (x,), order=1, modes=["rev"])
+    check_grads(jax.jit(lambda a: fy(a, y, "sparsemax")), (x,), order=1, modes=["rev"])
+    check_grads(jax.jit(lambda a, al: fy(a, y, "entmax", alpha=al)),
+                (x, jnp.array([[1.3], [1.7], [2.2]])), order=1, modes=["rev"], eps=1e-6)
+
+
+def test_masks_and_ignored_labels():
+  x = _logits(13, (5, 6))
+  labels = jnp.array([1, 2, -100, 0, 3])
+  where = jnp.array([[True, True, True, False, True, True]])
+  out, (dx,), ct = _value_and_vjp(
+      lambda a: fy(a, labels, "sparsemax", where=where, ignore_index=-100), x)
+  cols = np.array([0, 1, 2, 4, 5])
+  keep = np.array([0, 1, 3])
+  ref, (rdx,), _ = _value_and_vjp(
+      lambda a: optax.losses.multiclass_sparsemax_loss(a, labels[keep]), x[keep][:, cols])
+  ct_keep = ct[keep]
+  rdx = jax.grad(lambda a: jnp.sum(
+      optax.losses.multiclass_sparsemax_loss(a, labels[keep]) * ct_keep))(x[keep][:, cols])
+  chex.assert_trees_all_close(out[keep], ref, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(dx[keep][:, cols], rdx, rtol=1e-5, atol=1e-6)
+  assert out[2] == 0.0 and np.all(dx[2] == 0.0)
+  assert out[4] == jnp.inf                     # the label names the masked class 3
+  assert np.all(dx[4] == 0.0) and np.all(dx[:, 3] == 0.0)
+  # per-example mask and fully masked rows: 0 with zero gradient, never NaN
+  rows = jnp.array([True, False, True, True, True])
+  xm = x.at[3].set(-jnp.inf)
+  for name in ("softmax", "sparsemax", "entmax15"):
+    out, (dx,), _ = _value_and_vjp(lambda a, n=name: fy(a, labels, n, where=rows,
+                                                      ignore_index=-100), xm)
+    assert out[1] == 0.0 and out[3] == 0.0
+    assert np.all(dx[1] == 0.0) and np.all(dx[3] == 0.0) and np.all(np.isfinite(dx))
+
+
+def test_huge_logits_no_nan_and_shift_invariance():
+  x = _logits(14, (4, 6))
+  labels = jnp.array([0, 1, 2, 3])
+  for name in ("softmax", "sparsemax", "entmax15"):
+    base = fy(x, labels, name)
+    chex.assert_trees_all_close(fy(x + 1000.0, labels, name), base, atol=1e-3)
+    huge = jnp.array([[3e38, -3e38, 0.0, 1e30, 1.0, 2.0]])
+    out, (dx,), _ = _value_and_vjp(lambda a, n=name: fy(a, jnp.array([1]), n), huge)
+    assert not np.isnan(out).any() and np.all(np.isfinite(dx))
+    out0 = fy(huge, jnp.array([0]), name)
+    assert out0[0] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_is_computed_in_float32(dtype):
+  x = _logits(15, (4, 6), dtype=dtype)
+  labels = jnp.array([0, 1, 2, 3])
+  for name in ("sparsemax", "entmax15"):
+    out = fy(x, labels, name)
+    assert out.dtype == dtype
+    chex.assert_trees_all_close(out.astype(jnp.float32), fy(x.astype(jnp.float32), labels, name),
+                                rtol=1e-2, atol=1e-3)
+    dx = jax.grad(lambda a, n=name: fy(a, labels, n).astype(jnp.float32).sum())(x)
+    assert dx.dtype == dtype
+
+
+def test_jit_and_vmap():
+  x = _logits(16, (3, 4, 6))
+  labels = jax.random.randint(jax.random.key(17), (3, 4), 0, 6)
+  for name, hp in (("sparsemax", {}), ("entmax", {"alpha": 1.7})):
+    f = jax.jit(lambda a, b, n=name, h=hp: fy(a, b, n, **h))
+    chex.assert_trees_all_close(jax.vmap(f)(x, labels), f(x, labels), rtol=1e-5, atol=1e-6)
+
+
+def test_class_axis():
+  x = _logits(18, (5, 3))
+  labels = jnp.array([0, 4, 2])
+  chex.assert_trees_all_close(fy(x, labels, "entmax15", axis=0), fy(x.T, labels, "entmax15"),
+                              rtol=1e-6)
+
+
+def test_registered_spec_is_accepted():
+  x = _logits(19, (2, 4))
+  labels = jnp.array([0, 3])
+  chex.assert_trees_all_close(fy(x, labels, js.normalizers.get("softmax")),
+                              fy(x, labels, "softmax"))
+
+
+def test_bad_input_names_the_argument():
+  x = _logits(20, (3, 5))
+  labels = jnp.array([0, 1, 2])
+  with pytest.raises(KeyError, match="normalizer"):
+    fy(x, labels, "no_such_normalizer")
+  with pytest.raises(KeyError, match="normalizer"):
+    fy(x, labels, "softpick")            # a registered normalizer without a Tsallis entropy
+  for bad in (1.0, 0.5, np.array([[1.5], [1.0], [2.0]])):
+    with pytest.raises(ValueError, match="alpha"):
+      fy(x, labels, "entmax", alpha=bad)
+  with pytest.raises(ValueError, match="temperature"):
+    fy(x, labels, "sparsemax", temperature=2.0)
+  with pytest.raises(ValueError, match="labels"):
+    fy(x, jnp.array([0, 1]), "sparsemax")
+  with pytest.raises(ValueError, match="labels"):
+    fy(x, jnp.ones((3, 4)) / 4, "sparsemax")
+  with pytest.raises(ValueError, match="ignore_index"):
+    fy(x, jnp.ones((3, 5)) / 5, "sparsemax", ignore_index=0)
+  with pytest.raises(ValueError, match="axis"):
+    fy(x, labels, "sparsemax", axis=3)
