@@ -14,12 +14,12 @@ def stablemax_map(x):
   r"""The positive map ``s(x) = x + 1`` for ``x >= 0`` and ``1 / (1 - x)`` for ``x < 0``.
 
   ``s > 0``, increasing, C^1 at 0 (``s(0) = s'(0) = 1``); linear growth instead of exp.
-  Each branch sees only its own half-line, so neither produces an inf (or a NaN
-  gradient) on the other side of 0.
+  The ``1/(1 - x)`` branch only ever sees x <= 0, so it produces no inf (or NaN
+  gradient) at x = 1.
   """
-  pos = jnp.maximum(x, 0.0)
-  neg = jnp.minimum(x, 0.0)
-  return jnp.where(x >= 0, pos + 1.0, 1.0 / (1.0 - neg))
+  # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0).
+  neg = jnp.where(x < 0, x, 0.0)
+  return jnp.where(x >= 0, x + 1.0, 1.0 / (1.0 - neg))
 
 
 def stablemax(x, axis: int = -1, where=None):
