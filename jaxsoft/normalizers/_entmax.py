@@ -101,6 +101,7 @@ def _support_jvp(g, v):
                                 jnp.sum(g, axis=-1, keepdims=True))
 
 
+@functools.partial(jax.jit, static_argnames=("axis",))
 def entmax15(x, axis: int = -1, where=None):
   r"""1.5-entmax, exact (CATALOGUE N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
 
@@ -254,11 +255,16 @@ def entmax(x, alpha=1.5, axis: int = -1, where=None, n_iter: int | None = None):
     return entmax15(x, axis=axis, where=where)
   if _is_python_scalar(alpha) and float(alpha) == 2.0:
     return _sparsemax.sparsemax(x, axis=axis, where=where)
+  # A Python alpha gives a static exponent (integer powers become multiplications).
+  q = 1.0 / (float(alpha) - 1.0) if _is_python_scalar(alpha) else None
+  return _entmax_bisect(x, alpha, where, axis=axis, n_iter=n_iter, q=q)
+
+
+@functools.partial(jax.jit, static_argnames=("axis", "n_iter", "q"))
+def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   xs, mask, axis = c.prepare(x, axis, where, "entmax")
   if n_iter is None:
     n_iter = 60 if xs.dtype == jnp.float64 else 30
-  # A Python alpha gives a static exponent (integer powers become multiplications).
-  q = 1.0 / (float(alpha) - 1.0) if _is_python_scalar(alpha) else None
   a = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
   a = _to_last(a, axis) if a.ndim else a
   p = _entmax_bisect_last(_to_last(xs, axis), _to_last(mask, axis), a, int(n_iter), q)

@@ -8,6 +8,8 @@ last tau is computed exactly from that support, so the result is the exact proje
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -102,6 +104,7 @@ def _sparsemax_last_jvp(primals, tangents):
   return p, sv - s * c.safe_divide(jnp.sum(sv, axis=-1, keepdims=True), size)
 
 
+@functools.partial(jax.jit, static_argnames=("axis",))
 def sparsemax(x, axis: int = -1, where=None):
   r"""Sparsemax (CATALOGUE N16, kernel class T; Martins & Astudillo, ICML 2016).
 

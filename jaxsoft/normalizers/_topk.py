@@ -10,6 +10,8 @@ the weights are differentiable inside K, zero-gradient outside.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,13 +58,20 @@ def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
   Raises:
     ValueError: ``k`` not an int in ``[1, x.shape[axis]]``, bad ``axis`` or ``where``.
   """
-  xs, mask, axis = c.prepare(x, axis, where, "top_k_softmax")
-  n = xs.shape[axis]
   if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
     raise ValueError(f"top_k_softmax: `k` must be a static int, got {k!r}")
-  if not 1 <= k <= n:
-    raise ValueError(f"top_k_softmax: `k` must be in [1, {n}] (the row length along axis "
-                     f"{axis}), got {k}")
+  shape = np.shape(x)
+  axis = c.canonical_axis(axis, len(shape), "top_k_softmax")
+  if not 1 <= k <= shape[axis]:
+    raise ValueError(f"top_k_softmax: `k` must be in [1, {shape[axis]}] (the row length along "
+                     f"axis {axis}), got {k}")
+  return _top_k_softmax(x, where, k=int(k), axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("k", "axis"))
+def _top_k_softmax(x, where, k, axis):
+  xs, mask, axis = c.prepare(x, axis, where, "top_k_softmax")
+  n = xs.shape[axis]
   if k < n:
     xl = jnp.moveaxis(jnp.where(mask, xs, -jnp.inf), axis, -1)
     _, idx = jax.lax.top_k(jax.lax.stop_gradient(xl), int(k))
@@ -98,8 +107,13 @@ def top_p_softmax(x, p=0.9, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
   """
   _P.validate(p, "top_p_softmax")
+  return _top_p_softmax(x, where, float(p), axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("p", "axis"))
+def _top_p_softmax(x, where, p, axis):
   xs, mask, axis = c.prepare(x, axis, where, "top_p_softmax")
-  if float(p) >= 1.0:
+  if p >= 1.0:
     keep = mask
   else:
     probs = _full_softmax(xs, mask, axis)
@@ -140,6 +154,11 @@ def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
   """
   _EPSILON.validate(epsilon, "epsilon_softmax")
+  return _epsilon_softmax(x, where, epsilon, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _epsilon_softmax(x, where, epsilon, axis):
   xs, mask, axis = c.prepare(x, axis, where, "epsilon_softmax")
   w = _truncated(xs, mask, axis, jnp.asarray(epsilon, xs.dtype))
   return c.finish(w, mask, jnp.asarray(x).dtype)
@@ -166,6 +185,11 @@ def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
   """
   _ETA.validate(eta, "eta_softmax")
+  return _eta_softmax(x, where, eta, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _eta_softmax(x, where, eta, axis):
   xs, mask, axis = c.prepare(x, axis, where, "eta_softmax")
   probs = _full_softmax(xs, mask, axis)
   plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
