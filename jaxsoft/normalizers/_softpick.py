@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
@@ -47,7 +48,8 @@ def softpick(x, axis: int = -1, where=None):
   xs, mask, ax = c.prepare(x, axis, where, "softpick")
   m = jnp.maximum(c.masked_max(xs, mask, ax), 0.0)
   d = jnp.where(mask, jnp.exp(xs - m) - jnp.exp(-m), 0.0)
-  w = c.safe_divide(jnp.maximum(d, 0.0), jnp.sum(jnp.abs(d), axis=ax, keepdims=True))
+  # jax.nn.relu has derivative 0 at 0 (jnp.maximum would give 1/2 at the tie).
+  w = c.safe_divide(jax.nn.relu(d), jnp.sum(jnp.abs(d), axis=ax, keepdims=True))
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
@@ -56,7 +58,7 @@ def _identity_score_map(x, length, **_):
 
 
 def _softpick_numerator(z, m, **_):
-  return jnp.maximum(jnp.exp(z - m) - jnp.exp(-m), 0.0)
+  return jax.nn.relu(jnp.exp(z - m) - jnp.exp(-m))
 
 
 def _softpick_denominator(z, m, **_):

@@ -38,8 +38,9 @@ def length_scale(n, base=512.0, scale=1.0):
 
 def _log_softplus(z):
   """log(softplus(z)) without underflow to log(0) for very negative z."""
-  big = jnp.log(jax.nn.softplus(jnp.maximum(z, _SMALL)))
-  zs = jnp.minimum(z, _SMALL)
+  # where, not maximum/minimum, so the gradient at z = _SMALL is not split between branches.
+  big = jnp.log(jax.nn.softplus(jnp.where(z >= _SMALL, z, _SMALL)))
+  zs = jnp.where(z < _SMALL, z, _SMALL)
   small = zs + jnp.log1p(-0.5 * jnp.exp(zs))
   return jnp.where(z >= _SMALL, big, small)
 

@@ -21,7 +21,7 @@ def _scale(length, s, n, bias):
   """``s log n + b`` with n the visible count unless given; log(max(n, 1)) keeps an
   empty row (n = 0) finite."""
   nn = length if n is None else n
-  return s * jnp.log(jnp.maximum(nn, 1.0)) + bias
+  return s * jnp.log(jnp.where(nn >= 1.0, nn, 1.0)) + bias
 
 
 def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
