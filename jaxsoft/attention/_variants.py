@@ -339,7 +339,9 @@ def acp_prune_threshold(q, k, *, epsilon: float, scale=None):
 
   Returns:
     A scalar threshold (float32) for ``forgetting_attention(prune_threshold=...)``; it is
-    a function of ``q`` and ``k`` but carries no gradient.
+    a function of ``q`` and ``k`` but carries no gradient. The chunked path builds its
+    block skip table from a concrete float, so compute it outside ``jit`` (e.g. once from
+    a representative batch, or from a static bound ``U`` as ``log(eps) - 2U``).
   """
   if not 0.0 < float(epsilon) < 1.0:
     raise ValueError(f"acp_prune_threshold: `epsilon` must be in (0, 1), got {epsilon}")
@@ -376,7 +378,9 @@ def forgetting_attention(q, k, v, log_f, *, prune_threshold=None, is_causal: boo
     q, k, v: ``[B, T, N, H]``, ``[B, T, K, H]``, ``[B, T, K, H]`` (self-attention: the
       gates belong to the tokens, so queries and keys are the same sequence).
     log_f: ``[B, T, N]`` log forget gates (``<= 0``), one per query head.
-    prune_threshold: optional scalar decay threshold (ACP); ``None`` prunes nothing.
+    prune_threshold: optional concrete float ``< 0``, the decay threshold of ACP (used by
+      the ``"xla_chunked"`` path; the dense path computes every pair); ``None`` prunes
+      nothing.
     is_causal: default True (the decay is defined for ``j <= i`` only).
     **kwargs: any other argument of :func:`dot_product_attention` (mask, segment_ids,
       normalizer, implementation, ...).

@@ -116,8 +116,11 @@ class MultiHeadAttention(nnx.Module):
     forget_gate: add the A08 FoX forget gate ``log f_t = log sigmoid(x_t w + b)`` per head
       (self-attention; the call is then causal).
     forget_bias_init: initial forget-gate bias (``f = sigmoid(b)`` at zero input).
-    forget_prune_epsilon: with ``forget_gate``, turn on ACP pruning with this weight bound
-      (:func:`jaxsoft.attention._variants.acp_prune_threshold`; softmax only).
+    forget_prune_threshold: with ``forget_gate``, a static float ``t < 0`` that turns on
+      ACP block pruning in the ``"xla_chunked"`` path: key blocks whose decay is below
+      ``t`` for every pair are skipped, and (softmax) each skipped weight is at most
+      ``e^{t + 2U}`` for logits bounded by ``|l| <= U``. Choose ``t = log(eps) - 2U``
+      (:func:`jaxsoft.attention._variants.acp_prune_threshold` computes it from a batch).
     sink: learn a per-head sink logit (``softmax``/``softmax_1`` become ``softmax_sink``).
     implementation: passed to ``dot_product_attention``.
     dropout_rate, broadcast_dropout, deterministic: dropout on the attention weights, as
@@ -141,7 +144,7 @@ class MultiHeadAttention(nnx.Module):
       gated: bool = False,
       forget_gate: bool = False,
       forget_bias_init: float = 0.0,
-      forget_prune_epsilon: float | None = None,
+      forget_prune_threshold: float | None = None,
       sink: bool = False,
       implementation: Any = None,
       dropout_rate: float = 0.0,
@@ -197,11 +200,13 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"{name}: `learned` needs a registered normalizer (a name or NormalizerSpec) to "
           f"know the parameters' ranges, got {normalizer!r}")
-    if forget_prune_epsilon is not None and not forget_gate:
-      raise ValueError(f"{name}: `forget_prune_epsilon` needs `forget_gate=True`")
-    if forget_prune_epsilon is not None and not 0.0 < forget_prune_epsilon < 1.0:
-      raise ValueError(
-          f"{name}: `forget_prune_epsilon` must be in (0, 1), got {forget_prune_epsilon}")
+    if forget_prune_threshold is not None:
+      if not forget_gate:
+        raise ValueError(f"{name}: `forget_prune_threshold` needs `forget_gate=True`")
+      if not isinstance(forget_prune_threshold, (int, float)) or not forget_prune_threshold < 0:
+        raise ValueError(
+            f"{name}: `forget_prune_threshold` must be a float < 0, got "
+            f"{forget_prune_threshold!r}")
 
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -214,7 +219,7 @@ class MultiHeadAttention(nnx.Module):
     self.learned = learned
     self.gated = gated
     self.forget_gate = forget_gate
-    self.forget_prune_epsilon = forget_prune_epsilon
+    self.forget_prune_threshold = forget_prune_threshold
     self.implementation = implementation
     self.dropout_rate = dropout_rate
     self.broadcast_dropout = broadcast_dropout
@@ -334,9 +339,8 @@ class MultiHeadAttention(nnx.Module):
             f"T={xq.shape[-2]}, S={xk.shape[-2]}")
       is_causal = True  # the decay c_i - c_j is a forgetting bias only for j <= i
       kw["decay_bias"] = variants.forget_gate_decay(self.log_forget_gates(xq))
-      if self.forget_prune_epsilon is not None:
-        kw["decay_prune_threshold"] = variants.acp_prune_threshold(
-            q, k, epsilon=self.forget_prune_epsilon)
+      if self.forget_prune_threshold is not None:
+        kw["decay_prune_threshold"] = float(self.forget_prune_threshold)
 
     if self.dropout_rate > 0.0:
       deterministic = first_from(
