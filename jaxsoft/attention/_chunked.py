@@ -287,7 +287,7 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
     out = _safe_div(acc, D)
     return out, m, D
 
-  out, m, D = lax.map(q_block, jnp.arange(cfg.nq))
+  out, m, D = lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32))
   return _unblock(out), _unblock(m), _unblock(D)
 
 
@@ -379,8 +379,10 @@ def _add_bias_grad(cfg, dbias, dx, qs, ks):
   b, k, g, t, s = dbias.shape
   upd = _reduce_to(dx, (b, k, g, 1 if t == 1 else dx.shape[3], 1 if s == 1 else dx.shape[4]))
   if t != 1 and s != 1:
-    cur = lax.dynamic_slice(dbias, (0, 0, 0, qs, ks), upd.shape)
-    return lax.dynamic_update_slice(dbias, cur + upd, (0, 0, 0, qs, ks))
+    zero = jnp.zeros((), jnp.int32)
+    idx = (zero, zero, zero, jnp.asarray(qs, jnp.int32), jnp.asarray(ks, jnp.int32))
+    cur = lax.dynamic_slice(dbias, idx, upd.shape)
+    return lax.dynamic_update_slice(dbias, cur + upd, idx)
   if t != 1:
     return _set_block(dbias, upd, qs, 3)
   if s != 1:
@@ -404,7 +406,7 @@ def _bwd_driver(cfg: _Config, d: dict, q_block):
   dbias0 = jnp.zeros_like(d["bias"]) if cfg.has_bias else jnp.zeros(())
   dhp0 = jax.tree.map(jnp.zeros_like, d["hp"])
   (dk, dv, dck, dbias, dhp), (dq, dcq) = lax.scan(
-      q_block, (dk0, dv0, dck0, dbias0, dhp0), jnp.arange(cfg.nq))
+      q_block, (dk0, dv0, dck0, dbias0, dhp0), jnp.arange(cfg.nq, dtype=jnp.int32))
   grads = {"q": _unblock(dq), "k": dk, "v": dv, "hp": dhp,
            "bias": dbias if cfg.has_bias else None}
   if cfg.has_decay:
@@ -501,7 +503,7 @@ def _fwd_t(cfg: _Config, d: dict, aux: dict):
                                    jnp.zeros(row[:-1] + (Hv,), cfg.dtype)))
     return _safe_div(acc, l), m, l, tau
 
-  out, m, W, tau = lax.map(q_block, jnp.arange(cfg.nq))
+  out, m, W, tau = lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32))
   return _unblock(out), _unblock(m), _unblock(W), _unblock(tau)
 
 
@@ -669,7 +671,7 @@ def _dense_counts(cfg: _Config, d: dict, aux: dict):
     return lax.fori_loop(aux["kb_lo"][qi], aux["kb_hi"][qi], body,
                          jnp.zeros((B, K, G, cfg.bq, 1), cfg.dtype))
 
-  return _unblock(lax.map(q_block, jnp.arange(cfg.nq)))
+  return _unblock(lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32)))
 
 
 def chunked_attention(call, block_q: int | None = None, block_k: int | None = None):

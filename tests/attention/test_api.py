@@ -1,0 +1,161 @@
+"""The entry point: argument validation (errors name the argument) and dispatch
+(implementation names, sequences, NotImplementedError fallback, the automatic choice)."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsoft.attention import _api
+from jaxsoft.attention import dot_product_attention as dpa
+from tests.attention.test_core_util import make_qkv
+
+q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
+
+
+@pytest.mark.parametrize("kwargs,argname", [
+    ({"k": jnp.zeros((2, 5, 3, 8))}, "heads"),  # N=4 not a multiple of K=3
+    ({"k": jnp.zeros((2, 5, 2, 6)), "v": jnp.zeros((2, 5, 2, 6))}, "head dimension"),
+    ({"v": jnp.zeros((2, 4, 2, 8))}, "`value`"),
+    ({"mask": jnp.ones((2, 4, 3, 5), bool)}, "`mask`"),
+    ({"mask": jnp.ones((2, 4, 5, 5), jnp.float32)}, "`mask`"),
+    ({"bias": jnp.ones((3, 4, 5, 5))}, "`bias`"),
+    ({"bias": jnp.ones((1, 1, 1, 5, 5))}, "`bias`"),
+    ({"query_seq_lengths": jnp.array([1, 2, 3], jnp.int32)}, "`query_seq_lengths`"),
+    ({"key_value_seq_lengths": jnp.array([1.0, 2.0])}, "`key_value_seq_lengths`"),
+    ({"local_window_size": (1, 2, 3)}, "`local_window_size`"),
+    ({"local_window_size": 1.5}, "`local_window_size`"),
+    ({"segment_ids": jnp.zeros((2, 4), jnp.int32)}, "`segment_ids`"),
+    ({"logits_soft_cap": -1.0}, "`logits_soft_cap`"),
+    ({"implementation": "cudnn"}, "`implementation`"),
+    ({"implementation": ["xla", "fast"]}, "`implementation`"),
+    ({"normalizer": 3}, "`normalizer`"),
+    ({"normalizer_params": {"temperature": -1.0}}, "temperature"),
+    ({"normalizer_params": {"nope": 1.0}}, "nope"),
+    ({"normalizer_params": {"temperature": jnp.ones((4, 5, 5))}}, "normalizer_params['temperature']"),
+    ({"normalizer_params": {"temperature": jnp.ones((3, 1, 1))}}, "normalizer_params['temperature']"),
+    ({"decay_prune_threshold": -1.0}, "`decay_prune_threshold`"),
+    ({"decay_bias": (jnp.zeros((2, 5, 4)), jnp.zeros((2, 5, 4))),
+      "decay_prune_threshold": 1.0}, "`decay_prune_threshold`"),
+    ({"decay_bias": (jnp.zeros((2, 5, 3)), jnp.zeros((2, 5, 4)))}, "`decay_bias`"),
+])
+def test_bad_input_names_the_argument(kwargs, argname):
+  args = {"q": q, "k": k, "v": v, **kwargs}
+  with pytest.raises(ValueError, match=argname.replace("[", r"\[").replace("]", r"\]")):
+    dpa(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_unknown_normalizer_is_a_key_error_naming_it():
+  with pytest.raises(KeyError, match="normalizer.*no_such_thing"):
+    dpa(q, k, v, normalizer="no_such_thing")
+
+
+def test_stochastic_normalizer_needs_its_key():
+  with pytest.raises(ValueError, match=r"normalizer_params\['key'\]"):
+    dpa(q, k, v, normalizer="gumbel_softmax")
+
+
+@pytest.fixture
+def calls(monkeypatch):
+  """Records which implementations the dispatcher runs, in order."""
+  seen = []
+  for name, fn in list(_api._RUNNERS.items()):
+    def wrapped(call, name=name, fn=fn):
+      seen.append(name)
+      return fn(call)
+    monkeypatch.setitem(_api._RUNNERS, name, wrapped)
+  return seen
+
+
+def test_default_small_problem_uses_xla(calls):
+  out = dpa(q, k, v, is_causal=True)
+  assert calls == ["xla"]
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                              atol=1e-6)
+
+
+def test_default_large_problem_uses_chunked(calls, monkeypatch):
+  monkeypatch.setattr(_api, "CHUNKED_MIN_SCORES", 25)  # T·S = 25 counts as large
+  out = dpa(q, k, v, is_causal=True)
+  assert calls == ["xla_chunked"]
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                              atol=1e-5)
+
+
+def test_fallback_when_chunked_cannot(calls, monkeypatch):
+  monkeypatch.setattr(_api, "CHUNKED_MIN_SCORES", 25)
+  fn = lambda x, axis=-1, where=None: jax.nn.softmax(x, axis=axis, where=where)  # noqa: E731
+  out = dpa(q, k, v, normalizer=fn)
+  assert calls == ["xla_chunked", "xla"]
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v), atol=1e-6)
+
+
+def test_explicit_single_implementation_reraises(calls):
+  fn = lambda x, axis=-1, where=None: jax.nn.softmax(x, axis=axis, where=where)  # noqa: E731
+  with pytest.raises(NotImplementedError, match="xla_chunked"):
+    dpa(q, k, v, normalizer=fn, implementation="xla_chunked")
+
+
+def test_pallas_on_cpu_falls_back_in_a_sequence(calls, monkeypatch):
+  monkeypatch.delenv("JAXSOFT_PALLAS_INTERPRET", raising=False)
+  out = dpa(q, k, v, is_causal=True, implementation=("pallas", "xla"))
+  assert calls == ["pallas", "xla"]
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v, is_causal=True),
+                              atol=1e-6)
+  with pytest.raises(NotImplementedError, match="pallas"):
+    dpa(q, k, v, implementation="pallas_mosaic_tpu")
+
+
+def test_missing_pallas_module_is_not_implemented(calls, monkeypatch):
+  real = _api.importlib.import_module
+
+  def fake(name, *a, **kw):
+    if name.startswith("kernels_pallas"):
+      raise ImportError("no module named kernels_pallas")
+    return real(name, *a, **kw)
+
+  monkeypatch.setattr(_api.importlib, "import_module", fake)
+  with pytest.raises(NotImplementedError, match="kernels_pallas"):
+    dpa(q, k, v, implementation="pallas_triton")
+  out = dpa(q, k, v, implementation=["pallas_triton", "xla_chunked"])
+  assert calls[-2:] == ["pallas_triton", "xla_chunked"]
+  chex.assert_trees_all_close(out, jax.nn.dot_product_attention(q, k, v), atol=1e-5)
+
+
+def test_pallas_receives_the_canonical_call(monkeypatch):
+  """The Pallas adapter is called with the documented keyword contract."""
+  got = {}
+
+  class FakeDispatch:
+    @staticmethod
+    def dot_product_attention(q, k, v, **kw):
+      got.update(kw)
+      return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+
+  monkeypatch.setattr(_api.importlib, "import_module", lambda name: FakeDispatch)
+  seg = jnp.zeros((2, 5), jnp.int32)
+  out = dpa(q[0], k[0], v[0], is_causal=True, local_window_size=2,
+            segment_ids=seg[0], logits_soft_cap=5.0, implementation="pallas_triton")
+  assert out.shape == (5, 4, 8)
+  assert got["backend"] == "triton" and got["is_causal"] is True
+  assert got["local_window_size"] == (2, 2)
+  assert isinstance(got["segment_ids"], tuple) and got["segment_ids"][0].shape == (1, 5)
+  assert got["scale"] == pytest.approx(1 / np.sqrt(8))
+  assert got["spec"].name == "softmax" and got["normalizer_params"] == {}
+  assert set(got) == {"backend", "bias", "mask", "scale", "is_causal", "query_seq_lengths",
+                      "key_value_seq_lengths", "local_window_size", "segment_ids",
+                      "logits_soft_cap", "spec", "normalizer_params", "decay_bias"}
+
+
+def test_unbatched_inputs_and_value_head_dim():
+  qq, kk, _ = make_qkv(1, 1, 6, N=2, K=2, H=8)
+  vv = jax.random.normal(jax.random.PRNGKey(3), (1, 6, 2, 3))
+  for impl in ("xla", "xla_chunked"):
+    out = dpa(qq[0], kk[0], vv[0], is_causal=True, implementation=impl)
+    assert out.shape == (6, 2, 3)
+    w = jax.nn.softmax(jnp.einsum("tnh,snh->nts", qq[0], kk[0]) / np.sqrt(8), axis=-1,
+                       where=jnp.tril(jnp.ones((6, 6), bool)))
+    np.testing.assert_allclose(out, jnp.einsum("nts,snh->tnh", w, vv[0]), atol=1e-5)
