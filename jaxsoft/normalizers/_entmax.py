@@ -271,9 +271,14 @@ def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   return c.finish(_from_last(p, axis), mask, jnp.asarray(x).dtype)
 
 
-def learned_alpha(z):
-  """``alpha = 1 + softplus(z)``: an unconstrained parameter mapped into alpha > 1."""
-  return 1.0 + jax.nn.softplus(z)
+def learned_alpha(z, min_gap: float = 1e-3):
+  """``alpha = 1 + min_gap + softplus(z)``: an unconstrained parameter mapped into alpha > 1.
+
+  ``min_gap`` keeps alpha > 1 also in float32, where ``1 + softplus(z)`` rounds to exactly 1
+  for z below about -17 (and alpha - 1 = 0 has no entmax); at ``alpha - 1 = 1e-3`` entmax
+  is already within about 1e-3 of softmax. ``min_gap=0`` gives the plain ``1 + softplus(z)``.
+  """
+  return 1.0 + min_gap + jax.nn.softplus(z)
 
 
 # --- class-T rules (DESIGN.md §3) ----------------------------------------------------------

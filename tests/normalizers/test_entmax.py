@@ -1,0 +1,245 @@
+"""alpha-entmax (N17): entmax15 exact, entmax bisection for any alpha, d/d alpha, learned alpha."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoft.normalizers as jn
+from jaxsoft.normalizers import entmax, entmax15, learned_alpha, sparsemax
+
+
+@jax.jit
+def reference_entmax15(x, mask=None):
+  """Peters, Niculae & Martins (2019), Algorithm 2 (sort-based, exact), written for clarity.
+
+  With z = x/2 sorted descending, for each prefix k: mean_k, the mean of squares ss_k,
+  delta_k = (1 - k (ss_k - mean_k^2)) / k, tau_k = mean_k - sqrt(delta_k); the support
+  size is the largest k with tau_k <= z_(k). Differentiable for a fixed support.
+  """
+  if mask is None:
+    mask = jnp.ones(x.shape, bool)
+  z = -jnp.sort(-jnp.where(mask, x / 2, -jnp.inf), axis=-1)
+  visible = jnp.isfinite(z)
+  zv = jnp.where(visible, z, 0.0)
+  k = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype)
+  mean = jnp.cumsum(zv, -1) / k
+  mean_sq = jnp.cumsum(zv * zv, -1) / k
+  delta = (1 - k * (mean_sq - mean**2)) / k
+  safe = delta > 0  # sqrt only where defined, so the jax gradient has no NaN
+  tau_k = mean - jnp.where(safe, jnp.sqrt(jnp.where(safe, delta, 1.0)), 0.0)
+  in_support = visible & (tau_k <= z)
+  k_z = jnp.max(jnp.where(in_support, k, 0), -1, keepdims=True).astype(jnp.int32)
+  tau = jnp.take_along_axis(tau_k, jnp.maximum(k_z - 1, 0), -1)
+  return jnp.where(mask, jnp.maximum(x / 2 - tau, 0) ** 2, 0.0)
+
+
+def reference_entmax_bisect(x, alpha, iters=200):
+  """float64 numpy bisection on tau for any alpha (the definition, no tricks)."""
+  x = np.asarray(x, np.float64)
+  alpha = np.broadcast_to(np.asarray(alpha, np.float64), x.shape[:-1] + (1,))
+  z = (alpha - 1) * x
+  lo = z.max(-1, keepdims=True) - 1
+  hi = z.max(-1, keepdims=True)
+  for _ in range(iters):
+    mid = (lo + hi) / 2
+    f = (np.maximum(z - mid, 0) ** (1 / (alpha - 1))).sum(-1, keepdims=True) - 1
+    lo, hi = np.where(f >= 0, mid, lo), np.where(f >= 0, hi, mid)
+  p = np.maximum(z - lo, 0) ** (1 / (alpha - 1))
+  return p / p.sum(-1, keepdims=True)
+
+
+def _rows(seed, shape, scale=1.0, dtype=jnp.float32):
+  return (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
+
+
+@pytest.mark.parametrize("shape,scale", [((32, 9), 1.0), ((16, 60), 0.2), ((16, 60), 4.0),
+                                         ((4, 500), 1.0)])
+def test_entmax15_exact_vs_sort_reference(shape, scale):
+  x = _rows(0, shape, scale)
+  # The float32 sort reference loses digits in ss_k - mean_k^2 at large scales.
+  chex.assert_trees_all_close(entmax15(x), reference_entmax15(x), atol=2e-6 * max(scale, 1) ** 2)
+  chex.assert_trees_all_close(entmax15(x), reference_entmax_bisect(x, 1.5), atol=2e-6)
+
+
+def test_entmax15_hard_rows():
+  n = 50
+  geo = -(1.0 - 0.9 ** jnp.arange(n)) * 2.5
+  x = jnp.stack([geo, geo[::-1], jnp.linspace(0, -0.1, n), jnp.zeros(n),
+                 jnp.full(n, -2.0).at[3].set(1.0)])
+  chex.assert_trees_all_close(entmax15(x), reference_entmax15(x), atol=2e-6)
+
+
+@pytest.mark.parametrize("alpha", [1.1, 1.25, 1.75, 2.5, 4.0])
+def test_entmax_bisect_vs_float64_reference(alpha):
+  x = _rows(1, (16, 20), 2.0)
+  chex.assert_trees_all_close(entmax(x, alpha=alpha), reference_entmax_bisect(x, alpha),
+                              atol=3e-6)
+
+
+def test_closed_form_special_cases():
+  x = _rows(2, (16, 25), 1.5)
+  traced = jnp.asarray  # an array alpha takes the bisection path, not the exact dispatch
+  chex.assert_trees_all_close(entmax(x, alpha=traced(2.0)), sparsemax(x), atol=2e-6)
+  chex.assert_trees_all_close(entmax(x, alpha=2.0), sparsemax(x), atol=0)
+  chex.assert_trees_all_close(entmax(x, alpha=traced(1.5)), entmax15(x), atol=2e-6)
+  chex.assert_trees_all_close(entmax(x, alpha=1.5), entmax15(x), atol=0)
+  chex.assert_trees_all_close(entmax(x, alpha=1.0005), jax.nn.softmax(x), atol=2e-3)
+  chex.assert_trees_all_close(entmax(x, alpha=traced(1.0005)), jax.nn.softmax(x), atol=2e-3)
+
+
+def test_sparsity_non_decreasing_in_alpha():
+  x = _rows(3, (32, 30), 1.5)
+  zeros = [int(jnp.sum(entmax(x, alpha=jnp.asarray(a)) == 0)) for a in (1.2, 1.5, 2.0, 3.0)]
+  assert zeros == sorted(zeros) and zeros[0] < zeros[-1]
+
+
+def test_per_row_alpha_broadcast():
+  x = _rows(4, (2, 3, 5, 12))  # [B, N, T, S]
+  alpha = jnp.array([1.2, 1.6, 2.5]).reshape(3, 1, 1)  # one alpha per head
+  p = entmax(x, alpha=alpha)
+  for h, a in enumerate([1.2, 1.6, 2.5]):
+    chex.assert_trees_all_close(p[:, h], reference_entmax_bisect(x[:, h], a), atol=3e-6)
+  p0 = entmax(jnp.moveaxis(x, -1, 1), alpha=alpha.reshape(3, 1), axis=1)  # x: [B, S, N, T]
+  chex.assert_trees_all_close(jnp.moveaxis(p0, 1, -1), p, atol=1e-6)
+
+
+def test_entmax15_gradients_vs_reference():
+  x = _rows(5, (6, 10), 1.5)
+  mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.8, x.shape).at[0].set(False)
+  ct = _rows(7, x.shape)
+  out, vjp = jax.vjp(lambda v: entmax15(v, where=mask), x)
+  ref_out, ref_vjp = jax.vjp(lambda v: reference_entmax15(v, mask), x)
+  chex.assert_trees_all_close(out, ref_out, atol=2e-6)
+  chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=2e-5)
+  chex.assert_trees_all_close(jax.jacfwd(lambda v: entmax(v, alpha=jnp.asarray(1.5)))(x),
+                              jax.jacfwd(reference_entmax15)(x), atol=2e-5)
+
+
+def test_check_grads_float64():
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.PRNGKey(8), (3, 7), dtype=jnp.float64)
+    assert entmax15(x).dtype == jnp.float64
+    check_grads(entmax15, (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
+    check_grads(lambda v, a: entmax(v, alpha=a), (x, jnp.float64(1.3)), order=1,
+                modes=("fwd", "rev"), eps=1e-6)
+
+
+def test_dalpha_vs_finite_differences():
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.PRNGKey(9), (4, 9), dtype=jnp.float64) * 2
+    ct = jax.random.normal(jax.random.PRNGKey(10), (4, 9), dtype=jnp.float64)
+    alpha = jnp.array([1.2, 1.5, 1.9, 2.6]).reshape(4, 1)
+    loss = lambda a: jnp.sum(entmax(x, alpha=a) * ct)  # noqa: E731
+    g = jax.grad(loss)(alpha)
+    h = 1e-6
+    fd = jnp.stack([(loss(alpha.at[i].add(h)) - loss(alpha.at[i].add(-h))) / (2 * h)
+                    for i in range(4)]).reshape(4, 1)
+    chex.assert_trees_all_close(g, fd, atol=1e-6, rtol=1e-5)
+    # the float64 numpy reference by finite differences, independently of the custom rule
+    ref = lambda a: np.sum(reference_entmax_bisect(x, a) * np.asarray(ct))  # noqa: E731
+    fd_ref = [(ref(np.asarray(alpha).copy() + h * (np.arange(4) == i)[:, None])
+               - ref(np.asarray(alpha) - h * (np.arange(4) == i)[:, None])) / (2 * h)
+              for i in range(4)]
+    chex.assert_trees_all_close(g[:, 0], jnp.asarray(fd_ref), atol=1e-5, rtol=1e-4)
+
+
+def test_learned_alpha():
+  z = jnp.array([-30.0, -1.0, 0.0, 2.0, 40.0])
+  a = learned_alpha(z)
+  assert bool(jnp.all(a > 1.0))
+  softplus64 = np.log1p(np.exp(np.asarray(z, np.float64)))
+  chex.assert_trees_all_close(a, jnp.asarray(1.001 + softplus64, jnp.float32), rtol=1e-6)
+  chex.assert_trees_all_close(learned_alpha(z, min_gap=0.0),
+                              jnp.asarray(1 + softplus64, jnp.float32), rtol=1e-6)
+  x = _rows(11, (5, 8))
+  g = jax.grad(lambda w: jnp.sum(entmax(x, alpha=learned_alpha(w)[:, None]) ** 2))(
+      jnp.array([-1.0, 0.0, 0.5, 1.0, 2.0]))
+  assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
+def test_low_precision(dtype, tol):
+  x = _rows(12, (8, 30), 2.0)
+  xr = x.astype(dtype).astype(jnp.float32)
+  for fn, ref in [(entmax15, reference_entmax15(xr)),
+                  (lambda v: entmax(v, alpha=1.3), reference_entmax_bisect(xr, 1.3))]:
+    y = fn(x.astype(dtype))
+    assert y.dtype == dtype
+    chex.assert_trees_all_close(y.astype(jnp.float32), jnp.asarray(ref, jnp.float32), atol=tol)
+  big = jnp.full((4,), 60000.0, dtype).at[0].set(-60000.0)
+  for fn in (entmax15, lambda v: entmax(v, alpha=1.3)):
+    out = fn(big).astype(jnp.float32)
+    chex.assert_trees_all_close(out, jnp.array([0, 1 / 3, 1 / 3, 1 / 3]), atol=2e-3)
+
+
+@pytest.mark.parametrize("fn", [entmax15, lambda v, **k: entmax(v, alpha=1.3, **k),
+                                lambda v, **k: entmax(v, alpha=jnp.asarray(2.5), **k)])
+def test_masks_and_fully_masked_rows(fn):
+  x = _rows(13, (6, 10))
+  keep = np.ones(10, bool)
+  keep[[1, 4]] = False
+  p = fn(x, where=keep)
+  chex.assert_trees_all_close(p[:, keep], fn(x[:, keep]), atol=2e-6)
+  assert bool(jnp.all(p[:, ~keep] == 0))
+  chex.assert_trees_all_close(fn(jnp.where(keep, x, -jnp.inf)), p, atol=0)
+  mask = jnp.ones(x.shape, bool).at[2].set(False)
+  p = fn(x, where=mask)
+  assert bool(jnp.all(p[2] == 0))
+  g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
+  assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[2] == 0))
+
+
+def test_fully_masked_row_alpha_gradient_is_zero():
+  x = _rows(14, (3, 6))
+  mask = jnp.ones(x.shape, bool).at[1].set(False)
+  g = jax.grad(lambda a: jnp.sum(entmax(x, alpha=a, where=mask) * jnp.arange(6.0)),
+               argnums=0)(jnp.array([1.4, 1.4, 1.4]).reshape(3, 1))
+  assert bool(jnp.all(jnp.isfinite(g))) and float(g[1, 0]) == 0.0
+
+
+@pytest.mark.parametrize("shift", [1000.0, -1000.0])
+def test_shifted_logits(shift):
+  x = _rows(15, (6, 20))
+  chex.assert_trees_all_close(entmax15(x + shift), entmax15(x), atol=3e-4)
+  chex.assert_trees_all_close(entmax(x + shift, alpha=1.3), entmax(x, alpha=1.3), atol=3e-4)
+
+
+def test_jit_vmap_grad():
+  x = _rows(16, (3, 4, 9))
+  for fn in (entmax15, lambda v: entmax(v, alpha=1.7)):
+    chex.assert_trees_all_close(jax.jit(fn)(x), fn(x), atol=1e-7)
+    chex.assert_trees_all_close(jax.vmap(fn)(x), fn(x), atol=1e-6)
+  alphas = jnp.array([1.2, 1.5, 2.0])
+  pv = jax.vmap(lambda v, a: entmax(v, alpha=a))(x, alphas)
+  chex.assert_trees_all_close(pv[1], reference_entmax15(x[1]), atol=3e-6)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(entmax15(v)[..., 0])))(x)
+  ref = jax.grad(lambda v: jnp.sum(reference_entmax15(v)[..., 0]))(x)
+  chex.assert_trees_all_close(g, ref, atol=2e-5)
+
+
+def test_bad_input():
+  x = jnp.ones((2, 3))
+  for bad in (1.0, 0.5, -2.0, float("nan")):
+    with pytest.raises(ValueError, match="alpha"):
+      entmax(x, alpha=bad)
+  with pytest.raises(ValueError, match="alpha"):
+    entmax(x, alpha=jnp.array([[1.5], [0.9]]))
+  with pytest.raises(ValueError, match="alpha"):
+    entmax(x, alpha=jnp.ones((2, 3)) * 1.5)  # not one value per row
+  with pytest.raises(ValueError, match="n_iter"):
+    entmax(x, alpha=1.3, n_iter=0)
+  with pytest.raises(ValueError, match="axis"):
+    entmax15(x, axis=-3)
+  with pytest.raises(ValueError, match="axis"):
+    entmax(x, alpha=1.3, axis=5)
+
+
+def test_specs():
+  for name in ("entmax15", "entmax"):
+    spec = jn.get(name)
+    assert spec.kernel_class == "T" and spec.catalogue_id == "N17"
+    assert spec.can_be_sparse and spec.shift_invariant and spec.threshold is not None
+  assert jn.get("entmax").param("alpha").low == 1.0 and jn.get("entmax").param("alpha").low_open
