@@ -24,7 +24,8 @@ $(VENV)/.notebooks: $(VENV)/.base
 
 ## The main job: set up, then show every registered normalizer on one row.
 demo: $(VENV)/.base
-	$(PY) -m jaxsoft
+	rm -rf runs/demo
+	$(PY) train/train.py --preset smoke --workdir runs/demo
 
 gallery: demo
 

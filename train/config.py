@@ -195,6 +195,10 @@ def from_argv(argv: Sequence[str] | None) -> tuple[Config, argparse.Namespace]:
     value = getattr(args, field.name)
     if value is not None:
       overrides[field.name] = value
+  for key in ("workdir", "init_from"):  # orbax wants absolute paths
+    value = overrides.get(key)
+    if value and "://" not in value:
+      overrides[key] = os.path.abspath(os.path.expanduser(value))
   return Config(**overrides), args
 
 
