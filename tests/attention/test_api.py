@@ -17,7 +17,7 @@ q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
 
 
 @pytest.mark.parametrize("kwargs,argname", [
-    ({"k": jnp.zeros((2, 5, 3, 8))}, "heads"),  # N=4 not a multiple of K=3
+    ({"k": jnp.zeros((2, 5, 3, 8)), "v": jnp.zeros((2, 5, 3, 8))}, "heads"),  # N=4, K=3
     ({"k": jnp.zeros((2, 5, 2, 6)), "v": jnp.zeros((2, 5, 2, 6))}, "head dimension"),
     ({"v": jnp.zeros((2, 4, 2, 8))}, "`value`"),
     ({"mask": jnp.ones((2, 4, 3, 5), bool)}, "`mask`"),
@@ -35,8 +35,8 @@ q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
     ({"normalizer": 3}, "`normalizer`"),
     ({"normalizer_params": {"temperature": -1.0}}, "temperature"),
     ({"normalizer_params": {"nope": 1.0}}, "nope"),
-    ({"normalizer_params": {"temperature": jnp.ones((4, 5, 5))}}, "normalizer_params['temperature']"),
-    ({"normalizer_params": {"temperature": jnp.ones((3, 1, 1))}}, "normalizer_params['temperature']"),
+    ({"normalizer_params": {"temperature": jnp.ones((4, 5, 5))}}, "['temperature']"),
+    ({"normalizer_params": {"temperature": jnp.ones((3, 1, 1))}}, "['temperature']"),
     ({"decay_prune_threshold": -1.0}, "`decay_prune_threshold`"),
     ({"decay_bias": (jnp.zeros((2, 5, 4)), jnp.zeros((2, 5, 4))),
       "decay_prune_threshold": 1.0}, "`decay_prune_threshold`"),
