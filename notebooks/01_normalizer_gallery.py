@@ -50,7 +50,7 @@ QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"  # CI runs every noteboo
 # P pointwise, T threshold, X other) and the row sum.
 
 # %%
-row = jnp.array([2.0, 1.2, 0.8, 0.1, -0.5, -1.5, -3.0])
+row = jnp.array([2.0, 1.5, 1.2, 0.8, 0.4, 0.1, -0.5, -1.0, -1.5, -3.0])
 key = jax.random.key(0)
 specs = [js.normalizers.get(n) for n in js.normalizers.names()]
 cols = 4
