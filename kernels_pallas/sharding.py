@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from kernels_pallas._api import attention
@@ -62,8 +63,21 @@ def sharded_attention(mesh, q, k, v, *, batch_axis: Any = "data", head_axis: Any
 
   in_specs = (qkv, qkv, qkv, [rows] * len(dyn), None if sink is None else rows,
               seg_spec, None if ql is None else blen, None if kl is None else blen)
+  args = (q, k, v, dyn, sink, seg, ql, kl)
+  args = jax.tree_util.tree_map(lambda x, sp: _place(mesh, x, sp), args, in_specs,
+                                is_leaf=lambda x: x is None)
   fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
-  return fn(q, k, v, dyn, sink, seg, ql, kl)
+  return fn(*args)
+
+
+def _place(mesh, x, spec):
+  """Lays ``x`` out as ``spec`` on the mesh (explicit axes need a reshard, not a hint)."""
+  if x is None or spec is None:
+    return x
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+  if explicit:
+    return jax.sharding.reshard(x, NamedSharding(mesh, spec))
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
 
 def _rows4(x):
