@@ -81,7 +81,8 @@ class Config:
   seed: int = _f(0, "seed of the parameters, the data order and the step RNG")
   workdir: str = _f("", "where config.json, metrics.jsonl and checkpoints go (auto-resume)")
   init_from: str = _f("", "a workdir (or checkpoint step dir) to take the parameters from")
-  log_every: int = _f(20, "steps between log lines (and attention statistics)")
+  log_every: int = _f(20, "steps between log lines with attention statistics (metrics.jsonl "
+                           "records every step)")
   save_every: int = _f(100, "steps between checkpoints (the last step is always saved)")
   max_to_keep: int = _f(3, "checkpoints kept")
   fsdp: bool = _f(False, "shard the parameters and optimizer state over the data axis (FSDP)")

@@ -63,8 +63,8 @@ class MetricsLogger:
       if math.isfinite(self.tokens_per_sec):
         self.bar.set_postfix_str(f"{self.tokens_per_sec:,.0f} tok/s", refresh=False)
 
-  def log(self, step: int, metrics: dict[str, float]) -> None:
-    """One record: metrics.jsonl, a line on stdout, TensorBoard."""
+  def log(self, step: int, metrics: dict[str, float], echo: bool = True) -> None:
+    """One record in metrics.jsonl; with ``echo`` also a line on stdout and TensorBoard."""
     if not self.enabled:
       return
     record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -72,6 +72,8 @@ class MetricsLogger:
       record["tokens_per_sec"] = self.tokens_per_sec
     with self.path.open("a") as f:
       f.write(json.dumps(record) + "\n")
+    if not echo:
+      return
     line = f"step {step:6d} | " + " | ".join(
         f"{k} {v:.4g}" for k, v in record.items() if k != "step")
     if self.bar is not None:
@@ -100,13 +102,17 @@ class MetricsLogger:
 
 def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) -> tuple[str, str]:
   """compare.md (final loss, tokens/s, attention entropy/sparsity) and compare.png (loss curves)."""
-  rows = ["| normalizer | final loss | tokens/s | attn entropy | attn sparsity |",
+  rows = ["| normalizer | final loss (last 10% of steps) | tokens/s | attn entropy | "
+          "attn sparsity |",
           "|---|---|---|---|---|"]
   curves = {}
   for name, run in zip(names, runs):
     records = read_jsonl(epath.Path(run) / "metrics.jsonl")
     curves[name] = [(r["step"], r["loss"]) for r in records]
-    last = records[-1] if records else {}
+    tail = records[-max(1, len(records) // 10):]
+    last = dict(tail[-1]) if tail else {}
+    if tail:  # single-batch losses are noisy: report the mean over the last 10% of steps
+      last["loss"] = sum(r["loss"] for r in tail) / len(tail)
     stats = [r for r in records if "attn_entropy" in r]
     stat = stats[-1] if stats else {}
 

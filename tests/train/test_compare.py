@@ -1,0 +1,33 @@
+"""--compare trains each normalizer on identical data and writes a table and a loss plot."""
+
+import os
+
+import numpy as np
+
+from train import metrics
+from train import train as train_lib
+
+TINY = ["--dataset", "text", "--seq_len", "8", "--batch_size", "2", "--d_model", "8",
+        "--num_layers", "1", "--num_heads", "2", "--mlp_dim", "16", "--steps", "3",
+        "--warmup_steps", "1", "--log_every", "3", "--progress", "off"]
+
+
+def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
+  assert train_lib.main(TINY + ["--workdir", str(tmp_path), "--compare", "softmax,sigmoid"]) == 0
+  table = (tmp_path / "compare.md").read_text().splitlines()
+  rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table[2:]}
+  assert sorted(rows) == ["sigmoid", "softmax"]
+  for name, cells in rows.items():
+    records = metrics.read_jsonl(tmp_path / "compare" / name / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    # 3 steps: the "last 10%" window is the last step.
+    np.testing.assert_allclose(float(cells[0]), records[-1]["loss"], atol=1e-4)
+    np.testing.assert_allclose(float(cells[2]), records[-1]["attn_entropy"], atol=1e-3)
+  # Each run really used its own normalizer (same seed and data, different attention weights).
+  first = {n: metrics.read_jsonl(tmp_path / "compare" / n / "metrics.jsonl")[0]["loss"]
+           for n in rows}
+  assert first["softmax"] != first["sigmoid"]
+  with open(tmp_path / "compare.png", "rb") as f:
+    assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+  assert os.path.getsize(tmp_path / "compare.png") > 1000
+  assert "compare.md" in capsys.readouterr().out
