@@ -85,3 +85,16 @@ def test_init_from_takes_only_the_parameters(tmp_path):
   np.testing.assert_allclose(first, loss_sum / weight, rtol=1e-5)
   fresh_first = _losses(source)[1][0]
   assert abs(first - fresh_first) > 1e-4  # the parameters really came from the checkpoint
+
+
+def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsys):
+  workdir = str(tmp_path / "nan")
+  # Step 1 has lr = 0 (warm-up); step 2 applies lr = 1e30, so step 3's loss is not finite.
+  code = train_lib.main(TINY + ["--workdir", workdir, "--save_every", "1", "--clip_norm", "0",
+                                "--learning_rate", "1e30", "--min_lr_ratio", "1"])
+  assert code == train_lib.EXIT_NONFINITE
+  out = capsys.readouterr().out
+  assert "non-finite loss/grad_norm at step 3" in out and "last good checkpoint is step 2" in out
+  assert checkpoint.Checkpointer(workdir, 3, 1).latest_step() == 2
+  steps, losses, _ = _losses(workdir)
+  assert steps == [1, 2] and np.all(np.isfinite(losses))
