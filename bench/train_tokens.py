@@ -71,7 +71,8 @@ def measure(cfg: config.Config, reps: int, steps_per_rep: int) -> dict[str, floa
   for key in ("loss", "grad_norm"):
     a, b = float(checks["jaxsoft"][key]), float(checks["nnx"][key])
     if not np.isclose(a, b, rtol=1e-4):
-      raise SystemExit(f"refusing to report: {key} differs (jaxsoft {a} vs nnx {b}) at T={cfg.seq_len}")
+      raise SystemExit(
+          f"refusing to report: {key} differs (jaxsoft {a} vs nnx {b}) at T={cfg.seq_len}")
   states = {name: state for name, (_, state) in runners.items()}
   times: dict[str, list[float]] = {name: [] for name in runners}
   for _ in range(reps):  # interleaved so both see the same machine load

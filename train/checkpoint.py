@@ -31,9 +31,9 @@ class Checkpointer:
     return self.manager.latest_step()
 
   def save(self, step: int, state: Any, data_position: int, force: bool = False) -> bool:
-    """Starts an async save (returns at once); ``force`` ignores save_every (final step, SIGTERM)."""
-    args = ocp.args.Composite(state=ocp.args.StandardSave(state),
-                              meta=ocp.args.JsonSave({"step": step, "data_position": data_position}))
+    """Starts an async save (returns at once); ``force`` ignores save_every (last step, SIGTERM)."""
+    meta = {"step": step, "data_position": data_position}
+    args = ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))
     return self.manager.save(step, args=args, force=force)
 
   def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""The training configuration: one frozen dataclass, presets, and a command line made from its fields.
+"""The training configuration: a frozen dataclass, presets, and a command line made from its fields.
 
 Resolution order (later wins): the dataclass defaults, the ``--preset``, ``--set key=value`` pairs,
 then explicit ``--field value`` flags. The resolved config is saved as ``config.json`` in the
@@ -13,7 +13,8 @@ import json
 import os
 import tempfile
 import typing
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 __all__ = [
     "Config",
@@ -215,8 +216,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
                       f"{', '.join(normalizers.names())}")
   spec = normalizers.get(cfg.normalizer)
   if spec.needs_key:
-    raise ConfigError(f"--normalizer: {cfg.normalizer!r} is stochastic (needs a PRNG key), which the "
-                      "attention layer does not thread through; pick a deterministic normalizer")
+    raise ConfigError(f"--normalizer: {cfg.normalizer!r} is stochastic (needs a PRNG key), which "
+                      "the attention layer does not thread through; pick a deterministic one")
   try:
     kwargs = cfg.normalizer_kwargs
   except json.JSONDecodeError as e:
@@ -228,7 +229,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   except ValueError as e:
     raise ConfigError(f"--normalizer_params: {e}") from None
   if cfg.attention not in ATTENTION_VARIANTS:
-    raise ConfigError(f"--attention: unknown variant {cfg.attention!r}; one of {ATTENTION_VARIANTS}")
+    raise ConfigError(
+        f"--attention: unknown variant {cfg.attention!r}; one of {ATTENTION_VARIANTS}")
   if (cfg.implementation or None) not in IMPLEMENTATIONS:
     raise ConfigError(f"--implementation: unknown implementation {cfg.implementation!r}; one of "
                       f"{[i for i in IMPLEMENTATIONS if i]}")
@@ -244,7 +246,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
     if getattr(cfg, name) <= 0:
       raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
   if cfg.d_model % cfg.num_heads:
-    raise ConfigError(f"--d_model ({cfg.d_model}) must be divisible by --num_heads ({cfg.num_heads})")
+    raise ConfigError(
+        f"--d_model ({cfg.d_model}) must be divisible by --num_heads ({cfg.num_heads})")
   if cfg.head_dim % 2:
     raise ConfigError(f"--d_model / --num_heads = {cfg.head_dim} must be even for RoPE")
   if cfg.num_heads % cfg.kv_heads:
@@ -295,6 +298,6 @@ def check_resume_compatible(cfg: Config, saved: dict[str, Any]) -> None:
   diffs = [f"{k}: saved {saved.get(k)!r} != now {getattr(cfg, k)!r}" for k in MODEL_FIELDS
            if canonical(k, saved.get(k)) != canonical(k, getattr(cfg, k))]
   if diffs:
-    raise ConfigError("cannot resume from --workdir " + repr(cfg.workdir) + " with a different model "
-                      "config (" + "; ".join(diffs) + "); use a fresh --workdir, or --init_from "
-                      "for a compatible model")
+    raise ConfigError(f"cannot resume from --workdir {cfg.workdir!r} with a different model config "
+                      f"({'; '.join(diffs)}); use a fresh --workdir, or --init_from for a "
+                      "compatible model")

@@ -39,7 +39,7 @@ def _rng(seed: int, position: int) -> np.random.Generator:
 
 @dataclasses.dataclass(frozen=True)
 class Dataset:
-  """A deterministic stream of batches: ``batch(position, rows)`` for global row indices ``rows``."""
+  """A deterministic batch stream: ``batch(position, rows)`` for global row indices ``rows``."""
 
   name: str
   vocab_size: int

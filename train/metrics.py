@@ -8,7 +8,8 @@ import json
 import math
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from etils import epath
 
@@ -106,7 +107,7 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
           "attn sparsity |",
           "|---|---|---|---|---|"]
   curves = {}
-  for name, run in zip(names, runs):
+  for name, run in zip(names, runs, strict=True):
     records = read_jsonl(epath.Path(run) / "metrics.jsonl")
     curves[name] = [(r["step"], r["loss"]) for r in records]
     tail = records[-max(1, len(records) // 10):]
@@ -121,7 +122,8 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
 
     rows.append(f"| {name} | {fmt(last.get('loss'), '.4f')} | "
                 f"{fmt(last.get('tokens_per_sec'), ',.0f')} | "
-                f"{fmt(stat.get('attn_entropy'), '.3f')} | {fmt(stat.get('attn_sparsity'), '.3f')} |")
+                f"{fmt(stat.get('attn_entropy'), '.3f')} | "
+                f"{fmt(stat.get('attn_sparsity'), '.3f')} |")
   table = "\n".join(rows) + "\n"
   md_path = epath.Path(workdir) / "compare.md"
   md_path.write_text(table)
@@ -140,7 +142,7 @@ def plot_curves(curves: dict[str, list[tuple[int, float]]], path, title: str) ->
   fig, ax = plt.subplots(figsize=(7, 4.5))
   for name, points in curves.items():
     if points:
-      steps, losses = zip(*points)
+      steps, losses = zip(*points, strict=True)
       ax.plot(steps, losses, label=name)
   ax.set_xlabel("step")
   ax.set_ylabel("training loss (nats/token)")

@@ -10,7 +10,8 @@ entropy and sparsity of the attention weights of one layer on a slice of a batch
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +61,7 @@ def _attend(q, k, v, *, kwargs):
 
 
 class Attention(nnx.Module):
-  """Multi-head (GQA) causal self-attention with RoPE; the weights come from jaxsoft's normalizer."""
+  """Multi-head (GQA) causal self-attention with RoPE; weights from jaxsoft's normalizer."""
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, wrap: AttentionWrapper | None = None):
     linear = functools.partial(nnx.Linear, use_bias=False, dtype=_dtype(cfg),

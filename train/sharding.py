@@ -10,7 +10,8 @@ attention call runs under ``jax.shard_map`` over the batch axis.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -73,7 +74,8 @@ def check_batch(batch_size: int, grad_accum: int, num_devices: int, num_processe
   """Raises ConfigError unless each micro-batch splits evenly over the devices and the hosts."""
   micro = batch_size // grad_accum
   if batch_size % grad_accum:
-    raise ConfigError(f"--batch_size ({batch_size}) must be divisible by --grad_accum ({grad_accum})")
+    raise ConfigError(
+        f"--batch_size ({batch_size}) must be divisible by --grad_accum ({grad_accum})")
   if micro % num_devices:
     what = f"--batch_size ({batch_size})" if grad_accum == 1 else \
         f"the micro-batch --batch_size/--grad_accum ({micro})"
@@ -118,7 +120,8 @@ def param_sharding(mesh, abstract_tree: Any, fsdp: bool) -> Any:
   return jax.tree.map(one, abstract_tree)
 
 
-def global_batch(dataset, position: int, cfg: Config, sharding: NamedSharding) -> dict[str, jax.Array]:
+def global_batch(dataset, position: int, cfg: Config,
+                 sharding: NamedSharding) -> dict[str, jax.Array]:
   """Global batch ``position`` as sharded arrays; each process builds only the rows it holds."""
   shape = (cfg.grad_accum, cfg.micro_batch, cfg.seq_len)
   # The micro-batch rows this process's devices hold (a contiguous range on every mesh jax makes).

@@ -1,6 +1,6 @@
 r"""Train a small decoder LM with a jaxsoft attention normalizer.
 
-    python train/train.py --preset smoke --workdir /tmp/run              # about a minute on 2 CPU cores
+    python train/train.py --preset smoke --workdir /tmp/run       # about a minute on 2 CPU cores
     python train/train.py --preset charlm --workdir /tmp/lm --normalizer sparsemax
     python train/train.py --preset smoke --workdir /tmp/cmp --compare softmax,sigmoid,ssmax
     python train/train.py --preset smoke --workdir /tmp/dp --num_cpu_devices 8
@@ -18,7 +18,8 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 if __name__ == "__main__" and not __package__:
   # Run as a script: make the repository root importable so `train` is this package, not this file.
@@ -26,7 +27,6 @@ if __name__ == "__main__" and not __package__:
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from etils import epath  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -192,7 +192,8 @@ def run(cfg: Config, mesh) -> int:
       tensorboard=cfg.tensorboard, enabled=is_main)
   n_params = sum(x.size for x in jax.tree.leaves(abstract_state["params"]))
   log.message(f"{start}; {n_params:,} parameters; {jax.device_count()} device(s) "
-              f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} attention={cfg.attention}")
+              f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} "
+              f"attention={cfg.attention}")
 
   stop = _StopFlag()
   previous_handler = _install(signal.SIGTERM, stop)

@@ -78,6 +78,6 @@ def test_normalizer_trains_without_nan(name):
     assert float(metrics["grad_norm"]) > 0, name
   for leaf in jax.tree.leaves(state["params"]):
     assert np.all(np.isfinite(leaf)), name
-  changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(start),
-                                                      jax.tree.leaves(state["params"]))]
+  changed = [not np.array_equal(a, b) for a, b in
+             zip(jax.tree.leaves(start), jax.tree.leaves(state["params"]), strict=True)]
   assert any(changed), name

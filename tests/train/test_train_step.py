@@ -1,4 +1,4 @@
-"""The train step's math: golden numbers, an independent loss/gradient oracle, accumulation, masks."""
+"""The train step's math: golden numbers, a loss/gradient oracle, accumulation, masks, data."""
 
 import dataclasses
 import functools
@@ -115,11 +115,11 @@ def test_adam_update_moves_params_by_at_most_lr_per_coordinate():
   new, _ = step(state, batch)
   lr = train_lib.make_schedule(cfg)(1)
   assert lr > 0
-  for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(new["params"])):
+  for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(new["params"]), strict=True):
     bound = lr * (1 + cfg.weight_decay * jnp.abs(b)) * (1 + 1e-5) + 1e-7
     assert bool(jnp.all(jnp.abs(a - b) <= bound))
-  moved = sum(int(jnp.sum(a != b)) for b, a in zip(jax.tree.leaves(before),
-                                                   jax.tree.leaves(new["params"])))
+  moved = sum(int(jnp.sum(a != b)) for b, a in
+              zip(jax.tree.leaves(before), jax.tree.leaves(new["params"]), strict=True))
   assert moved > 0
 
 
