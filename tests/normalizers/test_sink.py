@@ -18,7 +18,7 @@ import jaxsoft.normalizers as N
 # Shared helpers.
 
 
-def tile_eval(spec, x, mask, hp=None, splits=(), uses_cotangent=False):
+def tile_eval(spec, x, mask, hp=None, splits=()):
   """Evaluates ``spec.tile`` on rows ``x [..., S]`` with an online (m, l) merge over key
   blocks cut at ``splits`` (empty = one dense block), as a blockwise driver would.
 
@@ -26,7 +26,6 @@ def tile_eval(spec, x, mask, hp=None, splits=(), uses_cotangent=False):
   to the final max at the end (the FlashAttention merge), so a tile rule whose numerator
   and denominator do not rescale by ``e^{m_old - m_new}`` fails here.
   """
-  del uses_cotangent
   hp = dict(hp or {})
   rule = spec.tile
   x = jnp.asarray(x, jnp.float32)
@@ -39,9 +38,9 @@ def tile_eval(spec, x, mask, hp=None, splits=(), uses_cotangent=False):
     return jnp.where(mask, rule.numerator(z, zero, **hp), 0.0)
   edges = [0, *sorted(splits), x.shape[-1]]
   m = jnp.full_like(length, -jnp.inf)
-  l = zero
+  den = zero
   parts = []
-  for a, b in zip(edges[:-1], edges[1:]):
+  for a, b in zip(edges[:-1], edges[1:], strict=True):
     zb, mb = z[..., a:b], mask[..., a:b]
     if rule.uses_max:
       blk = jnp.max(jnp.where(mb, zb, -jnp.inf), axis=-1, keepdims=True)
@@ -50,15 +49,15 @@ def tile_eval(spec, x, mask, hp=None, splits=(), uses_cotangent=False):
       m_new = zero
     m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
     scale = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0) if rule.uses_max else 1.0
-    l = l * scale + jnp.sum(jnp.where(mb, rule.denominator(zb, m_use, **hp), 0.0), -1,
-                            keepdims=True)
+    den = den * scale + jnp.sum(jnp.where(mb, rule.denominator(zb, m_use, **hp), 0.0), -1,
+                                keepdims=True)
     parts.append((jnp.where(mb, rule.numerator(zb, m_use, **hp), 0.0), m_use, mb))
     m = m_new
   m_f = jnp.where(jnp.isfinite(m), m, 0.0)
   num = jnp.concatenate(
       [jnp.where(mb, nb * (jnp.exp(mu - m_f) if rule.uses_max else 1.0), 0.0)
        for nb, mu, mb in parts], axis=-1)
-  den = l + (rule.offset(m_f, length, **hp) if rule.offset is not None else 0.0)
+  den = den + (rule.offset(m_f, length, **hp) if rule.offset is not None else 0.0)
   ok = den != 0
   w = jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
   return jnp.where(mask, w, 0.0)
@@ -86,7 +85,7 @@ def check_tile_rule(spec, hp=None, seed=0, scale=1.5, atol=2e-6, rtol=2e-5):
   ct = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
   (want_dx,) = vjp(ct)
   for splits in [(), (3,), tuple(sorted(rng.choice(np.arange(1, 11), 3, replace=False)))]:
-    got, tvjp = jax.vjp(lambda x: tile_eval(spec, x, mask, hp, splits), x)
+    got, tvjp = jax.vjp(lambda x, sp=splits: tile_eval(spec, x, mask, hp, sp), x)
     chex.assert_trees_all_close(got, want, atol=atol, rtol=rtol)
     chex.assert_trees_all_close(tvjp(ct)[0], want_dx, atol=10 * atol, rtol=10 * rtol)
 
@@ -117,14 +116,14 @@ def check_fully_masked(fn, width=5, **hp):
     out = fn(args["x"], where=args["where"], **hp)
     assert np.all(np.asarray(out[0]) == 0), out
     assert np.all(np.isfinite(np.asarray(out)))
-    g = jax.grad(lambda x: jnp.sum(jnp.sin(fn(x, where=args["where"], **hp))))(args["x"])
+    g = jax.grad(lambda x, w=args["where"]: jnp.sum(jnp.sin(fn(x, where=w, **hp))))(args["x"])
     assert np.all(np.asarray(g[0]) == 0), g
     assert np.all(np.isfinite(np.asarray(g)))
 
 
 def check_low_precision(fn, x, atol=(1e-2, 2e-3), **hp):
   """bf16/fp16 in -> same dtype out, close to the f32 result of the rounded input."""
-  for dt, tol in zip((jnp.bfloat16, jnp.float16), atol):
+  for dt, tol in zip((jnp.bfloat16, jnp.float16), atol, strict=True):
     xl = x.astype(dt)
     out = fn(xl, **hp)
     assert out.dtype == dt

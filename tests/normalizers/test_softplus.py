@@ -8,9 +8,13 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (check_fully_masked, check_low_precision,
-                                         check_mask_is_delete, check_tile_rule,
-                                         random_cotangent)
+from tests.normalizers.test_sink import (
+  check_fully_masked,
+  check_low_precision,
+  check_mask_is_delete,
+  check_tile_rule,
+  random_cotangent,
+)
 
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.standard_normal((4, 10)) * 3, jnp.float32)

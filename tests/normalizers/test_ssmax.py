@@ -8,8 +8,12 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (check_fully_masked, check_low_precision,
-                                         check_tile_rule, random_cotangent)
+from tests.normalizers.test_sink import (
+  check_fully_masked,
+  check_low_precision,
+  check_tile_rule,
+  random_cotangent,
+)
 
 RNG = np.random.default_rng(0)
 X = jnp.asarray(RNG.standard_normal((4, 9)) * 2, jnp.float32)

@@ -8,9 +8,13 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (check_fully_masked, check_low_precision,
-                                         check_mask_is_delete, check_tile_rule,
-                                         random_cotangent)
+from tests.normalizers.test_sink import (
+  check_fully_masked,
+  check_low_precision,
+  check_mask_is_delete,
+  check_tile_rule,
+  random_cotangent,
+)
 
 X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)) * 3, jnp.float32)
 
