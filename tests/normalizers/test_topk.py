@@ -1,0 +1,200 @@
+"""N15 truncated softmax: top-k, top-p, epsilon- and eta-truncation against dense references."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxsoft.normalizers as jn
+from jaxsoft.normalizers import epsilon_softmax, eta_softmax, top_k_softmax, top_p_softmax
+
+
+def _softmax64(x, keep):
+  """float64 softmax over the entries in ``keep`` (numpy), 0 elsewhere."""
+  x = np.asarray(x, np.float64)
+  e = np.where(keep, np.exp(np.where(keep, x - np.max(np.where(keep, x, -np.inf), -1,
+                                                       keepdims=True), 0)), 0)
+  s = e.sum(-1, keepdims=True)
+  return np.where(s > 0, e / np.where(s > 0, s, 1), 0)
+
+
+def reference_keep_top_k(x, k, mask):
+  """The k largest visible entries of each row (stable sort: ties go to the lower index)."""
+  x = np.asarray(x, np.float64)
+  keep = np.zeros(x.shape, bool)
+  for idx in np.ndindex(*x.shape[:-1]):
+    vis = np.nonzero(mask[idx])[0]
+    order = vis[np.argsort(-x[idx][vis], kind="stable")]
+    keep[idx + (order[:k],)] = True
+  return keep
+
+
+def reference_keep_top_p(x, p, mask):
+  probs = _softmax64(x, mask)
+  keep = np.zeros(x.shape, bool)
+  for idx in np.ndindex(*x.shape[:-1]):
+    order = np.argsort(-probs[idx], kind="stable")
+    total = 0.0
+    for j in order:
+      if not mask[idx][j] or total >= p:
+        break
+      keep[idx + (j,)] = True
+      total += probs[idx][j]
+  return keep
+
+
+def _rows(seed, shape, scale=1.0, dtype=jnp.float32):
+  return (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
+
+
+def _mask(seed, shape, p=0.8):
+  return np.array(jax.random.bernoulli(jax.random.PRNGKey(seed), p, shape))
+
+
+@pytest.mark.parametrize("k", [1, 3, 7, 12])
+def test_top_k_matches_reference(k):
+  x = _rows(0, (10, 12), 2.0)
+  mask = _mask(1, x.shape)
+  mask[0, :] = False
+  mask[1, :2] = True
+  mask[1, 2:] = False  # fewer than k visible entries: all of them are kept
+  want = _softmax64(x, reference_keep_top_k(x, k, mask) & mask)
+  got = top_k_softmax(x, k, where=mask)
+  chex.assert_trees_all_close(got, jnp.asarray(want, jnp.float32), atol=1e-6)
+  n_kept = np.minimum(k, mask.sum(-1))
+  assert np.array_equal(np.asarray(jnp.sum(got > 0, -1)), n_kept)
+
+
+def test_top_k_closed_forms():
+  x = _rows(2, (6, 9))
+  chex.assert_trees_all_close(top_k_softmax(x, 9), jax.nn.softmax(x), atol=1e-6)
+  chex.assert_trees_all_close(top_k_softmax(x, 1), jax.nn.one_hot(jnp.argmax(x, -1), 9), atol=0)
+  ties = jnp.array([1.0, 3.0, 3.0, 3.0, 0.0])
+  chex.assert_trees_all_close(top_k_softmax(ties, 2), jnp.array([0, 0.5, 0.5, 0, 0]), atol=1e-7)
+
+
+def test_top_k_gradients_and_axis():
+  x = _rows(3, (4, 5, 8))
+  ct = _rows(4, x.shape)
+  keep = reference_keep_top_k(np.asarray(x), 3, np.ones(x.shape, bool))
+  ref = lambda v: jax.nn.softmax(jnp.where(keep, v, -jnp.inf), axis=-1)  # noqa: E731
+  out, vjp = jax.vjp(lambda v: top_k_softmax(v, 3), x)
+  ref_out, ref_vjp = jax.vjp(ref, x)
+  chex.assert_trees_all_close(out, ref_out, atol=1e-6)
+  chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=1e-6)
+  assert bool(jnp.all(jnp.where(keep, 0.0, vjp(ct)[0]) == 0))  # zero gradient outside top-k
+  chex.assert_trees_all_close(top_k_softmax(x, 3, axis=1),
+                              jnp.moveaxis(top_k_softmax(jnp.moveaxis(x, 1, -1), 3), -1, 1),
+                              atol=0)
+
+
+def test_top_k_check_grads_float64():
+  from jax.test_util import check_grads
+  with jax.enable_x64(True):
+    x = jax.random.normal(jax.random.PRNGKey(5), (3, 8), dtype=jnp.float64)
+    check_grads(lambda v: top_k_softmax(v, 4), (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
+
+
+@pytest.mark.parametrize("p", [0.3, 0.7, 0.95, 1.0])
+def test_top_p_matches_reference(p):
+  x = _rows(6, (10, 15), 1.5)
+  mask = _mask(7, x.shape)
+  mask[0] = False
+  want = _softmax64(x, reference_keep_top_p(x, p, mask))
+  chex.assert_trees_all_close(top_p_softmax(x, p, where=mask), jnp.asarray(want, jnp.float32),
+                              atol=1e-6)
+
+
+def test_top_p_one_is_softmax():
+  x = _rows(8, (5, 7))
+  chex.assert_trees_all_close(top_p_softmax(x, 1.0), jax.nn.softmax(x), atol=1e-6)
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.02, 0.1, 0.5])
+def test_epsilon_matches_reference(eps):
+  x = _rows(9, (10, 15), 1.5)
+  mask = _mask(10, x.shape)
+  mask[0] = False
+  probs = _softmax64(x, mask)
+  keep = mask & ((probs >= eps) | (probs == probs.max(-1, keepdims=True)))
+  chex.assert_trees_all_close(epsilon_softmax(x, eps, where=mask),
+                              jnp.asarray(_softmax64(x, keep), jnp.float32), atol=1e-6)
+
+
+@pytest.mark.parametrize("eta", [0.01, 0.1, 0.4])
+def test_eta_matches_reference(eta):
+  x = _rows(11, (10, 15), 1.5)
+  mask = _mask(12, x.shape)
+  mask[0] = False
+  probs = _softmax64(x, mask)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    entropy = -np.sum(np.where(probs > 0, probs * np.log(probs), 0), -1, keepdims=True)
+  thr = np.minimum(eta, np.sqrt(eta) * np.exp(-entropy))
+  keep = mask & ((probs >= thr) | (probs == probs.max(-1, keepdims=True)))
+  chex.assert_trees_all_close(eta_softmax(x, eta, where=mask),
+                              jnp.asarray(_softmax64(x, keep), jnp.float32), atol=1e-6)
+
+
+ALL = [lambda v, **kw: top_k_softmax(v, 4, **kw), lambda v, **kw: top_p_softmax(v, 0.8, **kw),
+       lambda v, **kw: epsilon_softmax(v, 0.05, **kw), lambda v, **kw: eta_softmax(v, 0.05, **kw)]
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_masks_and_fully_masked_rows(fn):
+  x = _rows(13, (6, 10))
+  keep = np.ones(10, bool)
+  keep[[0, 7]] = False
+  p = fn(x, where=keep)
+  chex.assert_trees_all_close(p[:, keep], fn(x[:, keep]), atol=1e-6)
+  assert bool(jnp.all(p[:, ~keep] == 0))
+  chex.assert_trees_all_close(fn(jnp.where(keep, x, -jnp.inf)), p, atol=0)
+  mask = jnp.ones(x.shape, bool).at[3].set(False)
+  assert bool(jnp.all(fn(x, where=mask)[3] == 0))
+  g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
+  assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[3] == 0))
+
+
+@pytest.mark.parametrize("fn", ALL)
+@pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 1e-3)])
+def test_low_precision_and_shifts(fn, dtype, tol):
+  x = _rows(14, (8, 12), 2.0)
+  y = fn(x.astype(dtype))
+  assert y.dtype == dtype
+  chex.assert_trees_all_close(y.astype(jnp.float32), fn(x.astype(dtype).astype(jnp.float32)),
+                              atol=tol)
+  chex.assert_trees_all_close(fn(x + 1000.0), fn(x), atol=1e-3)
+  chex.assert_trees_all_close(fn(x - 1000.0), fn(x), atol=1e-3)
+  assert not bool(jnp.any(jnp.isnan(fn(jnp.full((2, 5), 60000.0, dtype)).astype(jnp.float32))))
+
+
+@pytest.mark.parametrize("fn", ALL)
+def test_jit_vmap_and_sums_to_one(fn):
+  x = _rows(15, (3, 4, 9))
+  chex.assert_trees_all_close(jax.jit(fn)(x), fn(x), atol=1e-7)
+  chex.assert_trees_all_close(jax.vmap(fn)(x), fn(x), atol=1e-7)
+  chex.assert_trees_all_close(jnp.sum(fn(x), -1), jnp.ones((3, 4)), atol=1e-6)
+
+
+def test_bad_input():
+  x = jnp.ones((2, 5))
+  for bad in (0, 6, -1, 2.0, jnp.array(2)):
+    with pytest.raises(ValueError, match="`k`"):
+      top_k_softmax(x, bad)
+  for bad in (0.0, 1.5, -0.1):
+    with pytest.raises(ValueError, match="`p`"):
+      top_p_softmax(x, bad)
+  with pytest.raises(ValueError, match="epsilon"):
+    epsilon_softmax(x, 1.0)
+  with pytest.raises(ValueError, match="eta"):
+    eta_softmax(x, -0.5)
+  with pytest.raises(ValueError, match="axis"):
+    top_k_softmax(x, 2, axis=3)
+
+
+def test_specs():
+  for name in ("top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"):
+    spec = jn.get(name)
+    assert spec.kernel_class == "T" and spec.catalogue_id == "N15" and spec.can_be_sparse
+  assert jn.get("top_k_softmax").defaults == {"k": 8}
+  assert jn.get("top_k_softmax").threshold is not None
