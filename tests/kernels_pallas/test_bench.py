@@ -1,0 +1,44 @@
+"""bench/gpu.py runs on CPU (interpret mode, tiny shapes) and refuses to time a wrong op."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench", "gpu.py")
+
+
+def _load_bench():
+  spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
+  mod = importlib.util.module_from_spec(spec)
+  sys.modules["bench_gpu"] = mod  # dataclasses look their module up there
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_bench_interpret_tiny_runs():
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run(
+      [sys.executable, BENCH, "--interpret", "--tiny", "--normalizers", "softmax,sigmoid",
+       "--reps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxsoft_pallas")]
+  assert len(rows) == 2 * 2 * 2  # (per-row lines + summary) x normalizers x (full, causal)
+  assert all(line.rstrip().endswith("| ok |") for line in rows)
+  assert "fwd / baseline" in proc.stdout
+
+
+def test_bench_refuses_to_time_a_wrong_op(monkeypatch):
+  bench = _load_bench()
+  real = bench.kp.attention
+  # A broken kernel: right shape, wrong values.
+  monkeypatch.setattr(bench.kp, "attention", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.5)
+  timed = []
+  monkeypatch.setattr(bench, "measure", lambda *a, **k: timed.append(a) or (1.0, 1.0))
+  rc = bench.main(["--interpret", "--tiny", "--normalizers", "softmax", "--reps", "1"])
+  assert rc == 1
+  # Only the baseline (jax.nn, full and causal) was timed; both kernel rows failed.
+  assert len(timed) == 2
