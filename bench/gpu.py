@@ -76,7 +76,7 @@ def check(fn, normalizer, h, causal, t, dtype, tol):
   out, grads = _fwd_bwd(fn)(q, k, v, ct)
   rout, rgrads = _fwd_bwd(lambda q, k, v: reference(q, k, v, normalizer, causal))(
       q, k, v, ct.astype(jnp.float32))
-  for a, r in zip((out, *grads), (rout, *rgrads)):
+  for a, r in zip((out, *grads), (rout, *rgrads), strict=True):
     a = np.asarray(a, np.float32)
     r = np.asarray(r, np.float32)
     if not np.all(np.isfinite(a)):

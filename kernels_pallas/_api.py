@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -221,7 +221,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     r = E.row_broadcast(x, b, n, t, name_, cfg.acc_dtype)
     return jnp.pad(r, ((0, 0), (0, 0), (0, t_pad - t)), mode="edge")[..., None]
 
-  dyn = tuple(rows(x, nm) for x, nm in zip(dyn_vals, dyn_names))
+  dyn = tuple(rows(x, nm) for x, nm in zip(dyn_vals, dyn_names, strict=True))
   sink = rows(sinks, "sinks") if sinks is not None else None
 
   length = E.visible_counts(t, s, cfg.causal, window, q_seg, k_seg)

@@ -215,7 +215,7 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
 
 def _hp(cfg: Config, dyn: tuple) -> dict[str, Any]:
   hp = dict(cfg.static_hp)
-  hp.update(zip(cfg.dyn_hp, dyn))
+  hp.update(zip(cfg.dyn_hp, dyn, strict=True))
   return hp
 
 
@@ -233,9 +233,9 @@ def _masked(x, mask):
 
 def init_state(cfg: Config, bq: int, hd: int):
   m = jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype)
-  l = jnp.zeros((bq, 1), cfg.acc_dtype)
+  lsum = jnp.zeros((bq, 1), cfg.acc_dtype)
   acc = jnp.zeros((bq, hd), cfg.acc_dtype)
-  return m, l, acc
+  return m, lsum, acc
 
 
 def _safe_max(m):
@@ -277,12 +277,12 @@ def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
   return m_new, alpha * l_prev + l_add, alpha * acc_prev + pv
 
 
-def row_denominator(cfg: Config, m, l, length, dyn, sink=None):
+def row_denominator(cfg: Config, m, lsum, length, dyn, sink=None):
   """D = l + offset(m, n) [+ e^{sink - m}] (class E/S), 1 for class P."""
   if not cfg.normalized:
-    return jnp.ones_like(l)
+    return jnp.ones_like(lsum)
   hp = _hp(cfg, dyn)
-  d = l
+  d = lsum
   if cfg.tile.offset is not None:
     d = d + cfg.tile.offset(m, length, **hp)
   if sink is not None:
@@ -297,9 +297,9 @@ def _inv(d):
 
 def finalize(cfg: Config, state, length, dyn, sink=None):
   """Returns (o [bq, H] float32, m [bq, 1], D [bq, 1]); a row with D = 0 gives zeros."""
-  m, l, acc = state
+  m, lsum, acc = state
   m = _safe_max(m) if cfg.uses_max else jnp.zeros_like(m)
-  d = row_denominator(cfg, m, l, length, dyn, sink)
+  d = row_denominator(cfg, m, lsum, length, dyn, sink)
   if not cfg.normalized:
     return acc, m, d
   return acc * _inv(d), m, d
@@ -499,7 +499,7 @@ def _core_bwd(cfg, res, do):
 
     _, vjp = jax.vjp(extra, tuple(dyn), sink)
     ddyn_off, dsink = vjp(c)
-    ddyn = tuple(a + b for a, b in zip(ddyn, ddyn_off))
+    ddyn = tuple(a + b for a, b in zip(ddyn, ddyn_off, strict=True))
   if sink is not None and dsink is None:
     dsink = jnp.zeros_like(sink)
   aux_ct = jax.tree_util.tree_map(lambda x: None, aux)

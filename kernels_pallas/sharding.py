@@ -5,6 +5,7 @@ step calls the kernel through this wrapper, which runs it on each device's shard
 """
 
 from __future__ import annotations
+
 from typing import Any
 
 import jax
@@ -57,7 +58,7 @@ def sharded_attention(mesh, q, k, v, *, batch_axis: Any = "data", head_axis: Any
 
   def local(q_, k_, v_, dyn_, sink_, seg_, ql_, kl_):
     hp = dict(static)
-    hp.update(zip(dyn_names, dyn_))
+    hp.update(zip(dyn_names, dyn_, strict=True))
     return attention(q_, k_, v_, normalizer_params=hp, sinks=sink_, segment_ids=seg_,
                      query_seq_lengths=ql_, key_value_seq_lengths=kl_, **kwargs)
 

@@ -111,10 +111,10 @@ def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
                          qs_ref[...] if qs_ref is not None else None,
                          ks_ref[...] if ks_ref is not None else None)
       dyn_v = tuple(rf[...] for rf in dyn_refs)
-      m, l, acc = E.forward_tile(cfg, s, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
+      m, lsum, acc = E.forward_tile(cfg, s, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
                                  len_ref[...], dyn_v)
       m_sc[...] = m
-      l_sc[...] = l
+      l_sc[...] = lsum
       acc_sc[...] = acc
 
     @pl.when(ki == nk - 1)
@@ -215,13 +215,13 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
       dq_sc[...] += jax.lax.dot_general(ds.astype(kt.dtype), kt, (((1,), (0,)), ((), ())),
                                         preferred_element_type=cfg.acc_dtype)
-      for sc, x in zip(ddyn_sc, ddyn):
+      for sc, x in zip(ddyn_sc, ddyn, strict=True):
         sc[...] += x
 
     @pl.when(ki == nk - 1)
     def _finish():
       dq_ref[...] = dq_sc[...]
-      for rf, sc in zip(ddyn_refs, ddyn_sc):
+      for rf, sc in zip(ddyn_refs, ddyn_sc, strict=True):
         rf[...] = sc[...]
 
   outs = pl.pallas_call(

@@ -147,13 +147,13 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
       dq = dq + jax.lax.dot_general(ds.astype(kt.dtype), kt, (((1,), (0,)), ((), ())),
                                     preferred_element_type=cfg.acc_dtype)
-      return dq, tuple(a + x for a, x in zip(ddyn, dd))
+      return dq, tuple(a + x for a, x in zip(ddyn, dd, strict=True))
 
     init = (jnp.zeros((bq, hp), cfg.acc_dtype),
             tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_dyn)))
     dq, ddyn = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, init)
     dq_ref[...] = dq
-    for rf, x in zip(ddyn_refs, ddyn):
+    for rf, x in zip(ddyn_refs, ddyn, strict=True):
       rf[...] = x
 
   outs = pl.pallas_call(

@@ -97,7 +97,8 @@ def assert_matches(kernel_fn, ref_fn, args, ct, fwd_tol=1e-5, bwd_tol=1e-4):
   # Relative to the magnitude: class P outputs are unnormalised (relu^2 can be large).
   sc = max(1.0, float(jnp.max(jnp.abs(ref_out))))
   chex.assert_trees_all_close(out, ref_out, atol=fwd_tol * sc, rtol=fwd_tol)
-  for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads)):
+  for g, r in zip(jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(ref_grads),
+                  strict=True):
     gs = max(1.0, float(jnp.max(jnp.abs(r))))
     chex.assert_trees_all_close(g, r, atol=bwd_tol * gs, rtol=bwd_tol)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
@@ -164,7 +165,8 @@ def test_static_hyperparameters():
     if name not in ENGINE_NAMES:
       continue
     assert_matches(kernel(normalizer=name, normalizer_params=params),
-                   lambda q, k, v: reference(q, k, v, normalizer=name, params=params),
+                   lambda q, k, v, name=name, params=params: reference(
+                       q, k, v, normalizer=name, params=params),
                    (q, k, v), ct)
 
 

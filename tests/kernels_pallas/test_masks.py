@@ -12,7 +12,13 @@ import pytest
 import kernels_pallas as kp
 from kernels_pallas import engine
 from tests.kernels_pallas.test_engine import (
-    ENGINE_NAMES, TRITON_SMALL, assert_matches, dense_mask, inputs, reference)
+  ENGINE_NAMES,
+  TRITON_SMALL,
+  assert_matches,
+  dense_mask,
+  inputs,
+  reference,
+)
 
 # A sampled normalizer per structural case (the full cross product runs under -m slow):
 # each class E, S and P appears in the default set.
