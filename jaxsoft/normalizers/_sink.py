@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._softmax import exp_numerator
+from jaxsoft.normalizers._softpick import FlooredTileRule
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["softmax_n", "softmax_1", "softmax_sink"]
@@ -106,8 +107,8 @@ def _identity_score_map(x, length, **_):
 
 
 def _n_offset(m, length, n=1.0, **_):
-  """Sink mass ``n e^{-m}``; it overflows only when m < log n - 88, where the true weights
-  are below float32's range anyway (they come out as 0)."""
+  """Sink mass ``n e^{-m}``; with the rule's floor m >= 0 it cannot overflow (a driver
+  without the floor overflows only when m < log n - 88, where the weights are 0 anyway)."""
   return n * jnp.exp(-m)
 
 
@@ -125,14 +126,15 @@ _COMMON = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False, at_most_
 
 SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),
-    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_n_offset),
+    # m_floor = 0 (the function's max(max x, 0)): n e^{-m} cannot overflow.
+    tile=FlooredTileRule(score_map=_identity_score_map, numerator=exp_numerator,
+                         denominator=exp_numerator, offset=_n_offset, m_floor=0.0),
     description="exp(x) / (n + sum exp(x))", **_COMMON))
 
 SPEC_1 = register(NormalizerSpec(
     name="softmax_1", fn=softmax_1,
-    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_one_offset),
+    tile=FlooredTileRule(score_map=_identity_score_map, numerator=exp_numerator,
+                         denominator=exp_numerator, offset=_one_offset, m_floor=0.0),
     description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]", **_COMMON))
 
 SPEC_SINK = register(NormalizerSpec(

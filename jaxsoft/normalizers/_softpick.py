@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -9,6 +11,20 @@ from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
 
 __all__ = ["softpick"]
+
+
+@dataclasses.dataclass(frozen=True)
+class FlooredTileRule(TileRule):
+  """A class-E TileRule whose stabiliser is floored: ``m = max(running max, m_floor)``.
+
+  Any stabiliser works for a rule whose numerator and denominator rescale by
+  ``e^{m_old - m_new}``, as long as the same m is used throughout; flooring it keeps
+  terms such as softpick's ``e^{-m}`` or softmax_n's offset ``n e^{-m}`` from overflowing
+  when every score seen so far is below about -88. A -inf running max (nothing visible
+  yet) stays -inf. Drivers read ``getattr(rule, "m_floor", None)``.
+  """
+
+  m_floor: float | None = None
 
 
 def softpick(x, axis: int = -1, where=None):
@@ -41,9 +57,9 @@ def softpick(x, axis: int = -1, where=None):
 
   Tile rule: ``numerator = ReLU(e^{z-m} - e^{-m})`` and ``denominator = |e^{z-m} - e^{-m}|``
   both scale by ``e^{m_old - m_new}`` when the running max changes, so the online (m, l)
-  merge is exact. Caveat for drivers: with the running max of the visible scores as m,
-  ``e^{-m}`` overflows float32 when a key block's max is below about -88; a driver that
-  floors the running max at 0 (``m = max(m, 0)``, as the function does) avoids it.
+  merge is exact. The rule declares ``m_floor = 0``: a driver floors the running max at 0
+  (``m = max(m, 0)``, as the function does), since with the plain running max ``e^{-m}``
+  overflows float32 once every score seen so far is below about -88.
   """
   xs, mask, ax = c.prepare(x, axis, where, "softpick")
   m = jnp.maximum(c.masked_max(xs, mask, ax), 0.0)
@@ -76,7 +92,7 @@ SPEC = register(NormalizerSpec(
     shift_invariant=False,
     can_be_sparse=True,
     smooth=False,
-    tile=TileRule(score_map=_identity_score_map, numerator=_softpick_numerator,
-                  denominator=_softpick_denominator),
+    tile=FlooredTileRule(score_map=_identity_score_map, numerator=_softpick_numerator,
+                         denominator=_softpick_denominator, m_floor=0.0),
     description="ReLU(e^x - 1) / sum |e^x - 1|",
 ))

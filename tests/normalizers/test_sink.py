@@ -44,7 +44,11 @@ def tile_eval(spec, x, mask, hp=None, splits=()):
     zb, mb = z[..., a:b], mask[..., a:b]
     if rule.uses_max:
       blk = jnp.max(jnp.where(mb, zb, -jnp.inf), axis=-1, keepdims=True)
-      m_new = jax.lax.stop_gradient(jnp.maximum(m, blk))
+      m_new = jnp.maximum(m, blk)
+      floor = getattr(rule, "m_floor", None)  # a declared floor of the stabiliser
+      if floor is not None:
+        m_new = jnp.where(jnp.isneginf(m_new), m_new, jnp.maximum(m_new, floor))
+      m_new = jax.lax.stop_gradient(m_new)
     else:
       m_new = zero
     m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
@@ -240,6 +244,12 @@ def test_sink_gradient_zero_on_fully_masked_row():
                                      ("softmax_sink", {}), ("softmax_sink", {"sink_logit": -1.5})])
 def test_tile_rule_matches_function(name, hp):
   check_tile_rule(N.get(name), hp)
+
+
+@pytest.mark.parametrize("name,hp", [("softmax_1", {}), ("softmax_n", {"n": 3.0}),
+                                     ("softmax_sink", {"sink_logit": -1.5})])
+def test_tile_rule_at_extreme_logits(name, hp):
+  check_tile_rule(N.get(name), hp, scale=300.0, atol=1e-5)
 
 
 def test_tile_rule_with_row_broadcast_sink():

@@ -14,6 +14,7 @@ from tests.normalizers.test_sink import (
   check_mask_is_delete,
   check_tile_rule,
   random_cotangent,
+  tile_eval,
 )
 
 X = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)) * 2, jnp.float32)
@@ -96,6 +97,23 @@ def test_not_shift_invariant():
 
 def test_tile_rule_matches_function():
   check_tile_rule(N.get("softpick"))
+
+
+def test_tile_rule_blocks_of_very_negative_scores():
+  # A first key block whose scores are all below -88: e^{-m} would overflow with the
+  # plain running max; the declared floor m >= 0 keeps the online merge exact.
+  spec = N.get("softpick")
+  assert spec.tile.m_floor == 0.0
+  x = jnp.asarray([[-500.0, -400.0, -300.0, 5.0, 2.0, -1.0],
+                   [-900.0, -800.0, -700.0, -600.0, -3.0, -1.0],
+                   [1000.0, -1000.0, 999.0, -5.0, 0.5, 3.0]])
+  mask = jnp.ones(x.shape, bool)
+  want = N.softpick(x)
+  for splits in [(), (3,), (1, 2, 4)]:
+    got = tile_eval(spec, x, mask, {}, splits)
+    assert np.all(np.isfinite(np.asarray(got)))
+    chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)
+  check_tile_rule(spec, scale=300.0, atol=1e-5)
 
 
 def test_check_grads_float64_away_from_kink():
