@@ -73,6 +73,12 @@ def _segments(segment_ids, b, t, s, query_seq_lengths, key_value_seq_lengths):
   return q_seg, k_seg
 
 
+def _per_head(sinks):
+  """A 1-D ``sinks`` is one logit per head ([N] -> [N, 1, 1])."""
+  sinks = jnp.asarray(sinks)
+  return sinks.reshape(-1, 1, 1) if sinks.ndim == 1 else sinks
+
+
 def _check_blocks(bl: E.BlockSizes, backend: str, has_segments: bool):
   for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
     x = getattr(bl, name)
@@ -118,8 +124,8 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     segment_ids: ``[B, T]`` (self-attention) or a pair (``[B, T]``, ``[B, S]``); only equal
       ids attend.
     logits_soft_cap: ``cap`` of the tanh soft cap (Gemma 2), or None.
-    sinks: learned sink logits (class E only), broadcast to the rows like
-      ``normalizer_params`` (e.g. ``[N, 1, 1]`` per head): add ``e^{sink}`` to the
+    sinks: learned sink logits (class E only): ``[N]`` per head, or any shape broadcast to
+      the rows like ``normalizer_params`` (``[N, 1, 1]`` = ``[N]``): add ``e^{sink}`` to the
       denominator (softmax over ``[s, sink]`` without the sink's column); differentiable.
     backend: ``"triton"`` (GPU) or ``"mosaic_tpu"``.
     interpret: run in the Pallas interpreter (CPU); a ``pltpu.InterpretParams`` selects TPU
@@ -222,7 +228,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     return jnp.pad(r, ((0, 0), (0, 0), (0, t_pad - t)), mode="edge")[..., None]
 
   dyn = tuple(rows(x, nm) for x, nm in zip(dyn_vals, dyn_names, strict=True))
-  sink = rows(sinks, "sinks") if sinks is not None else None
+  sink = rows(_per_head(sinks), "sinks") if sinks is not None else None
 
   length = E.visible_counts(t, s, cfg.causal, window, q_seg, k_seg)
   length = jnp.broadcast_to(length, (b, t))

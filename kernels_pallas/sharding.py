@@ -46,6 +46,8 @@ def sharded_attention(mesh, q, k, v, *, batch_axis: Any = "data", head_axis: Any
             if x is None or isinstance(x, (bool, int, float))}
   dyn_names = sorted(set(params) - set(static))
   dyn = [jnp.broadcast_to(_rows4(params[name]), (b, n, t, 1)) for name in dyn_names]
+  if sinks is not None and jnp.ndim(sinks) == 1:  # one logit per head
+    sinks = jnp.reshape(sinks, (-1, 1, 1))
   sink = None if sinks is None else jnp.broadcast_to(_rows4(sinks), (b, n, t, 1))
   seg = segment_ids
   seg_spec = None

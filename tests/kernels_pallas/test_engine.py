@@ -172,13 +172,14 @@ def test_static_hyperparameters():
 
 def test_sinks_are_an_extra_softmax_column():
   q, k, v, ct = inputs(t=24, n=2, kh=1, seed=3)
-  sinks = jnp.asarray([0.5, -1.0]).reshape(2, 1, 1)
+  sinks = jnp.asarray([0.5, -1.0])  # one logit per head
 
   def kfn(q, k, v, sinks):
     return kp.attention(q, k, v, sinks=sinks, is_causal=True, backend="triton",
                         interpret=True, block_sizes=TRITON_SMALL)
 
-  assert_matches(kfn, lambda q, k, v, s: reference(q, k, v, sinks=s, is_causal=True),
+  assert_matches(kfn, lambda q, k, v, s: reference(q, k, v, sinks=s.reshape(2, 1, 1),
+                                                   is_causal=True),
                  (q, k, v, sinks), ct)
 
 
