@@ -10,6 +10,8 @@ from jax.test_util import check_grads
 
 import jaxsoft as js
 
+LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+
 sce = js.losses.softmax_cross_entropy
 sce_int = js.losses.softmax_cross_entropy_with_integer_labels
 topk_ce = js.losses.top_k_cross_entropy
@@ -179,7 +181,7 @@ def test_huge_and_shifted_logits_are_finite_and_shift_invariant():
   assert sce_int(huge, jnp.array([0]))[0] == 0.0
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_low_precision_is_computed_in_float32(dtype):
   x, labels = _logits(18, (4, 7), dtype=dtype), _labels(19, (4,), 7)
   out = sce_int(x, labels, label_smoothing=0.1)
@@ -263,7 +265,7 @@ def _top_k_reference(x, labels, k):
   return loss, grad
 
 
-@pytest.mark.parametrize("k", [1, 3, 8])
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, 8])
 def test_top_k_matches_dense_reference(k):
   x, labels = _logits(30, (6, 8)), _labels(31, (6,), 8)
   loss, (dx,) = _value_and_vjp(lambda a: topk_ce(a, labels, k), x, seed=None)

@@ -10,6 +10,8 @@ from jax.test_util import check_grads
 
 import jaxsoft as js
 
+LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+
 smce = js.losses.stablemax_cross_entropy
 collapse = js.losses.softmax_collapse_fraction
 
@@ -100,7 +102,7 @@ def test_huge_logits_are_finite():
   chex.assert_trees_all_close(out, ref.astype(np.float32), rtol=1e-5)
 
 
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_low_precision_is_computed_in_float32(dtype):
   x = _logits(6, (4, 6), dtype=dtype)
   labels = jnp.array([0, 1, 2, 3])
