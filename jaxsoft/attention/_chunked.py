@@ -476,8 +476,13 @@ def _t_search(cfg: _Config, tiles: _Tiles, qi, qb, hp, n):
 
   lo, hi = lax.fori_loop(0, passes, search_pass, (lo, hi))
   # tau = lo keeps sum(mass) >= target > 0, so every visible row has a non-empty support;
-  # the final normalisation removes the residual error of the finite search
-  return m, lax.stop_gradient(lo)
+  # the final normalisation removes the residual error of the finite search.
+  # The weights are evaluated at m' = the next float above m: a rule may clamp as
+  # exp(min(z - m, 0)) against overflow, and at the row's argmax (z == m) that clamp's
+  # derivative is a tie (1/2); strictly above every visible z it is inactive, and the
+  # uniform factor e^{m - m'} cancels in the normalisation.
+  m_w = jnp.nextafter(m, jnp.asarray(jnp.inf, m.dtype))
+  return m_w, lax.stop_gradient(lo)
 
 
 def _fwd_t(cfg: _Config, d: dict, aux: dict):
