@@ -1,5 +1,12 @@
 """Softmax-based losses (CATALOGUE L01–L04), optax-compatible: one value per example.
 
+Conventions shared by every loss: the result has ``logits``' shape without the class
+``axis`` and ``logits``' dtype (bf16/fp16 are computed in float32); ``where`` is either a
+class mask broadcastable to ``logits`` (masked classes, like ``-inf`` logits, enter no
+sum or max) or, with one dimension fewer, an example mask (optax's convention); masked
+or ignored examples and rows with no visible class get loss 0 with zero gradient; a
+label naming no visible class gets ``+inf`` (never NaN).
+
 Each family lives in its own private module; this package re-exports exactly the
 public names.
 """

@@ -48,10 +48,11 @@ def softmax_cross_entropy(logits, labels, *, axis: int = -1, where=None,
 
   Example:
     >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> labels = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
-    >>> js.losses.softmax_cross_entropy(logits, labels).round(4)
-    Array([0.2761, 2.9518], dtype=float32)
+    >>> print(js.losses.softmax_cross_entropy(logits, labels))
+    [0.2761 2.9518]
   """
   fn = "softmax_cross_entropy"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
@@ -103,9 +104,10 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1,
 
   Example:
     >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
-    >>> js.losses.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 1])).round(4)
-    Array([0.2761, 2.9518], dtype=float32)
+    >>> print(js.losses.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 1])))
+    [0.2761 2.9518]
   """
   fn = "softmax_cross_entropy_with_integer_labels"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
@@ -153,7 +155,8 @@ def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
     labels: integer class indices of ``logits``' shape without ``axis``.
     k: number of logits kept, ``1 <= k <= K``.
     axis: the class axis.
-    where: optional class or example mask (see the module conventions).
+    where: optional mask, broadcastable to ``logits`` (False classes are left out) or
+      with one dimension fewer (per example; a False example gets loss 0).
     ignore_index: a label value whose examples get loss 0.
 
   Returns:

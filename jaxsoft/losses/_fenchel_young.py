@@ -54,12 +54,14 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
   :math:`\sum_j p_j^\alpha - 1 = \sum_j p_j \operatorname{expm1}((\alpha-1)\log p_j)` so
   that alpha near 1 loses no precision; tiny negative rounding is clipped to 0 in the
   value (not in the gradient), and centred logits below the float range are clamped to
-  its edge (so the loss stays finite, never NaN, for any finite logits). Probability targets must lie on the simplex of the visible
-  classes; mass on masked classes is dropped. Masked / ignored examples and labels naming
+  its edge (so the loss stays finite, never NaN, for any finite logits). Probability
+  targets must lie on the simplex of the visible classes; mass on masked classes is
+  dropped. Masked / ignored examples and labels naming
   no visible class are handled as in :func:`softmax_cross_entropy_with_integer_labels`
   (loss 0, resp. ``+inf``). Gradients in probability ``labels`` are exact up to a
   constant along the all-ones direction (which the simplex does not have), taking the
-  entropy's derivative as 0 at zero entries.
+  entropy's derivative as 0 at zero entries. Reverse-mode only (``custom_vjp``): use
+  ``jax.grad``/``jax.vjp``, not ``jax.jvp``/``jax.jacfwd``.
 
   Args:
     logits: ``[..., K, ...]`` float scores (bf16/fp16 computed in float32).
@@ -68,7 +70,8 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
     normalizer: ``"sparsemax"``, ``"entmax15"``, ``"entmax"`` or ``"softmax"`` (a name
       or the registered ``NormalizerSpec``).
     axis: the class axis.
-    where: optional class or example mask (see the module conventions).
+    where: optional mask, broadcastable to ``logits`` (False classes are left out) or
+      with one dimension fewer (per example; a False example gets loss 0).
     ignore_index: with integer labels, a label value whose examples get loss 0.
     **hparams: ``alpha`` for ``"entmax"`` (default 1.5): a float > 1 or an array
       broadcast to the rows (size 1 along ``axis``); differentiable.
@@ -78,8 +81,10 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
 
   Example:
     >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
-    >>> js.losses.fenchel_young_loss(logits, jnp.array([0, 1]), "sparsemax")  # doctest: +SKIP
+    >>> print(js.losses.fenchel_young_loss(logits, jnp.array([0, 1]), "sparsemax"))
+    [0.   0.19]
   """
   fn = "fenchel_young_loss"
   name = _normalizer_name(normalizer, fn)

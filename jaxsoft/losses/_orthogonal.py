@@ -1,4 +1,4 @@
-"""L04 ⊥Grad: the orthogonal-gradient fix of Prieto et al. (ICLR 2025) as an optax transformation."""
+"""L04 ⊥Grad: the orthogonal-gradient fix of Prieto et al. (ICLR 2025), an optax transformation."""
 
 from __future__ import annotations
 

@@ -49,11 +49,19 @@ def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignor
     labels: integer class indices (``logits``' shape without ``axis``) or probability
       targets (``logits``' shape, a floating dtype).
     axis: the class axis.
-    where: optional class or example mask (see the module conventions).
+    where: optional mask, broadcastable to ``logits`` (False classes are left out) or
+      with one dimension fewer (per example; a False example gets loss 0).
     ignore_index: with integer labels, a label value whose examples get loss 0.
 
   Returns:
     One loss per example, in ``logits``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
+    >>> print(js.losses.stablemax_cross_entropy(logits, jnp.array([0, 1])))
+    [0.5108 0.9614]
   """
   fn = "stablemax_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

@@ -253,7 +253,7 @@ def _top_k_reference(x, labels, k):
   """float64 numpy: Omega = k largest (ties: lower index) plus the target; loss and grad."""
   x = np.asarray(x, np.float64)
   loss, grad = np.zeros(x.shape[0]), np.zeros_like(x)
-  for r, (row, t) in enumerate(zip(x, np.asarray(labels))):
+  for r, (row, t) in enumerate(zip(x, np.asarray(labels), strict=True)):
     order = sorted(range(len(row)), key=lambda j: (-row[j], j))
     omega = sorted(set(order[:k]) | {int(t)})
     z = row[omega]
