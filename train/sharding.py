@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 from train.config import Config, ConfigError
 
 __all__ = ["setup_devices", "make_mesh", "check_batch", "batch_sharding", "param_sharding",
-           "global_batch", "shard_map_attention", "DATA"]
+           "global_batch", "needs_shard_map", "shard_map_attention", "DATA"]
 
 DATA = "data"
 
@@ -134,6 +134,12 @@ def global_batch(dataset, position: int, cfg: Config,
     value = value.reshape(cfg.grad_accum, len(local), cfg.seq_len)
     out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
   return out
+
+
+def needs_shard_map(cfg: Config) -> bool:
+  """Pallas may run: an explicit pallas* implementation, or jaxsoft's default choice off CPU."""
+  impl = cfg.implementation
+  return impl.startswith("pallas") or (not impl and jax.default_backend() != "cpu")
 
 
 def shard_map_attention(mesh) -> Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]:

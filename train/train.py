@@ -134,7 +134,7 @@ class _StopFlag:
 def build(cfg: Config, mesh):
   """Model, optimizer, sharded initial state and its abstract twin (shapes + shardings)."""
   dataset = data.make_dataset(cfg.dataset, cfg.seq_len, cfg.batch_size, cfg.seed)
-  wrap = sharding.shard_map_attention(mesh) if cfg.implementation.startswith("pallas") else None
+  wrap = sharding.shard_map_attention(mesh) if sharding.needs_shard_map(cfg) else None
   abstract_model = nnx.eval_shape(
       lambda: model.make_model(cfg, dataset.vocab_size, cfg.seed, wrap=wrap))
   graphdef, abstract_params = nnx.split(abstract_model)

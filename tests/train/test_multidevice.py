@@ -26,6 +26,18 @@ SCRIPT = textwrap.dedent("""
     except SystemExit as e:
       print("BAD_BATCH_ERROR", e.code)
     assert T.main(tiny + ["--workdir", root + "/dp8"]) == 0
+    # The shard_map wrapper Pallas calls go through computes the same attention per data shard.
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jaxsoft.attention import dot_product_attention
+    from train import sharding
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in
+               jax.random.normal(jax.random.key(0), (3, 8, 16, 2, 8)))
+    attend = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="xla")
+    wrapped = jax.jit(sharding.shard_map_attention(mesh)(attend))(q, k, v)
+    np.testing.assert_allclose(wrapped, attend(q, k, v), rtol=1e-5, atol=1e-6)
+    print("SHARD_MAP_OK")
     assert T.main(tiny + ["--workdir", root + "/fsdp8", "--fsdp", "true",
                           "--preempt_at_step", "3"]) == 0
 """)
@@ -48,7 +60,7 @@ def test_eight_devices_match_one_device(tmp_path):
   assert "BAD_BATCH_ERROR" in out and "--batch_size (12)" in out and \
       "number of devices (8)" in out, out
   assert not (tmp_path / "bad" / "config.json").exists()
-  assert "8 device(s)" in out, out
+  assert "8 device(s)" in out and "SHARD_MAP_OK" in out, out
 
   one = str(tmp_path / "one")
   assert train_lib.main(TINY + ["--workdir", one]) == 0

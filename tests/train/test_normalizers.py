@@ -81,3 +81,32 @@ def test_normalizer_trains_without_nan(name):
   changed = [not np.array_equal(a, b) for a, b in
              zip(jax.tree.leaves(start), jax.tree.leaves(state["params"]), strict=True)]
   assert any(changed), name
+
+
+def _train_steps(cfg, steps=2):
+  mesh = sharding.make_mesh(cfg)
+  dataset, graphdef, optimizer, init_fn, _, _, _ = train_lib.build(cfg, mesh)
+  step = jax.jit(train_lib.make_train_step(graphdef, optimizer, train_lib.make_schedule(cfg)))
+  state, out = init_fn(), []
+  for position in range(steps):
+    batch = sharding.global_batch(dataset, position, cfg, sharding.batch_sharding(mesh))
+    state, metrics = step(state, batch)
+    out.append(jax.device_get(metrics))
+  return state, out
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "gated"])
+def test_attention_variant_trains_without_nan(variant):
+  cfg = Config(**{**TINY, "attention": variant, "window": 3, "softcap": 5.0})
+  state, out = _train_steps(cfg)
+  assert all(np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"]) for m in out), out
+  if variant == "gated":
+    assert "gate" in state["params"]["blocks"][0]["attn"]
+
+
+def test_bfloat16_compute_keeps_float32_params_and_tracks_float32():
+  f32_state, f32 = _train_steps(Config(**TINY), steps=1)
+  bf16_state, bf16 = _train_steps(Config(**{**TINY, "dtype": "bfloat16"}), steps=1)
+  assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(bf16_state["params"]))
+  np.testing.assert_allclose(bf16[0]["loss"], f32[0]["loss"], rtol=2e-2)
+  np.testing.assert_allclose(bf16[0]["grad_norm"], f32[0]["grad_norm"], rtol=1e-1)
