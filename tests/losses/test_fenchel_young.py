@@ -1,6 +1,9 @@
 """L02 Fenchel-Young losses against optax, the definition computed densely, and p - y."""
 
 import chex
+import hypothesis
+import hypothesis.extra.numpy as hnp
+import hypothesis.strategies as st
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -283,3 +286,23 @@ def test_bad_input_names_the_argument():
     fy(x, jnp.ones((3, 5)) / 5, "sparsemax", ignore_index=0)
   with pytest.raises(ValueError, match="axis"):
     fy(x, labels, "sparsemax", axis=3)
+
+
+_PROPERTY_FN = jax.jit(lambda x, labels, alpha: (
+    jax.value_and_grad(lambda a: fy(a, labels, "entmax", alpha=alpha).sum())(x),
+    js.normalizers.entmax(x, alpha=alpha)))
+
+
+@hypothesis.given(
+    x=hnp.arrays(np.float32, (3, 5), elements=st.floats(-30, 30, width=32)),
+    labels=hnp.arrays(np.int32, (3,), elements=st.integers(0, 4)),
+    alpha=st.floats(1.05, 3.0))
+def test_property_nonnegative_and_gradient_is_entmax_minus_one_hot(x, labels, alpha):
+  """Hypothesis rows: L >= 0, and dL/dx = entmax(x) - e_y with N17 (another helper's
+  normalizer) as the independent p; L = 0 exactly where that p is the one-hot target."""
+  (loss, dx), p = _PROPERTY_FN(x, labels, jnp.float32(alpha))
+  per_row = fy(x, labels, "entmax", alpha=alpha)
+  assert np.all(per_row >= 0.0)
+  chex.assert_trees_all_close(dx, p - jax.nn.one_hot(labels, 5), atol=2e-5)
+  one_hot_rows = np.all(np.asarray(p) == np.asarray(jax.nn.one_hot(labels, 5)), axis=-1)
+  np.testing.assert_array_equal(np.asarray(per_row)[one_hot_rows], 0.0)
