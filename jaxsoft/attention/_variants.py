@@ -74,7 +74,11 @@ def softplus_from_range(value, low: float = 0.0, margin: float = 0.0):
   """
   v = jnp.asarray(value, dtype=jnp.float32)
   y = v - low - margin
-  if not isinstance(y, jax.core.Tracer) and bool(jnp.any(y <= 0)):
+  try:
+    concrete = np.asarray(y)
+  except Exception:  # a tracer: checked only when concrete
+    concrete = None
+  if concrete is not None and np.any(concrete <= 0):
     raise ValueError(
         f"softplus_from_range: `value` must be > low + margin = {low + margin}, got {value}")
   # log(expm1(y)) written to stay finite for large y (expm1 overflows past ~88 in f32).

@@ -10,7 +10,8 @@ dropout, dtype, precision, module for weight sowing, is_causal) are all honoured
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,8 @@ other names         from the normalizer's Param range    softplus above a lower 
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
