@@ -5,18 +5,14 @@ The layer is ``flax.nnx.MultiHeadAttention``'s projections around
 variants (CATALOGUE A03, A07-A10), each held as an ``nnx.Param`` in an unconstrained
 form and mapped into its valid range by construction (DESIGN.md §4), never clipped:
 
-==================  ===================================  =================================
-option              parameter (per head)                 parameterisation
-==================  ===================================  =================================
-``sink=True``       sink logit (softmax_sink, A03)       free
-``learned=("s",)``  SSMax s (A09)                        ``softplus(z)``
-``("alpha",)``      entmax alpha (A10)                   ``1 + softplus(z)``
-``("temperature",)`` softmax temperature                 ``softplus(z)`` (> 0)
-other names         from the normalizer's Param range    softplus above a lower bound,
-                                                          sigmoid between two bounds
-``gated=True``      gate ``W_theta [D, N, H]``, bias     ``Y ⊙ sigmoid(X W + b)`` (A07)
-``forget_gate``     projection ``[D, N]``, bias          ``log f = log sigmoid(x w + b)``
-==================  ===================================  =================================
+* ``sink=True``: a per-head sink logit (softmax_sink, A03), free;
+* ``learned=("s",)`` with ssmax: SSMax ``s = softplus(z)`` per head (A09);
+* ``learned=("alpha",)`` with entmax: ``alpha = 1 + softplus(z)`` (+ 1e-3) per head (A10);
+* ``learned=("temperature",)`` with softmax: ``T = softplus(z)`` (+ 1e-3) per head;
+* any other name: from the normalizer's declared Param range (softplus above a lower
+  bound, sigmoid between two bounds; open bounds kept open by a small margin);
+* ``gated=True``: gate ``W_theta [D, N, H]`` and bias, ``Y ⊙ sigmoid(X W + b)`` (A07);
+* ``forget_gate=True``: projection ``[D, N]`` and bias, ``log f = log sigmoid(x w + b)`` (A08).
 """
 
 from __future__ import annotations
