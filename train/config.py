@@ -71,7 +71,7 @@ class Config:
   # Optimizer.
   steps: int = _f(200, "optimizer steps in total")
   learning_rate: float = _f(3e-3, "peak learning rate")
-  warmup_steps: int = _f(20, "linear warm-up steps before the cosine decay")
+  warmup_steps: int = _f(20, "linear warm-up steps before the cosine decay (capped at --steps)")
   min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
   weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
   b1: float = _f(0.9, "Adam beta1")
@@ -256,8 +256,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   if cfg.batch_size % cfg.grad_accum:
     raise ConfigError(f"--batch_size ({cfg.batch_size}) must be divisible by --grad_accum "
                       f"({cfg.grad_accum})")
-  if cfg.warmup_steps < 0 or cfg.warmup_steps > cfg.steps:
-    raise ConfigError(f"--warmup_steps must be in [0, --steps], got {cfg.warmup_steps}")
+  if cfg.warmup_steps < 0:
+    raise ConfigError(f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
   if not cfg.workdir:
     raise ConfigError("--workdir is required")
   if check_workdir:

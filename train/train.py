@@ -45,9 +45,10 @@ EXIT_NONFINITE = 3
 
 def make_schedule(cfg: Config) -> optax.Schedule:
   """Linear warm-up to the peak, then cosine decay to ``min_lr_ratio`` of it at the last step."""
+  warmup = min(cfg.warmup_steps, cfg.steps)  # a preset's warm-up may exceed a short --steps
   return optax.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=cfg.warmup_steps,
-      decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+      init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=warmup,
+      decay_steps=max(cfg.steps, warmup + 1),
       end_value=cfg.learning_rate * cfg.min_lr_ratio)
 
 

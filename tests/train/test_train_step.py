@@ -150,7 +150,7 @@ def test_data_is_a_function_of_seed_and_position():
 
 @pytest.mark.parametrize("name", ["recall", "copy", "sort", "needle"])
 def test_probe_answers_are_determined_by_the_prompt(name):
-  ds = data.make_dataset(name, 32, 8, seed=0)
+  ds = data.make_dataset(name, 64, 8, seed=0)  # recall: more positions than keys
   b = ds.batch(0)
   inputs, targets, weights = b["inputs"], b["targets"], b["weights"]
   assert weights.sum() > 0 and inputs.max() < ds.vocab_size
