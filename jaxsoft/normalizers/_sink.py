@@ -20,14 +20,17 @@ _N = Param("n", 1.0, low=0.0, sample=3.0, row_broadcast=True)
 _SINK = Param("sink_logit", 0.0, sample=-1.5, row_broadcast=True)
 
 
-def _sink_softmax(x, axis, where, coef, logit, fn_name):
-  """``e^{x_i} / (coef * e^{logit} + sum_j e^{x_j})`` over visible entries.
+def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
+  """``e^{x_i} / (n * e^{s} + sum_j e^{x_j})`` over visible entries.
 
-  Stabilised with ``M = max(max_V x, logit)``, the max over the row *and* the sink, so
-  neither ``e^{x - M}`` nor ``e^{logit - M}`` can overflow (notes 001#1: "m = max(max z, 0)").
-  ``M`` cancels, so it carries no gradient; ``coef`` and ``logit`` do.
+  Stabilised with ``M = max(max_V x, s)``, the max over the row *and* the sink, so
+  neither ``e^{x - M}`` nor ``e^{s - M}`` can overflow (notes 001#1: "m = max(max z, 0)").
+  ``M`` cancels, so it carries no gradient; ``n`` and ``s`` do. Both are row parameters
+  in the compute dtype (float64 stays float64).
   """
   xs, mask, axis = c.prepare(x, axis, where, fn_name)
+  coef = c.row_param(n, xs.shape, axis, "n", fn_name, xs.dtype)
+  logit = c.row_param(sink_logit, xs.shape, axis, "sink_logit", fn_name, xs.dtype)
   m = jnp.maximum(c.masked_max(xs, mask, axis), jax.lax.stop_gradient(logit))
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)
   den = jnp.sum(e, axis=axis, keepdims=True) + coef * jnp.exp(logit - m)
@@ -60,10 +63,7 @@ def softmax_n(x, n=1.0, axis: int = -1, where=None):
   Tile rule: ``e^{z - m}`` as numerator and denominator plus the offset ``n e^{-m}``.
   """
   _N.validate(n, "softmax_n")
-  xs_shape = jnp.shape(x)
-  ax = c.canonical_axis(axis, len(xs_shape), "softmax_n")
-  coef = c.row_param(n, xs_shape, ax, "n", "softmax_n")
-  return _sink_softmax(x, ax, where, coef, jnp.zeros_like(coef), "softmax_n")
+  return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
 
 
 def softmax_1(x, axis: int = -1, where=None):
@@ -96,10 +96,7 @@ def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
     zeros with zero gradient (also in ``sink_logit``).
   """
   _SINK.validate(sink_logit, "softmax_sink")
-  xs_shape = jnp.shape(x)
-  ax = c.canonical_axis(axis, len(xs_shape), "softmax_sink")
-  s = c.row_param(sink_logit, xs_shape, ax, "sink_logit", "softmax_sink")
-  return _sink_softmax(x, ax, where, jnp.ones_like(s), s, "softmax_sink")
+  return _sink_softmax(x, axis, where, 1.0, sink_logit, "softmax_sink")
 
 
 def _identity_score_map(x, length, **_):

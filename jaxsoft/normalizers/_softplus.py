@@ -33,7 +33,8 @@ def length_scale(n, base=512.0, scale=1.0):
   """
   if base is None:
     return scale * jnp.ones_like(n)
-  return scale * jnp.log(jnp.maximum(n, 1.0)) / jnp.log(jnp.asarray(base, jnp.float32))
+  n = jnp.asarray(n)
+  return scale * jnp.log(jnp.maximum(n, 1.0)) / jnp.log(jnp.asarray(base, n.dtype))
 
 
 def _log_softplus(z):

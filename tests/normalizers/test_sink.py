@@ -265,6 +265,12 @@ def test_check_grads_float64():
     sink = jnp.asarray([[0.1], [-0.7], [1.2]])
     check_grads(jax.jit(lambda x, s: N.softmax_sink(x, sink_logit=s)), (x, sink), order=2)
     assert N.softmax_1(x).dtype == jnp.float64
+    # float64 end to end, per-row parameters included (no float32 round trip).
+    chex.assert_trees_all_close(N.softmax_sink(x, sink_logit=sink), _sink_oracle(x, sink),
+                                atol=1e-13, rtol=1e-12)
+    n = jnp.asarray([[0.5], [2.0], [7.0]])
+    chex.assert_trees_all_close(N.softmax_n(x, n=n), _sink_oracle(x, jnp.log(n)),
+                                atol=1e-13, rtol=1e-12)
 
 
 @pytest.mark.parametrize("name", ["softmax_1", "softmax_n", "softmax_sink"])
