@@ -82,7 +82,7 @@ def entmax15_threshold(ym):
 @jax.custom_jvp
 def _entmax15_last(x, mask):
   ym = jnp.where(mask, (x - c.masked_max(x, mask, -1)) * 0.5, -jnp.inf)
-  d = jnp.maximum(ym - entmax15_threshold(ym), 0.0)
+  d = jnp.maximum(ym - _sparsemax.map_row_blocks(entmax15_threshold, ym), 0.0)
   return d * d
 
 
@@ -166,7 +166,12 @@ def _entmax_bisect_forward(x, mask, alpha, n_iter, q):
   z = x * am1
   ym = jnp.where(mask, z - c.masked_max(z, mask, -1), -jnp.inf)
   n = c.visible_count(mask, -1, x.dtype)
-  tau = entmax_bisect_threshold(ym, am1, n, n_iter, q)
+  if q is None:
+    # A traced alpha: XLA:CPU does not vectorise a per-row exponent inside row blocks.
+    tau = entmax_bisect_threshold(ym, am1, n, n_iter)
+  else:
+    solve = lambda y, k: entmax_bisect_threshold(y, am1, k, n_iter, q)  # noqa: E731
+    tau = _sparsemax.map_row_blocks(solve, ym, n)
   p = _power(jnp.maximum(ym - tau, 0.0), 1.0 / am1 if q is None else q)
   return c.safe_divide(p, jnp.sum(p, axis=-1, keepdims=True))
 
