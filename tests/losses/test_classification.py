@@ -148,6 +148,14 @@ def test_integer_labels_class_mask_equals_deleting_the_column():
   chex.assert_trees_all_close(loss, ref, rtol=1e-6)
   chex.assert_trees_all_close(dx[:, keep], rdx, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(dx[:, 2], 0.0)
+  # smoothing over the visible classes only, as the optax-checked probability version
+  smooth, (sdx,) = _value_and_vjp(lambda a: sce_int(a, labels, where=where, label_smoothing=0.3), x)
+  ref_smooth, (rsdx,) = _value_and_vjp(
+      lambda a: sce(a, jax.nn.one_hot(labels, 6), where=where, label_smoothing=0.3), x)
+  chex.assert_trees_all_close((smooth, sdx), (ref_smooth, rsdx), rtol=1e-5, atol=1e-6)
+  # a single example (rank-1 logits, scalar label)
+  chex.assert_trees_all_close(sce_int(x[1], labels[1]), sce_int(x, labels)[1],
+                              rtol=1e-6)
 
 
 def test_fully_masked_rows_and_invisible_labels():
