@@ -26,7 +26,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

@@ -42,6 +42,8 @@ def map_row_blocks(fn, ym, *row_args):
   """
   lead, n = ym.shape[:-1], ym.shape[-1]
   rows = int(np.prod(lead, dtype=np.int64))
+  if rows == 0 or n == 0:
+    return jnp.zeros(lead + (1,), ym.dtype)
   per = max(1, min(rows, BLOCK_ENTRIES // max(n, 1)))
   nblocks = -(-rows // per)
   pad = nblocks * per - rows
@@ -49,7 +51,7 @@ def map_row_blocks(fn, ym, *row_args):
   flat = [ym.reshape(rows, n)] + [jnp.broadcast_to(a, shape1).reshape(rows, 1) for a in row_args]
   fill = [-jnp.inf] + [1.0] * len(row_args)
   blocks = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=v).reshape(nblocks, per, -1)
-            for a, v in zip(flat, fill)]
+            for a, v in zip(flat, fill, strict=True)]
   if nblocks == 1:
     out = fn(*[b[0] for b in blocks])[None]
   else:
@@ -162,24 +164,6 @@ def sparsemax(x, axis: int = -1, where=None):
   xs, mask, axis = c.prepare(x, axis, where, "sparsemax")
   p = _from_last(_sparsemax_last(_to_last(xs, axis), _to_last(mask, axis)), axis)
   return c.finish(p, mask, jnp.asarray(x).dtype)
-
-
-def sparsemax_reference_tau(x, mask=None):
-  """Sort-based tau over the last axis (Martins & Astudillo, Algorithm 1); for checks."""
-  x = np.asarray(x, np.float64)
-  if mask is None:
-    mask = np.ones(x.shape, bool)
-  out = np.zeros(x.shape[:-1] + (1,))
-  for idx in np.ndindex(*x.shape[:-1]):
-    row = x[idx][mask[idx]]
-    if row.size == 0:
-      continue
-    z = np.sort(row)[::-1]
-    k = np.arange(1, z.size + 1)
-    cs = np.cumsum(z)
-    kk = k[1 + k * z > cs].max()
-    out[idx] = (cs[kk - 1] - 1) / kk
-  return out
 
 
 # --- the class-T rule (DESIGN.md §3): mass = weight = [z - tau]_+, target 1. -------------
