@@ -198,6 +198,7 @@ def run(cfg: Config, mesh) -> int:
 
   stop = _StopFlag()
   previous_handler = _install(signal.SIGTERM, stop)
+  handler_installed = signal.getsignal(signal.SIGTERM) is stop
   code = 0
   try:
     while step < cfg.steps:
@@ -224,8 +225,11 @@ def run(cfg: Config, mesh) -> int:
       log.log(step, step_metrics, echo=echo)
       final = step == cfg.steps
       if step == cfg.preempt_at_step:  # testing: exercise the real SIGTERM path
-        os.kill(os.getpid(), signal.SIGTERM)
-        _wait_for(stop)
+        if handler_installed:
+          os.kill(os.getpid(), signal.SIGTERM)
+          _wait_for(stop)
+        else:  # not the main thread (signals cannot be caught here): call the handler itself
+          stop(signal.SIGTERM, None)
       ckpt.save(step, state, position, force=final or stop.requested)
       if step == cfg.kill_after_save_at_step:  # testing: die while the async save is in flight
         os.kill(os.getpid(), signal.SIGKILL)
@@ -236,7 +240,8 @@ def run(cfg: Config, mesh) -> int:
   finally:
     ckpt.close()
     log.close()
-    _install(signal.SIGTERM, previous_handler)
+    if handler_installed:
+      _install(signal.SIGTERM, previous_handler)
   if code == 0 and step == cfg.steps and is_main:
     plot = metrics.plot_run(cfg.workdir, f"{cfg.dataset}, normalizer={cfg.normalizer}")
     log.message(f"done: {step} steps.\n  metrics:     {workdir / 'metrics.jsonl'}\n"
