@@ -86,6 +86,8 @@ class Config:
                            "records every step)")
   save_every: int = _f(100, "steps between checkpoints (the last step is always saved)")
   max_to_keep: int = _f(3, "checkpoints kept")
+  distributed: str = _f("auto", "call jax.distributed.initialize(): auto (when the environment "
+                                 "names several processes), on (TPU pods), off")
   fsdp: bool = _f(False, "shard the parameters and optimizer state over the data axis (FSDP)")
   num_cpu_devices: int = _f(0, "fake CPU devices (0 = what the platform has)")
   progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off")
@@ -238,6 +240,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
     raise ConfigError(f"--dataset: unknown dataset {cfg.dataset!r}; one of {DATASETS}")
   if cfg.dtype not in DTYPES:
     raise ConfigError(f"--dtype: must be one of {DTYPES}, got {cfg.dtype!r}")
+  if cfg.distributed not in ("auto", "on", "off"):
+    raise ConfigError(f"--distributed: must be auto, on or off, got {cfg.distributed!r}")
   if cfg.progress not in ("auto", "on", "off"):
     raise ConfigError(f"--progress: must be auto, on or off, got {cfg.progress!r}")
   positive = ("seq_len", "batch_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",

@@ -66,8 +66,9 @@ def setup_devices(cfg: Config) -> None:
     else:
       jax.config.update("jax_platforms", "cpu")
       jax.config.update("jax_num_cpu_devices", cfg.num_cpu_devices)
-  if _is_multihost() and not jax.distributed.is_initialized():
-    jax.distributed.initialize()
+  wanted = cfg.distributed == "on" or (cfg.distributed == "auto" and _is_multihost())
+  if wanted and not jax.distributed.is_initialized():
+    jax.distributed.initialize()  # coordinator, process count and id auto-detected
 
 
 def check_batch(batch_size: int, grad_accum: int, num_devices: int, num_processes: int = 1) -> None:

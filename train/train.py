@@ -206,6 +206,7 @@ def run(cfg: Config, mesh) -> int:
       new_state, step_metrics = train_step(state, batch)
       step_metrics = jax.device_get(step_metrics)
       if not all(math.isfinite(float(step_metrics[k])) for k in ("loss", "grad_norm")):
+        ckpt.wait()  # let an in-flight save finish so it counts as the last good one
         last = ckpt.latest_step()
         log.message(
             f"error: non-finite loss/grad_norm at step {step + 1} (loss={step_metrics['loss']}, "
