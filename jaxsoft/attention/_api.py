@@ -396,7 +396,9 @@ def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causa
       "pallas" on GPU/TPU, then "xla_chunked" when T·S >= 1024·1024 (and the normalizer has
       a tile or threshold rule), then "xla". "xla" is the dense reference (O(T·S) memory);
       "xla_chunked" computes blockwise with the normalizer's tile rule and a recomputing
-      backward pass (O(T·H) memory; causal/window/length/segment structure skips blocks).
+      backward pass (O(T·H) memory; causal/window/length/segment structure skips blocks);
+      it is differentiable in reverse mode (grad, vjp) once: use "xla" for jvp or
+      higher-order derivatives.
     decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
       is added to the scaled logits (before soft-capping), as in Forgetting attention
       (FoX, CATALOGUE A08) where cq = ck = cumulative sums of log forget gates;
