@@ -1,4 +1,4 @@
-# jaxsoft — every target sets up what it needs in .venv first.
+# jaxsoft — every target sets up what it needs in .venv first (a fresh clone needs nothing else).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -6,41 +6,51 @@ PIP    := $(PY) -m pip
 # pytest workers: one per core by default.
 JOBS   ?= auto
 
-.PHONY: demo test test-slow lint bench gallery clean
+.PHONY: demo test test-unit test-notebooks test-slow lint bench gallery notebooks clean
 
 $(VENV)/.base: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[test,train]"
+	$(PIP) install -q -e ".[test,train,notebooks]"
 	touch $@
 
 $(VENV)/.bench: $(VENV)/.base
 	$(PIP) install -q -e ".[bench]"
 	touch $@
 
-$(VENV)/.notebooks: $(VENV)/.base
-	$(PIP) install -q -e ".[notebooks]"
-	touch $@
-
-## The main job: set up, then show every registered normalizer on one row.
+## The main job: set up, then train the smoke decoder LM on CPU (about a minute).
 demo: $(VENV)/.base
 	rm -rf runs/demo
 	$(PY) train/train.py --preset smoke --workdir runs/demo
 
-gallery: demo
+## Every registered normalizer applied to one sample row.
+gallery: $(VENV)/.base
+	$(PY) -m jaxsoft
 
-## The default test suite (slow sweeps excluded; run `make test-slow` for them).
-test: $(VENV)/.base
+## The default test suite: unit tests (slow sweeps excluded), then every notebook with small sizes.
+test: test-unit test-notebooks
+
+test-unit: $(VENV)/.base
 	$(PY) -m pytest -n $(JOBS) -q
+
+test-notebooks: $(VENV)/.base
+	JAXSOFT_NOTEBOOK_QUICK=1 MPLBACKEND=Agg $(PY) -m pytest -n $(JOBS) -q --nbmake notebooks
 
 test-slow: $(VENV)/.base
 	$(PY) -m pytest -n $(JOBS) -q -m slow
 
 lint: $(VENV)/.base
-	$(PY) -m ruff check jaxsoft kernels_pallas tests bench
+	$(PY) -m ruff check jaxsoft kernels_pallas tests bench train
 
+## Re-sync each notebook with its plain-text twin (edit the .py, then run this).
+notebooks: $(VENV)/.base
+	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.py
+
+## CPU benchmarks (the figures in README.md); bench/gpu.py runs on a GPU machine.
 bench: $(VENV)/.bench
 	$(PY) bench/normalizers.py
+	$(PY) bench/attention_cpu.py
+	$(PY) bench/train_tokens.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info runs
