@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,18 +12,8 @@ from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
 __all__ = ["softpick"]
 
 
-@dataclasses.dataclass(frozen=True)
-class FlooredTileRule(TileRule):
-  """A class-E TileRule whose stabiliser is floored: ``m = max(running max, m_floor)``.
-
-  Any stabiliser works for a rule whose numerator and denominator rescale by
-  ``e^{m_old - m_new}``, as long as the same m is used throughout; flooring it keeps
-  terms such as softpick's ``e^{-m}`` or softmax_n's offset ``n e^{-m}`` from overflowing
-  when every score seen so far is below about -88. A -inf running max (nothing visible
-  yet) stays -inf. Drivers read ``getattr(rule, "m_floor", None)``.
-  """
-
-  m_floor: float | None = None
+# The floor is now a field of TileRule itself; the name stays for the modules that use it.
+FlooredTileRule = TileRule
 
 
 def softpick(x, axis: int = -1, where=None):

@@ -89,6 +89,11 @@ class TileRule:
   a sink logit's ``e^{s-m}``), ``None`` meaning 0. Masked entries contribute 0 to D and
   a row whose D is 0 gets zero weights.
 
+  ``m_floor`` (class E): when set, the stabiliser is ``max(running max, m_floor)`` (a
+  ``-inf`` max of a fully masked block stays ``-inf``). Rules whose numerator,
+  denominator or offset contain ``e^{-m}`` (softpick, softmax_n's ``n·e^{-m}``) declare
+  ``m_floor=0`` so a key block whose scores are all below about -88 cannot overflow it.
+
   ``length`` is the number of visible entries of the row (float32, broadcast like a
   row statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
   ``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'·dP``),
@@ -100,6 +105,7 @@ class TileRule:
   denominator: Callable[..., Any] | None = None
   offset: Callable[..., Any] | None = None
   uses_max: bool = True
+  m_floor: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
