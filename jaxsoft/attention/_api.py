@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Any, Callable, Sequence
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -89,7 +90,7 @@ def _check_broadcast(t, name: str, target: tuple[int, ...]):
   if t.ndim > 4:
     raise ValueError(f"`{name}` must have at most 4 dimensions [B, N, T, S], got shape {t.shape}")
   t = _ensure_4d(t)
-  for d, (have, want) in enumerate(zip(t.shape, target)):
+  for d, (have, want) in enumerate(zip(t.shape, target, strict=False)):
     if have not in (1, want):
       raise ValueError(
           f"`{name}` of shape {t.shape} does not broadcast to [B, N, T, S] = {list(target)} "
@@ -159,7 +160,7 @@ def _check_params(spec, normalizer_params, target):
       continue
     full = (1,) * (4 - arr.ndim) + tuple(arr.shape) if arr.ndim <= 4 else None
     ok = full is not None and full[3] == 1 and all(
-        h in (1, w) for h, w in zip(full[:3], (B, N, T)))
+        h in (1, w) for h, w in zip(full[:3], (B, N, T), strict=False))
     if not ok:
       raise ValueError(
           f"`normalizer_params['{name}']` of shape {arr.shape} must broadcast right-aligned "

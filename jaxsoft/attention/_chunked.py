@@ -6,7 +6,7 @@ mask structure, so causal, sliding-window, padding and segment structure skip wh
 blocks), carrying per query row only what the normalizer's kernel class needs
 (DESIGN.md §3):
 
-* class E (softmax family): the running max m and sum l, merged with the rescaling
+* class E (softmax family): the running max m and sum ell, merged with the rescaling
   ``l <- l·e^{m - m'} + sum_j den(z_j, m')`` of FlashAttention;
 * class S: the running sum l (no stabiliser);
 * class P: nothing (``D = 1``);
@@ -89,7 +89,8 @@ def _heads5(a, N: int, K: int, G: int):
 
 def _reduce_to(x, shape):
   """Sums ``x`` over the axes where ``shape`` broadcasts (size 1)."""
-  axes = tuple(i for i, (have, want) in enumerate(zip(x.shape, shape)) if want == 1 and have != 1)
+  axes = tuple(i for i, (have, want) in enumerate(zip(x.shape, shape, strict=True))
+               if want == 1 and have != 1)
   if axes:
     x = jnp.sum(x, axis=axes, keepdims=True)
   return x
@@ -254,7 +255,7 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
     n = qb["n"]
 
     def step(kj, carry, masked):
-      m, l, acc = carry
+      m, ell, acc = carry
       _, x, vis, _, v_blk = tiles.logits(qb, kj, masked)
       if _uses_max(cfg):
         z = cfg.rule.score_map(_where(vis, x, 0.0), n, **hp)
@@ -268,22 +269,22 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
       pv = jnp.einsum("bkgqs,bksh->bkgqh", num, v_blk, preferred_element_type=cfg.dtype)
       if alpha is not None:
         acc = acc * alpha + pv
-        l = l * alpha + jnp.sum(den, axis=-1, keepdims=True)
+        ell = ell * alpha + jnp.sum(den, axis=-1, keepdims=True)
       else:
         acc = acc + pv
         if den is not None:
-          l = l + jnp.sum(den, axis=-1, keepdims=True)
-      return m_new, l, acc
+          ell = ell + jnp.sum(den, axis=-1, keepdims=True)
+      return m_new, ell, acc
 
     m0 = jnp.full(row, -jnp.inf if _uses_max(cfg) else 0.0, cfg.dtype)
     init = (m0, jnp.zeros(row, cfg.dtype), jnp.zeros(row[:-1] + (Hv,), cfg.dtype))
-    m, l, acc = tiles.loop(qi, step, init)
+    m, ell, acc = tiles.loop(qi, step, init)
     m = jnp.where(m == -jnp.inf, 0.0, m)
     if cfg.kind == "P":
-      D = jnp.ones_like(l)
+      D = jnp.ones_like(ell)
     else:
       off = _offset(cfg, m, n, hp)
-      D = l if off is None else l + off
+      D = ell if off is None else ell + off
     out = _safe_div(acc, D)
     return out, m, D
 
@@ -498,15 +499,15 @@ def _fwd_t(cfg: _Config, d: dict, aux: dict):
     m, tau = _t_search(cfg, tiles, qi, qb, hp, n)
 
     def step(kj, carry, masked):
-      l, acc = carry
+      ell, acc = carry
       _, x, vis, _, v_blk = tiles.logits(qb, kj, masked)
       w, _ = _t_maps(cfg, x, vis, tau, m, n, hp)
       acc = acc + jnp.einsum("bkgqs,bksh->bkgqh", w, v_blk)
-      return l + jnp.sum(w, axis=-1, keepdims=True), acc
+      return ell + jnp.sum(w, axis=-1, keepdims=True), acc
 
-    l, acc = tiles.loop(qi, step, (jnp.zeros(row, cfg.dtype),
+    ell, acc = tiles.loop(qi, step, (jnp.zeros(row, cfg.dtype),
                                    jnp.zeros(row[:-1] + (Hv,), cfg.dtype)))
-    return _safe_div(acc, l), m, l, tau
+    return _safe_div(acc, ell), m, ell, tau
 
   out, m, W, tau = lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32))
   return _unblock(out), _unblock(m), _unblock(W), _unblock(tau)

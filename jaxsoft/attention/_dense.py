@@ -14,7 +14,7 @@ __all__ = ["dense_logits", "dense_attention"]
 
 
 def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=None):
-  r"""Logits [B, N, T, S] in float32 (float64 for float64 inputs), in the order every implementation uses.
+  r"""Logits [B, N, T, S] (float32; float64 for float64 inputs) in the order all paths use.
 
   .. math::
     \ell_{bnij} = c\,\tanh\!\Big(\frac{s\, q_{bin} \cdot k_{bj\kappa(n)}

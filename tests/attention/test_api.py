@@ -1,7 +1,6 @@
 """The entry point: argument validation (errors name the argument) and dispatch
 (implementation names, sequences, NotImplementedError fallback, the automatic choice)."""
 
-import functools
 
 import chex
 import jax

@@ -93,5 +93,5 @@ def test_row_ranges_under_jit():
   st = STRUCTURES[-1]
   got = jax.jit(lambda s: s.row_ranges())(st)
   want = st.row_ranges()
-  for a, b in zip(got, want):
+  for a, b in zip(got, want, strict=False):
     np.testing.assert_array_equal(a, b)

@@ -39,3 +39,11 @@ def assert_same(fn_a, fn_b, args, fwd_tol=1e-5, bwd_tol=1e-4):
 def segment_mask(q_seg, kv_seg):
   """The dense mask [B, 1, T, S] of segment ids (an oracle for segment_ids)."""
   return (q_seg[:, :, None] == kv_seg[:, None, :])[:, None]
+
+
+def sampled(values, default, ids=None):
+  """pytest params: the ``default`` subset runs always, the rest only with ``-m slow``."""
+  import pytest  # pylint: disable=g-import-not-at-top
+  ids = ids or [str(v) for v in values]
+  return [pytest.param(v, id=i, marks=() if i in default else pytest.mark.slow)
+          for v, i in zip(values, ids, strict=False)]

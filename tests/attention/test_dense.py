@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.attention.test_core_util import assert_same, make_qkv, segment_mask
+from tests.attention.test_core_util import assert_same, make_qkv, sampled, segment_mask
 
 B, T, N, K, H = 2, 11, 4, 2, 8
 
@@ -43,7 +43,9 @@ MASK_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(MASK_CASES))
+@pytest.mark.parametrize(
+    "case", sampled(sorted(MASK_CASES),
+                    {"bias_broadcast", "causal_padding_mask", "causal_window_bias"}))
 def test_softmax_matches_jax_nn(case):
   kw = dict(MASK_CASES[case])
   q, k, v = make_qkv(0, B, T, N=N, K=K, H=H)
@@ -54,8 +56,9 @@ def test_softmax_matches_jax_nn(case):
   assert_same(ours, ref, args)
 
 
-@pytest.mark.parametrize("shape", [(2, 9, 13, 4, 4), (2, 9, 13, 6, 2), (1, 5, 8, 3, 1)],
-                         ids=["mha_cross", "gqa_cross", "mqa"])
+@pytest.mark.parametrize(
+    "shape", sampled([(2, 9, 13, 4, 4), (2, 9, 13, 6, 2), (1, 5, 8, 3, 1)], {"gqa_cross"},
+                     ids=["mha_cross", "gqa_cross", "mqa"]))
 def test_heads_and_cross_attention(shape):
   b, t, s, n, kh = shape
   q, k, v = make_qkv(1, b, t, S=s, N=n, K=kh, H=H)
