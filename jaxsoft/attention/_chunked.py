@@ -260,6 +260,10 @@ def _fwd_esp(cfg: _Config, d: dict, aux: dict):
       if _uses_max(cfg):
         z = cfg.rule.score_map(_where(vis, x, 0.0), n, **hp)
         m_new = jnp.maximum(m, jnp.max(_where(vis, z, -jnp.inf), axis=-1, keepdims=True))
+        floor = getattr(cfg.rule, "m_floor", None)
+        if floor is not None:
+          # the rule's stabiliser floor (e^{-m} terms must not overflow); -inf stays -inf
+          m_new = jnp.where(m_new == -jnp.inf, m_new, jnp.maximum(m_new, floor))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_use))
       else:

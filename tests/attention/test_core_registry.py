@@ -4,6 +4,7 @@ the registry at collection time, so a newly registered normalizer is covered aut
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import pytest
@@ -102,3 +103,15 @@ def test_check_grads_float64(name):
     f = lambda q, k, v: dpa(q, k, v, is_causal=True, normalizer=name,  # noqa: E731
                             implementation="xla_chunked")
     jax.test_util.check_grads(f, (q, k, v), order=1, modes=("rev",), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if getattr(nz.get(n).tile, "m_floor", None)
+                                  is not None])
+def test_stabiliser_floor_very_negative_logits(name):
+  """Rules with e^{-m} terms declare m_floor: key blocks far below -88 must not overflow."""
+  q, k, v = make_qkv(6, 1, T, N=2, K=1, H=H)
+  bias = jnp.full((1, 1, T, T), -200.0)
+  out_c = dpa(q, k, v, bias, is_causal=True, normalizer=name, implementation="xla_chunked")
+  out_d = dpa(q, k, v, bias, is_causal=True, normalizer=name, implementation="xla")
+  assert bool(jnp.all(jnp.isfinite(out_c)))
+  chex.assert_trees_all_close(out_c, out_d, atol=1e-5, rtol=1e-5)
