@@ -41,9 +41,10 @@ def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
   .. math::
     w_i = \frac{e^{x_i}}{\sum_{j \in \Omega_k} e^{x_j}} \; (i \in \Omega_k), \qquad 0 \text{ otherwise}
 
-  with ``Omega_k`` the k largest visible entries of the row (ties broken towards the lower
-  index, as ``jax.lax.top_k`` does). A row with fewer than k visible entries keeps all of
-  them, so ``k = n`` is ``jax.nn.softmax`` and ``k = 1`` the one-hot argmax. Also the top-K
+  with ``Omega_k`` the visible entries at least as large as the k-th largest visible entry
+  (entries tied with it are all kept, so the map is permutation equivariant and equals its
+  threshold rule ``1[x >= tau]``; without ties exactly k are kept). A row with fewer than
+  k visible entries keeps all of them, so ``k = n`` is ``jax.nn.softmax`` and ``k = 1`` the one-hot argmax. Also the top-K
   MoE gate (Nguyen et al., ICLR 2024) and CadLLM's top-M subset softmax.
 
   Args:
@@ -74,9 +75,9 @@ def _top_k_softmax(x, where, k, axis):
   n = xs.shape[axis]
   if k < n:
     xl = jnp.moveaxis(jnp.where(mask, xs, -jnp.inf), axis, -1)
-    _, idx = jax.lax.top_k(jax.lax.stop_gradient(xl), int(k))
-    keep = jnp.put_along_axis(jnp.zeros(xl.shape, bool), idx, True, axis=-1, inplace=False)
-    keep = jnp.logical_and(jnp.moveaxis(keep, -1, axis), mask)
+    vals, _ = jax.lax.top_k(jax.lax.stop_gradient(xl), int(k))
+    kth = jnp.moveaxis(vals[..., -1:], -1, axis)  # -inf when fewer than k are visible
+    keep = jnp.logical_and(jax.lax.stop_gradient(xs) >= kth, mask)
   else:
     keep = mask
   return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)

@@ -20,13 +20,16 @@ def _softmax64(x, keep):
 
 
 def reference_keep_top_k(x, k, mask):
-  """The k largest visible entries of each row (stable sort: ties go to the lower index)."""
+  """Visible entries >= the k-th largest visible entry (ties with it are all kept)."""
   x = np.asarray(x, np.float64)
   keep = np.zeros(x.shape, bool)
   for idx in np.ndindex(*x.shape[:-1]):
     vis = np.nonzero(mask[idx])[0]
-    order = vis[np.argsort(-x[idx][vis], kind="stable")]
-    keep[idx + (order[:k],)] = True
+    if len(vis) <= k:
+      keep[idx + (vis,)] = True
+      continue
+    kth = np.sort(x[idx][vis])[::-1][k - 1]
+    keep[idx + (vis[x[idx][vis] >= kth],)] = True
   return keep
 
 
@@ -71,7 +74,8 @@ def test_top_k_closed_forms():
   chex.assert_trees_all_close(top_k_softmax(x, 9), jax.nn.softmax(x), atol=1e-6)
   chex.assert_trees_all_close(top_k_softmax(x, 1), jax.nn.one_hot(jnp.argmax(x, -1), 9), atol=0)
   ties = jnp.array([1.0, 3.0, 3.0, 3.0, 0.0])
-  chex.assert_trees_all_close(top_k_softmax(ties, 2), jnp.array([0, 0.5, 0.5, 0, 0]), atol=1e-7)
+  # every entry tied with the k-th largest is kept (permutation equivariance)
+  chex.assert_trees_all_close(top_k_softmax(ties, 2), jnp.array([0, 1, 1, 1, 0]) / 3.0, atol=1e-7)
 
 
 def test_top_k_gradients_and_axis():
