@@ -255,6 +255,8 @@ def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
     z0 = rule.score_map(s, length, **hp)
     zm = z0 if mask is None else jnp.where(mask, z0, -jnp.inf)
     m_new = jnp.maximum(m_prev, jnp.max(zm, axis=1, keepdims=True))
+    if rule.m_floor is not None:  # e^{-m} terms (softpick, softmax_n) must not overflow
+      m_new = jnp.where(m_new == -jnp.inf, m_new, jnp.maximum(m_new, rule.m_floor))
     m_use = _safe_max(m_new)
     # m_prev = -inf means nothing was accumulated yet: the factor is irrelevant, keep it 0.
     alpha = jnp.where(m_prev == -jnp.inf, 0.0, jnp.exp(m_prev - m_use))
