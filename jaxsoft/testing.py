@@ -36,7 +36,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -360,7 +361,7 @@ class _Checker:
         if np.any(np.asarray(w) != 0):
           raise _Failure(f"{what}: weights {np.asarray(w)[0]} are not all zeros")
         cot = jax.random.normal(jax.random.fold_in(self.key, 4), self.x.shape)
-        g = jax.grad(lambda x_: jnp.sum(self.call(x_, where) * cot))(x)
+        g = jax.grad(lambda x_, w_=where, c_=cot: jnp.sum(self.call(x_, w_) * c_))(x)
         if not np.all(np.asarray(g) == 0):
           raise _Failure(f"{what}: gradient {np.asarray(g)[0]} is not all zeros")
 

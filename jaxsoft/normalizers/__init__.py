@@ -6,6 +6,15 @@ lists its public names in that module's ``__all__``.
 """
 
 # ruff: noqa: F401, F403
+from jaxsoft.normalizers._entmax import *
+from jaxsoft.normalizers._gumbel import *
+from jaxsoft.normalizers._logsumexp import *
+from jaxsoft.normalizers._pointwise import *
+from jaxsoft.normalizers._sink import *
+from jaxsoft.normalizers._softmax import *
+from jaxsoft.normalizers._softpick import *
+from jaxsoft.normalizers._softplus import *
+from jaxsoft.normalizers._sparsemax import *
 from jaxsoft.normalizers._spec import (
     REGISTRY,
     NormalizerSpec,
@@ -17,16 +26,7 @@ from jaxsoft.normalizers._spec import (
     register,
     resolve,
 )
-from jaxsoft.normalizers._softmax import *
-from jaxsoft.normalizers._logsumexp import *
-from jaxsoft.normalizers._sink import *
 from jaxsoft.normalizers._ssmax import *
-from jaxsoft.normalizers._gumbel import *
-from jaxsoft.normalizers._topk import *
-from jaxsoft.normalizers._sparsemax import *
-from jaxsoft.normalizers._entmax import *
 from jaxsoft.normalizers._stablemax import *
-from jaxsoft.normalizers._softpick import *
-from jaxsoft.normalizers._pointwise import *
-from jaxsoft.normalizers._softplus import *
 from jaxsoft.normalizers._taylor import *
+from jaxsoft.normalizers._topk import *
