@@ -10,6 +10,8 @@ so that one safety check is disabled (we export to lower, not to store).
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -29,8 +31,18 @@ def _export(backend, *, b=2, t=384, s=None, n=4, kh=2, h=64, dtype=jnp.bfloat16,
     return out, vjp(out)
 
   platform = "cuda" if backend == "triton" else "tpu"
-  exp = jax.export.export(jax.jit(fwd_bwd), platforms=[platform], disabled_checks=[TRITON_CALL])(q, k, k)
+  with _abstract_gpu() if backend == "triton" else contextlib.nullcontext():
+    exp = jax.export.export(jax.jit(fwd_bwd), platforms=[platform],
+                            disabled_checks=[TRITON_CALL])(q, k, k)
   return exp.mlir_module()
+
+
+def _abstract_gpu():
+  """An abstract one-device H100 mesh: newer JAX (0.12) reads the target GPU from it when no
+  GPU is attached; JAX 0.10 lowers without one, and the mesh changes nothing there."""
+  device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  return jax.sharding.use_abstract_mesh(mesh)
 
 
 CONFIGS = [
