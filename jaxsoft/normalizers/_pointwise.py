@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["sigmoid", "relu", "relu_n", "relu2"]
 
@@ -102,9 +102,6 @@ def _sigmoid_numerator(z, m, **_):
   return jax.nn.sigmoid(z)
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _per_length_score_map(x, length, **_):
   # relu(x) / n = relu(x / n) for n > 0, so the division moves into the score map.
@@ -125,24 +122,20 @@ _POINTWISE = dict(kernel_class="P", catalogue_id="N22", sums_to_one=False, at_mo
 SPEC_SIGMOID = register(NormalizerSpec(
     name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,
     smooth=True,
-    tile=TileRule(score_map=_sigmoid_score_map, numerator=_sigmoid_numerator,
-                  denominator=None, uses_max=False),
+    tile=TileRule(score_map=_sigmoid_score_map, numerator=_sigmoid_numerator),
     description="sigmoid(x + b), b = -log n", **{**_POINTWISE, "catalogue_id": "N21"}))
 
 SPEC_RELU = register(NormalizerSpec(
     name="relu", fn=relu, can_be_sparse=True, smooth=False,
-    tile=TileRule(score_map=_identity_score_map, numerator=_relu_numerator, denominator=None,
-                  uses_max=False),
+    tile=TileRule(score_map=identity_score_map, numerator=_relu_numerator),
     description="max(0, x)", **_POINTWISE))
 
 SPEC_RELU_N = register(NormalizerSpec(
     name="relu_n", fn=relu_n, can_be_sparse=True, smooth=False, length_dependent=True,
-    tile=TileRule(score_map=_per_length_score_map, numerator=_relu_numerator,
-                  denominator=None, uses_max=False),
+    tile=TileRule(score_map=_per_length_score_map, numerator=_relu_numerator),
     description="max(0, x) / n", **_POINTWISE))
 
 SPEC_RELU2 = register(NormalizerSpec(
     name="relu2", fn=relu2, can_be_sparse=True, smooth=True,
-    tile=TileRule(score_map=_identity_score_map, numerator=_relu2_numerator, denominator=None,
-                  uses_max=False),
+    tile=TileRule(score_map=identity_score_map, numerator=_relu2_numerator),
     description="max(0, x)^2", **_POINTWISE))

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers._softpick import FlooredTileRule
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["softmax_n", "softmax_1", "softmax_sink"]
 
@@ -99,9 +98,6 @@ def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
   return _sink_softmax(x, axis, where, 1.0, sink_logit, "softmax_sink")
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _n_offset(m, length, n=1.0, **_):
   """Sink mass ``n e^{-m}``; with the rule's floor m >= 0 it cannot overflow (a driver
@@ -124,18 +120,18 @@ _COMMON = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False, at_most_
 SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),
     # m_floor = 0 (the function's max(max x, 0)): n e^{-m} cannot overflow.
-    tile=FlooredTileRule(score_map=_identity_score_map, numerator=exp_numerator,
-                         denominator=exp_numerator, offset=_n_offset, m_floor=0.0),
+    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator, offset=_n_offset, m_floor=0.0),
     description="exp(x) / (n + sum exp(x))", **_COMMON))
 
 SPEC_1 = register(NormalizerSpec(
     name="softmax_1", fn=softmax_1,
-    tile=FlooredTileRule(score_map=_identity_score_map, numerator=exp_numerator,
-                         denominator=exp_numerator, offset=_one_offset, m_floor=0.0),
+    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
+                  denominator=exp_numerator, offset=_one_offset, m_floor=0.0),
     description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]", **_COMMON))
 
 SPEC_SINK = register(NormalizerSpec(
     name="softmax_sink", fn=softmax_sink, params=(_SINK,),
-    tile=TileRule(score_map=_identity_score_map, numerator=exp_numerator,
+    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
                   denominator=exp_numerator, offset=_sink_offset),
     description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit", **_COMMON))

@@ -6,13 +6,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
 
 __all__ = ["softpick"]
-
-
-# The floor is now a field of TileRule itself; the name stays for the modules that use it.
-FlooredTileRule = TileRule
 
 
 def softpick(x, axis: int = -1, where=None):
@@ -57,9 +53,6 @@ def softpick(x, axis: int = -1, where=None):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _softpick_numerator(z, m, **_):
   return jax.nn.relu(jnp.exp(z - m) - jnp.exp(-m))
@@ -80,7 +73,7 @@ SPEC = register(NormalizerSpec(
     shift_invariant=False,
     can_be_sparse=True,
     smooth=False,
-    tile=FlooredTileRule(score_map=_identity_score_map, numerator=_softpick_numerator,
-                         denominator=_softpick_denominator, m_floor=0.0),
+    tile=TileRule(score_map=identity_score_map, numerator=_softpick_numerator,
+                  denominator=_softpick_denominator, m_floor=0.0),
     description="ReLU(e^x - 1) / sum |e^x - 1|",
 ))

@@ -137,13 +137,13 @@ _COMMON = dict(kernel_class="S", catalogue_id="N23", sums_to_one=True, nonnegati
 SPEC = register(NormalizerSpec(
     name="softplus_l1", fn=softplus_l1, params=(_BASE, _SCALE),
     tile=TileRule(score_map=_lssa_score_map, numerator=_softplus_tile,
-                  denominator=_softplus_tile, uses_max=False),
+                  denominator=_softplus_tile),
     description="softplus(lambda(n) x) / sum softplus(lambda(n) x), lambda = log_512 n [R]",
     **_COMMON))
 
 SPEC_LSSAR = register(NormalizerSpec(
     name="lssar", fn=lssar, params=(_P, _BASE, _SCALE),
     tile=TileRule(score_map=_lssa_score_map, numerator=_softplus_pow_tile,
-                  denominator=_softplus_pow_tile, uses_max=False),
+                  denominator=_softplus_pow_tile),
     description="LSSA weights to the power p, renormalised [R]",
     **_COMMON))

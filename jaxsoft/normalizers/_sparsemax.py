@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, identity_score_map, register
 
 __all__ = ["sparsemax"]
 
@@ -169,9 +169,6 @@ def sparsemax(x, axis: int = -1, where=None):
 # --- the class-T rule (DESIGN.md §3): mass = weight = [z - tau]_+, target 1. -------------
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _relu_mass(z, tau, *_, **__):
   return jnp.maximum(z - tau, 0.0)
@@ -187,7 +184,7 @@ def _sparsemax_bracket(m, length, **_):
 
 
 SPARSEMAX_RULE = ThresholdRule(
-    score_map=_identity_score_map,
+    score_map=identity_score_map,
     mass=_relu_mass,
     target=_unit_target,
     bracket=_sparsemax_bracket,

@@ -25,6 +25,7 @@ __all__ = [
     "get",
     "names",
     "resolve",
+    "identity_score_map",
 ]
 
 KERNEL_CLASSES = ("E", "S", "P", "R", "T", "X")
@@ -74,14 +75,14 @@ class Param:
 
 @dataclasses.dataclass(frozen=True)
 class TileRule:
-  """Per-tile math shared by the chunked XLA path and the Pallas engine (classes E/S/P).
+  """Per-tile math of classes E, S and P, shared by every blockwise path.
 
   Over key blocks, with ``z = score_map(x, length, **hp)`` elementwise and ``m`` the
-  stabiliser (the running row max of ``z`` over visible entries for class E; 0 for S
-  and P), a normalizer of these classes computes::
+  stabiliser (class E: the running row max of ``z`` over visible entries; S and P: 0), a
+  normalizer of these classes computes::
 
       w_j = numerator(z_j, m, **hp) / D,
-      D   = sum_j denominator(z_j, m, **hp) + offset(m, length, **hp)   (S, E)
+      D   = sum_j denominator(z_j, m, **hp) + offset(m, length, **hp)   (E, S)
       D   = 1                                                         (P)
 
   ``numerator`` and ``denominator`` scale by the same factor when ``m`` changes
@@ -90,23 +91,67 @@ class TileRule:
   a sink logit's ``e^{s-m}``), ``None`` meaning 0. Masked entries contribute 0 to D and
   a row whose D is 0 gets zero weights.
 
+  The kernel class is declared once, on the :class:`NormalizerSpec`; the spec stores it
+  here (``kernel_class``), and what the class implies is derived from it:
+  ``uses_max`` (class E) and ``normalized`` (classes E and S). A declaration that does not
+  fit its class is rejected when the spec is built: E and S need a ``denominator``; P
+  takes none and no ``offset``; ``m_floor`` is for class E only.
+
   ``m_floor`` (class E): when set, the stabiliser is ``max(running max, m_floor)`` (a
   ``-inf`` max of a fully masked block stays ``-inf``). Rules whose numerator,
   denominator or offset contain ``e^{-m}`` (softpick, softmax_n's ``n·e^{-m}``) declare
   ``m_floor=0`` so a key block whose scores are all below about -88 cannot overflow it.
 
-  ``length`` is the number of visible entries of the row (float32, broadcast like a
-  row statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
+  ``length`` is the number of visible entries of the row (broadcast like a row
+  statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
   ``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'·dP``),
-  the derivatives taken elementwise at fixed ``m``.
+  the derivatives taken elementwise at fixed ``m``. The math itself lives once, in
+  ``jaxsoft.normalizers._tile``.
   """
 
   score_map: Callable[..., Any]
   numerator: Callable[..., Any]
   denominator: Callable[..., Any] | None = None
   offset: Callable[..., Any] | None = None
-  uses_max: bool = True
   m_floor: float | None = None
+  kernel_class: str | None = None
+
+  @property
+  def uses_max(self) -> bool:
+    """The stabiliser is the running row max (class E); S and P use m = 0."""
+    return self._declared_class() == "E"
+
+  @property
+  def normalized(self) -> bool:
+    """Weights are divided by a row denominator (classes E and S); P is not."""
+    return self._declared_class() in ("E", "S")
+
+  def _declared_class(self) -> str:
+    if self.kernel_class is None:
+      raise ValueError(
+          "this TileRule has no kernel class yet: build it into a NormalizerSpec, or pass "
+          "kernel_class='E', 'S' or 'P'")
+    return self.kernel_class
+
+  def validate(self, where: str = "TileRule") -> None:
+    """Raises ValueError when the declaration does not fit its kernel class."""
+    kind = self._declared_class()
+    if kind not in ("E", "S", "P"):
+      raise ValueError(f"{where}: a TileRule is for kernel classes E, S and P, got {kind!r}")
+    if kind in ("E", "S") and self.denominator is None:
+      raise ValueError(f"{where}: a class-{kind} tile rule needs a `denominator` (the row sum "
+                       "is part of the class); a rule without one is class P")
+    if kind == "P" and (self.denominator is not None or self.offset is not None):
+      raise ValueError(f"{where}: a class-P tile rule has no row sum: `denominator` and "
+                       "`offset` must be None (declare class S or E to normalise)")
+    if self.m_floor is not None and kind != "E":
+      raise ValueError(f"{where}: `m_floor` floors the running max of class E; class {kind} "
+                       "has no running max")
+
+
+def identity_score_map(x, length, **_):
+  """The score map of rules that use the logits as they are."""
+  return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,8 +225,21 @@ class NormalizerSpec:
   def __post_init__(self):
     if self.kernel_class not in KERNEL_CLASSES:
       raise ValueError(f"kernel_class must be one of {KERNEL_CLASSES}, got {self.kernel_class!r}")
-    if self.kernel_class in ("E", "S", "P") and self.tile is None:
-      raise ValueError(f"normalizer {self.name!r} of class {self.kernel_class} needs a tile rule")
+    where = f"normalizer {self.name!r}"
+    if self.kernel_class in ("E", "S", "P"):
+      if self.tile is None:
+        raise ValueError(f"{where} of class {self.kernel_class} needs a tile rule")
+      if self.tile.kernel_class not in (None, self.kernel_class):
+        raise ValueError(f"{where} is declared class {self.kernel_class} but its tile rule says "
+                         f"class {self.tile.kernel_class}")
+      # the class is declared once, on the spec; the rule carries it for its users
+      object.__setattr__(self, "tile",
+                         dataclasses.replace(self.tile, kernel_class=self.kernel_class))
+      self.tile.validate(where)
+    elif self.tile is not None:
+      raise ValueError(f"{where} of class {self.kernel_class} cannot carry a tile rule")
+    if self.kernel_class != "T" and self.threshold is not None:
+      raise ValueError(f"{where} of class {self.kernel_class} cannot carry a threshold rule")
 
   @property
   def defaults(self) -> dict[str, Any]:
@@ -241,6 +299,3 @@ def resolve(normalizer) -> NormalizerSpec | Callable[..., Any]:
   raise TypeError(
       f"`normalizer` must be a registered name, a NormalizerSpec or a callable, got {normalizer!r}")
 
-
-def zeros_offset(m, length, **_):
-  return jnp.zeros_like(m)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
 
 __all__ = ["stablemax", "stablemax_map"]
 
@@ -49,9 +49,6 @@ def stablemax(x, axis: int = -1, where=None):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _stablemax_tile(z, m, **_):
   return stablemax_map(z)
@@ -64,7 +61,7 @@ SPEC = register(NormalizerSpec(
     catalogue_id="N19",
     sums_to_one=True,
     shift_invariant=False,
-    tile=TileRule(score_map=_identity_score_map, numerator=_stablemax_tile,
-                  denominator=_stablemax_tile, uses_max=False),
+    tile=TileRule(score_map=identity_score_map, numerator=_stablemax_tile,
+                  denominator=_stablemax_tile),
     description="s(x)/sum s(x), s(x) = x+1 (x>=0), 1/(1-x) (x<0)",
 ))

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["taylor_softmax", "taylor_exp"]
 
@@ -70,9 +70,6 @@ def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def _identity_score_map(x, length, **_):
-  return x
-
 
 def _taylor_tile(z, m, order=2, **_):
   return taylor_exp(z, order)
@@ -87,7 +84,7 @@ SPEC = register(NormalizerSpec(
     nonnegative=True,
     shift_invariant=False,
     params=(_ORDER,),
-    tile=TileRule(score_map=_identity_score_map, numerator=_taylor_tile,
-                  denominator=_taylor_tile, uses_max=False),
+    tile=TileRule(score_map=identity_score_map, numerator=_taylor_tile,
+                  denominator=_taylor_tile),
     description="(sum_{k<=m} x^k/k!) / sum_j (...), even m",
 ))
