@@ -45,6 +45,7 @@ import numpy as np
 from jax import test_util as jtu
 
 from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._spec import REGISTRY, NormalizerSpec, ThresholdRule, TileRule
 
 __all__ = [
@@ -179,6 +180,15 @@ def _row_properties(spec: NormalizerSpec, w, mask, what: str, sum_atol: float = 
     raise _Failure(f"at_most_one: {what}: row sum {sums.max():.7g} > 1")
 
 
+def _row_property_names(spec: NormalizerSpec) -> list[str]:
+  """The properties :func:`_row_properties` checks for this spec."""
+  flags = (("nonnegative", spec.nonnegative),
+           ("dense_support", spec.nonnegative and not spec.can_be_sparse),
+           ("sums_to_one", spec.sums_to_one),
+           ("at_most_one", spec.sums_to_one or spec.at_most_one))
+  return [name for name, on in flags if on]
+
+
 def _masks(shape) -> np.ndarray:
   """Masks with every pattern the checks need: full, one or two hidden, one visible."""
   r, n = shape
@@ -235,8 +245,9 @@ class _Checker:
   fresh ``jax.jit`` per setting would recompile everything.
   """
 
-  def __init__(self, fn, spec, hparams, label, x, key):
+  def __init__(self, fn, spec, hparams, label, x, key, ran: set[str]):
     self.spec = spec
+    self.ran = ran  # the properties that ran and passed, for check_normalizer's result
     self.label = label
     self.eager = _Caller(fn, spec, hparams, key)
     self.call = self.eager
@@ -246,14 +257,15 @@ class _Checker:
     self.key = key
 
   @contextlib.contextmanager
-  def prop(self, name):
+  def prop(self, *names):
     try:
       yield
     except Exception as e:  # pylint: disable=broad-except
       detail = str(e) if isinstance(e, _Failure) else f"raised {type(e).__name__}: {e}"
       raise AssertionError(
-          f"normalizer {self.spec.name!r} [{self.label}] fails property '{name}': "
-          f"{detail}") from e
+          f"normalizer {self.spec.name!r} [{self.label}] fails property "
+          f"'{' / '.join(names)}': {detail}") from e
+    self.ran.update(names)
 
   # -- forward properties ---------------------------------------------------------------
 
@@ -277,7 +289,7 @@ class _Checker:
 
   def row_properties(self):
     w = self.call(self.x, self.mask)
-    with self.prop("nonnegative / sums_to_one / dense_support"):
+    with self.prop(*_row_property_names(self.spec)):
       _row_properties(self.spec, w, self.mask, "random rows", check_dense=True)
       _row_properties(self.spec, self.call(self.x), np.ones(self.x.shape, bool),
                       "random rows, no mask", check_dense=True)
@@ -552,7 +564,8 @@ def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, 
       sampled test run, with the full sweep over every sample left to a slow one.
 
   Returns:
-    The names of the properties that were checked (those the spec declares).
+    The names of the properties that ran and passed (those the spec declares and that
+    apply to it), in the order of :data:`PROPERTIES`.
 
   Raises:
     AssertionError: naming the normalizer, the hyperparameter setting and the property.
@@ -572,7 +585,7 @@ def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, 
     if not np.all(np.isfinite(np.asarray(x))):
       raise ValueError("check_normalizer: `rows` must be finite")
 
-  checked = []
+  ran: set[str] = set()
 
   @contextlib.contextmanager
   def check(name):
@@ -581,12 +594,13 @@ def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, 
     except Exception as e:  # pylint: disable=broad-except
       detail = str(e) if isinstance(e, _Failure) else f"raised {type(e).__name__}: {e}"
       raise AssertionError(f"normalizer {spec.name!r} fails property '{name}': {detail}") from e
-    checked.append(name)
+    if spec.params:  # with no parameter there was nothing to check
+      ran.add(name)
 
   _check_params(fn, spec, x, fn_key, check)
   settings = _settings(spec)
   for i, (label, hparams) in enumerate(settings[:1] if quick else settings):
-    ck = _Checker(fn, spec, hparams, label, x, fn_key)
+    ck = _Checker(fn, spec, hparams, label, x, fn_key, ran)
     ck.shape_dtype()
     ck.row_properties()
     ck.shift_invariance()
@@ -599,20 +613,7 @@ def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, 
     # A boolean switch (e.g. gumbel's straight-through ``hard``) may use a surrogate gradient.
     if i == 0 or not any(isinstance(v, bool) and v for v in hparams.values()):
       ck.check_grads(x64_key)
-  return tuple(p for p in PROPERTIES if _declared(spec, p))
-
-
-def _declared(spec: NormalizerSpec, prop: str) -> bool:
-  return {
-      "nonnegative": spec.nonnegative,
-      "dense_support": spec.nonnegative and not spec.can_be_sparse,
-      "sums_to_one": spec.sums_to_one,
-      "at_most_one": spec.sums_to_one or spec.at_most_one,
-      "shift_invariance": spec.shift_invariant,
-      "check_grads": spec.smooth,
-      "param_defaults": bool(spec.params),
-      "param_values": bool(spec.params),
-  }.get(prop, True)
+  return tuple(p for p in PROPERTIES if p in ran)
 
 
 # ---------------------------------------------------------------------------------------
@@ -626,6 +627,7 @@ def _tile_of(rule) -> TileRule:
     return rule.tile
   if not isinstance(rule, TileRule):
     raise ValueError(f"`rule` must be a TileRule or a NormalizerSpec, got {type(rule).__name__}")
+  rule.validate()  # a bare rule must say its kernel class
   return rule
 
 
@@ -640,36 +642,24 @@ def _threshold_of(rule) -> ThresholdRule:
   return rule
 
 
-def _floor(rule, m):
-  """``max(m, rule.m_floor)`` for rules that declare a floor for the stabiliser.
-
-  Softpick's ``e^{-m}`` overflows when every score seen so far is below about -88; its
-  function stabilises with ``max(max x, 0)``. A TileRule may declare that floor as an
-  ``m_floor`` attribute (``None``: the plain running max); a -inf max stays -inf.
-  """
-  floor = getattr(rule, "m_floor", None)
-  if floor is None:
-    return m
-  return jnp.where(jnp.isneginf(m), m, jnp.maximum(m, floor))
-
-
 def evaluate_tile_rule(rule, x, axis: int = -1, where=None, **hparams):
   r"""Dense evaluation of a class E/S/P tile rule over whole rows.
 
   With V the visible entries of a row (``where`` True and ``x > -inf``), n = |V|,
-  ``z = score_map(x, n, **hparams)`` and ``m`` the row max of z over V (class E,
-  ``uses_max``; 0 otherwise, and 0 for a row with nothing visible):
+  ``z = score_map(x, n, **hparams)`` and ``m`` the row max of z over V (class E, floored
+  by ``m_floor``; 0 for classes S and P, and 0 for a row with nothing visible):
 
   .. math::
     w_j = \frac{\mathrm{numerator}(z_j, m)}{\sum_{k \in V} \mathrm{denominator}(z_k, m)
           + \mathrm{offset}(m, n)} \quad (E, S), \qquad w_j = \mathrm{numerator}(z_j, m)
-          \quad (P: ``denominator`` is None)
+          \quad (P)
 
-  with ``w_j = 0`` off V and for a zero denominator. This is the specification the chunked
-  and Pallas attention paths implement blockwise; it equals the normalizer itself.
+  with ``w_j = 0`` off V and for a zero denominator. This is the whole row as one block
+  of the same tile math (``jaxsoft.normalizers._tile``) that the chunked and Pallas
+  attention paths run blockwise; it equals the normalizer itself.
 
   Args:
-    rule: a :class:`TileRule` or a spec carrying one.
+    rule: a :class:`TileRule` (with its ``kernel_class``) or a spec carrying one.
     x: scores; computed in float32 for low-precision inputs.
     axis: the row axis.
     where: optional boolean mask broadcastable to ``x``.
@@ -680,43 +670,37 @@ def evaluate_tile_rule(rule, x, axis: int = -1, where=None, **hparams):
   """
   rule = _tile_of(rule)
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_tile_rule")
-  length = c.visible_count(mask, axis, xs.dtype)
-  z = rule.score_map(xs, length, **hparams)
-  m = c.masked_max(z, mask, axis) if rule.uses_max else jnp.zeros_like(length)
-  m = _floor(rule, m)
-  num = jnp.where(mask, rule.numerator(z, m, **hparams), 0.0)
-  if rule.denominator is None:
-    w = num
-  else:
-    den = jnp.sum(jnp.where(mask, rule.denominator(z, m, **hparams), 0.0), axis=axis,
-                  keepdims=True)
-    if rule.offset is not None:
-      den = den + rule.offset(m, length, **hparams)
-    w = c.safe_divide(num, den)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  xs, mask = jnp.moveaxis(xs, axis, -1), jnp.moveaxis(mask, axis, -1)
+  length = c.visible_count(mask, -1, xs.dtype)
+  m, l = tile.init_rows(rule, length.shape, xs.dtype)
+  m, l, num, _ = tile.online_update(rule, xs, mask, m, l, length, hparams)
+  m, d = tile.finalize(rule, m, l, length, hparams)
+  w = jnp.moveaxis(tile.normalize(rule, num, d), -1, axis)
+  return c.finish(w, jnp.moveaxis(mask, -1, axis), jnp.asarray(x).dtype)
 
 
 def evaluate_tile_rule_online(rule, x, v, block_sizes: Sequence[int], where=None, **hparams):
   r"""Blockwise (online) evaluation of a tile rule fused with a weighted sum: ``w(x) @ v``.
 
   The row (last axis of ``x``, length S) is cut into consecutive key blocks of the given
-  sizes. Per row the state (m, l, acc) starts at (-inf, 0, 0); for each block b with
-  visible scores z_b (``z = score_map(x, n)``, n the visible count of the whole row,
-  known before the pass as in attention):
+  sizes. Per row the state (m, l, acc) starts at (-inf, 0, 0) (class E; m = 0 for S and
+  P); for each block b with scores z_b (``z = score_map(x, n)``, n the visible count of
+  the whole row, known before the pass as in attention):
 
   .. math::
     m' = \max(m, \max z_b), \quad \alpha = e^{m - m'} \\
     l' = \alpha l + \sum_{j \in b} \mathrm{denominator}(z_j, m'), \quad
     acc' = \alpha\, acc + \sum_{j \in b} \mathrm{numerator}(z_j, m')\, v_j
 
-  (FlashAttention's rescaling merge; the rule's numerator and denominator scale by
-  e^{m-m'} when m changes). Classes S and P keep m = 0 and α = 1. Finally
-  ``O = acc / (l + offset(m, n))`` (0 when that is 0; class P: ``O = acc``). A block with
-  no visible entry leaves the state unchanged and a fully masked row gives O = 0, with
-  gradients free of NaN. Differentiable with respect to ``x``, ``v`` and array hparams.
+  (FlashAttention's rescaling merge). Classes S and P keep m = 0 and α = 1, and class P
+  carries no l. Finally ``O = acc / (l + offset(m, n))`` (0 when that is 0; class P:
+  ``O = acc``). These are the same functions (``jaxsoft.normalizers._tile``) the chunked
+  attention path and the Pallas engine call per tile. A block with no visible entry
+  leaves the state unchanged and a fully masked row gives O = 0, with gradients free of
+  NaN. Differentiable with respect to ``x``, ``v`` and array hparams.
 
   Args:
-    rule: a :class:`TileRule` or a spec carrying one.
+    rule: a :class:`TileRule` (with its ``kernel_class``) or a spec carrying one.
     x: scores ``[..., S]`` (the row is the last axis).
     v: values ``[S, H]`` or broadcastable ``[..., S, H]``.
     block_sizes: positive ints summing to S (unequal sizes allowed).
@@ -738,39 +722,17 @@ def evaluate_tile_rule_online(rule, x, v, block_sizes: Sequence[int], where=None
     raise ValueError(f"evaluate_tile_rule_online: `v` must have shape [..., {s}, H], got "
                      f"{v.shape}")
   length = c.visible_count(mask, -1, xs.dtype)
-  z = rule.score_map(xs, length, **hparams)
-  batch = z.shape[:-1]
-  h = v.shape[-1]
-  m = jnp.full(batch + (1,), -jnp.inf, xs.dtype)
-  l = jnp.zeros(batch + (1,), xs.dtype)
-  acc = jnp.zeros(batch + (h,), xs.dtype)
+  m, l = tile.init_rows(rule, length.shape, xs.dtype)
+  acc = jnp.zeros(xs.shape[:-1] + (v.shape[-1],), xs.dtype)
   start = 0
   for size in block_sizes:
     blk = slice(start, start + size)
     start += size
-    zb, mb, vb = z[..., blk], mask[..., blk], v[..., blk, :]
-    if rule.uses_max:
-      block_max = jnp.max(jnp.where(mb, zb, -jnp.inf), axis=-1, keepdims=True)
-      m_new = jax.lax.stop_gradient(_floor(rule, jnp.maximum(m, block_max)))
-      m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # nothing visible yet
-      # alpha = e^{m - m'}: 0 while nothing was visible (l and acc are 0 then anyway).
-      alpha = jnp.where(jnp.isfinite(m), jnp.exp(jnp.where(jnp.isfinite(m), m, m_use) - m_use),
-                        0.0)
-      m = m_new
-    else:
-      m_use = jnp.zeros_like(l)
-      alpha = jnp.ones_like(l)
-    num = jnp.where(mb, rule.numerator(zb, m_use, **hparams), 0.0)
-    acc = alpha * acc + jnp.einsum("...s,...sh->...h", num, vb)
-    if rule.denominator is not None:
-      den = jnp.where(mb, rule.denominator(zb, m_use, **hparams), 0.0)
-      l = alpha * l + jnp.sum(den, axis=-1, keepdims=True)
-  if rule.denominator is None:
-    return acc
-  m_fin = jnp.where(jnp.isfinite(m), m, 0.0) if rule.uses_max else jnp.zeros_like(l)
-  if rule.offset is not None:
-    l = l + rule.offset(m_fin, length, **hparams)
-  return c.safe_divide(acc, l)
+    m, l, num, alpha = tile.online_update(rule, xs[..., blk], mask[..., blk], m, l, length,
+                                          hparams)
+    acc = tile.rescale(acc, alpha) + jnp.einsum("...s,...sh->...h", num, v[..., blk, :])
+  m, d = tile.finalize(rule, m, l, length, hparams)
+  return tile.normalize(rule, acc, d)
 
 
 def evaluate_threshold_rule(rule, x, axis: int = -1, where=None, **hparams):

@@ -64,7 +64,7 @@ def _split(rng, s):
 
 def test_dense_tile_evaluator_matches_jax_softmax():
   rule = TileRule(score_map=lambda x, n: x, numerator=lambda z, m: jnp.exp(z - m),
-                  denominator=lambda z, m: jnp.exp(z - m))
+                  denominator=lambda z, m: jnp.exp(z - m), kernel_class="E")
   x, mask = _rows(jax.random.key(0))
   got = testing.evaluate_tile_rule(rule, x, where=mask)
   want = jax.nn.softmax(jnp.where(mask, x, -jnp.inf), axis=-1)
@@ -77,12 +77,12 @@ def test_dense_tile_evaluator_s_and_p_closed_forms():
   x, mask = _rows(jax.random.key(1))
   mask = mask & jnp.isfinite(x)
   spherical = TileRule(score_map=lambda x, n: x, numerator=lambda z, m: z * z + 0.5,
-                       denominator=lambda z, m: z * z + 0.5, uses_max=False)
+                       denominator=lambda z, m: z * z + 0.5, kernel_class="S")
   q = jnp.where(mask, x * x + 0.5, 0.0)
   want = q / jnp.maximum(q.sum(-1, keepdims=True), 1e-30)
   chex.assert_trees_all_close(testing.evaluate_tile_rule(spherical, x, where=mask), want, **FWD)
   sigmoid_n = TileRule(score_map=lambda x, n: x - jnp.log(jnp.maximum(n, 1.0)),
-                       numerator=lambda z, m: jax.nn.sigmoid(z), uses_max=False)
+                       numerator=lambda z, m: jax.nn.sigmoid(z), kernel_class="P")
   n = mask.sum(-1, keepdims=True)
   want = jnp.where(mask, jax.nn.sigmoid(x - jnp.log(jnp.maximum(n, 1))), 0.0)
   chex.assert_trees_all_close(testing.evaluate_tile_rule(sigmoid_n, x, where=mask), want, **FWD)
@@ -91,7 +91,8 @@ def test_dense_tile_evaluator_s_and_p_closed_forms():
 def test_online_evaluator_matches_softmax_attention_with_offset():
   """softmax_1 = softmax([x, 0])[:-1] through the online merge, random splits, vs jax.nn."""
   rule = TileRule(score_map=lambda x, n: x, numerator=lambda z, m: jnp.exp(z - m),
-                  denominator=lambda z, m: jnp.exp(z - m), offset=lambda m, n: jnp.exp(-m))
+                  denominator=lambda z, m: jnp.exp(z - m), offset=lambda m, n: jnp.exp(-m),
+                  kernel_class="E")
   x, mask = _rows(jax.random.key(2))
   v = jax.random.normal(jax.random.key(3), (13, 4))
   xe = jnp.concatenate([jnp.where(mask, x, -jnp.inf), jnp.zeros((6, 1))], -1)

@@ -1,0 +1,232 @@
+"""The per-tile math of a normalizer's tile rule, written once.
+
+Every blockwise computation of a normalizer of kernel class E, S or P goes through these
+functions: the chunked XLA attention path (``jaxsoft.attention``, implementation
+``"xla_chunked"``), the Pallas engine (``kernels_pallas``) and the reference evaluators
+of ``jaxsoft.testing``. They are pure ``jnp`` on one tile of scores ``x`` (the key axis
+last) with per-row statistics of the same rank and size 1 on that axis, so the same code
+runs on a ``[bq, bk]`` tile inside a kernel and on a batched ``[B, K, G, bq, bk]`` tile in
+XLA. ``mask`` is a boolean tile or ``None`` (every entry visible).
+
+With ``z = score_map(x, n)`` (n the row's visible count) and the stabiliser ``m``
+(class E: the running row max of z; S and P: 0), one row is::
+
+    w_j = numerator(z_j, m) / D,   D = sum_j denominator(z_j, m) + offset(m, n)   (E, S)
+    w_j = numerator(z_j, m)                                                     (P)
+
+Forward over key blocks (FlashAttention's online softmax, Milakov & Gimelshein 2018,
+"Online normalizer calculation for softmax", arXiv:1805.02867; Dao et al. 2022,
+"FlashAttention", arXiv:2205.14135): per row, carry (m, l) and the caller's accumulator
+``acc = sum_j numerator(z_j, m) v_j``; for each block :func:`online_update` returns the new
+(m, l), the block's numerators and the factor ``alpha = e^{m - m'}`` by which ``acc``
+must be rescaled (``None`` for S and P, which carry no max). :func:`finalize` turns (m, l)
+into (m, D) and :func:`normalize` divides.
+
+Backward (FlashAttention-2, Dao 2023, arXiv:2307.08691): with dP_j = dO·v_j and
+Δ = dO·O, :func:`tile_vjp` recomputes the tile at the saved (m, D) and returns the weights
+and the cotangents of the scores and of the array hyperparameters,
+``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'(z_j)·dP_j``),
+by ``jax.vjp`` of the rule at fixed m (exact: the weights do not depend on m).
+:func:`offset_vjp` adds the offset's part, ``dL/dD = −Δ/D``.
+
+Class T (threshold rules) shares the masking conventions: :func:`threshold_maps`
+evaluates a tile's weights and masses at a fixed threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers._spec import ThresholdRule, TileRule
+
+__all__ = [
+    "safe_inverse",
+    "scores",
+    "running_max",
+    "weights",
+    "init_rows",
+    "online_update",
+    "rescale",
+    "finalize",
+    "normalize",
+    "tile_vjp",
+    "offset_vjp",
+    "threshold_maps",
+]
+
+Params = Mapping[str, Any]
+
+
+def _where(mask, a, b):
+  return a if mask is None else jnp.where(mask, a, b)
+
+
+def safe_inverse(d):
+  """``1 / d`` where ``d != 0``, else 0 (a row with nothing visible gets zero weights)."""
+  ok = d != 0
+  return jnp.where(ok, 1.0 / jnp.where(ok, d, jnp.ones_like(d)), jnp.zeros_like(d))
+
+
+def scores(rule: TileRule | ThresholdRule, x, mask, m, length, hp: Params):
+  """``z = score_map(x, n)`` on visible entries, ``m`` on masked ones.
+
+  Masked logits may be ``-inf`` (a bias) or padding: they are replaced by 0 before the
+  map and the result by the row's stabiliser, a finite value at the row's scale, so no
+  inf or NaN appears there, not even in the unselected branch of a gradient.
+  """
+  z = rule.score_map(_where(mask, x, jnp.zeros_like(x)), length, **hp)
+  return _where(mask, z, m)
+
+
+def running_max(z, mask, m, m_floor: float | None = None):
+  """``max(m, max of the visible z)`` along the last axis; ``-inf`` while nothing is visible.
+
+  With ``m_floor`` the result is at least the floor (once anything is visible). No
+  gradient: the stabiliser cancels in the weights.
+  """
+  block = jnp.max(_where(mask, z, -jnp.inf), axis=-1, keepdims=True)
+  m_new = jnp.maximum(m, block)
+  if m_floor is not None:
+    m_new = jnp.where(m_new == -jnp.inf, m_new, jnp.maximum(m_new, m_floor))
+  return jax.lax.stop_gradient(m_new)
+
+
+def _finite(m):
+  """The stabiliser to evaluate with: 0 for a row with nothing visible yet."""
+  return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
+
+
+def weights(rule: TileRule, z, mask, m, hp: Params):
+  """``(numerator, denominator)`` of a tile of scores at a fixed stabiliser, 0 where masked.
+
+  The denominator is ``None`` for class P, and the numerator array itself when the rule's
+  two maps are the same function (softmax), so it is computed once.
+  """
+  num = _where(mask, rule.numerator(z, m, **hp), 0.0)
+  if not rule.normalized:
+    return num, None
+  if rule.denominator is rule.numerator:
+    return num, num
+  return num, _where(mask, rule.denominator(z, m, **hp), 0.0)
+
+
+def init_rows(rule: TileRule, row_shape, dtype):
+  """The initial per-row state ``(m, l)``: ``m = -inf`` for class E (0 otherwise), ``l = 0``."""
+  m0 = jnp.full(row_shape, -jnp.inf if rule.uses_max else 0.0, dtype)
+  return m0, jnp.zeros(row_shape, dtype)
+
+
+def online_update(rule: TileRule, x, mask, m, l, length, hp: Params):
+  """One key block of the online pass: returns ``(m', l', numerators, alpha)``.
+
+  Class E: ``m' = max(m, max z_block)`` (floored by ``rule.m_floor``),
+  ``l' = alpha·l + sum_j denominator(z_j, m')`` with ``alpha = e^{m - m'}``; the caller
+  rescales its accumulator, ``acc' = alpha·acc + numerators @ v`` (:func:`rescale`).
+  Class S: ``m`` stays 0, ``alpha`` is None, ``l' = l + sum_j denominator(z_j, 0)``.
+  Class P: nothing is carried: ``alpha`` is None and ``l`` is returned unchanged.
+  """
+  if rule.uses_max:
+    z = rule.score_map(_where(mask, x, jnp.zeros_like(x)), length, **hp)
+    m_new = running_max(z, mask, m, rule.m_floor)
+    m_use = _finite(m_new)
+    alpha = jnp.exp(m - m_use)  # 0 while nothing was visible (m = -inf)
+    z = _where(mask, z, m_use)
+  else:
+    m_new = m_use = m
+    alpha = None
+    z = scores(rule, x, mask, m_use, length, hp)
+  num, den = weights(rule, z, mask, m_use, hp)
+  if den is not None:
+    l = rescale(l, alpha) + jnp.sum(den, axis=-1, keepdims=True)
+  return m_new, l, num, alpha
+
+
+def rescale(acc, alpha):
+  """``alpha·acc`` (class E), or ``acc`` itself when there is no running max."""
+  return acc if alpha is None else acc * alpha
+
+
+def finalize(rule: TileRule, m, l, length, hp: Params):
+  """``(m, D)`` after the last block: ``D = l + offset(m, n)`` (E, S), 1 for class P.
+
+  ``m`` comes back finite (0 for a row with nothing visible); these two per-row numbers
+  are all the backward pass needs.
+  """
+  m = _finite(m)
+  if not rule.normalized:
+    return m, jnp.ones_like(l)
+  if rule.offset is None:
+    return m, l
+  return m, l + rule.offset(m, length, **hp)
+
+
+def normalize(rule: TileRule, acc, d):
+  """``acc / D`` (0 for a row whose D is 0); class P returns ``acc`` (its D is 1)."""
+  return acc * safe_inverse(d) if rule.normalized else acc
+
+
+def tile_vjp(rule: TileRule, x, mask, m, d, delta, dp, length, hp_static: Params,
+             hp_arrays: Params):
+  """Recomputes a tile at the saved ``(m, D)``: returns ``(w, dx, d_hp_arrays)``.
+
+  Args:
+    rule: the tile rule.
+    x: the tile's logits (as passed to ``score_map``).
+    mask: its visibility, or None.
+    m, d: the row's stabiliser and denominator from :func:`finalize`.
+    delta: ``Δ = rowsum(dO ∘ O)`` per row (unused by class P).
+    dp: ``dP = dO·vᵀ`` on the tile.
+    length: the row's visible count n.
+    hp_static: hyperparameters that get no gradient (Python values, integer arrays).
+    hp_arrays: float array hyperparameters (a dict), differentiated.
+
+  Returns:
+    ``w`` the weights of the tile (for dV), ``dx`` the cotangent of ``x``, and the
+    cotangents of ``hp_arrays`` summed over the tile's key axis (shaped like each array).
+  """
+
+  def maps(x_, arrays):
+    hp = {**hp_static, **arrays}
+    return weights(rule, scores(rule, x_, mask, m, length, hp), mask, m, hp)
+
+  if not rule.normalized:
+    num, vjp = jax.vjp(lambda x_, a: maps(x_, a)[0], x, hp_arrays)
+    dx, dhp = vjp(dp)
+    return num, dx, dhp
+  inv = safe_inverse(d)
+  if rule.denominator is rule.numerator:  # one cotangent: (dP - Δ) / D
+    num, vjp = jax.vjp(lambda x_, a: maps(x_, a)[0], x, hp_arrays)
+    dx, dhp = vjp((dp - delta) * inv)
+    return num * inv, dx, dhp
+  (num, den), vjp = jax.vjp(maps, x, hp_arrays)
+  dx, dhp = vjp((dp * inv, jnp.broadcast_to(-delta * inv, den.shape)))
+  return num * inv, dx, dhp
+
+
+def offset_vjp(rule: TileRule, m, d, delta, length, hp_static: Params, hp_arrays: Params):
+  """The offset's share of the hyperparameter cotangents (``dL/dD = −Δ/D``), or None.
+
+  None when the rule has no offset (or no row sum) or there are no array
+  hyperparameters.
+  """
+  if not rule.normalized or rule.offset is None or not hp_arrays:
+    return None
+
+  def offset(arrays):
+    return jnp.broadcast_to(rule.offset(m, length, **{**hp_static, **arrays}), m.shape)
+
+  _, vjp = jax.vjp(offset, hp_arrays)
+  (dhp,) = vjp(-delta * safe_inverse(d))
+  return dhp
+
+
+def threshold_maps(rule: ThresholdRule, x, mask, tau, m, length, hp: Params):
+  """Class T: ``(weight, mass)`` of a tile at a fixed threshold ``tau``, 0 where masked."""
+  z = scores(rule, x, mask, m, length, hp)
+  weight = _where(mask, rule.weight(z, tau, m, **hp), 0.0)
+  mass = _where(mask, rule.mass(z, tau, **hp), 0.0)
+  return weight, mass
