@@ -1,15 +1,16 @@
 """One blockwise attention engine for every normalizer of kernel class E, S or P.
 
-The per-tile math here is generated at trace time from the normalizer's
-:class:`~jaxsoft.normalizers.TileRule` (DESIGN.md §3, CATALOGUE K01/K02/K04/K10): the
-drivers (``triton.py`` for GPUs, ``tpu.py`` for Mosaic TPU) only move tiles and call
-these functions, so a new E/S/P normalizer runs in both kernels with no kernel change.
+The per-tile math is the normalizer's :class:`~jaxsoft.normalizers.TileRule` run through
+``jaxsoft.normalizers._tile``, the one module that the chunked XLA path and the reference
+evaluators of ``jaxsoft.testing`` also call: the drivers (``triton.py`` for GPUs,
+``tpu.py`` for Mosaic TPU) only move tiles and call the functions below, so a new E/S/P
+normalizer runs in both kernels with no kernel change.
 
 For one query row with logits ``s_j`` (scaled, soft-capped) over its visible keys V::
 
     z_j = score_map(s_j, n, **hp)                   n = |V|, the row's visible count
     m   = max_{j in V} z_j   (class E; 0 for S, P)  the stabiliser, carried online
-    D   = sum_{j in V} denominator(z_j, m) + offset(m, n) [+ e^{sink - m}]   (E, S; P: 1)
+    D   = sum_{j in V} denominator(z_j, m) + offset(m, n)   (E, S; P: 1)
     O   = sum_{j in V} numerator(z_j, m) v_j / D
 
 Over key blocks, class E carries ``(m, l, acc)`` and rescales by ``e^{m - m'}`` when the
@@ -39,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers import _tile as tile
 
 __all__ = [
     "BlockSizes",
@@ -149,13 +151,6 @@ class Config:
   def kernel_class(self) -> str:
     return self.spec.kernel_class
 
-  @property
-  def uses_max(self) -> bool:
-    return self.kernel_class == "E" or (self.kernel_class == "S" and self.tile.uses_max)
-
-  @property
-  def normalized(self) -> bool:
-    return self.kernel_class != "P" and self.tile.denominator is not None
 
   @property
   def needs_mask(self) -> bool:
@@ -213,128 +208,49 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
   return mask
 
 
-def _hp(cfg: Config, dyn: tuple) -> dict[str, Any]:
-  hp = dict(cfg.static_hp)
-  hp.update(zip(cfg.dyn_hp, dyn, strict=True))
-  return hp
-
-
-def _scores(cfg: Config, s, mask, m, length, hp):
-  """z = score_map(s); masked entries replaced by m so that no inf/NaN appears there."""
-  z = cfg.tile.score_map(s, length, **hp)
-  if mask is not None:
-    z = jnp.where(mask, z, m)
-  return z
-
-
-def _masked(x, mask):
-  return x if mask is None else jnp.where(mask, x, 0.0)
+def _hp(cfg: Config, dyn: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
+  """(static hyperparameters, the per-row arrays ``dyn`` by name)."""
+  return dict(cfg.static_hp), dict(zip(cfg.dyn_hp, dyn, strict=True))
 
 
 def init_state(cfg: Config, bq: int, hd: int):
-  m = jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype)
-  lsum = jnp.zeros((bq, 1), cfg.acc_dtype)
-  acc = jnp.zeros((bq, hd), cfg.acc_dtype)
-  return m, lsum, acc
-
-
-def _safe_max(m):
-  return jnp.where(m == -jnp.inf, 0.0, m)
+  m, lsum = tile.init_rows(cfg.tile, (bq, 1), cfg.acc_dtype)
+  return m, lsum, jnp.zeros((bq, hd), cfg.acc_dtype)
 
 
 def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
-  """One key block of the online pass: returns the new (m, l, acc).
+  """One key block of the online pass (``_tile.online_update``): returns the new (m, l, acc).
 
   ``s`` [bq, bk] float32 logits, ``v`` [bk, H], ``length`` [bq, 1] and each of ``dyn``
   [bq, 1] (per-row hyperparameters).
   """
-  m_prev, l_prev, acc_prev = state
-  hp = _hp(cfg, dyn)
-  rule = cfg.tile
-  if cfg.uses_max:
-    z0 = rule.score_map(s, length, **hp)
-    zm = z0 if mask is None else jnp.where(mask, z0, -jnp.inf)
-    m_new = jnp.maximum(m_prev, jnp.max(zm, axis=1, keepdims=True))
-    if rule.m_floor is not None:  # e^{-m} terms (softpick, softmax_n) must not overflow
-      m_new = jnp.where(m_new == -jnp.inf, m_new, jnp.maximum(m_new, rule.m_floor))
-    m_use = _safe_max(m_new)
-    # m_prev = -inf means nothing was accumulated yet: the factor is irrelevant, keep it 0.
-    alpha = jnp.where(m_prev == -jnp.inf, 0.0, jnp.exp(m_prev - m_use))
-    z = z0 if mask is None else jnp.where(mask, z0, m_use)
-  else:
-    m_new = jnp.zeros_like(m_prev)
-    m_use = m_new
-    alpha = None
-    z = _scores(cfg, s, mask, m_use, length, hp)
-  num = _masked(rule.numerator(z, m_use, **hp), mask)
+  m, lsum, acc = state
+  static, arrays = _hp(cfg, dyn)
+  m, lsum, num, alpha = tile.online_update(cfg.tile, s, mask, m, lsum, length,
+                                           {**static, **arrays})
   pv = jax.lax.dot_general(num.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=cfg.acc_dtype)
-  if cfg.normalized:
-    den = _masked(rule.denominator(z, m_use, **hp), mask)
-    l_add = jnp.sum(den, axis=1, keepdims=True)
-  else:
-    l_add = jnp.zeros_like(l_prev)
-  if alpha is None:
-    return m_new, l_prev + l_add, acc_prev + pv
-  return m_new, alpha * l_prev + l_add, alpha * acc_prev + pv
+  return m, lsum, tile.rescale(acc, alpha) + pv
 
 
-def row_denominator(cfg: Config, m, lsum, length, dyn, sink=None):
-  """D = l + offset(m, n) [+ e^{sink - m}] (class E/S), 1 for class P."""
-  if not cfg.normalized:
-    return jnp.ones_like(lsum)
-  hp = _hp(cfg, dyn)
-  d = lsum
-  if cfg.tile.offset is not None:
-    d = d + cfg.tile.offset(m, length, **hp)
-  if sink is not None:
-    d = d + jnp.exp(sink - m)
-  return d
-
-
-def _inv(d):
-  ok = d != 0
-  return jnp.where(ok, 1.0 / jnp.where(ok, d, 1.0), 0.0)
-
-
-def finalize(cfg: Config, state, length, dyn, sink=None):
+def finalize(cfg: Config, state, length, dyn):
   """Returns (o [bq, H] float32, m [bq, 1], D [bq, 1]); a row with D = 0 gives zeros."""
   m, lsum, acc = state
-  m = _safe_max(m) if cfg.uses_max else jnp.zeros_like(m)
-  d = row_denominator(cfg, m, lsum, length, dyn, sink)
-  if not cfg.normalized:
-    return acc, m, d
-  return acc * _inv(d), m, d
+  static, arrays = _hp(cfg, dyn)
+  m, d = tile.finalize(cfg.tile, m, lsum, length, {**static, **arrays})
+  return tile.normalize(cfg.tile, acc, d), m, d
 
 
 def backward_tile(cfg: Config, s, mask, m, d, delta, dp, length, dyn):
-  """Recomputes the tile's weights and returns (w, ds, dhp).
+  """Recomputes the tile's weights and returns (w, ds, dhp) (``_tile.tile_vjp``).
 
   ``w`` [bq, bk] the attention weights (for dV), ``ds`` [bq, bk] the cotangent of the
   logits before the soft cap is undone (the caller applies :func:`soft_cap_grad`),
   ``dhp`` the per-row cotangents of the dynamic hyperparameters (each [bq, 1]).
   """
-  rule = cfg.tile
-  inv_d = _inv(d)
-
-  def tile_fn(s_, dyn_):
-    hp = _hp(cfg, dyn_)
-    z = _scores(cfg, s_, mask, m, length, hp)
-    num = _masked(rule.numerator(z, m, **hp), mask)
-    if cfg.normalized:
-      den = _masked(rule.denominator(z, m, **hp), mask)
-      return num, den
-    return num, None
-
-  (num, _), vjp = jax.vjp(tile_fn, s, tuple(dyn))
-  if cfg.normalized:
-    w = num * inv_d
-    ct = (dp * inv_d, jnp.broadcast_to(-delta * inv_d, num.shape))
-  else:
-    w = num
-    ct = (dp, None)
-  ds, ddyn = vjp(ct)
-  return w, ds, ddyn
+  static, arrays = _hp(cfg, dyn)
+  w, ds, dhp = tile.tile_vjp(cfg.tile, s, mask, m, d, delta, dp, length, static, arrays)
+  return w, ds, tuple(dhp[name] for name in cfg.dyn_hp)
 
 
 # --------------------------------------------------------------------------------------
@@ -462,51 +378,35 @@ def _driver(cfg: Config):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_core(cfg: Config, q, k, v, dyn, sink, aux: Aux):
+def attention_core(cfg: Config, q, k, v, dyn, aux: Aux):
   """The kernel on padded inputs: q [B, T_pad, N, Hp], k/v [B, S_pad, K, Hp].
 
-  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32, ``sink`` a per-row
-  sink logit of the same shape or None. Returns o [B, T_pad, N, Hp] in q's dtype.
+  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32. Returns
+  o [B, T_pad, N, Hp] in q's dtype.
   """
-  o, _, _ = _driver(cfg).forward(cfg, q, k, v, dyn, sink, aux)
+  o, _, _ = _driver(cfg).forward(cfg, q, k, v, dyn, aux)
   return o
 
 
-def _core_fwd(cfg, q, k, v, dyn, sink, aux):
-  o, m, d = _driver(cfg).forward(cfg, q, k, v, dyn, sink, aux)
-  return o, (q, k, v, dyn, sink, aux, o, m, d)
+def _core_fwd(cfg, q, k, v, dyn, aux):
+  o, m, d = _driver(cfg).forward(cfg, q, k, v, dyn, aux)
+  return o, (q, k, v, dyn, aux, o, m, d)
 
 
 def _core_bwd(cfg, res, do):
-  q, k, v, dyn, sink, aux, o, m, d = res
+  q, k, v, dyn, aux, o, m, d = res
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
                      do.astype(cfg.acc_dtype))[..., None]
   drv = _driver(cfg)
   dq, ddyn = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux)
   dk, dv = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux)
-  dsink = None
-  if cfg.normalized and (cfg.tile.offset is not None or sink is not None):
-    # The offset (and sink) enter only D: dL/dD_i = -Delta_i / D_i.
-    c = -delta * _inv(d)
-    length = aux.length[:, None, :, :]
-
-    def extra(dyn_, sink_):
-      hp = _hp(cfg, dyn_)
-      e = jnp.zeros_like(m)
-      if cfg.tile.offset is not None:
-        e = e + cfg.tile.offset(m, length, **hp)
-      if sink_ is not None:
-        e = e + jnp.exp(sink_ - m)
-      return e
-
-    _, vjp = jax.vjp(extra, tuple(dyn), sink)
-    ddyn_off, dsink = vjp(c)
-    ddyn = tuple(a + b for a, b in zip(ddyn, ddyn_off, strict=True))
-  if sink is not None and dsink is None:
-    dsink = jnp.zeros_like(sink)
+  # the offset's hyperparameters (a learned sink logit) enter only D: dL/dD = -Delta / D
+  static, arrays = _hp(cfg, dyn)
+  d_off = tile.offset_vjp(cfg.tile, m, d, delta, aux.length[:, None, :, :], static, arrays)
+  if d_off is not None:
+    ddyn = tuple(a + d_off[name] for a, name in zip(ddyn, cfg.dyn_hp, strict=True))
   aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), dsink,
-          aux_ct)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)
