@@ -23,7 +23,8 @@ def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
   """``e^{x_i} / (n * e^{s} + sum_j e^{x_j})`` over visible entries.
 
   Stabilised with ``M = max(max_V x, s)``, the max over the row *and* the sink, so
-  neither ``e^{x - M}`` nor ``e^{s - M}`` can overflow (notes 001#1: "m = max(max z, 0)").
+  neither ``e^{x - M}`` nor ``e^{s - M}`` can overflow (for softmax_1, whose sink logit is
+  0, this is the usual ``M = max(max x, 0)``).
   ``M`` cancels, so it carries no gradient; ``n`` and ``s`` do. Both are row parameters
   in the compute dtype (float64 stays float64).
   """
@@ -38,15 +39,18 @@ def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
 
 
 def softmax_n(x, n=1.0, axis: int = -1, where=None):
-  r"""Softmax with ``n`` units of sink mass (CATALOGUE N03, kernel class E; paper 001#1).
+  r"""Softmax with ``n`` units of sink mass (feature N03, kernel class E; Hu et al. 2024).
 
   .. math::
     \mathrm{softmax}_n(x)_i = \frac{e^{x_i}}{n + \sum_{j \in V} e^{x_j}}
     = \mathrm{softmax}([x, \log n])_{1..|x|}
 
   over the visible entries V of the row. ``n = 0`` is softmax, ``n = 1`` is softmax_1
-  ("attention is off by one", OutEffHop). Not shift invariant: the sink logit is fixed at
-  ``log n``. Computed max-stabilised with ``m = max(max_V x, 0)``, so ``x = +-1000`` is fine.
+  (E. Miller 2023, "Attention Is Off By One", a blog post; the attention that the
+  OutEffHop Hopfield model of J. Hu et al. 2024, "Outlier-Efficient Hopfield Layers for
+  Large Transformer-Based Models", ICML 2024, arXiv 2404.03828, approximates). Not shift
+  invariant: the sink logit is fixed at ``log n``. Computed max-stabilised with
+  ``m = max(max_V x, 0)``, so ``x = +-1000`` is fine.
 
   Args:
     x: scores.
@@ -60,6 +64,19 @@ def softmax_n(x, n=1.0, axis: int = -1, where=None):
     visible entry is all zeros with zero gradient.
 
   Tile rule: ``e^{z - m}`` as numerator and denominator plus the offset ``n e^{-m}``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> w = js.normalizers.softmax_n(x, n=3.0)
+    >>> w
+    Array([0.5238, 0.1927, 0.0709], dtype=float32)
+    >>> w.sum()  # S / (n + S) with S = sum(exp(x)): below 1
+    Array(0.7873, dtype=float32)
+    >>> js.normalizers.softmax_n(x, n=0.0)  # n = 0 is softmax
+    Array([0.6652, 0.2447, 0.09  ], dtype=float32)
   """
   _N.validate(n, "softmax_n")
   return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
@@ -68,20 +85,34 @@ def softmax_n(x, n=1.0, axis: int = -1, where=None):
 def softmax_1(x, axis: int = -1, where=None):
   r"""Softmax_1 = ``e^{x_i} / (1 + sum_j e^{x_j}) = softmax([x, 0])[:-1]`` (N03, class E).
 
-  Softmax with an implicit zero logit (Miller's "attention is off by one"; OutEffHop,
-  paper 001#1): all weights tend to 0 as every ``x_j -> -inf``. See :func:`softmax_n`.
+  Softmax with an implicit zero logit (E. Miller 2023, "Attention Is Off By One"; the
+  attention of OutEffHop, J. Hu et al., ICML 2024, arXiv 2404.03828): all weights tend
+  to 0 as every ``x_j -> -inf``, so a row can attend to nothing. See :func:`softmax_n`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = js.normalizers.softmax_1(jnp.array([-2.0, -3.0, -4.0]))  # no score is high
+    >>> w
+    Array([0.1125, 0.0414, 0.0152], dtype=float32)
+    >>> w.sum()  # softmax would give 1 here
+    Array(0.169, dtype=float32)
   """
   return softmax_n(x, n=1.0, axis=axis, where=where)
 
 
 def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
-  r"""Softmax with a (learned) sink logit (CATALOGUE N03, kernel class E; papers 001#82, 004#116).
+  r"""Softmax with a (learned) sink logit (feature N03, kernel class E; see docs/feature_ids.md).
 
   .. math::
     w_i = \frac{e^{x_i}}{e^{s} + \sum_{j \in V} e^{x_j}} = \mathrm{softmax}([x, s])_{1..|x|}
 
   The sink ``s`` absorbs the mass a row does not want to give to any key; the sink's own
-  weight is dropped. ``s = log n`` is :func:`softmax_n`.
+  weight is dropped. ``s = log n`` is :func:`softmax_n`. Softmax attention tends to grow
+  such a sink on its own (often on the first token: X. Gu et al. 2025, "When Attention
+  Sink Emerges in Language Models: An Empirical View", ICLR 2025, arXiv 2410.10781); a
+  learned sink logit per head gives it that escape explicitly.
 
   Args:
     x: scores, e.g. ``[B, N, T, S]``.
@@ -93,6 +124,16 @@ def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
   Returns:
     Weights of ``x``'s shape and dtype (sum < 1); a row with no visible entry is all
     zeros with zero gradient (also in ``sink_logit``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = js.normalizers.softmax_sink(jnp.array([2.0, 1.0, 0.0]), sink_logit=3.0)
+    >>> w
+    Array([0.2369, 0.0871, 0.0321], dtype=float32)
+    >>> w.sum()  # the sink took the rest
+    Array(0.3561, dtype=float32)
   """
   _SINK.validate(sink_logit, "softmax_sink")
   return _sink_softmax(x, axis, where, 1.0, sink_logit, "softmax_sink")

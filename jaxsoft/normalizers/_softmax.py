@@ -13,7 +13,7 @@ _TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row
 
 
 def softmax(x, axis: int = -1, where=None, temperature=1.0):
-  r"""Softmax with temperature (CATALOGUE N01, kernel class E).
+  r"""Softmax with temperature (feature N01, kernel class E; see docs/feature_ids.md).
 
   .. math::
     \mathrm{softmax}(x)_i = \frac{e^{x_i / T}}{\sum_{j \in V} e^{x_j / T}}
@@ -31,6 +31,20 @@ def softmax(x, axis: int = -1, where=None, temperature=1.0):
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros (where
     ``jax.nn.softmax`` gives NaN), with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.softmax(x)
+    Array([0.6652, 0.2447, 0.09  ], dtype=float32)
+    >>> js.normalizers.softmax(x, temperature=0.5)  # sharper
+    Array([0.8668, 0.1173, 0.0159], dtype=float32)
+    >>> js.normalizers.softmax(x, where=jnp.array([True, True, False]))  # masked: exactly 0
+    Array([0.7311, 0.2689, 0.    ], dtype=float32)
+    >>> js.normalizers.softmax(x, where=jnp.zeros(3, bool))  # nothing visible: zeros, not NaN
+    Array([0., 0., 0.], dtype=float32)
   """
   _TEMPERATURE.validate(temperature, "softmax")
   xs, mask, axis = c.prepare(x, axis, where, "softmax")
