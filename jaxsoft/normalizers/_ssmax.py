@@ -11,7 +11,7 @@ from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
 __all__ = ["ssmax"]
 
 # s init 0.43: the default of the unofficial port gdevos010/Scalable-Softmax, which says "as
-# used in paper" (notes 000#19 mark it unverified). s is learnable per layer/head.
+# used in paper" (not verified against the paper). s is learnable per layer/head.
 _S = Param("s", 0.43, low=0.0, sample=1.0, row_broadcast=True)
 _NPARAM = Param("n", None, low=1.0, sample=64.0, row_broadcast=True)
 _BIAS = Param("bias", 0.0, sample=0.25, row_broadcast=True)
@@ -25,7 +25,9 @@ def _scale(length, s, n, bias):
 
 
 def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
-  r"""Scalable-Softmax (CATALOGUE N05, kernel class E; Nakanishi 2025, paper 000#19).
+  r"""Scalable-Softmax (feature N05, kernel class E; K. M. Nakanishi 2025, arXiv 2501.19399).
+
+  From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025):
 
   .. math::
     \mathrm{SSMax}(x)_i = \frac{n^{s x_i}}{\sum_{j \in V} n^{s x_j}}
@@ -34,8 +36,8 @@ def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
   with n the number of visible entries of the row (for causal attention, row i sees
   n_i = i + 1 keys) and ``b`` the optional bias of the paper's bias variant (off by
   default; the paper reports it helps training but can hurt length generalization). The
-  scale *multiplies* the scores: the port that writes ``exp(x - s log n)`` is a no-op
-  under softmax (pitfall in the notes). ``s log n = 1`` gives softmax. With the tiny
+  scale *multiplies* the scores: a port that writes ``exp(x - s log n)`` instead is a
+  no-op under softmax (a per-row shift). ``s log n = 1`` gives softmax. With the tiny
   default s = 0.43 short rows are flattened: n <= 10 gives a scale below 1.
 
   Args:
@@ -55,6 +57,19 @@ def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
 
   Tile rule: ``z = (s log n + b) x`` (the per-row scale is known before the key pass, so
   SSMax stays in class E), then softmax's ``e^{z - m}``.
+
+  Example:
+    One needle score of 2 among zeros: softmax's weight on it fades as the row grows,
+    SSMax's does not.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.ssmax(jnp.array([2.0, 0.0, 0.0, 0.0]), s=1.0)
+    Array([0.8421, 0.0526, 0.0526, 0.0526], dtype=float32)
+    >>> x = jnp.zeros(64).at[0].set(2.0)
+    >>> js.normalizers.ssmax(x, s=1.0)[0], js.normalizers.softmax(x)[0]
+    (Array(0.9849, dtype=float32), Array(0.105, dtype=float32))
   """
   for p, v in ((_S, s), (_NPARAM, n), (_BIAS, bias)):
     p.validate(v, "ssmax")
