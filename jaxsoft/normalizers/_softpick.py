@@ -12,7 +12,10 @@ __all__ = ["softpick"]
 
 
 def softpick(x, axis: int = -1, where=None):
-  r"""Softpick (CATALOGUE N20, kernel class E; Zuhri et al. 2025, papers 000#46, 004#26).
+  r"""Softpick (feature N20, kernel class E; Z. M. K. Zuhri, E. H. Fuadi & A. F. Aji 2025).
+
+  From "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax"
+  (Zuhri, Fuadi & Aji 2025, arXiv 2504.20966):
 
   .. math::
     \mathrm{softpick}(x)_i = \frac{\mathrm{ReLU}(e^{x_i} - 1)}{\sum_{j \in V} |e^{x_j} - 1|}
@@ -21,7 +24,8 @@ def softpick(x, axis: int = -1, where=None):
   over the visible entries V. The second (overflow-free) form multiplies numerator and
   denominator by ``e^{-m}``; here ``m = max(max_V x, 0)`` so that neither ``e^{x - m}``
   nor ``e^{-m}`` can overflow (x = +-1000 is fine). Masked entries add 0 to the
-  denominator (not ``|0 - 1|``: the mask trap of the notes).
+  denominator (not ``|0 - 1|``, which a naive ``e^{-inf} - 1`` would add: a classic trap
+  with causal masks).
 
   Properties: exact zeros where ``x_i <= 0``; rows sum to at most 1, to exactly 1 iff no
   visible ``x_j < 0``, and to 0 when all ``x <= 0`` ("attend to nothing"); not shift
@@ -44,6 +48,18 @@ def softpick(x, axis: int = -1, where=None):
   merge is exact. The rule declares ``m_floor = 0``: a driver floors the running max at 0
   (``m = max(m, 0)``, as the function does), since with the plain running max ``e^{-m}``
   overflows float32 once every score seen so far is below about -88.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = js.normalizers.softpick(jnp.array([2.0, 1.0, 0.0, -1.0]))
+    >>> w  # exact zeros where x <= 0
+    Array([0.7311, 0.1966, 0.    , 0.    ], dtype=float32)
+    >>> w.sum()  # a negative score still takes mass in the denominator
+    Array(0.9277, dtype=float32)
+    >>> js.normalizers.softpick(jnp.array([-1.0, -2.0, -3.0]))  # attend to nothing
+    Array([0., 0., 0.], dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "softpick")
   m = jnp.maximum(c.masked_max(xs, mask, ax), 0.0)

@@ -16,6 +16,13 @@ def stablemax_map(x):
   ``s > 0``, increasing, C^1 at 0 (``s(0) = s'(0) = 1``); linear growth instead of exp.
   The ``1/(1 - x)`` branch only ever sees x <= 0, so it produces no inf (or NaN
   gradient) at x = 1.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.stablemax_map(jnp.array([2.0, 0.0, -2.0]))
+    Array([3.    , 1.    , 0.3333], dtype=float32)
   """
   # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0).
   neg = jnp.where(x < 0, x, 0.0)
@@ -23,7 +30,10 @@ def stablemax_map(x):
 
 
 def stablemax(x, axis: int = -1, where=None):
-  r"""StableMax (CATALOGUE N19, kernel class S; Prieto et al. ICLR 2025, paper 000#86).
+  r"""StableMax (feature N19, kernel class S; L. Prieto et al., ICLR 2025).
+
+  From "Grokking at the Edge of Numerical Stability" (L. Prieto, M. Barsbey,
+  P. A. M. Mediano & T. Birdal, ICLR 2025, arXiv 2501.04697):
 
   .. math::
     \mathrm{StableMax}(x)_i = \frac{s(x_i)}{\sum_{j \in V} s(x_j)},\qquad
@@ -42,6 +52,18 @@ def stablemax(x, axis: int = -1, where=None):
   Returns:
     Weights of ``x``'s shape and dtype summing to 1 (f32 compute for low precision); a
     row with no visible entry is all zeros with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.stablemax(jnp.array([2.0, 0.0, -2.0]))
+    Array([0.6923, 0.2308, 0.0769], dtype=float32)
+    >>> x = jnp.array([120.0, 0.0, 0.0])
+    >>> js.normalizers.softmax(x)  # float32: the small weights underflow to exactly 0
+    Array([1., 0., 0.], dtype=float32)
+    >>> js.normalizers.stablemax(x)  # polynomial, not exponential, in the gap
+    Array([0.9837, 0.0081, 0.0081], dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "stablemax")
   e = jnp.where(mask, stablemax_map(xs), 0.0)
