@@ -1,9 +1,10 @@
 """N23 softplus-l1 (LSSA) with a log-length scale, and the LSSAR power re-weighting.
 
-Gao & Spratling, "Softplus Attention with Re-weighting Boosts Length Extrapolation in Large
-Language Models" (arXiv 2501.13428; notes 000#5, 001#81). The paper's exact scale law and
-re-weighting are not available to us: both forms here are the notes' reconstruction [R],
-with their constants exposed as parameters.
+B. Gao & M. W. Spratling 2025, "Softplus Attention with Re-weighting Boosts Length
+Extrapolation in Large Language Models" (arXiv 2501.13428). The paper's exact scale law and
+re-weighting were not available when this was written: both forms here are this project's
+reconstruction from the paper's abstract (marked [R] in the docstrings and registry
+descriptions), with their constants exposed as parameters.
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ _SMALL = -15.0
 def length_scale(n, base=512.0, scale=1.0):
   r"""The [R] scale law ``lambda(n) = scale * log(n) / log(base) = scale * log_base(n)``.
 
-  Notes 000#5: lambda grows like log N ("entropy-invariance scaling a la log_512(N)"), so
-  ``lambda(base) = scale``; the paper's exact constants are unknown. ``base=None`` turns
-  the length scale off (``lambda = scale``). ``n`` is clamped to >= 1 (empty rows).
+  [R]: a reconstruction. The paper describes a scale that grows like log N from an
+  entropy-invariance argument, on the order of ``log_512 N``; its exact constants are
+  unknown, so here ``lambda(base) = scale``. ``base=None`` turns the length scale off
+  (``lambda = scale``). ``n`` is clamped to >= 1 (empty rows).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.length_scale(jnp.array([8.0, 512.0, 4096.0]))  # log_512 n
+    Array([0.3333, 1.    , 1.3333], dtype=float32)
   """
   if base is None:
     return scale * jnp.ones_like(n)
@@ -63,7 +72,7 @@ def _powered_softplus(x, axis, where, p, base, scale, fn_name):
 
 
 def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
-  r"""Softplus-l1 attention weights, LSSA (CATALOGUE N23, kernel class S; papers 000#5, 001#81).
+  r"""Softplus-l1 attention weights, LSSA (feature N23, kernel class S; Gao & Spratling 2025).
 
   .. math::
     w_i = \frac{\mathrm{softplus}(\lambda(n) x_i)}{\sum_{j \in V} \mathrm{softplus}(\lambda(n) x_j)},
@@ -71,8 +80,9 @@ def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
 
   with n the visible count of the row. The paper keeps softmax's l1 normalisation and
   replaces exp by softplus (no overflow: softplus is ~linear) with a "dynamic length
-  scale" from invariance entropy. That scale law is a **reconstruction** [R] (notes 000#5:
-  grows like log N, "a la log_512(N)"); its constants are the parameters ``base`` and
+  scale" from invariance entropy. That scale law is a **reconstruction** [R] (it grows
+  like log N, on the order of ``log_512 N``: see :func:`length_scale`); its constants are
+  the parameters ``base`` and
   ``scale``. ``base=None`` gives ``lambda = scale`` (no length dependence). Note that
   ``log_512 n < 1`` for rows shorter than 512, which flattens them.
 
@@ -90,12 +100,22 @@ def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
 
   Tile rule: ``z = lambda(n) x``, numerator = denominator = ``softplus(z)`` (no max:
   class S; the tile form underflows to 0/0 only if every z < -87).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.normalizers.softplus_l1(x, base=None)  # lambda = 1: softplus, l1-normalised
+    Array([0.4783, 0.2953, 0.1559, 0.0704], dtype=float32)
+    >>> js.normalizers.softplus_l1(x)  # n = 4: lambda = log_512 4 = 2/9 flattens the row
+    Array([0.31  , 0.2673, 0.2286, 0.194 ], dtype=float32)
   """
   return _powered_softplus(x, axis, where, 1.0, base, scale, "softplus_l1")
 
 
 def lssar(x, p=2.0, axis: int = -1, where=None, base=512.0, scale=1.0):
-  r"""LSSAR: softplus-l1 weights sharpened by a power (CATALOGUE N23, class S; papers 000#5, 001#81).
+  r"""LSSAR: softplus-l1 weights sharpened by a power (feature N23, class S; Gao & Spratling 2025).
 
   .. math::
     w'_i = \frac{A_i^p}{\sum_{j \in V} A_j^p},\quad A = \mathrm{softplus\_l1}(x)
@@ -104,7 +124,7 @@ def lssar(x, p=2.0, axis: int = -1, where=None, base=512.0, scale=1.0):
 
   The paper's "training-free re-weighting that amplifies significant attention weights
   while diminishing weaker ones" is a power function; its exact form is unknown and this
-  plain renormalised power (no threshold at 1/N) is the notes' reconstruction [R].
+  plain renormalised power (no threshold at 1/N) is this project's reconstruction [R].
   ``p = 1`` is the identity (softplus_l1); ``p > 1`` raises the max weight and lowers the
   entropy.
 
@@ -115,6 +135,14 @@ def lssar(x, p=2.0, axis: int = -1, where=None, base=512.0, scale=1.0):
 
   Returns:
     Weights of ``x``'s shape and dtype summing to 1; a fully masked row is all zeros.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.normalizers.lssar(x, p=2.0, base=None)  # sharper than softplus_l1(x, base=None)
+    Array([0.6626, 0.2526, 0.0704, 0.0144], dtype=float32)
   """
   return _powered_softplus(x, axis, where, p, base, scale, "lssar")
 
