@@ -31,6 +31,13 @@ def taylor_exp(x, order: int = 2):
 
   For even m it is strictly positive on the reals (its minimum, at the real root of the
   order-(m-1) polynomial, equals ``x^m / m! > 0``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.taylor_exp(jnp.array([-1.0, 0.0, 1.0]))  # 1 + x + x^2/2
+    Array([0.5, 1. , 2.5], dtype=float32)
   """
   order = _check_order(order, "taylor_exp")
   acc = jnp.ones_like(x)
@@ -41,7 +48,7 @@ def taylor_exp(x, order: int = 2):
 
 
 def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
-  r"""Taylor softmax (CATALOGUE N24, kernel class S; TaylorShift, papers 001#31, 004#115).
+  r"""Taylor softmax (feature N24, kernel class S; de Brébisson & Vincent 2016; TaylorShift).
 
   .. math::
     \mathrm{TSM}_m(x)_i = \frac{\sum_{k=0}^{m} x_i^k / k!}{\sum_{j \in V} \sum_{k=0}^{m} x_j^k / k!},
@@ -53,6 +60,12 @@ def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
   float32's max (e.g. |x| > 2.6e19 for m = 2). Not shift invariant; as m grows it tends to
   softmax for moderate x.
 
+  The order-2 form is from A. de Brébisson & P. Vincent 2016, "An Exploration of Softmax
+  Alternatives Belonging to the Spherical Loss Family" (ICLR 2016, arXiv 1511.05042); as
+  attention it is TaylorShift (T. C. Nauen et al. 2024, "TaylorShift: Shifting the
+  Complexity of Self-Attention from Squared to Linear (and Back) using Taylor-Softmax",
+  arXiv 2403.02920), which evaluates it in linear time.
+
   Args:
     x: scores.
     order: the even truncation order m >= 2 (a static Python int).
@@ -62,6 +75,16 @@ def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
   Returns:
     Weights of ``x``'s shape and dtype summing to 1 (f32 compute); a fully masked row is
     all zeros with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.normalizers.taylor_softmax(x)  # (1 + x + x^2/2) / sum: 5, 2.5, 1, 0.5 over 9
+    Array([0.5556, 0.2778, 0.1111, 0.0556], dtype=float32)
+    >>> js.normalizers.taylor_softmax(x, order=4)  # closer to softmax(x)
+    Array([0.6316, 0.2444, 0.0902, 0.0338], dtype=float32)
   """
   order = _check_order(order, "taylor_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "taylor_softmax")
