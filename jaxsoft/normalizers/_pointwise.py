@@ -23,7 +23,10 @@ def _log_length(length):
 
 
 def sigmoid(x, bias=None, axis: int = -1, where=None):
-  r"""Sigmoid attention weights (CATALOGUE N21, kernel class P; Ramapuram et al., paper 000#40).
+  r"""Sigmoid attention weights (feature N21, kernel class P; J. Ramapuram et al. 2024).
+
+  From "Theory, Analysis, and Best Practices for Sigmoid Self-Attention" (J. Ramapuram
+  et al. 2024, ICLR 2025, arXiv 2409.04431):
 
   .. math::
     w_i = \sigma(x_i + b), \qquad b = -\log n \text{ by default}
@@ -44,6 +47,18 @@ def sigmoid(x, bias=None, axis: int = -1, where=None):
   Returns:
     Weights of ``x``'s shape and dtype (f32 compute); a fully masked row is all zeros
     with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.sigmoid(jnp.zeros(4))  # bias -log 4: each 1/5, the row sums to 4/5
+    Array([0.2, 0.2, 0.2, 0.2], dtype=float32)
+    >>> w = js.normalizers.sigmoid(jnp.array([2.0, 1.0, 0.0, -1.0]))
+    >>> w
+    Array([0.6488, 0.4046, 0.2   , 0.0842], dtype=float32)
+    >>> w.sum()  # no row normalisation
+    Array(1.3376, dtype=float32)
   """
   _BIAS.validate(bias, "sigmoid")
   xs, mask, ax = c.prepare(x, axis, where, "sigmoid")
@@ -55,7 +70,11 @@ def sigmoid(x, bias=None, axis: int = -1, where=None):
 
 
 def relu(x, axis: int = -1, where=None):
-  r"""ReLU weights ``max(0, x_i)`` (CATALOGUE N22, kernel class P; papers 000#47, 004#116).
+  r"""ReLU weights ``max(0, x_i)`` (feature N22, kernel class P; see docs/feature_ids.md).
+
+  As a classification output, A. F. Agarap 2018, "Deep Learning using Rectified Linear
+  Units (ReLU)" (arXiv 1803.08375); as attention, K. Shen et al. 2023, "A Study on ReLU and
+  Softmax in Transformer" (arXiv 2302.06461).
 
   No normalisation: rows do not sum to 1, and a row whose scores are all <= 0 is all
   zeros ("attend to nothing"; for classification its argmax is ill-defined: ties broken
@@ -68,17 +87,33 @@ def relu(x, axis: int = -1, where=None):
 
   Returns:
     Weights of ``x``'s shape and dtype.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> js.normalizers.relu(jnp.array([2.0, 1.0, 0.0, -1.0]))
+    Array([2., 1., 0., 0.], dtype=float32)
   """
   xs, mask, _ = c.prepare(x, axis, where, "relu")
   return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
 
 
 def relu_n(x, axis: int = -1, where=None):
-  r"""Length-normalised ReLU ``max(0, x_i) / n`` (CATALOGUE N22, class P; papers 001#2, 004#116).
+  r"""Length-normalised ReLU ``max(0, x_i) / n`` (feature N22, class P).
 
   n is the number of visible entries of the row, so for i.i.d. scores the output of
-  ReLU attention stays O(1) as the length grows (Wortsman et al.'s ``ReLU(QK^T/sqrt d)/L``).
-  Arguments and returns as :func:`relu`; a fully masked row is zeros.
+  ReLU attention stays O(1) as the length grows: the ``ReLU(QK^T/sqrt d) / L`` of
+  M. Wortsman et al. 2023, "Replacing softmax with ReLU in Vision Transformers" (arXiv
+  2309.08586). Arguments and returns as :func:`relu`; a fully masked row is zeros.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.normalizers.relu_n(x)  # n = 4
+    Array([0.5 , 0.25, 0.  , 0.  ], dtype=float32)
+    >>> js.normalizers.relu_n(x, where=jnp.array([True, True, False, False]))  # n = 2
+    Array([1. , 0.5, 0. , 0. ], dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "relu_n")
   n = jnp.maximum(c.visible_count(mask, ax, xs.dtype), 1.0)
@@ -86,9 +121,18 @@ def relu_n(x, axis: int = -1, where=None):
 
 
 def relu2(x, axis: int = -1, where=None):
-  r"""Squared ReLU ``max(0, x_i)^2`` (CATALOGUE N22, kernel class P; paper 001#2).
+  r"""Squared ReLU ``max(0, x_i)^2`` (feature N22, kernel class P).
 
   C^1 (gradient ``2 max(0, x)``), unnormalised. Arguments and returns as :func:`relu`.
+  The squared ReLU is the activation of D. R. So et al. 2021, "Primer: Searching for
+  Efficient Transformers for Language Modeling" (arXiv 2109.08668), used here as
+  attention weights.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> js.normalizers.relu2(jnp.array([2.0, 1.0, 0.0, -1.0]))
+    Array([4., 1., 0., 0.], dtype=float32)
   """
   xs, mask, _ = c.prepare(x, axis, where, "relu2")
   return c.finish(jnp.square(jax.nn.relu(xs)), mask, jnp.asarray(x).dtype)
