@@ -37,7 +37,7 @@ def _masked_lse(z, mask, axis):
 
 
 def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
-  r"""Log-sum-exp over the visible entries of a row (CATALOGUE N02, kernel class E).
+  r"""Log-sum-exp over the visible entries of a row (feature N02, kernel class E).
 
   .. math::
     \mathrm{LSE}(x) = \log \sum_{j \in V} e^{x_j} = m + \log \sum_{j \in V} e^{x_j - m},
@@ -56,6 +56,16 @@ def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
     The row LSE in ``x``'s dtype (computed in float32 for low precision). A row with no
     visible entry gives ``-inf`` (the log of an empty sum, as ``jax.nn.logsumexp``) with a
     zero gradient, never NaN.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.logsumexp(x)
+    Array(2.4076, dtype=float32)
+    >>> js.normalizers.logsumexp(x, where=jnp.array([False, True, True]))  # log(e + 1)
+    Array(1.3133, dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "logsumexp")
   out = _masked_lse(xs, mask, ax)
@@ -65,7 +75,7 @@ def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
 
 
 def log_softmax(x, axis: int = -1, where=None, temperature=1.0):
-  r"""Log-softmax with temperature (CATALOGUE N02, kernel class E).
+  r"""Log-softmax with temperature (feature N02, kernel class E).
 
   .. math::
     \log \mathrm{softmax}(x)_i = \frac{x_i}{T} - \log \sum_{j \in V} e^{x_j / T}
@@ -83,6 +93,16 @@ def log_softmax(x, axis: int = -1, where=None, temperature=1.0):
     Log-weights of ``x``'s shape and dtype. Masked entries hold exactly 0 (not ``-inf``
     as in ``jax.nn.log_softmax``) so that products such as ``p * log_p`` and masked
     cross-entropies stay finite; a fully masked row is all zeros with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.log_softmax(x)
+    Array([-0.4076, -1.4076, -2.4076], dtype=float32)
+    >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))  # 0, not -inf
+    Array([-0.3133, -1.3133,  0.    ], dtype=float32)
   """
   _TEMPERATURE.validate(temperature, "log_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "log_softmax")
@@ -108,14 +128,16 @@ def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):
 
 
 def smooth_max(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
-  r"""Smooth maximum ``LSE_eps`` (CATALOGUE N02, kernel class E; papers 001#88, 004#53).
+  r"""Smooth maximum ``LSE_eps`` (feature N02, kernel class E).
 
   .. math::
     \mathrm{LSE}_\varepsilon(x) = \varepsilon \log \sum_{j \in V} e^{x_j / \varepsilon},
     \qquad \max_V x \le \mathrm{LSE}_\varepsilon(x) \le \max_V x + \varepsilon \log n
 
   It tends to the max as eps -> 0 (the tropical limit) and its gradient is
-  ``softmax(x / eps)``.
+  ``softmax(x / eps)``. Used, for example, as smoothed-max pooling over the instances of a
+  bag (D. Zhu et al. 2023, "Provable Multi-instance Deep AUC Maximization with Stochastic
+  Pooling", ICML 2023).
 
   Args:
     x: scores.
@@ -128,12 +150,22 @@ def smooth_max(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
   Returns:
     The row value in ``x``'s dtype (float32 compute for low precision); ``-inf`` for a row
     with no visible entry, with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.smooth_max(x, eps=0.1)  # close to max(x) = 2
+    Array(2., dtype=float32)
+    >>> js.normalizers.smooth_max(x, eps=1.0)  # = logsumexp(x), at most 2 + log 3
+    Array(2.4076, dtype=float32)
   """
   return _smooth_extreme(x, eps, axis, where, keepdims, 1.0, "smooth_max")
 
 
 def smooth_min(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
-  r"""Smooth minimum ``-LSE_eps(-x)`` (CATALOGUE N02, kernel class E; paper 004#41).
+  r"""Smooth minimum ``-LSE_eps(-x)`` (feature N02, kernel class E).
 
   .. math::
     \mathrm{softmin}_\varepsilon(x) = -\varepsilon \log \sum_{j \in V} e^{-x_j / \varepsilon}
@@ -141,6 +173,15 @@ def smooth_min(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
 
   Its gradient is ``softmax(-x / eps)``. Arguments as :func:`smooth_max`; ``-inf``
   entries are masked (not the minimum). A row with no visible entry gives ``+inf``, with
-  zero gradient.
+  zero gradient. This is the soft minimum of soft-DTW (M. Cuturi & M. Blondel 2017,
+  "Soft-DTW: a Differentiable Loss Function for Time-Series", ICML 2017, arXiv
+  1703.01353) and of the elastic-distance losses built on it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.smooth_min(jnp.array([2.0, 1.0, 0.0]), eps=0.5)  # just below min = 0
+    Array(-0.0715, dtype=float32)
   """
   return _smooth_extreme(x, eps, axis, where, keepdims, -1.0, "smooth_min")
