@@ -16,7 +16,12 @@ _TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
 def gumbel_softmax(key, x, tau=1.0, hard: bool = False, axis: int = -1, where=None):
-  r"""Gumbel-softmax sample (CATALOGUE N13, kernel class X; Jang et al. 2017, paper 000#33).
+  r"""Gumbel-softmax sample (feature N13, kernel class X; E. Jang, S. Gu & B. Poole 2017).
+
+  From "Categorical Reparameterization with Gumbel-Softmax" (Jang, Gu & Poole, ICLR 2017,
+  arXiv 1611.01144), also known as the Concrete distribution (C. J. Maddison, A. Mnih &
+  Y. W. Teh, "The Concrete Distribution: A Continuous Relaxation of Discrete Random
+  Variables", ICLR 2017, arXiv 1611.00712):
 
   .. math::
     y_i = \frac{e^{(x_i + g_i)/\tau}}{\sum_{j \in V} e^{(x_j + g_j)/\tau}},
@@ -41,6 +46,22 @@ def gumbel_softmax(key, x, tau=1.0, hard: bool = False, axis: int = -1, where=No
   Returns:
     A sample of ``x``'s shape and dtype on the simplex of the visible entries (noise and
     softmax in float32); a row with no visible entry is all zeros with zero gradient.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> key = jax.random.key(0)
+    >>> logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
+    >>> y = js.normalizers.gumbel_softmax(key, logits, tau=0.5)
+    >>> y.shape, y.sum()  # a point on the simplex
+    ((3,), Array(1., dtype=float32))
+    >>> h = js.normalizers.gumbel_softmax(key, logits, hard=True)
+    >>> h.sum(), h.max()  # one-hot forward value
+    (Array(1., dtype=float32), Array(1., dtype=float32))
+    >>> bool(jnp.argmax(h) == jnp.argmax(y))  # same key, same noise, same winner
+    True
   """
   _TAU.validate(tau, "gumbel_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "gumbel_softmax")
