@@ -1,4 +1,6 @@
-"""Attention variants built on :func:`dot_product_attention` (CATALOGUE A03, A07-A10).
+"""Attention variants built on :func:`dot_product_attention` (features A03, A07-A10).
+
+The feature ids are explained, with the papers behind each, in docs/feature_ids.md.
 
 Pure functions; the learned parameters they take (per-head sinks, SSMax ``s``, entmax
 ``alpha``, gate weights, forget gates) are held by the Flax modules of ``jaxsoft.nn``.
@@ -45,7 +47,8 @@ __all__ = [
 
 
 # ----------------------------------------------------------------------------------------
-# Safe parameterisations (DESIGN.md §4: valid by construction, never clipped afterwards).
+# Safe parameterisations: a learned parameter is kept in its valid range by construction
+# (alpha = 1 + softplus(z), s = softplus(z)), never clipped after an update.
 
 
 def softplus_to_range(free, low: float = 0.0, margin: float = 0.0):
@@ -136,7 +139,10 @@ def _row_normalize(normalizer, z, where, normalizer_params, fn_name: str):
 
 def hopfield_retrieval(query_state, memory, *, beta, num_iters: int = 1,
                        normalizer="softmax_1", normalizer_params=None, where=None):
-  r"""Modern-Hopfield retrieval, iterated (CATALOGUE A03; OutEffHop, Hu et al. ICML 2024).
+  r"""Modern-Hopfield retrieval, iterated (feature A03; OutEffHop, J. Hu et al. 2024).
+
+  OutEffHop is from J. Hu et al., "Outlier-Efficient Hopfield Layers for Large
+  Transformer-Based Models" (ICML 2024, arXiv 2404.03828).
 
   With the stored patterns :math:`\Xi = [\xi^1, \dots, \xi^M]` (the rows of ``memory``)
   and a state :math:`\xi`, each iteration applies
@@ -144,7 +150,8 @@ def hopfield_retrieval(query_state, memory, *, beta, num_iters: int = 1,
   .. math:: \xi \leftarrow \Xi \, f(\beta\, \Xi^\top \xi)
 
   where ``f`` is the normalizer over the M patterns: ``softmax`` is the modern Hopfield
-  network of Ramsauer et al. (its one step is attention); ``softmax_1`` (the default,
+  network of H. Ramsauer et al., "Hopfield Networks is All You Need" (ICLR 2021, arXiv
+  2008.02217), whose one step is attention; ``softmax_1`` (the default,
   :math:`e^{z_i} / (1 + \sum_j e^{z_j})`) is OutEffHop, whose implicit zero logit lets a
   state that matches no pattern retrieve (nearly) nothing. Any registered normalizer (a
   name, a NormalizerSpec) or a callable ``f(z, axis=-1, where=None, **params)`` works; for
@@ -236,7 +243,11 @@ def _check_positive(value, name: str, fn_name: str):
 
 
 def gated_attention_output(attn_out, x, w_gate, b_gate=None):
-  r"""Gated attention output (CATALOGUE A07; Qiu et al. 2025, "G1" position).
+  r"""Gated attention output (feature A07; Z. Qiu et al. 2025, "G1" position).
+
+  From "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
+  Attention-Sink-Free" (Z. Qiu et al. 2025, arXiv 2505.06708), whose "G1" gate sits right
+  after the attention, before the output projection:
 
   .. math:: Y' = Y \odot \sigma(X W_\theta + b_\theta)
 
@@ -362,21 +373,24 @@ def acp_prune_threshold(q, k, *, epsilon: float, scale=None):
 
 def forgetting_attention(q, k, v, log_f, *, prune_threshold=None, is_causal: bool = True,
                          **kwargs):
-  r"""Forgetting attention (FoX, CATALOGUE A08): causal attention with a forget-gate decay.
+  r"""Forgetting attention (FoX, feature A08): causal attention with a forget-gate decay.
 
   .. math::
     o_i = \sum_{j \le i} \frac{e^{s_{ij} + D_{ij}}}{\sum_{l \le i} e^{s_{il} + D_{il}}} v_j,
     \qquad D_{ij} = \sum_{l=j+1}^{i} \log f_l
 
-  (Lin et al., ICLR 2025), computed by :func:`dot_product_attention` with
-  ``decay_bias=forget_gate_decay(log_f)``: a rank-1 structured bias, so the chunked and
-  Pallas paths never materialise ``D``.
+  (Z. Lin, E. Nikishin, X. O. He & A. Courville, "Forgetting Transformer: Softmax
+  Attention with a Forget Gate", ICLR 2025, arXiv 2503.02130), computed by
+  :func:`dot_product_attention` with ``decay_bias=forget_gate_decay(log_f)``: a rank-1
+  structured bias, so the chunked and Pallas paths never materialise ``D``.
 
-  ``prune_threshold`` turns on adaptive computation pruning (ACP): key blocks whose decay
-  is below the threshold for every pair are skipped (``decay_prune_threshold``). With the
-  threshold of :func:`acp_prune_threshold` (``log eps - 2U``, ``U`` a bound on ``|s_ij|``)
-  every skipped weight is below ``eps`` and each output moves by less than
-  ``2 S eps max|v|``; a very negative threshold prunes nothing.
+  ``prune_threshold`` turns on adaptive computation pruning (ACP; Z. Lin et al. 2025,
+  "Adaptive Computation Pruning for the Forgetting Transformer", arXiv 2504.06949): key
+  blocks whose decay is below the threshold for every pair are skipped
+  (``decay_prune_threshold``). With the threshold of :func:`acp_prune_threshold`
+  (``log eps - 2U``, ``U`` a bound on ``|s_ij|``) every skipped weight is below ``eps``
+  and each output moves by less than ``2 S eps max|v|``; a very negative threshold prunes
+  nothing.
 
   Args:
     q, k, v: ``[B, T, N, H]``, ``[B, T, K, H]``, ``[B, T, K, H]`` (self-attention: the
@@ -420,7 +434,9 @@ def forgetting_attention(q, k, v, log_f, *, prune_threshold=None, is_causal: boo
 
 def ssmax_attention(q, k, v, bias=None, mask=None, *, s=0.43, normalizer_params=None,
                     **kwargs):
-  r"""SSMax attention with a per-head ``s`` (CATALOGUE A09; Nakanishi 2025).
+  r"""SSMax attention with a per-head ``s`` (feature A09; K. M. Nakanishi 2025).
+
+  From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025, arXiv 2501.19399):
 
   .. math::
     \mathrm{SSMax}(z)_j = \frac{n^{s z_j}}{\sum_l n^{s z_l}}
@@ -446,7 +462,10 @@ def ssmax_attention(q, k, v, bias=None, mask=None, *, s=0.43, normalizer_params=
 
 def entmax_attention(q, k, v, bias=None, mask=None, *, alpha=1.5, normalizer_params=None,
                      **kwargs):
-  r"""alpha-entmax attention with a per-head ``alpha`` (CATALOGUE A10; Correia et al. 2019).
+  r"""alpha-entmax attention with a per-head ``alpha`` (feature A10; Correia et al. 2019).
+
+  From "Adaptively Sparse Transformers" (G. M. Correia, V. Niculae & A. F. T. Martins,
+  EMNLP 2019, arXiv 1909.00015):
 
   .. math::
     \alpha\text{-entmax}(z)_j = \big[(\alpha - 1) z_j - \tau\big]_+^{1/(\alpha-1)},
@@ -478,7 +497,11 @@ def entmax_attention(q, k, v, bias=None, mask=None, *, alpha=1.5, normalizer_par
 
 
 def sparsemax_attention(q, k, v, bias=None, mask=None, **kwargs):
-  r"""Sparsemax attention (CATALOGUE A10 at ``alpha = 2``; Martins & Astudillo 2016).
+  r"""Sparsemax attention (feature A10 at ``alpha = 2``; Martins & Astudillo 2016).
+
+  Sparsemax is from A. F. T. Martins & R. F. Astudillo, "From Softmax to Sparsemax: A
+  Sparse Model of Attention and Multi-Label Classification" (ICML 2016, arXiv
+  1602.02068):
 
   .. math:: \mathrm{sparsemax}(z) = \arg\min_{p \in \Delta} \lVert p - z \rVert^2
 
