@@ -346,7 +346,7 @@ def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causa
                           local_window_size=None, segment_ids=None, logits_soft_cap=None,
                           normalizer="softmax", normalizer_params=None, implementation=None,
                           decay_bias=None, decay_prune_threshold=None):
-  r"""Scaled dot-product attention with any normalizer (CATALOGUE A01, A02).
+  r"""Scaled dot-product attention with any normalizer (features A01, A02; docs/feature_ids.md).
 
   A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments, in the
   same positions, with the same meaning. For each batch b, head n and query i:
@@ -402,7 +402,7 @@ def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causa
       higher-order derivatives.
     decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
       is added to the scaled logits (before soft-capping), as in Forgetting attention
-      (FoX, CATALOGUE A08) where cq = ck = cumulative sums of log forget gates;
+      (FoX, feature A08) where cq = ck = cumulative sums of log forget gates;
       differentiable.
     decay_prune_threshold: optional float t < 0, only with ``decay_bias`` and used only by
       "xla_chunked": a (query block, key block) pair is skipped when
@@ -421,6 +421,38 @@ def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causa
     ValueError naming the argument for impossible shapes, dtypes or values; KeyError for
     an unknown normalizer name; NotImplementedError when no requested implementation can
     handle the call.
+
+  Example:
+    One query, three keys and one-hot values, so each output row is the query's
+    attention weights:
+
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.ones((1, 1, 1))                             # [T, N, H]: one query, one head
+    >>> k = jnp.array([1.0, 0.5, -1.0]).reshape(3, 1, 1)    # [S, K, H]: scores 1, 0.5, -1
+    >>> v = jnp.eye(3).reshape(3, 1, 3)                     # [S, K, Hv]: one-hot values
+    >>> js.attention.dot_product_attention(q, k, v, scale=1.0)[0, 0]
+    Array([0.5741, 0.3482, 0.0777], dtype=float32)
+    >>> js.attention.dot_product_attention(q, k, v, scale=1.0, normalizer="sparsemax")[0, 0]
+    Array([0.75, 0.25, 0.  ], dtype=float32)
+    >>> js.attention.dot_product_attention(
+    ...     q, k, v, scale=1.0, normalizer="entmax", normalizer_params={"alpha": 1.5})[0, 0]
+    Array([0.674, 0.326, 0.   ], dtype=float32)
+    >>> js.attention.dot_product_attention(  # a masked key gets exactly 0
+    ...     q, k, v, scale=1.0, mask=jnp.array([True, True, False]))[0, 0]
+    Array([0.6225, 0.3775, 0.    ], dtype=float32)
+
+    With softmax it matches :func:`jax.nn.dot_product_attention`, here on the blockwise
+    path:
+
+    >>> x = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))  # [B, T, N, H]
+    >>> out = js.attention.dot_product_attention(x, x, x, is_causal=True,
+    ...                                          implementation="xla_chunked")
+    >>> ref = jax.nn.dot_product_attention(x, x, x, is_causal=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+    ((2, 16, 4, 8), True)
   """
   order = _implementation_order(implementation)
   unbatched = jnp.ndim(q) == 3
