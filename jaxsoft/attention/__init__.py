@@ -1,9 +1,10 @@
 """Attention: one entry point for every normalizer and implementation.
 
-``dot_product_attention`` is a drop-in superset of ``jax.nn.dot_product_attention``
-(DESIGN.md §2); ``MaskStructure`` describes causal / window / length / segment masks
-without a T x S array (shared with the Pallas kernels); the variants of CATALOGUE
-A03-A10 (``_variants``) are built on the entry point.
+``dot_product_attention`` is a drop-in superset of ``jax.nn.dot_product_attention`` (the
+same arguments in the same positions, plus ``normalizer``, ``normalizer_params`` and more
+``implementation`` choices); ``MaskStructure`` describes causal / window / length /
+segment masks without a T x S array (shared with the Pallas kernels); the variants of
+features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point.
 """
 
 # ruff: noqa: F401, F403
