@@ -4,7 +4,8 @@ The only jaxsoft package that imports flax.
 
 * :class:`MultiHeadAttention` holds the learned parameters of the attention variants
   (per-head sinks, SSMax s, entmax alpha, temperatures, output gates, forget gates) as
-  ``nnx.Param`` in safe parameterisations (DESIGN.md §4).
+  ``nnx.Param`` in safe parameterisations: an unconstrained value mapped into the valid
+  range (e.g. ``alpha = 1 + softplus(z)``), never clipped.
 * :func:`attention_fn` plugs any normalizer into ``flax.nnx.MultiHeadAttention`` unchanged.
 * :func:`attention_weights` gives the dense weights ``[B, N, T, S]`` of a call.
 """

@@ -2,8 +2,9 @@
 
 The layer is ``flax.nnx.MultiHeadAttention``'s projections around
 :func:`jaxsoft.attention.dot_product_attention`, plus the learned parameters of the
-variants (CATALOGUE A03, A07-A10), each held as an ``nnx.Param`` in an unconstrained
-form and mapped into its valid range by construction (DESIGN.md §4), never clipped:
+variants (features A03, A07-A10; see docs/feature_ids.md), each held as an ``nnx.Param``
+in an unconstrained form and mapped into its valid range by construction, never clipped
+(so no optimizer step can leave the range):
 
 * ``sink=True``: a per-head sink logit (softmax_sink, A03), free;
 * ``learned=("s",)`` with ssmax: SSMax ``s = softplus(z)`` per head (A09);
