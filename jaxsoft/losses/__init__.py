@@ -1,4 +1,6 @@
-"""Softmax-based losses (CATALOGUE L01–L04), optax-compatible: one value per example.
+"""Softmax-based losses (features L01–L04), optax-compatible: one value per example.
+
+The feature ids and the papers behind each loss are listed in docs/feature_ids.md.
 
 Conventions shared by every loss: the result has ``logits``' shape without the class
 ``axis`` and ``logits``' dtype (bf16/fp16 are computed in float32); ``where`` is either a

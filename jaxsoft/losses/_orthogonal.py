@@ -16,9 +16,10 @@ _PARALLEL_ULPS = 32
 
 
 def orthogonal_gradient() -> optax.GradientTransformation:
-  r"""⊥Grad: drop the part of each update parallel to its parameter (CATALOGUE L04, 000#86).
+  r"""⊥Grad: drop the part of each update parallel to its parameter (feature L04).
 
-  Prieto et al. ("Grokking at the Edge of Numerical Stability", ICLR 2025) show that
+  L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal ("Grokking at the Edge of Numerical
+  Stability", ICLR 2025, arXiv 2501.04697) show that
   once the training data is fit, the gradient of a (near-)homogeneous model points along
   the weights themselves ("naive loss minimisation"): the logits grow, the predictions do
   not change, and float32 softmax eventually collapses. ⊥Grad removes that direction.
