@@ -19,10 +19,10 @@ def orthogonal_gradient() -> optax.GradientTransformation:
   r"""⊥Grad: drop the part of each update parallel to its parameter (feature L04).
 
   L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal ("Grokking at the Edge of Numerical
-  Stability", ICLR 2025, arXiv 2501.04697) show that
-  once the training data is fit, the gradient of a (near-)homogeneous model points along
-  the weights themselves ("naive loss minimisation"): the logits grow, the predictions do
-  not change, and float32 softmax eventually collapses. ⊥Grad removes that direction.
+  Stability", ICLR 2025, arXiv 2501.04697) show that once the training data is fit, the
+  gradient of a (near-)homogeneous model points along the weights themselves ("naive loss
+  minimisation"): the logits grow, the predictions do not change, and float32 softmax
+  eventually collapses. ⊥Grad removes that direction.
   For every parameter leaf :math:`\theta` (the whole tensor, flattened) and its incoming
   update :math:`g`:
 
