@@ -6,11 +6,12 @@ README.md`` replaces the text between the lines ``<!-- features:start -->`` and
 README holds exactly what :func:`feature_table` generates, so the table cannot drift from
 the code.
 
-Columns: catalogue id, registry name, kernel class (DESIGN.md §3), the implementations a
-user can call (normalizer: the dense function; attention: "xla" always, "xla_chunked" for
-a spec with a tile or threshold rule, "pallas" for a tile rule when ``kernels_pallas``
-provides the attention engine) and the status ("tested": every registered spec runs the
-generated suite of tests/normalizers/test_registry.py).
+Columns: feature id and kernel class (E/S/P/T/R/X; both explained in docs/feature_ids.md),
+registry name, the implementations a user can call (normalizer: the dense function;
+attention: "xla" always, "xla_chunked" for a spec with a tile or threshold rule, "pallas"
+for a tile rule when ``kernels_pallas`` provides the attention engine) and the status
+("tested": every registered spec runs the generated suite of
+tests/normalizers/test_registry.py).
 """
 
 from __future__ import annotations

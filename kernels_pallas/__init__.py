@@ -1,7 +1,10 @@
 """Pallas kernels for jaxsoft (imported lazily by ``implementation="pallas*"``).
 
-``attention`` is one blockwise attention engine for every normalizer of kernel class E, S
-or P (DESIGN.md §3), with a Triton (GPU) and a Mosaic TPU driver, forward and backward.
+``attention`` is one blockwise attention engine for every normalizer of kernel class E
+(running max and row sum carried across key blocks), S (row sum only) or P (nothing
+carried), with a Triton (GPU) and a Mosaic TPU driver, forward and backward. The classes
+are explained in kernels_pallas/README.md ("How the kernel is generated") and
+docs/feature_ids.md.
 """
 
 from kernels_pallas._api import BlockSizes, attention
