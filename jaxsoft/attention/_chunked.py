@@ -3,10 +3,9 @@
 The logits are never materialised for the whole problem: an outer loop runs over query
 blocks and an inner loop over the key blocks that block can see (the range comes from the
 mask structure, so causal, sliding-window, padding and segment structure skip whole
-blocks), carrying per query row only what the normalizer's kernel class needs
-(DESIGN.md §3):
+blocks), carrying per query row only what the normalizer's kernel class needs:
 
-* class E (softmax family): the running max m and sum ell, merged with the rescaling
+* class E (softmax family): the running max m and sum l, merged with the rescaling
   ``l <- l·e^{m - m'} + sum_j den(z_j, m')`` of FlashAttention;
 * class S: the running sum l (no stabiliser);
 * class P: nothing (``D = 1``);
@@ -14,27 +13,29 @@ blocks), carrying per query row only what the normalizer's kernel class needs
   multi-section search over key blocks (several candidate taus per pass, a fixed number
   of passes from the rule's iteration count), then a weighted pass.
 
-A custom_vjp recomputes each tile in the backward pass (memory O(B·N·T·H); the only
-T x S-sized arrays are the caller's own ``bias``/``mask`` and their gradient). Tile
-gradients use the TileRule formula: with dP_j = dO·v_j and Δ = dO·O,
-``dL/dnum_j = dP_j / D`` and ``dL/dden_j = -Δ / D``; the elementwise maps (score map,
-numerator, denominator, offset) are differentiated with ``jax.vjp`` at fixed m, which
-also yields the gradients of array hyperparameters (per-head temperature, alpha, s,
-sink logit, ...). Class T adds the implicit-function term of tau:
+The per-tile math of classes E/S/P is ``jaxsoft.normalizers._tile`` (shared with the
+Pallas engine and ``jaxsoft.testing``); this module only moves blocks. A custom_vjp
+recomputes each tile in the backward pass (memory O(B·N·T·H); the only T x S-sized
+arrays are the caller's own ``bias``/``mask`` and their gradient): ``_tile.tile_vjp``
+gives the cotangent of a tile's logits and of the array hyperparameters (per-head
+temperature, alpha, s, sink logit, ...), and one shared step carries it to dq, dk, dv,
+the bias and the decay hook. Class T adds the implicit-function term of tau:
 ``dz_j = w'_j (dP_j - Δ)/W - (g_tau / M_tau)·mass'_j`` with
 ``g_tau = sum_k d_tau weight_k (dP_k - Δ)/W`` and ``M_tau = sum_k d_tau mass_k``.
 
 Internally everything is float32 (float64 for float64 inputs); q is pre-multiplied by the
 scale (so ``scale`` and its gradient are handled by ordinary autodiff outside the
-custom_vjp) and GQA keeps one copy
-of K/V: q is viewed as [B, K, G, T, H] and each key block serves the G query heads of its
-group in one batched matmul.
+custom_vjp) and GQA keeps one copy of K/V: q is viewed as [B, K, G, T, H] and each key
+block serves the G query heads of its group in one batched matmul. Forgetting attention's
+decay ``cq_i - ck_j`` enters through :class:`_RowColumnBias`, an additive pre-cap bias
+hook with its own tile and gradient.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -43,6 +44,7 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._common import compute_dtype
 from jaxsoft.normalizers._spec import NormalizerSpec
 
@@ -56,6 +58,9 @@ BLOCK_K = 512
 # a factor THRESHOLD_CANDIDATES + 1 (2 bits per pass for 3), so a rule's ``iterations``
 # bisection steps take ceil(iterations / 2) passes over the key blocks.
 THRESHOLD_CANDIDATES = 3
+
+
+# ------------------------------------------------------------------------------ arrays
 
 
 def _round_up(x: int, m: int) -> int:
@@ -79,6 +84,14 @@ def _slice(a, start, size: int, axis: int):
   return lax.dynamic_slice_in_dim(a, start, size, axis)
 
 
+def _accumulate(buf, upd, start, axis: int):
+  """``buf[..., start:start + size, ...] += upd`` along ``axis`` (plain += if size 1)."""
+  if buf.shape[axis] == 1:
+    return buf + upd
+  cur = lax.dynamic_slice_in_dim(buf, start, upd.shape[axis], axis)
+  return lax.dynamic_update_slice_in_dim(buf, cur + upd, start, axis)
+
+
 def _heads5(a, N: int, K: int, G: int):
   """A 4-D [b, n, t, s] array broadcastable to [B, N, T, S] -> 5-D [b, k, g, t, s]."""
   b, n, t, s = a.shape
@@ -91,214 +104,7 @@ def _reduce_to(x, shape):
   """Sums ``x`` over the axes where ``shape`` broadcasts (size 1)."""
   axes = tuple(i for i, (have, want) in enumerate(zip(x.shape, shape, strict=True))
                if want == 1 and have != 1)
-  if axes:
-    x = jnp.sum(x, axis=axes, keepdims=True)
-  return x
-
-
-def _set_block(buf, upd, start, axis: int):
-  """``buf[..., start:start + size, ...] += upd`` along ``axis`` (or plain += if size 1)."""
-  if buf.shape[axis] == 1:
-    return buf + upd
-  cur = lax.dynamic_slice_in_dim(buf, start, upd.shape[axis], axis)
-  return lax.dynamic_update_slice_in_dim(buf, cur + upd, start, axis)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Config:
-  """Static description of one chunked call."""
-
-  kind: str  # "E", "S", "P" or "T"
-  dtype: Any  # the compute dtype (float32; float64 for float64 inputs)
-  rule: Any  # TileRule or ThresholdRule
-  static_hp: tuple  # ((name, python value), ...)
-  cap: float | None
-  bq: int
-  bk: int
-  nq: int
-  nk: int
-  T: int
-  S: int
-  has_bias: bool
-  has_mask: bool
-  has_decay: bool
-  has_prune: bool
-  may_skip_mask: bool  # tiles fully inside the structure need no masking
-
-
-# ------------------------------------------------------------------------------- tiles
-
-
-class _Tiles:
-  """Per-block slicing and per-tile logits (shared by every pass)."""
-
-  def __init__(self, cfg: _Config, d: dict, aux: dict):
-    self.cfg, self.d, self.aux = cfg, d, aux
-
-  def q_block(self, qi):
-    cfg, d, aux = self.cfg, self.d, self.aux
-    start = qi * cfg.bq
-    st: MaskStructure = aux["structure"]
-    qb = {
-        "start": start,
-        "q": lax.dynamic_slice_in_dim(d["q"], start, cfg.bq, 3),
-        "n": _slice(aux["counts"], start, cfg.bq, 3),
-        "hp": {name: _slice(a, start, cfg.bq, 3) for name, a in d["hp"].items()},
-        "q_pos": start + jnp.arange(cfg.bq, dtype=jnp.int32),
-    }
-    if cfg.has_decay:
-      qb["cq"] = lax.dynamic_slice_in_dim(d["cq"], start, cfg.bq, 3)
-    if cfg.has_bias:
-      qb["bias"] = _slice(d["bias"], start, cfg.bq, 3)
-    if cfg.has_mask:
-      qb["mask"] = _slice(aux["mask"], start, cfg.bq, 3)
-    if st.has_segments:
-      qb["q_seg"] = lax.dynamic_slice_in_dim(aux["q_seg"], start, cfg.bq, 1)
-    return qb
-
-  def static_hp(self):
-    """Hyperparameters that get no gradient: Python values and integer arrays."""
-    return {**dict(self.cfg.static_hp), **self.aux["hp_int"]}
-
-  def hp(self, qb):
-    return {**self.static_hp(), **qb["hp"]}
-
-  def logits(self, qb, kj, masked: bool):
-    """(pre-cap logits, logits, visibility or None, k block, v block) of tile (qb, kj)."""
-    cfg, d, aux = self.cfg, self.d, self.aux
-    ks = kj * cfg.bk
-    k_blk = lax.dynamic_slice_in_dim(d["k"], ks, cfg.bk, 2)
-    v_blk = lax.dynamic_slice_in_dim(d["v"], ks, cfg.bk, 2)
-    s = jnp.einsum("bkgqh,bksh->bkgqs", qb["q"], k_blk, preferred_element_type=cfg.dtype)
-    if cfg.has_decay:
-      ck = lax.dynamic_slice_in_dim(d["ck"], ks, cfg.bk, 3)
-      s = s + (qb["cq"][..., :, None] - ck[..., None, :])
-    x = s
-    if cfg.cap is not None:
-      x = cfg.cap * jnp.tanh(s / cfg.cap)
-    if cfg.has_bias:
-      x = x + _slice(qb["bias"], ks, cfg.bk, 4)
-    vis = None
-    if masked:
-      st: MaskStructure = aux["structure"]
-      k_pos = ks + jnp.arange(cfg.bk, dtype=jnp.int32)
-      kv_seg = (lax.dynamic_slice_in_dim(aux["kv_seg"], ks, cfg.bk, 1)
-                if st.has_segments else None)
-      vis = st.tile_visible(qb["q_pos"], k_pos, qb.get("q_seg"), kv_seg)[:, :, None]
-      if cfg.has_mask:
-        vis = vis & _slice(qb["mask"], ks, cfg.bk, 4)
-      if cfg.has_bias:
-        vis = vis & (x > -jnp.inf)
-    return s, x, vis, k_blk, v_blk
-
-  def loop(self, qi, step, init):
-    """Runs ``step(kj, carry, masked)`` over the key blocks query block ``qi`` can see."""
-    cfg, aux = self.cfg, self.aux
-    st: MaskStructure = aux["structure"]
-
-    def body(kj, carry):
-      def run(c):
-        if not cfg.may_skip_mask:
-          return step(kj, c, True)
-        full = st.tile_is_full(qi * cfg.bq, cfg.bq, kj * cfg.bk, cfg.bk)
-        return lax.cond(full, lambda c: step(kj, c, False), lambda c: step(kj, c, True), c)
-
-      if cfg.has_prune:
-        return lax.cond(aux["prune"][qi, kj], lambda c: c, run, carry)
-      return run(carry)
-
-    return lax.fori_loop(aux["kb_lo"][qi], aux["kb_hi"][qi], body, init)
-
-
-def _where(vis, a, b):
-  return a if vis is None else jnp.where(vis, a, b)
-
-
-# ---------------------------------------------------------------------- class E / S / P
-
-
-def _esp_maps(cfg: _Config, x, vis, m, n, hp):
-  """(numerator, denominator) of a tile at fixed stabiliser m; 0 at masked entries."""
-  rule = cfg.rule
-  xs = _where(vis, x, 0.0)
-  z = rule.score_map(xs, n, **hp)
-  # masked entries get z = m (a finite value near the row's scale) so that no inf/NaN
-  # arises there even in the unselected branch of the gradient
-  z = _where(vis, z, m)
-  num = _where(vis, rule.numerator(z, m, **hp), 0.0)
-  if cfg.kind == "P":
-    return num, None
-  den_fn = rule.denominator if rule.denominator is not None else rule.numerator
-  den = num if den_fn is rule.numerator else _where(vis, den_fn(z, m, **hp), 0.0)
-  return num, den
-
-
-def _offset(cfg: _Config, m, n, hp):
-  if cfg.kind == "P" or cfg.rule.offset is None:
-    return None
-  return cfg.rule.offset(m, n, **hp)
-
-
-def _uses_max(cfg: _Config) -> bool:
-  return cfg.kind == "E" and cfg.rule.uses_max
-
-
-def _fwd_esp(cfg: _Config, d: dict, aux: dict):
-  tiles = _Tiles(cfg, d, aux)
-  B, K, G = d["q"].shape[:3]
-  Hv = d["v"].shape[-1]
-  row = (B, K, G, cfg.bq, 1)
-
-  def q_block(qi):
-    qb = tiles.q_block(qi)
-    hp = tiles.hp(qb)
-    n = qb["n"]
-
-    def step(kj, carry, masked):
-      m, ell, acc = carry
-      _, x, vis, _, v_blk = tiles.logits(qb, kj, masked)
-      if _uses_max(cfg):
-        z = cfg.rule.score_map(_where(vis, x, 0.0), n, **hp)
-        m_new = jnp.maximum(m, jnp.max(_where(vis, z, -jnp.inf), axis=-1, keepdims=True))
-        floor = getattr(cfg.rule, "m_floor", None)
-        if floor is not None:
-          # the rule's stabiliser floor (e^{-m} terms must not overflow); -inf stays -inf
-          m_new = jnp.where(m_new == -jnp.inf, m_new, jnp.maximum(m_new, floor))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        alpha = jnp.exp(jnp.where(m == -jnp.inf, -jnp.inf, m - m_use))
-      else:
-        m_new = m_use = m
-        alpha = None
-      num, den = _esp_maps(cfg, x, vis, m_use, n, hp)
-      pv = jnp.einsum("bkgqs,bksh->bkgqh", num, v_blk, preferred_element_type=cfg.dtype)
-      if alpha is not None:
-        acc = acc * alpha + pv
-        ell = ell * alpha + jnp.sum(den, axis=-1, keepdims=True)
-      else:
-        acc = acc + pv
-        if den is not None:
-          ell = ell + jnp.sum(den, axis=-1, keepdims=True)
-      return m_new, ell, acc
-
-    m0 = jnp.full(row, -jnp.inf if _uses_max(cfg) else 0.0, cfg.dtype)
-    init = (m0, jnp.zeros(row, cfg.dtype), jnp.zeros(row[:-1] + (Hv,), cfg.dtype))
-    m, ell, acc = tiles.loop(qi, step, init)
-    m = jnp.where(m == -jnp.inf, 0.0, m)
-    if cfg.kind == "P":
-      D = jnp.ones_like(ell)
-    else:
-      off = _offset(cfg, m, n, hp)
-      D = ell if off is None else ell + off
-    out = _safe_div(acc, D)
-    return out, m, D
-
-  out, m, D = lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32))
-  return _unblock(out), _unblock(m), _unblock(D)
-
-
-def _safe_div(num, den):
-  ok = den != 0
-  return jnp.where(ok, num / jnp.where(ok, den, 1.0), 0.0)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
 def _unblock(a):
@@ -307,172 +113,222 @@ def _unblock(a):
   return jnp.moveaxis(a, 0, 3).reshape(B, K, G, nq * bq, X)
 
 
-def _bwd_esp(cfg: _Config, d: dict, aux: dict, res: dict, dout):
-  tiles = _Tiles(cfg, d, aux)
-  out, m_all, D_all = res["out"], res["m"], res["D"]
-  delta_all = jnp.sum(dout * out, axis=-1, keepdims=True)
-
-  def q_block(carry, qi):
-    dk, dv, dck, dbias, dhp = carry
-    qb = tiles.q_block(qi)
-    start = qb["start"]
-    hp_static = tiles.static_hp()
-    n = qb["n"]
-    m = lax.dynamic_slice_in_dim(m_all, start, cfg.bq, 3)
-    D = lax.dynamic_slice_in_dim(D_all, start, cfg.bq, 3)
-    do = lax.dynamic_slice_in_dim(dout, start, cfg.bq, 3)
-    delta = lax.dynamic_slice_in_dim(delta_all, start, cfg.bq, 3)
-    inv_d = _safe_div(jnp.ones_like(D), D)
-    hp_arr = qb["hp"]
-    same_den = cfg.kind != "P" and cfg.rule.denominator in (None, cfg.rule.numerator)
-
-    def step(kj, c, masked):
-      dq, dcq, dk, dv, dck, dbias, dhp_b = c
-      ks = kj * cfg.bk
-      s, x, vis, k_blk, v_blk = tiles.logits(qb, kj, masked)
-
-      def maps(x, hpa):
-        return _esp_maps(cfg, x, vis, m, n, {**hp_static, **hpa})
-
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v_blk)
-      if cfg.kind == "P":
-        num, vjp1 = jax.vjp(lambda x, hpa: maps(x, hpa)[0], x, hp_arr)
-        dx, dhp_t = vjp1(dp)
-        w = num
-      elif same_den:
-        # numerator == denominator: one cotangent (dP - Δ)/D
-        num, vjp1 = jax.vjp(lambda x, hpa: maps(x, hpa)[0], x, hp_arr)
-        dx, dhp_t = vjp1((dp - delta) * inv_d)
-        w = num * inv_d
-      else:
-        (num, den), vjp2 = jax.vjp(maps, x, hp_arr)
-        dx, dhp_t = vjp2((dp * inv_d, jnp.broadcast_to(-delta * inv_d, den.shape)))
-        w = num * inv_d
-      dv_t = jnp.einsum("bkgqs,bkgqh->bksh", w, do)
-      dv = _set_block(dv, dv_t, ks, 2)
-      if cfg.has_bias:
-        dbias = _add_bias_grad(cfg, dbias, dx, start, ks)
-      if cfg.cap is not None:
-        t = jnp.tanh(s / cfg.cap)
-        dx = dx * (1.0 - t * t)
-      if cfg.has_decay:
-        dcq = dcq + jnp.sum(dx, axis=-1)
-        dck = _set_block(dck, -jnp.sum(dx, axis=-2), ks, 3)
-      dq = dq + jnp.einsum("bkgqs,bksh->bkgqh", dx, k_blk)
-      dk = _set_block(dk, jnp.einsum("bkgqs,bkgqh->bksh", dx, qb["q"]), ks, 2)
-      dhp_b = jax.tree.map(jnp.add, dhp_b, dhp_t)
-      return dq, dcq, dk, dv, dck, dbias, dhp_b
-
-    dq0 = jnp.zeros_like(qb["q"])
-    dcq0 = jnp.zeros_like(qb["cq"]) if cfg.has_decay else jnp.zeros(())
-    dhp0 = jax.tree.map(jnp.zeros_like, hp_arr)
-    dq, dcq, dk, dv, dck, dbias, dhp_b = tiles.loop(
-        qi, step, (dq0, dcq0, dk, dv, dck, dbias, dhp0))
-    # the offset's hyperparameters (e.g. a learned sink logit): dL/dD = -Δ/D
-    if cfg.kind != "P" and cfg.rule.offset is not None and hp_arr:
-      _, vjp_off = jax.vjp(lambda hpa: cfg.rule.offset(m, n, **{**hp_static, **hpa}), hp_arr)
-      (dhp_off,) = vjp_off(jnp.broadcast_to(-delta * inv_d, m.shape))
-      dhp_b = jax.tree.map(jnp.add, dhp_b, dhp_off)
-    dhp = _add_hp_grad(dhp, dhp_b, start)
-    return (dk, dv, dck, dbias, dhp), (dq, dcq)
-
-  return _bwd_driver(cfg, d, q_block)
+def _pytree(cls):
+  """A frozen dataclass whose fields are all pytree children."""
+  return jax.tree_util.register_dataclass(
+      cls, data_fields=[f.name for f in dataclasses.fields(cls)], meta_fields=[])
 
 
-def _add_bias_grad(cfg, dbias, dx, qs, ks):
-  """Accumulates a tile's logit gradient into the bias gradient (broadcast dims summed)."""
-  b, k, g, t, s = dbias.shape
-  upd = _reduce_to(dx, (b, k, g, 1 if t == 1 else dx.shape[3], 1 if s == 1 else dx.shape[4]))
-  if t != 1 and s != 1:
-    zero = jnp.zeros((), jnp.int32)
-    idx = (zero, zero, zero, jnp.asarray(qs, jnp.int32), jnp.asarray(ks, jnp.int32))
-    cur = lax.dynamic_slice(dbias, idx, upd.shape)
-    return lax.dynamic_update_slice(dbias, cur + upd, idx)
-  if t != 1:
-    return _set_block(dbias, upd, qs, 3)
-  if s != 1:
-    return _set_block(dbias, upd, ks, 4)
-  return dbias + upd
+# ------------------------------------------------------------------------ call layout
 
 
-def _add_hp_grad(dhp, dhp_b, start):
-  """Adds a query block's hyperparameter gradients (reduced to each parameter's shape)."""
-  new = {}
-  for name, g in dhp_b.items():
-    full = dhp[name]
-    new[name] = _set_block(full, g, start, 3)
-  return new
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class _RowColumnBias:
+  """An additive pre-cap logit bias ``cq[i] - ck[j]`` (Forgetting attention's decay).
+
+  ``cq`` [B, K, G, Tp] and ``ck`` [B, K, G, Sp]; its tile is an outer difference, and its
+  gradient the row and (negated) column sums of the logits' cotangent.
+  """
+
+  cq: Any
+  ck: Any
+
+  def tile(self, q_start, bq: int, k_start, bk: int):
+    cq = lax.dynamic_slice_in_dim(self.cq, q_start, bq, 3)
+    ck = lax.dynamic_slice_in_dim(self.ck, k_start, bk, 3)
+    return cq[..., :, None] - ck[..., None, :]
 
 
-def _bwd_driver(cfg: _Config, d: dict, q_block):
-  dk0 = jnp.zeros_like(d["k"])
-  dv0 = jnp.zeros_like(d["v"])
-  dck0 = jnp.zeros_like(d["ck"]) if cfg.has_decay else jnp.zeros(())
-  dbias0 = jnp.zeros_like(d["bias"]) if cfg.has_bias else jnp.zeros(())
-  dhp0 = jax.tree.map(jnp.zeros_like, d["hp"])
-  (dk, dv, dck, dbias, dhp), (dq, dcq) = lax.scan(
-      q_block, (dk0, dv0, dck0, dbias0, dhp0), jnp.arange(cfg.nq, dtype=jnp.int32))
-  grads = {"q": _unblock(dq), "k": dk, "v": dv, "hp": dhp,
-           "bias": dbias if cfg.has_bias else None}
-  if cfg.has_decay:
-    nq, B, K, G, bq = dcq.shape
-    grads["cq"] = jnp.moveaxis(dcq, 0, 3).reshape(B, K, G, nq * bq)
-    grads["ck"] = dck
-  else:
-    grads["cq"] = grads["ck"] = None
-  return grads
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+  """The differentiable inputs: q (scaled, [B, K, G, Tp, H]), k and v ([B, K, Sp, H]),
+  the bias ([b, k, g, t, s] broadcastable) or None, the decay hook or None, and the float
+  array hyperparameters ([b, k, g, t, 1])."""
+
+  q: Any
+  k: Any
+  v: Any
+  bias: Any
+  decay: _RowColumnBias | None
+  hp: dict
 
 
-# ----------------------------------------------------------------------------- class T
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class _Aux:
+  """What the passes read but never differentiate."""
+
+  structure: MaskStructure
+  mask: Any  # bool [b, k, g, t, s] or None
+  q_seg: Any  # int32 [B, Tp] or None
+  kv_seg: Any  # int32 [B, Sp] or None
+  counts: Any  # visible keys per row, [B|1, 1, 1, Tp, 1], at least 1
+  kb_lo: Any  # per query block the first key block to visit, int32 [nq]
+  kb_hi: Any  # ... and one past the last
+  prune: Any  # bool [nq, nk] (FoX block pruning) or None
+  hp_int: dict  # integer array hyperparameters (no gradient)
 
 
-def _t_maps(cfg: _Config, x, vis, tau, m, n, hp):
-  """(weight, mass) of a tile at a fixed threshold tau; 0 at masked entries."""
-  rule = cfg.rule
-  z = rule.score_map(_where(vis, x, 0.0), n, **hp)
-  z = _where(vis, z, m)
-  weight = _where(vis, rule.weight(z, tau, m, **hp), 0.0)
-  mass = _where(vis, rule.mass(z, tau, **hp), 0.0)
-  return weight, mass
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+  """Everything static about one chunked call."""
+
+  kind: str  # "E", "S", "P" or "T"
+  rule: Any  # TileRule or ThresholdRule
+  dtype: Any  # the compute dtype (float32; float64 for float64 inputs)
+  static_hp: tuple  # ((name, python value), ...)
+  cap: float | None
+  bq: int
+  bk: int
+  nq: int
+  may_skip_mask: bool  # tiles fully inside the structure need no masking
+
+  def row(self, q: Any) -> tuple[int, ...]:
+    """The shape of a per-row statistic of one query block."""
+    B, K, G = q.shape[:3]
+    return (B, K, G, self.bq, 1)
 
 
-def _t_search(cfg: _Config, tiles: _Tiles, qi, qb, hp, n):
-  """Row max m and threshold tau of query block qi (no gradient)."""
-  rule = cfg.rule
-  B, K, G = tiles.d["q"].shape[:3]
-  row = (B, K, G, cfg.bq, 1)
+@dataclasses.dataclass(frozen=True)
+class _QueryBlock:
+  """One query block's slices (inside the traced loop)."""
 
-  def max_step(kj, m, masked):
-    _, x, vis, _, _ = tiles.logits(qb, kj, masked)
-    z = rule.score_map(_where(vis, x, 0.0), n, **hp)
-    return jnp.maximum(m, jnp.max(_where(vis, z, -jnp.inf), axis=-1, keepdims=True))
+  start: Any
+  q: Any  # [B, K, G, bq, H]
+  n: Any  # visible keys per row
+  hp: dict  # float array hyperparameters, sliced
+  hp_static: dict  # Python values and integer arrays
+  q_pos: Any
+  q_seg: Any
+  bias: Any
+  mask: Any
 
-  m = tiles.loop(qi, max_step, jnp.full(row, -jnp.inf, cfg.dtype))
+  @property
+  def params(self) -> dict:
+    return {**self.hp_static, **self.hp}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tile:
+  """One (query block, key block) tile: logits before and after cap and bias."""
+
+  k_start: Any
+  s: Any  # q·k (+ decay), before the soft cap
+  x: Any  # the logits the normalizer sees
+  vis: Any  # bool visibility, or None when every entry is visible
+  k: Any
+  v: Any
+
+
+def _query_block(plan: _Plan, inp: _Inputs, aux: _Aux, qi) -> _QueryBlock:
+  start = qi * plan.bq
+  q_seg = None
+  if aux.q_seg is not None:
+    q_seg = lax.dynamic_slice_in_dim(aux.q_seg, start, plan.bq, 1)
+  return _QueryBlock(
+      start=start,
+      q=lax.dynamic_slice_in_dim(inp.q, start, plan.bq, 3),
+      n=_slice(aux.counts, start, plan.bq, 3),
+      hp={name: _slice(a, start, plan.bq, 3) for name, a in inp.hp.items()},
+      hp_static={**dict(plan.static_hp), **aux.hp_int},
+      q_pos=start + jnp.arange(plan.bq, dtype=jnp.int32),
+      q_seg=q_seg,
+      bias=_slice(inp.bias, start, plan.bq, 3),
+      mask=_slice(aux.mask, start, plan.bq, 3))
+
+
+def _visibility(plan: _Plan, aux: _Aux, qb: _QueryBlock, ks, x=None):
+  """Visibility of the tile at key offset ``ks``: structure, dense mask, ``-inf`` logits."""
+  k_pos = ks + jnp.arange(plan.bk, dtype=jnp.int32)
+  kv_seg = None
+  if aux.kv_seg is not None:
+    kv_seg = lax.dynamic_slice_in_dim(aux.kv_seg, ks, plan.bk, 1)
+  vis = aux.structure.tile_visible(qb.q_pos, k_pos, qb.q_seg, kv_seg)[:, :, None]
+  if qb.mask is not None:
+    vis = vis & _slice(qb.mask, ks, plan.bk, 4)
+  if x is not None:
+    vis = vis & (x > -jnp.inf)
+  return vis
+
+
+def _tile(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, kj, masked: bool) -> _Tile:
+  ks = kj * plan.bk
+  k_blk = lax.dynamic_slice_in_dim(inp.k, ks, plan.bk, 2)
+  v_blk = lax.dynamic_slice_in_dim(inp.v, ks, plan.bk, 2)
+  s = jnp.einsum("bkgqh,bksh->bkgqs", qb.q, k_blk, preferred_element_type=plan.dtype)
+  if inp.decay is not None:
+    s = s + inp.decay.tile(qb.start, plan.bq, ks, plan.bk)
+  x = s if plan.cap is None else plan.cap * jnp.tanh(s / plan.cap)
+  if qb.bias is not None:
+    x = x + _slice(qb.bias, ks, plan.bk, 4)
+  vis = None
+  if masked:
+    vis = _visibility(plan, aux, qb, ks, x if qb.bias is not None else None)
+  return _Tile(k_start=ks, s=s, x=x, vis=vis, k=k_blk, v=v_blk)
+
+
+def _over_key_blocks(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi,
+                     step: Callable, init):
+  """Runs ``carry = step(tile, carry)`` over the key blocks query block ``qi`` can see.
+
+  Tiles that lie fully inside the structure skip the masking; pruned pairs (FoX) are not
+  visited.
+  """
+
+  def body(kj, carry):
+    def run(c):
+      if not plan.may_skip_mask:
+        return step(_tile(plan, inp, aux, qb, kj, True), c)
+      full = aux.structure.tile_is_full(qi * plan.bq, plan.bq, kj * plan.bk, plan.bk)
+      return lax.cond(full, lambda c: step(_tile(plan, inp, aux, qb, kj, False), c),
+                      lambda c: step(_tile(plan, inp, aux, qb, kj, True), c), c)
+
+    if aux.prune is not None:
+      return lax.cond(aux.prune[qi, kj], lambda c: c, run, carry)
+    return run(carry)
+
+  return lax.fori_loop(aux.kb_lo[qi], aux.kb_hi[qi], body, init)
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
+  """Class T: the row max m and the threshold tau of one query block (no gradient)."""
+  rule, hp, n = plan.rule, qb.params, qb.n
+  row = plan.row(inp.q)
+
+  def max_step(t: _Tile, m):
+    z = rule.score_map(jnp.where(t.vis, t.x, 0.0) if t.vis is not None else t.x, n, **hp)
+    return tile.running_max(z, t.vis, m)
+
+  m = _over_key_blocks(plan, inp, aux, qb, qi, max_step, jnp.full(row, -jnp.inf, plan.dtype))
   m = jnp.where(m == -jnp.inf, 0.0, m)
   lo, hi = rule.bracket(m, n, **hp)
-  lo = jnp.broadcast_to(jnp.asarray(lo, cfg.dtype), row)
-  hi = jnp.broadcast_to(jnp.asarray(hi, cfg.dtype), row)
-  target = jnp.broadcast_to(jnp.asarray(rule.target(n, **hp), cfg.dtype), row)
+  lo = jnp.broadcast_to(jnp.asarray(lo, plan.dtype), row)
+  hi = jnp.broadcast_to(jnp.asarray(hi, plan.dtype), row)
+  target = jnp.broadcast_to(jnp.asarray(rule.target(n, **hp), plan.dtype), row)
   C = THRESHOLD_CANDIDATES
   passes = max(1, math.ceil(rule.iterations / math.log2(C + 1)))
-  fracs = jnp.arange(1, C + 1, dtype=cfg.dtype) / (C + 1)
+  fracs = jnp.arange(1, C + 1, dtype=plan.dtype) / (C + 1)
+  # the candidates are a trailing axis: row hyperparameter arrays get one too
+  hp_c = {k: (v[..., None] if isinstance(v, jax.Array) and v.ndim else v) for k, v in hp.items()}
 
   def search_pass(_, bracket):
     lo, hi = bracket
     taus = lo[..., None] + (hi - lo)[..., None] * fracs  # [..., 1, C]
 
-    def mass_step(kj, acc, masked):
-      _, x, vis, _, _ = tiles.logits(qb, kj, masked)
-      z = rule.score_map(_where(vis, x, 0.0), n, **hp)
-      z = _where(vis, z, m)
-      hpc = {k: (v[..., None] if isinstance(v, jax.Array) and v.ndim else v)
-             for k, v in hp.items()}
-      mass = rule.mass(z[..., None], taus, **hpc)  # [..., bk, C]
-      if vis is not None:
-        mass = jnp.where(vis[..., None], mass, 0.0)
+    def mass_step(t: _Tile, acc):
+      z = tile.scores(rule, t.x, t.vis, m, n, hp)
+      mass = rule.mass(z[..., None], taus, **hp_c)  # [..., bk, C]
+      if t.vis is not None:
+        mass = jnp.where(t.vis[..., None], mass, 0.0)
       return acc + jnp.sum(mass, axis=-2)[..., None, :]
 
-    total = tiles.loop(qi, mass_step, jnp.zeros(row + (C,), cfg.dtype))
+    total = _over_key_blocks(plan, inp, aux, qb, qi, mass_step,
+                             jnp.zeros(row + (C,), plan.dtype))
     ok = total >= target[..., None]  # mass non-increasing in tau: True up to the root
     # new lo: the largest candidate with enough mass; new hi: the smallest without
     new_lo = jnp.max(jnp.where(ok, taus, lo[..., None]), axis=-1)
@@ -490,142 +346,228 @@ def _t_search(cfg: _Config, tiles: _Tiles, qi, qb, hp, n):
   return m_w, lax.stop_gradient(lo)
 
 
-def _fwd_t(cfg: _Config, d: dict, aux: dict):
-  tiles = _Tiles(cfg, d, aux)
-  B, K, G = d["q"].shape[:3]
-  Hv = d["v"].shape[-1]
-  row = (B, K, G, cfg.bq, 1)
+def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
+  """Returns the residuals ``(out, m, D, tau)``, each [B, K, G, Tp, ·] (tau: class T)."""
+  rule = plan.rule
+  row = plan.row(inp.q)
+  Hv = inp.v.shape[-1]
 
   def q_block(qi):
-    qb = tiles.q_block(qi)
-    hp = tiles.hp(qb)
-    n = qb["n"]
-    m, tau = _t_search(cfg, tiles, qi, qb, hp, n)
+    qb = _query_block(plan, inp, aux, qi)
+    hp, n = qb.params, qb.n
+    if plan.kind == "T":
+      m0, tau = _threshold_search(plan, inp, aux, qb, qi)
 
-    def step(kj, carry, masked):
-      ell, acc = carry
-      _, x, vis, _, v_blk = tiles.logits(qb, kj, masked)
-      w, _ = _t_maps(cfg, x, vis, tau, m, n, hp)
-      acc = acc + jnp.einsum("bkgqs,bksh->bkgqh", w, v_blk)
-      return ell + jnp.sum(w, axis=-1, keepdims=True), acc
+      def update(t: _Tile, m, l):  # a class-P pass with the weights at tau, and their sum
+        w, _ = tile.threshold_maps(rule, t.x, t.vis, tau, m, n, hp)
+        return m, l + jnp.sum(w, axis=-1, keepdims=True), w, None
 
-    ell, acc = tiles.loop(qi, step, (jnp.zeros(row, cfg.dtype),
-                                   jnp.zeros(row[:-1] + (Hv,), cfg.dtype)))
-    return _safe_div(acc, ell), m, ell, tau
+      l0 = jnp.zeros(row, plan.dtype)
+    else:
+      tau = jnp.zeros(row, plan.dtype)
+      m0, l0 = tile.init_rows(rule, row, plan.dtype)
 
-  out, m, W, tau = lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32))
-  return _unblock(out), _unblock(m), _unblock(W), _unblock(tau)
+      def update(t: _Tile, m, l):
+        return tile.online_update(rule, t.x, t.vis, m, l, n, hp)
+
+    def step(t: _Tile, carry):
+      m, l, acc = carry
+      m, l, num, alpha = update(t, m, l)
+      pv = jnp.einsum("bkgqs,bksh->bkgqh", num, t.v, preferred_element_type=plan.dtype)
+      return m, l, tile.rescale(acc, alpha) + pv
+
+    acc0 = jnp.zeros(row[:-1] + (Hv,), plan.dtype)
+    m, l, acc = _over_key_blocks(plan, inp, aux, qb, qi, step, (m0, l0, acc0))
+    if plan.kind == "T":
+      d = l
+      out = acc * tile.safe_inverse(d)
+    else:
+      m, d = tile.finalize(rule, m, l, n, hp)
+      out = tile.normalize(rule, acc, d)
+    return out, m, d, tau
+
+  return tuple(_unblock(a) for a in lax.map(q_block, jnp.arange(plan.nq, dtype=jnp.int32)))
 
 
-def _bwd_t(cfg: _Config, d: dict, aux: dict, res: dict, dout):
-  tiles = _Tiles(cfg, d, aux)
-  rule = cfg.rule
-  out, m_all, W_all, tau_all = res["out"], res["m"], res["D"], res["tau"]
+# ---------------------------------------------------------------------------- backward
+
+
+def _threshold_coefficient(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi,
+                           m, tau, inv_w, do, delta):
+  """Class T: dL/dtau / (dF/dtau), F = sum mass - target (one pass over key blocks).
+
+  ``g_tau = sum_k d_tau weight_k (dP_k - Δ)/W`` and ``M_tau = sum_k d_tau mass_k``.
+  """
+  hp, n = qb.params, qb.n
+
+  def step(t: _Tile, c):
+    g, mt = c
+    _, (dw, dm) = jax.jvp(lambda tau_: tile.threshold_maps(plan.rule, t.x, t.vis, tau_, m, n, hp),
+                          (tau,), (jnp.ones_like(tau),))
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+    g = g + jnp.sum(dw * (dp - delta), axis=-1, keepdims=True) * inv_w
+    return g, mt + jnp.sum(dm, axis=-1, keepdims=True)
+
+  zero = jnp.zeros(plan.row(inp.q), plan.dtype)
+  g_tau, m_tau = _over_key_blocks(plan, inp, aux, qb, qi, step, (zero, zero))
+  return g_tau * tile.safe_inverse(m_tau)
+
+
+def _tile_gradient(plan: _Plan, qb: _QueryBlock, m, d, delta, tau=None, coef=None):
+  """``(t, dP) -> (w, dx, dhp)``: the tile's weights and the cotangents of its logits and
+  of the float array hyperparameters (the normalizer's part of the backward pass)."""
+  rule, n = plan.rule, qb.n
+  if plan.kind != "T":
+    return lambda t, dp: tile.tile_vjp(rule, t.x, t.vis, m, d, delta, dp, n, qb.hp_static,
+                                       qb.hp)
+  inv_w = tile.safe_inverse(d)
+
+  def threshold_gradient(t: _Tile, dp):
+    (w, mass), vjp = jax.vjp(
+        lambda x, arrays: tile.threshold_maps(rule, x, t.vis, tau, m, n,
+                                              {**qb.hp_static, **arrays}), t.x, qb.hp)
+    cot_mass = jnp.broadcast_to(-coef, mass.shape)
+    if t.vis is not None:
+      cot_mass = jnp.where(t.vis, cot_mass, 0.0)
+    dx, dhp = vjp(((dp - delta) * inv_w, cot_mass))
+    return w * inv_w, dx, dhp
+
+  return threshold_gradient
+
+
+def _row_gradient(plan: _Plan, inp: _Inputs, qb: _QueryBlock, m, d, delta, coef=None):
+  """The hyperparameter cotangents that enter per row, not per tile (or None): class
+  E/S's offset (``dL/dD = -Δ/D``) and class T's target (``+coef``)."""
+  if not qb.hp:
+    return None
+  if plan.kind != "T":
+    return tile.offset_vjp(plan.rule, m, d, delta, qb.n, qb.hp_static, qb.hp)
+  row = plan.row(inp.q)
+
+  def target(arrays):
+    value = plan.rule.target(qb.n, **{**qb.hp_static, **arrays})
+    return jnp.broadcast_to(jnp.asarray(value, plan.dtype), row)
+
+  _, vjp = jax.vjp(target, qb.hp)
+  return vjp(coef)[0]
+
+
+def _add_bias_grad(dbias, dx, qs, ks):
+  """Accumulates a tile's logit gradient into the bias gradient (broadcast dims summed)."""
+  b, k, g, t, s = dbias.shape
+  upd = _reduce_to(dx, (b, k, g, 1 if t == 1 else dx.shape[3], 1 if s == 1 else dx.shape[4]))
+  if t != 1 and s != 1:
+    zero = jnp.zeros((), jnp.int32)
+    idx = (zero, zero, zero, jnp.asarray(qs, jnp.int32), jnp.asarray(ks, jnp.int32))
+    cur = lax.dynamic_slice(dbias, idx, upd.shape)
+    return lax.dynamic_update_slice(dbias, cur + upd, idx)
+  if t != 1:
+    return _accumulate(dbias, upd, qs, 3)
+  if s != 1:
+    return _accumulate(dbias, upd, ks, 4)
+  return dbias + upd
+
+
+@_pytree
+@dataclasses.dataclass(frozen=True)
+class _BlockGrads:
+  """The gradients one query block's key loop accumulates."""
+
+  dq: Any  # [B, K, G, bq, H]
+  dcq: Any  # the decay hook's row part [B, K, G, bq], or None
+  dk: Any  # whole arrays from here on
+  dv: Any
+  dck: Any
+  dbias: Any
+  dhp: dict  # per query block: [b, k, g, bq|1, 1]
+
+
+def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, do, g: _BlockGrads):
+  """From a tile's weights and logit cotangent to every input's gradient (all classes)."""
+  ks = t.k_start
+  dv = _accumulate(g.dv, jnp.einsum("bkgqs,bkgqh->bksh", w, do), ks, 2)
+  dbias = g.dbias if qb.bias is None else _add_bias_grad(g.dbias, dx, qb.start, ks)
+  ds = dx
+  if plan.cap is not None:
+    th = jnp.tanh(t.s / plan.cap)
+    ds = ds * (1.0 - th * th)
+  dcq, dck = g.dcq, g.dck
+  if dcq is not None:  # the decay hook: d(cq_i - ck_j)
+    dcq = dcq + jnp.sum(ds, axis=-1)
+    dck = _accumulate(dck, -jnp.sum(ds, axis=-2), ks, 3)
+  dq = g.dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, t.k)
+  dk = _accumulate(g.dk, jnp.einsum("bkgqs,bkgqh->bksh", ds, qb.q), ks, 2)
+  return dataclasses.replace(g, dq=dq, dcq=dcq, dk=dk, dv=dv, dck=dck, dbias=dbias)
+
+
+def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
+  out, m_all, d_all, tau_all = res
   delta_all = jnp.sum(dout * out, axis=-1, keepdims=True)
-  B, K, G = d["q"].shape[:3]
-  row = (B, K, G, cfg.bq, 1)
 
-  def q_block(carry, qi):
-    dk, dv, dck, dbias, dhp = carry
-    qb = tiles.q_block(qi)
-    start = qb["start"]
-    hp_static = tiles.static_hp()
-    hp_arr = qb["hp"]
-    hp = {**hp_static, **hp_arr}
-    n = qb["n"]
-    sl = lambda a: lax.dynamic_slice_in_dim(a, start, cfg.bq, 3)  # noqa: E731
-    m, W, tau, do, delta = sl(m_all), sl(W_all), sl(tau_all), sl(dout), sl(delta_all)
-    inv_w = _safe_div(jnp.ones_like(W), W)
+  def q_block(carry: _BlockGrads, qi):
+    qb = _query_block(plan, inp, aux, qi)
 
-    # pass 1: g_tau = sum_k d_tau weight_k (dP_k - Δ)/W and M_tau = sum_k d_tau mass_k
-    def tau_step(kj, c, masked):
-      g, mt = c
-      _, x, vis, _, v_blk = tiles.logits(qb, kj, masked)
-      (_, _), (dw, dm) = jax.jvp(lambda t: _t_maps(cfg, x, vis, t, m, n, hp), (tau,),
-                                 (jnp.ones_like(tau),))
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v_blk)
-      g = g + jnp.sum(dw * (dp - delta), axis=-1, keepdims=True) * inv_w
-      return g, mt + jnp.sum(dm, axis=-1, keepdims=True)
+    def rows(a):
+      return lax.dynamic_slice_in_dim(a, qb.start, plan.bq, 3)
 
-    zero = jnp.zeros(row, cfg.dtype)
-    g_tau, m_tau = tiles.loop(qi, tau_step, (zero, zero))
-    coef = _safe_div(g_tau, m_tau)  # dL/dtau / (dF/dtau): the implicit-function factor
+    m, d, tau, do, delta = (rows(a) for a in (m_all, d_all, tau_all, dout, delta_all))
+    coef = None
+    if plan.kind == "T":
+      coef = _threshold_coefficient(plan, inp, aux, qb, qi, m, tau, tile.safe_inverse(d), do,
+                                    delta)
+    tile_gradient = _tile_gradient(plan, qb, m, d, delta, tau, coef)
 
-    # pass 2: the gradients of logits (and hyperparameters), tau held by the implicit term
-    def step(kj, c, masked):
-      dq, dcq, dk, dv, dck, dbias, dhp_b = c
-      ks = kj * cfg.bk
-      s, x, vis, k_blk, v_blk = tiles.logits(qb, kj, masked)
-      (w, mass), vjp = jax.vjp(
-          lambda x, hpa: _t_maps(cfg, x, vis, tau, m, n, {**hp_static, **hpa}), x, hp_arr)
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do, v_blk)
-      cot_mass = -coef * jnp.ones_like(mass)
-      if vis is not None:
-        cot_mass = jnp.where(vis, cot_mass, 0.0)
-      dx, dhp_t = vjp(((dp - delta) * inv_w, cot_mass))
-      dv = _set_block(dv, jnp.einsum("bkgqs,bkgqh->bksh", w * inv_w, do), ks, 2)
-      if cfg.has_bias:
-        dbias = _add_bias_grad(cfg, dbias, dx, start, ks)
-      if cfg.cap is not None:
-        t = jnp.tanh(s / cfg.cap)
-        dx = dx * (1.0 - t * t)
-      if cfg.has_decay:
-        dcq = dcq + jnp.sum(dx, axis=-1)
-        dck = _set_block(dck, -jnp.sum(dx, axis=-2), ks, 3)
-      dq = dq + jnp.einsum("bkgqs,bksh->bkgqh", dx, k_blk)
-      dk = _set_block(dk, jnp.einsum("bkgqs,bkgqh->bksh", dx, qb["q"]), ks, 2)
-      dhp_b = jax.tree.map(jnp.add, dhp_b, dhp_t)
-      return dq, dcq, dk, dv, dck, dbias, dhp_b
+    def step(t: _Tile, g: _BlockGrads):
+      dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+      w, dx, dhp = tile_gradient(t, dp)
+      g = _backprop_tile(plan, qb, t, w, dx, do, g)
+      return dataclasses.replace(g, dhp=jax.tree.map(jnp.add, g.dhp, dhp))
 
-    dq0 = jnp.zeros_like(qb["q"])
-    dcq0 = jnp.zeros_like(qb["cq"]) if cfg.has_decay else jnp.zeros(())
-    dhp0 = jax.tree.map(jnp.zeros_like, hp_arr)
-    dq, dcq, dk, dv, dck, dbias, dhp_b = tiles.loop(
-        qi, step, (dq0, dcq0, dk, dv, dck, dbias, dhp0))
-    if hp_arr:
-      # F = sum mass - target(n): the target's hyperparameters enter with +coef
-      _, vjp_t = jax.vjp(
-          lambda hpa: jnp.broadcast_to(
-              jnp.asarray(rule.target(n, **{**hp_static, **hpa}), cfg.dtype), row), hp_arr)
-      (dhp_tgt,) = vjp_t(coef)
-      dhp_b = jax.tree.map(jnp.add, dhp_b, dhp_tgt)
-    dhp = _add_hp_grad(dhp, dhp_b, start)
-    return (dk, dv, dck, dbias, dhp), (dq, dcq)
+    g = dataclasses.replace(
+        carry, dq=jnp.zeros_like(qb.q), dhp=jax.tree.map(jnp.zeros_like, qb.hp),
+        dcq=None if inp.decay is None else jnp.zeros(qb.q.shape[:-1], plan.dtype))
+    g = _over_key_blocks(plan, inp, aux, qb, qi, step, g)
+    dhp = g.dhp
+    d_row = _row_gradient(plan, inp, qb, m, d, delta, coef)
+    if d_row is not None:
+      dhp = jax.tree.map(jnp.add, dhp, d_row)
+    full_dhp = {name: _accumulate(carry.dhp[name], x, qb.start, 3) for name, x in dhp.items()}
+    carry = dataclasses.replace(g, dq=None, dcq=None, dhp=full_dhp)
+    return carry, (g.dq, g.dcq)
 
-  return _bwd_driver(cfg, d, q_block)
+  def zeros(a):
+    return None if a is None else jnp.zeros_like(a)
+
+  init = _BlockGrads(dq=None, dcq=None, dk=zeros(inp.k), dv=zeros(inp.v),
+                     dck=None if inp.decay is None else zeros(inp.decay.ck),
+                     dbias=zeros(inp.bias), dhp=jax.tree.map(jnp.zeros_like, inp.hp))
+  g, (dq, dcq) = lax.scan(q_block, init, jnp.arange(plan.nq, dtype=jnp.int32))
+  decay = None
+  if inp.decay is not None:
+    decay = _RowColumnBias(cq=_unblock(dcq[..., None])[..., 0], ck=g.dck)
+  return _Inputs(q=_unblock(dq), k=g.dk, v=g.dv, bias=g.dbias, decay=decay, hp=g.dhp)
 
 
-# ------------------------------------------------------------------------------ driver
-
-
-def _make_attend(cfg: _Config):
-  fwd_fn = _fwd_t if cfg.kind == "T" else _fwd_esp
-  bwd_fn = _bwd_t if cfg.kind == "T" else _bwd_esp
-
-  def forward(d, aux):
-    outs = fwd_fn(cfg, d, aux)
-    res = {"out": outs[0], "m": outs[1], "D": outs[2]}
-    if cfg.kind == "T":
-      res["tau"] = outs[3]
-    return res
+def _attend(plan: _Plan):
+  """``attend(inputs, aux) -> out [B, K, G, Tp, Hv]`` with the recomputing custom VJP."""
 
   @jax.custom_vjp
-  def attend(d, aux):
-    return forward(d, aux)["out"]
+  def attend(inp: _Inputs, aux: _Aux):
+    return _forward(plan, inp, aux)[0]
 
-  def attend_fwd(d, aux):
-    res = forward(d, aux)
-    return res["out"], (d, aux, res)
+  def attend_fwd(inp, aux):
+    res = _forward(plan, inp, aux)
+    return res[0], (inp, aux, res)
 
   def attend_bwd(saved, dout):
-    d, aux, res = saved
-    grads = bwd_fn(cfg, d, aux, res, dout)
-    dd = {name: grads[name] if d.get(name) is not None else None for name in d}
-    dd["hp"] = grads["hp"]
-    return dd, None
+    inp, aux, res = saved
+    return _backward(plan, inp, aux, res, dout), None
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
+
+
+# ---------------------------------------------------------------------------- the call
 
 
 def _params_5d(value, N: int, K: int, G: int, T: int, Tp: int, dtype):
@@ -648,40 +590,43 @@ def _block_prune_table(cq5, ck5, bq: int, bk: int, threshold: float):
   return jnp.max(bound, axis=(0, 1, 2)) < threshold
 
 
-def _dense_counts(cfg: _Config, d: dict, aux: dict):
+def _dense_counts(plan: _Plan, inp: _Inputs, aux: _Aux):
   """Visible keys per row including the dense mask and -inf bias (a pass over key blocks).
 
   Only used for length-dependent normalizers with a dense ``mask`` or a ``bias``: these
   can hide keys the structure cannot describe. No matmul: only the mask/bias tiles.
   """
-  st: MaskStructure = aux["structure"]
-  B, K, G = d["q"].shape[:3]
+  shape = plan.row(inp.q)[:-1] + (plan.bk,)
 
   def q_block(qi):
-    start = qi * cfg.bq
-    q_pos = start + jnp.arange(cfg.bq, dtype=jnp.int32)
-    q_seg = (lax.dynamic_slice_in_dim(aux["q_seg"], start, cfg.bq, 1)
-             if st.has_segments else None)
-    mask_rows = _slice(aux.get("mask"), start, cfg.bq, 3)
-    bias_rows = _slice(d.get("bias"), start, cfg.bq, 3)
+    qb = _query_block(plan, inp, aux, qi)
 
     def body(kj, cnt):
-      ks = kj * cfg.bk
-      k_pos = ks + jnp.arange(cfg.bk, dtype=jnp.int32)
-      kv_seg = (lax.dynamic_slice_in_dim(aux["kv_seg"], ks, cfg.bk, 1)
-                if st.has_segments else None)
-      vis = st.tile_visible(q_pos, k_pos, q_seg, kv_seg)[:, :, None]
-      if mask_rows is not None:
-        vis = vis & _slice(mask_rows, ks, cfg.bk, 4)
-      if bias_rows is not None:
-        vis = vis & (_slice(bias_rows, ks, cfg.bk, 4) > -jnp.inf)
-      vis = jnp.broadcast_to(vis, (B, K, G, cfg.bq, cfg.bk))
-      return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(cfg.dtype)
+      ks = kj * plan.bk
+      bias = None if qb.bias is None else _slice(qb.bias, ks, plan.bk, 4)
+      vis = jnp.broadcast_to(_visibility(plan, aux, qb, ks, bias), shape)
+      return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(plan.dtype)
 
-    return lax.fori_loop(aux["kb_lo"][qi], aux["kb_hi"][qi], body,
-                         jnp.zeros((B, K, G, cfg.bq, 1), cfg.dtype))
+    return lax.fori_loop(aux.kb_lo[qi], aux.kb_hi[qi], body,
+                         jnp.zeros(plan.row(inp.q), plan.dtype))
 
-  return _unblock(lax.map(q_block, jnp.arange(cfg.nq, dtype=jnp.int32)))
+  return _unblock(lax.map(q_block, jnp.arange(plan.nq, dtype=jnp.int32)))
+
+
+def _blockwise_rule(spec) -> tuple[str, Any]:
+  """(kernel class, rule) of a spec the chunked path can run; NotImplementedError else."""
+  if not isinstance(spec, NormalizerSpec):
+    raise NotImplementedError(
+        "xla_chunked needs a registered normalizer with a tile or threshold rule, got a plain "
+        "callable")
+  if spec.needs_key:
+    raise NotImplementedError(f"xla_chunked does not support stochastic normalizers ({spec.name})")
+  rule = spec.tile if spec.kernel_class in ("E", "S", "P") else spec.threshold
+  if rule is None:
+    raise NotImplementedError(
+        f"xla_chunked has no blockwise rule for normalizer {spec.name!r} (kernel class "
+        f"{spec.kernel_class}); use implementation='xla'")
+  return spec.kernel_class, rule
 
 
 def chunked_attention(call, block_q: int | None = None, block_k: int | None = None):
@@ -692,35 +637,17 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   "xla").
   """
   spec = call.spec
-  if not isinstance(spec, NormalizerSpec):
-    raise NotImplementedError(
-        "xla_chunked needs a registered normalizer with a tile or threshold rule, got a plain "
-        "callable")
-  if spec.needs_key:
-    raise NotImplementedError(f"xla_chunked does not support stochastic normalizers ({spec.name})")
-  kind = spec.kernel_class
-  if kind in ("E", "S", "P"):
-    rule = spec.tile
-  elif kind == "T":
-    rule = spec.threshold
-  else:
-    rule = None
-  if rule is None:
-    raise NotImplementedError(
-        f"xla_chunked has no blockwise rule for normalizer {spec.name!r} (kernel class "
-        f"{kind}); use implementation='xla'")
-
+  kind, rule = _blockwise_rule(spec)
   q, k, v = call.q, call.k, call.v
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]
   G = N // K
-  Hv = v.shape[-1]
   block_q = block_q or BLOCK_Q
   block_k = block_k or BLOCK_K
   bq = T if T <= block_q else block_q
   bk = S if S <= block_k else block_k
   Tp, Sp = _round_up(T, bq), _round_up(S, bk)
-  nq, nk = Tp // bq, Sp // bk
+  nq = Tp // bq
 
   cdt = compute_dtype(q.dtype)  # float32, or float64 for float64 inputs
   # differentiable inputs in the compute dtype, GQA view of q with the scale folded in
@@ -728,67 +655,52 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   qs = _pad_axis(jnp.transpose(qs, (0, 2, 3, 1, 4)), 3, Tp)
   k4 = _pad_axis(jnp.transpose(k.astype(cdt), (0, 2, 1, 3)), 2, Sp)
   v4 = _pad_axis(jnp.transpose(v.astype(cdt), (0, 2, 1, 3)), 2, Sp)
-  d = {"q": qs, "k": k4, "v": v4}
-  has_bias = call.bias is not None
-  if has_bias:
-    b5 = _heads5(call.bias.astype(cdt), N, K, G)
-    if T != 1:
-      b5 = _pad_axis(b5, 3, Tp)
-    if S != 1:
-      b5 = _pad_axis(b5, 4, Sp)
-    d["bias"] = b5
-  has_decay = call.decay_bias is not None
-  if has_decay:
+  bias = None
+  if call.bias is not None:
+    bias = _heads5(call.bias.astype(cdt), N, K, G)
+    bias = _pad_axis(_pad_axis(bias, 3, Tp), 4, Sp)
+  decay = None
+  if call.decay_bias is not None:
     cq, ck = call.decay_bias
-    d["cq"] = _pad_axis(jnp.transpose(cq, (0, 2, 1)).reshape(B, K, G, T), 3, Tp, mode="edge")
-    d["ck"] = _pad_axis(jnp.transpose(ck, (0, 2, 1)).reshape(B, K, G, S), 3, Sp, mode="edge")
-  params = {**spec.defaults, **call.params}
+    decay = _RowColumnBias(
+        cq=_pad_axis(jnp.transpose(cq, (0, 2, 1)).reshape(B, K, G, T), 3, Tp, mode="edge"),
+        ck=_pad_axis(jnp.transpose(ck, (0, 2, 1)).reshape(B, K, G, S), 3, Sp, mode="edge"))
   static_hp, hp, hp_int = [], {}, {}
-  for name, value in params.items():
+  for name, value in {**spec.defaults, **call.params}.items():
     if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype, jnp.floating):
       hp[name] = _params_5d(value, N, K, G, T, Tp, cdt)
     elif isinstance(value, (jax.Array, np.ndarray)):
       hp_int[name] = jnp.asarray(value)  # integer arrays: not differentiable
     else:
       static_hp.append((name, value))
-  d["hp"] = hp
+  inp = _Inputs(q=qs, k=k4, v=v4, bias=bias, decay=decay, hp=hp)
 
-  # non-differentiable inputs
   st = call.structure
-  aux = {"structure": st, "hp_int": hp_int}
-  has_mask = call.mask is not None
-  if has_mask:
-    m5 = _heads5(call.mask, N, K, G)
-    if T != 1:
-      m5 = _pad_axis(m5, 3, Tp, value=False)
-    if S != 1:
-      m5 = _pad_axis(m5, 4, Sp, value=False)
-    aux["mask"] = m5
-  if st.has_segments:
-    aux["q_seg"] = _pad_axis(st.q_segment_ids, 1, Tp, mode="edge")
-    aux["kv_seg"] = _pad_axis(st.kv_segment_ids, 1, Sp, mode="edge")
+  mask = None
+  if call.mask is not None:
+    mask = _heads5(call.mask, N, K, G)
+    mask = _pad_axis(_pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
   kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk)
-  aux["kb_lo"], aux["kb_hi"] = kb_lo, kb_hi
-  has_prune = call.decay_prune_threshold is not None
-  if has_prune:
-    aux["prune"] = _block_prune_table(d["cq"], d["ck"], bq, bk, call.decay_prune_threshold)
-
-  cfg = _Config(
-      kind=kind, dtype=cdt, rule=rule, static_hp=tuple(static_hp), cap=call.logits_soft_cap, bq=bq,
-      bk=bk, nq=nq, nk=nk, T=T, S=S, has_bias=has_bias, has_mask=has_mask,
-      has_decay=has_decay, has_prune=has_prune,
-      may_skip_mask=not (has_bias or has_mask or st.has_segments))
-
-  counts = st.visible_counts()  # [B|1, T]
-  counts = _pad_axis(counts, 1, Tp, value=0.0)
-  counts = counts.reshape(counts.shape[0], 1, 1, Tp, 1)
-  if spec.length_dependent and (has_bias or has_mask):
-    dd = {**d, "bias": lax.stop_gradient(d["bias"])} if has_bias else d
-    counts = _dense_counts(cfg, dd, aux)
+  prune = None
+  if call.decay_prune_threshold is not None:
+    prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)
+  counts = _pad_axis(st.visible_counts(), 1, Tp, value=0.0)  # [B|1, Tp]
+  aux = _Aux(
+      structure=st, mask=mask,
+      q_seg=_pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,
+      kv_seg=_pad_axis(st.kv_segment_ids, 1, Sp, mode="edge") if st.has_segments else None,
+      counts=counts.reshape(counts.shape[0], 1, 1, Tp, 1), kb_lo=kb_lo, kb_hi=kb_hi,
+      prune=prune, hp_int=hp_int)
+  plan = _Plan(kind=kind, rule=rule, dtype=cdt, static_hp=tuple(static_hp),
+               cap=call.logits_soft_cap, bq=bq, bk=bk, nq=nq,
+               may_skip_mask=not (bias is not None or mask is not None or st.has_segments))
+  if spec.length_dependent and (bias is not None or mask is not None):
+    no_grad = dataclasses.replace(inp, bias=None if bias is None else lax.stop_gradient(bias))
+    aux = dataclasses.replace(aux, counts=_dense_counts(plan, no_grad, aux))
   # n >= 1 inside the tile maps: a row with n = 0 has no visible entry, and log(0)-style
   # length terms must not create NaN in masked branches
-  aux["counts"] = jnp.maximum(counts, 1.0)
+  aux = dataclasses.replace(aux, counts=jnp.maximum(aux.counts, 1.0))
 
-  out = _make_attend(cfg)(d, aux)  # [B, K, G, Tp, Hv]
-  out = jnp.transpose(out[:, :, :, :T], (0, 3, 1, 2, 4)).reshape(B, T, N, Hv)
+  out = _attend(plan)(inp, aux)  # [B, K, G, Tp, Hv]
+  out = jnp.transpose(out[:, :, :, :T], (0, 3, 1, 2, 4)).reshape(B, T, N, v.shape[-1])
   return out.astype(q.dtype)
