@@ -41,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.normalizers._common import safe_divide
 from jaxsoft.normalizers._spec import ThresholdRule, TileRule
 
 __all__ = [
@@ -67,8 +68,7 @@ def _where(mask, a, b):
 
 def safe_inverse(d):
   """``1 / d`` where ``d != 0``, else 0 (a row with nothing visible gets zero weights)."""
-  ok = d != 0
-  return jnp.where(ok, 1.0 / jnp.where(ok, d, jnp.ones_like(d)), jnp.zeros_like(d))
+  return safe_divide(jnp.ones_like(d), d)
 
 
 def scores(rule: TileRule | ThresholdRule, x, mask, m, length, hp: Params):
