@@ -21,6 +21,11 @@ __all__ = [
     "safe_divide",
     "row_param",
     "finish",
+    "to_last",
+    "from_last",
+    "map_row_blocks",
+    "decouple",
+    "passes_until_done",
 ]
 
 
@@ -118,3 +123,78 @@ def row_param(value, x_shape, axis: int, name: str, fn_name: str, dtype=jnp.floa
 def finish(w, mask, dtype):
   """Exact zeros at masked entries, then the input dtype."""
   return jnp.where(mask, w, jnp.zeros_like(w)).astype(dtype)
+
+
+# --- threshold solves over the last axis (class T) ------------------------------------------
+
+
+def to_last(a, axis: int):
+  """``a`` with ``axis`` moved last (no-op when it already is)."""
+  return a if axis == a.ndim - 1 else jnp.moveaxis(a, axis, -1)
+
+
+def from_last(a, axis: int):
+  """Inverse of :func:`to_last`."""
+  return a if axis == a.ndim - 1 else jnp.moveaxis(a, -1, axis)
+
+
+# Rows are solved in blocks of about this many entries (256 KiB of float32), so the few
+# passes each threshold solve makes over a block run from cache instead of memory: about
+# 3x less time on CPU than passes over the whole [rows, n] array.
+BLOCK_ENTRIES = 1 << 16
+
+
+def map_row_blocks(fn, ym, *row_args):
+  """``fn(ym_block, *row_arg_blocks) -> [rows, 1]`` applied over blocks of rows of ``ym``.
+
+  ``row_args`` broadcast to ``ym.shape[:-1] + (1,)``; padding rows are fully masked
+  (``-inf``), which every threshold solver handles.
+  """
+  lead, n = ym.shape[:-1], ym.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  if rows == 0 or n == 0:
+    return jnp.zeros(lead + (1,), ym.dtype)
+  per = max(1, min(rows, BLOCK_ENTRIES // max(n, 1)))
+  nblocks = -(-rows // per)
+  pad = nblocks * per - rows
+  shape1 = lead + (1,)
+  flat = [ym.reshape(rows, n)] + [jnp.broadcast_to(a, shape1).reshape(rows, 1) for a in row_args]
+  fill = [-jnp.inf] + [1.0] * len(row_args)
+  blocks = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=v).reshape(nblocks, per, -1)
+            for a, v in zip(flat, fill, strict=True)]
+  if nblocks == 1:
+    out = fn(*[b[0] for b in blocks])[None]
+  else:
+    out = jax.lax.map(lambda bs: fn(*bs), tuple(blocks))
+  return out.reshape(nblocks * per, 1)[:rows].reshape(shape1)
+
+
+def decouple(t, s):
+  """``t`` made to depend on the reduction ``s`` without changing its value.
+
+  XLA:CPU fuses sibling row reductions of one array into a multi-output loop that it does
+  not vectorise (about 5x slower than two separate reductions); a data dependency of the
+  second reduction on the first keeps them apart.
+  """
+  return t + 0.0 * s
+
+
+def passes_until_done(step, init, n_max: int):
+  """Row-wise fixed-point passes: ``step(*state) -> (new_state, now_done)`` until every row is done.
+
+  ``init`` is a tuple of ``[rows..., 1]`` arrays. A row's state stops changing once a pass
+  reports it done (the pass that does still writes its ``new_state``); the loop ends when
+  every row is done or after ``n_max`` passes. Returns the final state tuple.
+  """
+  def cond(carry):
+    i, _, done = carry
+    return jnp.logical_and(i < n_max, ~jnp.all(done))
+
+  def body(carry):
+    i, state, done = carry
+    new, now_done = step(*state)
+    state = tuple(jnp.where(done, a, b) for a, b in zip(state, new, strict=True))
+    return i + 1, state, jnp.logical_or(done, now_done)
+
+  carry = (jnp.asarray(0), tuple(init), jnp.zeros(init[0].shape, bool))
+  return jax.lax.while_loop(cond, body, carry)[1]

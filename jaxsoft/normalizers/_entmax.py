@@ -24,10 +24,6 @@ __all__ = ["entmax15", "entmax", "learned_alpha"]
 _ALPHA = Param("alpha", 1.5, low=1.0, low_open=True, sample=1.25, row_broadcast=True)
 _N_ITER = Param("n_iter", None, low=1, sample=40)
 
-_to_last = _sparsemax._to_last
-_from_last = _sparsemax._from_last
-_decouple = _sparsemax._decouple
-
 
 # --- 1.5-entmax: exact ----------------------------------------------------------------------
 
@@ -49,40 +45,29 @@ def entmax15_threshold(ym):
   Returns:
     tau of shape ``ym.shape[:-1] + (1,)`` (0 for rows with no visible entry).
   """
-  shape = ym.shape[:-1] + (1,)
-  n_max = ym.shape[-1] + 2
-
-  def cond(state):
-    i, _, _, done = state
-    return jnp.logical_and(i < n_max, ~jnp.all(done))
-
-  def body(state):
-    i, t, tau, done = state
+  def step(t, tau):
     s1 = jnp.sum(jnp.maximum(ym - t, 0.0), axis=-1, keepdims=True)
-    d = jnp.maximum(ym - _decouple(t, s1), 0.0)
+    d = jnp.maximum(ym - c.decouple(t, s1), 0.0)
     s2 = jnp.sum(d * d, axis=-1, keepdims=True)
     # d <= 1 (y <= 0, t >= -1), so ceil(d) is the support indicator.
-    d = jnp.maximum(ym - _decouple(t, s2), 0.0)
+    d = jnp.maximum(ym - c.decouple(t, s2), 0.0)
     cnt = jnp.sum(jnp.ceil(jnp.minimum(d, 1.0)), axis=-1, keepdims=True)
     f = s2 - 1.0
-    den = s1 + jnp.sqrt(jnp.maximum(s1 * s1 - cnt * f, 0.0))
-    cand = t + jnp.where(den > 0, f / jnp.where(den > 0, den, 1.0), 0.0)
+    den = s1 + jnp.sqrt(jnp.maximum(s1 * s1 - cnt * f, 0.0))  # >= 0
+    cand = t + c.safe_divide(f, den)
     cnt_cand = jnp.sum(ym > cand, axis=-1, keepdims=True, dtype=ym.dtype)
     now_done = jnp.logical_or(cnt_cand == cnt, cnt == 0)
-    newton = t + jnp.where(s1 > 0, f / (2.0 * jnp.where(s1 > 0, s1, 1.0)), 0.0)
-    t_new = jnp.maximum(t, newton)  # monotone by construction, whatever the rounding
-    tau = jnp.where(done, tau, jnp.where(cnt > 0, cand, 0.0))
-    return i + 1, jnp.where(done | now_done, t, t_new), tau, done | now_done
+    t_new = jnp.maximum(t, t + c.safe_divide(f, 2.0 * s1))  # Newton, monotone whatever the rounding
+    return (jnp.where(now_done, t, t_new), jnp.where(cnt > 0, cand, 0.0)), now_done
 
-  minus_one = jnp.full(shape, -1.0, ym.dtype)
-  state = (jnp.asarray(0), minus_one, minus_one, jnp.zeros(shape, bool))
-  return jax.lax.while_loop(cond, body, state)[2]
+  minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  return c.passes_until_done(step, (minus_one, minus_one), ym.shape[-1] + 2)[1]
 
 
 @jax.custom_jvp
 def _entmax15_last(x, mask):
   ym = jnp.where(mask, (x - c.masked_max(x, mask, -1)) * 0.5, -jnp.inf)
-  d = jnp.maximum(ym - _sparsemax.map_row_blocks(entmax15_threshold, ym), 0.0)
+  d = jnp.maximum(ym - c.map_row_blocks(entmax15_threshold, ym), 0.0)
   return d * d
 
 
@@ -125,7 +110,7 @@ def entmax15(x, axis: int = -1, where=None):
     row with no visible entry is all zeros, with zero gradient.
   """
   xs, mask, axis = c.prepare(x, axis, where, "entmax15")
-  p = _from_last(_entmax15_last(_to_last(xs, axis), _to_last(mask, axis)), axis)
+  p = c.from_last(_entmax15_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
   return c.finish(p, mask, jnp.asarray(x).dtype)
 
 
@@ -171,7 +156,7 @@ def _entmax_bisect_forward(x, mask, alpha, n_iter, q):
     tau = entmax_bisect_threshold(ym, am1, n, n_iter)
   else:
     solve = lambda y, k: entmax_bisect_threshold(y, am1, k, n_iter, q)  # noqa: E731
-    tau = _sparsemax.map_row_blocks(solve, ym, n)
+    tau = c.map_row_blocks(solve, ym, n)
   p = _power(jnp.maximum(ym - tau, 0.0), 1.0 / am1 if q is None else q)
   return c.safe_divide(p, jnp.sum(p, axis=-1, keepdims=True))
 
@@ -271,9 +256,9 @@ def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   if n_iter is None:
     n_iter = 60 if xs.dtype == jnp.float64 else 30
   a = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
-  a = _to_last(a, axis) if a.ndim else a
-  p = _entmax_bisect_last(_to_last(xs, axis), _to_last(mask, axis), a, int(n_iter), q)
-  return c.finish(_from_last(p, axis), mask, jnp.asarray(x).dtype)
+  a = c.to_last(a, axis) if a.ndim else a
+  p = _entmax_bisect_last(c.to_last(xs, axis), c.to_last(mask, axis), a, int(n_iter), q)
+  return c.finish(c.from_last(p, axis), mask, jnp.asarray(x).dtype)
 
 
 def learned_alpha(z, min_gap: float = 1e-3):

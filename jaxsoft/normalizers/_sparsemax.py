@@ -12,61 +12,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, identity_score_map, register
 
 __all__ = ["sparsemax"]
-
-
-def _to_last(a, axis: int):
-  return a if axis == a.ndim - 1 else jnp.moveaxis(a, axis, -1)
-
-
-def _from_last(a, axis: int):
-  return a if axis == a.ndim - 1 else jnp.moveaxis(a, -1, axis)
-
-
-# Rows are solved in blocks of about this many entries (256 KiB of float32), so the few
-# passes each threshold solve makes over a block run from cache instead of memory: about
-# 3x less time on CPU than passes over the whole [rows, n] array.
-BLOCK_ENTRIES = 1 << 16
-
-
-def map_row_blocks(fn, ym, *row_args):
-  """``fn(ym_block, *row_arg_blocks) -> [rows, 1]`` applied over blocks of rows of ``ym``.
-
-  ``row_args`` broadcast to ``ym.shape[:-1] + (1,)``; padding rows are fully masked
-  (``-inf``), which every threshold solver handles.
-  """
-  lead, n = ym.shape[:-1], ym.shape[-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  if rows == 0 or n == 0:
-    return jnp.zeros(lead + (1,), ym.dtype)
-  per = max(1, min(rows, BLOCK_ENTRIES // max(n, 1)))
-  nblocks = -(-rows // per)
-  pad = nblocks * per - rows
-  shape1 = lead + (1,)
-  flat = [ym.reshape(rows, n)] + [jnp.broadcast_to(a, shape1).reshape(rows, 1) for a in row_args]
-  fill = [-jnp.inf] + [1.0] * len(row_args)
-  blocks = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=v).reshape(nblocks, per, -1)
-            for a, v in zip(flat, fill, strict=True)]
-  if nblocks == 1:
-    out = fn(*[b[0] for b in blocks])[None]
-  else:
-    out = jax.lax.map(lambda bs: fn(*bs), tuple(blocks))
-  return out.reshape(nblocks * per, 1)[:rows].reshape(shape1)
-
-
-def _decouple(t, s):
-  """``t`` made to depend on the reduction ``s`` without changing its value.
-
-  XLA:CPU fuses sibling row reductions of one array into a multi-output loop that it does
-  not vectorise (about 5x slower than two separate reductions); a data dependency of the
-  second reduction on the first keeps them apart.
-  """
-  return t + 0.0 * s
 
 
 def relu_sum_and_count(ym, t):
@@ -76,7 +26,7 @@ def relu_sum_and_count(ym, t):
   support indicator (a cheaper vector op than a compare-and-select).
   """
   s = jnp.sum(jnp.maximum(ym - t, 0.0), axis=-1, keepdims=True)
-  d = jnp.maximum(ym - _decouple(t, s), 0.0)
+  d = jnp.maximum(ym - c.decouple(t, s), 0.0)
   return s, jnp.sum(jnp.ceil(jnp.minimum(d, 1.0)), axis=-1, keepdims=True)
 
 
@@ -95,32 +45,22 @@ def sparsemax_threshold(ym):
   Returns:
     tau of shape ``ym.shape[:-1] + (1,)`` (-1 for rows with no visible entry).
   """
-  shape = ym.shape[:-1] + (1,)
-  n_max = ym.shape[-1] + 2
-
-  def cond(state):
-    i, _, _, done = state
-    return jnp.logical_and(i < n_max, ~jnp.all(done))
-
-  def body(state):
-    i, t, cnt_prev, done = state
+  def step(t, cnt_prev):
     tot, cnt = relu_sum_and_count(ym, t)
     now_done = cnt == cnt_prev  # same support twice: t is already (sum_S y - 1) / |S|
     # Monotone by construction (rounding could otherwise step back and loop).
-    t_new = jnp.maximum(t, t + (tot - 1.0) / jnp.maximum(cnt, 1.0))
-    done = jnp.logical_or(done, now_done)
-    return i + 1, jnp.where(done, t, t_new), cnt, done
+    t_new = jnp.maximum(t, t + c.safe_divide(tot - 1.0, cnt))
+    return (jnp.where(now_done, t, t_new), cnt), now_done
 
-  state = (jnp.asarray(0), jnp.full(shape, -1.0, ym.dtype), jnp.full(shape, -1.0, ym.dtype),
-           jnp.zeros(shape, bool))
-  return jax.lax.while_loop(cond, body, state)[1]
+  minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  return c.passes_until_done(step, (minus_one, minus_one), ym.shape[-1] + 2)[0]
 
 
 @jax.custom_jvp
 def _sparsemax_last(x, mask):
   """sparsemax over the last axis of float32/64 ``x`` (masked entries hold 0)."""
   ym = jnp.where(mask, x - c.masked_max(x, mask, -1), -jnp.inf)
-  return jnp.maximum(ym - map_row_blocks(sparsemax_threshold, ym), 0.0)
+  return jnp.maximum(ym - c.map_row_blocks(sparsemax_threshold, ym), 0.0)
 
 
 @_sparsemax_last.defjvp
@@ -162,7 +102,7 @@ def sparsemax(x, axis: int = -1, where=None):
     >>> sparsemax(jnp.array([1.0, 0.5, -1.0]))  # -> [0.75, 0.25, 0.]
   """
   xs, mask, axis = c.prepare(x, axis, where, "sparsemax")
-  p = _from_last(_sparsemax_last(_to_last(xs, axis), _to_last(mask, axis)), axis)
+  p = c.from_last(_sparsemax_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
   return c.finish(p, mask, jnp.asarray(x).dtype)
 
 
