@@ -125,12 +125,22 @@ def _top_p_softmax(x, where, p, axis):
   return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
 
 
-def _truncated(xs, mask, axis, threshold):
-  """Keeps ``pi_i >= threshold`` and always the row's argmax, then renormalises."""
+@functools.partial(jax.jit, static_argnames=("axis", "fn_name"))
+def _truncated_softmax(x, where, level, axis, fn_name):
+  """Keeps ``pi_i >= threshold`` and always the row's argmax, then renormalises.
+
+  The threshold is ``level`` (epsilon), or for ``eta_softmax`` ``min(eta, sqrt(eta) e^-H)``.
+  """
+  xs, mask, axis = c.prepare(x, axis, where, fn_name)
   probs = _full_softmax(xs, mask, axis)
+  threshold = jnp.asarray(level, xs.dtype)
+  if fn_name == "eta_softmax":
+    plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
+    entropy = -jnp.sum(plogp, axis=axis, keepdims=True)
+    threshold = jnp.minimum(threshold, jnp.sqrt(threshold) * jnp.exp(-entropy))
   top = jnp.max(probs, axis=axis, keepdims=True)
   keep = jnp.logical_and(mask, jnp.logical_or(probs >= threshold, probs >= top))
-  return _softmax_over(xs, keep, axis)
+  return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
 
 
 def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
@@ -155,14 +165,7 @@ def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
   """
   _EPSILON.validate(epsilon, "epsilon_softmax")
-  return _epsilon_softmax(x, where, epsilon, axis=axis)
-
-
-@functools.partial(jax.jit, static_argnames=("axis",))
-def _epsilon_softmax(x, where, epsilon, axis):
-  xs, mask, axis = c.prepare(x, axis, where, "epsilon_softmax")
-  w = _truncated(xs, mask, axis, jnp.asarray(epsilon, xs.dtype))
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return _truncated_softmax(x, where, epsilon, axis=axis, fn_name="epsilon_softmax")
 
 
 def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
@@ -186,19 +189,7 @@ def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
   """
   _ETA.validate(eta, "eta_softmax")
-  return _eta_softmax(x, where, eta, axis=axis)
-
-
-@functools.partial(jax.jit, static_argnames=("axis",))
-def _eta_softmax(x, where, eta, axis):
-  xs, mask, axis = c.prepare(x, axis, where, "eta_softmax")
-  probs = _full_softmax(xs, mask, axis)
-  plogp = jnp.where(probs > 0, probs * jnp.log(jnp.where(probs > 0, probs, 1.0)), 0.0)
-  entropy = -jnp.sum(plogp, axis=axis, keepdims=True)
-  eta = jnp.asarray(eta, xs.dtype)
-  threshold = jnp.minimum(eta, jnp.sqrt(eta) * jnp.exp(-entropy))
-  w = _truncated(xs, mask, axis, threshold)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return _truncated_softmax(x, where, eta, axis=axis, fn_name="eta_softmax")
 
 
 # --- class-T rule for top-k (the example of the ThresholdRule docstring) ------------------
