@@ -122,7 +122,7 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1,
     n = nc.visible_count(mask, axis).squeeze(axis)
     mean_x = nc.safe_divide(jnp.sum(jnp.where(mask, x, 0.0), axis=axis), n)
     loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - mean_x)
-  return _integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
+  return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
 
 
 def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
@@ -177,7 +177,7 @@ def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
   target = lc.one_hot(labels, n_classes, axis, bool) & jnp.expand_dims(label_visible, axis)
   support = mask & (support | target)
   lse, visible = lc.masked_logsumexp(x, support, axis)
-  return _integer_finish(lse - x_y, labels, visible, label_visible, ignore_index, dtype)
+  return lc.integer_finish(lse - x_y, labels, visible, label_visible, ignore_index, dtype)
 
 
 def _top_k_membership(x, mask, k: int, axis: int):
@@ -189,15 +189,6 @@ def _top_k_membership(x, mask, k: int, axis: int):
   member = jax.vmap(lambda i: jnp.zeros((n,), bool).at[i].set(True))(rows)
   member = member.reshape(batch_shape + (n,))
   return jnp.moveaxis(member, -1, axis)
-
-
-def _integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
-  """Shared edge cases of the integer-label losses (see their docstrings)."""
-  keep = visible
-  if ignore_index is not None:
-    keep = keep & (labels != ignore_index)
-  loss = jnp.where(label_visible, loss, jnp.inf)
-  return lc.finish(loss, keep, dtype)
 
 
 def _is_zero(value) -> bool:

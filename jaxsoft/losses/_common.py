@@ -129,3 +129,15 @@ def masked_logsumexp(x, mask, axis: int):
 def finish(loss, keep, dtype):
   """0 (with zero gradient) where ``keep`` is False, then the logits' dtype."""
   return jnp.where(keep, loss, jnp.zeros_like(loss)).astype(dtype)
+
+
+def integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
+  """The edge cases of integer-label losses, then :func:`finish`.
+
+  Loss 0 (zero gradient) for rows with no visible class and for ``labels == ignore_index``;
+  ``+inf`` where the label names no visible class.
+  """
+  keep = visible
+  if ignore_index is not None:
+    keep = keep & (labels != ignore_index)
+  return finish(jnp.where(label_visible, loss, jnp.inf), keep, dtype)

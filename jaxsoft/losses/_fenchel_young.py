@@ -116,9 +116,7 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
 
   visible = jnp.any(mask, axis=axis)
   if integer_labels:
-    keep = visible if ignore_index is None else visible & (labels != ignore_index)
-    loss = jnp.where(label_visible, loss, jnp.inf)
-    return lc.finish(loss, keep, dtype)
+    return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
   return lc.finish(loss, visible, dtype)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxsoft.losses import _common as lc
+from jaxsoft.normalizers import _common as nc
 
 __all__ = ["stablemax_cross_entropy", "softmax_collapse_fraction"]
 
@@ -73,9 +74,7 @@ def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignor
   if jnp.issubdtype(labels.dtype, jnp.integer):
     labels = lc.check_integer_labels(labels, x.shape, axis, fn)
     log_s_y, label_visible = lc.gather_label(log_s, mask, labels, axis)
-    keep = visible if ignore_index is None else visible & (labels != ignore_index)
-    loss = jnp.where(label_visible, lse - log_s_y, jnp.inf)
-    return lc.finish(loss, keep, dtype)
+    return lc.integer_finish(lse - log_s_y, labels, visible, label_visible, ignore_index, dtype)
   if ignore_index is not None:
     raise ValueError(f"{fn}: `ignore_index` applies to integer labels only")
   y = jnp.where(mask, lc.check_probability_labels(labels, x.shape, fn), 0.0)
@@ -121,5 +120,4 @@ def softmax_collapse_fraction(logits, labels, *, axis: int = -1, where=None, ign
     counted = counted & (labels != ignore_index)
   collapsed = counted & (lse - x_y == 0.0)
   total = jnp.sum(counted)
-  return jnp.where(total > 0, jnp.sum(collapsed) / jnp.maximum(total, 1), 0.0).astype(
-      jnp.float32)
+  return nc.safe_divide(jnp.sum(collapsed), total).astype(jnp.float32)
