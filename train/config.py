@@ -35,14 +35,16 @@ ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 DATASETS = ("text", "recall", "copy", "sort", "needle")
 IMPLEMENTATIONS = (None, "xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
 DTYPES = ("float32", "bfloat16")
+_SWITCH = ("auto", "on", "off")
 
 
 class ConfigError(ValueError):
   """A bad configuration; raised before any work is done. The message names the problem."""
 
 
-def _f(default, help_: str):
-  return dataclasses.field(default=default, metadata={"help": help_})
+def _f(default: Any, help_: str, choices: tuple[Any, ...] | None = None) -> Any:
+  """A Config field: its default, its --help text and, optionally, the values it may take."""
+  return dataclasses.field(default=default, metadata={"help": help_, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +52,8 @@ class Config:
   """Everything a run depends on. Field names are the command-line flags."""
 
   # Data.
-  dataset: str = _f("text", f"one of {DATASETS}: the pydoc_data corpus or a synthetic probe")
+  dataset: str = _f("text", f"one of {DATASETS}: the pydoc_data corpus or a synthetic probe",
+                    DATASETS)
   seq_len: int = _f(64, "tokens per training sequence")
   batch_size: int = _f(16, "global batch (sequences per optimizer step, all devices)")
   # Model.
@@ -62,12 +65,14 @@ class Config:
   rope_base: float = _f(10000.0, "RoPE base frequency")
   normalizer: str = _f("softmax", "attention normalizer, a name from jaxsoft.normalizers.names()")
   normalizer_params: str = _f("{}", "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
-  attention: str = _f("full", f"attention variant, one of {ATTENTION_VARIANTS}")
+  attention: str = _f("full", f"attention variant, one of {ATTENTION_VARIANTS}",
+                      ATTENTION_VARIANTS)
   implementation: str = _f("", "attention implementation ('' = jaxsoft's choice, xla, xla_chunked, "
-                               "pallas, ...)")
+                               "pallas, ...)", tuple(i or "" for i in IMPLEMENTATIONS))
   window: int = _f(32, "left window size for --attention window")
   softcap: float = _f(30.0, "logit soft cap for --attention softcap")
-  dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32")
+  dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32",
+                  DTYPES)
   # Optimizer.
   steps: int = _f(200, "optimizer steps in total")
   learning_rate: float = _f(3e-3, "peak learning rate")
@@ -87,10 +92,10 @@ class Config:
   save_every: int = _f(100, "steps between checkpoints (the last step is always saved)")
   max_to_keep: int = _f(3, "checkpoints kept")
   distributed: str = _f("auto", "call jax.distributed.initialize(): auto (when the environment "
-                                 "names several processes), on (TPU pods), off")
+                                 "names several processes), on (TPU pods), off", _SWITCH)
   fsdp: bool = _f(False, "shard the parameters and optimizer state over the data axis (FSDP)")
   num_cpu_devices: int = _f(0, "fake CPU devices (0 = what the platform has)")
-  progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off")
+  progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off", _SWITCH)
   tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboardX)")
   # Testing hooks: they drive the real signal paths so tests need no timing games.
   preempt_at_step: int = _f(-1, "testing: send SIGTERM to this process after this step")
@@ -230,20 +235,11 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
     spec.validate(kwargs)
   except ValueError as e:
     raise ConfigError(f"--normalizer_params: {e}") from None
-  if cfg.attention not in ATTENTION_VARIANTS:
-    raise ConfigError(
-        f"--attention: unknown variant {cfg.attention!r}; one of {ATTENTION_VARIANTS}")
-  if (cfg.implementation or None) not in IMPLEMENTATIONS:
-    raise ConfigError(f"--implementation: unknown implementation {cfg.implementation!r}; one of "
-                      f"{[i for i in IMPLEMENTATIONS if i]}")
-  if cfg.dataset not in DATASETS:
-    raise ConfigError(f"--dataset: unknown dataset {cfg.dataset!r}; one of {DATASETS}")
-  if cfg.dtype not in DTYPES:
-    raise ConfigError(f"--dtype: must be one of {DTYPES}, got {cfg.dtype!r}")
-  if cfg.distributed not in ("auto", "on", "off"):
-    raise ConfigError(f"--distributed: must be auto, on or off, got {cfg.distributed!r}")
-  if cfg.progress not in ("auto", "on", "off"):
-    raise ConfigError(f"--progress: must be auto, on or off, got {cfg.progress!r}")
+  for field in dataclasses.fields(Config):
+    choices, value = field.metadata["choices"], getattr(cfg, field.name)
+    if choices is not None and value not in choices:
+      raise ConfigError(f"--{field.name}: unknown value {value!r}; one of "
+                        f"{', '.join(repr(c) for c in choices)}")
   positive = ("seq_len", "batch_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
               "grad_accum", "log_every", "save_every", "max_to_keep")
   for name in positive:

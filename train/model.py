@@ -19,6 +19,7 @@ from flax import nnx
 
 from jaxsoft import attention as js_attention
 from jaxsoft import normalizers
+from jaxsoft.normalizers._common import safe_divide
 from train.config import Config
 
 __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kwargs"]
@@ -172,7 +173,7 @@ def attention_stats(model: Transformer, tokens: jax.Array, cfg: Config,
   mask = jnp.broadcast_to(mask, scores.shape)
   w = normalizers.get(cfg.normalizer).fn(scores, axis=-1, where=mask, **cfg.normalizer_kwargs)
   mass = jnp.sum(w, axis=-1, keepdims=True)
-  p = jnp.where(mass > 0, w / jnp.where(mass > 0, mass, 1.0), 0.0)
+  p = safe_divide(w, mass)
   entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)
   visible = jnp.sum(mask)
   return {

@@ -31,6 +31,7 @@ import optax  # noqa: E402
 from etils import epath  # noqa: E402
 from flax import nnx  # noqa: E402
 
+from jaxsoft.normalizers._common import safe_divide  # noqa: E402
 from train import checkpoint, config, data, metrics, model, sharding  # noqa: E402
 from train.config import Config, ConfigError  # noqa: E402
 
@@ -97,14 +98,13 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     zeros = jax.tree.map(jnp.zeros_like, params)
     (grads, loss_sum, weight_sum), _ = jax.lax.scan(
         micro_step, (zeros, jnp.float32(0), jnp.float32(0)), batch)
-    weight_sum = jnp.maximum(weight_sum, 1.0)
-    grads = jax.tree.map(lambda g: g / weight_sum, grads)
+    grads = jax.tree.map(lambda g: safe_divide(g, weight_sum), grads)
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     # The step key is split every step so a resumed run draws the same randomness.
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
     new_state = {"step": state["step"] + 1, "params": optax.apply_updates(params, updates),
                  "opt_state": opt_state, "rng": jax.random.key_data(rng)}
-    step_metrics = {"loss": loss_sum / weight_sum, "grad_norm": optax.tree.norm(grads),
+    step_metrics = {"loss": safe_divide(loss_sum, weight_sum), "grad_norm": optax.tree.norm(grads),
                     "learning_rate": schedule(state["step"])}
     return new_state, step_metrics
 
