@@ -23,6 +23,7 @@ __all__ = [
     "finish",
     "to_last",
     "from_last",
+    "along_axis",
     "map_row_blocks",
     "decouple",
     "passes_until_done",
@@ -136,6 +137,16 @@ def to_last(a, axis: int):
 def from_last(a, axis: int):
   """Inverse of :func:`to_last`."""
   return a if axis == a.ndim - 1 else jnp.moveaxis(a, -1, axis)
+
+
+def along_axis(fn_last, x, axis: int, where, fn_name: str):
+  """``fn_last(xs, mask)``, a normalizer of the last axis, applied along ``axis`` of ``x``.
+
+  With the numerics policy of :func:`prepare` and :func:`finish` around it.
+  """
+  xs, mask, axis = prepare(x, axis, where, fn_name)
+  p = from_last(fn_last(to_last(xs, axis), to_last(mask, axis)), axis)
+  return finish(p, mask, jnp.asarray(x).dtype)
 
 
 # Rows are solved in blocks of about this many entries (256 KiB of float32), so the few

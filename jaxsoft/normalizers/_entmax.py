@@ -109,9 +109,7 @@ def entmax15(x, axis: int = -1, where=None):
     Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
     row with no visible entry is all zeros, with zero gradient.
   """
-  xs, mask, axis = c.prepare(x, axis, where, "entmax15")
-  p = c.from_last(_entmax15_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
-  return c.finish(p, mask, jnp.asarray(x).dtype)
+  return c.along_axis(_entmax15_last, x, axis, where, "entmax15")
 
 
 # --- any alpha > 1: bisection --------------------------------------------------------------

@@ -101,9 +101,7 @@ def sparsemax(x, axis: int = -1, where=None):
   Example:
     >>> sparsemax(jnp.array([1.0, 0.5, -1.0]))  # -> [0.75, 0.25, 0.]
   """
-  xs, mask, axis = c.prepare(x, axis, where, "sparsemax")
-  p = c.from_last(_sparsemax_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
-  return c.finish(p, mask, jnp.asarray(x).dtype)
+  return c.along_axis(_sparsemax_last, x, axis, where, "sparsemax")
 
 
 # --- the class-T rule (DESIGN.md §3): mass = weight = [z - tau]_+, target 1. -------------
