@@ -25,7 +25,7 @@ from train.config import Config
 __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kwargs"]
 
 # Set by train.sharding when the attention implementation is a Pallas kernel: Pallas calls are not
-# auto-partitioned, so they run under jax.shard_map over the batch axis (DESIGN.md §3).
+# auto-partitioned, so they run under jax.shard_map over the batch axis.
 AttentionWrapper = Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]
 
 

@@ -1,9 +1,9 @@
 """Masking, dtype and broadcasting helpers shared by every normalizer.
 
-Numerics policy (DESIGN.md §4): low-precision inputs are computed in float32 and cast
-back; masked entries (``where=False`` or a ``-inf`` logit) get exactly 0 weight and
-enter no max, sum or threshold; a row with no visible entry returns zeros with zero
-gradient.
+Numerics policy (as in the README's "Numerics" section): low-precision inputs are
+computed in float32 and cast back; masked entries (``where=False`` or a ``-inf`` logit)
+get exactly 0 weight and enter no max, sum or threshold; a row with no visible entry
+returns zeros with zero gradient.
 """
 
 from __future__ import annotations
