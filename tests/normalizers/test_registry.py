@@ -148,7 +148,7 @@ def test_registry_is_populated_and_names_are_unique():
 @pytest.mark.parametrize("name", NAMES)
 def test_spec_declaration(name):
   spec = normalizers.get(name)
-  assert re.fullmatch(r"N\d{2}", spec.catalogue_id), spec.catalogue_id  # CATALOGUE.md ids
+  assert re.fullmatch(r"N\d{2}", spec.catalogue_id), spec.catalogue_id  # docs/feature_ids.md
   assert spec.kernel_class in KERNEL_CLASSES
   assert (spec.tile is not None) == (spec.kernel_class in ("E", "S", "P"))
   if spec.threshold is not None:

@@ -11,7 +11,8 @@ from train import sharding
 from train import train as train_lib
 from train.config import Config
 
-# Tier-1 normalizer rows of CATALOGUE.md (the spec has no tier field; the catalogue id does).
+# The first-round normalizer feature ids (docs/feature_ids.md) that training must cover; the
+# spec has no such field, so they are listed here by feature id.
 TIER1_IDS = {"N01", "N02", "N03", "N05", "N13", "N15", "N16", "N17", "N19", "N20", "N21", "N22",
              "N23", "N24"}
 
