@@ -2,7 +2,7 @@
 
 The chunked XLA path and the Pallas engine compute a normalizer from its rule, never from
 its function, so each rule must reproduce ``spec.fn``: densely (output and gradient), online
-over random key blocks with FlashAttention's (m, l) merge fused with ``@ V`` (catalogue E04:
+over random key blocks with FlashAttention's (m, l) merge fused with ``@ V`` (feature E04:
 random tile splits, fully masked rows, fully masked blocks), and, for class T, by bisection.
 The evaluators themselves are first checked against independent oracles (jax.nn.softmax,
 optax's simplex projection, closed forms), so a rule and a function cannot agree on a
