@@ -1,7 +1,7 @@
 """Public property checks for normalizers, and reference evaluators of their kernel rules.
 
 ``check_normalizer(fn, spec)`` runs the invariants a :class:`NormalizerSpec` declares
-(DESIGN.md §5) on any callable with the normalizer signature
+on any callable with the normalizer signature
 ``fn(x, axis=-1, where=None, **hparams)`` (``fn(key, x, ...)`` for stochastic ones). It is
 what jaxsoft's own generated test-suite runs on every registered normalizer, and a user
 writing a new normalizer can run it in one line::
@@ -11,7 +11,8 @@ writing a new normalizer can run it in one line::
     js.testing.check_normalizer(my_softmax, spec)   # AssertionError naming the property
 
 The rule evaluators are plain-``jnp``, dense or blockwise, readings of the per-tile math a
-spec ships for the chunked XLA path and the Pallas engine (DESIGN.md §3):
+spec ships for the chunked XLA path and the Pallas engine (kernel classes as in
+docs/feature_ids.md):
 
 * :func:`evaluate_tile_rule` -- classes E, S, P on a whole row;
 * :func:`evaluate_tile_rule_online` -- the same rule over key blocks with the online
@@ -522,7 +523,7 @@ def _check_params(fn, spec, x, key, check):
 
 def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, rows=None,
                      quick: bool = False) -> tuple[str, ...]:
-  """Checks a normalizer against the invariants its spec declares (DESIGN.md §5).
+  """Checks a normalizer against the invariants its spec declares.
 
   Runs, for the default hyperparameters and for each parameter's ``sample`` value, the
   properties listed in :data:`PROPERTIES`: shape and dtype preserved (float32, bfloat16,

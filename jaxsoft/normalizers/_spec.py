@@ -168,7 +168,7 @@ class ThresholdRule:
   (the final normalisation removes the residual error of a fixed-iteration solve). A
   blockwise driver computes m in a first pass over key blocks, tau by bisection (a fixed
   ``iterations`` count, each a pass over key blocks) and then runs a class-P/E pass with
-  ``weight`` (DESIGN.md §3). Examples: sparsemax ``mass = weight = [z - tau]_+`` with
+  ``weight``. Examples: sparsemax ``mass = weight = [z - tau]_+`` with
   target 1; top-k ``mass = 1[z >= tau]`` with target ``min(k, n)`` and
   ``weight = e^{z-m}·1[z >= tau]``.
   """
@@ -183,14 +183,14 @@ class ThresholdRule:
 
 @dataclasses.dataclass(frozen=True)
 class NormalizerSpec:
-  """The declaration of one normalizer (DESIGN.md §2).
+  """The declaration of one normalizer (see the README's "Adding a normalizer").
 
   Attributes:
     name: registry name, usable as ``normalizer="name"`` everywhere.
     fn: ``fn(x, axis=-1, where=None, **hparams)`` (``fn(key, x, ...)`` when
       ``needs_key``).
-    kernel_class: one of E, S, P, R, T, X (CATALOGUE.md).
-    catalogue_id: e.g. "N01".
+    kernel_class: one of E, S, P, R, T, X (explained in docs/feature_ids.md).
+    catalogue_id: the feature id, e.g. "N01" (listed in docs/feature_ids.md).
     sums_to_one: rows with a visible entry sum to 1.
     at_most_one: rows sum to at most 1 (implied by ``sums_to_one``).
     nonnegative: every weight is >= 0.
