@@ -18,7 +18,7 @@ __all__ = [
 
 def softmax_cross_entropy(logits, labels, *, axis: int = -1, where=None,
                           label_smoothing=0.0):
-  r"""Softmax cross-entropy against probability targets (CATALOGUE L01).
+  r"""Softmax cross-entropy against probability targets (feature L01).
 
   .. math::
     \ell(x; y) = -\sum_{j \in V} \tilde y_j \log \mathrm{softmax}_V(x)_j,
@@ -73,7 +73,7 @@ def softmax_cross_entropy(logits, labels, *, axis: int = -1, where=None,
 
 def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1, where=None,
                                               label_smoothing=0.0, ignore_index=None):
-  r"""Softmax cross-entropy against integer class labels (CATALOGUE L01).
+  r"""Softmax cross-entropy against integer class labels (feature L01).
 
   .. math::
     \ell(x; y) = (1 - \epsilon)\,\bigl(\mathrm{LSE}_V(x) - x_y\bigr)
@@ -127,9 +127,10 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1,
 
 def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
                         ignore_index=None):
-  r"""Sparse-softmax cross-entropy over the top-k logits (CATALOGUE L03).
+  r"""Sparse-softmax cross-entropy over the top-k logits (feature L03).
 
-  Sparse-softmax (Sun et al., 2021, arXiv 2112.12433) keeps the k largest logits
+  Sparse-softmax (S. Sun et al. 2021, "Sparse-softmax: A Simpler and Faster Alternative
+  Softmax Transformation", arXiv 2112.12433) keeps the k largest logits
   :math:`\Omega_k` of a row and normalises over them only. Its loss is
 
   .. math::
@@ -138,8 +139,8 @@ def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
 
   **Target outside the top-k.** The paper writes the loss for :math:`t \in \Omega_k`;
   when the target is not among the k largest logits we add it to the normalising set
-  (:math:`\Omega_k \cup \{t\}`, the reconstruction recorded in the catalogue notes
-  004#21). The loss then stays finite and positive and its gradient still raises
+  (:math:`\Omega_k \cup \{t\}`: this project's choice, since the paper does not cover
+  that case). The loss then stays finite and positive and its gradient still raises
   :math:`x_t` and lowers the top-k logits, whereas dropping the target would give
   :math:`-\log 0`. So :math:`0 \le \ell \le` the full softmax CE, with equality when
   k is at least the number of visible classes. The gradient is
@@ -161,6 +162,13 @@ def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
 
   Returns:
     One loss per example, in ``logits``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
+    >>> print(js.losses.top_k_cross_entropy(logits, jnp.array([0, 1]), k=1))  # 0: label is top-1
+    [0.     2.3955]
   """
   fn = "top_k_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

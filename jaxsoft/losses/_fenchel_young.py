@@ -21,10 +21,11 @@ _ALPHA = {"softmax": 1.0, "entmax15": 1.5, "sparsemax": 2.0, "entmax": None}
 
 def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1, where=None,
                        ignore_index=None, **hparams):
-  r"""Fenchel-Young loss of a Tsallis-regularised normalizer (CATALOGUE L02).
+  r"""Fenchel-Young loss of a Tsallis-regularised normalizer (feature L02).
 
   For the normalizer :math:`p = \hat y_\Omega(\theta) = \arg\max_{p \in \Delta}
-  \langle \theta, p\rangle - \Omega(p)` (Blondel, Martins & Niculae, JMLR 2020):
+  \langle \theta, p\rangle - \Omega(p)` (M. Blondel, A. F. T. Martins & V. Niculae,
+  "Learning with Fenchel-Young Losses", JMLR 2020, arXiv 1901.02324):
 
   .. math::
     L_\Omega(\theta; y) = \Omega(y) - \Omega(p) + \langle \theta, p - y \rangle
@@ -39,8 +40,8 @@ def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1
   ============  =====================  ===============================================
   "softmax"     1                      CE for integer labels; KL(y || p) for targets
   "entmax15"    1.5                    1.5-entmax loss (Peters, Niculae & Martins 2019)
-  "entmax"      ``alpha`` (> 1)        alpha-entmax loss (Correia et al. 2019, 000#84)
-  "sparsemax"   2                      sparsemax loss (Martins & Astudillo 2016, 000#18)
+  "entmax"      ``alpha`` (> 1)        alpha-entmax loss (Correia et al. 2019)
+  "sparsemax"   2                      sparsemax loss (Martins & Astudillo 2016)
   ============  =====================  ===============================================
 
   Properties: :math:`L \ge 0`, with equality iff :math:`p = y` (e.g. for sparsemax when

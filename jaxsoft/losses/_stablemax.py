@@ -27,7 +27,10 @@ def log_stablemax_score(x):
 
 
 def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignore_index=None):
-  r"""Cross-entropy of log-StableMax (CATALOGUE L04; Prieto et al., ICLR 2025, 000#86).
+  r"""Cross-entropy of log-StableMax (feature L04; L. Prieto et al., ICLR 2025).
+
+  From "Grokking at the Edge of Numerical Stability" (L. Prieto, M. Barsbey,
+  P. A. M. Mediano & T. Birdal, ICLR 2025, arXiv 2501.04697):
 
   .. math::
     \ell(x; y) = \log \sum_{j \in V} s(x_j) - \log s(x_y), \qquad
@@ -84,7 +87,7 @@ def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignor
 
 
 def softmax_collapse_fraction(logits, labels, *, axis: int = -1, where=None, ignore_index=None):
-  r"""Fraction of examples in Softmax Collapse (CATALOGUE L04/E02; Prieto et al., 2025).
+  r"""Fraction of examples in Softmax Collapse (features L04/E02; Prieto et al., ICLR 2025).
 
   An example is collapsed when its float32 softmax cross-entropy is exactly 0:
 
@@ -107,6 +110,12 @@ def softmax_collapse_fraction(logits, labels, *, axis: int = -1, where=None, ign
 
   Returns:
     A float32 scalar in [0, 1] (0 when no example counts). Not differentiable (a count).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> logits = jnp.array([[40.0, 0.0, 0.0], [2.0, 0.5, -1.0]])
+    >>> print(js.losses.softmax_collapse_fraction(logits, jnp.array([0, 0])))  # first row
+    0.5
   """
   fn = "softmax_collapse_fraction"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

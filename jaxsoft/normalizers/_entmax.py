@@ -1,6 +1,8 @@
 """N17 alpha-entmax: 1.5-entmax exact (sort-free), any alpha > 1 by bisection, learned alpha.
 
-alpha-entmax (Peters, Niculae & Martins, ACL 2019; Correia, Niculae & Martins, EMNLP 2019)
+alpha-entmax (B. Peters, V. Niculae & A. F. T. Martins, "Sparse Sequence-to-Sequence
+Models", ACL 2019, arXiv 1905.05702; G. M. Correia, V. Niculae & A. F. T. Martins,
+"Adaptively Sparse Transformers", EMNLP 2019, arXiv 1909.00015)
 maps scores to ``p = [(alpha - 1) x - tau]_+^{1/(alpha - 1)}`` with tau such that the row sums
 to 1. alpha -> 1 is softmax, alpha = 2 is sparsemax, alpha = 1.5 has an exact closed form
 once the support is known.
@@ -88,7 +90,7 @@ def _support_jvp(g, v):
 
 @functools.partial(jax.jit, static_argnames=("axis",))
 def entmax15(x, axis: int = -1, where=None):
-  r"""1.5-entmax, exact (CATALOGUE N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
+  r"""1.5-entmax, exact (feature N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
 
   .. math::
     \mathrm{entmax}_{1.5}(x)_i = \left[\tfrac{x_i}{2} - \tau\right]_+^2, \qquad
@@ -108,6 +110,14 @@ def entmax15(x, axis: int = -1, where=None):
   Returns:
     Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
     row with no visible entry is all zeros, with zero gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
+    >>> js.normalizers.entmax15(x)  # between softmax (no zeros) and sparsemax ([0.6, 0.4, 0, 0])
+    Array([0.5292, 0.3937, 0.077 , 0.    ], dtype=float32)
   """
   return c.along_axis(_entmax15_last, x, axis, where, "entmax15")
 
@@ -201,7 +211,7 @@ def _check_alpha(alpha):
 
 
 def entmax(x, alpha=1.5, axis: int = -1, where=None, n_iter: int | None = None):
-  r"""alpha-entmax for any alpha > 1 (CATALOGUE N17, kernel class T).
+  r"""alpha-entmax for any alpha > 1 (feature N17, kernel class T; Peters et al. 2019).
 
   .. math::
     \mathrm{entmax}_\alpha(x)_i = [(\alpha - 1) x_i - \tau]_+^{1/(\alpha - 1)}, \qquad
@@ -235,6 +245,19 @@ def entmax(x, alpha=1.5, axis: int = -1, where=None, n_iter: int | None = None):
   Raises:
     ValueError: alpha <= 1 (checked for concrete values), bad ``n_iter``, ``axis`` or
       ``where``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
+    >>> js.normalizers.entmax(x, alpha=1.25)  # close to softmax: no zero yet
+    Array([0.4787, 0.3736, 0.1356, 0.0121], dtype=float32)
+    >>> js.normalizers.entmax(x, alpha=4.0)  # larger alpha, smaller support
+    Array([0.8452, 0.1548, 0.    , 0.    ], dtype=float32)
+    >>> js.normalizers.entmax(jnp.stack([x, x]), alpha=jnp.array([[1.25], [2.0]]))  # per row
+    Array([[0.4787, 0.3736, 0.1356, 0.0121],
+           [0.6   , 0.4   , 0.    , 0.    ]], dtype=float32)
   """
   _check_alpha(alpha)
   if n_iter is not None and (not isinstance(n_iter, (int, np.integer)) or n_iter < 1):
@@ -265,11 +288,18 @@ def learned_alpha(z, min_gap: float = 1e-3):
   ``min_gap`` keeps alpha > 1 also in float32, where ``1 + softplus(z)`` rounds to exactly 1
   for z below about -17 (and alpha - 1 = 0 has no entmax); at ``alpha - 1 = 1e-3`` entmax
   is already within about 1e-3 of softmax. ``min_gap=0`` gives the plain ``1 + softplus(z)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.learned_alpha(jnp.array([-5.0, 0.0, 5.0]))  # always > 1
+    Array([1.0077, 1.6941, 6.0077], dtype=float32)
   """
   return 1.0 + min_gap + jax.nn.softplus(z)
 
 
-# --- class-T rules (DESIGN.md §3) ----------------------------------------------------------
+# --- class-T rules (ThresholdRule: the blockwise paths solve tau over key blocks) ---------
 
 
 def _half_score_map(x, length, **_):

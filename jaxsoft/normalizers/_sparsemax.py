@@ -77,7 +77,10 @@ def _sparsemax_last_jvp(primals, tangents):
 
 @functools.partial(jax.jit, static_argnames=("axis",))
 def sparsemax(x, axis: int = -1, where=None):
-  r"""Sparsemax (CATALOGUE N16, kernel class T; Martins & Astudillo, ICML 2016).
+  r"""Sparsemax (feature N16, kernel class T; A. F. T. Martins & R. F. Astudillo 2016).
+
+  From "From Softmax to Sparsemax: A Sparse Model of Attention and Multi-Label
+  Classification" (Martins & Astudillo, ICML 2016, arXiv 1602.02068):
 
   .. math::
     \mathrm{sparsemax}(x) = \operatorname*{argmin}_{p \in \Delta} \|p - x\|_2^2
@@ -99,12 +102,18 @@ def sparsemax(x, axis: int = -1, where=None):
     row with no visible entry is all zeros, with zero gradient.
 
   Example:
-    >>> sparsemax(jnp.array([1.0, 0.5, -1.0]))  # -> [0.75, 0.25, 0.]
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.sparsemax(jnp.array([1.0, 0.8, 0.1, -1.0]))  # tau = 0.4
+    Array([0.6, 0.4, 0. , 0. ], dtype=float32)
+    >>> js.normalizers.sparsemax(jnp.array([5.0, 4.0, 0.5, -5.0]))  # larger gaps: smaller support
+    Array([1., 0., 0., 0.], dtype=float32)
   """
   return c.along_axis(_sparsemax_last, x, axis, where, "sparsemax")
 
 
-# --- the class-T rule (DESIGN.md §3): mass = weight = [z - tau]_+, target 1. -------------
+# --- the class-T rule (a ThresholdRule): mass = weight = [z - tau]_+, target 1. ----------
 
 
 

@@ -36,7 +36,10 @@ def _softmax_over(xs, keep, axis):
 
 
 def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
-  r"""Top-k (sparse) softmax (CATALOGUE N15, kernel class T; Sun et al. 2021, arXiv 2112.12433).
+  r"""Top-k (sparse) softmax (feature N15, kernel class T; S. Sun et al. 2021).
+
+  From "Sparse-softmax: A Simpler and Faster Alternative Softmax Transformation" (Sun et
+  al. 2021, arXiv 2112.12433):
 
   .. math::
     w_i = \frac{e^{x_i}}{\sum_{j \in \Omega_k} e^{x_j}} \; (i \in \Omega_k), \qquad 0 \text{ otherwise}
@@ -45,7 +48,9 @@ def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
   (entries tied with it are all kept, so the map is permutation equivariant and equals its
   threshold rule ``1[x >= tau]``; without ties exactly k are kept). A row with fewer than
   k visible entries keeps all of them, so ``k = n`` is ``jax.nn.softmax`` and ``k = 1`` the one-hot argmax. Also the top-K
-  MoE gate (Nguyen et al., ICLR 2024) and CadLLM's top-M subset softmax.
+  MoE gate (H. Nguyen et al., "Statistical Perspective of Top-K Sparse Softmax Gating
+  Mixture of Experts", ICLR 2024) and the softmax over a top-M subset of the vocabulary
+  that some fast decoders use.
 
   Args:
     x: scores.
@@ -58,6 +63,16 @@ def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
 
   Raises:
     ValueError: ``k`` not an int in ``[1, x.shape[axis]]``, bad ``axis`` or ``where``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])
+    >>> js.normalizers.top_k_softmax(x, k=2)  # softmax over the two largest, exact zeros
+    Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
+    >>> js.normalizers.top_k_softmax(x, k=4)  # k = n: softmax
+    Array([0.6095, 0.2242, 0.136 , 0.0303], dtype=float32)
   """
   if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
     raise ValueError(f"top_k_softmax: `k` must be a static int, got {k!r}")
@@ -88,7 +103,10 @@ def _full_softmax(xs, mask, axis):
 
 
 def top_p_softmax(x, p=0.9, axis: int = -1, where=None):
-  r"""Nucleus (top-p) softmax (CATALOGUE N15, kernel class T; Holtzman et al., ICLR 2020).
+  r"""Nucleus (top-p) softmax (feature N15, kernel class T; A. Holtzman et al. 2020).
+
+  From "The Curious Case of Neural Text Degeneration" (Holtzman, Buys, Du, Forbes & Choi,
+  ICLR 2020, arXiv 1904.09751):
 
   .. math::
     K = \text{the smallest set of largest } \pi_i \text{ with } \sum_{i \in K} \pi_i \ge p,
@@ -106,6 +124,16 @@ def top_p_softmax(x, p=0.9, axis: int = -1, where=None):
 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])  # softmax: [0.6095, 0.2242, 0.136, 0.0303]
+    >>> js.normalizers.top_p_softmax(x, p=0.8)  # 0.6095 + 0.2242 >= 0.8
+    Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
+    >>> js.normalizers.top_p_softmax(x, p=0.9)
+    Array([0.6285, 0.2312, 0.1402, 0.    ], dtype=float32)
   """
   _P.validate(p, "top_p_softmax")
   return _top_p_softmax(x, where, float(p), axis=axis)
@@ -144,14 +172,15 @@ def _truncated_softmax(x, where, level, axis, fn_name):
 
 
 def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
-  r"""epsilon-truncated softmax (CATALOGUE N15, kernel class T; Hewitt, Manning & Liang 2022).
+  r"""epsilon-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
 
   .. math::
     K = \{i : \pi_i \ge \varepsilon\} \cup \{\arg\max \pi\}, \qquad
     w_i = \pi_i / \textstyle\sum_{j \in K} \pi_j \; (i \in K)
 
-  with ``pi = softmax(x)`` over the visible entries ("Truncation Sampling as Language
-  Model Desmoothing"; the argmax is always kept, as in the reference implementation's
+  with ``pi = softmax(x)`` over the visible entries (J. Hewitt, C. D. Manning & P. Liang,
+  "Truncation Sampling as Language Model Desmoothing", Findings of EMNLP 2022, arXiv
+  2210.15191; the argmax is always kept, as in the reference implementation's
   ``min_tokens_to_keep = 1``).
 
   Args:
@@ -163,13 +192,24 @@ def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])  # softmax: [0.6095, 0.2242, 0.136, 0.0303]
+    >>> js.normalizers.epsilon_softmax(x, epsilon=0.05)  # drops pi < 0.05
+    Array([0.6285, 0.2312, 0.1402, 0.    ], dtype=float32)
   """
   _EPSILON.validate(epsilon, "epsilon_softmax")
   return _truncated_softmax(x, where, epsilon, axis=axis, fn_name="epsilon_softmax")
 
 
 def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
-  r"""eta-truncated softmax (CATALOGUE N15, kernel class T; Hewitt, Manning & Liang 2022).
+  r"""eta-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
+
+  From "Truncation Sampling as Language Model Desmoothing" (J. Hewitt, C. D. Manning &
+  P. Liang, Findings of EMNLP 2022, arXiv 2210.15191):
 
   .. math::
     \eta' = \min\!\left(\eta, \sqrt{\eta}\, e^{-H(\pi)}\right), \quad
@@ -187,6 +227,16 @@ def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> flat = jnp.array([1.0, 0.9, 0.8, 0.7, -1.0])  # softmax: [0.28, 0.25, 0.23, 0.21, 0.04]
+    >>> js.normalizers.epsilon_softmax(flat, epsilon=0.22)  # a fixed threshold of 0.22
+    Array([0.3672, 0.3322, 0.3006, 0.    , 0.    ], dtype=float32)
+    >>> js.normalizers.eta_softmax(flat, eta=0.22)  # high entropy lowers it to about 0.11
+    Array([0.2887, 0.2612, 0.2363, 0.2138, 0.    ], dtype=float32)
   """
   _ETA.validate(eta, "eta_softmax")
   return _truncated_softmax(x, where, eta, axis=axis, fn_name="eta_softmax")
