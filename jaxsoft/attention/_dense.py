@@ -5,7 +5,9 @@ Every other implementation is a faster way to compute exactly this.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.normalizers._common import compute_dtype
@@ -13,7 +15,9 @@ from jaxsoft.normalizers._common import compute_dtype
 __all__ = ["dense_logits", "dense_attention"]
 
 
-def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=None):
+def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
+                 decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
+                 logits_soft_cap: float | None = None, bias: ArrayLike | None = None) -> jax.Array:
   r"""Logits [B, N, T, S] (float32; float64 for float64 inputs) in the order all paths use.
 
   .. math::
@@ -24,6 +28,7 @@ def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=Non
   ``decay_bias=(cq, ck)``, and kappa(n) = n // (N / K) the key/value head of query
   head n (GQA; jax.nn's grouping).
   """
+  q, k = jnp.asarray(q), jnp.asarray(k)
   B, T, N, H = q.shape
   K = k.shape[2]
   G = N // K
@@ -32,13 +37,13 @@ def dense_logits(q, k, *, scale, decay_bias=None, logits_soft_cap=None, bias=Non
   logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(cdt))
   logits = scale * logits.reshape(B, N, T, k.shape[1])
   if decay_bias is not None:
-    cq, ck = decay_bias
-    logits = logits + (jnp.transpose(cq.astype(cdt), (0, 2, 1))[..., :, None]
-                       - jnp.transpose(ck.astype(cdt), (0, 2, 1))[..., None, :])
+    cq, ck = jnp.asarray(decay_bias[0], cdt), jnp.asarray(decay_bias[1], cdt)
+    logits = logits + (jnp.transpose(cq, (0, 2, 1))[..., :, None]
+                       - jnp.transpose(ck, (0, 2, 1))[..., None, :])
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   if bias is not None:
-    logits = logits + bias.astype(cdt)
+    logits = logits + jnp.asarray(bias, cdt)
   return logits
 
 

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.normalizers import _common as c
@@ -51,7 +54,7 @@ __all__ = [
 # (alpha = 1 + softplus(z), s = softplus(z)), never clipped after an update.
 
 
-def softplus_to_range(free, low: float = 0.0, margin: float = 0.0):
+def softplus_to_range(free: ArrayLike, low: float = 0.0, margin: float = 0.0) -> jax.Array:
   r"""``low + margin + softplus(free)``: an unconstrained parameter mapped above ``low``.
 
   .. math:: \theta = \ell + \epsilon + \log(1 + e^{z})
@@ -67,7 +70,7 @@ def softplus_to_range(free, low: float = 0.0, margin: float = 0.0):
   return low + margin + jax.nn.softplus(z)
 
 
-def softplus_from_range(value, low: float = 0.0, margin: float = 0.0):
+def softplus_from_range(value: ArrayLike, low: float = 0.0, margin: float = 0.0) -> jax.Array:
   r"""The inverse of :func:`softplus_to_range`: the free parameter giving ``value``.
 
   .. math:: z = y + \log(1 - e^{-y}),\quad y = \theta - \ell - \epsilon > 0
@@ -88,7 +91,7 @@ def softplus_from_range(value, low: float = 0.0, margin: float = 0.0):
   return y + jnp.log(-jnp.expm1(-y))
 
 
-def per_head(value, num_heads: int, name: str, fn_name: str):
+def per_head(value: ArrayLike, num_heads: int, name: str, fn_name: str) -> jax.Array:
   """A scalar or a per-head vector ``[N]`` -> a normalizer parameter for logits ``[B,N,T,S]``.
 
   Scalars pass through; a vector of length ``num_heads`` becomes ``[N, 1, 1]`` (one value
@@ -111,7 +114,8 @@ def _check_qkv_heads(q, fn_name: str) -> int:
   return q.shape[2]
 
 
-def _merge_params(normalizer_params, extra: dict, fn_name: str) -> dict:
+def _merge_params(normalizer_params: Mapping[str, Any] | None, extra: dict[str, Any],
+                  fn_name: str) -> dict[str, Any]:
   params = dict(normalizer_params or {})
   for k in extra:
     if k in params:
@@ -137,8 +141,11 @@ def _row_normalize(normalizer, z, where, normalizer_params, fn_name: str):
   return fn(z, axis=-1, where=where, **params)
 
 
-def hopfield_retrieval(query_state, memory, *, beta, num_iters: int = 1,
-                       normalizer="softmax_1", normalizer_params=None, where=None):
+def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
+                       num_iters: int = 1,
+                       normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax_1",
+                       normalizer_params: Mapping[str, Any] | None = None,
+                       where: ArrayLike | None = None) -> jax.Array:
   r"""Modern-Hopfield retrieval, iterated (feature A03; OutEffHop, J. Hu et al. 2024).
 
   OutEffHop is from J. Hu et al., "Outlier-Efficient Hopfield Layers for Large
@@ -203,7 +210,8 @@ def hopfield_retrieval(query_state, memory, *, beta, num_iters: int = 1,
   return xi.astype(out_dtype)
 
 
-def hopfield_energy(query_state, memory, *, beta, offset: float = 1.0):
+def hopfield_energy(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
+                    offset: float = 1.0) -> jax.Array:
   r"""The Hopfield energy that :func:`hopfield_retrieval` descends (softmax / softmax_1).
 
   .. math::
@@ -242,7 +250,8 @@ def _check_positive(value, name: str, fn_name: str):
 # A07 gated attention.
 
 
-def gated_attention_output(attn_out, x, w_gate, b_gate=None):
+def gated_attention_output(attn_out: ArrayLike, x: ArrayLike, w_gate: ArrayLike,
+                           b_gate: ArrayLike | None = None) -> jax.Array:
   r"""Gated attention output (feature A07; Z. Qiu et al. 2025, "G1" position).
 
   From "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
@@ -299,7 +308,7 @@ def gated_attention_output(attn_out, x, w_gate, b_gate=None):
 # A08 Forgetting attention (FoX) and adaptive computation pruning (ACP).
 
 
-def forget_gate_decay(log_f):
+def forget_gate_decay(log_f: ArrayLike) -> tuple[jax.Array, jax.Array]:
   r"""The FoX decay bias as ``(cq, ck)`` for ``dot_product_attention(decay_bias=...)``.
 
   With per-token, per-head log forget gates :math:`\log f_t = \log\sigma(w_f^\top x_t + b_f)
@@ -326,7 +335,8 @@ def forget_gate_decay(log_f):
   return cum, cum
 
 
-def acp_prune_threshold(q, k, *, epsilon: float, scale=None):
+def acp_prune_threshold(q: ArrayLike, k: ArrayLike, *, epsilon: float,
+                        scale: float | None = None) -> jax.Array:
   r"""A decay threshold below which FoX attention weights are provably below ``epsilon``.
 
   Adaptive computation pruning (ACP, Lin et al. 2025) skips the (i, j) pairs whose decay
@@ -371,8 +381,9 @@ def acp_prune_threshold(q, k, *, epsilon: float, scale=None):
   return jax.lax.stop_gradient(math.log(epsilon) - 2.0 * u)
 
 
-def forgetting_attention(q, k, v, log_f, *, prune_threshold=None, is_causal: bool = True,
-                         **kwargs):
+def forgetting_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, log_f: ArrayLike, *,
+                         prune_threshold: float | None = None, is_causal: bool = True,
+                         **kwargs: Any) -> jax.Array:
   r"""Forgetting attention (FoX, feature A08): causal attention with a forget-gate decay.
 
   .. math::
@@ -432,8 +443,9 @@ def forgetting_attention(q, k, v, log_f, *, prune_threshold=None, is_causal: boo
 # A09 SSMax attention, A10 adaptively sparse attention.
 
 
-def ssmax_attention(q, k, v, bias=None, mask=None, *, s=0.43, normalizer_params=None,
-                    **kwargs):
+def ssmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
+                    mask: ArrayLike | None = None, *, s: ArrayLike = 0.43,
+                    normalizer_params: Mapping[str, Any] | None = None, **kwargs: Any) -> jax.Array:
   r"""SSMax attention with a per-head ``s`` (feature A09; K. M. Nakanishi 2025).
 
   From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025, arXiv 2501.19399):
@@ -460,8 +472,10 @@ def ssmax_attention(q, k, v, bias=None, mask=None, *, s=0.43, normalizer_params=
                                **kwargs)
 
 
-def entmax_attention(q, k, v, bias=None, mask=None, *, alpha=1.5, normalizer_params=None,
-                     **kwargs):
+def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
+                     mask: ArrayLike | None = None, *, alpha: ArrayLike = 1.5,
+                     normalizer_params: Mapping[str, Any] | None = None,
+                     **kwargs: Any) -> jax.Array:
   r"""alpha-entmax attention with a per-head ``alpha`` (feature A10; Correia et al. 2019).
 
   From "Adaptively Sparse Transformers" (G. M. Correia, V. Niculae & A. F. T. Martins,
@@ -496,7 +510,8 @@ def entmax_attention(q, k, v, bias=None, mask=None, *, alpha=1.5, normalizer_par
                                **kwargs)
 
 
-def sparsemax_attention(q, k, v, bias=None, mask=None, **kwargs):
+def sparsemax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
+                        mask: ArrayLike | None = None, **kwargs: Any) -> jax.Array:
   r"""Sparsemax attention (feature A10 at ``alpha = 2``; Martins & Astudillo 2016).
 
   Sparsemax is from A. F. T. Martins & R. F. Astudillo, "From Softmax to Sparsemax: A

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import _common as nc
@@ -16,8 +17,8 @@ __all__ = [
 ]
 
 
-def softmax_cross_entropy(logits, labels, *, axis: int = -1, where=None,
-                          label_smoothing=0.0):
+def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+                          where: ArrayLike | None = None, label_smoothing: ArrayLike = 0.0) -> jax.Array:
   r"""Softmax cross-entropy against probability targets (feature L01).
 
   .. math::
@@ -71,8 +72,9 @@ def softmax_cross_entropy(logits, labels, *, axis: int = -1, where=None,
   return lc.finish(loss, visible, dtype)
 
 
-def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1, where=None,
-                                              label_smoothing=0.0, ignore_index=None):
+def softmax_cross_entropy_with_integer_labels(
+    logits: ArrayLike, labels: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None,
+    label_smoothing: ArrayLike = 0.0, ignore_index: int | None = None) -> jax.Array:
   r"""Softmax cross-entropy against integer class labels (feature L01).
 
   .. math::
@@ -125,8 +127,8 @@ def softmax_cross_entropy_with_integer_labels(logits, labels, *, axis: int = -1,
   return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
 
 
-def top_k_cross_entropy(logits, labels, k: int, *, axis: int = -1, where=None,
-                        ignore_index=None):
+def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: int = -1,
+                        where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Sparse-softmax cross-entropy over the top-k logits (feature L03).
 
   Sparse-softmax (S. Sun et al. 2021, "Sparse-softmax: A Simpler and Faster Alternative

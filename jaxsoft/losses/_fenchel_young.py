@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
 from jaxsoft.losses import _common as lc
@@ -19,8 +21,10 @@ __all__ = ["fenchel_young_loss"]
 _ALPHA = {"softmax": 1.0, "entmax15": 1.5, "sparsemax": 2.0, "entmax": None}
 
 
-def fenchel_young_loss(logits, labels, normalizer="sparsemax", *, axis: int = -1, where=None,
-                       ignore_index=None, **hparams):
+def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
+                       normalizer: str | normalizers.NormalizerSpec = "sparsemax", *,
+                       axis: int = -1, where: ArrayLike | None = None, ignore_index: int | None = None,
+                       **hparams: Any) -> jax.Array:
   r"""Fenchel-Young loss of a Tsallis-regularised normalizer (feature L02).
 
   For the normalizer :math:`p = \hat y_\Omega(\theta) = \arg\max_{p \in \Delta}

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import _common as nc
@@ -10,7 +12,7 @@ from jaxsoft.normalizers import _common as nc
 __all__ = ["stablemax_cross_entropy", "softmax_collapse_fraction"]
 
 
-def log_stablemax_score(x):
+def log_stablemax_score(x: ArrayLike) -> jax.Array:
   r""":math:`\log s(x) = \operatorname{sign}(x)\,\log(1 + |x|)`, StableMax's score in log space.
 
   :math:`s(x) = x + 1` for :math:`x \ge 0` and :math:`1/(1 - x)` for :math:`x < 0`
@@ -26,7 +28,8 @@ def log_stablemax_score(x):
   return jnp.where(nonneg, pos, neg)
 
 
-def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignore_index=None):
+def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+                            where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Cross-entropy of log-StableMax (feature L04; L. Prieto et al., ICLR 2025).
 
   From "Grokking at the Edge of Numerical Stability" (L. Prieto, M. Barsbey,
@@ -86,7 +89,8 @@ def stablemax_cross_entropy(logits, labels, *, axis: int = -1, where=None, ignor
   return lc.finish(loss, visible, dtype)
 
 
-def softmax_collapse_fraction(logits, labels, *, axis: int = -1, where=None, ignore_index=None):
+def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+                              where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Fraction of examples in Softmax Collapse (features L04/E02; Prieto et al., ICLR 2025).
 
   An example is collapsed when its float32 softmax cross-entropy is exactly 0:

@@ -10,7 +10,7 @@ dropout, dtype, precision, module for weight sowing, is_causal) are all honoured
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
+from jax.typing import ArrayLike
 
 from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.normalizers import _spec
@@ -74,11 +75,17 @@ def _segment_mask(segment_ids, t: int, s: int):
   return (q_seg[..., :, None] == kv_seg[..., None, :])[:, None]
 
 
-def attention_weights(q, k, bias=None, mask=None, *, scale=None, is_causal: bool = False,
-                      query_seq_lengths=None, key_value_seq_lengths=None,
-                      local_window_size=None, segment_ids=None, logits_soft_cap=None,
-                      normalizer="softmax", normalizer_params=None, decay_bias=None,
-                      precision=None):
+def attention_weights(
+    q: ArrayLike, k: ArrayLike, bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+    scale: float | None = None, is_causal: bool = False,
+    query_seq_lengths: ArrayLike | None = None, key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int | None, int | None] | None = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    logits_soft_cap: float | None = None,
+    normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
+    normalizer_params: Mapping[str, Any] | None = None,
+    decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
+    precision: jax.lax.PrecisionLike = None) -> jax.Array:
   r"""The dense attention weights ``[B, N, T, S]`` that ``dot_product_attention`` applies.
 
   .. math::
@@ -210,8 +217,9 @@ def attend(q, k, v, bias=None, mask=None, *, normalizer="softmax", normalizer_pa
   return _apply_weights(w, v, precision).astype(q.dtype)
 
 
-def attention_fn(normalizer="softmax", implementation=None, **normalizer_params
-                 ) -> Callable[..., Any]:
+def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
+                 implementation: str | Sequence[str] | None = None,
+                 **normalizer_params: Any) -> Callable[..., jax.Array]:
   r"""An ``attention_fn`` for ``flax.nnx.MultiHeadAttention`` using any jaxsoft normalizer.
 
   .. math:: \mathrm{Attention}(Q, K, V) = f\big(QK^\top/\sqrt{d} + \text{bias}\big)\, V

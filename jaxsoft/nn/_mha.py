@@ -19,7 +19,7 @@ in an unconstrained form and mapped into its valid range by construction, never 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -28,6 +28,8 @@ from flax import nnx
 from flax.nnx.module import first_from
 from flax.nnx.nn import initializers
 from flax.nnx.nn.linear import default_kernel_init
+from flax.typing import Dtype, Initializer, PrecisionLike
+from jax.typing import ArrayLike
 
 from jaxsoft.attention import _variants as variants
 from jaxsoft.nn._attention_fn import _flatten_logit_array, attend
@@ -35,12 +37,14 @@ from jaxsoft.normalizers import _spec
 
 __all__ = ["MultiHeadAttention", "param_transform"]
 
+_Map = Callable[[ArrayLike], jax.Array]
+
 # Open bounds are kept open in floating point by this margin (softplus and sigmoid
 # saturate to exactly their limits for large |z|), relative to the bound's scale.
 _OPEN_MARGIN = 1e-3
 
 
-def param_transform(param: _spec.Param):
+def param_transform(param: _spec.Param) -> tuple[_Map, _Map]:
   """``(to_range, from_range)`` for a normalizer hyperparameter, from its declared range.
 
   * no bounds: the identity (e.g. a sink logit);
@@ -55,23 +59,25 @@ def param_transform(param: _spec.Param):
   low, high = param.low, param.high
   lo_m = _OPEN_MARGIN * max(1.0, abs(low)) if (low is not None and param.low_open) else 0.0
   hi_m = _OPEN_MARGIN * max(1.0, abs(high)) if (high is not None and param.high_open) else 0.0
-  if low is None and high is None:
-    return (lambda z: z), (lambda y: jnp.asarray(y, jnp.float32))
-  if high is None:
-    return (lambda z: variants.softplus_to_range(z, low, lo_m),
-            lambda y: variants.softplus_from_range(y, low, lo_m))
   if low is None:
-    return (lambda z: -variants.softplus_to_range(-z, -high, hi_m),
-            lambda y: -variants.softplus_from_range(-jnp.asarray(y), -high, hi_m))
+    if high is None:
+      return jnp.asarray, (lambda y: jnp.asarray(y, jnp.float32))
+    upper = high
+    return (lambda z: -variants.softplus_to_range(-jnp.asarray(z), -upper, hi_m),
+            lambda y: -variants.softplus_from_range(-jnp.asarray(y), -upper, hi_m))
+  if high is None:
+    lower = low
+    return (lambda z: variants.softplus_to_range(z, lower, lo_m),
+            lambda y: variants.softplus_from_range(y, lower, lo_m))
   a, b = low + lo_m, high - hi_m
   if not a < b:
     raise ValueError(f"parameter `{param.name}`: empty range [{low}, {high}]")
 
-  def to_range(z):
+  def to_range(z: ArrayLike) -> jax.Array:
     z = jnp.asarray(z)
     return a + (b - a) * jax.nn.sigmoid(z.astype(jnp.promote_types(z.dtype, jnp.float32)))
 
-  def from_range(y):
+  def from_range(y: ArrayLike) -> jax.Array:
     u = (jnp.asarray(y, jnp.float32) - a) / (b - a)
     return jnp.log(u) - jnp.log1p(-u)
 
@@ -136,26 +142,26 @@ class MultiHeadAttention(nnx.Module):
       out_features: int | None = None,
       *,
       num_kv_heads: int | None = None,
-      normalizer: Any = "softmax",
-      normalizer_params: dict | None = None,
+      normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
+      normalizer_params: Mapping[str, Any] | None = None,
       learned: Sequence[str] = (),
       gated: bool = False,
       forget_gate: bool = False,
       forget_bias_init: float = 0.0,
       forget_prune_threshold: float | None = None,
       sink: bool = False,
-      implementation: Any = None,
+      implementation: str | Sequence[str] | None = None,
       dropout_rate: float = 0.0,
       broadcast_dropout: bool = True,
       deterministic: bool | None = None,
       use_bias: bool = True,
-      kernel_init=default_kernel_init,
-      bias_init=initializers.zeros_init(),
-      precision=None,
-      dtype=None,
-      param_dtype=jnp.float32,
+      kernel_init: Initializer = default_kernel_init,
+      bias_init: Initializer = initializers.zeros_init(),
+      precision: PrecisionLike = None,
+      dtype: Dtype | None = None,
+      param_dtype: Dtype = jnp.float32,
       rngs: nnx.Rngs,
-  ):
+  ) -> None:
     name = "MultiHeadAttention"
     qkv_features = in_features if qkv_features is None else qkv_features
     out_features = in_features if out_features is None else out_features
@@ -229,6 +235,7 @@ class MultiHeadAttention(nnx.Module):
     # Learned normalizer hyperparameters, stored free, one per head.
     free = {}
     for pname in learned:
+      assert isinstance(spec, _spec.NormalizerSpec)  # `learned` without a spec was refused above
       if pname in normalizer_params:
         raise ValueError(
             f"{name}: `learned` parameter {pname!r} is also fixed in `normalizer_params`")
@@ -268,11 +275,12 @@ class MultiHeadAttention(nnx.Module):
     spec = _spec.resolve(self.normalizer)
     out = {}
     for pname, z in self.normalizer_free.items():
+      assert isinstance(spec, _spec.NormalizerSpec)  # learned parameters need a spec
       to_range, _ = param_transform(spec.param(pname))
       out[pname] = to_range(jnp.asarray(z[...], jnp.float32))
     return out
 
-  def log_forget_gates(self, inputs):
+  def log_forget_gates(self, inputs: ArrayLike) -> jax.Array:
     """``log f = log sigmoid(x w + b)``, ``[batch..., T, N]`` in float32 (forget_gate only)."""
     if not self.forget_gate:
       raise ValueError("MultiHeadAttention.log_forget_gates: the layer has no `forget_gate`")
@@ -281,9 +289,12 @@ class MultiHeadAttention(nnx.Module):
         jnp.float32)
     return jax.nn.log_sigmoid(logits)
 
-  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
-               is_causal: bool = False, segment_ids=None, deterministic: bool | None = None,
-               rngs=None, sow_weights: bool = False, **attention_kwargs):
+  def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,
+               inputs_v: ArrayLike | None = None, *, mask: ArrayLike | None = None,
+               is_causal: bool = False,
+               segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+               deterministic: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None,
+               sow_weights: bool = False, **attention_kwargs: Any) -> jax.Array:
     """Applies attention; inputs ``[batch..., length, in_features]``.
 
     ``inputs_k`` defaults to ``inputs_q`` and ``inputs_v`` to ``inputs_k``. ``mask`` is

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import functools
 import numbers
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _sparsemax
@@ -89,7 +91,7 @@ def _support_jvp(g, v):
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
-def entmax15(x, axis: int = -1, where=None):
+def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""1.5-entmax, exact (feature N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
 
   .. math::
@@ -194,7 +196,7 @@ def _entmax_bisect_last_jvp(n_iter, q, primals, tangents):
   return p, dx + dp_dalpha * alpha_dot
 
 
-def _is_python_scalar(v) -> bool:
+def _is_python_scalar(v: object) -> TypeGuard[numbers.Real]:
   return isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_))
 
 
@@ -210,7 +212,8 @@ def _check_alpha(alpha):
                      + (" (and NaN)" if np.any(np.isnan(a)) else ""))
 
 
-def entmax(x, alpha=1.5, axis: int = -1, where=None, n_iter: int | None = None):
+def entmax(x: ArrayLike, alpha: ArrayLike = 1.5, axis: int = -1, where: ArrayLike | None = None,
+           n_iter: int | None = None) -> jax.Array:
   r"""alpha-entmax for any alpha > 1 (feature N17, kernel class T; Peters et al. 2019).
 
   .. math::
@@ -282,7 +285,7 @@ def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   return c.finish(c.from_last(p, axis), mask, jnp.asarray(x).dtype)
 
 
-def learned_alpha(z, min_gap: float = 1e-3):
+def learned_alpha(z: ArrayLike, min_gap: float = 1e-3) -> jax.Array:
   """``alpha = 1 + min_gap + softplus(z)``: an unconstrained parameter mapped into alpha > 1.
 
   ``min_gap`` keeps alpha > 1 also in float32, where ``1 + softplus(z)`` rounds to exactly 1

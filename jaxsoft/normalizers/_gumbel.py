@@ -6,6 +6,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
@@ -15,7 +16,8 @@ __all__ = ["gumbel_softmax"]
 _TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-def gumbel_softmax(key, x, tau=1.0, hard: bool = False, axis: int = -1, where=None):
+def gumbel_softmax(key: jax.Array, x: ArrayLike, tau: ArrayLike = 1.0, hard: bool = False,
+                   axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Gumbel-softmax sample (feature N13, kernel class X; E. Jang, S. Gu & B. Poole 2017).
 
   From "Categorical Reparameterization with Gumbel-Softmax" (Jang, Gu & Poole, ICLR 2017,

@@ -6,7 +6,9 @@ and not registered NormalizerSpecs.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import Param
@@ -36,7 +38,8 @@ def _masked_lse(z, mask, axis):
   return m + log_s
 
 
-def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
+def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+              keepdims: bool = False) -> jax.Array:
   r"""Log-sum-exp over the visible entries of a row (feature N02, kernel class E).
 
   .. math::
@@ -74,7 +77,8 @@ def logsumexp(x, axis: int = -1, where=None, keepdims: bool = False):
   return out.astype(jnp.asarray(x).dtype)
 
 
-def log_softmax(x, axis: int = -1, where=None, temperature=1.0):
+def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+                temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Log-softmax with temperature (feature N02, kernel class E).
 
   .. math::
@@ -127,7 +131,8 @@ def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):
   return out.astype(jnp.asarray(x).dtype)
 
 
-def smooth_max(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
+def smooth_max(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayLike | None = None,
+               keepdims: bool = False) -> jax.Array:
   r"""Smooth maximum ``LSE_eps`` (feature N02, kernel class E).
 
   .. math::
@@ -164,7 +169,8 @@ def smooth_max(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
   return _smooth_extreme(x, eps, axis, where, keepdims, 1.0, "smooth_max")
 
 
-def smooth_min(x, eps=1.0, axis: int = -1, where=None, keepdims: bool = False):
+def smooth_min(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayLike | None = None,
+               keepdims: bool = False) -> jax.Array:
   r"""Smooth minimum ``-LSE_eps(-x)`` (feature N02, kernel class E).
 
   .. math::

@@ -6,8 +6,11 @@ blockwise kernel carries nothing across key blocks and rows need not sum to 1.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
@@ -22,7 +25,8 @@ def _log_length(length):
   return jnp.log(jnp.maximum(length, 1.0))
 
 
-def sigmoid(x, bias=None, axis: int = -1, where=None):
+def sigmoid(x: ArrayLike, bias: ArrayLike | None = None, axis: int = -1,
+            where: ArrayLike | None = None) -> jax.Array:
   r"""Sigmoid attention weights (feature N21, kernel class P; J. Ramapuram et al. 2024).
 
   From "Theory, Analysis, and Best Practices for Sigmoid Self-Attention" (J. Ramapuram
@@ -69,7 +73,7 @@ def sigmoid(x, bias=None, axis: int = -1, where=None):
   return c.finish(jax.nn.sigmoid(xs + b), mask, jnp.asarray(x).dtype)
 
 
-def relu(x, axis: int = -1, where=None):
+def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""ReLU weights ``max(0, x_i)`` (feature N22, kernel class P; see docs/feature_ids.md).
 
   As a classification output, A. F. Agarap 2018, "Deep Learning using Rectified Linear
@@ -98,7 +102,7 @@ def relu(x, axis: int = -1, where=None):
   return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
 
 
-def relu_n(x, axis: int = -1, where=None):
+def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Length-normalised ReLU ``max(0, x_i) / n`` (feature N22, class P).
 
   n is the number of visible entries of the row, so for i.i.d. scores the output of
@@ -120,7 +124,7 @@ def relu_n(x, axis: int = -1, where=None):
   return c.finish(jax.nn.relu(xs) / n, mask, jnp.asarray(x).dtype)
 
 
-def relu2(x, axis: int = -1, where=None):
+def relu2(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Squared ReLU ``max(0, x_i)^2`` (feature N22, kernel class P).
 
   C^1 (gradient ``2 max(0, x)``), unnormalised. Arguments and returns as :func:`relu`.
@@ -160,8 +164,8 @@ def _relu2_numerator(z, m, **_):
   return jnp.square(jax.nn.relu(z))
 
 
-_POINTWISE = dict(kernel_class="P", catalogue_id="N22", sums_to_one=False, at_most_one=False,
-                  nonnegative=True, shift_invariant=False)
+_POINTWISE: dict[str, Any] = dict(kernel_class="P", catalogue_id="N22", sums_to_one=False,
+                                  at_most_one=False, nonnegative=True, shift_invariant=False)
 
 SPEC_SIGMOID = register(NormalizerSpec(
     name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,

@@ -6,8 +6,11 @@ so a row can "attend to nothing": weights sum to ``S / (c + S) < 1`` with ``S = 
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._softmax import exp_numerator
@@ -38,7 +41,8 @@ def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def softmax_n(x, n=1.0, axis: int = -1, where=None):
+def softmax_n(x: ArrayLike, n: ArrayLike = 1.0, axis: int = -1,
+              where: ArrayLike | None = None) -> jax.Array:
   r"""Softmax with ``n`` units of sink mass (feature N03, kernel class E; Hu et al. 2024).
 
   .. math::
@@ -82,7 +86,7 @@ def softmax_n(x, n=1.0, axis: int = -1, where=None):
   return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
 
 
-def softmax_1(x, axis: int = -1, where=None):
+def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Softmax_1 = ``e^{x_i} / (1 + sum_j e^{x_j}) = softmax([x, 0])[:-1]`` (N03, class E).
 
   Softmax with an implicit zero logit (E. Miller 2023, "Attention Is Off By One"; the
@@ -102,7 +106,8 @@ def softmax_1(x, axis: int = -1, where=None):
   return softmax_n(x, n=1.0, axis=axis, where=where)
 
 
-def softmax_sink(x, sink_logit=0.0, axis: int = -1, where=None):
+def softmax_sink(x: ArrayLike, sink_logit: ArrayLike = 0.0, axis: int = -1,
+                 where: ArrayLike | None = None) -> jax.Array:
   r"""Softmax with a (learned) sink logit (feature N03, kernel class E; see docs/feature_ids.md).
 
   .. math::
@@ -154,9 +159,9 @@ def _sink_offset(m, length, sink_logit=0.0, **_):
   return jnp.exp(sink_logit - m)
 
 
-_COMMON = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False, at_most_one=True,
-               nonnegative=True, shift_invariant=False, can_be_sparse=False,
-               length_dependent=False, smooth=True)
+_COMMON: dict[str, Any] = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False,
+                               at_most_one=True, nonnegative=True, shift_invariant=False,
+                               can_be_sparse=False, length_dependent=False, smooth=True)
 
 SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
@@ -12,7 +14,8 @@ __all__ = ["softmax"]
 _TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-def softmax(x, axis: int = -1, where=None, temperature=1.0):
+def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+            temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Softmax with temperature (feature N01, kernel class E; see docs/feature_ids.md).
 
   .. math::

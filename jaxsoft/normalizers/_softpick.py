@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
@@ -11,7 +12,7 @@ from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_m
 __all__ = ["softpick"]
 
 
-def softpick(x, axis: int = -1, where=None):
+def softpick(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Softpick (feature N20, kernel class E; Z. M. K. Zuhri, E. H. Fuadi & A. F. Aji 2025).
 
   From "Softpick: No Attention Sink, No Massive Activations with Rectified Softmax"

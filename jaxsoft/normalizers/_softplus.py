@@ -9,8 +9,11 @@ descriptions), with their constants exposed as parameters.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
@@ -25,7 +28,7 @@ _P = Param("p", 2.0, low=1.0, sample=3.0, row_broadcast=True)
 _SMALL = -15.0
 
 
-def length_scale(n, base=512.0, scale=1.0):
+def length_scale(n: ArrayLike, base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
   r"""The [R] scale law ``lambda(n) = scale * log(n) / log(base) = scale * log_base(n)``.
 
   [R]: a reconstruction. The paper describes a scale that grows like log N from an
@@ -41,9 +44,9 @@ def length_scale(n, base=512.0, scale=1.0):
     Array([0.3333, 1.    , 1.3333], dtype=float32)
   """
   if base is None:
-    return scale * jnp.ones_like(n)
+    return jnp.multiply(scale, jnp.ones_like(n))
   n = jnp.asarray(n)
-  return scale * jnp.log(jnp.maximum(n, 1.0)) / jnp.log(jnp.asarray(base, n.dtype))
+  return jnp.multiply(scale, jnp.log(jnp.maximum(n, 1.0))) / jnp.log(jnp.asarray(base, n.dtype))
 
 
 def _log_softplus(z):
@@ -71,7 +74,8 @@ def _powered_softplus(x, axis, where, p, base, scale, fn_name):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
+def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+                base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
   r"""Softplus-l1 attention weights, LSSA (feature N23, kernel class S; Gao & Spratling 2025).
 
   .. math::
@@ -114,7 +118,8 @@ def softplus_l1(x, axis: int = -1, where=None, base=512.0, scale=1.0):
   return _powered_softplus(x, axis, where, 1.0, base, scale, "softplus_l1")
 
 
-def lssar(x, p=2.0, axis: int = -1, where=None, base=512.0, scale=1.0):
+def lssar(x: ArrayLike, p: ArrayLike = 2.0, axis: int = -1, where: ArrayLike | None = None,
+          base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
   r"""LSSAR: softplus-l1 weights sharpened by a power (feature N23, class S; Gao & Spratling 2025).
 
   .. math::
@@ -159,8 +164,9 @@ def _softplus_pow_tile(z, m, p=2.0, **_):
   return jax.nn.softplus(z) ** p
 
 
-_COMMON = dict(kernel_class="S", catalogue_id="N23", sums_to_one=True, nonnegative=True,
-               shift_invariant=False, can_be_sparse=False, length_dependent=True, smooth=True)
+_COMMON: dict[str, Any] = dict(
+    kernel_class="S", catalogue_id="N23", sums_to_one=True, nonnegative=True,
+    shift_invariant=False, can_be_sparse=False, length_dependent=True, smooth=True)
 
 SPEC = register(NormalizerSpec(
     name="softplus_l1", fn=softplus_l1, params=(_BASE, _SCALE),

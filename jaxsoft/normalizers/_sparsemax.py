@@ -12,6 +12,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, identity_score_map, register
@@ -76,7 +77,7 @@ def _sparsemax_last_jvp(primals, tangents):
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
-def sparsemax(x, axis: int = -1, where=None):
+def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Sparsemax (feature N16, kernel class T; A. F. T. Martins & R. F. Astudillo 2016).
 
   From "From Softmax to Sparsemax: A Sparse Model of Attention and Multi-Label

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._softmax import exp_numerator
@@ -24,7 +26,8 @@ def _scale(length, s, n, bias):
   return s * jnp.log(jnp.where(nn >= 1.0, nn, 1.0)) + bias
 
 
-def ssmax(x, s=0.43, n=None, bias=0.0, axis: int = -1, where=None):
+def ssmax(x: ArrayLike, s: ArrayLike = 0.43, n: ArrayLike | None = None, bias: ArrayLike = 0.0,
+          axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Scalable-Softmax (feature N05, kernel class E; K. M. Nakanishi 2025, arXiv 2501.19399).
 
   From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025):

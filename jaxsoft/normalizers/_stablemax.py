@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
@@ -10,7 +12,7 @@ from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_m
 __all__ = ["stablemax", "stablemax_map"]
 
 
-def stablemax_map(x):
+def stablemax_map(x: ArrayLike) -> jax.Array:
   r"""The positive map ``s(x) = x + 1`` for ``x >= 0`` and ``1 / (1 - x)`` for ``x < 0``.
 
   ``s > 0``, increasing, C^1 at 0 (``s(0) = s'(0) = 1``); linear growth instead of exp.
@@ -24,12 +26,13 @@ def stablemax_map(x):
     >>> js.normalizers.stablemax_map(jnp.array([2.0, 0.0, -2.0]))
     Array([3.    , 1.    , 0.3333], dtype=float32)
   """
+  x = jnp.asarray(x)
   # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0).
   neg = jnp.where(x < 0, x, 0.0)
   return jnp.where(x >= 0, x + 1.0, 1.0 / (1.0 - neg))
 
 
-def stablemax(x, axis: int = -1, where=None):
+def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""StableMax (feature N19, kernel class S; L. Prieto et al., ICLR 2025).
 
   From "Grokking at the Edge of Numerical Stability" (L. Prieto, M. Barsbey,

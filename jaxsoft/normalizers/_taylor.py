@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
@@ -26,7 +28,7 @@ def _check_order(order, fn_name: str) -> int:
   return int(order)
 
 
-def taylor_exp(x, order: int = 2):
+def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
   r"""The order-m Taylor polynomial of exp, ``sum_{k=0}^{m} x^k / k!`` (Horner form).
 
   For even m it is strictly positive on the reals (its minimum, at the real root of the
@@ -47,7 +49,8 @@ def taylor_exp(x, order: int = 2):
   return acc
 
 
-def taylor_softmax(x, order: int = 2, axis: int = -1, where=None):
+def taylor_softmax(x: ArrayLike, order: int = 2, axis: int = -1,
+                   where: ArrayLike | None = None) -> jax.Array:
   r"""Taylor softmax (feature N24, kernel class S; de Brébisson & Vincent 2016; TaylorShift).
 
   .. math::

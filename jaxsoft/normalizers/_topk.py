@@ -11,10 +11,12 @@ the weights are differentiable inside K, zero-gradient outside.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
@@ -35,7 +37,8 @@ def _softmax_over(xs, keep, axis):
   return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
 
 
-def top_k_softmax(x, k: int = DEFAULT_K, axis: int = -1, where=None):
+def top_k_softmax(x: ArrayLike, k: int = DEFAULT_K, axis: int = -1,
+                  where: ArrayLike | None = None) -> jax.Array:
   r"""Top-k (sparse) softmax (feature N15, kernel class T; S. Sun et al. 2021).
 
   From "Sparse-softmax: A Simpler and Faster Alternative Softmax Transformation" (Sun et
@@ -102,7 +105,8 @@ def _full_softmax(xs, mask, axis):
   return jax.lax.stop_gradient(_softmax_over(xs, mask, axis))
 
 
-def top_p_softmax(x, p=0.9, axis: int = -1, where=None):
+def top_p_softmax(x: ArrayLike, p: float = 0.9, axis: int = -1,
+                  where: ArrayLike | None = None) -> jax.Array:
   r"""Nucleus (top-p) softmax (feature N15, kernel class T; A. Holtzman et al. 2020).
 
   From "The Curious Case of Neural Text Degeneration" (Holtzman, Buys, Du, Forbes & Choi,
@@ -171,7 +175,8 @@ def _truncated_softmax(x, where, level, axis, fn_name):
   return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
 
 
-def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
+def epsilon_softmax(x: ArrayLike, epsilon: ArrayLike = 3e-4, axis: int = -1,
+                    where: ArrayLike | None = None) -> jax.Array:
   r"""epsilon-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
 
   .. math::
@@ -205,7 +210,8 @@ def epsilon_softmax(x, epsilon=3e-4, axis: int = -1, where=None):
   return _truncated_softmax(x, where, epsilon, axis=axis, fn_name="epsilon_softmax")
 
 
-def eta_softmax(x, eta=3e-4, axis: int = -1, where=None):
+def eta_softmax(x: ArrayLike, eta: ArrayLike = 3e-4, axis: int = -1,
+                where: ArrayLike | None = None) -> jax.Array:
   r"""eta-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
 
   From "Truncation Sampling as Language Model Desmoothing" (J. Hewitt, C. D. Manning &
@@ -276,7 +282,8 @@ TOP_K_RULE = ThresholdRule(
     # halvings take the 111-wide bracket below float32 resolution.
     iterations=48)
 
-_COMMON = dict(kernel_class="T", catalogue_id="N15", can_be_sparse=True, smooth=False)
+_COMMON: dict[str, Any] = dict(kernel_class="T", catalogue_id="N15", can_be_sparse=True,
+                               smooth=False)
 
 SPEC = register(NormalizerSpec(
     name="top_k_softmax", fn=top_k_softmax, params=(_K,), threshold=TOP_K_RULE,
