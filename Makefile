@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # pytest workers: one per core by default.
 JOBS   ?= auto
 
-.PHONY: demo test test-unit test-notebooks test-slow lint bench gallery notebooks clean
+.PHONY: demo test test-unit test-notebooks test-slow lint typecheck bench gallery notebooks clean
 
 $(VENV)/.base: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,10 @@ test-slow: $(VENV)/.base
 
 lint: $(VENV)/.base
 	$(PY) -m ruff check jaxsoft kernels_pallas tests bench train
+
+## Static type check of the library (mypy; its configuration is the [mypy] section of setup.cfg).
+typecheck: $(VENV)/.base
+	$(PY) -m mypy jaxsoft
 
 ## Re-sync each notebook with its plain-text twin (edit the .py, then run this).
 notebooks: $(VENV)/.base
