@@ -444,12 +444,11 @@ def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causa
     ...     q, k, v, scale=1.0, mask=jnp.array([True, True, False]))[0, 0]
     Array([0.6225, 0.3775, 0.    ], dtype=float32)
 
-    With softmax it matches :func:`jax.nn.dot_product_attention`, here on the blockwise
-    path:
+    With softmax it matches :func:`jax.nn.dot_product_attention` (and so does
+    ``implementation="xla_chunked"``, blockwise, for long sequences):
 
     >>> x = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))  # [B, T, N, H]
-    >>> out = js.attention.dot_product_attention(x, x, x, is_causal=True,
-    ...                                          implementation="xla_chunked")
+    >>> out = js.attention.dot_product_attention(x, x, x, is_causal=True)
     >>> ref = jax.nn.dot_product_attention(x, x, x, is_causal=True)
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
     ((2, 16, 4, 8), True)
