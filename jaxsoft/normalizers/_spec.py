@@ -13,8 +13,6 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import jax.numpy as jnp
-
 __all__ = [
     "Param",
     "TileRule",
