@@ -37,13 +37,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import test_util as jtu
+from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _tile as tile
@@ -483,6 +484,7 @@ def _check_params(fn, spec, x, key, check):
   base = {p.name: p.default for p in spec.params if p.default is not None}
   mask = jnp.asarray(_masks(x.shape))
   with check("param_defaults"):
+    sig: Mapping[str, inspect.Parameter]
     try:
       sig = inspect.signature(fn).parameters
     except (TypeError, ValueError):
@@ -526,8 +528,9 @@ def _check_params(fn, spec, x, key, check):
                          "ValueError")
 
 
-def check_normalizer(fn, spec: NormalizerSpec | str | None = None, *, key=None, rows=None,
-                     quick: bool = False) -> tuple[str, ...]:
+def check_normalizer(fn: Callable[..., Any] | NormalizerSpec,
+                     spec: NormalizerSpec | str | None = None, *, key: jax.Array | None = None,
+                     rows: ArrayLike | None = None, quick: bool = False) -> tuple[str, ...]:
   """Checks a normalizer against the invariants its spec declares.
 
   Runs, for the default hyperparameters and for each parameter's ``sample`` value, the
@@ -648,7 +651,8 @@ def _threshold_of(rule) -> ThresholdRule:
   return rule
 
 
-def evaluate_tile_rule(rule, x, axis: int = -1, where=None, **hparams):
+def evaluate_tile_rule(rule: TileRule | NormalizerSpec, x: ArrayLike, axis: int = -1,
+                       where: ArrayLike | None = None, **hparams: Any) -> jax.Array:
   r"""Dense evaluation of a class E/S/P tile rule over whole rows.
 
   With V the visible entries of a row (``where`` True and ``x > -inf``), n = |V|,
@@ -685,7 +689,9 @@ def evaluate_tile_rule(rule, x, axis: int = -1, where=None, **hparams):
   return c.finish(w, jnp.moveaxis(mask, -1, axis), jnp.asarray(x).dtype)
 
 
-def evaluate_tile_rule_online(rule, x, v, block_sizes: Sequence[int], where=None, **hparams):
+def evaluate_tile_rule_online(rule: TileRule | NormalizerSpec, x: ArrayLike, v: ArrayLike,
+                              block_sizes: Sequence[int], where: ArrayLike | None = None,
+                              **hparams: Any) -> jax.Array:
   r"""Blockwise (online) evaluation of a tile rule fused with a weighted sum: ``w(x) @ v``.
 
   The row (last axis of ``x``, length S) is cut into consecutive key blocks of the given
@@ -741,7 +747,8 @@ def evaluate_tile_rule_online(rule, x, v, block_sizes: Sequence[int], where=None
   return tile.normalize(rule, acc, d)
 
 
-def evaluate_threshold_rule(rule, x, axis: int = -1, where=None, **hparams):
+def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, axis: int = -1,
+                            where: ArrayLike | None = None, **hparams: Any) -> jax.Array:
   r"""Dense bisection evaluation of a class-T threshold rule.
 
   With z = ``score_map(x, n)`` and m its row max over the visible entries V,

@@ -682,7 +682,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
     mask = _pad_axis(_pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
   kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk)
   prune = None
-  if call.decay_prune_threshold is not None:
+  if call.decay_prune_threshold is not None and decay is not None:
     prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)
   counts = _pad_axis(st.visible_counts(), 1, Tp, value=0.0)  # [B|1, Tp]
   aux = _Aux(

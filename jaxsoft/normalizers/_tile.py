@@ -107,11 +107,12 @@ def weights(rule: TileRule, z, mask, m, hp: Params):
   two maps are the same function (softmax), so it is computed once.
   """
   num = _where(mask, rule.numerator(z, m, **hp), 0.0)
-  if not rule.normalized:
+  denominator = rule.denominator
+  if not rule.normalized or denominator is None:  # (validated: None only for class P)
     return num, None
-  if rule.denominator is rule.numerator:
+  if denominator is rule.numerator:
     return num, num
-  return num, _where(mask, rule.denominator(z, m, **hp), 0.0)
+  return num, _where(mask, denominator(z, m, **hp), 0.0)
 
 
 def init_rows(rule: TileRule, row_shape, dtype):
@@ -213,11 +214,12 @@ def offset_vjp(rule: TileRule, m, d, delta, length, hp_static: Params, hp_arrays
   None when the rule has no offset (or no row sum) or there are no array
   hyperparameters.
   """
-  if not rule.normalized or rule.offset is None or not hp_arrays:
+  rule_offset = rule.offset
+  if not rule.normalized or rule_offset is None or not hp_arrays:
     return None
 
   def offset(arrays):
-    return jnp.broadcast_to(rule.offset(m, length, **{**hp_static, **arrays}), m.shape)
+    return jnp.broadcast_to(rule_offset(m, length, **{**hp_static, **arrays}), m.shape)
 
   _, vjp = jax.vjp(offset, hp_arrays)
   (dhp,) = vjp(-delta * safe_inverse(d))
