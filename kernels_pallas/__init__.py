@@ -4,12 +4,13 @@
 (running max and row sum carried across key blocks), S (row sum only) or P (nothing
 carried), with a Triton (GPU) and a Mosaic TPU driver, forward and backward. The classes
 are explained in kernels_pallas/README.md ("How the kernel is generated") and
-docs/feature_ids.md.
+docs/feature_ids.md. ``attention_from_call`` is the adapter
+``jaxsoft.attention.dot_product_attention`` calls.
 """
 
-from kernels_pallas._api import BlockSizes, attention
+from kernels_pallas._api import BlockSizes, attention, attention_from_call
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.sharding import sharded_attention
 
-__all__ = ["attention", "BlockSizes", "UnsupportedError", "default_block_sizes",
-           "sharded_attention"]
+__all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
+           "default_block_sizes", "sharded_attention"]

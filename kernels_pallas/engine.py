@@ -32,29 +32,23 @@ output and two float32 statistics per query row; no T x S buffer exists anywhere
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.experimental import pallas as pl
 
+from jaxsoft.attention import _masks
 from jaxsoft.normalizers import _spec
 from jaxsoft.normalizers import _tile as tile
 
 __all__ = [
+    "Aux",
     "BlockSizes",
     "Config",
     "UnsupportedError",
-    "attention_core",
     "default_block_sizes",
-    "supports",
 ]
-
-# Segment id given to padded query rows / key columns (from padding to the block size or
-# from query/key-value sequence lengths); the two never match each other or a user id.
-Q_PAD_SEGMENT = np.iinfo(np.int32).min
-K_PAD_SEGMENT = np.iinfo(np.int32).min + 1
 
 
 class UnsupportedError(NotImplementedError):
@@ -115,7 +109,6 @@ class Config:
   spec: Any  # NormalizerSpec (hashable by identity)
   static_hp: tuple[tuple[str, Any], ...]
   dyn_hp: tuple[str, ...]
-  has_sink: bool
   scale: float
   soft_cap: float | None
   causal: bool
@@ -125,11 +118,10 @@ class Config:
   s: int
   t_pad: int
   s_pad: int
-  head_dim: int
   head_dim_pad: int
   num_heads: int
   num_kv_heads: int
-  blocks: BlockSizes
+  blocks: BlockSizes  # resolved (every field set)
   backend: str
   interpret: Any
   debug: bool = False
@@ -150,7 +142,6 @@ class Config:
   @property
   def kernel_class(self) -> str:
     return self.spec.kernel_class
-
 
   @property
   def needs_mask(self) -> bool:
@@ -180,32 +171,20 @@ def soft_cap_grad(cfg: Config, s, ds):
 
 
 def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg=None):
-  """Visibility of a [bq, bk] tile from the structure (None when every entry is visible).
+  """Visibility of a [bq, bk] tile (None when every entry is visible).
 
-  ``q_start``/``k_start`` are the tile's first global row/column; ``q_seg`` [bq, 1] and
-  ``k_seg`` [1, bk] the segment ids (padding carries ids that never match).
+  The structure's :func:`~jaxsoft.attention._masks.positions_visible` at the tile's
+  positions: ``q_start``/``k_start`` are its first global row/column, ``q_seg`` [bq, 1]
+  and ``k_seg`` [1, bk] the kernel segment ids (lengths and padding folded in).
   """
   if not cfg.needs_mask:
     return None
   rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  mask = None
-
-  def conj(a, b):
-    return b if a is None else jnp.logical_and(a, b)
-
-  if cfg.s_pad != cfg.s:
-    mask = conj(mask, cols < cfg.s)
-  if cfg.t_pad != cfg.t:
-    mask = conj(mask, rows < cfg.t)
-  if cfg.causal:
-    mask = conj(mask, cols <= rows)
-  if cfg.window is not None:
-    left, right = cfg.window
-    mask = conj(mask, jnp.logical_and(cols >= rows - left, cols <= rows + right))
-  if cfg.has_segments:
-    mask = conj(mask, q_seg == k_seg)
-  return mask
+  return _masks.positions_visible(
+      rows, cols, is_causal=cfg.causal, window=cfg.window,
+      q_len=cfg.t if cfg.t_pad != cfg.t else None, kv_len=cfg.s if cfg.s_pad != cfg.s else None,
+      q_seg=q_seg if cfg.has_segments else None, kv_seg=k_seg)
 
 
 def _hp(cfg: Config, dyn: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -254,98 +233,7 @@ def backward_tile(cfg: Config, s, mask, m, d, delta, dp, length, dyn):
 
 
 # --------------------------------------------------------------------------------------
-# XLA-side preparation: padding, visible counts, block tables, per-row parameters.
-
-
-def supports(spec) -> bool:
-  return isinstance(spec, _spec.NormalizerSpec) and spec.kernel_class in ("E", "S", "P")
-
-
-def visible_counts(t, s, causal, window, q_seg, k_seg, chunk: int = 256):
-  """n_i: the number of visible keys of each query row, float32 [B, T] (no T x S buffer).
-
-  Closed form without segments; with segments a count over query chunks (O(chunk * S)
-  memory).
-  """
-  rows = jnp.arange(t, dtype=jnp.int32)
-  if q_seg is None:
-    lo = jnp.zeros_like(rows)
-    hi = jnp.full_like(rows, s - 1)
-    if causal:
-      hi = jnp.minimum(hi, rows)
-    if window is not None:
-      lo = jnp.maximum(lo, rows - window[0])
-      hi = jnp.minimum(hi, rows + window[1])
-    return jnp.maximum(hi - lo + 1, 0).astype(jnp.float32)[None, :]
-  b = q_seg.shape[0]
-  tc = _round_up(t, chunk) if t > chunk else t
-  chunk = min(chunk, tc)
-  qs = jnp.pad(q_seg, ((0, 0), (0, tc - t)), constant_values=Q_PAD_SEGMENT)
-  cols = jnp.arange(s, dtype=jnp.int32)
-
-  def count(args):
-    qs_c, r0 = args
-    r = r0 + jnp.arange(chunk, dtype=jnp.int32)
-    vis = qs_c[:, :, None] == k_seg[:, None, :]
-    if causal:
-      vis &= (cols[None, :] <= r[:, None])[None]
-    if window is not None:
-      vis &= ((cols[None, :] >= r[:, None] - window[0])
-              & (cols[None, :] <= r[:, None] + window[1]))[None]
-    return jnp.sum(vis, axis=-1).astype(jnp.float32)
-
-  nchunks = tc // chunk
-  qs_chunks = qs.reshape(b, nchunks, chunk).transpose(1, 0, 2)
-  starts = jnp.arange(nchunks, dtype=jnp.int32) * chunk
-  out = jax.lax.map(count, (qs_chunks, starts))  # [nchunks, B, chunk]
-  return out.transpose(1, 0, 2).reshape(b, tc)[:, :t]
-
-
-def block_table(cfg: Config, bq: int, bk: int, q_seg, k_seg):
-  """Which (query block, key block) tiles hold a visible entry: bool [B or 1, nq, nk].
-
-  From the structure only: causal, window, padding, and segment-id ranges (a tile whose
-  query and key segment ranges do not overlap has no equal pair; exact for any layout,
-  tight for sorted ids).
-  """
-  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
-  r_lo = np.arange(nq) * bq
-  r_hi = np.minimum(r_lo + bq, cfg.t) - 1
-  c_lo = np.arange(nk) * bk
-  c_hi = np.minimum(c_lo + bk, cfg.s) - 1
-  vis = (r_lo <= r_hi)[:, None] & (c_lo <= c_hi)[None, :]
-  if cfg.causal:
-    vis &= c_lo[None, :] <= r_hi[:, None]
-  if cfg.window is not None:
-    left, right = cfg.window
-    vis &= (c_lo[None, :] <= r_hi[:, None] + right) & (c_hi[None, :] >= r_lo[:, None] - left)
-  vis = jnp.asarray(vis)[None]
-  if q_seg is not None:
-    big = np.iinfo(np.int32).max
-    qv = q_seg != Q_PAD_SEGMENT
-    kv = k_seg != K_PAD_SEGMENT
-    qb = q_seg.reshape(q_seg.shape[0], nq, bq)
-    kb = k_seg.reshape(k_seg.shape[0], nk, bk)
-    qvb, kvb = qv.reshape(qb.shape), kv.reshape(kb.shape)
-    q_min = jnp.min(jnp.where(qvb, qb, big), axis=-1)
-    q_max = jnp.max(jnp.where(qvb, qb, -big), axis=-1)
-    k_min = jnp.min(jnp.where(kvb, kb, big), axis=-1)
-    k_max = jnp.max(jnp.where(kvb, kb, -big), axis=-1)
-    overlap = (q_min[:, :, None] <= k_max[:, None, :]) & (k_min[:, None, :] <= q_max[:, :, None])
-    vis = vis & overlap
-  return vis
-
-
-def block_ranges(vis, axis: int):
-  """First and last visible block along ``axis`` of a [B, nq, nk] table (int32, [B, n]).
-
-  An empty row gives lo = 0, hi = -1 (the loop runs zero times).
-  """
-  n = vis.shape[axis]
-  any_ = jnp.any(vis, axis=axis)
-  lo = jnp.argmax(vis, axis=axis).astype(jnp.int32)
-  hi = (n - 1 - jnp.argmax(jnp.flip(vis, axis=axis), axis=axis)).astype(jnp.int32)
-  return jnp.where(any_, lo, 0), jnp.where(any_, hi, -1)
+# Plumbing shared by the drivers: one pass's block specs, its inputs, its kernel's refs.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,12 +242,15 @@ class Aux:
 
   q_seg: Any  # [B, T_pad, 1] int32 or None
   k_seg: Any  # [B, 1, S_pad] int32 or None
-  length: Any  # [B, T_pad, 1] float32
-  fwd_lo: Any  # [B, nq] int32 (also the dQ pass, whose blocks may differ)
+  length: Any  # [B, T_pad, 1]: the visible count n of each row
+  # The visible key blocks [lo, hi) of each query block, [B, nq] int32, per pass (the
+  # forward and dQ passes may use different blocks), and the visible query blocks of
+  # each key block [B, nk] for the dK/dV pass (MaskStructure.block_table).
+  fwd_lo: Any
   fwd_hi: Any
   dq_lo: Any
   dq_hi: Any
-  dkv_lo: Any  # [B, nk] int32
+  dkv_lo: Any
   dkv_hi: Any
 
 
@@ -367,72 +258,63 @@ jax.tree_util.register_dataclass(
     Aux, data_fields=[f.name for f in dataclasses.fields(Aux)], meta_fields=[])
 
 
-def _driver(cfg: Config):
-  if cfg.backend == "triton":
-    from kernels_pallas import triton as drv
-  elif cfg.backend == "mosaic_tpu":
-    from kernels_pallas import tpu as drv
+def div(x, g: int):
+  """x // g for non-negative int32 grid indices (in index maps)."""
+  # lax.div, not //: floor division lowers through sign, which Mosaic resolves per chip.
+  return jax.lax.div(x, jnp.asarray(g, x.dtype))
+
+
+def dot(cfg: Config, a, b, contract: tuple[int, int]):
+  """a . b contracting axis ``contract[0]`` of a with ``contract[1]`` of b (compute dtype)."""
+  return jax.lax.dot_general(a, b, ((contract[:1], contract[1:]), ((), ())),
+                             preferred_element_type=cfg.acc_dtype)
+
+
+def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | None = None,
+                heads_first: bool = False) -> dict[str, Any]:
+  """The BlockSpecs of one pass, all from one index map.
+
+  ``index(*grid_indices)`` returns ``(batch, q_head, kv_head, q_block, k_block)`` in
+  block units; query-side blocks have ``q_rows`` rows and ``q_heads`` heads (None: one,
+  squeezed), key-side blocks ``k_rows`` rows. Keys: ``q`` (q, dO, O, dQ: [B, T, N, H], or
+  [B, N, T, H] when ``heads_first``), ``kv`` (K, V, dK, dV), ``row`` (per-row statistics
+  and hyperparameters [B, N, T, 1]), ``q_ids`` (query segment ids and visible counts
+  [B, T, 1]) and ``k_ids`` (key segment ids [B, 1, S]).
+  """
+  hp = cfg.head_dim_pad
+
+  def spec(shape, pick):
+    return pl.BlockSpec(shape, lambda *grid: pick(*index(*grid)))
+
+  if heads_first:
+    q = spec((None, q_heads, q_rows, hp), lambda b, qh, kh, qb, kb: (b, qh, qb, 0))
+    kv = spec((None, None, k_rows, hp), lambda b, qh, kh, qb, kb: (b, kh, kb, 0))
   else:
-    raise ValueError(f"`backend` must be 'triton' or 'mosaic_tpu', got {cfg.backend!r}")
-  return drv
+    q = spec((None, q_rows, q_heads, hp), lambda b, qh, kh, qb, kb: (b, qb, qh, 0))
+    kv = spec((None, k_rows, None, hp), lambda b, qh, kh, qb, kb: (b, kb, kh, 0))
+  return dict(
+      q=q, kv=kv,
+      row=spec((None, q_heads, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
+      q_ids=spec((None, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qb, 0)),
+      k_ids=spec((None, 1, k_rows), lambda b, qh, kh, qb, kb: (b, 0, kb)))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_core(cfg: Config, q, k, v, dyn, aux: Aux):
-  """The kernel on padded inputs: q [B, T_pad, N, Hp], k/v [B, S_pad, K, Hp].
-
-  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32. Returns
-  o [B, T_pad, N, Hp] in q's dtype.
-  """
-  o, _, _ = _driver(cfg).forward(cfg, q, k, v, dyn, aux)
-  return o
-
-
-def _core_fwd(cfg, q, k, v, dyn, aux):
-  o, m, d = _driver(cfg).forward(cfg, q, k, v, dyn, aux)
-  return o, (q, k, v, dyn, aux, o, m, d)
+def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list, list]:
+  """(in_specs, args) every pass appends: segment ids, visible counts, hyperparameters."""
+  in_specs, args = [], []
+  if cfg.has_segments:
+    in_specs += [specs["q_ids"], specs["k_ids"]]
+    args += [aux.q_seg, aux.k_seg]
+  in_specs += [specs["q_ids"]] + [specs["row"]] * len(dyn)
+  args += [aux.length, *dyn]
+  return in_specs, args
 
 
-def _core_bwd(cfg, res, do):
-  q, k, v, dyn, aux, o, m, d = res
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
-                     do.astype(cfg.acc_dtype))[..., None]
-  drv = _driver(cfg)
-  dq, ddyn = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux)
-  dk, dv = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux)
-  # the offset's hyperparameters (a learned sink logit) enter only D: dL/dD = -Delta / D
-  static, arrays = _hp(cfg, dyn)
-  d_off = tile.offset_vjp(cfg.tile, m, d, delta, aux.length[:, None, :, :], static, arrays)
-  if d_off is not None:
-    ddyn = tuple(a + d_off[name] for a, name in zip(ddyn, cfg.dyn_hp, strict=True))
-  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
-
-
-attention_core.defvjp(_core_fwd, _core_bwd)
-
-
-def row_broadcast(value, b: int, n: int, t: int, name: str, dtype=jnp.float32):
-  """A per-row hyperparameter -> [B, N, T] (broadcast like a row of scores [B, N, T, S]).
-
-  Scalars, or arrays broadcastable numpy-style to [B, N, T, 1] (e.g. per head [N, 1, 1]).
-  """
-  x = jnp.asarray(value, dtype)
-  if x.ndim > 4:
-    raise ValueError(f"`{name}` of shape {x.shape} has more than 4 dimensions")
-  full = (1,) * (4 - x.ndim) + tuple(x.shape)
-  if full[-1] != 1:
-    raise ValueError(
-        f"`{name}` must have size 1 along the key axis (one value per query row), got "
-        f"shape {x.shape}")
-  try:
-    return jnp.broadcast_to(x.reshape(full), (b, n, t, 1))[..., 0]
-  except ValueError:
-    raise ValueError(
-        f"`{name}` of shape {x.shape} does not broadcast to the rows [B, N, T, 1] = "
-        f"{(b, n, t, 1)}") from None
-
-
-def is_static_scalar(v) -> bool:
-  return v is None or isinstance(v, (bool, int, float, np.integer, np.floating))
-
+def split_refs(cfg: Config, refs, n_dyn: int):
+  """A kernel's refs after its own inputs, as laid out by :func:`pass_inputs`:
+  ``(q_seg, k_seg, length, dyn refs, the rest)``; the segment refs are None without ids."""
+  refs = list(refs)
+  q_seg = k_seg = None
+  if cfg.has_segments:
+    q_seg, k_seg, *refs = refs
+  return q_seg, k_seg, refs[0], refs[1:1 + n_dyn], refs[1 + n_dyn:]

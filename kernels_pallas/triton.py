@@ -2,11 +2,11 @@
 
 jax.nn's layout is kept ([B, T, N, H]: no transpose). One program per (query block,
 batch, head) runs the key loop inside the kernel (FlashAttention-2); block skipping is
-the loop bounds: the first and last key block holding a visible entry of the query
-block (``engine.block_table``; causal, window, segments). The dK/dV pass runs one program
-per (key block, batch, KV head) and loops over the G query heads of its group and the
-visible query blocks, so GQA never copies K/V and dK/dV need no reduction afterwards.
-Block sizes are powers of two; the head dim is padded to one by the caller.
+the loop bounds: the visible key blocks ``[lo, hi)`` of the query block
+(``MaskStructure.block_table``; causal, window, segments, lengths). The dK/dV pass runs
+one program per (key block, batch, KV head) and loops over the G query heads of its group
+and the visible query blocks, so GQA never copies K/V and dK/dV need no reduction
+afterwards. Block sizes are powers of two; the head dim is padded to one by the caller.
 """
 
 from __future__ import annotations
@@ -21,117 +21,76 @@ from kernels_pallas import engine as E
 __all__ = ["forward", "backward_dq", "backward_dkv"]
 
 
-def _div(x, g: int):
-  # lax.div, not //: floor division lowers through sign, which Mosaic resolves per chip.
-  return jax.lax.div(x, jnp.asarray(g, x.dtype))
+def _q_major(cfg: E.Config, bq: int):
+  """Specs of the passes over query blocks (forward, dQ): grid (query block, batch, head)."""
+  g = cfg.groups
+  return E.block_specs(cfg, lambda qi, bi, ni: (bi, ni, E.div(ni, g), qi, 0), bq, cfg.s_pad)
 
 
-def _params(cfg, bq):
-  warps = 4 if cfg.head_dim_pad <= 64 and bq <= 64 else 8
-  return plgpu.CompilerParams(num_warps=warps, num_stages=2)
+def _backward_operands(sp, q, k, v, do, m, d, delta):
+  return [(sp["q"], q), (sp["kv"], k), (sp["kv"], v), (sp["q"], do), (sp["row"], m),
+          (sp["row"], d), (sp["row"], delta)]
 
 
-def _interpret(cfg):
-  return bool(cfg.interpret)
+def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operands, aux, dyn,
+          out_specs, out_shape):
+  """pallas_call of one pass: the loop bounds [lo, hi) of each (batch, block), the pass's
+  own ``(spec, array)`` operands, then :func:`engine.pass_inputs`."""
+  bound = pl.BlockSpec((None, None), lambda i, bi, h: (bi, i))
+  extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
+  warps = 4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8
+  return pl.pallas_call(
+      kernel, grid=grid, in_specs=[bound, bound, *(o[0] for o in operands), *extra_specs],
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+      interpret=bool(cfg.interpret), debug=cfg.debug,
+      name=f"jaxsoft_attention_{name}_{cfg.spec.name}",
+  )(*bounds, *(o[1] for o in operands), *extra)
 
 
-def _scalar_spec():
-  # One int32 per (batch, block): the block's loop bounds.
-  return pl.BlockSpec((None, None), lambda i, bi, hi: (bi, i))
-
-
-def forward(cfg: E.Config, q, k, v, dyn, sink, aux: E.Aux):
-  bl = cfg.blocks.resolved()
-  bq, bk = bl.block_q, bl.block_k
-  b, n, hp, g = q.shape[0], cfg.num_heads, cfg.head_dim_pad, cfg.groups
-  nq = cfg.t_pad // bq
-  in_specs = [
-      _scalar_spec(), _scalar_spec(),
-      pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0)),
-      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0)),
-      pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0)),
-  ]
-  args = [aux.fwd_lo, aux.fwd_hi, q, k, v]
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda qi, bi, ni: (bi, qi, 0)),
-                 pl.BlockSpec((None, 1, cfg.s_pad), lambda qi, bi, ni: (bi, 0, 0))]
-    args += [aux.q_seg, aux.k_seg]
-  in_specs.append(pl.BlockSpec((None, bq, 1), lambda qi, bi, ni: (bi, qi, 0)))
-  args.append(aux.length)
-  row = pl.BlockSpec((None, None, bq, 1), lambda qi, bi, ni: (bi, ni, qi, 0))
-  extra = list(dyn) + ([sink] if sink is not None else [])
-  in_specs += [row] * len(extra)
-  args += extra
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype),
-               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
-  out_specs = [pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0)), row, row]
-  n_dyn, has_sink = len(dyn), sink is not None
+def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp = q.shape[0], cfg.num_heads, cfg.head_dim_pad
+  sp = _q_major(cfg, bq)
+  row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), row_shape, row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
-    refs = list(refs)
-    qs = ks_ref = None
+    qs_ref, ks_ref, len_ref, dyn_refs, (o_ref, m_ref, d_ref) = E.split_refs(cfg, refs, len(dyn))
     qi = pl.program_id(0)
-    if cfg.has_segments:
-      qs, ks_ref = refs.pop(0)[...], refs.pop(0)
-    length = refs.pop(0)[...]
-    dyn_v = tuple(refs.pop(0)[...] for _ in range(n_dyn))
-    sink_v = refs.pop(0)[...] if has_sink else None
-    o_ref, m_ref, d_ref = refs
-    qt = q_ref[...]
+    qs = None if qs_ref is None else qs_ref[...]
+    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
 
     def body(j, state):
       sl = pl.ds(j * bk, bk)
       s = E.tile_logits(cfg, qt, k_ref[sl, :])
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                         ks_ref[:, sl] if ks_ref is not None else None)
+                         None if ks_ref is None else ks_ref[:, sl])
       return E.forward_tile(cfg, s, mask, state, v_ref[sl, :], length, dyn_v)
 
-    state = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, E.init_state(cfg, bq, hp))
-    o, m, d = E.finalize(cfg, state, length, dyn_v, sink_v)
+    state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, E.init_state(cfg, bq, hp))
+    o, m, d = E.finalize(cfg, state, length, dyn_v)
     o_ref[...] = o.astype(o_ref.dtype)
     m_ref[...] = m
     d_ref[...] = d
 
-  return pl.pallas_call(
-      kernel, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(cfg, bq), interpret=_interpret(cfg), debug=cfg.debug,
-      name=f"jaxsoft_attention_fwd_{cfg.spec.name}",
-  )(*args)
+  return _call(cfg, kernel, "fwd", (cfg.t_pad // bq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),
+               [(sp["q"], q), (sp["kv"], k), (sp["kv"], v)], aux, dyn,
+               [sp["q"], sp["row"], sp["row"]], out_shape)
 
 
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  bl = cfg.blocks.resolved()
-  bq, bk = bl.block_q_dq, bl.block_k_dq
-  b, n, hp, g = q.shape[0], cfg.num_heads, cfg.head_dim_pad, cfg.groups
-  nq = cfg.t_pad // bq
-  q_spec = pl.BlockSpec((None, bq, None, hp), lambda qi, bi, ni: (bi, qi, ni, 0))
-  kv_spec = pl.BlockSpec((None, cfg.s_pad, None, hp), lambda qi, bi, ni: (bi, 0, _div(ni, g), 0))
-  row = pl.BlockSpec((None, None, bq, 1), lambda qi, bi, ni: (bi, ni, qi, 0))
-  in_specs = [_scalar_spec(), _scalar_spec(), q_spec, kv_spec, kv_spec, q_spec, row, row, row]
-  args = [aux.dq_lo, aux.dq_hi, q, k, v, do, m, d, delta]
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, bq, 1), lambda qi, bi, ni: (bi, qi, 0)),
-                 pl.BlockSpec((None, 1, cfg.s_pad), lambda qi, bi, ni: (bi, 0, 0))]
-    args += [aux.q_seg, aux.k_seg]
-  in_specs.append(pl.BlockSpec((None, bq, 1), lambda qi, bi, ni: (bi, qi, 0)))
-  args.append(aux.length)
-  in_specs += [row] * len(dyn)
-  args += list(dyn)
-  n_dyn = len(dyn)
+  bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  sp = _q_major(cfg, bq)
   out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
   out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
-  out_specs = [q_spec] + [row] * n_dyn
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    refs = list(refs)
-    qs = ks_ref = None
+    qs_ref, ks_ref, len_ref, dyn_refs, (dq_ref, *ddyn_refs) = E.split_refs(cfg, refs, n_dyn)
     qi = pl.program_id(0)
-    if cfg.has_segments:
-      qs, ks_ref = refs.pop(0)[...], refs.pop(0)
-    length = refs.pop(0)[...]
-    dyn_v = tuple(refs.pop(0)[...] for _ in range(n_dyn))
-    dq_ref, ddyn_refs = refs[0], refs[1:]
+    qs = None if qs_ref is None else qs_ref[...]
+    length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
     qt, dot_, mt, dt, delt = q_ref[...], do_ref[...], m_ref[...], d_ref[...], delta_ref[...]
 
     def body(j, carry):
@@ -140,61 +99,38 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       kt = k_ref[sl, :]
       s = E.tile_logits(cfg, qt, kt)
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                         ks_ref[:, sl] if ks_ref is not None else None)
-      dp = jax.lax.dot_general(dot_, v_ref[sl, :], (((1,), (1,)), ((), ())),
-                               preferred_element_type=cfg.acc_dtype)
+                         None if ks_ref is None else ks_ref[:, sl])
+      dp = E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
       _, ds, dd = E.backward_tile(cfg, s, mask, mt, dt, delt, dp, length, dyn_v)
       ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-      dq = dq + jax.lax.dot_general(ds.astype(kt.dtype), kt, (((1,), (0,)), ((), ())),
-                                    preferred_element_type=cfg.acc_dtype)
+      dq = dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
       return dq, tuple(a + x for a, x in zip(ddyn, dd, strict=True))
 
     init = (jnp.zeros((bq, hp), cfg.acc_dtype),
             tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_dyn)))
-    dq, ddyn = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, init)
+    dq, ddyn = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init)
     dq_ref[...] = dq
     for rf, x in zip(ddyn_refs, ddyn, strict=True):
       rf[...] = x
 
-  outs = pl.pallas_call(
-      kernel, grid=(nq, b, n), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(cfg, bq), interpret=_interpret(cfg), debug=cfg.debug,
-      name=f"jaxsoft_attention_dq_{cfg.spec.name}",
-  )(*args)
+  outs = _call(cfg, kernel, "dq", (cfg.t_pad // bq, b, n), bq, sp, (aux.dq_lo, aux.dq_hi),
+               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn,
+               [sp["q"]] + [sp["row"]] * n_dyn, out_shape)
   return outs[0], tuple(outs[1:])
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  bl = cfg.blocks.resolved()
-  bq, bk = bl.block_q_dkv, bl.block_k_dkv
+  bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
   b, kvh, hp, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups
-  nk = cfg.s_pad // bk
-  q_spec = pl.BlockSpec((None, cfg.t_pad, g, hp), lambda ki, bi, hi: (bi, 0, hi, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, hp), lambda ki, bi, hi: (bi, ki, hi, 0))
-  row = pl.BlockSpec((None, g, cfg.t_pad, 1), lambda ki, bi, hi: (bi, hi, 0, 0))
-  in_specs = [_scalar_spec(), _scalar_spec(), q_spec, kv_spec, kv_spec, q_spec, row, row, row]
-  args = [aux.dkv_lo, aux.dkv_hi, q, k, v, do, m, d, delta]
-  if cfg.has_segments:
-    in_specs += [pl.BlockSpec((None, cfg.t_pad, 1), lambda ki, bi, hi: (bi, 0, 0)),
-                 pl.BlockSpec((None, 1, bk), lambda ki, bi, hi: (bi, 0, ki))]
-    args += [aux.q_seg, aux.k_seg]
-  in_specs.append(pl.BlockSpec((None, cfg.t_pad, 1), lambda ki, bi, hi: (bi, 0, 0)))
-  args.append(aux.length)
-  in_specs += [row] * len(dyn)
-  args += list(dyn)
-  n_dyn = len(dyn)
+  # One program per KV head holds its G query heads: the q-side blocks span the whole
+  # padded length and the group's heads.
+  sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
   out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)] * 2
-  out_specs = [kv_spec, kv_spec]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    refs = list(refs)
-    qs_ref = ks = None
+    qs_ref, ks_ref, len_ref, dyn_refs, (dk_ref, dv_ref) = E.split_refs(cfg, refs, len(dyn))
     ki = pl.program_id(0)
-    if cfg.has_segments:
-      qs_ref, ks = refs.pop(0), refs.pop(0)[...]
-    len_ref = refs.pop(0)
-    dyn_refs = [refs.pop(0) for _ in range(n_dyn)]
-    dk_ref, dv_ref = refs
+    ks = None if ks_ref is None else ks_ref[...]
     kt, vt = k_ref[...], v_ref[...]
     carry = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hp), cfg.acc_dtype))
     for gi in range(g):  # the query heads sharing this KV head
@@ -205,26 +141,20 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
         s = E.tile_logits(cfg, qt, kt)
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
-                           qs_ref[sl, :] if qs_ref is not None else None, ks)
-        dp = jax.lax.dot_general(dot_, vt, (((1,), (1,)), ((), ())),
-                                 preferred_element_type=cfg.acc_dtype)
+                           None if qs_ref is None else qs_ref[sl, :], ks)
+        dp = E.dot(cfg, dot_, vt, (1, 1))
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
         w, ds, _ = E.backward_tile(cfg, s, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
                                    delta_ref[gi, sl, :], dp, len_ref[sl, :], dyn_v)
         ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-        dv = dv + jax.lax.dot_general(w.astype(dot_.dtype), dot_, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=cfg.acc_dtype)
-        dk = dk + jax.lax.dot_general(ds.astype(qt.dtype), qt, (((0,), (0,)), ((), ())),
-                                      preferred_element_type=cfg.acc_dtype)
+        dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
+        dk = dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
         return dk, dv
 
-      carry = jax.lax.fori_loop(lo_ref[...], hi_ref[...] + 1, body, carry)
+      carry = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, carry)
     dk_ref[...] = carry[0]
     dv_ref[...] = carry[1]
 
-  dk, dv = pl.pallas_call(
-      kernel, grid=(nk, b, kvh), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=_params(cfg, bk), interpret=_interpret(cfg), debug=cfg.debug,
-      name=f"jaxsoft_attention_dkv_{cfg.spec.name}",
-  )(*args)
-  return dk, dv
+  return tuple(_call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp,
+                     (aux.dkv_lo, aux.dkv_hi), _backward_operands(sp, q, k, v, do, m, d, delta),
+                     aux, dyn, [sp["kv"], sp["kv"]], out_shape))

@@ -8,17 +8,11 @@ features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the en
 """
 
 # ruff: noqa: F401, F403
+from jaxsoft.attention import _variants
 from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.attention._variants import *
 
-__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits"]
-
-try:  # the variants module is written alongside; only its absence is tolerated
-  from jaxsoft.attention import _variants
-  from jaxsoft.attention._variants import *
-except ModuleNotFoundError as e:
-  if e.name != "jaxsoft.attention._variants":
-    raise
-else:
-  __all__ += list(_variants.__all__)
+__all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
+           *_variants.__all__]

@@ -112,16 +112,13 @@ def _check_lengths(x, name: str, B: int):
 
 
 def _resolve_normalizer(normalizer):
-  if isinstance(normalizer, str):
-    try:
-      return _spec.get(normalizer)
-    except KeyError as e:
-      raise KeyError(f"`normalizer`: {e.args[0]}") from None
-  if isinstance(normalizer, _spec.NormalizerSpec) or callable(normalizer):
-    return normalizer
-  raise ValueError(
-      "`normalizer` must be a registered name, a NormalizerSpec or a callable "
-      f"f(x, axis=-1, where=None), got {normalizer!r}")
+  """``_spec.resolve`` with errors naming the argument (KeyError, ValueError)."""
+  try:
+    return _spec.resolve(normalizer)
+  except KeyError as e:
+    raise KeyError(f"`normalizer`: {e.args[0]}") from None
+  except TypeError as e:
+    raise ValueError(str(e)) from None
 
 
 def _check_params(spec, normalizer_params, target):
@@ -282,22 +279,12 @@ def _run_xla_chunked(call: AttentionCall):
 
 
 def _run_pallas(call: AttentionCall, backend):
-  if not isinstance(call.spec, _spec.NormalizerSpec):
-    raise NotImplementedError("the Pallas kernels need a registered normalizer (a NormalizerSpec)")
+  # Imported here: users without Pallas never import kernels_pallas.
   try:
-    dispatch = importlib.import_module("kernels_pallas.dispatch")
+    kernels = importlib.import_module("kernels_pallas._api")
   except ImportError as e:
-    raise NotImplementedError(f"kernels_pallas.dispatch is not available: {e}") from e
-  params = dict(call.params)
-  if call.key is not None:
-    params["key"] = call.key
-  return dispatch.dot_product_attention(
-      call.q, call.k, call.v, backend=backend, bias=call.bias, mask=call.mask,
-      scale=call.scale, is_causal=call.is_causal, query_seq_lengths=call.query_seq_lengths,
-      key_value_seq_lengths=call.key_value_seq_lengths,
-      local_window_size=call.local_window_size, segment_ids=call.segment_ids,
-      logits_soft_cap=call.logits_soft_cap, spec=call.spec, normalizer_params=params,
-      decay_bias=call.decay_bias)
+    raise NotImplementedError(f"kernels_pallas is not available: {e}") from e
+  return kernels.attention_from_call(call, backend=backend)
 
 
 _RUNNERS = {

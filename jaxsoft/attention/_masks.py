@@ -7,6 +7,9 @@ Attention masks in jaxsoft come in two kinds:
   numbers, so the chunked path and the kernels can compute, per query row, the exact
   number of visible keys and the range of keys it may see, and per block pair whether
   it can be skipped — all without materialising a T x S mask.
+  The Pallas kernels use the same structure: :meth:`MaskStructure.block_table` for block
+  skipping, :meth:`MaskStructure.kernel_segment_ids` for the ids they compare, and
+  :func:`positions_visible` inside the kernel.
 * a dense boolean ``mask`` (and ``-inf`` entries of ``bias``): arbitrary, applied tile by
   tile, never used for skipping.
 
@@ -21,6 +24,7 @@ Semantics (as jax.nn.dot_product_attention): query i (0-based) sees key j iff
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -31,7 +35,15 @@ __all__ = [
     "MaskStructure",
     "normalize_window",
     "normalize_segment_ids",
+    "positions_visible",
+    "table_ranges",
 ]
+
+# Segment ids of query rows / key columns that see nothing (past a sequence length, or
+# padding to the block size) in :meth:`MaskStructure.kernel_segment_ids`: the two never
+# match each other or a user id.
+Q_PAD_SEGMENT = np.iinfo(np.int32).min
+K_PAD_SEGMENT = np.iinfo(np.int32).min + 1
 
 
 def normalize_window(local_window_size):
@@ -84,6 +96,43 @@ def normalize_segment_ids(segment_ids, B: int, T: int, S: int):
     else:
       kv_ids = jnp.broadcast_to(ids, (B, L)).astype(jnp.int32)
   return q_ids, kv_ids
+
+
+def positions_visible(rows, cols, *, is_causal=False, window=None, q_len=None, kv_len=None,
+                      q_seg=None, kv_seg=None):
+  """Whether query ``rows`` see key ``cols``, elementwise; None when every pair is visible.
+
+  ``rows`` and ``cols`` are int32 positions of broadcast-compatible shapes (inside a Pallas
+  kernel: ``lax.broadcasted_iota`` over the tile plus its offsets); ``q_len`` / ``kv_len``
+  bound them (an int or an array broadcasting against them, None for no bound);
+  ``q_seg`` / ``kv_seg`` are the ids of those rows and columns (equal ids attend).
+  """
+  conds = []
+  if q_len is not None:
+    conds.append(rows < q_len)
+  if kv_len is not None:
+    conds.append(cols < kv_len)
+  if is_causal:
+    conds.append(cols <= rows)
+  if window is not None:
+    left, right = window
+    conds += [cols >= rows - left, cols <= rows + right]
+  if q_seg is not None:
+    conds.append(q_seg == kv_seg)
+  return functools.reduce(jnp.logical_and, conds) if conds else None
+
+
+def table_ranges(table, axis: int):
+  """First visible block and one past the last along ``axis`` of a bool block table.
+
+  Returns int32 ``(lo, hi)`` with ``axis`` reduced; a line without a visible block gives
+  ``lo == hi == 0`` (a loop over ``[lo, hi)`` runs zero times).
+  """
+  n = table.shape[axis]
+  any_ = jnp.any(table, axis=axis)
+  lo = jnp.argmax(table, axis=axis).astype(jnp.int32)
+  hi = (n - jnp.argmax(jnp.flip(table, axis=axis), axis=axis)).astype(jnp.int32)
+  return jnp.where(any_, lo, 0), jnp.where(any_, hi, 0)
 
 
 def _bounded_search(sorted_vals, lo, hi, x):
@@ -146,10 +195,40 @@ class MaskStructure:
     return self.q_segment_ids is not None
 
   @property
+  def is_per_batch(self) -> bool:
+    """True when lengths or segment ids make the visibility differ across the batch."""
+    return not (self.q_lengths is None and self.kv_lengths is None and not self.has_segments)
+
+  @property
   def is_trivial(self) -> bool:
     """True when every query sees every key."""
-    return (not self.is_causal and self.window is None and self.q_lengths is None
-            and self.kv_lengths is None and not self.has_segments)
+    return not (self.is_causal or self.window is not None or self.is_per_batch)
+
+  def kernel_segment_ids(self, t_pad: int | None = None, s_pad: int | None = None):
+    """The per-batch part as segment ids alone: ``(q_ids [B, t_pad], kv_ids [B, s_pad])``.
+
+    Rows past ``q_lengths`` (or past T, up to ``t_pad``) get ``Q_PAD_SEGMENT`` and keys
+    past ``kv_lengths`` (or S) get ``K_PAD_SEGMENT``, ids that match nothing, so that the
+    kernels test one equality. Without segment ids every valid position has id 0. None
+    when the structure is not per batch (:attr:`is_per_batch`).
+    """
+    if not self.is_per_batch:
+      return None
+    t_pad = self.T if t_pad is None else t_pad
+    s_pad = self.S if s_pad is None else s_pad
+
+    def ids(seg, lengths, n, n_pad, sentinel):
+      pos = jnp.arange(n_pad, dtype=jnp.int32)[None, :]
+      if seg is None:
+        seg = jnp.zeros((1, n), jnp.int32)
+      seg = jnp.pad(seg.astype(jnp.int32), ((0, 0), (0, n_pad - n)))
+      valid = pos < n if lengths is None else pos < jnp.minimum(lengths[:, None], n)
+      return jnp.where(valid, seg, sentinel)
+
+    q_ids = ids(self.q_segment_ids, self.q_lengths, self.T, t_pad, Q_PAD_SEGMENT)
+    kv_ids = ids(self.kv_segment_ids, self.kv_lengths, self.S, s_pad, K_PAD_SEGMENT)
+    b = max(q_ids.shape[0], kv_ids.shape[0])
+    return jnp.broadcast_to(q_ids, (b, t_pad)), jnp.broadcast_to(kv_ids, (b, s_pad))
 
   # ---------------------------------------------------------------- tiles / dense mask
 
@@ -164,13 +243,8 @@ class MaskStructure:
     """
     i = q_pos[:, None]
     j = k_pos[None, :]
-    vis = (i < self.T) & (j < self.S)
-    if self.is_causal:
-      vis = vis & (j <= i)
-    if self.window is not None:
-      left, right = self.window
-      vis = vis & (i <= j + left) & (i >= j - right)
-    vis = vis[None, None]  # [1, 1, bq, bk]
+    vis = positions_visible(i, j, is_causal=self.is_causal, window=self.window, q_len=self.T,
+                            kv_len=self.S)[None, None]  # [1, 1, bq, bk]
     if self.q_lengths is not None:
       vis = vis & (i < self.q_lengths[:, None, None, None])
     if self.kv_lengths is not None:
@@ -267,25 +341,36 @@ class MaskStructure:
     """n: the number of visible keys of each query row, float32 broadcastable to [B, T]."""
     return self.row_ranges()[2].astype(jnp.float32)
 
+  def block_table(self, block_q: int, block_k: int, num_q_blocks: int | None = None,
+                  num_k_blocks: int | None = None):
+    """Which (query block, key block) tiles can hold a visible entry: bool [B or 1, nq, nk].
+
+    A tile is marked when one of its rows has its visible keys' range (:meth:`row_ranges`)
+    meeting the tile's columns: exact (no tile with a visible entry is unmarked), and tight
+    when each row's visible keys are contiguous (no segment ids, or sorted ones). Blocks
+    past T or S (padding up to ``num_q_blocks`` / ``num_k_blocks``) are unmarked. Memory
+    O(B·(T + nq·nk)), never T x S.
+    """
+    nq = -(-self.T // block_q) if num_q_blocks is None else num_q_blocks
+    nk = -(-self.S // block_k) if num_k_blocks is None else num_k_blocks
+    lo, hi, count = self.row_ranges()
+    b = max(lo.shape[0], hi.shape[0], count.shape[0])
+    lo, hi, count = (jnp.broadcast_to(a, (b, self.T)) for a in (lo, hi, count))
+    # Per row +1 at its first key block, -1 past its last; a running sum over the key
+    # blocks of each query block counts the rows reaching each tile.
+    mark = (count > 0).astype(jnp.int32)
+    bi = jnp.arange(b, dtype=jnp.int32)[:, None]
+    qb = (jnp.arange(self.T, dtype=jnp.int32) // block_q)[None, :]
+    diff = jnp.zeros((b, nq, nk + 1), jnp.int32)
+    diff = diff.at[bi, qb, jnp.where(mark > 0, lo // block_k, 0)].add(mark)
+    diff = diff.at[bi, qb, jnp.where(mark > 0, (hi - 1) // block_k + 1, 0)].add(-mark)
+    return jnp.cumsum(diff, axis=-1)[..., :nk] > 0
+
   def block_key_ranges(self, block_q: int, num_q_blocks: int, block_k: int):
     """Per query block the range of key blocks ``[kb_lo, kb_hi)`` that can be visible.
 
     Reduced over the batch (the chunked loop is shared by the batch); an all-invisible
     query block gets an empty range. Returns two int32 arrays [num_q_blocks].
     """
-    lo, hi, count = self.row_ranges()
-    Tp = num_q_blocks * block_q
-    shape = (max(lo.shape[0], hi.shape[0], count.shape[0]), self.T)
-    lo, hi, count = (jnp.broadcast_to(a, shape) for a in (lo, hi, count))
-    pad = Tp - self.T
-    big = np.int32(np.iinfo(np.int32).max)
-    lo = jnp.where(count > 0, lo, big)
-    hi = jnp.where(count > 0, hi, 0)
-    lo = jnp.pad(lo, ((0, 0), (0, pad)), constant_values=big)
-    hi = jnp.pad(hi, ((0, 0), (0, pad)), constant_values=0)
-    lo = jnp.min(lo.reshape(shape[0], num_q_blocks, block_q), axis=(0, 2))
-    hi = jnp.max(hi.reshape(shape[0], num_q_blocks, block_q), axis=(0, 2))
-    empty = hi <= lo
-    kb_lo = jnp.where(empty, 0, lo // block_k).astype(jnp.int32)
-    kb_hi = jnp.where(empty, 0, (hi + block_k - 1) // block_k).astype(jnp.int32)
-    return kb_lo, kb_hi
+    table = self.block_table(block_q, block_k, num_q_blocks)
+    return table_ranges(jnp.any(table, axis=0), axis=-1)

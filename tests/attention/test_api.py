@@ -125,28 +125,27 @@ def test_missing_pallas_module_is_not_implemented(calls, monkeypatch):
 
 
 def test_pallas_receives_the_canonical_call(monkeypatch):
-  """The Pallas adapter is called with the documented keyword contract."""
+  """The Pallas adapter gets the validated AttentionCall (with its MaskStructure)."""
   got = {}
 
-  class FakeDispatch:
+  class FakeKernels:
     @staticmethod
-    def dot_product_attention(q, k, v, **kw):
-      got.update(kw)
-      return jnp.zeros(q.shape[:3] + v.shape[-1:], q.dtype)
+    def attention_from_call(call, backend):
+      got.update(call=call, backend=backend)
+      return jnp.zeros(call.q.shape[:3] + call.v.shape[-1:], call.q.dtype)
 
-  monkeypatch.setattr(_api.importlib, "import_module", lambda name: FakeDispatch)
+  monkeypatch.setattr(_api.importlib, "import_module", lambda name: FakeKernels)
   seg = jnp.zeros((2, 5), jnp.int32)
   out = dpa(q[0], k[0], v[0], is_causal=True, local_window_size=2,
             segment_ids=seg[0], logits_soft_cap=5.0, implementation="pallas_triton")
   assert out.shape == (5, 4, 8)
-  assert got["backend"] == "triton" and got["is_causal"] is True
-  assert got["local_window_size"] == (2, 2)
-  assert isinstance(got["segment_ids"], tuple) and got["segment_ids"][0].shape == (1, 5)
-  assert got["scale"] == pytest.approx(1 / np.sqrt(8))
-  assert got["spec"].name == "softmax" and got["normalizer_params"] == {}
-  assert set(got) == {"backend", "bias", "mask", "scale", "is_causal", "query_seq_lengths",
-                      "key_value_seq_lengths", "local_window_size", "segment_ids",
-                      "logits_soft_cap", "spec", "normalizer_params", "decay_bias"}
+  call = got["call"]
+  assert got["backend"] == "triton" and isinstance(call, _api.AttentionCall)
+  assert call.q.shape == (1, 5, 4, 8) and call.local_window_size == (2, 2)
+  assert call.scale == pytest.approx(1 / np.sqrt(8)) and call.logits_soft_cap == 5.0
+  assert call.spec.name == "softmax" and call.params == {}
+  st = call.structure
+  assert st.is_causal and st.window == (2, 2) and st.q_segment_ids.shape == (1, 5)
 
 
 def test_unbatched_inputs_and_value_head_dim():

@@ -1,11 +1,13 @@
-"""MaskStructure: the closed-form per-row counts and ranges, the block tables and the
-full-tile test agree with the dense mask they describe (and with jax.nn's masks)."""
+"""MaskStructure: the closed-form per-row counts and ranges, the block tables, the kernel
+segment ids and the full-tile test agree with the dense mask they describe (and with
+jax.nn's masks)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsoft.attention import _masks
 from jaxsoft.attention._masks import MaskStructure
 
 
@@ -95,3 +97,49 @@ def test_row_ranges_under_jit():
   want = st.row_ranges()
   for a, b in zip(got, want, strict=False):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("idx", range(len(STRUCTURES)))
+@pytest.mark.parametrize("bq,bk,extra", [(4, 4, 0), (5, 3, 1), (16, 16, 2)])
+def test_block_table_is_exact_and_tight(idx, bq, bk, extra):
+  """Every tile holding a visible entry is marked (exact); when each row's visible keys are
+  contiguous (no segment ids, or sorted ones) exactly those are (tight). Blocks added past
+  T and S (the kernels' padding) are unmarked."""
+  st = STRUCTURES[idx]
+  dense = _dense(st)
+  nq, nk = -(-st.T // bq) + extra, -(-st.S // bk) + extra
+  table = np.broadcast_to(np.asarray(st.block_table(bq, bk, nq, nk)), (2, nq, nk))
+  padded = np.zeros((2, nq * bq, nk * bk), bool)
+  padded[:, :st.T, :st.S] = dense
+  tiles = padded.reshape(2, nq, bq, nk, bk).any(axis=(2, 4))
+  assert np.all(table[tiles])
+  contiguous = all(np.all(np.diff(np.flatnonzero(row)) == 1) for row in dense.reshape(-1, st.S))
+  if contiguous:
+    np.testing.assert_array_equal(table, tiles)
+  lo, hi = (np.asarray(a) for a in _masks.table_ranges(jnp.asarray(table), axis=2))
+  for b, qi in zip(*np.nonzero(tiles.any(-1)), strict=True):
+    marked = np.flatnonzero(table[b, qi])
+    assert lo[b, qi] == marked[0] and hi[b, qi] == marked[-1] + 1
+  assert np.all(lo[~table.any(-1)] == 0) and np.all(hi[~table.any(-1)] == 0)
+
+
+@pytest.mark.parametrize("idx", range(len(STRUCTURES)))
+def test_kernel_segment_ids_with_positions_visible(idx):
+  """The kernels' view: lengths and padding folded into sentinel ids, compared by
+  positions_visible with the closed-form part, reproduces the dense mask."""
+  st = STRUCTURES[idx]
+  t_pad, s_pad = st.T + 3, st.S + 5
+  ids = st.kernel_segment_ids(t_pad, s_pad)
+  assert (ids is None) == (not st.is_per_batch)
+  i = jax.lax.broadcasted_iota(jnp.int32, (t_pad, s_pad), 0)
+  j = jax.lax.broadcasted_iota(jnp.int32, (t_pad, s_pad), 1)
+  q_seg, kv_seg = (None, None) if ids is None else (ids[0][:, :, None], ids[1][:, None, :])
+  vis = _masks.positions_visible(i, j, is_causal=st.is_causal, window=st.window, q_len=st.T,
+                                 kv_len=st.S, q_seg=q_seg, kv_seg=kv_seg)
+  vis = np.broadcast_to(np.ones((t_pad, s_pad), bool) if vis is None else np.asarray(vis),
+                        (2, t_pad, s_pad))
+  np.testing.assert_array_equal(vis[:, :st.T, :st.S], _dense(st))
+  assert not vis[:, st.T:].any() and not vis[:, :, st.S:].any()
+  if ids is not None:  # padding never matches a valid id, nor the other side's padding
+    assert np.all(np.asarray(ids[0])[:, st.T:] == _masks.Q_PAD_SEGMENT)
+    assert np.all(np.asarray(ids[1])[:, st.S:] == _masks.K_PAD_SEGMENT)

@@ -171,27 +171,29 @@ def test_bfloat16_forward():
 @pytest.mark.parametrize("name", OTHER_NAMES)
 def test_other_classes_raise_not_implemented(name):
   q, k, v, _ = inputs(t=16)
+  params = {"key": jax.random.key(0)} if jn.get(name).needs_key else None
   with pytest.raises(NotImplementedError):
-    kp.attention(q, k, v, normalizer=name, backend="triton", interpret=True)
+    kp.attention(q, k, v, normalizer=name, normalizer_params=params, backend="triton",
+                 interpret=True)
 
 
 def test_bad_arguments_raise_value_error():
   q, k, v, _ = inputs(t=16, n=3, kh=2)
-  with pytest.raises(ValueError, match="multiple of K"):
+  with pytest.raises(ValueError, match="multiple of the number of `key`"):
     kp.attention(q, k, v, interpret=True)
   q, k, v, _ = inputs(t=16)
   with pytest.raises(ValueError, match="block_q"):
     kp.attention(q, k, v, interpret=True, block_sizes=dict(block_q=24, block_k=16))
   with pytest.raises(ValueError, match="backend"):
     kp.attention(q, k, v, backend="cuda", interpret=True)
-  with pytest.raises(ValueError, match="sinks"):
-    kp.attention(q, k, v, normalizer="sigmoid", sinks=jnp.zeros(()), interpret=True)
   with pytest.raises(ValueError, match="local_window_size"):
     kp.attention(q, k, v, local_window_size=(1, 2, 3), interpret=True)
   with pytest.raises(KeyError):
     kp.attention(q, k, v, normalizer="no_such_normalizer", interpret=True)
   with pytest.raises(NotImplementedError):
     kp.attention(q, k, v, normalizer=lambda x, axis=-1, where=None: x, interpret=True)
+  with pytest.raises(ValueError, match="normalizer_params"):  # validated as jaxsoft does
+    kp.attention(q, k, v, normalizer_params={"temperature": -1.0}, interpret=True)
 
 
 def test_default_block_sizes():

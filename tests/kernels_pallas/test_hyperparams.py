@@ -1,5 +1,5 @@
 """Hyperparameters through the kernel: per-head arrays and their gradients, static values,
-sinks, and check_grads in float64."""
+learned sinks (softmax_sink), and check_grads in float64."""
 
 from __future__ import annotations
 
@@ -60,17 +60,26 @@ def test_static_hyperparameters():
                    (q, k, v), ct)
 
 
-def test_sinks_are_an_extra_softmax_column():
-  q, k, v, ct = inputs(t=24, n=2, kh=1, seed=3)
-  sinks = jnp.asarray([0.5, -1.0])  # one logit per head
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_softmax_sink_is_an_extra_softmax_column(backend):
+  """A per-head learned sink logit (softmax_sink's ``sink_logit`` [N, 1, 1]) is a softmax
+  over [logits, sink] without the sink's column; its gradient comes out of the kernel.
+  Segments leave rows with no visible key: they give zeros (all mass on the sink)."""
+  b, t = 2, 24
+  q, k, v, ct = inputs(b=b, t=t, n=2, kh=1, seed=3)
+  sinks = jnp.asarray([0.5, -1.0]).reshape(2, 1, 1)
+  seg = (jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32), jnp.zeros((b, t), jnp.int32))
+  blocks = TRITON_SMALL if backend == "triton" else dict(block_q=16, block_k=128)
 
   def kfn(q, k, v, sinks):
-    return kp.attention(q, k, v, sinks=sinks, is_causal=True, backend="triton",
-                        interpret=True, block_sizes=TRITON_SMALL)
+    return kp.attention(q, k, v, normalizer="softmax_sink", normalizer_params={
+        "sink_logit": sinks}, is_causal=True, segment_ids=seg, backend=backend,
+                        interpret=True, block_sizes=blocks)
 
-  assert_matches(kfn, lambda q, k, v, s: reference(q, k, v, sinks=s.reshape(2, 1, 1),
-                                                   is_causal=True),
-                 (q, k, v, sinks), ct)
+  out, grads = assert_matches(kfn, lambda q, k, v, s: reference(
+      q, k, v, sinks=s, is_causal=True, segment_ids=seg), (q, k, v, sinks), ct)
+  assert bool(jnp.all(out[0, 12:] == 0))
+  assert bool(jnp.all(grads[3] != 0))
 
 
 @pytest.mark.parametrize("name", ["softmax", "sigmoid"])

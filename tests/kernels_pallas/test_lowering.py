@@ -68,10 +68,10 @@ def test_mosaic_lowers_for_tpu(cfg):
 
 def test_segments_and_params_lower_for_both():
   seg = jnp.zeros((2, 512), jnp.int32)
-  temp = jnp.ones((4, 1, 1))
+  sinks = jnp.zeros((4, 1, 1))  # a per-head learned sink: an array hyperparameter
   for backend in ("triton", "mosaic_tpu"):
-    _export(backend, t=512, segment_ids=seg, normalizer_params={"temperature": temp},
-            sinks=jnp.zeros((4, 1, 1)))
+    _export(backend, t=512, segment_ids=seg, normalizer="softmax_sink",
+            normalizer_params={"sink_logit": sinks})
 
 
 def test_illegal_mosaic_block_fails_in_lowering():

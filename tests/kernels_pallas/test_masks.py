@@ -1,4 +1,7 @@
-"""Structure masks, block skipping, boundary shapes and head dims (interpret mode vs dense)."""
+"""Structure masks, block skipping, boundary shapes and head dims (interpret mode vs dense).
+
+The block tables and visible counts themselves are MaskStructure's, tested in
+tests/attention/test_core_masks.py."""
 
 from __future__ import annotations
 
@@ -10,12 +13,10 @@ import numpy as np
 import pytest
 
 import kernels_pallas as kp
-from kernels_pallas import engine
 from tests.kernels_pallas.test_engine import (
   ENGINE_NAMES,
   TRITON_SMALL,
   assert_matches,
-  dense_mask,
   inputs,
   reference,
 )
@@ -137,43 +138,6 @@ def test_head_dims(h):
                         block_sizes=dict(block_q=32, block_k=32))
 
   assert_matches(kfn, lambda q, k, v: reference(q, k, v, is_causal=True), (q, k, v), ct)
-
-
-@pytest.mark.parametrize("causal,window,sorted_", [
-    (True, None, True), (False, (9, 2), True), (True, (20, 0), False), (False, None, False)])
-def test_block_table_marks_every_visible_tile(causal, window, sorted_):
-  """The block table is computed from the structure: it must keep every tile that has a
-  visible entry (exactness), and drop every tile that has none when the ids are sorted
-  (tightness)."""
-  b, t, s, bq, bk = 2, 96, 80, 16, 16
-  seg_q = _segments(b, t, 7, sorted_)
-  seg_k = _segments(b, s, 8, sorted_) if not sorted_ else seg_q[:, :s]
-  cfg = engine.Config(
-      spec=None, static_hp=(), dyn_hp=(), has_sink=False, scale=1.0, soft_cap=None,
-      causal=causal, window=window, has_segments=True, t=t, s=s, t_pad=t, s_pad=s,
-      head_dim=16, head_dim_pad=16, num_heads=1, num_kv_heads=1,
-      blocks=engine.BlockSizes(bq, bk), backend="triton", interpret=True)
-  vis = np.asarray(engine.block_table(cfg, bq, bk, seg_q, seg_k))
-  dense = np.asarray(dense_mask(t, s, is_causal=causal, window=window, q_seg=seg_q,
-                                k_seg=seg_k))[:, 0]
-  tiles = dense.reshape(b, t // bq, bq, s // bk, bk).any(axis=(2, 4))
-  assert np.all(vis[tiles])  # exact: no visible tile is skipped
-  if sorted_:
-    assert np.array_equal(vis, tiles)  # tight for sorted ids
-  assert not np.all(vis) or not causal  # causal always skips something here
-
-
-def test_visible_counts_match_dense_mask():
-  b, t, s = 2, 50, 70
-  seg_q, seg_k = _segments(b, t, 9, False), _segments(b, s, 10, False)
-  for causal, window, segs in [(True, None, False), (False, (4, 6), False),
-                               (True, (10, 0), True), (False, None, True)]:
-    n = engine.visible_counts(t, s, causal, window, seg_q if segs else None,
-                              seg_k if segs else None, chunk=16)
-    dense = dense_mask(t, s, is_causal=causal, window=window, q_seg=seg_q if segs else None,
-                       k_seg=seg_k if segs else None)
-    want = jnp.broadcast_to(jnp.sum(dense[:, 0], axis=-1), (b, t)).astype(jnp.float32)
-    np.testing.assert_array_equal(np.asarray(jnp.broadcast_to(n, (b, t))), np.asarray(want))
 
 
 def test_skipped_blocks_do_no_work():

@@ -13,6 +13,9 @@ from tests.kernels_pallas.test_engine import ENGINE_NAMES, assert_matches, input
 # blocked along the lane axis).
 SMALL = dict(block_q=16, block_k=128)
 DEFAULT_NAMES = ["softmax", "softpick", "stablemax", "sigmoid"]
+# A sample of the classes by default, every E/S/P normalizer under -m slow.
+NAMES = [n if n in DEFAULT_NAMES else pytest.param(n, marks=pytest.mark.slow)
+         for n in ENGINE_NAMES]
 
 
 def _kfn(name, interpret=True, block_sizes=SMALL, **kw):
@@ -22,18 +25,9 @@ def _kfn(name, interpret=True, block_sizes=SMALL, **kw):
   return f
 
 
-@pytest.mark.parametrize("name", DEFAULT_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_mosaic_driver_causal_gqa(name):
   q, k, v, ct = inputs(t=40, n=4, kh=2, seed=20)
-  assert_matches(_kfn(name, is_causal=True),
-                 lambda q, k, v: reference(q, k, v, normalizer=name, is_causal=True),
-                 (q, k, v), ct)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ENGINE_NAMES)
-def test_mosaic_driver_every_normalizer(name):
-  q, k, v, ct = inputs(t=40, n=4, kh=2, seed=21)
   assert_matches(_kfn(name, is_causal=True),
                  lambda q, k, v: reference(q, k, v, normalizer=name, is_causal=True),
                  (q, k, v), ct)

@@ -1,0 +1,64 @@
+"""The engine's ``custom_vjp`` and the driver choice, above ``engine`` and both drivers.
+
+``engine`` holds the per-tile math, ``triton`` and ``tpu`` the Pallas drivers (which
+import ``engine``); this module picks the driver for ``Config.backend``, so that neither
+``engine`` nor a driver imports another driver.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import _tile as tile
+from kernels_pallas import engine as E
+from kernels_pallas import tpu, triton
+
+__all__ = ["attention_core", "driver"]
+
+_DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
+
+
+def driver(backend: str):
+  """The driver module (``forward``, ``backward_dq``, ``backward_dkv``) of ``backend``."""
+  try:
+    return _DRIVERS[backend]
+  except KeyError:
+    raise ValueError(f"`backend` must be one of {tuple(_DRIVERS)}, got {backend!r}") from None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+  """The kernel on padded inputs: q [B, T_pad, N, Hp], k/v [B, S_pad, K, Hp].
+
+  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32. Returns
+  o [B, T_pad, N, Hp] in q's dtype.
+  """
+  o, _, _ = driver(cfg.backend).forward(cfg, q, k, v, dyn, aux)
+  return o
+
+
+def _core_fwd(cfg, q, k, v, dyn, aux):
+  o, m, d = driver(cfg.backend).forward(cfg, q, k, v, dyn, aux)
+  return o, (q, k, v, dyn, aux, o, m, d)
+
+
+def _core_bwd(cfg, res, do):
+  q, k, v, dyn, aux, o, m, d = res
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
+                     do.astype(cfg.acc_dtype))[..., None]
+  drv = driver(cfg.backend)
+  dq, ddyn = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux)
+  dk, dv = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux)
+  # the offset's hyperparameters (a learned sink logit) enter only D: dL/dD = -Delta / D
+  static, arrays = E._hp(cfg, dyn)
+  d_off = tile.offset_vjp(cfg.tile, m, d, delta, aux.length[:, None, :, :], static, arrays)
+  if d_off is not None:
+    ddyn = tuple(a + d_off[name] for a, name in zip(ddyn, cfg.dyn_hp, strict=True))
+  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
+
+
+attention_core.defvjp(_core_fwd, _core_bwd)
