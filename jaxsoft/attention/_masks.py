@@ -314,9 +314,9 @@ class MaskStructure:
     row's segment, O((T + S) log S)). Rows without a visible key have lo == hi.
     """
     lo, hi = self._interval()
-    if not self.has_segments:
-      return lo, hi, hi - lo
     q_seg, kv_seg = self.q_segment_ids, self.kv_segment_ids
+    if q_seg is None or kv_seg is None:
+      return lo, hi, hi - lo
     B = q_seg.shape[0]
     lo = jnp.broadcast_to(lo, (B, self.T))
     hi = jnp.broadcast_to(hi, (B, self.T))
