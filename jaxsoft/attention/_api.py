@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
 from jaxsoft.attention import _chunked, _dense
 from jaxsoft.attention._masks import MaskStructure, normalize_segment_ids, normalize_window
@@ -125,10 +126,10 @@ def _check_params(spec, normalizer_params, target):
   """Validates normalizer_params; returns (params without 'key', key)."""
   if normalizer_params is None:
     params = {}
-  elif isinstance(normalizer_params, dict):
+  elif isinstance(normalizer_params, Mapping):
     params = dict(normalizer_params)
   else:
-    raise ValueError(f"`normalizer_params` must be a dict or None, got {normalizer_params!r}")
+    raise ValueError(f"`normalizer_params` must be a mapping (dict) or None, got {normalizer_params!r}")
   key = params.pop("key", None)
   if isinstance(spec, _spec.NormalizerSpec):
     if spec.needs_key and key is None:
@@ -328,11 +329,19 @@ def _implementation_order(implementation) -> list[str] | None:
   return names
 
 
-def dot_product_attention(q, k, v, bias=None, mask=None, *, scale=None, is_causal=False,
-                          query_seq_lengths=None, key_value_seq_lengths=None,
-                          local_window_size=None, segment_ids=None, logits_soft_cap=None,
-                          normalizer="softmax", normalizer_params=None, implementation=None,
-                          decay_bias=None, decay_prune_threshold=None):
+def dot_product_attention(
+    q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
+    mask: ArrayLike | None = None, *, scale: float | ArrayLike | None = None,
+    is_causal: bool = False, query_seq_lengths: ArrayLike | None = None,
+    key_value_seq_lengths: ArrayLike | None = None,
+    local_window_size: int | tuple[int, int] | None = None,
+    segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
+    logits_soft_cap: float | None = None,
+    normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
+    normalizer_params: Mapping[str, Any] | None = None,
+    implementation: str | Sequence[str] | None = None,
+    decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
+    decay_prune_threshold: float | None = None) -> jax.Array:
   r"""Scaled dot-product attention with any normalizer (features A01, A02; docs/feature_ids.md).
 
   A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments, in the
