@@ -6,7 +6,7 @@ PIP    := $(PY) -m pip
 # pytest workers: one per core by default.
 JOBS   ?= auto
 
-.PHONY: demo test test-unit test-notebooks test-slow lint typecheck bench gallery notebooks clean
+.PHONY: demo test test-unit test-notebooks test-slow test-quick lint typecheck bench gallery notebooks clean
 
 $(VENV)/.base: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test-notebooks: $(VENV)/.base
 
 test-slow: $(VENV)/.base
 	$(PY) -m pytest -n $(JOBS) -q -m slow
+
+## The quick inner loop: unit tests without Pallas interpret-mode kernels, subprocesses or slow sweeps.
+test-quick: $(VENV)/.base
+	$(PY) -m pytest -n $(JOBS) -q -m "not kernels and not subprocess and not slow"
 
 lint: $(VENV)/.base
 	$(PY) -m ruff check jaxsoft kernels_pallas tests bench train

@@ -12,7 +12,7 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.attention.test_core_util import assert_same, make_qkv
+from tests.helpers import LazyCases, assert_same, make_qkv
 
 NAMES = sorted(nz.REGISTRY)
 B, T, N, K, H = 2, 11, 4, 2, 8
@@ -76,14 +76,14 @@ def test_chunked_matches_dense(name):
   _compare(name, kw, _params(nz.get(name)), q, k, v, bias)
 
 
-SLOW_CASES = {
-    "window_segments": {"local_window_size": (3, 2),
-                        "segment_ids": jnp.array([[0] * 5 + [1] * 6, [2] * 3 + [4] * 8])},
-    "mask_softcap": {"mask": jax.random.bernoulli(jax.random.PRNGKey(2), 0.7, (B, 1, T, T)),
-                     "logits_soft_cap": 2.0},
-    "padding_both": {"query_seq_lengths": jnp.array([6, 11], jnp.int32),
-                     "key_value_seq_lengths": jnp.array([9, 4], jnp.int32)},
-}
+SLOW_CASES = LazyCases(  # arrays built on first use, not at import
+    window_segments=lambda: {"local_window_size": (3, 2),
+                             "segment_ids": jnp.array([[0] * 5 + [1] * 6, [2] * 3 + [4] * 8])},
+    mask_softcap=lambda: {"mask": jax.random.bernoulli(jax.random.PRNGKey(2), 0.7, (B, 1, T, T)),
+                          "logits_soft_cap": 2.0},
+    padding_both=lambda: {"query_seq_lengths": jnp.array([6, 11], jnp.int32),
+                          "key_value_seq_lengths": jnp.array([9, 4], jnp.int32)},
+)
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.attention.test_core_util import assert_same, make_qkv, sampled, segment_mask
+from tests.helpers import LazyCases, assert_same, make_qkv, sampled, segment_mask
 
 B, T, N, K, H = 2, 11, 4, 2, 8
 
@@ -25,22 +25,22 @@ def _mask(shape, seed=4, p=0.7):
   return m | jnp.eye(shape[-2], shape[-1], dtype=bool)
 
 
-# every mask kind jax.nn knows, and combinations
-MASK_CASES = {
-    "none": {},
-    "bias": {"bias": _bias((B, N, T, T))},
-    "bias_broadcast": {"bias": _bias((1, N, 1, T))},
-    "causal": {"is_causal": True},
-    "padding": {"query_seq_lengths": jnp.array([7, 11], jnp.int32),
-                "key_value_seq_lengths": jnp.array([5, 11], jnp.int32)},
-    "mask": {"mask": _mask((B, 1, T, T))},
-    "window": {"local_window_size": (3, 2)},
-    "window_int": {"local_window_size": 2},
-    "causal_window_bias": {"is_causal": True, "local_window_size": (4, 0),
-                           "bias": _bias((1, 1, T, T))},
-    "causal_padding_mask": {"is_causal": True, "mask": _mask((1, N, T, T)),
-                            "key_value_seq_lengths": jnp.array([9, 11], jnp.int32)},
-}
+# every mask kind jax.nn knows, and combinations (arrays built on first use, not at import)
+MASK_CASES = LazyCases(
+    none=lambda: {},
+    bias=lambda: {"bias": _bias((B, N, T, T))},
+    bias_broadcast=lambda: {"bias": _bias((1, N, 1, T))},
+    causal=lambda: {"is_causal": True},
+    padding=lambda: {"query_seq_lengths": jnp.array([7, 11], jnp.int32),
+                     "key_value_seq_lengths": jnp.array([5, 11], jnp.int32)},
+    mask=lambda: {"mask": _mask((B, 1, T, T))},
+    window=lambda: {"local_window_size": (3, 2)},
+    window_int=lambda: {"local_window_size": 2},
+    causal_window_bias=lambda: {"is_causal": True, "local_window_size": (4, 0),
+                                "bias": _bias((1, 1, T, T))},
+    causal_padding_mask=lambda: {"is_causal": True, "mask": _mask((1, N, T, T)),
+                                 "key_value_seq_lengths": jnp.array([9, 11], jnp.int32)},
+)
 
 
 @pytest.mark.parametrize(

@@ -16,14 +16,9 @@ import pytest
 from jax.test_util import check_grads
 
 from jaxsoft.attention import _variants as V
+from tests.helpers import BWD, FWD, normal
 
 IMPLS = ("xla", "xla_chunked")
-FWD = dict(rtol=1e-5, atol=1e-5)
-BWD = dict(rtol=1e-4, atol=1e-4)
-
-
-def _normal(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
 def _vjp_all(f, args, ct_key=99):
@@ -31,7 +26,7 @@ def _vjp_all(f, args, ct_key=99):
 
   def run(*args):
     out, vjp = jax.vjp(f, *args)
-    return out, vjp(_normal(ct_key, out.shape))
+    return out, vjp(normal(ct_key, out.shape))
 
   return jax.jit(run)(*args)
 
@@ -83,14 +78,14 @@ def _hopfield_ref(xi, mem, beta, iters, normalize):
 
 
 def _patterns(m=8, d=32):
-  mem = _normal(0, (m, d))
+  mem = normal(0, (m, d))
   return mem / jnp.linalg.norm(mem, axis=-1, keepdims=True) * math.sqrt(d)
 
 
 @pytest.mark.parametrize("normalizer", ["softmax", "softmax_1"])
 def test_hopfield_large_beta_retrieves_stored_pattern(normalizer):
   mem = _patterns()
-  noisy = mem[jnp.array([3, 5])] + _normal(1, (2, 32), 0.3)
+  noisy = mem[jnp.array([3, 5])] + normal(1, (2, 32), 0.3)
   out = V.hopfield_retrieval(noisy, mem, beta=4.0, num_iters=1, normalizer=normalizer)
   chex.assert_trees_all_close(out, mem[jnp.array([3, 5])], atol=1e-4)
 
@@ -100,8 +95,8 @@ def test_hopfield_large_beta_retrieves_stored_pattern(normalizer):
     ("softmax_1", _softmax_1_ref),
 ])
 def test_hopfield_matches_explicit_iteration(normalizer, ref):
-  mem = _normal(2, (6, 5), 0.7)
-  xi = _normal(3, (3, 5))
+  mem = normal(2, (6, 5), 0.7)
+  xi = normal(3, (3, 5))
   beta = jnp.float32(0.8)
   f = lambda x, m, b: V.hopfield_retrieval(x, m, beta=b, num_iters=3, normalizer=normalizer)
   r = lambda x, m, b: _hopfield_ref(x, m, b, 3, ref)
@@ -109,8 +104,8 @@ def test_hopfield_matches_explicit_iteration(normalizer, ref):
 
 
 def test_hopfield_callable_normalizer_and_where():
-  mem = _normal(4, (6, 5))
-  xi = _normal(5, (2, 5))
+  mem = normal(4, (6, 5))
+  xi = normal(5, (2, 5))
   where = jnp.array([True, False, True, True, False, True])
   out = V.hopfield_retrieval(
       xi, mem, beta=0.5, num_iters=2,
@@ -122,8 +117,8 @@ def test_hopfield_callable_normalizer_and_where():
 
 @pytest.mark.parametrize("normalizer,offset", [("softmax", 0.0), ("softmax_1", 1.0)])
 def test_hopfield_energy_does_not_increase(normalizer, offset):
-  mem = _normal(6, (10, 8))
-  xi = _normal(7, (4, 8))
+  mem = normal(6, (10, 8))
+  xi = normal(7, (4, 8))
 
   @jax.jit
   def energies(xi):
@@ -139,8 +134,8 @@ def test_hopfield_energy_does_not_increase(normalizer, offset):
 
 
 def test_hopfield_energy_closed_form():
-  mem = _normal(8, (5, 3))
-  xi = _normal(9, (2, 3))
+  mem = normal(8, (5, 3))
+  xi = normal(9, (2, 3))
   z = 0.7 * xi @ mem.T
   want = -np.log(1.0 + np.exp(np.asarray(z, np.float64)).sum(-1)) / 0.7 + 0.5 * np.sum(
       np.asarray(xi, np.float64) ** 2, -1)
@@ -156,8 +151,8 @@ def test_hopfield_check_grads_f64():
 
 
 def test_hopfield_bf16_in_float32():
-  mem = _normal(10, (6, 8))
-  xi = _normal(11, (2, 8))
+  mem = normal(10, (6, 8))
+  xi = normal(11, (2, 8))
   out = V.hopfield_retrieval(xi.astype(jnp.bfloat16), mem.astype(jnp.bfloat16), beta=0.5,
                              num_iters=2)
   assert out.dtype == jnp.bfloat16
@@ -170,10 +165,10 @@ def test_hopfield_bf16_in_float32():
 
 
 def test_gated_output_matches_formula():
-  y = _normal(0, (2, 5, 3, 4))
-  x = _normal(1, (2, 5, 6))
-  w = _normal(2, (6, 3, 4), 0.5)
-  b = _normal(3, (3, 4))
+  y = normal(0, (2, 5, 3, 4))
+  x = normal(1, (2, 5, 6))
+  w = normal(2, (6, 3, 4), 0.5)
+  b = normal(3, (3, 4))
 
   def ref(y, x, w, b):
     gate = 1.0 / (1.0 + jnp.exp(-(jnp.einsum("btd,dnh->btnh", x, w) + b)))
@@ -183,20 +178,20 @@ def test_gated_output_matches_formula():
 
 
 def test_gated_output_headwise_scalar_gate():
-  y = _normal(4, (2, 5, 3, 4))
-  x = _normal(5, (2, 5, 6))
-  w = _normal(6, (6, 3))
+  y = normal(4, (2, 5, 3, 4))
+  x = normal(5, (2, 5, 6))
+  w = normal(6, (6, 3))
   out = V.gated_attention_output(y, x, w)
   gate = jax.nn.sigmoid(jnp.einsum("btd,dn->btn", x, w))
   chex.assert_trees_all_close(out, y * gate[..., None], **FWD)
 
 
 def test_gated_output_open_gate_is_identity_and_shrinks():
-  y = _normal(7, (1, 4, 2, 3))
-  x = _normal(8, (1, 4, 5))
+  y = normal(7, (1, 4, 2, 3))
+  x = normal(8, (1, 4, 5))
   w = jnp.zeros((5, 2, 3))
   chex.assert_trees_all_close(V.gated_attention_output(y, x, w, jnp.full((2, 3), 40.0)), y)
-  out = V.gated_attention_output(y, x, _normal(9, (5, 2, 3)))
+  out = V.gated_attention_output(y, x, normal(9, (5, 2, 3)))
   assert np.all(np.abs(out) <= np.abs(y))
 
 
@@ -236,13 +231,13 @@ def small_blocks(monkeypatch):
 
 
 def _fox_inputs(t=7, n=2, h=4, seed=0):
-  q, k, v = (_normal(seed + i, (2, t, n, h)) for i in range(3))
-  log_f = jax.nn.log_sigmoid(_normal(seed + 3, (2, t, n), 2.0) + 1.0)
+  q, k, v = (normal(seed + i, (2, t, n, h)) for i in range(3))
+  log_f = jax.nn.log_sigmoid(normal(seed + 3, (2, t, n), 2.0) + 1.0)
   return q, k, v, log_f
 
 
 def test_forget_gate_decay_is_cumulative_sum():
-  log_f = jax.nn.log_sigmoid(_normal(0, (2, 6, 3)))
+  log_f = jax.nn.log_sigmoid(normal(0, (2, 6, 3)))
   cq, ck = V.forget_gate_decay(log_f)
   lf = np.asarray(log_f, np.float64)
   for i in range(6):
@@ -259,7 +254,7 @@ def test_forgetting_attention_matches_explicit_sum(impl):
 
 def test_forgetting_attention_gqa():
   q, _, _, log_f = _fox_inputs(n=4)
-  k, v = _normal(10, (2, 7, 2, 4)), _normal(11, (2, 7, 2, 4))
+  k, v = normal(10, (2, 7, 2, 4)), normal(11, (2, 7, 2, 4))
   out = V.forgetting_attention(q, k, v, log_f)
   ref = _fox_reference(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), log_f)
   chex.assert_trees_all_close(out, ref, **FWD)
@@ -291,7 +286,7 @@ def test_forgetting_attention_prunes_exactly_the_decayed_blocks(small_blocks):
   # (over the block pair, batches and heads): equal to masking those pairs out.
   t, b = 80, small_blocks
   q, k, v, _ = _fox_inputs(t=t, seed=60)
-  log_f = jax.nn.log_sigmoid(_normal(64, (2, t, 2), 0.5) - 1.0)
+  log_f = jax.nn.log_sigmoid(normal(64, (2, t, 2), 0.5) - 1.0)
   thr = -8.0
   c = np.asarray(jnp.cumsum(log_f, axis=1))  # [B, T, N]
   nb = t // b
@@ -407,7 +402,7 @@ def test_learned_alpha_gets_a_gradient():
 
   def loss(free):
     alpha = V.softplus_to_range(free, 1.0)
-    return jnp.sum(V.entmax_attention(2.0 * q, k, v, alpha=alpha) * _normal(51, q.shape))
+    return jnp.sum(V.entmax_attention(2.0 * q, k, v, alpha=alpha) * normal(51, q.shape))
 
   g = jax.grad(loss)(free)
   chex.assert_tree_all_finite(g)

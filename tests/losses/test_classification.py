@@ -1,5 +1,7 @@
 """L01 softmax cross-entropy and L03 top-k sparse-softmax CE against optax and dense references."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,16 +11,12 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft as js
-
-LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+from tests.helpers import LOW_PRECISION, normal, value_and_vjp
 
 sce = js.losses.softmax_cross_entropy
 sce_int = js.losses.softmax_cross_entropy_with_integer_labels
 topk_ce = js.losses.top_k_cross_entropy
-
-
-def _logits(seed, shape, scale=2.0, dtype=jnp.float32):
-  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
+_logits = functools.partial(normal, scale=2.0)
 
 
 def _probs(seed, shape):
@@ -29,46 +27,33 @@ def _labels(seed, shape, n):
   return jax.random.randint(jax.random.key(seed), shape, 0, n)
 
 
-def _value_and_vjp(f, *args, seed=99):
-  """f(*args) and its VJP with a random cotangent, for every argument (one jitted call)."""
-
-  @jax.jit
-  def run(*a):
-    out, vjp = jax.vjp(f, *a)
-    ct = (jnp.ones(out.shape, out.dtype) if seed is None
-          else jax.random.normal(jax.random.key(seed), out.shape, out.dtype))
-    return out, vjp(ct)
-
-  return run(*args)
-
-
 # ---------------------------------------------------------------- L01, probability targets
 
 
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 def test_soft_targets_match_optax(smoothing):
   x, y = _logits(0, (5, 7)), _probs(1, (5, 7))
-  ours = _value_and_vjp(lambda a, b: sce(a, b, label_smoothing=smoothing), x, y)
-  ref = _value_and_vjp(
+  ours = value_and_vjp(lambda a, b: sce(a, b, label_smoothing=smoothing), x, y)
+  ref = value_and_vjp(
       lambda a, b: optax.losses.softmax_cross_entropy(a, optax.smooth_labels(b, smoothing)), x, y)
   chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_soft_targets_class_axis_and_rank():
   x, y = _logits(2, (3, 6, 4)), _probs(3, (3, 6, 4))
-  ours = _value_and_vjp(lambda a, b: sce(a, b, axis=1), x, y)
-  ref = _value_and_vjp(lambda a, b: optax.losses.softmax_cross_entropy(a, b, axis=1), x, y)
+  ours = value_and_vjp(lambda a, b: sce(a, b, axis=1), x, y)
+  ref = value_and_vjp(lambda a, b: optax.losses.softmax_cross_entropy(a, b, axis=1), x, y)
   chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
 
 
 def test_soft_targets_class_mask_matches_optax_and_deleting_the_column():
   x, y = _logits(4, (4, 6)), _probs(5, (4, 6))
   where = jnp.ones((4, 6), bool).at[:, 2].set(False)
-  ours = _value_and_vjp(lambda a: sce(a, y, where=where), x)
-  ref = _value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y, where=where), x)
+  ours = value_and_vjp(lambda a: sce(a, y, where=where), x)
+  ref = value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y, where=where), x)
   chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
   keep = np.array([0, 1, 3, 4, 5])
-  deleted = _value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y[:, keep]), x[:, keep])
+  deleted = value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y[:, keep]), x[:, keep])
   chex.assert_trees_all_close(ours[0], deleted[0], rtol=1e-5)
   chex.assert_trees_all_close(ours[1][0][:, keep], deleted[1][0], rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(ours[1][0][:, 2], 0.0)
@@ -88,9 +73,9 @@ def test_soft_targets_minus_inf_logit_is_a_masked_class():
   x = _logits(8, (2, 4)).at[:, 1].set(-jnp.inf)
   y = _probs(9, (2, 4)).at[:, 1].set(0.0)
   y = y / y.sum(-1, keepdims=True)
-  ours = _value_and_vjp(lambda a: sce(a, y), x)
+  ours = value_and_vjp(lambda a: sce(a, y), x)
   keep = np.array([0, 2, 3])
-  ref = _value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y[:, keep]), x[:, keep])
+  ref = value_and_vjp(lambda a: optax.losses.softmax_cross_entropy(a, y[:, keep]), x[:, keep])
   chex.assert_trees_all_close(ours[0], ref[0], rtol=1e-5)
   chex.assert_trees_all_close(ours[1][0][:, keep], ref[1][0], rtol=1e-5, atol=1e-6)
   assert np.all(np.isfinite(ours[1][0]))
@@ -102,8 +87,8 @@ def test_soft_targets_minus_inf_logit_is_a_masked_class():
 @pytest.mark.parametrize("smoothing", [0.0, 0.25])
 def test_integer_labels_match_optax(smoothing):
   x, labels = _logits(10, (6, 9)), _labels(11, (6,), 9)
-  ours = _value_and_vjp(lambda a: sce_int(a, labels, label_smoothing=smoothing), x)
-  ref = _value_and_vjp(
+  ours = value_and_vjp(lambda a: sce_int(a, labels, label_smoothing=smoothing), x)
+  ref = value_and_vjp(
       lambda a: optax.losses.softmax_cross_entropy(
           a, optax.smooth_labels(jax.nn.one_hot(labels, 9), smoothing)), x)
   chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
@@ -114,8 +99,8 @@ def test_integer_labels_match_optax(smoothing):
 
 def test_integer_labels_other_axis():
   x, labels = _logits(12, (3, 8, 5)), _labels(13, (3, 5), 8)
-  ours = _value_and_vjp(lambda a: sce_int(a, labels, axis=1), x)
-  ref = _value_and_vjp(
+  ours = value_and_vjp(lambda a: sce_int(a, labels, axis=1), x)
+  ref = value_and_vjp(
       lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, labels, axis=1), x)
   chex.assert_trees_all_close(ours, ref, rtol=1e-5, atol=1e-6)
 
@@ -124,7 +109,7 @@ def test_integer_labels_example_mask_and_ignore_index():
   x, labels = _logits(14, (6, 5)), _labels(15, (6,), 5)
   labels = labels.at[1].set(-100)
   where = jnp.array([True, True, False, True, True, True])
-  loss, (dx,) = _value_and_vjp(lambda a: sce_int(a, labels, where=where, ignore_index=-100), x)
+  loss, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels, where=where, ignore_index=-100), x)
   ref = optax.losses.softmax_cross_entropy_with_integer_labels(x, jnp.maximum(labels, 0))
   ref_dx = jax.grad(lambda a: jnp.sum(optax.losses.softmax_cross_entropy_with_integer_labels(
       a, jnp.maximum(labels, 0)) * jax.random.normal(jax.random.key(99), (6,))))(x)
@@ -140,17 +125,18 @@ def test_integer_labels_class_mask_equals_deleting_the_column():
   x = _logits(16, (4, 6))
   labels = jnp.array([0, 5, 3, 1])
   where = jnp.ones((1, 6), bool).at[0, 2].set(False)
-  loss, (dx,) = _value_and_vjp(lambda a: sce_int(a, labels, where=where), x)
+  loss, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels, where=where), x)
   keep = np.array([0, 1, 3, 4, 5])
   new_labels = jnp.array([0, 4, 2, 1])
-  ref, (rdx,) = _value_and_vjp(
+  ref, (rdx,), _ = value_and_vjp(
       lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, new_labels), x[:, keep])
   chex.assert_trees_all_close(loss, ref, rtol=1e-6)
   chex.assert_trees_all_close(dx[:, keep], rdx, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(dx[:, 2], 0.0)
   # smoothing over the visible classes only, as the optax-checked probability version
-  smooth, (sdx,) = _value_and_vjp(lambda a: sce_int(a, labels, where=where, label_smoothing=0.3), x)
-  ref_smooth, (rsdx,) = _value_and_vjp(
+  smooth, (sdx,), _ = value_and_vjp(
+      lambda a: sce_int(a, labels, where=where, label_smoothing=0.3), x)
+  ref_smooth, (rsdx,), _ = value_and_vjp(
       lambda a: sce(a, jax.nn.one_hot(labels, 6), where=where, label_smoothing=0.3), x)
   chex.assert_trees_all_close((smooth, sdx), (ref_smooth, rsdx), rtol=1e-5, atol=1e-6)
   # a single example (rank-1 logits, scalar label)
@@ -162,12 +148,12 @@ def test_fully_masked_rows_and_invisible_labels():
   x = _logits(17, (4, 5)).at[3].set(-jnp.inf)
   labels = jnp.array([1, 2, 7, 0])          # row 2: out of range; row 3: no visible class
   where = jnp.ones((4, 5), bool).at[1, 2].set(False)  # row 1: the label's class is masked
-  loss, (dx,) = _value_and_vjp(lambda a: sce_int(a, labels, where=where), x)
+  loss, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels, where=where), x)
   assert loss[1] == jnp.inf and loss[2] == jnp.inf
   assert loss[3] == 0.0
   assert np.all(np.isfinite(dx))
   np.testing.assert_array_equal(dx[1:], 0.0)
-  soft_loss, (sdx,) = _value_and_vjp(lambda a: sce(a, jax.nn.one_hot(labels, 5)), x)
+  soft_loss, (sdx,), _ = value_and_vjp(lambda a: sce(a, jax.nn.one_hot(labels, 5)), x)
   assert soft_loss[3] == 0.0 and np.all(sdx[3] == 0.0) and np.all(np.isfinite(sdx))
 
 
@@ -176,14 +162,14 @@ def test_huge_and_shifted_logits_are_finite_and_shift_invariant():
   labels = jnp.array([0, 1, 2, 3])
   base = sce_int(jnp.asarray(x64, jnp.float32), labels)
   for shift in (1000.0, -1000.0):
-    shifted, (dx,) = _value_and_vjp(lambda a: sce_int(a, labels), jnp.asarray(x64 + shift,
+    shifted, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels), jnp.asarray(x64 + shift,
                                                                               jnp.float32))
     chex.assert_trees_all_close(shifted, base, atol=2e-3)
     assert np.all(np.isfinite(dx))
   huge = jnp.array([[3e38, -3e38, 0.0, 1e30]], jnp.float32)
   for fn in (lambda a: sce_int(a, jnp.array([1])), lambda a: sce(a, jnp.full((1, 4), 0.25)),
              lambda a: sce_int(a, jnp.array([1]), label_smoothing=0.1)):
-    out, (dx,) = _value_and_vjp(fn, huge)
+    out, (dx,), _ = value_and_vjp(fn, huge)
     assert not np.any(np.isnan(out)) and np.all(np.isfinite(dx))
   # with the label on the largest logit the loss is exactly 0 (not NaN)
   assert sce_int(huge, jnp.array([0]))[0] == 0.0
@@ -276,7 +262,7 @@ def _top_k_reference(x, labels, k):
 @pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, 8])
 def test_top_k_matches_dense_reference(k):
   x, labels = _logits(30, (6, 8)), _labels(31, (6,), 8)
-  loss, (dx,) = _value_and_vjp(lambda a: topk_ce(a, labels, k), x, seed=None)
+  loss, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, labels, k), x, seed=None)
   ref_loss, ref_dx = _top_k_reference(x, labels, k)
   chex.assert_trees_all_close(loss, ref_loss.astype(np.float32), rtol=1e-5, atol=1e-6)
   chex.assert_trees_all_close(dx, ref_dx.astype(np.float32), rtol=1e-5, atol=1e-6)
@@ -288,7 +274,7 @@ def test_top_k_matches_dense_reference(k):
 
 def test_top_k_random_cotangent_and_zero_gradient_outside_support():
   x, labels = _logits(32, (5, 10)), _labels(33, (5,), 10)
-  out, (dx,) = _value_and_vjp(lambda a: topk_ce(a, labels, 4), x)
+  out, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, labels, 4), x)
   ct = jax.random.normal(jax.random.key(99), out.shape)
   _, ref_dx = _top_k_reference(x, labels, 4)
   chex.assert_trees_all_close(dx, (ct[:, None] * ref_dx).astype(np.float32), rtol=1e-5, atol=1e-6)
@@ -319,7 +305,7 @@ def test_top_k_masks_and_edge_cases():
   x, labels = _logits(34, (4, 6)), jnp.array([0, 1, 2, -100])
   where = jnp.ones((4, 6), bool).at[:, 0].set(False).at[0, :].set(True)
   # masked class 0 is never selected: equal to the reference on the remaining columns
-  out, (dx,) = _value_and_vjp(lambda a: topk_ce(a, labels, 2, where=where, ignore_index=-100), x)
+  out, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, labels, 2, where=where, ignore_index=-100), x)
   for r in (1, 2):
     cols = np.arange(1, 6)
     ref_loss, ref_dx = _top_k_reference(x[r:r + 1, cols], labels[r:r + 1] - 1, 2)
@@ -336,7 +322,7 @@ def test_top_k_masks_and_edge_cases():
       optax.losses.softmax_cross_entropy_with_integer_labels(x[:1, ::2][:, :2], labels[:1]),
       rtol=1e-6)
   huge = jnp.array([[3e38, -3e38, 1e30, 0.0]])
-  out, (dx,) = _value_and_vjp(lambda a: topk_ce(a, jnp.array([1]), 2), huge)
+  out, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, jnp.array([1]), 2), huge)
   assert not np.isnan(out).any() and np.all(np.isfinite(dx))
 
 

@@ -1,5 +1,7 @@
 """L02 Fenchel-Young losses against optax, the definition computed densely, and p - y."""
 
+import functools
+
 import chex
 import hypothesis
 import hypothesis.extra.numpy as hnp
@@ -12,10 +14,10 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft as js
-
-LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+from tests.helpers import LOW_PRECISION, normal, value_and_vjp
 
 fy = js.losses.fenchel_young_loss
+_logits = functools.partial(normal, scale=1.5)
 
 
 # ------------------------------------------------------- dense float64 references (numpy)
@@ -67,22 +69,6 @@ def _ref_loss_and_grad(x, y, alpha):
   return loss, grad
 
 
-def _logits(seed, shape, scale=1.5, dtype=jnp.float32):
-  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
-
-
-def _value_and_vjp(f, *args, seed=99):
-  """f(*args) and its VJP with a random cotangent (one jitted call)."""
-
-  @jax.jit
-  def run(*a):
-    out, vjp = jax.vjp(f, *a)
-    ct = jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
-    return out, vjp(ct), ct
-
-  return run(*args)
-
-
 NAMES = [("softmax", {}, 1.0), ("sparsemax", {}, 2.0), ("entmax15", {}, 1.5),
          ("entmax", {"alpha": 1.3}, 1.3),
          pytest.param("entmax", {"alpha": 1.5}, 1.5, marks=pytest.mark.slow),
@@ -99,7 +85,7 @@ def test_matches_definition_and_gradient_is_p_minus_y(name, hp, alpha):
   targets = jax.nn.softmax(2 * jax.random.normal(jax.random.key(2), (6, 7)))
   targets = targets.at[0].set(jnp.array([0.5, 0.5, 0, 0, 0, 0, 0]))  # zeros in the target
   for y_arg, y_dense in ((labels, jax.nn.one_hot(labels, 7)), (targets, targets)):
-    out, (dx,), ct = _value_and_vjp(lambda a, y=y_arg: fy(a, y, name, **hp), x)
+    out, (dx,), ct = value_and_vjp(lambda a, y=y_arg: fy(a, y, name, **hp), x)
     ref_loss, ref_grad = _ref_loss_and_grad(x, y_dense, alpha)
     chex.assert_trees_all_close(out, ref_loss.astype(np.float32), rtol=1e-4, atol=2e-5)
     chex.assert_trees_all_close(dx, (ct[:, None] * ref_grad).astype(np.float32), rtol=1e-4,
@@ -107,25 +93,28 @@ def test_matches_definition_and_gradient_is_p_minus_y(name, hp, alpha):
     assert np.all(out >= 0.0)
 
 
-def test_softmax_is_cross_entropy_and_kl():
-  x = _logits(3, (5, 6))
-  labels = jax.random.randint(jax.random.key(4), (5,), 0, 6)
-  out, (dx,), _ = _value_and_vjp(lambda a: fy(a, labels, "softmax"), x)
-  ref, (rdx,), _ = _value_and_vjp(
-      lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, labels), x)
+def _matches_optax(name, optax_loss, seed, shape):
+  """fy(x, labels, name) and its VJP equal ``optax_loss``'s on random logits and labels
+  (drawn with seeds ``seed`` and ``seed + 1``); returns x, labels, dx and the cotangent."""
+  x = _logits(seed, shape)
+  labels = jax.random.randint(jax.random.key(seed + 1), shape[:1], 0, shape[1])
+  out, (dx,), ct = value_and_vjp(lambda a: fy(a, labels, name), x)
+  ref, (rdx,), _ = value_and_vjp(lambda a: optax_loss(a, labels), x)
   chex.assert_trees_all_close((out, dx), (ref, rdx), rtol=1e-5, atol=1e-6)
+  return x, labels, dx, ct
+
+
+def test_softmax_is_cross_entropy_and_kl():
+  x, _, _, _ = _matches_optax("softmax", optax.losses.softmax_cross_entropy_with_integer_labels,
+                              3, (5, 6))
   y = jax.nn.softmax(jax.random.normal(jax.random.key(5), (5, 6)))
   kl = optax.losses.softmax_cross_entropy(x, y) + jnp.sum(y * jnp.log(y), -1)
   chex.assert_trees_all_close(fy(x, y, "softmax"), kl, rtol=1e-5, atol=1e-6)
 
 
 def test_sparsemax_matches_optax_multiclass_sparsemax_loss():
-  x = _logits(6, (8, 5))
-  labels = jax.random.randint(jax.random.key(7), (8,), 0, 5)
-  out, (dx,), ct = _value_and_vjp(lambda a: fy(a, labels, "sparsemax"), x)
-  ref, (rdx,), _ = _value_and_vjp(
-      lambda a: optax.losses.multiclass_sparsemax_loss(a, labels), x)
-  chex.assert_trees_all_close((out, dx), (ref, rdx), rtol=1e-5, atol=1e-6)
+  x, labels, dx, ct = _matches_optax("sparsemax", optax.losses.multiclass_sparsemax_loss, 6,
+                                     (8, 5))
   p = jax.jit(jax.vmap(optax.projections.projection_simplex))(x)
   chex.assert_trees_all_close(dx, ct[:, None] * (p - jax.nn.one_hot(labels, 5)), atol=1e-6)
 
@@ -160,7 +149,7 @@ def test_alpha_limits_and_per_row_alpha():
   chex.assert_trees_all_close(fy(x, labels, "entmax", alpha=1.5), fy(x, labels, "entmax15"),
                               rtol=1e-5, atol=1e-6)
   alpha = jnp.array([1.2, 1.5, 2.0, 3.0])[:, None]
-  out, (dx,), ct = _value_and_vjp(lambda a: fy(a, labels, "entmax", alpha=alpha), x)
+  out, (dx,), ct = value_and_vjp(lambda a: fy(a, labels, "entmax", alpha=alpha), x)
   ref_loss, ref_grad = _ref_loss_and_grad(x, jax.nn.one_hot(labels, 6), np.asarray(alpha))
   chex.assert_trees_all_close(out, ref_loss.astype(np.float32), rtol=1e-4, atol=2e-5)
   chex.assert_trees_all_close(dx, (ct[:, None] * ref_grad).astype(np.float32), rtol=1e-4,
@@ -196,7 +185,7 @@ def test_masks_and_ignored_labels():
   x = _logits(13, (5, 6))
   labels = jnp.array([1, 2, -100, 0, 3])
   where = jnp.array([[True, True, True, False, True, True]])
-  out, (dx,), ct = _value_and_vjp(
+  out, (dx,), ct = value_and_vjp(
       lambda a: fy(a, labels, "sparsemax", where=where, ignore_index=-100), x)
   cols = np.array([0, 1, 2, 4, 5])
   keep = np.array([0, 1, 3])
@@ -212,7 +201,7 @@ def test_masks_and_ignored_labels():
   rows = jnp.array([True, False, True, True, True])
   xm = x.at[3].set(-jnp.inf)
   for name in ("softmax", "sparsemax", "entmax15"):
-    out, (dx,), _ = _value_and_vjp(lambda a, n=name: fy(a, labels, n, where=rows,
+    out, (dx,), _ = value_and_vjp(lambda a, n=name: fy(a, labels, n, where=rows,
                                                       ignore_index=-100), xm)
     assert out[1] == 0.0 and out[3] == 0.0
     assert np.all(dx[1] == 0.0) and np.all(dx[3] == 0.0) and np.all(np.isfinite(dx))
@@ -225,7 +214,7 @@ def test_huge_logits_no_nan_and_shift_invariance():
     base = fy(x, labels, name)
     chex.assert_trees_all_close(fy(x + 1000.0, labels, name), base, atol=1e-3)
     huge = jnp.array([[3e38, -3e38, 0.0, 1e30, 1.0, 2.0]])
-    out, (dx,), _ = _value_and_vjp(lambda a, n=name: fy(a, jnp.array([1]), n), huge)
+    out, (dx,), _ = value_and_vjp(lambda a, n=name: fy(a, jnp.array([1]), n), huge)
     assert not np.isnan(out).any() and np.all(np.isfinite(dx))
     out0 = fy(huge, jnp.array([0]), name)
     assert out0[0] == 0.0

@@ -1,5 +1,7 @@
 """L04 StableMax CE and the softmax-collapse diagnostic (E02), against float64 references."""
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -9,11 +11,11 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft as js
-
-LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)]
+from tests.helpers import LOW_PRECISION, normal, value_and_vjp
 
 smce = js.losses.stablemax_cross_entropy
 collapse = js.losses.softmax_collapse_fraction
+_logits = functools.partial(normal, scale=3.0)
 
 
 def _s(x):
@@ -33,28 +35,13 @@ def _reference(x, y_dense):
   return loss, grad
 
 
-def _logits(seed, shape, scale=3.0, dtype=jnp.float32):
-  return (scale * jax.random.normal(jax.random.key(seed), shape)).astype(dtype)
-
-
-def _value_and_vjp(f, *args, seed=99):
-
-  @jax.jit
-  def run(*a):
-    out, vjp = jax.vjp(f, *a)
-    ct = jax.random.normal(jax.random.key(seed), out.shape, out.dtype)
-    return out, vjp(ct), ct
-
-  return run(*args)
-
-
 def test_integer_and_soft_targets_match_dense_reference():
   x = _logits(0, (6, 7))
   x = x.at[0, :3].set(jnp.array([0.0, -0.0, 1e-8]))  # both sides of the kink at 0
   labels = jax.random.randint(jax.random.key(1), (6,), 0, 7)
   y = jax.nn.softmax(jax.random.normal(jax.random.key(2), (6, 7)))
   for y_arg, y_dense in ((labels, jax.nn.one_hot(labels, 7)), (y, y)):
-    out, (dx,), ct = _value_and_vjp(lambda a, t=y_arg: smce(a, t), x)
+    out, (dx,), ct = value_and_vjp(lambda a, t=y_arg: smce(a, t), x)
     ref, ref_grad = _reference(x, y_dense)
     chex.assert_trees_all_close(out, ref.astype(np.float32), rtol=1e-5, atol=1e-6)
     chex.assert_trees_all_close(dx, (ct[:, None] * ref_grad).astype(np.float32), rtol=1e-5,
@@ -77,7 +64,7 @@ def test_other_axis_masks_and_ignored_labels():
   x = _logits(5, (5, 6))
   labels = jnp.array([1, 2, -1, 0, 3])
   where = jnp.array([[True, True, True, False, True, True]])
-  out, (dx,), ct = _value_and_vjp(lambda a: smce(a, labels, where=where, ignore_index=-1), x)
+  out, (dx,), ct = value_and_vjp(lambda a: smce(a, labels, where=where, ignore_index=-1), x)
   cols = np.array([0, 1, 2, 4, 5])
   keep = np.array([0, 1, 3])
   ref, ref_grad = _reference(x[keep][:, cols], jax.nn.one_hot(labels[keep], 5))
@@ -87,7 +74,7 @@ def test_other_axis_masks_and_ignored_labels():
   assert out[2] == 0.0 and np.all(dx[2] == 0.0)       # ignored
   assert out[4] == jnp.inf and np.all(dx[4] == 0.0)   # label on the masked class
   rows = jnp.array([True, False, True, True, True])
-  out, (dx,), _ = _value_and_vjp(lambda a: smce(a, labels, where=rows, ignore_index=-1),
+  out, (dx,), _ = value_and_vjp(lambda a: smce(a, labels, where=rows, ignore_index=-1),
                                  x.at[3].set(-jnp.inf))
   assert out[1] == 0.0 and out[3] == 0.0 and np.all(dx[1] == 0.0) and np.all(dx[3] == 0.0)
   assert np.all(np.isfinite(dx))
@@ -96,7 +83,7 @@ def test_other_axis_masks_and_ignored_labels():
 def test_huge_logits_are_finite():
   x = jnp.array([[3e38, -3e38, 0.0, 1e30], [1e6, 1e6, -1e6, 0.0]], jnp.float32)
   labels = jnp.array([1, 2])
-  out, (dx,), _ = _value_and_vjp(lambda a: smce(a, labels), x)
+  out, (dx,), _ = value_and_vjp(lambda a: smce(a, labels), x)
   assert np.all(np.isfinite(out)) and np.all(np.isfinite(dx))
   ref, _ = _reference(np.asarray(x, np.float64), jax.nn.one_hot(labels, 4))
   chex.assert_trees_all_close(out, ref.astype(np.float32), rtol=1e-5)

@@ -17,14 +17,9 @@ from flax import nnx
 
 import jaxsoft as js
 from jaxsoft.nn import attention_fn, attention_weights
+from tests.helpers import BWD, FWD, normal
 
-FWD = dict(rtol=1e-5, atol=1e-5)
-BWD = dict(rtol=1e-4, atol=1e-4)
 D, N = 8, 4
-
-
-def _normal(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
 def _pair(fn=None, num_kv_heads=None, dropout_rate=0.0, broadcast_dropout=True, seed=0):
@@ -59,8 +54,8 @@ def _key_padding_mask(b, t, s):
 
 @pytest.mark.parametrize("case", ["plain", "causal_mask", "is_causal", "padding", "gqa"])
 def test_softmax_equals_flax_default(case):
-  x = _normal(0, (2, 5, D))
-  ct = _normal(1, (2, 5, D))
+  x = normal(0, (2, 5, D))
+  ct = normal(1, (2, 5, D))
   kw = {}
   if case == "causal_mask":
     kw["mask"] = nnx.make_causal_mask(x[..., 0])
@@ -76,7 +71,7 @@ def test_softmax_equals_flax_default(case):
 
 
 def test_sown_weights_equal_flax():
-  x = _normal(2, (2, 5, D))
+  x = normal(2, (2, 5, D))
   mask = nnx.make_causal_mask(x[..., 0])
   ref, mine = _pair()
   out_r = ref(x, mask=mask, sow_weights=True)
@@ -90,7 +85,7 @@ def test_sown_weights_equal_flax():
 
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_dropout_equals_flax_with_the_same_draws(broadcast):
-  x = _normal(3, (2, 5, D))
+  x = normal(3, (2, 5, D))
   ref, mine = _pair(dropout_rate=0.4, broadcast_dropout=broadcast)
   out_r = ref(x, deterministic=False)
   out_m = mine(x, deterministic=False)
@@ -101,7 +96,7 @@ def test_dropout_equals_flax_with_the_same_draws(broadcast):
 
 @pytest.mark.parametrize("shape", [(5, D), (2, 3, 5, D)])
 def test_batch_dims_equal_flax(shape):
-  x = _normal(4, shape)
+  x = normal(4, shape)
   ref, mine = _pair()
   chex.assert_trees_all_close(mine(x), ref(x), **FWD)
   mask = nnx.make_causal_mask(x[..., 0])
@@ -121,14 +116,14 @@ def _reference_layer(module, x, weights_fn):
 
 
 def test_temperature_normalizer_param():
-  x = _normal(5, (2, 5, D))
+  x = normal(5, (2, 5, D))
   _, mine = _pair(attention_fn("softmax", temperature=2.0))
   want = _reference_layer(mine, x, lambda z: jax.nn.softmax(z / 2.0, axis=-1))
   chex.assert_trees_all_close(mine(x), want, **FWD)
 
 
 def test_sparsemax_normalizer():
-  x = _normal(6, (2, 5, D), 3.0)
+  x = normal(6, (2, 5, D), 3.0)
   _, mine = _pair(attention_fn("sparsemax"))
 
   def simplex(z):
@@ -140,7 +135,7 @@ def test_sparsemax_normalizer():
 
 
 def test_per_head_sink_normalizer_param():
-  x = _normal(7, (2, 5, D))
+  x = normal(7, (2, 5, D))
   sink = jnp.array([-1.0, 0.0, 0.5, 2.0]).reshape(N, 1, 1)
   _, mine = _pair(attention_fn("softmax_sink", sink_logit=sink))
 
@@ -152,7 +147,7 @@ def test_per_head_sink_normalizer_param():
 
 
 def test_extra_keywords_reach_dot_product_attention():
-  q, k, v = (_normal(10 + i, (2, 6, 2, 4)) for i in range(3))
+  q, k, v = (normal(10 + i, (2, 6, 2, 4)) for i in range(3))
   fn = attention_fn()
   out = fn(q, k, v, local_window_size=(1, 0), deterministic=True)
   want = jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 0))
@@ -161,8 +156,8 @@ def test_extra_keywords_reach_dot_product_attention():
 
 def test_attention_weights_match_jax_nn():
   b, t, s = 2, 6, 6
-  q, k, v = (_normal(20 + i, (b, t, 2, 4)) for i in range(3))
-  bias = _normal(23, (1, 2, t, s), 0.5)
+  q, k, v = (normal(20 + i, (b, t, 2, 4)) for i in range(3))
+  bias = normal(23, (1, 2, t, s), 0.5)
   kv_len = jnp.array([6, 4])
   w = attention_weights(q, k, bias, is_causal=True, local_window_size=(2, 0),
                         key_value_seq_lengths=kv_len)
@@ -174,7 +169,7 @@ def test_attention_weights_match_jax_nn():
 
 
 def test_attention_weights_segments_and_fully_masked_rows():
-  q, k = _normal(30, (1, 4, 1, 4)), _normal(31, (1, 4, 1, 4))
+  q, k = normal(30, (1, 4, 1, 4)), normal(31, (1, 4, 1, 4))
   seg = jnp.array([[0, 0, 1, 1]])
   w = attention_weights(q, k, segment_ids=seg, query_seq_lengths=jnp.array([3]))
   same = np.asarray(seg[0][:, None] == seg[0][None, :])

@@ -13,14 +13,9 @@ from flax import nnx
 
 from jaxsoft.nn import MultiHeadAttention, param_transform
 from jaxsoft.normalizers import get
+from tests.helpers import BWD, FWD, normal
 
-FWD = dict(rtol=1e-5, atol=1e-5)
-BWD = dict(rtol=1e-4, atol=1e-4)
 D, N, T = 8, 4, 5
-
-
-def _normal(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
 
 
 def _copy_projections(src, dst):
@@ -46,8 +41,8 @@ def _softmax(z):
 
 @pytest.mark.parametrize("num_kv_heads", [None, 2])
 def test_plain_layer_equals_flax(num_kv_heads):
-  x = _normal(0, (2, T, D))
-  ct = _normal(1, (2, T, D))
+  x = normal(0, (2, T, D))
+  ct = normal(1, (2, T, D))
   ref = nnx.MultiHeadAttention(N, D, num_kv_heads=num_kv_heads, decode=False, rngs=nnx.Rngs(0))
   mine = MultiHeadAttention(N, D, num_kv_heads=num_kv_heads, rngs=nnx.Rngs(1))
   _copy_projections(ref, mine)
@@ -85,8 +80,8 @@ OWN_PARAMS = {
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_each_option_runs_jitted_and_differentiable(option):
   m = MultiHeadAttention(N, D, rngs=nnx.Rngs(0, dropout=1), **OPTIONS[option])
-  x = _normal(2, (2, T, D), 2.0)
-  ct = _normal(3, (2, T, D))
+  x = normal(2, (2, T, D), 2.0)
+  ct = normal(3, (2, T, D))
 
   @nnx.jit
   def step(m, x):
@@ -117,7 +112,7 @@ def test_learned_params_start_at_default_and_stay_in_range(normalizer, name):
   m = MultiHeadAttention(N, D, normalizer=normalizer, learned=(name,), rngs=nnx.Rngs(0))
   p = get(normalizer).param(name)
   chex.assert_trees_all_close(m.normalizer_values()[name], jnp.full((N,), p.default), rtol=1e-5)
-  x = _normal(4, (1, T, D))
+  x = normal(4, (1, T, D))
   for big in (-1e4, -60.0, 60.0, 1e4):  # the result of a huge optimizer step
     m.normalizer_free[name].value = jnp.full((N,), big)
     val = np.asarray(m.normalizer_values()[name])
@@ -146,7 +141,7 @@ def test_sink_matches_reference():
   m = MultiHeadAttention(N, D, sink=True, rngs=nnx.Rngs(0))
   sink = jnp.array([-2.0, 0.0, 0.7, 3.0])
   m.normalizer_free["sink_logit"].value = sink
-  x = _normal(5, (2, T, D))
+  x = normal(5, (2, T, D))
 
   def with_sink(z):
     extra = jnp.broadcast_to(sink[:, None, None], z.shape[:-1] + (1,))
@@ -160,19 +155,19 @@ def test_learned_temperature_matches_reference():
   to_range, from_range = param_transform(get("softmax").param("temperature"))
   temps = jnp.array([0.5, 1.0, 2.0, 4.0])
   m.normalizer_free["temperature"].value = from_range(temps)
-  x = _normal(6, (2, T, D))
+  x = normal(6, (2, T, D))
   want = m.out(_reference(m, x, lambda z: _softmax(z / temps[:, None, None])))
   chex.assert_trees_all_close(m(x, is_causal=True), want, **FWD)
 
 
 def test_gate_scales_head_outputs():
-  x = _normal(7, (2, T, D))
+  x = normal(7, (2, T, D))
   plain = MultiHeadAttention(N, D, rngs=nnx.Rngs(0))
   gated = MultiHeadAttention(N, D, gated=True, rngs=nnx.Rngs(1))
   _copy_projections(plain, gated)
   y = _reference(plain, x, _softmax)
   # gate = sigmoid(x W + b): per head and feature, from the layer input
-  w, b = _normal(8, (D, N, D // N)), _normal(9, (N, D // N))
+  w, b = normal(8, (D, N, D // N)), normal(9, (N, D // N))
   gated.gate_kernel.value, gated.gate_bias.value = w, b
   gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, w) + b)
   chex.assert_trees_all_close(gated(x, is_causal=True), plain.out(y * gate), **FWD)
@@ -181,7 +176,7 @@ def test_gate_scales_head_outputs():
 def test_forget_gate_matches_explicit_decay():
   m = MultiHeadAttention(N, D, forget_gate=True, rngs=nnx.Rngs(0))
   m.forget_bias.value = jnp.array([-1.0, 0.0, 1.0, 3.0])
-  x = _normal(10, (2, T, D))
+  x = normal(10, (2, T, D))
   log_f = jax.nn.log_sigmoid(x @ m.forget_kernel.value + m.forget_bias.value)  # [B, T, N]
   terms = np.zeros((T, T, T), np.float32)  # D_ij = sum_{l=j+1}^{i} log f_l
   for i in range(T):
@@ -193,7 +188,7 @@ def test_forget_gate_matches_explicit_decay():
 
 
 def test_forget_gate_open_is_plain_causal():
-  x = _normal(11, (2, T, D))
+  x = normal(11, (2, T, D))
   plain = MultiHeadAttention(N, D, rngs=nnx.Rngs(0))
   fox = MultiHeadAttention(N, D, forget_gate=True, forget_bias_init=40.0, rngs=nnx.Rngs(1))
   _copy_projections(plain, fox)
@@ -203,7 +198,7 @@ def test_forget_gate_open_is_plain_causal():
 
 def test_sow_weights_and_batch_dims():
   m = MultiHeadAttention(N, D, normalizer="sparsemax", rngs=nnx.Rngs(0))
-  x = _normal(12, (2, 3, T, D), 3.0)
+  x = normal(12, (2, 3, T, D), 3.0)
   out = m(x, is_causal=True, sow_weights=True)
   assert out.shape == (2, 3, T, D)
   (w,) = jax.tree.leaves(nnx.pop(m, nnx.Intermediate))

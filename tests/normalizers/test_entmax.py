@@ -9,6 +9,8 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as jn
 from jaxsoft.normalizers import entmax, entmax15, learned_alpha, sparsemax
+from tests import helpers
+from tests.helpers import normal
 
 
 @jax.jit
@@ -51,14 +53,10 @@ def reference_entmax_bisect(x, alpha, iters=200):
   return p / p.sum(-1, keepdims=True)
 
 
-def _rows(seed, shape, scale=1.0, dtype=jnp.float32):
-  return (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
-
-
 @pytest.mark.parametrize("shape,scale", [((32, 9), 1.0), ((16, 60), 0.2), ((16, 60), 4.0),
                                          ((4, 500), 1.0)])
 def test_entmax15_exact_vs_sort_reference(shape, scale):
-  x = _rows(0, shape, scale)
+  x = normal(0, shape, scale)
   # The float32 sort reference loses digits in ss_k - mean_k^2 at large scales.
   chex.assert_trees_all_close(entmax15(x), reference_entmax15(x), atol=2e-6 * max(scale, 1) ** 2)
   chex.assert_trees_all_close(entmax15(x), reference_entmax_bisect(x, 1.5), atol=2e-6)
@@ -74,13 +72,13 @@ def test_entmax15_hard_rows():
 
 @pytest.mark.parametrize("alpha", [1.1, 1.25, 1.75, 2.5, 4.0])
 def test_entmax_bisect_vs_float64_reference(alpha):
-  x = _rows(1, (16, 20), 2.0)
+  x = normal(1, (16, 20), 2.0)
   chex.assert_trees_all_close(entmax(x, alpha=alpha), reference_entmax_bisect(x, alpha),
                               atol=3e-6)
 
 
 def test_closed_form_special_cases():
-  x = _rows(2, (16, 25), 1.5)
+  x = normal(2, (16, 25), 1.5)
   traced = jnp.asarray  # an array alpha takes the bisection path, not the exact dispatch
   chex.assert_trees_all_close(entmax(x, alpha=traced(2.0)), sparsemax(x), atol=2e-6)
   chex.assert_trees_all_close(entmax(x, alpha=2.0), sparsemax(x), atol=0)
@@ -91,13 +89,13 @@ def test_closed_form_special_cases():
 
 
 def test_sparsity_non_decreasing_in_alpha():
-  x = _rows(3, (32, 30), 1.5)
+  x = normal(3, (32, 30), 1.5)
   zeros = [int(jnp.sum(entmax(x, alpha=jnp.asarray(a)) == 0)) for a in (1.2, 1.5, 2.0, 3.0)]
   assert zeros == sorted(zeros) and zeros[0] < zeros[-1]
 
 
 def test_per_row_alpha_broadcast():
-  x = _rows(4, (2, 3, 5, 12))  # [B, N, T, S]
+  x = normal(4, (2, 3, 5, 12))  # [B, N, T, S]
   alpha = jnp.array([1.2, 1.6, 2.5]).reshape(3, 1, 1)  # one alpha per head
   p = entmax(x, alpha=alpha)
   for h, a in enumerate([1.2, 1.6, 2.5]):
@@ -107,13 +105,10 @@ def test_per_row_alpha_broadcast():
 
 
 def test_entmax15_gradients_vs_reference():
-  x = _rows(5, (6, 10), 1.5)
+  x = normal(5, (6, 10), 1.5)
   mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.8, x.shape).at[0].set(False)
-  ct = _rows(7, x.shape)
-  out, vjp = jax.vjp(lambda v: entmax15(v, where=mask), x)
-  ref_out, ref_vjp = jax.vjp(lambda v: reference_entmax15(v, mask), x)
-  chex.assert_trees_all_close(out, ref_out, atol=2e-6)
-  chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=2e-5)
+  helpers.vjp_close(lambda v: entmax15(v, where=mask), lambda v: reference_entmax15(v, mask), x,
+                    atol=2e-6, rtol=1e-6, vjp_atol=2e-5, ct=normal(7, x.shape))
   chex.assert_trees_all_close(jax.jacfwd(lambda v: entmax(v, alpha=jnp.asarray(1.5)))(x),
                               jax.jacfwd(reference_entmax15)(x), atol=2e-5)
 
@@ -154,7 +149,7 @@ def test_learned_alpha():
   chex.assert_trees_all_close(a, jnp.asarray(1.001 + softplus64, jnp.float32), rtol=1e-6)
   chex.assert_trees_all_close(learned_alpha(z, min_gap=0.0),
                               jnp.asarray(1 + softplus64, jnp.float32), rtol=1e-6)
-  x = _rows(11, (5, 8))
+  x = normal(11, (5, 8))
   g = jax.grad(lambda w: jnp.sum(entmax(x, alpha=learned_alpha(w)[:, None]) ** 2))(
       jnp.array([-1.0, 0.0, 0.5, 1.0, 2.0]))
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.any(g != 0))
@@ -162,7 +157,7 @@ def test_learned_alpha():
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
 def test_low_precision(dtype, tol):
-  x = _rows(12, (8, 30), 2.0)
+  x = normal(12, (8, 30), 2.0)
   xr = x.astype(dtype).astype(jnp.float32)
   for fn, ref in [(entmax15, reference_entmax15(xr)),
                   (lambda v: entmax(v, alpha=1.3), reference_entmax_bisect(xr, 1.3))]:
@@ -178,22 +173,14 @@ def test_low_precision(dtype, tol):
 @pytest.mark.parametrize("fn", [entmax15, lambda v, **k: entmax(v, alpha=1.3, **k),
                                 lambda v, **k: entmax(v, alpha=jnp.asarray(2.5), **k)])
 def test_masks_and_fully_masked_rows(fn):
-  x = _rows(13, (6, 10))
-  keep = np.ones(10, bool)
-  keep[[1, 4]] = False
-  p = fn(x, where=keep)
-  chex.assert_trees_all_close(p[:, keep], fn(x[:, keep]), atol=2e-6)
-  assert bool(jnp.all(p[:, ~keep] == 0))
-  chex.assert_trees_all_close(fn(jnp.where(keep, x, -jnp.inf)), p, atol=0)
-  mask = jnp.ones(x.shape, bool).at[2].set(False)
-  p = fn(x, where=mask)
-  assert bool(jnp.all(p[2] == 0))
+  x = normal(13, (6, 10))
+  mask = helpers.check_masked_columns(fn, x, cols=(1, 4), empty_row=2, atol=2e-6)
   g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[2] == 0))
 
 
 def test_fully_masked_row_alpha_gradient_is_zero():
-  x = _rows(14, (3, 6))
+  x = normal(14, (3, 6))
   mask = jnp.ones(x.shape, bool).at[1].set(False)
   g = jax.grad(lambda a: jnp.sum(entmax(x, alpha=a, where=mask) * jnp.arange(6.0)),
                argnums=0)(jnp.array([1.4, 1.4, 1.4]).reshape(3, 1))
@@ -202,13 +189,13 @@ def test_fully_masked_row_alpha_gradient_is_zero():
 
 @pytest.mark.parametrize("shift", [1000.0, -1000.0])
 def test_shifted_logits(shift):
-  x = _rows(15, (6, 20))
+  x = normal(15, (6, 20))
   chex.assert_trees_all_close(entmax15(x + shift), entmax15(x), atol=3e-4)
   chex.assert_trees_all_close(entmax(x + shift, alpha=1.3), entmax(x, alpha=1.3), atol=3e-4)
 
 
 def test_jit_vmap_grad():
-  x = _rows(16, (3, 4, 9))
+  x = normal(16, (3, 4, 9))
   for fn in (entmax15, lambda v: entmax(v, alpha=1.7)):
     chex.assert_trees_all_close(jax.jit(fn)(x), fn(x), atol=1e-7)
     chex.assert_trees_all_close(jax.vmap(fn)(x), fn(x), atol=1e-6)

@@ -9,10 +9,10 @@ import scipy.stats
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import random_cotangent
+from tests import helpers
 
 KEY = jax.random.key(42)
-X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 6)), jnp.float32)
+X = helpers.rows(0, (4, 6))
 
 
 def _soft_oracle(key, x, tau):
@@ -23,7 +23,7 @@ def _soft_oracle(key, x, tau):
 
 @pytest.mark.parametrize("tau", [1.0, 0.3])
 def test_soft_sample_matches_oracle_values_and_gradient(tau):
-  ct = random_cotangent(X.shape)
+  ct = helpers.random_cotangent(X.shape)
   out, vjp = jax.vjp(lambda x, t: N.gumbel_softmax(KEY, x, tau=t), X, tau)
   want, vjp_want = jax.vjp(lambda x, t: _soft_oracle(KEY, x, t), X, tau)
   chex.assert_trees_all_close(out, want, atol=1e-6, rtol=1e-5)
@@ -39,7 +39,7 @@ def test_deterministic_given_key_and_different_across_keys():
 
 
 def test_hard_is_one_hot_with_straight_through_gradient():
-  ct = random_cotangent(X.shape)
+  ct = helpers.random_cotangent(X.shape)
   hard, vjp_h = jax.vjp(lambda x: N.gumbel_softmax(KEY, x, tau=0.5, hard=True), X)
   soft, vjp_s = jax.vjp(lambda x: N.gumbel_softmax(KEY, x, tau=0.5), X)
   # Exactly one-hot at the argmax of the soft sample.

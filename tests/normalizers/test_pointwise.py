@@ -8,38 +8,22 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_mask_is_delete,
-  check_tile_rule,
-  random_cotangent,
-)
+from tests import helpers
 
-RNG = np.random.default_rng(0)
-X = jnp.asarray(RNG.standard_normal((4, 7)) * 2, jnp.float32)
-MASK = jnp.asarray(RNG.random((4, 7)) < 0.6).at[:, 0].set(True)
-
-
-def _vjp_close(f, g, x, atol=1e-6):
-  ct = random_cotangent(x.shape)
-  out, vjp = jax.vjp(f, x)
-  want, vjp_want = jax.vjp(g, x)
-  chex.assert_trees_all_close(out, want, atol=atol, rtol=1e-5)
-  chex.assert_trees_all_close(vjp(ct), vjp_want(ct), atol=atol, rtol=1e-5)
+X, MASK = helpers.rows_and_mask(0, (4, 7), 2.0, p=0.6)
 
 
 def test_sigmoid_default_bias_is_minus_log_n():
-  _vjp_close(N.sigmoid, lambda x: jax.nn.sigmoid(x - np.log(7)), X)
+  helpers.vjp_close(N.sigmoid, lambda x: jax.nn.sigmoid(x - np.log(7)), X)
   n = MASK.sum(-1, keepdims=True)
-  _vjp_close(lambda x: N.sigmoid(x, where=MASK),
+  helpers.vjp_close(lambda x: N.sigmoid(x, where=MASK),
              lambda x: jnp.where(MASK, jax.nn.sigmoid(x - jnp.log(n)), 0.0), X)
 
 
 def test_sigmoid_explicit_bias_scalar_and_per_row():
-  _vjp_close(lambda x: N.sigmoid(x, bias=0.3), lambda x: jax.nn.sigmoid(x + 0.3), X)
+  helpers.vjp_close(lambda x: N.sigmoid(x, bias=0.3), lambda x: jax.nn.sigmoid(x + 0.3), X)
   b = jnp.asarray([[0.0], [-1.0], [2.0], [0.5]])
-  _vjp_close(lambda x: N.sigmoid(x, bias=b), lambda x: jax.nn.sigmoid(x + b), X)
+  helpers.vjp_close(lambda x: N.sigmoid(x, bias=b), lambda x: jax.nn.sigmoid(x + b), X)
   g = jax.grad(lambda b: jnp.sum(N.sigmoid(X, bias=b)))(b)
   chex.assert_trees_all_close(g, jnp.sum(jax.nn.sigmoid(X + b) * (1 - jax.nn.sigmoid(X + b)),
                                          -1, keepdims=True), atol=1e-6)
@@ -60,17 +44,17 @@ def test_sigmoid_explicit_bias_ignores_other_keys_default_bias_counts_them():
   b = N.sigmoid(X.at[:, 6].set(5.0), bias=-1.0)
   chex.assert_trees_all_equal(a[:, :6], b[:, :6])
   # Masking a column == deleting it (n drops by one for the default bias).
-  check_mask_is_delete(N.sigmoid, X, 6)
+  helpers.check_mask_is_delete(N.sigmoid, X, 6)
 
 
 def test_relu_family_matches_jax_nn():
-  _vjp_close(N.relu, jax.nn.relu, X)
-  _vjp_close(N.relu2, lambda x: jax.nn.relu(x) ** 2, X)
-  _vjp_close(N.relu_n, lambda x: jax.nn.relu(x) / 7, X)
+  helpers.vjp_close(N.relu, jax.nn.relu, X)
+  helpers.vjp_close(N.relu2, lambda x: jax.nn.relu(x) ** 2, X)
+  helpers.vjp_close(N.relu_n, lambda x: jax.nn.relu(x) / 7, X)
   n = MASK.sum(-1, keepdims=True)
-  _vjp_close(lambda x: N.relu_n(x, where=MASK),
+  helpers.vjp_close(lambda x: N.relu_n(x, where=MASK),
              lambda x: jnp.where(MASK, jax.nn.relu(x) / n, 0.0), X)
-  _vjp_close(lambda x: N.relu(x, where=MASK), lambda x: jnp.where(MASK, jax.nn.relu(x), 0.0), X)
+  helpers.vjp_close(lambda x: N.relu(x, where=MASK), lambda x: jnp.where(MASK, jax.nn.relu(x), 0.0), X)
 
 
 def test_relu_all_negative_row_is_zero():
@@ -82,15 +66,15 @@ def test_relu_all_negative_row_is_zero():
 @pytest.mark.parametrize("name", ["sigmoid", "relu", "relu_n", "relu2"])
 def test_mask_fully_masked_and_low_precision(name):
   fn = N.get(name).fn
-  check_mask_is_delete(fn, X, 2)
-  check_fully_masked(fn)
-  check_low_precision(fn, X, atol=(3e-2, 1e-2))
+  helpers.check_mask_is_delete(fn, X, 2)
+  helpers.check_fully_masked(fn)
+  helpers.check_low_precision(fn, X, atol=(3e-2, 1e-2))
 
 
 @pytest.mark.parametrize("name,hp", [("sigmoid", {}), ("sigmoid", {"bias": -1.0}),
                                      ("relu", {}), ("relu_n", {}), ("relu2", {})])
 def test_tile_rule_matches_function(name, hp):
-  check_tile_rule(N.get(name), hp)
+  helpers.check_tile_rule(N.get(name), hp)
 
 
 def test_check_grads_float64():

@@ -8,16 +8,9 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_mask_is_delete,
-  check_tile_rule,
-  random_cotangent,
-  tile_eval,
-)
+from tests import helpers
 
-X = jnp.asarray(np.random.default_rng(0).standard_normal((5, 8)) * 2, jnp.float32)
+X = helpers.rows(0, (5, 8), 2.0)
 
 
 def _naive(x):
@@ -29,7 +22,7 @@ def _naive(x):
 def test_matches_naive_formula_values_and_gradient():
   with jax.enable_x64(True):
     x64 = jnp.asarray(X, jnp.float64)
-    ct = random_cotangent(X.shape, dtype=jnp.float64)
+    ct = helpers.random_cotangent(X.shape, dtype=jnp.float64)
     want, vjp_want = jax.vjp(_naive, x64)
     want_dx = vjp_want(ct)[0]
   out, vjp = jax.vjp(N.softpick, X)
@@ -48,7 +41,7 @@ def test_finite_and_exact_at_plus_minus_1000():
   chex.assert_trees_all_close(out[0], jnp.asarray([a, 1 - a, 0.0, 0.0]), atol=1e-6)
   assert np.all(np.asarray(out[1]) == 0)  # all negative: attend to nothing
   chex.assert_trees_all_close(out[2], jnp.asarray([0.5, 0.0, 0.5, 0.0]), atol=1e-6)
-  g = jax.grad(lambda x: jnp.sum(N.softpick(x) * random_cotangent(x.shape)))(x)
+  g = jax.grad(lambda x: jnp.sum(N.softpick(x) * helpers.random_cotangent(x.shape)))(x)
   assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -83,12 +76,12 @@ def test_negative_entries_get_gradient_through_the_denominator():
 
 def test_mask_trap_masked_entries_add_nothing_to_denominator():
   # A naive port adds |e^{-inf} - 1| = 1 per masked entry; deleting the column must agree.
-  check_mask_is_delete(N.softpick, X, 2)
+  helpers.check_mask_is_delete(N.softpick, X, 2)
   x = jnp.asarray([2.0, 1.0, -jnp.inf, -jnp.inf])
   e = np.expm1(np.asarray([2.0, 1.0]))
   want = e / e.sum()
   chex.assert_trees_all_close(N.softpick(x)[:2], want.astype(np.float32), atol=1e-6)
-  check_fully_masked(N.softpick)
+  helpers.check_fully_masked(N.softpick)
 
 
 def test_not_shift_invariant():
@@ -96,7 +89,7 @@ def test_not_shift_invariant():
 
 
 def test_tile_rule_matches_function():
-  check_tile_rule(N.get("softpick"))
+  helpers.check_tile_rule(N.get("softpick"))
 
 
 def test_tile_rule_blocks_of_very_negative_scores():
@@ -110,10 +103,10 @@ def test_tile_rule_blocks_of_very_negative_scores():
   mask = jnp.ones(x.shape, bool)
   want = N.softpick(x)
   for splits in [(), (3,), (1, 2, 4)]:
-    got = tile_eval(spec, x, mask, {}, splits)
+    got = helpers.tile_eval(spec, x, mask, {}, splits)
     assert np.all(np.isfinite(np.asarray(got)))
     chex.assert_trees_all_close(got, want, atol=1e-6, rtol=1e-5)
-  check_tile_rule(spec, scale=300.0, atol=1e-5)
+  helpers.check_tile_rule(spec, scale=300.0, atol=1e-5)
 
 
 def test_check_grads_float64_away_from_kink():
@@ -124,7 +117,7 @@ def test_check_grads_float64_away_from_kink():
 
 
 def test_low_precision_and_jit_vmap():
-  check_low_precision(N.softpick, X)
+  helpers.check_low_precision(N.softpick, X)
   out = N.softpick(jnp.asarray([100.0, 99.0, -100.0], jnp.float16))
   assert out.dtype == jnp.float16 and np.all(np.isfinite(np.asarray(out, np.float32)))
   chex.assert_trees_all_close(jax.jit(N.softpick)(X), N.softpick(X), atol=1e-7)

@@ -8,16 +8,9 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_mask_is_delete,
-  check_tile_rule,
-  random_cotangent,
-)
+from tests import helpers
 
-RNG = np.random.default_rng(0)
-X = jnp.asarray(RNG.standard_normal((4, 10)) * 3, jnp.float32)
+X = helpers.rows(0, (4, 10), 3.0)
 
 
 def _direct(x, lam, p=1.0):
@@ -26,12 +19,8 @@ def _direct(x, lam, p=1.0):
   return a / a.sum(-1, keepdims=True)
 
 
-def _vjp_close(f, g, x, atol=1e-6, rtol=1e-5):
-  ct = random_cotangent(x.shape)
-  out, vjp = jax.vjp(f, x)
-  want, vjp_want = jax.vjp(g, x)
-  chex.assert_trees_all_close(out, want, atol=atol, rtol=rtol)
-  chex.assert_trees_all_close(vjp(ct), vjp_want(ct), atol=atol, rtol=10 * rtol)
+def _vjp_close(f, g, x, rtol=1e-5):
+  helpers.vjp_close(f, g, x, rtol=rtol, vjp_rtol=10 * rtol)
 
 
 def test_softplus_l1_with_log_512_length_scale():
@@ -80,7 +69,7 @@ def test_no_overflow_for_huge_scores_and_right_limit_for_very_negative():
   x = jnp.asarray([[-1000.0, -999.0, -1001.0]])
   chex.assert_trees_all_close(N.softplus_l1(x, base=None), jax.nn.softmax(x), atol=1e-6)
   chex.assert_trees_all_close(N.lssar(x, p=2.0, base=None), jax.nn.softmax(2 * x), atol=1e-6)
-  g = jax.grad(lambda x: jnp.sum(N.softplus_l1(x, base=None) * random_cotangent(x.shape)))(x)
+  g = jax.grad(lambda x: jnp.sum(N.softplus_l1(x, base=None) * helpers.random_cotangent(x.shape)))(x)
   assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -100,20 +89,20 @@ def test_log_softplus_branch_seam_is_continuous():
 @pytest.mark.parametrize("name", ["softplus_l1", "lssar"])
 def test_mask_fully_masked_low_precision(name):
   fn = N.get(name).fn
-  check_mask_is_delete(fn, X, 5)
-  check_fully_masked(fn)
-  check_low_precision(fn, X)
+  helpers.check_mask_is_delete(fn, X, 5)
+  helpers.check_fully_masked(fn)
+  helpers.check_low_precision(fn, X)
 
 
 @pytest.mark.parametrize("name,hp", [("softplus_l1", {}), ("softplus_l1", {"base": 64.0}),
                                      ("softplus_l1", {"base": None, "scale": 2.0}),
                                      ("lssar", {}), ("lssar", {"p": 3.0, "base": 64.0})])
 def test_tile_rule_matches_function(name, hp):
-  check_tile_rule(N.get(name), hp)
+  helpers.check_tile_rule(N.get(name), hp)
 
 
 def test_gradient_in_p_and_scale():
-  ct = random_cotangent(X.shape)
+  ct = helpers.random_cotangent(X.shape)
   lam = np.log(10) / np.log(64)
   f = lambda p, s: jnp.sum(N.lssar(X, p=p, base=64.0, scale=s) * ct)
   g = lambda p, s: jnp.sum(_direct(X, s * lam, p) * ct)

@@ -14,6 +14,8 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as jn
 from jaxsoft.normalizers import sparsemax
+from tests import helpers
+from tests.helpers import normal
 
 
 @jax.jit
@@ -37,14 +39,10 @@ def reference_sparsemax(x, mask=None):
   return jnp.where(mask, jnp.maximum(x - tau, 0), 0.0)
 
 
-def _rows(seed, shape, scale=1.0, dtype=jnp.float32):
-  return (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
-
-
 @pytest.mark.parametrize("shape,scale", [((64, 7), 1.0), ((32, 50), 0.1), ((32, 50), 3.0),
                                          ((16, 300), 1.0), ((8, 1), 1.0)])
 def test_matches_optax_projection(shape, scale):
-  x = _rows(0, shape, scale)
+  x = normal(0, shape, scale)
   chex.assert_trees_all_close(sparsemax(x), jax.vmap(optax.projections.projection_simplex)(x),
                               atol=2e-6, rtol=1e-5)
 
@@ -65,9 +63,9 @@ def test_closed_forms_and_simplex():
   t = jnp.linspace(-3, 3, 25)
   p = sparsemax(jnp.stack([t, jnp.zeros_like(t)], -1))
   chex.assert_trees_all_close(p[:, 0], jnp.clip((t + 1) / 2, 0, 1), atol=1e-6)
-  q = jax.nn.softmax(_rows(1, (8, 9)))  # idempotent on the simplex
+  q = jax.nn.softmax(normal(1, (8, 9)))  # idempotent on the simplex
   chex.assert_trees_all_close(sparsemax(q), q, atol=1e-6)
-  x = _rows(2, (50, 20), 2.0)
+  x = normal(2, (50, 20), 2.0)
   p = sparsemax(x)
   assert bool(jnp.all(p >= 0)) and bool(jnp.any(p == 0))
   chex.assert_trees_all_close(p.sum(-1), jnp.ones(50), atol=1e-6)
@@ -75,19 +73,16 @@ def test_closed_forms_and_simplex():
 
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_axis(axis):
-  x = _rows(3, (5, 6, 7))
+  x = normal(3, (5, 6, 7))
   want = jnp.moveaxis(reference_sparsemax(jnp.moveaxis(x, axis, -1)), -1, axis)
   chex.assert_trees_all_close(sparsemax(x, axis=axis), want, atol=1e-6)
 
 
 def test_gradients_match_reference_with_random_cotangent():
-  x = _rows(4, (6, 11), 1.5)
+  x = normal(4, (6, 11), 1.5)
   mask = jax.random.bernoulli(jax.random.PRNGKey(5), 0.8, x.shape).at[0].set(False)
-  ct = _rows(6, x.shape)
-  out, vjp = jax.vjp(lambda v: sparsemax(v, where=mask), x)
-  ref_out, ref_vjp = jax.vjp(lambda v: reference_sparsemax(v, mask), x)
-  chex.assert_trees_all_close(out, ref_out, atol=1e-6)
-  chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=1e-5)
+  helpers.vjp_close(lambda v: sparsemax(v, where=mask), lambda v: reference_sparsemax(v, mask), x,
+                    atol=1e-6, rtol=1e-6, vjp_atol=1e-5, ct=normal(6, x.shape))
   chex.assert_trees_all_close(jax.jacfwd(lambda v: sparsemax(v, where=mask))(x),
                               jax.jacfwd(lambda v: reference_sparsemax(v, mask))(x), atol=1e-5)
 
@@ -105,7 +100,7 @@ def test_check_grads_float64_away_from_kinks():
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
 def test_low_precision_computed_in_float32(dtype, tol):
-  x = _rows(8, (16, 40), 2.0)
+  x = normal(8, (16, 40), 2.0)
   y = sparsemax(x.astype(dtype))
   assert y.dtype == dtype
   want = reference_sparsemax(x.astype(dtype).astype(jnp.float32))
@@ -116,7 +111,7 @@ def test_low_precision_computed_in_float32(dtype, tol):
 
 
 def test_mask_equals_deleting_the_column_and_inf_logits():
-  x = _rows(9, (10, 12))
+  x = normal(9, (10, 12))
   keep = np.ones(12, bool)
   keep[[2, 5, 11]] = False
   p = sparsemax(x, where=keep)
@@ -126,7 +121,7 @@ def test_mask_equals_deleting_the_column_and_inf_logits():
 
 
 def test_fully_masked_rows_are_zero_with_zero_gradient():
-  x = _rows(10, (3, 5))
+  x = normal(10, (3, 5))
   mask = jnp.array([[True] * 5, [False] * 5, [True, False, True, False, False]])
   p = sparsemax(x, where=mask)
   assert bool(jnp.all(p[1] == 0))
@@ -138,12 +133,12 @@ def test_fully_masked_rows_are_zero_with_zero_gradient():
 
 @pytest.mark.parametrize("shift", [1000.0, -1000.0])
 def test_shifted_logits(shift):
-  x = _rows(11, (8, 30))
+  x = normal(11, (8, 30))
   chex.assert_trees_all_close(sparsemax(x + shift), sparsemax(x), atol=2e-4)
 
 
 def test_jit_vmap_grad():
-  x = _rows(12, (4, 3, 8))
+  x = normal(12, (4, 3, 8))
   chex.assert_trees_all_close(jax.jit(sparsemax)(x), sparsemax(x), atol=0)
   chex.assert_trees_all_close(jax.vmap(sparsemax)(x), sparsemax(x), atol=1e-7)
   chex.assert_trees_all_close(jax.vmap(sparsemax, in_axes=1, out_axes=1)(x), sparsemax(x),
@@ -193,7 +188,7 @@ def dense_threshold_rule(spec, x, mask, **hp):
                                      ("top_k_softmax", {"k": 8})])
 def test_threshold_rule_matches_fn(name, hp):
   spec = jn.get(name)
-  x = _rows(13, (12, 16), 2.0)
+  x = normal(13, (12, 16), 2.0)
   mask = jax.random.bernoulli(jax.random.PRNGKey(14), 0.8, x.shape).at[:, 0].set(True)
   # alpha > 2 has p ~ (z - tau)^{1/(alpha-1)} with an infinite slope at the support's edge,
   # which magnifies the float32 resolution of tau.

@@ -8,34 +8,21 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_tile_rule,
-  random_cotangent,
-)
+from tests import helpers
 
-RNG = np.random.default_rng(0)
-X = jnp.asarray(RNG.standard_normal((4, 9)) * 2, jnp.float32)
+X = helpers.rows(0, (4, 9), 2.0)
 
 
 def test_s_log_n_equal_one_is_softmax():
   n = X.shape[-1]
-  ct = random_cotangent(X.shape)
-  out, vjp = jax.vjp(lambda x: N.ssmax(x, s=1.0 / np.log(n)), X)
-  want, vjp_want = jax.vjp(jax.nn.softmax, X)
-  chex.assert_trees_all_close(out, want, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_close(vjp(ct), vjp_want(ct), atol=1e-6, rtol=1e-5)
+  helpers.vjp_close(lambda x: N.ssmax(x, s=1.0 / np.log(n)), jax.nn.softmax, X)
 
 
 @pytest.mark.parametrize("s,bias", [(0.43, 0.0), (1.0, 0.0), (0.7, 0.5)])
 def test_matches_scaled_softmax(s, bias):
   n = X.shape[-1]
-  ct = random_cotangent(X.shape)
-  out, vjp = jax.vjp(lambda x: N.ssmax(x, s=s, bias=bias), X)
-  want, vjp_want = jax.vjp(lambda x: jax.nn.softmax((s * np.log(n) + bias) * x), X)
-  chex.assert_trees_all_close(out, want, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_close(vjp(ct), vjp_want(ct), atol=1e-6, rtol=1e-5)
+  helpers.vjp_close(lambda x: N.ssmax(x, s=s, bias=bias),
+                    lambda x: jax.nn.softmax((s * np.log(n) + bias) * x), X)
 
 
 def test_default_s_is_documented_value():
@@ -53,7 +40,7 @@ def test_explicit_n_overrides_visible_count():
 
 def test_causal_rows_use_their_own_n():
   t = 6
-  x = jnp.asarray(RNG.standard_normal((t, t)), jnp.float32)
+  x = helpers.rows(1, (t, t))
   causal = jnp.tril(jnp.ones((t, t), bool))
   out = N.ssmax(x, s=1.0, where=causal)
   for i in range(t):
@@ -86,12 +73,12 @@ def test_needle_max_weight_closed_form():
 
 def test_single_entry_row_and_fully_masked():
   chex.assert_trees_all_close(N.ssmax(jnp.asarray([[3.0]])), jnp.ones((1, 1)))
-  check_fully_masked(N.ssmax)
-  check_fully_masked(N.ssmax, s=1.0, bias=0.25)
+  helpers.check_fully_masked(N.ssmax)
+  helpers.check_fully_masked(N.ssmax, s=1.0, bias=0.25)
 
 
 def test_gradient_in_s_and_bias():
-  ct = random_cotangent(X.shape)
+  ct = helpers.random_cotangent(X.shape)
   f = lambda s, b: jnp.sum(N.ssmax(X, s=s, bias=b) * ct)
   g = lambda s, b: jnp.sum(jax.nn.softmax((s * np.log(9) + b) * X) * ct)
   chex.assert_trees_all_close(jax.grad(f, (0, 1))(0.6, 0.1), jax.grad(g, (0, 1))(0.6, 0.1),
@@ -103,7 +90,7 @@ def test_gradient_in_s_and_bias():
 
 @pytest.mark.parametrize("hp", [{}, {"s": 1.0}, {"s": 0.9, "bias": 0.25}, {"n": 64.0}])
 def test_tile_rule_matches_function(hp):
-  check_tile_rule(N.get("ssmax"), hp)
+  helpers.check_tile_rule(N.get("ssmax"), hp)
 
 
 def test_check_grads_float64():
@@ -115,7 +102,7 @@ def test_check_grads_float64():
 
 
 def test_low_precision_and_huge_logits():
-  check_low_precision(N.ssmax, X)
+  helpers.check_low_precision(N.ssmax, X)
   big = jnp.asarray([[1000.0, -1000.0, 999.0]])
   out = N.ssmax(big, s=1.0)
   assert np.all(np.isfinite(np.asarray(out)))
@@ -129,11 +116,8 @@ def test_jit_vmap():
 
 
 def test_bad_input():
-  with pytest.raises(ValueError, match="`s`"):
-    N.ssmax(X, s=-0.1)
-  with pytest.raises(ValueError, match="`n`"):
-    N.ssmax(X, n=0.5)
-  with pytest.raises(ValueError, match="`axis`"):
-    N.ssmax(X, axis=5)
-  with pytest.raises(ValueError, match="`bias`"):
-    N.ssmax(X, bias=jnp.zeros((4, 9)))
+  helpers.check_raises(
+      ("`s`", lambda: N.ssmax(X, s=-0.1)),
+      ("`n`", lambda: N.ssmax(X, n=0.5)),
+      ("`axis`", lambda: N.ssmax(X, axis=5)),
+      ("`bias`", lambda: N.ssmax(X, bias=jnp.zeros((4, 9)))))

@@ -8,15 +8,9 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_mask_is_delete,
-  check_tile_rule,
-  random_cotangent,
-)
+from tests import helpers
 
-X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)) * 3, jnp.float32)
+X = helpers.rows(0, (4, 8), 3.0)
 
 
 def _reference(x):
@@ -38,7 +32,7 @@ def _reference_vjp(x, ct):
 
 
 def test_matches_closed_form_values_and_gradient():
-  ct = random_cotangent(X.shape)
+  ct = helpers.random_cotangent(X.shape)
   out, vjp = jax.vjp(N.stablemax, X)
   chex.assert_trees_all_close(out, _reference(X).astype(np.float32), atol=1e-6, rtol=1e-5)
   chex.assert_trees_all_close(vjp(ct)[0], _reference_vjp(X, ct).astype(np.float32),
@@ -68,19 +62,19 @@ def test_polynomial_tails_and_huge_logits():
   out = N.stablemax(x)
   assert np.all(np.isfinite(np.asarray(out)))
   chex.assert_trees_all_close(out, _reference(x).astype(np.float32), atol=1e-6, rtol=1e-5)
-  g = jax.grad(lambda x: jnp.sum(N.stablemax(x) * random_cotangent(x.shape)))(x)
+  g = jax.grad(lambda x: jnp.sum(N.stablemax(x) * helpers.random_cotangent(x.shape)))(x)
   assert np.all(np.isfinite(np.asarray(g)))
   # The gap 1000 gives a ratio 1001 (linear), not e^1000: no collapse to an exact 1.
   assert float(out[0, 0]) < 1.0
 
 
 def test_mask_and_fully_masked():
-  check_mask_is_delete(N.stablemax, X, 3)
-  check_fully_masked(N.stablemax)
+  helpers.check_mask_is_delete(N.stablemax, X, 3)
+  helpers.check_fully_masked(N.stablemax)
 
 
 def test_tile_rule_matches_function():
-  check_tile_rule(N.get("stablemax"), scale=3.0)
+  helpers.check_tile_rule(N.get("stablemax"), scale=3.0)
 
 
 def test_check_grads_float64():
@@ -95,7 +89,7 @@ def test_check_grads_float64():
 
 
 def test_low_precision_and_jit_vmap():
-  check_low_precision(N.stablemax, X)
+  helpers.check_low_precision(N.stablemax, X)
   chex.assert_trees_all_close(jax.jit(N.stablemax)(X), N.stablemax(X), atol=1e-7)
   chex.assert_trees_all_close(jax.vmap(N.stablemax)(X), N.stablemax(X), atol=1e-7)
   chex.assert_trees_all_close(N.stablemax(X.T, axis=0), N.stablemax(X).T, atol=1e-7)

@@ -10,15 +10,9 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
-from tests.normalizers.test_sink import (
-  check_fully_masked,
-  check_low_precision,
-  check_mask_is_delete,
-  check_tile_rule,
-  random_cotangent,
-)
+from tests import helpers
 
-X = jnp.asarray(np.random.default_rng(0).standard_normal((4, 8)) * 2, jnp.float32)
+X = helpers.rows(0, (4, 8), 2.0)
 
 
 def _poly(x, order):
@@ -33,11 +27,8 @@ def _direct(x, order):
 
 @pytest.mark.parametrize("order", [2, 4, 6])
 def test_matches_closed_form(order):
-  ct = random_cotangent(X.shape)
-  out, vjp = jax.vjp(lambda x: N.taylor_softmax(x, order=order), X)
-  want, vjp_want = jax.vjp(lambda x: _direct(x, order), X)
-  chex.assert_trees_all_close(out, want, atol=1e-6, rtol=1e-5)
-  chex.assert_trees_all_close(vjp(ct), vjp_want(ct), atol=1e-6, rtol=1e-4)
+  helpers.vjp_close(lambda x: N.taylor_softmax(x, order=order), lambda x: _direct(x, order), X,
+                    vjp_rtol=1e-4)
 
 
 def test_order_2_formula_and_positivity():
@@ -66,15 +57,15 @@ def test_not_shift_invariant_and_no_overflow():
 
 
 def test_mask_fully_masked_low_precision():
-  check_mask_is_delete(N.taylor_softmax, X, 1)
-  check_mask_is_delete(N.taylor_softmax, X, 6, order=4)
-  check_fully_masked(N.taylor_softmax)
-  check_low_precision(N.taylor_softmax, X)
+  helpers.check_mask_is_delete(N.taylor_softmax, X, 1)
+  helpers.check_mask_is_delete(N.taylor_softmax, X, 6, order=4)
+  helpers.check_fully_masked(N.taylor_softmax)
+  helpers.check_low_precision(N.taylor_softmax, X)
 
 
 @pytest.mark.parametrize("hp", [{}, {"order": 4}])
 def test_tile_rule_matches_function(hp):
-  check_tile_rule(N.get("taylor_softmax"), hp)
+  helpers.check_tile_rule(N.get("taylor_softmax"), hp)
 
 
 def test_check_grads_float64():

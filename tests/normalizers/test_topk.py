@@ -8,6 +8,8 @@ import pytest
 
 import jaxsoft.normalizers as jn
 from jaxsoft.normalizers import epsilon_softmax, eta_softmax, top_k_softmax, top_p_softmax
+from tests import helpers
+from tests.helpers import normal
 
 
 def _softmax64(x, keep):
@@ -47,17 +49,13 @@ def reference_keep_top_p(x, p, mask):
   return keep
 
 
-def _rows(seed, shape, scale=1.0, dtype=jnp.float32):
-  return (jax.random.normal(jax.random.PRNGKey(seed), shape) * scale).astype(dtype)
-
-
 def _mask(seed, shape, p=0.8):
   return np.array(jax.random.bernoulli(jax.random.PRNGKey(seed), p, shape))
 
 
 @pytest.mark.parametrize("k", [1, 3, 7, 12])
 def test_top_k_matches_reference(k):
-  x = _rows(0, (10, 12), 2.0)
+  x = normal(0, (10, 12), 2.0)
   mask = _mask(1, x.shape)
   mask[0, :] = False
   mask[1, :2] = True
@@ -70,7 +68,7 @@ def test_top_k_matches_reference(k):
 
 
 def test_top_k_closed_forms():
-  x = _rows(2, (6, 9))
+  x = normal(2, (6, 9))
   chex.assert_trees_all_close(top_k_softmax(x, 9), jax.nn.softmax(x), atol=1e-6)
   chex.assert_trees_all_close(top_k_softmax(x, 1), jax.nn.one_hot(jnp.argmax(x, -1), 9), atol=0)
   ties = jnp.array([1.0, 3.0, 3.0, 3.0, 0.0])
@@ -79,8 +77,8 @@ def test_top_k_closed_forms():
 
 
 def test_top_k_gradients_and_axis():
-  x = _rows(3, (4, 5, 8))
-  ct = _rows(4, x.shape)
+  x = normal(3, (4, 5, 8))
+  ct = normal(4, x.shape)
   keep = reference_keep_top_k(np.asarray(x), 3, np.ones(x.shape, bool))
   ref = lambda v: jax.nn.softmax(jnp.where(keep, v, -jnp.inf), axis=-1)  # noqa: E731
   out, vjp = jax.vjp(lambda v: top_k_softmax(v, 3), x)
@@ -102,7 +100,7 @@ def test_top_k_check_grads_float64():
 
 @pytest.mark.parametrize("p", [0.3, 0.7, 0.95, 1.0])
 def test_top_p_matches_reference(p):
-  x = _rows(6, (10, 15), 1.5)
+  x = normal(6, (10, 15), 1.5)
   mask = _mask(7, x.shape)
   mask[0] = False
   want = _softmax64(x, reference_keep_top_p(x, p, mask))
@@ -111,13 +109,13 @@ def test_top_p_matches_reference(p):
 
 
 def test_top_p_one_is_softmax():
-  x = _rows(8, (5, 7))
+  x = normal(8, (5, 7))
   chex.assert_trees_all_close(top_p_softmax(x, 1.0), jax.nn.softmax(x), atol=1e-6)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.02, 0.1, 0.5])
 def test_epsilon_matches_reference(eps):
-  x = _rows(9, (10, 15), 1.5)
+  x = normal(9, (10, 15), 1.5)
   mask = _mask(10, x.shape)
   mask[0] = False
   probs = _softmax64(x, mask)
@@ -128,7 +126,7 @@ def test_epsilon_matches_reference(eps):
 
 @pytest.mark.parametrize("eta", [0.01, 0.1, 0.4])
 def test_eta_matches_reference(eta):
-  x = _rows(11, (10, 15), 1.5)
+  x = normal(11, (10, 15), 1.5)
   mask = _mask(12, x.shape)
   mask[0] = False
   probs = _softmax64(x, mask)
@@ -146,15 +144,8 @@ ALL = [lambda v, **kw: top_k_softmax(v, 4, **kw), lambda v, **kw: top_p_softmax(
 
 @pytest.mark.parametrize("fn", ALL)
 def test_masks_and_fully_masked_rows(fn):
-  x = _rows(13, (6, 10))
-  keep = np.ones(10, bool)
-  keep[[0, 7]] = False
-  p = fn(x, where=keep)
-  chex.assert_trees_all_close(p[:, keep], fn(x[:, keep]), atol=1e-6)
-  assert bool(jnp.all(p[:, ~keep] == 0))
-  chex.assert_trees_all_close(fn(jnp.where(keep, x, -jnp.inf)), p, atol=0)
-  mask = jnp.ones(x.shape, bool).at[3].set(False)
-  assert bool(jnp.all(fn(x, where=mask)[3] == 0))
+  x = normal(13, (6, 10))
+  mask = helpers.check_masked_columns(fn, x, cols=(0, 7), empty_row=3, atol=1e-6)
   g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[3] == 0))
 
@@ -162,7 +153,7 @@ def test_masks_and_fully_masked_rows(fn):
 @pytest.mark.parametrize("fn", ALL)
 @pytest.mark.parametrize("dtype,tol", [(jnp.bfloat16, 1e-2), (jnp.float16, 1e-3)])
 def test_low_precision_and_shifts(fn, dtype, tol):
-  x = _rows(14, (8, 12), 2.0)
+  x = normal(14, (8, 12), 2.0)
   y = fn(x.astype(dtype))
   assert y.dtype == dtype
   chex.assert_trees_all_close(y.astype(jnp.float32), fn(x.astype(dtype).astype(jnp.float32)),
@@ -174,7 +165,7 @@ def test_low_precision_and_shifts(fn, dtype, tol):
 
 @pytest.mark.parametrize("fn", ALL)
 def test_jit_vmap_and_sums_to_one(fn):
-  x = _rows(15, (3, 4, 9))
+  x = normal(15, (3, 4, 9))
   chex.assert_trees_all_close(jax.jit(fn)(x), fn(x), atol=1e-7)
   chex.assert_trees_all_close(jax.vmap(fn)(x), fn(x), atol=1e-7)
   chex.assert_trees_all_close(jnp.sum(fn(x), -1), jnp.ones((3, 4)), atol=1e-6)

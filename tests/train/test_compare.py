@@ -4,12 +4,11 @@ import os
 
 import numpy as np
 
+from tests import helpers
 from train import metrics
 from train import train as train_lib
 
-TINY = ["--dataset", "text", "--seq_len", "8", "--batch_size", "2", "--d_model", "8",
-        "--num_layers", "1", "--num_heads", "2", "--mlp_dim", "16", "--steps", "3",
-        "--warmup_steps", "1", "--log_every", "3", "--progress", "off"]
+TINY = helpers.train_argv("--log_every", helpers.TRAIN_STEPS)
 
 
 def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
@@ -19,8 +18,8 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
   assert sorted(rows) == ["sigmoid", "softmax"]
   for name, cells in rows.items():
     records = metrics.read_jsonl(tmp_path / "compare" / name / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2, 3]
-    # 3 steps: the "last 10%" window is the last step.
+    assert [r["step"] for r in records] == list(range(1, helpers.TRAIN_STEPS + 1))
+    # Fewer than 20 steps: the "last 10%" window is the last step.
     np.testing.assert_allclose(float(cells[0]), records[-1]["loss"], atol=1e-4)
     np.testing.assert_allclose(float(cells[2]), records[-1]["attn_entropy"], atol=1e-3)
   # Each run really used its own normalizer (same seed and data, different attention weights).

@@ -7,13 +7,10 @@ import textwrap
 
 import numpy as np
 
-from train import metrics
+from tests import helpers
 from train import train as train_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-TINY = ["--dataset", "text", "--seq_len", "16", "--batch_size", "8", "--d_model", "16",
-        "--num_layers", "1", "--num_heads", "2", "--mlp_dim", "32", "--steps", "6",
-        "--warmup_steps", "1", "--log_every", "1", "--save_every", "3", "--progress", "off"]
+TINY = helpers.train_argv("--save_every", 3)
 
 # Runs in a fresh process that sees 8 CPU devices.
 SCRIPT = textwrap.dedent("""
@@ -43,17 +40,14 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(workdir):
-  records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  return [r["step"] for r in records], np.array([r["loss"] for r in records]), \
-      np.array([r["grad_norm"] for r in records])
+_run = helpers.train_records
 
 
 def test_eight_devices_match_one_device(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=ROOT)
-  proc = subprocess.run([sys.executable, "-c", SCRIPT, " ".join(TINY), str(tmp_path)], cwd=ROOT,
-                        env=env, capture_output=True, text=True, timeout=600)
+             XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(helpers.ROOT))
+  proc = subprocess.run([sys.executable, "-c", SCRIPT, " ".join(TINY), str(tmp_path)],
+                        cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=600)
   out = proc.stdout + proc.stderr
   assert proc.returncode == 0, out
   # The batch check fires before any work: it names the batch and the device count.

@@ -9,29 +9,23 @@ import jax
 import numpy as np
 import pytest
 
-from train import checkpoint, config, metrics, sharding
+from tests import helpers
+from train import checkpoint, config, sharding
 from train import train as train_lib
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-STEPS = 6
-TINY = ["--dataset", "text", "--seq_len", "16", "--batch_size", "4", "--d_model", "16",
-        "--num_layers", "1", "--num_heads", "2", "--mlp_dim", "32", "--steps", str(STEPS),
-        "--warmup_steps", "1", "--log_every", "1", "--save_every", "2", "--progress", "off"]
-
-
-def _losses(workdir):
-  records = metrics.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  return [r["step"] for r in records], np.array([r["loss"] for r in records]), \
-      np.array([r["grad_norm"] for r in records])
+STEPS = helpers.TRAIN_STEPS
+TINY = helpers.train_argv("--save_every", 2)
+_losses = helpers.train_records
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+  """The reference run (checkpoints every 2 steps): its losses, grad norms and workdir."""
   workdir = str(tmp_path_factory.mktemp("uninterrupted"))
   assert train_lib.main(TINY + ["--workdir", workdir]) == 0
   steps, losses, norms = _losses(workdir)
   assert steps == list(range(1, STEPS + 1))
-  return losses, norms
+  return losses, norms, workdir
 
 
 def test_sigterm_then_resume_gives_the_same_losses_step_for_step(uninterrupted, tmp_path):
@@ -51,10 +45,10 @@ def test_sigterm_then_resume_gives_the_same_losses_step_for_step(uninterrupted, 
 
 def test_kill_during_async_save_leaves_a_resumable_workdir(uninterrupted, tmp_path):
   workdir = str(tmp_path / "killed")
-  cmd = [sys.executable, os.path.join(ROOT, "train", "train.py"), *TINY, "--workdir", workdir,
+  cmd = [sys.executable, str(helpers.ROOT / "train" / "train.py"), *TINY, "--workdir", workdir,
          "--save_every", "1", "--kill_after_save_at_step", "4"]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == -signal.SIGKILL, proc.stdout + proc.stderr
   # Step 4's save was in flight: at most steps up to 4 are complete, and a restart must cope with
   # whatever the kill left (a temporary directory or a finished step).
@@ -67,18 +61,17 @@ def test_kill_during_async_save_leaves_a_resumable_workdir(uninterrupted, tmp_pa
   np.testing.assert_array_equal(norms, uninterrupted[1])
 
 
-def test_init_from_takes_only_the_parameters(tmp_path):
-  source = str(tmp_path / "source")
-  assert train_lib.main(TINY + ["--workdir", source, "--steps", "2"]) == 0
+def test_init_from_takes_only_the_parameters(uninterrupted, tmp_path):
+  source = uninterrupted[2]  # its latest checkpoint is the last step
   target = str(tmp_path / "target")
-  assert train_lib.main(TINY + ["--workdir", target, "--steps", "1", "--init_from", source]) == 0
-  # Oracle: the loss of the source's step-2 parameters on batch 0 (the warm-started run starts
+  assert train_lib.main(TINY + ["--workdir", target, "--init_from", source]) == 0
+  # Oracle: the loss of the source's last parameters on batch 0 (the warm-started run starts
   # over at data position 0 with a fresh optimizer).
   cfg = config.from_argv(TINY + ["--workdir", target])[0]
   mesh = sharding.make_mesh(cfg)
   dataset, graphdef, _, _, abstract_state, _, _ = train_lib.build(cfg, mesh)
   params, step = checkpoint.restore_params(source, abstract_state["params"])
-  assert step == 2
+  assert step == STEPS
   batch = sharding.global_batch(dataset, 0, cfg, sharding.batch_sharding(mesh))
   loss_sum, weight = train_lib.loss_sums(graphdef, params, jax.tree.map(lambda x: x[0], batch))
   first = _losses(target)[1][0]

@@ -1,23 +1,14 @@
 """bench/normalizers.py runs (--quick), prints a table, and refuses to time a wrong op."""
 
-import importlib.util
-import pathlib
-import sys
-
 import jax
 import numpy as np
 
 import jaxsoft.normalizers as jn
-
-_PATH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "normalizers.py"
+from tests import helpers
 
 
 def _bench():
-  spec = importlib.util.spec_from_file_location("bench_normalizers", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # dataclasses look their module up there
-  spec.loader.exec_module(module)
-  return module
+  return helpers.load_script("bench/normalizers.py", "bench_normalizers")
 
 
 def _table_rows(table):

@@ -5,12 +5,12 @@ import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.helpers import ROOT
 
 
 def test_quick_benchmark_runs():
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "bench", "attention_cpu.py"), "--quick"],
+      [sys.executable, str(ROOT / "bench" / "attention_cpu.py"), "--quick"],
       capture_output=True, text=True, timeout=900,
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-BENCH = os.path.join(ROOT, "bench", "gpu.py")
+from tests.helpers import ROOT, load_script
+
+BENCH = str(ROOT / "bench" / "gpu.py")
 
 
 def _load_bench():
-  spec = importlib.util.spec_from_file_location("bench_gpu", BENCH)
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules["bench_gpu"] = mod  # dataclasses look their module up there
-  spec.loader.exec_module(mod)
-  return mod
+  return load_script("bench/gpu.py", "bench_gpu")
 
 
 def test_bench_interpret_tiny_runs():
