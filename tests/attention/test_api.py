@@ -10,7 +10,7 @@ import pytest
 
 from jaxsoft.attention import _api
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.attention.test_core_util import make_qkv
+from tests.helpers import make_qkv
 
 q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
 

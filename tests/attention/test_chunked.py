@@ -12,8 +12,8 @@ import pytest
 
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.attention.test_core_util import assert_same, make_qkv, sampled, segment_mask
 from tests.attention.test_dense import MASK_CASES, B, H, K, N, T
+from tests.helpers import assert_same, make_qkv, sampled, segment_mask
 
 chunked = functools.partial(dpa, implementation="xla_chunked")
 

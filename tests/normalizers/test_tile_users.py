@@ -24,7 +24,7 @@ from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
 from jaxsoft.normalizers import REGISTRY, NormalizerSpec, TileRule
 from jaxsoft.normalizers import _common as c
-from tests.attention.test_core_util import assert_same, make_qkv
+from tests.helpers import assert_same, make_qkv
 
 FWD = dict(rtol=1e-5, atol=1e-6)
 
