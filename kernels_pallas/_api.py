@@ -162,11 +162,12 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   pad_rows = ((0, 0), (0, 0), (0, t_pad - t), (0, 0))
   dyn = tuple(jnp.pad(rows(call.params[nm], b, n, t, cfg.acc_dtype), pad_rows, mode="edge")
               for nm in dyn_names)
-  length = jnp.broadcast_to(st.visible_counts(), (b, t)).astype(cfg.acc_dtype)
+  row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
+  length = jnp.broadcast_to(st.visible_counts(row_ranges), (b, t)).astype(cfg.acc_dtype)
   ids = st.kernel_segment_ids(t_pad, s_pad)
 
   def ranges(bq, bk, axis):
-    table = st.block_table(bq, bk, t_pad // bq, s_pad // bk)
+    table = st.block_table(bq, bk, t_pad // bq, s_pad // bk, ranges=row_ranges)
     return table_ranges(jnp.broadcast_to(table, (b,) + table.shape[1:]), axis)
 
   f_lo, f_hi = ranges(bl.block_q, bl.block_k, 2)

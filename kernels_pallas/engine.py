@@ -155,8 +155,7 @@ class Config:
 
 def tile_logits(cfg: Config, q, k):
   """s = cap * tanh(scale * q k^T / cap) in float32; q [bq, H], k [bk, H]."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=cfg.acc_dtype)
-  s = s * cfg.scale
+  s = dot(cfg, q, k, (1, 1)) * cfg.scale
   if cfg.soft_cap is not None:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
   return s
@@ -207,9 +206,7 @@ def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
   static, arrays = _hp(cfg, dyn)
   m, lsum, num, alpha = tile.online_update(cfg.tile, s, mask, m, lsum, length,
                                            {**static, **arrays})
-  pv = jax.lax.dot_general(num.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=cfg.acc_dtype)
-  return m, lsum, tile.rescale(acc, alpha) + pv
+  return m, lsum, tile.rescale(acc, alpha) + dot(cfg, num.astype(v.dtype), v, (1, 0))
 
 
 def finalize(cfg: Config, state, length, dyn):

@@ -680,11 +680,12 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   if call.mask is not None:
     mask = _heads5(call.mask, N, K, G)
     mask = _pad_axis(_pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
-  kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk)
+  ranges = st.row_ranges()  # one search for the block ranges and the counts
+  kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk, ranges)
   prune = None
   if call.decay_prune_threshold is not None and decay is not None:
     prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)
-  counts = _pad_axis(st.visible_counts(), 1, Tp, value=0.0)  # [B|1, Tp]
+  counts = _pad_axis(st.visible_counts(ranges), 1, Tp, value=0.0)  # [B|1, Tp]
   aux = _Aux(
       structure=st, mask=mask,
       q_seg=_pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,

@@ -337,23 +337,34 @@ class MaskStructure:
     new_hi = jnp.where(nonempty, last + 1, 0)
     return new_lo, new_hi, count
 
-  def visible_counts(self):
-    """n: the number of visible keys of each query row, float32 broadcastable to [B, T]."""
-    return self.row_ranges()[2].astype(jnp.float32)
+  def visible_counts(self, ranges=None):
+    """n: the number of visible keys of each query row, float32 broadcastable to [B, T].
+
+    ``ranges``: the result of :meth:`row_ranges` when the caller already has it.
+    """
+    return (self.row_ranges() if ranges is None else ranges)[2].astype(jnp.float32)
 
   def block_table(self, block_q: int, block_k: int, num_q_blocks: int | None = None,
-                  num_k_blocks: int | None = None):
+                  num_k_blocks: int | None = None, ranges=None):
     """Which (query block, key block) tiles can hold a visible entry: bool [B or 1, nq, nk].
 
     A tile is marked when one of its rows has its visible keys' range (:meth:`row_ranges`)
     meeting the tile's columns: exact (no tile with a visible entry is unmarked), and tight
     when each row's visible keys are contiguous (no segment ids, or sorted ones). Blocks
     past T or S (padding up to ``num_q_blocks`` / ``num_k_blocks``) are unmarked. Memory
-    O(B·(T + nq·nk)), never T x S.
+    O(B·(T + nq·nk)), never T x S. ``ranges``: the result of :meth:`row_ranges` when the
+    caller already has it (one search serves every table and the counts).
     """
+    for name, size in (("block_q", block_q), ("block_k", block_k)):
+      if not isinstance(size, (int, np.integer)) or isinstance(size, bool) or size <= 0:
+        raise ValueError(f"`{name}` must be a positive int, got {size!r}")
     nq = -(-self.T // block_q) if num_q_blocks is None else num_q_blocks
     nk = -(-self.S // block_k) if num_k_blocks is None else num_k_blocks
-    lo, hi, count = self.row_ranges()
+    if nq * block_q < self.T or nk * block_k < self.S:
+      raise ValueError(
+          f"`num_q_blocks`={nq} x `block_q`={block_q} and `num_k_blocks`={nk} x "
+          f"`block_k`={block_k} must cover T={self.T} and S={self.S}")
+    lo, hi, count = self.row_ranges() if ranges is None else ranges
     b = max(lo.shape[0], hi.shape[0], count.shape[0])
     lo, hi, count = (jnp.broadcast_to(a, (b, self.T)) for a in (lo, hi, count))
     # Per row +1 at its first key block, -1 past its last; a running sum over the key
@@ -366,11 +377,11 @@ class MaskStructure:
     diff = diff.at[bi, qb, jnp.where(mark > 0, (hi - 1) // block_k + 1, 0)].add(-mark)
     return jnp.cumsum(diff, axis=-1)[..., :nk] > 0
 
-  def block_key_ranges(self, block_q: int, num_q_blocks: int, block_k: int):
+  def block_key_ranges(self, block_q: int, num_q_blocks: int, block_k: int, ranges=None):
     """Per query block the range of key blocks ``[kb_lo, kb_hi)`` that can be visible.
 
     Reduced over the batch (the chunked loop is shared by the batch); an all-invisible
     query block gets an empty range. Returns two int32 arrays [num_q_blocks].
     """
-    table = self.block_table(block_q, block_k, num_q_blocks)
+    table = self.block_table(block_q, block_k, num_q_blocks, ranges=ranges)
     return table_ranges(jnp.any(table, axis=0), axis=-1)

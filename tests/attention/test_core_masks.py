@@ -143,3 +143,22 @@ def test_kernel_segment_ids_with_positions_visible(idx):
   if ids is not None:  # padding never matches a valid id, nor the other side's padding
     assert np.all(np.asarray(ids[0])[:, st.T:] == _masks.Q_PAD_SEGMENT)
     assert np.all(np.asarray(ids[1])[:, st.S:] == _masks.K_PAD_SEGMENT)
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(block_q=0, block_k=4), "block_q"),
+    (dict(block_q=4, block_k=2.5), "block_k"),
+    (dict(block_q=4, block_k=4, num_q_blocks=1), "num_q_blocks"),
+])
+def test_block_table_rejects_bad_blocks(kwargs, name):
+  st = MaskStructure(T=10, S=10, is_causal=True)
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    st.block_table(**kwargs)
+
+
+def test_block_table_with_a_fully_masked_row_batch():
+  """A batch whose rows see nothing (length 0) has no visible tile and zero counts."""
+  st = MaskStructure(T=8, S=8, kv_lengths=jnp.array([0, 8], jnp.int32))
+  table = np.asarray(st.block_table(4, 4))
+  assert not table[0].any() and table[1].all()
+  assert np.all(np.asarray(st.visible_counts())[0] == 0)

@@ -83,3 +83,9 @@ def test_jaxsoft_dot_product_attention_uses_the_kernel(interpret_env):
   got = jax.jit(lambda: run("pallas"))()
   want = run("xla")
   chex.assert_trees_all_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_unknown_driver_is_named():
+  from kernels_pallas import core
+  with pytest.raises(ValueError, match="`backend`"):
+    core.driver("cudnn")
