@@ -2,17 +2,21 @@
 
 Resolution order (later wins): the dataclass defaults, the ``--preset``, ``--set key=value`` pairs,
 then explicit ``--field value`` flags. The resolved config is saved as ``config.json`` in the
-workdir; resuming with a different *model* config (``MODEL_FIELDS``) is refused.
+workdir, and each start (fresh or resumed) appends it to ``config_history.jsonl``. Resuming with a
+different *model* config (``MODEL_FIELDS``) is refused; so is a different learning-rate schedule
+(``SCHEDULE_FIELDS``: --steps, --learning_rate, --warmup_steps, --min_lr_ratio) unless
+``--reschedule`` says to recompute it. Files go through etils.epath, so a ``gs://`` workdir works.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
 import os
-import tempfile
 import typing
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +25,7 @@ __all__ = [
     "ConfigError",
     "PRESETS",
     "MODEL_FIELDS",
+    "SCHEDULE_FIELDS",
     "ATTENTION_VARIANTS",
     "DATASETS",
     "make_parser",
@@ -29,6 +34,12 @@ __all__ = [
     "save",
     "load",
     "check_resume_compatible",
+    "prepare_workdir",
+    "check_implementation",
+    "learned_names",
+    "attention_normalizer",
+    "append_history",
+    "read_history",
 ]
 
 ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
@@ -71,6 +82,10 @@ class Config:
                                "pallas, ...)", tuple(i or "" for i in IMPLEMENTATIONS))
   window: int = _f(32, "left window size for --attention window")
   softcap: float = _f(30.0, "logit soft cap for --attention softcap")
+  learned: str = _f("", "normalizer hyperparameters learned per head, comma-separated: names the "
+                        "normalizer takes (alpha for entmax, s or bias for ssmax, temperature for "
+                        "softmax, sink_logit for softmax_sink), or 'sink' (a learned sink logit; "
+                        "softmax becomes softmax_sink). Output gates: --attention gated")
   dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32",
                   DTYPES)
   # Optimizer.
@@ -83,6 +98,13 @@ class Config:
   b2: float = _f(0.95, "Adam beta2")
   clip_norm: float = _f(1.0, "global gradient-norm clip (0 = off)")
   grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+  reschedule: bool = _f(False, "on resume, accept a different --steps, --learning_rate, "
+                               "--warmup_steps or --min_lr_ratio: the learning-rate schedule is "
+                               "recomputed for the new values and the run continues on it from "
+                               "the resumed step (without this flag such a resume is refused)")
+  # Evaluation.
+  eval_every: int = _f(100, "steps between held-out evaluations (0 = only at the last step)")
+  eval_batches: int = _f(4, "held-out batches per evaluation (always the same batches)")
   # Run.
   seed: int = _f(0, "seed of the parameters, the data order and the step RNG")
   workdir: str = _f("", "where config.json, metrics.jsonl and checkpoints go (auto-resume)")
@@ -122,7 +144,10 @@ class Config:
 # Fields that determine the parameter shapes or the function the model computes: a resumed run must
 # match them. (--steps, --learning_rate, ... may change on resume.)
 MODEL_FIELDS = ("dataset", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
-                "rope_base", "normalizer", "normalizer_params", "attention", "window", "softcap")
+                "rope_base", "normalizer", "normalizer_params", "attention", "window", "softcap",
+                "learned")
+# Fields that define the learning-rate schedule: changing them on resume needs --reschedule.
+SCHEDULE_FIELDS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
 
 PRESETS: dict[str, dict[str, Any]] = {
     # About a minute on 2 CPU cores, including start-up and compilation.
@@ -235,13 +260,14 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
     spec.validate(kwargs)
   except ValueError as e:
     raise ConfigError(f"--normalizer_params: {e}") from None
+  _validate_learned(cfg, kwargs)
   for field in dataclasses.fields(Config):
     choices, value = field.metadata["choices"], getattr(cfg, field.name)
     if choices is not None and value not in choices:
       raise ConfigError(f"--{field.name}: unknown value {value!r}; one of "
                         f"{', '.join(repr(c) for c in choices)}")
   positive = ("seq_len", "batch_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
-              "grad_accum", "log_every", "save_every", "max_to_keep")
+              "grad_accum", "log_every", "save_every", "max_to_keep", "eval_batches")
   for name in positive:
     if getattr(cfg, name) <= 0:
       raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
@@ -256,48 +282,166 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   if cfg.batch_size % cfg.grad_accum:
     raise ConfigError(f"--batch_size ({cfg.batch_size}) must be divisible by --grad_accum "
                       f"({cfg.grad_accum})")
-  if cfg.warmup_steps < 0:
-    raise ConfigError(f"--warmup_steps must be >= 0, got {cfg.warmup_steps}")
+  for name in ("warmup_steps", "eval_every"):
+    if getattr(cfg, name) < 0:
+      raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
   if not cfg.workdir:
     raise ConfigError("--workdir is required")
+  if cfg.init_from:
+    from train import checkpoint  # pylint: disable=import-outside-toplevel
+    try:
+      checkpoint.locate(cfg.init_from)
+    except FileNotFoundError as e:
+      raise ConfigError(f"--init_from: {e}") from None
   if check_workdir:
-    _check_writable(cfg.workdir)
+    prepare_workdir(cfg.workdir)
 
 
-def _check_writable(workdir: str) -> None:
-  """Creates ``workdir`` and writes a probe file (os.access alone is fooled by root and ACLs)."""
-  if "://" in workdir:  # gs:// and friends: orbax/epath check on first write
+def learned_names(cfg: Config) -> tuple[str, ...]:
+  """The --learned names, in order, without blanks (``sink`` not yet resolved)."""
+  return tuple(name.strip() for name in cfg.learned.split(",") if name.strip())
+
+
+def attention_normalizer(cfg: Config) -> tuple[str, tuple[str, ...]]:
+  """(normalizer, learned hyperparameter names) the attention layers use.
+
+  ``--learned sink`` is the learned sink logit: softmax and softmax_1 become softmax_sink (as
+  ``jaxsoft.nn.MultiHeadAttention(sink=True)`` does) and ``sink`` names ``sink_logit``.
+  """
+  names = learned_names(cfg)
+  normalizer = cfg.normalizer
+  if "sink" in names:
+    if normalizer in ("softmax", "softmax_1"):
+      normalizer = "softmax_sink"
+    names = tuple("sink_logit" if n == "sink" else n for n in names)
+  return normalizer, tuple(dict.fromkeys(names))
+
+
+def _validate_learned(cfg: Config, fixed: dict[str, Any]) -> None:
+  from jaxsoft import normalizers  # pylint: disable=import-outside-toplevel
+
+  normalizer, names = attention_normalizer(cfg)
+  if not names:
     return
+  spec = normalizers.get(normalizer)
+  takes = [p.name for p in spec.params]
+  for name in names:
+    if name not in takes:
+      extra = "" if cfg.normalizer == normalizer else f" (--learned sink makes it {normalizer!r})"
+      raise ConfigError(f"--learned: normalizer {normalizer!r}{extra} has no hyperparameter "
+                        f"{name!r}; it takes {takes}"
+                        + ("" if name == "sink_logit" else ", or 'sink' with softmax"))
+    if name in fixed:
+      raise ConfigError(f"--learned: {name!r} is also fixed in --normalizer_params")
+    param = spec.param(name)
+    if param.default is None and param.sample is None:
+      raise ConfigError(f"--learned: {name!r} of {normalizer!r} has no default to start from")
+
+
+def check_implementation(cfg: Config) -> None:
+  """Refuses a Pallas --implementation the platform cannot run (call once devices are set up)."""
+  impl = cfg.implementation
+  if not impl.startswith("pallas"):
+    return
+  from kernels_pallas import _api  # pylint: disable=import-outside-toplevel
+
+  driver = {"pallas": None, "pallas_triton": "triton", "pallas_mosaic_tpu": "mosaic_tpu"}[impl]
   try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise ConfigError(f"--workdir {workdir!r} cannot be created: {e.strerror}") from None
+    _api.pick_backend(driver)
+  except NotImplementedError as e:
+    raise ConfigError(f"--implementation {impl}: {e}; or pick --implementation xla") from None
+
+
+def prepare_workdir(workdir: str) -> None:
+  """Creates ``workdir`` and writes (then removes) a probe file; any path etils.epath knows.
+
+  A probe write, not os.access: that is fooled by root and ACLs, and knows no object store.
+  """
+  from etils import epath  # pylint: disable=import-outside-toplevel
+
+  path = epath.Path(workdir)
   try:
-    with tempfile.TemporaryFile(dir=workdir):
-      pass
-  except OSError as e:
-    raise ConfigError(f"--workdir {workdir!r} is not writable: {e.strerror}") from None
+    path.mkdir(parents=True, exist_ok=True)
+  except Exception as e:  # pylint: disable=broad-except  (OSError, or an object store's own)
+    raise ConfigError(f"--workdir {workdir!r} cannot be created: {_why(e)}") from None
+  probe = path / f".write_probe_{uuid.uuid4().hex}"
+  try:
+    probe.write_text("")
+    probe.unlink()
+  except Exception as e:  # pylint: disable=broad-except
+    raise ConfigError(f"--workdir {workdir!r} is not writable: {_why(e)}") from None
+
+
+def _why(error: BaseException) -> str:
+  return getattr(error, "strerror", None) or str(error) or type(error).__name__
+
+
+def _dumps(cfg: Config) -> str:
+  return json.dumps(dataclasses.asdict(cfg), indent=2, sort_keys=True) + "\n"
 
 
 def save(cfg: Config, path: str) -> None:
-  with open(path, "w") as f:
-    json.dump(dataclasses.asdict(cfg), f, indent=2, sort_keys=True)
-    f.write("\n")
+  """Writes ``cfg`` as JSON to ``path`` (a local path or an object-store URL)."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  epath.Path(path).write_text(_dumps(cfg))
 
 
 def load(path: str) -> dict[str, Any]:
-  with open(path) as f:
-    return json.load(f)
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  return json.loads(epath.Path(path).read_text())
+
+
+HISTORY = "config_history.jsonl"
+
+
+def read_history(workdir: str) -> list[dict[str, Any]]:
+  """The records of ``config_history.jsonl``: one per start, ``{time, start_step, config}``."""
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  path = epath.Path(workdir) / HISTORY
+  if not path.exists():
+    return []
+  return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_history(cfg: Config, start_step: int) -> None:
+  """Saves ``config.json`` (the config now in force) and appends it to the history.
+
+  The file is rewritten whole rather than opened for appending: object stores have no append.
+  """
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  workdir = epath.Path(cfg.workdir)
+  record = {"time": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "start_step": start_step, "config": dataclasses.asdict(cfg)}
+  records = [*read_history(cfg.workdir), record]
+  (workdir / HISTORY).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+  save(cfg, str(workdir / "config.json"))
 
 
 def check_resume_compatible(cfg: Config, saved: dict[str, Any]) -> None:
-  """Refuses to resume when the saved run's model config differs (the checkpoint would not fit)."""
+  """Refuses to resume when the saved run's model config or learning-rate schedule differs.
+
+  A different model would not fit the checkpoint; a different schedule would silently change the
+  learning rate mid-run, unless ``cfg.reschedule`` asks for exactly that. A field missing from an
+  older config.json counts as its default.
+  """
+  defaults = {f.name: f.default for f in dataclasses.fields(Config)}
+
   def canonical(key, value):
     return json.loads(value) if key == "normalizer_params" and isinstance(value, str) else value
 
-  diffs = [f"{k}: saved {saved.get(k)!r} != now {getattr(cfg, k)!r}" for k in MODEL_FIELDS
-           if canonical(k, saved.get(k)) != canonical(k, getattr(cfg, k))]
-  if diffs:
+  def diffs(fields):
+    return [f"{k}: saved {saved.get(k, defaults[k])!r} != now {getattr(cfg, k)!r}"
+            for k in fields
+            if canonical(k, saved.get(k, defaults[k])) != canonical(k, getattr(cfg, k))]
+
+  model = diffs(MODEL_FIELDS)
+  if model:
     raise ConfigError(f"cannot resume from --workdir {cfg.workdir!r} with a different model config "
-                      f"({'; '.join(diffs)}); use a fresh --workdir, or --init_from for a "
+                      f"({'; '.join(model)}); use a fresh --workdir, or --init_from for a "
                       "compatible model")
+  schedule = diffs(SCHEDULE_FIELDS)
+  if schedule and not cfg.reschedule:
+    raise ConfigError(f"cannot resume from --workdir {cfg.workdir!r} with a different learning-rate "
+                      f"schedule ({'; '.join(schedule)}): it would change the learning rate "
+                      "mid-run. Pass the saved values, or add --reschedule true to recompute the "
+                      "schedule for the new values from the resumed step on")

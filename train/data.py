@@ -7,6 +7,10 @@ only its own rows, so the data are identical for any number of hosts and devices
 
 Batches are dicts of int32 ``inputs``/``targets`` and float32 ``weights`` (the loss mask: all ones
 for text, ones on the answer tokens for the probes), each ``[rows, seq_len]``.
+
+``Dataset.held_out()`` is the evaluation split: windows of the corpus's last 5% (never trained on)
+for text, and for the probes fresh draws from a stream of their own. Held-out batches do not depend
+on the seed, so runs with different seeds are evaluated on the same data.
 """
 
 from __future__ import annotations
@@ -33,7 +37,13 @@ def corpus_bytes() -> np.ndarray:
   return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
 
 
-def _rng(seed: int, position: int) -> np.random.Generator:
+SPLITS = ("train", "eval")
+_EVAL_STREAM = 0x6576616C  # "eval": the held-out batches' seed, whatever the run's seed
+
+
+def _rng(seed: int, position: int, split: str = "train") -> np.random.Generator:
+  if split == "eval":
+    return np.random.default_rng([_EVAL_STREAM, position])
   return np.random.default_rng([seed, position])
 
 
@@ -46,12 +56,20 @@ class Dataset:
   seq_len: int
   batch_size: int
   seed: int
+  split: str = "train"
+
+  def held_out(self) -> Dataset:
+    """The same stream over the evaluation split."""
+    return dataclasses.replace(self, split="eval")
 
   def batch(self, position: int, rows: np.ndarray | None = None) -> dict[str, np.ndarray]:
     """The rows ``rows`` (global indices, default all) of global batch number ``position``."""
     rows = np.arange(self.batch_size) if rows is None else np.asarray(rows)
-    make = _TEXT if self.name == "text" else _PROBES[self.name]
-    seq, weights = make(_rng(self.seed, position), self.batch_size, self.seq_len + 1, rows)
+    rng = _rng(self.seed, position, self.split)
+    if self.name == "text":
+      seq, weights = _text(rng, self.batch_size, self.seq_len + 1, rows, self.split)
+    else:
+      seq, weights = _PROBES[self.name](rng, self.batch_size, self.seq_len + 1, rows)
     return {"inputs": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32),
             "weights": weights[:, 1:].astype(np.float32)}
 
@@ -61,11 +79,12 @@ def make_dataset(name: str, seq_len: int, batch_size: int, seed: int) -> Dataset
   return Dataset(name, vocab, seq_len, batch_size, seed)
 
 
-def _text(rng, batch, length, rows):
-  """Random windows of the corpus's first 95% (the rest is held out)."""
+def _text(rng, batch, length, rows, split="train"):
+  """Random windows of the corpus's first 95% (train) or of the rest (eval, held out)."""
   tokens = corpus_bytes()
   train_end = int(len(tokens) * 0.95)
-  offsets = rng.integers(0, train_end - length, size=batch)[rows]
+  low, high = (0, train_end - length) if split == "train" else (train_end, len(tokens) - length)
+  offsets = rng.integers(low, high, size=batch)[rows]
   seq = tokens[offsets[:, None] + np.arange(length)]
   return seq, np.ones(seq.shape, np.float32)
 
@@ -132,5 +151,4 @@ def _needle(rng, batch, length, rows):
   return seq[rows], weights[rows]
 
 
-_TEXT = _text
 _PROBES = {"recall": _recall, "copy": _copy, "sort": _sort, "needle": _needle}

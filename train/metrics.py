@@ -1,9 +1,14 @@
 """Where the numbers go: metrics.jsonl (always), a log line every --log_every, a tqdm bar with
 tokens/s on a terminal, TensorBoard as an option; and the --compare table and loss-curve plot.
+
+Every file is written through etils.epath, whole (object stores such as gs:// have no append):
+metrics.jsonl is rewritten from memory at each ``flush`` (the train loop flushes with every log
+line and every checkpoint, so a resumed run finds every step up to its checkpoint).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import sys
@@ -35,12 +40,15 @@ class MetricsLogger:
     self._steps_timed = 0
     self._last_log = (time.perf_counter(), start_step)
     self.tokens_per_sec = float("nan")
+    self.records: list[dict[str, float]] = []
+    self._dirty = False
     if not enabled:
       self.bar, self.tb = None, None
       return
     # A resumed run drops records past its checkpoint, so each step appears once.
-    kept = [r for r in read_jsonl(self.path) if r["step"] <= start_step]
-    self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    self.records = [r for r in read_jsonl(self.path) if r["step"] <= start_step]
+    self._dirty = True
+    self.flush()
     show = progress == "on" or (progress == "auto" and sys.stderr.isatty())
     self.bar = None
     if show:
@@ -71,8 +79,8 @@ class MetricsLogger:
     record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
     if math.isfinite(self.tokens_per_sec):
       record["tokens_per_sec"] = self.tokens_per_sec
-    with self.path.open("a") as f:
-      f.write(json.dumps(record) + "\n")
+    self.records.append(record)
+    self._dirty = True
     if not echo:
       return
     line = f"step {step:6d} | " + " | ".join(
@@ -86,6 +94,12 @@ class MetricsLogger:
         if k != "step":
           self.tb.add_scalar(k, v, step)
 
+  def flush(self) -> None:
+    """Writes metrics.jsonl (all records so far) if anything changed since the last flush."""
+    if self.enabled and self._dirty:
+      self.path.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+      self._dirty = False
+
   def message(self, text: str) -> None:
     if not self.enabled:
       return
@@ -95,6 +109,7 @@ class MetricsLogger:
       print(text, flush=True)
 
   def close(self) -> None:
+    self.flush()
     if self.bar is not None:
       self.bar.close()
     if self.tb is not None:
@@ -102,14 +117,21 @@ class MetricsLogger:
 
 
 def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) -> tuple[str, str]:
-  """compare.md (final loss, tokens/s, attention entropy/sparsity) and compare.png (loss curves)."""
-  rows = ["| normalizer | final loss (last 10% of steps) | tokens/s | attn entropy | "
-          "attn sparsity |",
-          "|---|---|---|---|---|"]
-  curves = {}
+  """compare.md and compare.png: final train and held-out losses, speed, attention statistics.
+
+  The table has, per normalizer, the train loss (mean of the last 10% of steps), the held-out
+  loss of the last evaluation, tokens/s and the attention entropy and sparsity; the plot the train
+  loss curves (lines) and the held-out losses (dashed, with markers).
+  """
+  rows = ["| normalizer | final loss (last 10% of steps) | eval loss (held out) | tokens/s | "
+          "attn entropy | attn sparsity |",
+          "|---|---|---|---|---|---|"]
+  curves, eval_curves = {}, {}
   for name, run in zip(names, runs, strict=True):
     records = read_jsonl(epath.Path(run) / "metrics.jsonl")
     curves[name] = [(r["step"], r["loss"]) for r in records]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    eval_curves[name] = evals
     tail = records[-max(1, len(records) // 10):]
     last = dict(tail[-1]) if tail else {}
     if tail:  # single-batch losses are noisy: report the mean over the last 10% of steps
@@ -121,6 +143,7 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
       return format(x, spec) if isinstance(x, (int, float)) else "—"
 
     rows.append(f"| {name} | {fmt(last.get('loss'), '.4f')} | "
+                f"{fmt(evals[-1][1] if evals else None, '.4f')} | "
                 f"{fmt(last.get('tokens_per_sec'), ',.0f')} | "
                 f"{fmt(stat.get('attn_entropy'), '.3f')} | "
                 f"{fmt(stat.get('attn_sparsity'), '.3f')} |")
@@ -129,34 +152,53 @@ def write_comparison(workdir: str, names: Sequence[str], runs: Sequence[str]) ->
   md_path.write_text(table)
 
   png_path = epath.Path(workdir) / "compare.png"
-  plot_curves(curves, png_path, "loss curves, identical data and seeds")
+  plot_curves(curves, png_path, "loss curves, identical data and seeds", eval_curves=eval_curves)
   return str(md_path), str(png_path)
 
 
-def plot_curves(curves: dict[str, list[tuple[int, float]]], path, title: str) -> None:
-  """Loss against step, one line per entry of ``curves``, saved as a PNG."""
+Curves = dict[str, list[tuple[int, float]]]
+
+
+def plot_curves(curves: Curves, path, title: str, eval_curves: Curves | None = None) -> None:
+  """Loss against step, one line per entry of ``curves``, saved as a PNG at ``path`` (any epath).
+
+  ``eval_curves`` (same names) are drawn dashed with markers in the colour of their train curve.
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   fig, ax = plt.subplots(figsize=(7, 4.5))
+  eval_curves = eval_curves or {}
+  labelled = 0
   for name, points in curves.items():
+    color = None
     if points:
       steps, losses = zip(*points, strict=True)
-      ax.plot(steps, losses, label=name)
+      (line,) = ax.plot(steps, losses, label=f"{name} (train)" if eval_curves.get(name) else name)
+      color, labelled = line.get_color(), labelled + 1
+    held = eval_curves.get(name) or []
+    if held:
+      steps, losses = zip(*held, strict=True)
+      ax.plot(steps, losses, "--o", color=color, markersize=3, label=f"{name} (held out)")
+      labelled += 1
   ax.set_xlabel("step")
-  ax.set_ylabel("training loss (nats/token)")
+  ax.set_ylabel("loss (nats/token)")
   ax.set_title(title)
-  if len(curves) > 1:
+  if labelled > 1:
     ax.legend()
   ax.grid(alpha=0.3)
-  fig.savefig(str(path), dpi=120, bbox_inches="tight")
+  buffer = io.BytesIO()  # savefig knows local files only: write the bytes through epath
+  fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
   plt.close(fig)
+  epath.Path(path).write_bytes(buffer.getvalue())
 
 
 def plot_run(workdir: str, title: str) -> str:
-  """loss.png of one run from its metrics.jsonl; returns its path."""
+  """loss.png of one run from its metrics.jsonl (train and held-out loss); returns its path."""
   records = read_jsonl(epath.Path(workdir) / "metrics.jsonl")
   path = epath.Path(workdir) / "loss.png"
-  plot_curves({"loss": [(r["step"], r["loss"]) for r in records]}, path, title)
+  plot_curves({"loss": [(r["step"], r["loss"]) for r in records]}, path, title,
+              eval_curves={"loss": [(r["step"], r["eval_loss"]) for r in records
+                                    if "eval_loss" in r]})
   return str(path)

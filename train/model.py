@@ -3,8 +3,10 @@
 Embeddings -> ``num_layers`` pre-norm blocks (RMSNorm -> attention with RoPE -> residual,
 RMSNorm -> GELU MLP -> residual) -> RMSNorm -> tied output projection. Parameters are float32;
 ``dtype`` sets the compute dtype of every matmul (bf16 mixed precision). The attention
-normalizer, variant and implementation come from the config; ``attention_stats`` measures the
-entropy and sparsity of the attention weights of one layer on a slice of a batch, cheaply.
+normalizer, variant and implementation come from the config; ``--learned`` names normalizer
+hyperparameters learned per head (held free and mapped into their valid range by
+``jaxsoft.nn.param_transform``, as ``jaxsoft.nn.MultiHeadAttention`` does). ``attention_stats``
+measures the entropy and sparsity of the attention weights of one layer on a slice of a batch.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from flax import nnx
 
 from jaxsoft import attention as js_attention
 from jaxsoft import normalizers
+from jaxsoft.nn import param_transform
 from jaxsoft.normalizers._common import safe_divide
-from train.config import Config
+from train.config import Config, attention_normalizer
 
 __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kwargs"]
 
@@ -46,10 +49,8 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
 
 def attention_kwargs(cfg: Config) -> dict[str, Any]:
   """The keyword arguments of jaxsoft's dot_product_attention that this config selects."""
-  kwargs: dict[str, Any] = dict(is_causal=True, normalizer=cfg.normalizer,
+  kwargs: dict[str, Any] = dict(is_causal=True, normalizer=attention_normalizer(cfg)[0],
                                 implementation=cfg.implementation or None)
-  if cfg.normalizer_kwargs:
-    kwargs["normalizer_params"] = cfg.normalizer_kwargs
   if cfg.attention == "window":
     kwargs["local_window_size"] = (cfg.window, 0)
   elif cfg.attention == "softcap":
@@ -57,8 +58,22 @@ def attention_kwargs(cfg: Config) -> dict[str, Any]:
   return kwargs
 
 
-def _attend(q, k, v, *, kwargs):
-  return js_attention.dot_product_attention(q, k, v, **kwargs)
+def _attend(q, k, v, hparams, *, kwargs):
+  return js_attention.dot_product_attention(q, k, v, normalizer_params=hparams or None, **kwargs)
+
+
+def _initial_free(cfg: Config) -> dict[str, float]:
+  """The free (unconstrained) starting value of each learned hyperparameter: its default mapped
+  back through ``param_transform``."""
+  normalizer, names = attention_normalizer(cfg)
+  spec = normalizers.get(normalizer)
+  out = {}
+  with jax.ensure_compile_time_eval():  # concrete even when the model is built under eval_shape
+    for name in names:
+      param = spec.param(name)
+      start = param.default if param.default is not None else param.sample
+      out[name] = float(param_transform(param)[1](float(start)))
+  return out
 
 
 class Attention(nnx.Module):
@@ -75,8 +90,27 @@ class Attention(nnx.Module):
     self.o = linear(cfg.num_heads * cfg.head_dim, cfg.d_model)
     # A07 gated attention: each head's output is scaled by sigma(x W_theta).
     self.gate = linear(cfg.d_model, cfg.num_heads) if cfg.attention == "gated" else None
+    self.normalizer, _ = attention_normalizer(cfg)
+    self.fixed = dict(cfg.normalizer_kwargs)
+    # Learned normalizer hyperparameters, one free value per head (`learned/alpha`, ...).
+    free = _initial_free(cfg)
+    self.learned = nnx.Dict({name: nnx.Param(jnp.full((cfg.num_heads,), z0, jnp.float32))
+                             for name, z0 in free.items()}) if free else None
     attend = functools.partial(_attend, kwargs=attention_kwargs(cfg))
     self.attend = wrap(attend) if wrap is not None else attend
+
+  def learned_values(self) -> dict[str, jax.Array]:
+    """The learned hyperparameters in their valid range, ``{name: [num_heads]}``."""
+    if self.learned is None:
+      return {}
+    spec = normalizers.get(self.normalizer)
+    return {name: param_transform(spec.param(name))[0](z[...])
+            for name, z in self.learned.items()}
+
+  def hparams(self) -> dict[str, Any]:
+    """The normalizer's hyperparameters: the fixed ones, then the learned ones ``[N, 1, 1]``."""
+    learned = {k: v.reshape(-1, 1, 1) for k, v in self.learned_values().items()}
+    return {**self.fixed, **learned}
 
   def qk(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     b, t, _ = x.shape
@@ -88,7 +122,7 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     q, k = self.qk(x, positions)
     v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
-    out = self.attend(q, k, v)
+    out = self.attend(q, k, v, self.hparams())
     if self.gate is not None:
       out = out * jax.nn.sigmoid(self.gate(x))[..., None].astype(out.dtype)
     return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
@@ -171,7 +205,8 @@ def attention_stats(model: Transformer, tokens: jax.Array, cfg: Config,
   if cfg.attention == "window":
     mask &= j >= i - cfg.window
   mask = jnp.broadcast_to(mask, scores.shape)
-  w = normalizers.get(cfg.normalizer).fn(scores, axis=-1, where=mask, **cfg.normalizer_kwargs)
+  w = normalizers.get(block.attn.normalizer).fn(scores, axis=-1, where=mask,
+                                                **block.attn.hparams())
   mass = jnp.sum(w, axis=-1, keepdims=True)
   p = safe_divide(w, mass)
   entropy = -jnp.sum(jnp.where(p > 0, p * jnp.log(jnp.where(p > 0, p, 1.0)), 0.0), axis=-1)

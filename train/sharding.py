@@ -143,11 +143,18 @@ def needs_shard_map(cfg: Config) -> bool:
   return impl.startswith("pallas") or (not impl and jax.default_backend() != "cpu")
 
 
-def shard_map_attention(mesh) -> Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]:
-  """Wraps an attention function ``f(q, k, v)`` so it runs per data shard under jax.shard_map."""
+def shard_map_attention(mesh) -> Callable[..., Callable[..., jax.Array]]:
+  """Wraps an attention function ``f(q, k, v, *replicated)`` to run per data shard (shard_map).
+
+  ``q, k, v`` are split over the data axis; further arguments (learned hyperparameters, a pytree)
+  are replicated.
+  """
 
   def wrap(fn):
-    return jax.shard_map(fn, mesh=mesh, in_specs=(P(DATA), P(DATA), P(DATA)), out_specs=P(DATA),
-                         check_vma=False)
+    def call(q, k, v, *replicated):
+      specs = (P(DATA), P(DATA), P(DATA)) + (P(),) * len(replicated)
+      return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(DATA),
+                           check_vma=False)(q, k, v, *replicated)
+    return call
 
   return wrap

@@ -4,10 +4,14 @@ r"""Train a small decoder LM with a jaxsoft attention normalizer.
     python train/train.py --preset charlm --workdir /tmp/lm --normalizer sparsemax
     python train/train.py --preset smoke --workdir /tmp/cmp --compare softmax,sigmoid,ssmax
     python train/train.py --preset smoke --workdir /tmp/dp --num_cpu_devices 8
+    python train/train.py --preset smoke --workdir /tmp/ent --normalizer entmax --learned alpha
+    python train/train.py --preset tpu_pod --workdir gs://BUCKET/run   # pip install .[tpu]
 
 ``main`` only wires config -> mesh -> data -> state -> loop; ``train_step(state, batch) -> (state,
 metrics)`` is one pure jitted function; checkpoints and logging happen at the edges. Re-running a
-command with the same --workdir resumes from its latest checkpoint, bit for bit.
+command with the same --workdir resumes from its newest checkpoint that restores, bit for bit (a
+damaged newer one is moved to checkpoints_damaged/ and named in the log). The held-out loss is
+evaluated every --eval_every steps and at the end (``eval_loss`` in metrics.jsonl).
 """
 
 from __future__ import annotations
@@ -35,9 +39,11 @@ from jaxsoft.normalizers._common import safe_divide  # noqa: E402
 from train import checkpoint, config, data, metrics, model, sharding  # noqa: E402
 from train.config import Config, ConfigError  # noqa: E402
 
-__all__ = ["main", "run", "make_optimizer", "make_train_step", "init_state", "EXIT_NONFINITE"]
+__all__ = ["main", "run", "make_optimizer", "make_train_step", "make_eval_step", "init_state",
+           "EXIT_NONFINITE", "EXIT_USAGE"]
 
 EXIT_NONFINITE = 3
+EXIT_USAGE = 2  # a bad command line or configuration, as argparse exits
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,6 +117,27 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
   return train_step
 
 
+def make_eval_step(graphdef):
+  """``eval_step(params, batch) -> (loss sum, weight sum)`` over a ``[grad_accum, micro, T]`` batch."""
+
+  def eval_step(params, batch):
+    def micro_step(carry, micro_batch):
+      loss, weight = loss_sums(graphdef, params, micro_batch)
+      return (carry[0] + loss, carry[1] + weight), None
+
+    (loss_sum, weight_sum), _ = jax.lax.scan(micro_step, (jnp.float32(0), jnp.float32(0)), batch)
+    return loss_sum, weight_sum
+
+  return eval_step
+
+
+def evaluate(eval_step, params, batches) -> float:
+  """The token-mean loss over ``batches`` (the held-out split)."""
+  sums = [jax.device_get(eval_step(params, batch)) for batch in batches]
+  weight = sum(float(w) for _, w in sums)
+  return sum(float(loss) for loss, _ in sums) / weight if weight > 0 else float("nan")
+
+
 def init_state(cfg: Config, graphdef, params, optimizer) -> dict[str, Any]:
   return {"step": jnp.int32(0), "params": params, "opt_state": optimizer.init(params),
           "rng": jax.random.key_data(jax.random.key(cfg.seed + 1))}
@@ -164,9 +191,9 @@ def run(cfg: Config, mesh) -> int:
   schedule = make_schedule(cfg)
   ckpt = checkpoint.Checkpointer(cfg.workdir, cfg.max_to_keep, cfg.save_every)
 
-  latest = ckpt.latest_step()
+  # The newest checkpoint that restores; damaged newer ones are moved aside (kept) and named.
+  latest, state, meta, skipped = ckpt.restore_newest(abstract_state, is_main=is_main)
   if latest is not None:
-    state, meta = ckpt.restore(latest, abstract_state)
     position = int(meta["data_position"])
     start = f"resumed from step {latest} in {ckpt.directory}"
   else:
@@ -177,7 +204,7 @@ def run(cfg: Config, mesh) -> int:
       state = dict(state, params=params)
       start = f"parameters from {cfg.init_from} (step {step})"
   if is_main:
-    config.save(cfg, str(workdir / "config.json"))
+    config.append_history(cfg, start_step=latest or 0)
 
   batch_sharding = sharding.batch_sharding(mesh)
   train_step = jax.jit(make_train_step(graphdef, optimizer, schedule),
@@ -185,6 +212,10 @@ def run(cfg: Config, mesh) -> int:
                        out_shardings=(state_sharding, None), donate_argnums=0)
   stats_fn = jax.jit(lambda params, tokens: model.attention_stats(
       nnx.merge(graphdef, params), tokens, cfg))
+  eval_step = jax.jit(make_eval_step(graphdef))
+  held_out = dataset.held_out()
+  eval_batches = [sharding.global_batch(held_out, i, cfg, batch_sharding)
+                  for i in range(cfg.eval_batches)]
 
   step = int(jax.device_get(state["step"]))
   log = metrics.MetricsLogger(
@@ -192,6 +223,8 @@ def run(cfg: Config, mesh) -> int:
       tokens_per_step=cfg.batch_size * cfg.seq_len, progress=cfg.progress,
       tensorboard=cfg.tensorboard, enabled=is_main)
   n_params = sum(x.size for x in jax.tree.leaves(abstract_state["params"]))
+  for skip in skipped:
+    log.message(skip.describe())
   log.message(f"{start}; {n_params:,} parameters; {jax.device_count()} device(s) "
               f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} "
               f"attention={cfg.attention}")
@@ -219,19 +252,26 @@ def run(cfg: Config, mesh) -> int:
       log.step_done(step)
       # Every step goes to metrics.jsonl; every log_every-th also to the console with the
       # attention statistics (one layer, one sequence: cheap).
-      echo = step % cfg.log_every == 0 or step == cfg.steps
+      final = step == cfg.steps
+      evaluated = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+      echo = step % cfg.log_every == 0 or evaluated
       if echo:
         stats = jax.device_get(stats_fn(state["params"], batch["inputs"][0, :1]))
         step_metrics = {**step_metrics, **stats}
+      if evaluated:  # the held-out loss: the same batches every time
+        step_metrics = {**step_metrics,
+                        "eval_loss": evaluate(eval_step, state["params"], eval_batches)}
       log.log(step, step_metrics, echo=echo)
-      final = step == cfg.steps
+      if echo:
+        log.flush()
       if step == cfg.preempt_at_step:  # testing: exercise the real SIGTERM path
         if handler_installed:
           os.kill(os.getpid(), signal.SIGTERM)
           _wait_for(stop)
         else:  # not the main thread (signals cannot be caught here): call the handler itself
           stop(signal.SIGTERM, None)
-      ckpt.save(step, state, position, force=final or stop.requested)
+      if ckpt.save(step, state, position, force=final or stop.requested):
+        log.flush()  # metrics.jsonl holds every step up to each checkpoint
       if step == cfg.kill_after_save_at_step:  # testing: die while the async save is in flight
         os.kill(os.getpid(), signal.SIGKILL)
       if stop.requested and not final:
@@ -267,9 +307,7 @@ def _wait_for(stop: _StopFlag, timeout: float = 5.0) -> None:
 def compare(cfg: Config, mesh, names: Sequence[str]) -> int:
   """Trains each normalizer on identical data and seeds; writes compare.md and compare.png."""
   runs = []
-  for name in names:
-    sub = dataclasses.replace(cfg, normalizer=name,
-                              workdir=str(epath.Path(cfg.workdir) / "compare" / name))
+  for sub in _runs(cfg, names):
     code = run(sub, mesh)
     if code:
       return code
@@ -281,26 +319,46 @@ def compare(cfg: Config, mesh, names: Sequence[str]) -> int:
   return 0
 
 
+def _runs(cfg: Config, names: Sequence[str]) -> list[Config]:
+  """The configs that will train: ``cfg``, or one per --compare normalizer (own workdir)."""
+  if not names:
+    return [cfg]
+  return [dataclasses.replace(cfg, normalizer=name,
+                              workdir=str(epath.Path(cfg.workdir) / "compare" / name))
+          for name in names]
+
+
+def _check_resumable(cfg: Config) -> None:
+  saved = epath.Path(cfg.workdir) / "config.json"
+  if saved.exists():
+    config.check_resume_compatible(cfg, config.load(str(saved)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-  """Entry point: parse and check everything, then train (or compare). Returns the exit code."""
+  """Entry point: parse and check everything, then train (or compare). Returns the exit code.
+
+  A bad command line or configuration exits with status 2 and one ``train.py: error: ...`` line
+  on stderr (as argparse does), before anything is written to the workdir.
+  """
   try:
     cfg, args = config.from_argv(argv)
     names = [n for n in args.compare.split(",") if n]
-    for name in names:  # every compared normalizer must be valid before anything runs
-      config.validate(dataclasses.replace(cfg, normalizer=name), check_workdir=False)
-    config.validate(cfg)
+    for sub in _runs(cfg, names):  # every run must be valid (and resumable) before any starts
+      config.validate(sub, check_workdir=False)
+      _check_resumable(sub)
+    config.validate(cfg, check_workdir=False)
     if cfg.tensorboard:
       try:
         import tensorboardX  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
       except ImportError:
         raise ConfigError("--tensorboard needs the tensorboardX package") from None
-    saved = epath.Path(cfg.workdir) / "config.json"
-    if saved.exists() and not names:
-      config.check_resume_compatible(cfg, config.load(str(saved)))
     sharding.setup_devices(cfg)
     mesh = sharding.make_mesh(cfg)
+    config.check_implementation(cfg)
+    config.prepare_workdir(cfg.workdir)  # the first write, once everything else is checked
   except ConfigError as e:
-    raise SystemExit(f"train.py: error: {e}") from None
+    print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE) from None
   if names:
     return compare(cfg, mesh, names)
   return run(cfg, mesh)
