@@ -15,13 +15,28 @@ TINY = ["--seq_len", "8", "--batch_size", "4", "--d_model", "16", "--num_layers"
 
 
 def _fails(argv, *needles):
+  """main(argv) exits 2 with one ``train.py: error: ...`` line on stderr naming ``needles``."""
   with pytest.raises(SystemExit) as info:
     train_lib.main(argv)
-  message = str(info.value.code)
-  assert info.value.code not in (0, None), message
+  err = _CAPTURE.readouterr().err
+  lines = [line for line in err.splitlines() if line.startswith("train.py:")]
+  assert info.value.code == 2, (info.value.code, err)
+  assert len(lines) == 1 and lines[0].startswith("train.py: error: "), err
+  message = lines[0]
   for needle in needles:
     assert needle in message, message
   return message
+
+
+_CAPTURE = None
+
+
+@pytest.fixture(autouse=True)
+def _capture(capsys):
+  global _CAPTURE
+  _CAPTURE = capsys
+  yield
+  _CAPTURE = None
 
 
 def test_unknown_normalizer_is_named_and_nothing_is_written(tmp_path):
@@ -81,8 +96,62 @@ def test_resuming_with_a_different_model_is_refused(tmp_path):
          "saved 64", "now 32")
   # Training-only fields may change on resume, and JSON spelling does not matter.
   saved = config.load(str(tmp_path / "config.json"))
-  config.check_resume_compatible(dataclasses.replace(cfg, steps=999, learning_rate=1.0), saved)
+  config.check_resume_compatible(dataclasses.replace(cfg, batch_size=8, weight_decay=0.0), saved)
   config.check_resume_compatible(dataclasses.replace(cfg, normalizer_params=" { } "), saved)
+  # A config.json from before a field existed: the missing field counts as its default.
+  del saved["learned"]
+  config.check_resume_compatible(cfg, saved)
+
+
+@pytest.mark.parametrize("flag,value", [("steps", "999"), ("learning_rate", "1.0"),
+                                        ("warmup_steps", "7"), ("min_lr_ratio", "0.5")])
+def test_resuming_with_a_different_schedule_is_refused_without_reschedule(tmp_path, flag, value):
+  cfg = dataclasses.replace(config.from_argv(TINY)[0], workdir=str(tmp_path))
+  config.save(cfg, str(tmp_path / "config.json"))
+  _fails(TINY + ["--workdir", str(tmp_path), f"--{flag}", value], flag, "--reschedule",
+         "learning-rate schedule")
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]  # nothing written
+  # --reschedule accepts it (the schedule is recomputed; see test_resume).
+  config.check_resume_compatible(
+      dataclasses.replace(cfg, **{flag: type(getattr(cfg, flag))(value)}, reschedule=True),
+      config.load(str(tmp_path / "config.json")))
+
+
+def test_pallas_on_cpu_is_refused_naming_interpret_mode_before_any_write(tmp_path, monkeypatch):
+  monkeypatch.delenv("JAXSOFT_PALLAS_INTERPRET", raising=False)
+  for impl in ("pallas", "pallas_triton", "pallas_mosaic_tpu"):
+    workdir = tmp_path / impl
+    _fails(TINY + ["--workdir", str(workdir), "--implementation", impl],
+           f"--implementation {impl}", "JAXSOFT_PALLAS_INTERPRET=1")
+    assert not workdir.exists()
+  # In interpret mode it is accepted (checked, not run: the kernels are slow on CPU).
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
+  config.check_implementation(config.from_argv(TINY + ["--implementation", "pallas"])[0])
+
+
+def test_missing_init_from_is_refused_before_any_write(tmp_path):
+  workdir = tmp_path / "run"
+  missing = tmp_path / "no_such_run"
+  _fails(TINY + ["--workdir", str(workdir), "--init_from", str(missing)], "--init_from",
+         str(missing), "does not exist")
+  assert not workdir.exists()
+  empty = tmp_path / "empty"
+  empty.mkdir()
+  _fails(TINY + ["--workdir", str(workdir), "--init_from", str(empty)], "--init_from",
+         "no checkpoint")
+  assert not workdir.exists()
+
+
+def test_unknown_learned_hyperparameter_is_named(tmp_path):
+  workdir = tmp_path / "run"
+  _fails(TINY + ["--workdir", str(workdir), "--normalizer", "ssmax", "--learned", "alpha"],
+         "--learned", "'alpha'", "'s'")
+  _fails(TINY + ["--workdir", str(workdir), "--normalizer", "ssmax", "--learned", "s",
+                 "--normalizer_params", '{"s": 1.0}'], "--learned", "'s'", "fixed")
+  assert not workdir.exists()
+  cfg = config.from_argv(TINY + ["--learned", " sink , sink,"])[0]
+  assert config.attention_normalizer(cfg) == ("softmax_sink", ("sink_logit",))
+  config.validate(cfg, check_workdir=False)
 
 
 def test_precedence_defaults_preset_set_flags():

@@ -1,6 +1,10 @@
-"""Exact resume: preempted (SIGTERM) and killed-mid-save runs continue step for step."""
+"""Exact resume: preempted (SIGTERM), killed-mid-save and damaged-checkpoint runs continue step
+for step; the schedule on resume, the config history and the held-out loss."""
 
+import dataclasses
 import os
+import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -10,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests import helpers
-from train import checkpoint, config, sharding
+from train import checkpoint, config, data, metrics, sharding
 from train import train as train_lib
 
 STEPS = helpers.TRAIN_STEPS
@@ -91,3 +95,146 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
   assert checkpoint.Checkpointer(workdir, 3, 1).latest_step() == 2
   steps, losses, _ = _losses(workdir)
   assert steps == [1, 2] and np.all(np.isfinite(losses))
+
+
+# ---------------------------------------------------------------------------------------------
+# Damaged checkpoints: resume from the newest one that restores, keep the damaged one aside.
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory):
+  """A run stopped (SIGTERM) after step 4: checkpoints 1 (orbax saves the first), 2 and 4."""
+  workdir = str(tmp_path_factory.mktemp("preempted") / "run")
+  assert train_lib.main(TINY + ["--workdir", workdir, "--preempt_at_step", "4"]) == 0
+  steps = sorted(int(p.name) for p in (pathlib.Path(workdir) / "checkpoints").iterdir())
+  assert steps == [1, 2, 4]
+  return workdir
+
+
+def _empty_step(step_dir):
+  shutil.rmtree(step_dir)
+  step_dir.mkdir()
+
+
+def _missing_item(step_dir):
+  shutil.rmtree(step_dir / "state")
+
+
+def _garbage_data(step_dir):
+  """Overwrites the array data files (tensorstore's d/ chunks), leaving the metadata intact."""
+  rng = np.random.default_rng(0)
+  data_files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+  assert data_files
+  for path in data_files:
+    path.write_bytes(rng.bytes(max(64, path.stat().st_size)))
+
+
+DAMAGE = {"empty_step_dir": _empty_step, "missing_item": _missing_item,
+          "garbage_data_files": _garbage_data}
+
+
+def _damaged_copy(preempted, tmp_path, kind):
+  workdir = tmp_path / "run"
+  shutil.copytree(preempted, workdir)
+  step4 = workdir / "checkpoints" / "4"
+  DAMAGE[kind](step4)
+  return workdir, sorted(str(p.relative_to(step4)) for p in step4.rglob("*"))
+
+
+@pytest.mark.parametrize("kind", sorted(DAMAGE))
+def test_resume_skips_a_damaged_newest_checkpoint(uninterrupted, preempted, tmp_path, capsys,
+                                                  kind):
+  workdir, damaged_files = _damaged_copy(preempted, tmp_path, kind)
+  assert train_lib.main(TINY + ["--workdir", str(workdir)]) == 0
+  out = capsys.readouterr().out
+  # Named, with the reason, and the run resumed from the newest step that restores.
+  assert "skipped checkpoint step 4: it does not restore (" in out, out
+  assert "resumed from step 2" in out, out
+  # The damaged step is kept (moved, not deleted), exactly as it was.
+  kept = workdir / checkpoint.DAMAGED / "4"
+  assert str(kept) in out and kept.is_dir()
+  assert sorted(str(p.relative_to(kept)) for p in kept.rglob("*")) == damaged_files
+  # Nothing lost: the run continues from step 2 exactly as the uninterrupted one.
+  steps, losses, norms = _losses(str(workdir))
+  assert steps == list(range(1, STEPS + 1))
+  np.testing.assert_array_equal(losses, uninterrupted[0])
+  np.testing.assert_array_equal(norms, uninterrupted[1])
+  assert checkpoint.Checkpointer(str(workdir), 3, 2).latest_step() == STEPS
+
+
+def test_max_to_keep_cannot_collect_the_good_checkpoint_for_a_damaged_one(uninterrupted, preempted,
+                                                                          tmp_path):
+  # Steps 1, 2 (good) and 4 (damaged). Resumed from 2 with max_to_keep=1 and a save every step, then
+  # stopped at step 3: had step 4 stayed in checkpoints/, the garbage collection would keep it
+  # (the newest) and delete steps 1-3, the only ones that restore.
+  workdir, _ = _damaged_copy(preempted, tmp_path, "empty_step_dir")
+  argv = TINY + ["--workdir", str(workdir), "--max_to_keep", "1", "--save_every", "1"]
+  assert train_lib.main(argv + ["--preempt_at_step", "3"]) == 0
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]
+  assert (workdir / checkpoint.DAMAGED / "4").is_dir()
+  assert train_lib.main(argv) == 0
+  steps, losses, _ = _losses(str(workdir))
+  assert steps == list(range(1, STEPS + 1))
+  np.testing.assert_array_equal(losses, uninterrupted[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# The learning-rate schedule on resume, the config history, the held-out loss.
+
+
+def test_reschedule_recomputes_the_schedule_and_keeps_the_config_history(preempted, tmp_path):
+  workdir = tmp_path / "run"
+  shutil.copytree(preempted, workdir)
+  longer = STEPS + 2
+  assert train_lib.main(TINY + ["--workdir", str(workdir), "--steps", str(longer),
+                                "--reschedule", "true"]) == 0
+  records = metrics.read_jsonl(workdir / "metrics.jsonl")
+  assert [r["step"] for r in records] == list(range(1, longer + 1))
+  cfg_old = config.from_argv(TINY + ["--workdir", str(workdir)])[0]
+  cfg_new = dataclasses.replace(cfg_old, steps=longer)
+  old, new = train_lib.make_schedule(cfg_old), train_lib.make_schedule(cfg_new)
+  for r in records:  # steps 1-4 ran on the old schedule, 5-8 on the recomputed one
+    schedule = old if r["step"] <= 4 else new
+    np.testing.assert_allclose(r["learning_rate"], schedule(r["step"] - 1), rtol=1e-6)
+  # config.json is the config now in force; the history keeps both starts.
+  assert config.load(str(workdir / "config.json"))["steps"] == longer
+  history = config.read_history(str(workdir))
+  assert [(h["start_step"], h["config"]["steps"], h["config"]["reschedule"]) for h in history] == [
+      (0, STEPS, False), (4, longer, True)]
+
+
+def test_eval_loss_is_the_held_out_loss_of_the_final_parameters(uninterrupted):
+  workdir = uninterrupted[2]
+  records = metrics.read_jsonl(pathlib.Path(workdir) / "metrics.jsonl")
+  evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+  assert [s for s, _ in evals] == [STEPS]  # eval_every (100) > steps: at the end only
+  # Oracle: the final checkpoint's parameters on the held-out batches, computed directly.
+  cfg = config.from_argv(TINY + ["--workdir", workdir])[0]
+  mesh = sharding.make_mesh(cfg)
+  dataset, graphdef, _, _, abstract_state, _, _ = train_lib.build(cfg, mesh)
+  params, step = checkpoint.restore_params(workdir, abstract_state["params"])
+  assert step == STEPS
+  total, weight = 0.0, 0.0
+  for i in range(cfg.eval_batches):
+    batch = dataset.held_out().batch(i)
+    loss_sum, w = train_lib.loss_sums(graphdef, params, batch)
+    total, weight = total + float(loss_sum), weight + float(w)
+  np.testing.assert_allclose(evals[0][1], total / weight, rtol=1e-5)
+  train_loss = sum(float(train_lib.loss_sums(graphdef, params, dataset.batch(i))[0])
+                   for i in range(cfg.eval_batches))
+  assert abs(train_loss / weight - evals[0][1]) > 1e-4  # really other data
+
+
+def test_held_out_text_never_overlaps_the_training_text():
+  ds = data.make_dataset("text", 16, 8, seed=0)
+  corpus = data.corpus_bytes()
+  train_end = int(len(corpus) * 0.95)
+  # Every held-out window lies in the last 5% of the corpus, whatever the seed.
+  for seed in (0, 1):
+    held = dataclasses.replace(ds, seed=seed).held_out()
+    batch = held.batch(0)
+    np.testing.assert_array_equal(batch["inputs"], ds.held_out().batch(0)["inputs"])
+    tail = corpus[train_end:].tobytes()
+    for row in batch["inputs"]:
+      assert row.astype(np.uint8).tobytes() in tail
+  assert not np.array_equal(ds.batch(0)["inputs"], ds.held_out().batch(0)["inputs"])
