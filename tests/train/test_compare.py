@@ -14,6 +14,7 @@ TINY = helpers.train_argv("--log_every", helpers.TRAIN_STEPS)
 def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
   assert train_lib.main(TINY + ["--workdir", str(tmp_path), "--compare", "softmax,sigmoid"]) == 0
   table = (tmp_path / "compare.md").read_text().splitlines()
+  assert "eval loss (held out)" in table[0]
   rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in table[2:]}
   assert sorted(rows) == ["sigmoid", "softmax"]
   for name, cells in rows.items():
@@ -21,7 +22,9 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     assert [r["step"] for r in records] == list(range(1, helpers.TRAIN_STEPS + 1))
     # Fewer than 20 steps: the "last 10%" window is the last step.
     np.testing.assert_allclose(float(cells[0]), records[-1]["loss"], atol=1e-4)
-    np.testing.assert_allclose(float(cells[2]), records[-1]["attn_entropy"], atol=1e-3)
+    # The held-out loss of the last evaluation (at the last step), then the attention entropy.
+    np.testing.assert_allclose(float(cells[1]), records[-1]["eval_loss"], atol=1e-4)
+    np.testing.assert_allclose(float(cells[3]), records[-1]["attn_entropy"], atol=1e-3)
   # Each run really used its own normalizer (same seed and data, different attention weights).
   first = {n: metrics.read_jsonl(tmp_path / "compare" / n / "metrics.jsonl")[0]["loss"]
            for n in rows}
