@@ -149,7 +149,7 @@ def test_unknown_learned_hyperparameter_is_named(tmp_path):
   _fails(TINY + ["--workdir", str(workdir), "--normalizer", "ssmax", "--learned", "s",
                  "--normalizer_params", '{"s": 1.0}'], "--learned", "'s'", "fixed")
   assert not workdir.exists()
-  cfg = config.from_argv(TINY + ["--learned", " sink , sink,"])[0]
+  cfg = config.from_argv(TINY + ["--workdir", str(workdir), "--learned", " sink , sink,"])[0]
   assert config.attention_normalizer(cfg) == ("softmax_sink", ("sink_logit",))
   config.validate(cfg, check_workdir=False)
 
