@@ -32,8 +32,12 @@ from train import config, data, model  # noqa: E402
 from train import train as train_lib  # noqa: E402
 
 
-def nnx_default_attention(q, k, v):
-  """flax.nnx.MultiHeadAttention's default attention_fn, with the causal mask it would be given."""
+def nnx_default_attention(q, k, v, hparams=None):
+  """flax.nnx.MultiHeadAttention's default attention_fn, with the causal mask it would be given.
+
+  ``hparams`` (the model's learned normalizer hyperparameters) is empty for softmax.
+  """
+  del hparams
   t, s = q.shape[1], k.shape[1]
   mask = nnx.make_causal_mask(jnp.ones((1, t), jnp.int32))[..., :s]
   return nnx.dot_product_attention(q, k, v, mask=mask)
