@@ -218,12 +218,28 @@ def offset_vjp(rule: TileRule, m, d, delta, length, hp_static: Params, hp_arrays
   if not rule.normalized or rule_offset is None or not hp_arrays:
     return None
 
+  # A row whose D overflowed (an offset far above every score: a sink logit 1e4 over
+  # scores -1e4) has O = 0, so Δ = 0 and offset/D <= 1: its share is 0, but the vjp's
+  # 0·inf is NaN. The vjp is taken per row, those rows are zeroed, then summed back.
+  per_row = {name: jnp.broadcast_to(a, jnp.broadcast_shapes(jnp.shape(a), m.shape))
+             for name, a in hp_arrays.items()}
+
   def offset(arrays):
     return jnp.broadcast_to(rule_offset(m, length, **{**hp_static, **arrays}), m.shape)
 
-  _, vjp = jax.vjp(offset, hp_arrays)
-  (dhp,) = vjp(-delta * safe_inverse(d))
-  return dhp
+  _, vjp = jax.vjp(offset, per_row)
+  finite = jnp.isfinite(d)
+  (dhp,) = vjp(jnp.where(finite, -delta * safe_inverse(d), 0.0))
+  return {name: _sum_to(jnp.where(finite, dhp[name], 0.0), jnp.shape(a))
+          for name, a in hp_arrays.items()}
+
+
+def _sum_to(x, shape):
+  """``x`` summed over the axes along which ``shape`` (same rank, or lower) broadcasts."""
+  lead = x.ndim - len(shape)
+  axes = tuple(range(lead)) + tuple(
+      lead + i for i, s in enumerate(shape) if s == 1 and x.shape[lead + i] != 1)
+  return jnp.sum(x, axis=axes).reshape(shape) if axes else x
 
 
 def threshold_maps(rule: ThresholdRule, x, mask, tau, m, length, hp: Params):
