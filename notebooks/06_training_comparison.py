@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -21,15 +23,19 @@
 # changing only the attention normalizer, and writes a table and the loss curves.
 
 # %%
-# On Colab: clone the repository (train/ is not part of the pip package) and install it.
+# On Colab: clone the repository (train/ is not part of the pip package) and install it; a
+# local checkout already has it. REPO is where the project is published (the `url` of
+# setup.cfg); to use a fork, run `%env JAXSOFT_REPO=<its URL>` first. pip keeps Colab's
+# preinstalled JAX unless it is older than the version jaxsoft requires (no --upgrade).
 import importlib.util
 import os
 import subprocess
 import sys
 
+REPO = os.environ.get("JAXSOFT_REPO", "https://github.com/jaxsoft/jaxsoft")
 if importlib.util.find_spec("jaxsoft") is None:
-  subprocess.run(["git", "clone", "-q", "--depth", "1", "https://github.com/jaxsoft/jaxsoft"], check=True)
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "jaxsoft[train]"], check=True)
+  subprocess.run(["git", "clone", "-q", "--depth", "1", REPO, "jaxsoft"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", "./jaxsoft[train]"], check=True)
   os.chdir("jaxsoft")
 
 # %%

@@ -25,14 +25,18 @@
 # that on a toy problem.
 
 # %%
-# Installs jaxsoft on Colab; a local checkout already has it.
+# Installs jaxsoft on Colab; a local checkout already has it. REPO is where the project is
+# published (the `url` of setup.cfg); to install a fork, run `%env JAXSOFT_REPO=<its URL>` first
+# (append `@<branch>` for a branch). pip keeps Colab's preinstalled JAX unless it is older than
+# the version jaxsoft requires (no --upgrade: only what is missing or too old is installed).
 import importlib.util
+import os
 import subprocess
 import sys
 
+REPO = os.environ.get("JAXSOFT_REPO", "https://github.com/jaxsoft/jaxsoft")
 if importlib.util.find_spec("jaxsoft") is None:
-  subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                  "git+https://github.com/jaxsoft/jaxsoft"], check=True)
+  subprocess.run([sys.executable, "-m", "pip", "install", "-q", f"git+{REPO}"], check=True)
 
 # %%
 import os
