@@ -1,0 +1,45 @@
+"""Linear attention and its gated / delta-rule relatives (features A30, A38, A39).
+
+Each variant is one function with the layouts of flash-linear-attention's ops
+(``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
+states ``[B, N, K, V]``; ``scale`` multiplies ``q``) and three exact forms chosen by
+``implementation=``: ``"parallel"`` (T x T), ``"recurrent"`` (a scan over tokens) and
+``"chunked"`` (a scan over chunks, no T x T buffer); each has a ``*_step`` function for
+decoding one token from a state. ``segment_ids`` reset the state between packed sequences.
+
+* A30 :func:`linear_attention`: ``φ(q)(φ(K)^T V) / φ(q)φ(K)^T 1`` (Katharopoulos et al. 2020).
+* A38 :func:`simple_gla` (a decay per head: RetNet, Lightning Attention) and :func:`gla`
+  (a decay per key channel: Gated Linear Attention, Yang et al. 2024).
+* A39 :func:`delta_rule` (DeltaNet, Schlag et al. 2021; Yang et al. 2024) and
+  :func:`gated_delta_rule` (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2025).
+
+The feature ids are explained in docs/feature_ids.md.
+"""
+
+from jaxsoft.linear._checks import IMPLEMENTATIONS, PARALLEL_MAX_T
+from jaxsoft.linear._delta import (
+    delta_rule,
+    delta_rule_step,
+    gated_delta_rule,
+    gated_delta_rule_step,
+    l2_normalize,
+)
+from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
+from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
+
+__all__ = [
+    "linear_attention",
+    "linear_attention_step",
+    "simple_gla",
+    "simple_gla_step",
+    "gla",
+    "gla_step",
+    "delta_rule",
+    "delta_rule_step",
+    "gated_delta_rule",
+    "gated_delta_rule_step",
+    "l2_normalize",
+    "FEATURE_MAPS",
+    "IMPLEMENTATIONS",
+    "PARALLEL_MAX_T",
+]

@@ -1,0 +1,202 @@
+r"""The delta rule (DeltaNet) and the gated delta rule (Gated DeltaNet).
+
+Feature A39. The state ``S [K, V]`` is corrected towards ``v_t`` along ``k_t``:
+
+.. math::
+  S_t = S_{t-1} + \beta_t k_t (v_t - S_{t-1}^\top k_t)^\top
+      = (I - \beta_t k_t k_t^\top) S_{t-1} + \beta_t k_t v_t^\top
+
+(Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are Secretly Fast Weight
+Programmers"; the chunked form is the UT / WY representation of Yang, Wang, Zhang, Shen &
+Kim 2024, "Parallelizing Linear Transformers with the Delta Rule over Sequence Length").
+The gated form decays the state first, ``S_t <- e^{g_t} S_{t-1}`` (Yang, Kautz &
+Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2 with Delta Rule"). ``beta`` in
+``(1, 2]`` gives the transition a negative eigenvalue (Grazzi et al. 2025, "Unlocking
+State-Tracking in Linear RNNs Through Negative Eigenvalues"). The transition is a
+contraction when ``||k_t|| = 1``: normalise ``k`` yourself or pass ``qk_l2norm=True``
+(flash-linear-attention's ``use_qk_l2norm_in_kernel``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _dispatch, _recurrence
+
+__all__ = ["delta_rule", "delta_rule_step", "gated_delta_rule", "gated_delta_rule_step",
+           "l2_normalize"]
+
+
+def l2_normalize(x: ArrayLike, eps: float = 1e-6) -> jax.Array:
+  """``x / sqrt(sum(x^2) + eps)`` along the last axis (safe at 0).
+
+  Example:
+    >>> l2_normalize(jnp.array([3.0, 4.0]), eps=0.0)
+    Array([0.6, 0.8], dtype=float32)
+  """
+  x = jnp.asarray(x)
+  return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
+
+
+def _delta(fn_name: str, gated: bool, q, k, v, g, beta, *, scale, initial_state,
+           output_final_state, segment_ids, implementation, chunk_size, qk_l2norm):
+  call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
+                           implementation=implementation, chunk_size=chunk_size)
+  B, T, N, K = call.q.shape
+  if gated:
+    g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
+  beta = _checks.check_beta(beta, (B, T, N), fn_name)
+  S0 = None if initial_state is None else _checks.check_state(
+      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  q, k = call.q, call.k
+  if qk_l2norm:
+    q, k = l2_normalize(q), l2_normalize(k)
+  o, S_T = _dispatch.forward(call, q * call.scale, k, call.v, g, beta, S0)
+  return _dispatch.finish(o, S_T, call.dtype, output_final_state)
+
+
+def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
+               scale: float | None = None, initial_state: ArrayLike | None = None,
+               output_final_state: bool = False, segment_ids: ArrayLike | None = None,
+               implementation: str | None = None, chunk_size: int = 64,
+               qk_l2norm: bool = False) -> Any:
+  r"""DeltaNet: linear attention whose state is corrected by the delta rule (feature A39).
+
+  .. math::
+    S_t = S_{t-1} + \beta_t k_t (v_t - S_{t-1}^\top k_t)^\top, \qquad
+    o_t = S_t^\top (\text{scale} \cdot q_t)
+
+  (Schlag et al. 2021; parallelised over the sequence by Yang et al. 2024). The chunked
+  and parallel forms use the UT / WY representation: one unit-lower-triangular solve per
+  chunk (``[chunk, chunk]``; ``[T, T]`` for the parallel form), no loop over tokens.
+
+  Args:
+    q, k: ``[B, T, N, K]`` (``k`` normally L2-normalised; see ``qk_l2norm``).
+    v: ``[B, T, N, V]``.
+    beta: ``[B, T, N]`` write strengths in ``[0, 2]`` (``(1, 2]``: negative eigenvalues).
+    scale: multiplies ``q``; default ``K ** -0.5``.
+    initial_state: ``[B, N, K, V]`` or None (zeros).
+    output_final_state: also return the final state ``[B, N, K, V]`` (float32).
+    segment_ids: ``[B, T]`` ints; the state is reset where the id changes.
+    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel up to
+      T = 256, else chunked); ``"pallas"`` raises NotImplementedError.
+    chunk_size: the chunk length of the chunked form (T need not be a multiple).
+    qk_l2norm: L2-normalise ``q`` and ``k`` along K first (:func:`l2_normalize`).
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)  # the same key twice
+    >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
+    >>> o, S = delta_rule(k, k, v, jnp.full((1, 2, 1), 0.5), scale=1.0,
+    ...                   output_final_state=True)
+    >>> o[0, :, 0, 0]   # 0.5 * 1, then 0.5 + 0.5 * (3 - 0.5)
+    Array([0.5 , 1.75], dtype=float32)
+  """
+  return _delta("delta_rule", False, q, k, v, None, beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state,
+                segment_ids=segment_ids, implementation=implementation,
+                chunk_size=chunk_size, qk_l2norm=qk_l2norm)
+
+
+def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, beta: ArrayLike,
+                     *, scale: float | None = None, initial_state: ArrayLike | None = None,
+                     output_final_state: bool = False, segment_ids: ArrayLike | None = None,
+                     implementation: str | None = None, chunk_size: int = 64,
+                     qk_l2norm: bool = False) -> Any:
+  r"""Gated DeltaNet: a scalar decay per head, then the delta-rule write (feature A39).
+
+  .. math::
+    \tilde S_t = e^{g_t} S_{t-1}, \qquad
+    S_t = \tilde S_t + \beta_t k_t (v_t - \tilde S_t^\top k_t)^\top, \qquad
+    o_t = S_t^\top (\text{scale} \cdot q_t)
+
+  (Yang, Kautz & Hatamizadeh 2025, "Gated Delta Networks: Improving Mamba2 with Delta
+  Rule"). The chunked form is the delta rule's UT / WY form with the decays folded in
+  (``A_ij = beta_i e^{G_i - G_j} k_i · k_j``), exponents masked before ``exp``.
+
+  Args:
+    q, k, v, beta, scale, initial_state, output_final_state, segment_ids, implementation,
+      chunk_size, qk_l2norm: as in :func:`delta_rule`.
+    g: ``[B, T, N]`` log decays, ``<= 0`` and finite.
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)
+    >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
+    >>> g = jnp.log(jnp.full((1, 2, 1), 0.5))
+    >>> gated_delta_rule(k, k, v, g, jnp.full((1, 2, 1), 0.5), scale=1.0)[0, :, 0, 0]
+    Array([0.5  , 1.625], dtype=float32)
+  """
+  return _delta("gated_delta_rule", True, q, k, v, g, beta, scale=scale,
+                initial_state=initial_state, output_final_state=output_final_state,
+                segment_ids=segment_ids, implementation=implementation,
+                chunk_size=chunk_size, qk_l2norm=qk_l2norm)
+
+
+def _delta_step(fn_name: str, gated: bool, q, k, v, g, beta, state, scale, qk_l2norm):
+  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
+  B, N, _ = q.shape
+  if gated:
+    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
+  beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
+  if qk_l2norm:
+    q, k = l2_normalize(q), l2_normalize(k)
+  o, S = _recurrence.step(S, q * scale, k, v, g, beta)
+  return o.astype(dtype), S
+
+
+def delta_rule_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
+                    state: ArrayLike | None = None, *, scale: float | None = None,
+                    qk_l2norm: bool = False) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`delta_rule`: ``S += beta k (v - S^T k)^T``, ``o = S^T (scale q)``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; beta: ``[B, N]`` in ``[0, 2]``.
+    state: ``[B, N, K, V]`` or None (zeros).
+    scale: default ``K ** -0.5``.
+    qk_l2norm: L2-normalise ``q`` and ``k`` first.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+
+  Example:
+    >>> k = jnp.array([[[1.0, 0.0]]])
+    >>> o, S = delta_rule_step(k, k, jnp.ones((1, 1, 1)), jnp.ones((1, 1)), scale=1.0)
+    >>> o   # beta = 1 writes v exactly
+    Array([[[1.]]], dtype=float32)
+  """
+  return _delta_step("delta_rule_step", False, q, k, v, None, beta, state, scale, qk_l2norm)
+
+
+def gated_delta_rule_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
+                          beta: ArrayLike, state: ArrayLike | None = None, *,
+                          scale: float | None = None,
+                          qk_l2norm: bool = False) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`gated_delta_rule`: ``S = e^g S``, then the delta write.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; g: ``[B, N]`` log decays (``<= 0``);
+      beta: ``[B, N]`` in ``[0, 2]``.
+    state: ``[B, N, K, V]`` or None (zeros).
+    scale: default ``K ** -0.5``.
+    qk_l2norm: L2-normalise ``q`` and ``k`` first.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+
+  Example:
+    >>> k = jnp.array([[[1.0, 0.0]]]); S = jnp.full((1, 1, 2, 1), 2.0)
+    >>> o, S = gated_delta_rule_step(k, k, jnp.zeros((1, 1, 1)), jnp.log(jnp.full((1, 1), 0.5)),
+    ...                              jnp.zeros((1, 1)), S, scale=1.0)
+    >>> S[0, 0, :, 0]   # beta = 0: only the decay
+    Array([1., 1.], dtype=float32)
+  """
+  return _delta_step("gated_delta_rule_step", True, q, k, v, g, beta, state, scale, qk_l2norm)

@@ -1,0 +1,82 @@
+"""Shared front end of the variants: common validation, layout changes and the choice of form."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.linear import _checks, _chunk, _recurrence
+
+__all__ = ["Call", "prepare", "prepare_step", "forward", "finish"]
+
+
+@dataclasses.dataclass
+class Call:
+  """A validated call: float32 ``q``, ``k``, ``v`` in ``[B, T, N, ...]`` (``q`` not yet
+  scaled: a feature map comes first), the output dtype and the resolved options."""
+
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  dtype: Any
+  segment_ids: jax.Array | None
+  implementation: str
+  chunk_size: int
+  scale: Any
+
+
+def prepare(fn_name: str, q, k, v, *, scale, segment_ids, implementation,
+            chunk_size) -> Call:
+  """Checks ``q, k, v``, ``segment_ids``, ``chunk_size``, ``implementation`` and ``scale``."""
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  B, T, _, K = q.shape
+  chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
+  impl = _checks.check_implementation(implementation, T, fn_name)
+  seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
+  scale = _checks.resolve_scale(scale, K, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  return Call(f32(q), f32(k), f32(v), dtype, seg, impl, chunk_size, scale)
+
+
+def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
+  """Runs the chosen form on ``[B, T, N, ...]`` float32 inputs (``q`` scaled).
+
+  Returns ``(o [B, T, N, V] float32, S_T [B, N, K, V] float32)``.
+  """
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  to_bn = lambda x: None if x is None else jnp.moveaxis(x.astype(jnp.float32), 1, 2)
+  run = _chunk.run_ids(call.segment_ids, B, T)
+  S0 = jnp.zeros((B, N, K, V), jnp.float32) if S0 is None else S0.astype(jnp.float32)
+  args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
+  if call.implementation == "recurrent":
+    o, S_T = _recurrence.recurrent(*args)
+  elif call.implementation == "chunked":
+    o, S_T = _recurrence.chunked(*args, chunk=min(call.chunk_size, T))
+  else:  # parallel: one chunk holding the whole sequence
+    o, S_T = _recurrence.chunked(*args, chunk=T)
+  return jnp.moveaxis(o, 2, 1), S_T
+
+
+def finish(o: jax.Array, state: Any, dtype: Any, output_final_state: bool) -> Any:
+  """``o`` in the input dtype, with the float32 final state when asked for."""
+  o = o.astype(dtype)
+  return (o, state) if output_final_state else o
+
+
+def prepare_step(fn_name: str, q, k, v, state, *, scale, state_name: str = "state"):
+  """Checks one decoding step: ``q, k [B, N, K]``, ``v [B, N, V]``, ``state [B, N, K, V]``
+  or None (zeros). Returns float32 ``(q, k, v, state)``, the output dtype and the scale."""
+  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
+  B, N, K = q.shape
+  shape = (B, N, K, v.shape[-1])
+  state = (jnp.zeros(shape, jnp.float32) if state is None
+           else _checks.check_state(state, shape, fn_name, state_name))
+  scale = _checks.resolve_scale(scale, K, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  return (f32(q), f32(k), f32(v), state), dtype, scale

@@ -1,0 +1,170 @@
+r"""Gated linear attention: a decay per head (``simple_gla``) or per key channel (``gla``).
+
+Feature A38. ``simple_gla`` is the scalar-decay recurrence of RetNet (Sun et al. 2023,
+"Retentive Network: A Successor to Transformer for Large Language Models", with a fixed
+decay) and of Lightning Attention / TransNormerLLM (Qin et al. 2024); ``gla`` is Gated
+Linear Attention (Yang, Wang, Shen, Panda & Kim 2024, "Gated Linear Attention Transformers
+with Hardware-Efficient Training", ICML 2024) with a data-dependent decay per key channel.
+The conventions (layouts, ``scale`` applied to ``q``, the ``[K, V]`` state) are those of
+flash-linear-attention's ``chunk_simple_gla`` / ``chunk_gla``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _dispatch, _recurrence
+
+__all__ = ["simple_gla", "simple_gla_step", "gla", "gla_step"]
+
+
+def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
+           output_final_state, segment_ids, implementation, chunk_size):
+  call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
+                           implementation=implementation, chunk_size=chunk_size)
+  B, T, N, K = call.q.shape
+  if per_channel:
+    g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
+  else:
+    g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
+  S0 = None if initial_state is None else _checks.check_state(
+      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
+  return _dispatch.finish(o, S_T, call.dtype, output_final_state)
+
+
+def simple_gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
+               scale: float | None = None, initial_state: ArrayLike | None = None,
+               output_final_state: bool = False, segment_ids: ArrayLike | None = None,
+               implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""Linear attention with a scalar decay per head and token (feature A38).
+
+  .. math::
+    S_t = e^{g_t} S_{t-1} + k_t v_t^\top, \qquad o_t = S_t^\top (\text{scale} \cdot q_t)
+
+  so ``o_t = scale · Σ_{j<=t} e^{g_{j+1} + ... + g_t} (q_t · k_j) v_j``: the decayed
+  causal attention of RetNet (Sun et al. 2023) and Lightning Attention (Qin et al. 2024).
+
+  Args:
+    q, k: ``[B, T, N, K]``.
+    v: ``[B, T, N, V]``.
+    g: ``[B, T, N]`` log decays, ``<= 0`` and finite (``exp(g)`` is the decay).
+    scale: multiplies ``q``; default ``K ** -0.5``.
+    initial_state: ``[B, N, K, V]`` or None (zeros).
+    output_final_state: also return the final state ``[B, N, K, V]`` (float32).
+    segment_ids: ``[B, T]`` ints; the state is reset where the id changes (packed sequences).
+    implementation: ``"parallel"`` (T x T per head), ``"recurrent"`` (a scan over tokens),
+      ``"chunked"`` (a scan over chunks; memory O(T·K·V / chunk_size + T·chunk_size)) or
+      None (parallel up to T = 256, else chunked). ``"pallas"`` raises NotImplementedError.
+    chunk_size: the chunk length of the chunked form (T need not be a multiple).
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> q = k = jnp.ones((1, 3, 1, 2)); v = jnp.arange(3.0).reshape(1, 3, 1, 1)
+    >>> g = jnp.full((1, 3, 1), jnp.log(0.5))
+    >>> simple_gla(q, k, v, g, scale=1.0)[0, :, 0, 0]
+    Array([0., 2., 5.], dtype=float32)
+  """
+  return _gated("simple_gla", False, q, k, v, g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, segment_ids=segment_ids,
+                implementation=implementation, chunk_size=chunk_size)
+
+
+def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
+        scale: float | None = None, initial_state: ArrayLike | None = None,
+        output_final_state: bool = False, segment_ids: ArrayLike | None = None,
+        implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""Gated Linear Attention: a decay per head, token and key channel (feature A38).
+
+  .. math::
+    S_t = \operatorname{diag}(e^{g_t}) S_{t-1} + k_t v_t^\top, \qquad
+    o_t = S_t^\top (\text{scale} \cdot q_t)
+
+  (Yang, Wang, Shen, Panda & Kim 2024, "Gated Linear Attention Transformers with
+  Hardware-Efficient Training"). The chunked form computes the intra-chunk scores
+  ``Σ_c q_ic k_jc e^{G_ic - G_jc}`` from a masked ``[chunk, chunk, K]`` tensor per chunk
+  (no secondary chunking yet), so its memory is O(T·chunk_size·K + T·K·V / chunk_size);
+  the parallel form holds ``[T, T, K]`` per head.
+
+  Args:
+    q, k: ``[B, T, N, K]``.
+    v: ``[B, T, N, V]``.
+    g: ``[B, T, N, K]`` log decays, ``<= 0`` and finite.
+    scale, initial_state, output_final_state, segment_ids, implementation, chunk_size: as in
+      :func:`simple_gla`.
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> q = k = jnp.ones((1, 2, 1, 2)); v = jnp.ones((1, 2, 1, 1))
+    >>> g = jnp.log(jnp.array([[[[1.0, 0.5]], [[1.0, 0.5]]]]))   # channel 2 halves
+    >>> o, S = gla(q, k, v, g, scale=1.0, output_final_state=True)
+    >>> S[0, 0, :, 0]
+    Array([2. , 1.5], dtype=float32)
+  """
+  return _gated("gla", True, q, k, v, g, scale=scale, initial_state=initial_state,
+                output_final_state=output_final_state, segment_ids=segment_ids,
+                implementation=implementation, chunk_size=chunk_size)
+
+
+def _gated_step(fn_name: str, per_channel: bool, q, k, v, g, state, scale):
+  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
+  B, N, K = q.shape
+  if per_channel:
+    g = _checks.check_gate(g, (B, N, K), "[B, N, K]", fn_name)
+  else:
+    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name)
+  o, S = _recurrence.step(S, q * scale, k, v, g.astype(jnp.float32), None)
+  return o.astype(dtype), S
+
+
+def simple_gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
+                    state: ArrayLike | None = None, *,
+                    scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`simple_gla`: ``S = e^g S + k v^T``, ``o = S^T (scale q)``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; g: ``[B, N]`` log decays (``<= 0``).
+    state: ``[B, N, K, V]`` or None (zeros).
+    scale: default ``K ** -0.5``.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+
+  Example:
+    >>> o, S = simple_gla_step(jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)), jnp.ones((1, 1, 1)),
+    ...                        jnp.zeros((1, 1)), scale=1.0)
+    >>> o
+    Array([[[2.]]], dtype=float32)
+  """
+  return _gated_step("simple_gla_step", False, q, k, v, g, state, scale)
+
+
+def gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
+             state: ArrayLike | None = None, *,
+             scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`gla`: ``S = diag(e^g) S + k v^T``, ``o = S^T (scale q)``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; g: ``[B, N, K]`` log decays (``<= 0``).
+    state: ``[B, N, K, V]`` or None (zeros).
+    scale: default ``K ** -0.5``.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+
+  Example:
+    >>> S = jnp.ones((1, 1, 2, 1))
+    >>> o, S = gla_step(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2)), jnp.zeros((1, 1, 1)),
+    ...                 jnp.log(jnp.array([[[1.0, 0.5]]])), S, scale=1.0)
+    >>> S[0, 0, :, 0]
+    Array([1. , 0.5], dtype=float32)
+  """
+  return _gated_step("gla_step", True, q, k, v, g, state, scale)

@@ -1,0 +1,191 @@
+r"""Linear attention with a feature map (Katharopoulos et al. 2020), optionally normalised.
+
+Feature A30. With a feature map ``φ`` applied to queries and keys,
+
+.. math::
+  S_t = S_{t-1} + φ(k_t) v_t^\top, \qquad z_t = z_{t-1} + φ(k_t), \qquad
+  o_t = \frac{S_t^\top q'_t}{q'_t \cdot z_t}, \quad q'_t = \text{scale} \cdot φ(q_t)
+
+(Katharopoulos, Vyas, Pappas & Fleuret 2020, "Transformers are RNNs: Fast Autoregressive
+Transformers with Linear Attention", ICML 2020). ``normalize=False`` returns the numerator
+alone (flash-linear-attention's ``normalize=False``). The normaliser is the same
+recurrence with a column of ones appended to ``v``: the state is ``[S | z]``, so all
+three forms compute it with the code of the unnormalised one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _dispatch, _recurrence
+
+__all__ = ["linear_attention", "linear_attention_step", "FEATURE_MAPS"]
+
+
+def _elu1(x: jax.Array) -> jax.Array:
+  return jax.nn.elu(x) + 1.0
+
+
+FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "elu1": _elu1,            # Katharopoulos et al. 2020: elu(x) + 1 > 0
+    "relu": jax.nn.relu,
+    "identity": lambda x: x,
+}
+
+
+def _feature_map(feature_map: Any, fn_name: str) -> Callable[[jax.Array], jax.Array]:
+  if callable(feature_map):
+    return feature_map
+  if isinstance(feature_map, str) and feature_map in FEATURE_MAPS:
+    return FEATURE_MAPS[feature_map]
+  raise ValueError(
+      f"{fn_name}: `feature_map` must be one of {sorted(FEATURE_MAPS)} or a callable, got "
+      f"{feature_map!r}")
+
+
+def _safe_divide(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
+  """``num / den`` with ``|den|`` clamped to at least ``eps`` (its sign kept; 0 counts as +)."""
+  den = jnp.where(jnp.abs(den) >= eps, den, jnp.where(den < 0, -eps, eps))
+  return num / den
+
+
+def _check_eps(eps: Any, fn_name: str) -> float:
+  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+    raise ValueError(f"{fn_name}: `eps` must be a positive float, got {eps!r}")
+  return float(eps)
+
+
+def _split_state(state, shape, normalize: bool, fn_name: str, name: str):
+  """The state as one ``[B, N, K, V(+1)]`` array (z as the last column when normalising)."""
+  if state is None:
+    return None
+  if not normalize:
+    return _checks.check_state(state, shape, fn_name, name)
+  if not (isinstance(state, (tuple, list)) and len(state) == 2):
+    raise ValueError(
+        f"{fn_name}: with normalize=True `{name}` must be a pair (S [B, N, K, V], z [B, N, K]),"
+        f" got {type(state).__name__}")
+  S = _checks.check_state(state[0], shape, fn_name, name)
+  z = jnp.asarray(state[1])
+  if z.shape != shape[:3] or not jnp.issubdtype(z.dtype, jnp.floating):
+    raise ValueError(
+        f"{fn_name}: `{name}[1]` (z) must be a floating array of shape [B, N, K] = "
+        f"{list(shape[:3])}, got {z.shape} {z.dtype}")
+  return jnp.concatenate([S, z.astype(jnp.float32)[..., None]], axis=-1)
+
+
+def _join_state(S: jax.Array, normalize: bool) -> Any:
+  return (S[..., :-1], S[..., -1]) if normalize else S
+
+
+def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
+                     feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+                     normalize: bool = True, scale: float | None = None,
+                     initial_state: Any = None, output_final_state: bool = False,
+                     segment_ids: ArrayLike | None = None, implementation: str | None = None,
+                     chunk_size: int = 64, eps: float = 1e-6) -> Any:
+  r"""Causal linear attention ``φ(Q)(φ(K)^T V) / φ(Q)φ(K)^T 1`` (feature A30).
+
+  .. math::
+    S_t = S_{t-1} + φ(k_t) v_t^\top, \quad z_t = z_{t-1} + φ(k_t), \quad
+    o_t = \frac{S_t^\top q'_t}{q'_t \cdot z_t}, \quad q'_t = \text{scale} \cdot φ(q_t)
+
+  (Katharopoulos, Vyas, Pappas & Fleuret 2020, "Transformers are RNNs"). The denominator
+  is kept away from 0: its magnitude is clamped to at least ``eps`` (a zero one gives
+  ``num / eps``; with ``φ >= 0`` the numerator is then 0 too).
+
+  Args:
+    q, k: ``[B, T, N, K]`` (before the feature map).
+    v: ``[B, T, N, V]``.
+    feature_map: ``"elu1"`` (``elu(x) + 1``, the paper's), ``"relu"``, ``"identity"`` or a
+      callable mapping ``[..., K]`` to ``[..., K']`` (applied to ``q`` and ``k`` in float32).
+    normalize: divide by ``q'_t · z_t`` (True) or return the numerator (False).
+    scale: multiplies ``φ(q)``; default ``K' ** -0.5`` (it cancels when normalising).
+    initial_state: ``S [B, N, K', V]``, or with ``normalize=True`` the pair ``(S, z [B, N, K'])``;
+      None: zeros.
+    output_final_state: also return the final state (the same form, float32).
+    segment_ids: ``[B, T]`` ints; the state (and z) is reset where the id changes.
+    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel up to
+      T = 256, else chunked); ``"pallas"`` raises NotImplementedError.
+    chunk_size: the chunk length of the chunked form (T need not be a multiple).
+    eps: the smallest denominator magnitude.
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> q = k = jnp.zeros((1, 3, 1, 2)); v = jnp.arange(3.0).reshape(1, 3, 1, 1)
+    >>> linear_attention(q, k, v)[0, :, 0, 0]   # φ = 1 everywhere: the running mean of v
+    Array([0. , 0.5, 1. ], dtype=float32)
+  """
+  fn_name = "linear_attention"
+  phi = _feature_map(feature_map, fn_name)
+  eps = _check_eps(eps, fn_name)
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  if fq.shape[:3] != q.shape[:3] or fk.shape != fq.shape:
+    raise ValueError(
+        f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes [B, T, N, K'],"
+        f" got {fq.shape} and {fk.shape}")
+  call = _dispatch.prepare(fn_name, fq, fk, v, scale=scale, segment_ids=segment_ids,
+                           implementation=implementation, chunk_size=chunk_size)
+  B, T, N, K = call.q.shape
+  V = call.v.shape[-1]
+  S0 = _split_state(initial_state, (B, N, K, V), normalize, fn_name, "initial_state")
+  vv = jnp.concatenate([call.v, jnp.ones_like(call.v[..., :1])], axis=-1) if normalize else call.v
+  o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, vv, None, None, S0)
+  if normalize:
+    o = _safe_divide(o[..., :-1], o[..., -1:], eps)
+  return _dispatch.finish(o, _join_state(S_T, normalize), dtype, output_final_state)
+
+
+def linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, *,
+                          feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+                          normalize: bool = True, scale: float | None = None,
+                          eps: float = 1e-6) -> tuple[jax.Array, Any]:
+  r"""One decoding step of :func:`linear_attention`.
+
+  ``S = S + φ(k) v^T``, ``z = z + φ(k)``, ``o = S^T q' / (q' · z)`` with ``q' = scale φ(q)``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``.
+    state: ``S [B, N, K', V]``, or with ``normalize=True`` the pair ``(S, z [B, N, K'])``;
+      None: zeros.
+    feature_map, normalize, scale, eps: as in :func:`linear_attention`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state)`` (the state in the form it was given).
+
+  Example:
+    >>> o, (S, z) = linear_attention_step(jnp.zeros((1, 1, 2)), jnp.zeros((1, 1, 2)),
+    ...                                   jnp.full((1, 1, 1), 3.0))
+    >>> o, z
+    (Array([[[3.]]], dtype=float32), Array([[[1., 1.]]], dtype=float32))
+  """
+  fn_name = "linear_attention_step"
+  phi = _feature_map(feature_map, fn_name)
+  eps = _check_eps(eps, fn_name)
+  qa, ka, va = _checks.check_qkv_step(q, k, v, fn_name)
+  dtype = jnp.result_type(qa.dtype, ka.dtype, va.dtype)
+  fq, fk = phi(qa.astype(jnp.float32)), phi(ka.astype(jnp.float32))
+  if fq.shape[:2] != qa.shape[:2] or fk.shape != fq.shape:
+    raise ValueError(
+        f"{fn_name}: `feature_map` must map q and k [B, N, K] to equal shapes [B, N, K'], got "
+        f"{fq.shape} and {fk.shape}")
+  (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, va, None, scale=scale)
+  B, N, K = fq.shape
+  V = vf.shape[-1]
+  S = _split_state(state, (B, N, K, V), normalize, fn_name, "state")
+  if S is None:
+    S = jnp.zeros((B, N, K, V + int(normalize)), jnp.float32)
+  vv = jnp.concatenate([vf, jnp.ones_like(vf[..., :1])], axis=-1) if normalize else vf
+  o, S = _recurrence.step(S, fq * scale, fk, vv, None, None)
+  if normalize:
+    o = _safe_divide(o[..., :-1], o[..., -1:], eps)
+  return o.astype(dtype), _join_state(S, normalize)

@@ -1,0 +1,153 @@
+r"""The one recurrence behind every variant, in its three forms (recurrent, chunked, parallel).
+
+Internal layout ``[B, N, T, ...]``, float32, ``q`` already scaled (and feature-mapped). The
+state ``S [B, N, K, V]`` follows the (gated) delta recurrence
+
+.. math::
+  \tilde S_t = \operatorname{diag}(e^{g_t}) S_{t-1}, \qquad
+  S_t = \tilde S_t + k_t u_t^\top, \qquad o_t = S_t^\top q_t,
+
+with ``u_t = v_t`` (linear attention, GLA: no ``beta``) or the delta-rule write
+``u_t = beta_t (v_t - \tilde S_t^\top k_t)``. ``g`` is a log decay, one per head
+(``[B, N, T]``) or one per key channel (``[B, N, T, K]``), or None (no decay). At a run
+change (a new segment) the previous state is dropped: ``\tilde S_t = 0``.
+
+Chunked form (chunk length C; the parallel form is the same computation with one chunk of
+length T). Inside a chunk, with ``G_i`` the cumulative log decay from the chunk start to
+token ``i`` (inclusive) and ``S_0`` the state at the chunk start,
+
+.. math::
+  S_i = e^{G_i} S_0 + \sum_{j \le i} e^{G_i - G_j} k_j u_j^\top .
+
+For the delta rule this gives ``(I + A) U = \beta \odot V - \operatorname{diag}(\beta e^G) K S_0``
+with ``A_{ij} = \beta_i e^{G_i - G_j} k_i \cdot k_j`` for ``j < i``: the UT / WY
+representation (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
+over Sequence Length"): one unit-lower-triangular solve per chunk gives
+``W = (I + A)^{-1} \operatorname{diag}(\beta e^G) K`` and ``\tilde U = (I + A)^{-1}
+(\beta \odot V)``, so ``U = \tilde U - W S_0``. Then
+
+.. math::
+  O = \operatorname{diag}(e^G) Q S_0 + ((Q K^\top) \odot \Gamma) U, \qquad
+  S_C = e^{G_C} S_0 + (K \odot e^{G_C - G})^\top U,
+
+``\Gamma_{ij} = e^{G_i - G_j}`` for ``j \le i`` in the same run, else 0 (per channel
+``\sum_c q_{ic} k_{jc} e^{G_{ic} - G_{jc}}``). Every exponent is a masked difference
+``G_i - G_j`` with ``j <= i`` (so ``<= 0``): the masks are applied before ``exp``, which
+never sees a large positive number. Only the chunk-start states are carried, by a
+``lax.scan`` over chunks; everything else is computed for all chunks at once.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from jaxsoft.linear import _chunk
+
+__all__ = ["step", "recurrent", "chunked"]
+
+
+def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None,
+         beta: jax.Array | None, keep: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+  """One token: ``S [B, N, K, V]``, ``q, k [B, N, K]``, ``v [B, N, V]``, ``g`` None,
+  ``[B, N]`` or ``[B, N, K]``, ``beta`` None or ``[B, N]``, ``keep`` None or ``[B]`` bool
+  (False drops the previous state). Returns ``(o [B, N, V], new S)``."""
+  if keep is not None:
+    S = jnp.where(keep[:, None, None, None], S, 0.0)
+  if g is not None:
+    d = jnp.exp(g)
+    S = S * (d[..., None, None] if d.ndim == 2 else d[..., None])
+  if beta is None:
+    u = v
+  else:
+    u = beta[..., None] * (v - jnp.einsum("bnkv,bnk->bnv", S, k))
+  S = S + k[..., :, None] * u[..., None, :]
+  return jnp.einsum("bnkv,bnk->bnv", S, q), S
+
+
+def recurrent(q, k, v, g, beta, run, S0) -> tuple[jax.Array, jax.Array]:
+  """The token-by-token ``lax.scan``; ``run [B, T]`` run ids. Returns ``(o [B, N, T, V], S_T)``."""
+  keep = jnp.concatenate(
+      [jnp.ones_like(run[:, :1], dtype=bool), run[:, 1:] == run[:, :-1]], axis=1)
+  time_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+  xs = (time_first(q), time_first(k), time_first(v), time_first(g), time_first(beta),
+        jnp.moveaxis(keep, 1, 0))
+
+  def body(S, x):
+    q_t, k_t, v_t, g_t, b_t, keep_t = x
+    o_t, S = step(S, q_t, k_t, v_t, g_t, b_t, keep_t)
+    return S, o_t
+
+  S_T, o = jax.lax.scan(body, S0, xs)
+  return jnp.moveaxis(o, 0, 2), S_T
+
+
+def _masked_exp(mask: jax.Array, x: jax.Array) -> jax.Array:
+  """``exp(x)`` where ``mask``, exactly 0 elsewhere (masked before the exp)."""
+  return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array]:
+  """The chunked form (see the module docstring). Returns ``(o [B, N, T, V], S_T)``."""
+  B, N, T, K = q.shape
+  C = chunk
+  pad = (-T) % C
+  q, k, v = (_chunk.pad_time(x, 2, pad) for x in (q, k, v))
+  g = jnp.zeros((B, N, T + pad), q.dtype) if g is None else _chunk.pad_time(g, 2, pad)
+  run = _chunk.pad_time(run, 1, pad, mode="edge")
+  qc, kc, vc, gc = (_chunk.to_chunks(x, 2, C) for x in (q, k, v, g))  # [B, N, nC, C, ...]
+  rc = _chunk.to_chunks(run, 1, C)                                     # [B, nC, C]
+  per_channel = g.ndim == 4
+
+  run_prev = jnp.concatenate([rc[:, :1, 0], rc[:, :-1, -1]], axis=1)   # run before each chunk
+  run_last = rc[..., -1]
+  sees_start = (rc == run_prev[..., None])[:, None]                    # [B, 1, nC, C]
+  reaches_end = (rc == run_last[..., None])[:, None]                   # [B, 1, nC, C]
+  carries = (run_last == run_prev)[:, None]                            # [B, 1, nC]
+  same = rc[..., :, None] == rc[..., None, :]                          # [B, nC, C, C]
+  i = jnp.arange(C)
+  incl = (same & (i[:, None] >= i[None, :]))[:, None]                  # [B, 1, nC, C, C]
+  strict = (same & (i[:, None] > i[None, :]))[:, None]
+
+  G = jnp.cumsum(gc, axis=3)                                           # from the chunk start
+  G_last = G[:, :, :, -1]
+  if per_channel:
+    dq = _masked_exp(sees_start[..., None], G)                         # [B, N, nC, C, K]
+    dk = _masked_exp(reaches_end[..., None], G_last[..., None, :] - G)
+    ds = _masked_exp(carries[..., None], G_last)                       # [B, N, nC, K]
+    diff = G[..., :, None, :] - G[..., None, :, :]                     # [B, N, nC, C, C, K]
+
+    def scores(x, y, mask):
+      return jnp.einsum("...ik,...jk,...ijk->...ij", x, y, _masked_exp(mask[..., None], diff))
+  else:
+    dq = _masked_exp(sees_start, G)[..., None]                         # [B, N, nC, C, 1]
+    dk = _masked_exp(reaches_end, G_last[..., None] - G)[..., None]
+    ds = _masked_exp(carries, G_last)[..., None]                       # [B, N, nC, 1]
+    diff = G[..., :, None] - G[..., None, :]                           # [B, N, nC, C, C]
+
+    def scores(x, y, mask):
+      return jnp.einsum("...ik,...jk->...ij", x, y) * _masked_exp(mask, diff)
+
+  if beta is None:
+    W, U_tilde = None, vc
+  else:
+    bc = _chunk.to_chunks(_chunk.pad_time(beta, 2, pad), 2, C)[..., None]  # [B, N, nC, C, 1]
+    A = bc * scores(kc, kc, strict)
+    W = solve_triangular(A, bc * dq * kc, lower=True, unit_diagonal=True)
+    U_tilde = solve_triangular(A, bc * vc, lower=True, unit_diagonal=True)
+
+  chunk_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+
+  def body(S, x):
+    ds_c, kd_c, u_c, w_c = x
+    U = u_c if w_c is None else u_c - jnp.einsum("bnck,bnkv->bncv", w_c, S)
+    return S * ds_c[..., None] + jnp.einsum("bnck,bncv->bnkv", kd_c, U), S
+
+  S_T, starts = jax.lax.scan(
+      body, S0, (chunk_first(ds), chunk_first(dk * kc), chunk_first(U_tilde), chunk_first(W)))
+  starts = jnp.moveaxis(starts, 0, 2)                                  # [B, N, nC, K, V]
+  U = U_tilde if W is None else U_tilde - jnp.einsum("...ck,...kv->...cv", W, starts)
+  o = (jnp.einsum("...ck,...kv->...cv", dq * qc, starts)
+       + jnp.einsum("...ij,...jv->...iv", scores(qc, kc, incl), U))
+  return _chunk.from_chunks(o, 2)[:, :, :T], S_T

@@ -1,0 +1,64 @@
+"""Independent float64 numpy references: a plain Python loop over t, written from the
+recurrences (no jaxsoft code). Layouts as the library: ``[B, T, N, ...]``."""
+
+import numpy as np
+
+
+def _f64(x):
+  return None if x is None else np.asarray(x, dtype=np.float64)
+
+
+def recurrence(q, k, v, *, g=None, beta=None, initial_state=None, segment_ids=None,
+               scale=None):
+  """``S_t = diag(e^{g_t}) S_{t-1}`` (reset at a segment change), then
+  ``S_t += k_t u_t^T`` with ``u_t = v_t`` or ``beta_t (v_t - S_t^T k_t)``; ``o_t = S_t^T q_t scale``.
+
+  ``g``: None, ``[B, T, N]`` or ``[B, T, N, K]``. Returns ``(o, S_T)`` in float64.
+  """
+  q, k, v, g, beta, S0 = map(_f64, (q, k, v, g, beta, initial_state))
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  scale = K ** -0.5 if scale is None else scale
+  o = np.zeros((B, T, N, V))
+  S_T = np.zeros((B, N, K, V))
+  for b in range(B):
+    for n in range(N):
+      S = np.zeros((K, V)) if S0 is None else S0[b, n].copy()
+      for t in range(T):
+        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+          S = np.zeros((K, V))
+        if g is not None:
+          decay = np.exp(g[b, t, n])
+          S = S * (decay[:, None] if np.ndim(decay) == 1 else decay)
+        if beta is None:
+          u = v[b, t, n]
+        else:
+          u = beta[b, t, n] * (v[b, t, n] - S.T @ k[b, t, n])
+        S = S + np.outer(k[b, t, n], u)
+        o[b, t, n] = S.T @ (q[b, t, n] * scale)
+      S_T[b, n] = S
+  return o, S_T
+
+
+def normalized_linear_attention(q, k, v, *, initial_state=None, segment_ids=None, scale=None,
+                                eps=1e-6):
+  """Katharopoulos et al.: ``o_t = S_t^T q'_t / (q'_t · z_t)``, ``z_t = z_{t-1} + k_t``
+  (``q, k`` already feature-mapped). ``initial_state`` is ``(S, z)``. Returns ``(o, (S, z))``."""
+  q, k, v = map(_f64, (q, k, v))
+  B, T, N, K = q.shape
+  scale = K ** -0.5 if scale is None else scale
+  S0, z0 = (None, None) if initial_state is None else map(_f64, initial_state)
+  num, S_T = recurrence(q, k, v, initial_state=S0, segment_ids=segment_ids, scale=scale)
+  den = np.zeros((B, T, N))
+  z_T = np.zeros((B, N, K))
+  for b in range(B):
+    for n in range(N):
+      z = np.zeros(K) if z0 is None else z0[b, n].copy()
+      for t in range(T):
+        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+          z = np.zeros(K)
+        z = z + k[b, t, n]
+        den[b, t, n] = (q[b, t, n] * scale) @ z
+      z_T[b, n] = z
+  den = np.where(np.abs(den) >= eps, den, np.where(den < 0, -eps, eps))
+  return num / den[..., None], (S_T, z_T)
