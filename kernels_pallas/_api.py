@@ -100,13 +100,17 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     debug: print the Pallas kernels' jaxprs.
 
   Raises:
-    NotImplementedError: a dense ``bias`` or ``mask``, ``decay_bias``, a plain callable or
+    NotImplementedError: ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
+      a plain callable or
       a normalizer of kernel class T/R/X, a stochastic normalizer, a value head dim
       different from the key head dim, q/k/v of different dtypes, a traced ``scale``, or
       (with ``interpret=None``) a platform with no Pallas backend.
     ValueError: bad block sizes or backend.
   """
   spec = call.spec
+  if call.return_residual:
+    raise NotImplementedError("the Pallas engine does not return the residual "
+                              "(`return_residual`) yet")
   if call.bias is not None:
     raise NotImplementedError("the Pallas engine takes no dense `bias`")
   if call.mask is not None:
@@ -163,7 +167,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   dyn = tuple(jnp.pad(rows(call.params[nm], b, n, t, cfg.acc_dtype), pad_rows, mode="edge")
               for nm in dyn_names)
   row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
-  length = jnp.broadcast_to(st.visible_counts(row_ranges), (b, t)).astype(cfg.acc_dtype)
+  length = jnp.broadcast_to(st.visible_counts(row_ranges, cfg.acc_dtype), (b, t))
   ids = st.kernel_segment_ids(t_pad, s_pad)
 
   def ranges(bq, bk, axis):

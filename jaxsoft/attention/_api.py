@@ -19,7 +19,7 @@ from jaxsoft.normalizers._common import compute_dtype
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "AttentionCall"]
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
 
 # implementation=None uses the chunked path when one head's score matrix has at least this
 # many entries (T·S >= 1024·1024, 4 MiB of float32): below it the dense path's T x S
@@ -39,7 +39,8 @@ class AttentionCall:
   ``(q_ids [B, T], kv_ids [B, S])`` int32 or None; lengths int32 [B] or None;
   spec a NormalizerSpec or a plain callable; params the hyperparameters (a dict,
   without ``key``); key the PRNG key of a stochastic normalizer or None;
-  decay_bias ``(cq [B, T, N], ck [B, S, N])`` float32 or None.
+  decay_bias ``(cq [B, T, N], ck [B, S, N])`` float32 or None; return_residual: the
+  runners return ``(out, residual [B, T, N])`` instead of ``out``.
   """
 
   q: Any
@@ -59,6 +60,7 @@ class AttentionCall:
   key: Any
   decay_bias: tuple[Any, Any] | None
   decay_prune_threshold: float | None
+  return_residual: bool = False
 
   @property
   def structure(self) -> MaskStructure:
@@ -99,7 +101,17 @@ def _check_broadcast(t, name: str, target: tuple[int, ...]):
   return t
 
 
-def _check_lengths(x, name: str, B: int):
+def _concrete(x):
+  """``x`` as a NumPy array, or None when it is traced (under jit, grad, vmap, ...)."""
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    return None
+
+
+def _check_lengths(x, name: str, B: int, L: int):
+  """Sequence lengths -> int32 [B] in [0, L]: ValueError naming ``name`` for a concrete
+  negative value; traced values are clamped to [0, L] (a negative length is 0)."""
   if x is None:
     return None
   x = jnp.asarray(x)
@@ -109,7 +121,10 @@ def _check_lengths(x, name: str, B: int):
     x = jnp.broadcast_to(x, (B,))
   if x.shape != (B,):
     raise ValueError(f"`{name}` must have shape [B] = [{B}], got {x.shape}")
-  return x.astype(jnp.int32)
+  values = _concrete(x)
+  if values is not None and np.any(values < 0):
+    raise ValueError(f"`{name}` must be >= 0, got {values.tolist()}")
+  return jnp.clip(x, 0, L).astype(jnp.int32)
 
 
 def _resolve_normalizer(normalizer):
@@ -167,16 +182,26 @@ def _check_params(spec, normalizer_params, target):
   return params, key
 
 
+def _as_float(t, name: str):
+  """An array input as a floating array: integer and bool arrays take the compute dtype
+  (float32), as the normalizers promote; anything else is a ValueError naming it."""
+  t = jnp.asarray(t)
+  if jnp.issubdtype(t.dtype, jnp.floating):
+    return t
+  if jnp.issubdtype(t.dtype, jnp.integer) or t.dtype == jnp.bool_:
+    return t.astype(compute_dtype(t.dtype))
+  raise ValueError(f"`{name}` must be a real (floating, integer or bool) array, got dtype {t.dtype}")
+
+
 def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
                     key_value_seq_lengths, local_window_size, segment_ids, logits_soft_cap,
-                    normalizer, normalizer_params, decay_bias, decay_prune_threshold):
-  q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+                    normalizer, normalizer_params, decay_bias, decay_prune_threshold,
+                    return_residual=False):
+  q, k, v = _as_float(q, "query"), _as_float(k, "key"), _as_float(v, "value")
   for t, name in ((q, "query"), (k, "key"), (v, "value")):
     if t.ndim not in (3, 4):
       raise ValueError(
           f"`{name}` must have shape [B, L, heads, H] or [L, heads, H], got {t.shape}")
-    if not jnp.issubdtype(t.dtype, jnp.floating):
-      raise ValueError(f"`{name}` must be a floating array, got dtype {t.dtype}")
   if not q.ndim == k.ndim == v.ndim:
     raise ValueError(
         f"`query`, `key` and `value` must have the same rank, got {q.ndim}, {k.ndim}, {v.ndim}")
@@ -193,7 +218,7 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
     raise ValueError(
         f"`value` of shape {v.shape} must match `key` [B, S, K] = {[B, S, K]} in its first "
         "three dimensions")
-  if N % K != 0:
+  if K == 0 or N % K != 0:
     raise ValueError(
         f"the number of `query` heads N={N} must be a multiple of the number of `key`/`value` "
         f"heads K={K} (GQA/MQA)")
@@ -217,8 +242,8 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
       raise ValueError(f"`scale` must be a scalar, got shape {scale.shape}")
   if not isinstance(is_causal, (bool, np.bool_)):
     raise ValueError(f"`is_causal` must be a bool, got {is_causal!r}")
-  query_seq_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", B)
-  key_value_seq_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B)
+  query_seq_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", B, T)
+  key_value_seq_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
   window = normalize_window(local_window_size)
   segment_ids = normalize_segment_ids(segment_ids, B, T, S)
   if logits_soft_cap is not None:
@@ -262,17 +287,49 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=window, segment_ids=segment_ids, logits_soft_cap=logits_soft_cap,
       spec=spec, params=params, key=key, decay_bias=decay_bias,
-      decay_prune_threshold=decay_prune_threshold)
+      decay_prune_threshold=decay_prune_threshold, return_residual=bool(return_residual))
 
 
 # ------------------------------------------------------------------------ implementations
 
 
 def _run_xla(call: AttentionCall):
+  statistic = None
+  if call.return_residual:
+    spec, params = call.spec, call.params
+    if isinstance(spec, _spec.NormalizerSpec) and spec.needs_key:
+      raise NotImplementedError(f"`return_residual`: normalizer {spec.name!r} is stochastic")
+    statistic = lambda logits, visible: _dense.row_statistic(spec, params, logits, visible)
   return _dense.dense_attention(
       call.q, call.k, call.v, bias=call.bias, mask=call.mask, structure=call.structure,
       scale=call.scale, logits_soft_cap=call.logits_soft_cap, normalize=call.normalize_fn(),
-      decay_bias=call.decay_bias)
+      decay_bias=call.decay_bias, statistic=statistic)
+
+
+def _run_cudnn(call: AttentionCall):
+  """jax.nn's cuDNN flash attention, for what it computes: softmax on a CUDA GPU."""
+  if jax.default_backend() not in ("gpu", "cuda"):
+    raise NotImplementedError(
+        f"cudnn needs a CUDA GPU (the default backend is {jax.default_backend()!r})")
+  spec = call.spec
+  if not (isinstance(spec, _spec.NormalizerSpec) and spec.name == "softmax" and not call.params):
+    raise NotImplementedError("cudnn computes softmax attention only (no normalizer_params)")
+  unsupported = [name for name, value in (
+      ("segment_ids", call.segment_ids), ("logits_soft_cap", call.logits_soft_cap),
+      ("decay_bias", call.decay_bias)) if value is not None]
+  if unsupported:
+    raise NotImplementedError(f"cudnn does not take {', '.join(unsupported)}")
+  if call.v.shape != call.k.shape or not call.q.dtype == call.k.dtype == call.v.dtype:
+    raise NotImplementedError("cudnn needs value shaped like key and one dtype for q, k, v")
+  if not isinstance(call.scale, float):
+    raise NotImplementedError("cudnn needs a concrete Python float `scale`")
+  cudnn: Any = jax.nn.dot_product_attention  # its overloads want a literal return_residual
+  return cudnn(
+      call.q, call.k, call.v, call.bias, call.mask, scale=call.scale, is_causal=call.is_causal,
+      query_seq_lengths=call.query_seq_lengths,
+      key_value_seq_lengths=call.key_value_seq_lengths,
+      local_window_size=call.local_window_size, implementation="cudnn",
+      return_residual=call.return_residual)
 
 
 def _run_xla_chunked(call: AttentionCall):
@@ -294,7 +351,17 @@ _RUNNERS = {
     "pallas": lambda call: _run_pallas(call, None),
     "pallas_triton": lambda call: _run_pallas(call, "triton"),
     "pallas_mosaic_tpu": lambda call: _run_pallas(call, "mosaic_tpu"),
+    "cudnn": _run_cudnn,
 }
+
+
+def _empty_result(call: AttentionCall):
+  """B = 0, T = 0 or S = 0: zeros [B, T, N, Hv] (and a ``-inf`` residual), as jax.nn."""
+  B, T, N, _ = call.q.shape
+  out = jnp.zeros((B, T, N, call.v.shape[-1]), call.q.dtype)
+  if not call.return_residual:
+    return out
+  return out, jnp.full((B, T, N), -jnp.inf, call.q.dtype)
 
 
 def _default_order(call: AttentionCall) -> list[str]:
@@ -330,22 +397,25 @@ def _implementation_order(implementation) -> list[str] | None:
 
 
 def dot_product_attention(
-    q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
+    query: ArrayLike, key: ArrayLike, value: ArrayLike, bias: ArrayLike | None = None,
     mask: ArrayLike | None = None, *, scale: float | ArrayLike | None = None,
     is_causal: bool = False, query_seq_lengths: ArrayLike | None = None,
     key_value_seq_lengths: ArrayLike | None = None,
     local_window_size: int | tuple[int, int] | None = None,
+    implementation: str | Sequence[str] | None = None,
+    return_residual: bool = False,
     segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
     logits_soft_cap: float | None = None,
     normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
     normalizer_params: Mapping[str, Any] | None = None,
-    implementation: str | Sequence[str] | None = None,
     decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
-    decay_prune_threshold: float | None = None) -> jax.Array:
+    decay_prune_threshold: float | None = None) -> Any:
   r"""Scaled dot-product attention with any normalizer (features A01, A02; docs/feature_ids.md).
 
-  A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments, in the
-  same positions, with the same meaning. For each batch b, head n and query i:
+  A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments (names
+  ``query``, ``key``, ``value``, ``bias``, ``mask`` in the same positions, the same
+  keywords, ``implementation="xla"`` / ``"cudnn"`` and ``return_residual``), with the
+  same meaning. For each batch b, head n and query i:
 
   .. math::
     \ell_{ij} = c \tanh\Big(\frac{s\, q_i \cdot k_j + cq_i - ck_j}{c}\Big) + \mathrm{bias}_{ij},
@@ -361,21 +431,29 @@ def dot_product_attention(
 
   With ``normalizer="softmax"`` the result and its gradients equal jax.nn's, with one
   documented difference: **a query row with no visible key returns zeros** (with zero
-  gradient), where jax.nn returns the average of the values (its masked logits are a
-  large finite negative number). Rows past ``query_seq_lengths`` are zeros in both.
+  gradient, and a residual of ``-inf``), where jax.nn returns the average of the values
+  (its masked logits are a large finite negative number, and so is its residual). Rows
+  past ``query_seq_lengths`` are zeros in both. Empty inputs (B, T or S = 0) return zeros
+  of the output's shape (residual ``-inf``), as jax.nn. Integer and bool inputs are
+  computed in float32 and the result is float32 (jax.nn casts the weights back to the
+  integer dtype and returns zeros).
 
   Args:
-    q: queries [B, T, N, H] (or [T, N, H]).
-    k: keys [B, S, K, H] (or [S, K, H]); N % K == 0 (GQA/MQA: query head n uses key/value
-      head n // (N / K), as jax.nn).
-    v: values [B, S, K, Hv] (Hv may differ from H).
+    query: queries [B, T, N, H] (or [T, N, H]).
+    key: keys [B, S, K, H] (or [S, K, H]); N % K == 0 (GQA/MQA: query head n uses
+      key/value head n // (N / K), as jax.nn).
+    value: values [B, S, K, Hv] (Hv may differ from H).
     bias: optional float array broadcastable to [B, N, T, S] (right-aligned), added to the
       logits after soft-capping; differentiable.
     mask: optional boolean array broadcastable to [B, N, T, S]; True = attend.
     scale: logit scale; None = 1/sqrt(H).
     is_causal: query i sees keys j <= i (top-left aligned when T != S, as jax.nn).
-    query_seq_lengths, key_value_seq_lengths: optional int arrays [B] (padding).
-    local_window_size: int w (= (w, w)) or (left, right).
+    query_seq_lengths, key_value_seq_lengths: optional int arrays [B] (padding). A
+      concrete negative length is a ValueError; traced lengths (under jit, grad, vmap)
+      cannot be checked and are clamped to [0, T] / [0, S] (a negative length is 0).
+    local_window_size: int w (= (w, w)) or (left, right), Python ints (static): query i
+      sees keys i - left .. i + right; ``left + right < 0`` (no key for any query, e.g.
+      -1 or (-3, 0)) is a ValueError.
     segment_ids: int [B, T] (self-attention) or a pair (q_ids [B, T], kv_ids [B, S]) for
       packed sequences: a query sees only keys of its own segment.
     logits_soft_cap: optional c > 0: logits -> c·tanh(logits / c) (before bias and mask).
@@ -387,7 +465,7 @@ def dot_product_attention(
       PRNG key as ``normalizer_params["key"]``. Length-dependent normalizers (ssmax,
       sigmoid with bias -log n, ...) use n = the number of visible keys of each query row.
     implementation: None, "xla", "xla_chunked", "pallas", "pallas_triton",
-      "pallas_mosaic_tpu", or a sequence of these tried in order: an implementation that
+      "pallas_mosaic_tpu", "cudnn", or a sequence of these tried in order: an implementation that
       cannot handle the call raises NotImplementedError and the next one is tried; a single
       explicitly requested implementation that cannot handle it raises. None tries
       "pallas" on GPU/TPU, then "xla_chunked" when T·S >= 1024·1024 (and the normalizer has
@@ -395,7 +473,24 @@ def dot_product_attention(
       "xla_chunked" computes blockwise with the normalizer's tile rule and a recomputing
       backward pass (O(T·H) memory; causal/window/length/segment structure skips blocks);
       it is differentiable in reverse mode (grad, vjp) once: use "xla" for jvp or
-      higher-order derivatives.
+      higher-order derivatives. "cudnn" is jax.nn's cuDNN flash attention
+      (``jax.nn.dot_product_attention(implementation="cudnn")``) for what it computes:
+      softmax without ``normalizer_params``, ``segment_ids``, ``logits_soft_cap`` or
+      ``decay_bias``, value shaped like key, one dtype, on a CUDA GPU; any other call
+      raises NotImplementedError (it is never chosen by None).
+    return_residual: also return the residual, one number per query row, [B, T, N] (or
+      [T, N]) in the output's dtype and without gradient (as jax.nn). It is the row
+      statistic of the normalizer's kernel class: E and S (softmax family, stablemax,
+      lssar, ...): ``log D``, the log of the row's denominator in the logits' own scale
+      (``w_j = numerator_j / D``): for softmax the log-sum-exp of the logits (jax.nn's
+      residual; ``-inf`` for a row with no visible key); softmax_sink / softmax_n /
+      softmax_1 include their offset (``log(e^s + sum_j e^{l_j})``), ssmax the
+      log-sum-exp of its scaled scores ``s log(n) l``. P (sigmoid, relu, ...): 0 (there is
+      no denominator: D = 1). T (sparsemax, entmax, top-k): the threshold tau in the
+      rule's score units (sparsemax ``w = [l - tau]_+``; top-k: the k-th largest logit;
+      ``-inf`` for a row with no visible key). Other normalizers (epsilon/eta/top-p
+      softmax, gumbel) and plain callables define none: NotImplementedError. The Pallas
+      implementations do not return it (NotImplementedError: the chain falls through).
     decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
       is added to the scaled logits (before soft-capping), as in Forgetting attention
       (FoX, feature A08) where cq = ck = cumulative sums of log forget gates;
@@ -411,7 +506,8 @@ def dot_product_attention(
       ``2·max|v|·sum_{skipped j} e^{t + l_ij - l_ii}``.
 
   Returns:
-    [B, T, N, Hv] (or [T, N, Hv]) in q's dtype.
+    [B, T, N, Hv] (or [T, N, Hv]) in query's dtype (float32 for integer or bool inputs);
+    with ``return_residual``, the pair ``(out, residual)``.
 
   Raises:
     ValueError naming the argument for impossible shapes, dtypes or values; KeyError for
@@ -450,11 +546,22 @@ def dot_product_attention(
     ((2, 8, 2, 4), True)
   """
   order = _implementation_order(implementation)
-  unbatched = jnp.ndim(q) == 3
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
+  unbatched = jnp.ndim(query) == 3
   call = _canonical_call(
-      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
-      decay_bias, decay_prune_threshold)
+      query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
+      key_value_seq_lengths, local_window_size, segment_ids, logits_soft_cap, normalizer,
+      normalizer_params, decay_bias, decay_prune_threshold, return_residual)
+
+  def unbatch(result):
+    if not unbatched:
+      return result
+    return tuple(r[0] for r in result) if return_residual else result[0]
+
+  B, T = call.q.shape[:2]
+  if B == 0 or T == 0 or call.k.shape[1] == 0:
+    return unbatch(_empty_result(call))
   explicit = order is not None
   if order is None:
     order = _default_order(call)
@@ -465,7 +572,7 @@ def dot_product_attention(
     except NotImplementedError as e:
       reasons.append(f"{name}: {e}")
       continue
-    return out[0] if unbatched else out
+    return unbatch(out)
   if explicit and len(order) == 1:
     raise NotImplementedError(
         f"`implementation`={order[0]!r} cannot handle this call: {reasons[0]}")

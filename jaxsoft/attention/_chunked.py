@@ -548,20 +548,37 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
   return _Inputs(q=_unblock(dq), k=g.dk, v=g.dv, bias=g.dbias, decay=decay, hp=g.dhp)
 
 
+def _row_statistic(plan: _Plan, m, d, tau):
+  """The residual of ``return_residual`` per row, [B, K, G, Tp, 1] (see the entry point).
+
+  Classes E and S: ``log D`` in the logits' own scale, ``m + log D`` (the log-sum-exp for
+  softmax; ``-inf`` where D = 0); P: 0 (its D is 1); T: tau (``-inf`` for a row with no
+  visible key, whose weights sum to 0).
+  """
+  if plan.kind in ("E", "S"):
+    return m + jnp.log(d)
+  if plan.kind == "P":
+    return jnp.zeros_like(m)
+  return jnp.where(d > 0, tau, -jnp.inf)
+
+
 def _attend(plan: _Plan):
-  """``attend(inputs, aux) -> out [B, K, G, Tp, Hv]`` with the recomputing custom VJP."""
+  """``attend(inputs, aux) -> (out [B, K, G, Tp, Hv], statistic [B, K, G, Tp, 1])`` with
+  the recomputing custom VJP; the statistic's cotangent is ignored (the caller stops its
+  gradient)."""
 
   @jax.custom_vjp
   def attend(inp: _Inputs, aux: _Aux):
-    return _forward(plan, inp, aux)[0]
+    out, m, d, tau = _forward(plan, inp, aux)
+    return out, _row_statistic(plan, m, d, tau)
 
   def attend_fwd(inp, aux):
     res = _forward(plan, inp, aux)
-    return res[0], (inp, aux, res)
+    return (res[0], _row_statistic(plan, *res[1:])), (inp, aux, res)
 
-  def attend_bwd(saved, dout):
+  def attend_bwd(saved, cotangents):
     inp, aux, res = saved
-    return _backward(plan, inp, aux, res, dout), None
+    return _backward(plan, inp, aux, res, cotangents[0]), None
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
@@ -632,6 +649,8 @@ def _blockwise_rule(spec) -> tuple[str, Any]:
 def chunked_attention(call, block_q: int | None = None, block_k: int | None = None):
   """Blockwise attention for a validated AttentionCall (see the module docstring).
 
+  Returns ``out`` [B, T, N, Hv], or ``(out, residual [B, T, N])`` when
+  ``call.return_residual`` (the row statistic of :func:`_row_statistic`, no gradient).
   Raises NotImplementedError for what the chunked path cannot compute: plain callables,
   stochastic normalizers and kernel classes R and X (the dispatcher then falls back to
   "xla").
@@ -685,7 +704,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   prune = None
   if call.decay_prune_threshold is not None and decay is not None:
     prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)
-  counts = _pad_axis(st.visible_counts(ranges), 1, Tp, value=0.0)  # [B|1, Tp]
+  counts = _pad_axis(st.visible_counts(ranges, cdt), 1, Tp, value=0.0)  # [B|1, Tp]
   aux = _Aux(
       structure=st, mask=mask,
       q_seg=_pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,
@@ -702,6 +721,9 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   # length terms must not create NaN in masked branches
   aux = dataclasses.replace(aux, counts=jnp.maximum(aux.counts, 1.0))
 
-  out = _attend(plan)(inp, aux)  # [B, K, G, Tp, Hv]
+  out, stat = _attend(plan)(inp, aux)  # [B, K, G, Tp, Hv], [B, K, G, Tp, 1]
   out = jnp.transpose(out[:, :, :, :T], (0, 3, 1, 2, 4)).reshape(B, T, N, v.shape[-1])
-  return out.astype(q.dtype)
+  if not call.return_residual:
+    return out.astype(q.dtype)
+  stat = lax.stop_gradient(jnp.transpose(stat[:, :, :, :T, 0], (0, 3, 1, 2)).reshape(B, T, N))
+  return out.astype(q.dtype), stat.astype(q.dtype)

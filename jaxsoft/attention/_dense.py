@@ -10,9 +10,11 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.attention._masks import MaskStructure
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers._common import compute_dtype, visible_count
 
-__all__ = ["dense_logits", "dense_attention"]
+__all__ = ["dense_logits", "dense_attention", "row_statistic"]
 
 
 def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
@@ -47,8 +49,74 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
   return logits
 
 
+def _threshold(rule: _spec.ThresholdRule, x, visible, n, hp):
+  """Class T: tau of each row by bisection with the rule (``-inf`` for an empty row)."""
+  z0 = rule.score_map(jnp.where(visible, x, 0.0), n, **hp)
+  m = jnp.max(jnp.where(visible, z0, -jnp.inf), axis=-1, keepdims=True)
+  m = jnp.where(jnp.isfinite(m), m, 0.0)
+  z = jnp.where(visible, z0, m)
+  lo, hi = rule.bracket(m, n, **hp)
+  lo, hi = (jnp.broadcast_to(jnp.asarray(a, x.dtype), m.shape) for a in (lo, hi))
+  target = rule.target(n, **hp)
+
+  def step(_, bracket):
+    lo, hi = bracket
+    mid = 0.5 * (lo + hi)
+    mass = jnp.sum(jnp.where(visible, rule.mass(z, mid, **hp), 0.0), axis=-1, keepdims=True)
+    ok = mass >= target  # mass is non-increasing in tau: True up to the root
+    return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+  lo, _ = jax.lax.fori_loop(0, rule.iterations, step, (lo, hi))
+  return jnp.where(n > 0, lo, -jnp.inf)
+
+
+def row_statistic(spec, params, logits, visible):
+  r"""The residual of ``return_residual``: one number per row, [B, N, T] (no gradient).
+
+  With the normalizer's tile rule (classes E and S), ``w_j = numerator_j / D``: the
+  residual is ``log D`` in the logits' own scale (``m + log D`` for the stabiliser m):
+
+  .. math::
+    r_i = \log\Big(\sum_{j \in V_i} \mathrm{denominator}(z_{ij}) + \mathrm{offset}_i\Big)
+
+  so softmax gives the log-sum-exp of its logits (jax.nn's residual), softmax_sink /
+  softmax_n / softmax_1 include their offset (the sink's mass), ssmax the log-sum-exp of
+  its scaled scores ``s log(n) x``, and a row with D = 0 gives ``-inf``. Class P: 0 (its
+  D is 1). Class T (with a threshold rule: sparsemax, entmax, top-k): the threshold tau in
+  the rule's score units (``-inf`` for a row with no visible key). NotImplementedError
+  for the other normalizers (no row statistic is defined) and plain callables.
+
+  Args:
+    spec: the NormalizerSpec; params: its hyperparameters (arrays broadcast against
+      ``logits`` with size 1 along S).
+    logits: [B, N, T, S] in the compute dtype; visible: bool, the same shape.
+  """
+  if not isinstance(spec, _spec.NormalizerSpec):
+    raise NotImplementedError("`return_residual` needs a registered normalizer, not a callable")
+  hp = {**spec.defaults, **params}
+  hp = {name: jnp.asarray(a, logits.dtype)
+        if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating) else a
+        for name, a in hp.items()}
+  n = visible_count(visible, -1, logits.dtype)
+  if spec.kernel_class in ("E", "S", "P") and spec.tile is not None:
+    rule = spec.tile
+    if spec.kernel_class == "P":
+      return jnp.zeros(logits.shape[:-1], logits.dtype)
+    m0, l0 = tile.init_rows(rule, n.shape, logits.dtype)
+    m, l, _, _ = tile.online_update(rule, logits, visible, m0, l0, n, hp)
+    m, d = tile.finalize(rule, m, l, n, hp)
+    stat = m + jnp.log(d)
+  elif spec.kernel_class == "T" and spec.threshold is not None:
+    stat = _threshold(spec.threshold, logits, visible, n, hp)
+  else:
+    raise NotImplementedError(
+        f"`return_residual`: normalizer {spec.name!r} (kernel class {spec.kernel_class}) has "
+        "no row statistic (it needs a tile rule or a threshold rule)")
+  return jax.lax.stop_gradient(jnp.broadcast_to(stat, n.shape)[..., 0])
+
+
 def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, logits_soft_cap,
-                    normalize, decay_bias=None):
+                    normalize, decay_bias=None, statistic=None):
   """Dense attention: weights = normalize(logits, visible), out = weights @ v.
 
   Args:
@@ -60,9 +128,11 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
       its hyperparameters bound); it sees the visibility as ``where`` and counts the
       visible keys of each row itself (length-dependent normalizers).
     decay_bias: None or (cq [B, T, N], ck [B, S, N]).
+    statistic: None, or ``statistic(logits, visible) -> [B, N, T]`` (:func:`row_statistic`
+      with the normalizer bound) to also return the residual.
 
   Returns:
-    [B, T, N, Hv] in q's dtype.
+    [B, T, N, Hv] in q's dtype; with ``statistic``, ``(out, residual [B, T, N])``.
   """
   B, T, N, _ = q.shape
   K = k.shape[2]
@@ -76,4 +146,7 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
   weights = jnp.where(visible, weights, 0.0)
   weights = weights.reshape(B, K, N // K, T, -1)
   out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(logits.dtype))
-  return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+  out = out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+  if statistic is None:
+    return out
+  return out, jnp.transpose(statistic(logits, visible), (0, 2, 1)).astype(q.dtype)

@@ -47,11 +47,16 @@ K_PAD_SEGMENT = np.iinfo(np.int32).min + 1
 
 
 def normalize_window(local_window_size):
-  """``int | (left, right) | None`` -> ``(left, right) | None``; ValueError naming it."""
+  """``int | (left, right) | None`` -> ``(left, right) | None``; ValueError naming it.
+
+  The sides are Python (or NumPy) ints, static (they shape the block loops, so they are
+  never traced). One side may be negative (``(-2, 3)``: keys i + 2 .. i + 3), but
+  ``left + right < 0`` is a ValueError: the window would be empty for every query.
+  """
   if local_window_size is None:
     return None
   if isinstance(local_window_size, (int, np.integer)) and not isinstance(local_window_size, bool):
-    return (int(local_window_size), int(local_window_size))
+    local_window_size = (local_window_size, local_window_size)
   try:
     left, right = local_window_size
   except (TypeError, ValueError):
@@ -63,6 +68,10 @@ def normalize_window(local_window_size):
       raise ValueError(
           "`local_window_size` must be an int or a pair of ints (left, right), got "
           f"{local_window_size!r}")
+  if left + right < 0:
+    raise ValueError(
+        "`local_window_size` (left, right) must have left + right >= 0: query i sees keys "
+        f"[i - left, i + right], empty for every query with {local_window_size!r}")
   return (int(left), int(right))
 
 
@@ -337,12 +346,14 @@ class MaskStructure:
     new_hi = jnp.where(nonempty, last + 1, 0)
     return new_lo, new_hi, count
 
-  def visible_counts(self, ranges=None):
-    """n: the number of visible keys of each query row, float32 broadcastable to [B, T].
+  def visible_counts(self, ranges=None, dtype=jnp.float32):
+    """n: the number of visible keys of each query row, broadcastable to [B, T].
 
-    ``ranges``: the result of :meth:`row_ranges` when the caller already has it.
+    ``ranges``: the result of :meth:`row_ranges` when the caller already has it;
+    ``dtype``: the compute dtype of the caller (float64 inputs take float64 counts, so
+    that length terms such as ``log n`` are as precise as the rest of the row).
     """
-    return (self.row_ranges() if ranges is None else ranges)[2].astype(jnp.float32)
+    return (self.row_ranges() if ranges is None else ranges)[2].astype(dtype)
 
   def block_table(self, block_q: int, block_k: int, num_q_blocks: int | None = None,
                   num_k_blocks: int | None = None, ranges=None):

@@ -29,7 +29,7 @@ q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
     ({"local_window_size": 1.5}, "`local_window_size`"),
     ({"segment_ids": jnp.zeros((2, 4), jnp.int32)}, "`segment_ids`"),
     ({"logits_soft_cap": -1.0}, "`logits_soft_cap`"),
-    ({"implementation": "cudnn"}, "`implementation`"),
+    ({"implementation": "flash"}, "`implementation`"),
     ({"implementation": ["xla", "fast"]}, "`implementation`"),
     ({"normalizer": 3}, "`normalizer`"),
     ({"normalizer_params": {"temperature": -1.0}}, "temperature"),
