@@ -1,12 +1,37 @@
 """Masking, dtype and broadcasting helpers shared by every normalizer.
 
-Numerics policy (as in the README's "Numerics" section): low-precision inputs are
-computed in float32 and cast back; masked entries (``where=False`` or a ``-inf`` logit)
-get exactly 0 weight and enter no max, sum or threshold; a row with no visible entry
-returns zeros with zero gradient.
+Numerics policy (as in the README's "Numerics" section), applied to every registered
+normalizer by :func:`dense_rules` (which the registry requires) and :func:`prepare` /
+:func:`finish`:
+
+* dtype: the output has the input's floating dtype; integer and boolean inputs promote to
+  float32 (float64 for 64-bit integers when x64 is enabled), as ``jax.nn.softmax`` does
+  for integers (:func:`output_dtype`). Low-precision floats are computed in float32 and
+  cast back (:func:`compute_dtype`).
+* masking: masked entries (``where=False`` or a ``-inf`` logit) get exactly 0 weight and
+  enter no max, sum or threshold; a row with no visible entry returns zeros with zero
+  gradient. Masked entries hold a *visible* value of their row (its max) inside the
+  computation, so every branch of every ``where`` is finite there and no gradient is
+  NaN (the "double where"), whatever the hyperparameters.
+* ``+inf`` rule: a ``+inf`` logit takes all the mass among the ``+inf`` entries of its
+  row, the limit of softmax as those logits grow together: a normalizing normalizer gives
+  each of the k visible ``+inf`` entries ``1/k`` and every other entry 0 (sinks included:
+  the sink's share tends to 0). A pointwise (class P, unnormalized) normalizer takes each
+  entry's own limit instead: sigmoid gives 1 at ``+inf``, relu, relu2 and relu_n give
+  ``+inf``, and the row's other entries keep their values. The gradient of such a row is
+  0 (finite).
+* NaN rule (``jax.nn.softmax``'s): a NaN at a visible entry makes every visible entry of
+  its row NaN (masked entries stay 0); a NaN at a masked (``where=False``) entry is
+  ignored.
+* empty arrays: an input with a zero-sized dimension (the normalized axis included)
+  returns an empty array of the same shape and the output dtype.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +40,9 @@ import numpy as np
 __all__ = [
     "canonical_axis",
     "compute_dtype",
+    "output_dtype",
+    "dense_rules",
+    "share_among_inf",
     "prepare",
     "visible_count",
     "masked_max",
@@ -41,34 +69,55 @@ def canonical_axis(axis: int, ndim: int, fn_name: str) -> int:
   return int(axis) % ndim
 
 
-def compute_dtype(dtype) -> jnp.dtype:
-  """float32 for bf16/fp16/int inputs, the dtype itself for float32/float64."""
+def output_dtype(dtype) -> jnp.dtype:
+  """The dtype a normalizer returns: ``dtype`` if floating, else the float it promotes to.
+
+  Integers and booleans promote like ``jax.nn.softmax`` promotes integers: to float32,
+  or float64 for 64-bit integers with x64 enabled.
+  """
   dtype = jnp.dtype(dtype)
+  if jnp.issubdtype(dtype, jnp.floating):
+    return dtype
+  if jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize == 8:
+    return jnp.dtype(jnp.result_type(float))  # float64 under x64, else float32
+  return jnp.dtype(jnp.float32)
+
+
+def compute_dtype(dtype) -> jnp.dtype:
+  """float32 for bf16/fp16/int/bool inputs, float32/float64 as they are (see output_dtype)."""
+  dtype = output_dtype(dtype)
   if dtype in (jnp.float32, jnp.float64):
     return dtype
   return jnp.dtype(jnp.float32)
+
+
+def _broadcast_where(where, shape, fn_name: str):
+  where = jnp.asarray(where)
+  try:
+    return jnp.broadcast_to(where, shape).astype(bool)
+  except ValueError:
+    raise ValueError(
+        f"{fn_name}: `where` of shape {where.shape} does not broadcast to `x` of shape "
+        f"{tuple(shape)}") from None
 
 
 def prepare(x, axis: int, where, fn_name: str):
   """Validates and upcasts ``x``; returns ``(x_safe, mask, axis)``.
 
   ``mask`` is a boolean array of ``x``'s shape: ``where`` (broadcast) and ``x > -inf``.
-  ``x_safe`` holds 0 at masked positions so no gradient through them is NaN.
+  ``x_safe`` holds, at masked positions, the row's largest visible value (0 for a row
+  with nothing visible), without gradient: any elementwise map of it is a value the row
+  already has, so ``exp(z - max z)`` and the like stay finite in every branch of a
+  ``where`` and no gradient through a masked entry is NaN (the "double where").
   """
   x = jnp.asarray(x)
   axis = canonical_axis(axis, x.ndim, fn_name)
   xc = x.astype(compute_dtype(x.dtype))
   mask = xc != -jnp.inf
   if where is not None:
-    where = jnp.asarray(where)
-    try:
-      where = jnp.broadcast_to(where, x.shape)
-    except ValueError:
-      raise ValueError(
-          f"{fn_name}: `where` of shape {where.shape} does not broadcast to `x` of shape "
-          f"{x.shape}") from None
-    mask = jnp.logical_and(mask, where.astype(bool))
-  x_safe = jnp.where(mask, xc, jnp.zeros_like(xc))
+    mask = jnp.logical_and(mask, _broadcast_where(where, x.shape, fn_name))
+  fill = masked_max(xc, mask, axis) if x.size else jnp.zeros_like(xc)
+  x_safe = jnp.where(mask, xc, jnp.broadcast_to(fill, xc.shape))
   return x_safe, mask, axis
 
 
@@ -122,8 +171,88 @@ def row_param(value, x_shape, axis: int, name: str, fn_name: str, dtype=jnp.floa
 
 
 def finish(w, mask, dtype):
-  """Exact zeros at masked entries, then the input dtype."""
-  return jnp.where(mask, w, jnp.zeros_like(w)).astype(dtype)
+  """Exact zeros at masked entries, then the output dtype of an input of ``dtype``."""
+  return jnp.where(mask, w, jnp.zeros_like(w)).astype(output_dtype(dtype))
+
+
+# --- the rules every registered normalizer follows (+inf, NaN, empty, dtype) ------------
+
+
+def share_among_inf(posinf, axis: int, hparams):
+  """The ``+inf`` rule of normalizing normalizers: 1/k on each of the k ``+inf`` entries."""
+  del hparams
+  k = jnp.sum(posinf, axis=axis, keepdims=True)
+  return posinf / jnp.maximum(k, 1)
+
+
+def dense_rules(fn: Callable[..., Any] | None = None, *,
+                inf_limit: float | Callable[..., Any] = share_among_inf,
+                keyed: bool = False) -> Any:
+  """Decorates ``fn(x, axis=-1, where=None, *, **hparams)`` with the shared input rules.
+
+  The module docstring states the rules; this wrapper applies the ones about the row as
+  a whole, so the normalizer's own code sees finite, floating, non-empty input:
+
+  * ``x`` of an integer or boolean dtype is promoted (:func:`output_dtype`);
+  * an empty ``x`` returns ``zeros(x.shape, output_dtype)`` (after the ``axis`` and
+    ``where`` checks);
+  * rows with a visible NaN are NaN on their visible entries;
+  * rows with a visible ``+inf`` get ``inf_limit``: a function
+    ``(posinf, axis, hparams) -> weights`` (default :func:`share_among_inf`, for every
+    normalizing normalizer), or a number, each ``+inf`` entry's own limit for pointwise
+    normalizers whose other entries are unaffected;
+  * ``+inf`` and NaN entries are replaced by the row's largest finite visible value
+    before ``fn`` runs, so its result (overridden in those rows) and its gradient (zero
+    there) are finite.
+
+  ``keyed=True`` for stochastic normalizers ``fn(key, x, axis=-1, where=None, ...)``.
+  The registry requires the mark this sets (``_spec.register``).
+  """
+  if fn is None:
+    return functools.partial(dense_rules, inf_limit=inf_limit, keyed=keyed)
+  name = fn.__name__
+
+  def apply(lead, x, axis, where, hparams):
+    x = jnp.asarray(x)
+    ax = canonical_axis(axis, x.ndim, name)
+    out_dtype = output_dtype(x.dtype)
+    if where is not None:
+      where = _broadcast_where(where, x.shape, name)
+    if x.size == 0:
+      return jnp.zeros(x.shape, out_dtype)
+    if x.dtype != out_dtype:
+      x = x.astype(out_dtype)
+    visible = x != -jnp.inf
+    if where is not None:
+      visible = visible & where
+    nan = visible & jnp.isnan(x)
+    posinf = visible & (x == jnp.inf)
+    odd = nan | posinf
+    finite_max = masked_max(x, visible & ~odd, ax)
+    x_in = jnp.where(odd, jnp.broadcast_to(finite_max, x.shape).astype(x.dtype), x)
+    w = fn(*lead, x_in, axis, where, **hparams)
+    inf_row = jnp.any(posinf, axis=ax, keepdims=True)
+    if callable(inf_limit):
+      w_inf = inf_limit(posinf, ax, hparams).astype(w.dtype)
+    else:
+      w_inf = jnp.where(posinf, jnp.asarray(inf_limit, w.dtype), w)
+    w = jnp.where(inf_row, w_inf, w)
+    nan_row = jnp.any(nan, axis=ax, keepdims=True)
+    return jnp.where(nan_row & visible, jnp.asarray(jnp.nan, w.dtype), w)
+
+  wrapped: Callable[..., Any]
+  if keyed:
+    @functools.wraps(fn)
+    def wrapped_keyed(key, x, axis=-1, where=None, **hparams):
+      return apply((key,), x, axis, where, hparams)
+    wrapped = wrapped_keyed
+  else:
+    @functools.wraps(fn)
+    def wrapped_plain(x, axis=-1, where=None, **hparams):
+      return apply((), x, axis, where, hparams)
+    wrapped = wrapped_plain
+  wrapped._jaxsoft_dense_rules = True  # type: ignore[attr-defined]
+  return wrapped
 
 
 # --- threshold solves over the last axis (class T) ------------------------------------------

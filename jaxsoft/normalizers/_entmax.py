@@ -91,6 +91,7 @@ def _support_jvp(g, v):
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
+@c.dense_rules
 def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""1.5-entmax, exact (feature N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
 
@@ -212,8 +213,9 @@ def _check_alpha(alpha):
                      + (" (and NaN)" if np.any(np.isnan(a)) else ""))
 
 
-def entmax(x: ArrayLike, alpha: ArrayLike = 1.5, axis: int = -1, where: ArrayLike | None = None,
-           n_iter: int | None = None) -> jax.Array:
+@c.dense_rules
+def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+           alpha: ArrayLike = 1.5, n_iter: int | None = None) -> jax.Array:
   r"""alpha-entmax for any alpha > 1 (feature N17, kernel class T; Peters et al. 2019).
 
   .. math::

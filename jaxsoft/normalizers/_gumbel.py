@@ -16,8 +16,18 @@ __all__ = ["gumbel_softmax"]
 _TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-def gumbel_softmax(key: jax.Array, x: ArrayLike, tau: ArrayLike = 1.0, hard: bool = False,
-                   axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def _inf_limit(posinf, axis, hparams):
+  """The +inf rule: 1/k on the k ``+inf`` entries; ``hard``: one-hot at the first of them."""
+  if not hparams.get("hard", False):
+    return c.share_among_inf(posinf, axis, hparams)
+  first = jnp.argmax(posinf, axis=axis, keepdims=True)
+  return jax.lax.broadcasted_iota(jnp.int32, posinf.shape, axis) == first
+
+
+@c.dense_rules(keyed=True, inf_limit=_inf_limit)
+def gumbel_softmax(key: jax.Array, x: ArrayLike, axis: int = -1,
+                   where: ArrayLike | None = None, *, tau: ArrayLike = 1.0,
+                   hard: bool = False) -> jax.Array:
   r"""Gumbel-softmax sample (feature N13, kernel class X; E. Jang, S. Gu & B. Poole 2017).
 
   From "Categorical Reparameterization with Gumbel-Softmax" (Jang, Gu & Poole, ICLR 2017,

@@ -25,8 +25,9 @@ def _log_length(length):
   return jnp.log(jnp.maximum(length, 1.0))
 
 
-def sigmoid(x: ArrayLike, bias: ArrayLike | None = None, axis: int = -1,
-            where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules(inf_limit=1.0)
+def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+            bias: ArrayLike | None = None) -> jax.Array:
   r"""Sigmoid attention weights (feature N21, kernel class P; J. Ramapuram et al. 2024).
 
   From "Theory, Analysis, and Best Practices for Sigmoid Self-Attention" (J. Ramapuram
@@ -73,6 +74,7 @@ def sigmoid(x: ArrayLike, bias: ArrayLike | None = None, axis: int = -1,
   return c.finish(jax.nn.sigmoid(xs + b), mask, jnp.asarray(x).dtype)
 
 
+@c.dense_rules(inf_limit=float("inf"))
 def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""ReLU weights ``max(0, x_i)`` (feature N22, kernel class P; see docs/feature_ids.md).
 
@@ -102,6 +104,7 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
   return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
 
 
+@c.dense_rules(inf_limit=float("inf"))
 def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Length-normalised ReLU ``max(0, x_i) / n`` (feature N22, class P).
 
@@ -124,6 +127,7 @@ def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.
   return c.finish(jax.nn.relu(xs) / n, mask, jnp.asarray(x).dtype)
 
 
+@c.dense_rules(inf_limit=float("inf"))
 def relu2(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Squared ReLU ``max(0, x_i)^2`` (feature N22, kernel class P).
 

@@ -41,8 +41,9 @@ def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def softmax_n(x: ArrayLike, n: ArrayLike = 1.0, axis: int = -1,
-              where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+              n: ArrayLike = 1.0) -> jax.Array:
   r"""Softmax with ``n`` units of sink mass (feature N03, kernel class E; Hu et al. 2024).
 
   .. math::
@@ -86,6 +87,7 @@ def softmax_n(x: ArrayLike, n: ArrayLike = 1.0, axis: int = -1,
   return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
 
 
+@c.dense_rules
 def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Softmax_1 = ``e^{x_i} / (1 + sum_j e^{x_j}) = softmax([x, 0])[:-1]`` (N03, class E).
 
@@ -106,8 +108,9 @@ def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
   return softmax_n(x, n=1.0, axis=axis, where=where)
 
 
-def softmax_sink(x: ArrayLike, sink_logit: ArrayLike = 0.0, axis: int = -1,
-                 where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                 sink_logit: ArrayLike = 0.0) -> jax.Array:
   r"""Softmax with a (learned) sink logit (feature N03, kernel class E; see docs/feature_ids.md).
 
   .. math::

@@ -14,7 +14,8 @@ __all__ = ["softmax"]
 _TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+@c.dense_rules
+def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
             temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Softmax with temperature (feature N01, kernel class E; see docs/feature_ids.md).
 

@@ -12,6 +12,7 @@ from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_m
 __all__ = ["softpick"]
 
 
+@c.dense_rules
 def softpick(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Softpick (feature N20, kernel class E; Z. M. K. Zuhri, E. H. Fuadi & A. F. Aji 2025).
 

@@ -74,7 +74,8 @@ def _powered_softplus(x, axis, where, p, base, scale, fn_name):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+@c.dense_rules
+def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                 base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
   r"""Softplus-l1 attention weights, LSSA (feature N23, kernel class S; Gao & Spratling 2025).
 
@@ -118,8 +119,9 @@ def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   return _powered_softplus(x, axis, where, 1.0, base, scale, "softplus_l1")
 
 
-def lssar(x: ArrayLike, p: ArrayLike = 2.0, axis: int = -1, where: ArrayLike | None = None,
-          base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
+@c.dense_rules
+def lssar(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+          p: ArrayLike = 2.0, base: float | None = 512.0, scale: ArrayLike = 1.0) -> jax.Array:
   r"""LSSAR: softplus-l1 weights sharpened by a power (feature N23, class S; Gao & Spratling 2025).
 
   .. math::

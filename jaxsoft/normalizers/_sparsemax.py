@@ -77,6 +77,7 @@ def _sparsemax_last_jvp(primals, tangents):
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
+@c.dense_rules
 def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Sparsemax (feature N16, kernel class T; A. F. T. Martins & R. F. Astudillo 2016).
 

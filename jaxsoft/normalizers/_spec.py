@@ -9,6 +9,7 @@ engine share. The test-suite is generated from these declarations.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -20,6 +21,7 @@ __all__ = [
     "NormalizerSpec",
     "REGISTRY",
     "register",
+    "check_signature",
     "get",
     "names",
     "resolve",
@@ -185,8 +187,8 @@ class NormalizerSpec:
 
   Attributes:
     name: registry name, usable as ``normalizer="name"`` everywhere.
-    fn: ``fn(x, axis=-1, where=None, **hparams)`` (``fn(key, x, ...)`` when
-      ``needs_key``).
+    fn: ``fn(x, axis=-1, where=None, *, **hparams)``, hyperparameters keyword-only
+      (``fn(key, x, ...)`` when ``needs_key``); checked by :func:`register`.
     kernel_class: one of E, S, P, R, T, X (explained in docs/feature_ids.md).
     catalogue_id: the feature id, e.g. "N01" (listed in docs/feature_ids.md).
     sums_to_one: rows with a visible entry sum to 1.
@@ -265,8 +267,49 @@ class NormalizerSpec:
 REGISTRY: dict[str, NormalizerSpec] = {}
 
 
+_LEADING = ("x", "axis", "where")
+
+
+def check_signature(fn: Callable[..., Any], needs_key: bool, name: str) -> None:
+  """Raises ValueError unless ``fn`` is ``fn([key,] x, axis=-1, where=None, *, **hparams)``.
+
+  ``x``, ``axis`` and ``where`` (after the PRNG ``key`` of stochastic normalizers) are the
+  only positional parameters, in that order, ``axis`` defaulting to -1 and ``where`` to
+  None; every hyperparameter is keyword-only, so a second positional argument is always
+  the axis (as in ``jax.nn.softmax``), never silently a hyperparameter.
+  """
+  try:
+    params = list(inspect.signature(fn).parameters.values())
+  except (TypeError, ValueError):
+    raise ValueError(f"normalizer {name!r}: cannot read the signature of {fn!r}") from None
+  leading = (("key",) if needs_key else ()) + _LEADING
+  positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                p.VAR_POSITIONAL)]
+  want = f"({', '.join(leading[:-2])}, axis=-1, where=None, *, <hyperparameters>)"
+  got = tuple(p.name for p in positional)
+  if got != leading or any(p.kind == p.VAR_POSITIONAL for p in positional):
+    raise ValueError(
+        f"normalizer {name!r}: the signature must be {want} with every hyperparameter "
+        f"keyword-only; got positional parameters {got}")
+  by_name = {p.name: p for p in params}
+  if by_name["axis"].default != -1 or by_name["where"].default is not None:
+    raise ValueError(f"normalizer {name!r}: the signature must be {want} (axis defaults to "
+                     "-1 and where to None)")
+
+
 def register(spec: NormalizerSpec) -> NormalizerSpec:
-  """Adds ``spec`` to the registry (names are unique)."""
+  """Adds ``spec`` to the registry (names are unique).
+
+  The function's signature is checked (:func:`check_signature`): hyperparameters must be
+  keyword-only; and it must carry ``_common.dense_rules`` (the shared input rules).
+  """
+  check_signature(spec.fn, spec.needs_key, spec.name)
+  base = getattr(spec.fn, "func", spec.fn)  # a functools.partial of a normalizer
+  if not getattr(base, "_jaxsoft_dense_rules", False):
+    raise ValueError(
+        f"normalizer {spec.name!r}: decorate its function with "
+        "jaxsoft.normalizers._common.dense_rules, which applies the input rules every "
+        "normalizer shares (integer promotion, empty arrays, the +inf and NaN rules)")
   if spec.name in REGISTRY and REGISTRY[spec.name] is not spec:
     raise ValueError(f"normalizer {spec.name!r} is already registered")
   REGISTRY[spec.name] = spec

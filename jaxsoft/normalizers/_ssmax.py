@@ -26,8 +26,9 @@ def _scale(length, s, n, bias):
   return s * jnp.log(jnp.where(nn >= 1.0, nn, 1.0)) + bias
 
 
-def ssmax(x: ArrayLike, s: ArrayLike = 0.43, n: ArrayLike | None = None, bias: ArrayLike = 0.0,
-          axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def ssmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+          s: ArrayLike = 0.43, n: ArrayLike | None = None, bias: ArrayLike = 0.0) -> jax.Array:
   r"""Scalable-Softmax (feature N05, kernel class E; K. M. Nakanishi 2025, arXiv 2501.19399).
 
   From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025):

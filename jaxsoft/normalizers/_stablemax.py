@@ -32,6 +32,7 @@ def stablemax_map(x: ArrayLike) -> jax.Array:
   return jnp.where(x >= 0, x + 1.0, 1.0 / (1.0 - neg))
 
 
+@c.dense_rules
 def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""StableMax (feature N19, kernel class S; L. Prieto et al., ICLR 2025).
 

@@ -49,8 +49,9 @@ def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
   return acc
 
 
-def taylor_softmax(x: ArrayLike, order: int = 2, axis: int = -1,
-                   where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                   order: int = 2) -> jax.Array:
   r"""Taylor softmax (feature N24, kernel class S; de Brébisson & Vincent 2016; TaylorShift).
 
   .. math::

@@ -37,8 +37,9 @@ def _softmax_over(xs, keep, axis):
   return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
 
 
-def top_k_softmax(x: ArrayLike, k: int = DEFAULT_K, axis: int = -1,
-                  where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def top_k_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                  k: int = DEFAULT_K) -> jax.Array:
   r"""Top-k (sparse) softmax (feature N15, kernel class T; S. Sun et al. 2021).
 
   From "Sparse-softmax: A Simpler and Faster Alternative Softmax Transformation" (Sun et
@@ -105,8 +106,9 @@ def _full_softmax(xs, mask, axis):
   return jax.lax.stop_gradient(_softmax_over(xs, mask, axis))
 
 
-def top_p_softmax(x: ArrayLike, p: float = 0.9, axis: int = -1,
-                  where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                  p: float = 0.9) -> jax.Array:
   r"""Nucleus (top-p) softmax (feature N15, kernel class T; A. Holtzman et al. 2020).
 
   From "The Curious Case of Neural Text Degeneration" (Holtzman, Buys, Du, Forbes & Choi,
@@ -175,8 +177,9 @@ def _truncated_softmax(x, where, level, axis, fn_name):
   return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
 
 
-def epsilon_softmax(x: ArrayLike, epsilon: ArrayLike = 3e-4, axis: int = -1,
-                    where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                    epsilon: ArrayLike = 3e-4) -> jax.Array:
   r"""epsilon-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
 
   .. math::
@@ -210,8 +213,9 @@ def epsilon_softmax(x: ArrayLike, epsilon: ArrayLike = 3e-4, axis: int = -1,
   return _truncated_softmax(x, where, epsilon, axis=axis, fn_name="epsilon_softmax")
 
 
-def eta_softmax(x: ArrayLike, eta: ArrayLike = 3e-4, axis: int = -1,
-                where: ArrayLike | None = None) -> jax.Array:
+@c.dense_rules
+def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                eta: ArrayLike = 3e-4) -> jax.Array:
   r"""eta-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
 
   From "Truncation Sampling as Language Model Desmoothing" (J. Hewitt, C. D. Manning &

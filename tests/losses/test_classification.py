@@ -339,7 +339,7 @@ def test_top_k_gradient_is_top_k_softmax_minus_one_hot():
   """Against the top_k_softmax normalizer (another helper's N15)."""
   x, labels = _logits(36, (6, 9)), _labels(37, (6,), 9)
   k = 4
-  p = js.normalizers.top_k_softmax(x, k)
+  p = js.normalizers.top_k_softmax(x, k=k)
   in_top = jnp.take_along_axis(p, labels[:, None], axis=-1)[:, 0] > 0
   dx = jax.grad(lambda a: topk_ce(a, labels, k).sum())(x)
   expected = p - jax.nn.one_hot(labels, 9)

@@ -61,7 +61,7 @@ def test_top_k_matches_reference(k):
   mask[1, :2] = True
   mask[1, 2:] = False  # fewer than k visible entries: all of them are kept
   want = _softmax64(x, reference_keep_top_k(x, k, mask) & mask)
-  got = top_k_softmax(x, k, where=mask)
+  got = top_k_softmax(x, k=k, where=mask)
   chex.assert_trees_all_close(got, jnp.asarray(want, jnp.float32), atol=1e-6)
   n_kept = np.minimum(k, mask.sum(-1))
   assert np.array_equal(np.asarray(jnp.sum(got > 0, -1)), n_kept)
@@ -69,11 +69,11 @@ def test_top_k_matches_reference(k):
 
 def test_top_k_closed_forms():
   x = normal(2, (6, 9))
-  chex.assert_trees_all_close(top_k_softmax(x, 9), jax.nn.softmax(x), atol=1e-6)
-  chex.assert_trees_all_close(top_k_softmax(x, 1), jax.nn.one_hot(jnp.argmax(x, -1), 9), atol=0)
+  chex.assert_trees_all_close(top_k_softmax(x, k=9), jax.nn.softmax(x), atol=1e-6)
+  chex.assert_trees_all_close(top_k_softmax(x, k=1), jax.nn.one_hot(jnp.argmax(x, -1), 9), atol=0)
   ties = jnp.array([1.0, 3.0, 3.0, 3.0, 0.0])
   # every entry tied with the k-th largest is kept (permutation equivariance)
-  chex.assert_trees_all_close(top_k_softmax(ties, 2), jnp.array([0, 1, 1, 1, 0]) / 3.0, atol=1e-7)
+  chex.assert_trees_all_close(top_k_softmax(ties, k=2), jnp.array([0, 1, 1, 1, 0]) / 3.0, atol=1e-7)
 
 
 def test_top_k_gradients_and_axis():
@@ -81,13 +81,13 @@ def test_top_k_gradients_and_axis():
   ct = normal(4, x.shape)
   keep = reference_keep_top_k(np.asarray(x), 3, np.ones(x.shape, bool))
   ref = lambda v: jax.nn.softmax(jnp.where(keep, v, -jnp.inf), axis=-1)  # noqa: E731
-  out, vjp = jax.vjp(lambda v: top_k_softmax(v, 3), x)
+  out, vjp = jax.vjp(lambda v: top_k_softmax(v, k=3), x)
   ref_out, ref_vjp = jax.vjp(ref, x)
   chex.assert_trees_all_close(out, ref_out, atol=1e-6)
   chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=1e-6)
   assert bool(jnp.all(jnp.where(keep, 0.0, vjp(ct)[0]) == 0))  # zero gradient outside top-k
-  chex.assert_trees_all_close(top_k_softmax(x, 3, axis=1),
-                              jnp.moveaxis(top_k_softmax(jnp.moveaxis(x, 1, -1), 3), -1, 1),
+  chex.assert_trees_all_close(top_k_softmax(x, k=3, axis=1),
+                              jnp.moveaxis(top_k_softmax(jnp.moveaxis(x, 1, -1), k=3), -1, 1),
                               atol=0)
 
 
@@ -95,7 +95,7 @@ def test_top_k_check_grads_float64():
   from jax.test_util import check_grads
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.PRNGKey(5), (3, 8), dtype=jnp.float64)
-    check_grads(lambda v: top_k_softmax(v, 4), (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
+    check_grads(lambda v: top_k_softmax(v, k=4), (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
 
 
 @pytest.mark.parametrize("p", [0.3, 0.7, 0.95, 1.0])
@@ -104,13 +104,13 @@ def test_top_p_matches_reference(p):
   mask = _mask(7, x.shape)
   mask[0] = False
   want = _softmax64(x, reference_keep_top_p(x, p, mask))
-  chex.assert_trees_all_close(top_p_softmax(x, p, where=mask), jnp.asarray(want, jnp.float32),
+  chex.assert_trees_all_close(top_p_softmax(x, p=p, where=mask), jnp.asarray(want, jnp.float32),
                               atol=1e-6)
 
 
 def test_top_p_one_is_softmax():
   x = normal(8, (5, 7))
-  chex.assert_trees_all_close(top_p_softmax(x, 1.0), jax.nn.softmax(x), atol=1e-6)
+  chex.assert_trees_all_close(top_p_softmax(x, p=1.0), jax.nn.softmax(x), atol=1e-6)
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.02, 0.1, 0.5])
@@ -120,7 +120,7 @@ def test_epsilon_matches_reference(eps):
   mask[0] = False
   probs = _softmax64(x, mask)
   keep = mask & ((probs >= eps) | (probs == probs.max(-1, keepdims=True)))
-  chex.assert_trees_all_close(epsilon_softmax(x, eps, where=mask),
+  chex.assert_trees_all_close(epsilon_softmax(x, epsilon=eps, where=mask),
                               jnp.asarray(_softmax64(x, keep), jnp.float32), atol=1e-6)
 
 
@@ -134,12 +134,12 @@ def test_eta_matches_reference(eta):
     entropy = -np.sum(np.where(probs > 0, probs * np.log(probs), 0), -1, keepdims=True)
   thr = np.minimum(eta, np.sqrt(eta) * np.exp(-entropy))
   keep = mask & ((probs >= thr) | (probs == probs.max(-1, keepdims=True)))
-  chex.assert_trees_all_close(eta_softmax(x, eta, where=mask),
+  chex.assert_trees_all_close(eta_softmax(x, eta=eta, where=mask),
                               jnp.asarray(_softmax64(x, keep), jnp.float32), atol=1e-6)
 
 
-ALL = [lambda v, **kw: top_k_softmax(v, 4, **kw), lambda v, **kw: top_p_softmax(v, 0.8, **kw),
-       lambda v, **kw: epsilon_softmax(v, 0.05, **kw), lambda v, **kw: eta_softmax(v, 0.05, **kw)]
+ALL = [lambda v, **kw: top_k_softmax(v, k=4, **kw), lambda v, **kw: top_p_softmax(v, p=0.8, **kw),
+       lambda v, **kw: epsilon_softmax(v, epsilon=0.05, **kw), lambda v, **kw: eta_softmax(v, eta=0.05, **kw)]
 
 
 @pytest.mark.parametrize("fn", ALL)
@@ -175,16 +175,16 @@ def test_bad_input():
   x = jnp.ones((2, 5))
   for bad in (0, 6, -1, 2.0, jnp.array(2)):
     with pytest.raises(ValueError, match="`k`"):
-      top_k_softmax(x, bad)
+      top_k_softmax(x, k=bad)
   for bad in (0.0, 1.5, -0.1):
     with pytest.raises(ValueError, match="`p`"):
-      top_p_softmax(x, bad)
+      top_p_softmax(x, p=bad)
   with pytest.raises(ValueError, match="epsilon"):
-    epsilon_softmax(x, 1.0)
+    epsilon_softmax(x, epsilon=1.0)
   with pytest.raises(ValueError, match="eta"):
-    eta_softmax(x, -0.5)
+    eta_softmax(x, eta=-0.5)
   with pytest.raises(ValueError, match="axis"):
-    top_k_softmax(x, 2, axis=3)
+    top_k_softmax(x, k=2, axis=3)
 
 
 def test_specs():
