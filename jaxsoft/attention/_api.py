@@ -487,8 +487,9 @@ def dot_product_attention(
       softmax_1 include their offset (``log(e^s + sum_j e^{l_j})``), ssmax the
       log-sum-exp of its scaled scores ``s log(n) l``. P (sigmoid, relu, ...): 0 (there is
       no denominator: D = 1). T (sparsemax, entmax, top-k): the threshold tau in the
-      rule's score units (sparsemax ``w = [l - tau]_+``; top-k: the k-th largest logit;
-      ``-inf`` for a row with no visible key). Other normalizers (epsilon/eta/top-p
+      rule's score units (sparsemax ``w = [l - tau]_+``; top-k: the k-th largest logit,
+      or a value at most the smallest visible logit when fewer than k are visible; ``-inf`` for a
+      row with no visible key). Other normalizers (epsilon/eta/top-p
       softmax, gumbel) and plain callables define none: NotImplementedError. The Pallas
       implementations do not return it (NotImplementedError: the chain falls through).
     decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
