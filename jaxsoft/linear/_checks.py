@@ -138,10 +138,12 @@ def check_chunk_size(chunk_size: Any, fn_name: str) -> int:
   return int(chunk_size)
 
 
-def check_implementation(implementation: Any, T: int, fn_name: str) -> str:
-  """``"parallel" | "recurrent" | "chunked"``; None picks by length; "pallas" is not yet built."""
+def check_implementation(implementation: Any, T: int, fn_name: str,
+                         parallel_max_t: int = PARALLEL_MAX_T) -> str:
+  """``"parallel" | "recurrent" | "chunked"``; None picks the parallel form up to
+  ``parallel_max_t`` and the chunked one above; "pallas" is not built yet."""
   if implementation is None:
-    return "parallel" if T <= PARALLEL_MAX_T else "chunked"
+    return "parallel" if T <= parallel_max_t else "chunked"
   if implementation == "pallas":
     raise NotImplementedError(
         f"{fn_name}: implementation='pallas' is not implemented yet for the linear family; use "

@@ -71,7 +71,7 @@ def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
     o_t = S_t^\top (\text{scale} \cdot q_t)
 
   (Schlag et al. 2021; parallelised over the sequence by Yang et al. 2024). The chunked
-  and parallel forms use the UT / WY representation: one unit-lower-triangular solve per
+  and parallel forms use the UT / WY representation: one unit-lower-triangular inverse per
   chunk (``[chunk, chunk]``; ``[T, T]`` for the parallel form), no loop over tokens.
 
   Args:

