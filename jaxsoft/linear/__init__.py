@@ -16,7 +16,7 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 The feature ids are explained in docs/feature_ids.md.
 """
 
-from jaxsoft.linear._checks import IMPLEMENTATIONS, PARALLEL_MAX_T
+from jaxsoft.linear._checks import IMPLEMENTATIONS
 from jaxsoft.linear._delta import (
     delta_rule,
     delta_rule_step,
@@ -41,5 +41,4 @@ __all__ = [
     "l2_normalize",
     "FEATURE_MAPS",
     "IMPLEMENTATIONS",
-    "PARALLEL_MAX_T",
 ]

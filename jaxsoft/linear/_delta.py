@@ -82,8 +82,8 @@ def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
     initial_state: ``[B, N, K, V]`` or None (zeros).
     output_final_state: also return the final state ``[B, N, K, V]`` (float32).
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes.
-    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel up to
-      T = 256, else chunked); ``"pallas"`` raises NotImplementedError.
+    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
+      T <= chunk_size, else chunked); ``"pallas"`` raises NotImplementedError.
     chunk_size: the chunk length of the chunked form (T need not be a multiple).
     qk_l2norm: L2-normalise ``q`` and ``k`` along K first (:func:`l2_normalize`).
 

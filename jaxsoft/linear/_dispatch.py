@@ -29,12 +29,12 @@ class Call:
 
 
 def prepare(fn_name: str, q, k, v, *, scale, segment_ids, implementation,
-            chunk_size, parallel_max_t: int = _checks.PARALLEL_MAX_T) -> Call:
+            chunk_size) -> Call:
   """Checks ``q, k, v``, ``segment_ids``, ``chunk_size``, ``implementation`` and ``scale``."""
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, _, K = q.shape
   chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
-  impl = _checks.check_implementation(implementation, T, fn_name, parallel_max_t)
+  impl = _checks.check_implementation(implementation, T, chunk_size, fn_name)
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)

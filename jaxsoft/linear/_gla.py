@@ -2,7 +2,8 @@ r"""Gated linear attention: a decay per head (``simple_gla``) or per key channel
 
 Feature A38. ``simple_gla`` is the scalar-decay recurrence of RetNet (Sun et al. 2023,
 "Retentive Network: A Successor to Transformer for Large Language Models", with a fixed
-decay) and of Lightning Attention / TransNormerLLM (Qin et al. 2024); ``gla`` is Gated
+decay) and of Lightning Attention (Qin et al. 2024, "Lightning Attention-2: A Free Lunch
+for Handling Unlimited Sequence Lengths in Large Language Models"); ``gla`` is Gated
 Linear Attention (Yang, Wang, Shen, Panda & Kim 2024, "Gated Linear Attention Transformers
 with Hardware-Efficient Training", ICML 2024) with a data-dependent decay per key channel.
 The conventions (layouts, ``scale`` applied to ``q``, the ``[K, V]`` state) are those of
@@ -24,11 +25,8 @@ __all__ = ["simple_gla", "simple_gla_step", "gla", "gla_step"]
 
 def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
            output_final_state, segment_ids, implementation, chunk_size):
-  # Per-channel decays: the parallel form holds [T, T, K] per head, so None picks it only
-  # when it is a single chunk anyway.
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
-                           implementation=implementation, chunk_size=chunk_size,
-                           parallel_max_t=chunk_size if per_channel else _checks.PARALLEL_MAX_T)
+                           implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
   if per_channel:
     g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
@@ -62,7 +60,7 @@ def simple_gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes (packed sequences).
     implementation: ``"parallel"`` (T x T per head), ``"recurrent"`` (a scan over tokens),
       ``"chunked"`` (a scan over chunks; memory O(T·K·V / chunk_size + T·chunk_size)) or
-      None (parallel up to T = 256, else chunked). ``"pallas"`` raises NotImplementedError.
+      None (parallel when T <= chunk_size, else chunked). ``"pallas"`` raises NotImplementedError.
     chunk_size: the chunk length of the chunked form (T need not be a multiple).
 
   Returns:
@@ -93,17 +91,14 @@ def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
   Hardware-Efficient Training"). The chunked form computes the intra-chunk scores
   ``Σ_c q_ic k_jc e^{G_ic - G_jc}`` from a masked ``[chunk, chunk, K]`` tensor per chunk
   (no secondary chunking yet), so its memory is O(T·chunk_size·K + T·K·V / chunk_size);
-  the parallel form holds ``[T, T, K]`` per head, so ``implementation=None`` picks it only
-  when T <= chunk_size (one chunk: the two forms are then the same computation).
+  the parallel form holds ``[T, T, K]`` per head.
 
   Args:
     q, k: ``[B, T, N, K]``.
     v: ``[B, T, N, V]``.
     g: ``[B, T, N, K]`` log decays, ``<= 0`` and finite.
-    scale, initial_state, output_final_state, segment_ids, chunk_size: as in
+    scale, initial_state, output_final_state, segment_ids, implementation, chunk_size: as in
       :func:`simple_gla`.
-    implementation: as in :func:`simple_gla`, except that None picks the parallel form only
-      up to T = chunk_size.
 
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.

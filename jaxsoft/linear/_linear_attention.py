@@ -110,8 +110,8 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
       None: zeros.
     output_final_state: also return the final state (the same form, float32).
     segment_ids: ``[B, T]`` ints; the state (and z) is reset where the id changes.
-    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel up to
-      T = 256, else chunked); ``"pallas"`` raises NotImplementedError.
+    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
+      T <= chunk_size, else chunked); ``"pallas"`` raises NotImplementedError.
     chunk_size: the chunk length of the chunked form (T need not be a multiple).
     eps: the smallest denominator magnitude.
 

@@ -143,10 +143,13 @@ def test_chunked_has_no_t_by_t_buffer(variant):
 
 
 def test_default_implementation_by_length():
-  assert linear.PARALLEL_MAX_T == 256
-  q = k = v = jnp.ones((1, linear.PARALLEL_MAX_T + 1, 1, 2))
-  closed = jax.make_jaxpr(lambda q: linear.linear_attention(q, k, v, chunk_size=8))(q)
-  assert _max_t_axes(closed.jaxpr, linear.PARALLEL_MAX_T + 1) == 1   # chunked
+  """None: the parallel form within one chunk, the chunked form beyond (no T x T buffer)."""
+  for variant in ("linear_attention", "gla"):
+    args = cases.inputs(variant, B=1, T=20, N=1, state=False)
+    fn = lambda a, variant=variant: cases.call(variant, a, chunk_size=8)
+    assert _max_t_axes(jax.make_jaxpr(fn)(args).jaxpr, 20) == 1
+    fn = lambda a, variant=variant: cases.call(variant, a, chunk_size=32)
+    assert _max_t_axes(jax.make_jaxpr(fn)(args).jaxpr, 20) == 2
 
 
 def test_relu_features_zero_denominator_is_finite():
@@ -198,13 +201,6 @@ def test_matrix_slow(variant, T, chunk, with_segments):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(
         a, b, rtol=5e-5, atol=5e-5 * float(jnp.max(jnp.abs(b)))),
         results[form][1], results["recurrent"][1])
-
-
-def test_gla_default_is_chunked_beyond_one_chunk():
-  """gla's parallel form holds [T, T, K]: None picks it only for T <= chunk_size."""
-  args = cases.inputs("gla", B=1, T=20, N=1, state=False)
-  closed = jax.make_jaxpr(lambda a: linear.gla(a["q"], a["k"], a["v"], a["g"], chunk_size=8))(args)
-  assert _max_t_axes(closed.jaxpr, 20) == 1
 
 
 @pytest.mark.parametrize("C", [1, 5, 16])
