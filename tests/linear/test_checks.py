@@ -3,15 +3,23 @@ for the not-yet-built Pallas form); traced values are checked for shape only."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxsoft import linear
 
 B, T, N, K, V = 1, 5, 2, 4, 3
-q = k = jnp.ones((B, T, N, K))
-v = jnp.ones((B, T, N, V))
-g = -jnp.ones((B, T, N))
-beta = jnp.full((B, T, N), 0.5)
+# numpy inputs: no JAX work at import (collection) time.
+q = k = np.ones((B, T, N, K), np.float32)
+v = np.ones((B, T, N, V), np.float32)
+g = -np.ones((B, T, N), np.float32)
+beta = np.full((B, T, N), 0.5, np.float32)
+
+
+def _set(x, index, value):
+  x = x.copy()
+  x[index] = value
+  return x
 
 
 def _bad_calls():
@@ -21,10 +29,10 @@ def _bad_calls():
   yield "`q`", lambda: linear.linear_attention(q.astype(jnp.int32), k, v)
   yield "`g`", lambda: linear.simple_gla(q, k, v, -jnp.ones((B, T, N, K)))     # per channel
   yield "`g`", lambda: linear.gla(q, k, v, g)                                   # per head
-  yield "`g`", lambda: linear.simple_gla(q, k, v, g.at[0, 2, 1].set(0.1))       # g > 0
-  yield "`g`", lambda: linear.gated_delta_rule(q, k, v, g.at[0, 0, 0].set(-jnp.inf), beta)
-  yield "`beta`", lambda: linear.delta_rule(q, k, v, beta.at[0, 1, 0].set(2.5))
-  yield "`beta`", lambda: linear.gated_delta_rule(q, k, v, g, beta.at[0, 1, 0].set(-0.1))
+  yield "`g`", lambda: linear.simple_gla(q, k, v, _set(g, (0, 2, 1), 0.1))       # g > 0
+  yield "`g`", lambda: linear.gated_delta_rule(q, k, v, _set(g, (0, 0, 0), -np.inf), beta)
+  yield "`beta`", lambda: linear.delta_rule(q, k, v, _set(beta, (0, 1, 0), 2.5))
+  yield "`beta`", lambda: linear.gated_delta_rule(q, k, v, g, _set(beta, (0, 1, 0), -0.1))
   yield "`beta`", lambda: linear.delta_rule(q, k, v, beta[..., None])
   yield "`chunk_size`", lambda: linear.simple_gla(q, k, v, g, chunk_size=0)
   yield "`chunk_size`", lambda: linear.simple_gla(q, k, v, g, chunk_size=4.0)
