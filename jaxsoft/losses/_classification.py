@@ -17,8 +17,9 @@ __all__ = [
 ]
 
 
-def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
-                          where: ArrayLike | None = None, label_smoothing: ArrayLike = 0.0) -> jax.Array:
+def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
+                          where: ArrayLike | None = None, *,
+                          label_smoothing: ArrayLike = 0.0) -> jax.Array:
   r"""Softmax cross-entropy against probability targets (feature L01).
 
   .. math::
@@ -73,7 +74,7 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int = -
 
 
 def softmax_cross_entropy_with_integer_labels(
-    logits: ArrayLike, labels: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None,
+    logits: ArrayLike, labels: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     label_smoothing: ArrayLike = 0.0, ignore_index: int | None = None) -> jax.Array:
   r"""Softmax cross-entropy against integer class labels (feature L01).
 

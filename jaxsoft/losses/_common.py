@@ -1,7 +1,9 @@
 """Argument checks and masking shared by the losses.
 
 Conventions (as optax): a loss returns one value per example, of the logits' shape
-without the class ``axis``, in the logits' dtype (computed in float32 for bf16/fp16).
+without the class ``axis``, in the logits' dtype (computed in float32 for bf16/fp16;
+integer and boolean logits promote to float32 as in the normalizers). Zero examples give
+an empty result; a zero-sized class axis gives loss 0 for every example (no visible class).
 
 ``where`` is either an element mask broadcastable to ``logits`` (a False *class* is left
 out of every sum, max and normaliser, as a ``-inf`` logit is) or, when it has exactly one
@@ -20,10 +22,16 @@ from jaxsoft.normalizers import _common as nc
 
 
 def check_logits(logits, fn_name: str):
-  """``logits`` as an array of a floating dtype with at least one dimension."""
+  """``logits`` as a floating array with at least one dimension.
+
+  Integer and boolean logits promote as the normalizers' inputs do
+  (``normalizers._common.output_dtype``: float32, float64 for int64 under x64).
+  """
   logits = jnp.asarray(logits)
   if not jnp.issubdtype(logits.dtype, jnp.floating):
-    raise ValueError(f"{fn_name}: `logits` must have a floating dtype, got {logits.dtype}")
+    if not (jnp.issubdtype(logits.dtype, jnp.integer) or logits.dtype == jnp.bool_):
+      raise ValueError(f"{fn_name}: `logits` must have a real dtype, got {logits.dtype}")
+    logits = logits.astype(nc.output_dtype(logits.dtype))
   if logits.ndim == 0:
     raise ValueError(f"{fn_name}: `logits` must have a class axis, got a scalar")
   return logits

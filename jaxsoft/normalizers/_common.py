@@ -116,7 +116,7 @@ def prepare(x, axis: int, where, fn_name: str):
   mask = xc != -jnp.inf
   if where is not None:
     mask = jnp.logical_and(mask, _broadcast_where(where, x.shape, fn_name))
-  fill = masked_max(xc, mask, axis) if x.size else jnp.zeros_like(xc)
+  fill = masked_max(xc, mask, axis)
   x_safe = jnp.where(mask, xc, jnp.broadcast_to(fill, xc.shape))
   return x_safe, mask, axis
 
@@ -132,6 +132,8 @@ def masked_max(z, mask, axis: int):
   The stabiliser of class-E normalizers; its value cancels in the result, so it carries
   no gradient (as in jax.nn.softmax).
   """
+  if z.shape[axis] == 0:  # an empty row: nothing is visible
+    return jnp.zeros(z.shape[:axis] + (1,) + z.shape[axis + 1:], z.dtype)
   m = jnp.max(jnp.where(mask, z, -jnp.inf), axis=axis, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m))
   return jax.lax.stop_gradient(m)
@@ -251,7 +253,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     def wrapped_plain(x, axis=-1, where=None, **hparams):
       return apply((), x, axis, where, hparams)
     wrapped = wrapped_plain
-  wrapped._jaxsoft_dense_rules = True  # type: ignore[attr-defined]
+  setattr(wrapped, "_jaxsoft_dense_rules", True)  # noqa: B010 (the registry's mark)
   return wrapped
 
 

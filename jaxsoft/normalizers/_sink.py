@@ -10,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
@@ -22,21 +23,45 @@ _N = Param("n", 1.0, low=0.0, sample=3.0, row_broadcast=True)
 _SINK = Param("sink_logit", 0.0, sample=-1.5, row_broadcast=True)
 
 
+def sink_mass(n, s_minus_m):
+  """``n e^{s - m}``, the sink's share of the denominator, finite in value and gradient.
+
+  With the stabiliser ``m >= s + log n`` it is at most 1 for ``n > 0``; for ``n = 0`` it
+  is 0, and the exponent is capped just below float overflow so the gradient in ``n``
+  (``e^{s - m}``, beyond the float range only when every score is ~88 below the sink)
+  saturates instead of making ``0·inf = NaN``.
+  """
+  cap = float(np.log(np.finfo(np.dtype(s_minus_m.dtype)).max)) - 1.0
+  return n * jnp.exp(jnp.minimum(s_minus_m, cap))
+
+
+def sink_floor(sink_logit, n):
+  """``s + log n``: the sink logit of ``softmax([x, s + log n])``, ``-inf`` when ``n = 0``.
+
+  The stabiliser floor that keeps ``n e^{s - m} <= 1`` (no gradient: it cancels).
+  """
+  n = jnp.asarray(n)
+  pos = n > 0
+  log_n = jnp.where(pos, jnp.log(jnp.where(pos, n, 1.0)), -jnp.inf)
+  return jax.lax.stop_gradient(sink_logit + log_n)
+
+
 def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
   """``e^{x_i} / (n * e^{s} + sum_j e^{x_j})`` over visible entries.
 
-  Stabilised with ``M = max(max_V x, s)``, the max over the row *and* the sink, so
-  neither ``e^{x - M}`` nor ``e^{s - M}`` can overflow (for softmax_1, whose sink logit is
-  0, this is the usual ``M = max(max x, 0)``).
+  This is ``softmax([x, s + log n])`` without the sink's own entry, stabilised with
+  ``M = max(max_V x, s + log n)`` (no floor when n = 0: plain softmax), so neither
+  ``e^{x - M}`` nor ``n e^{s - M}`` can overflow and the weights do not underflow before
+  the true values do (for softmax_1, ``M = max(max x, 0)``).
   ``M`` cancels, so it carries no gradient; ``n`` and ``s`` do. Both are row parameters
   in the compute dtype (float64 stays float64).
   """
   xs, mask, axis = c.prepare(x, axis, where, fn_name)
   coef = c.row_param(n, xs.shape, axis, "n", fn_name, xs.dtype)
   logit = c.row_param(sink_logit, xs.shape, axis, "sink_logit", fn_name, xs.dtype)
-  m = jnp.maximum(c.masked_max(xs, mask, axis), jax.lax.stop_gradient(logit))
+  m = jnp.maximum(c.masked_max(xs, mask, axis), sink_floor(logit, coef))
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  den = jnp.sum(e, axis=axis, keepdims=True) + coef * jnp.exp(logit - m)
+  den = jnp.sum(e, axis=axis, keepdims=True) + sink_mass(coef, logit - m)
   w = c.safe_divide(e, den)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
@@ -55,7 +80,11 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   OutEffHop Hopfield model of J. Hu et al. 2024, "Outlier-Efficient Hopfield Layers for
   Large Transformer-Based Models", ICML 2024, arXiv 2404.03828, approximates). Not shift
   invariant: the sink logit is fixed at ``log n``. Computed max-stabilised with
-  ``m = max(max_V x, 0)``, so ``x = +-1000`` is fine.
+  ``m = max(max_V x, log n)``: the stabiliser's floor is the sink's own logit ``log n``,
+  so the sink term ``n e^{-m} <= 1`` cannot overflow, and no floor at all when ``n = 0``
+  (a fixed floor such as 0 would make ``e^{x - m}`` underflow to 0 for rows below about
+  -88, where softmax is still well defined). ``x = +-1000`` is fine; the chunked and
+  Pallas paths use the same floor (the tile rule's ``m_floor``).
 
   Args:
     x: scores.
@@ -149,9 +178,14 @@ def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
 
 
 def _n_offset(m, length, n=1.0, **_):
-  """Sink mass ``n e^{-m}``; with the rule's floor m >= 0 it cannot overflow (a driver
-  without the floor overflows only when m < log n - 88, where the weights are 0 anyway)."""
-  return n * jnp.exp(-m)
+  """Sink mass ``n e^{-m}``; with the rule's floor ``m >= log n`` it is at most 1."""
+  m = jnp.asarray(m)
+  return sink_mass(jnp.asarray(n, m.dtype), -m)
+
+
+def _n_floor(length, n=1.0, **_):
+  """softmax_n's stabiliser floor: ``log n`` (``-inf``, no floor, for n = 0)."""
+  return sink_floor(0.0, jnp.asarray(n, jnp.asarray(length).dtype))
 
 
 def _one_offset(m, length, **_):
@@ -168,9 +202,9 @@ _COMMON: dict[str, Any] = dict(kernel_class="E", catalogue_id="N03", sums_to_one
 
 SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),
-    # m_floor = 0 (the function's max(max x, 0)): n e^{-m} cannot overflow.
+    # m_floor = log n (the function's max(max x, log n)): n e^{-m} <= 1; none for n = 0.
     tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_n_offset, m_floor=0.0),
+                  denominator=exp_numerator, offset=_n_offset, m_floor=_n_floor),
     description="exp(x) / (n + sum exp(x))", **_COMMON))
 
 SPEC_1 = register(NormalizerSpec(

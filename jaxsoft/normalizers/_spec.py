@@ -99,8 +99,11 @@ class TileRule:
 
   ``m_floor`` (class E): when set, the stabiliser is ``max(running max, m_floor)`` (a
   ``-inf`` max of a fully masked block stays ``-inf``). Rules whose numerator,
-  denominator or offset contain ``e^{-m}`` (softpick, softmax_n's ``n·e^{-m}``) declare
-  ``m_floor=0`` so a key block whose scores are all below about -88 cannot overflow it.
+  denominator or offset contain ``e^{-m}`` declare a floor so a key block whose scores
+  are all below about -88 cannot overflow it: a number (softpick, softmax_1: 0), or a
+  function ``m_floor(length, **hp)`` of the hyperparameters giving a per-row floor
+  (softmax_n: ``log n``, the sink's own logit, so ``n·e^{-m} <= 1``; ``-inf``, no floor,
+  for ``n = 0``). :func:`floor_value` evaluates either.
 
   ``length`` is the number of visible entries of the row (broadcast like a row
   statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
@@ -113,8 +116,14 @@ class TileRule:
   numerator: Callable[..., Any]
   denominator: Callable[..., Any] | None = None
   offset: Callable[..., Any] | None = None
-  m_floor: float | None = None
+  m_floor: float | Callable[..., Any] | None = None
   kernel_class: str | None = None
+
+  def floor_value(self, length, hp: Mapping[str, Any]):
+    """The stabiliser's floor for rows of visible count ``length``, or None (no floor)."""
+    if self.m_floor is None or not callable(self.m_floor):
+      return self.m_floor
+    return self.m_floor(length, **hp)
 
   @property
   def uses_max(self) -> bool:

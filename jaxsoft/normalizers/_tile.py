@@ -82,11 +82,12 @@ def scores(rule: TileRule | ThresholdRule, x, mask, m, length, hp: Params):
   return _where(mask, z, m)
 
 
-def running_max(z, mask, m, m_floor: float | None = None):
+def running_max(z, mask, m, m_floor=None):
   """``max(m, max of the visible z)`` along the last axis; ``-inf`` while nothing is visible.
 
-  With ``m_floor`` the result is at least the floor (once anything is visible). No
-  gradient: the stabiliser cancels in the weights.
+  With ``m_floor`` (a number or a per-row array, ``TileRule.floor_value``) the result is
+  at least the floor (once anything is visible). No gradient: the stabiliser cancels in
+  the weights.
   """
   block = jnp.max(_where(mask, z, -jnp.inf), axis=-1, keepdims=True)
   m_new = jnp.maximum(m, block)
@@ -124,7 +125,7 @@ def init_rows(rule: TileRule, row_shape, dtype):
 def online_update(rule: TileRule, x, mask, m, l, length, hp: Params):
   """One key block of the online pass: returns ``(m', l', numerators, alpha)``.
 
-  Class E: ``m' = max(m, max z_block)`` (floored by ``rule.m_floor``),
+  Class E: ``m' = max(m, max z_block)`` (floored by ``rule.floor_value``),
   ``l' = alpha·l + sum_j denominator(z_j, m')`` with ``alpha = e^{m - m'}``; the caller
   rescales its accumulator, ``acc' = alpha·acc + numerators @ v`` (:func:`rescale`).
   Class S: ``m`` stays 0, ``alpha`` is None, ``l' = l + sum_j denominator(z_j, 0)``.
@@ -132,7 +133,7 @@ def online_update(rule: TileRule, x, mask, m, l, length, hp: Params):
   """
   if rule.uses_max:
     z = rule.score_map(_where(mask, x, jnp.zeros_like(x)), length, **hp)
-    m_new = running_max(z, mask, m, rule.m_floor)
+    m_new = running_max(z, mask, m, rule.floor_value(length, hp))
     m_use = _finite(m_new)
     alpha = jnp.exp(m - m_use)  # 0 while nothing was visible (m = -inf)
     z = _where(mask, z, m_use)

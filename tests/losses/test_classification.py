@@ -232,8 +232,8 @@ def test_bad_input_names_the_argument():
       sce_int(x, jnp.zeros((4,), jnp.int32), label_smoothing=bad)
   with pytest.raises(ValueError, match="axis"):
     sce_int(x, jnp.zeros((4,), jnp.int32), axis=2)
-  with pytest.raises(ValueError, match="logits"):
-    sce_int(jnp.zeros((4, 5), jnp.int32), jnp.zeros((4,), jnp.int32))
+  with pytest.raises(ValueError, match="logits"):  # (integer logits promote, as in jax.nn)
+    sce_int(jnp.zeros((4, 5), jnp.complex64), jnp.zeros((4,), jnp.int32))
   with pytest.raises(ValueError, match="ignore_index"):
     sce_int(x, jnp.zeros((4,), jnp.int32), ignore_index=0.5)
   with pytest.raises(ValueError, match="where"):
