@@ -47,6 +47,7 @@ import numpy as np
 import jaxsoft as js
 
 QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"  # CI runs every notebook with small sizes
+print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 
 # %% [markdown]
 # ## Every registered normalizer on one row

@@ -55,6 +55,7 @@ import numpy as np
 import jaxsoft as js
 
 QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
+print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 DELTA = 3.0
 ns = 2 ** np.arange(4, 13 if QUICK else 17)
 

@@ -28,7 +28,10 @@
 # A tiny two-layer model learns a *trigger* task: most positions must predict a constant
 # "nothing yet" token, and only after a trigger token must it recall the token that followed
 # the trigger. Heads are idle at most positions, the situation in which sinks appear. We then
-# measure the mean attention weight on the first (BOS) token.
+# measure each head's mean attention weight on the first (BOS) token and, with Gu et al., call
+# a head a sink when that weight exceeds ε = 0.3. The papers' claims come from language models
+# of 100M+ parameters; at this two-layer scale the verdict at the end is computed from the run
+# and names which alternatives stay below ε, rather than asserting the claim.
 
 # %%
 # Installs jaxsoft on Colab; a local checkout already has it. REPO is where the project is
@@ -56,6 +59,7 @@ import optax
 import jaxsoft as js
 
 QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
+print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 VOCAB, BOS, TRIGGER, NOTHING = 16, 16, 17, 18
 L, D, HEADS, LAYERS = 24, 32, 2, 2
 STEPS = 150 if QUICK else 1200
@@ -143,16 +147,19 @@ trained = {name: train(*cfg) for name, cfg in VARIANTS.items()}
 
 # %% [markdown]
 # ## Loss curves and the weight on the first token
+# The bars average the two heads of each layer; the printed table and the verdict take each
+# head separately, as Gu et al.'s sink criterion does.
 
 # %%
 tokens, targets = make_batch(jax.random.key(123), batch=256)
-bos_mass, accuracy, maps = {}, {}, {}
+bos_mass, head_mass, accuracy, maps = {}, {}, {}, {}
 for name, (normalizer, gated) in VARIANTS.items():
   params, losses = trained[name]
   logits, weights = forward(params, tokens, normalizer, gated, return_weights=True)
   accuracy[name] = float(jnp.mean(jnp.argmax(logits, -1) == targets))
   # mean weight on position 0 over queries t >= 4 (early queries see few keys), per layer
   bos_mass[name] = [float(jnp.mean(w[:, :, 4:, 0])) for w in weights]
+  head_mass[name] = [float(jnp.mean(w[:, h, 4:, 0])) for w in weights for h in range(HEADS)]
   maps[name] = np.asarray(weights[-1][0, 0])
 
 fig, (a0, a1) = plt.subplots(1, 2, figsize=(13, 3.8))
@@ -165,7 +172,7 @@ for layer in range(LAYERS):
   a1.bar(xs + 0.4 * layer - 0.2, [bos_mass[n][layer] for n in VARIANTS], width=0.4, label=f"layer {layer}")
 a1.axhline(0.3, color="k", ls=":", lw=1)
 a1.set_xticks(xs, list(VARIANTS), rotation=20, fontsize=8)
-a1.set(ylabel="mean weight on BOS", title="dotted: Gu et al.'s sink threshold ε = 0.3")
+a1.set(ylabel="mean weight on BOS (mean of the heads)", title="dotted: Gu et al.'s sink threshold ε = 0.3")
 a1.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
@@ -180,14 +187,27 @@ fig.tight_layout()
 plt.show()
 
 for name in VARIANTS:
-  print(f"{name:<22} accuracy {accuracy[name]:.2f}   BOS weight per layer "
-        + "  ".join(f"{m:.2f}" for m in bos_mass[name]))
-sink = {n: max(bos_mass[n]) > 0.3 for n in VARIANTS}
-others = [n for n in VARIANTS if n != "softmax"]
-if sink["softmax"] and not any(sink[n] for n in others):
-  print("verdict: softmax grows a sink (> 0.3 on BOS); none of the alternatives does, as the papers say")
+  print(f"{name:<22} accuracy {accuracy[name]:.2f}   BOS weight per head (layer 0, layer 1) "
+        + "  ".join(f"{m:.2f}" for m in head_mass[name]))
+EPSILON = 0.3  # Gu et al.'s threshold: a head with more than ε of its weight on BOS is a sink
+peak = {n: max(head_mass[n]) for n in VARIANTS}
+if QUICK:
+  print(f"quick mode ({STEPS} steps, as CI runs it): too short for the model to learn the task "
+        "or to grow a sink, so no verdict here; the committed notebook shows the full-size run")
+elif peak["softmax"] <= EPSILON:
+  print(f"verdict: softmax did not grow a sink in this run (peak BOS weight {peak['softmax']:.2f} "
+        f"<= ε = {EPSILON}), so there is nothing to remove")
 else:
-  print("verdict: in this run the sink pattern differs from the papers' claim:",
-        {n: round(max(bos_mass[n]), 2) for n in VARIANTS}, "(short runs may not grow a sink)")
+  removed = [n for n in VARIANTS if n != "softmax" and peak[n] <= EPSILON]
+  kept = [n for n in VARIANTS if n != "softmax" and peak[n] > EPSILON]
+  print(f"verdict: softmax grows a sink (peak BOS weight {peak['softmax']:.2f} > ε = {EPSILON}); "
+        f"below ε: {', '.join(removed) or 'none'}; still above ε: {', '.join(kept) or 'none'}")
 for n in VARIANTS:
   assert all(np.isfinite(bos_mass[n])) and np.isfinite(trained[n][1]).all(), f"{n} trained without NaN"
+
+# %% [markdown]
+# In the committed full-size run, softmax grows a sink head in the first layer, and the
+# normalizers that give up competition between keys (sigmoid, ReLU/n) or give zero-score keys
+# zero mass (softpick) stay below ε, as Gu et al. and Zuhri et al. report. softmax₁'s extra
+# zero logit and the output gate do not remove the sink at this scale: a two-layer model
+# trained for a few minutes is far from the LMs their papers measure.

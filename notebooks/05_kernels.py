@@ -52,6 +52,7 @@ import numpy as np
 import jaxsoft as js
 
 QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
+print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 
 # %% [markdown]
 # ## Agreement, forward and backward

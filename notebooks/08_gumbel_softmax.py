@@ -49,6 +49,7 @@ from scipy import stats
 import jaxsoft as js
 
 QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
+print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 num = 4000 if QUICK else 40000
 
 # %% [markdown]
