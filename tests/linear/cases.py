@@ -1,5 +1,7 @@
 """Inputs and call wrappers for the five variants (no tests here)."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,7 +52,12 @@ def inputs(variant, B=2, T=11, N=2, K=4, V=3, *, seed=0, state=True, dtype=jnp.f
 
 
 def call(variant, args, **kwargs):
-  """``linear.<variant>`` on ``args`` with ``output_final_state=True``."""
+  """``linear.<variant>`` on ``args`` with ``output_final_state=True``, jitted (one compile
+  instead of one per eager op; the eager path's value checks are tested in test_checks)."""
+  return jax.jit(functools.partial(_call, variant, **kwargs))(args)
+
+
+def _call(variant, args, **kwargs):
   a = dict(args)
   fn = getattr(linear, variant)
   if variant in ("simple_gla", "gla"):

@@ -81,5 +81,5 @@ def test_traced_gates_are_checked_for_shape_only():
 def test_beta_bounds_are_allowed():
   """beta = 0 (no write) and beta = 2 (a reflection, eigenvalue -1) are accepted."""
   for b in (0.0, 2.0):
-    o = linear.delta_rule(q, k / 2.0, v, jnp.full((B, T, N), b))
+    o = linear.delta_rule(q, k / 2.0, v, jnp.full((B, T, N), b), implementation="recurrent")
     assert bool(jnp.all(jnp.isfinite(o)))
