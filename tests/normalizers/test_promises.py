@@ -401,7 +401,12 @@ def _check_random(name, seed, dtype):
       if spec.smooth and name not in ("top_k_softmax", "top_p_softmax", "epsilon_softmax",
                                       "eta_softmax"):
         scale = max(1.0, float(np.abs(b).max()))
-        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4 * scale,
+        # float32 sums of terms as large as the logits (the +-1e4 rows) cancel: allow
+        # the rounding of those terms
+        xs = np.asarray(clean, np.float64)
+        xmag = float(np.abs(np.where(vis & np.isfinite(xs), xs, 0.0)).sum())
+        eps = 1e-12 if dtype == "float64" else 1e-6
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4 * scale + eps * xmag,
                                    err_msg=f"{name} seed={seed} {dtype} gradient")
 
 
