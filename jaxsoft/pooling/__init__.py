@@ -1,0 +1,26 @@
+"""Softmax-weighted and power-mean pooling (features N35 and A23; see docs/feature_ids.md).
+
+Every function reduces one axis with the masking contract of the normalizers:
+``f(x, axis, where=None, *, keepdims=False, **hparams)``, hyperparameters keyword-only;
+``where`` leaves entries out exactly as if they were deleted (a ``-inf`` entry counts as
+masked, as everywhere in jaxsoft); a pool with no visible entry gives 0 with a zero
+gradient, never NaN; bf16/fp16 inputs are computed in float32 and returned in their dtype
+(integers promote to float32); an out-of-range hyperparameter raises ValueError naming it;
+a pooled axis of length 0 gives zeros of the reduced shape.
+
+* scalars along ``axis`` (default -1): :func:`soft_pool`, :func:`ada_pool`,
+  :func:`log_mean_exp`, :func:`linear_softmax_pool`, :func:`gem`,
+  :func:`power_mean_pool`;
+* sets of vectors ``[..., N, d]`` over a token axis (default -2), ``where`` a token
+  mask: :func:`ggem`, :func:`attention_pool` (SimPool), :func:`entropic_ot_pool` and
+  :func:`entropic_ot_weights`.
+"""
+
+from jaxsoft.pooling._power import gem, ggem, power_mean_pool
+from jaxsoft.pooling._sets import attention_pool, entropic_ot_pool, entropic_ot_weights
+from jaxsoft.pooling._smooth import ada_pool, linear_softmax_pool, log_mean_exp, soft_pool
+
+__all__ = [
+    "soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool", "gem", "ggem",
+    "power_mean_pool", "attention_pool", "entropic_ot_weights", "entropic_ot_pool",
+]

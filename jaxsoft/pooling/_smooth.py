@@ -1,0 +1,240 @@
+"""N35 softmax-weighted pooling of scalars: SoftPool, adaPool, log-mean-exp, linear softmax."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.pooling import _util as u
+
+__all__ = ["soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool"]
+
+
+def _softmax_weights(z, mask, axis):
+  """softmax of ``z`` over the visible entries (0 elsewhere, 0 on an empty pool)."""
+  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
+  return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+
+
+def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+              keepdims: bool = False, temperature: ArrayLike = 1.0) -> jax.Array:
+  r"""SoftPool: the softmax-weighted mean of a pool (feature N35).
+
+  .. math::
+    \mathrm{SoftPool}(x) = \sum_{i \in V} w_i x_i, \qquad
+    w_i = \frac{e^{x_i / T}}{\sum_{j \in V} e^{x_j / T}}
+
+  over the visible entries V of each pool. T = 1 is the paper's form (A. Stergiou,
+  R. Poppe & G. Kalliatakis 2021, "Refining activation downsampling with SoftPool",
+  ICCV 2021); the temperature T is an addition of this library: T -> 0 gives the max,
+  T -> inf the mean. The result lies in [min, max] of the pool, is at least the mean,
+  and SoftPool(x + c) = SoftPool(x) + c. Its gradient is
+  ``w_i (1 + (x_i - out) / T)``.
+
+  This reduces one axis; windowed (kernel/stride) pooling is this function applied to
+  the windows (e.g. patches gathered by reshaping).
+
+  Args:
+    x: the values to pool.
+    axis: the axis to pool over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out,
+      exactly as if deleted (``-inf`` entries too).
+    keepdims: keep the pooled axis with size 1.
+    temperature: T > 0, a scalar or an array broadcast to the pools (size 1 along
+      ``axis``); differentiable.
+
+  Returns:
+    The pooled values in ``x``'s dtype (float32 for integers; computed in float32 for
+    low precision); 0, with zero gradient, for a pool with no visible entry.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft import pooling
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> pooling.soft_pool(x)  # between the mean 1 and the max 2
+    Array(1.5752, dtype=float32)
+    >>> pooling.soft_pool(x, where=jnp.array([False, True, True]))
+    Array(0.7311, dtype=float32)
+    >>> pooling.soft_pool(jnp.full(4, 3.0))  # a constant pool gives the constant
+    Array(3., dtype=float32)
+  """
+  name = "soft_pool"
+  u.check_range(temperature, "temperature", name, low=0.0, low_open=True)
+  u.check_bool(keepdims, "keepdims", name)
+  xs, mask, ax = c.prepare(x, axis, where, name)
+  if xs.shape[ax] == 0:
+    return u.empty_result(jnp.asarray(x), ax, keepdims)
+  t = c.row_param(temperature, xs.shape, ax, "temperature", name, xs.dtype)
+  w = _softmax_weights(xs / t, mask, ax)
+  out = jnp.sum(w * xs, axis=ax, keepdims=True)
+  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+
+def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+             keepdims: bool = False, beta: ArrayLike = 0.5) -> jax.Array:
+  r"""adaPool: a learned blend of eDSCW pooling and SoftPool (feature N35).
+
+  .. math::
+    \mathrm{DSC}_i = \frac{2 \bar x\, x_i}{\bar x^2 + x_i^2}, \qquad
+    o_D = \sum_{i \in V} \mathrm{softmax}(\mathrm{DSC})_i\, x_i, \qquad
+    o_M = \mathrm{SoftPool}(x), \qquad
+    \mathrm{adaPool}(x) = \beta\, o_D + (1 - \beta)\, o_M
+
+  with :math:`\bar x` the mean of the visible entries V of the pool and β clamped to
+  [0, 1]. From A. Stergiou & R. Poppe 2023, "AdaPool: Exponential Adaptive Pooling for
+  Information-Retaining Downsampling", IEEE Transactions on Image Processing.
+
+  Reconstructed parts: the element-wise Dice-Sørensen coefficient against the pool mean
+  and the clamp of β follow third-party and official-wrapper code, not the paper's text;
+  where :math:`\bar x^2 + x_i^2 = 0` (both 0) DSC is taken as 1, its value at
+  :math:`x_i = \bar x`. β is one value per pool in the paper (a learned map over output
+  locations); its initial value is not known, 0.5 here. Clamping means a β outside
+  [0, 1] acts as 0 or 1 with zero gradient. The upsampling counterpart (adaUnPool) is
+  not implemented.
+
+  β = 0 is exactly :func:`soft_pool`; the result is a convex combination, so it lies in
+  [min, max] of the pool.
+
+  Args:
+    x: the values to pool.
+    axis: the axis to pool over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out,
+      exactly as if deleted (the mean :math:`\bar x` is over the visible entries).
+    keepdims: keep the pooled axis with size 1.
+    beta: the blend β (clamped to [0, 1]), a scalar or an array broadcast to the pools
+      (size 1 along ``axis``); differentiable inside [0, 1].
+
+  Returns:
+    The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft import pooling
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.5])
+    >>> pooling.ada_pool(x, beta=0.0)  # SoftPool
+    Array(1.5584, dtype=float32)
+    >>> pooling.ada_pool(x, beta=1.0)  # eDSCW: the entries nearest the mean weigh most
+    Array(1.1901, dtype=float32)
+    >>> pooling.ada_pool(x)
+    Array(1.3742, dtype=float32)
+  """
+  name = "ada_pool"
+  u.check_bool(keepdims, "keepdims", name)
+  u.check_range(beta, "beta", name)  # NaN check only: beta is clamped
+  xs, mask, ax = c.prepare(x, axis, where, name)
+  if xs.shape[ax] == 0:
+    return u.empty_result(jnp.asarray(x), ax, keepdims)
+  b = jnp.clip(c.row_param(beta, xs.shape, ax, "beta", name, xs.dtype), 0.0, 1.0)
+  mean = jnp.sum(u.mean_weights(mask, ax, xs.dtype) * xs, axis=ax, keepdims=True)
+  den = mean * mean + xs * xs
+  ok = den > 0
+  dsc = jnp.where(ok, 2.0 * mean * xs / jnp.where(ok, den, 1.0), 1.0)
+  out_d = jnp.sum(_softmax_weights(dsc, mask, ax) * xs, axis=ax, keepdims=True)
+  out_m = jnp.sum(_softmax_weights(xs, mask, ax) * xs, axis=ax, keepdims=True)
+  out = b * out_d + (1.0 - b) * out_m
+  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+
+def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                 keepdims: bool = False, tau: ArrayLike = 1.0) -> jax.Array:
+  r"""Log-mean-exp pooling, a smooth max between the mean and the max (feature N35).
+
+  .. math::
+    \mathrm{LME}_\tau(x) = \tau \log \frac{1}{n} \sum_{i \in V} e^{x_i / \tau}
+    = m + \tau\, \mathrm{log1p}\Big(\frac{1}{n} \sum_{i \in V}
+      \mathrm{expm1}\big(\tfrac{x_i - m}{\tau}\big)\Big)
+
+  over the n visible entries V of each pool, with m their max. The second form is the
+  one computed: it cannot overflow, and for a large τ it does not lose the small
+  differences to rounding. Bounds: mean ≤ LME ≤ max and LME ≥ max − τ log n; τ -> 0
+  gives the max, τ -> inf the mean; its gradient is ``softmax(x / tau)``. Unlike
+  ``jaxsoft.normalizers.smooth_max`` (a log-*sum*-exp), it does not grow with n.
+
+  LSE pooling of P. O. Pinheiro & R. Collobert 2015, "From Image-level to Pixel-level
+  Labeling with Convolutional Networks", CVPR 2015 (with r = 1/τ), and the smoothed-max
+  pooling of D. Zhu et al. 2023, "Provable Multi-instance Deep AUC Maximization with
+  Stochastic Pooling", ICML 2023.
+
+  Args:
+    x: the values to pool.
+    axis: the axis to pool over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out,
+      exactly as if deleted (n counts the visible entries).
+    keepdims: keep the pooled axis with size 1.
+    tau: the temperature τ > 0, a scalar or an array broadcast to the pools (size 1
+      along ``axis``); differentiable.
+
+  Returns:
+    The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft import pooling
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> pooling.log_mean_exp(x)  # log((e^2 + e + 1) / 3)
+    Array(1.309, dtype=float32)
+    >>> pooling.log_mean_exp(x, tau=0.01)  # ~ max - tau log 3
+    Array(1.989, dtype=float32)
+    >>> pooling.log_mean_exp(x, tau=1e4)  # ~ mean (+ 1e-4 / 3)
+    Array(1., dtype=float32)
+  """
+  name = "log_mean_exp"
+  u.check_range(tau, "tau", name, low=0.0, low_open=True)
+  u.check_bool(keepdims, "keepdims", name)
+  xs, mask, ax = c.prepare(x, axis, where, name)
+  if xs.shape[ax] == 0:
+    return u.empty_result(jnp.asarray(x), ax, keepdims)
+  t = c.row_param(tau, xs.shape, ax, "tau", name, xs.dtype)
+  w = u.mean_weights(mask, ax, xs.dtype)
+  out = t * u.weighted_log_mean_exp(xs / t, w, mask, ax)
+  out = jnp.where(u.any_visible(mask, ax), out, 0.0)
+  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+
+def linear_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                        keepdims: bool = False) -> jax.Array:
+  r"""Linear-softmax pooling of probabilities (feature N35).
+
+  .. math::
+    \mathrm{LinSoft}(y) = \frac{\sum_{i \in V} y_i^2}{\sum_{i \in V} y_i}
+
+  the mean of y weighted by y itself, over the visible entries V of each pool. For frame
+  probabilities y_i in [0, 1] it gives the clip probability of multiple-instance sound
+  event detection (Y. Wang, J. Li & F. Metze 2019, "A Comparison of Five Multiple
+  Instance Learning Pooling Functions for Sound Event Detection with Weak Labeling",
+  ICASSP 2019). mean ≤ LinSoft ≤ max; its gradient ``(2 y_i - out) / sum y`` is
+  positive exactly when y_i > out / 2. The inputs are expected to be ≥ 0 (they are
+  not clipped); a pool that sums to 0 gives 0.
+
+  Args:
+    x: the probabilities y to pool (≥ 0).
+    axis: the axis to pool over.
+    where: optional boolean mask broadcastable to ``x``; False entries are left out,
+      exactly as if deleted.
+    keepdims: keep the pooled axis with size 1.
+
+  Returns:
+    The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool or one
+    whose entries sum to 0.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft import pooling
+    >>> jnp.set_printoptions(precision=4)
+    >>> y = jnp.array([0.9, 0.1, 0.2])
+    >>> pooling.linear_softmax_pool(y)  # (0.81 + 0.01 + 0.04) / 1.2
+    Array(0.7167, dtype=float32)
+  """
+  name = "linear_softmax_pool"
+  u.check_bool(keepdims, "keepdims", name)
+  xs, mask, ax = c.prepare(x, axis, where, name)
+  if xs.shape[ax] == 0:
+    return u.empty_result(jnp.asarray(x), ax, keepdims)
+  y = jnp.where(mask, xs, 0.0)
+  out = c.safe_divide(jnp.sum(y * y, axis=ax, keepdims=True), jnp.sum(y, axis=ax, keepdims=True))
+  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
