@@ -164,11 +164,14 @@ def plot_curves(curves: Curves, path, title: str, eval_curves: Curves | None = N
 
   ``eval_curves`` (same names) are drawn dashed with markers in the colour of their train curve.
   """
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  # A Figure of its own with the Agg canvas: no pyplot state and no global backend switch, so
+  # a notebook that calls train.main keeps showing its own figures.
+  from matplotlib.backends.backend_agg import FigureCanvasAgg  # pylint: disable=import-outside-toplevel
+  from matplotlib.figure import Figure  # pylint: disable=import-outside-toplevel
 
-  fig, ax = plt.subplots(figsize=(7, 4.5))
+  fig = Figure(figsize=(7, 4.5))
+  FigureCanvasAgg(fig)
+  ax = fig.subplots()
   eval_curves = eval_curves or {}
   labelled = 0
   for name, points in curves.items():
@@ -190,7 +193,6 @@ def plot_curves(curves: Curves, path, title: str, eval_curves: Curves | None = N
   ax.grid(alpha=0.3)
   buffer = io.BytesIO()  # savefig knows local files only: write the bytes through epath
   fig.savefig(buffer, format="png", dpi=120, bbox_inches="tight")
-  plt.close(fig)
   epath.Path(path).write_bytes(buffer.getvalue())
 
 

@@ -187,6 +187,18 @@ def _dropout(w, rng, rate: float, broadcast: bool, batch_shape):
   return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
 
 
+def _sow_weights(module, w) -> None:
+  """Sows the attention weights where the module's framework keeps them, as Flax's own attention.
+
+  NNX: ``nnx.Intermediate`` ``'attention_weights'``; Linen: the ``'intermediates'``
+  collection, ``'attention_weights'``.
+  """
+  if isinstance(module, nnx.Module):
+    module.sow(nnx.Intermediate, "attention_weights", w)
+  else:
+    module.sow("intermediates", "attention_weights", w)
+
+
 def attend(q, k, v, bias=None, mask=None, *, normalizer="softmax", normalizer_params=None,
            implementation=None, dropout_rng=None, dropout_rate: float = 0.0,
            broadcast_dropout: bool = True, deterministic: bool = True, module=None,
@@ -208,7 +220,7 @@ def attend(q, k, v, bias=None, mask=None, *, normalizer="softmax", normalizer_pa
                         normalizer_params=normalizer_params, precision=precision, **kwargs)
   w = w.astype(q.dtype)
   if module is not None:
-    module.sow(nnx.Intermediate, "attention_weights", w.reshape(batch_shape + w.shape[1:]))
+    _sow_weights(module, w.reshape(batch_shape + w.shape[1:]))
   if use_dropout:
     if dropout_rng is None:
       raise ValueError("attention: `dropout_rng` is required when dropout_rate > 0 and not "

@@ -196,3 +196,22 @@ def test_bad_options_raise_errors_naming_them():
 
 def test_jaxsoft_nn_is_exported():
   assert js.nn.attention_fn is attention_fn
+
+
+def test_linen_sown_weights_equal_flax():
+  """Linen's MultiHeadDotProductAttention(sow_weights=True) keeps the weights in 'intermediates'."""
+  from flax import linen
+
+  x = normal(5, (2, 5, D))
+  mask = nnx.make_causal_mask(x[..., 0])
+  kw = dict(num_heads=N, qkv_features=D, deterministic=True)
+  ref = linen.MultiHeadDotProductAttention(**kw)
+  mine = linen.MultiHeadDotProductAttention(**kw, attention_fn=js.nn.attention_fn())
+  params = ref.init(jax.random.key(0), x, mask=mask)
+  out_r, st_r = ref.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+  out_m, st_m = mine.apply(params, x, mask=mask, sow_weights=True, mutable=["intermediates"])
+  w_r = st_r["intermediates"]["attention_weights"]
+  w_m = st_m["intermediates"]["attention_weights"]
+  chex.assert_trees_all_close(out_m, out_r, **FWD)
+  chex.assert_trees_all_close(w_m, w_r, **FWD)
+  assert w_m[0].shape == (2, N, 5, 5)

@@ -33,3 +33,18 @@ def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
     assert f.read(8) == b"\x89PNG\r\n\x1a\n"
   assert os.path.getsize(tmp_path / "compare.png") > 1000
   assert "compare.md" in capsys.readouterr().out
+
+
+def test_plots_leave_the_matplotlib_backend_alone(tmp_path):
+  """A notebook that calls train.main keeps its own backend (and so its inline figures)."""
+  import matplotlib
+
+  before = matplotlib.get_backend()
+  matplotlib.use("svg")
+  try:
+    metrics.plot_curves({"a": [(0, 2.0), (1, 1.5)]}, tmp_path / "loss.png", "t",
+                        eval_curves={"a": [(1, 1.7)]})
+    assert matplotlib.get_backend() == "svg"
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  finally:
+    matplotlib.use(before)
