@@ -1,4 +1,4 @@
-"""Linear attention and its gated / delta-rule relatives (features A30, A38, A39).
+"""Linear attention and its gated / delta-rule relatives (features A30, A31, A33, A38-A40).
 
 Each variant is one function with the layouts of flash-linear-attention's ops
 (``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
@@ -8,15 +8,20 @@ states ``[B, N, K, V]``; ``scale`` multiplies ``q``) and three exact forms chose
 decoding one token from a state. ``segment_ids`` reset the state between packed sequences.
 
 * A30 :func:`linear_attention`: ``φ(q)(φ(K)^T V) / φ(q)φ(K)^T 1`` (Katharopoulos et al. 2020).
+* A31 :func:`cosformer`: ReLU features re-weighted by ``cos(π/2 · (i - j)/M)`` (Qin et al. 2022).
+* A33 :func:`lightning_attention`: a fixed decay per head (TransNormerLLM, Lightning Attention).
 * A38 :func:`simple_gla` (a decay per head: RetNet, Lightning Attention) and :func:`gla`
   (a decay per key channel: Gated Linear Attention, Yang et al. 2024).
 * A39 :func:`delta_rule` (DeltaNet, Schlag et al. 2021; Yang et al. 2024) and
   :func:`gated_delta_rule` (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2025).
+* A40 :func:`taylor_linear_attention`: ``exp`` replaced by its order-m Taylor polynomial, as
+  linear attention on :func:`taylor_features` (Mongaras & Larson 2025; TaylorShift).
 
 The feature ids are explained in docs/feature_ids.md.
 """
 
 from jaxsoft.linear._checks import IMPLEMENTATIONS
+from jaxsoft.linear._cosformer import cosformer, cosformer_step
 from jaxsoft.linear._delta import (
     delta_rule,
     delta_rule_step,
@@ -24,8 +29,11 @@ from jaxsoft.linear._delta import (
     gated_delta_rule_step,
     l2_normalize,
 )
+from jaxsoft.linear._features import taylor_features
 from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
+from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
+from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
 
 __all__ = [
     "linear_attention",
@@ -39,6 +47,14 @@ __all__ = [
     "gated_delta_rule",
     "gated_delta_rule_step",
     "l2_normalize",
+    "lightning_attention",
+    "lightning_attention_step",
+    "lightning_decay",
+    "taylor_features",
+    "taylor_linear_attention",
+    "taylor_linear_attention_step",
+    "cosformer",
+    "cosformer_step",
     "FEATURE_MAPS",
     "IMPLEMENTATIONS",
 ]

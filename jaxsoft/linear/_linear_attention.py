@@ -22,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _recurrence
+from jaxsoft.linear import _checks, _dispatch, _features, _recurrence
 
-__all__ = ["linear_attention", "linear_attention_step", "FEATURE_MAPS"]
+__all__ = ["linear_attention", "linear_attention_step", "FEATURE_MAPS", "mapped_attention",
+           "mapped_step"]
 
 
 def _elu1(x: jax.Array) -> jax.Array:
@@ -35,6 +36,8 @@ FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "elu1": _elu1,            # Katharopoulos et al. 2020: elu(x) + 1 > 0
     "relu": jax.nn.relu,
     "identity": lambda x: x,
+    # order-2 Taylor features of exp(q·k) (feature A40); scale q first, see taylor_linear_attention
+    "taylor": _features.taylor_features,
 }
 
 
@@ -102,8 +105,10 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
   Args:
     q, k: ``[B, T, N, K]`` (before the feature map).
     v: ``[B, T, N, V]``.
-    feature_map: ``"elu1"`` (``elu(x) + 1``, the paper's), ``"relu"``, ``"identity"`` or a
-      callable mapping ``[..., K]`` to ``[..., K']`` (applied to ``q`` and ``k`` in float32).
+    feature_map: ``"elu1"`` (``elu(x) + 1``, the paper's), ``"relu"``, ``"identity"``,
+      ``"taylor"`` (:func:`taylor_features` of order 2, on the unscaled ``q``; see
+      :func:`taylor_linear_attention`) or a callable mapping ``[..., K]`` to ``[..., K']``
+      (applied to ``q`` and ``k`` in float32).
     normalize: divide by ``q'_t · z_t`` (True) or return the numerator (False).
     scale: multiplies ``φ(q)``; default ``K' ** -0.5`` (it cancels when normalising).
     initial_state: ``S [B, N, K', V]``, or with ``normalize=True`` the pair ``(S, z [B, N, K'])``;
@@ -133,6 +138,17 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     raise ValueError(
         f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes [B, T, N, K'],"
         f" got {fq.shape} and {fk.shape}")
+  return mapped_attention(fn_name, fq, fk, v, dtype, normalize=normalize, scale=scale,
+                          initial_state=initial_state, output_final_state=output_final_state,
+                          segment_ids=segment_ids, implementation=implementation,
+                          chunk_size=chunk_size, eps=eps)
+
+
+def mapped_attention(fn_name: str, fq, fk, v, dtype, *, normalize: bool, scale, initial_state,
+                     output_final_state: bool, segment_ids, implementation, chunk_size,
+                     eps: float) -> Any:
+  """The body of :func:`linear_attention` on feature-mapped ``fq, fk [B, T, N, K']``
+  (shared with the variants whose features depend on more than ``x``: Taylor, cosFormer)."""
   call = _dispatch.prepare(fn_name, fq, fk, v, scale=scale, segment_ids=segment_ids,
                            implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
@@ -178,7 +194,14 @@ def linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any =
     raise ValueError(
         f"{fn_name}: `feature_map` must map q and k [B, N, K] to equal shapes [B, N, K'], got "
         f"{fq.shape} and {fk.shape}")
-  (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, va, None, scale=scale)
+  return mapped_step(fn_name, fq, fk, va, state, dtype, normalize=normalize, scale=scale,
+                     eps=eps)
+
+
+def mapped_step(fn_name: str, fq, fk, v, state, dtype, *, normalize: bool, scale,
+                eps: float) -> tuple[jax.Array, Any]:
+  """The body of :func:`linear_attention_step` on feature-mapped ``fq, fk [B, N, K']``."""
+  (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, v, None, scale=scale)
   B, N, K = fq.shape
   V = vf.shape[-1]
   S = _split_state(state, (B, N, K, V), normalize, fn_name, "state")

@@ -62,3 +62,39 @@ def normalized_linear_attention(q, k, v, *, initial_state=None, segment_ids=None
       z_T[b, n] = z
   den = np.where(np.abs(den) >= eps, den, np.where(den < 0, -eps, eps))
   return num / den[..., None], (S_T, z_T)
+
+
+def weighted_causal_attention(weight, q, k, v, *, segment_ids=None, eps=1e-6):
+  """The quadratic form ``o_i = Σ_{j<=i} w_ij v_j / Σ_{j<=i} w_ij`` with
+  ``w_ij = weight(q_i, k_j, i, j)`` (a Python function of float64 vectors), ``j`` in the
+  same segment as ``i``; a denominator below ``eps`` in magnitude becomes ``±eps`` (the
+  library's convention). Returns ``o`` in float64."""
+  q, k, v = map(_f64, (q, k, v))
+  B, T, N, _ = q.shape
+  o = np.zeros(v.shape)
+  for b in range(B):
+    for n in range(N):
+      for i in range(T):
+        num, den = np.zeros(v.shape[-1]), 0.0
+        for j in range(i + 1):
+          if segment_ids is not None and np.any(segment_ids[b][j:i + 1] != segment_ids[b][i]):
+            continue
+          w = weight(q[b, i, n], k[b, j, n], i, j)
+          num, den = num + w * v[b, j, n], den + w
+        o[b, i, n] = num / (den if abs(den) >= eps else (-eps if den < 0 else eps))
+  return o
+
+
+def taylor_weight(order, scale):
+  """``P_m(scale q·k) = Σ_{i<=m} (scale q·k)^i / i!`` (the truncated exponential series)."""
+  def weight(q, k, i, j):
+    s = scale * (q @ k)
+    return sum(s ** p / float(np.prod(np.arange(1, p + 1))) for p in range(order + 1))
+  return weight
+
+
+def cosformer_weight(max_len):
+  """Qin et al. 2022: ``relu(q)·relu(k) · cos(π/2 · (i - j)/M)``."""
+  def weight(q, k, i, j):
+    return np.maximum(q, 0) @ np.maximum(k, 0) * np.cos(np.pi / 2 * (i - j) / max_len)
+  return weight
