@@ -229,7 +229,7 @@ def tile_eval(spec, x, mask, hp=None, splits=()):
     if rule.uses_max:
       blk = jnp.max(jnp.where(mb, zb, -jnp.inf), axis=-1, keepdims=True)
       m_new = jnp.maximum(m, blk)
-      floor = getattr(rule, "m_floor", None)  # a declared floor of the stabiliser
+      floor = rule.floor_value(length, hp)  # a declared floor of the stabiliser
       if floor is not None:
         m_new = jnp.where(jnp.isneginf(m_new), m_new, jnp.maximum(m_new, floor))
       m_new = jax.lax.stop_gradient(m_new)
