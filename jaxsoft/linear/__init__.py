@@ -7,7 +7,8 @@ states ``[B, N, K, V]``; ``scale`` multiplies ``q``) and three exact forms chose
 ``"chunked"`` (a scan over chunks, no T x T buffer); each has a ``*_step`` function for
 decoding one token from a state. ``segment_ids`` reset the state between packed sequences.
 
-* A30 :func:`linear_attention`: ``φ(q)(φ(K)^T V) / φ(q)φ(K)^T 1`` (Katharopoulos et al. 2020).
+* A30 :func:`linear_attention`: ``φ(q)(φ(K)^T V) / φ(q)φ(K)^T 1`` (Katharopoulos et al. 2020),
+  with Performer's FAVOR+ random features from :func:`favor_feature_map`.
 * A31 :func:`cosformer`: ReLU features re-weighted by ``cos(π/2 · (i - j)/M)`` (Qin et al. 2022).
 * A33 :func:`lightning_attention`: a fixed decay per head (TransNormerLLM, Lightning Attention).
 * A38 :func:`simple_gla` (a decay per head: RetNet, Lightning Attention) and :func:`gla`
@@ -29,7 +30,7 @@ from jaxsoft.linear._delta import (
     gated_delta_rule_step,
     l2_normalize,
 )
-from jaxsoft.linear._features import taylor_features
+from jaxsoft.linear._features import favor_feature_map, taylor_features
 from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
@@ -51,6 +52,7 @@ __all__ = [
     "lightning_attention_step",
     "lightning_decay",
     "taylor_features",
+    "favor_feature_map",
     "taylor_linear_attention",
     "taylor_linear_attention_step",
     "cosformer",
