@@ -6,7 +6,8 @@ Every function reduces one axis with the masking contract of the normalizers:
 masked, as everywhere in jaxsoft); a pool with no visible entry gives 0 with a zero
 gradient, never NaN; bf16/fp16 inputs are computed in float32 and returned in their dtype
 (integers promote to float32); an out-of-range hyperparameter raises ValueError naming it;
-a pooled axis of length 0 gives zeros of the reduced shape.
+a pooled axis of length 0 gives zeros of the reduced shape. Visible entries are expected
+to be finite (a NaN or ``+inf`` there gives NaN or inf); masked entries may hold anything.
 
 * scalars along ``axis`` (default -1): :func:`soft_pool`, :func:`ada_pool`,
   :func:`log_mean_exp`, :func:`linear_softmax_pool`, :func:`gem`,
