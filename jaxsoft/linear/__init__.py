@@ -1,4 +1,4 @@
-"""Linear attention and its gated / delta-rule relatives (features A30, A31, A33, A38-A40).
+"""Linear attention and its gated / delta-rule relatives (features A30-A33, A38-A40).
 
 Each variant is one function with the layouts of flash-linear-attention's ops
 (``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
@@ -10,6 +10,7 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 * A30 :func:`linear_attention`: ``φ(q)(φ(K)^T V) / φ(q)φ(K)^T 1`` (Katharopoulos et al. 2020),
   with Performer's FAVOR+ random features from :func:`favor_feature_map`.
 * A31 :func:`cosformer`: ReLU features re-weighted by ``cos(π/2 · (i - j)/M)`` (Qin et al. 2022).
+* A32 :func:`mala`: magnitude-aware linear attention, normalised additively (Fan et al. 2025).
 * A33 :func:`lightning_attention`: a fixed decay per head (TransNormerLLM, Lightning Attention).
 * A38 :func:`simple_gla` (a decay per head: RetNet, Lightning Attention) and :func:`gla`
   (a decay per key channel: Gated Linear Attention, Yang et al. 2024).
@@ -34,6 +35,7 @@ from jaxsoft.linear._features import favor_feature_map, taylor_features
 from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
+from jaxsoft.linear._mala import mala, mala_step
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
 
 __all__ = [
@@ -57,6 +59,8 @@ __all__ = [
     "taylor_linear_attention_step",
     "cosformer",
     "cosformer_step",
+    "mala",
+    "mala_step",
     "FEATURE_MAPS",
     "IMPLEMENTATIONS",
 ]

@@ -98,3 +98,23 @@ def cosformer_weight(max_len):
   def weight(q, k, i, j):
     return np.maximum(q, 0) @ np.maximum(k, 0) * np.cos(np.pi / 2 * (i - j) / max_len)
   return weight
+
+
+def mala(q, k, v, *, scale, segment_ids=None, eps=1e-6):
+  """Fan et al. 2025, written per query from the weights: with the ``n`` keys ``j <= i`` of
+  ``i``'s segment, ``s_j = scale φ(q_i)·φ(k_j) / n``, ``z = Σ s_j``, ``w_j = (1 + 1/(z + eps))
+  s_j - z / n``, ``o_i = Σ w_j v_j`` (``φ = elu + 1``). Returns ``o`` in float64."""
+  q, k, v = map(_f64, (q, k, v))
+  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+  B, T, N, _ = q.shape
+  o = np.zeros(v.shape)
+  for b in range(B):
+    for n_ in range(N):
+      for i in range(T):
+        js = [j for j in range(i + 1) if segment_ids is None
+              or np.all(segment_ids[b][j:i + 1] == segment_ids[b][i])]
+        s = np.array([scale * phi(q[b, i, n_]) @ phi(k[b, j, n_]) for j in js]) / len(js)
+        z = s.sum()
+        w = (1 + 1 / (z + eps)) * s - z / len(js)
+        o[b, i, n_] = w @ v[b, js, n_]
+  return o

@@ -26,10 +26,13 @@ def _inputs(variant, T=T, seed=0, state=True):
   if variant == "lightning":
     args["g"] = jax.random.uniform(ks[3], (N,), minval=-1.0, maxval=0.0)
   if state:
-    width = {"lightning": K, "taylor": 1 + K + K * K, "cosformer": 2 * K}[variant]
+    width = {"lightning": K, "taylor": 1 + K + K * K, "cosformer": 2 * K, "mala": K}[variant]
     S = 0.5 * jax.random.normal(ks[4], (B, N, width, V))
     z = jax.random.uniform(ks[5], (B, N, width), minval=0.5, maxval=2.0)
-    args["initial_state"] = S if variant == "lightning" else (S, z)
+    if variant == "mala":   # [[Σφ(k)v^T, Σφ(k)], [Σv^T, n]] of 3 earlier tokens
+      S = jnp.concatenate([jnp.concatenate([S, z[..., None]], -1),
+                           jnp.concatenate([S[:, :, :1], jnp.full((B, N, 1, 1), 3.0)], -1)], -2)
+    args["initial_state"] = S if variant in ("lightning", "mala") else (S, z)
   return args
 
 
@@ -40,6 +43,8 @@ def _call(variant, args, **kw):
     return linear.lightning_attention(q, k, v, a.pop("g"), output_final_state=True, **a, **kw)
   if variant == "taylor":
     return linear.taylor_linear_attention(q, k, v, output_final_state=True, **a, **kw)
+  if variant == "mala":
+    return linear.mala(q, k, v, output_final_state=True, **a, **kw)
   return linear.cosformer(q, k, v, max_len=16, output_final_state=True, **a, **kw)
 
 
@@ -52,12 +57,14 @@ def _reference(variant, args, seg):
   if variant == "lightning":
     g = np.broadcast_to(np.asarray(args["g"]), (B, q.shape[1], N))
     return reference.recurrence(q, k, v, g=g, segment_ids=seg)[0]
+  if variant == "mala":
+    return reference.mala(q, k, v, scale=K ** -0.5, segment_ids=seg)
   weight = (reference.taylor_weight(2, K ** -0.5) if variant == "taylor"
             else reference.cosformer_weight(16))
   return reference.weighted_causal_attention(weight, q, k, v, segment_ids=seg)
 
 
-VARIANTS = ("lightning", "taylor", "cosformer")
+VARIANTS = ("lightning", "taylor", "cosformer", "mala")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -106,6 +113,8 @@ def _steps(variant, args):
       o, state = linear.lightning_attention_step(q, k, v, state, g=args["g"])
     elif variant == "taylor":
       o, state = linear.taylor_linear_attention_step(q, k, v, state)
+    elif variant == "mala":
+      o, state = linear.mala_step(q, k, v, state)
     else:
       o, state = linear.cosformer_step(q, k, v, state, position=t, max_len=16)
     outs.append(o)
@@ -133,11 +142,12 @@ def test_lightning_is_the_decay_mask():
   mask = jnp.where(t[:, None] >= t[None, :],
                    jnp.exp(g[:, None, None] * (t[:, None] - t[None, :])), 0.0)   # [N, T, T]
   scores = jnp.einsum("btnk,bsnk->bnts", q, k) * K ** -0.5 * mask
-  np.testing.assert_allclose(linear.lightning_attention(q, k, v, g),
-                             jnp.einsum("bnts,bsnv->btnv", scores, v), rtol=1e-5, atol=1e-5)
-  plain = linear.linear_attention(q, k, v, feature_map="identity", normalize=False)
-  np.testing.assert_allclose(linear.lightning_attention(q, k, v, jnp.zeros(N)), plain,
+  light = jax.jit(linear.lightning_attention)
+  np.testing.assert_allclose(light(q, k, v, g), jnp.einsum("bnts,bsnv->btnv", scores, v),
                              rtol=1e-5, atol=1e-5)
+  plain = jax.jit(functools.partial(linear.linear_attention, feature_map="identity",
+                                    normalize=False))(q, k, v)
+  np.testing.assert_allclose(light(q, k, v, jnp.zeros(N)), plain, rtol=1e-5, atol=1e-5)
 
 
 def test_lightning_decay_schedule():
@@ -166,11 +176,12 @@ def test_taylor_order_is_the_truncated_series(order):
   (small scores, so odd orders keep a positive denominator)."""
   args = _inputs("taylor", T=7, state=False)
   q, k, v = 0.5 * args["q"], 0.5 * args["k"], args["v"]
-  o = linear.taylor_linear_attention(q, k, v, order=order, scale=0.5)
+  o = jax.jit(functools.partial(linear.taylor_linear_attention, order=order, scale=0.5))(q, k, v)
   want = reference.weighted_causal_attention(reference.taylor_weight(order, 0.5), q, k, v)
   np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_taylor_converges_to_softmax_attention():
   """For moderate scores the error against causal softmax attention falls with the order
   faster and faster (``~ s^{m+1}/(m+1)!``: the error ratios shrink), to < 5e-3 by order 8."""
@@ -204,13 +215,12 @@ def test_cosformer_is_invariant_to_scaling_q_and_continues_from_a_state():
   ``initial_state`` and ``start_position`` equal one call (same ``max_len``)."""
   args = _inputs("cosformer", T=8, state=False)
   q, k, v = args["q"], args["k"], args["v"]
-  o = linear.cosformer(q, k, v, max_len=12)
-  np.testing.assert_allclose(linear.cosformer(3.0 * q, k, v, max_len=12), o, rtol=1e-5,
-                             atol=1e-6)
-  o1, state = linear.cosformer(q[:, :5], k[:, :5], v[:, :5], max_len=12,
-                               output_final_state=True)
-  o2 = linear.cosformer(q[:, 5:], k[:, 5:], v[:, 5:], max_len=12, start_position=5,
-                        initial_state=state)
+  cos = jax.jit(linear.cosformer, static_argnames=("max_len", "start_position",
+                                                  "output_final_state"))
+  o = cos(q, k, v, max_len=12)
+  np.testing.assert_allclose(cos(3.0 * q, k, v, max_len=12), o, rtol=1e-5, atol=1e-6)
+  o1, state = cos(q[:, :5], k[:, :5], v[:, :5], max_len=12, output_final_state=True)
+  o2 = cos(q[:, 5:], k[:, 5:], v[:, 5:], max_len=12, start_position=5, initial_state=state)
   np.testing.assert_allclose(jnp.concatenate([o1, o2], axis=1), o, rtol=1e-5, atol=1e-5)
 
 
@@ -222,6 +232,23 @@ def test_cosformer_default_max_len_is_the_length():
                              rtol=1e-6)
   want = reference.weighted_causal_attention(reference.cosformer_weight(6), q, k, v)
   np.testing.assert_allclose(linear.cosformer(q, k, v), want, rtol=2e-5, atol=2e-5)
+
+
+# A32 MALA ------------------------------------------------------------------------------
+
+
+def test_mala_weights_sum_to_one_and_scaling_q_sharpens():
+  """A constant v comes back unchanged (the weights sum to 1); scaling q by 4 changes the
+  output (the magnitude is kept), while ReLU linear attention is invariant to it."""
+  args = _inputs("mala", T=6, state=False)
+  q, k, v = args["q"], args["k"], args["v"]
+  o = jax.jit(functools.partial(linear.mala, eps=1e-9))(q, k, jnp.full_like(v, 2.5))
+  np.testing.assert_allclose(o, 2.5, rtol=1e-4)
+  relu = jax.jit(lambda x: linear.linear_attention(x, k, v, feature_map="relu", eps=1e-9))
+  np.testing.assert_allclose(relu(4.0 * q), relu(q), rtol=1e-4, atol=1e-5)
+  mala = jax.jit(functools.partial(linear.mala, feature_map="relu"))
+  spread = lambda x: float(jnp.std(mala(x, k, v)))
+  assert spread(4.0 * q) > 1.5 * spread(q)
 
 
 # validation ----------------------------------------------------------------------------
@@ -247,6 +274,9 @@ def _bad_calls():
                                                     position=1.0, max_len=4)
   yield "`position`", lambda: linear.cosformer_step(_q[:, 0], _q[:, 0], _v[:, 0],
                                                     position=5, max_len=4)
+  yield "`initial_state`", lambda: linear.mala(_q, _q, _v, initial_state=np.zeros((1, 2, 3, 2)))
+  yield "`state`", lambda: linear.mala_step(_q[:, 0], _q[:, 0], _v[:, 0], np.zeros((1, 2, 3, 2)))
+  yield "`feature_map`", lambda: linear.mala(_q, _q, _v, feature_map="softmax")
   yield "`initial_state`", lambda: linear.cosformer(
       _q, _q, _v, initial_state=(np.zeros((1, 2, 3, 2)), np.zeros((1, 2, 3))))
 
@@ -279,9 +309,10 @@ def test_favor_kernel_is_unbiased():
   """The mean of φ(q)·φ(k) over 64 independent draws of 64 features is exp(scale q·k)
   within 4 standard errors (the estimator's own spread across the draws)."""
   q, k = 0.5 * jax.random.normal(jax.random.key(5), (2, 4))
-  draws = jnp.stack([linear.favor_feature_map(key, 4, 64)(q) @
-                     linear.favor_feature_map(key, 4, 64)(k)
-                     for key in jax.random.split(jax.random.key(6), 64)])
+  def draw(key):
+    phi = linear.favor_feature_map(key, 4, 64)
+    return phi(q) @ phi(k)
+  draws = jax.jit(jax.vmap(draw))(jax.random.split(jax.random.key(6), 64))
   want = float(jnp.exp(q @ k / 2.0))
   assert abs(float(draws.mean()) - want) < 4 * float(draws.std()) / 8 + 1e-6
 
