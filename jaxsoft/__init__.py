@@ -6,11 +6,11 @@ needs no flax import.
 
 import importlib
 
-from jaxsoft import attention, linear, losses, normalizers, testing
+from jaxsoft import attention, linear, losses, normalizers, pooling, testing
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "linear", "losses", "nn", "normalizers", "testing", "__version__"]
+__all__ = ["attention", "linear", "losses", "nn", "normalizers", "pooling", "testing", "__version__"]
 
 
 def __getattr__(name):
