@@ -144,8 +144,8 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
   def phi(x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
     if x.shape[-1] != d:
-      raise ValueError(f"favor features: the last axis of the input must be head_dim = {d}, "
-                       f"got {x.shape}")
+      raise ValueError(f"{fn_name} features: `x` must have head_dim = {d} as its last axis, "
+                       f"got shape {x.shape}")
     x = x.astype(jnp.float32) * root
     proj = jnp.einsum("...d,md->...m", x, W)
     return jnp.exp(proj - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)) / math.sqrt(m)
