@@ -125,7 +125,14 @@ def test_promise_drop_in_cudnn_is_jax_nn_cudnn_or_not_implemented():
   """implementation="cudnn": jax.nn's cuDNN attention on a CUDA GPU, NotImplementedError
   naming it elsewhere or for what it does not compute."""
   if jax.default_backend() == "gpu":  # pragma: no cover (CPU CI)
-    pytest.skip("GPU: compared against jax.nn in the device checks")
+    qb, kb, vb = (a.astype(jnp.bfloat16) for a in (q, k, v))  # cuDNN takes half precision
+    chex.assert_trees_all_close(
+        dpa(qb, kb, vb, implementation="cudnn").astype(jnp.float32),
+        jax.nn.dot_product_attention(qb, kb, vb, implementation="cudnn").astype(jnp.float32),
+        atol=1e-2)
+    with pytest.raises(NotImplementedError, match="cudnn"):
+      dpa(qb, kb, vb, implementation="cudnn", normalizer="sparsemax")
+    return
   with pytest.raises(NotImplementedError, match="cudnn"):
     dpa(q, k, v, implementation="cudnn")
   # in a sequence it falls through to the next implementation
