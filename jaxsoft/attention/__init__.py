@@ -4,7 +4,8 @@
 same arguments in the same positions, plus ``normalizer``, ``normalizer_params`` and more
 ``implementation`` choices); ``MaskStructure`` describes causal / window / length /
 segment masks without a T x S array (shared with the Pallas kernels); the variants of
-features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point.
+features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point;
+KV merging (A48, ``_merge``).
 """
 
 # ruff: noqa: F401, F403
@@ -12,7 +13,9 @@ from jaxsoft.attention import _variants
 from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.attention._merge import alternating_matching, merge_kv
 from jaxsoft.attention._variants import *
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
-           *_variants.__all__]
+           *_variants.__all__,
+           "merge_kv", "alternating_matching"]
