@@ -120,10 +120,12 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     raise NotImplementedError("the Pallas engine does not implement `decay_bias` yet")
   if not isinstance(spec, _spec.NormalizerSpec):
     raise E.UnsupportedError("the Pallas engine needs a registered NormalizerSpec, not a callable")
-  if spec.kernel_class not in ("E", "S", "P") or spec.tile is None:
+  threshold = spec.kernel_class == "T" and spec.threshold is not None
+  if not threshold and (spec.kernel_class not in ("E", "S", "P") or spec.tile is None):
     raise E.UnsupportedError(
-        f"normalizer {spec.name!r} is of kernel class {spec.kernel_class}; the Pallas engine "
-        "runs classes E, S and P")
+        f"normalizer {spec.name!r} is of kernel class {spec.kernel_class}"
+        f"{'' if spec.kernel_class != 'T' else ' without a threshold rule'}; the Pallas "
+        "engine runs classes E, S and P, and T with a ThresholdRule")
   if spec.needs_key:
     raise E.UnsupportedError(f"normalizer {spec.name!r} is stochastic")
   q, k, v = call.q, call.k, call.v
@@ -145,6 +147,12 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   bl = _block_sizes(block_sizes, backend, t, s, h, st.is_per_batch)
+  if threshold:
+    # Class T: the live-block tables of the search serve every pass, so one tile shape;
+    # the default is the backward passes' (the smaller: 4 more per-row arrays are live).
+    tq, tk = (bl.block_q, bl.block_k) if block_sizes is not None else (bl.block_q_dq,
+                                                                       bl.block_k_dq)
+    bl = E.BlockSizes(tq, tk).resolved()
   t_pad = -(-t // math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq))
   t_pad *= math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq)
   s_pad = -(-s // math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq))
@@ -184,7 +192,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi)
   pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
   pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
-  o = core.attention_core(cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_k), dyn, aux)
+  run = core.threshold_core if threshold else core.attention_core
+  o = run(cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_k), dyn, aux)
   return o[:, :t, :, :h]
 
 

@@ -16,7 +16,7 @@ from jaxsoft.normalizers import _tile as tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-__all__ = ["attention_core", "driver"]
+__all__ = ["attention_core", "threshold_core", "driver"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
 
@@ -62,3 +62,58 @@ def _core_bwd(cfg, res, do):
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)
+
+
+# --------------------------------------------------------------------- class T (AdaSplash)
+
+
+def _live_tables(cfg: E.Config, flags):
+  """From the search's live flags [B, N, nq, 1, width]: the compacted key-block lists of
+  each query block (forward, dQ) and query-block lists of each key block (dK/dV)."""
+  f = flags[:, :, :, 0, :]
+  idx, cnt = E.live_block_tables(f)
+  nq, nk = cfg.t_pad // cfg.blocks.block_q, cfg.s_pad // cfg.blocks.block_k
+  ft = jnp.swapaxes(f[..., :nk], 2, 3)  # [B, N, nk, nq]
+  width_q = E._next_pow2(nq) if cfg.backend == "triton" else nq
+  ft = jnp.pad(ft, ((0, 0), (0, 0), (0, 0), (0, width_q - nq)))
+  idx_t, cnt_t = E.live_block_tables(ft)
+  return idx, cnt[..., None], idx_t, cnt_t[..., None]
+
+
+def _threshold_forward(cfg, q, k, v, dyn, aux):
+  drv = driver(cfg.backend)
+  m, tau, flags = drv.threshold_search(cfg, q, k, dyn, aux)
+  tables = _live_tables(cfg, flags)
+  o, d = drv.threshold_forward(cfg, q, k, v, m, tau, tables[0], tables[1], dyn, aux)
+  return o, (m, tau, d, tables)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def threshold_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+  """Class T on padded inputs (the engine's class-T section): search, then the weighted
+  pass over the live key blocks. Returns o [B, T_pad, N, Hp] in q's dtype."""
+  return _threshold_forward(cfg, q, k, v, dyn, aux)[0]
+
+
+def _threshold_fwd(cfg, q, k, v, dyn, aux):
+  o, res = _threshold_forward(cfg, q, k, v, dyn, aux)
+  return o, (q, k, v, dyn, aux, o, res)
+
+
+def _threshold_bwd(cfg, res, do):
+  q, k, v, dyn, aux, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
+  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
+                     do.astype(cfg.acc_dtype))[..., None]
+  drv = driver(cfg.backend)
+  dq, coef, ddyn = drv.threshold_backward_dq(cfg, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
+                                             aux)
+  dk, dv = drv.threshold_backward_dkv(cfg, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
+                                      dyn, aux)
+  d_target = E.t_target_vjp(cfg, coef, aux.length[:, None, :, :], dyn)
+  if d_target is not None:
+    ddyn = tuple(a + x for a, x in zip(ddyn, d_target, strict=True))
+  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
+
+
+threshold_core.defvjp(_threshold_fwd, _threshold_bwd)

@@ -32,6 +32,7 @@ output and two float32 statistics per query row; no T x S buffer exists anywhere
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 import jax
@@ -315,3 +316,198 @@ def split_refs(cfg: Config, refs, n_dyn: int):
   if cfg.has_segments:
     q_seg, k_seg, *refs = refs
   return q_seg, k_seg, refs[0], refs[1:1 + n_dyn], refs[1 + n_dyn:]
+
+
+# --------------------------------------------------------------------------------------
+# Class T (threshold rules: sparsemax, entmax15, entmax with any alpha, top_k_softmax).
+#
+# AdaSplash-style (N. Gonçalves, M. Treviso & A. F. T. Martins, 2025, "AdaSplash: Adaptive
+# Sparse Flash Attention", ICML 2025, arXiv:2502.12082): per query row, with
+# ``z = score_map(s)`` over the visible keys V and the rule's ThresholdRule,
+#
+#   pass 0        m = max_{j in V} z_j                     (one sweep over the key blocks)
+#   passes 1..P   tau solves  F(tau) = sum_{j in V} mass(z_j, tau) - target(n) = 0
+#                 on the rule's bracket [lo, hi] (F(lo) >= 0 >= F(hi)): each sweep
+#                 evaluates C candidate taus, ``lo + (hi - lo) c / (C + 1)``, merging the
+#                 per-block partial masses, and keeps the sub-bracket holding the root
+#                 (multisection: log2(C + 1) bisection steps per sweep, a fixed count)
+#   weighted pass O = sum_j weight(z_j, tau, m) v_j / W,  W = sum_j weight(z_j, tau, m)
+#                 (class P with f = the rule's weight; tau = the final lo, so the
+#                 support is never empty, and dividing by W removes the residual error
+#                 of the finite search), visiting only the key blocks that hold a
+#                 visible z >= tau: every other block's weights are exactly 0.
+#
+# Backward, restricted to those same blocks (the support), by the implicit function
+# theorem on F (the same rule as the xla_chunked path):
+#
+#   dz_j = weight'_j (dP_j - Delta) / W  -  coef * mass'_j,
+#   coef = [sum_k d_tau weight_k (dP_k - Delta) / W] / [sum_k d_tau mass_k]
+#
+# (derivatives through ``score_map`` and the array hyperparameters by jax.vjp of
+# ``_tile.threshold_maps``, e.g. entmax's per-head alpha), plus ``coef`` times the
+# target's derivative for the hyperparameters the target depends on.
+
+THRESHOLD_CANDIDATES = 3
+
+
+def threshold_iterations(cfg: Config) -> int:
+  """The rule's bisection count (doubled for float64, whose resolution is 2^29 finer)."""
+  it = int(cfg.spec.threshold.iterations)
+  return 2 * it if cfg.acc == "float64" else it
+
+
+def threshold_passes(cfg: Config) -> int:
+  """Search sweeps over the key blocks: ceil(iterations / log2(C + 1))."""
+  bits = math.log2(THRESHOLD_CANDIDATES + 1)
+  return max(1, math.ceil(threshold_iterations(cfg) / bits))
+
+
+def num_k_flags(cfg: Config) -> int:
+  """Width of the live-key-block flag rows: the number of key blocks (a power of two for
+  Triton, whose block shapes must be)."""
+  nk = cfg.s_pad // cfg.blocks.block_k
+  return _next_pow2(nk) if cfg.backend == "triton" else nk
+
+
+def t_max_tile(cfg: Config, s, mask, m, length, dyn):
+  """Pass 0: the running max of the visible z = score_map(s)."""
+  static, arrays = _hp(cfg, dyn)
+  rule = cfg.spec.threshold
+  z = rule.score_map(s if mask is None else jnp.where(mask, s, 0.0), length,
+                     **{**static, **arrays})
+  return tile.running_max(z, mask, m)
+
+
+def t_bracket(cfg: Config, m, length, dyn):
+  """After pass 0: ``(m, lo, hi, target)`` per row (m finite: 0 for an empty row)."""
+  static, arrays = _hp(cfg, dyn)
+  hp = {**static, **arrays}
+  rule = cfg.spec.threshold
+  m = jnp.where(m == -jnp.inf, 0.0, m)
+  lo, hi = rule.bracket(m, length, **hp)
+  target = rule.target(length, **hp)
+  return (m, jnp.broadcast_to(jnp.asarray(lo, m.dtype), m.shape),
+          jnp.broadcast_to(jnp.asarray(hi, m.dtype), m.shape),
+          jnp.broadcast_to(jnp.asarray(target, m.dtype), m.shape))
+
+
+def t_candidates(lo, hi):
+  """The C candidate taus of one sweep, each [rows, 1]."""
+  c1 = THRESHOLD_CANDIDATES + 1
+  return [lo + (hi - lo) * ((c + 1) / c1) for c in range(THRESHOLD_CANDIDATES)]
+
+
+def t_mass_tile(cfg: Config, s, mask, m, taus, totals, length, dyn):
+  """One key block of a search sweep: ``totals[c] += sum_j mass(z_j, taus[c])``."""
+  static, arrays = _hp(cfg, dyn)
+  hp = {**static, **arrays}
+  rule = cfg.spec.threshold
+  z = tile.scores(rule, s, mask, m, length, hp)
+  out = []
+  for tau, tot in zip(taus, totals, strict=True):
+    mass = rule.mass(z, tau, **hp)
+    if mask is not None:
+      mass = jnp.where(mask, mass, 0.0)
+    out.append(tot + jnp.sum(mass, axis=-1, keepdims=True))
+  return z, out
+
+
+def t_live(z, mask, lo):
+  """1 when some visible z of the tile is >= its row's lo (int32 scalar): a block where
+  every visible z < lo <= tau has exactly zero weights (and zero gradient)."""
+  hit = z >= lo
+  if mask is not None:
+    hit = jnp.logical_and(hit, mask)
+  return jnp.max(hit.astype(jnp.int32))
+
+
+def t_flag_update(flags, j, live):
+  """``flags`` [1, width] int32 with column j set to ``live`` (no dynamic store)."""
+  col = jax.lax.broadcasted_iota(jnp.int32, flags.shape, 1)
+  return jnp.where(col == j, live, flags)
+
+
+def t_bracket_update(lo, hi, taus, totals, target):
+  """Keeps the sub-bracket holding the root (mass is non-increasing in tau)."""
+  new_lo, new_hi = lo, hi
+  for tau, tot in zip(taus, totals, strict=True):
+    ok = tot >= target
+    new_lo = jnp.where(ok, jnp.maximum(new_lo, tau), new_lo)
+    new_hi = jnp.where(ok, new_hi, jnp.minimum(new_hi, tau))
+  return new_lo, new_hi
+
+
+def t_weight_m(m):
+  """The stabiliser the weights are evaluated at: the next float above m (as xla_chunked):
+  a rule clamping ``exp(min(z - m, 0))`` has no tie in its derivative at the argmax."""
+  return jnp.nextafter(m, jnp.asarray(jnp.inf, m.dtype))
+
+
+def t_weight_tile(cfg: Config, s, mask, tau, m, length, dyn):
+  """The weighted pass's tile: ``weight(z, tau, m)``, 0 where masked."""
+  static, arrays = _hp(cfg, dyn)
+  w, _ = tile.threshold_maps(cfg.spec.threshold, s, mask, tau, m, length, {**static, **arrays})
+  return w
+
+
+def t_coef_tile(cfg: Config, s, mask, tau, m, delta, dp, length, dyn):
+  """Per row ``(sum_k d_tau weight_k (dP_k - Delta), sum_k d_tau mass_k)`` of a tile."""
+  static, arrays = _hp(cfg, dyn)
+  hp = {**static, **arrays}
+  rule = cfg.spec.threshold
+  _, (dw, dm) = jax.jvp(lambda t: tile.threshold_maps(rule, s, mask, t, m, length, hp),
+                        (tau,), (jnp.ones_like(tau),))
+  return (jnp.sum(dw * (dp - delta), axis=-1, keepdims=True),
+          jnp.sum(dm, axis=-1, keepdims=True))
+
+
+def t_coef(g_tau, m_tau, d):
+  """``coef = g_tau / (W M_tau)`` (0 for an empty row)."""
+  return g_tau * tile.safe_inverse(d) * tile.safe_inverse(m_tau)
+
+
+def t_backward_tile(cfg: Config, s, mask, tau, m, d, delta, coef, dp, length, dyn):
+  """``(w, ds, dhp)``: the tile's normalised weights (for dV), the cotangent of its logits
+  (before the soft cap is undone) and of the dynamic hyperparameters (each [bq, 1])."""
+  static, arrays = _hp(cfg, dyn)
+  rule = cfg.spec.threshold
+  inv = tile.safe_inverse(d)
+  (w, mass), vjp = jax.vjp(
+      lambda x, a: tile.threshold_maps(rule, x, mask, tau, m, length, {**static, **a}),
+      s, arrays)
+  cot_mass = jnp.broadcast_to(-coef, mass.shape)
+  if mask is not None:
+    cot_mass = jnp.where(mask, cot_mass, 0.0)
+  ds, dhp = vjp(((dp - delta) * inv, cot_mass))
+  return w * inv, ds, tuple(dhp[name] for name in cfg.dyn_hp)
+
+
+def t_target_vjp(cfg: Config, coef, length, dyn):
+  """The target's share of the hyperparameter cotangents (``+coef · d target``), or None."""
+  static, arrays = _hp(cfg, dyn)
+  if not arrays:
+    return None
+  rule = cfg.spec.threshold
+
+  def target(a):
+    return jnp.broadcast_to(jnp.asarray(rule.target(length, **{**static, **a}), coef.dtype),
+                            coef.shape)
+
+  _, vjp = jax.vjp(target, arrays)
+  (d,) = vjp(coef)
+  return tuple(d[name] for name in cfg.dyn_hp)
+
+
+def live_block_tables(flags):
+  """Compacted block lists from live flags ``[..., width]``: ``(idx [..., width], cnt [...])``.
+
+  ``idx`` lists the live blocks in increasing order, padded with the last live one (so a
+  clamped index map fetches nothing new); ``cnt`` is their number.
+  """
+  live = flags != 0
+  cnt = jnp.sum(live, axis=-1, dtype=jnp.int32)
+  # live blocks first, in order (a stable sort of a 0/1 key over a few dozen blocks)
+  order = jnp.argsort(jnp.logical_not(live), axis=-1, stable=True).astype(jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(cnt - 1, 0)[..., None], axis=-1)
+  pos = jax.lax.broadcasted_iota(jnp.int32, order.shape, order.ndim - 1)
+  return jnp.where(pos < cnt[..., None], order, last), cnt

@@ -18,7 +18,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from kernels_pallas import engine as E
 
-__all__ = ["forward", "backward_dq", "backward_dkv"]
+__all__ = ["forward", "backward_dq", "backward_dkv", "threshold_search", "threshold_forward",
+           "threshold_backward_dq", "threshold_backward_dkv"]
 
 
 def _q_major(cfg: E.Config, bq: int):
@@ -37,15 +38,23 @@ def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operand
   """pallas_call of one pass: the loop bounds [lo, hi) of each (batch, block), the pass's
   own ``(spec, array)`` operands, then :func:`engine.pass_inputs`."""
   bound = pl.BlockSpec((None, None), lambda i, bi, h: (bi, i))
+  return _call_with(cfg, kernel, name, grid, rows, sp, [(bound, x) for x in bounds] + operands,
+                    aux, dyn, out_specs, out_shape)
+
+
+def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, aux, dyn,
+               out_specs, out_shape):
+  """pallas_call of one pass: its own ``(spec, array)`` operands, then
+  :func:`engine.pass_inputs`."""
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
   warps = 4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8
   return pl.pallas_call(
-      kernel, grid=grid, in_specs=[bound, bound, *(o[0] for o in operands), *extra_specs],
+      kernel, grid=grid, in_specs=[*(o[0] for o in operands), *extra_specs],
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
       interpret=bool(cfg.interpret), debug=cfg.debug,
       name=f"jaxsoft_attention_{name}_{cfg.spec.name}",
-  )(*bounds, *(o[1] for o in operands), *extra)
+  )(*(o[1] for o in operands), *extra)
 
 
 def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
@@ -158,3 +167,228 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   return tuple(_call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp,
                      (aux.dkv_lo, aux.dkv_hi), _backward_operands(sp, q, k, v, do, m, d, delta),
                      aux, dyn, [sp["kv"], sp["kv"]], out_shape))
+
+
+# ---------------------------------------------------------------------- class T (AdaSplash)
+# The four passes of engine's class-T section. The search runs over the structural key
+# range [lo, hi) and records which key blocks hold a visible z >= tau; the weighted pass
+# and both backward passes loop over those live blocks only (a compacted list per query
+# block, ``engine.live_block_tables``; per key block for dK/dV).
+
+
+def _tables(width: int):
+  """Specs of the live-block list [B, N, nq, width] and its count [B, N, nq, 1] of the
+  passes over query blocks (grid (query block, batch, head))."""
+  return (pl.BlockSpec((None, None, None, width), lambda qi, bi, ni: (bi, ni, qi, 0)),
+          pl.BlockSpec((None, None, None, 1), lambda qi, bi, ni: (bi, ni, qi, 0)))
+
+
+def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
+  """Returns (m [B, N, T_pad, 1], tau [B, N, T_pad, 1], flags [B, N, nq, 1, width])."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, nq, width = q.shape[0], cfg.num_heads, cfg.t_pad // bq, E.num_k_flags(cfg)
+  passes, n_dyn = E.threshold_passes(cfg), len(dyn)
+  sp = _q_major(cfg, bq)
+  row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  flag_spec = pl.BlockSpec((None, None, None, 1, width), lambda qi, bi, ni: (bi, ni, qi, 0, 0))
+  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32)]
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, (m_ref, tau_ref, flag_ref) = E.split_refs(cfg, refs, n_dyn)
+    qi = pl.program_id(0)
+    qs = None if qs_ref is None else qs_ref[...]
+    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
+    k_lo, k_hi = lo_ref[...], hi_ref[...]
+
+    def logits(j):
+      sl = pl.ds(j * bk, bk)
+      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      return s, E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+                            None if ks_ref is None else ks_ref[:, sl])
+
+    def max_body(j, m):
+      s, mask = logits(j)
+      return E.t_max_tile(cfg, s, mask, m, length, dyn_v)
+
+    m = jax.lax.fori_loop(k_lo, k_hi, max_body, jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype))
+    m, lo, hi, target = E.t_bracket(cfg, m, length, dyn_v)
+    no_flags = jnp.zeros((1, width), jnp.int32)
+
+    def sweep(_, carry):
+      lo, hi, _ = carry
+      taus = E.t_candidates(lo, hi)
+
+      def body(j, c):
+        totals, flags = c
+        s, mask = logits(j)
+        z, totals = E.t_mass_tile(cfg, s, mask, m, taus, totals, length, dyn_v)
+        return totals, E.t_flag_update(flags, j, E.t_live(z, mask, lo))
+
+      zero = [jnp.zeros((bq, 1), cfg.acc_dtype) for _ in taus]
+      totals, flags = jax.lax.fori_loop(k_lo, k_hi, body, (zero, no_flags))
+      return (*E.t_bracket_update(lo, hi, taus, totals, target), flags)
+
+    lo, _, flags = jax.lax.fori_loop(0, passes, sweep, (lo, hi, no_flags))
+    m_ref[...] = E.t_weight_m(m)
+    tau_ref[...] = lo
+    flag_ref[...] = flags
+
+  return _call(cfg, kernel, "tsearch", (nq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),
+               [(sp["q"], q), (sp["kv"], k)], aux, dyn, [sp["row"], sp["row"], flag_spec],
+               out_shape)
+
+
+def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux):
+  """The weighted pass over the live key blocks: returns (o, W [B, N, T_pad, 1])."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  sp = _q_major(cfg, bq)
+  idx_spec, cnt_spec = _tables(idx.shape[-1])
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, (o_ref, d_ref) = E.split_refs(cfg, refs, n_dyn)
+    qi = pl.program_id(0)
+    qs = None if qs_ref is None else qs_ref[...]
+    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
+    mt, taut = m_ref[...], tau_ref[...]
+
+    def body(j, carry):
+      lsum, acc = carry
+      kb = idx_ref[j]
+      sl = pl.ds(kb * bk, bk)
+      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
+                         None if ks_ref is None else ks_ref[:, sl])
+      w = E.t_weight_tile(cfg, s, mask, taut, mt, length, dyn_v)
+      vt = v_ref[sl, :]
+      return (lsum + jnp.sum(w, axis=-1, keepdims=True),
+              acc + E.dot(cfg, w.astype(vt.dtype), vt, (1, 0)))
+
+    init = (jnp.zeros((bq, 1), cfg.acc_dtype), jnp.zeros((bq, hp), cfg.acc_dtype))
+    lsum, acc = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    o_ref[...] = (acc * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
+    d_ref[...] = lsum
+
+  return _call_with(cfg, kernel, "tfwd", (cfg.t_pad // bq, b, n), bq, sp,
+                    [(idx_spec, idx), (cnt_spec, cnt), (sp["q"], q), (sp["kv"], k),
+                     (sp["kv"], v), (sp["row"], m), (sp["row"], tau)],
+                    aux, dyn, [sp["q"], sp["row"]], out_shape)
+
+
+def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
+                          aux: E.Aux):
+  """dQ over the live key blocks; also the per-row ``coef`` (for dK/dV) and the
+  hyperparameters' tile cotangents. Returns (dq, coef, ddyn)."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  sp = _q_major(cfg, bq)
+  idx_spec, cnt_spec = _tables(idx.shape[-1])
+  row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_dyn
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
+             *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, (dq_ref, coef_ref, *ddyn_refs) = E.split_refs(
+        cfg, refs, n_dyn)
+    qi = pl.program_id(0)
+    qs = None if qs_ref is None else qs_ref[...]
+    length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
+    qt, dot_, mt, taut, dt, delt = (r[...] for r in (q_ref, do_ref, m_ref, tau_ref, d_ref,
+                                                     delta_ref))
+    count = cnt_ref[0]
+
+    def tile_at(j):
+      kb = idx_ref[j]
+      sl = pl.ds(kb * bk, bk)
+      kt, vt = k_ref[sl, :], v_ref[sl, :]
+      s = E.tile_logits(cfg, qt, kt)
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
+                         None if ks_ref is None else ks_ref[:, sl])
+      return kt, s, mask, E.dot(cfg, dot_, vt, (1, 1))
+
+    def coef_body(j, carry):
+      _, s, mask, dp = tile_at(j)
+      g, mm = E.t_coef_tile(cfg, s, mask, taut, mt, delt, dp, length, dyn_v)
+      return carry[0] + g, carry[1] + mm
+
+    zero = jnp.zeros((bq, 1), cfg.acc_dtype)
+    g_tau, m_tau = jax.lax.fori_loop(0, count, coef_body, (zero, zero))
+    coef = E.t_coef(g_tau, m_tau, dt)
+
+    def body(j, carry):
+      dq, ddyn = carry
+      kt, s, mask, dp = tile_at(j)
+      _, ds, dd = E.t_backward_tile(cfg, s, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
+      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      dq = dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+      return dq, tuple(a + x for a, x in zip(ddyn, dd, strict=True))
+
+    init = (jnp.zeros((bq, hp), cfg.acc_dtype), tuple(zero for _ in range(n_dyn)))
+    dq, ddyn = jax.lax.fori_loop(0, count, body, init)
+    dq_ref[...] = dq
+    coef_ref[...] = coef
+    for rf, x in zip(ddyn_refs, ddyn, strict=True):
+      rf[...] = x
+
+  outs = _call_with(cfg, kernel, "tdq", (cfg.t_pad // bq, b, n), bq, sp,
+                    [(idx_spec, idx), (cnt_spec, cnt)]
+                    + _threshold_operands(sp, q, k, v, do, m, tau, d, delta),
+                    aux, dyn, [sp["q"]] + [sp["row"]] * (1 + n_dyn), out_shape)
+  return outs[0], outs[1], tuple(outs[2:])
+
+
+def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
+  return [(sp["q"], q), (sp["kv"], k), (sp["kv"], v), (sp["q"], do), (sp["row"], m),
+          (sp["row"], tau), (sp["row"], d), (sp["row"], delta)]
+
+
+def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
+                           dyn, aux: E.Aux):
+  """dK, dV over, per key block, the query blocks for which it is live (per query head:
+  ``idx_t`` [B, N, nk, width], ``cnt_t`` [B, N, nk, 1])."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, kvh, hp, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups
+  sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
+  width = idx_t.shape[-1]
+  idx_spec = pl.BlockSpec((None, g, None, width), lambda ki, bi, hi: (bi, hi, ki, 0))
+  cnt_spec = pl.BlockSpec((None, g, None, 1), lambda ki, bi, hi: (bi, hi, ki, 0))
+  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)] * 2
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
+             coef_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, (dk_ref, dv_ref) = E.split_refs(cfg, refs, len(dyn))
+    ki = pl.program_id(0)
+    ks = None if ks_ref is None else ks_ref[...]
+    kt, vt = k_ref[...], v_ref[...]
+    carry = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hp), cfg.acc_dtype))
+    for gi in range(g):  # the query heads sharing this KV head
+
+      def body(j, carry, gi=gi):
+        dk, dv = carry
+        qb = idx_ref[gi, j]
+        sl = pl.ds(qb * bq, bq)
+        qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
+        s = E.tile_logits(cfg, qt, kt)
+        mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk,
+                           None if qs_ref is None else qs_ref[sl, :], ks)
+        dp = E.dot(cfg, dot_, vt, (1, 1))
+        rows = tuple(r[gi, sl, :] for r in (m_ref, tau_ref, d_ref, delta_ref, coef_ref))
+        mt, taut, dt, delt, coef = rows
+        dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
+        w, ds, _ = E.t_backward_tile(cfg, s, mask, taut, mt, dt, delt, coef, dp,
+                                     len_ref[sl, :], dyn_v)
+        ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+        dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
+        dk = dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
+        return dk, dv
+
+      carry = jax.lax.fori_loop(0, cnt_ref[gi, 0], body, carry)
+    dk_ref[...] = carry[0]
+    dv_ref[...] = carry[1]
+
+  ops = [(idx_spec, idx_t), (cnt_spec, cnt_t)]
+  ops += _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
+  return tuple(_call_with(cfg, kernel, "tdkv", (cfg.s_pad // bk, b, kvh), bk, sp, ops, aux,
+                          dyn, [sp["kv"], sp["kv"]], out_shape))
