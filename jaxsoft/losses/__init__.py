@@ -19,11 +19,13 @@ from jaxsoft.losses._classification import (
     top_k_cross_entropy,
 )
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
+from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._orthogonal import orthogonal_gradient
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
 
 __all__ = [
     "fenchel_young_loss",
+    "linear_cross_entropy",
     "orthogonal_gradient",
     "softmax_collapse_fraction",
     "softmax_cross_entropy",

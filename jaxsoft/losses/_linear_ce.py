@@ -1,0 +1,274 @@
+"""L08 linear (chunked-vocabulary) cross-entropy: CE from hidden states and the output matrix
+without ever materialising the ``[tokens, vocab]`` logits."""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jaxsoft.losses import _common as lc
+from jaxsoft.normalizers import _common as nc
+
+__all__ = ["linear_cross_entropy"]
+
+
+def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
+                         where: ArrayLike | None = None, ignore_index: int | None = None,
+                         label_smoothing: float = 0.0, z_loss: float = 0.0,
+                         softcap: float | None = None, token_chunk_size: int = 1024,
+                         vocab_chunk_size: int = 4096) -> jax.Array:
+  r"""Softmax cross-entropy of the logits ``h @ w``, never materialised (feature L08).
+
+  With logits :math:`z_{tv} = c \tanh\bigl((h_t \cdot w_{:,v}) / c\bigr)` (the ``softcap``
+  :math:`c`; no cap when it is None), the loss of token t with label y is
+
+  .. math::
+    \ell_t = (1 - \epsilon)\,\bigl(\mathrm{LSE}_v(z_t) - z_{ty}\bigr)
+      + \epsilon\,\Bigl(\mathrm{LSE}_v(z_t) - \tfrac{1}{V}\sum_v z_{tv}\Bigr)
+      + \lambda\,\mathrm{LSE}_v(z_t)^2,
+
+  the cross-entropy against the smoothed one-hot target (:math:`\epsilon` =
+  ``label_smoothing``, as ``optax.smooth_labels``) plus the :math:`\log^2 Z` regulariser
+  (:math:`\lambda` = ``z_loss``; see :func:`z_loss`).
+
+  This is Cut Cross-Entropy: E. Wijmans, B. Huval, A. Hertzberg, V. Koltun &
+  P. Krähenbühl, "Cut Your Losses in Large-Vocabulary Language Models" (2024,
+  arXiv 2411.09009), the approach also used by "Chronicals" (2025). The tokens are taken
+  ``token_chunk_size`` at a time; for each token chunk the log-sum-exp runs over vocabulary
+  chunks of ``vocab_chunk_size`` columns with the online-softmax recurrence (M. Milakov &
+  N. Gimelshein, "Online normalizer calculation for softmax", 2018): a running max m and a
+  rescaled running sum l. Only ``[token_chunk_size, vocab_chunk_size]`` logits exist at a
+  time. The gradient is a custom VJP that recomputes each chunk's logits from the saved
+  per-token LSE: :math:`\partial\ell/\partial z_{tv} = (1 + 2\lambda\,\mathrm{LSE})\,p_{tv}
+  - (1-\epsilon)[v = y] - \epsilon/V`, then ``dh += dz @ w_chunkᵀ`` and
+  ``dw_chunk += h_chunkᵀ @ dz``. Memory is O(tokens·d + d·V) for the inputs and their
+  gradients plus one chunk of logits, instead of O(tokens·V).
+
+  The chunks need not divide the axes: the last vocabulary chunk is shifted back to end at
+  V and its columns already counted are masked; the tokens are padded to a whole chunk.
+
+  Edge cases (as :func:`softmax_cross_entropy_with_integer_labels`): a token whose ``where``
+  is False or whose label equals ``ignore_index`` has loss 0 and zero gradient; a label
+  outside ``[0, V)`` that is not ``ignore_index`` has loss ``+inf`` and zero gradient.
+  bf16/fp16 inputs are computed in float32 chunk by chunk; the loss comes back in
+  ``h``'s dtype and the gradients in ``h``'s and ``w``'s.
+
+  Args:
+    h: ``[..., d]`` hidden states (float).
+    w: ``[d, V]`` output (unembedding) matrix.
+    labels: integer labels of ``h``'s shape without its last axis.
+    where: optional boolean mask of ``labels``' shape (False: token ignored).
+    ignore_index: a label value whose tokens get loss 0 (e.g. -100).
+    label_smoothing: :math:`\epsilon \in [0, 1)` (a Python float).
+    z_loss: :math:`\lambda \ge 0`, the weight of :math:`\mathrm{LSE}^2` (e.g. 1e-4).
+    softcap: None or :math:`c > 0`: logits :math:`c\tanh(z/c)` (Gemma 2's final-logit cap).
+    token_chunk_size: tokens per chunk (clipped to the number of tokens).
+    vocab_chunk_size: vocabulary columns per chunk (clipped to V).
+
+  Returns:
+    One loss per token, of ``labels``' shape, in ``h``'s dtype.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> h = jnp.array([[1.0, 0.0], [0.5, -1.0], [0.0, 2.0]])
+    >>> w = jnp.array([[1.0, -1.0, 0.5], [0.0, 1.0, -0.5]])
+    >>> print(js.losses.linear_cross_entropy(h, w, jnp.array([0, 1, 2]), vocab_chunk_size=2))
+    [0.555  2.8835 3.1698]
+  """
+  fn = "linear_cross_entropy"
+  h = jnp.asarray(h)
+  w = jnp.asarray(w)
+  for name, a in (("h", h), ("w", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
+  if h.ndim < 1:
+    raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
+  if w.ndim != 2 or w.shape[0] != h.shape[-1]:
+    raise ValueError(f"{fn}: `w` must be [d, V] with d = {h.shape[-1]} (the last axis of `h`), "
+                     f"got shape {w.shape}")
+  if w.shape[1] == 0:
+    raise ValueError(f"{fn}: `w` must have at least one vocabulary column, got shape {w.shape}")
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
+  if labels.shape != h.shape[:-1]:
+    raise ValueError(f"{fn}: `labels` of shape {labels.shape} must have the shape of `h` "
+                     f"{h.shape} without its last axis, i.e. {h.shape[:-1]}")
+  ignore_index = lc.check_ignore_index(ignore_index, fn)
+  eps = _static_float(label_smoothing, "label_smoothing", fn, lo=0.0, hi=1.0, hi_open=True)
+  lam = _static_float(z_loss, "z_loss", fn, lo=0.0)
+  cap = None if softcap is None else _static_float(softcap, "softcap", fn, lo=0.0, lo_open=True)
+  for name, v in (("token_chunk_size", token_chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
+      raise ValueError(f"{fn}: `{name}` must be a positive int, got {v!r}")
+  keep = jnp.ones(labels.shape, bool)
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.shape != labels.shape:
+      raise ValueError(f"{fn}: `where` of shape {where.shape} must have `labels`' shape "
+                       f"{labels.shape} (one flag per token)")
+    keep = where.astype(bool)
+  if ignore_index is not None:
+    keep = keep & (labels != ignore_index)
+
+  out_dtype = h.dtype
+  batch_shape, d = h.shape[:-1], h.shape[-1]
+  n = math.prod(batch_shape)
+  if n == 0:
+    return jnp.zeros(batch_shape, out_dtype)
+  vocab = w.shape[1]
+  tc, vc = min(int(token_chunk_size), n), min(int(vocab_chunk_size), vocab)
+  n_pad = -(-n // tc) * tc
+  h2 = jnp.pad(h.reshape(n, d), ((0, n_pad - n), (0, 0)))
+  y2 = jnp.pad(labels.reshape(n).astype(jnp.int32), (0, n_pad - n))
+  keep2 = jnp.pad(keep.reshape(n), (0, n_pad - n))
+  in_range = (y2 >= 0) & (y2 < vocab)
+  cfg = _Config(tc, vc, eps, lam, cap, jnp.dtype(nc.compute_dtype(jnp.result_type(h.dtype, w.dtype))))
+  loss = _lce(cfg, h2, w, jnp.where(in_range, y2, 0), keep2 & in_range)
+  loss = jnp.where(keep2 & ~in_range, jnp.inf, loss)[:n]
+  return loss.reshape(batch_shape).astype(out_dtype)
+
+
+class _Config(NamedTuple):
+  """The static configuration (hashable, for ``nondiff_argnums``)."""
+  tc: int
+  vc: int
+  eps: float
+  lam: float
+  cap: float | None
+  dtype: Any
+
+
+def _static_float(value, name, fn, lo=None, hi=None, lo_open=False, hi_open=False):
+  try:
+    v = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"{fn}: `{name}` must be a Python number (static), got {value!r}") from None
+  bad = (lo is not None and (v < lo or (lo_open and v == lo))) or \
+        (hi is not None and (v > hi or (hi_open and v == hi))) or not math.isfinite(v)
+  if bad:
+    lo_s = "(" if lo_open else "["
+    hi_s = ")" if hi_open else "]"
+    raise ValueError(f"{fn}: `{name}` must be in {lo_s}{lo}, {'inf' if hi is None else hi}{hi_s}, "
+                     f"got {value!r}")
+  return v
+
+
+def _capped(z_raw, cap):
+  """Logits after the soft cap, and d(logit)/d(raw) (None without a cap)."""
+  if cap is None:
+    return z_raw, None
+  z = cap * jnp.tanh(z_raw / cap)
+  return z, 1.0 - jnp.square(z / cap)
+
+
+def _vocab_chunk(w, k, cfg):
+  """Chunk k of the columns of w (the last one shifted back to end at V) and the mask of
+  the columns that chunk k owns (those not already counted by an earlier chunk)."""
+  vocab = w.shape[1]
+  start = jnp.minimum(k * cfg.vc, vocab - cfg.vc)
+  wk = jax.lax.dynamic_slice_in_dim(w, start, cfg.vc, axis=1).astype(cfg.dtype)
+  cols = start + jnp.arange(cfg.vc)
+  return wk, cols, cols >= k * cfg.vc, start
+
+
+def _token_chunks(a, tc):
+  return a.reshape((a.shape[0] // tc, tc) + a.shape[1:])
+
+
+def _chunk_forward(cfg, w, hc, yc):
+  """Per token of one chunk: LSE over the vocabulary, the label's logit, the sum of logits."""
+  hc = hc.astype(cfg.dtype)
+  n_vc = -(-w.shape[1] // cfg.vc)
+
+  def body(carry, k):
+    m, l, s = carry
+    wk, _, own, _ = _vocab_chunk(w, k, cfg)
+    z, _ = _capped(hc @ wk, cfg.cap)
+    m_new = jnp.maximum(m, jnp.max(jnp.where(own, z, -jnp.inf), axis=-1))
+    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.where(own, jnp.exp(z - m_new[:, None]), 0.0), -1)
+    s = s + jnp.sum(jnp.where(own, z, 0.0), axis=-1)
+    return (m_new, l, s), None
+
+  zeros = jnp.zeros(hc.shape[:1], cfg.dtype)
+  (m, l, s), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros), jnp.arange(n_vc))
+  lse = m + jnp.log(l)
+  w_y = jnp.take(w, yc, axis=1).astype(cfg.dtype)  # [d, tc]: only the label columns
+  z_y, _ = _capped(jnp.sum(hc * w_y.T, axis=-1), cfg.cap)
+  return lse, z_y, s
+
+
+def _per_token_loss(cfg, lse, z_y, s, vocab):
+  loss = lse - (1.0 - cfg.eps) * z_y
+  if cfg.eps:
+    loss = loss - cfg.eps * s / vocab
+  if cfg.lam:
+    loss = loss + cfg.lam * jnp.square(lse)
+  return loss
+
+
+def _forward(cfg, h, w, y, keep):
+  def chunk(args):
+    hc, yc = args
+    return _chunk_forward(cfg, w, hc, yc)
+
+  lse, z_y, s = jax.lax.map(chunk, (_token_chunks(h, cfg.tc), _token_chunks(y, cfg.tc)))
+  lse, z_y, s = (a.reshape(-1) for a in (lse, z_y, s))
+  loss = _per_token_loss(cfg, lse, z_y, s, w.shape[1])
+  return jnp.where(keep, loss, 0.0), lse
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _lce(cfg, h, w, y, keep):
+  return _forward(cfg, h, w, y, keep)[0]
+
+
+def _lce_fwd(cfg, h, w, y, keep):
+  loss, lse = _forward(cfg, h, w, y, keep)
+  return loss, (h, w, y, keep, lse)
+
+
+def _lce_bwd(cfg, res, g):
+  h, w, y, keep, lse = res
+  vocab = w.shape[1]
+  n_vc = -(-vocab // cfg.vc)
+  g = jnp.where(keep, g.astype(cfg.dtype), 0.0)
+  coef_p = g * (1.0 + 2.0 * cfg.lam * lse) if cfg.lam else g
+
+  def token_chunk(dw, args):
+    hc, yc, gc, cc, lc_ = args
+    hc = hc.astype(cfg.dtype)
+
+    def vocab_step(carry, k):
+      dh, dw = carry
+      wk, cols, own, start = _vocab_chunk(w, k, cfg)
+      z, dcap = _capped(hc @ wk, cfg.cap)
+      p = jnp.exp(z - lc_[:, None])
+      target = (1.0 - cfg.eps) * (cols[None, :] == yc[:, None]) + cfg.eps / vocab
+      dz = jnp.where(own, cc[:, None] * p - gc[:, None] * target, 0.0)
+      if dcap is not None:
+        dz = dz * dcap
+      dh = dh + dz @ wk.T
+      dwk = hc.T @ dz
+      dw = jax.lax.dynamic_update_slice_in_dim(
+          dw, jax.lax.dynamic_slice_in_dim(dw, start, cfg.vc, axis=1) + dwk, start, axis=1)
+      return (dh, dw), None
+
+    (dh, dw), _ = jax.lax.scan(vocab_step, (jnp.zeros(hc.shape, cfg.dtype), dw),
+                               jnp.arange(n_vc))
+    return dw, dh
+
+  chunks = tuple(_token_chunks(a, cfg.tc) for a in (h, y, g, coef_p, lse))
+  dw, dh = jax.lax.scan(token_chunk, jnp.zeros(w.shape, cfg.dtype), chunks)
+  dh = dh.reshape(h.shape)
+  return dh.astype(h.dtype), dw.astype(w.dtype), None, None
+
+
+_lce.defvjp(_lce_fwd, _lce_bwd)
