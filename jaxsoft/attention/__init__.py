@@ -5,7 +5,7 @@ same arguments in the same positions, plus ``normalizer``, ``normalizer_params``
 ``implementation`` choices); ``MaskStructure`` describes causal / window / length /
 segment masks without a T x S array (shared with the Pallas kernels); the variants of
 features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point;
-KV merging (A48, ``_merge``).
+KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``).
 """
 
 # ruff: noqa: F401, F403
@@ -14,8 +14,9 @@ from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.attention._merge import alternating_matching, merge_kv
+from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._variants import *
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
            *_variants.__all__,
-           "merge_kv", "alternating_matching"]
+           "merge_kv", "alternating_matching", "topk_attention"]
