@@ -58,7 +58,7 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   elif call.implementation == "chunked":
     o, S_T = _recurrence.chunked(*args, chunk=min(call.chunk_size, T))
   else:  # parallel: one chunk holding the whole sequence
-    o, S_T = _recurrence.chunked(*args, chunk=T)
+    o, S_T = _recurrence.chunked(*args, chunk=T, recompute=False)
   return jnp.moveaxis(o, 2, 1), S_T
 
 

@@ -36,6 +36,15 @@ over Sequence Length"): one unit-lower-triangular inverse per chunk
 ``G_i - G_j`` with ``j <= i`` (so ``<= 0``): the masks are applied before ``exp``, which
 never sees a large positive number. Only the chunk-start states are carried, by a
 ``lax.scan`` over chunks; everything else is computed for all chunks at once.
+
+Backward pass of the chunked form (feature K07): a custom VJP keeps only the inputs and the
+chunk-start states (``O(T·K·V / C)``) and runs a reverse ``lax.scan`` over the chunks that
+rebuilds one chunk's terms (scores, UT inverse) from its inputs, differentiates them with
+``jax.vjp`` against that chunk's output cotangent and its end-state cotangent, and carries
+the start-state cotangent to the chunk before: the recomputing backward of Lightning
+Attention (Qin et al. 2024) and of flash-linear-attention's chunk kernels, with no ``[T, T]``
+buffer and no stored per-chunk ``[C, C]`` terms. The parallel form (one chunk) is left to
+autodiff, an independent path the tests compare against.
 """
 
 from __future__ import annotations
@@ -114,19 +123,17 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
   return X[..., 0, :C, :C]
 
 
-def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array]:
-  """The chunked form (see the module docstring). Returns ``(o [B, N, T, V], S_T)``."""
-  B, N, T, K = q.shape
-  C = chunk
-  pad = (-T) % C
-  q, k, v = (_chunk.pad_time(x, 2, pad) for x in (q, k, v))
-  g = jnp.zeros((B, N, T + pad), q.dtype) if g is None else _chunk.pad_time(g, 2, pad)
-  run = _chunk.pad_time(run, 1, pad, mode="edge")
-  qc, kc, vc, gc = (_chunk.to_chunks(x, 2, C) for x in (q, k, v, g))  # [B, N, nC, C, ...]
-  rc = _chunk.to_chunks(run, 1, C)                                     # [B, nC, C]
-  per_channel = g.ndim == 4
+def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
+  """Everything of a chunk that does not depend on its start state, for all chunks at once.
 
-  run_prev = jnp.concatenate([rc[:, :1, 0], rc[:, :-1, -1]], axis=1)   # run before each chunk
+  ``qc, kc [B, N, nC, C, K]``, ``vc [B, N, nC, C, V]``, ``gc [B, N, nC, C(, K)]``, ``bc``
+  None or ``[B, N, nC, C]``, ``rc [B, nC, C]`` run ids, ``run_prev [B, nC]`` the run before
+  each chunk. Returns ``(qd, kd, ds, P, U_tilde, W)``: the decayed queries ``e^G q``, keys
+  ``e^{G_C - G} k``, the state decay ``e^{G_C}``, the intra-chunk scores ``(Q K^T) ⊙ Γ``
+  ``[.., C, C]``, and the delta rule's ``(I + A)^{-1} β V`` and ``W`` (None without ``beta``).
+  """
+  C = qc.shape[3]
+  per_channel = gc.ndim == 5
   run_last = rc[..., -1]
   sees_start = (rc == run_prev[..., None])[:, None]                    # [B, 1, nC, C]
   reaches_end = (rc == run_last[..., None])[:, None]                   # [B, 1, nC, C]
@@ -155,15 +162,32 @@ def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array
     def scores(x, y, mask):
       return jnp.einsum("...ik,...jk->...ij", x, y) * _masked_exp(mask, diff)
 
-  if beta is None:
+  if bc is None:
     W, U_tilde = None, vc
   else:
-    bc = _chunk.to_chunks(_chunk.pad_time(beta, 2, pad), 2, C)[..., None]  # [B, N, nC, C, 1]
-    T_inv = unit_lower_inverse(bc * scores(kc, kc, strict))           # (I + A)^{-1}
-    W = T_inv @ (bc * dq * kc)
-    U_tilde = T_inv @ (bc * vc)
+    b = bc[..., None]                                                  # [B, N, nC, C, 1]
+    T_inv = unit_lower_inverse(b * scores(kc, kc, strict))             # (I + A)^{-1}
+    W = T_inv @ (b * dq * kc)
+    U_tilde = T_inv @ (b * vc)
+  return dq * qc, dk * kc, ds, scores(qc, kc, incl), U_tilde, W
 
-  chunk_first = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+
+def _chunk_apply(terms, starts) -> tuple[jax.Array, jax.Array]:
+  """Outputs ``[B, N, nC, C, V]`` and end states ``[B, N, nC, K, V]`` from the chunk terms and
+  the start states ``[B, N, nC, K, V]``."""
+  qd, kd, ds, P, U_tilde, W = terms
+  U = U_tilde if W is None else U_tilde - jnp.einsum("...ck,...kv->...cv", W, starts)
+  o = jnp.einsum("...ck,...kv->...cv", qd, starts) + jnp.einsum("...ij,...jv->...iv", P, U)
+  return o, starts * ds[..., None] + jnp.einsum("...ck,...cv->...kv", kd, U)
+
+
+def _chunk_first(x):
+  return None if x is None else jnp.moveaxis(x, 2, 0)
+
+
+def _scan_starts(terms, S0) -> tuple[jax.Array, jax.Array]:
+  """The chunk-start states ``[B, N, nC, K, V]`` and the final state, by a scan over chunks."""
+  _, kd, ds, _, U_tilde, W = terms
 
   def body(S, x):
     ds_c, kd_c, u_c, w_c = x
@@ -171,9 +195,79 @@ def chunked(q, k, v, g, beta, run, S0, chunk: int) -> tuple[jax.Array, jax.Array
     return S * ds_c[..., None] + jnp.einsum("bnck,bncv->bnkv", kd_c, U), S
 
   S_T, starts = jax.lax.scan(
-      body, S0, (chunk_first(ds), chunk_first(dk * kc), chunk_first(U_tilde), chunk_first(W)))
-  starts = jnp.moveaxis(starts, 0, 2)                                  # [B, N, nC, K, V]
-  U = U_tilde if W is None else U_tilde - jnp.einsum("...ck,...kv->...cv", W, starts)
-  o = (jnp.einsum("...ck,...kv->...cv", dq * qc, starts)
-       + jnp.einsum("...ij,...jv->...iv", scores(qc, kc, incl), U))
+      body, S0, tuple(_chunk_first(x) for x in (ds, kd, U_tilde, W)))
+  return jnp.moveaxis(starts, 0, 2), S_T
+
+
+def _chunked_plain(xs, rc, run_prev, S0):
+  """The chunked form differentiated by autodiff (which keeps every chunk's terms)."""
+  terms = _chunk_terms(*xs, rc, run_prev)
+  starts, S_T = _scan_starts(terms, S0)
+  return _chunk_apply(terms, starts)[0], S_T
+
+
+@jax.custom_vjp
+def _chunked_recompute(xs, rc, run_prev, S0):
+  """:func:`_chunked_plain` with a backward pass that recomputes chunk by chunk (K07)."""
+  return _chunked_plain(xs, rc, run_prev, S0)
+
+
+def _chunked_recompute_fwd(xs, rc, run_prev, S0):
+  terms = _chunk_terms(*xs, rc, run_prev)
+  starts, S_T = _scan_starts(terms, S0)
+  # Residuals: the inputs and the chunk-start states only, O(T·K·V / C); the chunk terms
+  # (scores, the UT inverse) are recomputed in the backward pass, one chunk at a time.
+  return (_chunk_apply(terms, starts)[0], S_T), (xs, rc, run_prev, starts)
+
+
+def _chunked_recompute_bwd(res, cts):
+  """A reverse scan over chunks: chunk ``c``'s terms are rebuilt from its inputs and
+  differentiated with ``jax.vjp`` against ``(do_c, dS_c)``, where ``dS_c`` (the cotangent of
+  its end state, carried) comes from the chunks after it. Only one chunk's intermediates
+  are alive at a time."""
+  xs, rc, run_prev, starts = res
+  do, dS_T = cts
+  one = lambda x: None if x is None else x[:, :, None]   # re-insert the chunk axis (size 1)
+
+  def body(dS, x):
+    x_c, rc_c, rp_c, start_c, do_c = x
+
+    def f(x_c, start_c):
+      terms = _chunk_terms(*(one(t) for t in x_c), rc_c[:, None], rp_c[:, None])
+      o, S_end = _chunk_apply(terms, start_c[:, :, None])
+      return o[:, :, 0], S_end[:, :, 0]
+
+    _, vjp = jax.vjp(f, x_c, start_c)
+    dx_c, dstart = vjp((do_c, dS))
+    return dstart, dx_c
+
+  seq = (tuple(_chunk_first(t) for t in xs), jnp.moveaxis(rc, 1, 0),
+         jnp.moveaxis(run_prev, 1, 0), _chunk_first(starts), _chunk_first(do))
+  dS0, dxs = jax.lax.scan(body, dS_T, seq, reverse=True)
+  dxs = tuple(None if t is None else jnp.moveaxis(t, 0, 2) for t in dxs)
+  return dxs, None, None, dS0
+
+
+_chunked_recompute.defvjp(_chunked_recompute_fwd, _chunked_recompute_bwd)
+
+
+def chunked(q, k, v, g, beta, run, S0, chunk: int,
+            recompute: bool = True) -> tuple[jax.Array, jax.Array]:
+  """The chunked form (see the module docstring). Returns ``(o [B, N, T, V], S_T)``.
+
+  ``recompute=True`` (the chunked form, K07) differentiates with a custom VJP that keeps
+  only the inputs and the chunk-start states and rebuilds each chunk's terms in a reverse
+  scan; ``False`` (the parallel form: one chunk) leaves the backward pass to autodiff.
+  """
+  B, N, T, K = q.shape
+  C = chunk
+  pad = (-T) % C
+  q, k, v = (_chunk.pad_time(x, 2, pad) for x in (q, k, v))
+  g = jnp.zeros((B, N, T + pad), q.dtype) if g is None else _chunk.pad_time(g, 2, pad)
+  run = _chunk.pad_time(run, 1, pad, mode="edge")
+  bc = None if beta is None else _chunk.to_chunks(_chunk.pad_time(beta, 2, pad), 2, C)
+  xs = tuple(_chunk.to_chunks(x, 2, C) for x in (q, k, v, g)) + (bc,)  # [B, N, nC, C, ...]
+  rc = _chunk.to_chunks(run, 1, C)                                     # [B, nC, C]
+  run_prev = jnp.concatenate([rc[:, :1, 0], rc[:, :-1, -1]], axis=1)   # run before each chunk
+  o, S_T = (_chunked_recompute if recompute else _chunked_plain)(xs, rc, run_prev, S0)
   return _chunk.from_chunks(o, 2)[:, :, :T], S_T
