@@ -1,0 +1,292 @@
+"""Class R normalizers: weights that need a statistic of the whole row first.
+
+N08 adaptive-temperature softmax (the entropy of softmax), N09 logit-standardised softmax
+and N26 NAP (the row's mean and variance). Each computes its row statistics over the
+visible entries only, then the weights from them; the gradient flows through the
+statistics.
+
+The shared ``+inf`` rule of ``_common.dense_rules`` (each of the k visible ``+inf``
+entries gets 1/k) is applied to these rows too. For N08 it is the limit; for N09 and N26 it
+is a convention, not the limit: standardisation bounds the scores, so as k entries of n grow
+together their z-scores tend to sqrt((n-k)/k) and the others' to -sqrt(k/(n-k)) (the
+``inf_limit`` hook of ``dense_rules`` does not receive the visible count n it would need).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+
+__all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap", "row_moments",
+           "softmax_entropy"]
+
+# Veličković et al.'s polynomial fit of beta(H), highest degree first (their released
+# snippet, reproduced identically in several public ports).
+_POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
+
+_THRESHOLD = Param("threshold", 0.5, low=0.0, sample=1.0)
+_COEFFS = Param("coefficients", _POLY, sample=(0.0, 0.0, 0.0, 1.0, 1.0))
+_TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
+_STD_EPS = Param("eps", 1e-7, low=0.0, low_open=True, sample=1e-3)
+_NAP_EPS = Param("eps", 1e-8, low=0.0, low_open=True, sample=1e-2)
+
+
+def _masked_softmax(z, mask, axis):
+  """softmax of ``z`` over the visible entries (any stabiliser-free z is re-centred)."""
+  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
+  return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+
+
+def _safe_sqrt(v):
+  """sqrt(v) with a zero (not infinite) gradient at v = 0."""
+  pos = v > 0
+  return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
+
+
+def row_moments(xs, mask, axis: int, m=None):
+  """(centred x, mean, population variance) of the visible entries of each row.
+
+  ``xs`` is ``prepare``'s masked-safe input; ``m``, a per-row constant without gradient
+  (the row max), is subtracted first so a row far from 0 (``x + 1000``) keeps its
+  deviations exact (Sterbenz) instead of losing them to the rounding of a large sum. The
+  centred values are 0 at masked entries. This is the two-pass form; a blockwise driver
+  would merge (count, mean, M2) per key block with Chan et al.'s rule instead.
+  """
+  n = c.visible_count(mask, axis, xs.dtype)
+  d = jnp.where(mask, xs - (0.0 if m is None else m), 0.0)
+  mean = c.safe_divide(jnp.sum(d, axis=axis, keepdims=True), n)
+  centred = jnp.where(mask, d - mean, 0.0)
+  var = c.safe_divide(jnp.sum(centred * centred, axis=axis, keepdims=True), n)
+  return centred, mean, var
+
+
+def softmax_entropy(z, mask, axis: int):
+  """(softmax p of z, its entropy H = -sum p log p in nats) over the visible entries.
+
+  Written as ``H = log l - sum_j p_j (z_j - m)``, with ``l = sum e^{z - m}``, so entries
+  whose p underflows to 0 add exactly 0 (no ``0 log 0``) and no ``1e-9`` guard is needed.
+  """
+  m = c.masked_max(z, mask, axis)
+  zc = jnp.where(mask, z - m, 0.0)
+  e = jnp.where(mask, jnp.exp(zc), 0.0)
+  l = jnp.sum(e, axis=axis, keepdims=True)
+  p = c.safe_divide(e, l)
+  log_l = jnp.log(jnp.where(l > 0, l, 1.0))
+  h = log_l - jnp.sum(p * zc, axis=axis, keepdims=True)
+  return p, h
+
+
+@c.dense_rules
+def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+                                 *, threshold: float = 0.5,
+                                 coefficients: tuple[float, ...] = _POLY) -> jax.Array:
+  r"""Adaptive-temperature softmax (feature N08, kernel class R; Veličković et al. 2024).
+
+  From P. Veličković, C. Perivolaropoulos, F. Barbero, R. Pascanu, "softmax is not enough
+  (for sharp out-of-distribution)" (2024, arXiv 2410.01104): the inverse temperature of
+  each row is a polynomial of the entropy of its softmax,
+
+  .. math::
+    p = \mathrm{softmax}(x), \quad H = -\sum_{j \in V} p_j \log p_j, \quad
+    \beta = \begin{cases} \max(\mathrm{poly}(H), 1) & H > h_0 \\ 1 & \text{otherwise}
+    \end{cases}, \quad w = \mathrm{softmax}(\beta x)
+
+  with the paper's fit ``poly`` (coefficients, highest degree first,
+  ``(-0.037, 0.481, -2.3, 4.917, -1.791)``) and threshold ``h_0 = 0.5`` nats. beta >= 1,
+  so the entropy never increases and a confident row (H <= h_0) is unchanged; a dispersed
+  row is sharpened. The paper applies it at inference; here the gradient also flows
+  through beta (the paper's snippet does not stop it either). The entropy is exact (the
+  snippet's ``log(p + 1e-9)`` guard is replaced by ``log l - sum p (x - m)``).
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      do not enter H.
+    threshold: h_0 >= 0, the entropy (nats) below which beta = 1.
+    coefficients: the polynomial beta(H), highest degree first.
+
+  Returns:
+    Weights of ``x``'s shape and dtype, summing to 1 on rows with a visible entry; a row
+    with none is all zeros with zero gradient. Shift invariant (H is); beta has kinks where
+    poly(H) crosses 1 and a jump where H crosses h_0 if poly(h_0) > 1 (not for the default
+    fit: poly(0.5) = 0.15), so the function is only piecewise smooth.
+
+  Row statistic (class R): the entropy of softmax, mergeable over key blocks as a carried
+  ``(m, l, sum_j e^{x_j - m} x_j)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.zeros(64).at[0].set(2.0)   # a dispersed row: H = 4.0 nats
+    >>> js.normalizers.softmax(x)[0], js.normalizers.adaptive_temperature_softmax(x)[0]
+    (Array(0.105, dtype=float32), Array(0.6562, dtype=float32))
+    >>> y = jnp.array([5.0, 0.0, 0.0])    # confident (H < 0.5): softmax itself
+    >>> js.normalizers.adaptive_temperature_softmax(y)
+    Array([0.9867, 0.0066, 0.0066], dtype=float32)
+  """
+  name = "adaptive_temperature_softmax"
+  _THRESHOLD.validate(threshold, name)
+  coeffs = tuple(coefficients)
+  if not coeffs:
+    raise ValueError(f"{name}: `coefficients` must hold at least one number")
+  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
+  z = xs - m
+  _, h = softmax_entropy(z, mask, ax)
+  poly = jnp.polyval(jnp.asarray(coeffs, xs.dtype), h)
+  beta = jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)
+  # beta >= 1 > 0, so the row max of beta (x - m) is 0 and exp stays <= 1.
+  e = jnp.where(mask, jnp.exp(beta * z), 0.0)
+  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+@c.dense_rules
+def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                         tau: ArrayLike = 1.0, eps: float = 1e-7) -> jax.Array:
+  r"""Logit-standardised softmax (feature N09, kernel class R; Sun et al. 2024).
+
+  From S. Sun, W. Ren, J. Li, R. Wang, X. Cao, "Logit Standardization in Knowledge
+  Distillation" (CVPR 2024): a z-score of the row before a base temperature,
+
+  .. math::
+    w = \mathrm{softmax}\Big(\frac{x - \mu}{\tau\,(\sigma + \epsilon)}\Big), \qquad
+    \mu = \tfrac{1}{n}\sum_{j \in V} x_j, \quad
+    \sigma^2 = \tfrac{1}{n}\sum_{j \in V} (x_j - \mu)^2
+
+  over the n visible entries: softmax with the adaptive per-row temperature
+  ``tau * std(x)``. Invariant to ``x -> a x + b`` for a > 0 (up to eps). [R] The authors'
+  code (sunshangquan/logit-standardization-KD, from memory) takes torch's default
+  *unbiased* std; the population std is used here (so a one-entry row is defined), which is
+  the same temperature scaled by sqrt((n-1)/n).
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      enter neither the mean nor the std.
+    tau: base temperature tau > 0, a scalar or an array broadcast to the rows;
+      differentiable.
+    eps: epsilon > 0 added to the std (the code's 1e-7), so a constant row is uniform.
+
+  Returns:
+    Weights of ``x``'s shape and dtype, summing to 1 on rows with a visible entry; a row
+    with none is all zeros with zero gradient. A near-constant row (std comparable to the
+    rounding of its entries) is ill-conditioned, as any standardisation is.
+
+  Row statistics (class R): the visible count, mean and variance, mergeable over key
+  blocks by Chan et al.'s rule; the second pass is softmax of the standardised scores.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.standardized_softmax(x)
+    Array([0.7245, 0.2129, 0.0626], dtype=float32)
+    >>> js.normalizers.standardized_softmax(10.0 * x + 3.0)  # scale and shift: the same
+    Array([0.7245, 0.2129, 0.0626], dtype=float32)
+  """
+  name = "standardized_softmax"
+  _TAU.validate(tau, name)
+  _STD_EPS.validate(eps, name)
+  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
+  t = c.row_param(tau, xs.shape, ax, "tau", name, xs.dtype)
+  centred, _, var = row_moments(xs, mask, ax, m)
+  w = _masked_softmax(centred / (t * (_safe_sqrt(var) + eps)), mask, ax)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+@c.dense_rules
+def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+        eps: float = 1e-8) -> jax.Array:
+  r"""NAP: z-score attention weights (feature N26, kernel class R; Richter & Wattenhofer 2020).
+
+  From O. Richter, R. Wattenhofer, "Normalized Attention Without Probability Cage" (2020,
+  arXiv 2005.09561): the softmax over keys is replaced by a normalisation of the score row,
+
+  .. math::
+    w_i = \frac{x_i - \mu}{\sqrt{\sigma^2 + \epsilon}}, \qquad
+    \mu = \tfrac{1}{n}\sum_{j \in V} x_j, \quad
+    \sigma^2 = \tfrac{1}{n}\sum_{j \in V} (x_j - \mu)^2
+
+  over the n visible entries, so each row has mean 0 and (for sigma^2 >> eps) RMS 1. The
+  weights can be negative and do not sum to 1: ``sum_j w_j v_j`` may leave the convex hull
+  of the values (the paper's "probability cage"). Invariant to ``x -> a x + b``, a > 0 (up
+  to eps). [R] The formula follows a public port (subtract the mean, divide by the RMS,
+  eps = 1e-8); whether the paper adds a learnable gain or a 1/n factor is unknown, so
+  neither is applied (multiply the result to add one). The output's scale in attention
+  grows like sqrt(n) for random values.
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      enter neither statistic.
+    eps: epsilon > 0 added to the variance.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry (or one entry) is all
+    zeros, with zero gradient when nothing is visible.
+
+  Row statistics (class R): the visible count, mean and variance (Chan et al.'s merge
+  over key blocks); the second pass is pointwise.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = js.normalizers.nap(jnp.array([3.0, 1.0, 0.0, 0.0]))
+    >>> w
+    Array([ 1.633 ,  0.    , -0.8165, -0.8165], dtype=float32)
+    >>> w.mean(), (w ** 2).mean()
+    (Array(0., dtype=float32), Array(1., dtype=float32))
+  """
+  _NAP_EPS.validate(eps, "nap")
+  xs, mask, ax, m = c.prepare(x, axis, where, "nap", with_max=True)
+  centred, _, var = row_moments(xs, mask, ax, m)
+  w = centred * jax.lax.rsqrt(var + eps)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+SPEC_ADAPTIVE = register(NormalizerSpec(
+    name="adaptive_temperature_softmax",
+    fn=adaptive_temperature_softmax,
+    kernel_class="R",
+    catalogue_id="N08",
+    sums_to_one=True,
+    shift_invariant=True,
+    params=(_THRESHOLD, _COEFFS),
+    smooth=False,  # beta(H) = max(poly(H), 1) has a kink
+    description="softmax(beta x), beta = max(poly(H(softmax x)), 1) when H > 0.5",
+))
+
+SPEC_STANDARDIZED = register(NormalizerSpec(
+    name="standardized_softmax",
+    fn=standardized_softmax,
+    kernel_class="R",
+    catalogue_id="N09",
+    sums_to_one=True,
+    shift_invariant=True,
+    params=(_TAU, _STD_EPS),
+    description="softmax((x - mean) / (tau (std + eps))), per-row z-score",
+))
+
+SPEC_NAP = register(NormalizerSpec(
+    name="nap",
+    fn=nap,
+    kernel_class="R",
+    catalogue_id="N26",
+    sums_to_one=False,
+    at_most_one=False,
+    nonnegative=False,
+    shift_invariant=True,
+    can_be_sparse=True,
+    params=(_NAP_EPS,),
+    description="(x - mean) / sqrt(var + eps): z-score weights, mean 0, no simplex",
+))

@@ -1,0 +1,183 @@
+"""Class R normalizers (N08, N09, N26) against float64 numpy formulas written from the papers.
+
+The gradients are compared with central differences of the numpy formula (independent of
+JAX's autodiff), masks with the formula on the visible entries only.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsoft.normalizers import _row_stats as R
+from tests import helpers
+
+POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
+
+
+# ----------------------------------------------------------------------- numpy references
+
+
+def _ref_adaptive(x, threshold=0.5, coefficients=POLY):
+  x = np.asarray(x, np.float64)
+  p = np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+  h = -np.sum(p * np.log(p))
+  beta = max(np.polyval(coefficients, h), 1.0) if h > threshold else 1.0
+  e = np.exp(beta * (x - x.max()))
+  return e / e.sum()
+
+
+def _ref_standardized(x, tau=1.0, eps=1e-7):
+  x = np.asarray(x, np.float64)
+  z = (x - x.mean()) / (tau * (x.std() + eps))
+  e = np.exp(z - z.max())
+  return e / e.sum()
+
+
+def _ref_nap(x, eps=1e-8):
+  x = np.asarray(x, np.float64)
+  return (x - x.mean()) / np.sqrt(x.var() + eps)
+
+
+def _ref_rows(ref, x, mask, **hp):
+  """The formula on each row's visible entries; 0 elsewhere."""
+  out = np.zeros(x.shape, np.float64)
+  for i in range(x.shape[0]):
+    if mask[i].any():
+      out[i, mask[i]] = ref(x[i, mask[i]], **hp)
+  return out
+
+
+def _fd_vjp(ref, x, mask, ct, h=1e-6, **hp):
+  """<ct, d ref / dx> by central differences in float64."""
+  g = np.zeros(x.shape, np.float64)
+  for idx in zip(*np.nonzero(mask), strict=True):
+    xp, xm = x.copy(), x.copy()
+    xp[idx] += h
+    xm[idx] -= h
+    g[idx] = np.sum(ct * (_ref_rows(ref, xp, mask, **hp) - _ref_rows(ref, xm, mask, **hp))) / (2 * h)
+  return g
+
+
+CASES = {
+    "adaptive": (R.adaptive_temperature_softmax, _ref_adaptive, [{}, {"threshold": 1.0}]),
+    "standardized": (R.standardized_softmax, _ref_standardized, [{}, {"tau": 0.5}]),
+    "nap": (R.nap, _ref_nap, [{}, {"eps": 1e-2}]),
+}
+
+
+def _rows_mask():
+  x, mask = helpers.rows_and_mask(3, (5, 9), 1.5, p=0.7)
+  mask = np.asarray(mask).copy()
+  mask[0] = True          # a full row
+  mask[1] = False         # a fully masked row
+  mask[2, :] = False
+  mask[2, 4] = True       # one visible entry
+  return np.asarray(x, np.float64), mask
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_forward_and_gradient_match_float64_formula(case):
+  fn, ref, settings = CASES[case]
+  x, mask = _rows_mask()
+  ct = np.random.default_rng(5).normal(size=x.shape)
+  with jax.enable_x64(True):
+    for hp in settings:
+      got = fn(jnp.asarray(x), where=jnp.asarray(mask), **hp)
+      assert got.dtype == jnp.float64
+      np.testing.assert_allclose(got, _ref_rows(ref, x, mask, **hp), rtol=1e-10, atol=1e-12)
+      g = jax.grad(lambda v, hp=hp: jnp.sum(fn(v, where=jnp.asarray(mask), **hp) * ct))(
+          jnp.asarray(x))
+      np.testing.assert_allclose(g, _fd_vjp(ref, x, mask, ct, **hp), rtol=1e-5, atol=1e-7,
+                                 err_msg=str(hp))
+      assert np.all(np.asarray(g)[~mask] == 0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bfloat16_close_to_float32(case):
+  fn = CASES[case][0]
+  x, mask = _rows_mask()
+  xb = jnp.asarray(x, jnp.bfloat16)
+  got = fn(xb, where=jnp.asarray(mask))
+  assert got.dtype == jnp.bfloat16
+  want = _ref_rows(CASES[case][1], np.asarray(xb.astype(jnp.float32), np.float64), mask)
+  np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-2, atol=1e-2)
+  assert np.all(np.asarray(got)[~mask] == 0)
+
+
+def test_adaptive_temperature_sharpens_dispersed_rows_only():
+  # A needle among n equal entries: softmax disperses as n grows, the adaptive one less.
+  for n in (16, 256):
+    x = jnp.zeros(n).at[0].set(2.0)
+    soft = jax.nn.softmax(x)
+    ada = R.adaptive_temperature_softmax(x)
+    _, h = R.softmax_entropy(x, x > -jnp.inf, 0)
+    beta = max(np.polyval(POLY, float(h[0])), 1.0)
+    np.testing.assert_allclose(ada, jax.nn.softmax(beta * x), rtol=1e-5)
+    assert beta > 1 and ada[0] > soft[0]
+  # A confident row (H <= 0.5) is softmax itself, bit for bit.
+  y = jnp.array([[6.0, 0.0, -1.0, 0.5]])
+  assert float(R.softmax_entropy(y, y > -jnp.inf, 1)[1][0, 0]) < 0.5
+  np.testing.assert_array_equal(R.adaptive_temperature_softmax(y),
+                                R.adaptive_temperature_softmax(y, threshold=10.0))
+  np.testing.assert_allclose(R.adaptive_temperature_softmax(y), jax.nn.softmax(y), rtol=1e-6)
+
+
+def test_adaptive_temperature_never_raises_entropy():
+  x = jnp.asarray(helpers.rows(8, (64, 12), 1.0))
+  mask = x > -jnp.inf
+  _, h0 = R.softmax_entropy(x, mask, 1)
+  w = R.adaptive_temperature_softmax(x)
+  h1 = -jnp.sum(w * jnp.log(w), axis=1, keepdims=True)
+  assert np.all(np.asarray(h1) <= np.asarray(h0) + 1e-5)
+  assert np.any(np.asarray(h1) < np.asarray(h0) - 1e-2)  # some rows were sharpened
+
+
+def test_standardized_softmax_is_affine_invariant_and_a_temperature():
+  x = jnp.asarray(helpers.rows(2, (4, 10), 2.0))
+  w = R.standardized_softmax(x, tau=0.7)
+  np.testing.assert_allclose(R.standardized_softmax(5.0 * x - 3.0, tau=0.7), w, rtol=2e-5,
+                             atol=1e-7)
+  # softmax with the per-row temperature tau * (std + eps)
+  t = 0.7 * (np.asarray(x, np.float64).std(-1, keepdims=True) + 1e-7)
+  np.testing.assert_allclose(w, jax.nn.softmax(x / t), rtol=2e-5, atol=1e-7)
+  # a constant row is uniform, with a finite gradient
+  flat = jnp.full((1, 5), 3.0)
+  np.testing.assert_allclose(R.standardized_softmax(flat), np.full((1, 5), 0.2), rtol=1e-6)
+  g = jax.grad(lambda v: R.standardized_softmax(v)[0, 0])(flat)
+  assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_nap_rows_have_mean_zero_rms_one_and_leave_the_simplex():
+  x, mask = helpers.rows_and_mask(4, (6, 20), 3.0, p=0.8)
+  w = np.asarray(R.nap(jnp.asarray(x), where=jnp.asarray(mask)), np.float64)
+  for i in range(6):
+    vis = w[i, mask[i]]
+    if vis.size > 1:
+      np.testing.assert_allclose(vis.mean(), 0.0, atol=1e-6)
+      np.testing.assert_allclose(np.sqrt((vis ** 2).mean()), 1.0, rtol=1e-5)
+  assert np.any(w < 0)
+  # the output sum_j w_j v_j leaves the convex hull of one-hot values: a negative coordinate
+  assert np.any(w @ np.eye(20) < 0)
+  # one visible entry: 0 (its own mean), finite gradient
+  one = R.nap(jnp.array([[1.0, 2.0]]), where=jnp.array([[False, True]]))
+  np.testing.assert_array_equal(one, [[0.0, 0.0]])
+
+
+@pytest.mark.parametrize("fn", [R.standardized_softmax, R.nap], ids=["standardized", "nap"])
+def test_shift_by_1000_keeps_deviations(fn):
+  # the row max is subtracted before the moments, so a far shift keeps float32 precision
+  x = jnp.asarray(helpers.rows(6, (3, 16), 1.0))
+  np.testing.assert_allclose(fn(x + 1000.0), fn(x), rtol=1e-4, atol=2e-5)
+
+
+def test_bad_hyperparameters_raise_naming_them():
+  x = jnp.ones((2, 3))
+  helpers.check_raises(
+      ("tau", lambda: R.standardized_softmax(x, tau=0.0)),
+      ("eps", lambda: R.standardized_softmax(x, eps=-1.0)),
+      ("eps", lambda: R.nap(x, eps=0.0)),
+      ("threshold", lambda: R.adaptive_temperature_softmax(x, threshold=-0.1)),
+      ("coefficients", lambda: R.adaptive_temperature_softmax(x, coefficients=())),
+      ("tau", lambda: R.standardized_softmax(x, tau=jnp.ones((2, 3)))),
+  )
