@@ -22,6 +22,7 @@ from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._orthogonal import orthogonal_gradient
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
+from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 
 __all__ = [
     "fenchel_young_loss",
@@ -30,6 +31,8 @@ __all__ = [
     "softmax_collapse_fraction",
     "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels",
+    "spherical_z_loss",
     "stablemax_cross_entropy",
     "top_k_cross_entropy",
+    "z_loss",
 ]
