@@ -1,0 +1,193 @@
+"""A12 block_sparse_attention (jaxsoft/attention/_block_sparse.py).
+
+Oracles: dense attention (dot_product_attention) with the kept-block mask, values and
+gradients; a numpy float64 MoBA gate; numpy float64 dense weights for the skipped mass, the
+BLASST per-weight bound e^-tau and the output error bound 2·(skipped mass)·max|v|; a jaxpr
+walk for the shapes.
+"""
+
+import functools
+
+import chex
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsoft.attention import dot_product_attention
+from jaxsoft.attention._block_sparse import block_sparse_attention
+from tests.helpers import BWD, FWD, check_raises, make_qkv, value_and_vjp
+
+B, T, N, K, H, BS = 2, 22, 4, 2, 8, 4
+NB = -(-T // BS)
+attend = jax.jit(dot_product_attention, static_argnames=("is_causal",))
+KV_LEN = np.array([T, 17])
+SETTINGS = {
+    "blasst": dict(skip_threshold=1.0),
+    "moba": dict(top_k_blocks=3),
+    "bfla": dict(mass_threshold=0.8, top_k_blocks=4),
+    "prism": dict(top_k_blocks=3, high_frequency_pairs=1),
+}
+
+
+def _inputs(seed=0, peak=2.0):
+  q, k, v = make_qkv(seed, B=B, T=T, N=N, K=K, H=H)
+  return peak * q, k, v
+
+
+def _block_mask(kept, S=T):
+  """kept [B, N, nq, nk] -> the dense mask [B, N, T, S] (key block kept)."""
+  m = np.repeat(np.repeat(np.asarray(kept), BS, axis=2), BS, axis=3)
+  return jnp.asarray(m[:, :, :T, :S])
+
+
+def _dense_weights(q, k, causal=True, kv_len=KV_LEN):
+  q, k = np.asarray(q, np.float64), np.asarray(k, np.float64)
+  k = np.repeat(k, q.shape[2] // k.shape[2], axis=2)
+  z = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  vis = (j < kv_len[:, None, None, None]) & ((j <= i) if causal else True)
+  z = np.where(vis, z, -np.inf)
+  e = np.exp(z - z.max(-1, keepdims=True))
+  return e / e.sum(-1, keepdims=True), vis
+
+
+def _run(method, q, k, v, **kw):
+  f = functools.partial(block_sparse_attention, method=method, block_size=BS, is_causal=True,
+                        key_value_seq_lengths=jnp.asarray(KV_LEN), return_stats=True,
+                        **{**SETTINGS[method], **kw})
+  return jax.jit(f)(q, k, v)
+
+
+# bfla and prism share moba's gather loop: their gradients run under -m slow
+@pytest.mark.parametrize("method", ["blasst", "moba", pytest.param("bfla", marks=pytest.mark.slow),
+                                    pytest.param("prism", marks=pytest.mark.slow)])
+def test_equals_dense_attention_with_the_kept_block_mask(method):
+  q, k, v = _inputs(1)
+  _, stats = _run(method, q, k, v)
+  kept = np.asarray(stats["kept"])
+  assert kept.shape == (B, N, NB, NB)
+  assert 0 < kept.sum() < np.tril(np.ones((NB, NB))).sum() * B * N  # something was skipped
+  f = lambda q, k, v: block_sparse_attention(
+      q, k, v, method=method, block_size=BS, is_causal=True,
+      key_value_seq_lengths=jnp.asarray(KV_LEN), **SETTINGS[method])
+  mask = _block_mask(kept)
+  g = lambda q, k, v: dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                            key_value_seq_lengths=jnp.asarray(KV_LEN))
+  out, grads, _ = value_and_vjp(f, q, k, v)
+  want, want_grads, _ = value_and_vjp(g, q, k, v)
+  chex.assert_trees_all_close(out, want, **FWD)
+  chex.assert_trees_all_close(grads, want_grads, **BWD)
+
+
+@pytest.mark.parametrize("method", ["blasst", "moba", "bfla", "prism"])
+def test_skipped_mass_bounds_the_error(method):
+  """Measured against dense float64 attention: ||o - o_dense|| <= 2·skipped mass·max|v|."""
+  q, k, v = _inputs(2)
+  out, stats = _run(method, q, k, v)
+  p, vis = _dense_weights(q, k)
+  kept = np.asarray(_block_mask(stats["kept"]))
+  skipped = np.where(vis & ~kept, p, 0.0).sum(-1)  # [B, N, T]
+  vv = np.repeat(np.asarray(v, np.float64), N // K, axis=2)
+  dense = np.einsum("bnts,bsnh->btnh", p, vv)
+  err = np.linalg.norm(np.asarray(out, np.float64) - dense, axis=-1).transpose(0, 2, 1)
+  vmax = np.linalg.norm(vv, axis=-1).max()
+  assert np.all(err <= 2 * skipped * vmax + 1e-5)
+  assert skipped.max() > 0 and np.mean(skipped) < 0.5
+  # and the output is dense attention over the kept blocks
+  want = attend(q, k, v, mask=jnp.asarray(kept), is_causal=True,
+                key_value_seq_lengths=jnp.asarray(KV_LEN))
+  chex.assert_trees_all_close(out, want, **FWD)
+
+
+def test_blasst_weight_bound_and_exact_limit():
+  q, k, v = _inputs(3, peak=3.0)
+  p, vis = _dense_weights(q, k)
+  for tau in (0.5, 2.0):
+    _, stats = _run("blasst", q, k, v, skip_threshold=tau)
+    skipped = vis & ~np.asarray(_block_mask(stats["kept"]))
+    assert skipped.any()
+    # every skipped dense weight <= e^-tau, so a row's skipped mass <= n_skipped·e^-tau
+    assert np.all(np.where(skipped, p, 0.0) <= np.exp(-tau) + 1e-12)
+    assert np.all(np.where(skipped, p, 0.0).sum(-1) <= skipped.sum(-1) * np.exp(-tau) + 1e-12)
+  out, stats = _run("blasst", q, k, v, skip_threshold=float("inf"))
+  chex.assert_trees_all_close(
+      out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
+  kept = np.broadcast_to(np.asarray(_block_mask(stats["kept"])), p.shape)
+  assert np.all(kept[np.broadcast_to(vis, p.shape)])
+
+
+def test_moba_gate_matches_numpy_and_all_blocks_is_dense():
+  q, k, v = _inputs(4)
+  _, stats = _run("moba", q, k, v)
+  qq = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # [B, N, T, H]
+  kk = np.repeat(np.asarray(k, np.float64), N // K, axis=2).transpose(0, 2, 1, 3)
+  want = np.zeros((B, N, NB, NB), bool)
+  for b, n, i in np.ndindex(B, N, NB):
+    qbar = qq[b, n, i * BS:min(T, (i + 1) * BS)].mean(0)
+    scores = {}
+    for j in range(i + 1):
+      keys = kk[b, n, j * BS:min((j + 1) * BS, KV_LEN[b])]
+      if len(keys):
+        scores[j] = np.inf if j == i else qbar @ keys.mean(0)
+    for j in sorted(scores, key=lambda j: -scores[j])[:SETTINGS["moba"]["top_k_blocks"]]:
+      want[b, n, i, j] = True
+  np.testing.assert_array_equal(np.asarray(stats["kept"]), want)
+  out, _ = _run("moba", q, k, v, top_k_blocks=NB)
+  chex.assert_trees_all_close(
+      out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
+
+
+def _avals(jaxpr):
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      yield var.aval
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _avals(sub)
+
+
+@pytest.mark.parametrize("method", ["blasst", "moba"])
+def test_blockwise_loop_never_builds_t_by_s(method):
+  Tq = 48
+  q, k, v = make_qkv(5, B=1, T=Tq, N=2, K=1, H=4)
+  kw = dict(skip_threshold=2.0) if method == "blasst" else dict(top_k_blocks=2)
+  f = lambda q, k, v: block_sparse_attention(q, k, v, method=method, block_size=8,
+                                             is_causal=True, **kw).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  sizes = [int(np.prod(a.shape)) for a in _avals(jaxpr) if hasattr(a, "shape")]
+  assert max(sizes) < Tq * Tq  # one query block against the keys it visits at most
+
+
+def test_bf16_and_non_causal():
+  q, k, v = _inputs(6)
+  lo = [a.astype(jnp.bfloat16) for a in (q, k, v)]
+  for method in ("blasst", "moba"):
+    out, stats = _run(method, *lo)
+    assert out.dtype == jnp.bfloat16
+    want = attend(*(a.astype(jnp.float32) for a in lo),
+                                 mask=_block_mask(stats["kept"]), is_causal=True,
+                                 key_value_seq_lengths=jnp.asarray(KV_LEN))
+    chex.assert_trees_all_close(out.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
+  out, stats = jax.jit(functools.partial(
+      block_sparse_attention, method="moba", block_size=BS, top_k_blocks=2, return_stats=True))(
+          q, k, v)
+  assert np.all(np.asarray(stats["kept"]).sum(-1) == 2)  # no causal diagonal: top 2 anywhere
+  chex.assert_trees_all_close(out, attend(q, k, v, mask=_block_mask(stats["kept"])), **FWD)
+
+
+def test_errors_name_the_argument():
+  q, k, v = make_qkv(0, B=1, T=8, N=2, K=1, H=4)
+  f = functools.partial(block_sparse_attention, q, k, v)
+  check_raises(
+      ("`method`", lambda: f(method="flash")),
+      ("`skip_threshold`", lambda: f(method="blasst")),
+      ("`skip_threshold`", lambda: f(method="blasst", skip_threshold=-1.0)),
+      ("`top_k_blocks`", lambda: f(method="moba")),
+      ("`top_k_blocks`", lambda: f(method="moba", block_size=4, top_k_blocks=3)),
+      ("`block_size`", lambda: f(method="moba", block_size=0, top_k_blocks=1)),
+      ("`mass_threshold`", lambda: f(method="bfla", mass_threshold=0.0)),
+      ("`high_frequency_pairs`", lambda: f(method="prism", top_k_blocks=1,
+                                           high_frequency_pairs=5)),
+      ("`query`", lambda: block_sparse_attention(q[0], k[0], v[0], method="moba", top_k_blocks=1)),
+  )
