@@ -6,10 +6,21 @@ lists its public names in that module's ``__all__``.
 """
 
 # ruff: noqa: F401, F403
+from jaxsoft.normalizers._affine import *
+from jaxsoft.normalizers._asentmax import *
+from jaxsoft.normalizers._clipped import *
 from jaxsoft.normalizers._entmax import *
 from jaxsoft.normalizers._gumbel import *
+from jaxsoft.normalizers._idw import *
 from jaxsoft.normalizers._logsumexp import *
+from jaxsoft.normalizers._multimax import *
+from jaxsoft.normalizers._nested import *
+from jaxsoft.normalizers._ovr import *
 from jaxsoft.normalizers._pointwise import *
+from jaxsoft.normalizers._polar import *
+from jaxsoft.normalizers._sa import *
+from jaxsoft.normalizers._screen import *
+from jaxsoft.normalizers._sdm import *
 from jaxsoft.normalizers._sink import *
 from jaxsoft.normalizers._softmax import *
 from jaxsoft.normalizers._softpick import *
@@ -26,6 +37,8 @@ from jaxsoft.normalizers._spec import (
     register,
     resolve,
 )
+from jaxsoft.normalizers._spherical import *
+from jaxsoft.normalizers._ssa import *
 from jaxsoft.normalizers._ssmax import *
 from jaxsoft.normalizers._stablemax import *
 from jaxsoft.normalizers._taylor import *

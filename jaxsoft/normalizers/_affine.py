@@ -1,0 +1,97 @@
+"""N27 affine-scaled softmax: ``alpha * softmax(x) + beta``, a per-row scale and bias."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+
+__all__ = ["affine_softmax"]
+
+_ALPHA = Param("alpha", 1.0, low=0.0, sample=0.8, row_broadcast=True)
+_BETA = Param("beta", None, sample=0.05, row_broadcast=True)
+
+
+def _bias(beta, alpha, n, shape, axis):
+  """``beta`` as a row parameter, or the tied ``(1 - alpha) / n`` when it is None."""
+  if beta is None:
+    return (1.0 - alpha) / jnp.maximum(n, 1.0)
+  return c.row_param(beta, shape, axis, "beta", "affine_softmax", n.dtype)
+
+
+@c.dense_rules
+def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                   alpha: ArrayLike = 1.0, beta: ArrayLike | None = None) -> jax.Array:
+  r"""Affine-scaled softmax (feature N27, kernel class R; J. Bae et al. 2026).
+
+  From "Affine-Scaled Attention: Towards Flexible and Stable Transformer Attention"
+  (J. Bae et al., 2026, arXiv 2602.23057):
+
+  .. math::
+    w_i = \alpha\,\mathrm{softmax}(x)_i + \beta, \qquad
+    \beta = \frac{1 - \alpha}{n} \text{ when not given}
+
+  over the visible entries of the row (n of them). In the paper alpha and beta are
+  input-dependent (computed from the query token): pass them as arrays broadcast to the
+  rows. The exact parametrisation is not known from the abstract (a reconstruction): the
+  default *tied* bias ``(1 - alpha) / n`` keeps rows summing to 1 while interpolating
+  between softmax (alpha = 1) and uniform (alpha = 0); a given ``beta`` relaxes the
+  normalisation (rows sum to ``alpha + n beta``). alpha = 1 with the tied bias (the
+  defaults) is softmax. Shift invariant; weights can be negative (tied bias with
+  alpha > 1, or a negative beta).
+
+  Kernel class R: the bias is added to *normalised* weights, so a blockwise pass needs the
+  row's softmax statistics first; attention runs it on the dense ``"xla"`` path (in
+  attention ``o = alpha (A V) + beta sum_j v_j``). ``+inf`` logits follow the library's
+  shared rule, ``1/k`` on each of the k visible ``+inf`` entries and 0 elsewhere (the
+  limit at the defaults; a row's limit ``alpha/k + beta`` is not taken).
+
+  Args:
+    x: scores.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are not counted in n.
+    alpha: scale ``alpha >= 0`` (default 1); a scalar or an array broadcast to the rows.
+    beta: bias; ``None`` (default) ties it to ``(1 - alpha) / n``; a scalar or an array
+      broadcast to the rows.
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros with zero
+    gradient.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0])
+    >>> js.normalizers.affine_softmax(x, alpha=0.5)  # halfway to uniform, sums to 1
+    Array([0.4993, 0.289 , 0.2117], dtype=float32)
+    >>> js.normalizers.affine_softmax(x, alpha=0.5, beta=0.1)  # free bias: sums to 0.8
+    Array([0.4326, 0.2224, 0.145 ], dtype=float32)
+  """
+  _ALPHA.validate(alpha, "affine_softmax")
+  _BETA.validate(beta, "affine_softmax")
+  xs, mask, ax, m = c.prepare(x, axis, where, "affine_softmax", with_max=True)
+  a = c.row_param(alpha, xs.shape, ax, "alpha", "affine_softmax", xs.dtype)
+  b = _bias(beta, a, c.visible_count(mask, ax, xs.dtype), xs.shape, ax)
+  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
+  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  return c.finish(a * p + b, mask, jnp.asarray(x).dtype)
+
+
+SPEC = register(NormalizerSpec(
+    name="affine_softmax",
+    fn=affine_softmax,
+    kernel_class="R",
+    catalogue_id="N27",
+    sums_to_one=False,
+    at_most_one=False,
+    nonnegative=False,
+    shift_invariant=True,
+    length_dependent=True,
+    params=(_ALPHA, _BETA),
+    description="alpha softmax(x) + beta, beta = (1 - alpha)/n by default",
+))
