@@ -20,13 +20,17 @@ from jaxsoft.losses._classification import (
 )
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
+from jaxsoft.losses._margin import arcface_loss, cosface_loss, normalized_softmax_loss
 from jaxsoft.losses._orthogonal import orthogonal_gradient
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 
 __all__ = [
+    "arcface_loss",
+    "cosface_loss",
     "fenchel_young_loss",
     "linear_cross_entropy",
+    "normalized_softmax_loss",
     "orthogonal_gradient",
     "softmax_collapse_fraction",
     "softmax_cross_entropy",

@@ -1,0 +1,255 @@
+"""L06 margin softmax losses on cosine logits: ArcFace (+ sub-centres), CosFace / AM-softmax and
+the normalised (cosine) softmax."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.losses import _common as lc
+from jaxsoft.normalizers import _common as nc
+
+__all__ = ["arcface_loss", "cosface_loss", "normalized_softmax_loss"]
+
+
+def cosine_logits(embeddings: ArrayLike, class_weights: ArrayLike, fn_name: str = "cosine_logits"):
+  r"""Cosines :math:`\hat x \cdot \hat w_j` of L2-normalised embeddings and class weights.
+
+  ``embeddings`` ``[..., d]``; ``class_weights`` ``[d, C]``, or ``[d, C, K]`` for K
+  sub-centres per class (the class's cosine is the largest of its K, as sub-center ArcFace).
+  Returns float32 (float64 under x64 for float64 inputs) cosines ``[..., C]`` in
+  :math:`[-1, 1]`. A zero vector has cosine 0 with everything.
+  """
+  x = jnp.asarray(embeddings)
+  w = jnp.asarray(class_weights)
+  for name, a in (("embeddings", x), ("class_weights", w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{fn_name}: `{name}` must have a floating dtype, got {a.dtype}")
+  if x.ndim < 1:
+    raise ValueError(f"{fn_name}: `embeddings` must be [..., d], got a scalar")
+  if w.ndim not in (2, 3) or w.shape[0] != x.shape[-1]:
+    raise ValueError(
+        f"{fn_name}: `class_weights` must be [d, C] or [d, C, K] (K sub-centres) with "
+        f"d = {x.shape[-1]} (the last axis of `embeddings`), got shape {w.shape}")
+  dtype = nc.compute_dtype(jnp.result_type(x.dtype, w.dtype))
+  x_hat = _l2_normalize(x.astype(dtype), axis=-1)
+  w_hat = _l2_normalize(w.astype(dtype), axis=0)
+  cos = jnp.tensordot(x_hat, w_hat, axes=(-1, 0))
+  if w.ndim == 3:
+    cos = jnp.max(cos, axis=-1)
+  return jnp.clip(cos, -1.0, 1.0)
+
+
+def arcface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike, *,
+                 scale: float = 64.0, margin: float = 0.5, easy_margin: bool = False,
+                 where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
+  r"""ArcFace: additive angular margin softmax (feature L06), with optional sub-centres.
+
+  From J. Deng, J. Guo, N. Xue & S. Zafeiriou, "ArcFace: Additive Angular Margin Loss for
+  Deep Face Recognition" (CVPR 2019), and, for sub-centres, J. Deng, J. Guo, T. Liu,
+  M. Gong & S. Zafeiriou, "Sub-center ArcFace: Boosting Face Recognition by Large-scale
+  Noisy Web Faces" (ECCV 2020). With :math:`\cos\theta_j = \hat x\cdot\hat w_j`
+  (:func:`cosine_logits`; with K sub-centres, the largest of the class's K cosines):
+
+  .. math::
+    \ell(x; y) = -\log \frac{e^{s\,\phi(\theta_y)}}
+      {e^{s\,\phi(\theta_y)} + \sum_{j \ne y} e^{s \cos\theta_j}}, \qquad
+    \phi(\theta) = \cos(\theta + m),
+
+  with :math:`\cos(\theta + m) = \cos\theta\cos m - \sin\theta \sin m` computed from the
+  cosine (no ``arccos``). Past :math:`\theta + m > \pi`, where :math:`\cos(\theta + m)`
+  would turn back up, the target logit is :math:`\cos\theta - m\sin m` instead (the
+  insightface threshold rule, kept as it is: the target logit stays decreasing in
+  :math:`\theta` over :math:`[0, \pi]`, with a downward step of
+  :math:`1 - \cos m - m \sin m` at the threshold); with ``easy_margin`` the
+  margin applies only where :math:`\cos\theta > 0` and the logit is :math:`\cos\theta`
+  elsewhere. :math:`\sin\theta` is computed as :math:`\sqrt{\max(1 - \cos^2\theta,
+  10^{-12})}`, so the gradient stays finite at :math:`\theta = 0` and :math:`\pi`. The
+  AAM-softmax of speaker verification is this loss. ``margin = 0`` is
+  :func:`normalized_softmax_loss` with temperature ``1/scale``.
+
+  Args:
+    embeddings: ``[..., d]`` features (any scale: they are L2-normalised).
+    class_weights: ``[d, C]`` class centres, or ``[d, C, K]`` with K sub-centres.
+    labels: integer classes of ``embeddings``' shape without the last axis.
+    scale: s > 0 (64 in the paper).
+    margin: m, an angle in radians in [0, π) (0.5 in the paper).
+    easy_margin: apply the margin only where :math:`\cos\theta_y > 0`.
+    where: optional mask, broadcastable to the cosines ``[..., C]`` (False classes are
+      left out) or of ``labels``' shape (a False example gets loss 0).
+    ignore_index: a label value whose examples get loss 0.
+
+  Returns:
+    One loss per example, in ``embeddings``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
+    >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    >>> print(js.losses.arcface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
+    [0.0042 3.929 ]
+  """
+  fn = "arcface_loss"
+  m = _margin(margin, fn, upper=math.pi)
+  cos_m, sin_m = math.cos(m), math.sin(m)
+  threshold, fallback = math.cos(math.pi - m), m * math.sin(m)
+
+  def target(c):
+    sin = jnp.sqrt(jnp.maximum(1.0 - jnp.square(c), 1e-12))
+    phi = c * cos_m - sin * sin_m
+    if easy_margin:
+      return jnp.where(c > 0, phi, c)
+    return jnp.where(c > threshold, phi, c - fallback)
+
+  return _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where,
+                         ignore_index)
+
+
+def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike, *,
+                 scale: float = 64.0, margin: float = 0.35, where: ArrayLike | None = None,
+                 ignore_index: int | None = None) -> jax.Array:
+  r"""CosFace / AM-softmax: additive cosine margin softmax (feature L06).
+
+  From H. Wang, Y. Wang, Z. Zhou, X. Ji, D. Gong, J. Zhou, Z. Li & W. Liu, "CosFace:
+  Large Margin Cosine Loss for Deep Face Recognition" (CVPR 2018) and F. Wang, J. Cheng,
+  W. Liu & H. Liu, "Additive Margin Softmax for Face Verification" (IEEE SPL 2018):
+
+  .. math::
+    \ell(x; y) = -\log \frac{e^{s(\cos\theta_y - m)}}
+      {e^{s(\cos\theta_y - m)} + \sum_{j \ne y} e^{s \cos\theta_j}},
+
+  on the cosines of :func:`cosine_logits` (sub-centres allowed). ``margin = 0`` is
+  :func:`normalized_softmax_loss` with temperature ``1/scale``.
+
+  Args:
+    embeddings: ``[..., d]`` features (L2-normalised inside).
+    class_weights: ``[d, C]`` class centres, or ``[d, C, K]`` with K sub-centres.
+    labels: integer classes of ``embeddings``' shape without the last axis.
+    scale: s > 0 (64 in CosFace, 30 in AM-softmax).
+    margin: m >= 0 on the cosine (0.35 in both papers).
+    where: optional class or example mask, as :func:`arcface_loss`.
+    ignore_index: a label value whose examples get loss 0.
+
+  Returns:
+    One loss per example, in ``embeddings``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
+    >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    >>> print(js.losses.cosface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
+    [0.0205 4.0105]
+  """
+  fn = "cosface_loss"
+  m = _margin(margin, fn)
+  return _margin_softmax(fn, embeddings, class_weights, labels, scale, lambda c: c - m, where,
+                         ignore_index)
+
+
+def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike,
+                            *, temperature: float = 0.05, where: ArrayLike | None = None,
+                            ignore_index: int | None = None) -> jax.Array:
+  r"""Normalised (cosine) softmax cross-entropy (feature L06).
+
+  From A. Zhai & H.-Y. Wu, "Classification is a Strong Baseline for Deep Metric Learning"
+  (BMVC 2019), the base loss of the open-set "normalized softmax" papers:
+
+  .. math::
+    \ell(x; y) = -\log \frac{e^{\cos\theta_y / T}}{\sum_j e^{\cos\theta_j / T}},
+
+  softmax CE on :func:`cosine_logits` divided by the temperature T (0.05 in the paper).
+  The logits are bounded in :math:`[-1/T, 1/T]` and the loss is invariant to the scale of
+  the embeddings and of each class weight.
+
+  Args:
+    embeddings: ``[..., d]`` features (L2-normalised inside).
+    class_weights: ``[d, C]`` class centres, or ``[d, C, K]`` with K sub-centres.
+    labels: integer classes of ``embeddings``' shape without the last axis.
+    temperature: T > 0 (may be a traced, learned value).
+    where: optional class or example mask, as :func:`arcface_loss`.
+    ignore_index: a label value whose examples get loss 0.
+
+  Returns:
+    One loss per example, in ``embeddings``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
+    >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    >>> print(js.losses.normalized_softmax_loss(x, w, jnp.array([0, 2]), temperature=0.125))
+    [0.0019 1.7774]
+  """
+  fn = "normalized_softmax_loss"
+  temperature = _positive(temperature, "temperature", fn)
+  return _margin_softmax(fn, embeddings, class_weights, labels, 1.0 / temperature, None, where,
+                         ignore_index)
+
+
+def _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where, ignore_index):
+  """Softmax CE of ``scale * cos`` with the label's cosine replaced by ``target(cos_y)``."""
+  ignore_index = lc.check_ignore_index(ignore_index, fn)
+  scale = _positive(scale, "scale", fn)
+  out_dtype = jnp.asarray(embeddings).dtype
+  cos = cosine_logits(embeddings, class_weights, fn)
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
+  if labels.shape != cos.shape[:-1]:
+    raise ValueError(f"{fn}: `labels` of shape {labels.shape} must have the shape of "
+                     f"`embeddings` without its last axis, {cos.shape[:-1]}")
+  loss, visible, label_visible = margin_cross_entropy(cos, labels, scale, target, where, fn)
+  return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, out_dtype)
+
+
+def margin_cross_entropy(cos, labels, scale, target, where, fn):
+  """Per-example CE of ``scale * cos`` (class axis last) with the label's cosine mapped by
+  ``target`` (None: unchanged); returns ``(loss, row visible, label visible)``."""
+  axis = cos.ndim - 1
+  x, mask, axis = lc.prepare(cos, axis, where, fn)
+  c_y, label_visible = lc.gather_label(x, mask, labels, axis)
+  logits = scale * x
+  if target is not None:
+    onehot = lc.one_hot(labels, x.shape[axis], axis, x.dtype)
+    logits = logits + scale * onehot * jnp.expand_dims(target(c_y) - c_y, axis)
+    c_y = target(c_y)
+  lse, visible = lc.masked_logsumexp(logits, mask, axis)
+  return lse - scale * c_y, visible, label_visible
+
+
+def _l2_normalize(a, axis):
+  """a / ||a|| along ``axis`` (0 for a zero vector), safe for |a| up to float max: the
+  vector is first divided by its largest magnitude (in two sqrt steps, since 1/max is
+  subnormal for max > 2^126 and XLA:CPU flushes subnormals)."""
+  big = jax.lax.stop_gradient(jnp.max(jnp.abs(a), axis=axis, keepdims=True))
+  root = jnp.sqrt(jnp.where(big > 0, big, 1.0))
+  a = a / root / root
+  sq = jnp.sum(jnp.square(a), axis=axis, keepdims=True)
+  ok = sq > 0
+  return jnp.where(ok, a * jax.lax.rsqrt(jnp.where(ok, sq, 1.0)), 0.0)
+
+
+def _positive(value, name, fn):
+  try:
+    v = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    return value  # traced (e.g. a learned temperature): the caller vouches for it
+  if not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}")
+  return value
+
+
+def _margin(value, fn, upper=None):
+  try:
+    v = float(value)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"{fn}: `margin` must be a Python number (static), got {value!r}") from None
+  if not v >= 0 or (upper is not None and not v < upper) or not math.isfinite(v):
+    rng = f"[0, {upper:.6g})" if upper is not None else "[0, inf)"
+    raise ValueError(f"{fn}: `margin` must be in {rng}, got {value!r}")
+  return v
