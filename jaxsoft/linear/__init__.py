@@ -1,4 +1,4 @@
-"""Linear attention and its gated / delta-rule relatives (features A30-A33, A38-A40).
+"""Linear attention and its gated / delta-rule relatives (features A30-A35, A38-A41, K07).
 
 Each variant is one function with the layouts of flash-linear-attention's ops
 (``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
@@ -16,12 +16,23 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
   (a decay per key channel: Gated Linear Attention, Yang et al. 2024).
 * A39 :func:`delta_rule` (DeltaNet, Schlag et al. 2021; Yang et al. 2024) and
   :func:`gated_delta_rule` (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2025).
+* A39 :func:`ttt_linear`: TTT-Linear, a linear fast-weight model trained by mini-batch
+  gradient descent at test time (Sun et al. 2024).
+* A34 :func:`softmax_linear_attention`: a softmax over heads gates the read and the write
+  (Xu et al. 2026) [R].
+* A35 :func:`ccq`: the query contracted by the running key covariance (Le et al. 2026) [R].
+* A41 :func:`interdomain_attention`: kernel features through a diagonal-SSM basis [R].
+* A30 Hedgehog (Zhang et al. 2024): :func:`hedgehog_feature_map`, learned by
+  :func:`hedgehog_distillation_loss` against softmax attention.
+* K07: the chunked forms' backward pass recomputes each chunk (a custom VJP keeping only
+  the inputs and the chunk-start states).
 * A40 :func:`taylor_linear_attention`: ``exp`` replaced by its order-m Taylor polynomial, as
   linear attention on :func:`taylor_features` (Mongaras & Larson 2025; TaylorShift).
 
 The feature ids are explained in docs/feature_ids.md.
 """
 
+from jaxsoft.linear._ccq import ccq
 from jaxsoft.linear._checks import IMPLEMENTATIONS
 from jaxsoft.linear._cosformer import cosformer, cosformer_step
 from jaxsoft.linear._delta import (
@@ -33,10 +44,19 @@ from jaxsoft.linear._delta import (
 )
 from jaxsoft.linear._features import favor_feature_map, taylor_features
 from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
+from jaxsoft.linear._hedgehog import (
+    hedgehog_attention_weights,
+    hedgehog_distillation_loss,
+    hedgehog_feature_map,
+    hedgehog_init,
+)
+from jaxsoft.linear._interdomain import interdomain_attention
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
+from jaxsoft.linear._sla import head_gates, softmax_linear_attention
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
+from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
 
 __all__ = [
     "linear_attention",
@@ -61,6 +81,16 @@ __all__ = [
     "cosformer_step",
     "mala",
     "mala_step",
+    "ttt_linear",
+    "ttt_linear_step",
+    "softmax_linear_attention",
+    "head_gates",
+    "ccq",
+    "interdomain_attention",
+    "hedgehog_init",
+    "hedgehog_feature_map",
+    "hedgehog_attention_weights",
+    "hedgehog_distillation_loss",
     "FEATURE_MAPS",
     "IMPLEMENTATIONS",
 ]

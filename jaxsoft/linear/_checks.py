@@ -21,6 +21,7 @@ __all__ = [
     "check_qkv_step",
     "check_gate",
     "check_beta",
+    "check_gate_logits",
     "check_state",
     "check_segment_ids",
     "check_chunk_size",
@@ -100,6 +101,18 @@ def check_beta(beta, shape: tuple[int, ...], fn_name: str) -> jax.Array:
         f"I - beta k k^T a negative eigenvalue), got min {np.nanmin(values)}, max "
         f"{np.nanmax(values)}" + (" and NaN" if np.any(np.isnan(values)) else ""))
   return beta
+
+
+def check_gate_logits(x, shape: tuple[int, ...], fn_name: str, name: str) -> jax.Array:
+  """Real-valued gate logits (or coefficients) of the given shape, finite where concrete;
+  float32 is returned."""
+  x = _floating(x, name, fn_name)
+  if x.shape != tuple(shape):
+    raise ValueError(f"{fn_name}: `{name}` must have shape {list(shape)}, got {x.shape}")
+  values = _concrete(x)
+  if values is not None and not np.all(np.isfinite(values)):
+    raise ValueError(f"{fn_name}: `{name}` must be finite")
+  return x.astype(jnp.float32)
 
 
 def check_state(state, shape: tuple[int, ...], fn_name: str,

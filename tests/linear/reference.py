@@ -118,3 +118,98 @@ def mala(q, k, v, *, scale, segment_ids=None, eps=1e-6):
         w = (1 + 1 / (z + eps)) * s - z / len(js)
         o[b, i, n_] = w @ v[b, js, n_]
   return o
+
+
+def _softmax(x, axis=-1):
+  e = np.exp(x - np.max(x, axis=axis, keepdims=True))
+  return e / e.sum(axis=axis, keepdims=True)
+
+
+def ttt_linear(q, k, v, eta, *, mini_batch_size, initial_state=None, scale=None):
+  """Sun et al. 2024, TTT-Linear as mini-batch gradient descent written out: in each
+  mini-batch, every token's gradient of ``½‖W^T k - v‖²`` is taken at the mini-batch's
+  start weights and the weights after token t are the start minus the summed steps so far.
+  Returns ``(o, W_T)`` in float64."""
+  q, k, v, eta, W0 = map(_f64, (q, k, v, eta, initial_state))
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  scale = K ** -0.5 if scale is None else scale
+  o = np.zeros((B, T, N, V))
+  W_T = np.zeros((B, N, K, V))
+  for b in range(B):
+    for n in range(N):
+      W = np.zeros((K, V)) if W0 is None else W0[b, n].copy()
+      for s in range(0, T, mini_batch_size):
+        W_start, step = W.copy(), np.zeros((K, V))
+        for t in range(s, min(s + mini_batch_size, T)):
+          grad = np.outer(k[b, t, n], W_start.T @ k[b, t, n] - v[b, t, n])
+          step += eta[b, t, n] * grad
+          W = W_start - step
+          o[b, t, n] = W.T @ (q[b, t, n] * scale)
+      W_T[b, n] = W
+  return o, W_T
+
+
+def softmax_linear_attention(q, k, v, q_logits, k_logits=None, *, g=None, beta=None,
+                             temperature=1.0, segment_ids=None, initial_state=None):
+  """The [R] SLA equations as a loop: gates softmax over heads;
+  ``S_{t,n} = e^g S + γ^k k u^T`` (``u = v`` or ``β (v - S^T k)``), ``o = γ^q S^T q scale``."""
+  q, k, v, g, beta, S0 = map(_f64, (q, k, v, g, beta, initial_state))
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  gq = _softmax(_f64(q_logits) / temperature)
+  gk = np.ones((B, T, N)) if k_logits is None else _softmax(_f64(k_logits) / temperature)
+  o = np.zeros((B, T, N, V))
+  S_T = np.zeros((B, N, K, V))
+  for b in range(B):
+    for n in range(N):
+      S = np.zeros((K, V)) if S0 is None else S0[b, n].copy()
+      for t in range(T):
+        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+          S = np.zeros((K, V))
+        if g is not None:
+          S = S * np.exp(g[b, t, n])
+        u = v[b, t, n] if beta is None else beta[b, t, n] * (v[b, t, n] - S.T @ k[b, t, n])
+        S = S + gk[b, t, n] * np.outer(k[b, t, n], u)
+        o[b, t, n] = gq[b, t, n] * (S.T @ q[b, t, n]) * K ** -0.5
+      S_T[b, n] = S
+  return o, S_T
+
+
+def ccq(q, k, v, *, g=None, beta=None, strength=1.0, segment_ids=None):
+  """The [R] CCQ read: per query the decayed weights ``w_j = e^{g_{j+1} + ... + g_t}`` over
+  its segment's keys ``j <= t``, ``μ = Σ w k / Σ w``, ``C = Σ w k k^T / Σ w - μ μ^T``,
+  ``q~ = q - λ C q``; then the backbone's recurrence read with ``q~``."""
+  q, k, v, g = map(_f64, (q, k, v, g))
+  B, T, N, K = q.shape
+  q_tilde = np.zeros_like(q)
+  for b in range(B):
+    for n in range(N):
+      for t in range(T):
+        js = [j for j in range(t + 1) if segment_ids is None
+              or np.all(segment_ids[b][j:t + 1] == segment_ids[b][t])]
+        w = np.array([np.exp(0.0 if g is None else g[b, j + 1:t + 1, n].sum()) for j in js])
+        ks = k[b, js, n]
+        mu = (w[:, None] * ks).sum(0) / w.sum()
+        C = (w[:, None, None] * ks[:, :, None] * ks[:, None, :]).sum(0) / w.sum() - np.outer(mu, mu)
+        q_tilde[b, t, n] = q[b, t, n] - strength * C @ q[b, t, n]
+  return recurrence(q_tilde, k, v, g=g, beta=beta, segment_ids=segment_ids)[0]
+
+
+def interdomain(fq, fk, v, basis_in, basis_out, log_decay, *, scale, segment_ids=None):
+  """The [R] interdomain recurrence: ``C_t[r] = e^{a_r} C_{t-1}[r] + b_{t,r} φ(k_t) v_t^T``,
+  ``o_t = Σ_r ψ_{t,r} C_t[r]^T φ(q_t) scale`` (``fq, fk`` already feature-mapped)."""
+  fq, fk, v, bi, bo, a = map(_f64, (fq, fk, v, basis_in, basis_out, log_decay))
+  B, T, N, K = fq.shape
+  R, V = bi.shape[-1], v.shape[-1]
+  o = np.zeros((B, T, N, V))
+  for b in range(B):
+    for n in range(N):
+      C = np.zeros((R, K, V))
+      for t in range(T):
+        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+          C = np.zeros((R, K, V))
+        for r in range(R):
+          C[r] = np.exp(a[n, r]) * C[r] + bi[b, t, n, r] * np.outer(fk[b, t, n], v[b, t, n])
+          o[b, t, n] += bo[b, t, n, r] * (C[r].T @ fq[b, t, n]) * scale
+  return o

@@ -1,0 +1,142 @@
+r"""Hedgehog: a learned feature map for linear attention, distilled from softmax attention.
+
+Feature A30 (Zhang, Bhatia, Kumbong & Ré 2024, "The Hedgehog & the Porcupine: Expressive
+Linear Attentions with Softmax Mimicry", ICLR 2024). A per-head linear layer followed by a
+softmax over the feature axis, applied to ``±(x W + b)``:
+
+.. math::
+  φ(x) = \big[\operatorname{softmax}(x W + b),\ \operatorname{softmax}(-x W - b)\big]
+  \in \mathbb{R}^{2F}_{>0},
+
+(the paper's exp feature map ``[e^{xW + b}, e^{-xW - b}]`` normalised over the features,
+as in its released code; the normalisation cancels per query in normalised linear
+attention only up to a per-key factor, so the two differ as maps but serve the same
+role). ``W`` starts at the identity. The map is trained by *attention distillation*: the
+cross-entropy between the rows of causal softmax attention ``A_{ij} = softmax_j(s_{ij})``
+and those of the linear attention it induces, ``Â_{ij} = φ(q_i)·φ(k_j) / Σ_{l<=i}
+φ(q_i)·φ(k_l)``. The functions here are pure: the parameters are a dict of arrays
+(``W [N, K, F]``, ``b [N, F]``) that an optax optimiser or a Flax module can own.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+__all__ = ["hedgehog_init", "hedgehog_feature_map", "hedgehog_attention_weights",
+           "hedgehog_distillation_loss"]
+
+
+def hedgehog_init(num_heads: int, head_dim: int, feature_dim: int | None = None, *,
+                  key: jax.Array | None = None, noise: float = 0.0) -> dict[str, jax.Array]:
+  """Parameters ``{"W": [N, K, F], "b": [N, F]}``: ``W`` the identity (``F = K`` by
+  default; the first ``min(K, F)`` diagonal entries otherwise), ``b = 0``, plus
+  ``noise · N(0, 1)`` when a ``key`` is given.
+
+  Example:
+    >>> p = hedgehog_init(2, 3)
+    >>> p["W"].shape, p["b"].shape
+    ((2, 3, 3), (2, 3))
+  """
+  fn_name = "hedgehog_init"
+  F = head_dim if feature_dim is None else feature_dim
+  for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("feature_dim", F)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+      raise ValueError(f"{fn_name}: `{name}` must be a positive int, got {value!r}")
+  W = jnp.broadcast_to(jnp.eye(head_dim, F, dtype=jnp.float32), (num_heads, head_dim, F))
+  b = jnp.zeros((num_heads, F), jnp.float32)
+  if key is not None:
+    kw, kb = jax.random.split(key)
+    W = W + noise * jax.random.normal(kw, W.shape)
+    b = b + noise * jax.random.normal(kb, b.shape)
+  return {"W": W, "b": b}
+
+
+def hedgehog_feature_map(params: dict[str, ArrayLike]) -> Callable[[jax.Array], jax.Array]:
+  r"""The feature map ``[..., N, K] -> [..., N, 2F]``: ``[softmax(xW + b), softmax(-xW - b)]``
+  per head (Zhang et al. 2024, "The Hedgehog & the Porcupine"). Pass it as ``feature_map=``
+  to :func:`jaxsoft.linear.linear_attention` (which applies it to ``q, k [B, T, N, K]``).
+
+  Example:
+    >>> phi = hedgehog_feature_map(hedgehog_init(1, 2))
+    >>> phi(jnp.zeros((3, 1, 2)))[0, 0]
+    Array([0.5, 0.5, 0.5, 0.5], dtype=float32)
+  """
+  W, b = jnp.asarray(params["W"]), jnp.asarray(params["b"])
+  if W.ndim != 3 or b.shape != (W.shape[0], W.shape[2]):
+    raise ValueError(f"hedgehog_feature_map: `params` must hold W [N, K, F] and b [N, F], got "
+                     f"{W.shape} and {b.shape}")
+
+  def phi(x: jax.Array) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.shape[-2:] != W.shape[:2]:
+      raise ValueError(f"hedgehog features: `x` must end in [N, K] = {list(W.shape[:2])}, "
+                       f"got {x.shape}")
+    z = jnp.einsum("...nk,nkf->...nf", x.astype(jnp.float32), W) + b
+    return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1)
+
+  return phi
+
+
+def _causal(T: int) -> jax.Array:
+  return jnp.tril(jnp.ones((T, T), bool))
+
+
+def hedgehog_attention_weights(params: dict[str, ArrayLike], q: ArrayLike, k: ArrayLike,
+                               eps: float = 1e-12) -> jax.Array:
+  r"""The causal attention map ``Â [B, N, T, T]`` that linear attention with Hedgehog
+  features applies: ``Â_{ij} = φ(q_i)·φ(k_j) / Σ_{l<=i} φ(q_i)·φ(k_l)`` for ``j <= i``.
+
+  Example:
+    >>> w = hedgehog_attention_weights(hedgehog_init(1, 2), jnp.zeros((1, 2, 1, 2)),
+    ...                                jnp.zeros((1, 2, 1, 2)))
+    >>> w[0, 0]
+    Array([[1. , 0. ],
+           [0.5, 0.5]], dtype=float32)
+  """
+  phi = hedgehog_feature_map(params)
+  s = jnp.einsum("btnf,bsnf->bnts", phi(jnp.asarray(q)), phi(jnp.asarray(k)))
+  s = jnp.where(_causal(s.shape[-1]), s, 0.0)
+  return s / jnp.maximum(jnp.sum(s, axis=-1, keepdims=True), eps)
+
+
+def hedgehog_distillation_loss(params: dict[str, ArrayLike], q: ArrayLike, k: ArrayLike, *,
+                               scale: float | None = None, eps: float = 1e-12) -> jax.Array:
+  r"""Attention distillation: the mean over query rows of the cross-entropy between causal
+  softmax attention and the Hedgehog map,
+
+  .. math::
+    \mathcal{L} = -\frac{1}{B N T} \sum_{b, n, i} \sum_{j \le i} A_{ij} \log Â_{ij}, \qquad
+    A_{ij} = \operatorname{softmax}_{j \le i}(\text{scale}\, q_i \cdot k_j),
+
+  (Zhang et al. 2024). It differs from the mean KL(A ‖ Â) by the teacher's entropy, a
+  constant of the parameters. Quadratic in T: a training-time loss on short sequences.
+
+  Args:
+    params: ``{"W": [N, K, F], "b": [N, F]}``.
+    q, k: ``[B, T, N, K]`` (the teacher's queries and keys).
+    scale: the softmax temperature; default ``K ** -0.5``.
+    eps: the floor of ``Â`` inside the log.
+
+  Returns:
+    A scalar float32 loss.
+
+  Example:
+    >>> q = k = jnp.zeros((1, 3, 1, 2))   # both maps uniform over j <= i
+    >>> loss = hedgehog_distillation_loss(hedgehog_init(1, 2), q, k)
+    >>> bool(jnp.isclose(loss, (0 + jnp.log(2) + jnp.log(3)) / 3))
+    True
+  """
+  q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+  K = q.shape[-1]
+  scale = K ** -0.5 if scale is None else scale
+  mask = _causal(q.shape[1])
+  logits = jnp.where(mask, jnp.einsum("btnk,bsnk->bnts", q, k) * scale, -jnp.inf)
+  teacher = jax.nn.softmax(logits, axis=-1)
+  student = hedgehog_attention_weights(params, q, k, eps)
+  ce = -jnp.sum(jnp.where(mask, teacher * jnp.log(jnp.maximum(student, eps)), 0.0), axis=-1)
+  return jnp.mean(ce)

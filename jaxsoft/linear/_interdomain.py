@@ -1,0 +1,102 @@
+r"""Interdomain attention: kernel features projected onto a basis kept by a diagonal SSM.
+
+Feature A41, reconstructed [R] from the abstract of "Interdomain Attention" (2026): the
+attention kernel is approximated by a finite feature map ``κ(q, k) ≈ φ(q)·φ(k)``; key
+features and values are projected onto ``R`` basis functions whose coefficients one SSM
+recurrence keeps online (HiPPO-style), and each query reads the compressed coefficients
+through its own feature map. The paper's exact layer (a "learned relaxation") is not
+public in the abstract. The reconstruction here uses a diagonal SSM, one decay per basis
+function and head:
+
+.. math::
+  C_t[r] = e^{a_r} C_{t-1}[r] + b_{t,r}\, φ(k_t) v_t^\top, \qquad
+  o_t = \sum_r ψ_{t,r}\, C_t[r]^\top (\text{scale} \cdot φ(q_t)),
+
+``b_t`` the input projections onto the basis and ``ψ_t`` the query's basis read-out (both
+token-dependent arrays, ``x_t W`` in a layer). The state ``[R, K', V]`` is independent of
+``t``. It is gated linear attention (:func:`jaxsoft.linear.gla`) on the product features
+``ψ_t ⊗ φ(q_t)`` and ``b_t ⊗ φ(k_t)`` with the per-channel decay ``a_r`` repeated over the
+features, so its three forms are those of GLA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _dispatch, _linear_attention
+
+__all__ = ["interdomain_attention"]
+
+
+def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: ArrayLike,
+                          basis_out: ArrayLike, log_decay: ArrayLike, *,
+                          feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+                          scale: float | None = None, initial_state: ArrayLike | None = None,
+                          output_final_state: bool = False,
+                          segment_ids: ArrayLike | None = None,
+                          implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""Kernel-feature attention through an SSM basis of ``R`` functions (feature A41, [R]).
+
+  .. math::
+    C_t[r] = e^{a_r} C_{t-1}[r] + b_{t,r} φ(k_t) v_t^\top, \qquad
+    o_t = \sum_r ψ_{t,r} C_t[r]^\top (\text{scale}\, φ(q_t))
+
+  (reconstructed from the abstract of "Interdomain Attention", 2026; see the module
+  docstring). ``R = 1``, ``b = ψ = 1`` is :func:`jaxsoft.linear.simple_gla` with a constant
+  decay on ``φ(q), φ(k)``.
+
+  Args:
+    q, k: ``[B, T, N, K]`` (before the feature map); v: ``[B, T, N, V]``.
+    basis_in: ``[B, T, N, R]`` the key's coefficients ``b_t`` on the basis.
+    basis_out: ``[B, T, N, R]`` the query's read-out ``ψ_t``.
+    log_decay: ``[N, R]`` per head and basis function, ``<= 0``.
+    feature_map: as in :func:`jaxsoft.linear.linear_attention` (``"elu1"``, ``"relu"``,
+      ``"identity"``, a callable).
+    scale: multiplies ``φ(q)``; default ``K' ** -0.5``.
+    initial_state: ``[B, N, R, K', V]`` or None (zeros).
+    output_final_state: also return the final state ``[B, N, R, K', V]``.
+    segment_ids, implementation, chunk_size: as in :func:`jaxsoft.linear.gla`.
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.ones((1, 2, 1, 1))   # φ = elu + 1 = 1
+    >>> b = psi = jnp.ones((1, 2, 1, 2))
+    >>> a = jnp.log(jnp.array([[1.0, 0.5]]))
+    >>> interdomain_attention(q, k, v, b, psi, a, scale=1.0)[0, :, 0, 0]   # (1 + 1), (2 + 1.5)
+    Array([2. , 3.5], dtype=float32)
+  """
+  fn_name = "interdomain_attention"
+  phi = _linear_attention._feature_map(feature_map, fn_name)
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  B, T, N, _ = q.shape
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  if fq.shape[:3] != q.shape[:3] or fk.shape != fq.shape:
+    raise ValueError(f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes "
+                     f"[B, T, N, K'], got {fq.shape} and {fk.shape}")
+  Kf = fq.shape[-1]
+  b_in = jnp.asarray(basis_in)
+  if b_in.ndim != 4 or b_in.shape[:3] != (B, T, N):
+    raise ValueError(f"{fn_name}: `basis_in` must have shape [B, T, N, R] with [B, T, N] = "
+                     f"{[B, T, N]}, got {b_in.shape}")
+  R = b_in.shape[-1]
+  b_in = _checks.check_gate_logits(b_in, (B, T, N, R), fn_name, "basis_in")
+  psi = _checks.check_gate_logits(basis_out, (B, T, N, R), fn_name, "basis_out")
+  a = _checks.check_gate(log_decay, (N, R), "[N, R]", fn_name, "log_decay")
+  call = _dispatch.prepare(fn_name, (psi[..., :, None] * fq[..., None, :]).reshape(
+      B, T, N, R * Kf), (b_in[..., :, None] * fk[..., None, :]).reshape(B, T, N, R * Kf), v,
+      scale=Kf ** -0.5 if scale is None else scale, segment_ids=segment_ids,
+      implementation=implementation, chunk_size=chunk_size)
+  V = call.v.shape[-1]
+  S0 = None if initial_state is None else _checks.check_state(
+      initial_state, (B, N, R, Kf, V), fn_name).reshape(B, N, R * Kf, V)
+  g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, T, N, R * Kf))
+  o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
+  return _dispatch.finish(o, S_T.reshape(B, N, R, Kf, V), dtype, output_final_state)

@@ -1,0 +1,115 @@
+r"""Softmax Linear Attention: softmax competition across heads on top of a linear attention.
+
+Feature A34 (Xu, Lin, Guo, Xu & Cui 2026, "Softmax Linear Attention: Reclaiming Global
+Competition"). The paper lifts softmax from the token axis to the head axis: heads act as
+coarse slots and a softmax over heads selects the relevant ones, on top of a linear
+attention backbone (RetNet, GLA, Gated DeltaNet). Its exact equations were not available;
+this is a reconstruction [R]: with gate logits ``a_t, c_t [N]`` per token,
+
+.. math::
+  γ^q_t = \operatorname{softmax}_n(a_t / τ), \qquad γ^k_t = \operatorname{softmax}_n(c_t / τ),
+  \\
+  S_{t,n} = e^{g_{t,n}} S_{t-1,n} + γ^k_{t,n}\, k_{t,n} u_{t,n}^\top, \qquad
+  o_{t,n} = γ^q_{t,n}\, S_{t,n}^\top (\text{scale} \cdot q_{t,n}),
+
+``u = v`` (a decayed linear attention) or the delta-rule write
+``u = β (v - \tilde S^\top k)`` (the write gate then scales ``β``). The effective weight of
+key ``s`` for query ``t`` in head ``n`` is ``γ^q_{t,n} γ^k_{s,n} (q·k)`` times the decay:
+heads compete through both gates. Without the key gate (``k_gate_logits=None``) only the
+read competes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _dispatch
+
+__all__ = ["softmax_linear_attention", "head_gates"]
+
+
+def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
+  """``softmax`` over the head axis (the last) of ``logits [..., N] / temperature``.
+
+  Example:
+    >>> head_gates(jnp.zeros((1, 4)))
+    Array([[0.25, 0.25, 0.25, 0.25]], dtype=float32)
+  """
+  return jax.nn.softmax(jnp.asarray(logits, jnp.float32) / temperature, axis=-1)
+
+
+def _check_temperature(temperature, fn_name: str) -> float:
+  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
+      temperature > 0 and temperature < float("inf")):
+    raise ValueError(f"{fn_name}: `temperature` must be a positive finite number, got "
+                     f"{temperature!r}")
+  return float(temperature)
+
+
+def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_logits: ArrayLike,
+                             k_gate_logits: ArrayLike | None = None, *,
+                             g: ArrayLike | None = None, beta: ArrayLike | None = None,
+                             temperature: float = 1.0, scale: float | None = None,
+                             initial_state: ArrayLike | None = None,
+                             output_final_state: bool = False,
+                             segment_ids: ArrayLike | None = None,
+                             implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""Linear attention whose heads compete through a softmax over heads (feature A34, [R]).
+
+  .. math::
+    S_{t,n} = e^{g_{t,n}} S_{t-1,n} + γ^k_{t,n} k_{t,n} u_{t,n}^\top, \qquad
+    o_{t,n} = γ^q_{t,n} S_{t,n}^\top (\text{scale}\, q_{t,n}), \qquad
+    γ_t = \operatorname{softmax}_n(\text{logits}_t / τ)
+
+  (Xu et al. 2026, "Softmax Linear Attention: Reclaiming Global Competition"; the gates'
+  placement is a reconstruction, see the module docstring). The backbone is chosen by the
+  arguments: no ``g`` and no ``beta``: plain linear attention (unnormalised); ``g``: RetNet
+  / simple GLA; ``beta``: the delta rule (``u = β(v - \tilde S^T k)``); both: Gated DeltaNet.
+
+  Args:
+    q, k: ``[B, T, N, K]``; v: ``[B, T, N, V]``.
+    q_gate_logits: ``[B, T, N]`` read-gate logits (``x_t W_g`` in a layer).
+    k_gate_logits: ``[B, T, N]`` write-gate logits, or None (no write gate).
+    g: ``[B, T, N]`` log decays ``<= 0``, or None.
+    beta: ``[B, T, N]`` delta-rule strengths in ``[0, 2]``, or None.
+    temperature: ``τ > 0``.
+    scale, initial_state, output_final_state, segment_ids, implementation, chunk_size: as in
+      :func:`jaxsoft.linear.gated_delta_rule`.
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
+
+  Example:
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = k = jnp.ones((1, 1, 2, 1)); v = jnp.ones((1, 1, 2, 1))
+    >>> softmax_linear_attention(q, k, v, jnp.array([[[0.0, jnp.log(3.0)]]]), scale=1.0)[0, 0, :, 0]
+    Array([0.25, 0.75], dtype=float32)
+  """
+  fn_name = "softmax_linear_attention"
+  call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
+                           implementation=implementation, chunk_size=chunk_size)
+  B, T, N, K = call.q.shape
+  temperature = _check_temperature(temperature, fn_name)
+  gq = head_gates(_checks.check_gate_logits(q_gate_logits, (B, T, N), fn_name, "q_gate_logits"),
+                  temperature)
+  gk = None if k_gate_logits is None else head_gates(
+      _checks.check_gate_logits(k_gate_logits, (B, T, N), fn_name, "k_gate_logits"),
+      temperature)
+  if g is not None:
+    g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
+  if beta is not None:
+    beta = _checks.check_beta(beta, (B, T, N), fn_name).astype(jnp.float32)
+  S0 = None if initial_state is None else _checks.check_state(
+      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  v_in = call.v
+  if gk is not None:
+    if beta is None:
+      v_in = v_in * gk[..., None]      # S += γ^k k v^T
+    else:
+      beta = beta * gk                 # u = γ^k β (v - S^T k)
+  o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, v_in, g, beta, S0)
+  return _dispatch.finish(o * gq[..., None], S_T, call.dtype, output_final_state)
