@@ -94,14 +94,14 @@ def test_matches_float64_reference(variant):
   np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-5)
 
 
-def _forms(variant):
-  return ("recurrent", "chunked") if variant == "ttt" else cases.FORMS
-
-
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_forms_agree_with_gradients(variant):
+@pytest.mark.parametrize("with_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_forms_agree_with_gradients(variant, with_parallel):
   """Outputs, final states and the gradients of every input (q, k, v, g, beta, gate
-  logits, basis arrays, decays, eta, initial state) agree between the forms."""
+  logits, basis arrays, decays, eta, initial state) agree between the recurrent and the
+  chunked form (and the parallel one under ``-m slow``; TTT has no parallel form)."""
+  forms = ("recurrent", "chunked") + (("parallel",) if with_parallel and variant != "ttt"
+                                      else ())
   a = _inputs(variant, seed=1)
   seg = None if variant == "ttt" else cases.segments(B, T, seed=2)
   o, S = _call(variant, a, implementation="recurrent", segment_ids=seg)
@@ -115,9 +115,9 @@ def test_forms_agree_with_gradients(variant):
         jax.tree.leaves(S), jax.tree.leaves(w[1]), strict=True))
 
   results = {f: jax.jit(jax.value_and_grad(functools.partial(loss, f)))(a)
-             for f in _forms(variant)}
+             for f in forms}
   want_v, want_g = results["recurrent"]
-  for form in _forms(variant)[1:]:
+  for form in forms[1:]:
     np.testing.assert_allclose(results[form][0], want_v, rtol=1e-5)
     for name in a:
       scale = float(jnp.max(jnp.abs(want_g[name])))
@@ -132,21 +132,26 @@ def test_forms_agree_with_gradients(variant):
 def test_ttt_online_gradient_descent_is_the_delta_rule():
   """Mini-batches of one token: online GD on ½‖W^T k - v‖² is the delta rule with β = η."""
   a = _inputs("ttt", seed=4)
-  o, W = linear.ttt_linear(a["q"], a["k"], a["v"], a["eta"], mini_batch_size=1,
-                           initial_state=a["initial_state"], output_final_state=True)
-  o_d, W_d = linear.delta_rule(a["q"], a["k"], a["v"], a["eta"], output_final_state=True,
-                               initial_state=a["initial_state"], implementation="recurrent")
+
+  @jax.jit
+  def outputs(a):
+    ttt = functools.partial(linear.ttt_linear, a["q"], a["k"], a["v"], a["eta"],
+                            initial_state=a["initial_state"])
+    return (ttt(mini_batch_size=1, output_final_state=True), ttt(mini_batch_size=4),
+            linear.delta_rule(a["q"], a["k"], a["v"], a["eta"], output_final_state=True,
+                              initial_state=a["initial_state"], implementation="recurrent"))
+
+  (o, W), o4, (o_d, W_d) = outputs(a)
   np.testing.assert_allclose(o, o_d, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(W, W_d, rtol=1e-5, atol=1e-5)
-  o4 = linear.ttt_linear(a["q"], a["k"], a["v"], a["eta"], mini_batch_size=4,
-                         initial_state=a["initial_state"])
   assert not np.allclose(o4, o, atol=1e-3)   # larger mini-batches are a different model
 
 
 def test_ttt_step_matches_full_call():
   a = _inputs("ttt", T=7, seed=5)
-  o, W = linear.ttt_linear(a["q"], a["k"], a["v"], a["eta"], mini_batch_size=3,
-                           initial_state=a["initial_state"], output_final_state=True)
+  o, W = jax.jit(functools.partial(linear.ttt_linear, mini_batch_size=3,
+                                   output_final_state=True))(
+      a["q"], a["k"], a["v"], a["eta"], initial_state=a["initial_state"])
   state = (a["initial_state"], a["initial_state"], 0)
   step = jax.jit(functools.partial(linear.ttt_linear_step, mini_batch_size=3))
   outs = []
@@ -166,11 +171,17 @@ def test_sla_uniform_gates_are_the_backbone_over_n_squared():
   a = _inputs("sla", seed=6)
   q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
   zeros = jnp.zeros((B, T, N))
-  o = linear.softmax_linear_attention(q, k, v, zeros, zeros, g=g, beta=beta)
-  np.testing.assert_allclose(o, linear.gated_delta_rule(q, k, v, g, beta / N) / N,
-                             rtol=1e-5, atol=1e-6)
-  o = linear.softmax_linear_attention(q, k, v, zeros, g=g)
-  np.testing.assert_allclose(o, linear.simple_gla(q, k, v, g) / N, rtol=1e-5, atol=1e-6)
+
+  @jax.jit
+  def outputs(q, k, v, g, beta):
+    return (linear.softmax_linear_attention(q, k, v, zeros, zeros, g=g, beta=beta),
+            linear.gated_delta_rule(q, k, v, g, beta / N) / N,
+            linear.softmax_linear_attention(q, k, v, zeros, g=g),
+            linear.simple_gla(q, k, v, g) / N)
+
+  o1, want1, o2, want2 = outputs(q, k, v, g, beta)
+  np.testing.assert_allclose(o1, want1, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(o2, want2, rtol=1e-5, atol=1e-6)
   gates = linear.head_gates(a["q_gate_logits"], 0.5)
   np.testing.assert_allclose(jnp.sum(gates, -1), 1.0, rtol=1e-6)
   assert bool(jnp.all(gates > 0))
@@ -184,13 +195,22 @@ def test_ccq_curvature_is_the_hessian_of_the_log_partition():
   applied to q_t (and that Hessian is the key covariance): jax.hessian as the oracle."""
   a = _inputs("ccq", T=6, seed=7)
   q, k = a["q"][:1, :, :1], 2.0 * a["k"][:1, :, :1]
-  call = _dispatch.prepare("ccq", q, k, a["v"][:1, :, :1], scale=None, segment_ids=None,
-                           implementation="chunked", chunk_size=4)
-  cq, _ = _ccq.curvature_query(call, call.q, call.k, None, None)
-  for t in range(6):
-    keys = k[0, : t + 1, 0]
-    hess = jax.hessian(lambda x, keys=keys: jax.nn.logsumexp(keys @ x))(jnp.zeros(K))
-    np.testing.assert_allclose(cq[0, t, 0], hess @ q[0, t, 0], rtol=1e-5, atol=1e-5)
+
+  @jax.jit
+  def both(q, k):
+    call = _dispatch.prepare("ccq", q, k, q, scale=None, segment_ids=None,
+                             implementation="chunked", chunk_size=4)
+    cq = _ccq.curvature_query(call, call.q, call.k, None, None)[0][0, :, 0]
+    keys = k[0, :, 0]
+
+    def hessian(t):
+      f = lambda x: jax.nn.logsumexp(jnp.where(jnp.arange(6) <= t, keys @ x, -jnp.inf))
+      return jax.hessian(f)(jnp.zeros(K))
+
+    return cq, jnp.einsum("tij,tj->ti", jax.vmap(hessian)(jnp.arange(6)), q[0, :, 0])
+
+  cq, want = both(q, k)
+  np.testing.assert_allclose(cq, want, rtol=1e-5, atol=1e-5)
 
 
 def test_ccq_strength_zero_is_the_backbone_and_contracts():
@@ -198,13 +218,20 @@ def test_ccq_strength_zero_is_the_backbone_and_contracts():
   along the keys' dominant direction."""
   a = _inputs("ccq", seed=8)
   q, k, v, g, beta = a["q"], a["k"], a["v"], a["g"], a["beta"]
-  np.testing.assert_allclose(linear.ccq(q, k, v, g, beta, strength=0.0),
-                             linear.gated_delta_rule(q, k, v, g, beta), rtol=1e-6, atol=1e-6)
-  call = _dispatch.prepare("ccq", q, k, v, scale=None, segment_ids=None,
-                           implementation="chunked", chunk_size=4)
-  cq, _ = _ccq.curvature_query(call, call.q, call.k, g, None)
+
+  @jax.jit
+  def outputs(q, k, v, g, beta):
+    call = _dispatch.prepare("ccq", q, k, v, scale=None, segment_ids=None,
+                             implementation="chunked", chunk_size=4)
+    cq = _ccq.curvature_query(call, call.q, call.k, g, None)[0]
+    return (linear.ccq(q, k, v, g, beta, strength=0.0), linear.gated_delta_rule(q, k, v, g, beta),
+            cq)
+
+  o, want, cq = outputs(q, k, v, g, beta)
+  np.testing.assert_allclose(o, want, rtol=1e-6, atol=1e-6)
   norm = lambda x: jnp.linalg.norm(x, axis=-1)
   assert bool(jnp.all(norm(q - cq) <= norm(q) + 1e-5))
+  assert not np.allclose(cq, 0.0, atol=1e-3)
 
 
 # A41 Interdomain attention ---------------------------------------------------------------
@@ -216,9 +243,14 @@ def test_interdomain_one_basis_function_is_decayed_linear_attention():
   q, k, v = a["q"], a["k"], a["v"]
   ones = jnp.ones((B, T, N, 1))
   decay = jnp.array([[-0.3], [-0.1], [-0.7]])
-  o = linear.interdomain_attention(q, k, v, ones, ones, decay)
-  fq, fk = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
-  want = linear.simple_gla(fq, fk, v, jnp.broadcast_to(decay[:, 0], (B, T, N)))
+
+  @jax.jit
+  def outputs(q, k, v):
+    fq, fk = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
+    return (linear.interdomain_attention(q, k, v, ones, ones, decay),
+            linear.simple_gla(fq, fk, v, jnp.broadcast_to(decay[:, 0], (B, T, N))))
+
+  o, want = outputs(q, k, v)
   np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
 
 
@@ -230,9 +262,15 @@ def test_hedgehog_features_give_the_attention_map_of_linear_attention():
   1, positive on j <= i), and the loss is the cross-entropy written in numpy."""
   a = _inputs("sla", T=7, seed=10)
   params = linear.hedgehog_init(N, K, 5, key=jax.random.key(1), noise=0.3)
-  phi = linear.hedgehog_feature_map(params)
-  o = linear.linear_attention(a["q"], a["k"], a["v"], feature_map=phi)
-  weights = linear.hedgehog_attention_weights(params, a["q"], a["k"])
+
+  @jax.jit
+  def outputs(params, q, k, v):
+    phi = linear.hedgehog_feature_map(params)
+    return (linear.linear_attention(q, k, v, feature_map=phi),
+            linear.hedgehog_attention_weights(params, q, k),
+            linear.hedgehog_distillation_loss(params, q, k))
+
+  o, weights, loss = outputs(params, a["q"], a["k"], a["v"])
   np.testing.assert_allclose(o, jnp.einsum("bnts,bsnv->btnv", weights, a["v"]),
                              rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(jnp.sum(weights, -1), 1.0, rtol=1e-5)
@@ -243,8 +281,7 @@ def test_hedgehog_features_give_the_attention_map_of_linear_attention():
   teacher = np.exp(s - s.max(-1, keepdims=True))
   teacher /= teacher.sum(-1, keepdims=True)
   ce = -np.sum(np.where(tril, teacher * np.log(np.where(tril, weights, 1.0)), 0.0), -1).mean()
-  np.testing.assert_allclose(linear.hedgehog_distillation_loss(params, a["q"], a["k"]), ce,
-                             rtol=1e-5)
+  np.testing.assert_allclose(loss, ce, rtol=1e-5)
 
 
 def test_hedgehog_distillation_lowers_the_attention_kl():
@@ -257,7 +294,7 @@ def test_hedgehog_distillation_lowers_the_attention_kl():
   s = jnp.where(tril, jnp.einsum("btnk,bsnk->bnts", q, k) * K ** -0.5, -jnp.inf)
   teacher = jax.nn.softmax(s, -1)
   entropy = -jnp.mean(jnp.sum(jnp.where(tril, teacher * jnp.log(teacher), 0.0), -1))
-  kl = lambda p: linear.hedgehog_distillation_loss(p, q, k) - entropy
+  kl = jax.jit(lambda p: linear.hedgehog_distillation_loss(p, q, k) - entropy)
 
   params = linear.hedgehog_init(N, K, 8)
   opt = optax.adam(0.05)
