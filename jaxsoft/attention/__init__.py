@@ -6,7 +6,8 @@ same arguments in the same positions, plus ``normalizer``, ``normalizer_params``
 segment masks without a T x S array (shared with the Pallas kernels); the variants of
 features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point;
 KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``), block-sparse attention
-(A12, ``_block_sparse``), LUCID (A14, ``_lucid``).
+(A12, ``_block_sparse``), LUCID (A14, ``_lucid``), Multi-Token
+Attention (A13, ``_mta``).
 """
 
 # ruff: noqa: F401, F403
@@ -17,6 +18,7 @@ from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._lucid import lucid_attention, lucid_preconditioned_values
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.attention._merge import alternating_matching, merge_kv
+from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._variants import *
 
@@ -24,4 +26,5 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            *_variants.__all__,
            "merge_kv", "alternating_matching", "topk_attention",
            "block_sparse_attention", "BLOCK_SPARSE_METHODS",
-           "lucid_attention", "lucid_preconditioned_values"]
+           "lucid_attention", "lucid_preconditioned_values",
+           "multi_token_attention", "mta_identity_kernel"]

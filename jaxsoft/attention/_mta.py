@@ -1,0 +1,121 @@
+"""Multi-Token Attention (feature A13): a causal 2-D convolution over the logit map, and
+head mixing."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.typing import ArrayLike
+
+from jaxsoft.attention._api import _canonical_call
+from jaxsoft.attention._dense import dense_logits
+
+__all__ = ["multi_token_attention", "mta_identity_kernel"]
+
+
+def mta_identity_kernel(num_heads: int, query_width: int, key_width: int,
+                        dtype=jnp.float32) -> jax.Array:
+  """The delta kernel [N, c_q, c_k] (1 at query offset 0 and the key centre): with it MTA is
+  standard attention (MTA's initialisation)."""
+  return jnp.zeros((num_heads, query_width, key_width), dtype).at[:, 0, key_width // 2].set(1)
+
+
+def _key_query_conv(x, kernel):
+  """``y[b,n,i,j] = sum_{a,c} kernel[n,a,c] · x[b,n,i-a, j+c-c_k//2]`` (zero outside)."""
+  N, cq, ck = kernel.shape
+  # lax.conv is a cross-correlation: flipping the query axis turns i + a' - (cq - 1) into
+  # i - a, so the kernel reaches back over cq - 1 past queries
+  w = jnp.flip(kernel, axis=1)[:, None].astype(x.dtype)  # [N, 1, cq, ck] (OIHW)
+  return lax.conv_general_dilated(
+      x, w, window_strides=(1, 1), padding=((cq - 1, 0), (ck // 2, ck - 1 - ck // 2)),
+      dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=N,
+      precision=lax.Precision.HIGHEST)
+
+
+def _mix_heads(x, head_mix):
+  """``x_h <- sum_{h' in group(h)} w[g, h, h'] x_h'`` for head groups of size c_h."""
+  B, N, T, S = x.shape
+  g, ch, _ = head_mix.shape
+  xg = x.reshape(B, g, ch, T, S)
+  return jnp.einsum("gij,bgjts->bgits", head_mix.astype(x.dtype), xg,
+                    precision=lax.Precision.HIGHEST).reshape(B, N, T, S)
+
+
+def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
+                          kernel: ArrayLike, head_mix: ArrayLike | None = None,
+                          head_mix_position: str = "pre", scale: float | None = None,
+                          is_causal: bool = True) -> jax.Array:
+  r"""Multi-Token Attention: neighbouring queries and keys shape each attention weight (A13).
+
+  With :math:`\hat A = s\, Q K^\top` per head (``scale`` s, default 1/sqrt(H)):
+
+  .. math::
+    A = \mathrm{softmax}\big(\mathrm{Mask}_{-\infty}(\,\mathrm{Mix}(
+        \mathrm{Conv}_\theta(\mathrm{Mask}_0(\hat A)))\,)\big), \qquad
+    \mathrm{Conv}_\theta(X)_{ij} = \sum_{a=0}^{c_q-1}\sum_{c=0}^{c_k-1}
+        \theta_{ac}\, X_{i-a,\ j+c-\lfloor c_k/2 \rfloor}
+
+  (zero outside the map), O = A V. :math:`\mathrm{Mask}_0` zeroes the future logits
+  (j > i) before the convolution, so a convolved logit (i, j) only reads pairs (i', j')
+  with j' <= i' <= i: the layer stays causal; :math:`\mathrm{Mask}_{-\infty}` re-applies
+  the causal mask. The head mixing Mix acts on groups of c_h consecutive heads,
+  :math:`X_h \leftarrow \sum_{h' \in \mathrm{group}(h)} w_{g,h,h'} X_{h'}`, on the logits
+  (``head_mix_position="pre"``) or on the weights after the softmax (``"post"``, then
+  the rows need not sum to 1). A delta kernel (:func:`mta_identity_kernel`) and identity
+  mixing give standard attention. The paper's GroupNorm on the head outputs is the
+  caller's (it belongs to the layer, not the attention).
+
+  From O. Golovneva, T. Wang, J. Weston, S. Sukhbaatar, "Multi-Token Attention" (2025,
+  arXiv 2504.00927). Dense: O(T·S) memory per head.
+
+  Args:
+    query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, Hv] (GQA: N % K == 0).
+    kernel: [N, c_q, c_k] per-head key-query kernel (c_q past queries including the
+      query itself; c_k keys centred on j).
+    head_mix: optional [N // c_h, c_h, c_h] mixing matrices (N % c_h == 0).
+    head_mix_position: ``"pre"`` (logits) or ``"post"`` (weights).
+    scale: logit scale; is_causal: the causal masks above (False: no masks, the
+      convolution sees the whole map).
+
+  Returns:
+    [B, T, N, Hv] in query's dtype (float32 inside). Differentiable in query, key, value,
+    kernel and head_mix.
+  """
+  fn = "multi_token_attention"
+  if jnp.ndim(query) != 4:
+    raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
+  call = _canonical_call(query, key, value, None, None, scale, is_causal, None, None, None, None,
+                         None, "softmax", None, None, None)
+  B, T, N, _ = call.q.shape
+  S = call.k.shape[1]
+  kernel = jnp.asarray(kernel)
+  if kernel.ndim != 3 or kernel.shape[0] != N or min(kernel.shape[1:]) < 1:
+    raise ValueError(f"{fn}: `kernel` must have shape [N={N}, c_q, c_k], got {kernel.shape}")
+  if head_mix_position not in ("pre", "post"):
+    raise ValueError(f"{fn}: `head_mix_position` must be 'pre' or 'post', got {head_mix_position!r}")
+  if head_mix is not None:
+    head_mix = jnp.asarray(head_mix)
+    if head_mix.ndim != 3 or head_mix.shape[1] != head_mix.shape[2] or (
+        head_mix.shape[0] * head_mix.shape[1] != N):
+      raise ValueError(
+          f"{fn}: `head_mix` must have shape [N // c_h, c_h, c_h] with N={N}, got {head_mix.shape}")
+  logits = dense_logits(call.q, call.k, scale=call.scale)  # [B, N, T, S]
+  cdt = logits.dtype
+  vis = None
+  if is_causal:
+    vis = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
+    logits = jnp.where(vis, logits, 0.0)
+  logits = _key_query_conv(logits, kernel.astype(cdt))
+  if head_mix is not None and head_mix_position == "pre":
+    logits = _mix_heads(logits, head_mix)
+  if vis is not None:
+    logits = jnp.where(vis, logits, -jnp.inf)
+  w = jax.nn.softmax(logits, axis=-1)
+  if head_mix is not None and head_mix_position == "post":
+    w = _mix_heads(w, head_mix)
+    if vis is not None:
+      w = jnp.where(vis, w, 0.0)
+  K = call.k.shape[2]
+  out = jnp.einsum("bkgts,bskh->btkgh", w.reshape(B, K, N // K, T, S), call.v.astype(cdt))
+  return out.reshape(B, T, N, -1).astype(call.q.dtype)
