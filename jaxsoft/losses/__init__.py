@@ -18,6 +18,14 @@ from jaxsoft.losses._classification import (
     softmax_cross_entropy_with_integer_labels,
     top_k_cross_entropy,
 )
+from jaxsoft.losses._contrastive import (
+    decoupled_softmax_loss,
+    info_nce,
+    soft_clip_loss,
+    soft_info_nce,
+    soft_info_nce_weights,
+    top_k_multi_positive_loss,
+)
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._margin import arcface_loss, cosface_loss, normalized_softmax_loss
@@ -28,15 +36,21 @@ from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 __all__ = [
     "arcface_loss",
     "cosface_loss",
+    "decoupled_softmax_loss",
     "fenchel_young_loss",
+    "info_nce",
     "linear_cross_entropy",
     "normalized_softmax_loss",
     "orthogonal_gradient",
+    "soft_clip_loss",
+    "soft_info_nce",
+    "soft_info_nce_weights",
     "softmax_collapse_fraction",
     "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels",
     "spherical_z_loss",
     "stablemax_cross_entropy",
     "top_k_cross_entropy",
+    "top_k_multi_positive_loss",
     "z_loss",
 ]

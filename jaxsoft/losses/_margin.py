@@ -94,19 +94,19 @@ def arcface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     [0.0042 3.929 ]
   """
   fn = "arcface_loss"
-  m = _margin(margin, fn, upper=math.pi)
-  cos_m, sin_m = math.cos(m), math.sin(m)
-  threshold, fallback = math.cos(math.pi - m), m * math.sin(m)
+  m = check_margin(margin, fn, upper=math.pi)
+  return _margin_softmax(fn, embeddings, class_weights, labels, scale,
+                         lambda c: angular_margin_target(c, m, easy_margin), where, ignore_index)
 
-  def target(c):
-    sin = jnp.sqrt(jnp.maximum(1.0 - jnp.square(c), 1e-12))
-    phi = c * cos_m - sin * sin_m
-    if easy_margin:
-      return jnp.where(c > 0, phi, c)
-    return jnp.where(c > threshold, phi, c - fallback)
 
-  return _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where,
-                         ignore_index)
+def angular_margin_target(c, m: float, easy_margin: bool = False):
+  """ArcFace's target cosine cos(theta + m) from c = cos(theta), with the insightface
+  threshold (or easy-margin) rule and a gradient that stays finite at |c| = 1."""
+  sin = jnp.sqrt(jnp.maximum(1.0 - jnp.square(c), 1e-12))
+  phi = c * math.cos(m) - sin * math.sin(m)
+  if easy_margin:
+    return jnp.where(c > 0, phi, c)
+  return jnp.where(c > math.cos(math.pi - m), phi, c - m * math.sin(m))
 
 
 def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike, *,
@@ -146,7 +146,7 @@ def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     [0.0205 4.0105]
   """
   fn = "cosface_loss"
-  m = _margin(margin, fn)
+  m = check_margin(margin, fn)
   return _margin_softmax(fn, embeddings, class_weights, labels, scale, lambda c: c - m, where,
                          ignore_index)
 
@@ -186,7 +186,7 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
     [0.0019 1.7774]
   """
   fn = "normalized_softmax_loss"
-  temperature = _positive(temperature, "temperature", fn)
+  temperature = check_positive(temperature, "temperature", fn)
   return _margin_softmax(fn, embeddings, class_weights, labels, 1.0 / temperature, None, where,
                          ignore_index)
 
@@ -194,7 +194,7 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
 def _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where, ignore_index):
   """Softmax CE of ``scale * cos`` with the label's cosine replaced by ``target(cos_y)``."""
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  scale = _positive(scale, "scale", fn)
+  scale = check_positive(scale, "scale", fn)
   out_dtype = jnp.asarray(embeddings).dtype
   cos = cosine_logits(embeddings, class_weights, fn)
   labels = jnp.asarray(labels)
@@ -234,7 +234,7 @@ def _l2_normalize(a, axis):
   return jnp.where(ok, a * jax.lax.rsqrt(jnp.where(ok, sq, 1.0)), 0.0)
 
 
-def _positive(value, name, fn):
+def check_positive(value, name, fn):
   try:
     v = float(value)
   except (TypeError, jax.errors.ConcretizationTypeError):
@@ -244,12 +244,13 @@ def _positive(value, name, fn):
   return value
 
 
-def _margin(value, fn, upper=None):
+def check_margin(value, fn, upper=None, name="margin"):
+  """A static float in [0, upper) (or [0, inf)); ValueError naming ``name`` otherwise."""
   try:
     v = float(value)
   except (TypeError, jax.errors.ConcretizationTypeError):
-    raise ValueError(f"{fn}: `margin` must be a Python number (static), got {value!r}") from None
+    raise ValueError(f"{fn}: `{name}` must be a Python number (static), got {value!r}") from None
   if not v >= 0 or (upper is not None and not v < upper) or not math.isfinite(v):
     rng = f"[0, {upper:.6g})" if upper is not None else "[0, inf)"
-    raise ValueError(f"{fn}: `margin` must be in {rng}, got {value!r}")
+    raise ValueError(f"{fn}: `{name}` must be in {rng}, got {value!r}")
   return v

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
+from jaxsoft.losses._margin import check_positive
 from jaxsoft.normalizers import _common as nc
 
 __all__ = ["spherical_z_loss", "z_loss"]
@@ -68,7 +69,7 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   """
   fn = "spherical_z_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  a = _positive(a, "a", fn)
+  a = check_positive(a, "a", fn)
   dtype = lc.check_logits(logits, fn).dtype
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   z = _standardise(x, mask, axis)
@@ -126,16 +127,6 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   lse, visible = lc.masked_logsumexp(x, mask, axis)
   return lc.finish(jnp.square(lse), visible, dtype)
-
-
-def _positive(value, name, fn):
-  try:
-    v = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return value  # a traced value: the caller vouches for it
-  if not v > 0:
-    raise ValueError(f"{fn}: `{name}` must be > 0, got {value!r}")
-  return value
 
 
 def _standardise(x, mask, axis):
