@@ -1,0 +1,109 @@
+"""N14 Dirichlet resampling: a random point of the simplex whose mean is softmax(x)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+
+__all__ = ["dirichlet_resample"]
+
+_ALPHA = Param("alpha", 1.0, low=0.0, low_open=True, sample=10.0, row_broadcast=True)
+# Entries whose probability is below this get weight 0: their expected share is under
+# float32's resolution next to the row's total of 1, and the log-gamma sampler's
+# derivative in the concentration (~ log(u) / a^2) would overflow for them.
+_P_MIN = 1e-12
+
+
+def check_key(key, fn_name: str) -> jax.Array:
+  """A typed or raw (uint32[2]) PRNG key; ValueError naming ``key`` otherwise."""
+  if key is None:
+    raise ValueError(f"{fn_name}: `key` is required (a jax.random key); got None")
+  k = jnp.asarray(key) if not isinstance(key, jax.Array) else key
+  if jax.dtypes.issubdtype(k.dtype, jax.dtypes.prng_key):
+    if k.ndim:
+      raise ValueError(f"{fn_name}: `key` must be a single PRNG key, got shape {k.shape}")
+    return k
+  if k.dtype == jnp.uint32 and k.shape == (2,):
+    return jax.random.wrap_key_data(k)
+  raise ValueError(f"{fn_name}: `key` must be a jax.random key, got {k.dtype}{list(k.shape)}")
+
+
+@c.dense_rules(keyed=True)
+def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
+                       where: ArrayLike | None = None, *, alpha: ArrayLike = 1.0) -> jax.Array:
+  r"""Dirichlet resampling of softmax (feature N14, kernel class X).
+
+  From the "Soft Thinking" probing study (abstract: vanilla soft thinking behaves like greedy
+  decoding; "Dirichlet resampling and the Gumbel-Softmax trick" restore randomness; authors
+  and year not recorded in the catalogue, a 2025 preprint): a soft token's weights are
+  resampled as
+
+  .. math::
+    \tilde p \sim \mathrm{Dir}(\alpha\, p), \qquad p = \mathrm{softmax}(x),
+
+  drawn as ``g_i ~ Gamma(alpha p_i)``, ``p~ = g / sum g`` (in log space, with
+  ``jax.random.loggamma``, so tiny concentrations do not underflow). ``E[p~] = p`` and
+  ``Var[p~_i] = p_i (1 - p_i) / (alpha + 1)``: alpha -> inf gives p itself. The gradient is
+  the implicit reparameterisation of the gamma sampler (JAX's), an unbiased estimate of
+  the gradient of the mean: it is *not* the derivative of one draw at a fixed key, so the
+  spec does not declare ``smooth``. Entries with p < 1e-12 get weight 0 (see the module).
+
+  Args:
+    key: a ``jax.random`` key (required; deterministic given the key).
+    x: logits.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; masked entries get exactly 0.
+    alpha: concentration alpha > 0, a scalar or an array broadcast to the rows;
+      differentiable.
+
+  Returns:
+    A sample of ``x``'s shape and dtype on the simplex of the visible entries (computed in
+    float32); a row with no visible entry is all zeros with zero gradient.
+
+  Example:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
+    >>> keys = jax.random.split(jax.random.key(0), 20000)
+    >>> draws = jax.vmap(lambda k: js.normalizers.dirichlet_resample(k, logits, alpha=5.0))(keys)
+    >>> bool(jnp.allclose(draws.sum(-1), 1.0, atol=1e-5))
+    True
+    >>> bool(jnp.allclose(draws.mean(0), jnp.array([0.5, 0.3, 0.2]), atol=0.01))
+    True
+  """
+  name = "dirichlet_resample"
+  key = check_key(key, name)
+  _ALPHA.validate(alpha, name)
+  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
+  a = c.row_param(alpha, xs.shape, ax, "alpha", name, xs.dtype)
+  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
+  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  live = mask & (p >= _P_MIN)
+  conc = jnp.where(live, a * p, 1.0)  # 1.0: a harmless value in the dead branch
+  logg = jax.random.loggamma(key, conc, dtype=xs.dtype)
+  logg = jnp.where(live, logg, -jnp.inf)
+  mx = jax.lax.stop_gradient(jnp.max(logg, axis=ax, keepdims=True))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  g = jnp.where(live, jnp.exp(jnp.where(live, logg, mx) - mx), 0.0)
+  w = c.safe_divide(g, jnp.sum(g, axis=ax, keepdims=True))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+SPEC = register(NormalizerSpec(
+    name="dirichlet_resample",
+    fn=dirichlet_resample,
+    kernel_class="X",
+    catalogue_id="N14",
+    sums_to_one=True,
+    shift_invariant=True,
+    can_be_sparse=True,  # small concentrations give draws that underflow to 0 in float32
+    params=(_ALPHA,),
+    needs_key=True,
+    smooth=False,  # the reparameterisation gradient is unbiased, not pathwise at a fixed key
+    description="a Dir(alpha softmax(x)) sample, explicit PRNG key",
+))
