@@ -13,6 +13,7 @@ Each family lives in its own private module; this package re-exports exactly the
 public names.
 """
 
+from jaxsoft.losses._calibration import ece, energy_score, fit_temperature, msp, odin
 from jaxsoft.losses._classification import (
     softmax_cross_entropy,
     softmax_cross_entropy_with_integer_labels,
@@ -27,6 +28,7 @@ from jaxsoft.losses._contrastive import (
     top_k_multi_positive_loss,
 )
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
+from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._margin import arcface_loss, cosface_loss, normalized_softmax_loss
 from jaxsoft.losses._orthogonal import orthogonal_gradient
@@ -37,11 +39,19 @@ __all__ = [
     "arcface_loss",
     "cosface_loss",
     "decoupled_softmax_loss",
+    "ece",
+    "energy_score",
     "fenchel_young_loss",
+    "fit_temperature",
+    "gol_loss",
     "info_nce",
+    "l2_svm_loss",
     "linear_cross_entropy",
+    "msp",
     "normalized_softmax_loss",
+    "odin",
     "orthogonal_gradient",
+    "ovr_bce_loss",
     "soft_clip_loss",
     "soft_info_nce",
     "soft_info_nce_weights",

@@ -1,0 +1,257 @@
+"""L16 calibration and out-of-distribution scores of a softmax classifier: ECE, temperature
+fitting, maximum softmax probability, the energy score and ODIN."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.typing import ArrayLike
+
+from jaxsoft.losses import _common as lc
+from jaxsoft.losses._margin import check_positive
+from jaxsoft.normalizers import _common as nc
+
+__all__ = ["ece", "energy_score", "fit_temperature", "msp", "odin"]
+
+
+def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
+        where: ArrayLike | None = None) -> jax.Array:
+  r"""Maximum softmax probability, the baseline confidence / OOD score (feature L16).
+
+  From D. Hendrycks & K. Gimpel, "A Baseline for Detecting Misclassified and
+  Out-of-Distribution Examples in Neural Networks" (ICLR 2017):
+  :math:`\mathrm{MSP}(x) = \max_k \mathrm{softmax}(f(x)/T)_k \in [1/K, 1]`, computed as
+  :math:`\exp(\max_k f_k/T - \mathrm{LSE}(f/T))`. Higher means more in-distribution.
+  Shift invariant. A row with no visible class gets 0.
+
+  Args:
+    logits: ``[..., K, ...]`` logits.
+    temperature: T > 0 (ODIN uses 1000).
+    axis: the class axis.
+    where: optional class or example mask (as the losses).
+
+  Returns:
+    One score per example, in ``logits``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> print(js.losses.msp(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
+    [0.787  0.3333]
+  """
+  fn = "msp"
+  t = check_positive(temperature, "temperature", fn)
+  dtype = lc.check_logits(logits, fn).dtype
+  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x = x / t
+  lse, visible = lc.masked_logsumexp(x, mask, axis)
+  top = jnp.max(jnp.where(mask, x, -jnp.inf), axis=axis)
+  top = jnp.where(visible, top, 0.0)
+  return lc.finish(jnp.exp(top - lse), visible, dtype)
+
+
+def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
+                 where: ArrayLike | None = None) -> jax.Array:
+  r"""Negative free energy :math:`-E(x) = T \log\sum_k e^{f_k(x)/T}` (feature L16).
+
+  From W. Liu, X. Wang, J. D. Owens & Y. Li, "Energy-based Out-of-distribution Detection"
+  (NeurIPS 2020). Higher means more in-distribution. :math:`\max_k f_k \le -E \le
+  \max_k f_k + T\log K`; :math:`\log \mathrm{MSP} = \max_k f_k + E` at T = 1; unlike MSP it
+  is not shift invariant (:math:`-E(f + c) = -E(f) + c`). Its gradient is
+  :math:`\mathrm{softmax}(f/T)`. A row with no visible class gets 0.
+
+  Args:
+    logits: ``[..., K, ...]`` logits.
+    temperature: T > 0.
+    axis: the class axis.
+    where: optional class or example mask.
+
+  Returns:
+    One score per example, in ``logits``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> print(js.losses.energy_score(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
+    [2.2395 2.0986]
+  """
+  fn = "energy_score"
+  t = check_positive(temperature, "temperature", fn)
+  dtype = lc.check_logits(logits, fn).dtype
+  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  lse, visible = lc.masked_logsumexp(x / t, mask, axis)
+  return lc.finish(t * lse, visible, dtype)
+
+
+def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
+         temperature: float = 1000.0, epsilon: float = 0.0014) -> jax.Array:
+  r"""ODIN out-of-distribution score: temperature scaling plus input perturbation (L16).
+
+  From S. Liang, Y. Li & R. Srikant, "Enhancing The Reliability of Out-of-distribution
+  Image Detection in Neural Networks" (ICLR 2018). With
+  :math:`S(x; T) = \max_k \mathrm{softmax}(f(x)/T)_k` (:func:`msp`):
+
+  .. math::
+    \tilde x = x - \epsilon\,\operatorname{sign}\bigl(-\nabla_x \log S(x; T)\bigr),
+    \qquad \mathrm{ODIN}(x) = S(\tilde x; T),
+
+  a small step that raises the max softmax score, more for in-distribution inputs than
+  for OOD ones. ``model_fn`` maps inputs ``[B, ...]`` to logits ``[B, K]`` and must treat
+  examples independently (no batch statistics), so the gradient of the summed
+  :math:`\log S` is each example's own. The paper uses T = 1000 and tunes
+  :math:`\epsilon` (0.0014 for DenseNet on CIFAR-10). Higher means more in-distribution.
+
+  Args:
+    model_fn: the classifier, ``inputs -> logits [B, K]``.
+    inputs: ``[B, ...]`` float inputs.
+    temperature: T > 0.
+    epsilon: perturbation size >= 0 (0 gives the temperature-scaled MSP).
+
+  Returns:
+    ``[B]`` float32 scores in [1/K, 1].
+  """
+  fn = "odin"
+  if not callable(model_fn):
+    raise ValueError(f"{fn}: `model_fn` must be callable (inputs -> logits), got {model_fn!r}")
+  t = check_positive(temperature, "temperature", fn)
+  try:
+    eps_ok = float(epsilon) >= 0
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    eps_ok = True
+  if not eps_ok:
+    raise ValueError(f"{fn}: `epsilon` must be >= 0, got {epsilon!r}")
+  x = jnp.asarray(inputs)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{fn}: `inputs` must have a floating dtype, got {x.dtype}")
+
+  def log_score(v):
+    logits = jnp.asarray(model_fn(v))
+    if logits.ndim != 2 or logits.shape[0] != v.shape[0]:
+      raise ValueError(f"{fn}: `model_fn` must return logits [B, K] with B = {v.shape[0]}, "
+                       f"got shape {logits.shape}")
+    return jnp.log(msp(logits.astype(jnp.float32), temperature=t))
+
+  grad = jax.grad(lambda v: jnp.sum(log_score(v)))(x)
+  x_tilde = x + epsilon * jnp.sign(grad).astype(x.dtype)   # x - eps * sign(-grad)
+  return jnp.exp(log_score(x_tilde))
+
+
+def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int = -1,
+        where: ArrayLike | None = None) -> jax.Array:
+  r"""Expected calibration error of the softmax confidence (feature L16).
+
+  As in C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, "On Calibration of Modern Neural
+  Networks" (ICML 2017): the examples are binned by confidence
+  :math:`\hat p = \max_k \mathrm{softmax}(z)_k` into ``num_bins`` equal-width bins
+  :math:`(\frac{b-1}{M}, \frac{b}{M}]` and
+
+  .. math::
+    \mathrm{ECE} = \sum_{b=1}^{M} \frac{|B_b|}{n}\,
+      \bigl|\mathrm{acc}(B_b) - \mathrm{conf}(B_b)\bigr|.
+
+  The prediction is the arg-max (ties: lowest index). Masked examples and rows with no
+  visible class are not counted. Not differentiable (a binned count).
+
+  Args:
+    logits: ``[..., K, ...]`` logits.
+    labels: integer labels of ``logits``' shape without ``axis``.
+    num_bins: M >= 1.
+    axis: the class axis.
+    where: optional class or example mask.
+
+  Returns:
+    A float32 scalar in [0, 1] (0 when no example counts).
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> logits = jnp.array([[3.0, 0.0], [3.0, 0.0], [0.0, 0.1]])
+    >>> print(round(float(js.losses.ece(logits, jnp.array([0, 1, 1]), num_bins=10)), 4))
+    0.4601
+  """
+  fn = "ece"
+  if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
+    raise ValueError(f"{fn}: `num_bins` must be an int >= 1, got {num_bins!r}")
+  logits = lc.check_logits(logits, fn).astype(jnp.float32)
+  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  labels = lc.check_integer_labels(labels, x.shape, axis, fn)
+  conf = jax.lax.stop_gradient(msp(x, axis=axis, where=mask))
+  pred = jnp.argmax(jnp.where(mask, x, -jnp.inf), axis=axis)
+  counted = jnp.any(mask, axis=axis)
+  correct = (pred == labels).astype(jnp.float32)
+  bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
+  w = counted.astype(jnp.float32)
+  n_b = jax.ops.segment_sum(w.ravel(), bins.ravel(), num_segments=num_bins)
+  acc_b = jax.ops.segment_sum((w * correct).ravel(), bins.ravel(), num_segments=num_bins)
+  conf_b = jax.ops.segment_sum((w * conf).ravel(), bins.ravel(), num_segments=num_bins)
+  return nc.safe_divide(jnp.sum(jnp.abs(acc_b - conf_b)), jnp.sum(n_b))
+
+
+def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50,
+                    init: float = 1.0, where: ArrayLike | None = None) -> jax.Array:
+  r"""Temperature scaling: the T minimising the held-out NLL of ``softmax(logits / T)`` (L16).
+
+  From C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, "On Calibration of Modern Neural
+  Networks" (ICML 2017); the special case :math:`W = I/T, b = 0` of Dirichlet / matrix
+  scaling. Solves
+
+  .. math::
+    T^\star = \arg\min_{T > 0} \frac{1}{n}\sum_i \bigl[\mathrm{LSE}(z_i / T) - z_{i y_i} / T\bigr]
+
+  over :math:`\log T` (so T stays positive by construction) with ``optax.lbfgs`` and its
+  zoom line search, ``num_steps`` iterations inside one ``lax.fori_loop`` (jittable). The
+  NLL is convex in :math:`1/T`, so the minimum is unique when it exists; if every
+  example is already classified correctly with margin the NLL keeps falling as T → 0 and
+  the result is just the last iterate. Divide the logits by the result at test time.
+
+  Args:
+    logits: ``[n, K]`` held-out logits.
+    labels: ``[n]`` integer labels.
+    num_steps: L-BFGS iterations.
+    init: the starting temperature, > 0.
+    where: optional ``[n]`` example mask (False: left out of the fit).
+
+  Returns:
+    The fitted temperature, a float32 scalar.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxsoft as js
+    >>> logits = 5.0 * jax.random.normal(jax.random.key(0), (500, 4))
+    >>> labels = jax.random.categorical(jax.random.key(1), logits / 5.0)  # T = 5 is right
+    >>> t = js.losses.fit_temperature(logits, labels)
+    >>> bool(3.5 < t < 6.5)
+    True
+  """
+  fn = "fit_temperature"
+  init = check_positive(init, "init", fn)
+  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+    raise ValueError(f"{fn}: `num_steps` must be an int >= 1, got {num_steps!r}")
+  z = lc.check_logits(logits, fn).astype(jnp.float32)
+  if z.ndim != 2:
+    raise ValueError(f"{fn}: `logits` must be [n, K], got shape {z.shape}")
+  labels = lc.check_integer_labels(labels, z.shape, 1, fn)
+  z = jax.lax.stop_gradient(z)
+  weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
+  if weights.shape != z.shape[:1]:
+    raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
+  n = jnp.maximum(jnp.sum(weights), 1.0)
+  z_y = jnp.take_along_axis(z, labels[:, None], axis=1)[:, 0]
+
+  def nll(log_t):
+    beta = jnp.exp(-log_t)
+    return jnp.sum(weights * (jax.nn.logsumexp(beta * z, axis=1) - beta * z_y)) / n
+
+  opt = optax.lbfgs()
+  value_and_grad = optax.value_and_grad_from_state(nll)
+  param = jnp.log(jnp.asarray(init, jnp.float32))
+
+  def step(_, carry):
+    p, state = carry
+    value, grad = value_and_grad(p, state=state)
+    updates, state = opt.update(grad, state, p, value=value, grad=grad, value_fn=nll)
+    return optax.apply_updates(p, updates), state
+
+  param, _ = jax.lax.fori_loop(0, num_steps, step, (param, opt.init(param)))
+  return jnp.exp(param)
