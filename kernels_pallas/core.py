@@ -83,6 +83,7 @@ def _live_tables(cfg: E.Config, flags):
 def _threshold_forward(cfg, q, k, v, dyn, aux):
   drv = driver(cfg.backend)
   m, tau, flags = drv.threshold_search(cfg, q, k, dyn, aux)
+  m = E.t_weight_m(m)
   tables = _live_tables(cfg, flags)
   o, d = drv.threshold_forward(cfg, q, k, v, m, tau, tables[0], tables[1], dyn, aux)
   return o, (m, tau, d, tables)

@@ -391,6 +391,45 @@ def t_bracket(cfg: Config, m, length, dyn):
           jnp.broadcast_to(jnp.asarray(target, m.dtype), m.shape))
 
 
+def t_indicator(cfg: Config) -> bool:
+  """Whether the rule's weight jumps at tau (top-k: ``1[z >= tau] e^{z - m}``; not the
+  [z - tau]_+ family, whose weight is 0 there), probed with the static hyperparameters
+  and the defaults of the others.
+
+  Such a rule's weights change when a score equal to tau is recomputed one ulp lower (a
+  later pass's tile may round differently), so its tau is moved into the middle of the
+  gap below it (:func:`t_gap_tau`); scores within ``GAP_TOLERANCE`` (relative) of the
+  k-th largest count as tied with it and are kept.
+  """
+  hp = {**cfg.spec.defaults, **dict(cfg.static_hp)}
+  hp = {name: x for name, x in hp.items() if x is not None}
+  with jax.ensure_compile_time_eval():  # concrete even while a caller is being traced
+    zero = jnp.zeros((), jnp.float32)
+    return bool(cfg.spec.threshold.weight(zero, zero, zero + 1.0, **hp) != 0)
+
+
+# Scores within this relative distance of tau count as tau itself in the gap search: a
+# recomputed tile's logits differ by a few ulps between passes (and between loops of one
+# kernel), so a score equal to tau must not be taken for the next one below it.
+GAP_TOLERANCE = 2.0 ** -16
+
+
+def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):
+  """The extra sweep of indicator rules: the running max of the visible z clearly below
+  tau (by more than ``GAP_TOLERANCE (1 + |tau|)``)."""
+  static, arrays = _hp(cfg, dyn)
+  z = tile.scores(cfg.spec.threshold, s, mask, m, length, {**static, **arrays})
+  under = z < tau - GAP_TOLERANCE * (1.0 + jnp.abs(tau))
+  if mask is not None:
+    under = jnp.logical_and(under, mask)
+  return jnp.maximum(below, jnp.max(jnp.where(under, z, -jnp.inf), axis=-1, keepdims=True))
+
+
+def t_gap_tau(tau, below):
+  """Midway between tau and the largest score below it (tau - 1 when there is none)."""
+  return jnp.where(below == -jnp.inf, tau - 1.0, 0.5 * (tau + below))
+
+
 def t_candidates(lo, hi):
   """The C candidate taus of one sweep, each [rows, 1]."""
   c1 = THRESHOLD_CANDIDATES + 1
@@ -438,9 +477,14 @@ def t_bracket_update(lo, hi, taus, totals, target):
 
 
 def t_weight_m(m):
-  """The stabiliser the weights are evaluated at: the next float above m (as xla_chunked):
-  a rule clamping ``exp(min(z - m, 0))`` has no tie in its derivative at the argmax."""
-  return jnp.nextafter(m, jnp.asarray(jnp.inf, m.dtype))
+  """The stabiliser the weights are evaluated at: m raised by ``GAP_TOLERANCE (1 + |m|)``.
+
+  A rule may clamp as ``exp(min(z - m, 0))`` against overflow; at the row's argmax that
+  clamp's derivative is a tie, and a pass whose tile rounds the argmax a few ulps above
+  the search's m would drop its gradient. Strictly above every recomputed z the clamp is
+  inactive; the uniform factor ``e^{m - m'}`` cancels in the normalisation by W.
+  """
+  return m + GAP_TOLERANCE * (1.0 + jnp.abs(m))
 
 
 def t_weight_tile(cfg: Config, s, mask, tau, m, length, dyn):

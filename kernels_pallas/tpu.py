@@ -17,7 +17,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kernels_pallas import engine as E
 
-__all__ = ["forward", "backward_dq", "backward_dkv"]
+__all__ = ["forward", "backward_dq", "backward_dkv", "threshold_search", "threshold_forward",
+           "threshold_backward_dq", "threshold_backward_dkv"]
 
 
 def _clamp(i, lo, hi):
@@ -202,5 +203,299 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
   dk, dv = _call(cfg, kernel, "dkv", (b, kvh, nk, g, nq), sp, (aux.dkv_lo, aux.dkv_hi),
                  _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn,
+                 [sp["kv"], sp["kv"]], out_shape, scratch)
+  return _heads_first(dk), _heads_first(dv)
+
+
+# ---------------------------------------------------------------------- class T (AdaSplash)
+# engine's class-T section on the grid: the search is one pallas_call with grid (batch,
+# head, query block, sweep, key block), sweep 0 the max pass and sweeps 1..P the tau
+# search, its state in VMEM scratch. The weighted and backward passes iterate the
+# compacted live-block lists (scalar-prefetched): step i of a query block visits its i-th
+# live key block, steps past the count do nothing and their index map repeats the last
+# live block, so skipped blocks are neither computed nor fetched.
+
+
+def _live(i, cnt_at, idx_at):
+  """(the block of step i, whether step i is live) from a live list and its count."""
+  c = cnt_at()
+  return idx_at(jnp.minimum(i, jnp.maximum(c - 1, 0))), i < c
+
+
+def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
+  """Returns (m [B, N, T_pad, 1] (finite), tau [B, N, T_pad, 1], flags [B, N, nq, 1, nk])."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, g, n_dyn = q.shape[0], cfg.num_heads, cfg.groups, len(dyn)
+  nq, nk, width = cfg.t_pad // bq, cfg.s_pad // bk, E.num_k_flags(cfg)
+  passes, n_cand = E.threshold_passes(cfg), E.THRESHOLD_CANDIDATES
+  indicator = E.t_indicator(cfg)  # one more sweep: the largest score below tau
+
+  def index(bi, ni, qi, p, ki, lo, hi):
+    r = bi * nq + qi
+    return bi, ni, E.div(ni, g), qi, _clamp(ki, lo[r], hi[r])
+
+  sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
+  row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  flag_spec = pl.BlockSpec((None, None, None, 1, width),
+                           lambda bi, ni, qi, p, ki, lo, hi: (bi, ni, qi, 0, 0))
+  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32)]
+  row = pltpu.VMEM((bq, 1), cfg.acc_dtype)
+  scratch = [row] * 4 + [pltpu.VMEM((1, width), jnp.int32)] + [row] * n_cand
+  last = passes + int(indicator)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    m_out, tau_out, flag_out, m_sc, lo_sc, hi_sc, tg_sc, flag_sc, *tot_sc = rest
+    bi, qi, p, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    r = bi * nq + qi
+    length, dyn_v = len_ref[...], tuple(rf[...] for rf in dyn_refs)
+
+    @pl.when(jnp.logical_and(p == 0, ki == 0))
+    def _init():
+      m_sc[...] = jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype)
+
+    @pl.when(jnp.logical_and(jnp.logical_and(p > 0, p <= passes), ki == 0))
+    def _sweep_init():
+      for sc in tot_sc:
+        sc[...] = jnp.zeros_like(sc)
+      flag_sc[...] = jnp.zeros_like(flag_sc)
+
+    @pl.when(jnp.logical_and(p > passes, ki == 0))
+    def _below_init():  # the indicator rules' extra sweep reuses the first total
+      tot_sc[0][...] = jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype)
+
+    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    def _compute():
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+
+      @pl.when(p == 0)
+      def _max():
+        m_sc[...] = E.t_max_tile(cfg, s, mask, m_sc[...], length, dyn_v)
+
+      @pl.when(p > passes)
+      def _below():
+        tot_sc[0][...] = E.t_below_tile(cfg, s, mask, m_sc[...], lo_sc[...], tot_sc[0][...],
+                                        length, dyn_v)
+
+      @pl.when(jnp.logical_and(p > 0, p <= passes))
+      def _mass():
+        lo = lo_sc[...]
+        taus = E.t_candidates(lo, hi_sc[...])
+        z, tots = E.t_mass_tile(cfg, s, mask, m_sc[...], taus, [sc[...] for sc in tot_sc],
+                                length, dyn_v)
+        for sc, x in zip(tot_sc, tots, strict=True):
+          sc[...] = x
+        flag_sc[...] = E.t_flag_update(flag_sc[...], ki, E.t_live(z, mask, lo))
+
+    @pl.when(jnp.logical_and(p == 0, ki == nk - 1))
+    def _bracket():
+      m, lo, hi, target = E.t_bracket(cfg, m_sc[...], length, dyn_v)
+      m_sc[...], lo_sc[...], hi_sc[...], tg_sc[...] = m, lo, hi, target
+
+    @pl.when(jnp.logical_and(jnp.logical_and(p > 0, p <= passes), ki == nk - 1))
+    def _narrow():
+      lo, hi = lo_sc[...], hi_sc[...]
+      lo, hi = E.t_bracket_update(lo, hi, E.t_candidates(lo, hi), [sc[...] for sc in tot_sc],
+                                  tg_sc[...])
+      lo_sc[...], hi_sc[...] = lo, hi
+
+    @pl.when(jnp.logical_and(p == last, ki == nk - 1))
+    def _finish():
+      m_out[...] = m_sc[...]
+      if indicator:
+        tau_out[...] = E.t_gap_tau(lo_sc[...], tot_sc[0][...])
+      else:
+        tau_out[...] = lo_sc[...]
+      flag_out[...] = flag_sc[...]
+
+  return _call(cfg, kernel, "tsearch", (b, n, nq, last + 1, nk), sp,
+               (aux.fwd_lo, aux.fwd_hi), [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k))],
+               aux, dyn, [sp["row"], sp["row"], flag_spec], out_shape, scratch)
+
+
+def _q_major_live(cfg: E.Config, idx_shape):
+  """Specs of the passes over query blocks that visit the live key blocks: grid (batch,
+  head, query block, [phase,] step); ``idx``/``cnt`` flattened from [B, N, nq, width]."""
+  g, n, nq, width = cfg.groups, cfg.num_heads, idx_shape[2], idx_shape[3]
+
+  def index(bi, ni, qi, *rest):
+    i, idx, cnt = rest[-3:]
+    r = (bi * n + ni) * nq + qi
+    kb, _ = _live(i, lambda: cnt[r], lambda j: idx[r * width + j])
+    return bi, ni, E.div(ni, g), qi, kb
+
+  return E.block_specs(cfg, index, cfg.blocks.block_q, cfg.blocks.block_k, heads_first=True)
+
+
+def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux):
+  """The weighted pass over the live key blocks: returns (o, W [B, N, T_pad, 1])."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  nq, width = idx.shape[2], idx.shape[3]
+  sp = _q_major_live(cfg, idx.shape)
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), q.dtype),
+               jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
+  scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, hp), cfg.acc_dtype)]
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    o_ref, d_ref, l_sc, acc_sc = rest
+    bi, ni, qi, i = (pl.program_id(a) for a in range(4))
+    r = (bi * n + ni) * nq + qi
+    kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
+
+    @pl.when(i == 0)
+    def _init():
+      l_sc[...] = jnp.zeros_like(l_sc)
+      acc_sc[...] = jnp.zeros_like(acc_sc)
+
+    @pl.when(live)
+    def _compute():
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      w = E.t_weight_tile(cfg, s, mask, tau_ref[...], m_ref[...], len_ref[...],
+                          tuple(rf[...] for rf in dyn_refs))
+      vt = v_ref[...]
+      l_sc[...] += jnp.sum(w, axis=-1, keepdims=True)
+      acc_sc[...] += E.dot(cfg, w.astype(vt.dtype), vt, (1, 0))
+
+    @pl.when(i == width - 1)
+    def _finish():
+      lsum = l_sc[...]
+      o_ref[...] = (acc_sc[...] * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
+      d_ref[...] = lsum
+
+  o, d = _call(cfg, kernel, "tfwd", (b, n, nq, width), sp, (idx, cnt),
+               [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)),
+                (sp["kv"], _heads_first(v)), (sp["row"], m), (sp["row"], tau)],
+               aux, dyn, [sp["q"], sp["row"]], out_shape, scratch)
+  return _heads_first(o), d
+
+
+def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
+  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["kv"], _heads_first(v)),
+          (sp["q"], _heads_first(do)), (sp["row"], m), (sp["row"], tau), (sp["row"], d),
+          (sp["row"], delta)]
+
+
+def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
+                          aux: E.Aux):
+  """dQ over the live key blocks, in two phases of the grid: phase 0 sums ``coef``'s
+  parts, phase 1 the cotangents. Returns (dq, coef, ddyn)."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  nq, width = idx.shape[2], idx.shape[3]
+  sp = _q_major_live(cfg, idx.shape)
+  row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype), row]
+  out_shape += [row] * n_dyn
+  rsc = pltpu.VMEM((bq, 1), cfg.acc_dtype)
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_dyn
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
+             *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    dq_ref, coef_ref, ddyn_refs = rest[0], rest[1], rest[2:2 + n_dyn]
+    dq_sc, g_sc, mt_sc, coef_sc, *ddyn_sc = rest[2 + n_dyn:]
+    bi, ni, qi, ph, i = (pl.program_id(a) for a in range(5))
+    r = (bi * n + ni) * nq + qi
+    kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
+    length, dyn_v = len_ref[...], tuple(rf[...] for rf in dyn_refs)
+
+    @pl.when(jnp.logical_and(ph == 0, i == 0))
+    def _init():
+      for sc in (dq_sc, g_sc, mt_sc, *ddyn_sc):
+        sc[...] = jnp.zeros_like(sc)
+
+    @pl.when(live)
+    def _compute():
+      kt = k_ref[...]
+      s = E.tile_logits(cfg, q_ref[...], kt)
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
+
+      @pl.when(ph == 0)
+      def _coef_parts():
+        gt, mt = E.t_coef_tile(cfg, s, mask, tau_ref[...], m_ref[...], delta_ref[...], dp,
+                               length, dyn_v)
+        g_sc[...] += gt
+        mt_sc[...] += mt
+
+      @pl.when(ph == 1)
+      def _grads():
+        _, ds, dd = E.t_backward_tile(cfg, s, mask, tau_ref[...], m_ref[...], d_ref[...],
+                                      delta_ref[...], coef_sc[...], dp, length, dyn_v)
+        ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+        dq_sc[...] += E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+        for sc, x in zip(ddyn_sc, dd, strict=True):
+          sc[...] += x
+
+    @pl.when(jnp.logical_and(ph == 0, i == width - 1))
+    def _coef():
+      coef_sc[...] = E.t_coef(g_sc[...], mt_sc[...], d_ref[...])
+
+    @pl.when(jnp.logical_and(ph == 1, i == width - 1))
+    def _finish():
+      dq_ref[...] = dq_sc[...]
+      coef_ref[...] = coef_sc[...]
+      for rf, sc in zip(ddyn_refs, ddyn_sc, strict=True):
+        rf[...] = sc[...]
+
+  outs = _call(cfg, kernel, "tdq", (b, n, nq, 2, width), sp, (idx, cnt),
+               _threshold_operands(sp, q, k, v, do, m, tau, d, delta), aux, dyn,
+               [sp["q"]] + [sp["row"]] * (1 + n_dyn), out_shape, scratch)
+  return _heads_first(outs[0]), outs[1], tuple(outs[2:])
+
+
+def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
+                           dyn, aux: E.Aux):
+  """dK, dV over, per key block and query head, the query blocks for which it is live."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, kvh, n, hp, g = q.shape[0], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim_pad, cfg.groups
+  nk, width = idx_t.shape[2], idx_t.shape[3]
+
+  def index(bi, h, ki, gi, i, idx, cnt):
+    r = (bi * n + h * g + gi) * nk + ki
+    qb, _ = _live(i, lambda: cnt[r], lambda j: idx[r * width + j])
+    return bi, h * g + gi, h, qb, ki
+
+  sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)] * 2
+  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hp), cfg.acc_dtype)]
+
+  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
+             coef_ref, *refs):
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
+    dk_ref, dv_ref, dk_sc, dv_sc = rest
+    bi, h, ki, gi, i = (pl.program_id(a) for a in range(5))
+    r = (bi * n + h * g + gi) * nk + ki
+    qb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
+
+    @pl.when(jnp.logical_and(gi == 0, i == 0))
+    def _init():
+      dk_sc[...] = jnp.zeros_like(dk_sc)
+      dv_sc[...] = jnp.zeros_like(dv_sc)
+
+    @pl.when(live)
+    def _compute():
+      qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
+      s = E.tile_logits(cfg, qt, kt)
+      mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      dp = E.dot(cfg, dot_, vt, (1, 1))
+      w, ds, _ = E.t_backward_tile(cfg, s, mask, tau_ref[...], m_ref[...], d_ref[...],
+                                   delta_ref[...], coef_ref[...], dp, len_ref[...],
+                                   tuple(rf[...] for rf in dyn_refs))
+      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
+      dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
+
+    @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
+    def _finish():
+      dk_ref[...] = dk_sc[...]
+      dv_ref[...] = dv_sc[...]
+
+  ops = _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
+  dk, dv = _call(cfg, kernel, "tdkv", (b, kvh, nk, g, width), sp, (idx_t, cnt_t), ops, aux, dyn,
                  [sp["kv"], sp["kv"]], out_shape, scratch)
   return _heads_first(dk), _heads_first(dv)

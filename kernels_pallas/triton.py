@@ -184,10 +184,11 @@ def _tables(width: int):
 
 
 def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
-  """Returns (m [B, N, T_pad, 1], tau [B, N, T_pad, 1], flags [B, N, nq, 1, width])."""
+  """Returns (m [B, N, T_pad, 1], tau [B, N, T_pad, 1], flags [B, N, nq, 1, width]): the
+  row max of z (finite), the threshold, and which key blocks hold a visible z >= tau."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, nq, width = q.shape[0], cfg.num_heads, cfg.t_pad // bq, E.num_k_flags(cfg)
-  passes, n_dyn = E.threshold_passes(cfg), len(dyn)
+  passes, n_dyn, indicator = E.threshold_passes(cfg), len(dyn), E.t_indicator(cfg)
   sp = _q_major(cfg, bq)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   flag_spec = pl.BlockSpec((None, None, None, 1, width), lambda qi, bi, ni: (bi, ni, qi, 0, 0))
@@ -229,7 +230,15 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
       return (*E.t_bracket_update(lo, hi, taus, totals, target), flags)
 
     lo, _, flags = jax.lax.fori_loop(0, passes, sweep, (lo, hi, no_flags))
-    m_ref[...] = E.t_weight_m(m)
+    if indicator:
+      def below_body(j, below):
+        s, mask = logits(j)
+        return E.t_below_tile(cfg, s, mask, m, lo, below, length, dyn_v)
+
+      below = jax.lax.fori_loop(k_lo, k_hi, below_body,
+                                jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype))
+      lo = E.t_gap_tau(lo, below)
+    m_ref[...] = m
     tau_ref[...] = lo
     flag_ref[...] = flags
 

@@ -193,7 +193,17 @@ def _one_offset(m, length, **_):
 
 
 def _sink_offset(m, length, sink_logit=0.0, **_):
-  return jnp.exp(sink_logit - m)
+  """The sink's mass ``e^{s - m}``: at most 1 with the rule's floor ``m >= s`` (and capped,
+  so a row with nothing visible, whose m is 0, cannot overflow either)."""
+  m = jnp.asarray(m)
+  return sink_mass(jnp.ones((), m.dtype), jnp.asarray(sink_logit, m.dtype) - m)
+
+
+def _sink_floor(length, sink_logit=0.0, **_):
+  """softmax_sink's stabiliser floor: the sink's own logit ``s`` (the function's
+  ``max(max x, s)``), so a sink far above every score (s = 1e4 over scores near -1e4)
+  cannot overflow ``e^{s - m}`` and the row's ``log D`` stays ``s``, not ``inf``."""
+  return sink_floor(jnp.asarray(sink_logit, jnp.asarray(length).dtype), 1.0)
 
 
 _COMMON: dict[str, Any] = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False,
@@ -216,5 +226,5 @@ SPEC_1 = register(NormalizerSpec(
 SPEC_SINK = register(NormalizerSpec(
     name="softmax_sink", fn=softmax_sink, params=(_SINK,),
     tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_sink_offset),
+                  denominator=exp_numerator, offset=_sink_offset, m_floor=_sink_floor),
     description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit", **_COMMON))

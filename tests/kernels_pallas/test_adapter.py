@@ -37,7 +37,7 @@ def test_pick_backend(interpret_env):
     dict(bias=jnp.zeros((1, 1, 16, 16))),
     dict(mask=jnp.ones((1, 1, 16, 16), bool)),
     dict(decay_bias=(jnp.zeros((1, 16, 2)), jnp.zeros((1, 16, 2)))),
-    dict(normalizer="sparsemax"),
+    dict(normalizer="top_p_softmax"),  # class T without a threshold rule
     dict(normalizer="gumbel_softmax", normalizer_params={"key": jax.random.key(0)}),
     dict(normalizer=lambda x, axis=-1, where=None: jax.nn.softmax(x, axis, where=where)),
 ], ids=["bias", "mask", "decay_bias", "class_T", "stochastic", "callable"])

@@ -20,7 +20,9 @@ from kernels_pallas import engine
 
 ENGINE_NAMES = sorted(n for n in jn.names() if jn.get(n).kernel_class in ("E", "S", "P")
                       and not jn.get(n).needs_key)
-OTHER_NAMES = sorted(n for n in jn.names() if n not in ENGINE_NAMES)
+# Class T with a ThresholdRule runs too (tests/kernels_pallas/test_threshold.py).
+OTHER_NAMES = sorted(n for n in jn.names() if n not in ENGINE_NAMES
+                     and not (jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None))
 
 
 def dense_mask(t, s, *, is_causal=False, window=None, q_seg=None, k_seg=None, q_len=None,

@@ -1,0 +1,150 @@
+"""Class T (sparsemax, entmax15, entmax with per-head alpha, top_k_softmax) in the Pallas
+engine, interpret mode, against the dense float32 reference ``normalizer(logits) @ v``:
+the output and every cotangent (alpha's included), the live-block skipping (skipped
+blocks are never read), empty rows, the adapter, and cross-lowering for both targets."""
+
+from __future__ import annotations
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxsoft.normalizers as jn
+from jaxsoft import attention
+from kernels_pallas import _api
+from tests.kernels_pallas.test_engine import (
+    TRITON_SMALL,
+    assert_matches,
+    inputs,
+    kernel,
+    reference,
+    value_and_cotangents,
+)
+from tests.kernels_pallas.test_lowering import _export
+
+T_NAMES = sorted(n for n in jn.names()
+                 if jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None)
+ALPHA = jnp.asarray([1.25, 1.75]).reshape(2, 1, 1)  # per head, differentiable
+MOSAIC_SMALL = dict(block_q=16, block_k=128)
+
+
+def _params(name):
+  return {"top_k_softmax": {"k": 3}, "entmax": {"alpha": 1.3}}.get(name)
+
+
+def test_threshold_normalizers_are_covered():
+  assert {"sparsemax", "entmax15", "entmax", "top_k_softmax"} <= set(T_NAMES)
+
+
+@pytest.mark.parametrize("name", T_NAMES)
+def test_every_threshold_normalizer(name):
+  # Causal + GQA + T = 40 with 16-wide blocks: padding, skipped and partial blocks.
+  q, k, v, ct = inputs(t=40, n=2, kh=1, seed=11)
+  q = q * 2.0  # larger logits: sparse rows, so some key blocks are skipped
+  assert_matches(kernel(normalizer=name, normalizer_params=_params(name), is_causal=True),
+                 lambda q, k, v: reference(q, k, v, normalizer=name, params=_params(name),
+                                           is_causal=True), (q, k, v), ct)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_entmax_per_head_alpha_and_its_gradient(backend):
+  b, t = 2, 40
+  q, k, v, ct = inputs(b=b, t=t, n=2, kh=2, seed=12)
+  seg = jnp.array([[0] * 17 + [1] * 23, [0] * 40], jnp.int32)
+  blocks = TRITON_SMALL if backend == "triton" else MOSAIC_SMALL
+
+  def kfn(q, k, v, alpha):
+    return _api.attention(q, k, v, normalizer="entmax", normalizer_params={"alpha": alpha},
+                          segment_ids=seg, backend=backend, interpret=True, block_sizes=blocks)
+
+  _, grads = assert_matches(kfn, lambda q, k, v, a: reference(
+      q, k, v, normalizer="entmax", params={"alpha": a}, segment_ids=seg),
+      (q, k, v, ALPHA), ct)
+  assert bool(jnp.all(grads[3] != 0))
+
+
+def test_mosaic_sparsemax_causal_window():
+  q, k, v, ct = inputs(t=40, n=2, kh=1, seed=13)
+  assert_matches(kernel(backend="mosaic_tpu", block_sizes=dict(block_q=8, block_k=16),
+                        normalizer="sparsemax", local_window_size=(20, 0), is_causal=True),
+                 lambda q, k, v: reference(q, k, v, normalizer="sparsemax", window=(20, 0),
+                                           is_causal=True), (q, k, v), ct)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_blocks_below_tau_are_never_read(backend):
+  """Keys 16..47 score far below every row's tau: their weights are exactly 0, so the
+  weighted and backward passes skip their blocks. NaN values there prove it (a pass that
+  read them would spread the NaN); their dK and dV are exactly 0."""
+  q, k, v, ct = inputs(t=64, n=1, kh=1, seed=14)
+  q = q.at[..., 0].set(1.0)
+  k = k.at[:, 16:48, :, 0].set(-50.0).at[:, :16, :, 0].set(8.0).at[:, 48:, :, 0].set(8.0)
+  blocks = TRITON_SMALL if backend == "triton" else dict(block_q=16, block_k=16)
+  v_nan = v.at[:, 16:48].set(jnp.nan)
+  f = kernel(backend=backend, block_sizes=blocks, normalizer="sparsemax", scale=1.0)
+  out, (dq, dk, dv) = jax.jit(lambda *a: value_and_cotangents(f, a, ct))(q, k, v_nan)
+  ref_out, (rdq, rdk, rdv) = value_and_cotangents(
+      lambda q, k, v: reference(q, k, v, normalizer="sparsemax", scale=1.0), (q, k, v), ct)
+  chex.assert_trees_all_close((out, dq), (ref_out, rdq), atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close((dk, dv), (rdk, rdv), atol=1e-4, rtol=1e-4)
+  assert bool(jnp.all(dk[:, 16:48] == 0)) and bool(jnp.all(dv[:, 16:48] == 0))
+
+
+def test_rows_without_visible_keys_are_zero_with_zero_gradient():
+  q, k, v, ct = inputs(b=2, t=24, seed=15)
+  seg_q = jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32)
+  seg_k = jnp.zeros((2, 24), jnp.int32)
+  kv_len = jnp.array([24, 0], jnp.int32)
+  for name in ("sparsemax",):
+    f = kernel(normalizer=name, segment_ids=(seg_q, seg_k), key_value_seq_lengths=kv_len)
+    out, (dq, dk, dv) = assert_matches(
+        f, lambda q, k, v, name=name: reference(q, k, v, normalizer=name,
+                                                segment_ids=(seg_q, seg_k), kv_len=kv_len),
+        (q, k, v), ct)
+    assert bool(jnp.all(out[0, 12:] == 0)) and bool(jnp.all(out[1] == 0))
+    assert bool(jnp.all(dq[0, 12:] == 0)) and bool(jnp.all(dk[1] == 0))
+
+
+def test_dot_product_attention_runs_the_kernel(monkeypatch):
+  monkeypatch.setenv(_api.INTERPRET_ENV, "1")
+  q, k, v, ct = inputs(t=24, n=2, kh=1, seed=16)
+
+  def run(impl):
+    f = lambda q, k, v: attention.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, normalizer="sparsemax", implementation=impl)
+    return value_and_cotangents(f, (q, k, v), ct)
+
+  chex.assert_trees_all_close(jax.jit(lambda: run("pallas"))(), run("xla"), atol=1e-4,
+                              rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_threshold_kernels_lower(backend):
+  text = _export(backend, t=384, normalizer="entmax", is_causal=True,
+                 normalizer_params={"alpha": jnp.full((4, 1, 1), 1.3)})
+  assert text.count("jaxsoft_attention_t") >= 4  # search, weighted, dQ, dK/dV
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("name", T_NAMES)
+def test_threshold_matrix(backend, name):
+  """T not a multiple of the block, cross-attention lengths, head dims 72/128, soft cap."""
+  for t, s, h in ((100, 130, 72), (64, 64, 128)):
+    q, k, v, ct = inputs(t=t, s=s, n=4, kh=2, h=h, seed=t)
+    kw = dict(normalizer=name, normalizer_params=_params(name), logits_soft_cap=5.0,
+              key_value_seq_lengths=jnp.array([s - 7], jnp.int32))
+    blocks = TRITON_SMALL if backend == "triton" else dict(block_q=32, block_k=128)
+    assert_matches(kernel(backend=backend, block_sizes=blocks, **kw),
+                   lambda q, k, v, s=s: reference(
+                       q, k, v, normalizer=name, params=_params(name), soft_cap=5.0,
+                       kv_len=jnp.array([s - 7], jnp.int32)), (q, k, v), ct)
+
+
+@pytest.mark.slow
+def test_check_grads_float64_entmax15():
+  with jax.enable_x64(True):
+    q, k, v, _ = inputs(t=20, n=2, kh=1, h=16, dtype=jnp.float64, seed=17)
+    f = kernel(normalizer="entmax15", is_causal=True)
+    jax.test_util.check_grads(f, (q, k, v), order=1, modes=["rev"], atol=1e-5, rtol=1e-5)
