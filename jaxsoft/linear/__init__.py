@@ -1,4 +1,4 @@
-"""Linear attention and its gated / delta-rule relatives (features A30-A35, A38-A41, K07).
+"""Linear attention and its gated / delta-rule relatives (features A30-A35, A38-A41, A45, K07).
 
 Each variant is one function with the layouts of flash-linear-attention's ops
 (``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
@@ -22,6 +22,8 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
   (Xu et al. 2026) [R].
 * A35 :func:`ccq`: the query contracted by the running key covariance (Le et al. 2026) [R].
 * A41 :func:`interdomain_attention`: kernel features through a diagonal-SSM basis [R].
+* A45 :func:`native_hybrid_attention`: one softmax over linear-RNN slots and a sliding
+  window (Du et al. 2025).
 * A30 Hedgehog (Zhang et al. 2024): :func:`hedgehog_feature_map`, learned by
   :func:`hedgehog_distillation_loss` against softmax attention.
 * K07: the chunked forms' backward pass recomputes each chunk (a custom VJP keeping only
@@ -54,6 +56,7 @@ from jaxsoft.linear._interdomain import interdomain_attention
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
+from jaxsoft.linear._nha import native_hybrid_attention
 from jaxsoft.linear._sla import head_gates, softmax_linear_attention
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
 from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
@@ -87,6 +90,7 @@ __all__ = [
     "head_gates",
     "ccq",
     "interdomain_attention",
+    "native_hybrid_attention",
     "hedgehog_init",
     "hedgehog_feature_map",
     "hedgehog_attention_weights",

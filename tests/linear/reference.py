@@ -213,3 +213,30 @@ def interdomain(fq, fk, v, basis_in, basis_out, log_decay, *, scale, segment_ids
           C[r] = np.exp(a[n, r]) * C[r] + bi[b, t, n, r] * np.outer(fk[b, t, n], v[b, t, n])
           o[b, t, n] += bo[b, t, n, r] * (C[r].T @ fq[b, t, n]) * scale
   return o
+
+
+def native_hybrid_attention(q, k, v, log_gates, *, window, segment_ids=None, scale=None,
+                            initial_state=None):
+  """Du et al. 2025 as a loop: slots ``K~ = α K~ + (1 - α) k^T`` (likewise V~; reset at a
+  segment change), then one softmax over the slots' and the window's scores. Returns ``o``."""
+  q, k, v, a = map(_f64, (q, k, v, log_gates))
+  B, T, N, K = q.shape
+  M, V = a.shape[-1], v.shape[-1]
+  scale = K ** -0.5 if scale is None else scale
+  o = np.zeros((B, T, N, V))
+  for b in range(B):
+    for n in range(N):
+      Ks, Vs = ((np.zeros((M, K)), np.zeros((M, V))) if initial_state is None
+                else (_f64(initial_state[0])[b, n], _f64(initial_state[1])[b, n]))
+      start = 0
+      for t in range(T):
+        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
+          Ks, Vs, start = np.zeros((M, K)), np.zeros((M, V)), t
+        alpha = np.exp(a[b, t, n])
+        Ks = alpha[:, None] * Ks + (1 - alpha)[:, None] * k[b, t, n]
+        Vs = alpha[:, None] * Vs + (1 - alpha)[:, None] * v[b, t, n]
+        js = list(range(max(start, t - window + 1), t + 1))
+        keys = np.concatenate([Ks, k[b, js, n]])
+        vals = np.concatenate([Vs, v[b, js, n]])
+        o[b, t, n] = _softmax(keys @ q[b, t, n] * scale) @ vals
+  return o

@@ -35,6 +35,10 @@ def _inputs(variant, T=T, seed=0):
     a["q_gate_logits"] = jax.random.normal(next(ks), (B, T, N))
     a["k_gate_logits"] = jax.random.normal(next(ks), (B, T, N))
     a["initial_state"] = 0.5 * jax.random.normal(next(ks), (B, N, K, V))
+  if variant == "nha":
+    a["slot_log_gates"] = jax.random.uniform(next(ks), (B, T, N, R + 1), minval=-2.0, maxval=0.0)
+    a["initial_state"] = (jax.random.normal(next(ks), (B, N, R + 1, K)),
+                          jax.random.normal(next(ks), (B, N, R + 1, V)))
   if variant == "interdomain":
     a["basis_in"] = jax.random.normal(next(ks), (B, T, N, R))
     a["basis_out"] = jax.random.normal(next(ks), (B, T, N, R))
@@ -55,6 +59,9 @@ def _call(variant, a, **kw):
     return linear.softmax_linear_attention(q, k, v, a.pop("q_gate_logits"),
                                            a.pop("k_gate_logits"), output_final_state=True,
                                            **a, **kw)
+  if variant == "nha":
+    return linear.native_hybrid_attention(q, k, v, a.pop("slot_log_gates"), window=3,
+                                          output_final_state=True, **a, **kw)
   if variant == "ccq":
     return linear.ccq(q, k, v, a.pop("g"), a.pop("beta"), strength=0.8,
                       output_final_state=True, **kw)
@@ -63,7 +70,7 @@ def _call(variant, a, **kw):
 
 
 def _reference(variant, a, seg):
-  a = {n: np.asarray(x, np.float64) for n, x in a.items()}
+  a = {n: jax.tree.map(lambda x: np.asarray(x, np.float64), x) for n, x in a.items()}
   if variant == "ttt":
     return reference.ttt_linear(a["q"], a["k"], a["v"], a["eta"], mini_batch_size=4,
                                 initial_state=a["initial_state"])[0]
@@ -71,6 +78,10 @@ def _reference(variant, a, seg):
     return reference.softmax_linear_attention(
         a["q"], a["k"], a["v"], a["q_gate_logits"], a["k_gate_logits"], g=a["g"],
         beta=a["beta"], segment_ids=seg, initial_state=a["initial_state"])[0]
+  if variant == "nha":
+    return reference.native_hybrid_attention(
+        a["q"], a["k"], a["v"], a["slot_log_gates"], window=3, segment_ids=seg,
+        initial_state=(a["initial_state"][0], a["initial_state"][1]))
   if variant == "ccq":
     return reference.ccq(a["q"], a["k"], a["v"], g=a["g"], beta=a["beta"], strength=0.8,
                          segment_ids=seg)
@@ -79,7 +90,7 @@ def _reference(variant, a, seg):
                                scale=K ** -0.5, segment_ids=seg)
 
 
-VARIANTS = ("ttt", "sla", "ccq", "interdomain")
+VARIANTS = ("ttt", "sla", "ccq", "interdomain", "nha")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -120,10 +131,12 @@ def test_forms_agree_with_gradients(variant, with_parallel):
   for form in forms[1:]:
     np.testing.assert_allclose(results[form][0], want_v, rtol=1e-5)
     for name in a:
-      scale = float(jnp.max(jnp.abs(want_g[name])))
-      assert scale > 0, name
-      np.testing.assert_allclose(results[form][1][name], want_g[name], rtol=2e-5,
-                                 atol=2e-5 * scale, err_msg=f"{form} d/d{name}")
+      for got, want in zip(jax.tree.leaves(results[form][1][name]),
+                           jax.tree.leaves(want_g[name]), strict=True):
+        scale = float(jnp.max(jnp.abs(want)))
+        assert scale > 0, name
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale,
+                                   err_msg=f"{form} d/d{name}")
 
 
 # A39 TTT-Linear ------------------------------------------------------------------------
@@ -252,6 +265,42 @@ def test_interdomain_one_basis_function_is_decayed_linear_attention():
 
   o, want = outputs(q, k, v)
   np.testing.assert_allclose(o, want, rtol=1e-5, atol=1e-5)
+
+
+# A45 Native Hybrid Attention -----------------------------------------------------------
+
+
+def test_nha_without_slots_is_sliding_window_softmax_attention():
+  """M = 0 slots: the window alone, i.e. jax.nn.dot_product_attention with a causal local
+  window (w = 3), and with w >= T full causal attention; in every form (V = K here, as
+  jax.nn requires)."""
+  a = _inputs("nha", seed=12)
+  q, k, v = a["q"], a["k"], a["q"] + 0.5 * a["k"]
+  none = jnp.zeros((B, T, N, 0))
+
+  @jax.jit
+  def outputs(q, k, v):
+    got = {(w, f): linear.native_hybrid_attention(q, k, v, none, window=w, implementation=f,
+                                                  chunk_size=4)
+           for w in (3, T) for f in cases.FORMS}
+    want = {3: jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=(2, 0)),
+            T: jax.nn.dot_product_attention(q, k, v, is_causal=True)}
+    return got, want
+
+  got, want = outputs(q, k, v)
+  for (w, form), o in got.items():
+    np.testing.assert_allclose(o, want[w], rtol=1e-5, atol=1e-5, err_msg=f"{w} {form}")
+
+
+def test_nha_is_causal():
+  """Changing the last token's k and v changes no earlier output (chunked form)."""
+  a = _inputs("nha", seed=13)
+  k2, v2 = a["k"].at[:, -1].add(1.0), a["v"].at[:, -1].add(1.0)
+  fn = jax.jit(lambda k, v: linear.native_hybrid_attention(
+      a["q"], k, v, a["slot_log_gates"], window=3, implementation="chunked", chunk_size=4))
+  o1, o2 = fn(a["k"], a["v"]), fn(k2, v2)
+  np.testing.assert_allclose(o1[:, :-1], o2[:, :-1], rtol=1e-6, atol=1e-6)
+  assert not np.allclose(o1[:, -1], o2[:, -1])
 
 
 # Hedgehog ------------------------------------------------------------------------------

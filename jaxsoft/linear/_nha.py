@@ -1,0 +1,229 @@
+r"""Native Hybrid Attention: one softmax over linear-RNN memory slots and a sliding window.
+
+Feature A45 (Du et al. 2025, "Native Hybrid Attention for Efficient Sequence Modeling").
+Long-term context lives in ``M`` key / value slots written by a gated linear RNN;
+short-term context is a sliding window over the last ``w`` tokens; one softmax is taken
+over both:
+
+.. math::
+  \tilde K_t = \operatorname{diag}(α_t) \tilde K_{t-1} + (1 - α_t) k_t^\top, \qquad
+  \tilde V_t = \operatorname{diag}(α_t) \tilde V_{t-1} + (1 - α_t) v_t^\top,
+  \\
+  o_t = \operatorname{softmax}\big(\text{scale} \cdot q_t [\tilde K_t ; k_{t-w+1..t}]^\top\big)
+        [\tilde V_t ; v_{t-w+1..t}],
+
+``α_t = e^{a_t} \in (0, 1]^M`` per slot (the slot update of Gated Slot Attention, as the
+paper's [R] reconstruction in this library's catalogue has it). ``w`` alone moves the layer
+between linear (small ``w``) and full attention (``w >= T``). Slots start at zero (or at an
+initial state), and a zero slot still takes part in the softmax with score 0.
+
+Forms: ``"recurrent"`` (a scan over tokens carrying the slots and a ring buffer of the last
+``w`` keys and values: memory O(M + w) per step), ``"parallel"`` (the window as a masked
+``[T, T]`` score matrix) and ``"chunked"`` (the window blockwise: each block of
+``C = max(chunk_size, w)`` queries sees its own and the previous block's keys; no T x T
+buffer). The parallel and chunked forms compute every token's slots with an associative
+scan (memory O(T·M·(K + V))).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _chunk
+
+__all__ = ["native_hybrid_attention"]
+
+
+def _slots_all(a, k, v, keep, K0, V0):
+  """Every token's slots ``[B, T, N, M, K]`` and ``[B, T, N, M, V]`` by an associative scan of
+  ``h_t = α_t h_{t-1} + (1 - α_t) x_t`` (``α_t := 0`` where the segment starts anew)."""
+  alpha = jnp.exp(a)                                                   # [B, T, N, M]
+  decay = jnp.where(keep[:, :, None, None], alpha, 0.0)
+  xk = (1.0 - alpha)[..., None] * k[:, :, :, None, :]
+  xv = (1.0 - alpha)[..., None] * v[:, :, :, None, :]
+  # the initial state enters as a token before t = 0
+  xk = xk.at[:, 0].add(decay[:, 0, ..., None] * K0)
+  xv = xv.at[:, 0].add(decay[:, 0, ..., None] * V0)
+
+  def combine(left, right):
+    d1, k1, v1 = left
+    d2, k2, v2 = right
+    return d1 * d2, d2[..., None] * k1 + k2, d2[..., None] * v1 + v2
+
+  _, Ks, Vs = jax.lax.associative_scan(combine, (decay, xk, xv), axis=1)
+  return Ks, Vs
+
+
+def _joint_softmax(slot_logits, slot_values, win_logits, win_values):
+  """The unnormalised weights ``(e^{slot - m}, e^{win - m})`` and their sum ``den`` of
+  ``softmax([slot_logits ; win_logits])`` (masked window logits are ``-inf``)."""
+  m = jnp.max(win_logits, -1)   # the token itself is always in its window: finite
+  if slot_logits.shape[-1]:
+    m = jnp.maximum(m, jnp.max(slot_logits, -1))
+  m = m[..., None]
+  ps, pw = jnp.exp(slot_logits - m), jnp.exp(win_logits - m)
+  den = jnp.sum(ps, -1, keepdims=True) + jnp.sum(pw, -1, keepdims=True)
+  return ps, pw, den
+
+
+def _parallel(q, k, v, a, run, K0, V0, w):
+  B, T, N, _ = q.shape
+  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
+  slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
+  t = jnp.arange(T)
+  band = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < w)
+  mask = band[None] & (run[:, :, None] == run[:, None, :])             # [B, T, T]
+  win_logits = jnp.where(mask[:, None], jnp.einsum("btnk,bsnk->bnts", q, k), -jnp.inf)
+  win_logits = jnp.moveaxis(win_logits, 1, 2)                          # [B, T, N, S]
+  ps, pw, den = _joint_softmax(slot_logits, None, win_logits, None)
+  o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + jnp.einsum("btns,bsnv->btnv", pw, v)
+  return o / den, (Ks[:, -1], Vs[:, -1])
+
+
+def _chunked(q, k, v, a, run, K0, V0, w, C):
+  B, T, N, K = q.shape
+  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
+  slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
+  pad = (-T) % C
+  qp, kp, vp = (_chunk.pad_time(x, 1, pad) for x in (q, k, v))
+  rp = _chunk.pad_time(run, 1, pad, mode="edge")
+  n = (T + pad) // C
+  qc = _chunk.to_chunks(qp, 1, C)                                      # [B, n, C, N, K]
+  prev = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  kc, vc, rc = (_chunk.to_chunks(x, 1, C) for x in (kp, vp, rp))
+  k2 = jnp.concatenate([prev(kc), kc], axis=2)                         # [B, n, 2C, N, K]
+  v2 = jnp.concatenate([prev(vc), vc], axis=2)
+  # the previous block's run ids; block 0 has none (-1 never matches a run id)
+  r_prev = jnp.concatenate([jnp.full_like(rc[:, :1], -1), rc[:, :-1]], axis=1)
+  r2 = jnp.concatenate([r_prev, rc], axis=2)                          # [B, n, 2C]
+  pos_q = jnp.arange(n)[:, None] * C + jnp.arange(C)[None]             # [n, C]
+  pos_k = jnp.arange(n)[:, None] * C + jnp.arange(-C, C)[None]         # [n, 2C]
+  diff = pos_q[:, :, None] - pos_k[:, None, :]
+  band = (diff >= 0) & (diff < w)                                      # [n, C, 2C]
+  mask = band[None] & (rc[:, :, :, None] == r2[:, :, None, :])         # [B, n, C, 2C]
+  win_logits = jnp.where(mask[:, :, :, None],
+                         jnp.einsum("bicnk,bijnk->bicnj", qc, k2), -jnp.inf)
+  win_logits = _chunk.from_chunks(win_logits, 1)[:, :T]               # [B, T, N, 2C]
+  ps, pw, den = _joint_softmax(slot_logits, None, win_logits, None)
+  pw_c = _chunk.to_chunks(_chunk.pad_time(pw, 1, pad), 1, C)
+  o_win = _chunk.from_chunks(jnp.einsum("bicnj,bijnv->bicnv", pw_c, v2), 1)[:, :T]
+  o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + o_win
+  return o / den, (Ks[:, -1], Vs[:, -1])
+
+
+def _recurrent(q, k, v, a, run, K0, V0, w):
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  ring_k = jnp.zeros((B, w, N, K), q.dtype)
+  ring_v = jnp.zeros((B, w, N, V), q.dtype)
+  valid = jnp.zeros((B, w), bool)
+  tf = lambda x: jnp.moveaxis(x, 1, 0)
+
+  def body(carry, x):
+    Kt, Vt, ring_k, ring_v, valid = carry
+    q_t, k_t, v_t, a_t, keep_t, t = x
+    alpha = jnp.where(keep_t[:, None, None], jnp.exp(a_t), 0.0)[..., None]
+    Kt = alpha * Kt + (1.0 - jnp.exp(a_t))[..., None] * k_t[:, :, None]
+    Vt = alpha * Vt + (1.0 - jnp.exp(a_t))[..., None] * v_t[:, :, None]
+    valid = valid & keep_t[:, None]
+    slot = t % w
+    ring_k = ring_k.at[:, slot].set(k_t)
+    ring_v = ring_v.at[:, slot].set(v_t)
+    valid = valid.at[:, slot].set(True)
+    sl = jnp.einsum("bnk,bnmk->bnm", q_t, Kt)
+    wl = jnp.where(valid[:, None], jnp.einsum("bnk,bwnk->bnw", q_t, ring_k), -jnp.inf)
+    ps, pw, den = _joint_softmax(sl, None, wl, None)
+    o = (jnp.einsum("bnm,bnmv->bnv", ps, Vt) + jnp.einsum("bnw,bwnv->bnv", pw, ring_v)) / den
+    return (Kt, Vt, ring_k, ring_v, valid), o
+
+  (K_T, V_T, *_), o = jax.lax.scan(
+      body, (K0, V0, ring_k, ring_v, valid),
+      (tf(q), tf(k), tf(v), tf(a), tf(keep), jnp.arange(T)))
+  return jnp.moveaxis(o, 0, 1), (K_T, V_T)
+
+
+def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_gates: ArrayLike,
+                            *, window: int, scale: float | None = None,
+                            initial_state: Any = None, output_final_state: bool = False,
+                            segment_ids: ArrayLike | None = None,
+                            implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""One softmax over ``M`` linear-RNN slots and a sliding window of ``w`` tokens (A45).
+
+  .. math::
+    \tilde K_t = \operatorname{diag}(α_t) \tilde K_{t-1} + (1 - α_t) k_t^\top, \quad
+    \tilde V_t = \operatorname{diag}(α_t) \tilde V_{t-1} + (1 - α_t) v_t^\top, \quad
+    o_t = \operatorname{softmax}(\text{scale}\, q_t [\tilde K_t ; K_{W_t}]^\top)
+          [\tilde V_t ; V_{W_t}]
+
+  with ``W_t = {t-w+1, ..., t}`` (within ``t``'s segment) and ``α_t = e^{a_t}`` (Du et al.
+  2025, "Native Hybrid Attention for Efficient Sequence Modeling"; the slot update is the
+  Gated-Slot-Attention form [R]). Slots reset at a segment change.
+
+  Args:
+    q, k: ``[B, T, N, K]``; v: ``[B, T, N, V]``.
+    slot_log_gates: ``[B, T, N, M]`` log forget gates ``a_t <= 0`` of the ``M`` slots
+      (``M = 0``: sliding-window softmax attention alone).
+    window: ``w >= 1``, the sliding window (the token itself included).
+    scale: multiplies the scores; default ``K ** -0.5``.
+    initial_state: ``(K̃_0 [B, N, M, K], Ṽ_0 [B, N, M, V])`` or None (zeros). The window
+      starts empty.
+    output_final_state: also return the slots ``(K̃_T, Ṽ_T)`` (the window's cache is the
+      caller's last ``w - 1`` keys and values).
+    segment_ids: ``[B, T]`` ints.
+    implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
+      ``T <= chunk_size``, else chunked).
+    chunk_size: the query block of the chunked form (raised to ``w`` if smaller).
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, (K̃_T, Ṽ_T))``.
+
+  Example:
+    >>> q = jnp.zeros((1, 2, 1, 1)); v = jnp.array([2.0, 4.0]).reshape(1, 2, 1, 1)
+    >>> a = jnp.log(jnp.full((1, 2, 1, 1), 0.5))        # one slot, gate 1/2
+    >>> native_hybrid_attention(q, q, v, a, window=1)[0, :, 0, 0]   # (1 + 2)/2, (2.5 + 4)/2
+    Array([1.5 , 3.25], dtype=float32)
+  """
+  fn_name = "native_hybrid_attention"
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  B, T, N, K = q.shape
+  V = v.shape[-1]
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"{fn_name}: `window` must be a positive int, got {window!r}")
+  chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
+  impl = _checks.check_implementation(implementation, T, chunk_size, fn_name)
+  sg = jnp.asarray(slot_log_gates)
+  if sg.ndim != 4 or sg.shape[:3] != (B, T, N):
+    raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, T, N, M] with "
+                     f"[B, T, N] = {[B, T, N]}, got {sg.shape}")
+  M = sg.shape[-1]
+  a = _checks.check_gate(sg, (B, T, N, M), "[B, T, N, M]", fn_name,
+                         "slot_log_gates").astype(jnp.float32)
+  seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
+  scale = _checks.resolve_scale(scale, K, fn_name)
+  if initial_state is None:
+    K0, V0 = jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32)
+  else:
+    if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
+      raise ValueError(f"{fn_name}: `initial_state` must be a pair (K̃ [B, N, M, K], "
+                       f"Ṽ [B, N, M, V]) or None")
+    K0 = _checks.check_state(initial_state[0], (B, N, M, K), fn_name)
+    V0 = _checks.check_state(initial_state[1], (B, N, M, V), fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  qs, kf, vf = f32(q) * scale, f32(k), f32(v)
+  run = _chunk.run_ids(seg, B, T)
+  if impl == "recurrent":
+    o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window)
+  elif impl == "chunked":
+    o, state = _chunked(qs, kf, vf, a, run, K0, V0, window, max(chunk_size, window))
+  else:
+    o, state = _parallel(qs, kf, vf, a, run, K0, V0, window)
+  o = o.astype(dtype)
+  return (o, state) if output_final_state else o
