@@ -7,7 +7,8 @@ segment masks without a T x S array (shared with the Pallas kernels); the varian
 features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point;
 KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``), block-sparse attention
 (A12, ``_block_sparse``), LUCID (A14, ``_lucid``), Multi-Token
-Attention (A13, ``_mta``).
+Attention (A13, ``_mta``), tensor attention, SOFT and the softmax-free non-local block
+(A24, A26, A27, ``_structured``).
 """
 
 # ruff: noqa: F401, F403
@@ -19,6 +20,13 @@ from jaxsoft.attention._lucid import lucid_attention, lucid_preconditioned_value
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.attention._merge import alternating_matching, merge_kv
 from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
+from jaxsoft.attention._structured import (
+    gaussian_kernel,
+    newton_schulz_pinv,
+    nonlocal_block,
+    soft_attention,
+    tensor_attention,
+)
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._variants import *
 
@@ -27,4 +35,6 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "merge_kv", "alternating_matching", "topk_attention",
            "block_sparse_attention", "BLOCK_SPARSE_METHODS",
            "lucid_attention", "lucid_preconditioned_values",
-           "multi_token_attention", "mta_identity_kernel"]
+           "multi_token_attention", "mta_identity_kernel",
+           "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
+           "nonlocal_block"]
