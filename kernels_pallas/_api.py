@@ -102,7 +102,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   Raises:
     NotImplementedError: ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
       a plain callable or
-      a normalizer of kernel class T/R/X, a stochastic normalizer, a value head dim
+      a normalizer of kernel class R/X (or T without a ThresholdRule), a stochastic normalizer, a value head dim
       different from the key head dim, q/k/v of different dtypes, a traced ``scale``, or
       (with ``interpret=None``) a platform with no Pallas backend.
     ValueError: bad block sizes or backend.
@@ -202,7 +202,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
               logits_soft_cap=None, backend: str = "triton", interpret=False,
               block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, debug: bool = False):
-  r"""Blockwise ("flash") attention for any normalizer of kernel class E, S or P.
+  r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P or T.
 
   .. math::
     O_i = \sum_{j \in V_i} f(s_{ij})\, v_j,\qquad s_{ij} = \mathrm{cap}\cdot\tanh\!\Big(
@@ -219,7 +219,9 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
   Args:
     q: queries ``[B, T, N, H]`` (or ``[T, N, H]``).
     k, v: keys and values ``[B, S, K, H]``, ``N % K == 0`` (GQA/MQA; K/V are not copied).
-    normalizer: a registered name or a NormalizerSpec of class E, S or P.
+    normalizer: a registered name or a NormalizerSpec of class E, S or P, or of class T
+      with a ThresholdRule (sparsemax, entmax15, entmax with a per-head ``alpha``,
+      top_k_softmax: the AdaSplash-style kernels, kernels_pallas/README.md).
     normalizer_params: hyperparameters of the normalizer: Python scalars (compiled in) or
       arrays broadcast to the rows of the scores ``[B, N, T, 1]`` (e.g. per head
       ``[N, 1, 1]``), which are differentiable. Learned attention sinks are
@@ -242,7 +244,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     ``[B, T, N, H]`` in q's dtype. A query row with no visible key gives zeros.
 
   Raises:
-    NotImplementedError (``engine.UnsupportedError``): a normalizer of class T/R/X, a plain
+    NotImplementedError (``engine.UnsupportedError``): a normalizer of class R/X, a plain
       callable, or a stochastic normalizer; the dispatcher falls back to XLA.
     ValueError: bad shapes or arguments (the message names the argument).
   """

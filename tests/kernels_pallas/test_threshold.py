@@ -37,7 +37,13 @@ def test_threshold_normalizers_are_covered():
   assert {"sparsemax", "entmax15", "entmax", "top_k_softmax"} <= set(T_NAMES)
 
 
-@pytest.mark.parametrize("name", T_NAMES)
+# The default run covers the named ones (entmax also through the per-head test below);
+# every registered threshold rule runs under -m slow.
+DEFAULT = ["sparsemax", "entmax15", "top_k_softmax"]
+PARAMS = [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in T_NAMES]
+
+
+@pytest.mark.parametrize("name", PARAMS)
 def test_every_threshold_normalizer(name):
   # Causal + GQA + T = 40 with 16-wide blocks: padding, skipped and partial blocks.
   q, k, v, ct = inputs(t=40, n=2, kh=1, seed=11)
@@ -64,6 +70,7 @@ def test_entmax_per_head_alpha_and_its_gradient(backend):
   assert bool(jnp.all(grads[3] != 0))
 
 
+@pytest.mark.slow
 def test_mosaic_sparsemax_causal_window():
   q, k, v, ct = inputs(t=40, n=2, kh=1, seed=13)
   assert_matches(kernel(backend="mosaic_tpu", block_sizes=dict(block_q=8, block_k=16),
