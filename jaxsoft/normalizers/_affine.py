@@ -74,7 +74,8 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   """
   _ALPHA.validate(alpha, "affine_softmax")
   _BETA.validate(beta, "affine_softmax")
-  xs, mask, ax, m = c.prepare(x, axis, where, "affine_softmax", with_max=True)
+  xs, mask, ax = c.prepare(x, axis, where, "affine_softmax")
+  m = c.masked_max(xs, mask, ax)
   a = c.row_param(alpha, xs.shape, ax, "alpha", "affine_softmax", xs.dtype)
   b = _bias(beta, a, c.visible_count(mask, ax, xs.dtype), xs.shape, ax)
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)

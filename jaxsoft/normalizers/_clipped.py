@@ -78,7 +78,8 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   """
   _ZETA.validate(zeta, "clipped_softmax")
   _GAMMA.validate(gamma, "clipped_softmax")
-  xs, mask, ax, m = c.prepare(x, axis, where, "clipped_softmax", with_max=True)
+  xs, mask, ax = c.prepare(x, axis, where, "clipped_softmax")
+  m = c.masked_max(xs, mask, ax)
   zt = c.row_param(zeta, xs.shape, ax, "zeta", "clipped_softmax", xs.dtype)
   gm = c.row_param(gamma, xs.shape, ax, "gamma", "clipped_softmax", xs.dtype)
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)

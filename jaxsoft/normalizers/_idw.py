@@ -14,7 +14,7 @@ from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
 __all__ = ["idw_softmax"]
 
 _POWER = Param("power", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
-_EPS = Param("eps", 1e-12, low=0.0, low_open=True, sample=1e-4, row_broadcast=True)
+_EPS = Param("eps", 1e-12, low=0.0, low_open=True, sample=1e-4)
 
 
 def _idw_score_map(x, length, power=1.0, eps=1e-12, **_):

@@ -55,7 +55,8 @@ def sa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
     >>> js.normalizers.sa_softmax(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([ 1.2878,  0.2369,  0.    , -0.0321], dtype=float32)
   """
-  xs, mask, ax, m = c.prepare(x, axis, where, "sa_softmax", with_max=True)
+  xs, mask, ax = c.prepare(x, axis, where, "sa_softmax")
+  m = c.masked_max(xs, mask, ax)
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)
   w = xs * c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
   return c.finish(w, mask, jnp.asarray(x).dtype)

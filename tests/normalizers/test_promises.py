@@ -23,7 +23,12 @@ from jaxsoft.normalizers import _common as c
 NAMES = N.names()
 POINTWISE = [n for n in NAMES if N.get(n).kernel_class == "P"]
 # each +inf entry's own limit, for the pointwise (unnormalized) class
-POINTWISE_INF_LIMIT = {"sigmoid": 1.0, "relu": np.inf, "relu2": np.inf, "relu_n": np.inf}
+POINTWISE_INF_LIMIT = {"sigmoid": 1.0, "relu": np.inf, "relu2": np.inf, "relu_n": np.inf,
+                       "ovr_sigmoid": 1.0, "gumbel_cdf": 1.0, "nested_sigmoid": 1.0,
+                       "multiscreen": 1.0}
+# normalizing ones whose limit on each of k +inf entries is not 1/k (at the defaults)
+INF_SHARE = {"clipped_softmax": lambda k: np.clip(1.03 / k - 0.03, 0.0, 1.0),
+             "sa_softmax": lambda k: np.inf}
 
 
 def _call(name, x, axis=-1, where=None, **hp):
@@ -125,8 +130,8 @@ def _inf_expected(name, x, where):
   if name == "gumbel_softmax_hard":  # one-hot: the first +inf entry
     first = np.argmax(posinf, axis=-1)[..., None]
     return np.where(posinf.any(-1, keepdims=True) & (np.arange(x.shape[-1]) == first), 1.0, 0.0)
-  k = posinf.sum(-1, keepdims=True)
-  return np.where(posinf, 1.0 / np.maximum(k, 1), 0.0)
+  k = np.maximum(posinf.sum(-1, keepdims=True), 1)
+  return np.where(posinf, INF_SHARE.get(name, lambda k: 1.0 / k)(k), 0.0)
 
 
 @pytest.mark.parametrize("name", NAMES)

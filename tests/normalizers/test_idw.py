@@ -1,0 +1,58 @@
+"""N28 idw_softmax against Shepard's inverse-distance weights in float64 numpy."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.test_util import check_grads
+
+import jaxsoft.normalizers as N
+from tests import helpers
+
+# jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
+IDW_SOFTMAX = jax.jit(N.idw_softmax)
+
+
+def _reference(d, mask, power=1.0, eps=1e-12):
+  """float64: (d^2 + eps)^(-p/2) / sum over the visible entries."""
+  d = np.asarray(d, np.float64)
+  a = np.where(mask, (d * d + eps) ** (-0.5 * power), 0.0)
+  s = a.sum(-1, keepdims=True)
+  return np.divide(a, s, out=np.zeros_like(a), where=s > 0)
+
+
+def test_matches_reference():
+  d, mask = helpers.random_rows(0, scale=2.0)
+  for hp in ({}, {"power": 2.0}, {"power": 0.5, "eps": 1e-4}):
+    chex.assert_trees_all_close(IDW_SOFTMAX(d, where=mask, **hp),
+                                _reference(d, mask, **hp).astype(np.float32), atol=2e-6,
+                                rtol=1e-5)
+
+
+def test_shepard_interpolation_and_invariances():
+  rng = np.random.default_rng(1)
+  q = rng.standard_normal(4)
+  keys = rng.standard_normal((6, 4))
+  dist = lambda q, k: jnp.asarray(np.linalg.norm(q - k, axis=-1), jnp.float32)  # noqa: E731
+  w = IDW_SOFTMAX(dist(q, keys))
+  chex.assert_trees_all_close(N.softmax(-jnp.log(dist(q, keys))), w, atol=1e-6)  # the paper's
+  chex.assert_trees_all_close(IDW_SOFTMAX(dist(3.0 * q, 3.0 * keys)), w, atol=1e-6)  # scale
+  rot, _ = np.linalg.qr(rng.standard_normal((4, 4)))
+  chex.assert_trees_all_close(IDW_SOFTMAX(dist(rot @ q + 1.0, keys @ rot.T + 1.0)), w,
+                              atol=1e-5)  # rotation and translation
+  near = IDW_SOFTMAX(dist(keys[2] + 1e-4, keys))  # q -> k_2: all weight on key 2
+  assert float(near[2]) > 0.999
+  chex.assert_trees_all_close(IDW_SOFTMAX(dist(q, keys), power=2.0),
+                              N.softmax(-jnp.log(dist(q, keys)), temperature=0.5), atol=1e-6)
+
+
+def test_gradients_float64_masks_low_precision_tile_rule():
+  d, mask = helpers.random_rows(2)
+  with jax.enable_x64(True):
+    check_grads(lambda d, p: IDW_SOFTMAX(d, where=mask, power=p, eps=1e-4),
+                (jnp.asarray(d, jnp.float64), jnp.full((d.shape[0], 1), 2.0, jnp.float64)),
+                order=1, modes=("fwd", "rev"))
+  df, _ = helpers.random_rows(3, masked=False)
+  helpers.check_mask_is_delete(IDW_SOFTMAX, df, 1, power=2.0)
+  helpers.check_fully_masked(IDW_SOFTMAX)
+  helpers.check_low_precision(IDW_SOFTMAX, df, power=2.0)

@@ -1,0 +1,53 @@
+"""N40 nested_sigmoid (the [R] staircase) against a float64 numpy reference."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jaxsoft.normalizers as N
+from tests import helpers
+
+# jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
+NESTED_SIGMOID = jax.jit(N.nested_sigmoid, static_argnames=("thresholds",))
+
+
+def _reference(x, mask, kappa=1.0, thresholds=(-1.0, 0.0, 1.0)):
+  x = np.asarray(x, np.float64)
+  f = np.mean([1.0 / (1.0 + np.exp(-kappa * (x - t))) for t in thresholds], axis=0)
+  return np.where(mask, f, 0.0)
+
+
+def test_matches_reference():
+  x, mask = helpers.random_rows(0, scale=2.0)
+  for hp in ({}, {"kappa": 4.0, "thresholds": (0.0, 2.0, 4.0)}, {"thresholds": (0.5,)}):
+    chex.assert_trees_all_close(NESTED_SIGMOID(x, where=mask, **hp),
+                                _reference(x, mask, **hp).astype(np.float32), atol=1e-6)
+
+
+def test_staircase_monotone_bounded_nested_levels():
+  z = jnp.linspace(-6.0, 6.0, 1201)
+  f = np.asarray(NESTED_SIGMOID(z, kappa=20.0, thresholds=(-2.0, 0.0, 3.0)))
+  assert np.all(np.diff(f) >= 0) and f.min() >= 0 and f.max() <= 1
+  # between the steps the level is k/K: nested regions read off one output
+  levels = NESTED_SIGMOID(jnp.array([-4.0, -1.0, 1.5, 5.0]), kappa=20.0,
+                          thresholds=(-2.0, 0.0, 3.0))
+  np.testing.assert_allclose(levels, [0.0, 1 / 3, 2 / 3, 1.0], atol=1e-6)
+  with pytest.raises(ValueError, match="thresholds"):
+    N.nested_sigmoid(z, thresholds=(1.0, 0.0))
+  with pytest.raises(ValueError, match="kappa"):
+    N.nested_sigmoid(z, kappa=0.0)
+
+
+def test_gradients_float64_masks_low_precision_tile_rule():
+  x, mask = helpers.random_rows(1)
+  with jax.enable_x64(True):
+    check_grads(lambda x, k: NESTED_SIGMOID(x, where=mask, kappa=k),
+                (jnp.asarray(x, jnp.float64), jnp.full((x.shape[0], 1), 2.0, jnp.float64)),
+                order=1, modes=("fwd", "rev"))
+  xf, _ = helpers.random_rows(2, masked=False)
+  helpers.check_mask_is_delete(NESTED_SIGMOID, xf, 3, kappa=4.0)
+  helpers.check_fully_masked(NESTED_SIGMOID)
+  helpers.check_low_precision(NESTED_SIGMOID, xf, kappa=4.0)
