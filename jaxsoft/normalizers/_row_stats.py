@@ -21,8 +21,7 @@ from jax.typing import ArrayLike
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
 
-__all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap", "row_moments",
-           "softmax_entropy"]
+__all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 
 # Veličković et al.'s polynomial fit of beta(H), highest degree first (their released
 # snippet, reproduced identically in several public ports).
