@@ -32,6 +32,7 @@ from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._margin import arcface_loss, cosface_loss, normalized_softmax_loss
 from jaxsoft.losses._orthogonal import orthogonal_gradient
+from jaxsoft.losses._partial_fc import partial_fc_loss
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 
@@ -52,6 +53,7 @@ __all__ = [
     "odin",
     "orthogonal_gradient",
     "ovr_bce_loss",
+    "partial_fc_loss",
     "soft_clip_loss",
     "soft_info_nce",
     "soft_info_nce_weights",
