@@ -1,0 +1,119 @@
+"""Product-key memory (feature A47): exact top-k over N = n^2 keys from two top-k's over n."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax.nnx.nn import initializers
+from flax.typing import Dtype
+from jax.typing import ArrayLike
+
+from jaxsoft.normalizers._common import compute_dtype
+
+__all__ = ["ProductKeyMemory", "product_key_topk"]
+
+
+def product_key_topk(query: ArrayLike, sub_keys1: ArrayLike, sub_keys2: ArrayLike,
+                     top_k: int) -> tuple[jax.Array, jax.Array]:
+  r"""The exact top-k of :math:`s_{(a,b)} = q^{(1)} \cdot c^{(1)}_a + q^{(2)} \cdot
+  c^{(2)}_b` over all n^2 product keys, from the top-k of each half.
+
+  The query splits into halves :math:`q = [q^{(1)}; q^{(2)}]`. Any pair in the overall
+  top-k has both of its halves in their half's top-k (a pair with a worse half is beaten
+  by k pairs that share its other half), so the top-k of the k x k candidate sums is
+  exact: O(n·d + k^2) instead of O(n^2·d).
+
+  Args:
+    query: [..., heads, d] (d even).
+    sub_keys1, sub_keys2: [heads, n, d / 2].
+    top_k: k <= n.
+
+  Returns:
+    ``(scores [..., heads, k], indices [..., heads, k])``, scores descending, indices
+    ``a · n + b`` in [0, n^2) (int32).
+  """
+  q = jnp.asarray(query)
+  c1, c2 = jnp.asarray(sub_keys1), jnp.asarray(sub_keys2)
+  h, n, half = c1.shape
+  if c2.shape != c1.shape or q.shape[-2:] != (h, 2 * half):
+    raise ValueError(
+        f"product_key_topk: `query` [..., heads, d] = [..., {h}, {2 * half}] and sub-keys "
+        f"[heads, n, d/2] must agree, got {q.shape}, {c1.shape}, {c2.shape}")
+  if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= n:
+    raise ValueError(f"product_key_topk: `top_k` must be an int in [1, n={n}], got {top_k!r}")
+  cdt = compute_dtype(q.dtype)
+  s1 = jnp.einsum("...hd,hnd->...hn", q[..., :half].astype(cdt), c1.astype(cdt))
+  s2 = jnp.einsum("...hd,hnd->...hn", q[..., half:].astype(cdt), c2.astype(cdt))
+  v1, i1 = jax.lax.top_k(s1, top_k)
+  v2, i2 = jax.lax.top_k(s2, top_k)
+  cand = (v1[..., :, None] + v2[..., None, :]).reshape(*v1.shape[:-1], top_k * top_k)
+  scores, flat = jax.lax.top_k(cand, top_k)
+  a = jnp.take_along_axis(i1, flat // top_k, axis=-1)
+  b = jnp.take_along_axis(i2, flat % top_k, axis=-1)
+  return scores, (a * n + b).astype(jnp.int32)
+
+
+class ProductKeyMemory(nnx.Module):
+  r"""A product-key memory layer (feature A47).
+
+  Per head h: :math:`q_h = x W_q^{(h)}`, the exact top-k product keys
+  (:func:`product_key_topk`), weights :math:`w = \mathrm{softmax}(s_{I})` over those k,
+  and the output :math:`\sum_h \sum_{i \in I_h} w_i\, V_i` from one shared value table
+  :math:`V \in \mathbb{R}^{n^2 \times d_v}`. Only k rows of V per head and token receive
+  gradient (a sparse update).
+
+  From G. Lample, A. Sablayrolles, M. Ranzato, L. Denoyer, H. Jégou, "Large Memory Layers
+  with Product Keys" (NeurIPS 2019); FwPKM (fast-weight product-key memory, 2025) updates
+  the same memory by test-time gradient steps on a reconstruction loss, which is the
+  caller's training loop here ([R]: not part of this layer).
+
+  Args:
+    in_features: d_in; key_dim: d (even; split into two halves of d/2);
+    num_sub_keys: n (the memory has n^2 slots); value_dim: d_v (default d_in);
+    top_k: k <= n; num_heads: heads (their outputs are summed);
+    param_dtype: parameter dtype; rngs: nnx.Rngs.
+  """
+
+  def __init__(self, in_features: int, *, key_dim: int, num_sub_keys: int, top_k: int,
+               value_dim: int | None = None, num_heads: int = 1,
+               param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs) -> None:
+    value_dim = in_features if value_dim is None else value_dim
+    for arg, val in (("in_features", in_features), ("key_dim", key_dim),
+                     ("num_sub_keys", num_sub_keys), ("top_k", top_k), ("value_dim", value_dim),
+                     ("num_heads", num_heads)):
+      if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+        raise ValueError(f"ProductKeyMemory: `{arg}` must be a positive int, got {val!r}")
+    if key_dim % 2:
+      raise ValueError(f"ProductKeyMemory: `key_dim` must be even, got {key_dim}")
+    if top_k > num_sub_keys:
+      raise ValueError(
+          f"ProductKeyMemory: `top_k` ({top_k}) must be <= `num_sub_keys` ({num_sub_keys})")
+    self.top_k = top_k
+    init = initializers.lecun_normal()
+    self.w_query = nnx.Param(init(rngs.params(), (in_features, num_heads * key_dim), param_dtype))
+    self.num_heads, self.key_dim = num_heads, key_dim
+    shape = (num_heads, num_sub_keys, key_dim // 2)
+    self.sub_keys1 = nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
+                               / jnp.sqrt(key_dim / 2).astype(param_dtype))
+    self.sub_keys2 = nnx.Param(jax.random.normal(rngs.params(), shape, param_dtype)
+                               / jnp.sqrt(key_dim / 2).astype(param_dtype))
+    self.value_table = nnx.Param(jax.random.normal(
+        rngs.params(), (num_sub_keys * num_sub_keys, value_dim), param_dtype)
+        / jnp.sqrt(value_dim).astype(param_dtype))
+
+  def lookup(self, x: ArrayLike) -> tuple[jax.Array, jax.Array]:
+    """``(weights [..., heads, k], indices [..., heads, k])`` for inputs ``x [..., d_in]``."""
+    x = jnp.asarray(x)
+    cdt = compute_dtype(x.dtype)
+    q = (x.astype(cdt) @ self.w_query[...].astype(cdt)).reshape(
+        *x.shape[:-1], self.num_heads, self.key_dim)
+    scores, idx = product_key_topk(q, self.sub_keys1[...], self.sub_keys2[...], self.top_k)
+    return jax.nn.softmax(scores, axis=-1), idx
+
+  def __call__(self, x: ArrayLike) -> jax.Array:
+    """``x [..., d_in] -> [..., d_v]`` in x's dtype."""
+    x = jnp.asarray(x)
+    w, idx = self.lookup(x)
+    vals = jnp.take(self.value_table[...].astype(w.dtype), idx, axis=0)  # [..., heads, k, d_v]
+    return jnp.einsum("...hk,...hkv->...v", w, vals).astype(x.dtype)
