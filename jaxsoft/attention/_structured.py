@@ -240,8 +240,8 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
     z [B, T, C] in x's dtype (float32 inside).
   """
   fn = "nonlocal_block"
-  x = _check_rank(x, "x", 3, "[B, T, C]", fn)
-  B, T, C = x.shape
+  xa = _check_rank(x, "x", 3, "[B, T, C]", fn)
+  B, T, C = xa.shape
   w_theta, w_phi, w_g, w_out = (jnp.asarray(w) for w in (w_theta, w_phi, w_g, w_out))
   for w, name in ((w_theta, "w_theta"), (w_phi, "w_phi"), (w_g, "w_g")):
     if w.ndim != 2 or w.shape[0] != C:
@@ -255,8 +255,8 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
     raise ValueError(
         f"{fn}: `num_heads` must be an int >= 1 dividing D={w_theta.shape[1]} and "
         f"Dv={w_g.shape[1]}, got {num_heads!r}")
-  cdt = compute_dtype(x.dtype)
-  xc = x.astype(cdt)
+  cdt = compute_dtype(xa.dtype)
+  xc = xa.astype(cdt)
   nh = int(num_heads)
 
   def heads(w):
@@ -271,4 +271,4 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
     state = jnp.einsum("bjnh,bjnv->bnhv", ph, g, precision=_HI)  # Phi^T G per head
     y = s * jnp.einsum("binh,bnhv->binv", th, state, precision=_HI)
   z = xc + jnp.einsum("btd,dc->btc", y.reshape(B, T, -1), w_out.astype(cdt), precision=_HI)
-  return z.astype(x.dtype)
+  return z.astype(xa.dtype)

@@ -52,7 +52,7 @@ def _visible_at(st: MaskStructure, idx, mask):
   kv_len = st.S if st.kv_lengths is None else jnp.minimum(st.kv_lengths[:, None, None, None], st.S)
   vis = positions_visible(rows, idx, is_causal=st.is_causal, window=st.window, q_len=q_len,
                           kv_len=kv_len)
-  if st.has_segments:
+  if st.q_segment_ids is not None and st.kv_segment_ids is not None:
     B = idx.shape[0]
     q_seg = st.q_segment_ids[:, None, :, None]
     kv_seg = jnp.take_along_axis(st.kv_segment_ids[:, None, None, :],
@@ -152,7 +152,7 @@ def _chunked_selection(call, top_k: int, selection: str, block_k: int):
       vis = vis & (mask if mask.shape[3] == 1 else lax.dynamic_slice_in_dim(mask, ks, bk, 3))
     return logits, vis, pos
 
-  lse = None
+  lse = jnp.zeros((B, N, T), cdt)  # the per-head log-sum-exp (soft vote only)
   if selection == "soft_vote":
     def lse_step(j, carry):
       m, l = carry
