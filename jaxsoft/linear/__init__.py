@@ -1,4 +1,4 @@
-"""Linear attention and its gated / delta-rule relatives (features A30-A35, A38-A41, A45, K07).
+"""Linear attention and its gated / delta-rule relatives (features A30-A41, A45, K07).
 
 Each variant is one function with the layouts of flash-linear-attention's ops
 (``q, k [B, T, N, K]``, ``v [B, T, N, V]``, log-space decays ``g``, ``beta [B, T, N]``,
@@ -21,6 +21,8 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 * A34 :func:`softmax_linear_attention`: a softmax over heads gates the read and the write
   (Xu et al. 2026) [R].
 * A35 :func:`ccq`: the query contracted by the running key covariance (Le et al. 2026) [R].
+* A36 :func:`mhla`: block summaries mixed by learned coefficients (MHLA, 2026) [R].
+* A37 :func:`rala`: rank-augmented bidirectional linear attention (Fan et al. 2025) [R].
 * A41 :func:`interdomain_attention`: kernel features through a diagonal-SSM basis [R].
 * A45 :func:`native_hybrid_attention`: one softmax over linear-RNN slots and a sliding
   window (Du et al. 2025).
@@ -56,7 +58,9 @@ from jaxsoft.linear._interdomain import interdomain_attention
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
+from jaxsoft.linear._mhla import mhla
 from jaxsoft.linear._nha import native_hybrid_attention
+from jaxsoft.linear._rala import rala, rala_key_weights
 from jaxsoft.linear._sla import head_gates, softmax_linear_attention
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
 from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
@@ -91,6 +95,9 @@ __all__ = [
     "ccq",
     "interdomain_attention",
     "native_hybrid_attention",
+    "mhla",
+    "rala",
+    "rala_key_weights",
     "hedgehog_init",
     "hedgehog_feature_map",
     "hedgehog_attention_weights",

@@ -240,3 +240,34 @@ def native_hybrid_attention(q, k, v, log_gates, *, window, segment_ids=None, sca
         vals = np.concatenate([Vs, v[b, js, n]])
         o[b, t, n] = _softmax(keys @ q[b, t, n] * scale) @ vals
   return o
+
+
+def mhla(fq, fk, v, C, *, block, causal):
+  """The [R] MHLA weights per query: ``w_tj = C[β(t), β(j)] φ(q_t)·φ(k_j)`` (``j <= t``
+  when causal), ``o_t = Σ w v / Σ w`` (``fq, fk`` feature-mapped, ``C [N, M, M]``)."""
+  fq, fk, v, C = map(_f64, (fq, fk, v, C))
+  B, T, N, _ = fq.shape
+  o = np.zeros(v.shape)
+  for b in range(B):
+    for n in range(N):
+      for t in range(T):
+        js = range(t + 1) if causal else range(T)
+        w = np.array([C[n, t // block, j // block] * fq[b, t, n] @ fk[b, j, n] for j in js])
+        o[b, t, n] = w @ v[b, list(js), n] / w.sum()   # the tests' C > 0 and φ > 0
+  return o
+
+
+def rala(fq, fk, q, k, v, gate):
+  """The [R] RALA read, per query: ``α_j = T softmax_j(q̄·k_j/√K)``,
+  ``y_i = Σ_j α_j (φ(q_i)·φ(k_j)) v_j / Σ_j α_j φ(q_i)·φ(k_j) ⊙ gate_i``."""
+  fq, fk, q, k, v, gate = map(_f64, (fq, fk, q, k, v, gate))
+  B, T, N, K = q.shape
+  y = np.zeros(v.shape)
+  for b in range(B):
+    for n in range(N):
+      q_mean = q[b, :, n].mean(0)
+      alpha = T * _softmax(k[b, :, n] @ q_mean / np.sqrt(K))
+      for i in range(T):
+        w = alpha * (fk[b, :, n] @ fq[b, i, n])
+        y[b, i, n] = (w @ v[b, :, n]) / w.sum() * gate[b, i, n]
+  return y

@@ -303,6 +303,72 @@ def test_nha_is_causal():
   assert not np.allclose(o1[:, -1], o2[:, -1])
 
 
+# A36 MHLA, A37 RALA --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_mhla_matches_reference_and_forms_agree(causal):
+  """T = 11 in blocks of 4 (3 blocks, the last short), C > 0 per head: both forms against
+  the float64 weights, and the gradients of q, k, v and C agree between the forms."""
+  a = _inputs("mhla", seed=14)
+  C = jax.random.uniform(jax.random.key(15), (N, 3, 3), minval=0.1, maxval=2.0)
+  w = jax.random.normal(jax.random.key(16), a["v"].shape)
+  want = reference.mhla(elu1(np.asarray(a["q"])), elu1(np.asarray(a["k"])), a["v"], C,
+                        block=4, causal=causal)
+
+  def loss(form, q, k, v, C):
+    o = linear.mhla(q, k, v, C, block_size=4, causal=causal, implementation=form)
+    return jnp.sum(o * w), o
+
+  results = {f: jax.jit(jax.value_and_grad(functools.partial(loss, f), argnums=(0, 1, 2, 3),
+                                           has_aux=True))(a["q"], a["k"], a["v"], C)
+             for f in ("parallel", "chunked")}
+  for form, ((_, o), _) in results.items():
+    np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-5, err_msg=form)
+  for got, ref in zip(results["chunked"][1], results["parallel"][1], strict=True):
+    np.testing.assert_allclose(got, ref, rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(ref))))
+
+
+def test_mhla_all_ones_is_linear_attention_and_raises_the_rank():
+  """C = 1 is vanilla linear attention; a non-uniform C gives an attention matrix of rank
+  above the feature dimension K' = K (vanilla linear attention's bound)."""
+  a = _inputs("mhla", T=16, seed=17)
+  q, k, v = a["q"], a["k"], a["v"]
+  ones = jnp.ones((4, 4))
+  np.testing.assert_allclose(jax.jit(functools.partial(linear.mhla, block_size=4))(q, k, v, ones),
+                             jax.jit(linear.linear_attention)(q, k, v), rtol=1e-5, atol=1e-5)
+  C = jax.random.uniform(jax.random.key(18), (4, 4), minval=0.1, maxval=2.0)
+  fq, fk = elu1(np.asarray(q[0, :, 0], np.float64)), elu1(np.asarray(k[0, :, 0], np.float64))
+  blk = np.arange(16) // 4
+  plain = fq @ fk.T
+  weights = plain * np.asarray(C, np.float64)[blk][:, blk]
+  rank = lambda x: int(np.linalg.matrix_rank(x, tol=1e-9 * np.linalg.norm(x, 2)))
+  assert rank(plain) <= K < rank(weights), (rank(plain), rank(weights))
+
+
+def test_rala_matches_reference_and_uniform_weights_give_linear_attention():
+  """RALA against the float64 loop (with a gate); with a zero-mean query (α uniform) and no
+  gate it is bidirectional elu+1 linear attention."""
+  a = _inputs("rala", T=9, seed=19)
+  q, k, v = a["q"], a["k"], a["v"]
+  gate = jax.random.normal(jax.random.key(20), v.shape)
+  q0 = jnp.concatenate([q[:, :4], -q[:, :4], jnp.zeros_like(q[:, :1])], axis=1)
+
+  @jax.jit
+  def outputs(q, q0, k, v, gate):
+    fq, fk = jax.nn.elu(q0) + 1, jax.nn.elu(k) + 1
+    dense = jnp.einsum("btnk,bsnk->bnts", fq, fk)
+    dense = dense / jnp.sum(dense, -1, keepdims=True)
+    return (linear.rala(q, k, v, gate), linear.rala(q0, k, v),
+            jnp.einsum("bnts,bsnv->btnv", dense, v), linear.rala_key_weights(q0, k))
+
+  y, y0, plain, alpha = outputs(q, q0, k, v, gate)
+  want = reference.rala(elu1(np.asarray(q)), elu1(np.asarray(k)), q, k, v, gate)
+  np.testing.assert_allclose(y, want, rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(alpha, 1.0, rtol=1e-6)
+  np.testing.assert_allclose(y0, plain, rtol=1e-5, atol=1e-5)
+
+
 # Hedgehog ------------------------------------------------------------------------------
 
 
@@ -390,6 +456,11 @@ _g = np.zeros((1, 4, 2), np.float32)
     ("`log_decay`", lambda: linear.interdomain_attention(
         _q, _q, _v, _g[..., None], _g[..., None], np.ones((2, 1)))),
     ("`feature_dim`", lambda: linear.hedgehog_init(2, 3, 0)),
+    ("`mixing`", lambda: linear.mhla(_q, _q, _v, np.ones((3, 3)), block_size=2)),
+    ("`block_size`", lambda: linear.mhla(_q, _q, _v, np.ones((1, 1)), block_size=0)),
+    ("`gate`", lambda: linear.rala(_q, _q, _v, gate=np.ones((1, 4, 2, 3)))),
+    ("`window`", lambda: linear.native_hybrid_attention(_q, _q, _v, _g[..., None], window=0)),
+    ("`slot_log_gates`", lambda: linear.native_hybrid_attention(_q, _q, _v, _g, window=2)),
 ])
 def test_bad_input_names_the_argument(bad):
   name, fn = bad

@@ -1,0 +1,124 @@
+r"""MHLA: linear attention with token-level heads, block summaries mixed by learned weights.
+
+Feature A36 ("MHLA: Multi-Head Linear Attention", arXiv 2601.07832, 2026). Vanilla linear
+attention sums every key into one ``K' x V`` state, so its attention matrix has rank at
+most ``K'`` ("global context collapse"). MHLA splits the tokens into ``M`` blocks of
+``b`` tokens, keeps each block's summary
+
+.. math::
+  S_β = \sum_{j \in β} φ(k_j) v_j^\top, \qquad z_β = \sum_{j \in β} φ(k_j),
+
+and lets the queries of block ``i`` read their own mixture
+``\tilde S_i = Σ_β c_{iβ} S_β``, ``\tilde z_i = Σ_β c_{iβ} z_β`` with learned coefficients
+``C [M, M]``: ``o = φ(q)^\top \tilde S_i / φ(q)^\top \tilde z_i``. The rank bound becomes
+``Σ_β min(|β|, K')``. Constraints on ``C`` are not stated in the sources this library
+had; this is a reconstruction [R]: ``C`` is used as given, and the causal form keeps only
+``β <= i`` with the own block read causally (token ``t`` sees the keys ``j <= t`` of its
+block), so that query ``t`` in block ``i`` weighs key ``j`` by ``c_{i, β(j)} φ(q_t)·φ(k_j)``.
+``C`` = all ones is vanilla linear attention.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _chunk, _linear_attention
+
+__all__ = ["mhla"]
+
+
+def _parallel(fq, fk, v, C, block, causal, eps):
+  T = fq.shape[1]
+  blk = jnp.arange(T) // block
+  coef = C[:, blk][:, :, blk]                                           # [N, T, T]
+  w = jnp.einsum("btnk,bsnk->bnts", fq, fk) * coef[None]
+  if causal:
+    w = jnp.where(jnp.tril(jnp.ones((T, T), bool)), w, 0.0)
+  num = jnp.einsum("bnts,bsnv->btnv", w, v)
+  den = jnp.moveaxis(jnp.sum(w, -1), 1, 2)[..., None]
+  return _linear_attention._safe_divide(num, den, eps)
+
+
+def _chunked(fq, fk, v, C, block, causal, eps):
+  B, T, N, _ = fq.shape
+  pad = (-T) % block
+  fq, fk, v = (_chunk.pad_time(x, 1, pad) for x in (fq, fk, v))       # padded keys are 0
+  vv = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)        # the ones: denominators
+  qc, kc, vc = (_chunk.to_chunks(x, 1, block) for x in (fq, fk, vv))   # [B, M, b, N, ...]
+  S = jnp.einsum("bmcnk,bmcnv->bmnkv", kc, vc)                         # block summaries
+  if causal:
+    M = C.shape[-1]
+    C_inter = jnp.where(jnp.tril(jnp.ones((M, M), bool), -1), C, 0.0)
+    intra = jnp.einsum("bmink,bmjnk->bmnij", qc, kc)
+    intra = jnp.where(jnp.tril(jnp.ones((block, block), bool)), intra, 0.0)
+    intra = intra * jnp.moveaxis(jnp.diagonal(C, axis1=-2, axis2=-1), 0, 1)[None, :, :, None,
+                                                                           None]
+    out = (jnp.einsum("bmcnk,nmi,binkv->bmcnv", qc, C_inter, S)
+           + jnp.einsum("bmnij,bmjnv->bminv", intra, vc))
+  else:
+    out = jnp.einsum("bmcnk,nmi,binkv->bmcnv", qc, C, S)
+  out = _chunk.from_chunks(out, 1)[:, :T]
+  return _linear_attention._safe_divide(out[..., :-1], out[..., -1:], eps)
+
+
+def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_size: int,
+         feature_map: str | Callable[[jax.Array], jax.Array] = "elu1", causal: bool = True,
+         implementation: str | None = None, eps: float = 1e-6) -> jax.Array:
+  r"""Multi-head linear attention over token blocks, mixed by ``C`` (feature A36, [R]).
+
+  .. math::
+    o_t = \frac{\sum_{j} c_{β(t) β(j)}\, φ(q_t) \cdot φ(k_j)\, v_j}
+               {\sum_{j} c_{β(t) β(j)}\, φ(q_t) \cdot φ(k_j)}
+
+  over ``j <= t`` (causal) or all ``j``, ``β(t) = ⌊t / b⌋`` the block of ``t``
+  ("MHLA: Multi-Head Linear Attention", 2026; see the module docstring). The chunked form
+  computes it from the block summaries in O(T·K'·V + M²·K'·V). ``scale`` cancels in the
+  ratio, so there is none.
+
+  Args:
+    q, k: ``[B, T, N, K]`` (before the feature map); v: ``[B, T, N, V]``.
+    mixing: ``C``, ``[M, M]`` (shared by the heads) or ``[N, M, M]``, ``M = ⌈T / b⌉``.
+    block_size: ``b``, a positive int.
+    feature_map: as in :func:`jaxsoft.linear.linear_attention`.
+    causal: causal (the reconstruction above) or bidirectional (the paper's vision model).
+    implementation: ``"parallel"`` (T x T), ``"chunked"`` (block summaries) or None
+      (chunked). There is no recurrent form: ``C`` mixes every earlier block.
+    eps: the smallest denominator magnitude (its sign kept).
+
+  Returns:
+    ``o [B, T, N, V]`` in the inputs' dtype.
+
+  Example:
+    >>> q = k = jnp.zeros((1, 4, 1, 1)); v = jnp.arange(4.0).reshape(1, 4, 1, 1)
+    >>> C = jnp.array([[1.0, 0.0], [0.0, 1.0]])   # each block reads only itself
+    >>> mhla(q, k, v, C, block_size=2, causal=False)[0, :, 0, 0]
+    Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
+  """
+  fn_name = "mhla"
+  phi = _linear_attention._feature_map(feature_map, fn_name)
+  eps = _linear_attention._check_eps(eps, fn_name)
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  B, T, N, _ = q.shape
+  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    raise ValueError(f"{fn_name}: `block_size` must be a positive int, got {block_size!r}")
+  block = block_size
+  M = math.ceil(T / block)
+  C = jnp.asarray(mixing)
+  if C.shape not in ((M, M), (N, M, M)):
+    raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with "
+                     f"M = ceil(T / block_size) = {M}, N = {N}, got {C.shape}")
+  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing"), (N, M, M))
+  if implementation is None:
+    implementation = "chunked"
+  if implementation not in ("parallel", "chunked"):
+    raise ValueError(f"{fn_name}: `implementation` must be 'parallel', 'chunked' or None, got "
+                     f"{implementation!r}")
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  form = _parallel if implementation == "parallel" else _chunked
+  return form(fq, fk, v.astype(jnp.float32), C, block, causal, eps).astype(dtype)

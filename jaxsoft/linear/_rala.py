@@ -1,0 +1,92 @@
+r"""RALA: rank-augmented linear attention (bidirectional, as in the paper's vision model).
+
+Feature A37 (Fan, Huang & He 2025, "Breaking the Low-Rank Dilemma of Linear
+Attention", CVPR 2025; the RAVLT backbone). The paper raises the rank of linear attention
+from two sides, the KV buffer and the output features. The equations here are a
+reconstruction [R] of that description: the keys are re-weighted by how well they match
+the mean query (a softmax over tokens, which a single ``K' x V`` buffer cannot express),
+
+.. math::
+  α_j = T \cdot \operatorname{softmax}_j\!\big(\bar q \cdot k_j / \sqrt{K}\big), \quad
+  \bar q = \tfrac1T \sum_t q_t, \qquad
+  KV = \sum_j α_j φ(k_j) v_j^\top, \quad Z = \sum_j α_j φ(k_j),
+
+and the output is multiplied elementwise by a gate computed from the input (``x_i W_g`` in
+a layer, passed here as ``gate``): ``y_i = (φ(q_i)^\top KV / φ(q_i)^\top Z) ⊙ gate_i``.
+Uniform ``α`` (a mean query orthogonal to every key, or all keys equal) gives
+bidirectional linear attention times the gate. It is O(T·K'·V) with no sequential
+dependency, so it has one form; the mean query makes it non-causal by construction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft.linear import _checks, _linear_attention
+
+__all__ = ["rala", "rala_key_weights"]
+
+
+def rala_key_weights(q: ArrayLike, k: ArrayLike) -> jax.Array:
+  r"""``α [B, T, N] = T · softmax_j(q̄ · k_j / √K)`` with ``q̄`` the mean query of each
+  sequence and head; ``Σ_j α_j = T``.
+
+  Example:
+    >>> q = jnp.zeros((1, 3, 1, 2)); k = jnp.ones((1, 3, 1, 2))
+    >>> rala_key_weights(q, k)[0, :, 0]
+    Array([1., 1., 1.], dtype=float32)
+  """
+  q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+  T, K = q.shape[1], q.shape[-1]
+  q_mean = jnp.mean(q, axis=1, keepdims=True)
+  return T * jax.nn.softmax(jnp.sum(q_mean * k, -1) * K ** -0.5, axis=1)
+
+
+def rala(q: ArrayLike, k: ArrayLike, v: ArrayLike, gate: ArrayLike | None = None, *,
+         feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+         eps: float = 1e-6) -> jax.Array:
+  r"""Rank-augmented (bidirectional) linear attention (feature A37, [R]).
+
+  .. math::
+    y_i = \frac{φ(q_i)^\top \sum_j α_j φ(k_j) v_j^\top}{φ(q_i)^\top \sum_j α_j φ(k_j)}
+          \odot \text{gate}_i, \qquad
+    α_j = T \operatorname{softmax}_j(\bar q \cdot k_j / \sqrt K)
+
+  (Fan et al. 2025, "Breaking the Low-Rank Dilemma of Linear Attention"; reconstruction,
+  see the module docstring).
+
+  Args:
+    q, k: ``[B, T, N, K]`` (before the feature map); v: ``[B, T, N, V]``.
+    gate: ``[B, T, N, V]`` output gate (``x W_g``), or None (no gate).
+    feature_map: as in :func:`jaxsoft.linear.linear_attention`.
+    eps: the smallest denominator magnitude (its sign kept).
+
+  Returns:
+    ``y [B, T, N, V]`` in the inputs' dtype.
+
+  Example:
+    >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
+    >>> rala(q, k, v, gate=jnp.full((1, 2, 1, 1), 2.0))[0, :, 0, 0]   # 2 * mean(v)
+    Array([4., 4.], dtype=float32)
+  """
+  fn_name = "rala"
+  phi = _linear_attention._feature_map(feature_map, fn_name)
+  eps = _linear_attention._check_eps(eps, fn_name)
+  q, k, v = _checks.check_qkv(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  if gate is not None:
+    gate = _checks.check_gate_logits(gate, v.shape, fn_name, "gate")
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  fq, fk = phi(q), phi(k)
+  alpha = rala_key_weights(q, k)[..., None]
+  kv = jnp.einsum("btnk,btnv->bnkv", alpha * fk, v)
+  z = jnp.einsum("btnk->bnk", alpha * fk)
+  y = _linear_attention._safe_divide(jnp.einsum("btnk,bnkv->btnv", fq, kv),
+                                     jnp.einsum("btnk,bnk->btn", fq, z)[..., None], eps)
+  if gate is not None:
+    y = y * gate
+  return y.astype(dtype)
