@@ -1,0 +1,220 @@
+"""CPU benchmark of the linear-attention family, forward + backward: chunked vs parallel.
+
+B = 1, N = 4 heads, K = V = 64, ``jax.jit(jax.value_and_grad(...))`` of ``sum(o * ct)``
+with respect to every differentiable input (q, k, v and the decays / beta). For every
+variant, form and length T the script starts a separate process that reports the median
+wall time of several runs and the peak resident memory of that process (``ru_maxrss``).
+The named baseline is causal softmax attention, ``jaxsoft.attention.dot_product_attention(
+..., implementation="xla_chunked")``, timed in the same run with the same shapes.
+
+Before timing, each variant's chunked form (chunk 64) is checked against its parallel form
+in a process of its own at T = 256 (4 chunks): the output and every gradient, to 1e-4
+relative to the largest entry. A variant that fails is not timed. A parallel form whose
+T x T (x K for per-channel decays) buffer alone would exceed 512 MiB is not run (gla at
+T >= 1024): the row says so instead of a time.
+
+  python bench/linear_cpu.py                  # T = 1024, 4096; markdown table on stdout
+  python bench/linear_cpu.py --quick          # a tiny run (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+VARIANTS = ("linear_attention", "simple_gla", "lightning_attention", "gla", "delta_rule",
+            "gated_delta_rule")
+FORMS = ("chunked", "parallel")
+BASELINE = "softmax xla_chunked"
+B, N, H = 1, 4, 64
+CHECK_T = 256
+PARALLEL_LIMIT_BYTES = 512 * 2**20
+
+
+def _inputs(variant: str, T: int, seed: int = 0) -> dict:
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  a = {"q": jax.random.normal(ks[0], (B, T, N, H)),
+       "k": jax.random.normal(ks[1], (B, T, N, H)),
+       "v": jax.random.normal(ks[2], (B, T, N, H))}
+  if variant in ("delta_rule", "gated_delta_rule"):
+    a["k"] = a["k"] / jnp.linalg.norm(a["k"], axis=-1, keepdims=True)
+    a["beta"] = jax.random.uniform(ks[3], (B, T, N), minval=0.1, maxval=1.0)
+  if variant in ("simple_gla", "gated_delta_rule"):
+    a["g"] = jax.random.uniform(ks[4], (B, T, N), minval=-0.1, maxval=0.0)
+  if variant == "gla":
+    a["g"] = jax.random.uniform(ks[4], (B, T, N, H), minval=-0.1, maxval=0.0)
+  if variant == "lightning_attention":
+    a["g"] = jax.random.uniform(ks[4], (N,), minval=-0.1, maxval=-0.01)
+  return a
+
+
+def _fn(variant: str, form: str):
+  import jax
+  import jax.numpy as jnp
+
+  import jaxsoft
+  from jaxsoft import linear
+
+  def run(a):
+    q, k, v = a["q"], a["k"], a["v"]
+    if variant == BASELINE:
+      return jaxsoft.attention.dot_product_attention(q, k, v, is_causal=True,
+                                                     implementation="xla_chunked")
+    kw = dict(implementation=form, chunk_size=64)
+    if variant == "linear_attention":
+      return linear.linear_attention(q, k, v, **kw)
+    if variant in ("simple_gla", "gla", "lightning_attention"):
+      return getattr(linear, variant)(q, k, v, a["g"], **kw)
+    if variant == "delta_rule":
+      return linear.delta_rule(q, k, v, a["beta"], **kw)
+    return linear.gated_delta_rule(q, k, v, a["g"], a["beta"], **kw)
+
+  def loss(a, ct):
+    return jnp.sum(run(a) * ct)
+
+  return jax.jit(jax.value_and_grad(loss))
+
+
+def _cotangent(T: int):
+  import jax
+  return jax.random.normal(jax.random.PRNGKey(99), (B, T, N, H))
+
+
+def parallel_buffer_bytes(variant: str, T: int) -> int:
+  """The size of one ``[B, N, T, T]`` (``[B, N, T, T, K]`` for gla) float32 buffer."""
+  return 4 * B * N * T * T * (H if variant == "gla" else 1)
+
+
+def _cell_check(variant: str, T: int) -> dict:
+  import jax
+  import numpy as np
+  a, ct = _inputs(variant, T, seed=1), _cotangent(T)
+  got = _fn(variant, "chunked")(a, ct)
+  want = _fn(variant, "parallel")(a, ct)
+  errs = []
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+    errs.append(float(np.max(np.abs(x - y)) / max(float(np.max(np.abs(y))), 1e-30)))
+  ok = all(np.isfinite(errs)) and max(errs) < 1e-4
+  return {"ok": bool(ok), "max_rel_err": max(errs)}
+
+
+def _cell_time(variant: str, form: str, T: int, reps: int) -> dict:
+  import jax
+  base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  a, ct = _inputs(variant, T), _cotangent(T)
+  f = _fn(variant, form)
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(a, ct))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(a, ct))
+    times.append(time.perf_counter() - t0)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return {"median_s": statistics.median(times), "compile_s": compile_s,
+          "peak_mib": peak / 1024, "base_mib": base / 1024}
+
+
+def _child(kind: str, *args) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--cell", kind, *map(str, args)]
+  env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
+  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+  if proc.returncode != 0:
+    return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
+            f"exit {proc.returncode}"}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--quick", action="store_true", help="tiny run: T = 128, 2 reps, simple_gla only")
+  p.add_argument("--lengths", type=str, default="1024,4096")
+  p.add_argument("--variants", type=str, default=",".join(VARIANTS))
+  p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
+  a = p.parse_args(argv)
+
+  if a.cell:  # a child process: one measurement, one JSON line
+    if a.cell[0] == "check":
+      res = _cell_check(a.cell[1], int(a.cell[2]))
+    else:
+      res = _cell_time(a.cell[1], a.cell[2], int(a.cell[3]), int(a.cell[4]))
+    print(json.dumps(res))
+    return 0
+
+  lengths = [128] if a.quick else [int(t) for t in a.lengths.split(",")]
+  reps = 2 if a.quick else a.reps
+  variants = ["simple_gla"] if a.quick else [
+      v for v in a.variants.split(",") if v]
+  for v in variants:
+    if v not in VARIANTS:
+      p.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+  check_t = min(CHECK_T, max(lengths))
+
+  checks = {v: _child("check", v, check_t) for v in variants}
+  for v, c in checks.items():
+    print(f"correctness {v} chunked vs parallel at T={check_t}: {c}", file=sys.stderr)
+
+  results = {}
+  for T in lengths:
+    results[(BASELINE, "", T)] = _child("time", BASELINE, "", T, reps)
+    print(f"T={T} {BASELINE}: {results[(BASELINE, '', T)]}", file=sys.stderr)
+    for v in variants:
+      for form in FORMS:
+        if not checks[v].get("ok"):
+          results[(v, form, T)] = {"error": "failed the correctness check: not timed"}
+        elif form == "parallel" and parallel_buffer_bytes(v, T) > PARALLEL_LIMIT_BYTES:
+          results[(v, form, T)] = {"error": f"not run: one T x T buffer is "
+                                            f"{parallel_buffer_bytes(v, T) / 2**30:.1f} GiB"}
+        else:
+          results[(v, form, T)] = _child("time", v, form, T, reps)
+        print(f"T={T} {v} {form}: {results[(v, form, T)]}", file=sys.stderr)
+
+  lines = [
+      f"Linear attention, B={B}, N={N}, K=V={H}, chunk 64, forward+backward under jit, median "
+      f"of {reps}; chunked vs parallel checked at T={check_t}: " + ", ".join(
+          f"{v} {'ok' if c.get('ok') else 'FAILED'}" for v, c in checks.items()),
+      "",
+      "| T | variant | form | time (ms) | peak RSS (MiB) | chunked speed-up vs parallel |"
+      f" time vs {BASELINE} | memory vs {BASELINE} |",
+      "|---|---|---|---|---|---|---|---|",
+  ]
+  for T in lengths:
+    ref = results[(BASELINE, "", T)]
+    rows = [(BASELINE, "")] + [(v, f) for v in variants for f in FORMS]
+    for v, form in rows:
+      r = results[(v, form, T)]
+      if "error" in r:
+        lines.append(f"| {T} | {v} | {form} | {r['error']} | | | | |")
+        continue
+      t = r["median_s"]
+      par = results.get((v, "parallel", T), {})
+      speed = (f"{par['median_s'] / t:.2f}x" if form == "chunked" and "median_s" in par
+               else "")
+      vs_t = f"{t / ref['median_s']:.2f}x" if "median_s" in ref else "n/a"
+      vs_m = f"{r['peak_mib'] / ref['peak_mib']:.2f}" if "peak_mib" in ref else "n/a"
+      lines.append(f"| {T} | {v} | {form or 'causal'} | {1e3 * t:.1f} | {r['peak_mib']:.0f} | "
+                   f"{speed} | {vs_t} | {vs_m} |")
+  base = [r["base_mib"] for r in results.values() if "base_mib" in r]
+  if base:
+    lines.append("")
+    lines.append(f"Peak RSS includes the JAX runtime: an idle process with its inputs holds "
+                 f"about {statistics.median(base):.0f} MiB. 'time vs {BASELINE}' is the time "
+                 f"divided by the softmax baseline's (below 1: faster).")
+  print("\n".join(lines))
+  bad = [k for k, r in results.items() if "error" in r and not r["error"].startswith("not run")]
+  return 1 if bad else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
