@@ -172,6 +172,11 @@ def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
   return dq * qc, dk * kc, ds, scores(qc, kc, incl), U_tilde, W
 
 
+def _terms(xs, rc, run_prev):
+  qc, kc, vc, gc, bc = xs
+  return _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev)
+
+
 def _chunk_apply(terms, starts) -> tuple[jax.Array, jax.Array]:
   """Outputs ``[B, N, nC, C, V]`` and end states ``[B, N, nC, K, V]`` from the chunk terms and
   the start states ``[B, N, nC, K, V]``."""
@@ -201,7 +206,7 @@ def _scan_starts(terms, S0) -> tuple[jax.Array, jax.Array]:
 
 def _chunked_plain(xs, rc, run_prev, S0):
   """The chunked form differentiated by autodiff (which keeps every chunk's terms)."""
-  terms = _chunk_terms(*xs, rc, run_prev)
+  terms = _terms(xs, rc, run_prev)
   starts, S_T = _scan_starts(terms, S0)
   return _chunk_apply(terms, starts)[0], S_T
 
@@ -213,7 +218,7 @@ def _chunked_recompute(xs, rc, run_prev, S0):
 
 
 def _chunked_recompute_fwd(xs, rc, run_prev, S0):
-  terms = _chunk_terms(*xs, rc, run_prev)
+  terms = _terms(xs, rc, run_prev)
   starts, S_T = _scan_starts(terms, S0)
   # Residuals: the inputs and the chunk-start states only, O(T·K·V / C); the chunk terms
   # (scores, the UT inverse) are recomputed in the backward pass, one chunk at a time.
@@ -233,7 +238,7 @@ def _chunked_recompute_bwd(res, cts):
     x_c, rc_c, rp_c, start_c, do_c = x
 
     def f(x_c, start_c):
-      terms = _chunk_terms(*(one(t) for t in x_c), rc_c[:, None], rp_c[:, None])
+      terms = _terms(tuple(one(t) for t in x_c), rc_c[:, None], rp_c[:, None])
       o, S_end = _chunk_apply(terms, start_c[:, :, None])
       return o[:, :, 0], S_end[:, :, 0]
 
