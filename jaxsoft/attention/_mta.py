@@ -21,14 +21,18 @@ def mta_identity_kernel(num_heads: int, query_width: int, key_width: int,
   return jnp.zeros((num_heads, query_width, key_width), dtype).at[:, 0, key_width // 2].set(1)
 
 
-def _key_query_conv(x, kernel):
-  """``y[b,n,i,j] = sum_{a,c} kernel[n,a,c] · x[b,n,i-a, j+c-c_k//2]`` (zero outside)."""
+def _key_query_conv(x, kernel, halo: bool = False):
+  """``y[b,n,i,j] = sum_{a,c} kernel[n,a,c] · x[b,n,i-a, j+c-c_k//2]`` (zero outside).
+
+  With ``halo`` the first c_q - 1 rows of ``x`` are the rows before the first output row
+  (no zero padding along the queries; c_q - 1 fewer rows come out)."""
   N, cq, ck = kernel.shape
   # lax.conv is a cross-correlation: flipping the query axis turns i + a' - (cq - 1) into
   # i - a, so the kernel reaches back over cq - 1 past queries
   w = jnp.flip(kernel, axis=1)[:, None].astype(x.dtype)  # [N, 1, cq, ck] (OIHW)
   return lax.conv_general_dilated(
-      x, w, window_strides=(1, 1), padding=((cq - 1, 0), (ck // 2, ck - 1 - ck // 2)),
+      x, w, window_strides=(1, 1),
+      padding=((0 if halo else cq - 1, 0), (ck // 2, ck - 1 - ck // 2)),
       dimension_numbers=("NCHW", "OIHW", "NCHW"), feature_group_count=N,
       precision=lax.Precision.HIGHEST)
 
@@ -45,7 +49,8 @@ def _mix_heads(x, head_mix):
 def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                           kernel: ArrayLike, head_mix: ArrayLike | None = None,
                           head_mix_position: str = "pre", scale: float | None = None,
-                          is_causal: bool = True) -> jax.Array:
+                          is_causal: bool = True, implementation: str = "xla",
+                          block_q: int = 256) -> jax.Array:
   r"""Multi-Token Attention: neighbouring queries and keys shape each attention weight (A13).
 
   With :math:`\hat A = s\, Q K^\top` per head (``scale`` s, default 1/sqrt(H)):
@@ -67,7 +72,10 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   caller's (it belongs to the layer, not the attention).
 
   From O. Golovneva, T. Wang, J. Weston, S. Sukhbaatar, "Multi-Token Attention" (2025,
-  arXiv 2504.00927). Dense: O(T·S) memory per head.
+  arXiv 2504.00927). ``implementation="xla"`` is dense (O(T·S) memory per head);
+  ``"xla_chunked"`` loops over blocks of ``block_q`` queries, each with a halo of the
+  c_q - 1 query rows before it (the convolution's reach), so the largest intermediate is
+  [B, N, block_q + c_q - 1, S], also in the gradient (each block is recomputed).
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, Hv] (GQA: N % K == 0).
@@ -77,6 +85,7 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     head_mix_position: ``"pre"`` (logits) or ``"post"`` (weights).
     scale: logit scale; is_causal: the causal masks above (False: no masks, the
       convolution sees the whole map).
+    implementation: ``"xla"`` or ``"xla_chunked"``; block_q: the chunked query block.
 
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside). Differentiable in query, key, value,
@@ -100,22 +109,47 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
         head_mix.shape[0] * head_mix.shape[1] != N):
       raise ValueError(
           f"{fn}: `head_mix` must have shape [N // c_h, c_h, c_h] with N={N}, got {head_mix.shape}")
-  logits = dense_logits(call.q, call.k, scale=call.scale)  # [B, N, T, S]
-  cdt = logits.dtype
-  vis = None
-  if is_causal:
-    vis = jnp.arange(S)[None, :] <= jnp.arange(T)[:, None]
-    logits = jnp.where(vis, logits, 0.0)
-  logits = _key_query_conv(logits, kernel.astype(cdt))
-  if head_mix is not None and head_mix_position == "pre":
-    logits = _mix_heads(logits, head_mix)
-  if vis is not None:
-    logits = jnp.where(vis, logits, -jnp.inf)
-  w = jax.nn.softmax(logits, axis=-1)
-  if head_mix is not None and head_mix_position == "post":
-    w = _mix_heads(w, head_mix)
-    if vis is not None:
-      w = jnp.where(vis, w, 0.0)
+  if implementation not in ("xla", "xla_chunked"):
+    raise ValueError(
+        f"{fn}: `implementation` must be 'xla' or 'xla_chunked', got {implementation!r}")
+  if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1:
+    raise ValueError(f"{fn}: `block_q` must be an int >= 1, got {block_q!r}")
+  bq = T if implementation == "xla" else min(block_q, T)
+  nq = -(-T // bq)
+  cq = kernel.shape[1]
+  cdt = jnp.promote_types(call.q.dtype, jnp.float32)
+  # cq - 1 zero query rows in front (their logits are the convolution's zero padding) and
+  # padding to whole blocks at the end: each block reads its rows plus a halo of cq - 1
+  qp = jnp.pad(call.q.astype(cdt), ((0, 0), (cq - 1, nq * bq - T), (0, 0), (0, 0)))
+  kernel = kernel.astype(cdt)
   K = call.k.shape[2]
-  out = jnp.einsum("bkgts,bskh->btkgh", w.reshape(B, K, N // K, T, S), call.v.astype(cdt))
-  return out.reshape(B, T, N, -1).astype(call.q.dtype)
+  v = call.v.astype(cdt)
+
+  def q_block(qi):
+    start = qi * bq
+    rows = lax.dynamic_slice_in_dim(qp, start, bq + cq - 1, 1)  # block + halo
+    logits = dense_logits(rows, call.k, scale=call.scale)  # [B, N, bq + cq - 1, S]
+    pos = start - (cq - 1) + jnp.arange(bq + cq - 1)
+    if is_causal:
+      logits = jnp.where(jnp.arange(S)[None, :] <= pos[:, None], logits, 0.0)
+    x = _key_query_conv(logits, kernel, halo=True)  # [B, N, bq, S]
+    if head_mix is not None and head_mix_position == "pre":
+      x = _mix_heads(x, head_mix)
+    vis = None
+    if is_causal:
+      vis = jnp.arange(S)[None, :] <= pos[cq - 1:, None]
+      x = jnp.where(vis, x, -jnp.inf)
+    w = jax.nn.softmax(x, axis=-1)
+    if head_mix is not None and head_mix_position == "post":
+      w = _mix_heads(w, head_mix)
+      if vis is not None:
+        w = jnp.where(vis, w, 0.0)
+    out = jnp.einsum("bkgts,bskh->btkgh", w.reshape(B, K, N // K, bq, S), v)
+    return out.reshape(B, bq, N, -1)
+
+  if nq == 1:
+    out = q_block(0)
+  else:
+    out = lax.map(jax.checkpoint(q_block), jnp.arange(nq))  # [nq, B, bq, N, Hv]
+    out = jnp.moveaxis(out, 0, 1).reshape(B, nq * bq, N, -1)
+  return out[:, :T].astype(call.q.dtype)

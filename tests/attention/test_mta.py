@@ -9,6 +9,7 @@ import functools
 
 import chex
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -60,17 +61,39 @@ def test_matches_shift_reference_values_and_grads_float64(position):
   with jax.enable_x64(True):
     q, k, v = (a.astype(jnp.float64) for a in make_qkv(0, B=B, T=T, N=N, K=K, H=H))
     kernel, mix = _params(1, jnp.float64)
-    f = lambda q, k, v, kern, mix: multi_token_attention(q, k, v, kernel=kern, head_mix=mix,
-                                                         head_mix_position=position)
     r = lambda q, k, v, kern, mix: reference(q, k, v, kern, mix, position)
     args = (q, k, v, kernel, mix)
     ct = jax.random.normal(jax.random.key(3), (B, T, N, H), jnp.float64)
     loss = lambda g: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(g(*a) * ct),
                                                 argnums=tuple(range(5))))(*args)
-    got, want = loss(f), loss(r)
-    chex.assert_trees_all_close(got, want, atol=1e-10, rtol=1e-9)
-    np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(jax.jit(r)(*args)),
-                               atol=1e-12)
+    want = loss(r)
+    # dense, and chunked with a block (4) that does not divide T = 9 and a halo of CQ - 1
+    for impl in ("xla", "xla_chunked"):
+      f = lambda q, k, v, kern, mix, impl=impl: multi_token_attention(
+          q, k, v, kernel=kern, head_mix=mix, head_mix_position=position, implementation=impl,
+          block_q=4)
+      chex.assert_trees_all_close(loss(f), want, atol=1e-10, rtol=1e-9)
+      np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(jax.jit(r)(*args)),
+                                 atol=1e-12)
+
+
+def _avals(jaxpr):
+  for eqn in jaxpr.eqns:
+    for var in eqn.outvars:
+      yield var.aval
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from _avals(sub)
+
+
+def test_chunked_never_builds_t_by_s():
+  Tq = 40
+  q, k, v = make_qkv(5, B=1, T=Tq, N=2, K=1, H=4)
+  kernel, _ = _params(6)
+  f = lambda q, k, v: multi_token_attention(q, k, v, kernel=kernel[:2], implementation="xla_chunked",
+                                            block_q=8).sum()
+  jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v).jaxpr
+  sizes = [int(np.prod(a.shape)) for a in _avals(jaxpr) if hasattr(a, "shape")]
+  assert max(sizes) <= 2 * (8 + CQ - 1) * Tq  # [B, N, block_q + halo, S]
 
 
 def test_finite_differences_float64():
@@ -105,6 +128,12 @@ def test_causal_and_bf16():
   out2 = f(bump(q), bump(k), bump(v))
   np.testing.assert_allclose(np.asarray(out[:, :t + 1]), np.asarray(out2[:, :t + 1]), atol=1e-6)
   assert not np.allclose(np.asarray(out[:, t + 1:]), np.asarray(out2[:, t + 1:]), atol=1e-3)
+  # without the causal masks the chunked form (halo only) is still the dense one
+  nc = {impl: jax.jit(functools.partial(multi_token_attention, kernel=kernel, head_mix=mix,
+                                        is_causal=False, implementation=impl, block_q=4))(q, k, v)
+        for impl in ("xla", "xla_chunked")}
+  chex.assert_trees_all_close(nc["xla_chunked"], nc["xla"], atol=1e-5, rtol=1e-5)
+  assert not np.allclose(np.asarray(nc["xla"]), np.asarray(out), atol=1e-3)
   lo = f(*(a.astype(jnp.bfloat16) for a in (q, k, v)))
   assert lo.dtype == jnp.bfloat16
   want = f(*(a.astype(jnp.bfloat16).astype(jnp.float32) for a in (q, k, v)))
@@ -120,4 +149,7 @@ def test_errors_name_the_argument():
       ("`head_mix_position`", lambda: multi_token_attention(q, k, v, kernel=kern,
                                                             head_mix_position="mid")),
       ("`query`", lambda: multi_token_attention(q[0], k, v, kernel=kern)),
+      ("`implementation`", lambda: multi_token_attention(q, k, v, kernel=kern,
+                                                         implementation="pallas")),
+      ("`block_q`", lambda: multi_token_attention(q, k, v, kernel=kern, block_q=0)),
   )
