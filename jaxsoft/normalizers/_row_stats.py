@@ -28,7 +28,6 @@ __all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 _POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
 
 _THRESHOLD = Param("threshold", 0.5, low=0.0, sample=1.0)
-_COEFFS = Param("coefficients", _POLY, sample=(0.0, 0.0, 0.0, 1.0, 1.0))
 _TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
 _STD_EPS = Param("eps", 1e-7, low=0.0, low_open=True, sample=1e-3)
 _NAP_EPS = Param("eps", 1e-8, low=0.0, low_open=True, sample=1e-2)
@@ -107,7 +106,9 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
     where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
       do not enter H.
     threshold: h_0 >= 0, the entropy (nats) below which beta = 1.
-    coefficients: the polynomial beta(H), highest degree first.
+    coefficients: the polynomial beta(H), highest degree first (a tuple of Python floats;
+      for direct calls: it is not a declared hyperparameter of the spec, so attention's
+      ``normalizer_params`` do not take it).
 
   Returns:
     Weights of ``x``'s shape and dtype, summing to 1 on rows with a visible entry; a row
@@ -260,7 +261,9 @@ SPEC_ADAPTIVE = register(NormalizerSpec(
     catalogue_id="N08",
     sums_to_one=True,
     shift_invariant=True,
-    params=(_THRESHOLD, _COEFFS),
+    # `coefficients` (a tuple) is not declared: attention's normalizer_params take scalars
+    # and row arrays only; it is for direct calls.
+    params=(_THRESHOLD,),
     smooth=False,  # beta(H) = max(poly(H), 1) has a kink
     description="softmax(beta x), beta = max(poly(H(softmax x)), 1) when H > 0.5",
 ))

@@ -60,7 +60,8 @@ def _fd_vjp(ref, x, mask, ct, h=1e-6, **hp):
 
 
 CASES = {
-    "adaptive": (R.adaptive_temperature_softmax, _ref_adaptive, [{}, {"threshold": 1.0}]),
+    "adaptive": (R.adaptive_temperature_softmax, _ref_adaptive,
+                 [{}, {"threshold": 1.0}, {"coefficients": (1.0, 1.0)}]),
     "standardized": (R.standardized_softmax, _ref_standardized, [{}, {"tau": 0.5}]),
     "nap": (R.nap, _ref_nap, [{}, {"eps": 1e-2}]),
 }
