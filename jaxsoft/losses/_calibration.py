@@ -231,7 +231,7 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
   z = lc.check_logits(logits, fn).astype(jnp.float32)
   if z.ndim != 2:
     raise ValueError(f"{fn}: `logits` must be [n, K], got shape {z.shape}")
-  labels = lc.check_integer_labels(labels, z.shape, 1, fn)
+  labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
   z = jax.lax.stop_gradient(z)
   weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
   if weights.shape != z.shape[:1]:

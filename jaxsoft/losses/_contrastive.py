@@ -94,7 +94,7 @@ def info_nce(scores: ArrayLike, *, temperature: ArrayLike = 1.0, labels: ArrayLi
   labels = _positive_labels(labels, b, n, fn)
   keep, pair = _masks(where, x.shape, fn)
   if m_am or m_aam:
-    c = jnp.take_along_axis(x, labels[:, None], axis=1)[:, 0]
+    c = jnp.take_along_axis(x, jnp.asarray(labels)[:, None], axis=1)[:, 0]
     psi = c - m_am if m_am else angular_margin_target(jnp.clip(c, -1.0, 1.0), m_aam)
     x = x + jax.nn.one_hot(labels, n, dtype=x.dtype) * (psi - c)[:, None]
   logits = x / tau
@@ -253,8 +253,10 @@ def top_k_multi_positive_loss(scores: ArrayLike, positives: ArrayLike, *, k: int
                               where: ArrayLike | None = None) -> jax.Array:
   r"""Top-K multi-positive contrastive loss (feature L09).
 
-  The multi-positive objective of ExpAlign (2025; "Top-K multi-positive contrastive
-  objective", whose exact selection rule is not published: this is our reading of it) and,
+  The "Top-K multi-positive contrastive objective" of J. Hu, T. Bai, F. Wu, W. Li, Z. Peng
+  & Y. Zhang, "ExpAlign: Expectation-Guided Vision-Language Alignment for Open-Vocabulary
+  Grounding" (2026, arXiv 2601.22666; its exact selection rule is not in the abstract: this
+  is our reading of it) and,
   with every positive, of MIL-NCE (A. Miech et al., "End-to-End Learning of Visual
   Representations from Uncurated Instructional Videos", CVPR 2020):
 
@@ -307,7 +309,7 @@ def soft_clip_loss(scores: ArrayLike, query_similarity: ArrayLike,
                    where: ArrayLike | None = None) -> jax.Array:
   r"""SoftCLIP: symmetric CLIP loss against soft targets from intra-modal similarity (L09).
 
-  From Y. Gao, J. Liu, Z. Xu, T. Wu, E. Zhang, W. Liu, J. Yang & X. Sun, "SoftCLIP:
+  From Y. Gao, J. Liu, Z. Xu, T. Wu, E. Zhang et al., "SoftCLIP:
   Softer Cross-modal Alignment Makes CLIP Stronger" (AAAI 2024). The abstract fixes the
   idea (a softened target from fine-grained intra-modal self-similarity, plus aligning the
   negatives); the exact weights are not published there, so this is a reconstruction.

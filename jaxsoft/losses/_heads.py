@@ -15,7 +15,19 @@ from jaxsoft.losses import _common as lc
 
 __all__ = ["gol_loss", "l2_svm_loss", "ovr_bce_loss"]
 
-_ARGS_DOC = """
+def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+                 where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
+  r"""One-vs-rest sigmoid binary cross-entropy summed over classes (feature L15).
+
+  .. math::
+    \ell(z; y) = -\sum_{c \in V} \bigl[y_c \log\sigma(z_c) + (1 - y_c)\log(1 - \sigma(z_c))\bigr]
+      = \sum_{c \in V} \bigl[\mathrm{softplus}(z_c) - y_c z_c\bigr],
+
+  the multi-binary criterion that replaces softmax CE to remove the competition between
+  classes, as in J. Pan & K. Huang, "PCOV-KWS: Multi-task Learning for Personalized
+  Customizable Open Vocabulary Keyword Spotting" (2026, arXiv 2603.18023). It equals the sum over classes of
+  ``optax.sigmoid_binary_cross_entropy``; its gradient is :math:`\sigma(z) - y`.
+
   Args:
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
     labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
@@ -26,35 +38,17 @@ _ARGS_DOC = """
     ignore_index: with integer labels, a label value whose examples get loss 0.
 
   Returns:
-    One loss per example, in ``logits``' dtype."""
-
-
-def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
-                 where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
-  r"""One-vs-rest sigmoid binary cross-entropy summed over classes (feature L15).
-
-  .. math::
-    \ell(z; y) = -\sum_{c \in V} \bigl[y_c \log\sigma(z_c) + (1 - y_c)\log(1 - \sigma(z_c))\bigr]
-      = \sum_{c \in V} \bigl[\mathrm{softplus}(z_c) - y_c z_c\bigr],
-
-  the multi-binary criterion that replaces softmax CE to remove the competition between
-  classes, as in "PCOV-KWS: Multi-task Learning for Personalized Customizable Open
-  Vocabulary Keyword Spotting" (2024). It equals the sum over classes of
-  ``optax.sigmoid_binary_cross_entropy``; its gradient is :math:`\sigma(z) - y`.
-  """
-  fn = "ovr_bce_loss"
-  return _per_class_sum(fn, logits, labels, axis, where, ignore_index,
-                        lambda z, y: jax.nn.softplus(z) - y * z)
-
-
-ovr_bce_loss.__doc__ += _ARGS_DOC + """
+    One loss per example, in ``logits``' dtype.
 
   Example:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.ovr_bce_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.1333]
-"""
+  """
+  fn = "ovr_bce_loss"
+  return _per_class_sum(fn, logits, labels, axis, where, ignore_index,
+                        lambda z, y: jax.nn.softplus(z) - y * z)
 
 
 def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
@@ -75,6 +69,24 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   finite for every finite logit. Below z = -80 the logit is taken as -80 in value
   (:math:`e^{80} \approx 5.5\cdot10^{34}`; the exact loss would overflow float32) while the
   gradient is still the one at -80, so a missed positive keeps its push.
+
+  Args:
+    logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
+    labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
+      targets in [0, 1] of ``logits``' shape (multi-label or soft).
+    axis: the class axis.
+    where: optional class mask (broadcastable to ``logits``) or example mask (one
+      dimension fewer); a masked class adds nothing.
+    ignore_index: with integer labels, a label value whose examples get loss 0.
+
+  Returns:
+    One loss per example, in ``logits``' dtype.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> print(js.losses.gol_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
+    [0.6623]
   """
   fn = "gol_loss"
 
@@ -88,16 +100,6 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
     return y * t + (1.0 - y) * neg
 
   return _per_class_sum(fn, logits, labels, axis, where, ignore_index, per_class)
-
-
-gol_loss.__doc__ += _ARGS_DOC + """
-
-  Example:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
-    >>> print(js.losses.gol_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
-    [0.6623]
-"""
 
 
 def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
@@ -116,19 +118,27 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   margin; the gradient is continuous at the hinge. A logit beyond about 1.8e19 on the
   wrong side overflows the square (float32). Equals the sum over classes of
   ``optax.hinge_loss(z, t) ** 2``. Predict with ``argmax`` of the logits.
-  """
-  fn = "l2_svm_loss"
-  return _per_class_sum(fn, logits, labels, axis, where, ignore_index,
-                        lambda z, y: jnp.square(jnp.maximum(0.0, 1.0 - (2.0 * y - 1.0) * z)))
 
+  Args:
+    logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
+    labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
+      targets in [0, 1] of ``logits``' shape (multi-label or soft).
+    axis: the class axis.
+    where: optional class mask (broadcastable to ``logits``) or example mask (one
+      dimension fewer); a masked class adds nothing.
+    ignore_index: with integer labels, a label value whose examples get loss 0.
 
-l2_svm_loss.__doc__ += _ARGS_DOC + """
+  Returns:
+    One loss per example, in ``logits``' dtype.
 
   Example:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> print(js.losses.l2_svm_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.]
-"""
+  """
+  fn = "l2_svm_loss"
+  return _per_class_sum(fn, logits, labels, axis, where, ignore_index,
+                        lambda z, y: jnp.square(jnp.maximum(0.0, 1.0 - (2.0 * y - 1.0) * z)))
 
 
 def _per_class_sum(fn, logits, labels, axis, where, ignore_index, per_class):

@@ -39,7 +39,7 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
 
   This is Cut Cross-Entropy: E. Wijmans, B. Huval, A. Hertzberg, V. Koltun &
   P. Krähenbühl, "Cut Your Losses in Large-Vocabulary Language Models" (2024,
-  arXiv 2411.09009), the approach also used by "Chronicals" (2025). The tokens are taken
+  arXiv 2411.09009), the approach also used by Chronicals. The tokens are taken
   ``token_chunk_size`` at a time; for each token chunk the log-sum-exp runs over vocabulary
   chunks of ``vocab_chunk_size`` columns with the online-softmax recurrence (M. Milakov &
   N. Gimelshein, "Online normalizer calculation for softmax", 2018): a running max m and a

@@ -92,7 +92,7 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
   w = jnp.asarray(class_weights)
   if x.ndim != 2:
     raise ValueError(f"{fn}: `embeddings` must be [B, d], got shape {x.shape}")
-  labels = lc.check_integer_labels(labels, x.shape, 1, fn)
+  labels = jnp.asarray(lc.check_integer_labels(labels, x.shape, 1, fn))
   if w.ndim not in (2, 3) or w.shape[0] != x.shape[1]:
     raise ValueError(f"{fn}: `class_weights` must be [d, C] or [d, C, K] with d = {x.shape[1]}, "
                      f"got shape {w.shape}")

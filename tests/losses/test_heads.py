@@ -84,21 +84,30 @@ def test_gol_gumbel_properties_and_extremes():
   np.testing.assert_allclose(L.gol_loss(jnp.zeros((1, 2)), jnp.array([0])),
                              [1.0 - np.log(1 - np.exp(-1.0))], rtol=1e-6)
   z = jnp.linspace(-30.0, 30.0, 121)[None]
-  for y in (jnp.zeros_like(z), jnp.ones_like(z)):
-    out, (dx,), _ = value_and_vjp(lambda a, y=y: L.gol_loss(a, y), z)
-    loss, grad = _gol(np.asarray(z, np.float64), np.asarray(y))
-    np.testing.assert_allclose(out, loss.sum(-1), rtol=1e-5)
-    assert np.all(np.isfinite(dx))
   # the squared hinge of a logit past ~1.8e19 on the wrong side overflows float32 itself
   huge = jnp.array([[-1e18, -100.0, 100.0, 1e18, 1e18]])
-  for fn in (L.ovr_bce_loss, L.gol_loss, L.l2_svm_loss):
-    for y in (jnp.array([0]), jnp.array([4]), jnp.full((1, 5), 0.5)):
-      out, (dx,), _ = value_and_vjp(lambda a, fn=fn, y=y: fn(a, y), huge)
-      assert np.all(np.isfinite(out)) and np.all(np.isfinite(dx)), (fn, y)
-  for fn in (L.ovr_bce_loss, L.gol_loss):
-    out, (dx,), _ = value_and_vjp(lambda a, fn=fn: fn(a, jnp.array([0])),
-                                  jnp.array([[3e38, -3e38, 0.0]]))
-    assert np.all(np.isfinite(out)) and np.all(np.isfinite(dx)), fn
+  farthest = jnp.array([[3e38, -3e38, 0.0]])
+  targets = (jnp.array([0]), jnp.array([4]), jnp.full((1, 5), 0.5))
+
+  @jax.jit
+  def run(z, huge, farthest):
+    def vg(f, a):
+      out, vjp = jax.vjp(f, a)
+      return out, vjp(jnp.ones_like(out))[0]
+    gol = [vg(lambda a, y=y: L.gol_loss(a, y), z) for y in (jnp.zeros_like(z), jnp.ones_like(z))]
+    ext = [vg(lambda a, fn=fn, y=y: fn(a, y), huge)
+           for fn in (L.ovr_bce_loss, L.gol_loss, L.l2_svm_loss) for y in targets]
+    ext += [vg(lambda a, fn=fn: fn(a, jnp.array([0])), farthest)
+            for fn in (L.ovr_bce_loss, L.gol_loss)]
+    return gol, ext
+
+  gol, ext = run(z, huge, farthest)
+  for (out, dx), y in zip(gol, (0.0, 1.0), strict=True):
+    loss, _ = _gol(np.asarray(z, np.float64), y)
+    np.testing.assert_allclose(out, loss.sum(-1), rtol=1e-5)
+    assert np.all(np.isfinite(dx))
+  for out, dx in ext:
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(dx))
   # below z = -80 the positive term holds its value at -80 and keeps a push
   out, dx = jax.value_and_grad(lambda a: L.gol_loss(a, jnp.array([1.0])).sum())(jnp.array([-200.0]))
   np.testing.assert_allclose(out, np.exp(80.0), rtol=1e-5)
