@@ -36,7 +36,7 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 The feature ids are explained in docs/feature_ids.md.
 """
 
-from jaxsoft.linear._ccq import ccq
+from jaxsoft.linear._ccq import ccq, ccq_step
 from jaxsoft.linear._checks import IMPLEMENTATIONS
 from jaxsoft.linear._cosformer import cosformer, cosformer_step
 from jaxsoft.linear._delta import (
@@ -54,14 +54,18 @@ from jaxsoft.linear._hedgehog import (
     hedgehog_feature_map,
     hedgehog_init,
 )
-from jaxsoft.linear._interdomain import interdomain_attention
+from jaxsoft.linear._interdomain import interdomain_attention, interdomain_attention_step
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
 from jaxsoft.linear._mhla import mhla
 from jaxsoft.linear._nha import native_hybrid_attention
 from jaxsoft.linear._rala import rala, rala_key_weights
-from jaxsoft.linear._sla import head_gates, softmax_linear_attention
+from jaxsoft.linear._sla import (
+    head_gates,
+    softmax_linear_attention,
+    softmax_linear_attention_step,
+)
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
 from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
 
@@ -91,9 +95,12 @@ __all__ = [
     "ttt_linear",
     "ttt_linear_step",
     "softmax_linear_attention",
+    "softmax_linear_attention_step",
     "head_gates",
     "ccq",
+    "ccq_step",
     "interdomain_attention",
+    "interdomain_attention_step",
     "native_hybrid_attention",
     "mhla",
     "rala",

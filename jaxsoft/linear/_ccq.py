@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch
+from jaxsoft.linear import _checks, _dispatch, _recurrence
 
-__all__ = ["ccq", "curvature_query"]
+__all__ = ["ccq", "ccq_step", "curvature_query"]
 
 
 def curvature_query(call, q, k, g, M0) -> tuple[jax.Array, jax.Array]:
@@ -113,3 +113,48 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
   q_tilde = call.q - strength * cq
   o, S_T = _dispatch.forward(call, q_tilde * call.scale, call.k, call.v, g, beta, S0)
   return _dispatch.finish(o, (S_T, M_T), call.dtype, output_final_state)
+
+
+def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
+             beta: ArrayLike | None = None, state: Any = None, *, strength: float = 1.0,
+             scale: float | None = None) -> tuple[jax.Array, Any]:
+  r"""One decoding step of :func:`ccq`: the statistics ``M = e^g M + [k, 1][k, 1]^T``, then
+  ``q~ = q - λ C q`` and the backbone's step read with ``q~``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; g, beta: ``[B, N]`` or None.
+    state: ``(S [B, N, K, V], M [B, N, K + 1, K + 1])`` or None (zeros).
+    strength, scale: as in :func:`ccq`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, (S, M))``.
+
+  Example:
+    >>> o, (S, M) = ccq_step(jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)), jnp.ones((1, 1, 1)))
+    >>> M[0, 0, -1, -1]   # the token count
+    Array(1., dtype=float32)
+  """
+  fn_name = "ccq_step"
+  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
+  B, N, K = q.shape
+  V = v.shape[-1]
+  if state is None:
+    state = (jnp.zeros((B, N, K, V), jnp.float32), jnp.zeros((B, N, K + 1, K + 1), jnp.float32))
+  if not (isinstance(state, (tuple, list)) and len(state) == 2):
+    raise ValueError(f"{fn_name}: `state` must be a pair (S, M) or None")
+  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state[0], scale=scale)
+  M = _checks.check_state(state[1], (B, N, K + 1, K + 1), fn_name, "state")
+  if g is not None:
+    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
+  if beta is not None:
+    beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
+  k1 = jnp.concatenate([k, jnp.ones_like(k[..., :1])], axis=-1)
+  if g is not None:
+    M = M * jnp.exp(g)[..., None, None]
+  M = M + k1[..., :, None] * k1[..., None, :]
+  n = M[..., -1, -1][..., None]
+  mean = M[..., -1, :-1] / n
+  cq = jnp.einsum("bnij,bnj->bni", M[..., :-1, :-1], q) / n - mean * jnp.sum(
+      mean * q, -1, keepdims=True)
+  o, S = _recurrence.step(S, (q - strength * cq) * scale, k, v, g, beta)
+  return o.astype(dtype), (S, M)

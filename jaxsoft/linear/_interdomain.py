@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _linear_attention
+from jaxsoft.linear import _checks, _dispatch, _linear_attention, _recurrence
 
-__all__ = ["interdomain_attention"]
+__all__ = ["interdomain_attention", "interdomain_attention_step"]
 
 
 def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: ArrayLike,
@@ -100,3 +100,52 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
   g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, T, N, R * Kf))
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
   return _dispatch.finish(o, S_T.reshape(B, N, R, Kf, V), dtype, output_final_state)
+
+
+def interdomain_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: ArrayLike,
+                               basis_out: ArrayLike, log_decay: ArrayLike,
+                               state: ArrayLike | None = None, *,
+                               feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+                               scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`interdomain_attention`:
+  ``C[r] = e^{a_r} C[r] + b_r φ(k) v^T``, ``o = Σ_r ψ_r C[r]^T (scale φ(q))``.
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; basis_in, basis_out: ``[B, N, R]``;
+      log_decay: ``[N, R]``.
+    state: ``[B, N, R, K', V]`` or None (zeros).
+    feature_map, scale: as in :func:`interdomain_attention`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, R, K', V] float32)``.
+
+  Example:
+    >>> o, C = interdomain_attention_step(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)),
+    ...                                   jnp.ones((1, 1, 1)), jnp.ones((1, 1, 2)),
+    ...                                   jnp.ones((1, 1, 2)), jnp.zeros((1, 2)), scale=1.0)
+    >>> o
+    Array([[[2.]]], dtype=float32)
+  """
+  fn_name = "interdomain_attention_step"
+  phi = _linear_attention._feature_map(feature_map, fn_name)
+  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  B, N, _ = q.shape
+  V = v.shape[-1]
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  Kf = fq.shape[-1]
+  b_in = jnp.asarray(basis_in)
+  if b_in.ndim != 3 or b_in.shape[:2] != (B, N):
+    raise ValueError(f"{fn_name}: `basis_in` must have shape [B, N, R], got {b_in.shape}")
+  R = b_in.shape[-1]
+  b_in = _checks.check_gate_logits(b_in, (B, N, R), fn_name, "basis_in")
+  psi = _checks.check_gate_logits(basis_out, (B, N, R), fn_name, "basis_out")
+  a = _checks.check_gate(log_decay, (N, R), "[N, R]", fn_name, "log_decay")
+  C = (jnp.zeros((B, N, R * Kf, V), jnp.float32) if state is None else _checks.check_state(
+      state, (B, N, R, Kf, V), fn_name, "state").reshape(B, N, R * Kf, V))
+  scale = Kf ** -0.5 if scale is None else scale
+  qx = (psi[..., :, None] * fq[..., None, :]).reshape(B, N, R * Kf) * scale
+  kx = (b_in[..., :, None] * fk[..., None, :]).reshape(B, N, R * Kf)
+  g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, N, R * Kf))
+  o, C = _recurrence.step(C, qx, kx, v.astype(jnp.float32), g, None)
+  return o.astype(dtype), C.reshape(B, N, R, Kf, V)

@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch
+from jaxsoft.linear import _checks, _dispatch, _recurrence
 
-__all__ = ["softmax_linear_attention", "head_gates"]
+__all__ = ["softmax_linear_attention", "softmax_linear_attention_step", "head_gates"]
 
 
 def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
@@ -113,3 +113,47 @@ def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_lo
       beta = beta * gk                 # u = γ^k β (v - S^T k)
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, v_in, g, beta, S0)
   return _dispatch.finish(o * gq[..., None], S_T, call.dtype, output_final_state)
+
+
+def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                  q_gate_logits: ArrayLike,
+                                  k_gate_logits: ArrayLike | None = None,
+                                  state: ArrayLike | None = None, *, g: ArrayLike | None = None,
+                                  beta: ArrayLike | None = None, temperature: float = 1.0,
+                                  scale: float | None = None) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of :func:`softmax_linear_attention` (``[B, N, ...]`` per token).
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; q_gate_logits, k_gate_logits, g, beta: ``[B, N]``
+      (the last three optional).
+    state: ``[B, N, K, V]`` or None (zeros).
+    temperature, scale: as in :func:`softmax_linear_attention`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+
+  Example:
+    >>> o, S = softmax_linear_attention_step(jnp.ones((1, 2, 1)), jnp.ones((1, 2, 1)),
+    ...                                      jnp.ones((1, 2, 1)), jnp.zeros((1, 2)), scale=1.0)
+    >>> o[0, :, 0]
+    Array([0.5, 0.5], dtype=float32)
+  """
+  fn_name = "softmax_linear_attention_step"
+  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
+  B, N, _ = q.shape
+  temperature = _check_temperature(temperature, fn_name)
+  gq = head_gates(_checks.check_gate_logits(q_gate_logits, (B, N), fn_name, "q_gate_logits"),
+                  temperature)
+  gk = None if k_gate_logits is None else head_gates(
+      _checks.check_gate_logits(k_gate_logits, (B, N), fn_name, "k_gate_logits"), temperature)
+  if g is not None:
+    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
+  if beta is not None:
+    beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
+  if gk is not None:
+    if beta is None:
+      v = v * gk[..., None]
+    else:
+      beta = beta * gk
+  o, S = _recurrence.step(S, q * scale, k, v, g, beta)
+  return (o * gq[..., None]).astype(dtype), S

@@ -139,6 +139,33 @@ def test_forms_agree_with_gradients(variant, with_parallel):
                                    err_msg=f"{form} d/d{name}")
 
 
+@pytest.mark.parametrize("variant", ["sla", "ccq", "interdomain"])
+def test_step_matches_full_call(variant):
+  """``*_step`` token by token from the initial state equals the chunked call (T = 5)."""
+  a = _inputs(variant, T=5, seed=21)
+  o, S = jax.jit(functools.partial(_call, variant, implementation="chunked", chunk_size=2))(a)
+  if variant == "sla":
+    step = jax.jit(lambda x, state: linear.softmax_linear_attention_step(
+        x["q"], x["k"], x["v"], x["q_gate_logits"], x["k_gate_logits"], state, g=x["g"],
+        beta=x["beta"]))
+    state = a["initial_state"]
+  elif variant == "ccq":
+    step = jax.jit(lambda x, state: linear.ccq_step(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                    state, strength=0.8))
+    state = None
+  else:
+    step = jax.jit(lambda x, state: linear.interdomain_attention_step(
+        x["q"], x["k"], x["v"], x["basis_in"], x["basis_out"], a["log_decay"], state))
+    state = None
+  outs = []
+  for t in range(5):
+    x = {n: y[:, t] for n, y in a.items() if n not in ("initial_state", "log_decay")}
+    o_t, state = step(x, state)
+    outs.append(o_t)
+  np.testing.assert_allclose(jnp.stack(outs, 1), o, rtol=1e-5, atol=1e-5)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5), state, S)
+
+
 # A39 TTT-Linear ------------------------------------------------------------------------
 
 
