@@ -14,12 +14,17 @@ together their z-scores tend to sqrt((n-k)/k) and the others' to -sqrt(k/(n-k)) 
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+from jaxsoft.normalizers._softmax import exp_numerator
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 
@@ -292,3 +297,144 @@ SPEC_NAP = register(NormalizerSpec(
     params=(_NAP_EPS,),
     description="(x - mean) / sqrt(var + eps): z-score weights, mean 0, no simplex",
 ))
+
+
+# --- blockwise form (the class-R rule a chunked or Pallas driver would run) ---------------
+
+
+@dataclasses.dataclass(frozen=True)
+class RowStatsRule:
+  """Class R, blockwise: statistics merged over key blocks, then a class E/P pass.
+
+  A driver keeps ``stats`` (a tuple of ``[rows..., 1]`` arrays) per query row, starting at
+  ``init(shape, dtype)``; for each key block it folds ``block(x_tile, vis)`` in with the
+  associative ``merge``; ``derive(stats, **hp)`` turns the row's statistics into per-row
+  hyperparameters (``[rows..., 1]``) of ``second``, an ordinary class E or P
+  :class:`TileRule` run as a second pass over the key blocks. Gradients reach x through
+  ``derive`` and ``block`` (a backward pass would take the derived parameters' cotangents
+  from a first sweep, as class T does for tau, then add ``vjp(block)`` per tile).
+
+  Proposed as a ``row_stats`` field of ``NormalizerSpec`` (``_spec.py``); it lives here
+  until that field exists.
+  """
+
+  init: Callable[..., tuple]
+  block: Callable[..., tuple]
+  merge: Callable[..., tuple]
+  derive: Callable[..., dict]
+  second: TileRule
+
+
+def _moments_init(shape, dtype):
+  return tuple(jnp.zeros(shape, dtype) for _ in range(3))
+
+
+def _moments_block(x, vis):
+  """(count, mean, M2) of the visible entries of one tile, two-pass within the tile."""
+  n = jnp.sum(vis, axis=-1, keepdims=True).astype(x.dtype)
+  mean = c.safe_divide(jnp.sum(jnp.where(vis, x, 0.0), axis=-1, keepdims=True), n)
+  d = jnp.where(vis, x - mean, 0.0)
+  return n, mean, jnp.sum(d * d, axis=-1, keepdims=True)
+
+
+def _moments_merge(a, b):
+  """Chan, Golub & LeVeque's pairwise merge of (count, mean, M2)."""
+  na, ma, qa = a
+  nb, mb, qb = b
+  n = na + nb
+  delta = mb - ma
+  frac = c.safe_divide(nb, n)
+  return n, ma + delta * frac, qa + qb + delta * delta * na * frac
+
+
+def _standardized_derive(stats, tau=1.0, eps=1e-7, **_):
+  n, mean, m2 = stats
+  return {"mu": mean, "scale": tau * (_safe_sqrt(c.safe_divide(m2, n)) + eps)}
+
+
+def _nap_derive(stats, eps=1e-8, **_):
+  n, mean, m2 = stats
+  return {"mu": mean, "scale": jnp.sqrt(c.safe_divide(m2, n) + eps)}
+
+
+def _standard_score_map(x, length, mu=0.0, scale=1.0, **_):
+  return (x - mu) / scale
+
+
+def _identity_numerator(z, m, **_):
+  return z
+
+
+def _entropy_init(shape, dtype):
+  return jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+
+def _entropy_block(x, vis):
+  """(m, l, t): row max, sum e^{x-m}, sum e^{x-m} (x-m) over the tile's visible entries.
+
+  ``t`` is carried relative to m (not ``sum e^{x-m} x``) so that a row far from 0 keeps
+  its precision; under a new max m', ``t' = e^{m-m'} (t + l (m - m'))``.
+  """
+  # H does not depend on the reference point m, so m carries no gradient (in the merge too)
+  m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, x, -jnp.inf), axis=-1, keepdims=True))
+  zc = jnp.where(vis, x - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)
+  e = jnp.where(vis, jnp.exp(zc), 0.0)
+  return m, jnp.sum(e, axis=-1, keepdims=True), jnp.sum(e * zc, axis=-1, keepdims=True)
+
+
+def _entropy_merge(a, b):
+  out_m = jnp.maximum(a[0], b[0])
+  safe = jnp.where(jnp.isfinite(out_m), out_m, 0.0)
+  l_sum, t_sum = 0.0, 0.0
+  for m, l, t in (a, b):
+    shift = jnp.where(jnp.isfinite(m), m - safe, 0.0)  # an empty part has l = t = 0
+    scale = jnp.where(jnp.isfinite(m), jnp.exp(shift), 0.0)
+    l_sum = l_sum + scale * l
+    t_sum = t_sum + scale * (t + l * shift)
+  return out_m, l_sum, t_sum
+
+
+def _adaptive_derive(stats, threshold=0.5, coefficients=_POLY, **_):
+  _, l, t = stats
+  h = jnp.log(jnp.where(l > 0, l, 1.0)) - c.safe_divide(t, l)
+  poly = jnp.polyval(jnp.asarray(coefficients, l.dtype), h)
+  return {"beta": jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)}
+
+
+def _beta_score_map(x, length, beta=1.0, **_):
+  return beta * x
+
+
+_MOMENTS = dict(init=_moments_init, block=_moments_block, merge=_moments_merge)
+
+ROW_STATS_RULES: dict[str, RowStatsRule] = {
+    "adaptive_temperature_softmax": RowStatsRule(
+        init=_entropy_init, block=_entropy_block, merge=_entropy_merge, derive=_adaptive_derive,
+        second=TileRule(score_map=_beta_score_map, numerator=exp_numerator,
+                        denominator=exp_numerator, kernel_class="E")),
+    "standardized_softmax": RowStatsRule(
+        **_MOMENTS, derive=_standardized_derive,
+        second=TileRule(score_map=_standard_score_map, numerator=exp_numerator,
+                        denominator=exp_numerator, kernel_class="E")),
+    "nap": RowStatsRule(
+        **_MOMENTS, derive=_nap_derive,
+        second=TileRule(score_map=_standard_score_map, numerator=_identity_numerator,
+                        kernel_class="P")),
+}
+for _rule in ROW_STATS_RULES.values():
+  _rule.second.validate("RowStatsRule.second")
+
+
+def row_statistics_over_blocks(rule: RowStatsRule, x, mask, block_sizes: Sequence[int],
+                               **hparams: Any) -> dict:
+  """The derived per-row hyperparameters of ``rule`` from consecutive key blocks of the
+  last axis of ``x`` (a plain reading of what a blockwise driver does)."""
+  stats = rule.init(x.shape[:-1] + (1,), x.dtype)
+  start = 0
+  for size in block_sizes:
+    part = rule.block(x[..., start:start + size], mask[..., start:start + size])
+    stats = rule.merge(stats, part)
+    start += size
+  if start != x.shape[-1]:
+    raise ValueError(f"block sizes {tuple(block_sizes)} do not cover the row of {x.shape[-1]}")
+  return rule.derive(stats, **hparams)

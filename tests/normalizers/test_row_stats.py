@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsoft import testing
+from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _row_stats as R
 from tests import helpers
 
@@ -182,3 +184,30 @@ def test_bad_hyperparameters_raise_naming_them():
       ("coefficients", lambda: R.adaptive_temperature_softmax(x, coefficients=())),
       ("tau", lambda: R.standardized_softmax(x, tau=jnp.ones((2, 3)))),
   )
+
+
+# ----------------------------------------------------------------------- blockwise class R
+
+
+@pytest.mark.parametrize("name", sorted(R.ROW_STATS_RULES))
+def test_blockwise_rule_matches_dense_values_and_gradients(name):
+  """Statistics merged over uneven key blocks, then the second pass online (fused with V):
+  equal to the dense normalizer times V, and so are the gradients in x and V."""
+  rule = R.ROW_STATS_RULES[name]
+  fn = CASES[{"adaptive_temperature_softmax": "adaptive", "standardized_softmax": "standardized",
+              "nap": "nap"}[name]][0]
+  x, mask = _rows_mask()
+  x = jnp.asarray(x + 200.0, jnp.float32)  # far from 0: the merges keep their precision
+  mask = jnp.asarray(mask)
+  v = helpers.normal(9, (9, 3))
+  blocks = (4, 1, 4)
+
+  def blockwise(x, v):
+    xs, vis, _ = c.prepare(x, -1, mask, "blockwise")
+    derived = R.row_statistics_over_blocks(rule, xs, vis, blocks)
+    return testing.evaluate_tile_rule_online(rule.second, x, v, blocks, where=mask, **derived)
+
+  def dense(x, v):
+    return fn(x, where=mask) @ v
+
+  helpers.assert_same(blockwise, dense, (x, v), fwd_tol=2e-5, bwd_tol=2e-4)
