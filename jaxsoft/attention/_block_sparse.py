@@ -345,6 +345,27 @@ def block_sparse_attention(
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside), and the stats with ``return_stats``.
     Differentiable in query, key and value (the block choice is piecewise constant).
+
+  Example:
+    Causal MoBA keeping 2 key blocks of 4 positions per query block: its own block and the
+    best earlier one; BLASST with an infinite threshold skips nothing (exact attention).
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.sin(jnp.arange(256.0)).reshape(2, 16, 2, 4)  # [B, T, N, H]
+    >>> out, stats = js.attention.block_sparse_attention(
+    ...     x, x, x, method="moba", block_size=4, top_k_blocks=2, is_causal=True,
+    ...     return_stats=True)
+    >>> stats["kept"][0, 0].astype(int)  # [query block, key block] of batch 0, head 0
+    Array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]], dtype=int32)
+    >>> exact = js.attention.block_sparse_attention(
+    ...     x, x, x, method="blasst", block_size=4, skip_threshold=float("inf"), is_causal=True)
+    >>> bool(jnp.allclose(exact, js.attention.dot_product_attention(x, x, x, is_causal=True),
+    ...                   atol=1e-5))
+    True
   """
   fn = "block_sparse_attention"
   if method not in BLOCK_SPARSE_METHODS:

@@ -57,7 +57,9 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
     assignment: int [B, S] (or [S], shared by the batch): the cluster of each key
       position, in ``[0, num_clusters)``; the same clusters for every key/value head.
     num_clusters: C, a static int >= 1; None = ``max(assignment) + 1`` (only when the
-      assignment is concrete, i.e. not under jit).
+      assignment is concrete, i.e. not under jit). A concrete assignment outside
+      ``[0, C)`` is a ValueError; a traced one cannot be checked, and an out-of-range
+      position then joins no cluster (it is dropped).
 
   Returns:
     ``(merged_key [B, C, K, H], merged_value [B, C, K, Hv], bias [B, 1, 1, C])``: keys and

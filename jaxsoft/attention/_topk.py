@@ -248,6 +248,19 @@ def topk_attention(
   Returns:
     [B, T, N, Hv] in query's dtype (computed in float32 for bf16/fp16), and the indices
     when ``return_indices``. Differentiable in query, key, value and bias.
+
+  Example:
+    One query, four keys with scores 1, 0.5, -1, 2 and one-hot values: the two best keys
+    share the softmax of their own scores, the others get exactly 0.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.ones((1, 1, 1, 1))
+    >>> k = jnp.array([1.0, 0.5, -1.0, 2.0]).reshape(1, 4, 1, 1)
+    >>> v = jnp.eye(4).reshape(1, 4, 1, 4)
+    >>> js.attention.topk_attention(q, k, v, top_k=2, scale=1.0)[0, 0, 0]
+    Array([0.2689, 0.    , 0.    , 0.7311], dtype=float32)
   """
   fn = "topk_attention"
   if selection not in SELECTIONS:
