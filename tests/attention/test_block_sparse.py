@@ -10,13 +10,13 @@ import functools
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention._block_sparse import block_sparse_attention
+from tests.attention.test_topk import largest_intermediate
 from tests.helpers import BWD, FWD, check_raises, make_qkv, value_and_vjp
 
 B, T, N, K, H, BS = 2, 22, 4, 2, 8, 4
@@ -139,14 +139,6 @@ def test_moba_gate_matches_numpy_and_all_blocks_is_dense():
       out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
 
 
-def _avals(jaxpr):
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      yield var.aval
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _avals(sub)
-
-
 @pytest.mark.parametrize("method", ["blasst", "moba"])
 def test_blockwise_loop_never_builds_t_by_s(method):
   Tq = 48
@@ -155,8 +147,7 @@ def test_blockwise_loop_never_builds_t_by_s(method):
   f = lambda q, k, v: block_sparse_attention(q, k, v, method=method, block_size=8,
                                              is_causal=True, **kw).sum()
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v).jaxpr
-  sizes = [int(np.prod(a.shape)) for a in _avals(jaxpr) if hasattr(a, "shape")]
-  assert max(sizes) < Tq * Tq  # one query block against the keys it visits at most
+  assert largest_intermediate(jaxpr) < Tq * Tq  # one query block against the keys it visits at most
 
 
 def test_bf16_and_non_causal():

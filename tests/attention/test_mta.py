@@ -9,13 +9,13 @@ import functools
 
 import chex
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
+from tests.attention.test_topk import largest_intermediate
 from tests.helpers import check_raises, make_qkv
 
 B, T, N, K, H, CQ, CK, CH = 2, 9, 4, 2, 8, 3, 5, 2
@@ -77,14 +77,6 @@ def test_matches_shift_reference_values_and_grads_float64(position):
                                  atol=1e-12)
 
 
-def _avals(jaxpr):
-  for eqn in jaxpr.eqns:
-    for var in eqn.outvars:
-      yield var.aval
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      yield from _avals(sub)
-
-
 def test_chunked_never_builds_t_by_s():
   Tq = 40
   q, k, v = make_qkv(5, B=1, T=Tq, N=2, K=1, H=4)
@@ -92,8 +84,7 @@ def test_chunked_never_builds_t_by_s():
   f = lambda q, k, v: multi_token_attention(q, k, v, kernel=kernel[:2], implementation="xla_chunked",
                                             block_q=8).sum()
   jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v).jaxpr
-  sizes = [int(np.prod(a.shape)) for a in _avals(jaxpr) if hasattr(a, "shape")]
-  assert max(sizes) <= 2 * (8 + CQ - 1) * Tq  # [B, N, block_q + halo, S]
+  assert largest_intermediate(jaxpr) <= 2 * (8 + CQ - 1) * Tq  # [B, N, block_q + halo, S]
 
 
 def test_finite_differences_float64():
