@@ -59,7 +59,7 @@ from jaxsoft.linear._lightning import lightning_attention, lightning_attention_s
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
 from jaxsoft.linear._mhla import mhla
-from jaxsoft.linear._nha import native_hybrid_attention
+from jaxsoft.linear._nha import native_hybrid_attention, native_hybrid_attention_step
 from jaxsoft.linear._rala import rala, rala_key_weights
 from jaxsoft.linear._sla import (
     head_gates,
@@ -102,6 +102,7 @@ __all__ = [
     "interdomain_attention",
     "interdomain_attention_step",
     "native_hybrid_attention",
+    "native_hybrid_attention_step",
     "mhla",
     "rala",
     "rala_key_weights",

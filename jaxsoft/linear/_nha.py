@@ -35,7 +35,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.linear import _checks, _chunk
 
-__all__ = ["native_hybrid_attention"]
+__all__ = ["native_hybrid_attention", "native_hybrid_attention_step"]
 
 
 def _slots_all(a, k, v, keep, K0, V0):
@@ -117,35 +117,38 @@ def _chunked(q, k, v, a, run, K0, V0, w, C):
   return o / den, (Ks[:, -1], Vs[:, -1])
 
 
+def _token(carry, x, w):
+  """One token: ``carry = (K̃, Ṽ, ring_k [B, w, N, K], ring_v, valid [B, w], t)``."""
+  Kt, Vt, ring_k, ring_v, valid, t = carry
+  q_t, k_t, v_t, a_t, keep_t = x
+  alpha = jnp.exp(a_t)
+  kept = jnp.where(keep_t[:, None, None], alpha, 0.0)[..., None]
+  Kt = kept * Kt + (1.0 - alpha)[..., None] * k_t[:, :, None]
+  Vt = kept * Vt + (1.0 - alpha)[..., None] * v_t[:, :, None]
+  valid = valid & keep_t[:, None]
+  slot = t % w
+  ring_k = ring_k.at[:, slot].set(k_t)
+  ring_v = ring_v.at[:, slot].set(v_t)
+  valid = valid.at[:, slot].set(True)
+  sl = jnp.einsum("bnk,bnmk->bnm", q_t, Kt)
+  wl = jnp.where(valid[:, None], jnp.einsum("bnk,bwnk->bnw", q_t, ring_k), -jnp.inf)
+  ps, pw, den = _joint_softmax(sl, None, wl, None)
+  o = (jnp.einsum("bnm,bnmv->bnv", ps, Vt) + jnp.einsum("bnw,bwnv->bnv", pw, ring_v)) / den
+  return (Kt, Vt, ring_k, ring_v, valid, t + 1), o
+
+
+def _empty_window(B, N, K, V, w):
+  return (jnp.zeros((B, w, N, K), jnp.float32), jnp.zeros((B, w, N, V), jnp.float32),
+          jnp.zeros((B, w), bool))
+
+
 def _recurrent(q, k, v, a, run, K0, V0, w):
   B, T, N, K = q.shape
-  V = v.shape[-1]
   keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
-  ring_k = jnp.zeros((B, w, N, K), q.dtype)
-  ring_v = jnp.zeros((B, w, N, V), q.dtype)
-  valid = jnp.zeros((B, w), bool)
   tf = lambda x: jnp.moveaxis(x, 1, 0)
-
-  def body(carry, x):
-    Kt, Vt, ring_k, ring_v, valid = carry
-    q_t, k_t, v_t, a_t, keep_t, t = x
-    alpha = jnp.where(keep_t[:, None, None], jnp.exp(a_t), 0.0)[..., None]
-    Kt = alpha * Kt + (1.0 - jnp.exp(a_t))[..., None] * k_t[:, :, None]
-    Vt = alpha * Vt + (1.0 - jnp.exp(a_t))[..., None] * v_t[:, :, None]
-    valid = valid & keep_t[:, None]
-    slot = t % w
-    ring_k = ring_k.at[:, slot].set(k_t)
-    ring_v = ring_v.at[:, slot].set(v_t)
-    valid = valid.at[:, slot].set(True)
-    sl = jnp.einsum("bnk,bnmk->bnm", q_t, Kt)
-    wl = jnp.where(valid[:, None], jnp.einsum("bnk,bwnk->bnw", q_t, ring_k), -jnp.inf)
-    ps, pw, den = _joint_softmax(sl, None, wl, None)
-    o = (jnp.einsum("bnm,bnmv->bnv", ps, Vt) + jnp.einsum("bnw,bwnv->bnv", pw, ring_v)) / den
-    return (Kt, Vt, ring_k, ring_v, valid), o
-
-  (K_T, V_T, *_), o = jax.lax.scan(
-      body, (K0, V0, ring_k, ring_v, valid),
-      (tf(q), tf(k), tf(v), tf(a), tf(keep), jnp.arange(T)))
+  carry = (K0, V0, *_empty_window(B, N, K, v.shape[-1], w), jnp.zeros((), jnp.int32))
+  (K_T, V_T, *_), o = jax.lax.scan(lambda c, x: _token(c, x, w), carry,
+                                   (tf(q), tf(k), tf(v), tf(a), tf(keep)))
   return jnp.moveaxis(o, 0, 1), (K_T, V_T)
 
 
@@ -227,3 +230,51 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
     o, state = _parallel(qs, kf, vf, a, run, K0, V0, window)
   o = o.astype(dtype)
   return (o, state) if output_final_state else o
+
+
+def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
+                                 slot_log_gates: ArrayLike, state: Any = None, *, window: int,
+                                 scale: float | None = None) -> tuple[jax.Array, Any]:
+  r"""One decoding step of :func:`native_hybrid_attention`.
+
+  The state is ``(K̃ [B, N, M, K], Ṽ [B, N, M, V], ring_k [B, w, N, K], ring_v [B, w, N, V],
+  valid [B, w], t)``: the slots, a ring buffer of the last ``w`` keys and values and the
+  number of tokens seen. None starts a sequence (zero slots, an empty window).
+
+  Args:
+    q, k: ``[B, N, K]``; v: ``[B, N, V]``; slot_log_gates: ``[B, N, M]`` (``<= 0``).
+    state: as above, or None.
+    window, scale: as in :func:`native_hybrid_attention`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state)``.
+
+  Example:
+    >>> o, state = native_hybrid_attention_step(
+    ...     jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.full((1, 1, 1), 2.0),
+    ...     jnp.log(jnp.full((1, 1, 1), 0.5)), window=1)
+    >>> o   # (slot 0.5 * 2 + window 2) / 2
+    Array([[[1.5]]], dtype=float32)
+  """
+  fn_name = "native_hybrid_attention_step"
+  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
+  B, N, K = q.shape
+  V = v.shape[-1]
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"{fn_name}: `window` must be a positive int, got {window!r}")
+  sg = jnp.asarray(slot_log_gates)
+  if sg.ndim != 3 or sg.shape[:2] != (B, N):
+    raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, N, M], got {sg.shape}")
+  M = sg.shape[-1]
+  a = _checks.check_gate(sg, (B, N, M), "[B, N, M]", fn_name, "slot_log_gates")
+  scale = _checks.resolve_scale(scale, K, fn_name)
+  if state is None:
+    state = (jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32),
+             *_empty_window(B, N, K, V, window), jnp.zeros((), jnp.int32))
+  if not (isinstance(state, (tuple, list)) and len(state) == 6):
+    raise ValueError(f"{fn_name}: `state` must be (K̃, Ṽ, ring_k, ring_v, valid, t) or None")
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  f32 = lambda x: x.astype(jnp.float32)
+  state, o = _token(tuple(state), (f32(q) * scale, f32(k), f32(v), f32(a),
+                                   jnp.ones((B,), bool)), window)
+  return o.astype(dtype), state

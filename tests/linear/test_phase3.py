@@ -139,7 +139,7 @@ def test_forms_agree_with_gradients(variant, with_parallel):
                                    err_msg=f"{form} d/d{name}")
 
 
-@pytest.mark.parametrize("variant", ["sla", "ccq", "interdomain"])
+@pytest.mark.parametrize("variant", ["sla", "ccq", "interdomain", "nha"])
 def test_step_matches_full_call(variant):
   """``*_step`` token by token from the initial state equals the chunked call (T = 5)."""
   a = _inputs(variant, T=5, seed=21)
@@ -149,6 +149,12 @@ def test_step_matches_full_call(variant):
         x["q"], x["k"], x["v"], x["q_gate_logits"], x["k_gate_logits"], state, g=x["g"],
         beta=x["beta"]))
     state = a["initial_state"]
+  elif variant == "nha":
+    step = jax.jit(lambda x, state: linear.native_hybrid_attention_step(
+        x["q"], x["k"], x["v"], x["slot_log_gates"], state, window=3))
+    K0, V0 = a["initial_state"]
+    state = (K0, V0, jnp.zeros((B, 3, N, K)), jnp.zeros((B, 3, N, V)),
+             jnp.zeros((B, 3), bool), 0)
   elif variant == "ccq":
     step = jax.jit(lambda x, state: linear.ccq_step(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                                     state, strength=0.8))
@@ -163,6 +169,8 @@ def test_step_matches_full_call(variant):
     o_t, state = step(x, state)
     outs.append(o_t)
   np.testing.assert_allclose(jnp.stack(outs, 1), o, rtol=1e-5, atol=1e-5)
+  if variant == "nha":
+    state = state[:2]   # the slots; the window ring is the step's own
   jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5), state, S)
 
 
