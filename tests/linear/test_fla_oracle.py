@@ -56,10 +56,14 @@ def _fla(variant, args):
       output_final_state=True)
 
 
-@pytest.mark.parametrize("variant", ["simple_gla", "gla", "delta_rule", "gated_delta_rule"])
+@pytest.mark.parametrize("variant", [
+    pytest.param("simple_gla", marks=pytest.mark.slow), "gla",
+    pytest.param("delta_rule", marks=pytest.mark.slow), "gated_delta_rule"])
 @pytest.mark.parametrize("form", ["chunked", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_matches_fla_naive_recurrence(variant, form):
-  """T = 19, chunks of 8, an initial state, beta up to 1.95 for the delta rules."""
+  """T = 19, chunks of 8, an initial state, beta up to 1.95 for the delta rules (the default
+  run checks the per-channel and the delta-rule paths; every variant and form under
+  ``-m slow``)."""
   args = cases.inputs(variant, B=2, T=19, N=2, K=8, V=5, seed=11)
   o, S = cases.call(variant, args, implementation=form, chunk_size=8)
   o_fla, S_fla = _fla(variant, args)
@@ -67,6 +71,7 @@ def test_matches_fla_naive_recurrence(variant, form):
   np.testing.assert_allclose(S, S_fla.numpy(), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_simple_gla_matches_fla_naive_chunk_form():
   """fla's own chunked twin (``naive_chunk_simple_gla``, chunk 16, T not a multiple)."""
   args = cases.inputs("simple_gla", B=1, T=21, N=2, K=8, V=4, seed=12)

@@ -105,12 +105,16 @@ def test_matches_float64_reference(variant):
   np.testing.assert_allclose(o, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [
+    "ttt", pytest.param("sla", marks=pytest.mark.slow), "ccq",
+    pytest.param("interdomain", marks=pytest.mark.slow), "nha"])
 @pytest.mark.parametrize("with_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_forms_agree_with_gradients(variant, with_parallel):
   """Outputs, final states and the gradients of every input (q, k, v, g, beta, gate
   logits, basis arrays, decays, eta, initial state) agree between the recurrent and the
-  chunked form (and the parallel one under ``-m slow``; TTT has no parallel form)."""
+  chunked form (and the parallel one under ``-m slow``; TTT has no parallel form). SLA and
+  interdomain attention only transform the inputs of the base recurrences (whose forms
+  test_forms.py checks): their gradients run under ``-m slow``."""
   forms = ("recurrent", "chunked") + (("parallel",) if with_parallel and variant != "ttt"
                                       else ())
   a = _inputs(variant, seed=1)
@@ -139,7 +143,9 @@ def test_forms_agree_with_gradients(variant, with_parallel):
                                    err_msg=f"{form} d/d{name}")
 
 
-@pytest.mark.parametrize("variant", ["sla", "ccq", "interdomain", "nha"])
+@pytest.mark.parametrize("variant", [
+    pytest.param("sla", marks=pytest.mark.slow), "ccq",
+    pytest.param("interdomain", marks=pytest.mark.slow), "nha"])
 def test_step_matches_full_call(variant):
   """``*_step`` token by token from the initial state equals the chunked call (T = 5)."""
   a = _inputs(variant, T=5, seed=21)
