@@ -297,8 +297,9 @@ def block_sparse_attention(
   dense weights p, and the output error is at most twice the skipped mass times
   :math:`\max_j \|v_j\|`.
 
-  * ``"blasst"``: BLASST skip-softmax, from J. Yuan et al., "BLASST: Dynamic BLocked
-    Attention Sparsity via Softmax Thresholding" (2025). Key blocks are visited in order
+  * ``"blasst"``: BLASST skip-softmax ("BLASST", 2025; its authors and full title are not
+    recorded in this project's sources; the rule is as in NVIDIA Model-Optimizer's
+    skip-softmax kernel, which cites it). Key blocks are visited in order
     inside the online-softmax loop; a block is skipped when every row's block max is below
     its running max minus ``skip_threshold`` = tau (the paper's ``ln(1/lambda)``):
     :math:`\tilde m^{(j)} < m^{(j-1)} - \tau`. Each skipped weight is then at most
@@ -312,12 +313,14 @@ def block_sparse_attention(
     block mean is this) keeps the ``top_k_blocks`` best blocks; with ``is_causal`` the
     query block's own block is always kept and future blocks never. [R] One selection per
     query block (as block-sparse kernels do), not per token.
-  * ``"bfla"``: BFLA [R] (block-filtered long-context attention, Alicewithrabbit/BFLA):
+  * ``"bfla"``: BFLA [R] ("Block-Filtered Long-Context Attention", 2026; authors not
+    recorded here; code Alicewithrabbit/BFLA):
     the estimated block mass :math:`M_{IJ} = \mathrm{softmax}_J(s\, \bar q_I \cdot \bar
     k_J)`; the fewest blocks reaching ``mass_threshold`` are kept (at most
     ``top_k_blocks``), plus the "rescued" diagonal (causal) and first (sink) blocks. The
     estimator and rescue rules are reconstructions.
-  * ``"prism"``: Prism [R] ("Prism: spectral-aware block-sparse attention", 2025): the
+  * ``"prism"``: Prism [R] (a training-free spectral-aware block selection, 2025-26; title
+    and authors not recorded here): the
     head dimension is split into high- and low-frequency bands of half-split RoPE (the
     first ``high_frequency_pairs`` rotary pairs rotate fastest); each band's block score
     is divided by its energy attenuation (pooled / unpooled key energy, the mean pooling's

@@ -45,8 +45,8 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
   An empty cluster gets a zero key and value and a bias of ``-inf``, which
   :func:`jaxsoft.attention.dot_product_attention` treats as masked (weight exactly 0).
 
-  Chelsea is from "Chelsea: Efficient Long-Context LLM Inference via Chunked Soft Matching
-  and KV Merging" (2025); the log-count bias is ToMe's proportional attention (D. Bolya,
+  Chelsea is an online KV-cache clustering method with "Chunked Soft Matching" (2025; its
+  authors and full title are not recorded in this project's sources); the log-count bias is ToMe's proportional attention (D. Bolya,
   C.-Y. Fu, X. Dai, P. Zhang, C. Feichtenhofer, J. Hoffman, "Token Merging: Your ViT But
   Faster", ICLR 2023). [R] Whether Chelsea itself adds the bias is not established; the
   bias is what keeps softmax mass faithful.

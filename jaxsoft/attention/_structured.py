@@ -223,8 +223,8 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
   extra cost. ``use_softmax=True`` is the original embedded-Gaussian block,
   :math:`f = \mathrm{softmax}_j(\theta_i \cdot \phi_j)` (O(T^2)), for comparison.
 
-  From Y. Cho, Y. Kim, E. Yang et al., "Rethinking Efficacy of Softmax for Lightweight
-  Non-Local Neural Networks" (ICIP 2022); the non-local block is X. Wang, R. Girshick,
+  From Cho et al., "Rethinking Efficacy of Softmax for Lightweight Non-Local Neural
+  Networks" (2022); the non-local block is X. Wang, R. Girshick,
   A. Gupta, K. He, "Non-local Neural Networks" (CVPR 2018). [R] The paper's value of s is
   not established; 1/T is the classic choice.
 

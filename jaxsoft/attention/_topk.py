@@ -213,13 +213,13 @@ def topk_attention(
   exactly (no approximation once I is chosen), where the selection score sigma is
 
   * ``selection="per_head"``: the head's own logit, :math:`\sigma = \ell` (each query and
-    head keeps its own k keys; Kascade's per-head top-k, D. Gupta et al., "Kascade: A
-    Practical Sparse Attention Method for Long-Context LLM Inference", 2025);
+    head keeps its own k keys; the exact per-head top-k of Kascade, 2025, a training-free
+    sparse attention that reuses anchor layers' top-k indices; authors and full title not
+    recorded here);
   * ``selection="soft_vote"``: TokenSelect's per-head soft vote, shared by the heads of a
     query: :math:`\sigma_{ij} = \sum_h \mathrm{softmax}_j(\ell^h_{i\cdot})_j` (each head's
-    normalised distribution counts equally), from W. Wu et al., "TokenSelect: Efficient
-    Long-Context Inference and Length Extrapolation for LLMs via Dynamic Token-Level KV
-    Cache Selection" (EMNLP 2025). [R] The vote formula is the catalogue's reconstruction
+    normalised distribution counts equally), from TokenSelect ("Dynamic Token-Level KV Cache
+    Selection", W. Wu et al., EMNLP 2025, arXiv 2411.02886). [R] The vote formula is the catalogue's reconstruction
     of "per-head soft voting"; the Selection Cache and sink/local windows are not included
     (pass a ``local_window_size`` to restrict the candidates instead).
 
