@@ -30,13 +30,19 @@ from jaxsoft.losses._contrastive import (
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._linear_ce import linear_cross_entropy
-from jaxsoft.losses._margin import arcface_loss, cosface_loss, normalized_softmax_loss
+from jaxsoft.losses._margin import (
+    adacos_scale,
+    arcface_loss,
+    cosface_loss,
+    normalized_softmax_loss,
+)
 from jaxsoft.losses._orthogonal import orthogonal_gradient
 from jaxsoft.losses._partial_fc import partial_fc_loss
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 
 __all__ = [
+    "adacos_scale",
     "arcface_loss",
     "cosface_loss",
     "decoupled_softmax_loss",

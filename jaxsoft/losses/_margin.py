@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import _common as nc
 
-__all__ = ["arcface_loss", "cosface_loss", "normalized_softmax_loss"]
+__all__ = ["adacos_scale", "arcface_loss", "cosface_loss", "normalized_softmax_loss"]
 
 
 def cosine_logits(embeddings: ArrayLike, class_weights: ArrayLike, fn_name: str = "cosine_logits"):
@@ -189,6 +189,70 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
   temperature = check_positive(temperature, "temperature", fn)
   return _margin_softmax(fn, embeddings, class_weights, labels, 1.0 / temperature, None, where,
                          ignore_index)
+
+
+def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike, *,
+                 previous_scale: ArrayLike | None = None,
+                 where: ArrayLike | None = None) -> jax.Array:
+  r"""AdaCos: the scale of cosine logits, fixed or adapted per batch (feature L06).
+
+  From X. Zhang, R. Zhao, Y. Qiao, X. Wang & H. Li, "AdaCos: Adaptively Scaling Cosine
+  Logits for Effectively Learning Deep Face Representations" (CVPR 2019). With C classes,
+  the fixed AdaCos scale (``previous_scale=None``) is
+
+  .. math::
+    \tilde s = \sqrt{2}\,\log(C - 1),
+
+  and the dynamic one, from the previous step's scale :math:`s` and this batch's cosines
+  (:func:`cosine_logits`), is
+
+  .. math::
+    s_{\mathrm{new}} = \frac{\log B_{\mathrm{avg}}}{\cos\bigl(\min(\pi/4,\ \theta_{\mathrm{med}})\bigr)},
+    \qquad B_{\mathrm{avg}} = \frac1n \sum_i \sum_{j \ne y_i} e^{s \cos\theta_{ij}},
+
+  with :math:`	heta_{\mathrm{med}}` the median target angle of the batch. Use it as the
+  ``scale`` of :func:`cosface_loss` with ``margin=0`` (AdaCos has no margin) or as
+  ``1 / temperature`` of :func:`normalized_softmax_loss`, carrying it from step to step.
+  No gradient flows through it.
+
+  Args:
+    embeddings: ``[B, d]`` features.
+    class_weights: ``[d, C]`` (or ``[d, C, K]``) class centres, C >= 2.
+    labels: ``[B]`` integer classes.
+    previous_scale: None (the fixed scale) or the scale of the previous step.
+    where: optional ``[B]`` example mask (False: left out of both statistics).
+
+  Returns:
+    A float32 scalar.
+
+  Example:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 1001))
+    >>> print(round(float(js.losses.adacos_scale(x, w, jnp.array([0, 1]))), 3))
+    9.769
+  """
+  fn = "adacos_scale"
+  w = jnp.asarray(class_weights)
+  n_classes = w.shape[1] if w.ndim >= 2 else 0
+  if n_classes < 2:
+    raise ValueError(f"{fn}: `class_weights` needs at least 2 classes ([d, C]), got {w.shape}")
+  if previous_scale is None:
+    return jnp.asarray(math.sqrt(2.0) * math.log(n_classes - 1), jnp.float32)
+  cos = jax.lax.stop_gradient(cosine_logits(embeddings, w, fn))
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != cos.shape[:1]:
+    raise ValueError(f"{fn}: `labels` must be [B] = {cos.shape[:1]} integers, got "
+                     f"{labels.shape} {labels.dtype}")
+  keep = jnp.ones(labels.shape, bool) if where is None else jnp.asarray(where, bool)
+  if keep.shape != labels.shape:
+    raise ValueError(f"{fn}: `where` must be a [B] example mask, got shape {keep.shape}")
+  s = jax.lax.stop_gradient(jnp.asarray(previous_scale, jnp.float32))
+  target = jax.nn.one_hot(labels, n_classes, dtype=bool)
+  b_sum = jnp.sum(jnp.where(target, 0.0, jnp.exp(s * cos)), axis=-1)
+  b_avg = nc.safe_divide(jnp.sum(jnp.where(keep, b_sum, 0.0)), jnp.sum(keep))
+  theta_y = jnp.arccos(jnp.take_along_axis(cos, labels[:, None], axis=-1)[:, 0])
+  theta_med = jnp.nanmedian(jnp.where(keep, theta_y, jnp.nan))
+  return jnp.log(b_avg) / jnp.cos(jnp.minimum(math.pi / 4, theta_med))
 
 
 def _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where, ignore_index):

@@ -176,6 +176,24 @@ def test_bfloat16_is_computed_in_float32():
   np.testing.assert_allclose(out.astype(np.float32), ref, rtol=1e-2, atol=1e-2)
 
 
+def test_adacos_scale_matches_float64_reference():
+  x, w, labels = _inputs(7)
+  np.testing.assert_allclose(js.losses.adacos_scale(x, w, labels), np.sqrt(2) * np.log(C - 1),
+                             rtol=1e-6)
+  where = jnp.array([True, True, False, True, True])
+  got = jax.jit(lambda a, b, s: js.losses.adacos_scale(a, b, labels, previous_scale=s,
+                                                       where=where))(x, w, 5.0)
+  x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+  cos = (x64 / np.linalg.norm(x64, axis=1, keepdims=True)) @ (w64 / np.linalg.norm(w64, axis=0))
+  keep = np.asarray(where)
+  rows = np.arange(B)[keep]
+  y = np.asarray(labels)[keep]
+  e = np.exp(5.0 * cos[rows])
+  b_avg = np.mean(e.sum(-1) - e[np.arange(len(rows)), y])
+  theta_med = np.median(np.arccos(cos[rows, y]))
+  np.testing.assert_allclose(got, np.log(b_avg) / np.cos(min(np.pi / 4, theta_med)), rtol=1e-5)
+
+
 def test_bad_input_names_the_argument():
   x, w, labels = _inputs(6)
   arc = js.losses.arcface_loss
@@ -191,4 +209,6 @@ def test_bad_input_names_the_argument():
       ("`temperature`", lambda: js.losses.normalized_softmax_loss(x, w, labels, temperature=-1)),
       ("`where`", lambda: js.losses.cosface_loss(x, w, labels, where=jnp.ones((2, 3), bool))),
       ("`ignore_index`", lambda: js.losses.cosface_loss(x, w, labels, ignore_index=1.5)),
+      ("`class_weights`", lambda: js.losses.adacos_scale(x, w[:, :1], labels)),
+      ("`labels`", lambda: js.losses.adacos_scale(x, w, labels[:2], previous_scale=3.0)),
   )
