@@ -136,6 +136,25 @@ def test_extreme_logits_are_finite_and_exact():
   assert all(np.all(np.isfinite(a)) for a in jax.tree.leaves(capped))
 
 
+def test_vmap_and_checkpoint():
+  h, w, y = _inputs(9, n=12)
+  hb, yb = h.reshape(3, 4, D), y.reshape(3, 4)
+  f = lambda a, b, c: lce(a, b, c, z_loss=1e-3, token_chunk_size=3, vocab_chunk_size=20)
+
+  @jax.jit
+  def run(hb, w):
+    plain = jax.value_and_grad(lambda a, b: f(a, b, yb).sum(), argnums=(0, 1))(hb, w)
+    mapped = jax.value_and_grad(
+        lambda a, b: jax.vmap(f, in_axes=(0, None, 0))(a, b, yb).sum(), argnums=(0, 1))(hb, w)
+    remat = jax.value_and_grad(
+        lambda a, b: jax.checkpoint(f)(a, b, yb).sum(), argnums=(0, 1))(hb, w)
+    return plain, mapped, remat
+
+  plain, mapped, remat = run(hb, w)
+  chex.assert_trees_all_close(mapped, plain, rtol=1e-5, atol=1e-6)
+  chex.assert_trees_all_close(remat, plain, rtol=1e-6, atol=1e-7)
+
+
 def _all_shapes(jaxpr, acc):
   """Every array shape in a jaxpr and in the jaxprs nested in its equations (scan bodies,
   custom-VJP rules, pjit calls)."""
