@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,45 +13,42 @@ from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_
 __all__ = ["nested_sigmoid"]
 
 _KAPPA = Param("kappa", 1.0, low=0.0, low_open=True, sample=4.0, row_broadcast=True)
-_THRESHOLDS = Param("thresholds", (-1.0, 0.0, 1.0), sample=(0.0, 2.0, 4.0))
+_START = Param("start", -1.0, sample=0.0, row_broadcast=True)
+_STEP = Param("step", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
+_LEVELS = Param("levels", 3, low=1, sample=2)
 
 
-def _check_thresholds(thresholds) -> tuple[float, ...]:
-  try:
-    t = np.asarray(thresholds, np.float64)
-  except (TypeError, ValueError):
-    raise ValueError(f"nested_sigmoid: `thresholds` must be a sequence of numbers, got "
-                     f"{thresholds!r}") from None
-  if t.ndim != 1 or t.size == 0 or not np.all(np.isfinite(t)) or np.any(np.diff(t) <= 0):
-    raise ValueError("nested_sigmoid: `thresholds` must be a non-empty, strictly increasing "
-                     f"sequence of finite numbers, got {thresholds!r}")
-  return tuple(float(v) for v in t)
+def _check_levels(levels) -> int:
+  if isinstance(levels, bool) or not isinstance(levels, (int, np.integer)) or levels < 1:
+    raise ValueError(f"nested_sigmoid: `levels` must be a positive int, got {levels!r}")
+  return int(levels)
 
 
-def staircase(z, kappa, thresholds: Sequence[float]):
-  """``(1/K) sum_k sigma(kappa (z - t_k))`` elementwise."""
-  return sum(jax.nn.sigmoid(kappa * (z - t)) for t in thresholds) / len(thresholds)
+def staircase(z, kappa, start, step, levels: int):
+  """``(1/K) sum_{k<K} sigma(kappa (z - start - k step))`` elementwise."""
+  return sum(jax.nn.sigmoid(kappa * (z - start - k * step)) for k in range(levels)) / levels
 
 
-def _staircase_numerator(z, m, kappa=1.0, thresholds=(-1.0, 0.0, 1.0), **_):
-  return staircase(z, kappa, thresholds)
+def _staircase_numerator(z, m, kappa=1.0, start=-1.0, step=1.0, levels=3, **_):
+  return staircase(z, kappa, start, step, int(levels))
 
 
 @c.dense_rules(inf_limit=1.0)
 def nested_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
-                   kappa: ArrayLike = 1.0,
-                   thresholds: Sequence[float] = (-1.0, 0.0, 1.0)) -> jax.Array:
+                   kappa: ArrayLike = 1.0, start: ArrayLike = -1.0, step: ArrayLike = 1.0,
+                   levels: int = 3) -> jax.Array:
   r"""Multi-level (nested-class) sigmoid staircase (feature N40, kernel class P; [R]).
 
   After "Hierarchical multi-class segmentation of glioma images using networks with
   multi-level activation function" (X. Hu, H. Li, ..., B. Menze, BrainLes 2018). The
   paper's exact activation is not known to this library: this is the reconstruction of
   its catalogue note (marked [R], unverified), a staircase of K shifted sigmoids of one
-  score,
+  score, here with evenly spaced thresholds (so that every parameter is a scalar or a
+  per-row array, as the attention slot passes them),
 
   .. math::
-    f(x) = \frac{1}{K} \sum_{k=1}^{K} \sigma\big(\kappa (x - t_k)\big), \qquad
-    t_1 < \dots < t_K
+    f(x) = \frac{1}{K} \sum_{k=0}^{K-1} \sigma\big(\kappa (x - t_k)\big), \qquad
+    t_k = t_0 + k\,\Delta
 
   so that thresholds of a single output encode nested regions (whole tumour, tumour core,
   enhancing tumour: ``f > k/K`` roughly means "inside region k"), nested by construction
@@ -68,8 +63,12 @@ def nested_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
     kappa: step sharpness ``kappa > 0`` (default 1); a scalar or an array broadcast to the
       rows; differentiable.
-    thresholds: the K step positions, strictly increasing (default ``(-1, 0, 1)``); a
-      static sequence of numbers.
+    start: the first threshold ``t_0`` (default -1); a scalar or an array broadcast to the
+      rows; differentiable.
+    step: the spacing ``Delta > 0`` of the thresholds (default 1); a scalar or an array
+      broadcast to the rows; differentiable.
+    levels: K, the number of steps (default 3, the note's three nested regions); a
+      static int.
 
   Returns:
     Weights in (0, 1) of ``x``'s shape and dtype; a fully masked row is all zeros.
@@ -81,11 +80,13 @@ def nested_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     >>> js.normalizers.nested_sigmoid(jnp.array([-0.5, 0.5, 3.0]), kappa=10.0)  # 1/3 steps
     Array([0.3333, 0.6667, 1.    ], dtype=float32)
   """
-  _KAPPA.validate(kappa, "nested_sigmoid")
-  ts = _check_thresholds(thresholds)
+  for p, v in ((_KAPPA, kappa), (_START, start), (_STEP, step)):
+    p.validate(v, "nested_sigmoid")
+  k_levels = _check_levels(levels)
   xs, mask, ax = c.prepare(x, axis, where, "nested_sigmoid")
-  k = c.row_param(kappa, xs.shape, ax, "kappa", "nested_sigmoid", xs.dtype)
-  return c.finish(staircase(xs, k, ts), mask, jnp.asarray(x).dtype)
+  hp = {name: c.row_param(v, xs.shape, ax, name, "nested_sigmoid", xs.dtype)
+        for name, v in (("kappa", kappa), ("start", start), ("step", step))}
+  return c.finish(staircase(xs, levels=k_levels, **hp), mask, jnp.asarray(x).dtype)
 
 
 SPEC = register(NormalizerSpec(
@@ -96,7 +97,7 @@ SPEC = register(NormalizerSpec(
     sums_to_one=False,
     at_most_one=False,
     shift_invariant=False,
-    params=(_KAPPA, _THRESHOLDS),
+    params=(_KAPPA, _START, _STEP, _LEVELS),
     tile=TileRule(score_map=identity_score_map, numerator=_staircase_numerator),
-    description="mean_k sigmoid(kappa (x - t_k)), a nested-class staircase [R]",
+    description="mean_k sigmoid(kappa (x - t0 - k step)), a nested-class staircase [R]",
 ))

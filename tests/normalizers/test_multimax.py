@@ -13,6 +13,12 @@ from tests import helpers
 MULTIMAX = jax.jit(N.multimax)
 
 HP = dict(t1=0.5, t2=0.8, t3=-0.1, t4=0.2, b1=-1.0, b2=1.0, b3=-2.0, b4=2.0)
+ZERO = dict.fromkeys(HP, 0.0)
+
+
+def _mm(x, where=None, **hp):
+  """MULTIMAX with every parameter passed (traced): one compilation per shape."""
+  return MULTIMAX(x, where=where, **{**ZERO, **hp})
 
 
 def _reference(x, mask, t1=0.0, t2=0.0, t3=0.0, t4=0.0, b1=0.0, b2=0.0, b3=0.0, b4=0.0):
@@ -30,27 +36,27 @@ def _reference(x, mask, t1=0.0, t2=0.0, t3=0.0, t4=0.0, b1=0.0, b2=0.0, b3=0.0, 
 def test_matches_reference():
   x, mask = helpers.random_rows(0, scale=2.0)
   for hp in (HP, {"t1": 1.0, "b1": 0.3}, {"t4": 0.5, "b4": -1.0}):
-    chex.assert_trees_all_close(MULTIMAX(x, where=mask, **hp),
+    chex.assert_trees_all_close(_mm(x, where=mask, **hp),
                                 _reference(x, mask, **hp).astype(np.float32), atol=1e-6)
 
 
 def test_t_zero_is_softmax_and_identity_inside_the_breakpoints():
   x, mask = helpers.random_rows(1, scale=3.0)
-  chex.assert_trees_all_close(MULTIMAX(x, where=mask), jax.nn.softmax(
+  chex.assert_trees_all_close(_mm(x, where=mask), jax.nn.softmax(
       jnp.where(mask, x, -jnp.inf), axis=-1).at[0].set(0.0), atol=1e-7)
   # with t = 0 but any b, still softmax
-  chex.assert_trees_all_close(MULTIMAX(x, where=mask, b1=-1.0, b2=2.0),
+  chex.assert_trees_all_close(_mm(x, where=mask, b1=-1.0, b2=2.0),
                               N.softmax(x, where=mask), atol=1e-7)
   # scores inside [b1, b2] = [b3, b4] are not modulated
   inside = jnp.array([-0.9, -0.2, 0.4, 0.95])
-  chex.assert_trees_all_close(MULTIMAX(inside, t1=0.7, t2=0.7, t3=0.3, t4=0.3, b1=-1.0,
+  chex.assert_trees_all_close(_mm(inside, t1=0.7, t2=0.7, t3=0.3, t4=0.3, b1=-1.0,
                                          b2=1.0, b3=-1.0, b4=1.0), N.softmax(inside), atol=1e-7)
 
 
 def test_sharper_and_suppresses_low_entries():
   x = jnp.array([2.0, 1.8, 0.0, -1.5, -2.0])
   sm = np.asarray(N.softmax(x))
-  mm = np.asarray(MULTIMAX(x, t1=0.5, t2=1.0, b1=-1.0, b2=1.0))
+  mm = np.asarray(_mm(x, t1=0.5, t2=1.0, b1=-1.0, b2=1.0))
   assert mm[0] / mm[1] > sm[0] / sm[1]  # the top pair stays (multi-modal), sharper
   assert mm[3:].sum() / mm.sum() < sm[3:].sum()  # less mass below b1
   assert mm[0] + mm[1] > sm[0] + sm[1]
@@ -65,17 +71,28 @@ def test_gradients_float64_away_from_breakpoints_and_at_them():
     # the rows keep every score at least 0.02 from every breakpoint (checked)
     for b in (-2.0, -1.0, 1.0, 2.0):
       assert np.min(np.abs(np.asarray(x)[np.asarray(mask)] - b)) > 0.02
-    check_grads(lambda x, t1, t2, t3, t4: MULTIMAX(x, where=mask, **{**hp, "t1": t1, "t2": t2,
+    check_grads(lambda x, t1, t2, t3, t4: _mm(x, where=mask, **{**hp, "t1": t1, "t2": t2,
                                                                        "t3": t3, "t4": t4}),
                 (xs, hp["t1"], hp["t2"], hp["t3"], hp["t4"]), order=1, modes=("fwd", "rev"),
                 eps=1e-4)
-    g = jax.grad(lambda x: jnp.sum(MULTIMAX(x, t1=0.5, t2=0.5, b1=0.0, b2=1.0) ** 2))(
+    g = jax.grad(lambda x: jnp.sum(_mm(x, t1=0.5, t2=0.5, b1=0.0, b2=1.0) ** 2))(
         jnp.array([0.0, 1.0, 0.5], jnp.float64))  # entries exactly at the kinks
     assert np.all(np.isfinite(np.asarray(g)))
 
 
 def test_masks_low_precision_tile_rule():
   xf, _ = helpers.random_rows(3, masked=False)
-  helpers.check_mask_is_delete(MULTIMAX, xf, 2, **HP)
-  helpers.check_fully_masked(MULTIMAX, **HP)
   helpers.check_low_precision(MULTIMAX, xf, **HP)
+
+
+def test_masked_entries_and_fully_masked_rows_are_exactly_zero():
+  """where=False and -inf give exact zeros, with zero gradient (the float64 reference
+  comparisons above only bound them by atol)."""
+  x, mask = helpers.random_rows(4)  # row 0 fully masked
+  m = np.asarray(mask)
+  ct = helpers.random_cotangent(x.shape)
+  for fn in (MULTIMAX,):
+    for args in ((x, mask), (jnp.where(mask, x, -jnp.inf), None)):
+      w, vjp = jax.vjp(lambda v, f=fn, wh=args[1]: f(v, where=wh), args[0])
+      assert (np.asarray(w)[~m] == 0).all()
+      assert (np.asarray(vjp(ct)[0])[~m] == 0).all()
