@@ -13,7 +13,15 @@ Each family lives in its own private module; this package re-exports exactly the
 public names.
 """
 
-from jaxsoft.losses._calibration import ece, energy_score, fit_temperature, msp, odin
+from jaxsoft.losses._calibration import (
+    dirichlet_calibrate,
+    ece,
+    energy_score,
+    fit_dirichlet_calibration,
+    fit_temperature,
+    msp,
+    odin,
+)
 from jaxsoft.losses._classification import (
     softmax_cross_entropy,
     softmax_cross_entropy_with_integer_labels,
@@ -46,9 +54,11 @@ __all__ = [
     "arcface_loss",
     "cosface_loss",
     "decoupled_softmax_loss",
+    "dirichlet_calibrate",
     "ece",
     "energy_score",
     "fenchel_young_loss",
+    "fit_dirichlet_calibration",
     "fit_temperature",
     "gol_loss",
     "info_nce",

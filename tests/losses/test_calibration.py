@@ -114,6 +114,35 @@ def test_fit_temperature_leaves_masked_examples_out():
                              L.fit_temperature(true_logits[:200], labels[:200]), rtol=1e-4)
 
 
+def test_dirichlet_calibration_identity_and_fit_optimality():
+  z = normal(6, (1500, 3), 2.0)
+  # W = I / T, b = 0 is temperature scaling exactly
+  cal = L.dirichlet_calibrate(z, jnp.eye(3) / 2.5, jnp.zeros(3))
+  np.testing.assert_allclose(jax.nn.softmax(cal), jax.nn.softmax(z / 2.5), rtol=1e-5, atol=1e-7)
+  w_true = np.array([[1.5, 0.3, 0.0], [0.0, 0.8, 0.2], [0.1, 0.0, 1.2]])
+  b_true = np.array([0.2, -0.1, 0.0])
+  labels = jax.random.categorical(
+      jax.random.key(7), L.dirichlet_calibrate(z, jnp.asarray(w_true), jnp.asarray(b_true)))
+  lam, mu = 0.01, 0.01
+  w, b = L.fit_dirichlet_calibration(z, labels, off_diagonal_weight=lam, bias_weight=mu)
+  z64, y = np.asarray(z, np.float64), np.asarray(labels)
+  log_p = z64 - _lse(z64)[:, None]
+  off = 1 - np.eye(3)
+
+  def objective(wb):   # float64 numpy, flattened (W, b)
+    ww, bb = wb[:9].reshape(3, 3), wb[9:]
+    q = log_p @ ww.T + bb
+    return (np.mean(_lse(q) - q[np.arange(len(y)), y]) + lam * np.sum((ww * off) ** 2) / 6
+            + mu * np.sum(bb**2) / 3)
+
+  fitted = np.concatenate([np.asarray(w, np.float64).ravel(), np.asarray(b, np.float64)])
+  grad = np.array([(objective(fitted + e) - objective(fitted - e)) / 2e-6
+                   for e in 1e-6 * np.eye(12)])
+  assert np.max(np.abs(grad)) < 1e-3, grad                      # a stationary point ...
+  assert objective(fitted) <= objective(np.concatenate([w_true.ravel(), b_true])) + 1e-7
+  np.testing.assert_allclose(w, w_true, atol=0.4)               # ... near the truth
+
+
 def test_bad_input_names_the_argument():
   f, labels = normal(5, (4, 3)), jnp.array([0, 1, 2, 0])
   check_raises(
@@ -129,4 +158,8 @@ def test_bad_input_names_the_argument():
       ("`num_steps`", lambda: L.fit_temperature(f, labels, num_steps=0)),
       ("`logits`", lambda: L.fit_temperature(f[0], labels[0])),
       ("`where`", lambda: L.fit_temperature(f, labels, where=jnp.ones((3,), bool))),
+      ("`weights`", lambda: L.dirichlet_calibrate(f, jnp.eye(2), jnp.zeros(3))),
+      ("`bias`", lambda: L.dirichlet_calibrate(f, jnp.eye(3), jnp.zeros(2))),
+      ("`off_diagonal_weight`",
+       lambda: L.fit_dirichlet_calibration(f, labels, off_diagonal_weight=-1.0)),
   )
