@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import jaxsoft.normalizers as nz
 from jaxsoft.nn import _learned as L
 from tests import helpers
 
@@ -23,9 +22,15 @@ def test_multimax_zero_init_is_softmax_and_params_are_per_head():
   hp = mm.hyperparameters()
   assert set(hp) == {"t1", "t2", "t3", "t4", "b1", "b2", "b3", "b4"}
   got = mm(scores)
-  for h in range(N):
-    want = nz.multimax(scores[:, h], **{k: float(v[h, 0, 0]) for k, v in hp.items()})
-    np.testing.assert_allclose(got[:, h], want, rtol=1e-5, atol=1e-6)
+  # the official code's modulator, per head, then softmax (numpy float64)
+  x = np.asarray(scores, np.float64)
+  t = [np.asarray(hp[f"t{i}"], np.float64) for i in range(1, 5)]
+  b = [np.asarray(hp[f"b{i}"], np.float64) for i in range(1, 5)]
+  relu = lambda a: np.maximum(a, 0.0)  # noqa: E731
+  sig = (x + t[0] * relu(b[0] - x) + t[1] * relu(x - b[1]) + t[2] * relu(b[2] - x) ** 2
+         + t[3] * relu(x - b[3]) ** 2)
+  e = np.exp(sig - sig.max(-1, keepdims=True))
+  np.testing.assert_allclose(got, e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-6)
   helpers.check_raises(("scores", lambda: mm(scores[:, :2])),
                        ("init_std", lambda: L.MultiMax(N, init_std=-1.0, rngs=nnx.Rngs(0))))
 
@@ -38,7 +43,9 @@ def test_qassmax_at_init_is_ssmax_with_s_one():
   n = jnp.arange(1, T + 1)  # the keys query i sees
   qt = qa(q, n)
   w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", qt, k) / np.sqrt(H), where=causal)
-  want = nz.ssmax(jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H), where=causal, s=1.0)
+  # SSMax with s = 1: softmax((log n_i) x_ij) with n_i = i + 1 visible keys
+  plain = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+  want = jax.nn.softmax(jnp.log(n)[:, None] * plain, where=causal) * causal
   np.testing.assert_allclose(w * causal, want, rtol=1e-5, atol=1e-6)
   # training the gate moves it away from 1, within (0, 2)
   qa.gate_out.kernel[...] = jnp.full(qa.gate_out.kernel.shape, 0.3)

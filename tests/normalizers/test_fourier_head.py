@@ -69,8 +69,6 @@ def test_cross_entropy_and_regulariser():
     return val, r - 0.5 * g
 
   first, r = step(real)
-  for _ in range(20):
+  for _ in range(10):
     last, r = step(r)
-  assert np.isfinite(np.asarray(jax.grad(
-      lambda r_: F.fourier_head_cross_entropy(r_, labels, 10).sum())(real))).all()
-  assert last < first - 0.1
+  assert np.isfinite(float(last)) and last < first - 0.1

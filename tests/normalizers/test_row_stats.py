@@ -109,15 +109,18 @@ def test_bfloat16_close_to_float32(case):
 
 
 def test_adaptive_temperature_sharpens_dispersed_rows_only():
-  # A needle among n equal entries: softmax disperses as n grows, the adaptive one less.
-  for n in (16, 256):
-    x = jnp.zeros(n).at[0].set(2.0)
-    soft = jax.nn.softmax(x)
-    ada = R.adaptive_temperature_softmax(x)
-    _, h = R.softmax_entropy(x, x > -jnp.inf, 0)
-    beta = max(np.polyval(POLY, float(h[0])), 1.0)
-    np.testing.assert_allclose(ada, jax.nn.softmax(beta * x), rtol=1e-5)
-    assert beta > 1 and ada[0] > soft[0]
+  # A needle among n equal entries (n = 16 and 256: masked columns are deleted ones):
+  # softmax disperses as n grows, the adaptive one less.
+  x = jnp.zeros((2, 256)).at[:, 0].set(2.0)
+  where = jnp.arange(256)[None, :] < jnp.array([[16], [256]])
+  ada = np.asarray(jax.jit(R.adaptive_temperature_softmax)(x, where=where), np.float64)
+  for i, n in enumerate((16, 256)):
+    row = np.asarray(x[i, :n], np.float64)
+    p = np.exp(row) / np.exp(row).sum()
+    beta = max(np.polyval(POLY, -(p * np.log(p)).sum()), 1.0)
+    want = np.exp(beta * row) / np.exp(beta * row).sum()
+    np.testing.assert_allclose(ada[i, :n], want, rtol=1e-5)
+    assert beta > 1 and ada[i, 0] > p[0]
   # A confident row (H <= 0.5) is softmax itself, bit for bit.
   y = jnp.array([[6.0, 0.0, -1.0, 0.5]])
   assert float(R.softmax_entropy(y, y > -jnp.inf, 1)[1][0, 0]) < 0.5
@@ -138,9 +141,9 @@ def test_adaptive_temperature_never_raises_entropy():
 
 def test_standardized_softmax_is_affine_invariant_and_a_temperature():
   x = jnp.asarray(helpers.rows(2, (4, 10), 2.0))
-  w = R.standardized_softmax(x, tau=0.7)
-  np.testing.assert_allclose(R.standardized_softmax(5.0 * x - 3.0, tau=0.7), w, rtol=2e-5,
-                             atol=1e-7)
+  f = jax.jit(R.standardized_softmax)
+  w = f(x, tau=0.7)
+  np.testing.assert_allclose(f(5.0 * x - 3.0, tau=0.7), w, rtol=2e-5, atol=1e-7)
   # softmax with the per-row temperature tau * (std + eps)
   t = 0.7 * (np.asarray(x, np.float64).std(-1, keepdims=True) + 1e-7)
   np.testing.assert_allclose(w, jax.nn.softmax(x / t), rtol=2e-5, atol=1e-7)
@@ -210,4 +213,4 @@ def test_blockwise_rule_matches_dense_values_and_gradients(name):
   def dense(x, v):
     return fn(x, where=mask) @ v
 
-  helpers.assert_same(blockwise, dense, (x, v), fwd_tol=2e-5, bwd_tol=2e-4)
+  helpers.assert_same(jax.jit(blockwise), jax.jit(dense), (x, v), fwd_tol=2e-5, bwd_tol=2e-4)
