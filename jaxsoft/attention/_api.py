@@ -303,7 +303,8 @@ def _run_xla(call: AttentionCall):
   return _dense.dense_attention(
       call.q, call.k, call.v, bias=call.bias, mask=call.mask, structure=call.structure,
       scale=call.scale, logits_soft_cap=call.logits_soft_cap, normalize=call.normalize_fn(),
-      decay_bias=call.decay_bias, statistic=statistic)
+      decay_bias=call.decay_bias, statistic=statistic,
+      zeros_where_masked=isinstance(call.spec, _spec.NormalizerSpec))
 
 
 def _run_cudnn(call: AttentionCall):

@@ -116,7 +116,7 @@ def row_statistic(spec, params, logits, visible):
 
 
 def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, logits_soft_cap,
-                    normalize, decay_bias=None, statistic=None):
+                    normalize, decay_bias=None, statistic=None, zeros_where_masked=False):
   """Dense attention: weights = normalize(logits, visible), out = weights @ v.
 
   Args:
@@ -130,6 +130,9 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
     decay_bias: None or (cq [B, T, N], ck [B, S, N]).
     statistic: None, or ``statistic(logits, visible) -> [B, N, T]`` (:func:`row_statistic`
       with the normalizer bound) to also return the residual.
+    zeros_where_masked: True when ``normalize`` is a registered normalizer, whose contract
+      (checked for each by the generated tests) gives exact zeros where ``where`` is
+      False; a plain callable's weights are zeroed there by this function.
 
   Returns:
     [B, T, N, Hv] in q's dtype; with ``statistic``, ``(out, residual [B, T, N])``.
@@ -142,8 +145,8 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
   if mask is not None:
     visible = visible & mask
   weights = normalize(logits, visible).astype(logits.dtype)
-  # exact zeros off the visible set, whatever the normalizer does there
-  weights = jnp.where(visible, weights, 0.0)
+  if not zeros_where_masked:  # exact zeros off the visible set, whatever a callable does
+    weights = jnp.where(visible, weights, 0.0)
   weights = weights.reshape(B, K, N // K, T, -1)
   out = jnp.einsum("bkgts,bskh->btkgh", weights, v.astype(logits.dtype))
   out = out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)

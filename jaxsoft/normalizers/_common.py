@@ -29,6 +29,7 @@ normalizer by :func:`dense_rules` (which the registry requires) and :func:`prepa
 
 from __future__ import annotations
 
+import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -101,7 +102,24 @@ def _broadcast_where(where, shape, fn_name: str):
         f"{tuple(shape)}") from None
 
 
-def prepare(x, axis: int, where, fn_name: str):
+class _RowRules:
+  """What :func:`dense_rules` hands to :func:`prepare` for one call (see ``_RULES``)."""
+
+  __slots__ = ("x", "top")
+
+  def __init__(self, x):
+    self.x = x
+    self.top = None  # set by prepare: the visible row max, NaN / +inf included
+
+
+# Set by dense_rules around a normalizing normalizer's call: when that normalizer's
+# prepare() receives the very array the wrapper passed, prepare takes the NaN and +inf
+# rows out itself (in the pass it makes anyway) and leaves their row max for the wrapper.
+_RULES: contextvars.ContextVar[_RowRules | None] = contextvars.ContextVar(
+    "jaxsoft_dense_rules", default=None)
+
+
+def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
   """Validates and upcasts ``x``; returns ``(x_safe, mask, axis)``.
 
   ``mask`` is a boolean array of ``x``'s shape: ``where`` (broadcast) and ``x > -inf``.
@@ -109,15 +127,36 @@ def prepare(x, axis: int, where, fn_name: str):
   with nothing visible), without gradient: any elementwise map of it is a value the row
   already has, so ``exp(z - max z)`` and the like stay finite in every branch of a
   ``where`` and no gradient through a masked entry is NaN (the "double where").
+
+  ``with_max=True`` also returns that row max (keepdims, no gradient) as a fourth value,
+  so a class-E normalizer whose score map is increasing can take its stabiliser from it
+  instead of a second pass over the row.
+
+  Called by a normalizer under :func:`dense_rules` on the array the wrapper gave it, a
+  row with a visible NaN or ``+inf`` comes back fully masked with ``x_safe`` 0 (finite,
+  zero gradient); the wrapper then writes that row's result by its rules.
   """
   x = jnp.asarray(x)
   axis = canonical_axis(axis, x.ndim, fn_name)
+  rules = _RULES.get()
   xc = x.astype(compute_dtype(x.dtype))
   mask = xc != -jnp.inf
   if where is not None:
     mask = jnp.logical_and(mask, _broadcast_where(where, x.shape, fn_name))
-  fill = masked_max(xc, mask, axis)
+  if rules is not None and rules.x is x and rules.top is None and x.shape[axis] > 0:
+    # One pass gives the stabiliser and the rows the wrapper takes over: the visible max
+    # is NaN with a visible NaN, +inf with a visible +inf.
+    top = jax.lax.stop_gradient(
+        jnp.max(jnp.where(mask, xc, -jnp.inf), axis=axis, keepdims=True))
+    rules.top = top
+    usual = jnp.isfinite(top)
+    mask = jnp.logical_and(mask, usual)
+    fill = jnp.where(usual, top, jnp.zeros_like(top))
+  else:
+    fill = masked_max(xc, mask, axis)
   x_safe = jnp.where(mask, xc, jnp.broadcast_to(fill, xc.shape))
+  if with_max:
+    return x_safe, mask, axis, fill
   return x_safe, mask, axis
 
 
@@ -203,9 +242,15 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     ``(posinf, axis, hparams) -> weights`` (default :func:`share_among_inf`, for every
     normalizing normalizer), or a number, each ``+inf`` entry's own limit for pointwise
     normalizers whose other entries are unaffected;
-  * ``+inf`` and NaN entries are replaced by the row's largest finite visible value
-    before ``fn`` runs, so its result (overridden in those rows) and its gradient (zero
-    there) are finite.
+  * ``fn`` never computes with a NaN or ``+inf``: in a normalizing normalizer, the rows
+    that hold one reach ``fn`` fully masked (:func:`prepare` does it in the pass that
+    finds the row max, or, for a ``fn`` that does not call it on ``x``, the wrapper),
+    so the result there (overridden) and the gradient (zero) are finite; a pointwise
+    one (``inf_limit`` a number) sees those entries as the row's largest finite visible
+    value, so a length-dependent parameter still counts them.
+
+  For a normalizer built on :func:`prepare`, the rules add no pass over the rows but a
+  count of the ``+inf`` entries and one select.
 
   ``keyed=True`` for stochastic normalizers ``fn(key, x, axis=-1, where=None, ...)``.
   The registry requires the mark this sets (``_spec.register``).
@@ -213,6 +258,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
   if fn is None:
     return functools.partial(dense_rules, inf_limit=inf_limit, keyed=keyed)
   name = fn.__name__
+  pointwise = not callable(inf_limit)
 
   def apply(lead, x, axis, where, hparams):
     x = jnp.asarray(x)
@@ -227,20 +273,43 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     visible = x != -jnp.inf
     if where is not None:
       visible = visible & where
-    nan = visible & jnp.isnan(x)
     posinf = visible & (x == jnp.inf)
-    odd = nan | posinf
-    finite_max = masked_max(x, visible & ~odd, ax)
-    x_in = jnp.where(odd, jnp.broadcast_to(finite_max, x.shape).astype(x.dtype), x)
-    w = fn(*lead, x_in, axis, where, **hparams)
-    inf_row = jnp.any(posinf, axis=ax, keepdims=True)
-    if callable(inf_limit):
-      w_inf = inf_limit(posinf, ax, hparams).astype(w.dtype)
+    if pointwise:
+      # Each +inf entry's own limit; the others keep their values, so +inf and NaN
+      # entries reach fn as the row's largest finite visible value (a length-dependent
+      # parameter still counts them).
+      odd = jnp.isnan(x) | (x == jnp.inf)
+      fill = masked_max(x, visible & ~odd, ax)
+      x_in = jnp.where(odd, jnp.broadcast_to(fill, x.shape).astype(x.dtype), x)
+      w = fn(*lead, x_in, axis, where, **hparams)
+      k = jnp.sum(jnp.where(visible & jnp.isnan(x), jnp.nan, posinf.astype(x.dtype)),
+                  axis=ax, keepdims=True)  # NaN in a NaN row
+      w_taken = jnp.where(posinf, jnp.asarray(inf_limit, w.dtype), w)
+      w_taken = jnp.where(jnp.isnan(k) & visible, jnp.asarray(jnp.nan, w.dtype), w_taken)
+      return jnp.where(k != 0, w_taken, w)
+    rules = _RowRules(x)
+    token = _RULES.set(rules)
+    try:
+      w = fn(*lead, x, axis, where, **hparams)
+    finally:
+      _RULES.reset(token)
+    top = rules.top
+    if top is None:  # fn did not pass x to prepare(): give it x with the odd rows masked
+      top = jax.lax.stop_gradient(
+          jnp.max(jnp.where(visible, x, -jnp.inf), axis=ax, keepdims=True))
+      x_in = jnp.where(jnp.isnan(x) | (x == jnp.inf) | ~jnp.isfinite(top) & visible,
+                       jnp.asarray(-jnp.inf, x.dtype), x)
+      w = fn(*lead, x_in, axis, where, **hparams)
+    nan_row = jnp.isnan(top)
+    taken = nan_row | (top == jnp.inf)
+    if inf_limit is share_among_inf:  # 1/k on each of the k +inf entries
+      k = jnp.sum(posinf, axis=ax, keepdims=True)
+      limit = (posinf / jnp.maximum(k, 1)).astype(w.dtype)
     else:
-      w_inf = jnp.where(posinf, jnp.asarray(inf_limit, w.dtype), w)
-    w = jnp.where(inf_row, w_inf, w)
-    nan_row = jnp.any(nan, axis=ax, keepdims=True)
-    return jnp.where(nan_row & visible, jnp.asarray(jnp.nan, w.dtype), w)
+      limit = inf_limit(posinf, ax, hparams).astype(w.dtype)
+    share = jnp.where(nan_row, jnp.asarray(jnp.nan, w.dtype), limit)
+    w_taken = jnp.where(visible, share, jnp.zeros_like(share))
+    return jnp.where(taken, w_taken, w)
 
   wrapped: Callable[..., Any]
   if keyed:

@@ -51,12 +51,13 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0., 0., 0.], dtype=float32)
   """
   _TEMPERATURE.validate(temperature, "softmax")
-  xs, mask, axis = c.prepare(x, axis, where, "softmax")
+  xs, mask, axis, m = c.prepare(x, axis, where, "softmax", with_max=True)
   t = c.row_param(temperature, xs.shape, axis, "temperature", "softmax", xs.dtype)
-  z = xs / t
-  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  # T > 0, so the row max of x / T is m / T: no second pass for the stabiliser.
+  e = jnp.where(mask, jnp.exp((xs - m) / t), 0.0)
+  d = jnp.sum(e, axis=axis, keepdims=True)  # >= 1 unless nothing is visible (then e = 0)
+  w = e / jnp.where(d > 0, d, 1.0)  # exact zeros where masked, as finish() would give
+  return w.astype(c.output_dtype(jnp.asarray(x).dtype))
 
 
 def exp_numerator(z, m, **_):
