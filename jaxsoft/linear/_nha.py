@@ -58,7 +58,7 @@ def _slots_all(a, k, v, keep, K0, V0):
   return Ks, Vs
 
 
-def _joint_softmax(slot_logits, slot_values, win_logits, win_values):
+def _joint_softmax(slot_logits, win_logits):
   """The unnormalised weights ``(e^{slot - m}, e^{win - m})`` and their sum ``den`` of
   ``softmax([slot_logits ; win_logits])`` (masked window logits are ``-inf``)."""
   m = jnp.max(win_logits, -1)   # the token itself is always in its window: finite
@@ -80,7 +80,7 @@ def _parallel(q, k, v, a, run, K0, V0, w):
   mask = band[None] & (run[:, :, None] == run[:, None, :])             # [B, T, T]
   win_logits = jnp.where(mask[:, None], jnp.einsum("btnk,bsnk->bnts", q, k), -jnp.inf)
   win_logits = jnp.moveaxis(win_logits, 1, 2)                          # [B, T, N, S]
-  ps, pw, den = _joint_softmax(slot_logits, None, win_logits, None)
+  ps, pw, den = _joint_softmax(slot_logits, win_logits)
   o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + jnp.einsum("btns,bsnv->btnv", pw, v)
   return o / den, (Ks[:, -1], Vs[:, -1])
 
@@ -110,7 +110,7 @@ def _chunked(q, k, v, a, run, K0, V0, w, C):
   win_logits = jnp.where(mask[:, :, :, None],
                          jnp.einsum("bicnk,bijnk->bicnj", qc, k2), -jnp.inf)
   win_logits = _chunk.from_chunks(win_logits, 1)[:, :T]               # [B, T, N, 2C]
-  ps, pw, den = _joint_softmax(slot_logits, None, win_logits, None)
+  ps, pw, den = _joint_softmax(slot_logits, win_logits)
   pw_c = _chunk.to_chunks(_chunk.pad_time(pw, 1, pad), 1, C)
   o_win = _chunk.from_chunks(jnp.einsum("bicnj,bijnv->bicnv", pw_c, v2), 1)[:, :T]
   o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + o_win
@@ -132,7 +132,7 @@ def _token(carry, x, w):
   valid = valid.at[:, slot].set(True)
   sl = jnp.einsum("bnk,bnmk->bnm", q_t, Kt)
   wl = jnp.where(valid[:, None], jnp.einsum("bnk,bwnk->bnw", q_t, ring_k), -jnp.inf)
-  ps, pw, den = _joint_softmax(sl, None, wl, None)
+  ps, pw, den = _joint_softmax(sl, wl)
   o = (jnp.einsum("bnm,bnmv->bnv", ps, Vt) + jnp.einsum("bnw,bwnv->bnv", pw, ring_v)) / den
   return (Kt, Vt, ring_k, ring_v, valid, t + 1), o
 
