@@ -11,8 +11,8 @@ most ``K'`` ("global context collapse"). MHLA splits the tokens into ``M`` block
 and lets the queries of block ``i`` read their own mixture
 ``\tilde S_i = Σ_β c_{iβ} S_β``, ``\tilde z_i = Σ_β c_{iβ} z_β`` with learned coefficients
 ``C [M, M]``: ``o = φ(q)^\top \tilde S_i / φ(q)^\top \tilde z_i``. The rank bound becomes
-``Σ_β min(|β|, K')``. Constraints on ``C`` are not stated in the sources this library
-had; this is a reconstruction [R]: ``C`` is used as given, and the causal form keeps only
+``Σ_β min(|β|, K')``. Constraints on ``C`` (sign, causal masking) are not given in the
+abstract; this is a reconstruction [R]: ``C`` is used as given, and the causal form keeps only
 ``β <= i`` with the own block read causally (token ``t`` sees the keys ``j <= t`` of its
 block), so that query ``t`` in block ``i`` weighs key ``j`` by ``c_{i, β(j)} φ(q_t)·φ(k_j)``.
 ``C`` = all ones is vanilla linear attention.

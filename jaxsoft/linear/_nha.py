@@ -12,9 +12,9 @@ over both:
   o_t = \operatorname{softmax}\big(\text{scale} \cdot q_t [\tilde K_t ; k_{t-w+1..t}]^\top\big)
         [\tilde V_t ; v_{t-w+1..t}],
 
-``α_t = e^{a_t} \in (0, 1]^M`` per slot (the slot update of Gated Slot Attention, as the
-paper's [R] reconstruction in this library's catalogue has it). ``w`` alone moves the layer
-between linear (small ``w``) and full attention (``w >= T``). Slots start at zero (or at an
+``α_t = e^{a_t} \in (0, 1]^M`` per slot. The slot update is that of Gated Slot Attention,
+a reconstruction [R] of the paper's (the softmax over slots and window is the paper's).
+``w`` alone moves the layer between linear (small ``w``) and full attention (``w >= T``). Slots start at zero (or at an
 initial state), and a zero slot still takes part in the softmax with score 0.
 
 Forms: ``"recurrent"`` (a scan over tokens carrying the slots and a ring buffer of the last
