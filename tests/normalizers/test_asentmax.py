@@ -62,7 +62,7 @@ def test_closed_forms_and_needle():
     row = jnp.zeros(n).at[0].set(1.0)
     w = np.asarray(ASENTMAX(row, beta=1.0))
     assert w[0] == 1.0 and (w[1:] == 0).all()
-  dense = [np.asarray(N.entmax15(jnp.zeros(n).at[0].set(1.0))) for n in (64, 16384)]
+  dense = [np.asarray(N.entmax15(jnp.zeros(n).at[0].set(1.0))) for n in (64, 4096)]
   assert dense[1][0] < dense[0][0] < 0.5 and (dense[1] > 0).all()  # fading, dense support
 
 
