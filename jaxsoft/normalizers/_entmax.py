@@ -325,7 +325,12 @@ def _alpha_score_map(x, length, alpha=1.5, **_):
 
 
 def _alpha_mass(z, tau, *_, alpha=1.5, **__):
-  return jnp.power(jnp.maximum(z - tau, 0.0), 1.0 / (alpha - 1.0))
+  # [z - tau]_+^{1/(alpha-1)} with a double where: for alpha > 2 the exponent is < 1 and
+  # the power's derivative at 0 is inf, which times the clamp's 0 made the blockwise
+  # gradients (xla_chunked, Pallas) NaN.
+  d = z - tau
+  pos = d > 0
+  return jnp.where(pos, jnp.power(jnp.where(pos, d, 1.0), 1.0 / (alpha - 1.0)), 0.0)
 
 
 def _alpha_bracket(m, length, alpha=1.5, **_):

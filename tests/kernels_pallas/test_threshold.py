@@ -25,7 +25,7 @@ from tests.kernels_pallas.test_lowering import _export
 
 T_NAMES = sorted(n for n in jn.names()
                  if jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None)
-ALPHA = jnp.asarray([1.25, 1.75]).reshape(2, 1, 1)  # per head, differentiable
+ALPHA = jnp.asarray([1.25, 2.5]).reshape(2, 1, 1)  # per head, differentiable; > 2 too
 MOSAIC_SMALL = dict(block_q=16, block_k=128)
 
 

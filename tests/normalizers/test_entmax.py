@@ -230,3 +230,23 @@ def test_specs():
     assert spec.kernel_class == "T" and spec.catalogue_id == "N17"
     assert spec.can_be_sparse and spec.shift_invariant and spec.threshold is not None
   assert jn.get("entmax").param("alpha").low == 1.0 and jn.get("entmax").param("alpha").low_open
+
+
+def test_threshold_rule_mass_has_finite_gradients_for_alpha_above_2():
+  """The blockwise paths differentiate the rule's mass ``[z - tau]_+^{1/(alpha-1)}``: for
+  alpha > 2 its exponent is < 1 and the entries below tau once gave 0 * inf = NaN."""
+  rule = jn.get("entmax").threshold
+  z = jnp.array([0.5, 0.1, -0.3, -1.0])
+  tau = jnp.asarray(0.0)
+
+  def total(z, tau, alpha):
+    return jnp.sum(rule.mass(z, tau, alpha=alpha) * jnp.arange(1.0, 5.0))
+
+  for alpha in (1.25, 2.5, 4.0):
+    g = jax.grad(total, argnums=(0, 1, 2))(z, tau, jnp.asarray(alpha))
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in g)
+    q = 1.0 / (alpha - 1.0)
+    # d/dz on the support: q (z - tau)^{q-1}; exactly 0 below tau
+    want = jnp.where(z > 0, q * jnp.power(jnp.maximum(z, 1e-30), q - 1.0), 0.0) * jnp.arange(
+        1.0, 5.0)
+    chex.assert_trees_all_close(g[0], want, rtol=1e-5)
