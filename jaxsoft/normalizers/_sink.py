@@ -203,7 +203,8 @@ def _sink_floor(length, sink_logit=0.0, **_):
   """softmax_sink's stabiliser floor: the sink's own logit ``s`` (the function's
   ``max(max x, s)``), so a sink far above every score (s = 1e4 over scores near -1e4)
   cannot overflow ``e^{s - m}`` and the row's ``log D`` stays ``s``, not ``inf``."""
-  return sink_floor(jnp.asarray(sink_logit, jnp.asarray(length).dtype), 1.0)
+  # sink_floor(s, 1) without its n = 0 branch (a -inf constant Triton cannot lower here)
+  return jax.lax.stop_gradient(jnp.asarray(sink_logit, jnp.asarray(length).dtype))
 
 
 _COMMON: dict[str, Any] = dict(kernel_class="E", catalogue_id="N03", sums_to_one=False,
