@@ -306,6 +306,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
       k = jnp.sum(posinf, axis=ax, keepdims=True)
       limit = (posinf / jnp.maximum(k, 1)).astype(w.dtype)
     else:
+      assert callable(inf_limit)  # (pointwise normalizers returned above)
       limit = inf_limit(posinf, ax, hparams).astype(w.dtype)
     share = jnp.where(nan_row, jnp.asarray(jnp.nan, w.dtype), limit)
     w_taken = jnp.where(visible, share, jnp.zeros_like(share))
