@@ -8,8 +8,12 @@ lists its public names in that module's ``__all__``.
 # ruff: noqa: F401, F403
 from jaxsoft.normalizers._affine import *
 from jaxsoft.normalizers._asentmax import *
+from jaxsoft.normalizers._calibration import *
 from jaxsoft.normalizers._clipped import *
+from jaxsoft.normalizers._congestion import *
+from jaxsoft.normalizers._dirichlet import *
 from jaxsoft.normalizers._entmax import *
+from jaxsoft.normalizers._fourier_head import *
 from jaxsoft.normalizers._gumbel import *
 from jaxsoft.normalizers._idw import *
 from jaxsoft.normalizers._logsumexp import *
@@ -18,6 +22,7 @@ from jaxsoft.normalizers._nested import *
 from jaxsoft.normalizers._ovr import *
 from jaxsoft.normalizers._pointwise import *
 from jaxsoft.normalizers._polar import *
+from jaxsoft.normalizers._row_stats import *
 from jaxsoft.normalizers._sa import *
 from jaxsoft.normalizers._screen import *
 from jaxsoft.normalizers._sdm import *
@@ -43,3 +48,4 @@ from jaxsoft.normalizers._ssmax import *
 from jaxsoft.normalizers._stablemax import *
 from jaxsoft.normalizers._taylor import *
 from jaxsoft.normalizers._topk import *
+from jaxsoft.normalizers._tropical import *
