@@ -45,7 +45,9 @@ def _internal_args(variant, seed=0):
           jnp.zeros((1, T), jnp.int32), jnp.zeros((1, 1, K, V)))
 
 
-@pytest.mark.parametrize("variant", ["simple_gla", "gated_delta_rule", "delta_rule", "gla"])
+@pytest.mark.parametrize("variant", ["simple_gla", "gated_delta_rule",
+                                     pytest.param("delta_rule", marks=pytest.mark.slow),
+                                     pytest.param("gla", marks=pytest.mark.slow)])
 def test_backward_keeps_only_inputs_and_chunk_states(variant):
   """The residuals of the chunked form are the (padded) inputs plus the chunk-start states
   ``[B, N, T/C, K, V]``: no ``[C, C]`` array (scores, the UT inverse) and at most

@@ -58,12 +58,13 @@ def _fla(variant, args):
 
 @pytest.mark.parametrize("variant", [
     pytest.param("simple_gla", marks=pytest.mark.slow), "gla",
-    pytest.param("delta_rule", marks=pytest.mark.slow), "gated_delta_rule"])
+    pytest.param("delta_rule", marks=pytest.mark.slow),
+    pytest.param("gated_delta_rule", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("form", ["chunked", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_matches_fla_naive_recurrence(variant, form):
   """T = 19, chunks of 8, an initial state, beta up to 1.95 for the delta rules (the default
-  run checks the per-channel and the delta-rule paths; every variant and form under
-  ``-m slow``)."""
+  run checks gla here and the gated delta rule in the gradient test below; every variant
+  and form under ``-m slow``)."""
   args = cases.inputs(variant, B=2, T=19, N=2, K=8, V=5, seed=11)
   o, S = cases.call(variant, args, implementation=form, chunk_size=8)
   o_fla, S_fla = _fla(variant, args)
@@ -85,21 +86,24 @@ def test_simple_gla_matches_fla_naive_chunk_form():
 
 
 def test_gated_delta_rule_gradients_match_torch_autograd():
-  """d/d(q, k, v, g, beta, initial_state) of ``sum(o * w) + sum(S * w_S)``: jax through the
-  chunked form's custom VJP vs torch autograd through fla's naive recurrence."""
+  """The output, the final state and d/d(q, k, v, g, beta, initial_state) of
+  ``sum(o * w) + sum(S * w_S)``: jax through the chunked form's custom VJP vs torch autograd
+  through fla's naive recurrence."""
   args = cases.inputs("gated_delta_rule", B=1, T=13, N=2, K=4, V=3, seed=13)
   w = np.asarray(jax.random.normal(jax.random.key(1), args["v"].shape))
   ws = np.asarray(jax.random.normal(jax.random.key(2), args["initial_state"].shape))
 
   def loss(a):
     o, S = cases._call("gated_delta_rule", a, implementation="chunked", chunk_size=4)
-    return jnp.sum(o * w) + jnp.sum(S * ws)
+    return jnp.sum(o * w) + jnp.sum(S * ws), (o, S)
 
-  grads = jax.jit(jax.grad(loss))(args)
+  (_, (o_jax, S_jax)), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(args)
   t = {n: _torch(x).requires_grad_(True) for n, x in args.items()}
   o, S = _naive("gated_delta_rule").naive_recurrent_gated_delta_rule(
       t["q"], t["k"], t["v"], t["beta"], t["g"], initial_state=t["initial_state"],
       output_final_state=True)
+  np.testing.assert_allclose(o_jax, o.detach().numpy(), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(S_jax, S.detach().numpy(), rtol=1e-4, atol=1e-5)
   ((o * _torch(w)).sum() + (S * _torch(ws)).sum()).backward()
   for name, x in t.items():
     want = x.grad.numpy()

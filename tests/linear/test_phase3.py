@@ -347,7 +347,7 @@ def test_nha_is_causal():
 # A36 MHLA, A37 RALA --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_mhla_matches_reference_and_forms_agree(causal):
   """T = 11 in blocks of 4 (3 blocks, the last short), C > 0 per head: both forms against
   the float64 weights, and the gradients of q, k, v and C agree between the forms."""
