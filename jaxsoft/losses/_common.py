@@ -110,10 +110,27 @@ def gather_label(x, mask, labels, axis: int):
   """
   n = x.shape[axis]
   in_range = (labels >= 0) & (labels < n)
+  if _sharded_along(x, axis):
+    # A gather along a sharded class axis has no unambiguous output sharding (explicit
+    # meshes refuse it): select the label's entry with a one-hot mask and sum instead.
+    hit = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == jnp.expand_dims(labels, axis)
+    hit = jax.sharding.reshard(hit, jax.typeof(x).sharding.spec)
+    x_y = jnp.sum(jnp.where(hit, x, jnp.zeros_like(x)), axis=axis)
+    m_y = jnp.any(hit & mask, axis=axis)
+    return x_y, in_range & m_y
   idx = jnp.expand_dims(jnp.where(in_range, labels, 0), axis)
   x_y = jnp.take_along_axis(x, idx, axis=axis).squeeze(axis)
   m_y = jnp.take_along_axis(mask, idx, axis=axis).squeeze(axis)
   return x_y, in_range & m_y
+
+
+def _sharded_along(x, axis: int) -> bool:
+  """Whether ``x`` is sharded along ``axis`` in its type (an explicit-sharding mesh)."""
+  try:
+    spec = jax.typeof(x).sharding.spec
+  except (AttributeError, TypeError):
+    return False
+  return axis < len(spec) and spec[axis] is not None
 
 
 def one_hot(labels, n: int, axis: int, dtype=jnp.float32):

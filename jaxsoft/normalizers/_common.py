@@ -154,7 +154,7 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
     fill = jnp.where(usual, top, jnp.zeros_like(top))
   else:
     fill = masked_max(xc, mask, axis)
-  x_safe = jnp.where(mask, xc, jnp.broadcast_to(fill, xc.shape))
+  x_safe = jnp.where(mask, xc, fill)  # (no broadcast_to: it would drop a sharding of xc)
   if with_max:
     return x_safe, mask, axis, fill
   return x_safe, mask, axis
@@ -280,7 +280,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
       # parameter still counts them).
       odd = jnp.isnan(x) | (x == jnp.inf)
       fill = masked_max(x, visible & ~odd, ax)
-      x_in = jnp.where(odd, jnp.broadcast_to(fill, x.shape).astype(x.dtype), x)
+      x_in = jnp.where(odd, fill.astype(x.dtype), x)
       w = fn(*lead, x_in, axis, where, **hparams)
       k = jnp.sum(jnp.where(visible & jnp.isnan(x), jnp.nan, posinf.astype(x.dtype)),
                   axis=ax, keepdims=True)  # NaN in a NaN row
