@@ -135,26 +135,27 @@ def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = Non
     Array(1., dtype=float32)
   """
   fn_name = "ccq_step"
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, K = q.shape
-  V = v.shape[-1]
+  q0, _, v0 = _checks.check_qkv_step(q, k, v, fn_name)
+  B, N, K = q0.shape
+  V = v0.shape[-1]
   if state is None:
     state = (jnp.zeros((B, N, K, V), jnp.float32), jnp.zeros((B, N, K + 1, K + 1), jnp.float32))
   if not (isinstance(state, (tuple, list)) and len(state) == 2):
     raise ValueError(f"{fn_name}: `state` must be a pair (S, M) or None")
-  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state[0], scale=scale)
+  (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state[0],
+                                                         scale=scale)
   M = _checks.check_state(state[1], (B, N, K + 1, K + 1), fn_name, "state")
   if g is not None:
     g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
   if beta is not None:
     beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
-  k1 = jnp.concatenate([k, jnp.ones_like(k[..., :1])], axis=-1)
+  k1 = jnp.concatenate([kf, jnp.ones_like(kf[..., :1])], axis=-1)
   if g is not None:
     M = M * jnp.exp(g)[..., None, None]
   M = M + k1[..., :, None] * k1[..., None, :]
   n = M[..., -1, -1][..., None]
   mean = M[..., -1, :-1] / n
-  cq = jnp.einsum("bnij,bnj->bni", M[..., :-1, :-1], q) / n - mean * jnp.sum(
-      mean * q, -1, keepdims=True)
-  o, S = _recurrence.step(S, (q - strength * cq) * scale, k, v, g, beta)
+  cq = jnp.einsum("bnij,bnj->bni", M[..., :-1, :-1], qf) / n - mean * jnp.sum(
+      mean * qf, -1, keepdims=True)
+  o, S = _recurrence.step(S, (qf - strength * cq) * scale, kf, vf, g, beta)
   return o.astype(dtype), (S, M)

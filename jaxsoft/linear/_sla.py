@@ -139,8 +139,8 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     Array([0.5, 0.5], dtype=float32)
   """
   fn_name = "softmax_linear_attention_step"
-  (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
-  B, N, _ = q.shape
+  (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
+  B, N, _ = qf.shape
   temperature = _check_temperature(temperature, fn_name)
   gq = head_gates(_checks.check_gate_logits(q_gate_logits, (B, N), fn_name, "q_gate_logits"),
                   temperature)
@@ -152,8 +152,8 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
   if gk is not None:
     if beta is None:
-      v = v * gk[..., None]
+      vf = vf * gk[..., None]
     else:
       beta = beta * gk
-  o, S = _recurrence.step(S, q * scale, k, v, g, beta)
+  o, S = _recurrence.step(S, qf * scale, kf, vf, g, beta)
   return (o * gq[..., None]).astype(dtype), S
