@@ -5,13 +5,16 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # pytest workers: one per core by default.
 JOBS   ?= auto
+# What `.venv/.base` installs: the test, training and notebook tools, and the outside oracles
+# (PyTorch, flash-linear-attention) the tests compare against.
+EXTRAS ?= test,train,notebooks,oracles
 
 .PHONY: demo test test-unit test-notebooks test-slow test-quick lint typecheck bench gallery notebooks clean
 
 $(VENV)/.base: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e ".[test,train,notebooks]"
+	$(PIP) install -q -e ".[$(EXTRAS)]"
 	touch $@
 
 $(VENV)/.bench: $(VENV)/.base

@@ -9,7 +9,7 @@ the code.
 Columns: feature id and kernel class (E/S/P/T/R/X; both explained in docs/feature_ids.md),
 registry name, the implementations a user can call (normalizer: the dense function;
 attention: "xla" always, "xla_chunked" for a spec with a tile or threshold rule, "pallas"
-for a tile rule when ``kernels_pallas`` provides the attention engine) and the status
+for a tile or threshold rule when ``kernels_pallas`` provides the attention engine) and the status
 ("tested": every registered spec runs the generated suite of
 tests/normalizers/test_registry.py).
 """
@@ -41,8 +41,8 @@ def _implementations(spec, pallas: bool) -> tuple[str, str]:
   attention = ["xla"]
   if spec.tile is not None or spec.threshold is not None:
     attention.append("xla_chunked")
-  if spec.tile is not None and pallas:
-    attention.append("pallas")
+  if pallas and (spec.tile is not None or spec.threshold is not None):
+    attention.append("pallas")  # E/S/P through the tile rule, T through the threshold kernels
   return "dense", ", ".join(attention)
 
 
