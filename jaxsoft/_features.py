@@ -8,8 +8,8 @@ the code.
 
 Columns: feature id and kernel class (E/S/P/T/R/X; both explained in docs/feature_ids.md),
 registry name, the implementations a user can call (normalizer: the dense function;
-attention: "xla" always, "xla_chunked" for a spec with a tile or threshold rule, "pallas"
-for a tile or threshold rule when ``kernels_pallas`` provides the attention engine) and the status
+attention: "xla" always, "xla_chunked" and "pallas" (when ``kernels_pallas`` provides the
+attention engine) for a spec with a tile, threshold or row-statistics rule) and the status
 ("tested": every registered spec runs the generated suite of
 tests/normalizers/test_registry.py).
 """
@@ -39,10 +39,13 @@ def _has_pallas_engine() -> bool:
 
 def _implementations(spec, pallas: bool) -> tuple[str, str]:
   attention = ["xla"]
-  if spec.tile is not None or spec.threshold is not None:
+  if spec.tile is not None or spec.threshold is not None or spec.row_stats is not None:
     attention.append("xla_chunked")
-  if pallas and (spec.tile is not None or spec.threshold is not None):
-    attention.append("pallas")  # E/S/P through the tile rule, T through the threshold kernels
+  if pallas and (spec.tile is not None or spec.threshold is not None
+                 or spec.row_stats is not None):
+    # E/S/P through the tile rule, T through the threshold kernels, R through the
+    # statistics pass and the tile rule of its second pass
+    attention.append("pallas")
   return "dense", ", ".join(attention)
 
 

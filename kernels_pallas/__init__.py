@@ -2,7 +2,8 @@
 
 ``attention`` is one blockwise attention engine for every normalizer of kernel class E
 (running max and row sum carried across key blocks), S (row sum only), P (nothing
-carried) or T (a threshold solved in a first pass, AdaSplash-style), with a Triton (GPU) and a Mosaic TPU driver, forward and backward. The classes
+carried), T (a threshold solved in a first pass, AdaSplash-style) or R (row statistics
+merged in a first pass), with a Triton (GPU) and a Mosaic TPU driver, forward and backward. The classes
 are explained in kernels_pallas/README.md ("How the kernel is generated") and
 docs/feature_ids.md. ``attention_from_call`` is the adapter
 ``jaxsoft.attention.dot_product_attention`` calls.

@@ -22,6 +22,7 @@ from jaxsoft.attention._masks import table_ranges
 from jaxsoft.normalizers import _spec
 from kernels_pallas import core
 from kernels_pallas import engine as E
+from kernels_pallas import row_stats as row_stats_core
 
 __all__ = ["attention", "attention_from_call", "pick_backend", "BlockSizes", "INTERPRET_ENV"]
 
@@ -102,7 +103,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   Raises:
     NotImplementedError: ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
       a plain callable or
-      a normalizer of kernel class R/X (or T without a ThresholdRule), a stochastic normalizer, a value head dim
+      a normalizer of kernel class X (or T/R without its blockwise rule), a stochastic normalizer, a value head dim
       different from the key head dim, q/k/v of different dtypes, a traced ``scale``, or
       (with ``interpret=None``) a platform with no Pallas backend.
     ValueError: bad block sizes or backend.
@@ -121,11 +122,13 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   if not isinstance(spec, _spec.NormalizerSpec):
     raise E.UnsupportedError("the Pallas engine needs a registered NormalizerSpec, not a callable")
   threshold = spec.kernel_class == "T" and spec.threshold is not None
-  if not threshold and (spec.kernel_class not in ("E", "S", "P") or spec.tile is None):
+  row_stats = spec.kernel_class == "R" and spec.row_stats is not None
+  if not (threshold or row_stats) and (spec.kernel_class not in ("E", "S", "P")
+                                       or spec.tile is None):
     raise E.UnsupportedError(
-        f"normalizer {spec.name!r} is of kernel class {spec.kernel_class}"
-        f"{'' if spec.kernel_class != 'T' else ' without a threshold rule'}; the Pallas "
-        "engine runs classes E, S and P, and T with a ThresholdRule")
+        f"normalizer {spec.name!r} is of kernel class {spec.kernel_class} without a "
+        "blockwise rule; the Pallas engine runs classes E, S and P, T with a ThresholdRule "
+        "and R with a RowStatsRule")
   if spec.needs_key:
     raise E.UnsupportedError(f"normalizer {spec.name!r} is stochastic")
   q, k, v = call.q, call.k, call.v
@@ -147,9 +150,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   bl = _block_sizes(block_sizes, backend, t, s, h, st.is_per_batch)
-  if threshold:
+  if threshold or row_stats:
     # Class T: the live-block tables of the search serve every pass, so one tile shape;
-    # the default is the backward passes' (the smaller: 4 more per-row arrays are live).
+    # class R: the backward recomputes exactly the statistics pass's tiles. The default
+    # is the backward passes' (the smaller: more per-row arrays are live).
     tq, tk = (bl.block_q, bl.block_k) if block_sizes is not None else (bl.block_q_dq,
                                                                        bl.block_k_dq)
     bl = E.BlockSizes(tq, tk).resolved()
@@ -192,7 +196,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi)
   pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
   pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
-  run = core.threshold_core if threshold else core.attention_core
+  run = (core.threshold_core if threshold else
+         row_stats_core.row_stats_attention if row_stats else core.attention_core)
   o = run(cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_k), dyn, aux)
   return o[:, :t, :, :h]
 
@@ -202,7 +207,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
               logits_soft_cap=None, backend: str = "triton", interpret=False,
               block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, debug: bool = False):
-  r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P or T.
+  r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
     O_i = \sum_{j \in V_i} f(s_{ij})\, v_j,\qquad s_{ij} = \mathrm{cap}\cdot\tanh\!\Big(
@@ -244,7 +249,7 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     ``[B, T, N, H]`` in q's dtype. A query row with no visible key gives zeros.
 
   Raises:
-    NotImplementedError (``engine.UnsupportedError``): a normalizer of class R/X, a plain
+    NotImplementedError (``engine.UnsupportedError``): a normalizer of class X, a plain
       callable, or a stochastic normalizer; the dispatcher falls back to XLA.
     ValueError: bad shapes or arguments (the message names the argument).
   """

@@ -138,6 +138,9 @@ class Config:
 
   @property
   def tile(self) -> _spec.TileRule:
+    """The tile rule the E/S/P passes run (class R: its row-statistics rule's second pass)."""
+    if self.spec.kernel_class == "R":
+      return self.spec.row_stats.second
     return self.spec.tile
 
   @property

@@ -470,7 +470,7 @@ def dot_product_attention(
       cannot handle the call raises NotImplementedError and the next one is tried; a single
       explicitly requested implementation that cannot handle it raises. None tries
       "pallas" on GPU/TPU, then "xla_chunked" when T·S >= 1024·1024 (and the normalizer has
-      a tile or threshold rule), then "xla". "xla" is the dense reference (O(T·S) memory);
+      a tile, threshold or row-statistics rule), then "xla". "xla" is the dense reference (O(T·S) memory);
       "xla_chunked" computes blockwise with the normalizer's tile rule and a recomputing
       backward pass (O(T·H) memory; causal/window/length/segment structure skips blocks);
       it is differentiable in reverse mode (grad, vjp) once: use "xla" for jvp or

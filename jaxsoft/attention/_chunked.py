@@ -11,7 +11,11 @@ blocks), carrying per query row only what the normalizer's kernel class needs:
 * class P: nothing (``D = 1``);
 * class T (sparsemax, entmax, top-k): a first pass for the row max, then ``tau`` by
   multi-section search over key blocks (several candidate taus per pass, a fixed number
-  of passes from the rule's iteration count), then a weighted pass.
+  of passes from the rule's iteration count), then a weighted pass;
+* class R (standardised softmax, NAP, adaptive temperature, ...): a first pass merges the
+  rule's row statistics over key blocks (``RowStatsRule``: mean and variance by Chan's
+  merge, softmax's (m, l), ...), ``derive`` turns them into per-row hyperparameters, then
+  an ordinary class E or P pass runs with them.
 
 The per-tile math of classes E/S/P is ``jaxsoft.normalizers._tile`` (shared with the
 Pallas engine and ``jaxsoft.testing``); this module only moves blocks. A custom_vjp
@@ -22,6 +26,9 @@ temperature, alpha, s, sink logit, ...), and one shared step carries it to dq, d
 the bias and the decay hook. Class T adds the implicit-function term of tau:
 ``dz_j = w'_j (dP_j - Δ)/W - (g_tau / M_tau)·mass'_j`` with
 ``g_tau = sum_k d_tau weight_k (dP_k - Δ)/W`` and ``M_tau = sum_k d_tau mass_k``.
+Class R adds the statistics' term: a first backward sweep sums the cotangents of the
+derived hyperparameters over the key blocks, ``derive``'s vjp turns them into cotangents
+of the statistics, and the main sweep adds ``vjp(tangent)`` of each tile to its dx.
 
 Internally everything is float32 (float64 for float64 inputs); q is pre-multiplied by the
 scale (so ``scale`` and its gradient are handled by ordinary autodiff outside the
@@ -175,8 +182,8 @@ class _Aux:
 class _Plan:
   """Everything static about one chunked call."""
 
-  kind: str  # "E", "S", "P" or "T"
-  rule: Any  # TileRule or ThresholdRule
+  kind: str  # "E", "S", "P", "T" or "R"
+  rule: Any  # TileRule, ThresholdRule or RowStatsRule
   dtype: Any  # the compute dtype (float32; float64 for float64 inputs)
   static_hp: tuple  # ((name, python value), ...)
   cap: float | None
@@ -184,6 +191,13 @@ class _Plan:
   bk: int
   nq: int
   may_skip_mask: bool  # tiles fully inside the structure need no masking
+
+  @property
+  def tile_rule(self) -> Any:
+    """The TileRule of the weighted pass (class R: its second pass); None for class T."""
+    if self.kind == "R":
+      return self.rule.second
+    return None if self.kind == "T" else self.rule
 
   def row(self, q: Any) -> tuple[int, ...]:
     """The shape of a per-row statistic of one query block."""
@@ -346,8 +360,26 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   return m_w, lax.stop_gradient(lo)
 
 
+def _full_visibility(t: _Tile):
+  """The tile's visibility as a boolean array of the logits' shape."""
+  if t.vis is None:
+    return jnp.ones(t.x.shape, bool)
+  return jnp.broadcast_to(t.vis, t.x.shape)
+
+
+def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
+  """Class R: the row statistics of one query block, merged over its key blocks."""
+  rule = plan.rule
+
+  def step(t: _Tile, stats):
+    return rule.merge(stats, rule.block(t.x, _full_visibility(t)))
+
+  return _over_key_blocks(plan, inp, aux, qb, qi, step, rule.init(plan.row(inp.q), plan.dtype))
+
+
 def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
-  """Returns the residuals ``(out, m, D, tau)``, each [B, K, G, Tp, ·] (tau: class T)."""
+  """Returns the residuals ``(out, m, D, extra)``, each [B, K, G, Tp, ·]; ``extra`` is
+  ``(tau,)`` for class T, the row statistics for class R, ``()`` otherwise."""
   rule = plan.rule
   row = plan.row(inp.q)
   Hv = inp.v.shape[-1]
@@ -355,8 +387,10 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
   def q_block(qi):
     qb = _query_block(plan, inp, aux, qi)
     hp, n = qb.params, qb.n
+    extra: tuple = ()
     if plan.kind == "T":
       m0, tau = _threshold_search(plan, inp, aux, qb, qi)
+      extra = (tau,)
 
       def update(t: _Tile, m, l):  # a class-P pass with the weights at tau, and their sum
         w, _ = tile.threshold_maps(rule, t.x, t.vis, tau, m, n, hp)
@@ -364,11 +398,14 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
 
       l0 = jnp.zeros(row, plan.dtype)
     else:
-      tau = jnp.zeros(row, plan.dtype)
-      m0, l0 = tile.init_rows(rule, row, plan.dtype)
+      if plan.kind == "R":
+        extra = _row_stats_sweep(plan, inp, aux, qb, qi)
+        hp = {**hp, **rule.derive(extra, n, **hp)}
+      trule = plan.tile_rule
+      m0, l0 = tile.init_rows(trule, row, plan.dtype)
 
       def update(t: _Tile, m, l):
-        return tile.online_update(rule, t.x, t.vis, m, l, n, hp)
+        return tile.online_update(trule, t.x, t.vis, m, l, n, hp)
 
     def step(t: _Tile, carry):
       m, l, acc = carry
@@ -382,11 +419,12 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
       d = l
       out = acc * tile.safe_inverse(d)
     else:
-      m, d = tile.finalize(rule, m, l, n, hp)
-      out = tile.normalize(rule, acc, d)
-    return out, m, d, tau
+      m, d = tile.finalize(plan.tile_rule, m, l, n, hp)
+      out = tile.normalize(plan.tile_rule, acc, d)
+    return out, m, d, tuple(extra)
 
-  return tuple(_unblock(a) for a in lax.map(q_block, jnp.arange(plan.nq, dtype=jnp.int32)))
+  blocks = lax.map(q_block, jnp.arange(plan.nq, dtype=jnp.int32))
+  return jax.tree.map(_unblock, blocks)
 
 
 # ---------------------------------------------------------------------------- backward
@@ -397,6 +435,9 @@ def _threshold_coefficient(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock
   """Class T: dL/dtau / (dF/dtau), F = sum mass - target (one pass over key blocks).
 
   ``g_tau = sum_k d_tau weight_k (dP_k - Δ)/W`` and ``M_tau = sum_k d_tau mass_k``.
+Class R adds the statistics' term: a first backward sweep sums the cotangents of the
+derived hyperparameters over the key blocks, ``derive``'s vjp turns them into cotangents
+of the statistics, and the main sweep adds ``vjp(tangent)`` of each tile to its dx.
   """
   hp, n = qb.params, qb.n
 
@@ -433,6 +474,50 @@ def _tile_gradient(plan: _Plan, qb: _QueryBlock, m, d, delta, tau=None, coef=Non
     return w * inv_w, dx, dhp
 
   return threshold_gradient
+
+
+def _row_stats_gradients(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi, m, d,
+                         delta, do, stats):
+  """Class R: ``(tile_gradient, row dhp)`` for the main backward sweep.
+
+  A first sweep sums the cotangents of the derived hyperparameters theta over the key
+  blocks (tile_vjp of the second pass, plus its offset's share); ``derive``'s vjp turns
+  them into cotangents of the statistics and of the hyperparameters that ``derive``
+  reads; each tile of the main sweep then adds ``vjp(tangent)`` to its dx.
+  """
+  rule, n = plan.rule, qb.n
+  trule = rule.second
+
+  row = plan.row(inp.q)
+
+  def derive(stats_, arrays):
+    theta = rule.derive(stats_, n, **{**qb.hp_static, **arrays})
+    return {k: jnp.broadcast_to(jnp.asarray(v, plan.dtype), row) for k, v in theta.items()}
+
+  theta, derive_vjp = jax.vjp(derive, stats, qb.hp)
+  arrays = {**qb.hp, **theta}
+
+  def theta_step(t: _Tile, g):
+    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+    _, _, dhp = tile.tile_vjp(trule, t.x, t.vis, m, d, delta, dp, n, qb.hp_static, arrays)
+    return {k: g[k] + dhp[k] for k in theta}
+
+  g_theta = _over_key_blocks(plan, inp, aux, qb, qi, theta_step,
+                             {k: jnp.zeros_like(v) for k, v in theta.items()})
+  offset = tile.offset_vjp(trule, m, d, delta, n, qb.hp_static, arrays)
+  if offset is not None:
+    g_theta = {k: g_theta[k] + offset[k] for k in theta}
+  g_stats, d_row = derive_vjp(g_theta)
+  if offset is not None:
+    d_row = {k: d_row[k] + offset[k] for k in qb.hp}
+
+  def tile_gradient(t: _Tile, dp):
+    w, dx, dhp = tile.tile_vjp(trule, t.x, t.vis, m, d, delta, dp, n, qb.hp_static, arrays)
+    vis = _full_visibility(t)
+    _, tangent_vjp = jax.vjp(lambda x: rule.tangent(x, vis, stats), t.x)
+    return w, dx + tangent_vjp(g_stats)[0], {k: dhp[k] for k in qb.hp}
+
+  return tile_gradient, (d_row if qb.hp else None)
 
 
 def _row_gradient(plan: _Plan, inp: _Inputs, qb: _QueryBlock, m, d, delta, coef=None):
@@ -501,7 +586,7 @@ def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, do, g: _BlockG
 
 
 def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
-  out, m_all, d_all, tau_all = res
+  out, m_all, d_all, extra_all = res
   delta_all = jnp.sum(dout * out, axis=-1, keepdims=True)
 
   def q_block(carry: _BlockGrads, qi):
@@ -510,12 +595,19 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
     def rows(a):
       return lax.dynamic_slice_in_dim(a, qb.start, plan.bq, 3)
 
-    m, d, tau, do, delta = (rows(a) for a in (m_all, d_all, tau_all, dout, delta_all))
-    coef = None
-    if plan.kind == "T":
-      coef = _threshold_coefficient(plan, inp, aux, qb, qi, m, tau, tile.safe_inverse(d), do,
-                                    delta)
-    tile_gradient = _tile_gradient(plan, qb, m, d, delta, tau, coef)
+    m, d, do, delta = (rows(a) for a in (m_all, d_all, dout, delta_all))
+    extra = tuple(rows(a) for a in extra_all)
+    if plan.kind == "R":
+      tile_gradient, d_row = _row_stats_gradients(plan, inp, aux, qb, qi, m, d, delta, do,
+                                                  extra)
+    else:
+      coef = tau = None
+      if plan.kind == "T":
+        (tau,) = extra
+        coef = _threshold_coefficient(plan, inp, aux, qb, qi, m, tau, tile.safe_inverse(d), do,
+                                      delta)
+      tile_gradient = _tile_gradient(plan, qb, m, d, delta, tau, coef)
+      d_row = _row_gradient(plan, inp, qb, m, d, delta, coef)
 
     def step(t: _Tile, g: _BlockGrads):
       dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
@@ -528,7 +620,6 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
         dcq=None if inp.decay is None else jnp.zeros(qb.q.shape[:-1], plan.dtype))
     g = _over_key_blocks(plan, inp, aux, qb, qi, step, g)
     dhp = g.dhp
-    d_row = _row_gradient(plan, inp, qb, m, d, delta, coef)
     if d_row is not None:
       dhp = jax.tree.map(jnp.add, dhp, d_row)
     full_dhp = {name: _accumulate(carry.dhp[name], x, qb.start, 3) for name, x in dhp.items()}
@@ -548,7 +639,7 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
   return _Inputs(q=_unblock(dq), k=g.dk, v=g.dv, bias=g.dbias, decay=decay, hp=g.dhp)
 
 
-def _row_statistic(plan: _Plan, m, d, tau):
+def _row_statistic(plan: _Plan, m, d, extra):
   """The residual of ``return_residual`` per row, [B, K, G, Tp, 1] (see the entry point).
 
   Classes E and S: ``log D`` in the logits' own scale, ``m + log D`` (the log-sum-exp for
@@ -559,7 +650,9 @@ def _row_statistic(plan: _Plan, m, d, tau):
     return m + jnp.log(d)
   if plan.kind == "P":
     return jnp.zeros_like(m)
-  return jnp.where(d > 0, tau, -jnp.inf)
+  if plan.kind == "R":  # (refused by the entry point: no residual is defined)
+    return jnp.zeros_like(m)
+  return jnp.where(d > 0, extra[0], -jnp.inf)
 
 
 def _attend(plan: _Plan):
@@ -569,8 +662,8 @@ def _attend(plan: _Plan):
 
   @jax.custom_vjp
   def attend(inp: _Inputs, aux: _Aux):
-    out, m, d, tau = _forward(plan, inp, aux)
-    return out, _row_statistic(plan, m, d, tau)
+    out, m, d, extra = _forward(plan, inp, aux)
+    return out, _row_statistic(plan, m, d, extra)
 
   def attend_fwd(inp, aux):
     res = _forward(plan, inp, aux)
@@ -638,7 +731,7 @@ def _blockwise_rule(spec) -> tuple[str, Any]:
         "callable")
   if spec.needs_key:
     raise NotImplementedError(f"xla_chunked does not support stochastic normalizers ({spec.name})")
-  rule = spec.tile if spec.kernel_class in ("E", "S", "P") else spec.threshold
+  rule = {"T": spec.threshold, "R": spec.row_stats}.get(spec.kernel_class, spec.tile)
   if rule is None:
     raise NotImplementedError(
         f"xla_chunked has no blockwise rule for normalizer {spec.name!r} (kernel class "
@@ -652,11 +745,14 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   Returns ``out`` [B, T, N, Hv], or ``(out, residual [B, T, N])`` when
   ``call.return_residual`` (the row statistic of :func:`_row_statistic`, no gradient).
   Raises NotImplementedError for what the chunked path cannot compute: plain callables,
-  stochastic normalizers and kernel classes R and X (the dispatcher then falls back to
+  stochastic normalizers, kernel class X and a class-R residual (the dispatcher then falls back to
   "xla").
   """
   spec = call.spec
   kind, rule = _blockwise_rule(spec)
+  if kind == "R" and call.return_residual:
+    raise NotImplementedError(
+        f"`return_residual`: normalizer {spec.name!r} (kernel class R) has no row statistic")
   q, k, v = call.q, call.k, call.v
   B, T, N, H = q.shape
   S, K = k.shape[1], k.shape[2]

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+from jaxsoft.normalizers import _row_blocks as blocks
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["affine_softmax"]
 
@@ -44,7 +45,8 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   alpha > 1, or a negative beta).
 
   Kernel class R: the bias is added to *normalised* weights, so a blockwise pass needs the
-  row's softmax statistics first; attention runs it on the dense ``"xla"`` path (in
+  row's softmax statistics (m, l) first; blockwise attention (``xla_chunked``,
+  ``pallas``) runs a statistics pass over the key blocks, then a pointwise pass (in
   attention ``o = alpha (A V) + beta sum_j v_j``). ``+inf`` logits follow the library's
   shared rule, ``1/k`` on each of the k visible ``+inf`` entries and 0 elsewhere (the
   limit at the defaults; a row's limit ``alpha/k + beta`` is not taken).
@@ -83,6 +85,20 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   return c.finish(a * p + b, mask, jnp.asarray(x).dtype)
 
 
+def _derive(stats, length, alpha=1.0, beta=None, **_):
+  offset = (1.0 - alpha) / jnp.maximum(length, 1.0) if beta is None else beta
+  return {**blocks.softmax_derived(*stats), "offset": offset}
+
+
+def _numerator(z, m, alpha=1.0, row_max=0.0, row_sum=1.0, offset=0.0, **_):
+  return alpha * blocks.softmax_of(z, row_max, row_sum) + offset
+
+
+# blockwise: softmax's (m, l) first, then the pointwise alpha p + beta (a class-P pass)
+ROW_RULE = blocks.row_stats_rule(
+    (blocks.SOFTMAX,), _derive,
+    TileRule(score_map=identity_score_map, numerator=_numerator, kernel_class="P"))
+
 SPEC = register(NormalizerSpec(
     name="affine_softmax",
     fn=affine_softmax,
@@ -94,5 +110,6 @@ SPEC = register(NormalizerSpec(
     shift_invariant=True,
     length_dependent=True,
     params=(_ALPHA, _BETA),
+    row_stats=ROW_RULE,
     description="alpha softmax(x) + beta, beta = (1 - alpha)/n by default",
 ))

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+from jaxsoft.normalizers import _row_blocks as blocks
+from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["clipped_softmax"]
 
@@ -21,7 +22,7 @@ def _stretch(p, zeta, gamma):
   return jnp.clip((zeta - gamma) * p + gamma, 0.0, 1.0)
 
 
-def _inf_limit(posinf, axis, hparams):
+def _inf_limit(posinf, axis, hparams, visible=None):
   """The limit as the k visible ``+inf`` logits grow together: softmax gives them 1/k."""
   zeta = c.row_param(hparams.get("zeta", 1.0), posinf.shape, axis, "zeta", "clipped_softmax")
   gamma = c.row_param(hparams.get("gamma", -0.03), posinf.shape, axis, "gamma",
@@ -50,8 +51,9 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   clipped ones.
 
   Kernel class R: the clip acts on the *normalised* weight, so a blockwise pass needs the
-  row's softmax statistics (m, l) first; there is no one-pass tile rule, and attention
-  runs it on the dense ``"xla"`` path. ``+inf`` logits: the limit, the clipped ``1/k``
+  row's softmax statistics (m, l) first; there is no one-pass tile rule: blockwise
+  attention (``xla_chunked``, ``pallas``) runs a statistics pass over the key blocks, then
+  a pointwise pass. ``+inf`` logits: the limit, the clipped ``1/k``
   on each of the k visible ``+inf`` entries (0 elsewhere).
 
   Args:
@@ -87,6 +89,19 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   return c.finish(_stretch(p, zt, gm), mask, jnp.asarray(x).dtype)
 
 
+def _derive(stats, length, **_):
+  return blocks.softmax_derived(*stats)
+
+
+def _numerator(z, m, zeta=1.0, gamma=-0.03, row_max=0.0, row_sum=1.0, **_):
+  return _stretch(blocks.softmax_of(z, row_max, row_sum), zeta, gamma)
+
+
+# blockwise: softmax's (m, l) first, then the pointwise clip (a class-P pass)
+ROW_RULE = blocks.row_stats_rule(
+    (blocks.SOFTMAX,), _derive,
+    TileRule(score_map=identity_score_map, numerator=_numerator, kernel_class="P"))
+
 SPEC = register(NormalizerSpec(
     name="clipped_softmax",
     fn=clipped_softmax,
@@ -98,5 +113,6 @@ SPEC = register(NormalizerSpec(
     can_be_sparse=True,
     smooth=False,
     params=(_ZETA, _GAMMA),
+    row_stats=ROW_RULE,
     description="clip((zeta - gamma) softmax(x) + gamma, 0, 1)",
 ))

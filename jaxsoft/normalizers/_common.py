@@ -18,8 +18,10 @@ normalizer by :func:`dense_rules` (which the registry requires) and :func:`prepa
   each of the k visible ``+inf`` entries ``1/k`` and every other entry 0 (sinks included:
   the sink's share tends to 0). A pointwise (class P, unnormalized) normalizer takes each
   entry's own limit instead: sigmoid gives 1 at ``+inf``, relu, relu2 and relu_n give
-  ``+inf``, and the row's other entries keep their values. The gradient of such a row is
-  0 (finite).
+  ``+inf``, and the row's other entries keep their values. A normalizer whose limit is
+  not 1/k declares its own (``dense_rules(inf_limit=...)``: clipped softmax clips 1/k; the
+  standardising ones, whose z-scores stay bounded, take the limit of their z-scores). The
+  gradient of such a row is 0 (finite).
 * NaN rule (``jax.nn.softmax``'s): a NaN at a visible entry makes every visible entry of
   its row NaN (masked entries stay 0); a NaN at a masked (``where=False``) entry is
   ignored.
@@ -147,7 +149,10 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
     # One pass gives the stabiliser and the rows the wrapper takes over: the visible max
     # is NaN with a visible NaN, +inf with a visible +inf.
     top = jax.lax.stop_gradient(
-        jnp.max(jnp.where(mask, xc, -jnp.inf), axis=axis, keepdims=True))
+        # (without `where`, mask is x != -inf and the select is the identity: XLA:CPU
+        # would write it out as a full-size copy before the max)
+        jnp.max(xc if where is None else jnp.where(mask, xc, -jnp.inf), axis=axis,
+                keepdims=True))
     rules.top = top
     usual = jnp.isfinite(top)
     mask = jnp.logical_and(mask, usual)
@@ -219,9 +224,9 @@ def finish(w, mask, dtype):
 # --- the rules every registered normalizer follows (+inf, NaN, empty, dtype) ------------
 
 
-def share_among_inf(posinf, axis: int, hparams):
+def share_among_inf(posinf, axis: int, hparams, visible=None):
   """The ``+inf`` rule of normalizing normalizers: 1/k on each of the k ``+inf`` entries."""
-  del hparams
+  del hparams, visible
   k = jnp.sum(posinf, axis=axis, keepdims=True)
   return posinf / jnp.maximum(k, 1)
 
@@ -239,9 +244,10 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     ``where`` checks);
   * rows with a visible NaN are NaN on their visible entries;
   * rows with a visible ``+inf`` get ``inf_limit``: a function
-    ``(posinf, axis, hparams) -> weights`` (default :func:`share_among_inf`, for every
-    normalizing normalizer), or a number, each ``+inf`` entry's own limit for pointwise
-    normalizers whose other entries are unaffected;
+    ``(posinf, axis, hparams, visible) -> weights`` (default :func:`share_among_inf`, for
+    every normalizing normalizer; ``visible`` the row's visible entries, +inf included),
+    or a number, each ``+inf`` entry's own limit for pointwise normalizers whose other
+    entries are unaffected;
   * ``fn`` never computes with a NaN or ``+inf``: in a normalizing normalizer, the rows
     that hold one reach ``fn`` fully masked (:func:`prepare` does it in the pass that
     finds the row max, or, for a ``fn`` that does not call it on ``x``, the wrapper),
@@ -303,11 +309,15 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     nan_row = jnp.isnan(top)
     taken = nan_row | (top == jnp.inf)
     if inf_limit is share_among_inf:  # 1/k on each of the k +inf entries
-      k = jnp.sum(posinf, axis=ax, keepdims=True)
+      # Counted only when some row has a +inf (rare): the count is a full pass that
+      # XLA:CPU runs slower than the normalizer's own row max.
+      k = jax.lax.cond(jnp.any(top == jnp.inf),
+                       lambda p: jnp.sum(p, axis=ax, keepdims=True, dtype=jnp.int32),
+                       lambda p: jnp.ones(top.shape, jnp.int32), posinf)
       limit = (posinf / jnp.maximum(k, 1)).astype(w.dtype)
     else:
       assert callable(inf_limit)  # (pointwise normalizers returned above)
-      limit = inf_limit(posinf, ax, hparams).astype(w.dtype)
+      limit = inf_limit(posinf, ax, hparams, visible).astype(w.dtype)
     share = jnp.where(nan_row, jnp.asarray(jnp.nan, w.dtype), limit)
     w_taken = jnp.where(visible, share, jnp.zeros_like(share))
     return jnp.where(taken, w_taken, w)

@@ -16,10 +16,10 @@ __all__ = ["gumbel_softmax"]
 _TAU = Param("tau", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-def _inf_limit(posinf, axis, hparams):
+def _inf_limit(posinf, axis, hparams, visible=None):
   """The +inf rule: 1/k on the k ``+inf`` entries; ``hard``: one-hot at the first of them."""
   if not hparams.get("hard", False):
-    return c.share_among_inf(posinf, axis, hparams)
+    return c.share_among_inf(posinf, axis, hparams, visible)
   first = jnp.argmax(posinf, axis=axis, keepdims=True)
   return jax.lax.broadcasted_iota(jnp.int32, posinf.shape, axis) == first
 

@@ -5,24 +5,21 @@ and N26 NAP (the row's mean and variance). Each computes its row statistics over
 visible entries only, then the weights from them; the gradient flows through the
 statistics.
 
-The shared ``+inf`` rule of ``_common.dense_rules`` (each of the k visible ``+inf``
-entries gets 1/k) is applied to these rows too. For N08 it is the limit; for N09 and N26 it
-is a convention, not the limit: standardisation bounds the scores, so as k entries of n grow
-together their z-scores tend to sqrt((n-k)/k) and the others' to -sqrt(k/(n-k)) (the
-``inf_limit`` hook of ``dense_rules`` does not receive the visible count n it would need).
+``+inf`` logits take the limit as they grow together. For N08 that is the shared rule of
+``_common.dense_rules`` (each of the k visible ``+inf`` entries gets 1/k). N09 and N26
+standardise, which bounds the scores: as k entries of n grow together their z-scores tend
+to sqrt((n-k)/k) and the others' to -sqrt(k/(n-k)) (0 for all when k = n), and the weights
+are those of the limiting z-scores (softmax of z / tau; z itself).
 """
 
 from __future__ import annotations
-
-import dataclasses
-from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import _row_blocks as blocks
 from jaxsoft.normalizers._softmax import exp_numerator
 from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
 
@@ -81,6 +78,25 @@ def softmax_entropy(z, mask, axis: int):
   log_l = jnp.log(jnp.where(l > 0, l, 1.0))
   h = log_l - jnp.sum(p * zc, axis=axis, keepdims=True)
   return p, h
+
+
+def _limit_z_scores(posinf, visible, axis):
+  """The z-scores of a row whose k visible ``+inf`` entries grow together: sqrt((n-k)/k)
+  on them, -sqrt(k/(n-k)) on the other visible entries, 0 on all when k = n."""
+  n = jnp.sum(visible, axis=axis, keepdims=True).astype(jnp.float32)
+  k = jnp.sum(posinf, axis=axis, keepdims=True).astype(jnp.float32)
+  hi = jnp.sqrt(c.safe_divide(n - k, k))
+  lo = -jnp.sqrt(c.safe_divide(k, n - k))
+  return jnp.where(visible, jnp.where(posinf, hi, lo), 0.0)
+
+
+def _standardized_inf_limit(posinf, axis, hparams, visible):
+  t = c.row_param(hparams.get("tau", 1.0), posinf.shape, axis, "tau", "standardized_softmax")
+  return _masked_softmax(_limit_z_scores(posinf, visible, axis) / t, visible, axis)
+
+
+def _nap_inf_limit(posinf, axis, hparams, visible):
+  return _limit_z_scores(posinf, visible, axis)
 
 
 @c.dense_rules
@@ -151,7 +167,7 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-@c.dense_rules
+@c.dense_rules(inf_limit=_standardized_inf_limit)
 def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                          tau: ArrayLike = 1.0, eps: float = 1e-7) -> jax.Array:
   r"""Logit-standardised softmax (feature N09, kernel class R; Sun et al. 2024).
@@ -207,7 +223,7 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
-@c.dense_rules
+@c.dense_rules(inf_limit=_nap_inf_limit)
 def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
         eps: float = 1e-8) -> jax.Array:
   r"""NAP: z-score attention weights (feature N26, kernel class R; Richter & Wattenhofer 2020).
@@ -259,6 +275,62 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
+# --- blockwise form: the rules of the chunked and Pallas attention drivers ---------------
+
+
+def _adaptive_derive(stats, length, threshold=0.5, coefficients=_POLY, **_):
+  _, l, t = stats
+  h = jnp.log(jnp.where(l > 0, l, 1.0)) - c.safe_divide(t, l)
+  poly = jnp.polyval(jnp.asarray(coefficients, l.dtype), h)
+  return {"beta": jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)}
+
+
+def _beta_score_map(x, length, beta=1.0, **_):
+  return beta * x
+
+
+def _single_entry_scale(n, scale):
+  """``scale``, or 1 on a row with at most one visible entry.
+
+  There the weights do not depend on the scale (softmax of one entry is 1, its z-score 0),
+  but a blockwise pass recomputes ``x - mu`` (exactly 0) with a rounding error, which a
+  scale of ``eps`` would amplify by 1/eps into the weights and their gradient.
+  """
+  return jnp.where(n > 1, scale, 1.0)
+
+
+def _standardized_derive(stats, length, tau=1.0, eps=1e-7, **_):
+  n, mean, m2 = stats
+  scale = tau * (_safe_sqrt(c.safe_divide(m2, n)) + eps)
+  return {"mu": mean, "scale": _single_entry_scale(n, scale)}
+
+
+def _nap_derive(stats, length, eps=1e-8, **_):
+  n, mean, m2 = stats
+  return {"mu": mean, "scale": _single_entry_scale(n, jnp.sqrt(c.safe_divide(m2, n) + eps))}
+
+
+def _standard_score_map(x, length, mu=0.0, scale=1.0, **_):
+  return (x - mu) / scale
+
+
+def _identity_numerator(z, m, **_):
+  return z
+
+
+ADAPTIVE_RULE = blocks.row_stats_rule(
+    (blocks.ENTROPY,), _adaptive_derive,
+    TileRule(score_map=_beta_score_map, numerator=exp_numerator, denominator=exp_numerator,
+             kernel_class="E"))
+STANDARDIZED_RULE = blocks.row_stats_rule(
+    (blocks.MOMENTS,), _standardized_derive,
+    TileRule(score_map=_standard_score_map, numerator=exp_numerator, denominator=exp_numerator,
+             kernel_class="E"))
+NAP_RULE = blocks.row_stats_rule(
+    (blocks.MOMENTS,), _nap_derive,
+    TileRule(score_map=_standard_score_map, numerator=_identity_numerator, kernel_class="P"))
+
+
 SPEC_ADAPTIVE = register(NormalizerSpec(
     name="adaptive_temperature_softmax",
     fn=adaptive_temperature_softmax,
@@ -270,6 +342,7 @@ SPEC_ADAPTIVE = register(NormalizerSpec(
     # and row arrays only; it is for direct calls.
     params=(_THRESHOLD,),
     smooth=False,  # beta(H) = max(poly(H), 1) has a kink
+    row_stats=ADAPTIVE_RULE,
     description="softmax(beta x), beta = max(poly(H(softmax x)), 1) when H > 0.5",
 ))
 
@@ -281,6 +354,7 @@ SPEC_STANDARDIZED = register(NormalizerSpec(
     sums_to_one=True,
     shift_invariant=True,
     params=(_TAU, _STD_EPS),
+    row_stats=STANDARDIZED_RULE,
     description="softmax((x - mean) / (tau (std + eps))), per-row z-score",
 ))
 
@@ -295,146 +369,7 @@ SPEC_NAP = register(NormalizerSpec(
     shift_invariant=True,
     can_be_sparse=True,
     params=(_NAP_EPS,),
+    row_stats=NAP_RULE,
     description="(x - mean) / sqrt(var + eps): z-score weights, mean 0, no simplex",
 ))
 
-
-# --- blockwise form (the class-R rule a chunked or Pallas driver would run) ---------------
-
-
-@dataclasses.dataclass(frozen=True)
-class RowStatsRule:
-  """Class R, blockwise: statistics merged over key blocks, then a class E/P pass.
-
-  A driver keeps ``stats`` (a tuple of ``[rows..., 1]`` arrays) per query row, starting at
-  ``init(shape, dtype)``; for each key block it folds ``block(x_tile, vis)`` in with the
-  associative ``merge``; ``derive(stats, **hp)`` turns the row's statistics into per-row
-  hyperparameters (``[rows..., 1]``) of ``second``, an ordinary class E or P
-  :class:`TileRule` run as a second pass over the key blocks. Gradients reach x through
-  ``derive`` and ``block`` (a backward pass would take the derived parameters' cotangents
-  from a first sweep, as class T does for tau, then add ``vjp(block)`` per tile).
-
-  Proposed as a ``row_stats`` field of ``NormalizerSpec`` (``_spec.py``); it lives here
-  until that field exists.
-  """
-
-  init: Callable[..., tuple]
-  block: Callable[..., tuple]
-  merge: Callable[..., tuple]
-  derive: Callable[..., dict]
-  second: TileRule
-
-
-def _moments_init(shape, dtype):
-  return tuple(jnp.zeros(shape, dtype) for _ in range(3))
-
-
-def _moments_block(x, vis):
-  """(count, mean, M2) of the visible entries of one tile, two-pass within the tile."""
-  n = jnp.sum(vis, axis=-1, keepdims=True).astype(x.dtype)
-  mean = c.safe_divide(jnp.sum(jnp.where(vis, x, 0.0), axis=-1, keepdims=True), n)
-  d = jnp.where(vis, x - mean, 0.0)
-  return n, mean, jnp.sum(d * d, axis=-1, keepdims=True)
-
-
-def _moments_merge(a, b):
-  """Chan, Golub & LeVeque's pairwise merge of (count, mean, M2)."""
-  na, ma, qa = a
-  nb, mb, qb = b
-  n = na + nb
-  delta = mb - ma
-  frac = c.safe_divide(nb, n)
-  return n, ma + delta * frac, qa + qb + delta * delta * na * frac
-
-
-def _standardized_derive(stats, tau=1.0, eps=1e-7, **_):
-  n, mean, m2 = stats
-  return {"mu": mean, "scale": tau * (_safe_sqrt(c.safe_divide(m2, n)) + eps)}
-
-
-def _nap_derive(stats, eps=1e-8, **_):
-  n, mean, m2 = stats
-  return {"mu": mean, "scale": jnp.sqrt(c.safe_divide(m2, n) + eps)}
-
-
-def _standard_score_map(x, length, mu=0.0, scale=1.0, **_):
-  return (x - mu) / scale
-
-
-def _identity_numerator(z, m, **_):
-  return z
-
-
-def _entropy_init(shape, dtype):
-  return jnp.full(shape, -jnp.inf, dtype), jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
-
-
-def _entropy_block(x, vis):
-  """(m, l, t): row max, sum e^{x-m}, sum e^{x-m} (x-m) over the tile's visible entries.
-
-  ``t`` is carried relative to m (not ``sum e^{x-m} x``) so that a row far from 0 keeps
-  its precision; under a new max m', ``t' = e^{m-m'} (t + l (m - m'))``.
-  """
-  # H does not depend on the reference point m, so m carries no gradient (in the merge too)
-  m = jax.lax.stop_gradient(jnp.max(jnp.where(vis, x, -jnp.inf), axis=-1, keepdims=True))
-  zc = jnp.where(vis, x - jnp.where(jnp.isfinite(m), m, 0.0), 0.0)
-  e = jnp.where(vis, jnp.exp(zc), 0.0)
-  return m, jnp.sum(e, axis=-1, keepdims=True), jnp.sum(e * zc, axis=-1, keepdims=True)
-
-
-def _entropy_merge(a, b):
-  out_m = jnp.maximum(a[0], b[0])
-  safe = jnp.where(jnp.isfinite(out_m), out_m, 0.0)
-  l_sum, t_sum = 0.0, 0.0
-  for m, l, t in (a, b):
-    shift = jnp.where(jnp.isfinite(m), m - safe, 0.0)  # an empty part has l = t = 0
-    scale = jnp.where(jnp.isfinite(m), jnp.exp(shift), 0.0)
-    l_sum = l_sum + scale * l
-    t_sum = t_sum + scale * (t + l * shift)
-  return out_m, l_sum, t_sum
-
-
-def _adaptive_derive(stats, threshold=0.5, coefficients=_POLY, **_):
-  _, l, t = stats
-  h = jnp.log(jnp.where(l > 0, l, 1.0)) - c.safe_divide(t, l)
-  poly = jnp.polyval(jnp.asarray(coefficients, l.dtype), h)
-  return {"beta": jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)}
-
-
-def _beta_score_map(x, length, beta=1.0, **_):
-  return beta * x
-
-
-_MOMENTS = dict(init=_moments_init, block=_moments_block, merge=_moments_merge)
-
-ROW_STATS_RULES: dict[str, RowStatsRule] = {
-    "adaptive_temperature_softmax": RowStatsRule(
-        init=_entropy_init, block=_entropy_block, merge=_entropy_merge, derive=_adaptive_derive,
-        second=TileRule(score_map=_beta_score_map, numerator=exp_numerator,
-                        denominator=exp_numerator, kernel_class="E")),
-    "standardized_softmax": RowStatsRule(
-        **_MOMENTS, derive=_standardized_derive,
-        second=TileRule(score_map=_standard_score_map, numerator=exp_numerator,
-                        denominator=exp_numerator, kernel_class="E")),
-    "nap": RowStatsRule(
-        **_MOMENTS, derive=_nap_derive,
-        second=TileRule(score_map=_standard_score_map, numerator=_identity_numerator,
-                        kernel_class="P")),
-}
-for _rule in ROW_STATS_RULES.values():
-  _rule.second.validate("RowStatsRule.second")
-
-
-def row_statistics_over_blocks(rule: RowStatsRule, x, mask, block_sizes: Sequence[int],
-                               **hparams: Any) -> dict:
-  """The derived per-row hyperparameters of ``rule`` from consecutive key blocks of the
-  last axis of ``x`` (a plain reading of what a blockwise driver does)."""
-  stats = rule.init(x.shape[:-1] + (1,), x.dtype)
-  start = 0
-  for size in block_sizes:
-    part = rule.block(x[..., start:start + size], mask[..., start:start + size])
-    stats = rule.merge(stats, part)
-    start += size
-  if start != x.shape[-1]:
-    raise ValueError(f"block sizes {tuple(block_sizes)} do not cover the row of {x.shape[-1]}")
-  return rule.derive(stats, **hparams)

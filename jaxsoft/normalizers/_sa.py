@@ -7,13 +7,14 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import _row_blocks as blocks
 from jaxsoft.normalizers._softmax import exp_numerator
 from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
 
 __all__ = ["sa_softmax", "sa_softmax_normalized"]
 
 
-def _inf_limit(posinf, axis, hparams):
+def _inf_limit(posinf, axis, hparams, visible=None):
   """``x_i softmax(x)_i`` as the k visible ``+inf`` logits grow together: ``+inf`` on them
   (``x/k``), 0 on every other entry (a finite score times a weight that tends to 0)."""
   del axis, hparams
@@ -79,8 +80,9 @@ def sa_softmax_normalized(x: ArrayLike, axis: int = -1,
   zeros (the paper adds an epsilon there). Not shift invariant. Differentiable away from
   ties of the row's min or max (the gradient of ``min``/``max`` goes to its argument).
 
-  Kernel class R: the factor needs the row's min and max before any weight, so attention
-  runs it on the dense ``"xla"`` path.
+  Kernel class R: the factor needs the row's min and max (and softmax's (m, l)) before any
+  weight: blockwise attention (``xla_chunked``, ``pallas``) runs a statistics pass over the
+  key blocks, then a pointwise pass.
 
   Args:
     x: scores.
@@ -129,6 +131,20 @@ SPEC = register(NormalizerSpec(
     description="x * softmax(x)",
 ))
 
+def _normalized_derive(stats, length, **_):
+  m, l, hi, _, lo, _ = stats
+  return {**blocks.softmax_derived(m, l), "hi": jnp.maximum(hi, 0.0), "lo": jnp.minimum(lo, 0.0)}
+
+
+def _normalized_numerator(z, m, row_max=0.0, row_sum=1.0, hi=0.0, lo=0.0, **_):
+  return c.safe_divide(z - lo, hi - lo) * blocks.softmax_of(z, row_max, row_sum)
+
+
+# blockwise: softmax's (m, l) and the row's extremes first, then a pointwise (class-P) pass
+NORMALIZED_ROW_RULE = blocks.row_stats_rule(
+    (blocks.SOFTMAX, blocks.EXTREMES), _normalized_derive,
+    TileRule(score_map=identity_score_map, numerator=_normalized_numerator, kernel_class="P"))
+
 SPEC_NORMALIZED = register(NormalizerSpec(
     name="sa_softmax_normalized",
     fn=sa_softmax_normalized,
@@ -138,5 +154,6 @@ SPEC_NORMALIZED = register(NormalizerSpec(
     at_most_one=True,
     shift_invariant=False,
     can_be_sparse=True,
+    row_stats=NORMALIZED_ROW_RULE,
     description="(x - min(x_min, 0)) / (max(x_max, 0) - min(x_min, 0)) * softmax(x)",
 ))

@@ -18,6 +18,7 @@ __all__ = [
     "Param",
     "TileRule",
     "ThresholdRule",
+    "RowStatsRule",
     "NormalizerSpec",
     "REGISTRY",
     "register",
@@ -191,6 +192,56 @@ class ThresholdRule:
 
 
 @dataclasses.dataclass(frozen=True)
+class RowStatsRule:
+  """Class R: per-row statistics of the whole row first, then an ordinary E or P pass.
+
+  A blockwise driver keeps ``stats`` (a tuple of per-row arrays, size 1 on the key axis)
+  for each query row, starting at ``init(row_shape, dtype)``; for each key block it folds
+  ``block(x, mask)`` (the block's own statistics of the visible logits) in with
+  ``merge(a, b)``, which must be associative (Chan et al.'s merge of count, mean and M2;
+  the online (m, l) merge of softmax). ``derive(stats, length, **hp)`` turns the row's
+  statistics into extra per-row hyperparameters of ``second``, a class E or P
+  :class:`TileRule` that a second pass over the key blocks runs as for any E/P normalizer.
+
+  Gradients: the weights depend on x directly (through ``second``, at fixed derived
+  hyperparameters) and through the statistics. ``tangent(x, mask, stats)`` returns, for
+  one block and the row's final ``stats``, per-row sums whose derivative with respect to
+  the block's x equals the derivative of the final statistics (0 for a component without
+  gradient, such as a stabilising max): e.g. ``(0, sum x / n, sum (x - mean)^2)`` for
+  (count, mean, M2). A backward pass takes the derived hyperparameters' cotangents from a
+  first sweep, pulls them back through ``derive`` to cotangents of the statistics, and adds
+  ``vjp(tangent)`` per tile in its main sweep.
+  """
+
+  init: Callable[..., tuple]
+  block: Callable[..., tuple]
+  merge: Callable[..., tuple]
+  derive: Callable[..., dict]
+  tangent: Callable[..., tuple]
+  second: TileRule
+
+  def validate(self, where: str = "RowStatsRule") -> None:
+    """Raises ValueError unless ``second`` is a class E or P tile rule."""
+    self.second.validate(f"{where}: RowStatsRule.second")
+    if self.second.kernel_class not in ("E", "P"):
+      raise ValueError(f"{where}: the second pass of a row-statistics rule is class E or P, "
+                       f"got {self.second.kernel_class!r}")
+
+  def over_blocks(self, x, mask, length, block_sizes, **hp) -> dict:
+    """The derived hyperparameters from consecutive key blocks of the last axis of ``x``
+    (a plain reading of what a blockwise driver does)."""
+    stats = self.init(x.shape[:-1] + (1,), x.dtype)
+    start = 0
+    for size in block_sizes:
+      part = self.block(x[..., start:start + size], mask[..., start:start + size])
+      stats = self.merge(stats, part)
+      start += size
+    if start != x.shape[-1]:
+      raise ValueError(f"block sizes {tuple(block_sizes)} do not cover the row of {x.shape[-1]}")
+    return self.derive(stats, length, **hp)
+
+
+@dataclasses.dataclass(frozen=True)
 class NormalizerSpec:
   """The declaration of one normalizer (see the README's "Adding a normalizer").
 
@@ -209,6 +260,8 @@ class NormalizerSpec:
     params: hyperparameters with defaults and valid ranges.
     tile: the tile rule for classes E, S, P; ``None`` otherwise.
     threshold: the threshold rule for class T; ``None`` otherwise.
+    row_stats: the row-statistics rule for class R (blockwise: statistics merged over key
+      blocks, then an E or P pass); ``None`` otherwise (the dense path only).
     needs_key: the function takes a PRNG key first (stochastic normalizers).
     smooth: differentiable everywhere (``check_grads`` applies at random points).
     description: one line for tables.
@@ -227,6 +280,7 @@ class NormalizerSpec:
   params: tuple[Param, ...] = ()
   tile: TileRule | None = None
   threshold: ThresholdRule | None = None
+  row_stats: RowStatsRule | None = None
   needs_key: bool = False
   smooth: bool = True
   description: str = ""
@@ -249,6 +303,11 @@ class NormalizerSpec:
       raise ValueError(f"{where} of class {self.kernel_class} cannot carry a tile rule")
     if self.kernel_class != "T" and self.threshold is not None:
       raise ValueError(f"{where} of class {self.kernel_class} cannot carry a threshold rule")
+    if self.row_stats is not None:
+      if self.kernel_class != "R":
+        raise ValueError(f"{where} of class {self.kernel_class} cannot carry a row-statistics "
+                         "rule")
+      self.row_stats.validate(where)
 
   @property
   def defaults(self) -> dict[str, Any]:

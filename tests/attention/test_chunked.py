@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
 from tests.attention.test_dense import MASK_CASES, B, H, K, N, T
@@ -219,3 +220,16 @@ def test_memory_is_linear_in_length(blocks):
   assert biggest <= 64 * 64 * 4, biggest  # a few tiles, never T x S
   dense = jax.grad(lambda q: jnp.sum(dpa(q, k, v, is_causal=True, implementation="xla")))
   assert _max_intermediate(jax.make_jaxpr(dense)(q).jaxpr) >= t * t  # the oracle is dense
+
+
+@pytest.mark.parametrize("name", sorted(n for n, s in nz.REGISTRY.items() if s.row_stats is not None))
+def test_class_r_memory_is_linear_in_length(name, blocks):
+  """Class R (a statistics pass, then an E or P pass; two backward sweeps): no T x S value
+  in the forward or the backward program."""
+  blocks(64, 64)
+  t = 512
+  q, k, v = make_qkv(17, 1, t, N=1, K=1, H=8)
+  grad = jax.grad(lambda q, k, v: jnp.sum(chunked(q, k, v, is_causal=True, normalizer=name)),
+                  argnums=(0, 1, 2))
+  biggest = _max_intermediate(jax.make_jaxpr(grad)(q, k, v).jaxpr)
+  assert biggest <= 64 * 64 * 4, biggest

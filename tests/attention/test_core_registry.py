@@ -39,8 +39,7 @@ def _params(spec, per_row=False):
 
 
 def _chunkable(spec) -> bool:
-  rule = spec.tile if spec.kernel_class in ("E", "S", "P") else (
-      spec.threshold if spec.kernel_class == "T" else None)
+  rule = {"T": spec.threshold, "R": spec.row_stats, "X": None}.get(spec.kernel_class, spec.tile)
   return rule is not None and not spec.needs_key
 
 
@@ -56,7 +55,7 @@ def _compare(name, kw, params, q, k, v, bias):
                implementation=impl, **kw)
 
   if not _chunkable(spec):
-    # the chunked path declines (class R/X, stochastic): NotImplementedError, and the
+    # the chunked path declines (class X, stochastic): NotImplementedError, and the
     # dispatcher falls back to the dense path
     with pytest.raises(NotImplementedError):
       f("xla_chunked", q, k, v, bias, arrays)

@@ -20,9 +20,11 @@ from kernels_pallas import engine
 
 ENGINE_NAMES = sorted(n for n in jn.names() if jn.get(n).kernel_class in ("E", "S", "P")
                       and not jn.get(n).needs_key)
-# Class T with a ThresholdRule runs too (tests/kernels_pallas/test_threshold.py).
+# Class T with a ThresholdRule runs too (tests/kernels_pallas/test_threshold.py), and class R
+# with a RowStatsRule (tests/kernels_pallas/test_row_stats.py).
 OTHER_NAMES = sorted(n for n in jn.names() if n not in ENGINE_NAMES
-                     and not (jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None))
+                     and not (jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None)
+                     and not (jn.get(n).kernel_class == "R" and jn.get(n).row_stats is not None))
 
 
 def dense_mask(t, s, *, is_causal=False, window=None, q_seg=None, k_seg=None, q_len=None,

@@ -117,12 +117,27 @@ def test_promise_numerics_integer_logits_promote_in_losses():
 # --- +inf and NaN -------------------------------------------------------------------------
 
 
+def _limit_z(posinf, vis):
+  """Standardised scores as the k +inf entries of n grow together (a numpy float64 limit)."""
+  n = vis.sum(-1, keepdims=True)
+  k = posinf.sum(-1, keepdims=True)
+  with np.errstate(divide="ignore", invalid="ignore"):
+    hi = np.where(k > 0, np.sqrt((n - k) / np.maximum(k, 1)), 0.0)
+    lo = np.where(n > k, -np.sqrt(k / np.maximum(n - k, 1)), 0.0)
+  return np.where(vis, np.where(posinf, hi, lo), 0.0)
+
+
 def _inf_expected(name, x, where):
   """The +inf rule of the module docstring of ``_common``, in numpy."""
   x = np.asarray(x, np.float64)
   vis = np.ones(x.shape, bool) if where is None else np.broadcast_to(where, x.shape)
   vis = vis & (x != -np.inf)
   posinf = vis & (x == np.inf)
+  if name == "nap":
+    return _limit_z(posinf, vis)
+  if name == "standardized_softmax":
+    e = np.where(vis, np.exp(_limit_z(posinf, vis)), 0.0)
+    return e / e.sum(-1, keepdims=True)
   if name in POINTWISE:
     finite = np.where(posinf, 1e30, x)
     base = np.asarray(_call(name, jnp.asarray(finite, jnp.float32), where=where), np.float64)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxsoft import normalizers as nz
 from jaxsoft import testing
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _row_stats as R
@@ -192,25 +193,62 @@ def test_bad_hyperparameters_raise_naming_them():
 # ----------------------------------------------------------------------- blockwise class R
 
 
-@pytest.mark.parametrize("name", sorted(R.ROW_STATS_RULES))
+ROW_RULES = sorted(name for name, spec in nz.REGISTRY.items() if spec.row_stats is not None)
+
+
+def test_every_class_r_normalizer_has_a_blockwise_rule():
+  assert {s.name for s in nz.REGISTRY.values() if s.kernel_class == "R"} == set(ROW_RULES)
+
+
+@pytest.mark.parametrize("name", ROW_RULES)
 def test_blockwise_rule_matches_dense_values_and_gradients(name):
   """Statistics merged over uneven key blocks, then the second pass online (fused with V):
   equal to the dense normalizer times V, and so are the gradients in x and V."""
-  rule = R.ROW_STATS_RULES[name]
-  fn = CASES[{"adaptive_temperature_softmax": "adaptive", "standardized_softmax": "standardized",
-              "nap": "nap"}[name]][0]
+  spec = nz.get(name)
+  rule = spec.row_stats
   x, mask = _rows_mask()
-  x = jnp.asarray(x + 200.0, jnp.float32)  # far from 0: the merges keep their precision
+  x = jnp.asarray(x + 20.0, jnp.float32)  # away from 0: the merges keep their precision
   mask = jnp.asarray(mask)
   v = helpers.normal(9, (9, 3))
   blocks = (4, 1, 4)
+  hp = {p.name: p.sample for p in spec.params if p.sample is not None}
 
   def blockwise(x, v):
     xs, vis, _ = c.prepare(x, -1, mask, "blockwise")
-    derived = R.row_statistics_over_blocks(rule, xs, vis, blocks)
-    return testing.evaluate_tile_rule_online(rule.second, x, v, blocks, where=mask, **derived)
+    derived = rule.over_blocks(xs, vis, c.visible_count(vis, -1, xs.dtype), blocks, **hp)
+    return testing.evaluate_tile_rule_online(rule.second, x, v, blocks, where=mask, **hp,
+                                             **derived)
 
   def dense(x, v):
-    return fn(x, where=mask) @ v
+    return spec.fn(x, where=mask, **hp) @ v
 
   helpers.assert_same(jax.jit(blockwise), jax.jit(dense), (x, v), fwd_tol=2e-5, bwd_tol=2e-4)
+
+
+@pytest.mark.parametrize("name", ROW_RULES)
+def test_tangent_gives_the_derivative_of_the_merged_statistics(name):
+  """Summed over the blocks, vjp(tangent) at the final statistics equals autodiff through
+  the blockwise fold (block + merge), for every statistic."""
+  rule = nz.get(name).row_stats
+  x, mask = _rows_mask()
+  x = jnp.asarray(x, jnp.float32)
+  mask = jnp.asarray(mask)
+  blocks = ((0, 4), (4, 5), (5, 9))
+
+  def fold(x):
+    stats = rule.init(x.shape[:-1] + (1,), x.dtype)
+    for lo, hi in blocks:
+      stats = rule.merge(stats, rule.block(x[:, lo:hi], mask[:, lo:hi]))
+    return stats
+
+  final = fold(x)
+  cot = tuple(helpers.normal(20 + i, s.shape) for i, s in enumerate(final))
+  _, vjp = jax.vjp(fold, x)
+  want = jnp.where(mask, vjp(cot)[0], 0.0)
+  parts = []
+  for lo, hi in blocks:
+    _, vjp_t = jax.vjp(lambda xb, lo=lo, hi=hi: rule.tangent(xb, mask[:, lo:hi], final),
+                       x[:, lo:hi])
+    parts.append(vjp_t(cot)[0])
+  got = jnp.where(mask, jnp.concatenate(parts, axis=-1), 0.0)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,345 @@
+"""Class R in the Pallas engine: a statistics pass, then the E/P engine with derived rows.
+
+A class-R normalizer (standardised softmax, NAP, adaptive temperature, affine, clipped,
+SA-normalised) needs a statistic of the whole row before any weight; its spec carries a
+:class:`~jaxsoft.normalizers.RowStatsRule`. Attention runs it as a composition, so that
+autodiff chains the pieces and no T x S buffer exists anywhere:
+
+1. ``stats = row_stats_core(q, k)``: one Pallas pass over the visible key blocks of each
+   query block folds ``rule.block`` of every tile into ``rule.merge`` (a handful of
+   per-row numbers: mean and M2, softmax's (m, l), ...);
+2. ``theta = rule.derive(stats, n, **hp)`` in XLA, per row;
+3. ``o = attention_core(q, k, v, dyn + theta)``: the ordinary E/P engine running
+   ``rule.second`` with theta as per-row dynamic hyperparameters (its backward returns
+   theta's cotangents like those of any per-head temperature).
+
+Backward of step 1 (a custom_vjp): given the statistics' cotangents ``g`` (autodiff
+through ``derive``), every tile's logit cotangent is ``vjp(rule.tangent)(g)`` at the
+final statistics; a dQ pass over key blocks and a dK pass over query blocks (as the
+engine's backward passes, without V) carry it to q and k. Every pass of a class-R call
+uses one tile shape, so the backward recomputes exactly the forward's tiles (the
+statistics of the row extremes compare logits for equality).
+
+A recomputed tile may round differently from the statistics pass (another kernel, or XLA
+constant-folding the interpreter), so the rules compare logits with the row's extremes
+within a relative 2^-16 (``_row_blocks.RECOMPUTE_TOLERANCE``), and a row with one visible
+key uses scale 1 (its weights do not depend on the scale, and ``x - mean`` recomputed is
+not exactly 0).
+
+Triton (GPU) and Mosaic TPU drivers, both run on CPU in interpret mode by the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas import core, tpu, triton
+from kernels_pallas import engine as E
+
+__all__ = ["row_stats_attention", "row_stats_core"]
+
+
+# ----------------------------------------------------------------------- per-tile math
+
+
+def _rule(cfg: E.Config):
+  return cfg.spec.row_stats
+
+
+def _visible(s, mask):
+  return jnp.ones(s.shape, bool) if mask is None else mask
+
+
+def stats_init(cfg: E.Config, rows: int) -> tuple:
+  """The statistics of an empty row, each [rows, 1]."""
+  return tuple(_rule(cfg).init((rows, 1), cfg.acc_dtype))
+
+
+def stats_tile(cfg: E.Config, s, mask, stats) -> tuple:
+  """Folds one tile's statistics (of the visible logits ``s``) into ``stats``."""
+  rule = _rule(cfg)
+  return tuple(rule.merge(tuple(stats), rule.block(s, _visible(s, mask))))
+
+
+def tangent_tile(cfg: E.Config, s, mask, stats, g):
+  """The tile's logit cotangent from the statistics' cotangents ``g`` (before the soft
+  cap is undone: the caller applies ``engine.soft_cap_grad``)."""
+  rule, vis = _rule(cfg), _visible(s, mask)
+  _, vjp = jax.vjp(lambda x: rule.tangent(x, vis, tuple(stats)), s)
+  return vjp(tuple(g))[0]
+
+
+def num_stats(cfg: E.Config) -> int:
+  return len(stats_init(cfg, 1))
+
+
+# ---------------------------------------------------------------------------- Triton
+
+
+def _triton_stats(cfg: E.Config, q, k, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, size = q.shape[0], cfg.num_heads, num_stats(cfg)
+  sp = triton._q_major(cfg, bq)
+  row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    qs_ref, ks_ref, _, _, out_refs = E.split_refs(cfg, refs, 0)
+    qi = pl.program_id(0)
+    qs = None if qs_ref is None else qs_ref[...]
+    qt = q_ref[...]
+
+    def body(j, stats):
+      sl = pl.ds(j * bk, bk)
+      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+                         None if ks_ref is None else ks_ref[:, sl])
+      return stats_tile(cfg, s, mask, stats)
+
+    stats = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, stats_init(cfg, bq))
+    for rf, x in zip(out_refs, stats, strict=True):
+      rf[...] = x
+
+  return tuple(triton._call(cfg, kernel, "rstats", (cfg.t_pad // bq, b, n), bq, sp,
+                            (aux.fwd_lo, aux.fwd_hi), [(sp["q"], q), (sp["kv"], k)], aux, (),
+                            [sp["row"]] * size, [row_shape] * size))
+
+
+def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, size = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(stats)
+  sp = triton._q_major(cfg, bq)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    st_refs, g_refs = refs[:size], refs[size:2 * size]
+    qs_ref, ks_ref, _, _, (dq_ref,) = E.split_refs(cfg, refs[2 * size:], 0)
+    qi = pl.program_id(0)
+    qs = None if qs_ref is None else qs_ref[...]
+    qt = q_ref[...]
+    st, gt = tuple(r[...] for r in st_refs), tuple(r[...] for r in g_refs)
+
+    def body(j, dq):
+      sl = pl.ds(j * bk, bk)
+      kt = k_ref[sl, :]
+      s = E.tile_logits(cfg, qt, kt)
+      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+                         None if ks_ref is None else ks_ref[:, sl])
+      ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, s, mask, st, gt)) * cfg.scale
+      return dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+
+    dq_ref[...] = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
+                                    jnp.zeros((bq, hp), cfg.acc_dtype))
+
+  ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
+  return triton._call(cfg, kernel, "rdq", (cfg.t_pad // bq, b, n), bq, sp,
+                      (aux.fwd_lo, aux.fwd_hi), ops, aux, (), sp["q"],
+                      jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype))
+
+
+def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, kvh, hp, grp, size = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups, len(stats)
+  sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=grp)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    st_refs, g_refs = refs[:size], refs[size:2 * size]
+    qs_ref, ks_ref, _, _, (dk_ref,) = E.split_refs(cfg, refs[2 * size:], 0)
+    ki = pl.program_id(0)
+    ks = None if ks_ref is None else ks_ref[...]
+    kt = k_ref[...]
+    dk = jnp.zeros((bk, hp), cfg.acc_dtype)
+    for gi in range(grp):  # the query heads sharing this KV head
+
+      def body(i, dk, gi=gi):
+        sl = pl.ds(i * bq, bq)
+        qt = q_ref[sl, gi, :]
+        s = E.tile_logits(cfg, qt, kt)
+        mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
+                           None if qs_ref is None else qs_ref[sl, :], ks)
+        st = tuple(r[gi, sl, :] for r in st_refs)
+        gt = tuple(r[gi, sl, :] for r in g_refs)
+        ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, s, mask, st, gt)) * cfg.scale
+        return dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
+
+      dk = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, dk)
+    dk_ref[...] = dk
+
+  ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
+  return triton._call(cfg, kernel, "rdk", (cfg.s_pad // bk, b, kvh), bk, sp,
+                      (aux.dkv_lo, aux.dkv_hi), ops, aux, (), sp["kv"],
+                      jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype))
+
+
+# ------------------------------------------------------------------------ Mosaic TPU
+
+
+def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, size = q.shape[0], cfg.num_heads, num_stats(cfg)
+  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  sp = tpu._q_major(cfg, bq, bk)
+  row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
+  scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype)] * size
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs, 0)
+    out_refs, sc = rest[:size], rest[size:]
+    bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    r = bi * nq + qi
+
+    @pl.when(ki == 0)
+    def _init():
+      for ref, x in zip(sc, stats_init(cfg, bq), strict=True):
+        ref[...] = x
+
+    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    def _compute():
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      stats = stats_tile(cfg, s, mask, tuple(ref[...] for ref in sc))
+      for ref, x in zip(sc, stats, strict=True):
+        ref[...] = x
+
+    @pl.when(ki == nk - 1)
+    def _finish():
+      for out, ref in zip(out_refs, sc, strict=True):
+        out[...] = ref[...]
+
+  return tuple(tpu._call(cfg, kernel, "rstats", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi),
+                         [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))],
+                         aux, (), [sp["row"]] * size, [row_shape] * size, scratch))
+
+
+def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, hp, size = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(stats)
+  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  sp = tpu._q_major(cfg, bq, bk)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    st_refs, g_refs = refs[:size], refs[size:2 * size]
+    qs_ref, ks_ref, _, _, (dq_ref, dq_sc) = E.split_refs(cfg, refs[2 * size:], 0)
+    bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    r = bi * nq + qi
+
+    @pl.when(ki == 0)
+    def _init():
+      dq_sc[...] = jnp.zeros_like(dq_sc)
+
+    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    def _compute():
+      kt = k_ref[...]
+      s = E.tile_logits(cfg, q_ref[...], kt)
+      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      ds = tangent_tile(cfg, s, mask, tuple(x[...] for x in st_refs),
+                        tuple(x[...] for x in g_refs))
+      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      dq_sc[...] += E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+
+    @pl.when(ki == nk - 1)
+    def _finish():
+      dq_ref[...] = dq_sc[...]
+
+  ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
+  ops += [(sp["row"], x) for x in (*stats, *g)]
+  dq = tpu._call(cfg, kernel, "rdq", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi), ops, aux, (),
+                 sp["q"], jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype),
+                 [pltpu.VMEM((bq, hp), cfg.acc_dtype)])
+  return tpu._heads_first(dq)
+
+
+def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, kvh, hp, grp, size = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups, len(stats)
+  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+
+  def index(bi, h, ki, gi, qi, lo, hi):
+    r = bi * nk + ki
+    return bi, h * grp + gi, h, tpu._clamp(qi, lo[r], hi[r]), ki
+
+  sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
+
+  def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
+    st_refs, g_refs = refs[:size], refs[size:2 * size]
+    qs_ref, ks_ref, _, _, (dk_ref, dk_sc) = E.split_refs(cfg, refs[2 * size:], 0)
+    bi, ki, gi, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    r = bi * nk + ki
+
+    @pl.when(jnp.logical_and(gi == 0, qi == 0))
+    def _init():
+      dk_sc[...] = jnp.zeros_like(dk_sc)
+
+    @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
+    def _compute():
+      qt = q_ref[...]
+      s = E.tile_logits(cfg, qt, k_ref[...])
+      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      ds = tangent_tile(cfg, s, mask, tuple(x[...] for x in st_refs),
+                        tuple(x[...] for x in g_refs))
+      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
+
+    @pl.when(jnp.logical_and(gi == grp - 1, qi == nq - 1))
+    def _finish():
+      dk_ref[...] = dk_sc[...]
+
+  ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
+  ops += [(sp["row"], x) for x in (*stats, *g)]
+  dk = tpu._call(cfg, kernel, "rdk", (b, kvh, nk, grp, nq), sp, (aux.dkv_lo, aux.dkv_hi), ops,
+                 aux, (), sp["kv"], jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
+                 [pltpu.VMEM((bk, hp), cfg.acc_dtype)])
+  return tpu._heads_first(dk)
+
+
+_PASSES = {"triton": (_triton_stats, _triton_dq, _triton_dk),
+           "mosaic_tpu": (_tpu_stats, _tpu_dq, _tpu_dk)}
+
+
+# --------------------------------------------------------------------- the composition
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def row_stats_core(cfg: E.Config, q, k, aux: E.Aux) -> tuple:
+  """The row statistics of every query row, each [B, N, T_pad, 1] (padded inputs)."""
+  return _PASSES[cfg.backend][0](cfg, q, k, aux)
+
+
+def _stats_fwd(cfg, q, k, aux):
+  stats = _PASSES[cfg.backend][0](cfg, q, k, aux)
+  return stats, (q, k, aux, stats)
+
+
+def _stats_bwd(cfg, res, g):
+  q, k, aux, stats = res
+  _, dq_pass, dk_pass = _PASSES[cfg.backend]
+  dq = dq_pass(cfg, q, k, stats, g, aux)
+  dk = dk_pass(cfg, q, k, stats, g, aux)
+  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
+  return dq.astype(q.dtype), dk.astype(k.dtype), aux_ct
+
+
+row_stats_core.defvjp(_stats_fwd, _stats_bwd)
+
+
+def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+  """Class R on padded inputs: statistics, ``derive`` in XLA, then the E/P engine running
+  the rule's second pass with the derived per-row hyperparameters appended to ``dyn``.
+  Returns o [B, T_pad, N, Hp] in q's dtype."""
+  rule = _rule(cfg)
+  stats = row_stats_core(cfg, q, k, aux)
+  static, arrays = E._hp(cfg, dyn)
+  theta = rule.derive(stats, aux.length[:, None, :, :], **{**static, **arrays})
+  names = tuple(sorted(theta))
+  clash = set(names) & (set(cfg.dyn_hp) | {nm for nm, _ in cfg.static_hp})
+  if clash:
+    raise ValueError(f"normalizer {cfg.spec.name!r}: derived hyperparameters {sorted(clash)} "
+                     "shadow declared ones")
+  rows = tuple(jnp.broadcast_to(jnp.asarray(theta[nm], cfg.acc_dtype), stats[0].shape)
+               for nm in names)
+  second = dataclasses.replace(cfg, dyn_hp=cfg.dyn_hp + names)
+  return core.attention_core(second, q, k, v, tuple(dyn) + rows, aux)
