@@ -1,4 +1,4 @@
-"""Softmax-based losses (features L01–L04), optax-compatible: one value per example.
+"""Softmax-based losses (features L01–L17), optax-compatible: one value per example.
 
 The feature ids and the papers behind each loss are listed in docs/feature_ids.md.
 
@@ -35,8 +35,22 @@ from jaxsoft.losses._contrastive import (
     soft_info_nce_weights,
     top_k_multi_positive_loss,
 )
+from jaxsoft.losses._distillation import (
+    averaged_teacher_kd_loss,
+    logit_standardized_kd_loss,
+    squared_error_logit_loss,
+)
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
+from jaxsoft.losses._large_output import (
+    augment_reduce_loss,
+    hierarchical_softmax_log_probs,
+    hierarchical_softmax_loss,
+    huffman_tree,
+    negative_sampling_loss,
+    sampled_softmax_loss,
+    unigram_proposal,
+)
 from jaxsoft.losses._linear_ce import linear_cross_entropy
 from jaxsoft.losses._margin import (
     adacos_scale,
@@ -44,41 +58,106 @@ from jaxsoft.losses._margin import (
     cosface_loss,
     normalized_softmax_loss,
 )
+from jaxsoft.losses._noisy import noisy_softmax_loss
 from jaxsoft.losses._orthogonal import orthogonal_gradient
+from jaxsoft.losses._output_layers import (
+    discretized_logistic_mixture_loss,
+    dual_softmax_loss,
+    pointer_sentinel_log_probs,
+    pointer_sentinel_loss,
+    softmax_cpr_logits,
+    vq_logits,
+    vq_logits_cross_entropy,
+)
 from jaxsoft.losses._partial_fc import partial_fc_loss
+from jaxsoft.losses._preference import adpo_loss, sdpo_loss
+from jaxsoft.losses._ranking import (
+    pairwise_softmax_loss,
+    softmax_loss_at_k,
+    top_k_threshold_loss,
+)
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
+from jaxsoft.losses._tier3 import (
+    attention_entropy_penalty,
+    continual_cross_entropy,
+    dice_semimetric_loss,
+    midam_auc_loss,
+    soft_msm,
+)
+from jaxsoft.losses._tier3_metric import (
+    nbc_softmax_loss,
+    orthogonal_projection_loss,
+    pmrl_loss,
+    wcdas_loss,
+    wrapped_cauchy_log_density,
+)
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
+from jaxsoft.normalizers._fourier_head import fourier_head_cross_entropy
 
 __all__ = [
     "adacos_scale",
+    "adpo_loss",
     "arcface_loss",
+    "attention_entropy_penalty",
+    "augment_reduce_loss",
+    "averaged_teacher_kd_loss",
+    "continual_cross_entropy",
     "cosface_loss",
     "decoupled_softmax_loss",
+    "dice_semimetric_loss",
     "dirichlet_calibrate",
+    "discretized_logistic_mixture_loss",
+    "dual_softmax_loss",
     "ece",
     "energy_score",
     "fenchel_young_loss",
     "fit_dirichlet_calibration",
     "fit_temperature",
+    "fourier_head_cross_entropy",
     "gol_loss",
+    "hierarchical_softmax_log_probs",
+    "hierarchical_softmax_loss",
+    "huffman_tree",
     "info_nce",
     "l2_svm_loss",
     "linear_cross_entropy",
+    "logit_standardized_kd_loss",
+    "midam_auc_loss",
     "msp",
+    "nbc_softmax_loss",
+    "negative_sampling_loss",
+    "noisy_softmax_loss",
     "normalized_softmax_loss",
     "odin",
     "orthogonal_gradient",
+    "orthogonal_projection_loss",
     "ovr_bce_loss",
+    "pairwise_softmax_loss",
     "partial_fc_loss",
+    "pmrl_loss",
+    "pointer_sentinel_log_probs",
+    "pointer_sentinel_loss",
+    "sampled_softmax_loss",
+    "sdpo_loss",
     "soft_clip_loss",
     "soft_info_nce",
     "soft_info_nce_weights",
+    "soft_msm",
     "softmax_collapse_fraction",
+    "softmax_cpr_logits",
     "softmax_cross_entropy",
     "softmax_cross_entropy_with_integer_labels",
+    "softmax_loss_at_k",
     "spherical_z_loss",
+    "squared_error_logit_loss",
     "stablemax_cross_entropy",
     "top_k_cross_entropy",
     "top_k_multi_positive_loss",
+    "top_k_threshold_loss",
+    "unigram_proposal",
+    "vq_logits",
+    "vq_logits_cross_entropy",
+    "wcdas_loss",
+    "wrapped_cauchy_log_density",
     "z_loss",
 ]

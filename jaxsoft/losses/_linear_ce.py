@@ -4,6 +4,7 @@ without ever materialising the ``[tokens, vocab]`` logits."""
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 from typing import Any, NamedTuple
 
@@ -21,8 +22,9 @@ __all__ = ["linear_cross_entropy"]
 def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
                          where: ArrayLike | None = None, ignore_index: int | None = None,
                          label_smoothing: float = 0.0, z_loss: float = 0.0,
-                         softcap: float | None = None, token_chunk_size: int = 1024,
-                         vocab_chunk_size: int = 4096) -> jax.Array:
+                         softcap: float | None = None, token_chunk_size: int | None = None,
+                         vocab_chunk_size: int | None = None,
+                         implementation: str | None = None) -> jax.Array:
   r"""Softmax cross-entropy of the logits ``h @ w``, never materialised (feature L08).
 
   With logits :math:`z_{tv} = c \tanh\bigl((h_t \cdot w_{:,v}) / c\bigr)` (the ``softcap``
@@ -53,6 +55,13 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   The chunks need not divide the axes: the last vocabulary chunk is shifted back to end at
   V and its columns already counted are masked; the tokens are padded to a whole chunk.
 
+  ``implementation="pallas"`` computes the same loss with Pallas kernels (a forward kernel
+  per token block over the vocabulary blocks, and dh / dw kernels that recompute each
+  tile's logits; ``kernels_pallas.cross_entropy``): the Triton kernel on GPUs, the Mosaic
+  one on TPUs, ``"pallas_triton"`` / ``"pallas_mosaic_tpu"`` to pick one. On a platform
+  without that backend it raises NotImplementedError unless the environment variable
+  ``JAXSOFT_PALLAS_INTERPRET=1`` asks for the Pallas interpreter (CPU tests).
+
   Edge cases (as :func:`softmax_cross_entropy_with_integer_labels`): a token whose ``where``
   is False or whose label equals ``ignore_index`` has loss 0 and zero gradient; a label
   outside ``[0, V)`` that is not ``ignore_index`` has loss ``+inf`` and zero gradient.
@@ -68,8 +77,14 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     label_smoothing: :math:`\epsilon \in [0, 1)` (a Python float).
     z_loss: :math:`\lambda \ge 0`, the weight of :math:`\mathrm{LSE}^2` (e.g. 1e-4).
     softcap: None or :math:`c > 0`: logits :math:`c\tanh(z/c)` (Gemma 2's final-logit cap).
-    token_chunk_size: tokens per chunk (clipped to the number of tokens).
-    vocab_chunk_size: vocabulary columns per chunk (clipped to V).
+    token_chunk_size: tokens per chunk (clipped to the number of tokens); None: 256 for
+      ``"xla"``, the kernel's default block for Pallas (Triton: a power of two >= 16;
+      Mosaic TPU: a multiple of 8).
+    vocab_chunk_size: vocabulary columns per chunk (clipped to V); None: 1024 for ``"xla"``,
+      the kernel's default for Pallas (Triton: a power of two >= 16; Mosaic: a multiple
+      of 128).
+    implementation: None or ``"xla"`` (the chunked XLA path above), ``"pallas"``,
+      ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``.
 
   Returns:
     One loss per token, of ``labels``' shape, in ``h``'s dtype.
@@ -105,7 +120,12 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   eps = _static_float(label_smoothing, "label_smoothing", fn, lo=0.0, hi=1.0, hi_open=True)
   lam = _static_float(z_loss, "z_loss", fn, lo=0.0)
   cap = None if softcap is None else _static_float(softcap, "softcap", fn, lo=0.0, lo_open=True)
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{fn}: `implementation` must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
   for name, v in (("token_chunk_size", token_chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+    if v is None:
+      continue
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
       raise ValueError(f"{fn}: `{name}` must be a positive int, got {v!r}")
   keep = jnp.ones(labels.shape, bool)
@@ -124,16 +144,50 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   if n == 0:
     return jnp.zeros(batch_shape, out_dtype)
   vocab = w.shape[1]
-  tc, vc = min(int(token_chunk_size), n), min(int(vocab_chunk_size), vocab)
+  dtype = jnp.dtype(nc.compute_dtype(jnp.result_type(h.dtype, w.dtype)))
+  if implementation not in (None, "xla"):
+    loss = _pallas(implementation, h.reshape(n, d), w, labels.reshape(n), keep.reshape(n),
+                   eps, lam, cap, dtype, token_chunk_size, vocab_chunk_size)
+    return loss.reshape(batch_shape).astype(out_dtype)
+  tc = min(int(TOKEN_CHUNK if token_chunk_size is None else token_chunk_size), n)
+  vc = min(int(VOCAB_CHUNK if vocab_chunk_size is None else vocab_chunk_size), vocab)
   n_pad = -(-n // tc) * tc
   h2 = jnp.pad(h.reshape(n, d), ((0, n_pad - n), (0, 0)))
   y2 = jnp.pad(labels.reshape(n).astype(jnp.int32), (0, n_pad - n))
   keep2 = jnp.pad(keep.reshape(n), (0, n_pad - n))
   in_range = (y2 >= 0) & (y2 < vocab)
-  cfg = _Config(tc, vc, eps, lam, cap, jnp.dtype(nc.compute_dtype(jnp.result_type(h.dtype, w.dtype))))
+  cfg = _Config(tc, vc, eps, lam, cap, dtype)
   loss = _lce(cfg, h2, w, jnp.where(in_range, y2, 0), keep2 & in_range)
   loss = jnp.where(keep2 & ~in_range, jnp.inf, loss)[:n]
   return loss.reshape(batch_shape).astype(out_dtype)
+
+
+IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+# The XLA path's default chunks: a [256, 1024] float32 tile of logits is 1 MiB, which stays
+# in a CPU core's cache across the passes over it (bench/losses.py: 2048 tokens x 32k
+# vocabulary, d = 256, ran faster than with [1024, 4096] or [128, 512] tiles).
+TOKEN_CHUNK, VOCAB_CHUNK = 256, 1024
+
+
+def _pallas(implementation, h, w, y, keep, eps, lam, cap, dtype, token_chunk_size,
+            vocab_chunk_size):
+  """The Pallas kernels (kernels_pallas.cross_entropy, imported here: users without Pallas
+  never import it) on the flattened tokens; +inf for a kept label outside [0, V)."""
+  try:
+    kernels_api = importlib.import_module("kernels_pallas._api")
+    kernels = importlib.import_module("kernels_pallas.cross_entropy")
+  except ImportError as e:
+    raise NotImplementedError(f"kernels_pallas is not available: {e}") from e
+  backend = {"pallas": None, "pallas_triton": "triton",
+             "pallas_mosaic_tpu": "mosaic_tpu"}[implementation]
+  backend, interpret = kernels_api.pick_backend(backend)
+  y = y.astype(jnp.int32)
+  in_range = (y >= 0) & (y < w.shape[1])
+  loss = kernels.linear_cross_entropy_tokens(
+      h, w, jnp.where(in_range, y, 0), keep & in_range, label_smoothing=eps, z_loss=lam,
+      softcap=cap, compute_dtype=dtype, backend=backend, interpret=interpret,
+      token_chunk_size=token_chunk_size, vocab_chunk_size=vocab_chunk_size)
+  return jnp.where(keep & ~in_range, jnp.inf, loss)
 
 
 class _Config(NamedTuple):
@@ -171,12 +225,24 @@ def _capped(z_raw, cap):
 
 def _vocab_chunk(w, k, cfg):
   """Chunk k of the columns of w (the last one shifted back to end at V) and the mask of
-  the columns that chunk k owns (those not already counted by an earlier chunk)."""
+  the columns that chunk k owns (those not already counted by an earlier chunk; None when
+  the chunks divide V, so that every chunk owns all its columns)."""
   vocab = w.shape[1]
-  start = jnp.minimum(k * cfg.vc, vocab - cfg.vc)
+  if vocab % cfg.vc == 0:
+    start = k * cfg.vc
+    own = None
+  else:
+    start = jnp.minimum(k * cfg.vc, vocab - cfg.vc)
   wk = jax.lax.dynamic_slice_in_dim(w, start, cfg.vc, axis=1).astype(cfg.dtype)
   cols = start + jnp.arange(cfg.vc)
-  return wk, cols, cols >= k * cfg.vc, start
+  if vocab % cfg.vc:
+    own = cols >= k * cfg.vc
+  return wk, cols, own, start
+
+
+def _owned(own, x, fill):
+  """x where the chunk owns the column, ``fill`` elsewhere (x itself when it owns all)."""
+  return x if own is None else jnp.where(own, x, fill)
 
 
 def _token_chunks(a, tc):
@@ -192,9 +258,10 @@ def _chunk_forward(cfg, w, hc, yc):
     m, l, s = carry
     wk, _, own, _ = _vocab_chunk(w, k, cfg)
     z, _ = _capped(hc @ wk, cfg.cap)
-    m_new = jnp.maximum(m, jnp.max(jnp.where(own, z, -jnp.inf), axis=-1))
-    l = l * jnp.exp(m - m_new) + jnp.sum(jnp.where(own, jnp.exp(z - m_new[:, None]), 0.0), -1)
-    s = s + jnp.sum(jnp.where(own, z, 0.0), axis=-1)
+    m_new = jnp.maximum(m, jnp.max(_owned(own, z, -jnp.inf), axis=-1))
+    l = l * jnp.exp(m - m_new) + jnp.sum(_owned(own, jnp.exp(z - m_new[:, None]), 0.0), -1)
+    if cfg.eps:  # the row sum of the logits, for label smoothing only
+      s = s + jnp.sum(_owned(own, z, 0.0), axis=-1)
     return (m_new, l, s), None
 
   zeros = jnp.zeros(hc.shape[:1], cfg.dtype)
@@ -251,8 +318,10 @@ def _lce_bwd(cfg, res, g):
       wk, cols, own, start = _vocab_chunk(w, k, cfg)
       z, dcap = _capped(hc @ wk, cfg.cap)
       p = jnp.exp(z - lc_[:, None])
-      target = (1.0 - cfg.eps) * (cols[None, :] == yc[:, None]) + cfg.eps / vocab
-      dz = jnp.where(own, cc[:, None] * p - gc[:, None] * target, 0.0)
+      target = jnp.where(cols[None, :] == yc[:, None], 1.0 - cfg.eps, 0.0)
+      if cfg.eps:
+        target = target + cfg.eps / vocab
+      dz = _owned(own, cc[:, None] * p - gc[:, None] * target, 0.0)
       if dcap is not None:
         dz = dz * dcap
       dh = dh + dz @ wk.T

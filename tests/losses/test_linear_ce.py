@@ -201,4 +201,15 @@ def test_bad_input_names_the_argument():
       ("`token_chunk_size`", lambda: lce(h, w, y, token_chunk_size=0)),
       ("`vocab_chunk_size`", lambda: lce(h, w, y, vocab_chunk_size=2.5)),
       ("`ignore_index`", lambda: lce(h, w, y, ignore_index=0.5)),
+      ("`implementation`", lambda: lce(h, w, y, implementation="cudnn")),
   )
+
+
+def test_default_chunks_and_implementation_xla():
+  # 300 tokens x 1100 columns: the default chunks (256 x 1024) divide neither axis
+  h, w, y = _inputs(10, n=300, v=1100)
+  ref = lce(h, w, y, token_chunk_size=256, vocab_chunk_size=1024, label_smoothing=0.1)
+  np.testing.assert_array_equal(lce(h, w, y, label_smoothing=0.1), ref)
+  np.testing.assert_array_equal(lce(h, w, y, label_smoothing=0.1, implementation="xla"), ref)
+  loss, _, _ = _reference(h, w, y, jnp.ones((300,)), eps=0.1)
+  np.testing.assert_allclose(ref, loss, rtol=1e-5, atol=1e-5)
