@@ -145,23 +145,28 @@ def check_chunk_size(chunk_size: Any, fn_name: str) -> int:
   return int(chunk_size)
 
 
-def check_implementation(implementation: Any, T: int, chunk_size: int, fn_name: str) -> str:
-  """``"parallel" | "recurrent" | "chunked"``; "pallas" is not built yet.
+def check_implementation(implementation: Any, T: int, chunk_size: int, fn_name: str,
+                         pallas: bool = False) -> str:
+  """``"parallel" | "recurrent" | "chunked" | "pallas"``.
 
   None picks the parallel form when ``T <= chunk_size`` (one chunk: the chunked form is then
   the same computation) and the chunked form above. Measured on CPU (B = 1, N = 4,
   K = V = 64), the chunked form is already 2x faster than the parallel one at T = 256
   (chunk 64), and the parallel form holds T x T (T x T x K for per-channel decays) buffers.
+  None never picks ``"pallas"``. ``pallas``: whether the variant has the Pallas chunk
+  kernels (scalar decays: simple_gla, lightning_attention, the delta rules); for the others
+  ``"pallas"`` raises NotImplementedError.
   """
   if implementation is None:
     return "parallel" if T <= chunk_size else "chunked"
-  if implementation == "pallas":
+  if implementation == "pallas" and not pallas:
     raise NotImplementedError(
-        f"{fn_name}: implementation='pallas' is not implemented yet for the linear family; use "
+        f"{fn_name}: implementation='pallas' is not implemented for this variant (the Pallas "
+        "kernels cover simple_gla, lightning_attention, delta_rule and gated_delta_rule); use "
         "'chunked', 'parallel' or 'recurrent'")
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(
-        f"{fn_name}: `implementation` must be one of {IMPLEMENTATIONS[:3]} or None, got "
+        f"{fn_name}: `implementation` must be one of {IMPLEMENTATIONS} or None, got "
         f"{implementation!r}")
   return str(implementation)
 

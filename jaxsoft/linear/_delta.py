@@ -45,7 +45,7 @@ def l2_normalize(x: ArrayLike, eps: float = 1e-6) -> jax.Array:
 def _delta(fn_name: str, gated: bool, q, k, v, g, beta, *, scale, initial_state,
            output_final_state, segment_ids, implementation, chunk_size, qk_l2norm):
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
-                           implementation=implementation, chunk_size=chunk_size)
+                           implementation=implementation, chunk_size=chunk_size, pallas=True)
   B, T, N, K = call.q.shape
   if gated:
     g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
@@ -83,7 +83,9 @@ def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
     output_final_state: also return the final state ``[B, N, K, V]`` (float32).
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes.
     implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
-      T <= chunk_size, else chunked); ``"pallas"`` raises NotImplementedError.
+      T <= chunk_size, else chunked); ``"pallas"``: the chunked form by Pallas kernels
+      (as in :func:`jaxsoft.linear.simple_gla`; the chunk-local UT inverse is computed in
+      XLA before the kernels).
     chunk_size: the chunk length of the chunked form (T need not be a multiple).
     qk_l2norm: L2-normalise ``q`` and ``k`` along K first (:func:`l2_normalize`).
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any
 
 import jax
@@ -29,12 +30,13 @@ class Call:
 
 
 def prepare(fn_name: str, q, k, v, *, scale, segment_ids, implementation,
-            chunk_size) -> Call:
-  """Checks ``q, k, v``, ``segment_ids``, ``chunk_size``, ``implementation`` and ``scale``."""
+            chunk_size, pallas: bool = False) -> Call:
+  """Checks ``q, k, v``, ``segment_ids``, ``chunk_size``, ``implementation`` and ``scale``
+  (``pallas``: the variant has the Pallas chunk kernels)."""
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, _, K = q.shape
   chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
-  impl = _checks.check_implementation(implementation, T, chunk_size, fn_name)
+  impl = _checks.check_implementation(implementation, T, chunk_size, fn_name, pallas=pallas)
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
@@ -53,13 +55,34 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   run = _chunk.run_ids(call.segment_ids, B, T)
   S0 = jnp.zeros((B, N, K, V), jnp.float32) if S0 is None else S0.astype(jnp.float32)
   args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
-  if call.implementation == "recurrent":
+  if call.implementation == "pallas":
+    o, S_T = _pallas(call, args)
+  elif call.implementation == "recurrent":
     o, S_T = _recurrence.recurrent(*args)
   elif call.implementation == "chunked":
     o, S_T = _recurrence.chunked(*args, chunk=min(call.chunk_size, T))
   else:  # parallel: one chunk holding the whole sequence
     o, S_T = _recurrence.chunked(*args, chunk=T, recompute=False)
   return jnp.moveaxis(o, 2, 1), S_T
+
+
+def _pallas(call: Call, args) -> tuple[jax.Array, jax.Array]:
+  """The Pallas chunk kernels (``kernels_pallas.linear``; imported here, so that users
+  without Pallas never import it) on the driver of the default platform: Triton on GPUs,
+  Mosaic on TPUs, the Triton driver in interpret mode where ``JAXSOFT_PALLAS_INTERPRET=1``;
+  elsewhere NotImplementedError."""
+  try:
+    api = importlib.import_module("kernels_pallas._api")
+    kernels = importlib.import_module("kernels_pallas.linear")
+  except ImportError as e:  # pragma: no cover - kernels_pallas ships with jaxsoft
+    raise NotImplementedError(f"implementation='pallas': kernels_pallas is not available: {e}"
+                              ) from e
+  try:
+    backend, interpret = api.pick_backend(None)
+  except NotImplementedError as e:
+    raise NotImplementedError(f"implementation='pallas': {e}") from None
+  return kernels.chunked(*args, chunk=call.chunk_size, backend=backend, interpret=interpret,
+                         segments=call.segment_ids is not None)
 
 
 def finish(o: jax.Array, state: Any, dtype: Any, output_final_state: bool) -> Any:

@@ -26,7 +26,8 @@ __all__ = ["simple_gla", "simple_gla_step", "gla", "gla_step"]
 def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
            output_final_state, segment_ids, implementation, chunk_size):
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
-                           implementation=implementation, chunk_size=chunk_size)
+                           implementation=implementation, chunk_size=chunk_size,
+                           pallas=not per_channel)
   B, T, N, K = call.q.shape
   if per_channel:
     g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
@@ -60,7 +61,10 @@ def simple_gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes (packed sequences).
     implementation: ``"parallel"`` (T x T per head), ``"recurrent"`` (a scan over tokens),
       ``"chunked"`` (a scan over chunks; memory O(T·K·V / chunk_size + T·chunk_size)) or
-      None (parallel when T <= chunk_size, else chunked). ``"pallas"`` raises NotImplementedError.
+      None (parallel when T <= chunk_size, else chunked). ``"pallas"``: the chunked form
+      by Pallas kernels (``kernels_pallas.linear``: Triton on GPUs, Mosaic on TPUs, the
+      interpreter where ``JAXSOFT_PALLAS_INTERPRET=1``; NotImplementedError elsewhere);
+      chunk_size must then be a power of two >= 16 (Triton) or a multiple of 8 (Mosaic).
     chunk_size: the chunk length of the chunked form (T need not be a multiple).
 
   Returns:
@@ -98,7 +102,8 @@ def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
     v: ``[B, T, N, V]``.
     g: ``[B, T, N, K]`` log decays, ``<= 0`` and finite.
     scale, initial_state, output_final_state, segment_ids, implementation, chunk_size: as in
-      :func:`simple_gla`.
+      :func:`simple_gla` (but ``"pallas"`` raises NotImplementedError: the kernels take
+      one decay per head).
 
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.

@@ -65,9 +65,14 @@ def test_bad_input_names_the_argument(case):
     fn()
 
 
-def test_pallas_is_not_implemented_yet():
+def test_pallas_needs_a_backend_or_interpret_mode(monkeypatch):
+  """On CPU without JAXSOFT_PALLAS_INTERPRET the kernels cannot run: NotImplementedError
+  naming pallas; gla's per-channel decays have no kernel at all."""
+  monkeypatch.delenv("JAXSOFT_PALLAS_INTERPRET", raising=False)
   with pytest.raises(NotImplementedError, match="pallas"):
     linear.gated_delta_rule(q, k, v, g, beta, implementation="pallas")
+  with pytest.raises(NotImplementedError, match="pallas"):
+    linear.gla(q, k, v, jnp.broadcast_to(g[..., None], q.shape), implementation="pallas")
 
 
 def test_traced_gates_are_checked_for_shape_only():
