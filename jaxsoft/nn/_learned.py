@@ -2,28 +2,59 @@
 
 Each module owns the parameters of one normalizer and returns its hyperparameters (per head,
 per query or per input), or applies the normalizer with them. Every parameter is kept in
-its valid range by construction (temperatures through a sigmoid between two bounds), and
-each module starts at a documented baseline:
+its valid range by construction (temperatures through a sigmoid between two bounds or a
+softplus, bounded token terms through tanh), and each module starts at a documented
+baseline:
 
 * :class:`MultiMax` (N11): ``t = 0`` is softmax (``init_std=0`` starts there);
 * :class:`QASSMax` (N06): at init (zero last layers) it is SSMax with ``s = 1``;
+* :class:`SSA` (N07): at init (zero token projection) it is ``ssa_softmax`` at
+  ``alpha_init``; ``alpha -> -inf`` is softmax;
+* :class:`ASEntmax` (N18): at init (zero projection) it is ``asentmax`` with
+  ``beta = beta_init``; ``beta = 0, delta = 1`` is alpha-entmax;
+* :class:`PolarSink` (N12): at init it is ``polar_softmax`` at its defaults; a null bias
+  and alpha -> -inf give softmax;
 * :class:`TempNet` (N31): at init the temperature is the constant ``tau_init``;
+* :class:`MoEGate` (N32): ``softmax(sigmoid(W x + b) / tau)``; ``activation=False`` is
+  the plain dense-to-sparse gate ``softmax((W x + b) / tau)``;
 * :class:`DirichletCalibration` (N30): at init ``W = I``, ``b = 0``, the identity map.
+
+Attention. Every module but DirichletCalibration plugs into
+:class:`jaxsoft.nn.MultiHeadAttention` through ``learned=(module, ...)``. Its
+``normalizer`` attribute names the registered normalizer it belongs to (the layer's
+``normalizer`` must be that one), and the layer calls
+
+* ``attention_hyperparams(q, n_visible)``: with ``q`` the queries ``[B, N, T, H]`` and
+  ``n_visible`` the number of keys each query sees (broadcastable to ``[B, N, T, 1]``),
+  a dict of the normalizer's hyperparameters, each broadcastable to the scores
+  ``[B, N, T, S]``;
+* ``attention_queries(q, n_visible)``: the queries the scores are computed from (``q``
+  itself for all but :class:`QASSMax`, which rescales them).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft import normalizers as nz
+from jaxsoft.attention import _masks
+from jaxsoft.attention import _variants as variants
 from jaxsoft.normalizers import _calibration
 
-__all__ = ["MultiMax", "QASSMax", "TempNet", "DirichletCalibration"]
+__all__ = ["MultiMax", "QASSMax", "SSA", "ASEntmax", "PolarSink", "TempNet", "MoEGate",
+           "DirichletCalibration"]
+
+# Open lower bounds at 0 kept open in float32 (softplus underflows to exactly 0).
+_GAMMA_MARGIN = 1e-3
+_TAU_MARGIN = 1e-3
 
 _MULTIMAX_NAMES = ("t1", "t2", "t3", "t4", "b1", "b2", "b3", "b4")
 
@@ -34,7 +65,88 @@ def _positive_int(value, name: str, owner: str) -> int:
   return value
 
 
-class MultiMax(nnx.Module):
+def _finite_float(value, name: str, owner: str) -> float:
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    raise ValueError(f"{owner}: `{name}` must be a float, got {value!r}") from None
+  if not math.isfinite(v):
+    raise ValueError(f"{owner}: `{name}` must be finite, got {value!r}")
+  return v
+
+
+def _per_head(value, num_heads: int, name: str, owner: str) -> jax.Array:
+  """A per-head initial value: a finite scalar or an array of shape ``[num_heads]``."""
+  v = np.asarray(value, np.float64)
+  if v.ndim == 0:
+    v = np.full((num_heads,), _finite_float(v, name, owner))
+  if v.shape != (num_heads,):
+    raise ValueError(f"{owner}: `{name}` must be a float or an array of shape "
+                     f"[num_heads] = [{num_heads}], got shape {v.shape}")
+  if not np.all(np.isfinite(v)):
+    raise ValueError(f"{owner}: `{name}` must be finite, got {value!r}")
+  return jnp.asarray(v, jnp.float32)
+
+
+def _learned_value(param: nnx.Param, shape: tuple[int, ...], name: str, owner: str):
+  """The current value of a learned parameter, at least float32; ValueError naming it when
+  an assignment changed its shape."""
+  v = jnp.asarray(param[...])
+  if tuple(v.shape) != shape:
+    raise ValueError(f"{owner}: learned parameter `{name}` must have shape {shape}, got "
+                     f"{tuple(v.shape)}")
+  return v.astype(jnp.promote_types(v.dtype, jnp.float32))
+
+
+def _head_queries(q, num_heads: int, head_dim: int | None, owner: str) -> jax.Array:
+  """``q`` checked to be ``[B, N, T, H]`` with this module's N (and H when it has one)."""
+  q = jnp.asarray(q)
+  ok = q.ndim == 4 and q.shape[1] == num_heads and (head_dim is None or q.shape[3] == head_dim)
+  if not ok:
+    h = "H" if head_dim is None else head_dim
+    raise ValueError(f"{owner}: `q` must have shape [B, {num_heads}, T, {h}] (queries per "
+                     f"head), got {q.shape}")
+  return q
+
+
+def _visible(n_visible, q, owner: str) -> jax.Array:
+  """``n_visible`` as float32 broadcastable to ``[B, N, T, 1]``."""
+  n = jnp.asarray(n_visible, jnp.float32)
+  want = q.shape[:3] + (1,)
+  try:
+    if n.ndim > 4:
+      raise ValueError
+    np.broadcast_shapes((1,) * (4 - n.ndim) + n.shape, want)
+  except ValueError:
+    raise ValueError(f"{owner}: `n_visible` of shape {n.shape} does not broadcast to "
+                     f"[B, N, T, 1] = {want}") from None
+  return n.reshape((1,) * (4 - n.ndim) + n.shape)
+
+
+class LearnedNormalizer(nnx.Module):
+  """The attention protocol the learned-parameter modules share (see the module docstring).
+
+  Subclasses set ``normalizer`` (the registered name whose hyperparameters they produce)
+  and implement :meth:`attention_hyperparams`; :meth:`attention_queries` leaves the
+  queries as they are unless a module rescales them.
+  """
+
+  normalizer: str = "softmax"
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """The normalizer's hyperparameters for queries ``q [B, N, T, H]`` that see
+    ``n_visible`` keys (broadcastable to ``[B, N, T, 1]``), each broadcastable to the
+    scores ``[B, N, T, S]``."""
+    raise NotImplementedError
+
+  def attention_queries(self, q: ArrayLike, n_visible: ArrayLike) -> jax.Array:
+    """The queries ``[B, N, T, H]`` the scores are computed from (``q`` unchanged)."""
+    del n_visible
+    return jnp.asarray(q)
+
+
+class MultiMax(LearnedNormalizer):
   r"""MultiMax's learned slopes and breakpoints, per head (feature N11).
 
   From Y. Zhou, M. Fritz, M. Keuper, "MultiMax: Sparse and Multi-Modal Attention Learning"
@@ -49,7 +161,12 @@ class MultiMax(nnx.Module):
     init_std: standard deviation of the truncated-normal init (0.02 as in the code); 0
       starts exactly at softmax.
     rngs: ``nnx.Rngs`` for the init.
+
+  In attention (``learned=(MultiMax(N, ...),)`` with ``normalizer="multimax"``) each head
+  uses its own parameters.
   """
+
+  normalizer = "multimax"
 
   def __init__(self, num_heads: int, *, init_std: float = 0.02, rngs: nnx.Rngs):
     _positive_int(num_heads, "num_heads", "MultiMax")
@@ -65,6 +182,13 @@ class MultiMax(nnx.Module):
     vals = jnp.concatenate([self.t[...], self.b[...]], axis=0)
     return {name: vals[i].reshape(self.num_heads, 1, 1) for i, name in enumerate(_MULTIMAX_NAMES)}
 
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """Each head's ``t1..t4, b1..b4`` as ``[N, 1, 1]`` (the queries only fix N)."""
+    del n_visible
+    _head_queries(q, self.num_heads, None, "MultiMax")
+    return self.hyperparameters()
+
   def __call__(self, scores: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
     """``multimax(scores)`` over the last axis with each head's parameters; ``scores``
     ``[..., N, T, S]``."""
@@ -75,7 +199,7 @@ class MultiMax(nnx.Module):
     return nz.multimax(s, -1, where, **self.hyperparameters())
 
 
-class QASSMax(nnx.Module):
+class QASSMax(LearnedNormalizer):
   r"""Query-aware scalable softmax: the query scaling of QASSMax (feature N06).
 
   From TabICLv2 (soda-inria/tabicl; arXiv 2602.11139, 2026), as several reimplementations
@@ -98,7 +222,12 @@ class QASSMax(nnx.Module):
     head_dim: d_h.
     hidden: the MLPs' hidden width (64 in TabICLv2).
     rngs: ``nnx.Rngs``.
+
+  In attention (``learned=(QASSMax(N, H),)`` with ``normalizer="softmax"``) the layer's
+  queries are rescaled by :meth:`attention_queries` with each query's visible count n.
   """
+
+  normalizer = "softmax"
 
   def __init__(self, num_heads: int, head_dim: int, *, hidden: int = 64, rngs: nnx.Rngs):
     for name, v in (("num_heads", num_heads), ("head_dim", head_dim), ("hidden", hidden)):
@@ -137,8 +266,26 @@ class QASSMax(nnx.Module):
     log_n = jnp.log(jnp.maximum(n, 1.0))
     return (q * self.base(log_n) * self.gate(q)).astype(q.dtype)
 
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """None: QASSMax acts on the queries (:meth:`attention_queries`)."""
+    del n_visible
+    _head_queries(q, self.num_heads, self.head_dim, "QASSMax")
+    return {}
 
-class TempNet(nnx.Module):
+  def attention_queries(self, q: ArrayLike, n_visible: ArrayLike) -> jax.Array:
+    """``q~`` of ``q [B, N, T, d_h]``, head h rescaled with its own row's count n."""
+    q = _head_queries(q, self.num_heads, self.head_dim, "QASSMax")
+    n = _visible(n_visible, q, "QASSMax")[..., 0]  # [B', N', T']
+    log_n = jnp.log(jnp.maximum(n, 1.0))
+    if n.shape[1] == 1:  # one count for every head: base(l) is [B', 1, T', N, d_h]
+      base = jnp.moveaxis(self.base(log_n[:, 0]), 2, 1)
+    else:  # head h takes base(l_h)[h]
+      base = jnp.moveaxis(jnp.diagonal(self.base(log_n), axis1=1, axis2=3), -1, 1)
+    return (q * base * self.gate(q)).astype(q.dtype)
+
+
+class TempNet(LearnedNormalizer):
   r"""TempNet: a per-input temperature ``tau(x)`` in ``(tau_min, tau_max)`` (feature N31).
 
   From Z.-H. Qiu, S. Guo, M. Xu, T. Zhao, L. Zhang, T. Yang, "To Cool or not to Cool?
@@ -155,7 +302,13 @@ class TempNet(nnx.Module):
     tau_min, tau_max: the temperature's open range, ``0 < tau_min < tau_max``.
     tau_init: the initial (constant) temperature, inside the range.
     rngs: ``nnx.Rngs``.
+
+  In attention (``learned=(TempNet(F),)`` with ``normalizer="softmax"``) the temperature
+  is predicted from the queries: from all heads of a query (``F = N H``), one temperature
+  per query ``[B, 1, T, 1]``; from each head's query (``F = H``), ``[B, N, T, 1]``.
   """
+
+  normalizer = "softmax"
 
   def __init__(self, in_features: int, *, hidden: int = 64, tau_min: float = 0.05,
                tau_max: float = 2.0, tau_init: float = 1.0, rngs: nnx.Rngs):
@@ -166,6 +319,7 @@ class TempNet(nnx.Module):
     if not tau_min < tau_init < tau_max:
       raise ValueError(f"TempNet: `tau_init` must lie in ({tau_min}, {tau_max}), got "
                        f"{tau_init!r}")
+    self.in_features = in_features
     self.tau_min, self.tau_max = float(tau_min), float(tau_max)
     u = (tau_init - tau_min) / (tau_max - tau_min)
     self.hidden = nnx.Linear(in_features, hidden, rngs=rngs)
@@ -183,6 +337,292 @@ class TempNet(nnx.Module):
     """``softmax(logits / tau(features))`` over the last axis; ``features [..., F]`` and
     ``logits [..., K]`` share their leading dims."""
     return nz.softmax(logits, -1, where, temperature=self.temperature(features))
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """``{"temperature": tau(q)}``: ``[B, 1, T, 1]`` from the concatenated heads (when
+    ``in_features = N H``), else ``[B, N, T, 1]`` from each head (``in_features = H``)."""
+    del n_visible
+    q = jnp.asarray(q)
+    if q.ndim != 4:
+      raise ValueError(f"TempNet: `q` must have shape [B, N, T, H], got {q.shape}")
+    b, n, t, h = q.shape
+    if self.in_features == n * h:
+      feats = jnp.transpose(q, (0, 2, 1, 3)).reshape(b, t, n * h)
+      return {"temperature": self.temperature(feats)[:, None]}
+    if self.in_features == h:
+      return {"temperature": self.temperature(q)}
+    raise ValueError(f"TempNet: `q` {q.shape} gives neither N H nor H = in_features "
+                     f"({self.in_features}) features per query")
+
+
+class SSA(LearnedNormalizer):
+  r"""Selective (SSA) temperature: a learned position scale and query temperature (N07).
+
+  From X. Zhang, X. Chang, M. Li, A. Roy-Chowdhury, J. Chen, S. Oymak, "Selective
+  Attention: Enhancing Transformer through Principled Context Control" (NeurIPS 2024):
+  the weights are :func:`jaxsoft.normalizers.ssa_softmax`,
+
+  .. math::
+    w = \mathrm{softmax}(\tau\, x), \qquad
+    \tau = \tau_{tok}(q) + 1 + \sigma(\alpha_h) \log n,
+
+  with a per-head position logit ``alpha_h`` and n the visible keys of the row (the
+  query's position under causal masking). [R] The token term is a bounded map of a
+  projection of the query, ``tau_tok(q) = tanh(w_h . q + c_h)`` (one vector ``w_h`` and
+  bias ``c_h`` per head, ``H + 1`` parameters a head; the paper shares weights with the
+  existing projections, its exact form is not recorded), so ``tau > 0`` by construction
+  (``tau >= sigma(alpha) log n`` where float32's tanh saturates at -1).
+  ``w`` and ``c`` start at 0: at init SSA is ``ssa_softmax(alpha=alpha_init)``; as
+  ``alpha -> -inf`` it is softmax. The paper's value temperature is not part of the
+  weights and is not modelled here.
+
+  Args:
+    num_heads: N.
+    head_dim: H, the size of each head's query.
+    alpha_init: the initial position logit (default 0, ``sigma = 1/2``; the normalizer's
+      default), a float or one per head ``[N]``.
+    rngs: unused (the init is deterministic); accepted for a uniform constructor.
+  """
+
+  normalizer = "ssa_softmax"
+
+  def __init__(self, num_heads: int, head_dim: int, *, alpha_init: ArrayLike = 0.0,
+               rngs: nnx.Rngs | None = None):
+    del rngs
+    _positive_int(num_heads, "num_heads", "SSA")
+    _positive_int(head_dim, "head_dim", "SSA")
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.alpha = nnx.Param(_per_head(alpha_init, num_heads, "alpha_init", "SSA"))
+    self.token_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
+    self.token_bias = nnx.Param(jnp.zeros((num_heads,), jnp.float32))
+
+  def token_temperature(self, q: ArrayLike) -> jax.Array:
+    """``tau_tok = tanh(w_h . q + c_h)`` in (-1, 1), ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
+    q = _head_queries(q, self.num_heads, self.head_dim, "SSA")
+    w = _learned_value(self.token_kernel, (self.num_heads, self.head_dim), "token_kernel",
+                       "SSA")
+    c = _learned_value(self.token_bias, (self.num_heads,), "token_bias", "SSA")
+    z = jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
+    return jnp.tanh(z)[..., None]
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """``alpha`` per head ``[N, 1, 1]`` and ``token_temperature`` per query
+    ``[B, N, T, 1]`` (n enters through the normalizer's own visible count)."""
+    del n_visible
+    alpha = _learned_value(self.alpha, (self.num_heads,), "alpha", "SSA")
+    return {"alpha": alpha.reshape(self.num_heads, 1, 1),
+            "token_temperature": self.token_temperature(q)}
+
+  def __call__(self, scores: ArrayLike, q: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
+    """``ssa_softmax`` of ``scores [B, N, T, S]`` over the last axis, for queries
+    ``q [B, N, T, H]``."""
+    return nz.ssa_softmax(scores, -1, where, **self.attention_hyperparams(q, None))
+
+
+class ASEntmax(LearnedNormalizer):
+  r"""ASEntmax's length-adaptive scale with a learned ``beta(q)`` and ``gamma`` (N18).
+
+  From P. Vasylenko, M. Treviso, A. F. T. Martins et al., "Long-Context Generalization
+  with Sparse Attention" (2025): the weights are :func:`jaxsoft.normalizers.asentmax`,
+
+  .. math::
+    w = \alpha\text{-entmax}\big((\delta + \beta(q)\,(\log n)^{\gamma_h})\, x\big),
+    \qquad \beta(q) = \mathrm{softplus}(w_h . q + c_h),
+
+  per query ``beta >= 0`` from a projection of the query and a per-head
+  ``gamma_h = 1e-3 + softplus(g_h) > 0``; ``alpha`` and ``delta`` are fixed. ``w`` starts
+  at 0 and ``c`` at ``softplus^{-1}(beta_init)``: at init ASEntmax is
+  ``asentmax(alpha, delta, beta=beta_init, gamma=gamma_init)``. ``beta = 0`` (e.g.
+  ``c = -1e3``, where float32's softplus is exactly 0) with ``delta = 1`` is alpha-entmax.
+
+  Args:
+    num_heads: N.
+    head_dim: H.
+    alpha: entmax's ``alpha > 1`` (default 1.5), fixed.
+    delta: ``delta >= 0`` (default 1), fixed.
+    beta_init: ``beta > 0`` at init (default 0.5, the normalizer's default).
+    gamma_init: ``gamma > 1e-3`` at init (default 1), a float or one per head ``[N]``.
+    rngs: unused (the init is deterministic); accepted for a uniform constructor.
+  """
+
+  normalizer = "asentmax"
+
+  def __init__(self, num_heads: int, head_dim: int, *, alpha: float = 1.5, delta: float = 1.0,
+               beta_init: float = 0.5, gamma_init: ArrayLike = 1.0,
+               rngs: nnx.Rngs | None = None):
+    del rngs
+    owner = "ASEntmax"
+    _positive_int(num_heads, "num_heads", owner)
+    _positive_int(head_dim, "head_dim", owner)
+    if not _finite_float(alpha, "alpha", owner) > 1.0:
+      raise ValueError(f"{owner}: `alpha` must be > 1, got {alpha!r}")
+    if not _finite_float(delta, "delta", owner) >= 0.0:
+      raise ValueError(f"{owner}: `delta` must be >= 0, got {delta!r}")
+    if not _finite_float(beta_init, "beta_init", owner) > 0.0:
+      raise ValueError(f"{owner}: `beta_init` must be > 0, got {beta_init!r}")
+    gamma0 = _per_head(gamma_init, num_heads, "gamma_init", owner)
+    if not bool(jnp.all(gamma0 > _GAMMA_MARGIN)):
+      raise ValueError(f"{owner}: `gamma_init` must be > {_GAMMA_MARGIN}, got {gamma_init!r}")
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.alpha, self.delta = float(alpha), float(delta)
+    self.beta_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
+    self.beta_bias = nnx.Param(jnp.full((num_heads,), variants.softplus_from_range(
+        beta_init), jnp.float32))
+    self.gamma = nnx.Param(variants.softplus_from_range(gamma0, 0.0, _GAMMA_MARGIN))
+
+  def beta(self, q: ArrayLike) -> jax.Array:
+    """``beta(q) = softplus(w_h . q + c_h) >= 0``, ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
+    q = _head_queries(q, self.num_heads, self.head_dim, "ASEntmax")
+    w = _learned_value(self.beta_kernel, (self.num_heads, self.head_dim), "beta_kernel",
+                       "ASEntmax")
+    c = _learned_value(self.beta_bias, (self.num_heads,), "beta_bias", "ASEntmax")
+    z = jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
+    return jax.nn.softplus(z)[..., None]
+
+  def gamma_values(self) -> jax.Array:
+    """``gamma_h = 1e-3 + softplus(g_h)``, ``[N]``."""
+    g = _learned_value(self.gamma, (self.num_heads,), "gamma", "ASEntmax")
+    return variants.softplus_to_range(g, 0.0, _GAMMA_MARGIN)
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """``alpha``, ``delta`` (fixed), ``beta`` per query ``[B, N, T, 1]``, ``gamma`` per head
+    ``[N, 1, 1]`` (n enters through the normalizer's own visible count)."""
+    del n_visible
+    return {"alpha": self.alpha, "delta": self.delta, "beta": self.beta(q),
+            "gamma": self.gamma_values().reshape(self.num_heads, 1, 1)}
+
+  def __call__(self, scores: ArrayLike, q: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
+    """``asentmax`` of ``scores [B, N, T, S]`` over the last axis, for queries
+    ``q [B, N, T, H]``."""
+    return nz.asentmax(scores, -1, where, **self.attention_hyperparams(q, None))
+
+
+class PolarSink(LearnedNormalizer):
+  r"""Polar attention's learned length temperature and null logit, per head (N12).
+
+  From ATMA (Kreasof AI, kreasof-ai/atma): the weights are
+  :func:`jaxsoft.normalizers.polar_softmax`,
+
+  .. math::
+    w = \mathrm{softmax}\big(t \cdot [x, \nu]\big)_{1..n}, \quad
+    t = 1 + \mathrm{softplus}(\alpha_h) \log n, \quad
+    \nu = b_h + \mathrm{softplus}(\gamma_h) \sqrt{\log(n + 1)},
+
+  with per-head learnable ``alpha``, null bias ``b`` and ``gamma`` (all free: the
+  softplus keeps ``t >= 1`` and the null logit's growth positive). At init the values are
+  the normalizer's defaults (0) unless given; ``b -> -inf`` removes the null entry and
+  ``alpha -> -inf`` the length temperature, leaving softmax.
+
+  Args:
+    num_heads: N.
+    alpha_init, null_bias_init, gamma_init: initial values, a float or one per head ``[N]``.
+    rngs: unused (the init is deterministic); accepted for a uniform constructor.
+  """
+
+  normalizer = "polar_softmax"
+
+  def __init__(self, num_heads: int, *, alpha_init: ArrayLike = 0.0,
+               null_bias_init: ArrayLike = 0.0, gamma_init: ArrayLike = 0.0,
+               rngs: nnx.Rngs | None = None):
+    del rngs
+    _positive_int(num_heads, "num_heads", "PolarSink")
+    self.num_heads = num_heads
+    self.alpha = nnx.Param(_per_head(alpha_init, num_heads, "alpha_init", "PolarSink"))
+    self.null_bias = nnx.Param(_per_head(null_bias_init, num_heads, "null_bias_init",
+                                         "PolarSink"))
+    self.gamma = nnx.Param(_per_head(gamma_init, num_heads, "gamma_init", "PolarSink"))
+
+  def hyperparameters(self) -> dict[str, jax.Array]:
+    """``{"alpha", "null_bias", "gamma"}``, each ``[N, 1, 1]``."""
+    return {name: _learned_value(getattr(self, name), (self.num_heads,), name,
+                                 "PolarSink").reshape(self.num_heads, 1, 1)
+            for name in ("alpha", "null_bias", "gamma")}
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """The per-head values ``[N, 1, 1]`` (n enters through the normalizer's own count)."""
+    del n_visible
+    _head_queries(q, self.num_heads, None, "PolarSink")
+    return self.hyperparameters()
+
+  def __call__(self, scores: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
+    """``polar_softmax`` of ``scores [..., N, T, S]`` over the last axis, per head."""
+    s = jnp.asarray(scores)
+    if s.ndim < 3 or s.shape[-3] != self.num_heads:
+      raise ValueError(f"PolarSink: `scores` must have shape [..., {self.num_heads}, T, S], "
+                       f"got {s.shape}")
+    return nz.polar_softmax(s, -1, where, **self.hyperparameters())
+
+
+class MoEGate(LearnedNormalizer):
+  r"""The activation dense-to-sparse MoE gate with learned ``W``, ``b`` and ``tau`` (N32).
+
+  From H. Nguyen, P. Akbarian, N. Ho, "Is Temperature Sample Efficient for Softmax
+  Gaussian Mixture of Experts?" (ICML 2024):
+
+  .. math::
+    G(h) = \mathrm{softmax}\big(\sigma(W h + b) / \tau\big), \qquad \sigma = \text{sigmoid}
+
+  (:func:`jaxsoft.normalizers.moe_gate` of the router logits), or, with
+  ``activation=False``, the plain dense-to-sparse gate ``softmax((W h + b) / tau)`` (the
+  baseline, whose ``(W, b, tau)`` the paper shows to be tied by a PDE). ``tau = 1e-3 + softplus(z) > 0`` by construction, ``tau_init`` at init;
+  ``W`` is LeCun-normal, ``b`` zero.
+
+  In attention (``learned=(MoEGate(...),)`` with ``normalizer="moe_gate"``, or
+  ``"softmax"`` when ``activation=False``) the scores ``q . k_j / sqrt(d)`` play the
+  router logits (the keys are the experts) and only ``tau`` is used.
+
+  Args:
+    in_features: size of the inputs ``h``.
+    num_experts: E, the gate's width.
+    tau_init: the initial temperature, ``> 1e-3`` (default 1).
+    activation: the activation gate (default) or the plain gate.
+    rngs: ``nnx.Rngs`` for the init of ``W``.
+  """
+
+  def __init__(self, in_features: int, num_experts: int, *, tau_init: float = 1.0,
+               activation: bool = True, rngs: nnx.Rngs):
+    _positive_int(in_features, "in_features", "MoEGate")
+    _positive_int(num_experts, "num_experts", "MoEGate")
+    if not _finite_float(tau_init, "tau_init", "MoEGate") > _TAU_MARGIN:
+      raise ValueError(f"MoEGate: `tau_init` must be > {_TAU_MARGIN}, got {tau_init!r}")
+    if not isinstance(activation, bool):
+      raise ValueError(f"MoEGate: `activation` must be a bool, got {activation!r}")
+    self.in_features, self.num_experts = in_features, num_experts
+    self.activation = activation
+    self.normalizer = "moe_gate" if activation else "softmax"
+    self.router = nnx.Linear(in_features, num_experts, rngs=rngs)
+    self.tau_free = nnx.Param(variants.softplus_from_range(float(tau_init), 0.0, _TAU_MARGIN))
+
+  def temperature(self) -> jax.Array:
+    """``tau = 1e-3 + softplus(z)``, a scalar."""
+    return variants.softplus_to_range(_learned_value(self.tau_free, (), "tau_free", "MoEGate"),
+                                      0.0, _TAU_MARGIN)
+
+  def logits(self, inputs: ArrayLike) -> jax.Array:
+    """``W h + b``, ``[..., E]`` for ``h [..., in_features]``."""
+    h = jnp.asarray(inputs)
+    if h.ndim < 1 or h.shape[-1] != self.in_features:
+      raise ValueError(f"MoEGate: `inputs` must have shape [..., {self.in_features}], got "
+                       f"{h.shape}")
+    return self.router(h)
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """``{"tau": tau}`` (``{"temperature": tau}`` for the plain gate), a scalar."""
+    del q, n_visible
+    return {"tau" if self.activation else "temperature": self.temperature()}
+
+  def __call__(self, inputs: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
+    """The gate weights ``[..., E]`` of inputs ``[..., in_features]`` (``where`` masks
+    experts)."""
+    z = self.logits(inputs)
+    if self.activation:
+      return nz.moe_gate(z, -1, where, tau=self.temperature())
+    return nz.softmax(z, -1, where, temperature=self.temperature())
 
 
 class DirichletCalibration(nnx.Module):
@@ -213,3 +653,76 @@ class DirichletCalibration(nnx.Module):
     """The ODIR regulariser of the current W, b."""
     return _calibration.odir_penalty(self.weights[...], self.bias[...], lambda_od=lambda_od,
                                      lambda_b=lambda_b)
+
+
+# --------------------------------------------------------------- MultiHeadAttention's use
+
+
+def check_attention_modules(modules: Sequence[Any], spec: Any, num_heads: int,
+                            owner: str = "MultiHeadAttention") -> None:
+  """Raises ValueError naming ``learned`` unless every module fits the layer: it has the
+  attention protocol, belongs to the layer's normalizer ``spec`` and has its head count."""
+  for mod in modules:
+    if not (hasattr(mod, "attention_hyperparams") and isinstance(
+        getattr(mod, "normalizer", None), str)):
+      raise ValueError(
+          f"{owner}: `learned` takes parameter names or learned-normalizer modules (with "
+          f"`normalizer` and `attention_hyperparams`), got {mod!r}")
+    kind = type(mod).__name__
+    if not isinstance(spec, nz.NormalizerSpec):
+      raise ValueError(f"{owner}: `learned` module {kind} needs a registered normalizer, got "
+                       f"{spec!r}")
+    if mod.normalizer != spec.name:
+      raise ValueError(
+          f"{owner}: `learned` module {kind} belongs to normalizer {mod.normalizer!r}, but "
+          f"the layer's normalizer is {spec.name!r}")
+    heads = getattr(mod, "num_heads", None)
+    if heads is not None and heads != num_heads:
+      raise ValueError(f"{owner}: `learned` module {kind} has num_heads={heads}, the layer "
+                       f"{num_heads}")
+
+
+def visible_key_counts(q_len: int, kv_len: int, mask: ArrayLike | None = None, *,
+                       is_causal: bool = False, local_window_size=None,
+                       query_seq_lengths: ArrayLike | None = None,
+                       key_value_seq_lengths: ArrayLike | None = None,
+                       segment_ids=None, batch: int = 1) -> jax.Array:
+  """n: the number of keys each query sees, float32 broadcastable to ``[B, N, T, 1]``.
+
+  From the mask structure (``dot_product_attention``'s semantics; no T x S array unless a
+  dense ``mask`` ``[B or 1, N or 1, T, S]`` is given, which is counted with it).
+  """
+  st = _masks.MaskStructure(
+      q_len, kv_len, is_causal=bool(is_causal),
+      window=_masks.normalize_window(local_window_size),
+      q_lengths=None if query_seq_lengths is None else jnp.asarray(query_seq_lengths,
+                                                                   jnp.int32),
+      kv_lengths=None if key_value_seq_lengths is None else jnp.asarray(
+          key_value_seq_lengths, jnp.int32))
+  seg = _masks.normalize_segment_ids(segment_ids, batch, q_len, kv_len)
+  if seg is not None:
+    st.q_segment_ids, st.kv_segment_ids = seg
+  if mask is None:
+    return st.visible_counts()[:, None, :, None]
+  vis = jnp.logical_and(jnp.asarray(mask, bool), st.dense())
+  return jnp.sum(vis, axis=-1, keepdims=True).astype(jnp.float32)
+
+
+def apply_attention_modules(modules: Sequence[Any], q: jax.Array, params: Mapping[str, Any],
+                            n_visible: ArrayLike,
+                            owner: str = "MultiHeadAttention") -> tuple[jax.Array, dict]:
+  """The layer's queries ``q [B, T, N, H]`` and normalizer hyperparameters after its
+  learned modules: each module may rescale the queries (``attention_queries``) and adds
+  its hyperparameters (computed from the layer's own queries); a name set twice raises
+  ValueError naming it."""
+  out = dict(params)
+  q_in = jnp.swapaxes(q, 1, 2)  # [B, N, T, H], the modules' layout
+  qh = q_in
+  for mod in modules:
+    qh = mod.attention_queries(qh, n_visible)
+    for name, value in mod.attention_hyperparams(q_in, n_visible).items():
+      if name in out:
+        raise ValueError(f"{owner}: the normalizer's `{name}` is set twice (by "
+                         f"{type(mod).__name__} and by `learned` or `normalizer_params`)")
+      out[name] = value
+  return jnp.swapaxes(qh, 1, 2).astype(q.dtype), out
