@@ -8,7 +8,8 @@ features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the en
 KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``), block-sparse attention
 (A12, ``_block_sparse``), LUCID (A14, ``_lucid``), Multi-Token
 Attention (A13, ``_mta``), tensor attention, SOFT and the softmax-free non-local block
-(A24, A26, A27, ``_structured``).
+(A24, A26, A27, ``_structured``); Multiscreen screening attention, UniAttn and
+Infinite Self-Attention (A19, A22, A25, ``_tier3``).
 """
 
 # ruff: noqa: F401, F403
@@ -27,6 +28,12 @@ from jaxsoft.attention._structured import (
     soft_attention,
     tensor_attention,
 )
+from jaxsoft.attention._tier3 import (
+    infsa_attention,
+    multiscreen_attention,
+    uniattn,
+    uniattn_shared_map,
+)
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._variants import *
 
@@ -37,4 +44,5 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "lucid_attention", "lucid_preconditioned_values",
            "multi_token_attention", "mta_identity_kernel",
            "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
-           "nonlocal_block"]
+           "nonlocal_block",
+           "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention"]

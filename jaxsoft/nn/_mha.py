@@ -32,6 +32,7 @@ from flax.typing import Dtype, Initializer, PrecisionLike
 from jax.typing import ArrayLike
 
 from jaxsoft.attention import _variants as variants
+from jaxsoft.nn import _kv_cache, _learned
 from jaxsoft.nn._attention_fn import _flatten_logit_array, attend
 from jaxsoft.normalizers import _spec
 
@@ -115,7 +116,11 @@ class MultiHeadAttention(nnx.Module):
     normalizer_params: fixed hyperparameters of the normalizer.
     learned: names of normalizer hyperparameters to learn per head (e.g. ``("alpha",)``
       for entmax, ``("s",)`` for ssmax, ``("temperature",)`` for softmax); each starts at
-      the normalizer's default and stays in its valid range (see the module docstring).
+      the normalizer's default and stays in its valid range (see the module docstring);
+      and/or learned-normalizer modules (``MultiMax``, ``QASSMax``, ``SSA``, ``ASEntmax``,
+      ``PolarSink``, ``TempNet``, ``MoEGate`` of ``jaxsoft.nn``) of the layer's
+      normalizer, whose ``attention_hyperparams(q, n_visible)`` (and
+      ``attention_queries``) the layer calls with its queries and visible-key counts.
     gated: add the A07 output gate ``Y ⊙ sigmoid(X_q W_theta + b)`` (elementwise per head).
     forget_gate: add the A08 FoX forget gate ``log f_t = log sigmoid(x_t w + b)`` per head
       (self-attention; the call is then causal).
@@ -129,6 +134,7 @@ class MultiHeadAttention(nnx.Module):
     implementation: passed to ``dot_product_attention``.
     dropout_rate, broadcast_dropout, deterministic: dropout on the attention weights, as
       in ``flax.nnx.MultiHeadAttention`` (computed through the dense weights).
+    decode: call in cached decoding mode by default (see :meth:`init_cache`).
     use_bias, kernel_init, bias_init, precision: of the q/k/v/out projections.
     dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
@@ -154,6 +160,7 @@ class MultiHeadAttention(nnx.Module):
       dropout_rate: float = 0.0,
       broadcast_dropout: bool = True,
       deterministic: bool | None = None,
+      decode: bool = False,
       use_bias: bool = True,
       kernel_init: Initializer = default_kernel_init,
       bias_init: Initializer = initializers.zeros_init(),
@@ -184,6 +191,8 @@ class MultiHeadAttention(nnx.Module):
     if isinstance(learned, str):
       learned = (learned,)
     learned = tuple(learned)
+    modules = tuple(m for m in learned if not isinstance(m, str))
+    learned = tuple(m for m in learned if isinstance(m, str))
     normalizer_params = dict(normalizer_params or {})
 
     if sink:
@@ -204,6 +213,7 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"{name}: `learned` needs a registered normalizer (a name or NormalizerSpec) to "
           f"know the parameters' ranges, got {normalizer!r}")
+    _learned.check_attention_modules(modules, spec, num_heads, name)
     if forget_prune_threshold is not None:
       if not forget_gate:
         raise ValueError(f"{name}: `forget_prune_threshold` needs `forget_gate=True`")
@@ -228,6 +238,7 @@ class MultiHeadAttention(nnx.Module):
     self.dropout_rate = dropout_rate
     self.broadcast_dropout = broadcast_dropout
     self.deterministic = deterministic
+    self.decode = decode
     self.precision = precision
     self.dtype = dtype
     self.param_dtype = param_dtype
@@ -249,6 +260,7 @@ class MultiHeadAttention(nnx.Module):
       z0 = from_range(_init_value(p, spec.name))
       free[pname] = nnx.Param(jnp.full((num_heads,), z0, param_dtype))
     self.normalizer_free = nnx.Dict(free)
+    self.learned_modules = nnx.List(modules)
 
     def linear(in_f, out_f, axis=-1):
       return nnx.LinearGeneral(
@@ -269,6 +281,37 @@ class MultiHeadAttention(nnx.Module):
           kernel_init(rngs.params(), (in_features, num_heads), param_dtype))
       self.forget_bias = nnx.Param(jnp.full((num_heads,), forget_bias_init, param_dtype))
     self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+
+  def init_cache(self, batch: int | Sequence[int], max_length: int, *,
+                 local_window_size: int | tuple[int, int] | None = None,
+                 dtype: Dtype | None = None) -> None:
+    """Creates (or resets) the key/value cache for autoregressive decoding.
+
+    Afterwards ``layer(x, decode=True)`` (or every call, with ``decode=True`` in the
+    constructor) takes ``x [batch..., L, in_features]``, ``L >= 1`` new tokens (a prompt
+    prefill, then one token per step): they attend causally to the cached tokens and to
+    each other, and their keys and values are stored. The outputs equal the rows of the
+    full causal forward ``layer(x_all, is_causal=True)`` for every normalizer, with
+    length-dependent normalizers given the same n = number of visible keys.
+
+    The cache holds ``num_kv_heads`` (not ``num_heads``) heads, in ``nnx.Cache``
+    variables (``cached_key``, ``cached_value`` ``[B, C, num_kv_heads, head_dim]``,
+    ``cached_positions [C]``, ``cache_index``; with ``forget_gate`` also the cumulative
+    log forget gates), so ``nnx.jit`` carries it.
+
+    Args:
+      batch: the batch size, or the batch shape of the decode inputs.
+      max_length: the most positions to decode. Going past it raises ValueError when
+        the position is concrete (eager calls); under ``jit`` it cannot raise, and the
+        output of such a call is NaN.
+      local_window_size: int ``w`` or ``(left, right)`` (as ``dot_product_attention``;
+        with causal decoding only ``left`` and a negative ``right`` matter): a sliding-
+        window cache, a ring buffer of ``max(left, 1)`` slots; every decode call uses
+        this window.
+      dtype: dtype of the stored keys/values (default ``dtype``, else ``param_dtype``).
+    """
+    _kv_cache.init_cache(self, batch, max_length, local_window_size=local_window_size,
+                         dtype=dtype)
 
   def normalizer_values(self) -> dict[str, jax.Array]:
     """The learned hyperparameters in their valid range, ``{name: [num_heads]}`` (float32)."""
@@ -294,7 +337,8 @@ class MultiHeadAttention(nnx.Module):
                is_causal: bool = False,
                segment_ids: ArrayLike | tuple[ArrayLike, ArrayLike] | None = None,
                deterministic: bool | None = None, rngs: nnx.Rngs | nnx.RngStream | None = None,
-               sow_weights: bool = False, **attention_kwargs: Any) -> jax.Array:
+               sow_weights: bool = False, decode: bool | None = None,
+               **attention_kwargs: Any) -> jax.Array:
     """Applies attention; inputs ``[batch..., length, in_features]``.
 
     ``inputs_k`` defaults to ``inputs_q`` and ``inputs_v`` to ``inputs_k``. ``mask`` is
@@ -304,8 +348,16 @@ class MultiHeadAttention(nnx.Module):
     dropout off; ``rngs`` overrides the dropout stream; ``sow_weights`` sows the weights
     into ``nnx.Intermediate`` under ``'attention_weights'``. Other keywords go to
     ``dot_product_attention`` (``local_window_size``, ``query_seq_lengths``, ...).
+    ``decode`` (or the constructor's): cached causal self-attention of new tokens (see
+    :meth:`init_cache`); it takes no ``inputs_k``/``inputs_v``, ``mask``,
+    ``segment_ids`` or sequence lengths.
     """
     name = "MultiHeadAttention"
+    decode = self.decode if decode is None else decode
+    window = None
+    if decode:
+      attention_kwargs, window = _kv_cache.check_decode_call(
+          self, inputs_k, inputs_v, mask, segment_ids, attention_kwargs)
     if inputs_k is None:
       if inputs_v is not None:
         raise ValueError(f"{name}: `inputs_k` cannot be None when `inputs_v` is given")
@@ -333,6 +385,9 @@ class MultiHeadAttention(nnx.Module):
     q = self.query(xq)
     k = self.key(xk)
     v = self.value(xv)
+    step = _kv_cache.update_cache(self, batch, xq, k, v, window) if decode else None
+    if step is not None:
+      k, v, is_causal = step.key, step.value, False
 
     params = dict(self.normalizer_params)
     for pname, val in self.normalizer_values().items():
@@ -341,7 +396,9 @@ class MultiHeadAttention(nnx.Module):
     kw = dict(attention_kwargs)
     if segment_ids is not None:
       kw["segment_ids"] = segment_ids
-    if self.forget_gate:
+    if self.forget_gate and step is not None:
+      kw["decay_bias"] = step.decay_bias
+    elif self.forget_gate:
       if xk.shape[-2] != xq.shape[-2]:
         raise ValueError(
             f"{name}: `forget_gate` needs self-attention (keys as long as queries), got "
@@ -369,6 +426,14 @@ class MultiHeadAttention(nnx.Module):
     m = _flatten_logit_array(mask, batch, "mask", name)
     if m is not None:
       m = m.astype(bool)
+    if step is not None:
+      m = step.mask
+    if len(self.learned_modules):
+      n_visible = _learned.visible_key_counts(
+          q.shape[1], k.shape[1], m, is_causal=is_causal, batch=q.shape[0],
+          **{a: kw[a] for a in ("local_window_size", "query_seq_lengths",
+                                "key_value_seq_lengths", "segment_ids") if a in kw})
+      q, params = _learned.apply_attention_modules(self.learned_modules, q, params, n_visible)
     y = attend(
         q, k, v, None, m, normalizer=self.normalizer, normalizer_params=params or None,
         implementation=self.implementation, dropout_rng=dropout_rng,
@@ -378,4 +443,6 @@ class MultiHeadAttention(nnx.Module):
     if self.gated:
       y = variants.gated_attention_output(y, xq, self.gate_kernel[...], self.gate_bias[...])
     out = self.out(y)
+    if step is not None and step.overflow is not None:
+      out = jnp.where(step.overflow, jnp.nan, out)  # past max_length under jit: no raise
     return out.reshape(batch + out.shape[1:])
