@@ -321,3 +321,15 @@ def check_low_precision(fn, x, atol=(1e-2, 2e-3), **hp):
     want = fn(xl.astype(jnp.float32), **hp)
     chex.assert_trees_all_close(out.astype(jnp.float32), want, atol=tol, rtol=tol)
     assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+def numeric_grad(f, x, h=1e-6):
+  """Central differences of a float64 numpy function of one array (an autodiff-free
+  gradient for the references)."""
+  x = np.asarray(x, np.float64)
+  g = np.zeros_like(x)
+  for i in np.ndindex(x.shape):
+    e = np.zeros_like(x)
+    e[i] = h
+    g[i] = (f(x + e) - f(x - e)) / (2 * h)
+  return g

@@ -102,21 +102,29 @@ def dirichlet_calibration(log_probs: ArrayLike, weights: ArrayLike,
     ``[..., K]`` calibrated probabilities (float32 for low-precision inputs are cast back).
   """
   lp = jnp.asarray(log_probs)
+  out = jax.nn.softmax(dirichlet_logits(lp, weights, bias, "dirichlet_calibration"), axis=-1)
+  return out.astype(c.output_dtype(lp.dtype))
+
+
+def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike | None,
+                     fn: str) -> jax.Array:
+  """``W ln p + b`` in the compute dtype, the shapes checked (``fn`` names the caller):
+  the calibrated logits of :func:`dirichlet_calibration` (and of
+  ``jaxsoft.losses.dirichlet_calibrate``)."""
+  lp = jnp.asarray(log_probs)
   w = jnp.asarray(weights)
   k = lp.shape[-1] if lp.ndim else 0
   if lp.ndim == 0 or w.shape != (k, k):
-    raise ValueError(f"dirichlet_calibration: `weights` must have shape [K, K] = {(k, k)} for "
-                     f"`log_probs` of shape {lp.shape}, got {w.shape}")
+    raise ValueError(f"{fn}: `weights` must have shape [K, K] = {(k, k)} for inputs of shape "
+                     f"{lp.shape}, got {w.shape}")
   cdt = c.compute_dtype(jnp.result_type(lp.dtype, w.dtype))
   z = lp.astype(cdt) @ w.astype(cdt).T
   if bias is not None:
     b = jnp.asarray(bias)
     if b.shape != (k,):
-      raise ValueError(f"dirichlet_calibration: `bias` must have shape [K] = {(k,)}, got "
-                       f"{b.shape}")
+      raise ValueError(f"{fn}: `bias` must have shape [K] = {(k,)}, got {b.shape}")
     z = z + b.astype(cdt)
-  out = jax.nn.softmax(z, axis=-1)
-  return out.astype(c.output_dtype(lp.dtype))
+  return z
 
 
 def odir_penalty(weights: ArrayLike, bias: ArrayLike | None = None, *,

@@ -26,9 +26,9 @@ from tests.kernels_pallas.test_lowering import _export
 R_NAMES = sorted(n for n in jn.names()
                  if jn.get(n).kernel_class == "R" and jn.get(n).row_stats is not None)
 MOSAIC_SMALL = dict(block_q=16, block_k=128)
-# The default run covers one rule of each statistic (moments, softmax's (m, l) + extremes,
-# entropy); every registered class-R rule runs under -m slow.
-DEFAULT = ["standardized_softmax", "sa_softmax_normalized", "adaptive_temperature_softmax"]
+# The default run covers the moments and softmax's (m, l) + the extremes (the per-head test
+# below adds the Mosaic driver); every registered class-R rule runs under -m slow.
+DEFAULT = ["standardized_softmax", "sa_softmax_normalized"]
 PARAMS = [pytest.param(n, marks=() if n in DEFAULT else pytest.mark.slow) for n in R_NAMES]
 
 
@@ -45,7 +45,8 @@ def test_every_row_stats_normalizer(name):
                  (q, k, v), ct)
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("backend", [pytest.param("triton", marks=pytest.mark.slow),
+                                     "mosaic_tpu"])
 def test_per_head_hyperparameter_and_its_gradient(backend):
   """standardized_softmax's tau per head reaches the kernel's statistics pass (derive)
   and its gradient comes back; segments and two batches."""
@@ -89,7 +90,8 @@ def test_rows_without_visible_keys_are_zero_with_zero_gradient():
   assert bool(jnp.all(dq[0, 12:] == 0)) and bool(jnp.all(dk[1] == 0))
 
 
-@pytest.mark.parametrize("name", ["standardized_softmax", "sa_softmax_normalized"])
+@pytest.mark.parametrize("name", [pytest.param("standardized_softmax", marks=pytest.mark.slow),
+                                  "sa_softmax_normalized"])
 def test_dot_product_attention_runs_the_kernel(monkeypatch, name):
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   q, k, v, ct = inputs(t=24, n=2, kh=1, seed=25)

@@ -8,21 +8,10 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import check_raises, normal
+from tests.helpers import check_raises, normal, numeric_grad
 
 L = js.losses
 ce_int = optax.losses.softmax_cross_entropy_with_integer_labels
-
-
-def _numeric_grad(f, x, h=1e-6):
-  """Central differences of a float64 numpy function of one array."""
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
 
 
 def _lse(z, axis=-1):
@@ -36,7 +25,7 @@ def _check(f, ref, s, ct_seed=3, rtol=1e-4, atol=1e-5):
   out, vjp = jax.vjp(f, s)
   (ds,) = vjp(jnp.asarray(ct, out.dtype))
   np.testing.assert_allclose(out, ref(np.asarray(s, np.float64)), rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(ds, _numeric_grad(lambda a: ref(a) @ ct, s), rtol=rtol, atol=atol)
+  np.testing.assert_allclose(ds, numeric_grad(lambda a: ref(a) @ ct, s), rtol=rtol, atol=atol)
 
 
 # ---------------------------------------------------------------------------------- InfoNCE
@@ -87,7 +76,7 @@ def test_info_nce_learned_temperature_gradient():
   val, g = f(jnp.log(0.3))
   ref = lambda lt: _info_nce_ref(s, np.exp(lt), symmetric=True).sum()
   np.testing.assert_allclose(val, ref(np.log(0.3)), rtol=1e-5)
-  np.testing.assert_allclose(g, _numeric_grad(lambda a: ref(a[0]), np.array([np.log(0.3)]))[0],
+  np.testing.assert_allclose(g, numeric_grad(lambda a: ref(a[0]), np.array([np.log(0.3)]))[0],
                              rtol=1e-4)
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxsoft as js
-from tests.helpers import check_raises, rows
+from tests.helpers import check_raises, numeric_grad, rows
 from tests.losses.jitted import Jitted
 
 L = Jitted(js.losses)  # every call under jax.jit (see tests/losses/jitted.py)
@@ -31,16 +31,6 @@ def _lskd_ref(s, t, tau):
   return tau ** 2 * _kl(_log_softmax(_z(t) / tau), _log_softmax(_z(s) / tau))
 
 
-def _numeric_grad(f, x, h=1e-6):
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
-
-
 def test_logit_standardized_kd_reference_gradient_and_invariance():
   s, t = rows(0, (3, 5)), rows(1, (3, 5), scale=3.0)
   f = jax.jit(lambda a, b: L.logit_standardized_kd_loss(a, b, temperature=2.0))
@@ -48,9 +38,9 @@ def test_logit_standardized_kd_reference_gradient_and_invariance():
   ct = np.asarray(rows(2, (3,)), np.float64)
   _, vjp = jax.vjp(f, s, t)
   ds, dt = vjp(jnp.asarray(ct, jnp.float32))
-  np.testing.assert_allclose(ds, _numeric_grad(lambda a: _lskd_ref(a, t, 2.0) @ ct, s),
+  np.testing.assert_allclose(ds, numeric_grad(lambda a: _lskd_ref(a, t, 2.0) @ ct, s),
                              rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(dt, _numeric_grad(lambda a: _lskd_ref(s, a, 2.0) @ ct, t),
+  np.testing.assert_allclose(dt, numeric_grad(lambda a: _lskd_ref(s, a, 2.0) @ ct, t),
                              rtol=1e-4, atol=1e-5)
   # positive-affine student of the teacher: zero loss (vanilla KD would not be zero)
   affine = f(3.0 * t + 1.5, t)
@@ -126,9 +116,9 @@ def test_averaged_teacher_kd_reference_and_properties():
   ct = np.asarray(rows(2, (3,)), np.float64)
   _, vjp = jax.vjp(f, s, teachers)
   ds, dt = vjp(jnp.asarray(ct, jnp.float32))
-  np.testing.assert_allclose(ds, _numeric_grad(lambda a: ref(a, teachers) @ ct, s), rtol=1e-4,
+  np.testing.assert_allclose(ds, numeric_grad(lambda a: ref(a, teachers) @ ct, s), rtol=1e-4,
                              atol=1e-5)
-  np.testing.assert_allclose(dt, _numeric_grad(lambda a: ref(np.asarray(s, np.float64), a) @ ct,
+  np.testing.assert_allclose(dt, numeric_grad(lambda a: ref(np.asarray(s, np.float64), a) @ ct,
                                                teachers), rtol=1e-4, atol=1e-5)
   # zero exactly at the mean of softmaxes, not at the softmax of the mean logits
   pbar = jax.nn.softmax(teachers, -1).mean(0)

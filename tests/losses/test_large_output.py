@@ -9,7 +9,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft as js
-from tests.helpers import check_raises, rows
+from tests.helpers import check_raises, numeric_grad, rows
 from tests.losses.jitted import Jitted
 
 L = Jitted(js.losses)  # every call under jax.jit (see tests/losses/jitted.py)
@@ -24,17 +24,6 @@ def _lse(z, axis=-1):
 
 def _log_sigmoid(x):
   return -np.logaddexp(0.0, -x)
-
-
-def _numeric_grad(f, x, h=1e-6):
-  """Central differences of a float64 numpy function of one array."""
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
 
 
 def _inputs(b=4, d=3, v=7, seed=0):
@@ -94,7 +83,7 @@ def test_sampled_softmax_gradient_and_masks():
   keep = np.array([0, 2, 3])
   ref = lambda a: _sampled_ref(a, w, y, np.asarray(sampled), np.ones(7))[keep].sum()
   np.testing.assert_allclose(dh, np.where(np.arange(4)[:, None] == 1, 0.0,
-                                          _numeric_grad(ref, h)), rtol=1e-4, atol=1e-5)
+                                          numeric_grad(ref, h)), rtol=1e-4, atol=1e-5)
   # only the label's and the sampled columns receive gradient
   touched = np.zeros(7, bool)
   touched[[0, 2, 3, 1, 5]] = True
@@ -133,8 +122,8 @@ def test_negative_sampling_matches_reference_and_draws():
   ct = np.asarray(rows(6, (4,)), np.float64)
   _, vjp = jax.vjp(f, h, w)
   dh, dw = vjp(jnp.asarray(ct, jnp.float32))
-  np.testing.assert_allclose(dh, _numeric_grad(lambda a: ref(a, w) @ ct, h), rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(dw, _numeric_grad(lambda a: ref(h, a) @ ct, w), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dh, numeric_grad(lambda a: ref(a, w) @ ct, h), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dw, numeric_grad(lambda a: ref(h, a) @ ct, w), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.slow
@@ -183,8 +172,8 @@ def test_hierarchical_softmax_sums_to_one_and_matches_reference():
   _, vjp = jax.vjp(f, h, w)
   dh, dw = vjp(jnp.asarray(ct, jnp.float32))
   ref = lambda a, b: -_hs_ref(a, b, paths, codes)[np.arange(4), np.asarray(y)] @ ct
-  np.testing.assert_allclose(dh, _numeric_grad(lambda a: ref(a, w), h), rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(dw, _numeric_grad(lambda b: ref(h, b), w), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dh, numeric_grad(lambda a: ref(a, w), h), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(dw, numeric_grad(lambda b: ref(h, b), w), rtol=1e-4, atol=1e-5)
   # a hand-made tree (root 0 -> {leaf 0, node 1 -> {leaf 1, leaf 2}}), given as arrays
   hp = jnp.array([[0, -1], [0, 1], [0, 1]])
   hc = jnp.array([[0, 0], [1, 0], [1, 1]])
@@ -260,9 +249,9 @@ def test_augment_reduce_two_classes_is_exact_with_gradient():
   _, vjp = jax.vjp(lambda a, m: L.augment_reduce_loss(jax.random.key(0), a, y, 2, location=m),
                    x, mu)
   dx, dmu = vjp(jnp.asarray(ct, jnp.float32))
-  np.testing.assert_allclose(dx, _numeric_grad(lambda a: _ar_ref(a, np.asarray(y), np.asarray(
+  np.testing.assert_allclose(dx, numeric_grad(lambda a: _ar_ref(a, np.asarray(y), np.asarray(
       mu, np.float64)) @ ct, x), rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(dmu, _numeric_grad(lambda m: _ar_ref(x, np.asarray(y), m) @ ct, mu),
+  np.testing.assert_allclose(dmu, numeric_grad(lambda m: _ar_ref(x, np.asarray(y), m) @ ct, mu),
                              rtol=1e-4, atol=1e-5)
   ext = L.augment_reduce_loss(jax.random.key(0), 1e4 * x, y, 2)
   assert np.all(np.isfinite(ext))

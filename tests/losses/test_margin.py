@@ -9,24 +9,13 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import check_raises, normal, value_and_vjp
+from tests.helpers import check_raises, normal, numeric_grad, value_and_vjp
 
 B, D, C = 5, 4, 6
 # jitted, so a test compiles a few programs instead of dispatching op by op
 _STATIC = ("margin", "easy_margin", "ignore_index")
 arc = jax.jit(js.losses.arcface_loss, static_argnames=_STATIC)
 cosface = jax.jit(js.losses.cosface_loss, static_argnames=("margin", "ignore_index"))
-
-
-def _numeric_grad(f, x, h=1e-6):
-  """Central differences of a float64 numpy function of one array."""
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
 
 
 def _reference(x, w, labels, kind, scale, margin=0.0, easy=False):
@@ -90,8 +79,8 @@ def test_matches_float64_reference_value_and_gradients(case):
   out, (dx, dw), _ = value_and_vjp(_ours(kind, labels, scale, margin, easy), x, w, seed=None)
   ref = lambda a, b: _reference(a, b, labels, kind, scale, margin, easy)
   np.testing.assert_allclose(out, ref(x, w), rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(dx, _numeric_grad(lambda a: ref(a, w).sum(), x), rtol=1e-3, atol=1e-4)
-  np.testing.assert_allclose(dw, _numeric_grad(lambda b: ref(x, b).sum(), w), rtol=1e-3, atol=1e-4)
+  np.testing.assert_allclose(dx, numeric_grad(lambda a: ref(a, w).sum(), x), rtol=1e-3, atol=1e-4)
+  np.testing.assert_allclose(dw, numeric_grad(lambda b: ref(x, b).sum(), w), rtol=1e-3, atol=1e-4)
 
 
 def test_zero_margin_is_normalized_softmax_and_optax_on_scaled_cosines():

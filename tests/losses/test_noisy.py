@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import check_raises, rows
+from tests.helpers import check_raises, numeric_grad, rows
 from tests.losses.jitted import Jitted
 
 L = Jitted(js.losses)  # every call under jax.jit (see tests/losses/jitted.py)
@@ -27,16 +27,6 @@ def _ref(x, w, y, xi, alpha, annealed=True):
   return m + np.log(np.exp(f - m[:, None]).sum(-1)) - f[rows, y]
 
 
-def _numeric_grad(f, x, h=1e-6):
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
-
-
 def test_noisy_softmax_matches_reference_forward_and_backward():
   x, w = rows(0, (4, 3)), rows(1, (3, 5))
   y = jnp.array([0, 4, 2, 2])
@@ -50,9 +40,9 @@ def test_noisy_softmax_matches_reference_forward_and_backward():
   f = jax.jit(lambda a, b: L.noisy_softmax_loss(key, a, b, y, alpha=0.5))
   _, vjp = jax.vjp(f, x, w)
   dx, dw = vjp(jnp.asarray(ct, jnp.float32))
-  np.testing.assert_allclose(dx, _numeric_grad(lambda a: _ref(a, w, y, xi, 0.5) @ ct, x),
+  np.testing.assert_allclose(dx, numeric_grad(lambda a: _ref(a, w, y, xi, 0.5) @ ct, x),
                              rtol=1e-4, atol=1e-5)
-  np.testing.assert_allclose(dw, _numeric_grad(lambda a: _ref(x, a, y, xi, 0.5) @ ct, w),
+  np.testing.assert_allclose(dw, numeric_grad(lambda a: _ref(x, a, y, xi, 0.5) @ ct, w),
                              rtol=1e-4, atol=1e-5)
   # deterministic under the key, another key gives another draw
   np.testing.assert_array_equal(f(x, w), f(x, w))

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import check_raises, rows
+from tests.helpers import check_raises, numeric_grad, rows
 from tests.losses.jitted import Jitted
 
 L = Jitted(js.losses)  # every call under jax.jit (see tests/losses/jitted.py)
@@ -24,16 +24,6 @@ def _log_softmax(z):
 
 def _sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
-
-
-def _numeric_grad(f, x, h=1e-6):
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
 
 
 # ----------------------------------------------------------------------------- VQ-logits
@@ -55,7 +45,7 @@ def test_vq_logits_equal_a_gathered_dense_layer_and_cluster_softmax():
   _, vjp = jax.vjp(f, h, c)
   ref = lambda cc: -_log_softmax(np.asarray(h, np.float64) @ cc[:, np.asarray(assignment)])[
       np.arange(4), np.asarray(y)] @ ct
-  np.testing.assert_allclose(vjp(jnp.asarray(ct, jnp.float32))[1], _numeric_grad(ref, c),
+  np.testing.assert_allclose(vjp(jnp.asarray(ct, jnp.float32))[1], numeric_grad(ref, c),
                              rtol=1e-4, atol=1e-5)
   # classes sharing a code are equiprobable (no bias); identity codebook = plain layer
   p = np.exp(_log_softmax(np.asarray(L.vq_logits(h, c, assignment))))
@@ -128,7 +118,7 @@ def test_discretized_logistic_mixture_matches_reference_and_sums_to_one():
       args = [lw, mu, ls]
       args[i] = a
       return _dlm_ref(*args, k) @ ct
-    np.testing.assert_allclose(grads[i], _numeric_grad(ref, arg), rtol=1e-3, atol=1e-4)
+    np.testing.assert_allclose(grads[i], numeric_grad(ref, arg), rtol=1e-3, atol=1e-4)
   # a few bins: sums to 1 too; masks and an out-of-range bin
   four = jax.vmap(lambda kk: L.discretized_logistic_mixture_loss(lw, mu, ls, jnp.full((3,), kk),
                                                                  num_bins=4))(jnp.arange(4))
@@ -189,7 +179,7 @@ def test_pointer_sentinel_matches_reference_and_sums_to_one():
       args[i] = a
       return -_pointer_ref(*args, np.asarray(ids), np.asarray(ctx))[np.arange(3),
                                                                      np.asarray(y)] @ ct
-    np.testing.assert_allclose(grads[i], _numeric_grad(ref, arg), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(grads[i], numeric_grad(ref, arg), rtol=1e-4, atol=1e-5)
     assert np.any(np.asarray(grads[i]) != 0)                 # both branches get gradient
   out = L.pointer_sentinel_loss(1e4 * u, 1e4 * z, 1e4 * s, ids, jnp.array([5, 9, 4]),
                                 where=jnp.array([True, True, False]))

@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import check_raises, rows, sampled
+from tests.helpers import check_raises, numeric_grad, rows, sampled
 from tests.losses.jitted import Jitted
 
 L = Jitted(js.losses)  # every call under jax.jit (see tests/losses/jitted.py)
@@ -28,16 +28,6 @@ def _psl_ref(s, y, act, tau):
   return np.log((SURROGATES[act](d) ** (1.0 / tau)).sum(-1))
 
 
-def _numeric_grad(f, x, h=1e-6):
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
-
-
 @pytest.mark.parametrize("act", sampled(["tanh", "relu", "atan", "exp"], default=["tanh", "relu"]))
 def test_psl_matches_reference_forward_and_backward(act):
   s = jnp.tanh(rows(0, (3, 6)))                    # cosines: gaps in [-2, 2]
@@ -47,7 +37,7 @@ def test_psl_matches_reference_forward_and_backward(act):
   ct = np.asarray(rows(1, (3,)), np.float64)
   _, vjp = jax.vjp(f, s)
   np.testing.assert_allclose(vjp(jnp.asarray(ct, jnp.float32))[0],
-                             _numeric_grad(lambda a: _psl_ref(a, y, act, 0.5) @ ct, s),
+                             numeric_grad(lambda a: _psl_ref(a, y, act, 0.5) @ ct, s),
                              rtol=1e-4, atol=1e-5)
 
 

@@ -8,22 +8,11 @@ import optax
 import pytest
 
 import jaxsoft as js
-from tests.helpers import LOW_PRECISION, check_raises, normal, value_and_vjp
+from tests.helpers import LOW_PRECISION, check_raises, normal, numeric_grad, value_and_vjp
 
 # jitted, so that each test compiles a few programs instead of dispatching op by op
 szl = jax.jit(js.losses.spherical_z_loss, static_argnames=("axis", "ignore_index"))
 zl = jax.jit(js.losses.z_loss, static_argnames=("axis",))
-
-
-def _numeric_grad(f, x, h=1e-6):
-  """Central differences of a float64 numpy function of one array."""
-  x = np.asarray(x, np.float64)
-  g = np.zeros_like(x)
-  for i in np.ndindex(x.shape):
-    e = np.zeros_like(x)
-    e[i] = h
-    g[i] = (f(x + e) - f(x - e)) / (2 * h)
-  return g
 
 
 def _szl_reference(x, labels, a, b, mask=None):
@@ -48,7 +37,7 @@ def test_spherical_matches_float64_reference_and_gradient(a, b):
   out, (dx,), _ = value_and_vjp(lambda v: szl(v, labels, a=a, b=b, where=mask), x, seed=None)
   ref = _szl_reference(x, labels, a, b, mask)
   np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
-  ref_dx = _numeric_grad(lambda v: _szl_reference(v, labels, a, b, mask).sum(), x)
+  ref_dx = numeric_grad(lambda v: _szl_reference(v, labels, a, b, mask).sum(), x)
   np.testing.assert_allclose(dx, ref_dx, rtol=1e-4, atol=1e-5)
   assert np.all(np.asarray(dx)[~mask] == 0.0)
   # a random cotangent weights the rows
