@@ -31,9 +31,11 @@ def test_table_rows_follow_the_registry():
     assert (cid, cls, dense, status) == (spec.catalogue_id, spec.kernel_class, "dense", "tested")
     impls = attention.split(", ")
     assert impls[0] == "xla"
-    assert ("xla_chunked" in impls) == (spec.tile is not None or spec.threshold is not None)
+    blockwise = (spec.tile is not None or spec.threshold is not None
+                 or spec.row_stats is not None)
+    assert ("xla_chunked" in impls) == blockwise
     if "pallas" in impls:
-      assert spec.tile is not None or spec.threshold is not None
+      assert blockwise
 
 
 def test_pallas_column_follows_kernels_pallas(monkeypatch):
