@@ -129,3 +129,15 @@ def test_row_stats_matrix(backend, name):
                  lambda q, k, v: reference(q, k, v, normalizer=name, soft_cap=5.0,
                                            kv_len=jnp.array([s - 7], jnp.int32)),
                  (q, k, v), ct)
+
+
+def test_no_t_by_s_value_anywhere():
+  """Forward and backward of a class-R call (statistics pass, derive, the E/P engine, the
+  statistics' dQ/dK kernels): no value of T x S elements, inside the kernels or around."""
+  from tests.attention.test_topk import largest_intermediate  # noqa: PLC0415
+
+  t = 256
+  q, k, v, ct = inputs(t=t, n=1, kh=1, h=16, seed=26)
+  f = kernel(normalizer="standardized_softmax", is_causal=True)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: value_and_cotangents(f, (q, k, v), ct))(q, k, v)
+  assert largest_intermediate(jaxpr.jaxpr) < t * t // 4
