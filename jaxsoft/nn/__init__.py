@@ -8,19 +8,51 @@ The only jaxsoft package that imports flax.
   range (e.g. ``alpha = 1 + softplus(z)``), never clipped.
 * :func:`attention_fn` plugs any normalizer into ``flax.nnx.MultiHeadAttention`` unchanged.
 * :func:`attention_weights` gives the dense weights ``[B, N, T, S]`` of a call.
-* learned-parameter normalizers (:class:`MultiMax`, :class:`QASSMax`, :class:`TempNet`,
+* learned-parameter normalizers (:class:`MultiMax`, :class:`QASSMax`, :class:`SSA`,
+  :class:`ASEntmax`, :class:`PolarSink`, :class:`TempNet`, :class:`MoEGate`,
   :class:`DirichletCalibration`): modules that own a normalizer's parameters and return its
-  hyperparameters or apply it.
+  hyperparameters or apply it; all but the last plug into ``MultiHeadAttention(learned=...)``.
 * :class:`SoftMoE` (A21; :func:`soft_moe`, :func:`soft_moe_weights`) and
   :class:`ProductKeyMemory` (A47; :func:`product_key_topk`).
+* :class:`UniAttnCompensation` (A22, UniAttn's W_c) and :class:`InfSA` (A25, a learned
+  per-head discount).
+* the linear family as layers with the papers' projections, short causal convolution, gates
+  and output gate, each with a one-token decoding ``step``: :class:`GatedDeltaNet`,
+  :class:`DeltaNet`, :class:`GLA`, :class:`SimpleGLA`, :class:`LightningAttention`,
+  :class:`LinearAttention` (any feature map; :class:`HedgehogFeatureMap` is Hedgehog's learned
+  one, with its distillation loss), all :class:`LinearMixer` of a ``kind``.
 """
 
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
-from jaxsoft.nn._learned import DirichletCalibration, MultiMax, QASSMax, TempNet
+from jaxsoft.nn._learned import (
+    SSA,
+    ASEntmax,
+    DirichletCalibration,
+    LearnedNormalizer,
+    MoEGate,
+    MultiMax,
+    PolarSink,
+    QASSMax,
+    TempNet,
+)
+from jaxsoft.nn._linear import (
+    GLA,
+    DeltaNet,
+    GatedDeltaNet,
+    HedgehogFeatureMap,
+    LightningAttention,
+    LinearAttention,
+    LinearMixer,
+    SimpleGLA,
+)
 from jaxsoft.nn._mha import MultiHeadAttention, param_transform
 from jaxsoft.nn._pkm import ProductKeyMemory, product_key_topk
 from jaxsoft.nn._soft_moe import SoftMoE, soft_moe, soft_moe_weights
+from jaxsoft.nn._tier3 import InfSA, UniAttnCompensation
 
 __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_transform",
            "SoftMoE", "soft_moe", "soft_moe_weights", "ProductKeyMemory", "product_key_topk",
-           "DirichletCalibration", "MultiMax", "QASSMax", "TempNet"]
+           "DirichletCalibration", "MultiMax", "QASSMax", "TempNet", "SSA", "ASEntmax",
+           "PolarSink", "MoEGate", "LearnedNormalizer", "LinearMixer", "GatedDeltaNet",
+           "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
+           "HedgehogFeatureMap", "UniAttnCompensation", "InfSA"]
