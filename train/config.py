@@ -27,6 +27,11 @@ __all__ = [
     "MODEL_FIELDS",
     "SCHEDULE_FIELDS",
     "ATTENTION_VARIANTS",
+    "LINEAR_KINDS",
+    "SPARSE_KINDS",
+    "LAYER_KINDS",
+    "LOSSES",
+    "layer_kinds",
     "DATASETS",
     "make_parser",
     "from_argv",
@@ -43,6 +48,16 @@ __all__ = [
 ]
 
 ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
+# Layer kinds besides the normalizer block's variants (implemented in train/layers.py):
+# jaxsoft.linear's recurrent mixers, and jaxsoft.attention's sparse / structured self-attention.
+LINEAR_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention",
+                "linear:elu1", "linear:relu", "linear:identity", "linear:taylor", "linear:favor",
+                "cosformer", "mala")
+SPARSE_KINDS = ("topk_attention", "block_sparse_attention:blasst", "block_sparse_attention:moba",
+                "block_sparse_attention:bfla", "block_sparse_attention:prism",
+                "multi_token_attention", "lucid_attention")
+LAYER_KINDS = ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS
+LOSSES = ("linear_ce", "dense")
 DATASETS = ("text", "recall", "copy", "sort", "needle")
 IMPLEMENTATIONS = (None, "xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
 DTYPES = ("float32", "bfloat16")
@@ -76,8 +91,21 @@ class Config:
   rope_base: float = _f(10000.0, "RoPE base frequency")
   normalizer: str = _f("softmax", "attention normalizer, a name from jaxsoft.normalizers.names()")
   normalizer_params: str = _f("{}", "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
-  attention: str = _f("full", f"attention variant, one of {ATTENTION_VARIANTS}",
-                      ATTENTION_VARIANTS)
+  attention: str = _f("full", "the layer kind of every block: a variant of the normalizer block "
+                              f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS} or a "
+                              f"sparse/structured attention {SPARSE_KINDS}")
+  layers: str = _f("", "hybrid stack: comma-separated layer kinds (any --attention value, or "
+                       "'softmax' for the normalizer block with --attention's variant, 'full' "
+                       "when that is not one), repeated to --num_layers; '' = --attention "
+                       "everywhere")
+  conv_size: int = _f(4, "width of the short causal depthwise convolution of the linear layers "
+                         "(1 = none)")
+  top_k: int = _f(8, "keys kept per query (topk_attention); key blocks kept per query block "
+                     "(block_sparse_attention: moba, prism; the cap for bfla)")
+  block_size: int = _f(16, "positions per block of block_sparse_attention")
+  skip_threshold: float = _f(8.0, "BLASST's skip threshold tau (block_sparse_attention:blasst)")
+  favor_features: int = _f(64, "random features of linear:favor (Performer's FAVOR+)")
+  tie_embeddings: bool = _f(True, "the output matrix is the transposed input embedding")
   implementation: str = _f("", "attention implementation ('' = jaxsoft's choice, xla, xla_chunked, "
                                "pallas, ...)", tuple(i or "" for i in IMPLEMENTATIONS))
   window: int = _f(32, "left window size for --attention window")
@@ -86,6 +114,9 @@ class Config:
                         "normalizer takes (alpha for entmax, s or bias for ssmax, temperature for "
                         "softmax, sink_logit for softmax_sink), or 'sink' (a learned sink logit; "
                         "softmax becomes softmax_sink). Output gates: --attention gated")
+  loss: str = _f("linear_ce", "the LM loss: linear_ce (cross-entropy from the final hidden "
+                               "states and the output matrix, never materialising the "
+                               "[tokens, vocab] logits) or dense (materialised logits)", LOSSES)
   dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32",
                   DTYPES)
   # Optimizer.
@@ -145,7 +176,8 @@ class Config:
 # match them. (--steps, --learning_rate, ... may change on resume.)
 MODEL_FIELDS = ("dataset", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
                 "rope_base", "normalizer", "normalizer_params", "attention", "window", "softcap",
-                "learned")
+                "learned", "layers", "conv_size", "top_k", "block_size", "skip_threshold",
+                "favor_features", "tie_embeddings")
 # Fields that define the learning-rate schedule: changing them on resume needs --reschedule.
 SCHEDULE_FIELDS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
 
@@ -267,10 +299,12 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
       raise ConfigError(f"--{field.name}: unknown value {value!r}; one of "
                         f"{', '.join(repr(c) for c in choices)}")
   positive = ("seq_len", "batch_size", "d_model", "num_layers", "num_heads", "mlp_dim", "steps",
-              "grad_accum", "log_every", "save_every", "max_to_keep", "eval_batches")
+              "grad_accum", "log_every", "save_every", "max_to_keep", "eval_batches",
+              "conv_size", "top_k", "block_size", "favor_features")
   for name in positive:
     if getattr(cfg, name) <= 0:
       raise ConfigError(f"--{name} must be positive, got {getattr(cfg, name)}")
+  _validate_layers(cfg)
   if cfg.d_model % cfg.num_heads:
     raise ConfigError(
         f"--d_model ({cfg.d_model}) must be divisible by --num_heads ({cfg.num_heads})")
@@ -295,6 +329,41 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
       raise ConfigError(f"--init_from: {e}") from None
   if check_workdir:
     prepare_workdir(cfg.workdir)
+
+
+def _kind_error(flag: str, name: str) -> ConfigError:
+  return ConfigError(f"{flag}: unknown layer kind {name!r}; valid: {', '.join(LAYER_KINDS)}"
+                     + (", softmax" if flag == "--layers" else ""))
+
+
+def layer_kinds(cfg: Config) -> tuple[str, ...]:
+  """The layer kind of each of the ``num_layers`` blocks (``--layers`` repeated, or
+  ``--attention`` everywhere); ``softmax`` resolves to --attention's variant of the normalizer
+  block (``full`` when --attention is not one). Unknown names raise ConfigError listing the
+  valid ones."""
+  if cfg.attention not in LAYER_KINDS:
+    raise _kind_error("--attention", cfg.attention)
+  if not cfg.layers.strip():
+    return (cfg.attention,) * cfg.num_layers
+  pattern = [name.strip() for name in cfg.layers.split(",")]
+  anchor = cfg.attention if cfg.attention in ATTENTION_VARIANTS else "full"
+  for name in pattern:
+    if name != "softmax" and name not in LAYER_KINDS:
+      raise _kind_error("--layers", name)
+  if len(pattern) > cfg.num_layers:
+    raise ConfigError(f"--layers names {len(pattern)} layers but --num_layers is "
+                      f"{cfg.num_layers}; the pattern is repeated to --num_layers, never cut")
+  resolved = [anchor if name == "softmax" else name for name in pattern]
+  return tuple(resolved[i % len(resolved)] for i in range(cfg.num_layers))
+
+
+def _validate_layers(cfg: Config) -> None:
+  kinds = layer_kinds(cfg)
+  if cfg.learned and not any(kind in ATTENTION_VARIANTS for kind in kinds):
+    raise ConfigError("--learned: no layer is a normalizer block (--attention/--layers name "
+                      "only linear or sparse kinds)")
+  if cfg.skip_threshold < 0:
+    raise ConfigError(f"--skip_threshold must be >= 0, got {cfg.skip_threshold}")
 
 
 def learned_names(cfg: Config) -> tuple[str, ...]:

@@ -1,7 +1,9 @@
 """A small decoder-only LM (flax.nnx) whose attention is jaxsoft's.
 
 Embeddings -> ``num_layers`` pre-norm blocks (RMSNorm -> attention with RoPE -> residual,
-RMSNorm -> GELU MLP -> residual) -> RMSNorm -> tied output projection. Parameters are float32;
+RMSNorm -> GELU MLP -> residual) -> RMSNorm -> tied output projection. ``--layers`` makes a
+hybrid stack: each block's mixer is this normalizer block or a linear / sparse attention layer of
+train.layers (e.g. three Gated DeltaNet layers per softmax layer). Parameters are float32;
 ``dtype`` sets the compute dtype of every matmul (bf16 mixed precision). The attention
 normalizer, variant and implementation come from the config; ``--learned`` names normalizer
 hyperparameters learned per head (held free and mapped into their valid range by
@@ -17,13 +19,16 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from jaxsoft import attention as js_attention
+from jaxsoft import losses as js_losses
 from jaxsoft import normalizers
 from jaxsoft.nn import param_transform
 from jaxsoft.normalizers._common import safe_divide
-from train.config import Config, attention_normalizer
+from train import layers
+from train.config import ATTENTION_VARIANTS, Config, attention_normalizer, layer_kinds
 
 __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kwargs"]
 
@@ -129,43 +134,122 @@ class Attention(nnx.Module):
 
 
 class Block(nnx.Module):
-  """Pre-norm decoder block: x + attn(norm(x)), then x + mlp(norm(x))."""
+  """Pre-norm decoder block: x + mix(norm(x)), then x + mlp(norm(x)).
+
+  The mixer is the normalizer block :class:`Attention` for the variants ``full``, ``window``,
+  ``softcap``, ``gated``, else the linear or sparse layer of ``kind`` (train.layers).
+  """
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, wrap: AttentionWrapper | None = None,
-               attention_factory=None):
+               attention_factory=None, kind: str | None = None, layer_idx: int = 0):
     dtype = _dtype(cfg)
+    self.kind = kind = kind or cfg.attention
     self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-    self.attn = (attention_factory or Attention)(cfg, rngs=rngs, wrap=wrap)
+    self.attn: Any
+    if kind in ATTENTION_VARIANTS:
+      self.attn = (attention_factory or Attention)(layers.variant_config(cfg, kind), rngs=rngs,
+                                                   wrap=wrap)
+    else:
+      self.attn = layers.make_mixer(cfg, kind, layer_idx, rngs=rngs)
     self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
     self.up = linear(cfg.d_model, cfg.mlp_dim)
     self.down = linear(cfg.mlp_dim, cfg.d_model)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    x = x + self.attn(self.attn_norm(x), positions)
+  def _mlp(self, x: jax.Array) -> jax.Array:
     return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    return self._mlp(x + self.attn(self.attn_norm(x), positions))
+
+  def init_cache(self, batch: int, max_len: int) -> Any:
+    if self.kind in ATTENTION_VARIANTS:
+      return layers.softmax_init_cache(self.attn, batch, max_len)
+    return self.attn.init_cache(batch, max_len)
+
+  def step(self, cfg: Config, x: jax.Array, position: jax.Array, cache: Any
+           ) -> tuple[jax.Array, Any]:
+    """One token ``x [B, 1, d]`` at ``position`` with this block's decoding cache."""
+    h = self.attn_norm(x)
+    if self.kind in ATTENTION_VARIANTS:
+      out, cache = layers.softmax_step(self.attn, layers.variant_config(cfg, self.kind), h,
+                                       position, cache)
+    else:
+      out, cache = self.attn.step(h, position, cache)
+    return self._mlp(x + out), cache
 
 
 class Transformer(nnx.Module):
-  """tokens [B, T] int32 -> logits [B, T, vocab] float32."""
+  """tokens [B, T] int32 -> logits [B, T, vocab] float32.
+
+  ``hidden`` gives the final (normalised) hidden states and ``output_matrix`` the ``[d, vocab]``
+  output layer (the tied embedding, or its own matrix with ``--tie_embeddings false``);
+  ``token_losses`` is the per-token cross-entropy, by default ``jaxsoft.losses.
+  linear_cross_entropy`` of the two (``--loss linear_ce``: the ``[tokens, vocab]`` logits are
+  never materialised) or of the materialised logits (``--loss dense``). ``init_cache`` and
+  ``decode_step`` generate one token at a time (KV caches for the normalizer blocks, recurrent
+  states for the linear layers).
+  """
 
   def __init__(self, cfg: Config, vocab_size: int, *, rngs: nnx.Rngs,
                wrap: AttentionWrapper | None = None, attention_factory=None):
     dtype = _dtype(cfg)
+    self.cfg = cfg  # static (a frozen dataclass): the decode steps need the block variants
     # std 1/sqrt(d): the tied output layer then starts with unit-scale logits (loss ≈ log vocab).
     self.embed = nnx.Embed(vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
-    self.blocks = nnx.List([Block(cfg, rngs=rngs, wrap=wrap, attention_factory=attention_factory)
-                            for _ in range(cfg.num_layers)])
+    self.blocks = nnx.List([Block(cfg, rngs=rngs, wrap=wrap, attention_factory=attention_factory,
+                                  kind=kind, layer_idx=i)
+                            for i, kind in enumerate(layer_kinds(cfg))])
     self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.unembed = None if cfg.tie_embeddings else nnx.Param(
+        nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, vocab_size),
+                                                     jnp.float32))
+    self.chunked_loss = cfg.loss == "linear_ce"
 
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def hidden(self, tokens: jax.Array) -> jax.Array:
+    """The final normalised hidden states ``[B, T, d]`` (compute dtype)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self.embed(tokens)
     for block in self.blocks:
       x = block(x, positions)
-    # Tied output layer; the logits and the loss are float32 whatever the compute dtype.
-    return self.embed.attend(self.final_norm(x)).astype(jnp.float32)
+    return self.final_norm(x)
+
+  def output_matrix(self) -> jax.Array:
+    """The output layer ``[d, vocab]`` (float32 parameters)."""
+    if self.unembed is None:
+      return self.embed.embedding[...].T
+    return self.unembed[...]
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """Logits of hidden states ``h [..., d]``, float32 whatever the compute dtype."""
+    if self.unembed is None:
+      return self.embed.attend(h).astype(jnp.float32)
+    return jnp.dot(h, self.unembed[...].astype(h.dtype)).astype(jnp.float32)
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    return self.logits(self.hidden(tokens))
+
+  def token_losses(self, inputs: jax.Array, targets: jax.Array) -> jax.Array:
+    """Cross-entropy of each next-token target ``[B, T]`` (float32)."""
+    h = self.hidden(inputs)
+    if self.chunked_loss:
+      return js_losses.linear_cross_entropy(h.astype(jnp.float32), self.output_matrix(), targets)
+    return optax.softmax_cross_entropy_with_integer_labels(self.logits(h), targets)
+
+  def init_cache(self, batch: int, max_len: int) -> list[Any]:
+    """Every block's empty decoding cache for sequences of up to ``max_len`` tokens."""
+    return [block.init_cache(batch, max_len) for block in self.blocks]
+
+  def decode_step(self, tokens: jax.Array, position: jax.Array, cache: list[Any]
+                  ) -> tuple[jax.Array, list[Any]]:
+    """``tokens [B]`` at ``position`` (a scalar) -> (logits ``[B, vocab]`` float32, cache)."""
+    x = self.embed(tokens[:, None])
+    new_cache = []
+    for block, block_cache in zip(self.blocks, cache, strict=True):
+      x, block_cache = block.step(self.cfg, x, position, block_cache)
+      new_cache.append(block_cache)
+    return self.logits(self.final_norm(x))[:, 0], new_cache
 
 
 def _dtype(cfg: Config):
@@ -177,32 +261,40 @@ def make_model(cfg: Config, vocab_size: int, seed: int, **kwargs) -> Transformer
 
 
 def attention_stats(model: Transformer, tokens: jax.Array, cfg: Config,
-                    layer: int = 0) -> dict[str, jax.Array]:
+                    layer: int | None = None) -> dict[str, jax.Array]:
   """Entropy and sparsity of one layer's attention weights on ``tokens`` (a small slice).
 
   Recomputes the dense weights ``normalizer(q k^T / sqrt(H), where=mask)`` of ``layer`` (all
-  heads) with the registry's reference function, so it is exact for every normalizer and costs
+  heads; default: the first normalizer block, ``{}`` when the stack has none) with the
+  registry's reference function, so it is exact for every normalizer and costs
   one layer on a slice. Entropy is that of each row renormalised to sum to one (defined for
   normalizers whose rows need not sum to one), averaged over rows with a visible key;
   ``attn_sparsity`` is the fraction of visible entries that are exactly 0; ``attn_mass`` the mean
   row sum (1 for normalizers that sum to one).
   """
+  if layer is None:
+    layer = next((i for i, b in enumerate(model.blocks) if b.kind in ATTENTION_VARIANTS), -1)
+    if layer < 0:
+      return {}
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   x = model.embed(tokens)
   for block in model.blocks[:layer]:
     x = block(x, positions)
   block = model.blocks[layer]
+  if block.kind not in ATTENTION_VARIANTS:
+    raise ValueError(f"layer: block {layer} is a {block.kind!r} layer, not a normalizer block")
+  variant = block.kind
   q, k = block.attn.qk(block.attn_norm(x), positions)
   q, k = q.astype(jnp.float32), k.astype(jnp.float32)
   groups = q.shape[2] // k.shape[2]
   k = jnp.repeat(k, groups, axis=2)
   scores = jnp.einsum("btnh,bsnh->bnts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
-  if cfg.attention == "softcap":
+  if variant == "softcap":
     scores = cfg.softcap * jnp.tanh(scores / cfg.softcap)
   t = tokens.shape[1]
   i, j = jnp.arange(t)[:, None], jnp.arange(t)[None, :]
   mask = j <= i
-  if cfg.attention == "window":
+  if variant == "window":
     mask &= j >= i - cfg.window
   mask = jnp.broadcast_to(mask, scores.shape)
   w = normalizers.get(block.attn.normalizer).fn(scores, axis=-1, where=mask,

@@ -5,6 +5,9 @@ r"""Train a small decoder LM with a jaxsoft attention normalizer.
     python train/train.py --preset smoke --workdir /tmp/cmp --compare softmax,sigmoid,ssmax
     python train/train.py --preset smoke --workdir /tmp/dp --num_cpu_devices 8
     python train/train.py --preset smoke --workdir /tmp/ent --normalizer entmax --learned alpha
+    python train/train.py --preset smoke --workdir /tmp/gdn --num_layers 4 \
+        --layers gated_delta_rule,gated_delta_rule,gated_delta_rule,softmax   # a 3:1 hybrid
+    python train/sample.py --workdir /tmp/gdn --prompt "def " --length 200   # generate
     python train/train.py --preset tpu_pod --workdir gs://BUCKET/run   # pip install .[tpu]
 
 ``main`` only wires config -> mesh -> data -> state -> loop; ``train_step(state, batch) -> (state,
@@ -60,11 +63,13 @@ def make_schedule(cfg: Config) -> optax.Schedule:
 
 
 def decay_mask(params: Any) -> Any:
-  """Weight decay on matrices only: not on norm scales, biases or the (tied) embedding."""
+  """Weight decay on the dense matrices (and an untied output matrix) only: not on norm scales,
+  biases, the (tied) embedding, the linear layers' convolution filters and decay parameters, or
+  Multi-Token Attention's kernel (which starts at the identity)."""
 
   def decays(path, leaf):
     names = [getattr(k, "key", getattr(k, "name", "")) for k in path]
-    return leaf.ndim >= 2 and "embed" not in names
+    return leaf.ndim >= 2 and names[-1] in ("kernel", "unembed") and "embed" not in names
 
   return jax.tree_util.tree_map_with_path(decays, params)
 
@@ -79,9 +84,12 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
 
 
 def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
-  """(sum of weighted token cross-entropies, sum of weights) of one micro-batch."""
-  logits = nnx.merge(graphdef, params)(batch["inputs"])
-  losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  """(sum of weighted token cross-entropies, sum of weights) of one micro-batch.
+
+  The cross-entropy is ``Transformer.token_losses``: by default (``--loss linear_ce``) computed
+  from the final hidden states and the output matrix without materialising the logits.
+  """
+  losses = nnx.merge(graphdef, params).token_losses(batch["inputs"], batch["targets"])
   return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
 
 
@@ -227,7 +235,8 @@ def run(cfg: Config, mesh) -> int:
     log.message(skip.describe())
   log.message(f"{start}; {n_params:,} parameters; {jax.device_count()} device(s) "
               f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} "
-              f"attention={cfg.attention}")
+              f"attention={cfg.attention}"
+              + (f" layers={','.join(config.layer_kinds(cfg))}" if cfg.layers else ""))
 
   stop = _StopFlag()
   previous_handler = _install(signal.SIGTERM, stop)

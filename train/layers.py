@@ -1,0 +1,219 @@
+r"""The token mixers of hybrid stacks besides the normalizer block, and decoding with caches.
+
+Every mixer maps ``x [B, T, d]`` (the block's normalised input) to ``[B, T, d]`` and has a
+one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
+
+* :class:`LinearMixer`, the linear family of ``jaxsoft.linear`` (``gated_delta_rule``,
+  ``delta_rule``, ``simple_gla``, ``gla``, ``lightning_attention``, ``linear:<feature map>``,
+  ``cosformer``, ``mala``): :class:`jaxsoft.nn.LinearMixer` configured from the ``Config``,
+  laid out as Gated Linear Attention and Gated DeltaNet layers are:
+
+  .. math::
+    [q; k; v]_t = \mathrm{SiLU}\bigl(\mathrm{conv}_w([W_q; W_k; W_v]\, x)\bigr)_t, \qquad
+    \mathrm{conv}_w(u)_t = \sum_{i=0}^{c-1} w_i \odot u_{t-c+1+i}
+
+  (a causal depthwise convolution of width ``c = --conv_size``, zero before the start), the
+  kind's recurrence ``o = mix(q, k, v, gates)``, then per head
+  :math:`\mathrm{RMSNorm}(o_t) \odot \mathrm{SiLU}(W_r x_t)` and the output projection
+  :math:`W_o`. The gates: Gated DeltaNet's decay
+  :math:`\log\alpha_t = -e^{A}\,\mathrm{softplus}(W_a x_t + b_{dt})` (Mamba-2's
+  parametrisation) and write strength :math:`\beta_t = \sigma(W_\beta x_t)`, keys and queries
+  L2-normalised (S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving
+  Mamba2 with Delta Rule"); DeltaNet's :math:`\beta_t` alone (S. Yang, B. Wang, Y. Zhang,
+  Y. Shen & Y. Kim, 2024, "Parallelizing Linear Transformers with the Delta Rule over
+  Sequence Length"); GLA's per-channel decay :math:`\log\alpha_t = \log\sigma(W^2 W^1 x_t +
+  b)/16` through a rank-16 bottleneck (S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024,
+  "Gated Linear Attention Transformers with Hardware-Efficient Training"), one such gate per
+  head for ``simple_gla``; Lightning Attention's fixed per-head decay of this layer's depth;
+  none for the rest. ``linear:favor`` draws its random features from a key fixed by the layer
+  index (Performer, Choromanski et al., 2021, "Rethinking Attention with Performers");
+  ``linear:identity`` is the unnormalised form (its denominator could vanish). ``cosformer``
+  uses ``M = --seq_len``. The decoding cache is the convolution's last ``c - 1`` inputs and
+  the recurrent state, advanced by the kind's ``*_step`` function.
+* :class:`SparseAttention`, ``jaxsoft.attention``'s self-attention layers
+  (``topk_attention``, ``block_sparse_attention:<method>``, ``multi_token_attention`` with a
+  learned per-head kernel of 3 query rows x 5 keys started at the identity, as its paper
+  does, ``lucid_attention``) with the normalizer block's q/k/v/o projections and RoPE. Their
+  decoding cache is the layer's input history: each step recomputes the layer over it and
+  keeps the last position (exact for the causal kinds; the block-sparse methods choose key
+  blocks per query *block*, so a query's choice also reads the later queries of its block
+  and decoding, which has not seen them yet, can differ from the training forward there).
+
+The normalizer block (``train.model.Attention``) decodes with a KV cache
+(:func:`softmax_init_cache`, :func:`softmax_step`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxsoft import attention as js_attention
+from jaxsoft import nn as js_nn
+from jaxsoft.nn._linear import causal_conv, causal_conv_step
+from train.config import ATTENTION_VARIANTS, LINEAR_KINDS, SPARSE_KINDS, Config
+
+__all__ = ["LinearMixer", "SparseAttention", "make_mixer", "causal_conv", "causal_conv_step",
+           "softmax_init_cache", "softmax_step", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
+
+MTA_QUERY_WIDTH, MTA_KEY_WIDTH = 3, 5
+
+
+class LinearMixer(js_nn.LinearMixer):
+  """A linear-attention layer of kind ``kind`` (one of ``config.LINEAR_KINDS``):
+  :class:`jaxsoft.nn.LinearMixer` configured from ``cfg``, with the decoding-cache interface
+  of the other mixers (``init_cache``, ``step(x, position, cache)``)."""
+
+  def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind not in LINEAR_KINDS:
+      raise ValueError(f"kind: {kind!r} is not a linear kind; one of {LINEAR_KINDS}")
+    base, _, feature_map = kind.partition(":")
+    super().__init__(base, cfg.d_model, cfg.num_heads, cfg.head_dim, conv_size=cfg.conv_size,
+                     feature_map=feature_map or "elu1", normalize=kind != "linear:identity",
+                     favor_features=cfg.favor_features, feature_seed=layer_idx,
+                     layer_idx=layer_idx, num_layers=cfg.num_layers,
+                     max_len=float(cfg.seq_len), dtype=cfg.dtype, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    del positions  # no positional encoding: the convolution and the decays order the tokens
+    return super().__call__(x)
+
+  def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+    """Zero convolution window and the zero recurrent state (shaped by the kind's step)."""
+    del max_len
+    state = self.init_state(batch)
+    return {"conv": state["conv"], "state": state["state"]}
+
+  def step(self, x: jax.Array, position: jax.Array,  # type: ignore[override]
+           cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+    """``x [B, 1, d]`` at ``position`` -> (``[B, 1, d]``, the advanced cache)."""
+    y, window, state = self.decode(x[:, 0], position, cache["conv"], cache["state"])
+    return y[:, None], {"conv": window, "state": state}
+
+
+class SparseAttention(nnx.Module):
+  """A jaxsoft.attention self-attention layer (one of ``config.SPARSE_KINDS``) with RoPE."""
+
+  def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind not in SPARSE_KINDS:
+      raise ValueError(f"kind: {kind!r} is not a sparse attention kind; one of {SPARSE_KINDS}")
+    del layer_idx
+    dtype = jnp.dtype(cfg.dtype)
+    linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
+                               param_dtype=jnp.float32, rngs=rngs)
+    self.kind, self.dtype = kind, dtype
+    self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
+    self.rope_base, self.top_k = cfg.rope_base, cfg.top_k
+    self.block_size, self.skip_threshold = cfg.block_size, cfg.skip_threshold
+    self.q = linear(cfg.d_model, cfg.num_heads * cfg.head_dim)
+    self.k = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
+    self.v = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
+    self.o = linear(cfg.num_heads * cfg.head_dim, cfg.d_model)
+    self.mta_kernel = (nnx.Param(js_attention.mta_identity_kernel(
+        cfg.num_heads, MTA_QUERY_WIDTH, MTA_KEY_WIDTH)) if kind == "multi_token_attention" else None)
+
+  def _attend(self, q, k, v):
+    kind = self.kind
+    if kind == "topk_attention":
+      return js_attention.topk_attention(q, k, v, top_k=min(self.top_k, k.shape[1]),
+                                         is_causal=True)
+    if kind.startswith("block_sparse_attention:"):
+      method = kind.split(":", 1)[1]
+      kwargs: dict[str, Any] = {}
+      if method in ("moba", "prism", "bfla"):
+        kwargs["top_k_blocks"] = self.top_k
+      if method == "blasst":
+        kwargs["skip_threshold"] = self.skip_threshold
+      return js_attention.block_sparse_attention(q, k, v, method=method,
+                                                 block_size=self.block_size, is_causal=True,
+                                                 **kwargs)
+    if kind == "multi_token_attention":
+      assert self.mta_kernel is not None
+      return js_attention.multi_token_attention(q, k, v, kernel=self.mta_kernel[...],
+                                                is_causal=True)
+    return js_attention.lucid_attention(q, k, v)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    from train.model import rope  # pylint: disable=import-outside-toplevel  (model imports us)
+
+    b, t, _ = x.shape
+    q = rope(self.q(x).reshape(b, t, self.num_heads, self.head_dim), positions, self.rope_base)
+    k = rope(self.k(x).reshape(b, t, self.kv_heads, self.head_dim), positions, self.rope_base)
+    v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
+    out = self._attend(q, k, v)
+    return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
+
+  def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+    """The layer-input history ``[B, max_len, d]`` (zeros)."""
+    return {"x": jnp.zeros((batch, max_len, self.q.in_features), self.dtype)}
+
+  def step(self, x: jax.Array, position: jax.Array, cache: dict[str, Any]
+           ) -> tuple[jax.Array, dict[str, Any]]:
+    """Writes ``x [B, 1, d]`` at ``position``, recomputes the layer over the history and
+    returns its output at ``position``."""
+    history = jax.lax.dynamic_update_slice_in_dim(cache["x"], x.astype(cache["x"].dtype),
+                                                  position, axis=1)
+    b, length, _ = history.shape
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+    out = jax.lax.dynamic_slice_in_dim(self(history, positions), position, 1, axis=1)
+    return out, {"x": history}
+
+
+def make_mixer(cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs) -> nnx.Module:
+  """The LinearMixer or SparseAttention of ``kind`` (not a normalizer-block variant)."""
+  if kind in LINEAR_KINDS:
+    return LinearMixer(cfg, kind, layer_idx, rngs=rngs)
+  if kind in SPARSE_KINDS:
+    return SparseAttention(cfg, kind, layer_idx, rngs=rngs)
+  raise ValueError(f"kind: unknown layer kind {kind!r}; one of "
+                   f"{ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS}")
+
+
+# -------------------------------------------------------------------------------------------
+# The normalizer block (train.model.Attention) with a KV cache.
+
+
+def softmax_init_cache(attn: Any, batch: int, max_len: int) -> dict[str, Any]:
+  """Zero key and value buffers ``[B, max_len, kv_heads, head_dim]``."""
+  dtype = attn.k.dtype or jnp.float32
+  shape = (batch, max_len, attn.kv_heads, attn.head_dim)
+  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def softmax_step(attn: Any, cfg: Config, x: jax.Array, position: jax.Array,
+                 cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
+  """One token of ``attn`` (a ``train.model.Attention`` of variant ``cfg.attention``): the
+  new key/value written at ``position``, the query attending to the keys ``<= position``
+  (and ``>= position - window`` for the window variant) with the block's normalizer."""
+  from train.model import attention_kwargs  # pylint: disable=import-outside-toplevel
+
+  b = x.shape[0]
+  positions = jnp.full((b, 1), position)
+  q, k = attn.qk(x, positions)
+  v = attn.v(x).reshape(b, 1, attn.kv_heads, attn.head_dim)
+  keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), position, 1)
+  values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
+                                               position, 1)
+  j = jnp.arange(keys.shape[1])
+  visible = j <= position
+  kwargs = attention_kwargs(cfg)
+  window = kwargs.pop("local_window_size", None)
+  if window is not None:
+    visible &= j >= position - window[0]
+  kwargs.update(is_causal=False, implementation="xla")
+  out = js_attention.dot_product_attention(
+      q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[None, None, None, :],
+      normalizer_params=attn.hparams() or None, **kwargs)
+  if attn.gate is not None:
+    out = out * jax.nn.sigmoid(attn.gate(x))[..., None].astype(out.dtype)
+  return attn.o(out.reshape(b, 1, attn.num_heads * attn.head_dim)), {"k": keys, "v": values}
+
+
+def variant_config(cfg: Config, kind: str) -> Config:
+  """``cfg`` with ``attention`` set to the normalizer-block variant ``kind``."""
+  return dataclasses.replace(cfg, attention=kind)
