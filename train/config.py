@@ -55,7 +55,8 @@ LINEAR_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightnin
                 "cosformer", "mala")
 SPARSE_KINDS = ("topk_attention", "block_sparse_attention:blasst", "block_sparse_attention:moba",
                 "block_sparse_attention:bfla", "block_sparse_attention:prism",
-                "multi_token_attention", "lucid_attention")
+                "multi_token_attention", "lucid_attention", "multiscreen_attention",
+                "infsa_attention")
 LAYER_KINDS = ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS
 LOSSES = ("linear_ce", "dense")
 DATASETS = ("text", "recall", "copy", "sort", "needle")

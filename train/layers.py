@@ -33,7 +33,7 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
 * :class:`SparseAttention`, ``jaxsoft.attention``'s self-attention layers
   (``topk_attention``, ``block_sparse_attention:<method>``, ``multi_token_attention`` with a
   learned per-head kernel of 3 query rows x 5 keys started at the identity, as its paper
-  does, ``lucid_attention``) with the normalizer block's q/k/v/o projections and RoPE. Their
+  does, ``lucid_attention``, ``multiscreen_attention``, ``infsa_attention`` with gamma 1/2) with the normalizer block's q/k/v/o projections and RoPE. Their
   decoding cache is the layer's input history: each step recomputes the layer over it and
   keeps the last position (exact for the causal kinds; the block-sparse methods choose key
   blocks per query *block*, so a query's choice also reads the later queries of its block
@@ -62,6 +62,7 @@ __all__ = ["LinearMixer", "SparseAttention", "make_mixer", "causal_conv", "causa
            "softmax_init_cache", "softmax_step", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
 
 MTA_QUERY_WIDTH, MTA_KEY_WIDTH = 3, 5
+INFSA_GAMMA = 0.5  # the discount of infsa_attention's walks (normalised: gamma = 0 is softmax)
 
 
 class LinearMixer(js_nn.LinearMixer):
@@ -136,6 +137,11 @@ class SparseAttention(nnx.Module):
       assert self.mta_kernel is not None
       return js_attention.multi_token_attention(q, k, v, kernel=self.mta_kernel[...],
                                                 is_causal=True)
+    if kind == "multiscreen_attention":  # A19: unit q, k and the N38 screen at its defaults
+      return js_attention.multiscreen_attention(q, k, v, is_causal=True)
+    if kind == "infsa_attention":  # A25: the normalised Neumann kernel, gamma = 1/2
+      return js_attention.infsa_attention(q, k, v, gamma=INFSA_GAMMA, normalize=True,
+                                          is_causal=True)
     return js_attention.lucid_attention(q, k, v)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
