@@ -11,8 +11,28 @@ matmul is timed in the same run to express each time as a fraction of the machin
 matmul peak (FLOPs of causal attention forward + backward with the recomputing backward
 pass: 7·T²·H, i.e. 3.5 x the causal forward's 2·T²·H).
 
+Block-sparse rows (A12, ``block_sparse_attention``; ``--sparse-length``, default 16384,
+``--sparse-only`` skips the dense table): MoBA and BLASST forward + backward at one causal
+length, next to xla_chunked softmax timed in the same run on the same inputs (the ratio is
+xla_chunked time / sparse time). Sparse attention only pays where attention is sparse, so
+these rows use *topic* inputs instead of white noise: every block of 64 positions gets
+one of ``--topics`` (default 32) random directions u_z (norm sqrt(H)), q and k are
+u_z + N(0, I) at the positions of that block, v ~ N(0, I): a query block's softmax mass
+sits on the earlier blocks of its own topic. Defaults (the documented sparsity): MoBA
+block 64, top 8 key blocks per query token (its own block + 7); BLASST block 256 (on CPU
+the per-tile loop cost swamps smaller tiles), skip threshold tau = 4. The error is
+measured against dense float64 softmax attention on a sampled subset of query rows
+(``--sparse-rows`` rows, evenly spaced, the last row included; the dense weights of a row
+are 1 x S, so the reference fits memory at any T): err = max over those rows of
+||o - o_dense|| / max_j ||v_j||. A sparse row is timed only if its check passes: every
+output finite, err <= ``--sparse-tol`` (default 0.15) and err within the kept-block bound
+2 x (dense mass outside the row's kept blocks) x max||v|| (+1e-4); the check and the
+timing share a process, so a sparse row's peak RSS includes its check's forward. The table also gives
+the mean of ||o - o_dense|| / max_j ||v_j|| over the sampled rows.
+
   python bench/attention_cpu.py                 # T in 1k..16k, markdown table on stdout
   python bench/attention_cpu.py --quick         # a tiny run (used by the tests)
+  python bench/attention_cpu.py --sparse-only --sparse-length 4096   # sparse rows only
 """
 
 from __future__ import annotations
@@ -27,6 +47,11 @@ import sys
 import time
 
 IMPLS = ("xla_chunked", "xla", "jax.nn")
+SPARSE = {  # the documented default sparsity of the block-sparse rows
+    "moba": dict(method="moba", block_size=64, top_k_blocks=8),
+    "blasst": dict(method="blasst", block_size=256, skip_threshold=4.0),
+}
+TOPIC_BLOCK = 64
 H = 64
 
 
@@ -46,6 +71,142 @@ def _fn(impl: str):
     return jnp.sum(attn(q, k, v) * ct)
 
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _sparse_fn(impl: str, stats: bool = False):
+  import jax
+  import jax.numpy as jnp
+
+  import jaxsoft
+
+  def attn(q, k, v):
+    if impl == "xla_chunked":
+      return jaxsoft.attention.dot_product_attention(q, k, v, is_causal=True,
+                                                     implementation="xla_chunked")
+    return jaxsoft.attention.block_sparse_attention(q, k, v, is_causal=True,
+                                                    return_stats=stats, **SPARSE[impl])
+
+  if stats:
+    return jax.jit(attn)
+
+  def loss(q, k, v, ct):
+    return jnp.sum(attn(q, k, v) * ct)
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def _topic_inputs(T: int, topics: int, seed: int = 0):
+  """q, k = u_z + noise with one topic z per block of TOPIC_BLOCK positions; v, ct noise."""
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  u = jax.random.normal(ks[0], (topics, H))
+  u = u / jnp.linalg.norm(u, axis=-1, keepdims=True) * jnp.sqrt(H)
+  nb = -(-T // TOPIC_BLOCK)
+  z = jnp.repeat(jax.random.randint(ks[1], (nb,), 0, topics), TOPIC_BLOCK)[:T]
+  base = u[z][None, :, None, :]  # [1, T, 1, H]
+  q = base + jax.random.normal(ks[2], (1, T, 1, H))
+  k = base + jax.random.normal(ks[3], (1, T, 1, H))
+  v = jax.random.normal(ks[4], (1, T, 1, H))
+  ct = jax.random.normal(ks[5], (1, T, 1, H))
+  return q, k, v, ct
+
+
+def _cell_sparse_check(impl: str, T: int, topics: int, n_rows: int, tol: float) -> dict:
+  """Error of the sparse forward against dense float64 softmax on sampled query rows."""
+  import numpy as np
+  q, k, v, _ = _topic_inputs(T, topics)
+  out, stats = _sparse_fn(impl, stats=True)(q, k, v)
+  bs = SPARSE[impl]["block_size"]
+  rows = np.unique(np.linspace(0, T - 1, min(n_rows, T)).astype(int))
+  q64, k64, v64 = (np.asarray(x, np.float64)[0, :, 0] for x in (q, k, v))
+  kept = np.asarray(stats["kept_tokens"])[0, 0, rows]  # [rows, nk]
+  vmax = float(np.linalg.norm(v64, axis=-1).max())
+  errs, bound = [], []
+  for r, kr in zip(rows, kept, strict=True):
+    z = k64[:r + 1] @ q64[r] / np.sqrt(H)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    dense = p @ v64[:r + 1]
+    skipped = p[~kr[np.arange(r + 1) // bs]].sum()
+    errs.append(np.linalg.norm(np.asarray(out, np.float64)[0, r, 0] - dense))
+    bound.append(2 * skipped * vmax + 1e-4)
+  err = float(np.max(errs)) / vmax
+  mean_err = float(np.mean(errs)) / vmax
+  finite = bool(np.all(np.isfinite(np.asarray(out))))
+  within = bool(np.all(np.asarray(errs) <= np.asarray(bound)))
+  nk = kept.shape[-1]
+  visible = np.minimum(rows // bs + 1, nk).sum()
+  return {"ok": finite and within and err <= tol, "rel_err": err, "mean_rel_err": mean_err,
+          "within_bound": within,
+          "rows": int(len(rows)), "kept_fraction": float(kept.sum() / visible)}
+
+
+def _cell_sparse_time(impl: str, T: int, topics: int, reps: int) -> dict:
+  import jax
+  args = _topic_inputs(T, topics)
+  f = _sparse_fn(impl)
+  t0 = time.perf_counter()
+  jax.block_until_ready(f(*args))
+  compile_s = time.perf_counter() - t0
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    times.append(time.perf_counter() - t0)
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  return {"median_s": statistics.median(times), "min_s": min(times), "compile_s": compile_s,
+          "peak_mib": peak / 1024}
+
+
+def _sparse_section(T: int, topics: int, reps: int, n_rows: int, tol: float, impls):
+  """The block-sparse rows: (markdown lines, failed)."""
+  # one process per implementation: the error check, then (only if it passes) the timing
+  both = {i: _child("sparse", i, T, topics, reps, n_rows, tol) for i in impls}
+  checks = {i: b.get("check", b) for i, b in both.items()}
+  res = {i: b["time"] for i, b in both.items() if "time" in b}
+  for i in impls:
+    print(f"T={T} {i}: {both[i]}", file=sys.stderr)
+  ref = _child("sparse_time", "xla_chunked", T, topics, reps)
+  print(f"T={T} xla_chunked (topic inputs): {ref}", file=sys.stderr)
+  lines = [
+      "",
+      f"Block-sparse causal attention at T={T}, B=1, N=1, H={H}, forward+backward under jit, "
+      f"median of {reps}; topic inputs ({topics} topics, blocks of {TOPIC_BLOCK}); error vs "
+      f"dense float64 softmax on {n_rows} sampled rows (||o - o_dense|| / max ||v||, the max "
+      f"limited to {tol}); xla_chunked timed in the same run on the same inputs; kept blocks: "
+      f"kept / causally visible (row, key block) pairs of the sampled rows",
+      "",
+      "| T | implementation | settings | time (ms) | xla_chunked / this | kept blocks | "
+      "rel. error (max / mean) | peak RSS (MiB) |",
+      "|---|---|---|---|---|---|---|---|",
+  ]
+  failed = "error" in ref
+  if failed:
+    lines.append(f"| {T} | xla_chunked | | {ref['error']} | | | | |")
+  else:
+    lines.append(f"| {T} | xla_chunked | dense | {1e3 * ref['median_s']:.1f} | 1.00x | 1 | 0 | "
+                 f"{ref['peak_mib']:.0f} |")
+  for i in impls:
+    c = checks[i]
+    cfg = ", ".join(f"{a}={b}" for a, b in SPARSE[i].items() if a != "method")
+    if not c.get("ok"):
+      failed = True
+      why = c.get("error") or (f"error check FAILED (rel. error "
+                               f"{c.get('rel_err', float('nan')):.3g}, within bound "
+                               f"{c.get('within_bound')}): not timed")
+      lines.append(f"| {T} | {i} | {cfg} | {why} | | | | |")
+      continue
+    r = res[i]
+    if "error" in r:
+      failed = True
+      lines.append(f"| {T} | {i} | {cfg} | {r['error']} | | | | |")
+      continue
+    ratio = f"{ref['median_s'] / r['median_s']:.2f}x" if "median_s" in ref else "n/a"
+    lines.append(f"| {T} | {i} | {cfg} | {1e3 * r['median_s']:.1f} | {ratio} | "
+                 f"{c['kept_fraction']:.3f} | {c['rel_err']:.2e} / {c['mean_rel_err']:.2e} | "
+                 f"{r['peak_mib']:.0f} |")
+  return lines, failed
 
 
 def _inputs(T: int, seed: int = 0):
@@ -115,6 +276,13 @@ def main(argv=None) -> int:
   p.add_argument("--lengths", type=str, default="1024,2048,4096,8192,16384")
   p.add_argument("--impls", type=str, default=",".join(IMPLS))
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--sparse-length", type=int, default=16384,
+                 help="T of the block-sparse rows (default 16384)")
+  p.add_argument("--sparse-impls", type=str, default=",".join(SPARSE))
+  p.add_argument("--sparse-only", action="store_true", help="only the block-sparse rows")
+  p.add_argument("--topics", type=int, default=32, help="topics of the sparse rows' inputs")
+  p.add_argument("--sparse-rows", type=int, default=256, help="rows sampled for the error")
+  p.add_argument("--sparse-tol", type=float, default=0.15, help="error limit of a timed row")
   p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
 
@@ -124,6 +292,13 @@ def main(argv=None) -> int:
       res = _cell_check(a.cell[1], int(a.cell[2]))
     elif kind == "time":
       res = _cell_time(a.cell[1], int(a.cell[2]), int(a.cell[3]))
+    elif kind == "sparse":  # impl T topics reps rows tol
+      impl, T, topics = a.cell[1], int(a.cell[2]), int(a.cell[3])
+      res = {"check": _cell_sparse_check(impl, T, topics, int(a.cell[5]), float(a.cell[6]))}
+      if res["check"]["ok"]:
+        res["time"] = _cell_sparse_time(impl, T, topics, int(a.cell[4]))
+    elif kind == "sparse_time":
+      res = _cell_sparse_time(a.cell[1], int(a.cell[2]), int(a.cell[3]), int(a.cell[4]))
     else:
       res = _cell_matmul(int(a.cell[1]))
     print(json.dumps(res))
@@ -135,6 +310,18 @@ def main(argv=None) -> int:
   for i in impls:
     if i not in IMPLS:
       p.error(f"unknown implementation {i!r}; choose from {IMPLS}")
+  sparse_impls = [i for i in a.sparse_impls.split(",") if i]
+  for i in sparse_impls:
+    if i not in SPARSE:
+      p.error(f"unknown sparse implementation {i!r}; choose from {tuple(SPARSE)}")
+  sparse_t = 512 if a.quick else a.sparse_length
+  if sparse_t < 1:
+    p.error(f"--sparse-length must be >= 1, got {sparse_t}")
+  if a.sparse_only:
+    lines, failed = _sparse_section(sparse_t, a.topics, reps, a.sparse_rows, a.sparse_tol,
+                                    sparse_impls)
+    print("\n".join(lines[1:]))
+    return 1 if failed else 0
 
   peak = _child("matmul", 3 if a.quick else 10)
   gflops = peak.get("gflops")
@@ -183,9 +370,11 @@ def main(argv=None) -> int:
     lines.append("")
     lines.append(f"Peak RSS includes the JAX runtime: an idle process with its inputs holds "
                  f"about {statistics.median(base):.0f} MiB.")
-  print("\n".join(lines))
+  sparse_lines, sparse_failed = _sparse_section(sparse_t, a.topics, reps, a.sparse_rows,
+                                                a.sparse_tol, sparse_impls)
+  print("\n".join(lines + sparse_lines))
   bad = [k for k, r in results.items() if "error" in r]
-  return 1 if bad else 0
+  return 1 if bad or sparse_failed else 0
 
 
 if __name__ == "__main__":

@@ -35,9 +35,8 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
   learned per-head kernel of 3 query rows x 5 keys started at the identity, as its paper
   does, ``lucid_attention``, ``multiscreen_attention``, ``infsa_attention`` with gamma 1/2) with the normalizer block's q/k/v/o projections and RoPE. Their
   decoding cache is the layer's input history: each step recomputes the layer over it and
-  keeps the last position (exact for the causal kinds; the block-sparse methods choose key
-  blocks per query *block*, so a query's choice also reads the later queries of its block
-  and decoding, which has not seen them yet, can differ from the training forward there).
+  keeps the last position (exact: every kind is causal, the block-sparse methods choosing
+  key blocks per query token).
 
 The normalizer block (``train.model.Attention``) decodes with a KV cache
 (:func:`softmax_init_cache`, :func:`softmax_step`).

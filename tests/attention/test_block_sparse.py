@@ -1,7 +1,9 @@
 """A12 block_sparse_attention (jaxsoft/attention/_block_sparse.py).
 
-Oracles: dense attention (dot_product_attention) with the kept-block mask, values and
-gradients; a numpy float64 MoBA gate; numpy float64 dense weights for the skipped mass, the
+Oracles: dense attention (dot_product_attention) with the kept-block mask of each query
+token, values and gradients; a numpy float64 per-token MoBA gate; causality (a token's
+output and gradients never depend on a later token; decoding on prefixes equals the full
+forward); numpy float64 dense weights for the skipped mass, the
 BLASST per-weight bound e^-tau and the output error bound 2·(skipped mass)·max|v|; a jaxpr
 walk for the shapes.
 """
@@ -36,10 +38,10 @@ def _inputs(seed=0, peak=2.0):
   return peak * q, k, v
 
 
-def _block_mask(kept, S=T):
-  """kept [B, N, nq, nk] -> the dense mask [B, N, T, S] (key block kept)."""
-  m = np.repeat(np.repeat(np.asarray(kept), BS, axis=2), BS, axis=3)
-  return jnp.asarray(m[:, :, :T, :S])
+def _block_mask(kept_tokens, S=T):
+  """kept_tokens [B, N, T, nk] -> the dense mask [B, N, T, S] (the token's key block kept)."""
+  m = np.repeat(np.asarray(kept_tokens), BS, axis=3)
+  return jnp.asarray(m[..., :S])
 
 
 def _dense_weights(q, k, causal=True, kv_len=KV_LEN):
@@ -66,9 +68,12 @@ def _run(method, q, k, v, **kw):
 def test_equals_dense_attention_with_the_kept_block_mask(method):
   q, k, v = _inputs(1)
   _, stats = _run(method, q, k, v)
-  kept = np.asarray(stats["kept"])
-  assert kept.shape == (B, N, NB, NB)
-  assert 0 < kept.sum() < np.tril(np.ones((NB, NB))).sum() * B * N  # something was skipped
+  kept = np.asarray(stats["kept_tokens"])
+  assert stats["kept"].shape == (B, N, NB, NB) and kept.shape == (B, N, T, NB)
+  np.testing.assert_array_equal(  # kept = the union over the query block's tokens
+      stats["kept"], np.pad(kept, ((0, 0), (0, 0), (0, NB * BS - T), (0, 0))).reshape(
+          B, N, NB, BS, NB).any(3))
+  assert 0 < kept.sum() < (np.arange(T) // BS + 1).sum() * B * N  # something was skipped
   f = lambda q, k, v: block_sparse_attention(
       q, k, v, method=method, block_size=BS, is_causal=True,
       key_value_seq_lengths=jnp.asarray(KV_LEN), **SETTINGS[method])
@@ -87,7 +92,7 @@ def test_skipped_mass_bounds_the_error(method):
   q, k, v = _inputs(2)
   out, stats = _run(method, q, k, v)
   p, vis = _dense_weights(q, k)
-  kept = np.asarray(_block_mask(stats["kept"]))
+  kept = np.asarray(_block_mask(stats["kept_tokens"]))
   skipped = np.where(vis & ~kept, p, 0.0).sum(-1)  # [B, N, T]
   vv = np.repeat(np.asarray(v, np.float64), N // K, axis=2)
   dense = np.einsum("bnts,bsnh->btnh", p, vv)
@@ -106,7 +111,7 @@ def test_blasst_weight_bound_and_exact_limit():
   p, vis = _dense_weights(q, k)
   for tau in (0.5, 2.0):
     _, stats = _run("blasst", q, k, v, skip_threshold=tau)
-    skipped = vis & ~np.asarray(_block_mask(stats["kept"]))
+    skipped = vis & ~np.asarray(_block_mask(stats["kept_tokens"]))
     assert skipped.any()
     # every skipped dense weight <= e^-tau, so a row's skipped mass <= n_skipped·e^-tau
     assert np.all(np.where(skipped, p, 0.0) <= np.exp(-tau) + 1e-12)
@@ -114,29 +119,100 @@ def test_blasst_weight_bound_and_exact_limit():
   out, stats = _run("blasst", q, k, v, skip_threshold=float("inf"))
   chex.assert_trees_all_close(
       out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
-  kept = np.broadcast_to(np.asarray(_block_mask(stats["kept"])), p.shape)
+  kept = np.broadcast_to(np.asarray(_block_mask(stats["kept_tokens"])), p.shape)
   assert np.all(kept[np.broadcast_to(vis, p.shape)])
 
 
 def test_moba_gate_matches_numpy_and_all_blocks_is_dense():
+  """MoBA's gate per query token i: own block always, else the best q_i · mean(K_J) over the
+  blocks wholly before it (numpy float64)."""
   q, k, v = _inputs(4)
   _, stats = _run("moba", q, k, v)
   qq = np.asarray(q, np.float64).transpose(0, 2, 1, 3)  # [B, N, T, H]
   kk = np.repeat(np.asarray(k, np.float64), N // K, axis=2).transpose(0, 2, 1, 3)
-  want = np.zeros((B, N, NB, NB), bool)
-  for b, n, i in np.ndindex(B, N, NB):
-    qbar = qq[b, n, i * BS:min(T, (i + 1) * BS)].mean(0)
+  want = np.zeros((B, N, T, NB), bool)
+  for b, n, i in np.ndindex(B, N, T):
     scores = {}
-    for j in range(i + 1):
+    for j in range(i // BS + 1):
       keys = kk[b, n, j * BS:min((j + 1) * BS, KV_LEN[b])]
       if len(keys):
-        scores[j] = np.inf if j == i else qbar @ keys.mean(0)
+        scores[j] = np.inf if j == i // BS else qq[b, n, i] @ keys.mean(0)
     for j in sorted(scores, key=lambda j: -scores[j])[:SETTINGS["moba"]["top_k_blocks"]]:
       want[b, n, i, j] = True
-  np.testing.assert_array_equal(np.asarray(stats["kept"]), want)
+  np.testing.assert_array_equal(np.asarray(stats["kept_tokens"]), want)
   out, _ = _run("moba", q, k, v, top_k_blocks=NB)
   chex.assert_trees_all_close(
       out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
+
+
+def _perturb(x, t, seed, factor):
+  noise = jax.random.normal(jax.random.PRNGKey(seed), x[:, t].shape, x.dtype)
+  return x.at[:, t].set(factor * noise)
+
+
+@pytest.mark.parametrize("method", ["blasst", "moba", "bfla", "prism"])
+def test_causal_later_tokens_never_change_earlier_outputs_or_gradients(method):
+  """Under is_causal, replacing token t (its q, k and v, by large values that would win any
+  selection) leaves the outputs of tokens < t, and the gradients of a loss on them, unchanged;
+  token t itself receives no gradient from that loss. t = 14 is inside query block 3, so a
+  block-level choice (pooled queries, a shared skip) would leak into tokens 12 and 13."""
+  q, k, v = _inputs(7)
+  t = 3 * BS + 2
+  ct = jax.random.normal(jax.random.PRNGKey(3), (B, T, N, H))
+
+  @jax.jit
+  def out_and_grads(q, k, v):
+    def loss(q, k, v):
+      out = block_sparse_attention(q, k, v, method=method, block_size=BS, is_causal=True,
+                                   **SETTINGS[method])
+      return jnp.sum(out[:, :t] * ct[:, :t]), out
+    return jax.grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)[::-1]
+
+  base, base_g = out_and_grads(q, k, v)
+  q2, k2, v2 = (_perturb(x, t, 1 + i, 300.0) for i, x in enumerate((q, k, v)))
+  out, g = out_and_grads(q2, k2, v2)  # logits of token t ~ 1e5: still finite
+  for x in (out, *g):
+    assert np.all(np.isfinite(np.asarray(x)))
+  assert not np.allclose(out[:, t], base[:, t])  # the change is seen at t
+  chex.assert_trees_all_close(out[:, :t], base[:, :t], atol=1e-6, rtol=1e-6)
+  chex.assert_trees_all_close([x[:, :t] for x in g], [x[:, :t] for x in base_g],
+                              atol=1e-5, rtol=1e-5)
+  for x in g:
+    assert not np.any(np.asarray(x[:, t:]))
+
+
+def _decode_check(method, prefixes):
+  q, k, v = _inputs(8)
+  f = functools.partial(block_sparse_attention, method=method, block_size=BS, is_causal=True,
+                        **SETTINGS[method])
+  full = jax.jit(f)(q, k, v)
+  for n in prefixes:  # recompute on the prefix [0, n): its last row is token n - 1's output
+    step = jax.jit(f)(q[:, :n], k[:, :n], v[:, :n])
+    chex.assert_trees_all_close(step[:, -1], full[:, n - 1], **FWD)
+
+
+@pytest.mark.parametrize("method", ["blasst", "moba", "bfla", "prism"])
+def test_decoding_on_a_prefix_equals_the_full_forward(method):
+  _decode_check(method, (3 * BS + 2,))  # ends inside a query block
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["blasst", "moba", "bfla", "prism"])
+def test_decoding_every_prefix_equals_the_full_forward(method):
+  """Token-by-token decoding (recomputing on each prefix; early prefixes hold fewer blocks
+  than top_k_blocks, which is then all of them)."""
+  _decode_check(method, range(1, T + 1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["blasst", "moba", "bfla", "prism"])
+def test_extreme_logits_stay_finite(method):
+  q, k, v = _inputs(9, peak=1e4)
+  f = lambda q, k, v: block_sparse_attention(q, k, v, method=method, block_size=BS,
+                                             is_causal=True, **SETTINGS[method])
+  out, grads, _ = value_and_vjp(f, q, k, v)
+  for x in (out, *grads):
+    assert np.all(np.isfinite(np.asarray(x)))
 
 
 @pytest.mark.parametrize("method", ["blasst", "moba"])
@@ -157,14 +233,15 @@ def test_bf16_and_non_causal():
     out, stats = _run(method, *lo)
     assert out.dtype == jnp.bfloat16
     want = attend(*(a.astype(jnp.float32) for a in lo),
-                                 mask=_block_mask(stats["kept"]), is_causal=True,
+                                 mask=_block_mask(stats["kept_tokens"]), is_causal=True,
                                  key_value_seq_lengths=jnp.asarray(KV_LEN))
     chex.assert_trees_all_close(out.astype(jnp.float32), want, atol=2e-2, rtol=2e-2)
   out, stats = jax.jit(functools.partial(
       block_sparse_attention, method="moba", block_size=BS, top_k_blocks=2, return_stats=True))(
           q, k, v)
-  assert np.all(np.asarray(stats["kept"]).sum(-1) == 2)  # no causal diagonal: top 2 anywhere
-  chex.assert_trees_all_close(out, attend(q, k, v, mask=_block_mask(stats["kept"])), **FWD)
+  # MoBA per token, no causal own block: the top 2 anywhere for every token
+  assert np.all(np.asarray(stats["kept_tokens"]).sum(-1) == 2)
+  chex.assert_trees_all_close(out, attend(q, k, v, mask=_block_mask(stats["kept_tokens"])), **FWD)
 
 
 def test_errors_name_the_argument():
@@ -175,7 +252,8 @@ def test_errors_name_the_argument():
       ("`skip_threshold`", lambda: f(method="blasst")),
       ("`skip_threshold`", lambda: f(method="blasst", skip_threshold=-1.0)),
       ("`top_k_blocks`", lambda: f(method="moba")),
-      ("`top_k_blocks`", lambda: f(method="moba", block_size=4, top_k_blocks=3)),
+      ("`top_k_blocks`", lambda: f(method="moba", block_size=4, top_k_blocks=0)),
+      ("`top_k_blocks`", lambda: f(method="bfla", block_size=4, top_k_blocks=1.5)),
       ("`block_size`", lambda: f(method="moba", block_size=0, top_k_blocks=1)),
       ("`mass_threshold`", lambda: f(method="bfla", mass_threshold=0.0)),
       ("`high_frequency_pairs`", lambda: f(method="prism", top_k_blocks=1,

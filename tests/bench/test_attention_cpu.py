@@ -1,11 +1,12 @@
-"""bench/attention_cpu.py --quick runs end to end: correctness checks pass and the markdown
-table has a timed row for every implementation and length."""
+"""bench/attention_cpu.py --quick runs end to end: correctness checks pass, the markdown
+table has a timed row for every implementation and length, and the block-sparse rows
+(T = 512 in --quick) carry a time, a ratio to xla_chunked and a measured error."""
 
 import os
 import subprocess
 import sys
 
-from tests.helpers import ROOT
+from tests.helpers import ROOT, load_script
 
 
 def test_quick_benchmark_runs():
@@ -20,3 +21,34 @@ def test_quick_benchmark_runs():
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2]) > 0 and float(cells[3]) > 0, row  # time (ms), peak RSS (MiB)
   assert "xla_chunked ok" in proc.stdout and "FAILED" not in proc.stdout
+  sparse = {row.split("|")[2].strip(): [c.strip() for c in row.strip("|").split("|")]
+            for row in proc.stdout.splitlines() if row.startswith("| 512 |")}
+  assert set(sparse) == {"xla_chunked", "moba", "blasst"}, proc.stdout
+  for name in ("moba", "blasst"):
+    cells = sparse[name]
+    assert float(cells[3]) > 0 and cells[4].endswith("x") and float(cells[4][:-1]) > 0, cells
+    err = [float(x) for x in cells[6].split("/")]  # max / mean
+    assert 0 < float(cells[5]) <= 1 and 0 <= err[1] <= err[0] <= 0.15, cells  # kept, error
+
+
+def test_a_sparse_row_whose_error_check_fails_is_not_timed(monkeypatch):
+  """The sparse section prints no speed for a row whose check fails (children faked)."""
+  bench = load_script("bench/attention_cpu.py", "bench_attention_cpu")
+  calls = []
+
+  def child(kind, impl, *args):
+    calls.append((kind, impl))
+    if kind == "sparse":  # moba passes its check and is timed, blasst fails it
+      ok = impl == "moba"
+      out = {"check": {"ok": ok, "rel_err": 0.01 if ok else 0.4, "mean_rel_err": 0.005,
+                       "within_bound": True, "kept_fraction": 0.25}}
+      return {**out, "time": {"median_s": 0.5, "peak_mib": 10.0}} if ok else out
+    return {"median_s": 2.0, "peak_mib": 10.0}
+
+  monkeypatch.setattr(bench, "_child", child)
+  lines, failed = bench._sparse_section(512, 4, 1, 8, 0.15, ["moba", "blasst"])
+  assert failed
+  moba = next(line for line in lines if "| moba |" in line)
+  blasst = next(line for line in lines if "| blasst |" in line)
+  assert "| 500.0 | 4.00x |" in moba
+  assert "FAILED" in blasst and "not timed" in blasst and "x |" not in blasst
