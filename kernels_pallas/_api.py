@@ -101,7 +101,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     debug: print the Pallas kernels' jaxprs.
 
   Raises:
-    NotImplementedError: ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
+    NotImplementedError: ``score`` other than "dot", ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
       a plain callable or
       a normalizer of kernel class X (or T/R without its blockwise rule), a stochastic normalizer, a value head dim
       different from the key head dim, q/k/v of different dtypes, a traced ``scale``, or
@@ -109,6 +109,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     ValueError: bad block sizes or backend.
   """
   spec = call.spec
+  if getattr(call, "score", "dot") != "dot":
+    raise NotImplementedError(f"the Pallas engine computes dot-product scores only, not "
+                              f"score={call.score!r}")
   if call.return_residual:
     raise NotImplementedError("the Pallas engine does not return the residual "
                               "(`return_residual`) yet")

@@ -9,7 +9,9 @@ KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``), block-sparse att
 (A12, ``_block_sparse``), LUCID (A14, ``_lucid``), Multi-Token
 Attention (A13, ``_mta``), tensor attention, SOFT and the softmax-free non-local block
 (A24, A26, A27, ``_structured``); Multiscreen screening attention, UniAttn and
-Infinite Self-Attention (A19, A22, A25, ``_tier3``).
+Infinite Self-Attention (A19, A22, A25, ``_tier3``); Polar attention (A20, ``_polar``).
+Inverse-distance attention (A18) is ``dot_product_attention(score="distance",
+normalizer="idw_softmax")``.
 """
 
 # ruff: noqa: F401, F403
@@ -21,6 +23,7 @@ from jaxsoft.attention._lucid import lucid_attention, lucid_preconditioned_value
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.attention._merge import alternating_matching, merge_kv
 from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
+from jaxsoft.attention._polar import polar_attention
 from jaxsoft.attention._structured import (
     gaussian_kernel,
     newton_schulz_pinv,
@@ -45,4 +48,5 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "multi_token_attention", "mta_identity_kernel",
            "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
            "nonlocal_block",
-           "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention"]
+           "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention",
+           "polar_attention"]

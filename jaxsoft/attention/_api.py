@@ -19,6 +19,8 @@ from jaxsoft.normalizers._common import compute_dtype
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "AttentionCall"]
 
+SCORES = ("dot", "distance")
+
 IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
 
 # implementation=None uses the chunked path when one head's score matrix has at least this
@@ -40,7 +42,8 @@ class AttentionCall:
   spec a NormalizerSpec or a plain callable; params the hyperparameters (a dict,
   without ``key``); key the PRNG key of a stochastic normalizer or None;
   decay_bias ``(cq [B, T, N], ck [B, S, N])`` float32 or None; return_residual: the
-  runners return ``(out, residual [B, T, N])`` instead of ``out``.
+  runners return ``(out, residual [B, T, N])`` instead of ``out``; score ``"dot"`` (the
+  scaled q·k) or ``"distance"`` (the Euclidean distance ||q_i - k_j||, with scale 1.0).
   """
 
   q: Any
@@ -61,6 +64,7 @@ class AttentionCall:
   decay_bias: tuple[Any, Any] | None
   decay_prune_threshold: float | None
   return_residual: bool = False
+  score: str = "dot"
 
   @property
   def structure(self) -> MaskStructure:
@@ -196,7 +200,11 @@ def _as_float(t, name: str):
 def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
                     key_value_seq_lengths, local_window_size, segment_ids, logits_soft_cap,
                     normalizer, normalizer_params, decay_bias, decay_prune_threshold,
-                    return_residual=False):
+                    return_residual=False, score="dot"):
+  if not isinstance(score, str) or score not in SCORES:
+    raise ValueError(f"`score` must be one of {SCORES}, got {score!r}")
+  if score == "distance" and scale is not None:
+    raise ValueError("`scale` must be None with score='distance' (distances are not scaled)")
   q, k, v = _as_float(q, "query"), _as_float(k, "key"), _as_float(v, "value")
   for t, name in ((q, "query"), (k, "key"), (v, "value")):
     if t.ndim not in (3, 4):
@@ -232,7 +240,9 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
     if jnp.issubdtype(mask.dtype, jnp.floating):
       raise ValueError("`mask` must be boolean (True = attend); pass an additive mask as `bias`")
     mask = mask.astype(bool)
-  if scale is None:
+  if score == "distance":
+    scale = 1.0
+  elif scale is None:
     scale = 1.0 / float(np.sqrt(H))
   elif isinstance(scale, (int, float, np.integer, np.floating)):
     scale = float(scale)
@@ -287,7 +297,8 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
       query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
       local_window_size=window, segment_ids=segment_ids, logits_soft_cap=logits_soft_cap,
       spec=spec, params=params, key=key, decay_bias=decay_bias,
-      decay_prune_threshold=decay_prune_threshold, return_residual=bool(return_residual))
+      decay_prune_threshold=decay_prune_threshold, return_residual=bool(return_residual),
+      score=score)
 
 
 # ------------------------------------------------------------------------ implementations
@@ -303,12 +314,14 @@ def _run_xla(call: AttentionCall):
   return _dense.dense_attention(
       call.q, call.k, call.v, bias=call.bias, mask=call.mask, structure=call.structure,
       scale=call.scale, logits_soft_cap=call.logits_soft_cap, normalize=call.normalize_fn(),
-      decay_bias=call.decay_bias, statistic=statistic,
+      decay_bias=call.decay_bias, statistic=statistic, score=call.score,
       zeros_where_masked=isinstance(call.spec, _spec.NormalizerSpec))
 
 
 def _run_cudnn(call: AttentionCall):
   """jax.nn's cuDNN flash attention, for what it computes: softmax on a CUDA GPU."""
+  if call.score != "dot":
+    raise NotImplementedError(f"cudnn computes dot-product scores only, not score={call.score!r}")
   if jax.default_backend() not in ("gpu", "cuda"):
     raise NotImplementedError(
         f"cudnn needs a CUDA GPU (the default backend is {jax.default_backend()!r})")
@@ -410,7 +423,8 @@ def dot_product_attention(
     normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
     normalizer_params: Mapping[str, Any] | None = None,
     decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
-    decay_prune_threshold: float | None = None) -> Any:
+    decay_prune_threshold: float | None = None,
+    score: str = "dot") -> Any:
   r"""Scaled dot-product attention with any normalizer (features A01, A02; docs/feature_ids.md).
 
   A drop-in superset of :func:`jax.nn.dot_product_attention`: the same arguments (names
@@ -506,6 +520,17 @@ def dot_product_attention(
       query's own key is visible with zero decay (FoX: cq = ck), D_i >= e^{l_ii}, so each
       skipped weight is <= e^{t + l_ij - l_ii} and the output changes by at most
       ``2·max|v|·sum_{skipped j} e^{t + l_ij - l_ii}``.
+    score: ``"dot"`` (default): the scaled dot product ``s q_i·k_j`` above.
+      ``"distance"`` (feature A18): the Euclidean distance ``d_ij = ||q_i - k_j||`` takes
+      its place (no scale: passing ``scale`` is a ValueError), meant for
+      ``normalizer="idw_softmax"``, which maps distances to Shepard's inverse-distance
+      weights ``d^{-p} / sum d^{-p}``: inverse-distance attention, from "Inverse distance
+      weighting attention" (C. McCarter, 2023). It is computed in float32 (float64 for
+      float64 inputs) as ``sqrt(max(|q|^2 + |k|^2 - 2 q·k, 0))``; its gradient
+      ``(q_i - k_j) / d_ij`` is taken as 0 where ``d_ij = 0`` (a subgradient of the norm
+      at 0, which keeps the gradient finite when a query equals a key). Implementations
+      "xla" and "xla_chunked" (the Pallas and cuDNN ones raise NotImplementedError, so
+      ``implementation=None`` falls back to them).
 
   Returns:
     [B, T, N, Hv] (or [T, N, Hv]) in query's dtype (float32 for integer or bool inputs);
@@ -554,7 +579,7 @@ def dot_product_attention(
   call = _canonical_call(
       query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
       key_value_seq_lengths, local_window_size, segment_ids, logits_soft_cap, normalizer,
-      normalizer_params, decay_bias, decay_prune_threshold, return_residual)
+      normalizer_params, decay_bias, decay_prune_threshold, return_residual, score)
 
   def unbatch(result):
     if not unbatched:

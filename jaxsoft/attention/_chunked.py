@@ -36,6 +36,13 @@ custom_vjp) and GQA keeps one copy of K/V: q is viewed as [B, K, G, T, H] and ea
 block serves the G query heads of its group in one batched matmul. Forgetting attention's
 decay ``cq_i - ck_j`` enters through :class:`_RowColumnBias`, an additive pre-cap bias
 hook with its own tile and gradient.
+
+With ``score="distance"`` (A18) the tile's pre-cap logit is the distance
+``d_ij = sqrt(max(|q_i|^2 + |k_j|^2 - 2 q_i·k_j, 0))``: the squared norms are computed once
+per call (``_Aux.qn``/``kn``, no gradient through them) and sliced per block, and the
+backward pass chains the logit cotangent through the distance itself:
+``dq_i += sum_j ds_ij (q_i - k_j) / d_ij``, ``dk_j -= sum_i ds_ij (q_i - k_j) / d_ij``
+(0 where ``d_ij = 0``, as :func:`jaxsoft.attention._dense.safe_distance`).
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsoft.attention._dense import safe_distance
 from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._common import compute_dtype
@@ -176,6 +184,8 @@ class _Aux:
   kb_hi: Any  # ... and one past the last
   prune: Any  # bool [nq, nk] (FoX block pruning) or None
   hp_int: dict  # integer array hyperparameters (no gradient)
+  qn: Any = None  # score="distance": |q_i|^2 [B, K, G, Tp] (no gradient), else None
+  kn: Any = None  # ... and |k_j|^2 [B, K, Sp]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,6 +228,7 @@ class _QueryBlock:
   q_seg: Any
   bias: Any
   mask: Any
+  qn: Any = None  # score="distance": |q_i|^2 [B, K, G, bq]
 
   @property
   def params(self) -> dict:
@@ -229,11 +240,12 @@ class _Tile:
   """One (query block, key block) tile: logits before and after cap and bias."""
 
   k_start: Any
-  s: Any  # q·k (+ decay), before the soft cap
+  s: Any  # q·k or the distance (+ decay), before the soft cap
   x: Any  # the logits the normalizer sees
   vis: Any  # bool visibility, or None when every entry is visible
   k: Any
   v: Any
+  dist: Any = None  # score="distance": the distances d [B, K, G, bq, bk], else None
 
 
 def _query_block(plan: _Plan, inp: _Inputs, aux: _Aux, qi) -> _QueryBlock:
@@ -250,7 +262,8 @@ def _query_block(plan: _Plan, inp: _Inputs, aux: _Aux, qi) -> _QueryBlock:
       q_pos=start + jnp.arange(plan.bq, dtype=jnp.int32),
       q_seg=q_seg,
       bias=_slice(inp.bias, start, plan.bq, 3),
-      mask=_slice(aux.mask, start, plan.bq, 3))
+      mask=_slice(aux.mask, start, plan.bq, 3),
+      qn=None if aux.qn is None else lax.dynamic_slice_in_dim(aux.qn, start, plan.bq, 3))
 
 
 def _visibility(plan: _Plan, aux: _Aux, qb: _QueryBlock, ks, x=None):
@@ -272,6 +285,10 @@ def _tile(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, kj, masked: boo
   k_blk = lax.dynamic_slice_in_dim(inp.k, ks, plan.bk, 2)
   v_blk = lax.dynamic_slice_in_dim(inp.v, ks, plan.bk, 2)
   s = jnp.einsum("bkgqh,bksh->bkgqs", qb.q, k_blk, preferred_element_type=plan.dtype)
+  dist = None
+  if aux.kn is not None:  # score="distance"
+    kn = lax.dynamic_slice_in_dim(aux.kn, ks, plan.bk, 2)[:, :, None, None, :]
+    s = dist = safe_distance(qb.qn[..., None] + kn - 2.0 * s)
   if inp.decay is not None:
     s = s + inp.decay.tile(qb.start, plan.bq, ks, plan.bk)
   x = s if plan.cap is None else plan.cap * jnp.tanh(s / plan.cap)
@@ -280,7 +297,7 @@ def _tile(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, kj, masked: boo
   vis = None
   if masked:
     vis = _visibility(plan, aux, qb, ks, x if qb.bias is not None else None)
-  return _Tile(k_start=ks, s=s, x=x, vis=vis, k=k_blk, v=v_blk)
+  return _Tile(k_start=ks, s=s, x=x, vis=vis, k=k_blk, v=v_blk, dist=dist)
 
 
 def _over_key_blocks(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi,
@@ -580,8 +597,16 @@ def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, do, g: _BlockG
   if dcq is not None:  # the decay hook: d(cq_i - ck_j)
     dcq = dcq + jnp.sum(ds, axis=-1)
     dck = _accumulate(dck, -jnp.sum(ds, axis=-2), ks, 3)
-  dq = g.dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, t.k)
-  dk = _accumulate(g.dk, jnp.einsum("bkgqs,bkgqh->bksh", ds, qb.q), ks, 2)
+  if t.dist is None:
+    dq = g.dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, t.k)
+    dk = _accumulate(g.dk, jnp.einsum("bkgqs,bkgqh->bksh", ds, qb.q), ks, 2)
+  else:  # d = ||q - k||: dq_i += sum_j r_ij (q_i - k_j), dk_j -= sum_i r_ij (q_i - k_j)
+    r = jnp.where(t.dist > 0, ds / jnp.where(t.dist > 0, t.dist, 1.0), 0.0)
+    dq = g.dq + jnp.sum(r, axis=-1, keepdims=True) * qb.q - jnp.einsum(
+        "bkgqs,bksh->bkgqh", r, t.k)
+    dk_blk = (jnp.sum(r, axis=(2, 3))[..., None] * t.k
+              - jnp.einsum("bkgqs,bkgqh->bksh", r, qb.q))
+    dk = _accumulate(g.dk, dk_blk, ks, 2)
   return dataclasses.replace(g, dq=dq, dcq=dcq, dk=dk, dv=dv, dck=dck, dbias=dbias)
 
 
@@ -807,6 +832,10 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
       kv_seg=_pad_axis(st.kv_segment_ids, 1, Sp, mode="edge") if st.has_segments else None,
       counts=counts.reshape(counts.shape[0], 1, 1, Tp, 1), kb_lo=kb_lo, kb_hi=kb_hi,
       prune=prune, hp_int=hp_int)
+  if call.score == "distance":  # squared norms once per call (the backward chains d itself)
+    aux = dataclasses.replace(
+        aux, qn=lax.stop_gradient(jnp.sum(qs * qs, axis=-1)),
+        kn=lax.stop_gradient(jnp.sum(k4 * k4, axis=-1)))
   plan = _Plan(kind=kind, rule=rule, dtype=cdt, static_hp=tuple(static_hp),
                cap=call.logits_soft_cap, bq=bq, bk=bk, nq=nq,
                may_skip_mask=not (bias is not None or mask is not None or st.has_segments))

@@ -14,12 +14,24 @@ from jaxsoft.normalizers import _spec
 from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._common import compute_dtype, visible_count
 
-__all__ = ["dense_logits", "dense_attention", "row_statistic"]
+__all__ = ["dense_logits", "dense_attention", "row_statistic", "safe_distance"]
+
+
+def safe_distance(d2):
+  """``sqrt(max(d2, 0))`` with gradient 0 (not infinity) where ``d2 <= 0``.
+
+  ``d2`` is a squared distance computed as ``|q|^2 + |k|^2 - 2 q·k`` (slightly negative
+  after rounding when q = k). The derivative ``1 / (2 d)`` is replaced by 0 at ``d = 0``:
+  the distance's gradient ``(q - k) / d`` becomes 0 there, a subgradient of the norm.
+  """
+  pos = d2 > 0
+  return jnp.where(pos, jnp.sqrt(jnp.where(pos, d2, 1.0)), 0.0)
 
 
 def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
                  decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
-                 logits_soft_cap: float | None = None, bias: ArrayLike | None = None) -> jax.Array:
+                 logits_soft_cap: float | None = None, bias: ArrayLike | None = None,
+                 score: str = "dot") -> jax.Array:
   r"""Logits [B, N, T, S] (float32; float64 for float64 inputs) in the order all paths use.
 
   .. math::
@@ -28,7 +40,9 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
 
   with s the scale, c the soft cap (no tanh when None), the decay terms only with
   ``decay_bias=(cq, ck)``, and kappa(n) = n // (N / K) the key/value head of query
-  head n (GQA; jax.nn's grouping).
+  head n (GQA; jax.nn's grouping). With ``score="distance"`` the Euclidean distance
+  ``||q_{bin} - k_{bj\kappa(n)}||`` (:func:`safe_distance` of the expanded square) replaces
+  ``s q·k`` (``scale`` is then ignored).
   """
   q, k = jnp.asarray(q), jnp.asarray(k)
   B, T, N, H = q.shape
@@ -37,7 +51,13 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
   cdt = compute_dtype(q.dtype)  # float32 (float64 for float64 inputs)
   qg = q.astype(cdt).reshape(B, T, K, G, H)
   logits = jnp.einsum("btkgh,bskh->bkgts", qg, k.astype(cdt))
-  logits = scale * logits.reshape(B, N, T, k.shape[1])
+  if score == "distance":
+    qn = jnp.transpose(jnp.sum(qg * qg, axis=-1), (0, 2, 3, 1))[..., None]  # [B, K, G, T, 1]
+    kf = k.astype(cdt)
+    kn = jnp.transpose(jnp.sum(kf * kf, axis=-1), (0, 2, 1))[:, :, None, None, :]  # [B,K,1,1,S]
+    logits = safe_distance(qn + kn - 2.0 * logits).reshape(B, N, T, k.shape[1])
+  else:
+    logits = scale * logits.reshape(B, N, T, k.shape[1])
   if decay_bias is not None:
     cq, ck = jnp.asarray(decay_bias[0], cdt), jnp.asarray(decay_bias[1], cdt)
     logits = logits + (jnp.transpose(cq, (0, 2, 1))[..., :, None]
@@ -116,7 +136,8 @@ def row_statistic(spec, params, logits, visible):
 
 
 def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, logits_soft_cap,
-                    normalize, decay_bias=None, statistic=None, zeros_where_masked=False):
+                    normalize, decay_bias=None, statistic=None, zeros_where_masked=False,
+                    score="dot"):
   """Dense attention: weights = normalize(logits, visible), out = weights @ v.
 
   Args:
@@ -133,6 +154,7 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
     zeros_where_masked: True when ``normalize`` is a registered normalizer, whose contract
       (checked for each by the generated tests) gives exact zeros where ``where`` is
       False; a plain callable's weights are zeroed there by this function.
+    score: ``"dot"`` or ``"distance"`` (see :func:`dense_logits`).
 
   Returns:
     [B, T, N, Hv] in q's dtype; with ``statistic``, ``(out, residual [B, T, N])``.
@@ -140,7 +162,7 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
   B, T, N, _ = q.shape
   K = k.shape[2]
   logits = dense_logits(q, k, scale=scale, decay_bias=decay_bias,
-                        logits_soft_cap=logits_soft_cap, bias=bias)
+                        logits_soft_cap=logits_soft_cap, bias=bias, score=score)
   visible = jnp.broadcast_to(structure.dense(), logits.shape)
   if mask is not None:
     visible = visible & mask
