@@ -13,6 +13,12 @@ Usage::
   python bench/normalizers.py            # rows 4096, n in {128, 1024, 8192}
   python bench/normalizers.py --quick    # tiny sizes, a smoke test
   python bench/normalizers.py --no-torch # skip the PyTorch baselines
+  python bench/normalizers.py --single-thread  # one thread everywhere, CPU (process) time
+
+``--single-thread`` sets ``XLA_FLAGS=--xla_cpu_multi_thread_eigen=false`` (and one
+PyTorch thread) before JAX starts and times each call by ``time.process_time``: the CPU
+time of this process, which other processes on a loaded machine barely change. The
+figures are then per core; the ratios are the ones to compare.
 
 Columns: ms per call; "vs fastest baseline" = (fastest baseline's ms) / (jaxsoft ms), so
 > 1 means jaxsoft is faster; "/ softmax" = (jaxsoft ms) / (jax.nn.softmax ms).
@@ -27,13 +33,19 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+SINGLE_THREAD_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+if __name__ == "__main__" and "--single-thread" in sys.argv[1:]:
+  # XLA reads its flags once, when the CPU backend starts: before `import jax` is safest.
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + SINGLE_THREAD_FLAGS).strip()
 
-from jaxsoft.normalizers import entmax, entmax15, sparsemax
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from jaxsoft.normalizers import entmax, entmax15, sparsemax  # noqa: E402
 
 CHECK_ROWS = 128  # rows checked against the float64 oracle before anything is timed
 CHECK_ATOL = 1e-5
@@ -86,13 +98,16 @@ def oracle(mapping: str, x) -> np.ndarray:
 # --- baselines ----------------------------------------------------------------------------
 
 
+CLOCK: dict[str, Any] = {"fn": time.perf_counter, "threads": None}  # set by main()
+
+
 def _torch():
   try:
     import entmax as torch_entmax  # noqa: PLC0415
     import torch  # noqa: PLC0415
   except Exception:  # torch / entmax absent: their columns read n/a
     return None, None
-  torch.set_num_threads(os.cpu_count() or 1)
+  torch.set_num_threads(CLOCK["threads"] or os.cpu_count() or 1)
   return torch, torch_entmax
 
 
@@ -136,17 +151,19 @@ SLOW_CALL_S = 5.0  # a call slower than this is timed once: the ratio is clear a
 
 
 def median_ms(fn, x, reps: int, warm_up: bool = True) -> float:
-  """Median wall time of ``fn(x)`` in ms (outputs blocked on), after a warm-up call.
+  """Median time of ``fn(x)`` in ms (outputs blocked on), after a warm-up call.
 
-  Without ``warm_up`` (eager PyTorch: nothing to compile) the first call counts.
+  Wall time, or this process's CPU time under ``--single-thread``. Without ``warm_up``
+  (eager PyTorch: nothing to compile) the first call counts.
   """
+  clock = CLOCK["fn"]
   if warm_up:
     jax.block_until_ready(fn(x))
   times = []
   for _ in range(reps):
-    t0 = time.perf_counter()
+    t0 = clock()
     jax.block_until_ready(fn(x))
-    times.append(time.perf_counter() - t0)
+    times.append(clock() - t0)
     if times[-1] > SLOW_CALL_S:
       break
   return 1e3 * statistics.median(times)
@@ -219,7 +236,14 @@ def main(argv=None, ops: list[Op] | None = None, log=print) -> str:
   parser.add_argument("--sizes", type=int, nargs="+", default=None)
   parser.add_argument("--reps", type=int, default=None)
   parser.add_argument("--no-torch", action="store_true", help="skip the PyTorch baselines")
+  parser.add_argument("--single-thread", action="store_true",
+                      help="one XLA/PyTorch thread, timed by process (CPU) time")
   args = parser.parse_args(argv)
+  single = args.single_thread
+  CLOCK["fn"], CLOCK["threads"] = (time.process_time, 1) if single else (time.perf_counter, None)
+  if single and SINGLE_THREAD_FLAGS not in os.environ.get("XLA_FLAGS", ""):
+    log(f"note: XLA_FLAGS lacks {SINGLE_THREAD_FLAGS} (set it before JAX starts, e.g. run "
+        "this file as a script); XLA may still use several threads")
   rows = args.rows or (64 if args.quick else 4096)
   sizes = args.sizes or ([16, 128] if args.quick else [128, 1024, 8192])
   reps = args.reps or (2 if args.quick else 7)
@@ -227,7 +251,8 @@ def main(argv=None, ops: list[Op] | None = None, log=print) -> str:
   log(f"jax {jax.__version__} on {jax.devices()[0].platform}, {os.cpu_count()} CPUs; "
       f"torch {getattr(torch, '__version__', 'absent')}"
       + (f" ({torch.get_num_threads()} threads)" if torch is not None else "")
-      + f"; rows={rows}, median of {reps} (calls over {SLOW_CALL_S:g} s: one run)")
+      + f"; rows={rows}, median of {reps} (calls over {SLOW_CALL_S:g} s: one run); "
+      + ("single-threaded, process (CPU) time" if single else "wall time"))
   table = run(rows, sizes, reps, default_ops() if ops is None else ops,
               use_torch=not args.no_torch, log=log)
   log(table)

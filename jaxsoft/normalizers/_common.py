@@ -313,7 +313,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
       # XLA:CPU runs slower than the normalizer's own row max.
       k = jax.lax.cond(jnp.any(top == jnp.inf),
                        lambda p: jnp.sum(p, axis=ax, keepdims=True, dtype=jnp.int32),
-                       lambda p: jnp.ones(top.shape, jnp.int32), posinf)
+                       lambda p: jnp.ones_like(top, jnp.int32), posinf)
       limit = (posinf / jnp.maximum(k, 1)).astype(w.dtype)
     else:
       assert callable(inf_limit)  # (pointwise normalizers returned above)

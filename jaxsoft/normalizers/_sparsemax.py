@@ -1,10 +1,11 @@
 """N16 sparsemax: the Euclidean projection of a score row onto the probability simplex.
 
 The threshold is found without sorting: a Michelot/Newton iteration on the piecewise-linear
-``f(tau) = sum_j [x_j - tau]_+ - 1`` from the lower bound ``max(x) - 1``, each step one
-fused pass over the row, stopping as soon as the support it holds is self-consistent. The
-last tau is computed exactly from that support, so the result is the exact projection.
-"""
+``f(tau) = sum_j [x_j - tau]_+ - 1`` from the lower bound ``max(x) - 1``, each step two
+passes over the row (sum and count), stopping as soon as the support it holds is
+self-consistent. The last tau is computed exactly from that support, so the result is the
+exact projection. Rows are solved in cache-sized blocks (:func:`threshold_by_blocks`),
+which entmax15 shares."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
@@ -20,15 +22,65 @@ from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, identity_sc
 __all__ = ["sparsemax"]
 
 
-def relu_sum_and_count(ym, t):
-  """``(sum_j [y_j - t]_+, |{j : y_j > t}|)`` over the last axis, for ``-1 <= t`` and ``y <= 0``.
+def count_above(ym, t):
+  """``|{j : y_j > t}|`` over the last axis (a select-and-add: cheaper than ``ceil``/``sign``)."""
+  return jnp.sum(jnp.where(ym > t, 1.0, 0.0), axis=-1, keepdims=True).astype(ym.dtype)
 
-  With ``y <= 0`` and ``t >= -1`` every ``[y - t]_+`` lies in [0, 1], so ``ceil`` of it is the
-  support indicator (a cheaper vector op than a compare-and-select).
+
+def relu_sum(ym, t):
+  """``sum_j [y_j - t]_+`` over the last axis, written as a select (XLA:CPU's ``maximum``
+  carries NaN handling that makes the pass about 1.4x slower)."""
+  return jnp.sum(jnp.where(ym > t, ym - t, 0.0), axis=-1, keepdims=True)
+
+
+def relu_sum_and_count(ym, t):
+  """``(sum_j [y_j - t]_+, |{j : y_j > t}|)`` over the last axis: two separate passes."""
+  s = relu_sum(ym, t)
+  return s, count_above(ym, c.decouple(t, s))
+
+
+# Rows are solved in blocks of about this many entries (128 KiB of float32), so the passes
+# of a solve run from cache; measured on XLA:CPU, 2^13-2^17 differ by under 10% at
+# n = 1024 and 8192.
+FUSED_BLOCK_ENTRIES = 1 << 15
+
+
+def shifted(x, mask, top, scale: float = 1.0):
+  """``y = (x - top) * scale`` on visible entries, ``-inf`` elsewhere (so ``max y = 0``)."""
+  y = x - top
+  return jnp.where(mask, y if scale == 1.0 else y * scale, -jnp.inf)
+
+
+def threshold_by_blocks(solve, x, mask, top, scale: float = 1.0):
+  """``solve(y_block) -> [rows, 1]`` over blocks of rows of ``y = shifted(x, mask, top, scale)``.
+
+  ``x``, ``mask`` have the normalized axis last (any leading shape), ``top`` is their
+  visible row max (keepdims). Each block's ``y`` is formed inside the block, so no
+  full-size shifted copy is written: the solve reads ``x`` and ``mask`` once from memory
+  and makes its passes from cache. Padding rows are fully masked (every solver here
+  returns a finite threshold for them).
   """
-  s = jnp.sum(jnp.maximum(ym - t, 0.0), axis=-1, keepdims=True)
-  d = jnp.maximum(ym - c.decouple(t, s), 0.0)
-  return s, jnp.sum(jnp.ceil(jnp.minimum(d, 1.0)), axis=-1, keepdims=True)
+  lead, n = x.shape[:-1], x.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  if rows == 0 or n == 0:
+    return jnp.zeros(lead + (1,), x.dtype)
+  per = max(1, min(rows, FUSED_BLOCK_ENTRIES // max(n, 1)))
+  nblocks = -(-rows // per)
+  pad = nblocks * per - rows
+
+  def split(a, width, fill):
+    a = jnp.broadcast_to(a, lead + (width,)).reshape(rows, width)
+    if pad:
+      a = jnp.pad(a, ((0, pad), (0, 0)), constant_values=fill)
+    return a.reshape(nblocks, per, width)
+
+  blocks = (split(x, n, 0.0), split(mask, n, False), split(top, 1, 0.0))
+  block_solve = lambda b: solve(shifted(*b, scale))  # noqa: E731
+  if nblocks == 1:
+    out = block_solve([b[0] for b in blocks])[None]
+  else:
+    out = jax.lax.map(block_solve, blocks)
+  return out.reshape(nblocks * per, 1)[:rows].reshape(lead + (1,))
 
 
 def sparsemax_threshold(ym):
@@ -58,18 +110,19 @@ def sparsemax_threshold(ym):
 
 
 @jax.custom_jvp
-def _sparsemax_last(x, mask):
-  """sparsemax over the last axis of float32/64 ``x`` (masked entries hold 0)."""
-  ym = jnp.where(mask, x - c.masked_max(x, mask, -1), -jnp.inf)
-  return jnp.maximum(ym - c.map_row_blocks(sparsemax_threshold, ym), 0.0)
+def _sparsemax_last(x, mask, top):
+  """sparsemax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
+  tau = threshold_by_blocks(sparsemax_threshold, x, mask, top)
+  ym = shifted(x, mask, top)
+  return jnp.where(ym > tau, ym - tau, 0.0)
 
 
 @_sparsemax_last.defjvp
 def _sparsemax_last_jvp(primals, tangents):
   # J = diag(s) - s s^T / |S|, s the support indicator (Martins & Astudillo 2016, eq. 12).
-  x, mask = primals
-  x_dot, _ = tangents
-  p = _sparsemax_last(x, mask)
+  x, mask, top = primals
+  x_dot = tangents[0]
+  p = _sparsemax_last(x, mask, top)
   s = (p > 0).astype(p.dtype)
   sv = s * x_dot
   size = jnp.sum(s, axis=-1, keepdims=True)
@@ -112,7 +165,21 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     >>> js.normalizers.sparsemax(jnp.array([5.0, 4.0, 0.5, -5.0]))  # larger gaps: smaller support
     Array([1., 0., 0., 0.], dtype=float32)
   """
-  return c.along_axis(_sparsemax_last, x, axis, where, "sparsemax")
+  return fused_along_axis(_sparsemax_last, x, axis, where, "sparsemax")
+
+
+def fused_along_axis(fn_last, x, axis: int, where, fn_name: str):
+  """``fn_last(xc, mask, top)`` along ``axis``, with the policy of ``prepare``/``finish``.
+
+  ``fn_last`` gets the upcast scores themselves (not ``prepare``'s masked copy, which
+  would be one more full-size array to write and read: it reads only visible entries),
+  the mask and the visible row max from the pass that ``prepare`` makes anyway.
+  """
+  x = jnp.asarray(x)
+  _, mask, axis, top = c.prepare(x, axis, where, fn_name, with_max=True)
+  xc = x.astype(c.compute_dtype(x.dtype))
+  p = fn_last(c.to_last(xc, axis), c.to_last(mask, axis), c.to_last(top, axis))
+  return c.finish(c.from_last(p, axis), mask, x.dtype)
 
 
 # --- the class-T rule (a ThresholdRule): mass = weight = [z - tau]_+, target 1. ----------

@@ -1,5 +1,7 @@
 """bench/normalizers.py runs (--quick), prints a table, and refuses to time a wrong op."""
 
+import time
+
 import jax
 import numpy as np
 
@@ -53,3 +55,19 @@ def test_refuses_to_time_an_op_that_fails_its_check():
   assert rows["softmax posing as sparsemax"][2].startswith("FAILED check")
   assert rows["softmax posing as sparsemax"][6] == "-"
   assert float(rows["sparsemax"][2]) > 0
+
+
+def test_single_thread_mode_times_by_process_time():
+  bench = _bench()
+  logged = []
+  ops = [bench.Op("sparsemax", "sparsemax", jn.sparsemax)]
+  try:
+    table = bench.main(["--quick", "--no-torch", "--single-thread", "--rows", "8", "--sizes", "12",
+                        "--reps", "1"], ops=ops, log=logged.append)
+    assert bench.CLOCK["fn"] is time.process_time and bench.CLOCK["threads"] == 1
+  finally:
+    bench.main(["--quick", "--no-torch", "--rows", "4", "--sizes", "6", "--reps", "1"], ops=ops,
+               log=lambda *_: None)
+  assert bench.CLOCK["fn"] is time.perf_counter  # the default mode restores wall time
+  assert any("single-threaded, process (CPU) time" in line for line in logged)
+  assert float(_table_rows(table)[0][2]) > 0
