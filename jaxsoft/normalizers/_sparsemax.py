@@ -75,7 +75,7 @@ def threshold_by_blocks(solve, x, mask, top, scale: float = 1.0):
     return a.reshape(nblocks, per, width)
 
   blocks = (split(x, n, 0.0), split(mask, n, False), split(top, 1, 0.0))
-  block_solve = lambda b: solve(shifted(*b, scale))  # noqa: E731
+  block_solve = lambda b: solve(shifted(b[0], b[1], b[2], scale))  # noqa: E731
   if nblocks == 1:
     out = block_solve([b[0] for b in blocks])[None]
   else:
