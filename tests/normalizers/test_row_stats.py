@@ -14,6 +14,7 @@ from jaxsoft import testing
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _row_stats as R
 from tests import helpers
+from tests.helpers import sampled
 
 POLY = (-0.037, 0.481, -2.3, 4.917, -1.791)
 
@@ -200,7 +201,10 @@ def test_every_class_r_normalizer_has_a_blockwise_rule():
   assert {s.name for s in nz.REGISTRY.values() if s.kernel_class == "R"} == set(ROW_RULES)
 
 
-@pytest.mark.parametrize("name", ROW_RULES)
+ROW_DEFAULT = ("adaptive_temperature_softmax", "sa_softmax_normalized", "standardized_softmax")
+
+
+@pytest.mark.parametrize("name", sampled(ROW_RULES, ROW_DEFAULT))
 def test_blockwise_rule_matches_dense_values_and_gradients(name):
   """Statistics merged over uneven key blocks, then the second pass online (fused with V):
   equal to the dense normalizer times V, and so are the gradients in x and V."""
@@ -225,7 +229,7 @@ def test_blockwise_rule_matches_dense_values_and_gradients(name):
   helpers.assert_same(jax.jit(blockwise), jax.jit(dense), (x, v), fwd_tol=2e-5, bwd_tol=2e-4)
 
 
-@pytest.mark.parametrize("name", ROW_RULES)
+@pytest.mark.parametrize("name", sampled(ROW_RULES, ROW_DEFAULT))
 def test_tangent_gives_the_derivative_of_the_merged_statistics(name):
   """Summed over the blocks, vjp(tangent) at the final statistics equals autodiff through
   the blockwise fold (block + merge), for every statistic."""
