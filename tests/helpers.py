@@ -333,3 +333,19 @@ def numeric_grad(f, x, h=1e-6):
     e[i] = h
     g[i] = (f(x + e) - f(x - e)) / (2 * h)
   return g
+
+
+# The normalizers the heavy generated per-normalizer tests (check_normalizer, the numeric
+# promises, the chunked and Pallas comparisons) run by default: every kernel class, the
+# length-dependent and the hyperparameter-rich ones. Every registered normalizer runs them
+# under -m slow, and each also has its own test file against its oracle.
+REGISTRY_DEFAULT = ("softmax", "softmax_sink", "softmax_n", "ssmax", "sigmoid", "relu2",
+                    "stablemax", "softplus_l1", "softpick", "taylor_softmax", "sparsemax",
+                    "entmax15", "entmax", "top_k_softmax", "standardized_softmax",
+                    "sa_softmax_normalized", "gumbel_softmax", "moe_gate")
+
+
+def registry_sample(names):
+  """pytest params over normalizer ``names``: :data:`REGISTRY_DEFAULT` by default, all with
+  ``-m slow``."""
+  return sampled(list(names), REGISTRY_DEFAULT)

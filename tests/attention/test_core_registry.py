@@ -12,7 +12,7 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.helpers import LazyCases, assert_same, make_qkv, sampled
+from tests.helpers import LazyCases, assert_same, make_qkv, registry_sample
 
 NAMES = sorted(nz.REGISTRY)
 B, T, N, K, H = 2, 11, 4, 2, 8
@@ -66,13 +66,7 @@ def _compare(name, kw, params, q, k, v, bias):
               (q, k, v, bias, arrays))
 
 
-# Every class-R rule runs the same driver code: two by default (moments; softmax's (m, l)
-# with the extremes), the others under -m slow.
-R_DEFAULT = ("standardized_softmax", "sa_softmax_normalized")
-DEFAULT_NAMES = [n for n in NAMES if nz.get(n).kernel_class != "R" or n in R_DEFAULT]
-
-
-@pytest.mark.parametrize("name", sampled(NAMES, DEFAULT_NAMES))
+@pytest.mark.parametrize("name", registry_sample(NAMES))
 def test_chunked_matches_dense(name):
   """Causal + padding + GQA + bias, sampled hyperparameters as per-head arrays."""
   q, k, v = make_qkv(0, B, T, N=N, K=K, H=H)

@@ -24,6 +24,7 @@ import pytest
 from jaxsoft import normalizers, testing
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers._spec import KERNEL_CLASSES
+from tests.helpers import registry_sample
 
 NAMES = normalizers.names()
 # The default run draws hypothesis rows for one normalizer per kernel class (and softmax);
@@ -35,7 +36,7 @@ SAMPLED = sorted({"softmax"} | {next(n for n in NAMES if normalizers.get(n).kern
 # --------------------------------------------------------------------------- check_normalizer
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", registry_sample(NAMES))
 def test_check_normalizer(name):
   """Every declared property at the default hyperparameters (samples: parameter checks)."""
   spec = normalizers.get(name)
