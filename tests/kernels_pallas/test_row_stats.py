@@ -75,7 +75,6 @@ def test_mosaic_nap_causal_window():
                                            is_causal=True), (q, k, v), ct)
 
 
-@pytest.mark.slow
 def test_rows_without_visible_keys_are_zero_with_zero_gradient():
   q, k, v, ct = inputs(b=2, t=24, seed=24)
   seg_q = jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32)
