@@ -134,3 +134,19 @@ def test_bad_input():
       ("score", lambda: dpa(q, k, v, score=None)),
       ("scale", lambda: dpa(q, k, v, score="distance", scale=1.0)),
   )
+
+
+@pytest.mark.parametrize("impl", ["xla", "xla_chunked"])
+def test_fully_masked_rows_are_zero_with_zero_gradient(impl, blocks):
+  """A batch with no visible key (length 0): zeros and zero, finite gradients, no NaN."""
+  q, k, v = make_qkv(31, B=2, T=9, N=2, K=1, H=4)
+  lengths = np.array([9, 0])
+
+  def f(q, k, v):
+    return dpa(q, k, v, key_value_seq_lengths=lengths, implementation=impl, **IDW)
+
+  out = f(q, k, v)
+  assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(jnp.isfinite(out)))
+  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+  assert bool(jnp.all(grads[0][1] == 0)) and bool(jnp.all(grads[1][1] == 0))
