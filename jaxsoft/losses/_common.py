@@ -166,3 +166,21 @@ def integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
   if ignore_index is not None:
     keep = keep & (labels != ignore_index)
   return finish(jnp.where(label_visible, loss, jnp.inf), keep, dtype)
+
+
+def check_hidden_and_weights(h, w, fn: str, w_name: str = "w") -> tuple[jax.Array, jax.Array]:
+  """``h [..., d]`` and ``w [d, N]`` as arrays, checked: floating dtypes, a feature axis,
+  ``w``'s first axis equal to d and at least one column (ValueError naming the argument)."""
+  h = jnp.asarray(h)
+  w = jnp.asarray(w)
+  for name, a in (("h", h), (w_name, w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
+  if h.ndim < 1:
+    raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
+  if w.ndim != 2 or w.shape[0] != h.shape[-1]:
+    raise ValueError(f"{fn}: `{w_name}` must be [d, N] with d = {h.shape[-1]} (the last axis "
+                     f"of `h`), got shape {w.shape}")
+  if w.shape[1] == 0:
+    raise ValueError(f"{fn}: `{w_name}` must have at least one column, got shape {w.shape}")
+  return h, w

@@ -39,18 +39,7 @@ __all__ = [
 
 def check_hidden(h, w, fn, w_name="w") -> tuple[jax.Array, jax.Array, Any]:
   """``h [..., d]`` and ``w [d, N]`` as float arrays; returns them in the compute dtype."""
-  h = jnp.asarray(h)
-  w = jnp.asarray(w)
-  for name, a in (("h", h), (w_name, w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
-  if h.ndim < 1:
-    raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
-  if w.ndim != 2 or w.shape[0] != h.shape[-1]:
-    raise ValueError(f"{fn}: `{w_name}` must be [d, N] with d = {h.shape[-1]} (the last axis "
-                     f"of `h`), got shape {w.shape}")
-  if w.shape[1] == 0:
-    raise ValueError(f"{fn}: `{w_name}` must have at least one column, got shape {w.shape}")
+  h, w = lc.check_hidden_and_weights(h, w, fn, w_name)
   ct = nc.compute_dtype(jnp.result_type(h.dtype, w.dtype))
   return h.astype(ct), w.astype(ct), h.dtype
 

@@ -98,18 +98,7 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     [0.555  2.8835 3.1698]
   """
   fn = "linear_cross_entropy"
-  h = jnp.asarray(h)
-  w = jnp.asarray(w)
-  for name, a in (("h", h), ("w", w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
-  if h.ndim < 1:
-    raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
-  if w.ndim != 2 or w.shape[0] != h.shape[-1]:
-    raise ValueError(f"{fn}: `w` must be [d, V] with d = {h.shape[-1]} (the last axis of `h`), "
-                     f"got shape {w.shape}")
-  if w.shape[1] == 0:
-    raise ValueError(f"{fn}: `w` must have at least one vocabulary column, got shape {w.shape}")
+  h, w = lc.check_hidden_and_weights(h, w, fn)
   labels = jnp.asarray(labels)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
