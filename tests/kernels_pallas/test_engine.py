@@ -112,6 +112,22 @@ def assert_matches(kernel_fn, ref_fn, args, ct, fwd_tol=1e-5, bwd_tol=1e-4):
 TRITON_SMALL = dict(block_q=16, block_k=16)
 
 
+def check_rows_without_visible_keys(name, params=None, seed=15):
+  """Rows with no visible key (a query segment no key has; a batch of key length 0) give
+  zeros with zero gradient, and the rest matches the reference."""
+  q, k, v, ct = inputs(b=2, t=24, seed=seed)
+  seg_q = jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32)
+  seg_k = jnp.zeros((2, 24), jnp.int32)
+  kv_len = jnp.array([24, 0], jnp.int32)
+  f = kernel(normalizer=name, normalizer_params=params, segment_ids=(seg_q, seg_k),
+             key_value_seq_lengths=kv_len)
+  out, (dq, dk, dv) = assert_matches(
+      f, lambda q, k, v: reference(q, k, v, normalizer=name, params=params,
+                                   segment_ids=(seg_q, seg_k), kv_len=kv_len), (q, k, v), ct)
+  assert bool(jnp.all(out[0, 12:] == 0)) and bool(jnp.all(out[1] == 0))
+  assert bool(jnp.all(dq[0, 12:] == 0)) and bool(jnp.all(dk[1] == 0))
+
+
 def kernel(backend="triton", block_sizes=None, **kw):
   if block_sizes is None and backend == "triton":
     block_sizes = TRITON_SMALL

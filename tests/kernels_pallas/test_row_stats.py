@@ -16,6 +16,7 @@ from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import (
     TRITON_SMALL,
     assert_matches,
+    check_rows_without_visible_keys,
     inputs,
     kernel,
     reference,
@@ -76,18 +77,7 @@ def test_mosaic_nap_causal_window():
 
 
 def test_rows_without_visible_keys_are_zero_with_zero_gradient():
-  q, k, v, ct = inputs(b=2, t=24, seed=24)
-  seg_q = jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32)
-  seg_k = jnp.zeros((2, 24), jnp.int32)
-  kv_len = jnp.array([24, 0], jnp.int32)
-  f = kernel(normalizer="affine_softmax", normalizer_params={"alpha": 0.5},
-             segment_ids=(seg_q, seg_k), key_value_seq_lengths=kv_len)
-  out, (dq, dk, dv) = assert_matches(
-      f, lambda q, k, v: reference(q, k, v, normalizer="affine_softmax",
-                                   params={"alpha": 0.5}, segment_ids=(seg_q, seg_k),
-                                   kv_len=kv_len), (q, k, v), ct)
-  assert bool(jnp.all(out[0, 12:] == 0)) and bool(jnp.all(out[1] == 0))
-  assert bool(jnp.all(dq[0, 12:] == 0)) and bool(jnp.all(dk[1] == 0))
+  check_rows_without_visible_keys("affine_softmax", {"alpha": 0.5}, seed=24)
 
 
 @pytest.mark.parametrize("name", [pytest.param("standardized_softmax", marks=pytest.mark.slow),

@@ -16,6 +16,7 @@ from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import (
     TRITON_SMALL,
     assert_matches,
+    check_rows_without_visible_keys,
     inputs,
     kernel,
     reference,
@@ -99,18 +100,7 @@ def test_blocks_below_tau_are_never_read(backend):
 
 
 def test_rows_without_visible_keys_are_zero_with_zero_gradient():
-  q, k, v, ct = inputs(b=2, t=24, seed=15)
-  seg_q = jnp.array([[0] * 12 + [7] * 12, [0] * 24], jnp.int32)
-  seg_k = jnp.zeros((2, 24), jnp.int32)
-  kv_len = jnp.array([24, 0], jnp.int32)
-  for name in ("sparsemax",):
-    f = kernel(normalizer=name, segment_ids=(seg_q, seg_k), key_value_seq_lengths=kv_len)
-    out, (dq, dk, dv) = assert_matches(
-        f, lambda q, k, v, name=name: reference(q, k, v, normalizer=name,
-                                                segment_ids=(seg_q, seg_k), kv_len=kv_len),
-        (q, k, v), ct)
-    assert bool(jnp.all(out[0, 12:] == 0)) and bool(jnp.all(out[1] == 0))
-    assert bool(jnp.all(dq[0, 12:] == 0)) and bool(jnp.all(dk[1] == 0))
+  check_rows_without_visible_keys("sparsemax")
 
 
 def test_dot_product_attention_runs_the_kernel(monkeypatch):
