@@ -39,7 +39,7 @@ def power_soften(probs: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
                  temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Probability-domain softening ``p^{1/T} / sum_j p_j^{1/T}`` (feature N30).
 
-  The power-normalisation operator of the softening-operator analysis (catalogue 001#65,
+  The power-normalisation operator of the softening-operator analysis (the paper
   "Probability-domain softening operators", authors not recorded): for ``p = softmax(z)``
   it equals ``softmax(z / T)`` exactly, since ``p_i^{1/T} = e^{z_i/T} / Z^{1/T}``. It
   preserves the ranking, is the identity at T = 1, tends to one-hot at the argmax as
