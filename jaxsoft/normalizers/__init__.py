@@ -23,6 +23,7 @@ from jaxsoft.normalizers._nested import *
 from jaxsoft.normalizers._ovr import *
 from jaxsoft.normalizers._pointwise import *
 from jaxsoft.normalizers._polar import *
+from jaxsoft.normalizers._quantized import *
 from jaxsoft.normalizers._row_stats import *
 from jaxsoft.normalizers._sa import *
 from jaxsoft.normalizers._screen import *
