@@ -52,7 +52,8 @@ ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 # jaxsoft.linear's recurrent mixers, and jaxsoft.attention's sparse / structured self-attention.
 LINEAR_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention",
                 "linear:elu1", "linear:relu", "linear:identity", "linear:taylor", "linear:favor",
-                "cosformer", "mala")
+                "cosformer", "mala", "ttt_linear", "ccq", "softmax_linear_attention",
+                "native_hybrid", "interdomain")
 SPARSE_KINDS = ("topk_attention", "block_sparse_attention:blasst", "block_sparse_attention:moba",
                 "block_sparse_attention:bfla", "block_sparse_attention:prism",
                 "multi_token_attention", "lucid_attention", "multiscreen_attention",

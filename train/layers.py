@@ -5,7 +5,8 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
 
 * :class:`LinearMixer`, the linear family of ``jaxsoft.linear`` (``gated_delta_rule``,
   ``delta_rule``, ``simple_gla``, ``gla``, ``lightning_attention``, ``linear:<feature map>``,
-  ``cosformer``, ``mala``): :class:`jaxsoft.nn.LinearMixer` configured from the ``Config``,
+  ``cosformer``, ``mala``, ``ttt_linear``, ``ccq``, ``softmax_linear_attention``,
+  ``native_hybrid``, ``interdomain``): :class:`jaxsoft.nn.LinearMixer` configured from the ``Config``,
   laid out as Gated Linear Attention and Gated DeltaNet layers are:
 
   .. math::

@@ -29,6 +29,18 @@ the kind's recurrence ``o = mix(q, k, v, gates)`` from :mod:`jaxsoft.linear`, th
   Performers"), a callable, or a :class:`HedgehogFeatureMap` whose parameters the layer then
   owns (Katharopoulos et al. 2020, "Transformers are RNNs").
 * ``LinearMixer(kind="cosformer")`` (``M = max_len``) and ``kind="mala"``.
+* ``kind="ttt_linear"``: TTT-Linear's inner learning rate per token and head,
+  :math:`\eta_t = \eta_{base}\,\sigma(W_\eta x_t)` with :math:`\eta_{base} = 1`, mini-batches of
+  ``mini_batch_size`` (Sun et al. 2024, "Learning to (Learn at Test Time): RNNs with Expressive
+  Hidden States").
+* ``kind="ccq"`` and ``kind="softmax_linear_attention"``: SimpleGLA's decay gate as the backbone;
+  CCQ contracts the queries with strength ``strength``; the softmax-over-heads read and write
+  gates are :math:`W_{g} x_t` and :math:`W_{g'} x_t` per head.
+* ``kind="native_hybrid"``: ``num_slots`` slots per head with forget gates
+  :math:`\log\sigma(W_s x_t + b)/16` and a sliding window of ``window`` tokens under one softmax.
+* ``kind="interdomain"``: ``num_slots`` basis functions per head with coefficients
+  :math:`W_b x_t`, read-outs :math:`W_\psi x_t` and learned decays :math:`-e^{A_r}` (a
+  reconstruction, as :func:`jaxsoft.linear.interdomain_attention`).
 
 Decoding: :meth:`LinearMixer.init_state` gives the zero state (the convolution's last
 ``c - 1`` inputs, the recurrent state of the kind's ``*_step`` function, the position) and
@@ -60,9 +72,11 @@ __all__ = ["LinearMixer", "GatedDeltaNet", "DeltaNet", "GLA", "SimpleGLA",
            "GLA_GATE_NORMALIZER"]
 
 LINEAR_MIXER_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla",
-                      "lightning_attention", "linear", "cosformer", "mala")
+                      "lightning_attention", "linear", "cosformer", "mala", "ttt_linear", "ccq",
+                      "softmax_linear_attention", "native_hybrid", "interdomain")
 GLA_GATE_RANK = 16  # GLA's low-rank gate bottleneck
 GLA_GATE_NORMALIZER = 16.0  # GLA divides log sigmoid by 16 (slow decay at initialisation)
+TTT_ETA_BASE = 1.0  # TTT-Linear's base inner learning rate
 
 
 def causal_conv(u: jax.Array, w: jax.Array) -> jax.Array:
@@ -171,6 +185,10 @@ class LinearMixer(nnx.Module):
     favor_features, feature_seed: the number of random features and the key of ``"favor"``.
     layer_idx, num_layers: the depth that sets Lightning Attention's decays.
     max_len: cosFormer's ``M``.
+    mini_batch_size: TTT-Linear's inner mini-batch.
+    strength: CCQ's contraction strength.
+    num_slots: the slots of ``"native_hybrid"`` and the basis functions of ``"interdomain"``.
+    window: the sliding window of ``"native_hybrid"`` (the token itself included).
     implementation, chunk_size: passed to the full-sequence function (None: its default).
     dtype: the computation dtype (parameters stay float32).
     rngs: the parameters' random streams.
@@ -180,7 +198,9 @@ class LinearMixer(nnx.Module):
                conv_size: int = 4, feature_map: Any = "elu1", normalize: bool = True,
                favor_features: int = 64, feature_seed: int = 0, layer_idx: int = 0,
                num_layers: int = 1, max_len: float = 2048.0, implementation: str | None = None,
-               chunk_size: int = 64, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+               chunk_size: int = 64, mini_batch_size: int = 16, strength: float = 1.0,
+               num_slots: int = 8, window: int = 64, dtype: Any = jnp.float32,
+               rngs: nnx.Rngs):
     name = type(self).__name__
     if kind not in LINEAR_MIXER_KINDS:
       raise ValueError(f"{name}: `kind` must be one of {LINEAR_MIXER_KINDS}, got {kind!r}")
@@ -202,6 +222,11 @@ class LinearMixer(nnx.Module):
       raise ValueError(f"{name}: `feature_map` must be one of "
                        f"{sorted(js_linear.FEATURE_MAPS)}, 'favor' or a callable, got "
                        f"{feature_map!r}")
+    if kind == "ttt_linear" and implementation not in (None, "recurrent", "chunked"):
+      raise ValueError(f"{name}: `implementation` of kind 'ttt_linear' must be None, "
+                       f"'recurrent' or 'chunked', got {implementation!r}")
+    if not (isinstance(strength, numbers.Real) and strength >= 0):
+      raise ValueError(f"{name}: `strength` must be a number >= 0, got {strength!r}")
     if not (isinstance(max_len, numbers.Real) and max_len > 0):
       raise ValueError(f"{name}: `max_len` must be a positive number, got {max_len!r}")
     dtype = jnp.dtype(dtype)
@@ -223,6 +248,11 @@ class LinearMixer(nnx.Module):
     self.feature_map: Any = feature_map
     self.favor_features: int = _positive_int(name, "favor_features", favor_features)
     self.feature_seed: int = int(feature_seed)
+    self.mini_batch_size: int = _positive_int(name, "mini_batch_size", mini_batch_size)
+    self.strength: float = float(strength)
+    self.num_slots: int = _positive_int(name, "num_slots", num_slots)
+    self.window: int = _positive_int(name, "window", window)
+    m = self.num_slots
     self.qkv: nnx.Linear = linear(d, 3 * n * h)
     self.o: nnx.Linear = linear(n * h, d)
     self.gate: nnx.Linear = linear(d, n * h)  # the output gate SiLU(W_r x)
@@ -241,9 +271,18 @@ class LinearMixer(nnx.Module):
     self.beta: nnx.Linear | None = linear(d, n) if kind in ("gated_delta_rule", "delta_rule") else None
     biased = functools.partial(nnx.Linear, use_bias=True, dtype=dtype, param_dtype=jnp.float32,
                                rngs=rngs)
-    self.gk: nnx.Linear | None = (biased(d, n) if kind == "simple_gla" else
+    decayed = kind in ("simple_gla", "ccq", "softmax_linear_attention")
+    self.gk: nnx.Linear | None = (biased(d, n) if decayed else
                linear(d, GLA_GATE_RANK) if kind == "gla" else None)
     self.gk2: nnx.Linear | None = biased(GLA_GATE_RANK, n * h) if kind == "gla" else None
+    self.eta: nnx.Linear | None = linear(d, n) if kind == "ttt_linear" else None
+    self.head_gate: nnx.Linear | None = (linear(d, 2 * n) if kind == "softmax_linear_attention"
+                                         else None)
+    self.slots: nnx.Linear | None = biased(d, n * m) if kind == "native_hybrid" else None
+    self.basis: nnx.Linear | None = linear(d, 2 * n * m) if kind == "interdomain" else None
+    if kind == "interdomain":  # decay rates e^A in [0.01, 0.5], spread like Mamba's
+      self.basis_log_rate: nnx.Param = nnx.Param(jnp.log(jax.random.uniform(
+          rngs.params(), (n, m), jnp.float32, 0.01, 0.5)))
 
   # -- the pieces shared by the full and the one-step forms.
 
@@ -265,9 +304,21 @@ class LinearMixer(nnx.Module):
       out["g"] = -jnp.exp(self.A_log[...]) * rate
     if self.beta is not None:
       out["beta"] = jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
-    if self.kind == "simple_gla":
+    if self.kind in ("simple_gla", "ccq", "softmax_linear_attention"):
       assert self.gk is not None
       out["g"] = jax.nn.log_sigmoid(self.gk(x).astype(jnp.float32)) / GLA_GATE_NORMALIZER
+    if self.eta is not None:
+      out["eta"] = TTT_ETA_BASE * jax.nn.sigmoid(self.eta(x).astype(jnp.float32))
+    if self.head_gate is not None:
+      out["q_gate"], out["k_gate"] = jnp.split(self.head_gate(x).astype(jnp.float32), 2, -1)
+    if self.slots is not None:
+      a = jax.nn.log_sigmoid(self.slots(x).astype(jnp.float32)) / GLA_GATE_NORMALIZER
+      out["slots"] = a.reshape(*a.shape[:-1], self.num_heads, self.num_slots)
+    if self.basis is not None:
+      b = self.basis(x).astype(jnp.float32)
+      b = b.reshape(*b.shape[:-1], 2, self.num_heads, self.num_slots)
+      out["basis_in"], out["basis_out"] = b[..., 0, :, :], b[..., 1, :, :]
+      out["log_decay"] = -jnp.exp(self.basis_log_rate[...])
     if self.kind == "gla":
       assert self.gk is not None and self.gk2 is not None
       g = jax.nn.log_sigmoid(self.gk2(self.gk(x)).astype(jnp.float32)) / GLA_GATE_NORMALIZER
@@ -309,8 +360,21 @@ class LinearMixer(nnx.Module):
                                      normalize=self.normalize, **impl)
     elif kind == "cosformer":
       o = js_linear.cosformer(q, k, v, max_len=self.max_len, **impl)
-    else:  # mala
+    elif kind == "mala":
       o = js_linear.mala(q, k, v, feature_map=self._feature_map(), **impl)
+    elif kind == "ttt_linear":
+      o = js_linear.ttt_linear(q, k, v, gates["eta"], mini_batch_size=self.mini_batch_size,
+                               implementation=self.implementation)
+    elif kind == "ccq":
+      o = js_linear.ccq(q, k, v, gates["g"], strength=self.strength, **impl)
+    elif kind == "softmax_linear_attention":
+      o = js_linear.softmax_linear_attention(q, k, v, gates["q_gate"], gates["k_gate"],
+                                             g=gates["g"], **impl)
+    elif kind == "native_hybrid":
+      o = js_linear.native_hybrid_attention(q, k, v, gates["slots"], window=self.window, **impl)
+    else:  # interdomain
+      o = js_linear.interdomain_attention(q, k, v, gates["basis_in"], gates["basis_out"],
+                                          gates["log_decay"], **impl)
     return self._finish(o, x)
 
   def _step_fn(self, q, k, v, gates, position, state):
@@ -332,7 +396,21 @@ class LinearMixer(nnx.Module):
                                              normalize=self.normalize)
     if kind == "cosformer":
       return js_linear.cosformer_step(q, k, v, state, position=position, max_len=self.max_len)
-    return js_linear.mala_step(q, k, v, state, feature_map=self._feature_map())
+    if kind == "mala":
+      return js_linear.mala_step(q, k, v, state, feature_map=self._feature_map())
+    if kind == "ttt_linear":
+      return js_linear.ttt_linear_step(q, k, v, gates["eta"], state,
+                                       mini_batch_size=self.mini_batch_size)
+    if kind == "ccq":
+      return js_linear.ccq_step(q, k, v, gates["g"], None, state, strength=self.strength)
+    if kind == "softmax_linear_attention":
+      return js_linear.softmax_linear_attention_step(q, k, v, gates["q_gate"], gates["k_gate"],
+                                                     state, g=gates["g"])
+    if kind == "native_hybrid":
+      return js_linear.native_hybrid_attention_step(q, k, v, gates["slots"], state,
+                                                    window=self.window)
+    return js_linear.interdomain_attention_step(q, k, v, gates["basis_in"], gates["basis_out"],
+                                                gates["log_decay"], state)
 
   def init_state(self, batch: int) -> dict[str, Any]:
     """The decoding state of ``batch`` sequences before their first token: the zero

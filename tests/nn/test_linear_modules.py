@@ -20,7 +20,8 @@ from tests.helpers import check_raises
 
 D, N, H, T, B = 8, 2, 4, 6, 2
 KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention", "linear",
-         "cosformer", "mala")
+         "cosformer", "mala", "ttt_linear", "ccq", "softmax_linear_attention", "native_hybrid",
+         "interdomain")
 DEFAULT_KINDS = ("gated_delta_rule", "gla")  # "linear": the Hedgehog test below
 
 
@@ -32,6 +33,10 @@ def _jit_init(fn):
 
 def _layer(kind, **kwargs):
   kwargs.setdefault("max_len", 16.0)
+  # small enough that T = 6 crosses TTT's mini-batches and the hybrid's window
+  kwargs.setdefault("mini_batch_size", 4)
+  kwargs.setdefault("window", 3)
+  kwargs.setdefault("num_slots", 2)
   return _jit_init(lambda: js_nn.LinearMixer(kind, D, N, H, conv_size=3, rngs=nnx.Rngs(0),
                                              **kwargs))
 
@@ -130,9 +135,58 @@ def test_layer_matches_the_written_out_recurrence_forward_and_backward(kind):
     np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
 
 
+def _by_hand(layer, x):
+  """A layer of the kinds ttt_linear, ccq, softmax_linear_attention, native_hybrid and
+  interdomain from its parameters: projections, conv, SiLU, the gates written out from the
+  module docstring, the js.linear function in its recurrent form, RMSNorm, output gate."""
+  from jaxsoft import linear as js_linear
+  p = lambda v: v[...]  # noqa: E731
+  b, t, _ = x.shape
+  u = x @ p(layer.qkv.kernel)
+  w = p(layer.conv)
+  padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
+  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
+  q, k, v = (a.reshape(b, t, N, H) for a in jnp.split(u, 3, axis=-1))
+  rec = dict(implementation="recurrent")
+  if layer.kind in ("ccq", "softmax_linear_attention"):
+    g = jax.nn.log_sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)) / 16
+  if layer.kind == "ttt_linear":
+    eta = jax.nn.sigmoid(x @ p(layer.eta.kernel))
+    o = js_linear.ttt_linear(q, k, v, eta, mini_batch_size=layer.mini_batch_size, **rec)
+  elif layer.kind == "ccq":
+    o = js_linear.ccq(q, k, v, g, strength=layer.strength, **rec)
+  elif layer.kind == "softmax_linear_attention":
+    gates = x @ p(layer.head_gate.kernel)
+    o = js_linear.softmax_linear_attention(q, k, v, gates[..., :N], gates[..., N:], g=g, **rec)
+  elif layer.kind == "native_hybrid":
+    a = jax.nn.log_sigmoid(x @ p(layer.slots.kernel) + p(layer.slots.bias)) / 16
+    o = js_linear.native_hybrid_attention(q, k, v, a.reshape(b, t, N, -1), window=layer.window,
+                                          **rec)
+  else:
+    basis = (x @ p(layer.basis.kernel)).reshape(b, t, 2, N, -1)
+    o = js_linear.interdomain_attention(q, k, v, basis[:, :, 0], basis[:, :, 1],
+                                        -jnp.exp(p(layer.basis_log_rate)), **rec)
+  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * p(layer.o_norm)
+  o = o.reshape(b, t, N * H) * jax.nn.silu(x @ p(layer.gate.kernel))
+  return o @ p(layer.o.kernel)
+
+
+@pytest.mark.parametrize("kind", ["softmax_linear_attention", *(
+    pytest.param(k, marks=pytest.mark.slow) for k in ("ttt_linear", "ccq", "native_hybrid",
+                                                       "interdomain"))])
+def test_new_kinds_match_their_gates_written_out(kind):
+  layer = _layer(kind)
+  x = _x(seed=5)
+  graphdef, params = nnx.split(layer)
+  reference = jax.jit(lambda p, x: _by_hand(nnx.merge(graphdef, p), x))
+  np.testing.assert_allclose(_forward(layer, x), reference(params, x), rtol=2e-4, atol=2e-5)
+
+
 @pytest.mark.slow
-def test_gradients_are_finite_and_reach_every_parameter():
-  layer = _layer("gated_delta_rule")
+@pytest.mark.parametrize("kind", ["gated_delta_rule", "ttt_linear", "ccq", "softmax_linear_attention",
+                                  "native_hybrid", "interdomain"])
+def test_gradients_are_finite_and_reach_every_parameter(kind):
+  layer = _layer(kind)
   graphdef, params = nnx.split(layer)
   grads = jax.jit(jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) ** 2)))(params, _x())
   for path, g in jax.tree_util.tree_leaves_with_path(grads):
@@ -170,6 +224,12 @@ def test_bad_input_raises_value_error_naming_the_argument():
       ("`conv_size`", lambda: js_nn.GLA(D, N, conv_size=0, rngs=rngs)),
       ("`feature_map`", lambda: js_nn.LinearAttention(D, N, feature_map="nope", rngs=rngs)),
       ("`implementation`", lambda: js_nn.GLA(D, N, implementation="fast", rngs=rngs)),
+      ("`implementation`", lambda: js_nn.LinearMixer("ttt_linear", D, N, implementation="parallel",
+                                                     rngs=rngs)),
+      ("`mini_batch_size`", lambda: js_nn.GLA(D, N, mini_batch_size=0, rngs=rngs)),
+      ("`strength`", lambda: js_nn.GLA(D, N, strength=-1.0, rngs=rngs)),
+      ("`num_slots`", lambda: js_nn.GLA(D, N, num_slots=0, rngs=rngs)),
+      ("`window`", lambda: js_nn.GLA(D, N, window=0, rngs=rngs)),
       ("`dtype`", lambda: js_nn.GLA(D, N, dtype=jnp.int32, rngs=rngs)),
       ("`x`", lambda: layer(jnp.zeros((B, T, D + 1)))),
       ("`x`", lambda: layer(jnp.zeros((B, T, D), jnp.int32))),
