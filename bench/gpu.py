@@ -1,11 +1,23 @@
-"""GPU benchmark of the Pallas attention engine, as one short script (under 5 minutes).
+"""GPU benchmark of the Pallas kernels, as one short script (under 5 minutes).
 
 Correctness first: for each (normalizer, head dim, causal) the kernel's output and
 cotangents are compared with a dense float32 reference at a small length; an op that
 fails is reported as FAIL and never timed. Then TFLOP/s, forward and forward+backward,
 median of ``--reps`` runs, against ``jax.nn.dot_product_attention(implementation="cudnn")``
 and ``tokamax.dot_product_attention`` (when importable), for softmax, softmax_1, sigmoid,
-relu and softpick through this kernel.
+relu, softpick, sparsemax and entmax15 (class T, K03) through this kernel.
+
+Two more sections (``--sections``), each checked before it is timed:
+
+* ``linear`` (K07): ``simple_gla`` and ``gated_delta_rule`` with ``implementation="pallas"``
+  against their XLA chunked form (the baseline), forward and forward+backward milliseconds,
+  bf16, B = 4, T = 4096 and B = 1, T = 16384, N = 16, K = V = 128, chunk 64; the check
+  compares the output and every cotangent with the chunked form in float32.
+* ``ce`` (K08): ``linear_cross_entropy(implementation="pallas")`` against the XLA chunked
+  path and optax on the materialised logits (the baseline), forward+backward milliseconds and
+  XLA's temporary memory, bf16, tokens x vocab x d = 8192 x 32768 x 1024 and 16384 x 131072 x
+  1024 (the issue's sizes need more memory than the materialised baseline leaves: the
+  baseline is not run where its logits would exceed 16 GiB).
 
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
@@ -20,6 +32,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
@@ -31,7 +44,8 @@ import numpy as np
 import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
-NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick")
+NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
+SECTIONS = ("attention", "linear", "ce")
 
 
 @dataclasses.dataclass
@@ -142,7 +156,28 @@ def main(argv=None):
   p.add_argument("--normalizers", default=",".join(NORMALIZERS))
   p.add_argument("--reps", type=int, default=None)
   p.add_argument("--json", default=None, help="also write the rows as JSON here")
+  p.add_argument("--sections", default=",".join(SECTIONS),
+                 help=f"comma-separated subset of {SECTIONS}")
   args = p.parse_args(argv)
+  sections = [x for x in args.sections.split(",") if x]
+  for x in sections:
+    if x not in SECTIONS:
+      p.error(f"unknown section {x!r}; choose from {SECTIONS}")
+  if args.interpret:  # the js.linear / js.losses entry points read it at call time
+    os.environ["JAXSOFT_PALLAS_INTERPRET"] = "1"
+  ok = True
+  print(f"# backend: {jax.default_backend()}  devices: {jax.devices()}  jax {jax.__version__}")
+  if "attention" in sections:
+    ok &= attention_section(args)
+  if "linear" in sections:
+    ok &= linear_section(args)
+  if "ce" in sections:
+    ok &= ce_section(args)
+  return 0 if ok else 1
+
+
+def attention_section(args) -> bool:
+  """The attention engine against cuDNN / tokamax (or jax.nn's XLA path on CPU)."""
   dtype = jnp.bfloat16
   if args.tiny:
     shapes = [(64, 64, 1, 2)]  # (H, T, B, N)
@@ -152,7 +187,6 @@ def main(argv=None):
     check_t, reps = 512, args.reps or 10
   normalizers = [x for x in args.normalizers.split(",") if x]
   table = ops(args)
-  print(f"# backend: {jax.default_backend()}  devices: {jax.devices()}  jax {jax.__version__}")
   rows: list[Row] = []
   checked: dict = {}
   for h, t, b, n in shapes:
@@ -181,7 +215,165 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w") as f:
       json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
-  return 0 if all(r.status == "ok" for r in rows) else 1
+  return all(r.status == "ok" for r in rows)
+
+
+# ----------------------------------------------------------------------------- linear (K07)
+
+
+def _linear_call(variant: str, implementation: str):
+  import jaxsoft.linear as jl
+
+  def f(q, k, v, g, beta):
+    if variant == "simple_gla":
+      return jl.simple_gla(q, k, v, g, implementation=implementation, chunk_size=64)
+    return jl.gated_delta_rule(q, k, v, g, beta, implementation=implementation, chunk_size=64)
+  return f
+
+
+def _linear_inputs(b, t, n, kd, dtype, seed=0):
+  ks = jax.random.split(jax.random.key(seed), 6)
+  q, k, v = (jax.random.normal(kk, (b, t, n, kd), jnp.float32) for kk in ks[:3])
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)  # the delta rule's keys are unit vectors
+  g = -jax.nn.softplus(jax.random.normal(ks[3], (b, t, n))) / 8  # log decays <= 0
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, n)))
+  ct = jax.random.normal(ks[5], (b, t, n, kd), jnp.float32)
+  cast = lambda x: x.astype(dtype)  # noqa: E731
+  return tuple(map(cast, (q, k, v))) + (g, beta, cast(ct))
+
+
+def _vjp_all(fn, args, ct):
+  out, vjp = jax.vjp(fn, *args)
+  return (out, *vjp(ct))
+
+
+def _max_rel_err(got, want) -> float:
+  err = 0.0
+  for a, r in zip(got, want, strict=True):
+    a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+    if not np.all(np.isfinite(a)):
+      return float("inf")
+    err = max(err, float(np.max(np.abs(a - r))) / max(1.0, float(np.max(np.abs(r)))))
+  return err
+
+
+def linear_section(args) -> bool:
+  """Pallas chunk kernels against the XLA chunked form (ms; the ratio is XLA / Pallas)."""
+  if args.tiny:
+    shapes, check_shape, reps = [(1, 40, 2, 16)], (1, 40, 2, 16), args.reps or 2
+  else:
+    shapes, check_shape, reps = [(4, 4096, 16, 128), (1, 16384, 16, 128)], (1, 512, 4, 64), (
+        args.reps or 10)
+  print("\n| op | variant | shape (B, T, N, K) | fwd ms | fwd+bwd ms | "
+        "vs XLA chunked fwd | fwd+bwd | status |\n|---|---|---|---|---|---|---|---|")
+  ok = True
+  for variant in ("simple_gla", "gated_delta_rule"):
+    q, k, v, g, beta, ct = _linear_inputs(*check_shape, jnp.float32, seed=1)
+    try:
+      want, got = (jax.jit(lambda *a, fn=_linear_call(variant, impl): _vjp_all(fn, a[:5], a[5]))(
+          q, k, v, g, beta, ct) for impl in ("chunked", "pallas"))
+      err = _max_rel_err(got, want)
+    except Exception as e:  # a kernel that cannot run is reported, never timed
+      print(f"# linear {variant}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      err = float("inf")
+    passed = err <= 1e-2
+    ok &= passed
+    for b, t, n, kd in shapes:
+      shape = f"{b}, {t}, {n}, {kd}"
+      if not passed:
+        print(f"| pallas | {variant} | {shape} | - | - | - | - | FAIL (max rel err {err:.2g}) |")
+        continue
+      args_t = _linear_inputs(b, t, n, kd, jnp.bfloat16)
+      times = {}
+      for impl in ("chunked", "pallas"):
+        fn = _linear_call(variant, impl)
+        fwd = jax.jit(fn)
+        fb = jax.jit(lambda *a, fn=fn: _vjp_all(fn, a[:5], a[5]))
+        times[impl] = (timeit(fwd, args_t[:5], reps) * 1e3, timeit(fb, args_t, reps) * 1e3)
+      (xf, xb), (pf, pb) = times["chunked"], times["pallas"]
+      print(f"| xla chunked | {variant} | {shape} | {xf:.3g} | {xb:.3g} | 1.00x | 1.00x | ok |")
+      print(f"| pallas | {variant} | {shape} | {pf:.3g} | {pb:.3g} | {xf / pf:.2f}x | "
+            f"{xb / pb:.2f}x | ok (check err {err:.1e}) |", flush=True)
+  return ok
+
+
+# -------------------------------------------------------------------------------- CE (K08)
+
+
+def _temp_mib(compiled) -> float | None:
+  try:
+    m = compiled.memory_analysis()
+    return (m.temp_size_in_bytes + m.output_size_in_bytes) / 2**20
+  except Exception:  # not every backend reports it
+    return None
+
+
+def ce_section(args) -> bool:
+  """linear_cross_entropy: Pallas and XLA chunked against optax on materialised logits."""
+  import optax
+
+  import jaxsoft.losses as jlo
+
+  def ours(impl):
+    return lambda h, w, y: jnp.sum(jlo.linear_cross_entropy(h, w, y, implementation=impl))
+
+  def optax_ce(h, w, y):
+    z = (h @ w).astype(jnp.float32)
+    return jnp.sum(optax.softmax_cross_entropy_with_integer_labels(z, y))
+
+  table = {"optax (materialised)": optax_ce, "xla chunked": ours(None), "pallas": ours("pallas")}
+  if args.tiny:
+    sizes, check_size, reps = [(64, 300, 32)], (64, 300, 32), args.reps or 2
+  else:
+    sizes, check_size, reps = [(8192, 32768, 1024), (16384, 131072, 1024)], (512, 4096, 256), (
+        args.reps or 10)
+
+  def inputs(t, vocab, d, dtype, seed=0):
+    kh, kw, ky = jax.random.split(jax.random.key(seed), 3)
+    h = jax.random.normal(kh, (t, d), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (d, vocab), jnp.float32) / np.sqrt(d)).astype(dtype)
+    return h, w, jax.random.randint(ky, (t,), 0, vocab)
+
+  h, w, y = inputs(*check_size, jnp.float32, seed=1)
+  want = jax.jit(jax.value_and_grad(optax_ce, argnums=(0, 1)))(h, w, y)
+  passed = {}
+  for name, fn in table.items():
+    try:
+      got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(h, w, y)
+      err = _max_rel_err((got[0], *got[1]), (want[0], *want[1]))
+    except Exception as e:
+      print(f"# ce {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      err = float("inf")
+    passed[name] = (err <= 2e-2, err)
+  print("\n| op | tokens x vocab x d | fwd+bwd ms | XLA temp+out MiB | time vs optax | "
+        "memory vs optax | status |\n|---|---|---|---|---|---|---|")
+  for t, vocab, d in sizes:
+    hb, wb, yb = inputs(t, vocab, d, jnp.bfloat16)
+    res = {}
+    for name, fn in table.items():
+      ok_, err = passed[name]
+      if not ok_:
+        res[name] = None
+        print(f"| {name} | {t} x {vocab} x {d} | - | - | - | - | FAIL (err {err:.2g}) |")
+        continue
+      if name.startswith("optax") and t * vocab * 4 > 16 * 2**30:
+        res[name] = None
+        print(f"| {name} | {t} x {vocab} x {d} | - | - | - | - | not run (logits > 16 GiB) |")
+        continue
+      grad = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))
+      mib = _temp_mib(grad.lower(hb, wb, yb).compile())
+      res[name] = (timeit(grad, (hb, wb, yb), reps) * 1e3, mib)
+    base = res.get("optax (materialised)")
+    for name, r in res.items():
+      if r is None:
+        continue
+      ms, mib = r
+      tr = f"{ms / base[0]:.2f}x" if base else "-"
+      mr = f"{mib / base[1]:.3f}" if base and mib and base[1] else "-"
+      mib_s = "-" if mib is None else f"{mib:.0f}"
+      print(f"| {name} | {t} x {vocab} x {d} | {ms:.3g} | {mib_s} | {tr} | {mr} | ok |",
+            flush=True)
+  return all(v[0] for v in passed.values())
 
 
 def _fmt(r: Row) -> str:

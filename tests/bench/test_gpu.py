@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 
+import jax.numpy as jnp
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 BENCH = str(ROOT / "bench" / "gpu.py")
@@ -19,7 +22,7 @@ def test_bench_interpret_tiny_runs():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
       [sys.executable, BENCH, "--interpret", "--tiny", "--normalizers", "softmax",
-       "--reps", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+       "--reps", "1", "--sections", "attention"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| jaxsoft_pallas")]
   assert len(rows) == 2 * 2  # (per-row line + summary line) x (full, causal)
@@ -34,7 +37,37 @@ def test_bench_refuses_to_time_a_wrong_op(monkeypatch):
   monkeypatch.setattr(bench.kp, "attention", lambda q, k, v, **kw: real(q, k, v, **kw) * 1.5)
   timed = []
   monkeypatch.setattr(bench, "measure", lambda *a, **k: timed.append(a) or (1.0, 1.0))
-  rc = bench.main(["--interpret", "--tiny", "--normalizers", "softmax", "--reps", "1"])
+  rc = bench.main(["--interpret", "--tiny", "--normalizers", "softmax", "--reps", "1",
+                   "--sections", "attention"])
   assert rc == 1
   # Only the baseline (jax.nn, full and causal) was timed; both kernel rows failed.
   assert len(timed) == 2
+
+
+@pytest.mark.slow
+def test_linear_and_ce_sections_check_then_time(capsys):
+  """The K07 and K08 sections in interpret mode: every row checked against its XLA
+  reference, then timed, with the ratio to the named baseline."""
+  bench = _load_bench()
+  rc = bench.main(["--interpret", "--tiny", "--sections", "linear,ce", "--reps", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  linear = [line for line in out.splitlines()
+            if line.startswith("| pallas | ") and " x 300 x " not in line]
+  assert {line.split("|")[2].strip() for line in linear} == {"simple_gla", "gated_delta_rule"}
+  assert all("| ok (check err" in line for line in linear), linear
+  ce = {line.split("|")[1].strip(): line for line in out.splitlines()
+        if line.startswith("| ") and " x 300 x " in line}
+  assert set(ce) == {"optax (materialised)", "xla chunked", "pallas"}, out
+  assert all(line.rstrip().endswith("| ok |") for line in ce.values()), ce
+
+
+def test_a_linear_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
+  bench = _load_bench()
+  # stand-ins, so that no kernel compiles: the "pallas" one is wrong by a factor 1.5
+  monkeypatch.setattr(bench, "_linear_call", lambda variant, impl: (
+      lambda q, k, v, g, beta: v * (1.5 if impl == "pallas" else 1.0) * jnp.exp(g)[..., None]))
+  monkeypatch.setattr(bench, "timeit", lambda *a: (_ for _ in ()).throw(AssertionError("timed")))
+  assert not bench.linear_section(bench.argparse.Namespace(tiny=True, reps=1))
+  out = capsys.readouterr().out
+  assert out.count("FAIL") == 2 and "| xla chunked |" not in out
