@@ -2,10 +2,13 @@
 
 Three blockwise XLA engines, none of which builds a T x S array (forward or backward):
 
-* a *skip* loop (``method="blasst"``): for each query block, a scan over the key blocks
-  carrying FlashAttention's running max m, sum l and accumulator; each query row skips a
-  key block whose scores all fall below its ``m - skip_threshold`` (the tile costs no exp
-  and no P·V when every row skips it);
+* a *skip* loop (``method="blasst"``): each query row visits the key blocks from its own
+  block backwards and skips a block whose scores all fall below its running max minus
+  ``skip_threshold``. A skipped block never raises the running max, so the decisions are a
+  cumulative max over the per-row block maxima (one pass of Q Kᵀ over the visible tiles,
+  no exp); FlashAttention's online softmax then runs over the kept (row, key block) pairs
+  only, gathered by key block into dense tiles (a pair skipped by its row costs no exp, no
+  P·V and no backward work, whatever the other rows of its block decided);
 * a *token* loop (``method="moba"``, and every selecting method under ``is_causal``): each
   query token scores the key blocks from its own query vector and mean-pooled keys ([B, N,
   T, nk], small next to T x S), keeps at most ``top_k_blocks``, and attends exactly over
@@ -16,9 +19,9 @@ Three blockwise XLA engines, none of which builds a T x S array (forward or back
 
 Causality: under ``is_causal`` no decision about token i uses a query, key or pooled key
 later than i, so a token's output (and gradient) never depends on later tokens, and
-decoding on prefixes equals the full forward. The skip loop has a custom blockwise
-FlashAttention backward over the tiles it kept; the other loops rematerialise each step in
-the backward pass (``jax.checkpoint``).
+decoding on prefixes equals the full forward. The skip loop has a custom FlashAttention
+backward over the pairs it kept; the other loops rematerialise each step in the backward
+pass (``jax.checkpoint``).
 """
 
 from __future__ import annotations
@@ -115,136 +118,184 @@ class _Layout:
 
 # ---------------------------------------------------------------------------- skip loop
 
+_BLASST_CHUNK = 128  # kept (row, key block) pairs gathered per tile of the attention loop
 
-def _blasst_tile_vis(kvalid, qi, kj, bs: int, T: int, causal: bool):
-  """Visibility of query block qi against key block kj: bool [B, 1, 1, bs, bs]."""
-  qpos = qi * bs + jnp.arange(bs)
-  kpos = kj * bs + jnp.arange(bs)
-  vis = (kvalid[:, kj] > 0)[:, None, :] & (qpos < T)[None, :, None]
+
+def _blasst_tile_vis(kvalid, qpos, kj, bs: int, T: int, causal: bool):
+  """Visibility of query positions ``qpos`` [r] against key block kj of one head: [r, bs]."""
+  vis = (kvalid[kj] > 0)[None, :] & (qpos < T)[:, None]
   if causal:
-    vis = vis & (kpos[None, :] <= qpos[:, None])[None]
-  return vis[:, None, None]
+    vis = vis & ((kj * bs + jnp.arange(bs))[None, :] <= qpos[:, None])
+  return vis
 
 
-def _blasst_forward(qs, k, v, kvalid, tau: float, causal: bool, T: int):
-  """The skip loop: qs [B, K, G, nq, bs, H] (scaled), k/v [B, K, nk, bs, ·], kvalid [B, nk,
-  bs]; returns out [B, K, G, nq, bs, Hv], lse [B, K, G, nq, bs], kept [B, K, G, nq, bs, nk]."""
-  B, K, G, nq, bs, _ = qs.shape
-  nk, Hv = k.shape[2], v.shape[-1]
-  cdt = qs.dtype
+def _blasst_decide(q, k, kvalid, tau: float, causal: bool, T: int):
+  """BLASST's skip decisions of one key/value head: q [G, Tp, H] (scaled), k [nk, bs, H],
+  kvalid [nk, bs]; returns kept bool [G, Tp, nk].
 
-  def q_block(qi):
-    q = qs[:, :, :, qi]  # [B, K, G, bs, H]
+  Row i visits key blocks from its own (diagonal) block backwards (wrapping round when not
+  causal) and skips block j when its max score m̃_j < m - tau, m the running max of the
+  blocks visited before. A skipped block lies below the running max, so m is the prefix max
+  of *all* visited block maxima and the loop's decisions are a cumulative max over the
+  [Tp, nk] block maxima (one pass of Q Kᵀ over the visible tiles, no exp)."""
+  G, Tp, H = q.shape
+  nk, bs = k.shape[:2]
+  nq = Tp // bs
 
-    def step(carry, kj):
-      reachable = (kj * bs <= qi * bs + bs - 1) if causal else jnp.bool_(True)
+  def block(xs):
+    qi, qr = xs  # qr [G, bs, H]
+    qpos = qi * bs + jnp.arange(bs)
 
-      def visit(c):
-        m, l, acc, kept = c
-        vis = _blasst_tile_vis(kvalid, qi, kj, bs, T, causal)
-        s = jnp.einsum("bkgqh,bksh->bkgqs", q, k[:, :, kj])
-        tile_max = jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1)  # [B, K, G, bs]
-        # each row decides alone (a row without a visible entry in the tile has nothing to
-        # add): its tile max below its own running max minus tau. A decision shared by the
-        # rows of a query block would let a later token change an earlier token's output.
-        skip = (tile_max < m - tau) | (tile_max == -jnp.inf)
+    def body(kj, M):
+      vis = _blasst_tile_vis(kvalid, qpos, kj, bs, T, causal)
+      s = jnp.einsum("gqh,sh->gqs", qr, k[kj])
+      return M.at[kj].set(jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1))
 
-        def update(c):
-          m, l, acc, kept = c
-          m_new = jnp.maximum(m, tile_max)
-          m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-          alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_use), 0.0)
-          p = jnp.where(vis, jnp.exp(jnp.where(vis, s, m_use[..., None]) - m_use[..., None]), 0.0)
-          l_new = alpha * l + jnp.sum(p, axis=-1)
-          acc_new = alpha[..., None] * acc + jnp.einsum("bkgqs,bksh->bkgqh", p, v[:, :, kj])
-          keep = ~skip
-          return (jnp.where(keep, m_new, m), jnp.where(keep, l_new, l),
-                  jnp.where(keep[..., None], acc_new, acc), kept.at[..., kj].set(keep))
+    hi = jnp.minimum(qi + 1, nk) if causal else nk
+    return lax.fori_loop(0, hi, body, jnp.full((nk, G, bs), -jnp.inf, q.dtype))
 
-        # a tile skipped by every row, batch and head costs no exp and no P·V
-        return lax.cond(jnp.all(skip), lambda c: c, update, c)
-
-      return lax.cond(reachable, visit, lambda c: c, carry), None
-
-    init = (jnp.full((B, K, G, bs), -jnp.inf, cdt), jnp.zeros((B, K, G, bs), cdt),
-            jnp.zeros((B, K, G, bs, Hv), cdt), jnp.zeros((B, K, G, bs, nk), bool))
-    (m, l, acc, kept), _ = lax.scan(step, init, jnp.arange(nk))
-    has = l > 0
-    l1 = jnp.where(has, l, 1.0)
-    return acc / l1[..., None], jnp.where(has, m + jnp.log(l1), -jnp.inf), kept
-
-  out, lse, kept = lax.map(q_block, jnp.arange(nq))
-  return jnp.moveaxis(out, 0, 3), jnp.moveaxis(lse, 0, 3), jnp.moveaxis(kept, 0, 3)
+  M = lax.map(block, (jnp.arange(nq), jnp.moveaxis(q.reshape(G, nq, bs, H), 1, 0)))
+  M = jnp.transpose(M, (2, 0, 3, 1)).reshape(G, Tp, nk)  # [nq, nk, G, bs] -> [G, Tp, nk]
+  diag = jnp.minimum(jnp.arange(Tp) // bs, nk - 1)
+  order = (diag[:, None] - jnp.arange(nk)[None, :]) % nk  # [Tp, t]: t-th visited block
+  Mo = jnp.take_along_axis(M, jnp.broadcast_to(order, M.shape), axis=-1)
+  prev = lax.cummax(Mo, axis=2)
+  prev = jnp.concatenate([jnp.full_like(prev[..., :1], -jnp.inf), prev[..., :-1]], axis=-1)
+  keep = (Mo != -jnp.inf) & ~(Mo < prev - tau)  # NaN scores are kept (and propagate)
+  # t -> (diag - t) mod nk is its own inverse: the same gather puts keep back in block order
+  return jnp.take_along_axis(keep, jnp.broadcast_to(order, M.shape), axis=-1)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
-def _blasst_core(qs, k, v, kvalid, tau, causal, T):
-  out, _, kept = _blasst_forward(qs, k, v, kvalid, tau, causal, T)
-  return out, kept
+def _blasst_chunks(kept, C: int):
+  """The kept pairs of one head, grouped by key block into chunks of C rows: kept [R, nk]
+  -> (cum [nk, R] running count of each block's rows, count [nk], chunk start [nk], chunks)."""
+  cum = jnp.cumsum(kept.T.astype(jnp.int32), axis=1)
+  count = cum[:, -1]
+  nch = (count + C - 1) // C
+  ends = jnp.cumsum(nch)
+  return cum, count, ends - nch, ends, ends[-1]
 
 
-def _blasst_core_fwd(qs, k, v, kvalid, tau, causal, T):
-  out, lse, kept = _blasst_forward(qs, k, v, kvalid, tau, causal, T)
+def _blasst_chunk(c, plan, C: int, R: int):
+  """Chunk c: its key block kj, its rows [C] (R where the chunk runs out) and their mask."""
+  cum, count, start, ends, _ = plan
+  kj = jnp.minimum(jnp.searchsorted(ends, c, side="right"), ends.shape[0] - 1)
+  r = (c - start[kj]) * C + jnp.arange(C) + 1  # ranks within the block's rows
+  ok = r <= count[kj]
+  rows = jnp.searchsorted(cum[kj], r, side="left")
+  return kj, jnp.where(ok, rows, R), ok
+
+
+def _blasst_head_forward(q, k, v, kvalid, tau: float, causal: bool, T: int, C: int):
+  """One key/value head: q [G, Tp, H] (scaled), k/v [nk, bs, ·], kvalid [nk, bs]; returns
+  out [G, Tp, Hv], lse [G, Tp], kept bool [G, Tp, nk]. The decisions first, then
+  FlashAttention's online softmax over the kept pairs only, gathered into [C, bs] tiles."""
+  G, Tp, H = q.shape
+  nk, bs, Hv = k.shape[0], k.shape[1], v.shape[-1]
+  R = G * Tp
+  kept = _blasst_decide(q, k, kvalid, tau, causal, T)
+  plan = _blasst_chunks(kept.reshape(R, nk), C)
+  q2 = q.reshape(R, H)
+
+  def body(c, carry):
+    m, l, acc = carry
+    kj, rows, ok = _blasst_chunk(c, plan, C, R)
+    rc = jnp.minimum(rows, R - 1)
+    vis = _blasst_tile_vis(kvalid, rc % Tp, kj, bs, T, causal) & ok[:, None]
+    s = q2[rc] @ k[kj].T
+    m_old = m[rc]
+    m_new = jnp.maximum(m_old, jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1))
+    m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    alpha = jnp.where(jnp.isfinite(m_old), jnp.exp(m_old - m_use), 0.0)
+    p = jnp.where(vis, jnp.exp(jnp.where(vis, s, m_use[:, None]) - m_use[:, None]), 0.0)
+    l_new = alpha * l[rc] + jnp.sum(p, axis=-1)
+    acc_new = alpha[:, None] * acc[rc] + p @ v[kj]
+    return (m.at[rows].set(m_new, mode="drop"), l.at[rows].set(l_new, mode="drop"),
+            acc.at[rows].set(acc_new, mode="drop"))
+
+  init = (jnp.full((R,), -jnp.inf, q.dtype), jnp.zeros((R,), q.dtype),
+          jnp.zeros((R, Hv), q.dtype))
+  m, l, acc = lax.fori_loop(0, plan[-1], body, init)
+  has = l > 0
+  l1 = jnp.where(has, l, 1.0)
+  out = (acc / l1[:, None]).reshape(G, Tp, Hv)
+  return out, jnp.where(has, m + jnp.log(l1), -jnp.inf).reshape(G, Tp), kept
+
+
+def _blasst_head_backward(q, k, v, kvalid, out, lse, kept, dout, causal: bool, T: int,
+                          C: int):
+  """FlashAttention's backward of one key/value head over the kept pairs (same chunks)."""
+  G, Tp, H = q.shape
+  nk, bs, Hv = k.shape[0], k.shape[1], v.shape[-1]
+  R = G * Tp
+  plan = _blasst_chunks(kept.reshape(R, nk), C)
+  q2, do2 = q.reshape(R, H), dout.reshape(R, Hv)
+  D = jnp.sum(do2 * out.reshape(R, Hv), axis=-1)
+  L = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(R)
+
+  def body(c, carry):
+    dq, dk, dv = carry
+    kj, rows, ok = _blasst_chunk(c, plan, C, R)
+    rc = jnp.minimum(rows, R - 1)
+    vis = _blasst_tile_vis(kvalid, rc % Tp, kj, bs, T, causal) & ok[:, None]
+    qr, dor, kj_, vj = q2[rc], do2[rc], k[kj], v[kj]
+    Lr = L[rc][:, None]
+    p = jnp.where(vis, jnp.exp(jnp.where(vis, qr @ kj_.T, Lr) - Lr), 0.0)
+    ds = p * (dor @ vj.T - D[rc][:, None])
+    return (dq.at[rows].add(ds @ kj_, mode="drop"), dk.at[kj].add(ds.T @ qr),
+            dv.at[kj].add(p.T @ dor))
+
+  dq, dk, dv = lax.fori_loop(0, plan[-1], body,
+                             (jnp.zeros_like(q2), jnp.zeros_like(k), jnp.zeros_like(v)))
+  return dq.reshape(G, Tp, H), dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+def _blasst_core(qs, k, v, kvalid, tau, causal, T, C):
+  return _blasst_core_fwd(qs, k, v, kvalid, tau, causal, T, C)[0]
+
+
+def _blasst_core_fwd(qs, k, v, kvalid, tau, causal, T, C):
+  """qs [BK, G, Tp, H], k/v [BK, nk, bs, ·], kvalid [BK, nk, bs]: one lax.map step per key/
+  value head."""
+  out, lse, kept = lax.map(
+      lambda a: _blasst_head_forward(a[0], a[1], a[2], a[3], tau, causal, T, C),
+      (qs, k, v, kvalid))
   return (out, kept), (qs, k, v, kvalid, out, lse, kept)
 
 
-def _blasst_core_bwd(tau, causal, T, res, cts):
+def _blasst_core_bwd(tau, causal, T, C, res, cts):
   """FlashAttention's backward over the (row, key block) pairs the forward kept: with the
   final log-sum-exp L, P = exp(S - L) on kept entries, dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
   D = rowsum(dO ∘ O), dQ = dS K, dK = dSᵀ Q. The block choice is piecewise constant."""
   qs, k, v, kvalid, out, lse, kept = res
   dout = cts[0].astype(out.dtype)
-  B, K, G, nq, bs, _ = qs.shape
-  nk = k.shape[2]
-  D = jnp.sum(dout * out, axis=-1)  # [B, K, G, nq, bs]
-  lse0 = jnp.where(jnp.isfinite(lse), lse, 0.0)
-
-  def q_block(carry, qi):
-    dk, dv = carry
-    q, do, Di, Li, kp = (x[:, :, :, qi] for x in (qs, dout, D, lse0, kept))
-
-    def step(c, kj):
-      dq, dk, dv = c
-      rows = kp[..., kj]  # [B, K, G, bs]
-
-      def visit(c):
-        dq, dk, dv = c
-        vis = _blasst_tile_vis(kvalid, qi, kj, bs, T, causal) & rows[..., None]
-        kj_, vj = k[:, :, kj], v[:, :, kj]
-        s = jnp.einsum("bkgqh,bksh->bkgqs", q, kj_)
-        p = jnp.where(vis, jnp.exp(jnp.where(vis, s, Li[..., None]) - Li[..., None]), 0.0)
-        dp = jnp.einsum("bkgqh,bksh->bkgqs", do, vj)
-        ds = p * (dp - Di[..., None])
-        dq = dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, kj_)
-        dk = dk.at[:, :, kj].add(jnp.einsum("bkgqs,bkgqh->bksh", ds, q))
-        dv = dv.at[:, :, kj].add(jnp.einsum("bkgqs,bkgqh->bksh", p, do))
-        return dq, dk, dv
-
-      return lax.cond(jnp.any(rows), visit, lambda c: c, c), None
-
-    (dq, dk, dv), _ = lax.scan(step, (jnp.zeros_like(q), dk, dv), jnp.arange(nk))
-    return (dk, dv), dq
-
-  (dk, dv), dq = lax.scan(q_block, (jnp.zeros_like(k), jnp.zeros_like(v)), jnp.arange(nq))
-  return jnp.moveaxis(dq, 0, 3), dk, dv, jnp.zeros_like(kvalid)
+  dq, dk, dv = lax.map(
+      lambda a: _blasst_head_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], causal,
+                                      T, C),
+      (qs, k, v, kvalid, out, lse, kept, dout))
+  return dq, dk, dv, jnp.zeros_like(kvalid)
 
 
 _blasst_core.defvjp(_blasst_core_fwd, _blasst_core_bwd)
 
 
 def _blasst(lay: _Layout, tau: float):
-  """BLASST's skip-softmax loop, decided per query row; returns (out [B, T, N, Hv], kept bool
+  """BLASST's skip-softmax, decided per query row; returns (out [B, T, N, Hv], kept bool
   [B, N, Tp, nk]: the key blocks each query row attended to). The backward pass is a custom
-  blockwise FlashAttention backward over the kept tiles (no differentiation of the loop)."""
+  FlashAttention backward over the kept pairs (no differentiation of the loop)."""
   B, K, G, bs, nq, nk = lay.B, lay.K, lay.G, lay.bs, lay.nq, lay.nk
-  Hv = lay.v.shape[-1]
+  Hv, Tp = lay.v.shape[-1], nq * bs
   kpos = jnp.broadcast_to(jnp.arange(nk * bs), (B, nk * bs))
-  kvalid = lay.key_valid(kpos).astype(lay.cdt).reshape(B, nk, bs)
-  qs = lay.q.reshape(B, K, G, nq, bs, lay.H) * lay.scale
-  out, kept = _blasst_core(qs, lay.k, lay.v, kvalid, float(tau), bool(lay.causal), lay.T)
+  kvalid = jnp.repeat(lay.key_valid(kpos).astype(lay.cdt).reshape(B, nk, bs), K, axis=0)
+  qs = lay.q.reshape(B * K, G, Tp, lay.H) * lay.scale
+  k = lay.k.reshape(B * K, nk, bs, lay.H)
+  v = lay.v.reshape(B * K, nk, bs, Hv)
+  out, kept = _blasst_core(qs, k, v, kvalid, float(tau), bool(lay.causal), lay.T,
+                           _BLASST_CHUNK)
   out = jnp.moveaxis(out.reshape(B, lay.N, nq, bs, Hv), 2, 0)
-  kept = kept.reshape(B, lay.N, nq * bs, nk)
-  return lay.unblock(out), kept & (jnp.arange(nq * bs) < lay.T)[:, None]
+  kept = kept.reshape(B, lay.N, Tp, nk)
+  return lay.unblock(out), kept & (jnp.arange(Tp) < lay.T)[:, None]
 
 
 # --------------------------------------------------------------------------- gather loop
@@ -474,16 +525,19 @@ def block_sparse_attention(
 
   * ``"blasst"``: BLASST skip-softmax ("BLASST", 2025; its authors and full title are not
     recorded in this project's sources; the rule is as in NVIDIA Model-Optimizer's
-    skip-softmax kernel, which cites it). Key blocks are visited in order
-    inside the online-softmax loop; a query row skips a block when the block's max for
-    that row is below its running max minus ``skip_threshold`` = tau (the paper's
-    ``ln(1/lambda)``): :math:`\tilde m^{(j)} < m^{(j-1)} - \tau`. Each skipped weight is then
+    skip-softmax kernel, which cites it). Each query row visits the key blocks from its
+    own (diagonal) block backwards, as FlashAttention-2's causal loop does (without
+    ``is_causal`` it wraps round to the last block after block 0), and skips a block when
+    the block's max for that row is below its running max minus ``skip_threshold`` = tau
+    (the paper's ``ln(1/lambda)``): :math:`\tilde m^{(j)} < m^{(j-1)} - \tau`; starting
+    next to the row, where attention is usually strongest, makes the running max large
+    early and the skips many. Each skipped weight is then
     at most :math:`e^{-\tau}` of the dense softmax (its logit is below the final max minus
     tau and the denominator is at least 1 at the final max), so the skipped mass of a row
     is at most :math:`n_{\mathrm{skipped}} e^{-\tau}`. ``skip_threshold=inf`` is exact.
     The decision is order dependent and taken per query row (a kernel's per-tile "all
-    rows" rule would let a later token of the tile change an earlier token's output); a
-    tile is computed only when some row keeps it.
+    rows" rule would let a later token of the tile change an earlier token's output);
+    only the kept (row, key block) pairs are computed, forward and backward.
   * ``"moba"``: MoBA (E. Lu et al., "MoBA: Mixture of Block Attention for Long-Context
     LLMs", 2025; used by SpikingBrain 2.0): each query token i gates key block J by
     :math:`g_{iJ} = q_i \cdot \bar k_J` (mean-pooled keys) and keeps its
@@ -508,7 +562,8 @@ def block_sparse_attention(
     ``is_causal`` the selection is per token as for BFLA, and the attenuation of token i
     uses only the key blocks wholly before its own block (always kept).
 
-  No T x S array is built: BLASST runs a scan over key blocks per query block; the other
+  No T x S array is built: BLASST scans the key blocks per query block for the block maxima
+  ([T, nk]) and then loops over its kept pairs only; the other
   methods score blocks on the pooled [T or nq, nk] grid and visit only the kept blocks.
 
   Args:

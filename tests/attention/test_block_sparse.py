@@ -145,6 +145,65 @@ def test_moba_gate_matches_numpy_and_all_blocks_is_dense():
       out, attend(q, k, v, is_causal=True, key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
 
 
+
+def _blasst_loop_numpy(q, k, tau, causal):
+  """BLASST's sequential loop in float64: row i visits its own key block, then the earlier
+  ones (wrapping round to the last block when not causal), keeping block j unless its max
+  score is below the running max minus tau. Returns kept [B, N, T, NB] and each decision's
+  distance to the threshold (to leave out float32 ties)."""
+  q, k = np.asarray(q, np.float64), np.repeat(np.asarray(k, np.float64), N // K, axis=2)
+  z = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
+  i, j = np.arange(T)[:, None], np.arange(T)[None, :]
+  vis = np.broadcast_to((j < KV_LEN[:, None, None, None]) & ((j <= i) if causal else True),
+                        z.shape)
+  kept = np.zeros((B, N, T, NB), bool)
+  margin = np.full((B, N, T, NB), np.inf)
+  for b, n, r in np.ndindex(B, N, T):
+    m, diag = -np.inf, min(r // BS, NB - 1)
+    for t in range(diag + 1 if causal else NB):
+      blk = (diag - t) % NB
+      zz = z[b, n, r, blk * BS:(blk + 1) * BS][vis[b, n, r, blk * BS:(blk + 1) * BS]]
+      if zz.size == 0:
+        continue
+      margin[b, n, r, blk] = abs(zz.max() - (m - tau)) if np.isfinite(m) else np.inf
+      if not zz.max() < m - tau:
+        kept[b, n, r, blk], m = True, max(m, zz.max())
+  return kept, margin
+
+
+def test_blasst_decisions_match_the_sequential_loop():
+  """The vectorised decisions (a cumulative max over block maxima) equal the sequential
+  skip loop, causal and not (the wrapped visiting order); without is_causal the output is
+  dense attention over the kept blocks (its gradients: -m slow)."""
+  q, k, v = _inputs(4, peak=3.0)
+  for causal in (True, False):
+    out, stats = jax.jit(functools.partial(
+        block_sparse_attention, method="blasst", block_size=BS, skip_threshold=1.0,
+        is_causal=causal, key_value_seq_lengths=jnp.asarray(KV_LEN), return_stats=True))(q, k, v)
+    kept = np.asarray(stats["kept_tokens"])
+    want, margin = _blasst_loop_numpy(q, k, 1.0, causal)
+    sure = margin > 1e-4
+    assert sure.mean() > 0.95 and want[sure].any() and not want[sure].all()
+    np.testing.assert_array_equal(kept[sure], want[sure])
+    assert not kept[~np.isfinite(margin) & ~want].any()  # no visible entry: never kept
+  chex.assert_trees_all_close(out, attend(q, k, v, mask=_block_mask(kept),
+                                          key_value_seq_lengths=jnp.asarray(KV_LEN)), **FWD)
+
+
+@pytest.mark.slow
+def test_blasst_non_causal_gradients():
+  q, k, v = _inputs(4, peak=3.0)
+  f = functools.partial(block_sparse_attention, method="blasst", block_size=BS,
+                        skip_threshold=1.0, key_value_seq_lengths=jnp.asarray(KV_LEN))
+  _, stats = jax.jit(functools.partial(f, return_stats=True))(q, k, v)
+  g = lambda q, k, v: dot_product_attention(q, k, v, mask=_block_mask(stats["kept_tokens"]),
+                                            key_value_seq_lengths=jnp.asarray(KV_LEN))
+  out, grads, _ = value_and_vjp(f, q, k, v)
+  ref, ref_grads, _ = value_and_vjp(g, q, k, v)
+  chex.assert_trees_all_close(out, ref, **FWD)
+  chex.assert_trees_all_close(grads, ref_grads, **BWD)
+
+
 def _perturb(x, t, seed, factor):
   noise = jax.random.normal(jax.random.PRNGKey(seed), x[:, t].shape, x.dtype)
   return x.at[:, t].set(factor * noise)
