@@ -10,8 +10,9 @@ docs/feature_ids.md. ``attention_from_call`` is the adapter
 """
 
 from kernels_pallas._api import BlockSizes, attention, attention_from_call
+from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.sharding import sharded_attention
 
 __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
-           "default_block_sizes", "sharded_attention"]
+           "default_block_sizes", "sharded_attention", "decode_attention"]

@@ -1,0 +1,558 @@
+r"""Split-K decoding attention ("flash-decoding") with an optional unified max (feature K05).
+
+One query token per sequence attends to its key/value cache. With a single query row the
+flash-attention grid (query blocks x batch x heads) has too few programs to fill a GPU or
+a TPU, so the key axis is cut into ``num_splits`` chunks processed in parallel
+(T. Dao, D. Haziza, F. Massa & G. Sizov 2023, "Flash-Decoding for long-context
+inference", PyTorch blog): one program per (batch, KV head, split) computes the partial
+statistics of its chunk over the ``G = N / K`` query heads sharing the KV head (GQA: the
+cache is never copied per query head),
+
+.. math::
+  m_s = \max_{j \in C_s} x_j, \qquad l_s = \sum_{j \in C_s} e^{x_j - m_s}, \qquad
+  a_s = \sum_{j \in C_s} e^{x_j - m_s} v_j,
+
+and a small XLA step merges them with the online-softmax merge (M. Milakov &
+N. Gimelshein 2018, "Online normalizer calculation for softmax"):
+``M = max_s m_s``, ``o = sum_s e^{m_s - M} a_s / (sum_s e^{m_s - M} l_s + e^{sink - M})``.
+
+Unified max (K. Hong et al. 2024, "FlashDecoding++: Faster Large Language Model Inference
+on GPUs"): softmax does not depend on the constant subtracted from the row, so with a
+fixed ``phi`` chosen offline every split uses ``e^{x_j - phi}`` (no running max, no
+rescaling inside the loop) and the partials merge by plain addition. Overflow guard: a
+split holding a visible score with ``max_j x_j - phi`` outside ``safe_range = (a, b)``
+(``> b``: the exponentials may overflow; ``< a``: they may all underflow) is recomputed
+with its own max, which the first pass measured exactly (so the second pass needs no
+running max either; the other splits' loop bounds are empty); the result equals softmax
+for any phi.
+The recomputation is a second kernel call under ``lax.cond``: it costs nothing when no
+split is flagged.
+
+Forward only: decoding needs no backward pass (no ``custom_vjp`` is defined).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+__all__ = ["decode_attention"]
+
+_NAME = "decode_attention"
+NORMALIZERS = ("softmax", "softmax_sink", "sigmoid")
+_PARAMS = {"softmax": (), "softmax_sink": ("sink_logit",), "sigmoid": ("bias",)}
+BACKENDS = ("triton", "mosaic_tpu")
+_F32 = np.finfo(np.float32)
+# Default guard of the unified max: scores within 43.7 below the split's max stay normal
+# numbers; 44.4 above phi leaves e^{44} * S * |v| far below the float32 maximum.
+DEFAULT_SAFE_RANGE = (math.log(float(_F32.tiny)) / 2, math.log(float(_F32.max)) / 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  backend: str
+  mode: str            # "online" (running max), "fixed" (a given max per row), "sigmoid"
+  scale: float
+  cap: float | None
+  block_k: int
+  num_blocks: int
+  num_splits: int
+  blocks_per_split: int
+  compute_dtype: Any
+  interpret: Any
+
+
+def _err(msg: str) -> ValueError:
+  return ValueError(f"{_NAME}: {msg}")
+
+
+def _next_pow2(x: int) -> int:
+  return 1 << max(int(x) - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+# ------------------------------------------------------------------------ tile math (both)
+
+
+def _logits(cfg: _Cfg, q, kt, vt, start, n):
+  """Logits ``[gp, bk]`` (float32, scaled, soft-capped) of one key block at key position
+  ``start``, the visibility ``[1, bk]`` (position < n) and the value tile with the rows
+  past the length zeroed (the cache may hold anything there, NaN included)."""
+  bk = kt.shape[0]
+  s = jax.lax.dot_general(q.astype(cfg.compute_dtype), kt.astype(cfg.compute_dtype),
+                          (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = s * cfg.scale
+  if cfg.cap is not None:
+    s = cfg.cap * jnp.tanh(s / cfg.cap)
+  valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < n
+  rows = start + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
+  return s, valid, jnp.where(rows, vt, jnp.zeros_like(vt))
+
+
+def _pv(p, vt):
+  dt = vt.dtype if vt.dtype != jnp.float32 else jnp.float32
+  return jax.lax.dot_general(p.astype(dt), vt, (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
+
+
+def _tile(mode: str, s, valid, vt, state, c):
+  """One key block folded into ``state = (m, l, acc)``; ``c [gp, 1]`` is the row's fixed
+  max (mode "fixed") or sigmoid bias (mode "sigmoid"). Mode "fixed" carries the true max
+  in ``m`` (for the guard) without rescaling by it."""
+  m, l, acc = state
+  tile_max = jnp.max(jnp.where(valid, s, -jnp.inf), axis=1, keepdims=True)
+  if mode == "sigmoid":
+    p = jnp.where(valid, 1.0 / (1.0 + jnp.exp(-(s + c))), 0.0)
+    return m, l, acc + _pv(p, vt)
+  if mode == "fixed":
+    p = jnp.where(valid, jnp.exp(s - c), 0.0)
+    return (jnp.maximum(m, tile_max), l + jnp.sum(p, axis=1, keepdims=True), acc + _pv(p, vt))
+  m_new = jnp.maximum(m, tile_max)
+  base = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+  alpha = jnp.exp(m - base)
+  p = jnp.where(valid, jnp.exp(s - base), 0.0)
+  return m_new, l * alpha + jnp.sum(p, axis=1, keepdims=True), acc * alpha + _pv(p, vt)
+
+
+def _init(gp: int, hv: int):
+  return (jnp.full((gp, 1), -jnp.inf, jnp.float32), jnp.zeros((gp, 1), jnp.float32),
+          jnp.zeros((gp, hv), jnp.float32))
+
+
+# ---------------------------------------------------------------------------------- Triton
+
+
+def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+  """Grid (batch, KV head, split); the split's key blocks ``[lo, hi)`` are the loop bounds
+  of the kernel. q4 ``[B, K, gp, Hp]``, caches ``[B, S_pad, K, Hp]`` (S_pad a multiple of
+  the block), ``c [B, K, P, gp, 1]``. Returns ``(m, l, acc)`` of every split."""
+  from jax.experimental.pallas import triton as plgpu
+
+  b, kh, gp, hp = q4.shape
+  s_pad, hv, p, bk = k.shape[1], v.shape[-1], cfg.num_splits, cfg.block_k
+
+  def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, m_ref, l_ref, acc_ref):
+    q, n, cr = q_ref[...], len_ref[...], c_ref[...]
+
+    def body(j, state):
+      sl = pl.ds(j * bk, bk)
+      s, valid, vt = _logits(cfg, q, k_ref[sl, :], v_ref[sl, :], j * bk, n)
+      return _tile(cfg.mode, s, valid, vt, state, cr)
+
+    m, l, acc = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, _init(gp, hv))
+    m_ref[...] = m
+    l_ref[...] = l
+    acc_ref[...] = acc
+
+  scalar = pl.BlockSpec((None, None), lambda bi, h, si: (bi, si))
+  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, h, si: (bi, h, si, 0, 0))
+  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
+  return pl.pallas_call(
+      kernel, grid=(b, kh, p),
+      in_specs=[scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
+                pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
+                pl.BlockSpec((None, s_pad, None, hp), lambda bi, h, si: (bi, 0, h, 0)),
+                pl.BlockSpec((None, s_pad, None, hv), lambda bi, h, si: (bi, 0, h, 0)), row],
+      out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
+                                        lambda bi, h, si: (bi, h, si, 0, 0))],
+      out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, hv), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=bool(cfg.interpret), name=f"jaxsoft_decode_{cfg.mode}",
+  )(lo, hi, lens[:, None], q4, k, v, c)
+
+
+# ------------------------------------------------------------------------------ Mosaic TPU
+
+
+def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+  """Grid (batch, KV head, split, block of the split), the last axis "arbitrary" with the
+  state in VMEM scratch; the bounds are scalar-prefetched and a step outside ``[lo, hi)``
+  computes nothing and re-reads the last fetched block (its index is clamped). A cache
+  whose head dim is a multiple of 128 is read in place through the free view
+  ``[B, S, K * H]``; otherwise it is transposed to ``[B, K, S, H]`` (a copy, with a
+  head dim other than 64 padded to a multiple of 128 on the way: allocate such caches
+  heads-first on TPU). The last key block may be partial (masked)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  b, kh, gp, h = q4.shape
+  s_len, hv, p, bk = k.shape[1], v.shape[-1], cfg.num_splits, cfg.block_k
+  bps, nk = cfg.blocks_per_split, cfg.num_blocks
+
+  def block(bi, si, t, lo_ref, hi_ref):
+    r = bi * p + si
+    a, z = lo_ref[r], hi_ref[r]
+    kb = jnp.minimum(jnp.maximum(si * bps + t, a), jnp.maximum(z - 1, a))
+    return jnp.minimum(kb, nk - 1)
+
+  def cache_spec(x):
+    hd = x.shape[-1]
+    if hd % 128 == 0:
+      view = x.reshape(b, s_len, kh * hd)
+      return view, pl.BlockSpec(
+          (None, bk, hd), lambda bi, hh, si, t, lo_r, hi_r, n_r: (bi, block(bi, si, t, lo_r, hi_r), hh))
+    return jnp.swapaxes(x, 1, 2), pl.BlockSpec(
+        (None, None, bk, hd),
+        lambda bi, hh, si, t, lo_r, hi_r, n_r: (bi, hh, block(bi, si, t, lo_r, hi_r), 0))
+
+  k_in, k_spec = cache_spec(k)
+  v_in, v_spec = cache_spec(v)
+
+  def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, m_ref, l_ref, acc_ref,
+             m_sc, l_sc, acc_sc):
+    bi, si, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
+    r, kb = bi * p + si, si * bps + pl.program_id(3)
+
+    @pl.when(t == 0)
+    def _start():
+      m_sc[...], l_sc[...], acc_sc[...] = _init(gp, hv)
+
+    @pl.when(jnp.logical_and(kb >= lo_ref[r], kb < hi_ref[r]))
+    def _compute():
+      s, valid, vt = _logits(cfg, q_ref[...], k_ref[...], v_ref[...], kb * bk, len_ref[bi])
+      m_sc[...], l_sc[...], acc_sc[...] = _tile(cfg.mode, s, valid, vt,
+                                                (m_sc[...], l_sc[...], acc_sc[...]), c_ref[...])
+
+    @pl.when(t == bps - 1)
+    def _finish():
+      m_ref[...] = m_sc[...]
+      l_ref[...] = l_sc[...]
+      acc_ref[...] = acc_sc[...]
+
+  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))
+  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
+  return pl.pallas_call(
+      kernel,
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=3, grid=(b, kh, p, bps),
+          in_specs=[pl.BlockSpec((None, None, gp, h), lambda bi, hh, si, t, *_: (bi, hh, 0, 0)),
+                    k_spec, v_spec, row],
+          out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
+                                            lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))],
+          scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
+                          pltpu.VMEM((gp, hv), jnp.float32)]),
+      out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, hv), jnp.float32)],
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=cfg.interpret if cfg.interpret is not None else False,
+      name=f"jaxsoft_decode_{cfg.mode}",
+  )(lo.reshape(-1), hi.reshape(-1), lens, q4, k_in, v_in, c)
+
+
+def _partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+  fn = _triton_partials if cfg.backend == "triton" else _mosaic_partials
+  return fn(cfg, q4, k, v, lo, hi, lens, c)
+
+
+# -------------------------------------------------------------------------- merge (XLA)
+
+
+def _merge(m, l, acc, sink):
+  """Online-softmax merge of the split partials ``[B, K, P, G, .]`` over P; ``sink``
+  (``[B, K, G, 1]`` or None) is one more entry ``e^{sink}`` of the denominator."""
+  top = jnp.max(m, axis=2)
+  if sink is not None:
+    top = jnp.maximum(top, sink)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(m - top[:, :, None])  # an empty split (m = -inf) weighs 0
+  den = jnp.sum(w * l, axis=2)
+  if sink is not None:
+    den = den + jnp.exp(sink - top)
+  num = jnp.sum(w * acc, axis=2)
+  return num / jnp.where(den > 0, den, 1.0)
+
+
+# ------------------------------------------------------------------------------- checks
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _per_head(x, b: int, n: int, arg: str):
+  """A per-row constant: a scalar, ``[N]`` (per query head) or ``[B, N]``; float32."""
+  if _is_concrete(x) and not np.all(np.isfinite(np.asarray(x, np.float32))):
+    raise _err(f"`{arg}` must be finite")
+  x = jnp.asarray(x, jnp.float32)
+  if x.ndim > 2 or (x.ndim >= 1 and x.shape[-1] != n) or (x.ndim == 2 and x.shape[0] != b):
+    raise _err(f"`{arg}` must be a scalar, [N] = [{n}] or [B, N] = [{b}, {n}], "
+               f"got shape {x.shape}")
+  return jnp.broadcast_to(x, (b, n))
+
+
+def _check_int(x, arg: str, low: int = 1) -> int:
+  if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < low:
+    raise _err(f"`{arg}` must be an int >= {low}, got {x!r}")
+  return int(x)
+
+
+def _check_block(backend: str, block_k, s_len: int, hp: int) -> int:
+  if backend == "triton":
+    if block_k is None:
+      block_k = 128 if hp <= 128 else 64
+    bk = _check_int(block_k, "block_k")
+    if bk < 16 or bk & (bk - 1):
+      raise _err(f"`block_k` must be a power of two >= 16 for Triton, got {block_k!r}")
+    return min(bk, max(16, _next_pow2(s_len)))
+  bk = _check_int(512 if block_k is None else block_k, "block_k")
+  if bk % 128:
+    raise _err(f"`block_k` must be a multiple of 128 for Mosaic TPU, got {block_k!r}")
+  return s_len if s_len <= bk else bk  # one whole-length block, or 128-lane blocks
+
+
+def _mosaic_dim(d: int) -> int:
+  return d if d == 64 or d % 128 == 0 else _cdiv(d, 128) * 128
+
+
+def _check_range(safe_range, s_len: int) -> tuple[float, float]:
+  if safe_range is None:
+    return DEFAULT_SAFE_RANGE
+  try:
+    a, b = (float(x) for x in safe_range)
+  except (TypeError, ValueError):
+    raise _err(f"`safe_range` must be a pair of numbers (a, b), got {safe_range!r}") from None
+  b_max = math.log(float(_F32.max)) - math.log(max(s_len, 1))
+  if not (a < b <= b_max):
+    raise _err(f"`safe_range` (a, b) needs a < b <= log(max float32) - log(S_max) = "
+               f"{b_max:.3f}, got {safe_range!r}")
+  return a, b
+
+
+# ----------------------------------------------------------------------------------- API
+
+
+def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax",
+                     normalizer_params: Mapping[str, Any] | None = None, scale=None,
+                     num_splits: int | None = None, unified_max=None,
+                     safe_range: tuple[float, float] | None = None,
+                     logits_soft_cap: float | None = None, backend: str = "triton",
+                     interpret: Any = False, block_k: int | None = None) -> jax.Array:
+  r"""Attention of one new token per sequence to its KV cache, split-K (K05).
+
+  For batch row b and query head n (KV head ``n // G``, ``G = N / K``):
+
+  .. math::
+    x_j = c \tanh\Big(\frac{s\, q_{bn} \cdot k_{bj}}{c}\Big), \quad j < \mathrm{len}_b;
+    \qquad o_{bn} = \sum_{j < \mathrm{len}_b} f(x)_j\, v_{bj}
+
+  with f softmax, softmax_sink (``e^{x_j} / (e^{sink} + \sum e^{x})``) or sigmoid
+  (``\sigma(x_j + bias)``, ``bias = -log len_b`` by default; class P: no max, no sum,
+  the partial outputs merge by addition). See the module docstring for the split-K merge
+  (T. Dao et al. 2023, "Flash-Decoding for long-context inference") and the unified max
+  with its overflow guard (K. Hong et al. 2024, "FlashDecoding++: Faster Large Language
+  Model Inference on GPUs"). Forward only (decoding needs no gradient).
+
+  Args:
+    q: ``[B, N, H]``, the new token's queries.
+    k_cache: ``[B, S_max, K, H]``; ``N % K == 0`` (GQA/MQA; the cache is never copied per
+      query head).
+    v_cache: ``[B, S_max, K, Hv]``.
+    lengths: ``[B]`` int, the number of valid cached keys (keys at positions
+      ``>= lengths[b]`` are invisible, whatever they hold). A row of length 0 returns
+      zeros. Concrete values must lie in ``[0, S_max]``; traced ones are clipped to it.
+    normalizer: "softmax", "softmax_sink" or "sigmoid".
+    normalizer_params: ``{"sink_logit": s}`` (softmax_sink, default 0) or ``{"bias": b}``
+      (sigmoid, default ``-log len``); a scalar, ``[N]`` or ``[B, N]``.
+    scale: the logit scale (a number; default ``1 / sqrt(H)``).
+    num_splits: the number of key chunks processed in parallel (default: enough programs
+      for about 128 per call, at most the number of key blocks; larger values are
+      clipped to it). Need not divide the number of key blocks.
+    unified_max: ``phi`` (softmax and softmax_sink): a scalar, ``[N]`` or ``[B, N]`` fixed
+      max shared by all splits; None for the per-split running max.
+    safe_range: ``(a, b)`` of the guard (a split whose max ``m`` has ``m - phi`` outside
+      it is recomputed with ``m``); default ``(log(tiny) / 2, log(max) / 2)`` of float32,
+      about ``(-43.7, 44.4)``; ``b <= log(max) - log(S_max)``.
+    logits_soft_cap: ``c`` > 0, or None for no tanh cap.
+    backend: "triton" (GPU) or "mosaic_tpu".
+    interpret: run in the Pallas interpreter (CPU); a ``pltpu.InterpretParams`` selects
+      TPU interpret mode for the Mosaic driver.
+    block_k: keys per block (Triton: a power of two >= 16, default 128, 64 for H > 128;
+      Mosaic: a multiple of 128, default 512). Triton pads a cache whose ``S_max`` is not
+      a multiple of it, or whose head dim is not a power of two >= 16 (a copy: allocate
+      the cache at such sizes to avoid it).
+
+  Returns:
+    ``[B, N, Hv]`` in q's dtype (computed in float32).
+  """
+  q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+  b, n, h, s_len, kh, lens = _check_arrays(q, k_cache, v_cache, lengths)
+  if backend not in BACKENDS:
+    raise _err(f"`backend` must be one of {BACKENDS}, got {backend!r}")
+  params = _check_params(normalizer, normalizer_params)
+  scale, cap = _check_numbers(scale, logits_soft_cap, h)
+  if unified_max is not None and normalizer == "sigmoid":
+    raise _err("`unified_max` applies to softmax and softmax_sink (sigmoid has no max)")
+  if safe_range is not None and unified_max is None:
+    raise _err("`safe_range` is the guard of `unified_max`; pass both or neither")
+  guard = _check_range(safe_range, s_len) if unified_max is not None else None
+
+  g, hv = n // kh, v_cache.shape[-1]
+  mode = "sigmoid" if normalizer == "sigmoid" else ("fixed" if unified_max is not None
+                                                    else "online")
+  cfg, (gp, hp, hvp) = _tiling(backend, mode, q, k_cache, v_cache, block_k, num_splits, scale,
+                               cap, interpret)
+  k, v = _pad_caches(cfg, k_cache, v_cache, hp, hvp)
+  q4 = jnp.pad(q.reshape(b, kh, g, h), ((0, 0), (0, 0), (0, gp - g), (0, hp - h)))
+  p, bps = cfg.num_splits, cfg.blocks_per_split
+
+  def rows(x):  # [B, N] -> [B, K, P, gp, 1]
+    x = jnp.pad(x.reshape(b, kh, g), ((0, 0), (0, 0), (0, gp - g)))
+    return jnp.broadcast_to(x[:, :, None, :, None], (b, kh, p, gp, 1))
+
+  starts = jnp.arange(p, dtype=jnp.int32) * bps
+  lo = jnp.broadcast_to(starts, (b, p))
+  hi = jnp.maximum(jnp.minimum(starts + bps, (lens[:, None] + cfg.block_k - 1) // cfg.block_k),
+                   lo)
+
+  if mode == "sigmoid":
+    bias = params.get("bias")
+    if bias is None:
+      bias = jnp.broadcast_to(-jnp.log(jnp.maximum(lens, 1).astype(jnp.float32))[:, None],
+                              (b, n))
+    _, _, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(_per_head(bias, b, n, "bias")))
+    out = jnp.sum(acc, axis=2)
+  else:
+    sink = None
+    if normalizer == "softmax_sink":
+      s_arr = _per_head(params.get("sink_logit", 0.0), b, n, "sink_logit")
+      sink = s_arr.reshape(b, kh, g)[..., None]
+    if mode == "online":
+      m, l, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(jnp.zeros((b, n), jnp.float32)))
+    else:
+      m, l, acc = _unified(cfg, q4, k, v, lo, hi, lens,
+                           rows(_per_head(unified_max, b, n, "unified_max")), g, guard)
+    out = _merge(m[:, :, :, :g], l[:, :, :, :g], acc[:, :, :, :g], sink)
+    out = jnp.where((lens > 0)[:, None, None, None], out, 0.0)
+  return out[:, :, :g, :hv].reshape(b, n, hv).astype(q.dtype)
+
+
+def _check_arrays(q, k_cache, v_cache, lengths):
+  """Shapes and dtypes; returns ``(B, N, H, S_max, K, lengths clipped to [0, S_max])``."""
+  for arg, x, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
+    if x.ndim != rank:
+      raise _err(f"`{arg}` must have rank {rank}, got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise _err(f"`{arg}` must be floating point, got {x.dtype}")
+  b, n, h = q.shape
+  _, s_len, kh, _ = k_cache.shape
+  if k_cache.shape[0] != b or k_cache.shape[3] != h:
+    raise _err(f"`k_cache` must be [B, S_max, K, H] = [{b}, S_max, K, {h}], "
+               f"got {k_cache.shape}")
+  if v_cache.shape[:3] != k_cache.shape[:3]:
+    raise _err(f"`v_cache` must be [B, S_max, K, Hv] = [{b}, {s_len}, {kh}, Hv], "
+               f"got {v_cache.shape}")
+  if s_len < 1 or kh < 1 or n % kh:
+    raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
+               f"K = {kh} (`k_cache` {k_cache.shape})")
+  if _is_concrete(lengths):
+    host = np.asarray(lengths)
+    if host.shape == (b,) and np.issubdtype(host.dtype, np.integer) and (
+        np.any(host < 0) or np.any(host > s_len)):
+      raise _err(f"`lengths` must lie in [0, S_max = {s_len}], got {host}")
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise _err(f"`lengths` must be an int array of shape [B] = [{b}], got "
+               f"{lengths.dtype}{list(lengths.shape)}")
+  return b, n, h, s_len, kh, jnp.clip(lengths.astype(jnp.int32), 0, s_len)
+
+
+def _check_params(normalizer, normalizer_params) -> dict[str, Any]:
+  if normalizer not in NORMALIZERS:
+    raise _err(f"`normalizer` must be one of {NORMALIZERS}, got {normalizer!r}")
+  params = dict(normalizer_params or {})
+  extra = set(params) - set(_PARAMS[normalizer])
+  if extra:
+    raise _err(f"`normalizer_params` has keys {sorted(extra)} that {normalizer!r} does not "
+               f"take (it takes {list(_PARAMS[normalizer])})")
+  return params
+
+
+def _check_numbers(scale, cap, h: int) -> tuple[float, float | None]:
+  """The logit scale (default ``1 / sqrt(H)``) and soft cap as Python floats."""
+  if scale is None:
+    scale = 1.0 / math.sqrt(h)
+  try:
+    scale = float(scale)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    raise _err(f"`scale` must be a concrete number, got {scale!r}") from None
+  if not math.isfinite(scale):
+    raise _err(f"`scale` must be finite, got {scale!r}")
+  if cap is None:
+    return scale, None
+  try:
+    ok = float(cap) > 0 and math.isfinite(float(cap))
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    ok = False
+  if not ok:
+    raise _err(f"`logits_soft_cap` must be a positive number or None, got {cap!r}")
+  return scale, float(cap)
+
+
+def _tiling(backend, mode, q, k_cache, v_cache, block_k, num_splits, scale, cap, interpret):
+  """The kernel config and the padded (query rows per tile, head dim, value head dim)."""
+  b, n, h = q.shape
+  s_len, kh, hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+  g = n // kh
+  if backend == "triton":
+    gp, hp, hvp = _next_pow2(max(g, 16)), _next_pow2(max(h, 16)), _next_pow2(max(hv, 16))
+  else:  # head dims 64 or multiples of 128 as they are, others padded to 128 lanes
+    two_byte = min(jnp.dtype(q.dtype).itemsize, jnp.dtype(k_cache.dtype).itemsize) <= 2
+    sub = 16 if two_byte else 8
+    gp, hp, hvp = _cdiv(g, sub) * sub, _mosaic_dim(h), _mosaic_dim(hv)
+  bk = _check_block(backend, block_k, s_len, hp)
+  nk = _cdiv(s_len, bk)
+  if num_splits is None:
+    num_splits = max(1, _cdiv(128, b * kh))
+  p = min(_check_int(num_splits, "num_splits"), nk)
+  bps = _cdiv(nk, p)
+  cfg = _Cfg(backend=backend, mode=mode, scale=scale, cap=cap, block_k=bk, num_blocks=nk,
+             num_splits=_cdiv(nk, bps), blocks_per_split=bps,  # no split without a block
+             compute_dtype=jnp.result_type(q.dtype, k_cache.dtype), interpret=interpret)
+  return cfg, (gp, hp, hvp)
+
+
+def _pad_caches(cfg: _Cfg, k, v, hp: int, hvp: int):
+  """Triton: whole blocks along S and power-of-two head dims; Mosaic: head dims padded
+  (folded into the heads-first copy of :func:`_mosaic_partials`)."""
+  s_len, s_pad = k.shape[1], cfg.num_blocks * cfg.block_k
+  ds = s_pad - s_len if cfg.backend == "triton" else 0
+  if ds or hp != k.shape[-1]:
+    k = jnp.pad(k, ((0, 0), (0, ds), (0, 0), (0, hp - k.shape[-1])))
+  if ds or hvp != v.shape[-1]:
+    v = jnp.pad(v, ((0, 0), (0, ds), (0, 0), (0, hvp - v.shape[-1])))
+  return k, v
+
+
+def _unified(cfg: _Cfg, q4, k, v, lo, hi, lens, phi, g: int, guard):
+  """The unified-max pass, then (only when a split is flagged) the flagged splits again
+  with their own max; returns partials ``(m, l, acc)`` for :func:`_merge` (``m = phi`` for
+  the unflagged splits, whose partials then merge by plain addition)."""
+  a, b = guard
+  top, l1, acc1 = _partials(cfg, q4, k, v, lo, hi, lens, phi)
+  gap = top - phi
+  real = jnp.arange(phi.shape[3])[None, None, None, :, None] < g  # not a padding row
+  nonempty = (hi > lo)[:, None, :, None, None]
+  bad = real & nonempty & ((gap > b) | (gap < a) | ~jnp.isfinite(gap))
+  split_bad = jnp.any(bad, axis=(1, 3, 4))  # [B, P]: the recomputed programs
+  hi2 = jnp.where(split_bad, hi, lo)
+
+  def recompute():
+    own = jnp.where(jnp.isfinite(top), top, 0.0)
+    return _partials(cfg, q4, k, v, lo, hi2, lens, own)
+
+  def skip():
+    return top, jnp.zeros_like(l1), jnp.zeros_like(acc1)
+
+  _, l2, acc2 = jax.lax.cond(jnp.any(split_bad), recompute, skip)
+  redo = split_bad[:, None, :, None, None]
+  m = jnp.where(redo, top, phi)
+  return m, jnp.where(redo, l2, l1), jnp.where(redo, acc2, acc1)
