@@ -10,10 +10,17 @@ The named baseline is causal softmax attention, ``jaxsoft.attention.dot_product_
 Before timing, each variant's chunked form (chunk 64) is checked against its parallel form
 in a process of its own at T = 256 (4 chunks): the output and every gradient, to 1e-4
 relative to the largest entry. A variant that fails is not timed. A parallel form whose
-T x T (x K for per-channel decays) buffer alone would exceed 512 MiB is not run (gla at
-T >= 1024): the row says so instead of a time.
+T x T buffer alone would exceed 512 MiB is not run (T >= 8192 at B = 1, N = 4): the row
+says so instead of a time. (gla's per-channel scores are built by recursive secondary
+chunking, so its parallel form holds [T, T] per head as the others do, not [T, T, K].)
+
+With ``--rounds R`` every cell is timed R times, the rounds interleaved (all cells once,
+then all again), and the table gives the median over the rounds: the machine's load drifts
+less between the cells of one round than over a whole sequential sweep.
 
   python bench/linear_cpu.py                  # T = 1024, 4096; markdown table on stdout
+  python bench/linear_cpu.py --lengths 1024 4096 16384 --rounds 3 --reps 3
+  python bench/linear_cpu.py --forms chunked --variants simple_gla,gated_delta_rule
   python bench/linear_cpu.py --quick          # a tiny run (used by the tests)
 """
 
@@ -89,8 +96,8 @@ def _cotangent(T: int):
 
 
 def parallel_buffer_bytes(variant: str, T: int) -> int:
-  """The size of one ``[B, N, T, T]`` (``[B, N, T, T, K]`` for gla) float32 buffer."""
-  return 4 * B * N * T * T * (H if variant == "gla" else 1)
+  """The size of one ``[B, N, T, T]`` float32 buffer (every variant, gla included)."""
+  return 4 * B * N * T * T
 
 
 def _cell_check(variant: str, T: int) -> dict:
@@ -135,12 +142,34 @@ def _child(kind: str, *args) -> dict:
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def parse_lengths(items: list[str]) -> list[int]:
+  """``["1024", "4096"]`` or ``["1024,4096"]`` (or a mix) -> ``[1024, 4096]``."""
+  return [int(t) for item in items for t in item.split(",") if t]
+
+
+def merge_rounds(rs: list[dict]) -> dict:
+  """One cell's rounds -> the median time over the timed rounds, the largest peak RSS (an
+  error only when no round was timed)."""
+  ok = [r for r in rs if "median_s" in r]
+  if not ok:
+    return rs[0]
+  return {"median_s": statistics.median(r["median_s"] for r in ok),
+          "compile_s": statistics.median(r["compile_s"] for r in ok),
+          "peak_mib": max(r["peak_mib"] for r in ok),
+          "base_mib": statistics.median(r["base_mib"] for r in ok), "rounds": len(ok)}
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
   p.add_argument("--quick", action="store_true", help="tiny run: T = 128, 2 reps, simple_gla only")
-  p.add_argument("--lengths", type=str, default="1024,4096")
+  p.add_argument("--lengths", nargs="+", default=["1024,4096"],
+                 help="sequence lengths, space- or comma-separated (e.g. 1024 4096 16384)")
   p.add_argument("--variants", type=str, default=",".join(VARIANTS))
+  p.add_argument("--forms", type=str, default=",".join(FORMS),
+                 help="chunked,parallel (default) or one of them")
   p.add_argument("--reps", type=int, default=5)
+  p.add_argument("--rounds", type=int, default=1,
+                 help="time every cell this many times, rounds interleaved; median over rounds")
   p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
 
@@ -152,7 +181,11 @@ def main(argv=None) -> int:
     print(json.dumps(res))
     return 0
 
-  lengths = [128] if a.quick else [int(t) for t in a.lengths.split(",")]
+  lengths = [128] if a.quick else parse_lengths(a.lengths)
+  forms = [f for f in a.forms.split(",") if f]
+  for f in forms:
+    if f not in FORMS:
+      p.error(f"unknown form {f!r}; choose from {FORMS}")
   reps = 2 if a.quick else a.reps
   variants = ["simple_gla"] if a.quick else [
       v for v in a.variants.split(",") if v]
@@ -165,24 +198,30 @@ def main(argv=None) -> int:
   for v, c in checks.items():
     print(f"correctness {v} chunked vs parallel at T={check_t}: {c}", file=sys.stderr)
 
-  results = {}
+  cells = []
   for T in lengths:
-    results[(BASELINE, "", T)] = _child("time", BASELINE, "", T, reps)
-    print(f"T={T} {BASELINE}: {results[(BASELINE, '', T)]}", file=sys.stderr)
+    cells.append((BASELINE, "", T))
     for v in variants:
-      for form in FORMS:
-        if not checks[v].get("ok"):
-          results[(v, form, T)] = {"error": "failed the correctness check: not timed"}
-        elif form == "parallel" and parallel_buffer_bytes(v, T) > PARALLEL_LIMIT_BYTES:
-          results[(v, form, T)] = {"error": f"not run: one T x T buffer is "
-                                            f"{parallel_buffer_bytes(v, T) / 2**30:.1f} GiB"}
-        else:
-          results[(v, form, T)] = _child("time", v, form, T, reps)
-        print(f"T={T} {v} {form}: {results[(v, form, T)]}", file=sys.stderr)
+      for form in forms:
+        cells.append((v, form, T))
+  rounds: dict = {c: [] for c in cells}
+  for _ in range(max(a.rounds, 1)):
+    for v, form, T in cells:
+      if v != BASELINE and not checks[v].get("ok"):
+        r = {"error": "failed the correctness check: not timed"}
+      elif form == "parallel" and parallel_buffer_bytes(v, T) > PARALLEL_LIMIT_BYTES:
+        r = {"error": f"not run: one T x T buffer is "
+                      f"{parallel_buffer_bytes(v, T) / 2**30:.1f} GiB"}
+      else:
+        r = _child("time", v, form, T, reps)
+      rounds[(v, form, T)].append(r)
+      print(f"T={T} {v} {form}: {r}", file=sys.stderr)
+  results = {c: merge_rounds(rs) for c, rs in rounds.items()}
 
   lines = [
       f"Linear attention, B={B}, N={N}, K=V={H}, chunk 64, forward+backward under jit, median "
-      f"of {reps}; chunked vs parallel checked at T={check_t}: " + ", ".join(
+      f"of {reps} (median over {max(a.rounds, 1)} interleaved rounds); chunked vs parallel "
+      f"checked at T={check_t}: " + ", ".join(
           f"{v} {'ok' if c.get('ok') else 'FAILED'}" for v, c in checks.items()),
       "",
       "| T | variant | form | time (ms) | peak RSS (MiB) | chunked speed-up vs parallel |"
@@ -191,7 +230,7 @@ def main(argv=None) -> int:
   ]
   for T in lengths:
     ref = results[(BASELINE, "", T)]
-    rows = [(BASELINE, "")] + [(v, f) for v in variants for f in FORMS]
+    rows = [(BASELINE, "")] + [(v, f) for v in variants for f in forms]
     for v, form in rows:
       r = results[(v, form, T)]
       if "error" in r:

@@ -92,10 +92,13 @@ def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
     o_t = S_t^\top (\text{scale} \cdot q_t)
 
   (Yang, Wang, Shen, Panda & Kim 2024, "Gated Linear Attention Transformers with
-  Hardware-Efficient Training"). The chunked form computes the intra-chunk scores
-  ``Σ_c q_ic k_jc e^{G_ic - G_jc}`` from a masked ``[chunk, chunk, K]`` tensor per chunk
-  (no secondary chunking yet), so its memory is O(T·chunk_size·K + T·K·V / chunk_size);
-  the parallel form holds ``[T, T, K]`` per head.
+  Hardware-Efficient Training"). The intra-chunk scores ``Σ_c q_ic k_jc e^{G_ic - G_jc}``
+  are built by that paper's secondary chunking, applied recursively: the chunk is halved,
+  the pairs across the halves are one matmul of queries and keys decayed to the second
+  half's first token (every exponent ``<= 0``), and each half is split again. No
+  ``[chunk, chunk, K]`` tensor is formed: the chunked form's memory is
+  O(T·chunk_size + T·K·log(chunk_size) + T·K·V / chunk_size) and the parallel form holds
+  ``[T, T]`` per head, as for :func:`simple_gla`.
 
   Args:
     q, k: ``[B, T, N, K]``.

@@ -33,18 +33,22 @@ over Sequence Length"): one unit-lower-triangular inverse per chunk
 
 ``\Gamma_{ij} = e^{G_i - G_j}`` for ``j \le i`` in the same run, else 0 (per channel
 ``\sum_c q_{ic} k_{jc} e^{G_{ic} - G_{jc}}``). Every exponent is a masked difference
-``G_i - G_j`` with ``j <= i`` (so ``<= 0``): the masks are applied before ``exp``, which
-never sees a large positive number. Only the chunk-start states are carried, by a
+``G_i - G_j`` with ``j <= i`` (so ``<= 0``; in :func:`channel_scores`, a difference to a
+token between them): the masks are applied before ``exp``, which never sees a large
+positive number. Only the chunk-start states are carried, by a
 ``lax.scan`` over chunks; everything else is computed for all chunks at once.
 
 Backward pass of the chunked form (feature K07): a custom VJP keeps only the inputs and the
-chunk-start states (``O(T·K·V / C)``) and runs a reverse ``lax.scan`` over the chunks that
-rebuilds one chunk's terms (scores, UT inverse) from its inputs, differentiates them with
-``jax.vjp`` against that chunk's output cotangent and its end-state cotangent, and carries
-the start-state cotangent to the chunk before: the recomputing backward of Lightning
-Attention (Qin et al. 2024) and of flash-linear-attention's chunk kernels, with no ``[T, T]``
-buffer and no stored per-chunk ``[C, C]`` terms. The parallel form (one chunk) is left to
-autodiff, an independent path the tests compare against.
+chunk-start states (``O(T·K·V / C)``). The backward pass rebuilds every chunk's terms
+(scores, UT inverse) from the inputs, for all chunks at once as the forward pass does;
+a reverse ``lax.scan`` over the chunks carries only the state cotangent ``[K, V]`` (one
+``[K, K] x [K, V]`` product per chunk), and the cotangents of the chunk terms and of the
+inputs then follow for all chunks at once: the recomputing backward of Lightning Attention
+(Qin et al. 2024) and of flash-linear-attention's chunk kernels, with no ``[T, T]`` buffer
+and no per-chunk ``[C, C]`` terms kept between the passes. The parallel form (one chunk)
+is left to autodiff, an independent path the tests compare against. The UT inverse is
+differentiated by its own rule (``d(I + A)^{-1} = -X dA X``), and gla's per-channel
+scores by :func:`channel_scores` (recursive secondary chunking, no ``[C, C, K]`` tensor).
 """
 
 from __future__ import annotations
@@ -54,7 +58,7 @@ import jax.numpy as jnp
 
 from jaxsoft.linear import _chunk
 
-__all__ = ["step", "recurrent", "chunked", "unit_lower_inverse"]
+__all__ = ["step", "recurrent", "chunked", "unit_lower_inverse", "channel_scores"]
 
 
 def step(S: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array | None,
@@ -97,6 +101,7 @@ def _masked_exp(mask: jax.Array, x: jax.Array) -> jax.Array:
   return jnp.exp(jnp.where(mask, x, -jnp.inf))
 
 
+@jax.custom_jvp
 def unit_lower_inverse(A: jax.Array) -> jax.Array:
   """``(I + A)^{-1}`` for strictly lower-triangular ``A [..., C, C]``, by recursive 2 x 2
   block inversion: ``[[L11, 0], [L21, L22]]^{-1} = [[X11, 0], [-X22 L21 X11, X22]]``,
@@ -105,6 +110,10 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
   another order); on CPU it is 30-100x faster than XLA's batched triangular solve at
   C = 64 ... 256, with the same float32 error (~1e-7 relative on the tests' inputs).
   """
+  return _block_inverse(A)
+
+
+def _block_inverse(A: jax.Array) -> jax.Array:
   C = A.shape[-1]
   P = 1 << max(C - 1, 0).bit_length()
   batch = A.shape[:-2]
@@ -121,6 +130,56 @@ def unit_lower_inverse(A: jax.Array) -> jax.Array:
                          jnp.concatenate([X21, X22], axis=-1)], axis=-2)
     s *= 2
   return X[..., 0, :C, :C]
+
+
+@unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+  """``d(I + A)^{-1} = -X dA X`` with ``X = (I + A)^{-1}`` and ``dA`` kept strictly lower
+  (only those entries of ``A`` are read). Linear in ``dA``, so reverse mode transposes it
+  to ``dA = tril(-X^T dX X^T, -1)``: two batched matmuls with only ``X`` kept, instead of
+  differentiating through the block recursion."""
+  (A,), (dA,) = primals, tangents
+  X = _block_inverse(A)
+  i = jnp.arange(A.shape[-1])
+  dA = jnp.where(i[:, None] > i[None, :], dA, 0.0)
+  return X, -(X @ dA @ X)
+
+
+def channel_scores(x: jax.Array, y: jax.Array, G: jax.Array, mask: jax.Array) -> jax.Array:
+  r"""``Σ_c x_ic y_jc e^{G_ic - G_jc}`` where ``mask[i, j]`` (else exactly 0), with no
+  ``[C, C, K]`` tensor: ``x, y, G [..., C, K]`` (``G`` non-increasing along C, as the
+  cumulative sums of log decays ``<= 0`` are), ``mask [..., C, C]`` (broadcastable; true
+  only for ``j <= i``).
+
+  The secondary chunking of Yang et al. 2024 ("Gated Linear Attention Transformers with
+  Hardware-Efficient Training"), applied recursively: the chunk (padded to a power of two)
+  is halved, and the pairs with ``i`` in the second half and ``j`` in the first go through
+  one matmul with ``r`` the first token of the second half,
+  ``(x_i ⊙ e^{G_i - G_r}) · (y_j ⊙ e^{G_r - G_j})``, both exponents ``<= 0`` (never a large
+  positive number, so no overflow and no mask needed before the ``exp``); each half is then
+  split again, down to the diagonal ``x_i · y_i``. log2(C) levels of batched matmuls,
+  ``O(C·K·log C)`` exponentials instead of ``C²·K``, assembled as the block recursion of
+  :func:`unit_lower_inverse` assembles its inverse.
+  """
+  C, K = x.shape[-2:]
+  P = 1 << max(C - 1, 0).bit_length()
+  x, y, G = (_chunk.pad_time(t, t.ndim - 2, P - C, mode=m)
+             for t, m in ((x, "zero"), (y, "zero"), (G, "edge")))
+  lead = x.shape[:-2]
+  S = jnp.sum(x * y, axis=-1)[..., None, None]                  # [..., P, 1, 1]: i == j
+  b = 1
+  while b < P:
+    xb, yb, Gb = (t.reshape(lead + (P // (2 * b), 2, b, K)) for t in (x, y, G))
+    ref = Gb[..., 1, :1, :]                                      # [..., m, 1, K]
+    xq = xb[..., 1, :, :] * jnp.exp(Gb[..., 1, :, :] - ref)
+    yk = yb[..., 0, :, :] * jnp.exp(ref - Gb[..., 0, :, :])
+    S21 = jnp.einsum("...mik,...mjk->...mij", xq, yk)           # [..., m, b, b]
+    S11, S22 = S[..., 0::2, :, :], S[..., 1::2, :, :]
+    S = jnp.concatenate([jnp.concatenate([S11, jnp.zeros_like(S11)], axis=-1),
+                         jnp.concatenate([S21, S22], axis=-1)], axis=-2)
+    b *= 2
+  mask = jnp.pad(mask, [(0, 0)] * (mask.ndim - 2) + [(0, P - C), (0, P - C)])
+  return jnp.where(mask, S[..., 0, :, :], 0.0)[..., :C, :C]
 
 
 def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
@@ -149,10 +208,9 @@ def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
     dq = _masked_exp(sees_start[..., None], G)                         # [B, N, nC, C, K]
     dk = _masked_exp(reaches_end[..., None], G_last[..., None, :] - G)
     ds = _masked_exp(carries[..., None], G_last)                       # [B, N, nC, K]
-    diff = G[..., :, None, :] - G[..., None, :, :]                     # [B, N, nC, C, C, K]
 
     def scores(x, y, mask):
-      return jnp.einsum("...ik,...jk,...ijk->...ij", x, y, _masked_exp(mask[..., None], diff))
+      return channel_scores(x, y, G, mask)
   else:
     dq = _masked_exp(sees_start, G)[..., None]                         # [B, N, nC, C, 1]
     dk = _masked_exp(reaches_end, G_last[..., None] - G)[..., None]
@@ -190,17 +248,29 @@ def _chunk_first(x):
   return None if x is None else jnp.moveaxis(x, 2, 0)
 
 
+def _state_map(terms) -> tuple[jax.Array | None, jax.Array]:
+  r"""The chunk's end state as an affine map of its start state, for all chunks at once:
+  ``S_end = e^{G_C} S - M S + b`` with ``M = \bar K^T W`` ``[K, K]`` (None without ``beta``)
+  and ``b = \bar K^T \tilde U`` ``[K, V]``, so that the scans over chunks do one
+  ``[K, K] x [K, V]`` product per chunk (none for the gated linear attentions)."""
+  _, kd, _, _, U_tilde, W = terms
+  M = None if W is None else jnp.einsum("...ck,...cj->...kj", kd, W)
+  return M, jnp.einsum("...ck,...cv->...kv", kd, U_tilde)
+
+
 def _scan_starts(terms, S0) -> tuple[jax.Array, jax.Array]:
   """The chunk-start states ``[B, N, nC, K, V]`` and the final state, by a scan over chunks."""
-  _, kd, ds, _, U_tilde, W = terms
+  ds = terms[2]
+  M, b = _state_map(terms)
 
   def body(S, x):
-    ds_c, kd_c, u_c, w_c = x
-    U = u_c if w_c is None else u_c - jnp.einsum("bnck,bnkv->bncv", w_c, S)
-    return S * ds_c[..., None] + jnp.einsum("bnck,bncv->bnkv", kd_c, U), S
+    ds_c, m_c, b_c = x
+    S_end = S * ds_c[..., None] + b_c
+    if m_c is not None:
+      S_end = S_end - jnp.einsum("bnkj,bnjv->bnkv", m_c, S)
+    return S_end, S
 
-  S_T, starts = jax.lax.scan(
-      body, S0, tuple(_chunk_first(x) for x in (ds, kd, U_tilde, W)))
+  S_T, starts = jax.lax.scan(body, S0, tuple(_chunk_first(x) for x in (ds, M, b)))
   return jnp.moveaxis(starts, 0, 2), S_T
 
 
@@ -226,30 +296,43 @@ def _chunked_recompute_fwd(xs, rc, run_prev, S0):
 
 
 def _chunked_recompute_bwd(res, cts):
-  """A reverse scan over chunks: chunk ``c``'s terms are rebuilt from its inputs and
-  differentiated with ``jax.vjp`` against ``(do_c, dS_c)``, where ``dS_c`` (the cotangent of
-  its end state, carried) comes from the chunks after it. Only one chunk's intermediates
-  are alive at a time."""
+  r"""The backward pass from the inputs and the chunk-start states: every chunk's terms are
+  rebuilt at once (batched over chunks, as in the forward pass), a reverse scan over the
+  chunks carries only the state cotangent ``dS [K, V]``,
+
+  .. math::
+    dU_c = P_c^\top dO_c + \bar K_c dS_{c+1}, \qquad
+    dS_c = \bar Q_c^\top dO_c + e^{G_C} dS_{c+1} - W_c^\top dU_c
+
+  (``\bar Q = e^G Q``, ``\bar K = e^{G_C - G} K``; no ``W`` term without ``beta``), and the
+  chunk terms' cotangents then follow for all chunks at once from ``jax.vjp`` of the
+  chunk-local computation against ``(dO_c, dS_{c+1})``. Nothing is kept from the forward
+  pass but its inputs and chunk-start states (the recomputing backward of Lightning
+  Attention and of flash-linear-attention's chunk kernels)."""
   xs, rc, run_prev, starts = res
   do, dS_T = cts
-  one = lambda x: None if x is None else x[:, :, None]   # re-insert the chunk axis (size 1)
+  terms, terms_vjp = jax.vjp(lambda xs: _terms(xs, rc, run_prev), xs)
+  qd, kd, ds, P, _, W = terms
+  # the parts of dS_c that do not depend on dS_{c+1}, for all chunks at once
+  dS_local = jnp.einsum("...ck,...cv->...kv", qd, do)
+  M = None
+  if W is not None:
+    dS_local = dS_local - jnp.einsum("...ck,...cv->...kv", W,
+                                     jnp.einsum("...ij,...iv->...jv", P, do))
+    M = _state_map(terms)[0]
 
-  def body(dS, x):
-    x_c, rc_c, rp_c, start_c, do_c = x
+  def body(dS, x):   # dS_c = local_c + e^{G_C} dS_{c+1} - M_c^T dS_{c+1}
+    ds_c, m_c, local_c = x
+    dS_start = local_c + ds_c[..., None] * dS
+    if m_c is not None:
+      dS_start = dS_start - jnp.einsum("bnkj,bnkv->bnjv", m_c, dS)
+    return dS_start, dS
 
-    def f(x_c, start_c):
-      terms = _terms(tuple(one(t) for t in x_c), rc_c[:, None], rp_c[:, None])
-      o, S_end = _chunk_apply(terms, start_c[:, :, None])
-      return o[:, :, 0], S_end[:, :, 0]
-
-    _, vjp = jax.vjp(f, x_c, start_c)
-    dx_c, dstart = vjp((do_c, dS))
-    return dstart, dx_c
-
-  seq = (tuple(_chunk_first(t) for t in xs), jnp.moveaxis(rc, 1, 0),
-         jnp.moveaxis(run_prev, 1, 0), _chunk_first(starts), _chunk_first(do))
-  dS0, dxs = jax.lax.scan(body, dS_T, seq, reverse=True)
-  dxs = tuple(None if t is None else jnp.moveaxis(t, 0, 2) for t in dxs)
+  dS0, d_ends = jax.lax.scan(
+      body, dS_T, tuple(_chunk_first(x) for x in (ds, M, dS_local)), reverse=True)
+  _, apply_vjp = jax.vjp(_chunk_apply, terms, starts)
+  dterms, _ = apply_vjp((do, jnp.moveaxis(d_ends, 0, 2)))
+  (dxs,) = terms_vjp(dterms)
   return dxs, None, None, dS0
 
 

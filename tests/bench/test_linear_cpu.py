@@ -25,9 +25,22 @@ def test_quick_benchmark_runs():
 
 
 def test_parallel_buffer_limit():
-  """gla's parallel form holds [B, N, T, T, K]: refused above 512 MiB (T >= 1024); the
-  scalar-decay variants' [B, N, T, T] is run up to T = 4096 (256 MiB)."""
+  """The parallel forms hold [B, N, T, T] (gla too: its per-channel scores are built without
+  a [T, T, K] tensor): refused above 512 MiB (T = 16384), run up to T = 4096 (256 MiB)."""
   bench = load_script("bench/linear_cpu.py", "bench_linear_cpu")
-  assert bench.parallel_buffer_bytes("gla", 1024) > bench.PARALLEL_LIMIT_BYTES
-  assert bench.parallel_buffer_bytes("gla", 256) <= bench.PARALLEL_LIMIT_BYTES
-  assert bench.parallel_buffer_bytes("gated_delta_rule", 4096) <= bench.PARALLEL_LIMIT_BYTES
+  for variant in ("gla", "gated_delta_rule"):
+    assert bench.parallel_buffer_bytes(variant, 16384) > bench.PARALLEL_LIMIT_BYTES
+    assert bench.parallel_buffer_bytes(variant, 4096) <= bench.PARALLEL_LIMIT_BYTES
+
+
+def test_lengths_and_rounds():
+  """``--lengths 1024 4096 16384`` and ``--lengths 1024,4096`` both parse; the rounds of a
+  cell merge to the median time and the largest peak RSS, errors only when none was timed."""
+  bench = load_script("bench/linear_cpu.py", "bench_linear_cpu")
+  assert bench.parse_lengths(["1024", "4096", "16384"]) == [1024, 4096, 16384]
+  assert bench.parse_lengths(["1024,4096"]) == [1024, 4096]
+  rounds = [{"median_s": t, "compile_s": 1.0, "peak_mib": m, "base_mib": 100.0}
+            for t, m in ((3.0, 10.0), (1.0, 30.0), (2.0, 20.0))]
+  merged = bench.merge_rounds(rounds + [{"error": "exit 1"}])
+  assert merged["median_s"] == 2.0 and merged["peak_mib"] == 30.0 and merged["rounds"] == 3
+  assert bench.merge_rounds([{"error": "exit 1"}]) == {"error": "exit 1"}
