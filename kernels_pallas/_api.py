@@ -64,7 +64,10 @@ def rows(x, b: int, n: int, t: int, dtype=None):
   return jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (b, n, t, 1))
 
 
-def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, has_ids: bool):
+def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: bool):
+  """The resolved, validated block sizes. ``key_lanes``: some array is blocked along the
+  keys in its last dimension (segment ids, a dense bias or mask, the decay's ck), so Mosaic
+  key blocks must be multiples of 128 lanes."""
   if block_sizes is None:
     bl = E.default_block_sizes(backend, t, s, h)
   elif isinstance(block_sizes, E.BlockSizes):
@@ -78,8 +81,9 @@ def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, has_ids: boo
       raise ValueError(f"`block_sizes.{name}` must be a positive int, got {x!r}")
     if backend == "triton" and (x < 16 or x & (x - 1)):
       raise ValueError(f"`block_sizes.{name}` must be a power of two >= 16 for Triton, got {x}")
-    # Mosaic: query blocks of 8 sublanes; key blocks of 128 lanes when key ids are blocked.
-    mult = 128 if backend == "mosaic_tpu" and name.startswith("block_k") and has_ids else 8
+    # Mosaic: query blocks of 8 sublanes; key blocks of 128 lanes when an array is blocked
+    # along the keys in its last dimension.
+    mult = 128 if backend == "mosaic_tpu" and name.startswith("block_k") and key_lanes else 8
     if backend == "mosaic_tpu" and x % mult:
       raise ValueError(
           f"`block_sizes.{name}` must be a multiple of {mult} for Mosaic TPU, got {x}")
@@ -100,12 +104,20 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     block_sizes: a :class:`BlockSizes` or a dict of its fields; default per backend.
     debug: print the Pallas kernels' jaxprs.
 
+  Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
+  heads, queries or keys without copies; the bias's gradient is the logits' cotangent
+  written by the dQ pass (summed over its broadcast axes). A value head dim
+  other than the key's, q/k/v of different dtypes (promoted to their common dtype; the
+  output takes q's), a traced ``scale`` (folded into q) and Forgetting attention's
+  ``decay_bias`` (``cq_i - ck_j`` added per tile from the two vectors before the soft
+  cap; its gradients are the row sums of the logits' cotangent, from the dQ passes, and
+  minus the column sums, from the dK/dV passes) are supported.
+
   Raises:
-    NotImplementedError: ``score`` other than "dot", ``return_residual``, a dense ``bias`` or ``mask``, ``decay_bias``,
-      a plain callable or
-      a normalizer of kernel class X (or T/R without its blockwise rule), a stochastic normalizer, a value head dim
-      different from the key head dim, q/k/v of different dtypes, a traced ``scale``, or
-      (with ``interpret=None``) a platform with no Pallas backend.
+    NotImplementedError: ``score`` other than "dot", ``return_residual``, a plain
+      callable, a normalizer of kernel class X (or T/R without its blockwise rule), a
+      stochastic normalizer, or (with ``interpret=None``) a platform with no Pallas
+      backend.
     ValueError: bad block sizes or backend.
   """
   spec = call.spec
@@ -115,13 +127,6 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   if call.return_residual:
     raise NotImplementedError("the Pallas engine does not return the residual "
                               "(`return_residual`) yet")
-  if call.bias is not None:
-    raise NotImplementedError("the Pallas engine takes no dense `bias`")
-  if call.mask is not None:
-    raise NotImplementedError("the Pallas engine takes no dense `mask` (use the structure: "
-                              "is_causal, local_window_size, segment_ids, sequence lengths)")
-  if call.decay_bias is not None:
-    raise NotImplementedError("the Pallas engine does not implement `decay_bias` yet")
   if not isinstance(spec, _spec.NormalizerSpec):
     raise E.UnsupportedError("the Pallas engine needs a registered NormalizerSpec, not a callable")
   threshold = spec.kernel_class == "T" and spec.threshold is not None
@@ -134,25 +139,31 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
         "and R with a RowStatsRule")
   if spec.needs_key:
     raise E.UnsupportedError(f"normalizer {spec.name!r} is stochastic")
-  q, k, v = call.q, call.k, call.v
-  if v.shape[-1] != k.shape[-1]:
-    raise E.UnsupportedError("the Pallas engine needs equal key and value head dims")
-  if not q.dtype == k.dtype == v.dtype:
-    raise E.UnsupportedError(
-        f"the Pallas engine needs one dtype for q, k, v, got {q.dtype}, {k.dtype}, {v.dtype}")
-  try:
-    scale = float(call.scale)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise E.UnsupportedError("the Pallas engine needs a concrete `scale`") from None
   if interpret is None:
     backend, interpret = pick_backend(backend)
   elif backend not in BACKENDS:
     raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
 
+  # q, k, v in their common dtype (the output takes q's, as xla_chunked's does); a traced
+  # scale (e.g. learned) is folded into q in the compute dtype, the kernel's scale is 1 and
+  # autodiff of the product gives its gradient (the soft cap and the length-dependent maps
+  # see the same scaled logits).
+  out_dtype = call.q.dtype
+  dtype = jnp.promote_types(jnp.promote_types(call.q.dtype, call.k.dtype), call.v.dtype)
+  acc = "float64" if dtype == jnp.float64 else "float32"
+  q, k, v = (x.astype(dtype) for x in (call.q, call.k, call.v))
+  try:
+    scale = float(call.scale)
+  except (TypeError, jax.errors.ConcretizationTypeError):
+    q = (q.astype(acc) * jnp.asarray(call.scale, acc)).astype(dtype)
+    scale = 1.0
+
   st = call.structure
   b, t, n, h = q.shape
-  s, kh = k.shape[1], k.shape[2]
-  bl = _block_sizes(block_sizes, backend, t, s, h, st.is_per_batch)
+  s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
+  key_lanes = st.is_per_batch or any(x is not None for x in (call.bias, call.mask,
+                                                              call.decay_bias))
+  bl = _block_sizes(block_sizes, backend, t, s, h, key_lanes)
   if threshold or row_stats:
     # Class T: the live-block tables of the search serve every pass, so one tile shape;
     # class R: the backward recomputes exactly the statistics pass's tiles. The default
@@ -164,10 +175,15 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   t_pad *= math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq)
   s_pad = -(-s // math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq))
   s_pad *= math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq)
-  if backend == "triton":
-    h_pad = max(16, 1 << (h - 1).bit_length())
-  else:
-    h_pad = h if (h % 128 == 0 or h == 64) else -(-h // 128) * 128
+  h_pad, hv_pad = _head_pad(backend, h), _head_pad(backend, hv)
+
+  bias, mask, bias_full, mask_full = _dense_inputs(call, acc, t_pad, s_pad)
+  row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
+  length = jnp.broadcast_to(st.visible_counts(row_ranges, acc), (b, t))
+  if bias is not None or mask is not None:
+    length = _dense_counts(call, acc)  # [B, N or 1, T]: the mask and -inf bias hide keys
+  length_rows = length.ndim == 3
+
   params = sorted(call.params.items())
   dyn_names = tuple(nm for nm, x in params if not is_static(x))
   cfg = E.Config(
@@ -175,14 +191,13 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       dyn_hp=dyn_names, scale=scale, soft_cap=call.logits_soft_cap, causal=st.is_causal,
       window=st.window, has_segments=st.is_per_batch, t=t, s=s, t_pad=t_pad, s_pad=s_pad,
       head_dim_pad=h_pad, num_heads=n, num_kv_heads=kh, blocks=bl, backend=backend,
-      interpret=interpret, debug=debug, acc="float64" if q.dtype == jnp.float64 else "float32")
+      interpret=interpret, debug=debug, acc=acc, value_dim_pad=hv_pad, bias_full=bias_full,
+      mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None)
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
   pad_rows = ((0, 0), (0, 0), (0, t_pad - t), (0, 0))
   dyn = tuple(jnp.pad(rows(call.params[nm], b, n, t, cfg.acc_dtype), pad_rows, mode="edge")
               for nm in dyn_names)
-  row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
-  length = jnp.broadcast_to(st.visible_counts(row_ranges, cfg.acc_dtype), (b, t))
   ids = st.kernel_segment_ids(t_pad, s_pad)
 
   def ranges(bq, bk, axis):
@@ -192,24 +207,99 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   f_lo, f_hi = ranges(bl.block_q, bl.block_k, 2)
   q_lo, q_hi = ranges(bl.block_q_dq, bl.block_k_dq, 2)
   k_lo, k_hi = ranges(bl.block_q_dkv, bl.block_k_dkv, 1)
+  if length_rows:
+    length = jnp.pad(jnp.broadcast_to(length, (b, n, t)), ((0, 0), (0, 0), (0, t_pad - t)))
+  else:
+    length = jnp.pad(length, ((0, 0), (0, t_pad - t)))
   aux = E.Aux(
       q_seg=None if ids is None else ids[0][..., None],
       k_seg=None if ids is None else ids[1][:, None, :],
-      length=jnp.pad(length, ((0, 0), (0, t_pad - t)))[..., None],
-      fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi)
+      length=length[..., None],
+      fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi, mask=mask)
   pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
   pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
-  run = (core.threshold_core if threshold else
-         row_stats_core.row_stats_attention if row_stats else core.attention_core)
-  o = run(cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_k), dyn, aux)
-  return o[:, :t, :, :h]
+  pad_v = ((0, 0), (0, s_pad - s), (0, 0), (0, hv_pad - hv))
+  args = (cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_v), dyn, aux)
+  decay = _decay_rows(call, acc, t_pad, s_pad)
+  if threshold:
+    o = core.threshold_core(*args, bias, decay)
+  elif row_stats:
+    o = row_stats_core.row_stats_attention(*args, bias, decay)
+  else:
+    o = core.attention_core(*args, bias, decay)
+  return o[:, :t, :, :hv].astype(out_dtype)
 
 
-def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, Any] | None = None,
-              scale=None, is_causal: bool = False, local_window_size=None, segment_ids=None,
+def _decay_rows(call, acc: str, t_pad: int, s_pad: int):
+  """Forgetting attention's ``(cq [B, T, N], ck [B, S, N])`` as the kernel's row and column
+  vectors ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` (None without a decay). The
+  ``decay_prune_threshold`` (an xla_chunked approximation) is not used: the kernel is
+  exact."""
+  if call.decay_bias is None:
+    return None
+  cq, ck = (jnp.swapaxes(x.astype(acc), 1, 2) for x in call.decay_bias)
+  cq = jnp.pad(cq, ((0, 0), (0, 0), (0, t_pad - cq.shape[2])))[..., None]
+  ck = jnp.pad(ck, ((0, 0), (0, 0), (0, s_pad - ck.shape[2])))[:, :, None, :]
+  return cq, ck
+
+
+def _head_pad(backend: str, h: int) -> int:
+  """A head dim padded as the driver needs: a power of two >= 16 (Triton), 64 or a
+  multiple of 128 (Mosaic)."""
+  if backend == "triton":
+    return max(16, 1 << (h - 1).bit_length())
+  return h if (h % 128 == 0 or h == 64) else -(-h // 128) * 128
+
+
+def _full_axes(x) -> tuple[bool, bool, bool, bool]:
+  """Which axes of a [B, N, T, S]-broadcastable array are held in full (size > 1)."""
+  return tuple(bool(d > 1) for d in x.shape)  # type: ignore[return-value]
+
+
+def _pad_dense(x, t_pad: int, s_pad: int, value):
+  """Pads the held T and S axes of a 4-D bias/mask to the kernel's lengths."""
+  t, s = x.shape[2], x.shape[3]
+  pads = ((0, 0), (0, 0), (0, t_pad - t if t > 1 else 0), (0, s_pad - s if s > 1 else 0))
+  return jnp.pad(x, pads, constant_values=value)
+
+
+def _dense_inputs(call, acc: str, t_pad: int, s_pad: int):
+  """(bias, mask, bias_full, mask_full): the dense bias in the compute dtype and the mask as
+  int32 (1 = attend), each padded along the axes it holds and never broadcast (a
+  broadcast axis stays of size 1: every block's index map pins it to block 0)."""
+  bias = mask = bias_full = mask_full = None
+  if call.bias is not None:
+    bias_full = _full_axes(call.bias)
+    bias = _pad_dense(call.bias.astype(acc), t_pad, s_pad, 0.0)
+  if call.mask is not None:
+    mask_full = _full_axes(call.mask)
+    mask = _pad_dense(call.mask.astype(jnp.int32), t_pad, s_pad, 0)
+  return bias, mask, bias_full, mask_full
+
+
+def _dense_counts(call, acc: str):
+  """The visible count n of each row with a dense mask or bias, as the dense path counts
+  it: the structure, the mask and the keys whose bias is not ``-inf``. Returns [B, T]
+  when neither varies over heads, else [B, N, T] (one fused reduction over the inputs)."""
+  vis = call.structure.dense()  # [B|1, 1, T, S]
+  if call.mask is not None:
+    vis = jnp.logical_and(vis, call.mask)
+  if call.bias is not None:
+    vis = jnp.logical_and(vis, jax.lax.stop_gradient(call.bias) > -jnp.inf)
+  cnt = jnp.sum(vis, axis=-1, dtype=acc)  # [B|1, N|1, T]
+  b, t = call.q.shape[0], call.q.shape[1]
+  if cnt.shape[1] == 1:
+    return jnp.broadcast_to(cnt[:, 0], (b, t))
+  return cnt
+
+
+def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
+              normalizer_params: Mapping[str, Any] | None = None, scale=None,
+              is_causal: bool = False, local_window_size=None, segment_ids=None,
               logits_soft_cap=None, backend: str = "triton", interpret=False,
               block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
-              query_seq_lengths=None, key_value_seq_lengths=None, debug: bool = False):
+              query_seq_lengths=None, key_value_seq_lengths=None, decay_bias=None,
+              debug: bool = False):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -226,15 +316,22 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
 
   Args:
     q: queries ``[B, T, N, H]`` (or ``[T, N, H]``).
-    k, v: keys and values ``[B, S, K, H]``, ``N % K == 0`` (GQA/MQA; K/V are not copied).
-    normalizer: a registered name or a NormalizerSpec of class E, S or P, or of class T
+    k, v: keys ``[B, S, K, H]`` and values ``[B, S, K, Hv]``, ``N % K == 0`` (GQA/MQA;
+      K/V are not copied); q, k, v may differ in dtype (promoted; the output takes q's).
+    bias: a float bias added to the (soft-capped) logits, broadcastable to
+      ``[B, N, T, S]`` (e.g. ``[T, S]``, ``[1, N, T, S]``); ``-inf`` hides a key. It is
+      differentiable and never broadcast to a copy.
+    mask: a boolean mask (True = attend), broadcastable to ``[B, N, T, S]``.
+    normalizer: a registered name or a NormalizerSpec of class E, S or P, of class T
       with a ThresholdRule (sparsemax, entmax15, entmax with a per-head ``alpha``,
-      top_k_softmax: the AdaSplash-style kernels, kernels_pallas/README.md).
+      top_k_softmax: the AdaSplash-style kernels, kernels_pallas/README.md) or of class R
+      with a RowStatsRule.
     normalizer_params: hyperparameters of the normalizer: Python scalars (compiled in) or
       arrays broadcast to the rows of the scores ``[B, N, T, 1]`` (e.g. per head
       ``[N, 1, 1]``), which are differentiable. Learned attention sinks are
       ``normalizer="softmax_sink"`` with ``{"sink_logit": sinks.reshape(N, 1, 1)}``.
-    scale: logit scale, default ``1/sqrt(H)``.
+    scale: logit scale, default ``1/sqrt(H)``; a traced (e.g. learned) scale is folded
+      into q and differentiable.
     is_causal: query i sees keys j <= i.
     local_window_size: ``w`` or ``(left, right)``: query i sees keys in [i - left, i + right].
     segment_ids: ``[B, T]`` (self-attention) or a pair (``[B, T]``, ``[B, S]``); only equal
@@ -246,10 +343,12 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     block_sizes: a :class:`BlockSizes` (or a dict of its fields); default per backend
       (``engine.default_block_sizes``).
     query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths (padding masks).
+    decay_bias: Forgetting attention's ``(cq [B, T, N], ck [B, S, N])``: ``cq_i - ck_j`` is
+      added to the scaled logits before the soft cap (differentiable).
     debug: print the Pallas kernels' jaxprs.
 
   Returns:
-    ``[B, T, N, H]`` in q's dtype. A query row with no visible key gives zeros.
+    ``[B, T, N, Hv]`` in q's dtype. A query row with no visible key gives zeros.
 
   Raises:
     NotImplementedError (``engine.UnsupportedError``): a normalizer of class X, a plain
@@ -257,9 +356,9 @@ def attention(q, k, v, *, normalizer="softmax", normalizer_params: Mapping[str, 
     ValueError: bad shapes or arguments (the message names the argument).
   """
   call = attention_api._canonical_call(
-      q, k, v, None, None, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params, None,
-      None)
+      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
+      local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
+      decay_bias, None)
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug)
   return out[0] if jnp.ndim(q) == 3 else out

@@ -7,6 +7,7 @@ import ``engine``); this module picks the driver for ``Config.backend``, so that
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -16,7 +17,7 @@ from jaxsoft.normalizers import _tile as tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-__all__ = ["attention_core", "threshold_core", "driver"]
+__all__ = ["attention_core", "threshold_core", "driver", "sum_to_shape"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
 
@@ -30,35 +31,58 @@ def driver(backend: str):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
-  """The kernel on padded inputs: q [B, T_pad, N, Hp], k/v [B, S_pad, K, Hp].
+def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=None):
+  """The kernel on padded inputs: q [B, T_pad, N, Hp], k [B, S_pad, K, Hp], v [B, S_pad, K,
+  Hvp].
 
-  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32. Returns
-  o [B, T_pad, N, Hp] in q's dtype.
+  ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32; ``bias`` the dense
+  bias [B|1, N|1, T_pad|1, S_pad|1] in the compute dtype (``cfg.bias_full``) or None;
+  ``decay`` Forgetting attention's ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` or None.
+  Returns o [B, T_pad, N, Hvp] in q's dtype.
   """
-  o, _, _ = driver(cfg.backend).forward(cfg, q, k, v, dyn, aux)
+  o, _, _ = driver(cfg.backend).forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return o
 
 
-def _core_fwd(cfg, q, k, v, dyn, aux):
-  o, m, d = driver(cfg.backend).forward(cfg, q, k, v, dyn, aux)
-  return o, (q, k, v, dyn, aux, o, m, d)
+def _with_bias(aux: E.Aux, bias, decay=None) -> E.Aux:
+  """``aux`` carrying the differentiable per-call arrays the drivers read."""
+  if bias is not None:
+    aux = dataclasses.replace(aux, bias=bias)
+  if decay is not None:
+    aux = dataclasses.replace(aux, cq=decay[0], ck=decay[1])
+  return aux
+
+
+def sum_to_shape(x, shape):
+  """Sums ``x`` over the axes that ``shape`` broadcasts (size 1): the cotangent of a
+  broadcast."""
+  axes = tuple(a for a, (n, m) in enumerate(zip(x.shape, shape, strict=True)) if m == 1 != n)
+  return jnp.sum(x, axis=axes, keepdims=True) if axes else x
+
+
+def _core_fwd(cfg, q, k, v, dyn, aux, bias, decay):
+  o, m, d = driver(cfg.backend).forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  return o, (q, k, v, dyn, aux, bias, decay, o, m, d)
 
 
 def _core_bwd(cfg, res, do):
-  q, k, v, dyn, aux, o, m, d = res
+  q, k, v, dyn, aux, bias, decay, o, m, d = res
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
                      do.astype(cfg.acc_dtype))[..., None]
   drv = driver(cfg.backend)
-  dq, ddyn = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux)
-  dk, dv = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux)
+  aux_b = _with_bias(aux, bias, decay)
+  dq, ddyn, ds, dcq = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux_b)
+  dk, dv, dck = drv.backward_dkv(cfg, q, k, v, do, m, d, delta, dyn, aux_b)
   # the offset's hyperparameters (a learned sink logit) enter only D: dL/dD = -Delta / D
   static, arrays = E._hp(cfg, dyn)
-  d_off = tile.offset_vjp(cfg.tile, m, d, delta, aux.length[:, None, :, :], static, arrays)
+  d_off = tile.offset_vjp(cfg.tile, m, d, delta, E.row_lengths(cfg, aux), static, arrays)
   if d_off is not None:
     ddyn = tuple(a + d_off[name] for a, name in zip(ddyn, cfg.dyn_hp, strict=True))
   aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
+  dbias = None if bias is None else sum_to_shape(ds, bias.shape).astype(bias.dtype)
+  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct,
+          dbias, ddecay)
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)
@@ -81,6 +105,7 @@ def _live_tables(cfg: E.Config, flags):
 
 
 def _threshold_forward(cfg, q, k, v, dyn, aux):
+  """Search and weighted pass (``aux`` carries the dense bias, if any)."""
   drv = driver(cfg.backend)
   m, tau, flags = drv.threshold_search(cfg, q, k, dyn, aux)
   m = E.t_weight_m(m)
@@ -90,31 +115,36 @@ def _threshold_forward(cfg, q, k, v, dyn, aux):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def threshold_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+def threshold_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=None):
   """Class T on padded inputs (the engine's class-T section): search, then the weighted
-  pass over the live key blocks. Returns o [B, T_pad, N, Hp] in q's dtype."""
-  return _threshold_forward(cfg, q, k, v, dyn, aux)[0]
+  pass over the live key blocks (``bias``, ``decay`` as in :func:`attention_core`).
+  Returns o [B, T_pad, N, Hvp] in q's dtype."""
+  return _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))[0]
 
 
-def _threshold_fwd(cfg, q, k, v, dyn, aux):
-  o, res = _threshold_forward(cfg, q, k, v, dyn, aux)
-  return o, (q, k, v, dyn, aux, o, res)
+def _threshold_fwd(cfg, q, k, v, dyn, aux, bias, decay):
+  o, res = _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  return o, (q, k, v, dyn, aux, bias, decay, o, res)
 
 
 def _threshold_bwd(cfg, res, do):
-  q, k, v, dyn, aux, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
+  q, k, v, dyn, aux, bias, decay, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
                      do.astype(cfg.acc_dtype))[..., None]
   drv = driver(cfg.backend)
-  dq, coef, ddyn = drv.threshold_backward_dq(cfg, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
-                                             aux)
-  dk, dv = drv.threshold_backward_dkv(cfg, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
-                                      dyn, aux)
-  d_target = E.t_target_vjp(cfg, coef, aux.length[:, None, :, :], dyn)
+  aux_b = _with_bias(aux, bias, decay)
+  dq, coef, ddyn, ds, dcq = drv.threshold_backward_dq(cfg, q, k, v, do, m, tau, d, delta, idx,
+                                                      cnt, dyn, aux_b)
+  dk, dv, dck = drv.threshold_backward_dkv(cfg, q, k, v, do, m, tau, d, delta, coef, idx_t,
+                                           cnt_t, dyn, aux_b)
+  d_target = E.t_target_vjp(cfg, coef, E.row_lengths(cfg, aux), dyn)
   if d_target is not None:
     ddyn = tuple(a + x for a, x in zip(ddyn, d_target, strict=True))
   aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct)
+  dbias = None if bias is None else sum_to_shape(ds, bias.shape).astype(bias.dtype)
+  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct,
+          dbias, ddecay)
 
 
 threshold_core.defvjp(_threshold_fwd, _threshold_bwd)

@@ -26,7 +26,9 @@ blocks, recomputing the tile from the per-row statistics ``m`` and ``D``)::
 
 taken by ``jax.vjp`` of the tile rule at fixed ``m`` (exact: the result does not depend
 on ``m``), chained through ``score_map`` and the soft cap. Residuals are the inputs, the
-output and two float32 statistics per query row; no T x S buffer exists anywhere.
+output and two float32 statistics per query row; no T x S buffer exists anywhere but a
+dense bias's gradient (dS, written per tile by the dQ pass, then summed over the bias's
+broadcast axes).
 """
 
 from __future__ import annotations
@@ -127,6 +129,17 @@ class Config:
   interpret: Any
   debug: bool = False
   acc: str = "float32"  # the compute dtype: float32, or float64 for float64 inputs
+  value_dim_pad: int | None = None  # the padded value head dim (None: head_dim_pad)
+  # A dense bias / boolean mask: which axes of [B, N, T, S] it holds in full (the others
+  # are broadcast: size 1, every block's index map pins them to block 0); None: absent.
+  bias_full: tuple[bool, bool, bool, bool] | None = None
+  mask_full: tuple[bool, bool, bool, bool] | None = None
+  length_rows: bool = False  # the visible counts are per head: Aux.length [B, N, T_pad, 1]
+  decay: bool = False  # Forgetting attention's cq_i - ck_j added before the soft cap
+
+  @property
+  def hv_pad(self) -> int:
+    return self.head_dim_pad if self.value_dim_pad is None else self.value_dim_pad
 
   @property
   def acc_dtype(self):
@@ -157,9 +170,15 @@ class Config:
 # Per-tile math (pure jnp; runs inside the Pallas kernels of both drivers).
 
 
-def tile_logits(cfg: Config, q, k):
-  """s = cap * tanh(scale * q k^T / cap) in float32; q [bq, H], k [bk, H]."""
+def tile_logits(cfg: Config, q, k, cq=None, ck=None):
+  """s = cap * tanh((scale * q k^T + cq - ck) / cap) in float32; q [bq, H], k [bk, H].
+
+  ``cq`` [bq, 1] and ``ck`` [1, bk] are Forgetting attention's decay terms (None without):
+  the tile of the outer difference ``cq_i - ck_j``, never a T x S array.
+  """
   s = dot(cfg, q, k, (1, 1)) * cfg.scale
+  if cq is not None:
+    s = s + (cq - ck)
   if cfg.soft_cap is not None:
     s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
   return s
@@ -188,6 +207,43 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
       rows, cols, is_causal=cfg.causal, window=cfg.window,
       q_len=cfg.t if cfg.t_pad != cfg.t else None, kv_len=cfg.s if cfg.s_pad != cfg.s else None,
       q_seg=q_seg if cfg.has_segments else None, kv_seg=k_seg)
+
+
+def dense_logits(cfg: Config, s, mask, bias=None, keep=None):
+  """``(x, visible)`` of a tile with a dense bias and mask: ``x = s + bias`` (added after
+  the soft cap, as the dense path does) and ``visible = mask & keep & (x > -inf)``.
+
+  ``s`` [bq, bk] the (capped) logits, ``mask`` the structure's visibility (or None),
+  ``bias`` the float bias tile and ``keep`` the mask tile (nonzero = attend), each
+  [bq, bk] or None. A ``-inf`` bias entry hides its key exactly like a False mask entry.
+  """
+  x = s
+  if keep is not None:
+    k = keep != 0
+    mask = k if mask is None else jnp.logical_and(mask, k)
+  if bias is not None:
+    x = s + bias.astype(s.dtype)
+    finite = x > -jnp.inf
+    mask = finite if mask is None else jnp.logical_and(mask, finite)
+  return x, mask
+
+
+def dense_tile(full, ref, bq: int, bk: int, head=None, rows=None, cols=None):
+  """The [bq, bk] tile of a bias or mask block ``ref`` (None when ``ref`` is None).
+
+  ``full`` says which of [B, N, T, S] the array holds in full; a block has a heads axis
+  only when it holds several heads (``head`` indexes it), and a broadcast T or S axis has
+  one row or column, broadcast here. ``rows``/``cols`` slice a block that spans more than
+  the tile (Triton's whole-length blocks), None when the block is the tile.
+  """
+  if ref is None:
+    return None
+  idx = []
+  if head is not None and full[1]:
+    idx.append(head)
+  idx.append(rows if rows is not None and full[2] else slice(None))
+  idx.append(cols if cols is not None and full[3] else slice(None))
+  return jnp.broadcast_to(ref[tuple(idx)], (bq, bk))
 
 
 def _hp(cfg: Config, dyn: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -243,7 +299,7 @@ class Aux:
 
   q_seg: Any  # [B, T_pad, 1] int32 or None
   k_seg: Any  # [B, 1, S_pad] int32 or None
-  length: Any  # [B, T_pad, 1]: the visible count n of each row
+  length: Any  # [B, T_pad, 1] (per head: [B, N, T_pad, 1]): the visible count n of each row
   # The visible key blocks [lo, hi) of each query block, [B, nq] int32, per pass (the
   # forward and dQ passes may use different blocks), and the visible query blocks of
   # each key block [B, nk] for the dK/dV pass (MaskStructure.block_table).
@@ -253,6 +309,20 @@ class Aux:
   dq_hi: Any
   dkv_lo: Any
   dkv_hi: Any
+  # The dense mask ([B|1, N|1, T_pad|1, S_pad|1] int32, nonzero = attend) or None; the
+  # dense bias travels beside it (a differentiable input: ``core`` puts it here for the
+  # drivers).
+  mask: Any = None
+  bias: Any = None
+  # Forgetting attention's decay (differentiable, put here by ``core`` like the bias):
+  # cq [B, N, T_pad, 1] and ck [B, N, 1, S_pad], or None.
+  cq: Any = None
+  ck: Any = None
+
+
+def row_lengths(cfg: Config, aux: Aux):
+  """The visible counts as rows of the scores: [B, N or 1, T_pad, 1]."""
+  return aux.length if cfg.length_rows else aux.length[:, None, :, :]
 
 
 jax.tree_util.register_dataclass(
@@ -277,24 +347,40 @@ def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | Non
 
   ``index(*grid_indices)`` returns ``(batch, q_head, kv_head, q_block, k_block)`` in
   block units; query-side blocks have ``q_rows`` rows and ``q_heads`` heads (None: one,
-  squeezed), key-side blocks ``k_rows`` rows. Keys: ``q`` (q, dO, O, dQ: [B, T, N, H], or
-  [B, N, T, H] when ``heads_first``), ``kv`` (K, V, dK, dV), ``row`` (per-row statistics
+  squeezed), key-side blocks ``k_rows`` rows. Keys: ``q`` (q, dQ: [B, T, N, H], or
+  [B, N, T, H] when ``heads_first``), ``o`` (O, dO: value head dim), ``kv`` (K, dK),
+  ``v`` (V, dV), ``bias``/``mask`` (the dense bias and mask, None without), ``ck`` (the
+  decay's key terms [B, N, 1, S] and their cotangent), ``row`` (per-row statistics
   and hyperparameters [B, N, T, 1]), ``q_ids`` (query segment ids and visible counts
   [B, T, 1]) and ``k_ids`` (key segment ids [B, 1, S]).
   """
-  hp = cfg.head_dim_pad
+  hp, hv = cfg.head_dim_pad, cfg.hv_pad
 
   def spec(shape, pick):
     return pl.BlockSpec(shape, lambda *grid: pick(*index(*grid)))
 
+  def dense(full):
+    # a broadcast axis has one block (index 0); a broadcast T/S axis one row/column
+    if full is None:
+      return None
+    fb, fn, ft, fs = full
+    shape = (None, q_heads if fn else None, q_rows if ft else 1, k_rows if fs else 1)
+    return spec(shape, lambda b, qh, kh, qb, kb: (b if fb else 0, qh if fn else 0,
+                                                 qb if ft else 0, kb if fs else 0))
+
   if heads_first:
     q = spec((None, q_heads, q_rows, hp), lambda b, qh, kh, qb, kb: (b, qh, qb, 0))
+    o = spec((None, q_heads, q_rows, hv), lambda b, qh, kh, qb, kb: (b, qh, qb, 0))
     kv = spec((None, None, k_rows, hp), lambda b, qh, kh, qb, kb: (b, kh, kb, 0))
+    vv = spec((None, None, k_rows, hv), lambda b, qh, kh, qb, kb: (b, kh, kb, 0))
   else:
     q = spec((None, q_rows, q_heads, hp), lambda b, qh, kh, qb, kb: (b, qb, qh, 0))
+    o = spec((None, q_rows, q_heads, hv), lambda b, qh, kh, qb, kb: (b, qb, qh, 0))
     kv = spec((None, k_rows, None, hp), lambda b, qh, kh, qb, kb: (b, kb, kh, 0))
+    vv = spec((None, k_rows, None, hv), lambda b, qh, kh, qb, kb: (b, kb, kh, 0))
   return dict(
-      q=q, kv=kv,
+      q=q, kv=kv, o=o, v=vv, bias=dense(cfg.bias_full), mask=dense(cfg.mask_full),
+      ck=dense((True, True, False, True)),
       row=spec((None, q_heads, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
       q_ids=spec((None, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qb, 0)),
       k_ids=spec((None, 1, k_rows), lambda b, qh, kh, qb, kb: (b, 0, kb)))
@@ -306,8 +392,15 @@ def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list
   if cfg.has_segments:
     in_specs += [specs["q_ids"], specs["k_ids"]]
     args += [aux.q_seg, aux.k_seg]
-  in_specs += [specs["q_ids"]] + [specs["row"]] * len(dyn)
+  in_specs += [specs["row"] if cfg.length_rows else specs["q_ids"]] + [specs["row"]] * len(dyn)
   args += [aux.length, *dyn]
+  for name in ("bias", "mask"):
+    if getattr(aux, name) is not None:
+      in_specs.append(specs[name])
+      args.append(getattr(aux, name))
+  if cfg.decay:
+    in_specs += [specs["row"], specs["ck"]]
+    args += [aux.cq, aux.ck]
   return in_specs, args
 
 
@@ -319,6 +412,24 @@ def split_refs(cfg: Config, refs, n_dyn: int):
   if cfg.has_segments:
     q_seg, k_seg, *refs = refs
   return q_seg, k_seg, refs[0], refs[1:1 + n_dyn], refs[1 + n_dyn:]
+
+
+def split_dense(cfg: Config, rest):
+  """``(bias ref, mask ref, the rest)`` from the refs after the hyperparameters (each None
+  when the call has no such array)."""
+  rest = list(rest)
+  bias = rest.pop(0) if cfg.bias_full is not None else None
+  mask = rest.pop(0) if cfg.mask_full is not None else None
+  return bias, mask, rest
+
+
+def split_decay(cfg: Config, rest):
+  """``(cq ref, ck ref, the rest)`` from the refs after the bias and mask (None, None
+  without a decay)."""
+  rest = list(rest)
+  if not cfg.decay:
+    return None, None, rest
+  return rest[0], rest[1], rest[2:]
 
 
 # --------------------------------------------------------------------------------------

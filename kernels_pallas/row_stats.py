@@ -26,6 +26,10 @@ within a relative 2^-16 (``_row_blocks.RECOMPUTE_TOLERANCE``), and a row with on
 key uses scale 1 (its weights do not depend on the scale, and ``x - mean`` recomputed is
 not exactly 0).
 
+A dense bias and mask enter every pass's tiles (``engine.dense_logits``): the statistics
+are of the biased, visible logits, and the bias's gradient sums the statistics' dQ pass's
+tile cotangents and the E/P engine's.
+
 Triton (GPU) and Mosaic TPU drivers, both run on CPU in interpret mode by the tests.
 """
 
@@ -89,17 +93,21 @@ def _triton_stats(cfg: E.Config, q, k, aux: E.Aux):
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, _, _, out_refs = E.split_refs(cfg, refs, 0)
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs, 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, out_refs = E.split_decay(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     qt = q_ref[...]
 
     def body(j, stats):
       sl = pl.ds(j * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      s = E.tile_logits(cfg, qt, k_ref[sl, :], *triton._decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
-      return stats_tile(cfg, s, mask, stats)
+      x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
+                                                                   bk, cols=sl))
+      return stats_tile(cfg, x, mask, stats)
 
     stats = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, stats_init(cfg, bq))
     for rf, x in zip(out_refs, stats, strict=True):
@@ -111,34 +119,66 @@ def _triton_stats(cfg: E.Config, q, k, aux: E.Aux):
 
 
 def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  """dQ of the statistics; with a dense bias also dS [B, N, T_pad, S_pad] (0 off the
+  visible key blocks), with a decay d cq. Returns (dq, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hp, size = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(stats)
+  has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = triton._q_major(cfg, bq)
+  out_specs, out_shape = [sp["q"]], [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
+  if cfg.decay:
+    out_specs.append(sp["row"])
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype))
+  if has_bias:
+    out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad), lambda qi, bi, ni: (bi, ni, qi, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, (dq_ref,) = E.split_refs(cfg, refs[2 * size:], 0)
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dq_ref, *outs) = E.split_decay(cfg, rest)
+    dcq_ref = outs[0] if cfg.decay else None
+    ds_ref = outs[-1] if has_bias else None
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     qt = q_ref[...]
     st, gt = tuple(r[...] for r in st_refs), tuple(r[...] for r in g_refs)
+    lo, hi = lo_ref[...], hi_ref[...]
 
-    def body(j, dq):
+    def body(j, carry):
+      dq, dcq = carry
       sl = pl.ds(j * bk, bk)
       kt = k_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt)
+      s = E.tile_logits(cfg, qt, kt, *triton._decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
-      ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, s, mask, st, gt)) * cfg.scale
-      return dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+      x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
+                                                                   bk, cols=sl))
+      ds = tangent_tile(cfg, x, mask, st, gt)
+      if ds_ref is not None:
+        ds_ref[:, sl] = ds
+      ds = E.soft_cap_grad(cfg, s, ds)
+      return (dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0)),
+              dcq + jnp.sum(ds, axis=-1, keepdims=True))
 
-    dq_ref[...] = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
-                                    jnp.zeros((bq, hp), cfg.acc_dtype))
+    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
+      def clear(j, c):
+        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
+        return c
+
+      jax.lax.fori_loop(0, lo, clear, 0)
+      jax.lax.fori_loop(hi, nk, clear, 0)
+    dq, dcq = jax.lax.fori_loop(lo, hi, body, (jnp.zeros((bq, hp), cfg.acc_dtype),
+                                               jnp.zeros((bq, 1), cfg.acc_dtype)))
+    dq_ref[...] = dq
+    if dcq_ref is not None:
+      dcq_ref[...] = dcq
 
   ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
-  return triton._call(cfg, kernel, "rdq", (cfg.t_pad // bq, b, n), bq, sp,
-                      (aux.fwd_lo, aux.fwd_hi), ops, aux, (), sp["q"],
-                      jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype))
+  outs = triton._call(cfg, kernel, "rdq", (cfg.t_pad // bq, b, n), bq, sp,
+                      (aux.fwd_lo, aux.fwd_hi), ops, aux, (), out_specs, out_shape)
+  return outs[0], (outs[-1] if has_bias else None), (outs[1] if cfg.decay else None)
 
 
 def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
@@ -148,31 +188,44 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, (dk_ref,) = E.split_refs(cfg, refs[2 * size:], 0)
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, *dck_refs) = E.split_decay(cfg, rest)
     ki = pl.program_id(0)
     ks = None if ks_ref is None else ks_ref[...]
     kt = k_ref[...]
     dk = jnp.zeros((bk, hp), cfg.acc_dtype)
     for gi in range(grp):  # the query heads sharing this KV head
 
-      def body(i, dk, gi=gi):
+      def body(i, carry, gi=gi):
+        dk, dck = carry
         sl = pl.ds(i * bq, bq)
         qt = q_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt)
+        s = E.tile_logits(cfg, qt, kt, *triton._decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(
+            cfg, bias_ref, mask_ref, bq, bk, head=gi, rows=sl))
         st = tuple(r[gi, sl, :] for r in st_refs)
         gt = tuple(r[gi, sl, :] for r in g_refs)
-        ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, s, mask, st, gt)) * cfg.scale
-        return dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
+        ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, x, mask, st, gt))
+        return (dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0)),
+                dck - jnp.sum(ds, axis=0, keepdims=True))
 
-      dk = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, dk)
+      dk, dck = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
+                                  (dk, jnp.zeros((1, bk), cfg.acc_dtype)))
+      if dck_refs:
+        dck_refs[0][gi] = dck
     dk_ref[...] = dk
 
+  out_specs, out_shape = [sp["kv"]], [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)]
+  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums, per query head
+    out_specs.append(sp["ck"])
+    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
   ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
-  return triton._call(cfg, kernel, "rdk", (cfg.s_pad // bk, b, kvh), bk, sp,
-                      (aux.dkv_lo, aux.dkv_hi), ops, aux, (), sp["kv"],
-                      jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype))
+  outs = triton._call(cfg, kernel, "rdk", (cfg.s_pad // bk, b, kvh), bk, sp,
+                      (aux.dkv_lo, aux.dkv_hi), ops, aux, (), out_specs, out_shape)
+  return outs[0], (outs[1] if cfg.decay else None)
 
 
 # ------------------------------------------------------------------------ Mosaic TPU
@@ -188,6 +241,8 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs, 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
     out_refs, sc = rest[:size], rest[size:]
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
@@ -199,9 +254,10 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
 
     @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      stats = stats_tile(cfg, s, mask, tuple(ref[...] for ref in sc))
+      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      stats = stats_tile(cfg, x, mask, tuple(ref[...] for ref in sc))
       for ref, x in zip(sc, stats, strict=True):
         ref[...] = x
 
@@ -216,41 +272,76 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
 
 
 def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
+  """dQ of the statistics; with a dense bias also dS [B, N, T_pad, S_pad] (0 off the
+  visible key blocks), with a decay d cq. Returns (dq, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hp, size = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(stats)
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  has_bias = cfg.bias_full is not None
   sp = tpu._q_major(cfg, bq, bk)
+  out_specs = [sp["q"]]
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
+  if cfg.decay:
+    out_specs.append(sp["row"])
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype))
+    scratch.append(pltpu.VMEM((bq, 1), cfg.acc_dtype))
+  if has_bias:
+    out_specs.append(pl.BlockSpec((None, None, bq, bk),
+                                  lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, (dq_ref, dq_sc) = E.split_refs(cfg, refs[2 * size:], 0)
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    n_out = 1 + int(cfg.decay) + int(has_bias)
+    dq_ref, dcq_ref = rest[0], (rest[1] if cfg.decay else None)
+    ds_ref = rest[n_out - 1] if has_bias else None
+    dq_sc, dcq_sc = rest[n_out], (rest[n_out + 1] if cfg.decay else None)
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
+    visible = jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r])
 
     @pl.when(ki == 0)
     def _init():
       dq_sc[...] = jnp.zeros_like(dq_sc)
+      if dcq_sc is not None:
+        dcq_sc[...] = jnp.zeros_like(dcq_sc)
 
-    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt)
+      s = E.tile_logits(cfg, q_ref[...], kt, tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      ds = tangent_tile(cfg, s, mask, tuple(x[...] for x in st_refs),
-                        tuple(x[...] for x in g_refs))
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-      dq_sc[...] += E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
+      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
+                        tuple(y[...] for y in g_refs))
+      if ds_ref is not None:
+        ds_ref[...] = ds
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if dcq_sc is not None:
+        dcq_sc[...] += jnp.sum(ds, axis=-1, keepdims=True)
+      dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+
+    if ds_ref is not None:
+      @pl.when(jnp.logical_not(visible))
+      def _skipped():
+        ds_ref[...] = jnp.zeros_like(ds_ref)
 
     @pl.when(ki == nk - 1)
     def _finish():
       dq_ref[...] = dq_sc[...]
+      if dcq_sc is not None:
+        dcq_ref[...] = dcq_sc[...]
 
   ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
   ops += [(sp["row"], x) for x in (*stats, *g)]
-  dq = tpu._call(cfg, kernel, "rdq", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi), ops, aux, (),
-                 sp["q"], jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype),
-                 [pltpu.VMEM((bq, hp), cfg.acc_dtype)])
-  return tpu._heads_first(dq)
+  outs = tpu._call(cfg, kernel, "rdq", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi), ops, aux,
+                   (), out_specs, out_shape, scratch)
+  return (tpu._heads_first(outs[0]), (outs[-1] if has_bias else None),
+          outs[1] if cfg.decay else None)
 
 
 def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
@@ -266,7 +357,10 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, (dk_ref, dk_sc) = E.split_refs(cfg, refs[2 * size:], 0)
+    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, *rest) = E.split_decay(cfg, rest)
+    dck_ref, dk_sc = (rest[0] if cfg.decay else None), rest[-1]
     bi, ki, gi, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nk + ki
 
@@ -274,26 +368,39 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
     def _init():
       dk_sc[...] = jnp.zeros_like(dk_sc)
 
+    if dck_ref is not None:  # one block per (query head, key block), over consecutive steps
+      @pl.when(qi == 0)
+      def _init_dck():
+        dck_ref[...] = jnp.zeros_like(dck_ref)
+
     @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
     def _compute():
       qt = q_ref[...]
-      s = E.tile_logits(cfg, qt, k_ref[...])
+      s = E.tile_logits(cfg, qt, k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      ds = tangent_tile(cfg, s, mask, tuple(x[...] for x in st_refs),
-                        tuple(x[...] for x in g_refs))
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
+                        tuple(y[...] for y in g_refs))
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if dck_ref is not None:
+        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
+      ds = ds * cfg.scale
       dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
 
     @pl.when(jnp.logical_and(gi == grp - 1, qi == nq - 1))
     def _finish():
       dk_ref[...] = dk_sc[...]
 
+  out_specs = [sp["kv"]]
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)]
+  if cfg.decay:
+    out_specs.append(sp["ck"])
+    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
   ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
   ops += [(sp["row"], x) for x in (*stats, *g)]
-  dk = tpu._call(cfg, kernel, "rdk", (b, kvh, nk, grp, nq), sp, (aux.dkv_lo, aux.dkv_hi), ops,
-                 aux, (), sp["kv"], jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
-                 [pltpu.VMEM((bk, hp), cfg.acc_dtype)])
-  return tpu._heads_first(dk)
+  outs = tpu._call(cfg, kernel, "rdk", (b, kvh, nk, grp, nq), sp, (aux.dkv_lo, aux.dkv_hi), ops,
+                   aux, (), out_specs, out_shape, [pltpu.VMEM((bk, hp), cfg.acc_dtype)])
+  return tpu._heads_first(outs[0]), (outs[1] if cfg.decay else None)
 
 
 _PASSES = {"triton": (_triton_stats, _triton_dq, _triton_dk),
@@ -304,36 +411,42 @@ _PASSES = {"triton": (_triton_stats, _triton_dq, _triton_dk),
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def row_stats_core(cfg: E.Config, q, k, aux: E.Aux) -> tuple:
-  """The row statistics of every query row, each [B, N, T_pad, 1] (padded inputs)."""
-  return _PASSES[cfg.backend][0](cfg, q, k, aux)
+def row_stats_core(cfg: E.Config, q, k, aux: E.Aux, bias=None, decay=None) -> tuple:
+  """The row statistics of every query row, each [B, N, T_pad, 1] (padded inputs), of the
+  logits (with the ``decay`` before the soft cap, the dense ``bias`` after it; either may
+  be None)."""
+  return _PASSES[cfg.backend][0](cfg, q, k, core._with_bias(aux, bias, decay))
 
 
-def _stats_fwd(cfg, q, k, aux):
-  stats = _PASSES[cfg.backend][0](cfg, q, k, aux)
-  return stats, (q, k, aux, stats)
+def _stats_fwd(cfg, q, k, aux, bias, decay):
+  stats = _PASSES[cfg.backend][0](cfg, q, k, core._with_bias(aux, bias, decay))
+  return stats, (q, k, aux, bias, decay, stats)
 
 
 def _stats_bwd(cfg, res, g):
-  q, k, aux, stats = res
+  q, k, aux, bias, decay, stats = res
   _, dq_pass, dk_pass = _PASSES[cfg.backend]
-  dq = dq_pass(cfg, q, k, stats, g, aux)
-  dk = dk_pass(cfg, q, k, stats, g, aux)
+  aux_b = core._with_bias(aux, bias, decay)
+  dq, ds, dcq = dq_pass(cfg, q, k, stats, g, aux_b)
+  dk, dck = dk_pass(cfg, q, k, stats, g, aux_b)
   aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  return dq.astype(q.dtype), dk.astype(k.dtype), aux_ct
+  dbias = None if bias is None else core.sum_to_shape(ds, bias.shape).astype(bias.dtype)
+  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
+  return dq.astype(q.dtype), dk.astype(k.dtype), aux_ct, dbias, ddecay
 
 
 row_stats_core.defvjp(_stats_fwd, _stats_bwd)
 
 
-def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=None):
   """Class R on padded inputs: statistics, ``derive`` in XLA, then the E/P engine running
-  the rule's second pass with the derived per-row hyperparameters appended to ``dyn``.
-  Returns o [B, T_pad, N, Hp] in q's dtype."""
+  the rule's second pass with the derived per-row hyperparameters appended to ``dyn``
+  (both see the dense ``bias``, whose gradient sums both). Returns o [B, T_pad, N, Hvp]
+  in q's dtype."""
   rule = _rule(cfg)
-  stats = row_stats_core(cfg, q, k, aux)
+  stats = row_stats_core(cfg, q, k, aux, bias, decay)
   static, arrays = E._hp(cfg, dyn)
-  theta = rule.derive(stats, aux.length[:, None, :, :], **{**static, **arrays})
+  theta = rule.derive(stats, E.row_lengths(cfg, aux), **{**static, **arrays})
   names = tuple(sorted(theta))
   clash = set(names) & (set(cfg.dyn_hp) | {nm for nm, _ in cfg.static_hp})
   if clash:
@@ -342,4 +455,4 @@ def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   rows = tuple(jnp.broadcast_to(jnp.asarray(theta[nm], cfg.acc_dtype), stats[0].shape)
                for nm in names)
   second = dataclasses.replace(cfg, dyn_hp=cfg.dyn_hp + names)
-  return core.attention_core(second, q, k, v, tuple(dyn) + rows, aux)
+  return core.attention_core(second, q, k, v, tuple(dyn) + rows, aux, bias, decay)

@@ -67,35 +67,43 @@ def _call(cfg: E.Config, kernel, name: str, grid, sp, bounds, operands, aux, dyn
 
 
 def _backward_operands(sp, q, k, v, do, m, d, delta):
-  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["kv"], _heads_first(v)),
-          (sp["q"], _heads_first(do)), (sp["row"], m), (sp["row"], d), (sp["row"], delta)]
+  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v)),
+          (sp["o"], _heads_first(do)), (sp["row"], m), (sp["row"], d), (sp["row"], delta)]
+
+
+def _dense_tiles(cfg: E.Config, bias_ref, mask_ref, bq: int, bk: int):
+  """The bias and mask tiles of this grid step (each None when absent)."""
+  return (E.dense_tile(cfg.bias_full, bias_ref, bq, bk),
+          E.dense_tile(cfg.mask_full, mask_ref, bq, bk))
 
 
 def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp = q.shape[0], cfg.num_heads, cfg.head_dim_pad
+  b, n, hv = q.shape[0], cfg.num_heads, cfg.hv_pad
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
   sp = _q_major(cfg, bq, bk)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), q.dtype), row_shape, row_shape]
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hv), q.dtype), row_shape, row_shape]
   scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, 1), cfg.acc_dtype),
-             pltpu.VMEM((bq, hp), cfg.acc_dtype)]
+             pltpu.VMEM((bq, hv), cfg.acc_dtype)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc = rest
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_decay(cfg, rest)
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
 
     @pl.when(ki == 0)
     def _init():
-      m_sc[...], l_sc[...], acc_sc[...] = E.init_state(cfg, bq, hp)
+      m_sc[...], l_sc[...], acc_sc[...] = E.init_state(cfg, bq, hv)
 
     @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      state = E.forward_tile(cfg, s, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      state = E.forward_tile(cfg, x, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
                              len_ref[...], tuple(rf[...] for rf in dyn_refs))
       m_sc[...], l_sc[...], acc_sc[...] = state
 
@@ -109,45 +117,70 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
 
   o, m, d = _call(
       cfg, kernel, "fwd", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi),
-      [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["kv"], _heads_first(v))],
-      aux, dyn, [sp["q"], sp["row"], sp["row"]], out_shape, scratch)
+      [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v))],
+      aux, dyn, [sp["o"], sp["row"], sp["row"]], out_shape, scratch)
   return _heads_first(o), m, d
 
 
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
+  """dQ and the hyperparameters' cotangents; with a dense bias also dS [B, N, T_pad,
+  S_pad], the cotangent of the biased logits (zero outside the visible key blocks); with
+  a decay d cq [B, N, T_pad, 1]. Returns (dq, ddyn, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  has_bias = cfg.bias_full is not None
+  n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major(cfg, bq, bk)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_rows
+  out_specs = [sp["q"]] + [sp["row"]] * n_rows
+  if has_bias:  # every grid step writes its own dS tile (not clamped like the inputs)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(pl.BlockSpec((None, None, bq, bk),
+                                  lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
   scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
-  scratch += [pltpu.VMEM((bq, 1), cfg.acc_dtype)] * n_dyn
+  scratch += [pltpu.VMEM((bq, 1), cfg.acc_dtype)] * n_rows
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    dq_ref, ddyn_refs = rest[0], rest[1:1 + n_dyn]
-    dq_sc, ddyn_sc = rest[1 + n_dyn], rest[2 + n_dyn:]
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    n_out = 1 + n_rows + int(has_bias)
+    dq_ref, ddyn_refs = rest[0], rest[1:1 + n_rows]
+    ds_ref = rest[1 + n_rows] if has_bias else None
+    dq_sc, ddyn_sc = rest[n_out], rest[n_out + 1:]
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
+    visible = jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r])
 
     @pl.when(ki == 0)
     def _init():
       for sc in (dq_sc, *ddyn_sc):
         sc[...] = jnp.zeros_like(sc)
 
-    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt)
+      s = E.tile_logits(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
-      _, ds, ddyn = E.backward_tile(cfg, s, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
+      _, ds, ddyn = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                     len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-      dq_sc[...] += E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
-      for sc, x in zip(ddyn_sc, ddyn, strict=True):
-        sc[...] += x
+      if ds_ref is not None:
+        ds_ref[...] = ds
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
+        ddyn = (*ddyn, jnp.sum(ds, axis=-1, keepdims=True))
+      dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+      for sc, y in zip(ddyn_sc, ddyn, strict=True):
+        sc[...] += y
+
+    if ds_ref is not None:
+      @pl.when(jnp.logical_not(visible))
+      def _skipped():
+        ds_ref[...] = jnp.zeros_like(ds_ref)
 
     @pl.when(ki == nk - 1)
     def _finish():
@@ -155,14 +188,15 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         rf[...] = sc[...]
 
   outs = _call(cfg, kernel, "dq", (b, n, nq, nk), sp, (aux.dq_lo, aux.dq_hi),
-               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn,
-               [sp["q"]] + [sp["row"]] * n_dyn, out_shape, scratch)
-  return _heads_first(outs[0]), tuple(outs[1:])
+               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
+               out_shape, scratch)
+  return (_heads_first(outs[0]), tuple(outs[1:1 + n_dyn]),
+          outs[1 + n_rows] if has_bias else None, outs[1 + n_dyn] if cfg.decay else None)
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
-  b, kvh, hp, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups
+  b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
 
   def index(bi, h, ki, gi, qi, lo, hi):
@@ -170,12 +204,20 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     return bi, h * g + gi, h, _clamp(qi, lo[r], hi[r]), ki
 
   sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
-  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)] * 2
-  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hp), cfg.acc_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
+               jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hv), cfg.acc_dtype)]
+  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
+  out_specs = [sp["kv"], sp["v"]]
+  if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
+    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(sp["ck"])  # over the consecutive query-block steps
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    dk_ref, dv_ref, dk_sc, dv_sc = rest
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, dv_ref, *rest) = E.split_decay(cfg, rest)
+    dck_ref = rest[0] if cfg.decay else None
+    dk_sc, dv_sc = rest[-2:]
     bi, ki, gi, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nk + ki
 
@@ -184,15 +226,24 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       dk_sc[...] = jnp.zeros_like(dk_sc)
       dv_sc[...] = jnp.zeros_like(dv_sc)
 
+    if dck_ref is not None:
+      @pl.when(qi == 0)
+      def _init_dck():
+        dck_ref[...] = jnp.zeros_like(dck_ref)
+
     @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
     def _compute():
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s = E.tile_logits(cfg, qt, kt)
+      s = E.tile_logits(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, dot_, vt, (1, 1))
-      w, ds, _ = E.backward_tile(cfg, s, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
+      w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                  len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if dck_ref is not None:
+        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
+      ds = ds * cfg.scale
       dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
       dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
 
@@ -201,10 +252,10 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       dk_ref[...] = dk_sc[...]
       dv_ref[...] = dv_sc[...]
 
-  dk, dv = _call(cfg, kernel, "dkv", (b, kvh, nk, g, nq), sp, (aux.dkv_lo, aux.dkv_hi),
-                 _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn,
-                 [sp["kv"], sp["kv"]], out_shape, scratch)
-  return _heads_first(dk), _heads_first(dv)
+  outs = _call(cfg, kernel, "dkv", (b, kvh, nk, g, nq), sp, (aux.dkv_lo, aux.dkv_hi),
+               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
+               out_shape, scratch)
+  return _heads_first(outs[0]), _heads_first(outs[1]), (outs[2] if cfg.decay else None)
 
 
 # ---------------------------------------------------------------------- class T (AdaSplash)
@@ -245,6 +296,8 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
     m_out, tau_out, flag_out, m_sc, lo_sc, hi_sc, tg_sc, flag_sc, *tot_sc = rest
     bi, qi, p, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nq + qi
@@ -266,8 +319,9 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 
     @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
 
       @pl.when(p == 0)
       def _max():
@@ -331,16 +385,17 @@ def _q_major_live(cfg: E.Config, idx_shape):
 def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux):
   """The weighted pass over the live key blocks: returns (o, W [B, N, T_pad, 1])."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  b, n, hv, n_dyn = q.shape[0], cfg.num_heads, cfg.hv_pad, len(dyn)
   nq, width = idx.shape[2], idx.shape[3]
   sp = _q_major_live(cfg, idx.shape)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), q.dtype),
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hv), q.dtype),
                jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
-  scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, hp), cfg.acc_dtype)]
+  scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, hv), cfg.acc_dtype)]
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    o_ref, d_ref, l_sc, acc_sc = rest
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (o_ref, d_ref, l_sc, acc_sc) = E.split_decay(cfg, rest)
     bi, ni, qi, i = (pl.program_id(a) for a in range(4))
     r = (bi * n + ni) * nq + qi
     kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
@@ -352,8 +407,9 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
 
     @pl.when(live)
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...])
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       w = E.t_weight_tile(cfg, s, mask, tau_ref[...], m_ref[...], len_ref[...],
                           tuple(rf[...] for rf in dyn_refs))
       vt = v_ref[...]
@@ -368,36 +424,51 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
 
   o, d = _call(cfg, kernel, "tfwd", (b, n, nq, width), sp, (idx, cnt),
                [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)),
-                (sp["kv"], _heads_first(v)), (sp["row"], m), (sp["row"], tau)],
-               aux, dyn, [sp["q"], sp["row"]], out_shape, scratch)
+                (sp["v"], _heads_first(v)), (sp["row"], m), (sp["row"], tau)],
+               aux, dyn, [sp["o"], sp["row"]], out_shape, scratch)
   return _heads_first(o), d
 
 
 def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
-  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["kv"], _heads_first(v)),
-          (sp["q"], _heads_first(do)), (sp["row"], m), (sp["row"], tau), (sp["row"], d),
+  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v)),
+          (sp["o"], _heads_first(do)), (sp["row"], m), (sp["row"], tau), (sp["row"], d),
           (sp["row"], delta)]
 
 
 def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
                           aux: E.Aux):
   """dQ over the live key blocks, in two phases of the grid: phase 0 sums ``coef``'s
-  parts, phase 1 the cotangents. Returns (dq, coef, ddyn)."""
+  parts, phase 1 the cotangents. Returns (dq, coef, ddyn, dS or None, dcq or None).
+
+  With a dense bias, phase 1's step i writes the i-th live tile's logit cotangent into
+  slot i of a compacted [B, N, T_pad, width * bk] array (zeros past the count; phase 0
+  parks on slot 0, so every slot is written back once), scattered to dS [B, N, T_pad,
+  S_pad] in XLA afterwards."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
   nq, width = idx.shape[2], idx.shape[3]
+  has_bias = cfg.bias_full is not None
+  n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major_live(cfg, idx.shape)
   row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype), row]
-  out_shape += [row] * n_dyn
+  out_shape += [row] * n_rows
+  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_rows)
+  if has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, width * bk), cfg.acc_dtype))
+    out_specs.append(pl.BlockSpec((None, None, bq, bk),
+                                  lambda bi, ni, qi, ph, i, idx, cnt: (bi, ni, qi, i * ph)))
   rsc = pltpu.VMEM((bq, 1), cfg.acc_dtype)
-  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_dyn
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_rows
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    dq_ref, coef_ref, ddyn_refs = rest[0], rest[1], rest[2:2 + n_dyn]
-    dq_sc, g_sc, mt_sc, coef_sc, *ddyn_sc = rest[2 + n_dyn:]
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    dq_ref, coef_ref, ddyn_refs = rest[0], rest[1], rest[2:2 + n_rows]
+    ds_ref = rest[2 + n_rows] if has_bias else None
+    dq_sc, g_sc, mt_sc, coef_sc, *ddyn_sc = rest[2 + n_rows + int(has_bias):]
     bi, ni, qi, ph, i = (pl.program_id(a) for a in range(5))
     r = (bi * n + ni) * nq + qi
     kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
@@ -411,25 +482,35 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
     @pl.when(live)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt)
+      s = E.tile_logits(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
 
       @pl.when(ph == 0)
       def _coef_parts():
-        gt, mt = E.t_coef_tile(cfg, s, mask, tau_ref[...], m_ref[...], delta_ref[...], dp,
+        gt, mt = E.t_coef_tile(cfg, x, mask, tau_ref[...], m_ref[...], delta_ref[...], dp,
                                length, dyn_v)
         g_sc[...] += gt
         mt_sc[...] += mt
 
       @pl.when(ph == 1)
       def _grads():
-        _, ds, dd = E.t_backward_tile(cfg, s, mask, tau_ref[...], m_ref[...], d_ref[...],
+        _, ds, dd = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
                                       delta_ref[...], coef_sc[...], dp, length, dyn_v)
-        ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-        dq_sc[...] += E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
-        for sc, x in zip(ddyn_sc, dd, strict=True):
-          sc[...] += x
+        if ds_ref is not None:
+          ds_ref[...] = ds
+        ds = E.soft_cap_grad(cfg, s, ds)
+        if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
+          dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
+        dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+        for sc, y in zip(ddyn_sc, dd, strict=True):
+          sc[...] += y
+
+    if ds_ref is not None:
+      @pl.when(jnp.logical_and(ph == 1, jnp.logical_not(live)))
+      def _past_count():
+        ds_ref[...] = jnp.zeros_like(ds_ref)
 
     @pl.when(jnp.logical_and(ph == 0, i == width - 1))
     def _coef():
@@ -444,15 +525,32 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
 
   outs = _call(cfg, kernel, "tdq", (b, n, nq, 2, width), sp, (idx, cnt),
                _threshold_operands(sp, q, k, v, do, m, tau, d, delta), aux, dyn,
-               [sp["q"]] + [sp["row"]] * (1 + n_dyn), out_shape, scratch)
-  return _heads_first(outs[0]), outs[1], tuple(outs[2:])
+               out_specs, out_shape, scratch)
+  ds = _scatter_live(cfg, outs[-1], idx) if has_bias else None
+  return (_heads_first(outs[0]), outs[1], tuple(outs[2:2 + n_dyn]), ds,
+          outs[2 + n_dyn] if cfg.decay else None)
+
+
+def _scatter_live(cfg: E.Config, compact, idx):
+  """dS [B, N, T_pad, S_pad] from its live tiles in slots ([B, N, T_pad, width * bk]; slot i
+  of query block r holds key block ``idx[..., r, i]``; the slots past the count are zero,
+  so adding them to the repeated last live block changes nothing)."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  b, n, nq, width = idx.shape
+  nk = cfg.s_pad // bk
+  tiles = compact.reshape(b, n, nq, bq, width, bk).transpose(0, 1, 2, 4, 3, 5)
+  bi, ni, qi = jnp.meshgrid(jnp.arange(b), jnp.arange(n), jnp.arange(nq), indexing="ij")
+  full = jnp.zeros((b, n, nq, nk, bq, bk), compact.dtype)
+  full = full.at[bi[..., None], ni[..., None], qi[..., None], idx].add(tiles)
+  return full.transpose(0, 1, 2, 4, 3, 5).reshape(b, n, cfg.t_pad, cfg.s_pad)
 
 
 def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
                            dyn, aux: E.Aux):
   """dK, dV over, per key block and query head, the query blocks for which it is live."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, kvh, n, hp, g = q.shape[0], cfg.num_kv_heads, cfg.num_heads, cfg.head_dim_pad, cfg.groups
+  b, kvh, n, g = q.shape[0], cfg.num_kv_heads, cfg.num_heads, cfg.groups
+  hp, hv = cfg.head_dim_pad, cfg.hv_pad
   nk, width = idx_t.shape[2], idx_t.shape[3]
 
   def index(bi, h, ki, gi, i, idx, cnt):
@@ -461,13 +559,21 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
     return bi, h * g + gi, h, qb, ki
 
   sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
-  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)] * 2
-  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hp), cfg.acc_dtype)]
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
+               jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hv), cfg.acc_dtype)]
+  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
+  out_specs = [sp["kv"], sp["v"]]
+  if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
+    out_shape.append(jax.ShapeDtypeStruct((b, n, 1, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(sp["ck"])  # over the consecutive steps of that head
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              coef_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    dk_ref, dv_ref, dk_sc, dv_sc = rest
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, dv_ref, *rest) = E.split_decay(cfg, rest)
+    dck_ref = rest[0] if cfg.decay else None
+    dk_sc, dv_sc = rest[-2:]
     bi, h, ki, gi, i = (pl.program_id(a) for a in range(5))
     r = (bi * n + h * g + gi) * nk + ki
     qb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
@@ -477,16 +583,25 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
       dk_sc[...] = jnp.zeros_like(dk_sc)
       dv_sc[...] = jnp.zeros_like(dv_sc)
 
+    if dck_ref is not None:
+      @pl.when(i == 0)
+      def _init_dck():
+        dck_ref[...] = jnp.zeros_like(dck_ref)
+
     @pl.when(live)
     def _compute():
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s = E.tile_logits(cfg, qt, kt)
+      s = E.tile_logits(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, dot_, vt, (1, 1))
-      w, ds, _ = E.t_backward_tile(cfg, s, mask, tau_ref[...], m_ref[...], d_ref[...],
+      w, ds, _ = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
                                    delta_ref[...], coef_ref[...], dp, len_ref[...],
                                    tuple(rf[...] for rf in dyn_refs))
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if dck_ref is not None:
+        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
+      ds = ds * cfg.scale
       dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
       dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
 
@@ -496,6 +611,6 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
       dv_ref[...] = dv_sc[...]
 
   ops = _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
-  dk, dv = _call(cfg, kernel, "tdkv", (b, kvh, nk, g, width), sp, (idx_t, cnt_t), ops, aux, dyn,
-                 [sp["kv"], sp["kv"]], out_shape, scratch)
-  return _heads_first(dk), _heads_first(dv)
+  outs = _call(cfg, kernel, "tdkv", (b, kvh, nk, g, width), sp, (idx_t, cnt_t), ops, aux, dyn,
+               out_specs, out_shape, scratch)
+  return _heads_first(outs[0]), _heads_first(outs[1]), (outs[2] if cfg.decay else None)

@@ -29,7 +29,7 @@ def _q_major(cfg: E.Config, bq: int):
 
 
 def _backward_operands(sp, q, k, v, do, m, d, delta):
-  return [(sp["q"], q), (sp["kv"], k), (sp["kv"], v), (sp["q"], do), (sp["row"], m),
+  return [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["o"], do), (sp["row"], m),
           (sp["row"], d), (sp["row"], delta)]
 
 
@@ -59,114 +59,180 @@ def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, 
 
 def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp = q.shape[0], cfg.num_heads, cfg.head_dim_pad
+  b, n, hv = q.shape[0], cfg.num_heads, cfg.hv_pad
   sp = _q_major(cfg, bq)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), row_shape, row_shape]
+  out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), q.dtype), row_shape, row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (o_ref, m_ref, d_ref) = E.split_refs(cfg, refs, len(dyn))
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (o_ref, m_ref, d_ref) = E.split_decay(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
+    cq = None if cq_ref is None else cq_ref[...]
 
     def body(j, state):
       sl = pl.ds(j * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl])
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
-      return E.forward_tile(cfg, s, mask, state, v_ref[sl, :], length, dyn_v)
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                            cols=sl))
+      return E.forward_tile(cfg, x, mask, state, v_ref[sl, :], length, dyn_v)
 
-    state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, E.init_state(cfg, bq, hp))
+    state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, E.init_state(cfg, bq, hv))
     o, m, d = E.finalize(cfg, state, length, dyn_v)
     o_ref[...] = o.astype(o_ref.dtype)
     m_ref[...] = m
     d_ref[...] = d
 
   return _call(cfg, kernel, "fwd", (cfg.t_pad // bq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),
-               [(sp["q"], q), (sp["kv"], k), (sp["kv"], v)], aux, dyn,
-               [sp["q"], sp["row"], sp["row"]], out_shape)
+               [(sp["q"], q), (sp["kv"], k), (sp["v"], v)], aux, dyn,
+               [sp["o"], sp["row"], sp["row"]], out_shape)
+
+
+def _dense_tiles(cfg: E.Config, bias_ref, mask_ref, bq: int, bk: int, head=None, rows=None,
+                 cols=None):
+  """The bias and mask tiles (each None when absent) of a whole-length block."""
+  return (E.dense_tile(cfg.bias_full, bias_ref, bq, bk, head, rows, cols),
+          E.dense_tile(cfg.mask_full, mask_ref, bq, bk, head, rows, cols))
+
+
+def _decay_q(cq_ref, ck_ref, sl):
+  """(cq [bq, 1], ck [1, bk]) of a pass over query blocks at key slice ``sl`` (whole-length
+  key blocks), or (None, None) without a decay."""
+  return (None, None) if cq_ref is None else (cq_ref[...], ck_ref[:, sl])
+
+
+def _decay_k(cq_ref, ck_ref, gi: int, sl):
+  """(cq [bq, 1], ck [1, bk]) of a dK/dV-style pass (query head ``gi`` of the group, query
+  slice ``sl``), or (None, None) without a decay."""
+  return (None, None) if cq_ref is None else (cq_ref[gi, sl, :], ck_ref[gi])
 
 
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
+  """dQ and the hyperparameters' cotangents; with a dense bias also dS [B, N, T_pad,
+  S_pad], the cotangent of the biased logits (zero outside the visible key blocks); with
+  a decay d cq [B, N, T_pad, 1]. Returns (dq, ddyn, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = _q_major(cfg, bq)
+  n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_rows
+  out_specs = [sp["q"]] + [sp["row"]] * n_rows
+  if has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
+                                  lambda qi, bi, ni: (bi, ni, qi, 0)))
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (dq_ref, *ddyn_refs) = E.split_refs(cfg, refs, n_dyn)
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dq_ref, *outs) = E.split_decay(cfg, rest)
+    ddyn_refs, ds_ref = outs[:n_rows], (outs[n_rows] if has_bias else None)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
     qt, dot_, mt, dt, delt = q_ref[...], do_ref[...], m_ref[...], d_ref[...], delta_ref[...]
+    cq = None if cq_ref is None else cq_ref[...]
+    lo, hi = lo_ref[...], hi_ref[...]
 
     def body(j, carry):
       dq, ddyn = carry
       sl = pl.ds(j * bk, bk)
       kt = k_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt)
+      s = E.tile_logits(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                            cols=sl))
       dp = E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
-      _, ds, dd = E.backward_tile(cfg, s, mask, mt, dt, delt, dp, length, dyn_v)
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-      dq = dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
-      return dq, tuple(a + x for a, x in zip(ddyn, dd, strict=True))
+      _, ds, dd = E.backward_tile(cfg, x, mask, mt, dt, delt, dp, length, dyn_v)
+      if ds_ref is not None:
+        ds_ref[:, sl] = ds
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
+        dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
+      dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+      return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
 
+    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
+      def clear(j, c):
+        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
+        return c
+
+      jax.lax.fori_loop(0, lo, clear, 0)
+      jax.lax.fori_loop(hi, nk, clear, 0)
     init = (jnp.zeros((bq, hp), cfg.acc_dtype),
-            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_dyn)))
-    dq, ddyn = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init)
+            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_rows)))
+    dq, ddyn = jax.lax.fori_loop(lo, hi, body, init)
     dq_ref[...] = dq
     for rf, x in zip(ddyn_refs, ddyn, strict=True):
       rf[...] = x
 
   outs = _call(cfg, kernel, "dq", (cfg.t_pad // bq, b, n), bq, sp, (aux.dq_lo, aux.dq_hi),
-               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn,
-               [sp["q"]] + [sp["row"]] * n_dyn, out_shape)
-  return outs[0], tuple(outs[1:])
+               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs, out_shape)
+  return (outs[0], tuple(outs[1:1 + n_dyn]), (outs[-1] if has_bias else None),
+          outs[1 + n_dyn] if cfg.decay else None)
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
-  b, kvh, hp, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups
+  b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
   # One program per KV head holds its G query heads: the q-side blocks span the whole
   # padded length and the group's heads.
   sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
-  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)] * 2
+  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
+               jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
+  out_specs = [sp["kv"], sp["v"]]
+  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
+    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(sp["ck"])
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (dk_ref, dv_ref) = E.split_refs(cfg, refs, len(dyn))
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, dv_ref, *dck_refs) = E.split_decay(cfg, rest)
     ki = pl.program_id(0)
     ks = None if ks_ref is None else ks_ref[...]
     kt, vt = k_ref[...], v_ref[...]
-    carry = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hp), cfg.acc_dtype))
+    dk_dv = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
     for gi in range(g):  # the query heads sharing this KV head
+      ck = None if ck_ref is None else ck_ref[gi]
 
-      def body(i, carry, gi=gi):
-        dk, dv = carry
+      def body(i, carry, gi=gi, ck=ck):
+        dk, dv, dck = carry
         sl = pl.ds(i * bq, bq)
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt)
+        s = E.tile_logits(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                              head=gi, rows=sl))
         dp = E.dot(cfg, dot_, vt, (1, 1))
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
-        w, ds, _ = E.backward_tile(cfg, s, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
-                                   delta_ref[gi, sl, :], dp, len_ref[sl, :], dyn_v)
-        ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+        length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
+        w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
+                                   delta_ref[gi, sl, :], dp, length, dyn_v)
+        ds = E.soft_cap_grad(cfg, s, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
-        return dk, dv
+        dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
+        return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
 
-      carry = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, carry)
-    dk_ref[...] = carry[0]
-    dv_ref[...] = carry[1]
+      *dk_dv, dck = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
+                                      (*dk_dv, jnp.zeros((1, bk), cfg.acc_dtype)))
+      if dck_refs:
+        dck_refs[0][gi] = dck
+    dk_ref[...] = dk_dv[0]
+    dv_ref[...] = dk_dv[1]
 
-  return tuple(_call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp,
-                     (aux.dkv_lo, aux.dkv_hi), _backward_operands(sp, q, k, v, do, m, d, delta),
-                     aux, dyn, [sp["kv"], sp["kv"]], out_shape))
+  outs = _call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp, (aux.dkv_lo, aux.dkv_hi),
+               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs, out_shape)
+  return outs[0], outs[1], (outs[2] if cfg.decay else None)
 
 
 # ---------------------------------------------------------------------- class T (AdaSplash)
@@ -195,7 +261,9 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (m_ref, tau_ref, flag_ref) = E.split_refs(cfg, refs, n_dyn)
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (m_ref, tau_ref, flag_ref) = E.split_decay(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
@@ -203,9 +271,11 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 
     def logits(j):
       sl = pl.ds(j * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :])
-      return s, E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                            None if ks_ref is None else ks_ref[:, sl])
+      s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
+      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+                         None if ks_ref is None else ks_ref[:, sl])
+      return E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                         cols=sl))
 
     def max_body(j, m):
       s, mask = logits(j)
@@ -250,14 +320,16 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux):
   """The weighted pass over the live key blocks: returns (o, W [B, N, T_pad, 1])."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  b, n, hv, n_dyn = q.shape[0], cfg.num_heads, cfg.hv_pad, len(dyn)
   sp = _q_major(cfg, bq)
   idx_spec, cnt_spec = _tables(idx.shape[-1])
-  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+  out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), q.dtype),
                jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (o_ref, d_ref) = E.split_refs(cfg, refs, n_dyn)
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (o_ref, d_ref) = E.split_decay(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
@@ -267,40 +339,52 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
       lsum, acc = carry
       kb = idx_ref[j]
       sl = pl.ds(kb * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :])
+      s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
-      w = E.t_weight_tile(cfg, s, mask, taut, mt, length, dyn_v)
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                            cols=sl))
+      w = E.t_weight_tile(cfg, x, mask, taut, mt, length, dyn_v)
       vt = v_ref[sl, :]
       return (lsum + jnp.sum(w, axis=-1, keepdims=True),
               acc + E.dot(cfg, w.astype(vt.dtype), vt, (1, 0)))
 
-    init = (jnp.zeros((bq, 1), cfg.acc_dtype), jnp.zeros((bq, hp), cfg.acc_dtype))
+    init = (jnp.zeros((bq, 1), cfg.acc_dtype), jnp.zeros((bq, hv), cfg.acc_dtype))
     lsum, acc = jax.lax.fori_loop(0, cnt_ref[0], body, init)
     o_ref[...] = (acc * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
     d_ref[...] = lsum
 
   return _call_with(cfg, kernel, "tfwd", (cfg.t_pad // bq, b, n), bq, sp,
                     [(idx_spec, idx), (cnt_spec, cnt), (sp["q"], q), (sp["kv"], k),
-                     (sp["kv"], v), (sp["row"], m), (sp["row"], tau)],
-                    aux, dyn, [sp["q"], sp["row"]], out_shape)
+                     (sp["v"], v), (sp["row"], m), (sp["row"], tau)],
+                    aux, dyn, [sp["o"], sp["row"]], out_shape)
 
 
 def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
                           aux: E.Aux):
   """dQ over the live key blocks; also the per-row ``coef`` (for dK/dV) and the
-  hyperparameters' tile cotangents. Returns (dq, coef, ddyn)."""
+  hyperparameters' tile cotangents; with a dense bias also dS [B, N, T_pad, S_pad] (0 off
+  the live blocks); with a decay d cq. Returns (dq, coef, ddyn, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
+  n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major(cfg, bq)
   idx_spec, cnt_spec = _tables(idx.shape[-1])
   row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_dyn
+  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_rows
+  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_rows)
+  if has_bias:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
+                                  lambda qi, bi, ni: (bi, ni, qi, 0)))
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (dq_ref, coef_ref, *ddyn_refs) = E.split_refs(
-        cfg, refs, n_dyn)
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dq_ref, coef_ref, *outs) = E.split_decay(cfg, rest)
+    ddyn_refs, ds_ref = outs[:n_rows], (outs[n_rows] if has_bias else None)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
@@ -312,14 +396,16 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
       kb = idx_ref[j]
       sl = pl.ds(kb * bk, bk)
       kt, vt = k_ref[sl, :], v_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt)
+      s = E.tile_logits(cfg, qt, kt, *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
-      return kt, s, mask, E.dot(cfg, dot_, vt, (1, 1))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                            cols=sl))
+      return kt, s, x, mask, E.dot(cfg, dot_, vt, (1, 1)), sl
 
     def coef_body(j, carry):
-      _, s, mask, dp = tile_at(j)
-      g, mm = E.t_coef_tile(cfg, s, mask, taut, mt, delt, dp, length, dyn_v)
+      _, _, x, mask, dp, _ = tile_at(j)
+      g, mm = E.t_coef_tile(cfg, x, mask, taut, mt, delt, dp, length, dyn_v)
       return carry[0] + g, carry[1] + mm
 
     zero = jnp.zeros((bq, 1), cfg.acc_dtype)
@@ -328,13 +414,24 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
 
     def body(j, carry):
       dq, ddyn = carry
-      kt, s, mask, dp = tile_at(j)
-      _, ds, dd = E.t_backward_tile(cfg, s, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
-      ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
-      dq = dq + E.dot(cfg, ds.astype(kt.dtype), kt, (1, 0))
-      return dq, tuple(a + x for a, x in zip(ddyn, dd, strict=True))
+      kt, s, x, mask, dp, sl = tile_at(j)
+      _, ds, dd = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
+      if ds_ref is not None:
+        ds_ref[:, sl] = ds
+      ds = E.soft_cap_grad(cfg, s, ds)
+      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
+        dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
+      dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+      return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
 
-    init = (jnp.zeros((bq, hp), cfg.acc_dtype), tuple(zero for _ in range(n_dyn)))
+    if ds_ref is not None:  # dS = 0 on every block but the live ones (written below)
+      def clear(j, c):
+        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
+        return c
+
+      jax.lax.fori_loop(0, nk, clear, 0)
+    init = (jnp.zeros((bq, hp), cfg.acc_dtype),
+            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_rows)))
     dq, ddyn = jax.lax.fori_loop(0, count, body, init)
     dq_ref[...] = dq
     coef_ref[...] = coef
@@ -344,12 +441,13 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
   outs = _call_with(cfg, kernel, "tdq", (cfg.t_pad // bq, b, n), bq, sp,
                     [(idx_spec, idx), (cnt_spec, cnt)]
                     + _threshold_operands(sp, q, k, v, do, m, tau, d, delta),
-                    aux, dyn, [sp["q"]] + [sp["row"]] * (1 + n_dyn), out_shape)
-  return outs[0], outs[1], tuple(outs[2:])
+                    aux, dyn, out_specs, out_shape)
+  return (outs[0], outs[1], tuple(outs[2:2 + n_dyn]), (outs[-1] if has_bias else None),
+          outs[2 + n_dyn] if cfg.decay else None)
 
 
 def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
-  return [(sp["q"], q), (sp["kv"], k), (sp["kv"], v), (sp["q"], do), (sp["row"], m),
+  return [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["o"], do), (sp["row"], m),
           (sp["row"], tau), (sp["row"], d), (sp["row"], delta)]
 
 
@@ -358,46 +456,59 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
   """dK, dV over, per key block, the query blocks for which it is live (per query head:
   ``idx_t`` [B, N, nk, width], ``cnt_t`` [B, N, nk, 1])."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, kvh, hp, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.groups
+  b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
   sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
   width = idx_t.shape[-1]
   idx_spec = pl.BlockSpec((None, g, None, width), lambda ki, bi, hi: (bi, hi, ki, 0))
   cnt_spec = pl.BlockSpec((None, g, None, 1), lambda ki, bi, hi: (bi, hi, ki, 0))
-  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)] * 2
+  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
+               jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
+  out_specs = [sp["kv"], sp["v"]]
+  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
+    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_specs.append(sp["ck"])
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              coef_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, (dk_ref, dv_ref) = E.split_refs(cfg, refs, len(dyn))
+    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
+    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
+    cq_ref, ck_ref, (dk_ref, dv_ref, *dck_refs) = E.split_decay(cfg, rest)
     ki = pl.program_id(0)
     ks = None if ks_ref is None else ks_ref[...]
     kt, vt = k_ref[...], v_ref[...]
-    carry = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hp), cfg.acc_dtype))
+    dk_dv = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
     for gi in range(g):  # the query heads sharing this KV head
 
       def body(j, carry, gi=gi):
-        dk, dv = carry
+        dk, dv, dck = carry
         qb = idx_ref[gi, j]
         sl = pl.ds(qb * bq, bq)
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt)
+        s = E.tile_logits(cfg, qt, kt, *_decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
+                                                              head=gi, rows=sl))
         dp = E.dot(cfg, dot_, vt, (1, 1))
         rows = tuple(r[gi, sl, :] for r in (m_ref, tau_ref, d_ref, delta_ref, coef_ref))
         mt, taut, dt, delt, coef = rows
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
-        w, ds, _ = E.t_backward_tile(cfg, s, mask, taut, mt, dt, delt, coef, dp,
-                                     len_ref[sl, :], dyn_v)
-        ds = E.soft_cap_grad(cfg, s, ds) * cfg.scale
+        length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
+        w, ds, _ = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
+        ds = E.soft_cap_grad(cfg, s, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, ds.astype(qt.dtype), qt, (0, 0))
-        return dk, dv
+        dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
+        return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
 
-      carry = jax.lax.fori_loop(0, cnt_ref[gi, 0], body, carry)
-    dk_ref[...] = carry[0]
-    dv_ref[...] = carry[1]
+      *dk_dv, dck = jax.lax.fori_loop(0, cnt_ref[gi, 0], body,
+                                      (*dk_dv, jnp.zeros((1, bk), cfg.acc_dtype)))
+      if dck_refs:
+        dck_refs[0][gi] = dck
+    dk_ref[...] = dk_dv[0]
+    dv_ref[...] = dk_dv[1]
 
   ops = [(idx_spec, idx_t), (cnt_spec, cnt_t)]
   ops += _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
-  return tuple(_call_with(cfg, kernel, "tdkv", (cfg.s_pad // bk, b, kvh), bk, sp, ops, aux,
-                          dyn, [sp["kv"], sp["kv"]], out_shape))
+  outs = _call_with(cfg, kernel, "tdkv", (cfg.s_pad // bk, b, kvh), bk, sp, ops, aux, dyn,
+                    out_specs, out_shape)
+  return outs[0], outs[1], (outs[2] if cfg.decay else None)

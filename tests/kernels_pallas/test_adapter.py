@@ -33,28 +33,17 @@ def test_pick_backend(interpret_env):
     _api.pick_backend("cudnn")
 
 
+# A dense bias/mask, decay_bias, value head dims, dtypes and a traced scale reach the
+# kernel now (tests/kernels_pallas/test_contract.py).
 @pytest.mark.parametrize("kwargs", [
-    dict(bias=jnp.zeros((1, 1, 16, 16))),
-    dict(mask=jnp.ones((1, 1, 16, 16), bool)),
-    dict(decay_bias=(jnp.zeros((1, 16, 2)), jnp.zeros((1, 16, 2)))),
     dict(normalizer="top_p_softmax"),  # class T without a threshold rule
     dict(normalizer="gumbel_softmax", normalizer_params={"key": jax.random.key(0)}),
     dict(normalizer=lambda x, axis=-1, where=None: jax.nn.softmax(x, axis, where=where)),
-], ids=["bias", "mask", "decay_bias", "class_T", "stochastic", "callable"])
+], ids=["class_T", "stochastic", "callable"])
 def test_unsupported_calls_raise_not_implemented(interpret_env, kwargs):
   q, k, v, _ = inputs(t=16)
   with pytest.raises(NotImplementedError):
     attention.dot_product_attention(q, k, v, implementation="pallas", **kwargs)
-
-
-def test_value_head_dim_or_dtypes_differ_or_traced_scale_is_not_implemented(interpret_env):
-  q, k, v, _ = inputs(t=16)
-  for args in ((q, k, jnp.concatenate([v, v], -1)), (q, k, v.astype(jnp.bfloat16))):
-    with pytest.raises(NotImplementedError):
-      attention.dot_product_attention(*args, implementation="pallas")
-  with pytest.raises(NotImplementedError, match="scale"):
-    jax.jit(lambda s: attention.dot_product_attention(q, k, v, scale=s,
-                                                      implementation="pallas"))(0.3)
 
 
 def test_adapter_matches_reference(interpret_env):

@@ -79,3 +79,59 @@ def test_illegal_mosaic_block_fails_in_lowering():
   # catches it before lowering.
   with pytest.raises(ValueError, match="block_q"):
     _export("mosaic_tpu", t=48, block_sizes=dict(block_q=12, block_k=128))
+
+
+# The attention contract (issue 15): a value head dim other than the key's, q/k/v of
+# different dtypes, a traced scale, a dense bias and mask broadcast over batch, heads and
+# queries (blocks of one row / one head pinned to block 0) and a FoX decay (row and
+# column vectors) lower for both targets.
+def _export_contract(backend, *, bias_shape, mask_shape, b=2, t=256, n=4, kh=2, h=64, hv=128):
+  q = jax.ShapeDtypeStruct((b, t, n, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((b, t, kh, h), jnp.float32)
+  v = jax.ShapeDtypeStruct((b, t, kh, hv), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct(bias_shape, jnp.float32)
+  mask = jax.ShapeDtypeStruct(mask_shape, jnp.bool_)
+  scale = jax.ShapeDtypeStruct((), jnp.float32)
+  cq = jax.ShapeDtypeStruct((b, t, n), jnp.float32)
+
+  def fwd_bwd(q, k, v, bias, mask, scale, cq, ck):
+    f = lambda q, k, v, bias, scale, cq, ck: kp.attention(  # noqa: E731
+        q, k, v, bias, mask, scale=scale, is_causal=True, normalizer="ssmax",
+        decay_bias=(cq, ck), backend=backend)
+    out, vjp = jax.vjp(f, q, k, v, bias, scale, cq, ck)
+    return out, vjp(out)
+
+  platform = "cuda" if backend == "triton" else "tpu"
+  with _abstract_gpu() if backend == "triton" else contextlib.nullcontext():
+    exp = jax.export.export(jax.jit(fwd_bwd), platforms=[platform],
+                            disabled_checks=[TRITON_CALL])(q, k, v, bias, mask, scale, cq, cq)
+  return exp.mlir_module()
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("shapes", [((256, 256), (1, 4, 256, 256)),
+                                    pytest.param(((2, 1, 256, 256), (1, 1, 1, 256)),
+                                                 marks=pytest.mark.slow)],
+                         ids=["bias_ts_mask_heads", "bias_batch_mask_keys"])
+def test_contract_lowers(backend, shapes):
+  text = _export_contract(backend, bias_shape=shapes[0], mask_shape=shapes[1])
+  assert text.count("jaxsoft_attention_") >= 3
+
+
+@pytest.mark.parametrize("backend,normalizer", [
+    ("mosaic_tpu", "sparsemax"), ("triton", "standardized_softmax"),
+    pytest.param("triton", "sparsemax", marks=pytest.mark.slow),
+    pytest.param("mosaic_tpu", "standardized_softmax", marks=pytest.mark.slow)])
+def test_dense_bias_lowers_for_class_t_and_r(backend, normalizer):
+  cq = jnp.zeros((2, 256, 4))
+  text = _export(backend, t=256, normalizer=normalizer, is_causal=True,
+                 bias=jnp.zeros((1, 4, 256, 256)), mask=jnp.ones((256, 256), bool),
+                 decay_bias=(cq, cq))
+  assert text.count("jaxsoft_attention_") >= 3
+
+
+def test_mosaic_key_blocks_of_a_dense_bias_are_lane_multiples():
+  # A bias blocked along the keys in its last dimension needs 128-lane key blocks.
+  with pytest.raises(ValueError, match="block_k"):
+    _export("mosaic_tpu", t=256, bias=jnp.zeros((256, 256)),
+            block_sizes=dict(block_q=128, block_k=64))
