@@ -336,12 +336,12 @@ def numeric_grad(f, x, h=1e-6):
 
 
 # The normalizers the heavy generated per-normalizer tests (check_normalizer, the numeric
-# promises, the chunked and Pallas comparisons) run by default: every kernel class, the
+# promises, the tile rules, the chunked and Pallas comparisons) run by default: every kernel class, the
 # length-dependent and the hyperparameter-rich ones. Every registered normalizer runs them
 # under -m slow, and each also has its own test file against its oracle.
 REGISTRY_DEFAULT = ("softmax", "softmax_sink", "softmax_n", "ssmax", "sigmoid", "relu2",
                     "stablemax", "softplus_l1", "softpick", "taylor_softmax", "sparsemax",
-                    "entmax15", "entmax", "top_k_softmax", "standardized_softmax",
+                    "entmax15", "top_k_softmax", "standardized_softmax",
                     "sa_softmax_normalized", "gumbel_softmax", "moe_gate")
 
 

@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 
+@pytest.mark.slow
 def test_quick_benchmark_runs():
   proc = subprocess.run(
       [sys.executable, str(ROOT / "bench" / "attention_cpu.py"), "--quick"],

@@ -18,6 +18,7 @@ import pytest
 
 from jaxsoft import normalizers, testing
 from jaxsoft.normalizers import ThresholdRule, TileRule
+from tests.helpers import REGISTRY_DEFAULT
 
 TILE_SPECS = sorted(n for n, s in normalizers.REGISTRY.items() if s.tile is not None)
 THRESHOLD_SPECS = sorted(n for n, s in normalizers.REGISTRY.items() if s.threshold is not None)
@@ -35,7 +36,10 @@ def _settings(spec):
 
 
 def _cases(names):
-  return [pytest.param(n, s.values[0], id=f"{n}-{s.id}")
+  """(name, hparams) params: the normalizers of ``REGISTRY_DEFAULT`` by default, the rest
+  with ``-m slow``."""
+  return [pytest.param(n, s.values[0], id=f"{n}-{s.id}",
+                       marks=() if n in REGISTRY_DEFAULT else pytest.mark.slow)
           for n in names for s in _settings(normalizers.get(n))]
 
 
