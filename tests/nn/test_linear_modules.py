@@ -88,16 +88,34 @@ def test_parallel_recurrent_and_chunked_layers_agree(kind):
     np.testing.assert_allclose(o, outs[0], rtol=2e-4, atol=2e-5)
 
 
+def _value(v):
+  return v[...]
+
+
+def _qkv_by_hand(layer, x):
+  """Projections, the causal depthwise convolution and SiLU, in plain jnp: q, k, v [B, T, N, H]."""
+  b, t, _ = x.shape
+  u = x @ _value(layer.qkv.kernel)
+  w = _value(layer.conv)
+  padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
+  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
+  return tuple(a.reshape(b, t, N, H) for a in jnp.split(u, 3, axis=-1))
+
+
+def _finish_by_hand(layer, o, x):
+  """Per-head RMSNorm, the SiLU output gate and the output projection, in plain jnp."""
+  b, t, _ = x.shape
+  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * _value(layer.o_norm)
+  o = o.reshape(b, t, N * H) * jax.nn.silu(x @ _value(layer.gate.kernel))
+  return o @ _value(layer.o.kernel)
+
+
 def _written_out(layer, x):
   """SimpleGLA (or linear attention with elu + 1 features) in plain jnp: projections, conv,
   SiLU, the recurrence S_t = a_t S_{t-1} + k_t v_t^T token by token, RMSNorm, output gate."""
-  p = lambda v: v[...]  # noqa: E731
+  p = _value
   b, t, _ = x.shape
-  u = x @ p(layer.qkv.kernel)
-  w = p(layer.conv)
-  padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
-  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
-  q, k, v = (a.reshape(b, t, N, H) for a in jnp.split(u, 3, axis=-1))
+  q, k, v = _qkv_by_hand(layer, x)
   if layer.kind == "simple_gla":
     alpha = jax.nn.sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)) ** (1 / 16)
   else:
@@ -114,9 +132,7 @@ def _written_out(layer, x):
       o = o / (jnp.einsum("bnk,bnk->bn", z, q[:, i])[..., None] * H ** -0.5)
     outs.append(o)
   o = jnp.stack(outs, axis=1)
-  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * p(layer.o_norm)
-  o = o.reshape(b, t, N * H) * jax.nn.silu(x @ p(layer.gate.kernel))
-  return o @ p(layer.o.kernel)
+  return _finish_by_hand(layer, o, x)
 
 
 @pytest.mark.parametrize("kind", ["simple_gla", pytest.param("linear", marks=pytest.mark.slow)])
@@ -140,13 +156,9 @@ def _by_hand(layer, x):
   interdomain from its parameters: projections, conv, SiLU, the gates written out from the
   module docstring, the js.linear function in its recurrent form, RMSNorm, output gate."""
   from jaxsoft import linear as js_linear
-  p = lambda v: v[...]  # noqa: E731
+  p = _value
   b, t, _ = x.shape
-  u = x @ p(layer.qkv.kernel)
-  w = p(layer.conv)
-  padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
-  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
-  q, k, v = (a.reshape(b, t, N, H) for a in jnp.split(u, 3, axis=-1))
+  q, k, v = _qkv_by_hand(layer, x)
   rec = dict(implementation="recurrent")
   if layer.kind in ("ccq", "softmax_linear_attention"):
     g = jax.nn.log_sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)) / 16
@@ -166,9 +178,7 @@ def _by_hand(layer, x):
     basis = (x @ p(layer.basis.kernel)).reshape(b, t, 2, N, -1)
     o = js_linear.interdomain_attention(q, k, v, basis[:, :, 0], basis[:, :, 1],
                                         -jnp.exp(p(layer.basis_log_rate)), **rec)
-  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * p(layer.o_norm)
-  o = o.reshape(b, t, N * H) * jax.nn.silu(x @ p(layer.gate.kernel))
-  return o @ p(layer.o.kernel)
+  return _finish_by_hand(layer, o, x)
 
 
 @pytest.mark.parametrize("kind", ["softmax_linear_attention", *(
