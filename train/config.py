@@ -28,6 +28,7 @@ __all__ = [
     "SCHEDULE_FIELDS",
     "ATTENTION_VARIANTS",
     "LINEAR_KINDS",
+    "BIDIRECTIONAL_KINDS",
     "SPARSE_KINDS",
     "LAYER_KINDS",
     "LOSSES",
@@ -53,7 +54,13 @@ ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 LINEAR_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention",
                 "linear:elu1", "linear:relu", "linear:identity", "linear:taylor", "linear:favor",
                 "cosformer", "mala", "ttt_linear", "ccq", "softmax_linear_attention",
-                "native_hybrid", "interdomain")
+                "native_hybrid", "interdomain", "mhla")
+# jaxsoft.nn.LinearMixer kinds that exist but cannot be a layer of this causal LM, and why.
+BIDIRECTIONAL_KINDS = {
+    "rala": "RALA (rank-augmented linear attention) is bidirectional: its key weights use the "
+            "mean of all the sequence's queries, so a position would see the future; it has no "
+            "causal form for this causal LM",
+}
 SPARSE_KINDS = ("topk_attention", "block_sparse_attention:blasst", "block_sparse_attention:moba",
                 "block_sparse_attention:bfla", "block_sparse_attention:prism",
                 "multi_token_attention", "lucid_attention", "multiscreen_attention",
@@ -104,7 +111,7 @@ class Config:
                          "(1 = none)")
   top_k: int = _f(8, "keys kept per query (topk_attention); key blocks kept per query block "
                      "(block_sparse_attention: moba, prism; the cap for bfla)")
-  block_size: int = _f(16, "positions per block of block_sparse_attention")
+  block_size: int = _f(16, "positions per block of block_sparse_attention and of mhla")
   skip_threshold: float = _f(8.0, "BLASST's skip threshold tau (block_sparse_attention:blasst)")
   favor_features: int = _f(64, "random features of linear:favor (Performer's FAVOR+)")
   tie_embeddings: bool = _f(True, "the output matrix is the transposed input embedding")
@@ -334,6 +341,8 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
 
 
 def _kind_error(flag: str, name: str) -> ConfigError:
+  if name in BIDIRECTIONAL_KINDS:
+    return ConfigError(f"{flag}: {name!r} cannot be used: {BIDIRECTIONAL_KINDS[name]}")
   return ConfigError(f"{flag}: unknown layer kind {name!r}; valid: {', '.join(LAYER_KINDS)}"
                      + (", softmax" if flag == "--layers" else ""))
 

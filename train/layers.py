@@ -6,7 +6,8 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
 * :class:`LinearMixer`, the linear family of ``jaxsoft.linear`` (``gated_delta_rule``,
   ``delta_rule``, ``simple_gla``, ``gla``, ``lightning_attention``, ``linear:<feature map>``,
   ``cosformer``, ``mala``, ``ttt_linear``, ``ccq``, ``softmax_linear_attention``,
-  ``native_hybrid``, ``interdomain``): :class:`jaxsoft.nn.LinearMixer` configured from the ``Config``,
+  ``native_hybrid``, ``interdomain``, ``mhla``): :class:`jaxsoft.nn.LinearMixer` configured from
+  the ``Config``,
   laid out as Gated Linear Attention and Gated DeltaNet layers are:
 
   .. math::
@@ -29,8 +30,13 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
   none for the rest. ``linear:favor`` draws its random features from a key fixed by the layer
   index (Performer, Choromanski et al., 2021, "Rethinking Attention with Performers");
   ``linear:identity`` is the unnormalised form (its denominator could vanish). ``cosformer``
-  uses ``M = --seq_len``. The decoding cache is the convolution's last ``c - 1`` inputs and
-  the recurrent state, advanced by the kind's ``*_step`` function.
+  uses ``M = --seq_len``; ``mhla`` (causal) mixes blocks of ``--block_size`` tokens with a
+  learned ``C`` for the ``⌈--seq_len / --block_size⌉`` blocks, started at lower-triangular
+  ones (vanilla linear attention). RALA (``jaxsoft.nn.LinearMixer(kind="rala")``) is
+  bidirectional and is refused as a layer (``config.BIDIRECTIONAL_KINDS``). The decoding cache
+  is the convolution's last ``c - 1`` inputs and the recurrent state, advanced by the kind's
+  ``*_step`` function (for ``mhla`` the summaries of the ``⌈--seq_len / --block_size⌉``
+  blocks, the current one a running sum).
 * :class:`SparseAttention`, ``jaxsoft.attention``'s self-attention layers
   (``topk_attention``, ``block_sparse_attention:<method>``, ``multi_token_attention`` with a
   learned per-head kernel of 3 query rows x 5 keys started at the identity, as its paper
@@ -56,7 +62,7 @@ from flax import nnx
 from jaxsoft import attention as js_attention
 from jaxsoft import nn as js_nn
 from jaxsoft.nn._linear import causal_conv, causal_conv_step
-from train.config import ATTENTION_VARIANTS, LINEAR_KINDS, SPARSE_KINDS, Config
+from train.config import ATTENTION_VARIANTS, BIDIRECTIONAL_KINDS, LINEAR_KINDS, SPARSE_KINDS, Config
 
 __all__ = ["LinearMixer", "SparseAttention", "make_mixer", "causal_conv", "causal_conv_step",
            "softmax_init_cache", "softmax_step", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
@@ -71,6 +77,8 @@ class LinearMixer(js_nn.LinearMixer):
   of the other mixers (``init_cache``, ``step(x, position, cache)``)."""
 
   def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind in BIDIRECTIONAL_KINDS:
+      raise ValueError(f"kind: {kind!r} cannot be a layer here: {BIDIRECTIONAL_KINDS[kind]}")
     if kind not in LINEAR_KINDS:
       raise ValueError(f"kind: {kind!r} is not a linear kind; one of {LINEAR_KINDS}")
     base, _, feature_map = kind.partition(":")
@@ -78,7 +86,8 @@ class LinearMixer(js_nn.LinearMixer):
                      feature_map=feature_map or "elu1", normalize=kind != "linear:identity",
                      favor_features=cfg.favor_features, feature_seed=layer_idx,
                      layer_idx=layer_idx, num_layers=cfg.num_layers,
-                     max_len=float(cfg.seq_len), dtype=cfg.dtype, rngs=rngs)
+                     max_len=float(cfg.seq_len), block_size=cfg.block_size, dtype=cfg.dtype,
+                     rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     del positions  # no positional encoding: the convolution and the decays order the tokens

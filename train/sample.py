@@ -110,6 +110,10 @@ def generate(net: model.Transformer, prompt: Sequence[int], length: int, *,
     raise ValueError(f"length: a cosformer layer's re-weighting spans --seq_len = "
                      f"{net.cfg.seq_len} positions; prompt + length must be <= "
                      f"{net.cfg.seq_len + 1}, got {total}")
+  if any(b.kind == "mhla" for b in net.blocks) and total > net.cfg.seq_len + 1:
+    raise ValueError(f"length: an mhla layer's mixing matrix covers the blocks of --seq_len = "
+                     f"{net.cfg.seq_len} positions; prompt + length must be <= "
+                     f"{net.cfg.seq_len + 1}, got {total}")
   step = functools.partial(_step, net, temperature=float(temperature), top_k=int(top_k))
   cache = net.init_cache(1, total)
   key = jax.random.key(seed)

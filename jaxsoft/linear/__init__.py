@@ -21,7 +21,8 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 * A34 :func:`softmax_linear_attention`: a softmax over heads gates the read and the write
   (Xu et al. 2026) [R].
 * A35 :func:`ccq`: the query contracted by the running key covariance (Le et al. 2026) [R].
-* A36 :func:`mhla`: block summaries mixed by learned coefficients (MHLA, 2026) [R].
+* A36 :func:`mhla`, :func:`mhla_step`: block summaries mixed by learned coefficients
+  (MHLA, 2026) [R].
 * A37 :func:`rala`: rank-augmented bidirectional linear attention (Fan et al. 2025) [R].
 * A41 :func:`interdomain_attention`: kernel features through a diagonal-SSM basis [R].
 * A45 :func:`native_hybrid_attention`: one softmax over linear-RNN slots and a sliding
@@ -58,7 +59,7 @@ from jaxsoft.linear._interdomain import interdomain_attention, interdomain_atten
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
-from jaxsoft.linear._mhla import mhla
+from jaxsoft.linear._mhla import mhla, mhla_step
 from jaxsoft.linear._nha import native_hybrid_attention, native_hybrid_attention_step
 from jaxsoft.linear._rala import rala, rala_key_weights
 from jaxsoft.linear._sla import (
@@ -104,6 +105,7 @@ __all__ = [
     "native_hybrid_attention",
     "native_hybrid_attention_step",
     "mhla",
+    "mhla_step",
     "rala",
     "rala_key_weights",
     "hedgehog_init",

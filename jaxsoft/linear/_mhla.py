@@ -16,20 +16,27 @@ abstract; this is a reconstruction [R]: ``C`` is used as given, and the causal f
 ``β <= i`` with the own block read causally (token ``t`` sees the keys ``j <= t`` of its
 block), so that query ``t`` in block ``i`` weighs key ``j`` by ``c_{i, β(j)} φ(q_t)·φ(k_j)``.
 ``C`` = all ones is vanilla linear attention.
+
+Decoding (:func:`mhla_step`, causal only): there is no fixed-size recurrent form, since
+``C`` mixes every earlier block, but a state of the ``M_max`` block summaries
+``[S_β; z_β]`` (the current block's one a running sum) gives the causal output token by
+token at ``O(M_max·K'·V)`` per step.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.linear import _checks, _chunk, _linear_attention
 
-__all__ = ["mhla"]
+__all__ = ["mhla", "mhla_step"]
 
 
 def _parallel(fq, fk, v, C, block, causal, eps):
@@ -122,3 +129,84 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
   fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
   form = _parallel if implementation == "parallel" else _chunked
   return form(fq, fk, v.astype(jnp.float32), C, block, causal, eps).astype(dtype)
+
+
+def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state: Any = None, *,
+              position: ArrayLike, block_size: int,
+              feature_map: str | Callable[[jax.Array], jax.Array] = "elu1",
+              eps: float = 1e-6) -> tuple[jax.Array, jax.Array]:
+  r"""One decoding step of causal :func:`mhla` at token ``position`` (``t``).
+
+  With ``i = ⌊t / b⌋``: ``[S_i; z_i] += φ(k_t) [v_t; 1]^\top`` (the running sum of the current
+  block), then
+
+  .. math::
+    o_t = \frac{φ(q_t)^\top \sum_{β \le i} c_{iβ} S_β}{φ(q_t)^\top \sum_{β \le i} c_{iβ} z_β},
+
+  which is the causal :func:`mhla` at ``t`` ("MHLA: Multi-Head Linear Attention", 2026;
+  reconstruction [R], see the module docstring).
+
+  Args:
+    q, k: ``[B, N, K]`` (before the feature map); v: ``[B, N, V]``.
+    mixing: ``C``, ``[M, M]`` or ``[N, M, M]``: ``M`` blocks of ``b`` tokens bound the positions,
+      ``t < M·b``; the full call on ``T`` tokens uses its leading ``[⌈T/b⌉, ⌈T/b⌉]`` corner.
+    state: the summaries ``[B, N, M, K', V + 1]`` (``z`` as the last column), or None: zeros.
+    position: ``t``, an int or ``[B]`` ints (may be traced). Outside ``[0, M·b)`` it raises
+      ValueError where concrete; a traced one there gives NaN outputs (never a silent value).
+    block_size, feature_map, eps: as in :func:`mhla`.
+
+  Returns:
+    ``(o [B, N, V] in the inputs' dtype, new_state)``.
+
+  Example:
+    >>> C = jnp.array([[1.0, 0.0], [0.0, 1.0]])   # each block reads only itself
+    >>> state = None
+    >>> for t in range(3):
+    ...   one = jnp.full((1, 1, 1), float(t))
+    ...   o, state = mhla_step(0 * one, 0 * one, one, C, state, position=t, block_size=2)
+    >>> o[0, 0, 0]   # block 1 holds only token 2
+    Array(2., dtype=float32)
+  """
+  fn_name = "mhla_step"
+  phi = _linear_attention._feature_map(feature_map, fn_name)
+  eps = _linear_attention._check_eps(eps, fn_name)
+  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
+  B, N, _ = q.shape
+  V = v.shape[-1]
+  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+    raise ValueError(f"{fn_name}: `block_size` must be a positive int, got {block_size!r}")
+  C = _checks._floating(mixing, "mixing", fn_name)
+  if C.ndim not in (2, 3) or C.shape[-1] != C.shape[-2] or C.ndim == 3 and C.shape[0] != N:
+    raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with N = {N}, "
+                     f"got {C.shape}")
+  M = C.shape[-1]
+  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing"), (N, M, M))
+  pos = jnp.asarray(position)
+  if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.shape not in ((), (B,)):
+    raise ValueError(f"{fn_name}: `position` must be an int or [B] = [{B}] ints, got "
+                     f"{pos.shape} {pos.dtype}")
+  values = _checks._concrete(pos)
+  if values is not None and not np.all((values >= 0) & (values < M * block_size)):
+    raise ValueError(f"{fn_name}: `position` must lie in [0, M * block_size = "
+                     f"{M * block_size}), got {values}")
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  F = fk.shape[-1]
+  if state is None:
+    state = jnp.zeros((B, N, M, F, V + 1), jnp.float32)
+  state = _checks._floating(state, "state", fn_name)
+  if state.shape != (B, N, M, F, V + 1):
+    raise ValueError(f"{fn_name}: `state` must have shape [B, N, M, K', V + 1] = "
+                     f"{[B, N, M, F, V + 1]}, got {state.shape}")
+  block = jnp.broadcast_to(pos // block_size, (B,))                     # i, per sequence
+  here = (jnp.arange(M) == block[:, None]).astype(jnp.float32)          # [B, M] one-hot
+  vv = jnp.concatenate([v.astype(jnp.float32), jnp.ones((B, N, 1), jnp.float32)], axis=-1)
+  write = jnp.einsum("bnk,bnv->bnkv", fk, vv)
+  state = state.astype(jnp.float32) + here[:, None, :, None, None] * write[:, :, None]
+  row = jnp.moveaxis(jnp.take(C, block, axis=1), 1, 0)                 # [B, N, M]: c_{iβ}
+  row = jnp.where(jnp.arange(M) <= block[:, None, None], row, 0.0)      # β <= i
+  out = jnp.einsum("bnk,bnm,bnmkv->bnv", fq, row, state)
+  o = _linear_attention._safe_divide(out[..., :-1], out[..., -1:], eps)
+  inside = (jnp.broadcast_to(pos, (B,)) >= 0) & (block < M)             # traced: NaN outside
+  o = jnp.where(inside[:, None, None], o, jnp.nan)
+  return o.astype(dtype), state

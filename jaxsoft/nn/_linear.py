@@ -41,10 +41,23 @@ the kind's recurrence ``o = mix(q, k, v, gates)`` from :mod:`jaxsoft.linear`, th
 * ``kind="interdomain"``: ``num_slots`` basis functions per head with coefficients
   :math:`W_b x_t`, read-outs :math:`W_\psi x_t` and learned decays :math:`-e^{A_r}` (a
   reconstruction, as :func:`jaxsoft.linear.interdomain_attention`).
+* ``kind="mhla"``: MHLA's block summaries mixed by a learned ``C [N, M_max, M_max]`` per head,
+  ``M_max = ⌈max_len / block_size⌉`` blocks, sliced to the ``M = ⌈T / block_size⌉`` blocks of
+  the input and started at ones (lower-triangular ones when causal), i.e. as vanilla linear
+  attention with ``feature_map`` ("MHLA: Multi-Head Linear Attention", 2026; a
+  reconstruction, as :func:`jaxsoft.linear.mhla`). Causal by default; ``causal=False`` is the
+  paper's bidirectional form (no decoding).
+* ``kind="rala"``: rank-augmented linear attention (Fan, Huang & He 2025, "Breaking the
+  Low-Rank Dilemma of Linear Attention"; a reconstruction, as :func:`jaxsoft.linear.rala`):
+  key weights :math:`α_j = T\,\mathrm{softmax}_j(\bar q \cdot k_j / \sqrt K)` over the whole
+  sequence and the paper's linear output gate: :math:`\mathrm{RMSNorm}(o_t) \odot W_r x_t`
+  (no SiLU). The mean query makes it bidirectional: it needs ``causal=False`` (its default)
+  and cannot decode. The short convolution stays causal in every kind.
 
 Decoding: :meth:`LinearMixer.init_state` gives the zero state (the convolution's last
 ``c - 1`` inputs, the recurrent state of the kind's ``*_step`` function, the position) and
-:meth:`LinearMixer.step` advances it by one token at O(1) cost in the length.
+:meth:`LinearMixer.step` advances it by one token at O(1) cost in the length (for ``"mhla"``
+the state holds the ``M_max`` block summaries, :func:`jaxsoft.linear.mhla_step`: O(M_max)).
 
 :class:`HedgehogFeatureMap` owns the parameters of :func:`jaxsoft.linear.hedgehog_feature_map`
 and its attention-distillation loss (Zhang, Bhatia, Kumbong & Ré 2024, "The Hedgehog & the
@@ -73,7 +86,10 @@ __all__ = ["LinearMixer", "GatedDeltaNet", "DeltaNet", "GLA", "SimpleGLA",
 
 LINEAR_MIXER_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla",
                       "lightning_attention", "linear", "cosformer", "mala", "ttt_linear", "ccq",
-                      "softmax_linear_attention", "native_hybrid", "interdomain")
+                      "softmax_linear_attention", "native_hybrid", "interdomain", "mhla",
+                      "rala")
+_BIDIRECTIONAL = ("rala",)  # kinds with no causal form (they read the whole sequence)
+_EITHER = ("mhla",)  # kinds with a causal and a bidirectional form
 GLA_GATE_RANK = 16  # GLA's low-rank gate bottleneck
 GLA_GATE_NORMALIZER = 16.0  # GLA divides log sigmoid by 16 (slow decay at initialisation)
 TTT_ETA_BASE = 1.0  # TTT-Linear's base inner learning rate
@@ -179,12 +195,18 @@ class LinearMixer(nnx.Module):
     d_model: the width of ``x``.
     num_heads, head_dim: ``N`` and ``K = V`` (``head_dim`` default ``d_model // num_heads``).
     conv_size: the width ``c >= 1`` of the causal depthwise convolution (4 in the papers).
-    feature_map: for ``kind="linear"`` (and ``"mala"``): a name of
-      ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"``, a callable or a HedgehogFeatureMap.
+    feature_map: for ``kind="linear"`` (and ``"mala"``, ``"mhla"``, ``"rala"``): a name of
+      ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"`` (``"linear"`` only), a callable or a
+      HedgehogFeatureMap.
     normalize: for ``kind="linear"``: divide by ``φ(q)·Σφ(k)`` (False: the numerator alone).
     favor_features, feature_seed: the number of random features and the key of ``"favor"``.
     layer_idx, num_layers: the depth that sets Lightning Attention's decays.
-    max_len: cosFormer's ``M``.
+    max_len: cosFormer's ``M``; for ``"mhla"`` the longest sequence, decoded or not
+      (``M_max`` blocks).
+    block_size: MHLA's tokens per block ``b``.
+    causal: None (the kind's own: False for ``"rala"``, True otherwise); False is allowed for
+      ``"mhla"`` and ``"rala"`` only (a bidirectional layer: no ``step``), True not for
+      ``"rala"``.
     mini_batch_size: TTT-Linear's inner mini-batch.
     strength: CCQ's contraction strength.
     num_slots: the slots of ``"native_hybrid"`` and the basis functions of ``"interdomain"``.
@@ -199,8 +221,8 @@ class LinearMixer(nnx.Module):
                favor_features: int = 64, feature_seed: int = 0, layer_idx: int = 0,
                num_layers: int = 1, max_len: float = 2048.0, implementation: str | None = None,
                chunk_size: int = 64, mini_batch_size: int = 16, strength: float = 1.0,
-               num_slots: int = 8, window: int = 64, dtype: Any = jnp.float32,
-               rngs: nnx.Rngs):
+               num_slots: int = 8, window: int = 64, block_size: int = 64,
+               causal: bool | None = None, dtype: Any = jnp.float32, rngs: nnx.Rngs):
     name = type(self).__name__
     if kind not in LINEAR_MIXER_KINDS:
       raise ValueError(f"{name}: `kind` must be one of {LINEAR_MIXER_KINDS}, got {kind!r}")
@@ -216,7 +238,7 @@ class LinearMixer(nnx.Module):
     if implementation is not None and implementation not in js_linear.IMPLEMENTATIONS:
       raise ValueError(f"{name}: `implementation` must be None or one of "
                        f"{js_linear.IMPLEMENTATIONS}, got {implementation!r}")
-    if kind in ("linear", "mala") and not (
+    if kind in ("linear", "mala", "mhla", "rala") and not (
         callable(feature_map) or feature_map == "favor" and kind == "linear"
         or isinstance(feature_map, str) and feature_map in js_linear.FEATURE_MAPS):
       raise ValueError(f"{name}: `feature_map` must be one of "
@@ -225,6 +247,23 @@ class LinearMixer(nnx.Module):
     if kind == "ttt_linear" and implementation not in (None, "recurrent", "chunked"):
       raise ValueError(f"{name}: `implementation` of kind 'ttt_linear' must be None, "
                        f"'recurrent' or 'chunked', got {implementation!r}")
+    if kind == "mhla" and implementation not in (None, "parallel", "chunked"):
+      raise ValueError(f"{name}: `implementation` of kind 'mhla' must be None, 'parallel' or "
+                       f"'chunked' (no recurrent form), got {implementation!r}")
+    if kind == "rala" and implementation is not None:
+      raise ValueError(f"{name}: `implementation` of kind 'rala' must be None (it has one "
+                       f"form), got {implementation!r}")
+    if causal is None:
+      causal = kind not in _BIDIRECTIONAL
+    if not isinstance(causal, bool):
+      raise ValueError(f"{name}: `causal` must be None or a bool, got {causal!r}")
+    if causal and kind in _BIDIRECTIONAL:
+      raise ValueError(f"{name}: kind {kind!r} is bidirectional (its key weights use the mean "
+                       "of all the queries), it has no causal form: `causal` must be False or "
+                       "None")
+    if not causal and kind not in _BIDIRECTIONAL + _EITHER:
+      raise ValueError(f"{name}: `causal` = False needs a kind with a bidirectional form "
+                       f"{_BIDIRECTIONAL + _EITHER}, got kind {kind!r}")
     if not (isinstance(strength, numbers.Real) and strength >= 0):
       raise ValueError(f"{name}: `strength` must be a number >= 0, got {strength!r}")
     if not (isinstance(max_len, numbers.Real) and max_len > 0):
@@ -252,6 +291,8 @@ class LinearMixer(nnx.Module):
     self.strength: float = float(strength)
     self.num_slots: int = _positive_int(name, "num_slots", num_slots)
     self.window: int = _positive_int(name, "window", window)
+    self.block_size: int = _positive_int(name, "block_size", block_size)
+    self.causal: bool = causal
     m = self.num_slots
     self.qkv: nnx.Linear = linear(d, 3 * n * h)
     self.o: nnx.Linear = linear(n * h, d)
@@ -280,6 +321,11 @@ class LinearMixer(nnx.Module):
                                          else None)
     self.slots: nnx.Linear | None = biased(d, n * m) if kind == "native_hybrid" else None
     self.basis: nnx.Linear | None = linear(d, 2 * n * m) if kind == "interdomain" else None
+    if kind == "mhla":  # C starts as vanilla linear attention (causal: the blocks <= i)
+      blocks = math.ceil(self.max_len / self.block_size)
+      ones = jnp.ones((blocks, blocks), jnp.float32)
+      self.mixing: nnx.Param = nnx.Param(jnp.broadcast_to(
+          jnp.tril(ones) if causal else ones, (n, blocks, blocks)))
     if kind == "interdomain":  # decay rates e^A in [0.01, 0.5], spread like Mamba's
       self.basis_log_rate: nnx.Param = nnx.Param(jnp.log(jax.random.uniform(
           rngs.params(), (n, m), jnp.float32, 0.01, 0.5)))
@@ -332,13 +378,29 @@ class LinearMixer(nnx.Module):
     return self.feature_map
 
   def _finish(self, o: jax.Array, x: jax.Array) -> jax.Array:
-    """Per-head RMSNorm, the SiLU output gate, the output projection."""
+    """Per-head RMSNorm, the SiLU output gate (RALA's: linear), the output projection."""
     o = rms_norm(o, self.o_norm[...]).astype(self.dtype)
-    o = o.reshape(*o.shape[:-2], -1) * jax.nn.silu(self.gate(x))
+    gate = self.gate(x)
+    o = o.reshape(*o.shape[:-2], -1) * (gate if self.kind == "rala" else jax.nn.silu(gate))
     return self.o(o)
 
+  def _mixing(self, t: int) -> jax.Array:
+    """MHLA's ``C`` sliced to the ``⌈t / b⌉`` blocks of ``t`` tokens."""
+    blocks = math.ceil(t / self.block_size)
+    if blocks > self.mixing.shape[-1]:
+      raise ValueError(f"{type(self).__name__}: `x` has T = {t} tokens, more than the "
+                       f"{self.mixing.shape[-1]} blocks of {self.block_size} that `max_len` = "
+                       f"{self.max_len:g} gives kind 'mhla'")
+    return self.mixing[...][:, :blocks, :blocks]
+
+  def _check_causal(self) -> None:
+    if not self.causal:
+      raise ValueError(f"{type(self).__name__}: kind {self.kind!r} with causal=False is "
+                       "bidirectional (every output reads the whole sequence): it cannot "
+                       "decode token by token")
+
   def __call__(self, x: jax.Array) -> jax.Array:
-    """``x [B, T, d]`` -> ``[B, T, d]`` (the whole sequence, causally)."""
+    """``x [B, T, d]`` -> ``[B, T, d]`` (the whole sequence, causally unless ``causal=False``)."""
     x = self._check_x(x, 3, "[B, T, d]")
     u = jax.nn.silu(causal_conv(self.qkv(x), self.conv[...].astype(self.dtype)))
     q, k, v = (self._heads(part) for part in jnp.split(u, 3, axis=-1))
@@ -372,6 +434,12 @@ class LinearMixer(nnx.Module):
                                              g=gates["g"], **impl)
     elif kind == "native_hybrid":
       o = js_linear.native_hybrid_attention(q, k, v, gates["slots"], window=self.window, **impl)
+    elif kind == "mhla":
+      o = js_linear.mhla(q, k, v, self._mixing(x.shape[1]), block_size=self.block_size,
+                         feature_map=self._feature_map(), causal=self.causal,
+                         implementation=self.implementation)
+    elif kind == "rala":
+      o = js_linear.rala(q, k, v, feature_map=self._feature_map())
     else:  # interdomain
       o = js_linear.interdomain_attention(q, k, v, gates["basis_in"], gates["basis_out"],
                                           gates["log_decay"], **impl)
@@ -406,6 +474,9 @@ class LinearMixer(nnx.Module):
     if kind == "softmax_linear_attention":
       return js_linear.softmax_linear_attention_step(q, k, v, gates["q_gate"], gates["k_gate"],
                                                      state, g=gates["g"])
+    if kind == "mhla":
+      return js_linear.mhla_step(q, k, v, self.mixing[...], state, position=position,
+                                 block_size=self.block_size, feature_map=self._feature_map())
     if kind == "native_hybrid":
       return js_linear.native_hybrid_attention_step(q, k, v, gates["slots"], state,
                                                     window=self.window)
@@ -415,7 +486,9 @@ class LinearMixer(nnx.Module):
   def init_state(self, batch: int) -> dict[str, Any]:
     """The decoding state of ``batch`` sequences before their first token: the zero
     convolution window ``conv [B, c - 1, 3NK]``, the zero recurrent state ``state`` (shaped
-    by the kind's ``*_step`` function) and ``position = 0``."""
+    by the kind's ``*_step`` function) and ``position = 0``. A bidirectional layer
+    (``causal=False``: ``"rala"``) raises ValueError."""
+    self._check_causal()
     batch = _positive_int(type(self).__name__, "batch", batch)
     width = self.conv.shape[0] - 1
     window = jnp.zeros((batch, width, self.conv.shape[1]), self.dtype)
@@ -429,6 +502,7 @@ class LinearMixer(nnx.Module):
              ) -> tuple[jax.Array, jax.Array, Any]:
     """One token ``x [B, d]`` at ``position`` from the window ``conv`` and recurrent
     ``state`` -> (``y [B, d]``, the next window, the next state)."""
+    self._check_causal()
     x = self._check_x(x, 2, "[B, d]")
     y, window = causal_conv_step(self.qkv(x), self.conv[...].astype(self.dtype), conv)
     u = jax.nn.silu(y.astype(self.dtype))
