@@ -24,11 +24,20 @@ whatever the sequence length. With the FoX forget gate (Lin et al., 2025, "Forge
 Transformer: Softmax Attention with a Forget Gate") the cache also keeps each slot's
 cumulative log forget gate ``c_j`` and the running total, so the decay ``c_i - c_j``
 equals the forward's.
+
+A one-token step of a layer whose ``implementation`` asks for Pallas runs the split-K
+decoding kernel :func:`kernels_pallas.decode.decode_attention` (T. Dao et al. 2023,
+"Flash-Decoding for long-context inference") when it computes the call exactly (see
+:func:`pallas_decode`): the kernel takes a valid length per row, and the keys such a step
+sees are a prefix of the cache written with the new token (``min(p, C) + 1`` slots at
+position ``p``; a ring buffer appends the slot the new token evicted, position
+``p - C``, which a window of ``left >= C`` still sees).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,9 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.attention._masks import normalize_window
+from jaxsoft.normalizers import _spec
 
-__all__ = ["DecodeStep", "init_cache", "check_decode_call", "update_cache", "has_cache"]
+__all__ = ["DecodeStep", "init_cache", "check_decode_call", "update_cache", "has_cache",
+           "pallas_decode", "KERNEL_NORMALIZERS"]
 
 _NAME = "MultiHeadAttention"
 # Keywords of dot_product_attention a decode call cannot take: the cache defines the keys'
@@ -53,14 +65,16 @@ _REFUSED = ("query_seq_lengths", "key_value_seq_lengths", "bias", "decay_bias",
 class DecodeStep:
   """What a decode call attends with: keys/values ``[B, C + L, K, H]`` (cached slots then
   the new tokens), the visibility ``mask [1, 1, L, C + L]``, the FoX ``decay_bias`` (or
-  None) and ``overflow``: None when the position was checked eagerly, else a traced bool
-  that is True when the call wrote past ``max_length`` (the output is then NaN)."""
+  None), ``overflow``: None when the position was checked eagerly, else a traced bool
+  that is True when the call wrote past ``max_length`` (the output is then NaN), and the
+  new tokens' ``positions [L]``."""
 
   key: jax.Array
   value: jax.Array
   mask: jax.Array
   decay_bias: tuple[jax.Array, jax.Array] | None
   overflow: jax.Array | None
+  positions: jax.Array | None = None
 
 
 def has_cache(module: Any) -> bool:
@@ -204,4 +218,205 @@ def update_cache(module: Any, batch: tuple[int, ...], xq: jax.Array, k: jax.Arra
   module.cached_positions[...] = module.cached_positions[...].at[slots].set(
       pos_q[length - n_new:])
   module.cache_index[...] = index + length
-  return DecodeStep(keys, values, visible[None, None], decay, overflow)
+  return DecodeStep(keys, values, visible[None, None], decay, overflow, pos_q)
+
+
+# ------------------------------------------------------------------- Pallas decode step
+
+# The normalizers of kernels_pallas.decode_attention and the hyperparameters it takes.
+KERNEL_NORMALIZERS = {"softmax": (), "softmax_sink": ("sink_logit",), "sigmoid": ("bias",)}
+# Pallas implementations of dot_product_attention -> the decode kernel's backend (None:
+# the platform's, as kernels_pallas.pick_backend).
+_PALLAS = {"pallas": None, "pallas_triton": "triton", "pallas_mosaic_tpu": "mosaic_tpu"}
+_KERNEL_KWARGS = ("scale", "logits_soft_cap", "score")
+
+
+def _pallas_request(implementation: Any) -> tuple[bool, str | None]:
+  """``(asked, backend)``: whether ``implementation`` (a name or a sequence tried in
+  order) asks for Pallas first, and which backend."""
+  if implementation is None:
+    return False, None
+  if isinstance(implementation, str):
+    first = implementation
+  else:
+    try:
+      first = next(iter(implementation), None)
+    except TypeError:
+      return False, None  # dot_product_attention raises the ValueError naming it
+  if not isinstance(first, str) or first not in _PALLAS:
+    return False, None
+  return True, _PALLAS[first]
+
+
+def _static_number(x: Any) -> bool:
+  return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+def _prefix_view(module: Any, step: DecodeStep, window: tuple[int, int] | None):
+  """``(keys, values, n)``: the cache written with the new token, as arrays whose first
+  ``n`` slots (a traced int32) are exactly the keys a one-token step at position ``p``
+  sees, or None when they are not a prefix.
+
+  The cache of ``C`` slots holds position ``pos`` at slot ``pos mod C``. Before it wraps
+  (``p < C``) slots ``0 .. p`` hold positions ``0 .. p``; after (a ring buffer), all
+  ``C`` slots are visible and so is position ``p - C``, which the new token evicted: it
+  is appended (a copy of the ring, O(C), only for sliding-window caches). With a window
+  of ``left >= C`` (the cache's own) every stored position is visible: ``n = min(p, C)
+  + 1``; a one-slot cache with ``left = 0``: ``n = 1``. Other windows (narrower than
+  the ring, or ``right < 0``: the own token hidden) are not a prefix.
+  """
+  keys, values = module.cached_key[...], module.cached_value[...]
+  capacity = keys.shape[1]
+  p = step.positions[0]
+  if window is not None:
+    left, right = window
+    if right < 0 or not (left >= capacity or (left == 0 and capacity == 1)):
+      return None
+  else:
+    left = capacity
+  if module.cache_window is None:  # never wraps below max_length (past it: NaN output)
+    return keys, values, jnp.minimum(p, capacity - 1) + 1
+  slot = p % capacity
+  evicted_k = jax.lax.dynamic_slice_in_dim(step.key, slot, 1, axis=1)
+  evicted_v = jax.lax.dynamic_slice_in_dim(step.value, slot, 1, axis=1)
+  n = jnp.minimum(jnp.minimum(p, capacity), left) + 1
+  return (jnp.concatenate([keys, evicted_k], axis=1),
+          jnp.concatenate([values, evicted_v], axis=1), n)
+
+
+def _kernel_params(spec_name: str, params: Mapping[str, Any], b: int, n: int):
+  """The hyperparameters as the kernel's ``[B, N]`` float32 arrays, or None when the
+  kernel does not take them (a name it lacks, a shape that is not per row, a non-finite
+  concrete value: the dense path then decides)."""
+  out = {}
+  for name, x in params.items():
+    if x is None:
+      continue
+    if name not in KERNEL_NORMALIZERS[spec_name]:
+      return None
+    try:
+      x = jnp.asarray(x, jnp.float32)
+      if x.ndim > 4:
+        return None
+      x = jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (b, n, 1, 1))[:, :, 0, 0]
+    except (TypeError, ValueError):
+      return None
+    if not isinstance(x, jax.core.Tracer) and not bool(jnp.all(jnp.isfinite(x))):
+      return None
+    out[name] = x
+  return out
+
+
+def _dense_decode(q, k, v, lengths, hp, *, normalizer, scale, cap):
+  """The same step through ``dot_product_attention(implementation="xla")``: one query
+  row per batch row over the first ``lengths[b]`` slots (the kernel's backward)."""
+  params = {name: x[:, :, None, None] for name, x in hp.items()}
+  out = dot_product_attention(
+      q[:, None], k, v, key_value_seq_lengths=lengths, normalizer=normalizer,
+      normalizer_params=params or None, scale=scale, logits_soft_cap=cap,
+      implementation="xla")
+  return out[:, 0]
+
+
+def _decode_with_dense_vjp(kernel, dense):
+  """``kernel(q, k, v, lengths, hp)`` with the reverse-mode derivative of ``dense`` (the
+  same function through XLA): the decoding kernel is forward only, so a gradient through
+  a decode step recomputes the step densely in the backward pass instead of
+  differentiating the kernel. Forward-mode (jvp) raises JAX's custom_vjp error."""
+
+  @jax.custom_vjp
+  def f(q, k, v, lengths, hp):
+    return kernel(q, k, v, lengths, hp)
+
+  def fwd(q, k, v, lengths, hp):
+    return kernel(q, k, v, lengths, hp), (q, k, v, lengths, hp)
+
+  def bwd(res, g):
+    q, k, v, lengths, hp = res
+    _, pull = jax.vjp(lambda q_, k_, v_, hp_: dense(q_, k_, v_, lengths, hp_), q, k, v, hp)
+    dq, dk, dv, dhp = pull(g)
+    return dq, dk, dv, np.zeros(lengths.shape, jax.dtypes.float0), dhp
+
+  f.defvjp(fwd, bwd)
+  return f
+
+
+def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
+                  q: jax.Array, params: Mapping[str, Any],
+                  kwargs: Mapping[str, Any]) -> jax.Array | None:
+  r"""A one-token decode step through the split-K kernel, or None to take the dense path.
+
+  .. math::
+    o_{bn} = \sum_{j < n} f(x)_j\, v_{bj}, \qquad x_j = c \tanh(s\, q_{bn} \cdot k_{bj} / c)
+
+  over the ``n`` keys the step sees (:func:`_prefix_view`), with
+  :func:`kernels_pallas.decode.decode_attention` (T. Dao, D. Haziza, F. Massa &
+  G. Sizov 2023, "Flash-Decoding for long-context inference"). Used only when the
+  layer's ``implementation`` is "pallas", "pallas_triton", "pallas_mosaic_tpu" or a
+  sequence whose first entry is one of them, and the kernel computes the call exactly:
+  one new token; normalizer softmax (no temperature), softmax_sink or sigmoid with per
+  head (or per row) hyperparameters; keywords ``scale`` and ``logits_soft_cap`` only
+  (static numbers), dot scores; no float64; a visible set that is a prefix of the cache
+  (:func:`_prefix_view`); a Pallas backend on the platform (or
+  ``JAXSOFT_PALLAS_INTERPRET=1``). The caller checks the rest (no dropout, no sown
+  weights, no learned normalizer modules, no forget gate). Otherwise None: the caller
+  keeps the dense path (``dot_product_attention`` with the layer's ``implementation``).
+
+  The kernel is forward only; a gradient through the step is the dense path's
+  (:func:`_decode_with_dense_vjp`: a custom VJP recomputing the step through XLA), never
+  a differentiated kernel.
+
+  Args:
+    module: the layer (its cache was just written by :func:`update_cache`).
+    step: that :class:`DecodeStep`.
+    window: the step's ``(left, right)`` window or None.
+    q: the new token's queries ``[B, 1, N, H]``.
+    params: the normalizer's hyperparameters (per head: ``[N, 1, 1]``).
+    kwargs: the other keywords for ``dot_product_attention``.
+
+  Returns:
+    ``[B, 1, N, H]`` in q's dtype, or None.
+  """
+  asked, backend = _pallas_request(module.implementation)
+  if not asked or q.shape[1] != 1:
+    return None
+  spec = _spec.resolve(module.normalizer)
+  if not (isinstance(spec, _spec.NormalizerSpec) and spec.name in KERNEL_NORMALIZERS
+          and spec is _spec.get(spec.name)):  # the registered one, not a namesake
+    return None
+  if set(kwargs) - set(_KERNEL_KWARGS) or kwargs.get("score", "dot") != "dot":
+    return None
+  scale, cap = kwargs.get("scale"), kwargs.get("logits_soft_cap")
+  if not all(x is None or _static_number(x) for x in (scale, cap)):
+    return None
+  if cap is not None and not (0 < cap < math.inf):
+    return None  # the dense path raises the ValueError naming it
+  if any(jnp.dtype(x.dtype) == jnp.float64 for x in (q, step.key)):
+    return None  # the kernel computes in float32
+  b, _, n, _ = q.shape
+  hp = _kernel_params(spec.name, params, b, n)
+  if hp is None:
+    return None
+  try:
+    kernels = importlib.import_module("kernels_pallas.decode")
+    kapi = importlib.import_module("kernels_pallas._api")
+    driver, interpret = kapi.pick_backend(backend)
+  except (ImportError, NotImplementedError):
+    return None
+  view = _prefix_view(module, step, window)
+  if view is None:
+    return None
+  keys, values, count = view
+  lengths = jnp.broadcast_to(count.astype(jnp.int32), (b,))
+
+  def kernel(q_, k_, v_, lengths_, hp_):
+    return kernels.decode_attention(
+        q_, k_, v_, lengths_, normalizer=spec.name, normalizer_params=hp_ or None,
+        scale=scale, logits_soft_cap=cap, backend=driver, interpret=interpret)
+
+  def dense(q_, k_, v_, lengths_, hp_):
+    return _dense_decode(q_, k_, v_, lengths_, hp_, normalizer=spec.name, scale=scale,
+                         cap=cap)
+
+  out = _decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, hp)
+  return out[:, None]

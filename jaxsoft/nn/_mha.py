@@ -131,7 +131,13 @@ class MultiHeadAttention(nnx.Module):
       ``e^{t + 2U}`` for logits bounded by ``|l| <= U``. Choose ``t = log(eps) - 2U``
       (:func:`jaxsoft.attention._variants.acp_prune_threshold` computes it from a batch).
     sink: learn a per-head sink logit (``softmax``/``softmax_1`` become ``softmax_sink``).
-    implementation: passed to ``dot_product_attention``.
+    implementation: passed to ``dot_product_attention``. When it is "pallas",
+      "pallas_triton", "pallas_mosaic_tpu" (or a sequence whose first entry is one of
+      them), a one-token decode step runs the split-K decoding kernel
+      ``kernels_pallas.decode_attention`` if it computes the step exactly (softmax,
+      softmax_sink or sigmoid, GQA, the cache's window; no dropout, sown weights,
+      learned normalizer modules or forget gate): see
+      ``jaxsoft.nn._kv_cache.pallas_decode``; gradients through it are the dense path's.
     dropout_rate, broadcast_dropout, deterministic: dropout on the attention weights, as
       in ``flax.nnx.MultiHeadAttention`` (computed through the dense weights).
     decode: call in cached decoding mode by default (see :meth:`init_cache`).
@@ -434,12 +440,19 @@ class MultiHeadAttention(nnx.Module):
           **{a: kw[a] for a in ("local_window_size", "query_seq_lengths",
                                 "key_value_seq_lengths", "segment_ids") if a in kw})
       q, params = _learned.apply_attention_modules(self.learned_modules, q, params, n_visible)
-    y = attend(
-        q, k, v, None, m, normalizer=self.normalizer, normalizer_params=params or None,
-        implementation=self.implementation, dropout_rng=dropout_rng,
-        dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
-        deterministic=deterministic, module=self if sow_weights else None,
-        precision=self.precision, batch_shape=batch, is_causal=is_causal, **kw)
+    y = None
+    if (step is not None and dropout_rng is None and not sow_weights
+        and not len(self.learned_modules) and not self.forget_gate):
+      # a one-token step with implementation="pallas"...: the split-K decoding kernel
+      # when it computes the call exactly (else None and the dense path below)
+      y = _kv_cache.pallas_decode(self, step, window, q, params, kw)
+    if y is None:
+      y = attend(
+          q, k, v, None, m, normalizer=self.normalizer, normalizer_params=params or None,
+          implementation=self.implementation, dropout_rng=dropout_rng,
+          dropout_rate=self.dropout_rate, broadcast_dropout=self.broadcast_dropout,
+          deterministic=deterministic, module=self if sow_weights else None,
+          precision=self.precision, batch_shape=batch, is_causal=is_causal, **kw)
     if self.gated:
       y = variants.gated_attention_output(y, xq, self.gate_kernel[...], self.gate_bias[...])
     out = self.out(y)

@@ -1,5 +1,8 @@
 """sharded_attention under jit on 8 fake CPU devices (its own process: the device count is
-fixed at start-up)."""
+fixed at start-up), forward and gradients: array hyperparameters and segments against a
+dense reference; a dense bias, a dense mask and FoX's decay (split along the axes they
+hold in full, kept whole along broadcast ones) against the unsharded kernel and the
+dense XLA path."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -50,13 +55,86 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_sharded_attention_on_8_devices():
+SCRIPT_DENSE = textwrap.dedent("""
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import jaxsoft as js
+    import kernels_pallas as kp
+
+    assert jax.device_count() == 8
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    b, t, n, kh, h = 4, 16, 4, 2, 16
+    ks = jax.random.split(jax.random.key(1), 7)
+    q = jax.random.normal(ks[0], (b, t, n, h))
+    k = jax.random.normal(ks[1], (b, t, kh, h))
+    v = jax.random.normal(ks[2], (b, t, kh, h))
+    ct = jax.random.normal(ks[3], (b, t, n, h))
+    bias = jax.random.normal(ks[4], (b, 1, t, t))           # per batch row, all heads
+    mask = jax.random.bernoulli(ks[5], 0.7, (1, n, t, t))    # per head, all batch rows
+    mask = mask | jnp.eye(t, dtype=bool)                     # every row sees its own key
+    cq, ck = 0.3 * jax.random.normal(ks[6], (2, b, t, n))   # FoX decay
+    kw = dict(is_causal=True, normalizer="softmax_sink",
+              normalizer_params={"sink_logit": 0.5})
+
+    def loss(attn):
+      def f(q, k, v, bias, cq, ck):
+        o = attn(q, k, v, bias, mask, decay_bias=(cq, ck), **kw)
+        return jnp.sum(o * ct), o
+      return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3, 4, 5), has_aux=True))
+
+    pallas = dict(backend="triton", interpret=True, block_sizes=dict(block_q=16, block_k=16))
+    args = (q, k, v, bias, cq, ck)
+    (_, ref_out), ref_grads = loss(lambda *a, **k_: kp.attention(*a, **k_, **pallas))(*args)
+    (_, xla_out), xla_grads = loss(lambda *a, **k_: js.attention.dot_product_attention(
+        *a, **k_, implementation="xla"))(*args)
+    shard = NamedSharding(mesh, P("data", None, "model", None))
+    q, k, v = (jax.device_put(x, shard) for x in (q, k, v))
+    with jax.set_mesh(mesh):
+      (_, out), grads = loss(lambda *a, **k_: kp.sharded_attention(
+          mesh, *a, batch_axis="data", head_axis="model", **k_, **pallas))(
+              q, k, v, bias, cq, ck)
+    np.testing.assert_allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(out, xla_out, atol=1e-5, rtol=1e-5)
+    assert len(grads) == 6 and grads[3].shape == bias.shape
+    for g, r, x in zip(grads, ref_grads, xla_grads):
+      np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+      np.testing.assert_allclose(g, x, atol=1e-4, rtol=1e-4)
+    assert out.sharding.spec == P("data", None, "model", None), out.sharding
+    print("SHARDED_DENSE_OK")
+""")
+
+
+# Both scripts run in one process (one start-up and import of JAX); each prints its marker
+# or its traceback, so the two tests fail independently.
+RUNNER = textwrap.dedent("""
+    import traceback
+    for name, code in SECTIONS:
+      try:
+        exec(compile(code, name, "exec"), {"__name__": name})
+      except Exception:
+        traceback.print_exc()
+""")
+
+
+@pytest.fixture(scope="module")
+def run_on_8_devices():
   env = dict(os.environ)
   env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=root, env=env, capture_output=True,
+  script = f"SECTIONS = {[('sharded', SCRIPT), ('sharded_dense', SCRIPT_DENSE)]!r}\n" + RUNNER
+  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
                         text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "SHARDED_OK" in proc.stdout
+  return proc
+
+
+def test_sharded_attention_on_8_devices(run_on_8_devices):
+  proc = run_on_8_devices
+  assert "SHARDED_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_sharded_dense_bias_mask_and_decay_on_8_devices(run_on_8_devices):
+  proc = run_on_8_devices
+  assert "SHARDED_DENSE_OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
