@@ -92,7 +92,7 @@ def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: b
 
 def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
-                        debug: bool = False):
+                        debug: bool = False, block_table=None, row_blocks=None):
   """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
 
   Args:
@@ -103,6 +103,17 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       the Pallas interpreter flag (or a ``pltpu.InterpretParams``) for ``backend``.
     block_sizes: a :class:`BlockSizes` or a dict of its fields; default per backend.
     debug: print the Pallas kernels' jaxprs.
+    block_table: optional bool ``[B|1, N|1, nq, nk]``: the key blocks each query block
+      attends to (``nq = ceil(T / block_q)``, ``nk = ceil(S / block_k)``); the forward and
+      dQ key loops visit only the listed blocks (that also hold a visible entry of the
+      structure) and the dK/dV pass the transposed lists, so an unlisted block is never
+      read. Needs ``block_sizes`` with one tile shape for every pass and a normalizer of
+      class E, S or P without a dense bias, mask or decay. The visible count n of a row
+      (for length-dependent maps) stays the structure's, not the table's.
+    row_blocks: optional int ``[B|1, N|1, T, r]`` (with ``block_table``): the key blocks
+      each query row may see (-1 = none); a listed tile hides the rows that did not list
+      its key block (per-token selections, whose union over a query block is its table
+      row).
 
   Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
   heads, queries or keys without copies; the bias's gradient is the logits' cotangent
@@ -118,9 +129,11 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       callable, a normalizer of kernel class X (or T/R without its blockwise rule), a
       stochastic normalizer, or (with ``interpret=None``) a platform with no Pallas
       backend.
-    ValueError: bad block sizes or backend.
+    ValueError: bad block sizes or backend, or a block table of the wrong shape.
   """
   spec = call.spec
+  if block_table is None and row_blocks is not None:
+    raise ValueError("`row_blocks` needs a `block_table`")
   if getattr(call, "score", "dot") != "dot":
     raise NotImplementedError(f"the Pallas engine computes dot-product scores only, not "
                               f"score={call.score!r}")
@@ -164,7 +177,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   key_lanes = st.is_per_batch or any(x is not None for x in (call.bias, call.mask,
                                                               call.decay_bias))
   bl = _block_sizes(block_sizes, backend, t, s, h, key_lanes)
-  if threshold or row_stats:
+  if block_table is not None:
+    _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
+  elif threshold or row_stats:
     # Class T: the live-block tables of the search serve every pass, so one tile shape;
     # class R: the backward recomputes exactly the statistics pass's tiles. The default
     # is the backward passes' (the smaller: more per-row arrays are live).
@@ -192,7 +207,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       window=st.window, has_segments=st.is_per_batch, t=t, s=s, t_pad=t_pad, s_pad=s_pad,
       head_dim_pad=h_pad, num_heads=n, num_kv_heads=kh, blocks=bl, backend=backend,
       interpret=interpret, debug=debug, acc=acc, value_dim_pad=hv_pad, bias_full=bias_full,
-      mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None)
+      mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None,
+      key_table=block_table is not None,
+      row_select=0 if row_blocks is None else _select_width(backend, row_blocks))
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
   pad_rows = ((0, 0), (0, 0), (0, t_pad - t), (0, 0))
@@ -204,9 +221,14 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     table = st.block_table(bq, bk, t_pad // bq, s_pad // bk, ranges=row_ranges)
     return table_ranges(jnp.broadcast_to(table, (b,) + table.shape[1:]), axis)
 
-  f_lo, f_hi = ranges(bl.block_q, bl.block_k, 2)
-  q_lo, q_hi = ranges(bl.block_q_dq, bl.block_k_dq, 2)
-  k_lo, k_hi = ranges(bl.block_q_dkv, bl.block_k_dkv, 1)
+  tables = {}
+  if block_table is None:
+    f_lo, f_hi = ranges(bl.block_q, bl.block_k, 2)
+    q_lo, q_hi = ranges(bl.block_q_dq, bl.block_k_dq, 2)
+    k_lo, k_hi = ranges(bl.block_q_dkv, bl.block_k_dkv, 1)
+  else:
+    f_lo = f_hi = q_lo = q_hi = k_lo = k_hi = None
+    tables = _table_lists(cfg, st, row_ranges, block_table, row_blocks, b, n, t)
   if length_rows:
     length = jnp.pad(jnp.broadcast_to(length, (b, n, t)), ((0, 0), (0, 0), (0, t_pad - t)))
   else:
@@ -215,7 +237,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       q_seg=None if ids is None else ids[0][..., None],
       k_seg=None if ids is None else ids[1][:, None, :],
       length=length[..., None],
-      fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi, mask=mask)
+      fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi, mask=mask,
+      **tables)
   pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
   pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
   pad_v = ((0, 0), (0, s_pad - s), (0, 0), (0, hv_pad - hv))
@@ -228,6 +251,61 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   else:
     o = core.attention_core(*args, bias, decay)
   return o[:, :t, :, :hv].astype(out_dtype)
+
+
+def _check_table_call(call, threshold_or_row_stats: bool, block_sizes, bl: E.BlockSizes,
+                      block_table, row_blocks):
+  """What a block-table call needs (``attention_from_call(block_table=...)``)."""
+  if threshold_or_row_stats:
+    raise E.UnsupportedError(
+        f"a `block_table` runs normalizers of class E, S or P, not {call.spec.name!r} (class "
+        f"{call.spec.kernel_class})")
+  if any(x is not None for x in (call.bias, call.mask, call.decay_bias)):
+    raise E.UnsupportedError("a `block_table` takes no dense bias, mask or decay_bias")
+  if block_sizes is None:
+    raise ValueError("`block_sizes` is required with a `block_table` (its block shape)")
+  if (bl.block_q_dkv, bl.block_q_dq, bl.block_k_dkv, bl.block_k_dq) != (
+      bl.block_q, bl.block_q, bl.block_k, bl.block_k):
+    raise ValueError(f"`block_sizes` must be one tile shape for every pass with a "
+                     f"`block_table` (the table's blocks), got {bl}")
+  (b, t, n, _), s = call.q.shape, call.k.shape[1]
+  nq, nk = -(-t // bl.block_q), -(-s // bl.block_k)
+  shape = jnp.shape(block_table)
+  if len(shape) != 4 or shape[2:] != (nq, nk) or shape[0] not in (1, b) or \
+      shape[1] not in (1, n):
+    raise ValueError(f"`block_table` must have shape [B|1, N|1, nq, nk] = [{b}, {n}, {nq}, "
+                     f"{nk}], got {shape}")
+  if row_blocks is not None:
+    shape = jnp.shape(row_blocks)
+    if len(shape) != 4 or shape[2] != t or shape[0] not in (1, b) or shape[1] not in (1, n) \
+        or not jnp.issubdtype(jnp.result_type(row_blocks), jnp.integer):
+      raise ValueError(f"`row_blocks` must be int [B|1, N|1, T, r] with T={t}, got "
+                       f"{jnp.result_type(row_blocks)} {shape}")
+
+
+def _select_width(backend: str, row_blocks) -> int:
+  """The kernel's width of the per-row block lists (a power of two for Triton)."""
+  r = max(1, jnp.shape(row_blocks)[-1])
+  return E._next_pow2(r) if backend == "triton" else r
+
+
+def _table_lists(cfg: E.Config, st, row_ranges, block_table, row_blocks, b: int, n: int,
+                 t: int) -> dict[str, Any]:
+  """The Aux fields of a block-table call: the compacted lists of the table (restricted to
+  the tiles holding a visible entry of the structure) and the padded per-row lists."""
+  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
+  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  table = jnp.asarray(block_table)  # shapes checked by _check_table_call
+  structure = st.block_table(bq, bk, nq, nk, ranges=row_ranges)  # [B|1, nq, nk]
+  table = jnp.logical_and(jnp.broadcast_to(table != 0, (b, n, nq, nk)), structure[:, None])
+  idx, cnt, idx_t, cnt_t = core.block_lists(cfg, jax.lax.stop_gradient(table))
+  out = dict(fwd_idx=idx, fwd_cnt=cnt, dkv_idx=idx_t, dkv_cnt=cnt_t)
+  if row_blocks is not None:
+    sel = jnp.asarray(row_blocks)
+    sel = jnp.broadcast_to(sel.astype(jnp.int32), (b, n, t, sel.shape[3]))
+    out["sel"] = jnp.pad(sel, ((0, 0), (0, 0), (0, cfg.t_pad - t),
+                               (0, cfg.row_select - sel.shape[3])), constant_values=-1)
+  return out
 
 
 def _decay_rows(call, acc: str, t_pad: int, s_pad: int):

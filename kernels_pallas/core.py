@@ -17,7 +17,7 @@ from jaxsoft.normalizers import _tile as tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-__all__ = ["attention_core", "threshold_core", "driver", "sum_to_shape"]
+__all__ = ["attention_core", "threshold_core", "driver", "sum_to_shape", "block_lists"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
 
@@ -91,17 +91,25 @@ attention_core.defvjp(_core_fwd, _core_bwd)
 # --------------------------------------------------------------------- class T (AdaSplash)
 
 
-def _live_tables(cfg: E.Config, flags):
-  """From the search's live flags [B, N, nq, 1, width]: the compacted key-block lists of
-  each query block (forward, dQ) and query-block lists of each key block (dK/dV)."""
-  f = flags[:, :, :, 0, :]
-  idx, cnt = E.live_block_tables(f)
+def block_lists(cfg: E.Config, table):
+  """From a block table [B, N, nq, >= nk] (nonzero = the tile is computed): the compacted
+  key-block lists of each query block (forward, dQ) and query-block lists of each key
+  block (dK/dV), ``(idx [B, N, nq, width], cnt [B, N, nq, 1], idx_t [B, N, nk, width_q],
+  cnt_t [B, N, nk, 1])``; the widths are powers of two for Triton (its block shapes)."""
   nq, nk = cfg.t_pad // cfg.blocks.block_q, cfg.s_pad // cfg.blocks.block_k
+  width = E.num_k_flags(cfg)
+  f = jnp.pad(table[..., :nk], ((0, 0), (0, 0), (0, 0), (0, width - nk)))
+  idx, cnt = E.live_block_tables(f)
   ft = jnp.swapaxes(f[..., :nk], 2, 3)  # [B, N, nk, nq]
   width_q = E._next_pow2(nq) if cfg.backend == "triton" else nq
   ft = jnp.pad(ft, ((0, 0), (0, 0), (0, 0), (0, width_q - nq)))
   idx_t, cnt_t = E.live_block_tables(ft)
   return idx, cnt[..., None], idx_t, cnt_t[..., None]
+
+
+def _live_tables(cfg: E.Config, flags):
+  """From the search's live flags [B, N, nq, 1, width]: :func:`block_lists`."""
+  return block_lists(cfg, flags[:, :, :, 0, :])
 
 
 def _threshold_forward(cfg, q, k, v, dyn, aux):

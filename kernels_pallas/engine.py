@@ -136,6 +136,14 @@ class Config:
   mask_full: tuple[bool, bool, bool, bool] | None = None
   length_rows: bool = False  # the visible counts are per head: Aux.length [B, N, T_pad, 1]
   decay: bool = False  # Forgetting attention's cq_i - ck_j added before the soft cap
+  # Block tables (``attention_from_call(block_table=...)``): the key loops of the forward
+  # and dQ passes follow a compacted list of key blocks per (batch, head, query block),
+  # Aux.fwd_idx / fwd_cnt, and the dK/dV pass its transpose, Aux.dkv_idx / dkv_cnt,
+  # instead of the structure's [lo, hi) ranges.
+  key_table: bool = False
+  # Per query row, the key blocks it may see (Aux.sel [B, N, T_pad, row_select] int32,
+  # -1 = none): a tile hides the rows that did not select its key block. 0: no such list.
+  row_select: int = 0
 
   @property
   def hv_pad(self) -> int:
@@ -318,6 +326,15 @@ class Aux:
   # cq [B, N, T_pad, 1] and ck [B, N, 1, S_pad], or None.
   cq: Any = None
   ck: Any = None
+  # Block tables (Config.key_table): the key blocks of each query block, [B, N, nq, width]
+  # int32 compacted (``live_block_tables``) with their count [B, N, nq, 1], and the query
+  # blocks of each key block [B, N, nk, width_q] / [B, N, nk, 1] for the dK/dV pass.
+  fwd_idx: Any = None
+  fwd_cnt: Any = None
+  dkv_idx: Any = None
+  dkv_cnt: Any = None
+  # Per-row key-block lists [B, N, T_pad, Config.row_select] int32 (-1 = none) or None.
+  sel: Any = None
 
 
 def row_lengths(cfg: Config, aux: Aux):
@@ -381,6 +398,8 @@ def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | Non
   return dict(
       q=q, kv=kv, o=o, v=vv, bias=dense(cfg.bias_full), mask=dense(cfg.mask_full),
       ck=dense((True, True, False, True)),
+      sel=spec((None, q_heads, q_rows, max(1, cfg.row_select)),
+               lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
       row=spec((None, q_heads, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
       q_ids=spec((None, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qb, 0)),
       k_ids=spec((None, 1, k_rows), lambda b, qh, kh, qb, kb: (b, 0, kb)))
@@ -401,6 +420,9 @@ def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list
   if cfg.decay:
     in_specs += [specs["row"], specs["ck"]]
     args += [aux.cq, aux.ck]
+  if cfg.row_select:
+    in_specs.append(specs["sel"])
+    args.append(aux.sel)
   return in_specs, args
 
 
@@ -430,6 +452,26 @@ def split_decay(cfg: Config, rest):
   if not cfg.decay:
     return None, None, rest
   return rest[0], rest[1], rest[2:]
+
+
+def split_select(cfg: Config, rest):
+  """``(sel ref, the rest)`` from the refs after the decay (None without per-row lists)."""
+  rest = list(rest)
+  if not cfg.row_select:
+    return None, rest
+  return rest[0], rest[1:]
+
+
+def select_mask(mask, sel, kb, bk: int):
+  """The tile's visibility with the rows that did not select key block ``kb`` hidden.
+
+  ``sel`` [bq, width] int32 lists each row's key blocks (-1 = none; None: every row sees
+  the block), ``mask`` the tile's visibility [bq, bk] (None: all visible)."""
+  if sel is None:
+    return mask
+  hit = jnp.max(jnp.where(sel == kb, 1.0, 0.0), axis=-1, keepdims=True)  # [bq, 1]
+  hit = jnp.broadcast_to(hit, (sel.shape[0], bk)) > 0.0
+  return hit if mask is None else jnp.logical_and(mask, hit)
 
 
 # --------------------------------------------------------------------------------------

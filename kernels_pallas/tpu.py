@@ -5,7 +5,8 @@ Layout: heads before sequence ([B, N, T, H]), so every block's last two dimensio
 running state lives in VMEM scratch. Block skipping is splash-style: per query block the
 visible key blocks ``[lo, hi)`` (``MaskStructure.block_table``) are scalar-prefetched
 into SMEM; steps outside that range do no compute, and their index_map clamps to the
-range so that no new K/V tile is fetched either.
+range so that no new K/V tile is fetched either. With a block table (``cfg.key_table``)
+the step axis walks a compacted block list instead (the class-T weighted pass's scheme).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ def _read(ref):
 
 def _q_major(cfg: E.Config, bq: int, bk: int):
   """Specs of the passes over query blocks (forward, dQ): grid (batch, head, query block,
-  key block); a key block outside the visible ones is clamped into them."""
+  key block); a key block outside the visible ones is clamped into them. With a block
+  table the last grid axis steps through the table instead (:func:`_q_major_live`)."""
+  if cfg.key_table:
+    return _q_major_live(cfg, (None, None, cfg.t_pad // bq, E.num_k_flags(cfg)))
   g, nq = cfg.groups, cfg.t_pad // bq
 
   def index(bi, ni, qi, ki, lo, hi):
@@ -44,6 +48,26 @@ def _q_major(cfg: E.Config, bq: int, bk: int):
     return bi, ni, E.div(ni, g), qi, _clamp(ki, lo[r], hi[r])
 
   return E.block_specs(cfg, index, bq, bk, heads_first=True)
+
+
+def _q_step(cfg: E.Config, a_ref, b_ref, bi, ni, qi, ki, nq: int):
+  """(the key block of grid step ``ki``, whether it is computed) of a pass over query
+  blocks: ``ki`` itself inside the visible range [lo, hi) (``a_ref``, ``b_ref``), or with
+  a block table the ``ki``-th listed block (``a_ref`` the lists, ``b_ref`` the counts)."""
+  if cfg.key_table:
+    width = E.num_k_flags(cfg)
+    r = (bi * cfg.num_heads + ni) * nq + qi
+    return _live(ki, lambda: b_ref[r], lambda j: a_ref[r * width + j])
+  r = bi * nq + qi
+  return ki, jnp.logical_and(ki >= a_ref[r], ki < b_ref[r])
+
+
+def _q_grid(cfg: E.Config, aux: E.Aux, b: int, n: int, nq: int, nk: int, lo, hi):
+  """(grid, scalar-prefetched bounds) of a pass over query blocks: the structure's ranges
+  over every key block, or the block table's lists over their width."""
+  if cfg.key_table:
+    return (b, n, nq, aux.fwd_idx.shape[-1]), (aux.fwd_idx, aux.fwd_cnt)
+  return (b, n, nq, nk), (lo, hi)
 
 
 def _call(cfg: E.Config, kernel, name: str, grid, sp, bounds, operands, aux, dyn, out_specs,
@@ -82,6 +106,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   b, n, hv = q.shape[0], cfg.num_heads, cfg.hv_pad
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
   sp = _q_major(cfg, bq, bk)
+  grid, bounds = _q_grid(cfg, aux, b, n, nq, nk, aux.fwd_lo, aux.fwd_hi)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hv), q.dtype), row_shape, row_shape]
   scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, 1), cfg.acc_dtype),
@@ -90,24 +115,26 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_decay(cfg, rest)
-    bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    r = bi * nq + qi
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_select(cfg, rest)
+    bi, ni, qi, ki = (pl.program_id(a) for a in range(4))
+    kb, active = _q_step(cfg, lo_ref, hi_ref, bi, ni, qi, ki, nq)
 
     @pl.when(ki == 0)
     def _init():
       m_sc[...], l_sc[...], acc_sc[...] = E.init_state(cfg, bq, hv)
 
-    @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
+    @pl.when(active)
     def _compute():
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      mask = E.select_mask(mask, _read(sel_ref), kb, bk)
       state = E.forward_tile(cfg, x, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
                              len_ref[...], tuple(rf[...] for rf in dyn_refs))
       m_sc[...], l_sc[...], acc_sc[...] = state
 
-    @pl.when(ki == nk - 1)
+    @pl.when(ki == grid[3] - 1)
     def _finish():
       o, m, d = E.finalize(cfg, (m_sc[...], l_sc[...], acc_sc[...]), len_ref[...],
                            tuple(rf[...] for rf in dyn_refs))
@@ -116,7 +143,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
       d_ref[...] = d
 
   o, m, d = _call(
-      cfg, kernel, "fwd", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi),
+      cfg, kernel, "fwd", grid, sp, bounds,
       [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v))],
       aux, dyn, [sp["o"], sp["row"], sp["row"]], out_shape, scratch)
   return _heads_first(o), m, d
@@ -132,6 +159,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   has_bias = cfg.bias_full is not None
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major(cfg, bq, bk)
+  grid, bounds = _q_grid(cfg, aux, b, n, nq, nk, aux.dq_lo, aux.dq_hi)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
   out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_rows
   out_specs = [sp["q"]] + [sp["row"]] * n_rows
@@ -146,13 +174,13 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
     cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, rest = E.split_select(cfg, rest)
     n_out = 1 + n_rows + int(has_bias)
     dq_ref, ddyn_refs = rest[0], rest[1:1 + n_rows]
     ds_ref = rest[1 + n_rows] if has_bias else None
     dq_sc, ddyn_sc = rest[n_out], rest[n_out + 1:]
-    bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-    r = bi * nq + qi
-    visible = jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r])
+    bi, ni, qi, ki = (pl.program_id(a) for a in range(4))
+    kb, visible = _q_step(cfg, lo_ref, hi_ref, bi, ni, qi, ki, nq)
 
     @pl.when(ki == 0)
     def _init():
@@ -163,8 +191,9 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     def _compute():
       kt = k_ref[...]
       s = E.tile_logits(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      mask = E.select_mask(mask, _read(sel_ref), kb, bk)
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
       _, ds, ddyn = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                     len_ref[...], tuple(rf[...] for rf in dyn_refs))
@@ -182,12 +211,12 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       def _skipped():
         ds_ref[...] = jnp.zeros_like(ds_ref)
 
-    @pl.when(ki == nk - 1)
+    @pl.when(ki == grid[3] - 1)
     def _finish():
       for rf, sc in zip((dq_ref, *ddyn_refs), (dq_sc, *ddyn_sc), strict=True):
         rf[...] = sc[...]
 
-  outs = _call(cfg, kernel, "dq", (b, n, nq, nk), sp, (aux.dq_lo, aux.dq_hi),
+  outs = _call(cfg, kernel, "dq", grid, sp, bounds,
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
                out_shape, scratch)
   return (_heads_first(outs[0]), tuple(outs[1:1 + n_dyn]),
@@ -197,11 +226,23 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
   b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
-  nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
+  nq, nk, n = cfg.t_pad // bq, cfg.s_pad // bk, cfg.num_heads
+  # grid step i: query block i in the visible range, or (block table) the i-th query block
+  # listed for this (head, key block)
+  width = aux.dkv_idx.shape[-1] if cfg.key_table else nq
+  bounds = (aux.dkv_idx, aux.dkv_cnt) if cfg.key_table else (aux.dkv_lo, aux.dkv_hi)
+  grid = (b, kvh, nk, g, width)
 
-  def index(bi, h, ki, gi, qi, lo, hi):
+  def step(bi, h, ki, gi, i, a, c):
+    """(the query block of step i, whether it is computed)."""
+    if cfg.key_table:
+      r = (bi * n + h * g + gi) * nk + ki
+      return _live(i, lambda: c[r], lambda j: a[r * width + j])
     r = bi * nk + ki
-    return bi, h * g + gi, h, _clamp(qi, lo[r], hi[r]), ki
+    return _clamp(i, a[r], c[r]), jnp.logical_and(i >= a[r], i < c[r])
+
+  def index(bi, h, ki, gi, i, a, c):
+    return bi, h * g + gi, h, step(bi, h, ki, gi, i, a, c)[0], ki
 
   sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
   out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
@@ -215,28 +256,30 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, dv_ref, *rest) = E.split_decay(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, (dk_ref, dv_ref, *rest) = E.split_select(cfg, rest)
     dck_ref = rest[0] if cfg.decay else None
     dk_sc, dv_sc = rest[-2:]
-    bi, ki, gi, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
-    r = bi * nk + ki
+    bi, h, ki, gi, i = (pl.program_id(a) for a in range(5))
+    qb, active = step(bi, h, ki, gi, i, lo_ref, hi_ref)
 
-    @pl.when(jnp.logical_and(gi == 0, qi == 0))
+    @pl.when(jnp.logical_and(gi == 0, i == 0))
     def _init():
       dk_sc[...] = jnp.zeros_like(dk_sc)
       dv_sc[...] = jnp.zeros_like(dv_sc)
 
     if dck_ref is not None:
-      @pl.when(qi == 0)
+      @pl.when(i == 0)
       def _init_dck():
         dck_ref[...] = jnp.zeros_like(dck_ref)
 
-    @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
+    @pl.when(active)
     def _compute():
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
       s = E.tile_logits(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      mask = E.select_mask(mask, _read(sel_ref), ki, bk)
       dp = E.dot(cfg, dot_, vt, (1, 1))
       w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                  len_ref[...], tuple(rf[...] for rf in dyn_refs))
@@ -247,12 +290,12 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
       dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
 
-    @pl.when(jnp.logical_and(gi == g - 1, qi == nq - 1))
+    @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
     def _finish():
       dk_ref[...] = dk_sc[...]
       dv_ref[...] = dv_sc[...]
 
-  outs = _call(cfg, kernel, "dkv", (b, kvh, nk, g, nq), sp, (aux.dkv_lo, aux.dkv_hi),
+  outs = _call(cfg, kernel, "dkv", grid, sp, bounds,
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
                out_shape, scratch)
   return _heads_first(outs[0]), _heads_first(outs[1]), (outs[2] if cfg.decay else None)

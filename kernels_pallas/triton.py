@@ -6,7 +6,9 @@ the loop bounds: the visible key blocks ``[lo, hi)`` of the query block
 (``MaskStructure.block_table``; causal, window, segments, lengths). The dK/dV pass runs
 one program per (key block, batch, KV head) and loops over the G query heads of its group
 and the visible query blocks, so GQA never copies K/V and dK/dV need no reduction
-afterwards. Block sizes are powers of two; the head dim is padded to one by the caller.
+afterwards. With a block table (``cfg.key_table``) the loops walk a compacted block list
+per (batch, head, block) instead of a range. Block sizes are powers of two; the head dim is
+padded to one by the caller.
 """
 
 from __future__ import annotations
@@ -36,10 +38,39 @@ def _backward_operands(sp, q, k, v, do, m, d, delta):
 def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operands, aux, dyn,
           out_specs, out_shape):
   """pallas_call of one pass: the loop bounds [lo, hi) of each (batch, block), the pass's
-  own ``(spec, array)`` operands, then :func:`engine.pass_inputs`."""
-  bound = pl.BlockSpec((None, None), lambda i, bi, h: (bi, i))
-  return _call_with(cfg, kernel, name, grid, rows, sp, [(bound, x) for x in bounds] + operands,
-                    aux, dyn, out_specs, out_shape)
+  own ``(spec, array)`` operands, then :func:`engine.pass_inputs`. With a block table
+  (``cfg.key_table``) ``bounds`` is ``(idx, cnt)`` of the loop instead: the compacted
+  block list of each (batch, head, block) and its count, [B, N, blocks, width] and
+  [B, N, blocks, 1]; a dK/dV pass (``q_heads``) reads the lists of its G query heads."""
+  if cfg.key_table:
+    width, dkv = bounds[0].shape[-1], name == "dkv"
+    g = cfg.groups if dkv else None
+    at = (lambda i, bi, h: (bi, h, i, 0))
+    lead = [(pl.BlockSpec((None, g, None, width), at), bounds[0]),
+            (pl.BlockSpec((None, g, None, 1), at), bounds[1])]
+  else:
+    bound = pl.BlockSpec((None, None), lambda i, bi, h: (bi, i))
+    lead = [(bound, x) for x in bounds]
+  return _call_with(cfg, kernel, name, grid, rows, sp, lead + operands, aux, dyn, out_specs,
+                    out_shape)
+
+
+def _key_loop(cfg: E.Config, a_ref, b_ref, head=None):
+  """``(start, stop, block)`` of a pass's block loop: the range [lo, hi) (``a_ref``,
+  ``b_ref``; ``block(j) = j``), or with a block table the first ``cnt`` entries of the
+  compacted list (``block(j) = idx[j]``; ``head`` picks the query head of a dK/dV pass)."""
+  if not cfg.key_table:
+    return a_ref[...], b_ref[...], lambda j: j
+  if head is None:
+    return 0, b_ref[0], lambda j: a_ref[j]
+  return 0, b_ref[head, 0], lambda j: a_ref[head, j]
+
+
+def _bounds(cfg: E.Config, aux: E.Aux, lo, hi, dkv: bool = False):
+  """The leading loop operands of a pass: its [lo, hi) ranges, or the block table."""
+  if not cfg.key_table:
+    return lo, hi
+  return (aux.dkv_idx, aux.dkv_cnt) if dkv else (aux.fwd_idx, aux.fwd_cnt)
 
 
 def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, aux, dyn,
@@ -67,28 +98,34 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (o_ref, m_ref, d_ref) = E.split_decay(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, (o_ref, m_ref, d_ref) = E.split_select(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
     cq = None if cq_ref is None else cq_ref[...]
+    sel = None if sel_ref is None else sel_ref[...]
+    start, stop, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, state):
-      sl = pl.ds(j * bk, bk)
+      kb = block(j)
+      sl = pl.ds(kb * bk, bk)
       s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl])
-      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
+      mask = E.select_mask(mask, sel, kb, bk)
       return E.forward_tile(cfg, x, mask, state, v_ref[sl, :], length, dyn_v)
 
-    state = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, E.init_state(cfg, bq, hv))
+    state = jax.lax.fori_loop(start, stop, body, E.init_state(cfg, bq, hv))
     o, m, d = E.finalize(cfg, state, length, dyn_v)
     o_ref[...] = o.astype(o_ref.dtype)
     m_ref[...] = m
     d_ref[...] = d
 
-  return _call(cfg, kernel, "fwd", (cfg.t_pad // bq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),
+  return _call(cfg, kernel, "fwd", (cfg.t_pad // bq, b, n), bq, sp,
+               _bounds(cfg, aux, aux.fwd_lo, aux.fwd_hi),
                [(sp["q"], q), (sp["kv"], k), (sp["v"], v)], aux, dyn,
                [sp["o"], sp["row"], sp["row"]], out_shape)
 
@@ -132,24 +169,28 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dq_ref, *outs) = E.split_decay(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, (dq_ref, *outs) = E.split_select(cfg, rest)
     ddyn_refs, ds_ref = outs[:n_rows], (outs[n_rows] if has_bias else None)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
     qt, dot_, mt, dt, delt = q_ref[...], do_ref[...], m_ref[...], d_ref[...], delta_ref[...]
     cq = None if cq_ref is None else cq_ref[...]
-    lo, hi = lo_ref[...], hi_ref[...]
+    sel = None if sel_ref is None else sel_ref[...]
+    lo, hi, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, carry):
       dq, ddyn = carry
-      sl = pl.ds(j * bk, bk)
+      kb = block(j)
+      sl = pl.ds(kb * bk, bk)
       kt = k_ref[sl, :]
       s = E.tile_logits(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
-      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
+      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
+      mask = E.select_mask(mask, sel, kb, bk)
       dp = E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
       _, ds, dd = E.backward_tile(cfg, x, mask, mt, dt, delt, dp, length, dyn_v)
       if ds_ref is not None:
@@ -160,7 +201,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
       return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
 
-    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
+    if ds_ref is not None:  # the key blocks the loop skips have dS = 0 (no block table)
       def clear(j, c):
         ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
         return c
@@ -174,7 +215,8 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     for rf, x in zip(ddyn_refs, ddyn, strict=True):
       rf[...] = x
 
-  outs = _call(cfg, kernel, "dq", (cfg.t_pad // bq, b, n), bq, sp, (aux.dq_lo, aux.dq_hi),
+  outs = _call(cfg, kernel, "dq", (cfg.t_pad // bq, b, n), bq, sp,
+               _bounds(cfg, aux, aux.dq_lo, aux.dq_hi),
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs, out_shape)
   return (outs[0], tuple(outs[1:1 + n_dyn]), (outs[-1] if has_bias else None),
           outs[1 + n_dyn] if cfg.decay else None)
@@ -196,16 +238,19 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, dv_ref, *dck_refs) = E.split_decay(cfg, rest)
+    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    sel_ref, (dk_ref, dv_ref, *dck_refs) = E.split_select(cfg, rest)
     ki = pl.program_id(0)
     ks = None if ks_ref is None else ks_ref[...]
     kt, vt = k_ref[...], v_ref[...]
     dk_dv = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
     for gi in range(g):  # the query heads sharing this KV head
       ck = None if ck_ref is None else ck_ref[gi]
+      start, stop, block = _key_loop(cfg, lo_ref, hi_ref, head=gi if cfg.key_table else None)
 
-      def body(i, carry, gi=gi, ck=ck):
+      def body(j, carry, gi=gi, ck=ck, block=block):
         dk, dv, dck = carry
+        i = block(j)
         sl = pl.ds(i * bq, bq)
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
         s = E.tile_logits(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
@@ -213,6 +258,8 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                            None if qs_ref is None else qs_ref[sl, :], ks)
         x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                               head=gi, rows=sl))
+        if sel_ref is not None:
+          mask = E.select_mask(mask, sel_ref[gi, sl, :], ki, bk)
         dp = E.dot(cfg, dot_, vt, (1, 1))
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
         length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
@@ -223,14 +270,15 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
         return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
 
-      *dk_dv, dck = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
+      *dk_dv, dck = jax.lax.fori_loop(start, stop, body,
                                       (*dk_dv, jnp.zeros((1, bk), cfg.acc_dtype)))
       if dck_refs:
         dck_refs[0][gi] = dck
     dk_ref[...] = dk_dv[0]
     dv_ref[...] = dk_dv[1]
 
-  outs = _call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp, (aux.dkv_lo, aux.dkv_hi),
+  outs = _call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp,
+               _bounds(cfg, aux, aux.dkv_lo, aux.dkv_hi, dkv=True),
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs, out_shape)
   return outs[0], outs[1], (outs[2] if cfg.decay else None)
 

@@ -17,6 +17,14 @@ Three blockwise XLA engines, none of which builds a T x S array (forward or back
   mean-pooled queries and keys ([B, N, nq, nk]) choose the key blocks per query block,
   which then attends exactly over its gathered blocks.
 
+With ``implementation="pallas"`` (or ``"pallas_triton"``, ``"pallas_mosaic_tpu"``) the
+selecting methods compute the same selection and run the attention in the Pallas engine
+(``kernels_pallas``) through a block table: the kept key blocks of each (batch, head,
+query block), and for per-token selections each token's own list, which hides in a
+tile the rows that did not select its key block; forward and backward visit only the
+listed blocks (BLASST's decisions depend on the running max inside the key loop, so it
+runs in the skip loop only).
+
 Causality: under ``is_causal`` no decision about token i uses a query, key or pooled key
 later than i, so a token's output (and gradient) never depends on later tokens, and
 decoding on prefixes equals the full forward. The skip loop has a custom FlashAttention
@@ -27,6 +35,7 @@ pass (``jax.checkpoint``).
 from __future__ import annotations
 
 import functools
+import importlib
 import numbers
 from typing import Any
 
@@ -40,6 +49,8 @@ from jaxsoft.attention._api import _canonical_call
 __all__ = ["block_sparse_attention", "BLOCK_SPARSE_METHODS"]
 
 BLOCK_SPARSE_METHODS = ("blasst", "moba", "bfla", "prism")
+BLOCK_SPARSE_IMPLEMENTATIONS = ("xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+_PALLAS_BACKENDS = {"pallas": None, "pallas_triton": "triton", "pallas_mosaic_tpu": "mosaic_tpu"}
 
 
 def _pad_to(x, axis: int, size: int):
@@ -499,6 +510,40 @@ def _prism_select(lay: _Layout, qf, kbar, allowed, forced, kb: int, high_pairs: 
   return _top_blocks(jnp.maximum(*probs), allowed, forced, kb)
 
 
+def _union_blocks(lay: _Layout, kept_tokens):
+  """The key blocks kept by some token of each query block: [B, N, Tp, nk] -> [B, N, nq, nk]."""
+  return jnp.any(kept_tokens.reshape(lay.B, lay.N, lay.nq, lay.bs, lay.nk), axis=3)
+
+
+def _pallas_backend(implementation: str, lay: _Layout, fn: str):
+  """``(kernels_pallas._api, backend, interpret)`` of a Pallas ``implementation``; a
+  ``block_size`` the backend cannot tile raises ValueError naming it."""
+  try:
+    kernels = importlib.import_module("kernels_pallas._api")
+  except ImportError as e:
+    raise NotImplementedError(f"{fn}: kernels_pallas is not available: {e}") from e
+  backend, interpret = kernels.pick_backend(_PALLAS_BACKENDS[implementation])
+  try:  # the engine's own block rules (Mosaic: 128-lane key blocks with key lengths)
+    kernels._block_sizes(dict(block_q=lay.bs, block_k=lay.bs), backend, lay.T, lay.S, lay.H,
+                         lay.kv_len is not None)
+  except ValueError as e:
+    raise ValueError(f"{fn}: `block_size`={lay.bs} cannot be the block of implementation "
+                     f"{implementation!r} ({backend}): {e}") from None
+  return kernels, backend, interpret
+
+
+def _pallas_attend(call, lay: _Layout, table, sel, pallas):
+  """Softmax attention in the Pallas engine over the kept key blocks: ``table`` bool [B, N,
+  nq, nk] (forward and dQ loops; its transpose for dK/dV) and, for per-token selections,
+  ``sel`` int [B, N, T, kb] each token's blocks (-1 = none), hiding in a tile the rows that
+  did not select its key block. Block size = ``lay.bs``; ``pallas`` is
+  :func:`_pallas_backend`'s answer."""
+  kernels, backend, interpret = pallas
+  return kernels.attention_from_call(
+      call, backend=backend, interpret=interpret,
+      block_sizes=dict(block_q=lay.bs, block_k=lay.bs), block_table=table, row_blocks=sel)
+
+
 def _check_int(value, name: str, low: int, fn: str, high: int | None = None):
   bad = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
   if bad or (high is not None and value > high):
@@ -512,7 +557,8 @@ def block_sparse_attention(
     top_k_blocks: int | None = None, skip_threshold: float | None = None,
     mass_threshold: float = 0.9, high_frequency_pairs: int | None = None,
     scale: float | None = None, is_causal: bool = False,
-    key_value_seq_lengths: ArrayLike | None = None, return_stats: bool = False) -> Any:
+    key_value_seq_lengths: ArrayLike | None = None, return_stats: bool = False,
+    implementation: str = "xla_chunked") -> Any:
   r"""Block-sparse attention: softmax attention restricted to the kept key blocks (A12).
 
   Queries and keys are cut into blocks of ``block_size`` positions. For query block I each
@@ -565,6 +611,9 @@ def block_sparse_attention(
   No T x S array is built: BLASST scans the key blocks per query block for the block maxima
   ([T, nk]) and then loops over its kept pairs only; the other
   methods score blocks on the pooled [T or nq, nk] grid and visit only the kept blocks.
+  With a Pallas ``implementation`` (moba, bfla, prism) the same selection drives the
+  Pallas engine's block tables (kernels_pallas/README.md, "Block tables"): the kernel's
+  key loops visit only the kept blocks, forward and backward.
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, Hv] (GQA: N % K == 0).
@@ -580,6 +629,12 @@ def block_sparse_attention(
     return_stats: also return ``{"kept": bool [B, N, nq, nk], "kept_tokens": bool [B, N,
       T, nk]}``: the key blocks each query token attended to, and their union over each
       query block (blocks without a visible key are False).
+    implementation: ``"xla_chunked"`` (default: the blockwise XLA loops above),
+      ``"pallas"`` (the platform's Pallas backend; in interpret mode on CPU with
+      ``JAXSOFT_PALLAS_INTERPRET=1``), ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``; the
+      Pallas ones run moba, bfla and prism, with ``block_size`` as the kernel's block
+      (Triton: a power of two >= 16; Mosaic: a multiple of 8, of 128 with
+      ``key_value_seq_lengths``).
 
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside), and the stats with ``return_stats``.
@@ -613,10 +668,18 @@ def block_sparse_attention(
   if jnp.ndim(query) != 4:
     raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
   bs = _check_int(block_size, "block_size", 1, fn)
+  if implementation not in BLOCK_SPARSE_IMPLEMENTATIONS:
+    raise ValueError(f"{fn}: `implementation` must be one of {BLOCK_SPARSE_IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if method == "blasst" and implementation != "xla_chunked":
+    raise ValueError(f"{fn}: `implementation` {implementation!r} does not run method "
+                     "'blasst' (its skips depend on the running max inside the key loop); "
+                     "use 'xla_chunked'")
   call = _canonical_call(query, key, value, None, None, scale, is_causal, None,
                          key_value_seq_lengths, None, None, None, "softmax", None, None, None)
   lay = _Layout(call, bs)
   Tp = lay.nq * bs
+  pallas = None if implementation == "xla_chunked" else _pallas_backend(implementation, lay, fn)
   if method == "blasst":
     if skip_threshold is None:
       raise ValueError(f"{fn}: method 'blasst' needs `skip_threshold` (tau >= 0)")
@@ -654,12 +717,20 @@ def block_sparse_attention(
     rows = jnp.any(jax.nn.one_hot(idx, lay.nk, dtype=bool) & valid[..., None], axis=-2)
     rows = rows & (allowed | forced)
     if per_token:
-      out = _token_attend(lay, idx, valid)
       kept_tokens = rows & (jnp.arange(Tp) < lay.T)[:, None]
     else:
-      out = _gather_attend(lay, idx, valid)
       kept_tokens = jnp.repeat(rows, bs, axis=2) & (jnp.arange(Tp) < lay.T)[:, None]
-  kept = jnp.any(kept_tokens.reshape(lay.B, lay.N, lay.nq, bs, lay.nk), axis=3)
+    if pallas is not None:
+      # per-token selections: each token's own list (exactly the pairs the token loop
+      # computes), their union over the query block as its table row
+      sel = jnp.where(valid, idx, -1)[:, :, :lay.T].astype(jnp.int32) if per_token else None
+      table = _union_blocks(lay, kept_tokens) if per_token else rows
+      out = _pallas_attend(call, lay, table, sel, pallas)
+    elif per_token:
+      out = _token_attend(lay, idx, valid)
+    else:
+      out = _gather_attend(lay, idx, valid)
+  kept = _union_blocks(lay, kept_tokens)
   if return_stats:
     return out, {"kept": lax.stop_gradient(kept),
                  "kept_tokens": lax.stop_gradient(kept_tokens[:, :, :lay.T])}
