@@ -36,53 +36,81 @@ def entmax15_threshold(ym):
   """tau with ``sum_j [y_j - tau]_+^2 = 1`` over the last axis, for rows with ``max y = 0``.
 
   ``ym`` holds ``x/2`` minus its row max, ``-inf`` at masked entries, so tau lies in
-  ``[-1, -n^{-1/2}]``. Each pass at a lower bound t (``f(t) = sum [y - t]_+^2 - 1 >= 0``)
-  computes, over the support ``S = {y > t}``, ``s1 = sum (y - t)``, ``s2 = sum (y - t)^2`` and
-  ``|S|``, and from them
+  ``[-1, -n^{-1/2}]``, where ``f(t) = sum [y - t]_+^2 - 1`` is convex and decreasing. A
+  pass at a point t computes, over its support ``S = {y > t}`` (whose size the previous
+  pass counted), ``s1 = sum (y - t)`` and ``s2 = sum (y - t)^2``, and from them the root
+  of the support's quadratic ``q(t + d) = |S| d^2 - 2 s1 d + s2 - 1``,
+  ``r = t + (s2 - 1) / (s1 + sqrt(s1^2 - |S|(s2 - 1)))`` (Peters et al. 2019, Alg. 2,
+  without the sort). The next point is r, and a third pass counts ``{y > r}``: when that
+  is still ``|S|``, S is r's own support and ``tau = r`` exactly.
 
-  * the exact root if S is the final support (Peters et al. 2019, Alg. 2, without the
-    sort): ``|S| d^2 - 2 s1 d + s2 - 1 = 0``, ``d = (s2 - 1) / (s1 + sqrt(s1^2 - |S|(s2 - 1)))``,
-    accepted when the count above ``t + d`` is still ``|S|`` (then tau = t + d exactly);
-  * otherwise a Newton step ``t + (s2 - 1) / (2 s1)``, which stays below the root because f
-    is convex and decreasing.
+  Otherwise r lies on the other side of the root: from a point below it (``f(t) >= 0``,
+  S a superset of the final support) ``q >= f`` beyond t, so ``f(r) <= 0``; from a point
+  above it (S a subset) ``q <= f`` below t, so ``f(r) >= 0``. The points thus alternate
+  around tau with supports closing in on the final one from both sides. A bracket
+  ``[lo, hi]`` of the points seen guards against rounding and an r without a real root
+  (far below the root, where the support is wide); then the next point is lo, which every
+  pass raises by a Newton step on ``h(t) = sqrt(s2(t)) - 1``, ``t + (s2 - sqrt(s2)) / s1``:
+  h is convex (the 2-norm of convex, non-negative functions), so the step lands below the
+  root from either side, and it is never behind Newton on f, ``t + (s2 - 1) / (2 s1)``,
+  which only halves the distance far from the root. Most rows settle in 3-4 passes of
+  three reductions each; the loop runs until every row of the block has.
 
   Returns:
     tau of shape ``ym.shape[:-1] + (1,)`` (0 for rows with no visible entry).
   """
-  def step(t, tau):
-    # Three separate passes (select-and-add forms, the fastest on XLA:CPU; see
-    # _sparsemax.relu_sum), each made to depend on the one before (c.decouple).
+  def step(t, cnt, lo, hi):
+    # Select-and-add reductions (the fastest form on XLA:CPU; see _sparsemax.relu_sum),
+    # the second made to depend on the first (c.decouple) so that they stay two loops.
     s1 = _sparsemax.relu_sum(ym, t)
     t1 = c.decouple(t, s1)
     s2 = jnp.sum(jnp.where(ym > t1, jnp.square(ym - t1), 0.0), axis=-1, keepdims=True)
-    cnt = _sparsemax.count_above(ym, c.decouple(t, s2))
     f = s2 - 1.0
-    den = s1 + jnp.sqrt(jnp.maximum(s1 * s1 - cnt * f, 0.0))  # >= 0
-    cand = t + c.safe_divide(f, den)
-    cnt_cand = _sparsemax.count_above(ym, cand)
-    now_done = jnp.logical_or(cnt_cand == cnt, cnt == 0)
-    t_new = jnp.maximum(t, t + c.safe_divide(f, 2.0 * s1))  # Newton, monotone whatever the rounding
-    return (jnp.where(now_done, t, t_new), jnp.where(cnt > 0, cand, 0.0)), now_done
+    below = f >= 0.0
+    lo = jnp.where(below, jnp.maximum(lo, t), lo)
+    hi = jnp.where(below, hi, jnp.minimum(hi, t))
+    # Newton on the convex h(t) = ||[y - t]_+||_2 - 1 (a norm of convex, non-negative
+    # functions): below the root from either side, and never behind Newton on f.
+    lo = jnp.maximum(lo, t + c.safe_divide(s2 - jnp.sqrt(s2), s1))
+    disc = s1 * s1 - cnt * f
+    r = t + c.safe_divide(f, s1 + jnp.sqrt(jnp.maximum(disc, 0.0)))
+    # r within the bracket, widened by its width and a few ulps for rounding (an r just
+    # past the Newton point: the support can already be the final one).
+    slack = jnp.maximum(hi - lo, 64.0 * jnp.finfo(ym.dtype).eps * (1.0 - t))
+    use_r = (disc >= 0.0) & (r >= lo - slack) & (r <= hi + slack)
+    t_new = jnp.where(use_r, r, lo)
+    cnt_new = _sparsemax.count_above(ym, t_new)
+    same = cnt_new == cnt
+    # Done: r's own support is S (exact), or no step moves t any more (the root to
+    # rounding: f(t) = 0 in floating point), or nothing is visible.
+    now_done = (use_r & same) | ((t_new == t) & same) | (cnt == 0)
+    return (jnp.where(cnt > 0, t_new, 0.0), cnt_new, lo, hi), now_done
 
   minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
-  return c.passes_until_done(step, (minus_one, minus_one), ym.shape[-1] + 2)[1]
+  init = (minus_one, _sparsemax.count_above(ym, minus_one), minus_one, jnp.zeros_like(minus_one))
+  return c.passes_until_done(step, init, ym.shape[-1] + 2)[0]
 
 
 @jax.custom_jvp
-def _entmax15_last(x, mask, top):
-  """1.5-entmax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
-  # (x - top) / 2 is formed inside each block: no full-size x / 2 is written.
-  tau = _sparsemax.threshold_by_blocks(entmax15_threshold, x, mask, top, 0.5)
+def _entmax15_from_threshold(x, mask, top, tau):
+  """1.5-entmax over the last axis given its threshold (``tau`` carries no gradient)."""
+  # (x - top) / 2 is formed in the same loop: no full-size x / 2 is written.
   d = _sparsemax.shifted(x, mask, top, 0.5) - tau
   return jnp.where(d > 0.0, d * d, 0.0)
 
 
-@_entmax15_last.defjvp
-def _entmax15_last_jvp(primals, tangents):
-  x, mask, top = primals
+@_entmax15_from_threshold.defjvp
+def _entmax15_from_threshold_jvp(primals, tangents):
   x_dot = tangents[0]
-  p = _entmax15_last(x, mask, top)
+  p = _entmax15_from_threshold(*primals)
   return p, _support_jvp(jnp.sqrt(p), x_dot)
+
+
+def _entmax15_last(x, mask, top, shift, where):
+  """1.5-entmax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
+  tau = _sparsemax.threshold_by_blocks(entmax15_threshold, jax.lax.stop_gradient(x), where,
+                                       shift, 0.5)
+  return _entmax15_from_threshold(x, mask, top, tau)
 
 
 def _support_jvp(g, v):
