@@ -9,10 +9,18 @@ The named baseline is causal softmax attention, ``jaxsoft.attention.dot_product_
 
 Before timing, each variant's chunked form (chunk 64) is checked against its parallel form
 in a process of its own at T = 256 (4 chunks): the output and every gradient, to 1e-4
-relative to the largest entry. A variant that fails is not timed. A parallel form whose
-T x T buffer alone would exceed 512 MiB is not run (T >= 8192 at B = 1, N = 4): the row
-says so instead of a time. (gla's per-channel scores are built by recursive secondary
-chunking, so its parallel form holds [T, T] per head as the others do, not [T, T, K].)
+relative to the largest entry. A variant that fails is not timed.
+
+Every cell runs under a cap on its data segment (``resource.RLIMIT_DATA``: the private
+writable memory it maps, not the address space it merely reserves; ``--memory-gib``, default
+20 GiB, lowered to the machine's available memory less 2 GiB), so that a parallel form that
+needs more (it holds several [B, N, T, T] float32 buffers: 4 GiB each at T = 16384) fails
+inside its own process, and its row says "did not fit in N GiB" instead of a time, with the
+size of XLA's buffers (``memory_analysis()`` of the compiled step; a cell whose buffers
+alone exceed the cap is not run). (gla's per-channel scores are built by recursive secondary chunking, so its parallel
+form holds [T, T] per head as the others do, not [T, T, K].) The delta rules' parallel
+forms invert one [T, T] matrix (O(T^3); about a minute at T = 4096 on 2 cores): they are not
+run above T = 4096, and the row says so.
 
 With ``--rounds R`` every cell is timed R times, the rounds interleaved (all cells once,
 then all again), and the table gives the median over the rounds: the machine's load drifts
@@ -29,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -41,7 +50,11 @@ FORMS = ("chunked", "parallel")
 BASELINE = "softmax xla_chunked"
 B, N, H = 1, 4, 64
 CHECK_T = 256
-PARALLEL_LIMIT_BYTES = 512 * 2**20
+MEMORY_GIB = 20.0            # default cap on each cell's data segment (RLIMIT_DATA)
+CUBIC_PARALLEL = ("delta_rule", "gated_delta_rule")
+CUBIC_PARALLEL_MAX_T = 4096  # the delta rules' parallel forms: one [T, T] inverse, O(T^3)
+OOM_MARKERS = ("Out of memory", "RESOURCE_EXHAUSTED", "MemoryError", "bad_alloc",
+               "Cannot allocate memory")
 
 
 def _inputs(variant: str, T: int, seed: int = 0) -> dict:
@@ -100,6 +113,50 @@ def parallel_buffer_bytes(variant: str, T: int) -> int:
   return 4 * B * N * T * T
 
 
+def skip_reason(variant: str, form: str, T: int) -> str | None:
+  """Why a cell is not run at all (None: run it, under the memory cap)."""
+  if form == "parallel" and variant in CUBIC_PARALLEL and T > CUBIC_PARALLEL_MAX_T:
+    return (f"not run: the parallel form inverts one T x T matrix (O(T^3)); run up to "
+            f"T = {CUBIC_PARALLEL_MAX_T}")
+  return None
+
+
+def memory_cap_bytes(gib: float) -> int:
+  """``gib`` GiB, lowered to the available memory (``/proc/meminfo``) less 2 GiB, so that a
+  capped cell fails in its own process before the machine runs short."""
+  cap = int(gib * 2**30)
+  try:
+    with open("/proc/meminfo") as f:
+      avail = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}["MemAvailable"]
+    cap = min(cap, avail - 2 * 2**30)
+  except (OSError, KeyError, ValueError):
+    pass
+  return max(cap, 2**30)
+
+
+def run_capped(cmd: list[str], cap: int, env: dict | None = None) -> dict:
+  """Runs ``cmd`` (``cmd[0]`` a path) with its data segment capped at ``cap`` bytes; its last
+  stdout line is JSON. A child that ran out of memory (an allocation failed, or it was
+  killed) gives ``{"error": "did not fit in N GiB (...)"}``, any other failure its last
+  stderr line."""
+  # the limit is set by a small Python trampoline that then execs ``cmd`` (no preexec_fn:
+  # forking a process that runs JAX's threads may deadlock)
+  setcap = ("import os, resource, sys; resource.setrlimit(resource.RLIMIT_DATA, "
+            f"({cap}, {cap})); os.execv(sys.argv[1], sys.argv[1:])")
+  proc = subprocess.run([sys.executable, "-c", setcap, *cmd], capture_output=True, text=True,
+                        env=env)
+  if proc.returncode != 0:
+    err = proc.stderr.strip()
+    if proc.returncode == -9 or any(m in err for m in OOM_MARKERS):
+      need = re.findall(r"xla_buffer_bytes=(\d+)", err)
+      why = "killed" if proc.returncode == -9 else "an allocation failed"
+      if need:
+        why += f"; XLA's buffers: {int(need[-1]) / 2**30:.1f} GiB"
+      return {"error": f"did not fit in {cap / 2**30:.1f} GiB ({why})"}
+    return {"error": err.splitlines()[-1] if err else f"exit {proc.returncode}"}
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _cell_check(variant: str, T: int) -> dict:
   import jax
   import numpy as np
@@ -114,12 +171,25 @@ def _cell_check(variant: str, T: int) -> dict:
   return {"ok": bool(ok), "max_rel_err": max(errs)}
 
 
+def xla_buffer_bytes(compiled) -> int:
+  """The bytes XLA allocates to run ``compiled``: temporaries, arguments and outputs
+  (``memory_analysis()`` of the compiled executable)."""
+  m = compiled.memory_analysis()
+  return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes)
+
+
 def _cell_time(variant: str, form: str, T: int, reps: int) -> dict:
   import jax
   base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   a, ct = _inputs(variant, T), _cotangent(T)
-  f = _fn(variant, form)
   t0 = time.perf_counter()
+  f = _fn(variant, form).lower(a, ct).compile()
+  need = xla_buffer_bytes(f)
+  print(f"xla_buffer_bytes={need}", file=sys.stderr, flush=True)
+  cap = resource.getrlimit(resource.RLIMIT_DATA)[0]
+  if cap != resource.RLIM_INFINITY and need > cap:   # would fail: say so without running
+    return {"error": f"did not fit in {cap / 2**30:.1f} GiB (XLA's buffers: "
+                     f"{need / 2**30:.1f} GiB)"}
   jax.block_until_ready(f(a, ct))
   compile_s = time.perf_counter() - t0
   times = []
@@ -132,14 +202,10 @@ def _cell_time(variant: str, form: str, T: int, reps: int) -> dict:
           "peak_mib": peak / 1024, "base_mib": base / 1024}
 
 
-def _child(kind: str, *args) -> dict:
+def _child(cap: int, kind: str, *args) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--cell", kind, *map(str, args)]
   env = dict(os.environ, JAX_PLATFORMS=os.environ.get("JAX_PLATFORMS", "cpu"))
-  proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-  if proc.returncode != 0:
-    return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else
-            f"exit {proc.returncode}"}
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return run_capped(cmd, cap, env)
 
 
 def parse_lengths(items: list[str]) -> list[int]:
@@ -170,6 +236,9 @@ def main(argv=None) -> int:
   p.add_argument("--reps", type=int, default=5)
   p.add_argument("--rounds", type=int, default=1,
                  help="time every cell this many times, rounds interleaved; median over rounds")
+  p.add_argument("--memory-gib", type=float, default=MEMORY_GIB,
+                 help="cap on each cell's data segment (lowered to the available memory "
+                      "less 2 GiB); a cell that needs more reports 'did not fit'")
   p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
 
@@ -194,7 +263,8 @@ def main(argv=None) -> int:
       p.error(f"unknown variant {v!r}; choose from {VARIANTS}")
   check_t = min(CHECK_T, max(lengths))
 
-  checks = {v: _child("check", v, check_t) for v in variants}
+  cap = memory_cap_bytes(a.memory_gib)
+  checks = {v: _child(cap, "check", v, check_t) for v in variants}
   for v, c in checks.items():
     print(f"correctness {v} chunked vs parallel at T={check_t}: {c}", file=sys.stderr)
 
@@ -209,11 +279,10 @@ def main(argv=None) -> int:
     for v, form, T in cells:
       if v != BASELINE and not checks[v].get("ok"):
         r = {"error": "failed the correctness check: not timed"}
-      elif form == "parallel" and parallel_buffer_bytes(v, T) > PARALLEL_LIMIT_BYTES:
-        r = {"error": f"not run: one T x T buffer is "
-                      f"{parallel_buffer_bytes(v, T) / 2**30:.1f} GiB"}
-      else:
-        r = _child("time", v, form, T, reps)
+      elif skip_reason(v, form, T):
+        r = {"error": skip_reason(v, form, T)}
+      else:   # the cap again: the other processes' memory may have changed
+        r = _child(memory_cap_bytes(a.memory_gib), "time", v, form, T, reps)
       rounds[(v, form, T)].append(r)
       print(f"T={T} {v} {form}: {r}", file=sys.stderr)
   results = {c: merge_rounds(rs) for c, rs in rounds.items()}
@@ -221,7 +290,8 @@ def main(argv=None) -> int:
   lines = [
       f"Linear attention, B={B}, N={N}, K=V={H}, chunk 64, forward+backward under jit, median "
       f"of {reps} (median over {max(a.rounds, 1)} interleaved rounds); chunked vs parallel "
-      f"checked at T={check_t}: " + ", ".join(
+      f"checked at T={check_t}; each cell's memory capped at "
+      f"{cap / 2**30:.1f} GiB: " + ", ".join(
           f"{v} {'ok' if c.get('ok') else 'FAILED'}" for v, c in checks.items()),
       "",
       "| T | variant | form | time (ms) | peak RSS (MiB) | chunked speed-up vs parallel |"
@@ -251,7 +321,8 @@ def main(argv=None) -> int:
                  f"about {statistics.median(base):.0f} MiB. 'time vs {BASELINE}' is the time "
                  f"divided by the softmax baseline's (below 1: faster).")
   print("\n".join(lines))
-  bad = [k for k, r in results.items() if "error" in r and not r["error"].startswith("not run")]
+  bad = [k for k, r in results.items()
+         if "error" in r and not r["error"].startswith(("not run", "did not fit"))]
   return 1 if bad else 0
 
 

@@ -36,19 +36,26 @@ over Sequence Length"): one unit-lower-triangular inverse per chunk
 ``G_i - G_j`` with ``j <= i`` (so ``<= 0``; in :func:`channel_scores`, a difference to a
 token between them): the masks are applied before ``exp``, which never sees a large
 positive number. Only the chunk-start states are carried, by a
-``lax.scan`` over chunks; everything else is computed for all chunks at once.
+``lax.scan`` over chunks (which for the delta rules' chunked form also forms each chunk's
+``U = \tilde U - W S_0``, as flash-linear-attention's kernels do: :func:`_scan_values`);
+everything else is computed for all chunks at once.
 
-Backward pass of the chunked form (feature K07): a custom VJP keeps only the inputs and the
-chunk-start states (``O(T·K·V / C)``). The backward pass rebuilds every chunk's terms
-(scores, UT inverse) from the inputs, for all chunks at once as the forward pass does;
-a reverse ``lax.scan`` over the chunks carries only the state cotangent ``[K, V]`` (one
-``[K, K] x [K, V]`` product per chunk), and the cotangents of the chunk terms and of the
-inputs then follow for all chunks at once: the recomputing backward of Lightning Attention
-(Qin et al. 2024) and of flash-linear-attention's chunk kernels, with no ``[T, T]`` buffer
-and no per-chunk ``[C, C]`` terms kept between the passes. The parallel form (one chunk)
-is left to autodiff, an independent path the tests compare against. The UT inverse is
-differentiated by its own rule (``d(I + A)^{-1} = -X dA X``), and gla's per-channel
-scores by :func:`channel_scores` (recursive secondary chunking, no ``[C, C, K]`` tensor).
+Backward pass of the chunked form (feature K07): a custom VJP keeps the inputs, the
+chunk-start states (``O(T·K·V / C)``) and, for the delta rules, the UT transform: the
+inverse ``(I + A)^{-1}`` (``T·C`` numbers), the WY factors ``W``, ``\tilde U`` and the
+written values ``U`` (``T·(K + 2V)``), as flash-linear-attention's ``chunk_gated_delta_rule``
+keeps its ``A``. The backward pass rebuilds every chunk's scores and decays from the inputs,
+for all chunks at once as the forward pass does; a reverse ``lax.scan`` over the chunks
+carries only the state cotangent ``[K, V]``, and the cotangents of the chunk terms and of
+the inputs then follow for all chunks at once: the recomputing backward of Lightning
+Attention (Qin et al. 2024) and of flash-linear-attention's chunk kernels, with no
+``[T, T]`` buffer and no per-chunk scores kept between the passes. The UT transform is
+differentiated by hand from the kept ``(I + A)^{-1}, W, \tilde U`` (four products; see
+:func:`_chunked_recompute_bwd`) and the Gram matrix ``K K^T`` by :func:`_gram`. The
+parallel form (one chunk) is left to autodiff, an independent path the tests compare
+against: there the UT inverse is differentiated by its own rule
+(``d(I + A)^{-1} = -X dA X``), and gla's per-channel scores by :func:`channel_scores`
+(recursive secondary chunking, no ``[C, C, K]`` tensor).
 """
 
 from __future__ import annotations
@@ -145,6 +152,17 @@ def _unit_lower_inverse_jvp(primals, tangents):
   return X, -(X @ dA @ X)
 
 
+@jax.custom_vjp
+def _gram(x: jax.Array) -> jax.Array:
+  """``x x^T`` over the last axis, differentiated as ``dx = (D + D^T) x`` (one product
+  where autodiff of the einsum does two)."""
+  return jnp.einsum("...ik,...jk->...ij", x, x)
+
+
+_gram.defvjp(lambda x: (_gram(x), x),
+             lambda x, D: ((D + jnp.swapaxes(D, -1, -2)) @ x,))
+
+
 def channel_scores(x: jax.Array, y: jax.Array, G: jax.Array, mask: jax.Array) -> jax.Array:
   r"""``Σ_c x_ic y_jc e^{G_ic - G_jc}`` where ``mask[i, j]`` (else exactly 0), with no
   ``[C, C, K]`` tensor: ``x, y, G [..., C, K]`` (``G`` non-increasing along C, as the
@@ -182,14 +200,16 @@ def channel_scores(x: jax.Array, y: jax.Array, G: jax.Array, mask: jax.Array) ->
   return jnp.where(mask, S[..., 0, :, :], 0.0)[..., :C, :C]
 
 
-def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
-  """Everything of a chunk that does not depend on its start state, for all chunks at once.
+def _chunk_parts(qc, kc, vc, gc, bc, rc, run_prev):
+  """Everything of a chunk that does not depend on its start state, up to the UT inverse, for
+  all chunks at once.
 
   ``qc, kc [B, N, nC, C, K]``, ``vc [B, N, nC, C, V]``, ``gc [B, N, nC, C(, K)]``, ``bc``
   None or ``[B, N, nC, C]``, ``rc [B, nC, C]`` run ids, ``run_prev [B, nC]`` the run before
-  each chunk. Returns ``(qd, kd, ds, P, U_tilde, W)``: the decayed queries ``e^G q``, keys
+  each chunk. Returns ``(qd, kd, ds, P, Kb, Vb, A)``: the decayed queries ``e^G q``, keys
   ``e^{G_C - G} k``, the state decay ``e^{G_C}``, the intra-chunk scores ``(Q K^T) ⊙ Γ``
-  ``[.., C, C]``, and the delta rule's ``(I + A)^{-1} β V`` and ``W`` (None without ``beta``).
+  ``[.., C, C]``, and the right-hand sides and matrix of the UT transform,
+  ``β e^G K``, ``β V`` and the strictly lower ``A`` (``None, V, None`` without ``beta``).
   """
   C = qc.shape[3]
   per_channel = gc.ndim == 5
@@ -215,33 +235,47 @@ def _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev):
     dq = _masked_exp(sees_start, G)[..., None]                         # [B, N, nC, C, 1]
     dk = _masked_exp(reaches_end, G_last[..., None] - G)[..., None]
     ds = _masked_exp(carries, G_last)[..., None]                       # [B, N, nC, 1]
-    diff = G[..., :, None] - G[..., None, :]                           # [B, N, nC, C, C]
+    # one exp for both masks: the strict decays are the inclusive ones off the diagonal
+    decay = _masked_exp(incl, G[..., :, None] - G[..., None, :])       # [B, N, nC, C, C]
 
     def scores(x, y, mask):
-      return jnp.einsum("...ik,...jk->...ij", x, y) * _masked_exp(mask, diff)
+      xy = _gram(x) if x is y else jnp.einsum("...ik,...jk->...ij", x, y)
+      return xy * (decay if mask is incl else jnp.where(i[:, None] > i[None, :], decay, 0.0))
 
+  P = scores(qc, kc, incl)
   if bc is None:
-    W, U_tilde = None, vc
-  else:
-    b = bc[..., None]                                                  # [B, N, nC, C, 1]
-    T_inv = unit_lower_inverse(b * scores(kc, kc, strict))             # (I + A)^{-1}
-    W = T_inv @ (b * dq * kc)
-    U_tilde = T_inv @ (b * vc)
-  return dq * qc, dk * kc, ds, scores(qc, kc, incl), U_tilde, W
+    return dq * qc, dk * kc, ds, P, None, vc, None
+  b = bc[..., None]                                                    # [B, N, nC, C, 1]
+  return dq * qc, dk * kc, ds, P, b * dq * kc, b * vc, b * scores(kc, kc, strict)
 
 
 def _terms(xs, rc, run_prev):
-  qc, kc, vc, gc, bc = xs
-  return _chunk_terms(qc, kc, vc, gc, bc, rc, run_prev)
+  """The chunk terms ``(qd, kd, ds, P, U_tilde, W)`` of :func:`_chunk_parts` with the UT
+  transform done: ``W = (I + A)^{-1} β e^G K`` and ``U_tilde = (I + A)^{-1} β V`` (``v``
+  and None without ``beta``)."""
+  qd, kd, ds, P, Kb, Vb, A = _chunk_parts(*xs, rc, run_prev)
+  if A is None:
+    return qd, kd, ds, P, Vb, None
+  T_inv = unit_lower_inverse(A)                                        # (I + A)^{-1}
+  return qd, kd, ds, P, T_inv @ Vb, T_inv @ Kb
+
+
+def _chunk_values(U_tilde, W, starts) -> jax.Array:
+  """The values written in each chunk, ``U = U_tilde - W S`` (``U_tilde`` without ``beta``)."""
+  return U_tilde if W is None else U_tilde - jnp.einsum("...ck,...kv->...cv", W, starts)
+
+
+def _chunk_out(qd, kd, ds, P, U, starts) -> tuple[jax.Array, jax.Array]:
+  """Outputs ``[B, N, nC, C, V]`` and end states ``[B, N, nC, K, V]`` from the chunk terms,
+  the written values ``U`` and the start states ``[B, N, nC, K, V]``."""
+  o = jnp.einsum("...ck,...kv->...cv", qd, starts) + jnp.einsum("...ij,...jv->...iv", P, U)
+  return o, starts * ds[..., None] + jnp.einsum("...ck,...cv->...kv", kd, U)
 
 
 def _chunk_apply(terms, starts) -> tuple[jax.Array, jax.Array]:
-  """Outputs ``[B, N, nC, C, V]`` and end states ``[B, N, nC, K, V]`` from the chunk terms and
-  the start states ``[B, N, nC, K, V]``."""
+  """:func:`_chunk_out` from the chunk terms ``(qd, kd, ds, P, U_tilde, W)``."""
   qd, kd, ds, P, U_tilde, W = terms
-  U = U_tilde if W is None else U_tilde - jnp.einsum("...ck,...kv->...cv", W, starts)
-  o = jnp.einsum("...ck,...kv->...cv", qd, starts) + jnp.einsum("...ij,...jv->...iv", P, U)
-  return o, starts * ds[..., None] + jnp.einsum("...ck,...cv->...kv", kd, U)
+  return _chunk_out(qd, kd, ds, P, _chunk_values(U_tilde, W, starts), starts)
 
 
 def _chunk_first(x):
@@ -274,6 +308,21 @@ def _scan_starts(terms, S0) -> tuple[jax.Array, jax.Array]:
   return jnp.moveaxis(starts, 0, 2), S_T
 
 
+def _scan_values(ds, kd, U_tilde, W, S0) -> tuple[jax.Array, jax.Array, jax.Array]:
+  r"""The delta rules' scan over chunks as flash-linear-attention's chunk kernels run it:
+  each chunk's written values ``U = \tilde U - W S`` and end state
+  ``e^{G_C} S + \bar K^T U`` in the step (two ``[C, K] x [K, V]`` products per chunk, no
+  ``[K, K]`` map ``\bar K^T W`` formed). Returns the chunk-start states, ``U`` (both
+  ``[B, N, nC, ...]``) and the final state."""
+  def body(S, x):
+    ds_c, kd_c, ut_c, w_c = x
+    U_c = ut_c - jnp.einsum("bnck,bnkv->bncv", w_c, S)
+    return S * ds_c[..., None] + jnp.einsum("bnck,bncv->bnkv", kd_c, U_c), (S, U_c)
+
+  S_T, (starts, U) = jax.lax.scan(body, S0, tuple(_chunk_first(x) for x in (ds, kd, U_tilde, W)))
+  return jnp.moveaxis(starts, 0, 2), jnp.moveaxis(U, 0, 2), S_T
+
+
 def _chunked_plain(xs, rc, run_prev, S0):
   """The chunked form differentiated by autodiff (which keeps every chunk's terms)."""
   terms = _terms(xs, rc, run_prev)
@@ -288,17 +337,27 @@ def _chunked_recompute(xs, rc, run_prev, S0):
 
 
 def _chunked_recompute_fwd(xs, rc, run_prev, S0):
-  terms = _terms(xs, rc, run_prev)
-  starts, S_T = _scan_starts(terms, S0)
-  # Residuals: the inputs and the chunk-start states only, O(T·K·V / C); the chunk terms
-  # (scores, the UT inverse) are recomputed in the backward pass, one chunk at a time.
-  return (_chunk_apply(terms, starts)[0], S_T), (xs, rc, run_prev, starts)
+  qd, kd, ds, P, Kb, Vb, A = _chunk_parts(*xs, rc, run_prev)
+  if A is None:
+    U, wy = Vb, None
+    starts, S_T = _scan_starts((qd, kd, ds, P, U, None), S0)
+  else:
+    T_inv = unit_lower_inverse(A)                                      # (I + A)^{-1}
+    U_tilde, W = T_inv @ Vb, T_inv @ Kb
+    starts, U, S_T = _scan_values(ds, kd, U_tilde, W, S0)
+    # Residuals: the inputs, the chunk-start states and, for the delta rules, the UT
+    # transform (its inverse and the WY factors W, U_tilde) and the written values U:
+    # O(T·(K + 2V + C)) numbers. The scores and the decays are recomputed in the backward
+    # pass, for all chunks at once.
+    wy = (T_inv, U_tilde, W, U)
+  return (_chunk_out(qd, kd, ds, P, U, starts)[0], S_T), (xs, rc, run_prev, starts, wy)
 
 
 def _chunked_recompute_bwd(res, cts):
-  r"""The backward pass from the inputs and the chunk-start states: every chunk's terms are
-  rebuilt at once (batched over chunks, as in the forward pass), a reverse scan over the
-  chunks carries only the state cotangent ``dS [K, V]``,
+  r"""The backward pass from the inputs, the chunk-start states and (delta rules) the UT
+  transform: every chunk's scores and decays are rebuilt at once (batched over chunks, as in
+  the forward pass), a reverse scan over the chunks carries only the state cotangent
+  ``dS [K, V]``,
 
   .. math::
     dU_c = P_c^\top dO_c + \bar K_c dS_{c+1}, \qquad
@@ -306,33 +365,56 @@ def _chunked_recompute_bwd(res, cts):
 
   (``\bar Q = e^G Q``, ``\bar K = e^{G_C - G} K``; no ``W`` term without ``beta``), and the
   chunk terms' cotangents then follow for all chunks at once from ``jax.vjp`` of the
-  chunk-local computation against ``(dO_c, dS_{c+1})``. Nothing is kept from the forward
-  pass but its inputs and chunk-start states (the recomputing backward of Lightning
-  Attention and of flash-linear-attention's chunk kernels)."""
-  xs, rc, run_prev, starts = res
+  chunk-local computation against ``(dO_c, dS_{c+1})`` (the recomputing backward of
+  Lightning Attention and of flash-linear-attention's chunk kernels). The UT transform
+  ``W = X β e^G K``, ``\tilde U = X β V`` with ``X = (I + A)^{-1}`` is differentiated by
+  hand from the saved ``X, W, \tilde U``, as flash-linear-attention's gated delta rule does:
+
+  .. math::
+    d(β e^G K) = X^\top dW, \quad d(β V) = X^\top d\tilde U, \quad
+    dA = -(d(β V)\, \tilde U^\top + d(β e^G K)\, W^\top)
+
+  (``dA = -X^T dX X^T`` with ``dX = dW (β e^G K)^T + d\tilde U (β V)^T``; only its strictly
+  lower entries reach the inputs, ``A`` being masked there), four products instead of
+  rebuilding ``X`` and differentiating through it."""
+  xs, rc, run_prev, starts, wy = res
   do, dS_T = cts
-  terms, terms_vjp = jax.vjp(lambda xs: _terms(xs, rc, run_prev), xs)
-  qd, kd, ds, P, _, W = terms
+  parts, parts_vjp = jax.vjp(lambda xs: _chunk_parts(*xs, rc, run_prev), xs)
+  qd, kd, ds, P, _, Vb, _ = parts
+  T_inv, U_tilde, W, U = (None, Vb, None, Vb) if wy is None else wy
   # the parts of dS_c that do not depend on dS_{c+1}, for all chunks at once
-  dS_local = jnp.einsum("...ck,...cv->...kv", qd, do)
-  M = None
-  if W is not None:
-    dS_local = dS_local - jnp.einsum("...ck,...cv->...kv", W,
-                                     jnp.einsum("...ij,...iv->...jv", P, do))
-    M = _state_map(terms)[0]
+  dS_q = jnp.einsum("...ck,...cv->...kv", qd, do)
+  if wy is None:
+    def body(dS, x):   # dS_c = \bar Q_c^T dO_c + e^{G_C} dS_{c+1}
+      ds_c, dsq_c = x
+      return dsq_c + ds_c[..., None] * dS, dS
 
-  def body(dS, x):   # dS_c = local_c + e^{G_C} dS_{c+1} - M_c^T dS_{c+1}
-    ds_c, m_c, local_c = x
-    dS_start = local_c + ds_c[..., None] * dS
-    if m_c is not None:
-      dS_start = dS_start - jnp.einsum("bnkj,bnkv->bnjv", m_c, dS)
-    return dS_start, dS
+    dS0, d_ends = jax.lax.scan(body, dS_T, tuple(_chunk_first(x) for x in (ds, dS_q)),
+                               reverse=True)
+  else:
+    PtdO = jnp.einsum("...ij,...iv->...jv", P, do)
 
-  dS0, d_ends = jax.lax.scan(
-      body, dS_T, tuple(_chunk_first(x) for x in (ds, M, dS_local)), reverse=True)
-  _, apply_vjp = jax.vjp(_chunk_apply, terms, starts)
-  dterms, _ = apply_vjp((do, jnp.moveaxis(d_ends, 0, 2)))
-  (dxs,) = terms_vjp(dterms)
+    def body(dS, x):   # dU_c = P_c^T dO_c + \bar K_c dS_{c+1}, then dS_c
+      ds_c, kd_c, w_c, ptdo_c, dsq_c = x
+      dU_c = ptdo_c + jnp.einsum("bnck,bnkv->bncv", kd_c, dS)
+      dS_start = dsq_c + ds_c[..., None] * dS - jnp.einsum("bnck,bncv->bnkv", w_c, dU_c)
+      return dS_start, (dS, dU_c)
+
+    dS0, (d_ends, dU) = jax.lax.scan(
+        body, dS_T, tuple(_chunk_first(x) for x in (ds, kd, W, PtdO, dS_q)), reverse=True)
+  _, out_vjp = jax.vjp(_chunk_out, qd, kd, ds, P, U, starts)
+  dqd, dkd, dds, dP, dU_out, _ = out_vjp((do, jnp.moveaxis(d_ends, 0, 2)))
+  if wy is None:
+    dparts = (dqd, dkd, dds, dP, None, dU_out, None)
+  else:
+    dU_tilde = jnp.moveaxis(dU, 0, 2)                                  # the scan's dU
+    dW = -jnp.einsum("...cv,...kv->...ck", dU_tilde, starts)           # U = U_tilde - W S
+    dKb = jnp.einsum("...ji,...jk->...ik", T_inv, dW)                  # X^T dW
+    dVb = jnp.einsum("...ji,...jv->...iv", T_inv, dU_tilde)            # X^T dU_tilde
+    dA = -(jnp.einsum("...iv,...jv->...ij", dVb, U_tilde)
+           + jnp.einsum("...ik,...jk->...ij", dKb, W))
+    dparts = (dqd, dkd, dds, dP, dKb, dVb, dA)
+  (dxs,) = parts_vjp(dparts)
   return dxs, None, None, dS0
 
 

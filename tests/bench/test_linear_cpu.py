@@ -24,13 +24,30 @@ def test_quick_benchmark_runs():
   assert chunked.split("|")[6].strip().endswith("x"), chunked   # the speed-up vs parallel
 
 
-def test_parallel_buffer_limit():
-  """The parallel forms hold [B, N, T, T] (gla too: its per-channel scores are built without
-  a [T, T, K] tensor): refused above 512 MiB (T = 16384), run up to T = 4096 (256 MiB)."""
+def test_parallel_cells_run_under_a_memory_cap():
+  """The parallel forms are no longer refused by the size of one [B, N, T, T] buffer (4 GiB
+  at T = 16384): every cell runs capped, and only the delta rules' O(T^3) parallel forms are
+  skipped above T = 4096, with the reason. A child that allocates past its cap is reported
+  as "did not fit in N GiB", with the size of XLA's buffers the child printed (not as a
+  failure); one within it returns its JSON line."""
   bench = load_script("bench/linear_cpu.py", "bench_linear_cpu")
-  for variant in ("gla", "gated_delta_rule"):
-    assert bench.parallel_buffer_bytes(variant, 16384) > bench.PARALLEL_LIMIT_BYTES
-    assert bench.parallel_buffer_bytes(variant, 4096) <= bench.PARALLEL_LIMIT_BYTES
+  assert bench.parallel_buffer_bytes("gla", 16384) == 4 * 2**30
+  for variant in ("linear_attention", "simple_gla", "lightning_attention", "gla"):
+    assert bench.skip_reason(variant, "parallel", 16384) is None
+  for variant in ("delta_rule", "gated_delta_rule"):
+    assert "O(T^3)" in bench.skip_reason(variant, "parallel", 16384)
+    assert bench.skip_reason(variant, "parallel", 4096) is None
+    assert bench.skip_reason(variant, "chunked", 16384) is None
+  cap = 2**30
+  assert 2**30 <= bench.memory_cap_bytes(1.0) <= cap
+  alloc = ("import json, sys, numpy as np; print('xla_buffer_bytes=3221225472', file=sys.stderr);"
+           " x = np.ones({n}, np.uint8); print(json.dumps({{'n': x.size}}))")
+  small = bench.run_capped([sys.executable, "-c", alloc.format(n=2**20)], cap)
+  assert small == {"n": 2**20}
+  big = bench.run_capped([sys.executable, "-c", alloc.format(n=2 * 2**30)], cap)
+  assert big == {"error": "did not fit in 1.0 GiB (an allocation failed; XLA's buffers: 3.0 GiB)"}
+  crash = bench.run_capped([sys.executable, "-c", "raise SystemExit('boom')"], cap)
+  assert crash == {"error": "boom"}
 
 
 def test_lengths_and_rounds():

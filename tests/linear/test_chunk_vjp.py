@@ -1,6 +1,7 @@
-"""Feature K07: the chunked forms' custom VJP keeps only the inputs and the chunk-start
-states for the backward pass and rebuilds each chunk there (no T x T buffer, no per-chunk
-scores or UT inverses stored), with gradients equal to the parallel form's autodiff ones."""
+"""Feature K07: the chunked forms' custom VJP keeps only the inputs, the chunk-start states
+and (delta rules) the UT transform for the backward pass and rebuilds each chunk's scores
+there (no T x T buffer, no per-chunk scores stored), with gradients equal to the parallel
+form's autodiff ones."""
 
 import contextlib
 import functools
@@ -50,8 +51,10 @@ def _internal_args(variant, seed=0):
                                      pytest.param("gla", marks=pytest.mark.slow)])
 def test_backward_keeps_only_inputs_and_chunk_states(variant):
   """The residuals of the chunked form are the (padded) inputs plus the chunk-start states
-  ``[B, N, T/C, K, V]``: no ``[C, C]`` array (scores, the UT inverse) and at most
-  ``T·(2K + V + 3) + (T/C)·K·V`` numbers in all, plus the loss's own (the per-channel
+  ``[B, N, T/C, K, V]`` and, for the delta rules, the UT transform: ``(I + A)^{-1}``
+  ``[B, N, T/C, C, C]`` (the only ``[C, C]`` array kept), the WY factors ``W, U_tilde`` and
+  the written values ``U``. No scores: at most ``T·(2K + V + 3) + (T/C)·K·V`` numbers in
+  all (plus ``T·(K + 2V + C)`` for the delta rules), plus the loss's own (the per-channel
   decay of gla adds T·K).
   Autodiff of the same chunked computation (``recompute=False``) keeps the ``[C, C]``
   scores of every chunk: the check can fail."""
@@ -62,19 +65,22 @@ def test_backward_keeps_only_inputs_and_chunk_states(variant):
     return jnp.sum(jnp.sin(o)) + jnp.sum(S_T)
 
   padded = N_CHUNKS * C
+  delta = beta is not None
   # the inputs (q, k, v, g, beta, run ids) + the chunk states + cos(o) for the loss's sin
   budget = (padded * (2 * K + V + 3 + (K if variant == "gla" else 0)) + N_CHUNKS * K * V
             + T * V + 16)
+  if delta:   # (I + A)^{-1}, W, U_tilde and U
+    budget += padded * (K + 2 * V + C)
   for recompute in (True, False):
     shapes = _residual_shapes(functools.partial(loss, recompute), q, k, v, g, beta, S0)
     square = [s for s in shapes if len(s) >= 2 and s[-2:] == (C, C)]
     total = sum(math.prod(s) for s in shapes)
     if recompute:
-      assert not square, shapes
+      assert square == ([(1, 1, N_CHUNKS, C, C)] if delta else []), shapes
       assert total <= budget, (total, budget, shapes)
       assert (1, 1, N_CHUNKS, K, V) in shapes, shapes   # the chunk-start states
     else:
-      assert square and total > budget, shapes
+      assert len(square) > (1 if delta else 0) and total > budget, shapes
 
 
 def _max_t_axes(jaxpr, size):
