@@ -29,8 +29,9 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
   window (Du et al. 2025).
 * A30 Hedgehog (Zhang et al. 2024): :func:`hedgehog_feature_map`, learned by
   :func:`hedgehog_distillation_loss` against softmax attention.
-* K07: the chunked forms' backward pass recomputes each chunk (a custom VJP keeping only
-  the inputs and the chunk-start states).
+* K07: the chunked forms' backward pass recomputes each chunk (a custom VJP keeping the
+  inputs and the chunk-start states; the delta rules also keep the UT inverse and the WY
+  factors).
 * A40 :func:`taylor_linear_attention`: ``exp`` replaced by its order-m Taylor polynomial, as
   linear attention on :func:`taylor_features` (Mongaras & Larson 2025; TaylorShift).
 
