@@ -92,7 +92,8 @@ def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: b
 
 def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
-                        debug: bool = False, block_table=None, row_blocks=None):
+                        debug: bool = False, block_table=None, row_blocks=None,
+                        exp2: bool = False, rescale_threshold: float | None = None):
   """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
 
   Args:
@@ -114,6 +115,14 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       each query row may see (-1 = none); a listed tile hides the rows that did not list
       its key block (per-token selections, whose union over a query block is its table
       row).
+    exp2: K06: the forward's tile numerators as exp2 in the log2 domain (log2 e folded
+      into the kernel's scale; the saved statistics in natural units). Class E with
+      ``e^{z - m}`` numerators and a linear score map only (``engine.check_flags``).
+    rescale_threshold: K06: tau >= 0 (natural-log units of the scores, at most
+      ``engine.MAX_RESCALE_THRESHOLD``): the forward moves its running max, and rescales,
+      only where a block's max exceeds it by more than tau (FlashAttention-4's
+      conditional rescaling); None (or 0): every time. Class E with ``e^{z - m}``
+      numerators.
 
   Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
   heads, queries or keys without copies; the bias's gradient is the logits' cotangent
@@ -129,9 +138,15 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       callable, a normalizer of kernel class X (or T/R without its blockwise rule), a
       stochastic normalizer, or (with ``interpret=None``) a platform with no Pallas
       backend.
-    ValueError: bad block sizes or backend, or a block table of the wrong shape.
+    ValueError: bad block sizes or backend, a block table of the wrong shape, or
+      ``exp2`` / ``rescale_threshold`` for a normalizer they do not fit.
   """
   spec = call.spec
+  tau = rescale_threshold
+  if tau is not None:
+    if isinstance(tau, bool) or not isinstance(tau, (int, float, np.integer, np.floating)):
+      raise ValueError(f"`rescale_threshold` must be None or a number, got {tau!r}")
+    tau = float(tau)
   if block_table is None and row_blocks is not None:
     raise ValueError("`row_blocks` needs a `block_table`")
   if getattr(call, "score", "dot") != "dot":
@@ -209,7 +224,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       interpret=interpret, debug=debug, acc=acc, value_dim_pad=hv_pad, bias_full=bias_full,
       mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None,
       key_table=block_table is not None,
-      row_select=0 if row_blocks is None else _select_width(backend, row_blocks))
+      row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
+      exp2=exp2, rescale_threshold=tau)
+  E.check_flags(cfg)
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
   pad_rows = ((0, 0), (0, 0), (0, t_pad - t), (0, 0))
@@ -377,7 +394,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               logits_soft_cap=None, backend: str = "triton", interpret=False,
               block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, decay_bias=None,
-              debug: bool = False):
+              debug: bool = False, exp2: bool = False,
+              rescale_threshold: float | None = None):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -424,6 +442,13 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
     decay_bias: Forgetting attention's ``(cq [B, T, N], ck [B, S, N])``: ``cq_i - ck_j`` is
       added to the scaled logits before the soft cap (differentiable).
     debug: print the Pallas kernels' jaxprs.
+    exp2: compute the forward's numerators with exp2, log2 e folded into the scale
+      (FlashAttention-2/3; class E with e^(z - m) numerators and a linear score map:
+      softmax, softmax_1, softmax_n, softmax_sink; any soft cap, bias, decay).
+    rescale_threshold: tau in [0, 64] or None: the forward rescales its accumulator only
+      when a block's max exceeds the running one by more than tau (FlashAttention-4;
+      class E with e^(z - m) numerators). Both flags give the same result up to float32
+      rounding and leave the backward unchanged.
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype. A query row with no visible key gives zeros.
@@ -438,5 +463,6 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
       decay_bias, None)
   out = attention_from_call(call, backend=backend, interpret=interpret,
-                            block_sizes=block_sizes, debug=debug)
+                            block_sizes=block_sizes, debug=debug, exp2=exp2,
+                            rescale_threshold=rescale_threshold)
   return out[0] if jnp.ndim(q) == 3 else out

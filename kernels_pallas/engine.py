@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jaxsoft.attention import _masks
 from jaxsoft.normalizers import _spec
 from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers._softmax import exp_numerator, temperature_score_map
 
 __all__ = [
     "Aux",
@@ -144,6 +145,12 @@ class Config:
   # Per query row, the key blocks it may see (Aux.sel [B, N, T_pad, row_select] int32,
   # -1 = none): a tile hides the rows that did not select its key block. 0: no such list.
   row_select: int = 0
+  # K06 speed flags of the forward pass (class E with e^{z - m} numerators only; checked by
+  # :func:`check_flags`): ``exp2`` computes the tile numerators as exp2 in the log2
+  # domain (log2 e folded into the kernel's scale), ``rescale_threshold`` tau >= 0 moves
+  # the running max (and rescales) only when a block's max exceeds it by more than tau.
+  exp2: bool = False
+  rescale_threshold: float | None = None
 
   @property
   def hv_pad(self) -> int:
@@ -178,17 +185,21 @@ class Config:
 # Per-tile math (pure jnp; runs inside the Pallas kernels of both drivers).
 
 
-def tile_logits(cfg: Config, q, k, cq=None, ck=None):
+def tile_logits(cfg: Config, q, k, cq=None, ck=None, log2: bool = False):
   """s = cap * tanh((scale * q k^T + cq - ck) / cap) in float32; q [bq, H], k [bk, H].
 
   ``cq`` [bq, 1] and ``ck`` [1, bk] are Forgetting attention's decay terms (None without):
-  the tile of the outer difference ``cq_i - ck_j``, never a T x S array.
+  the tile of the outer difference ``cq_i - ck_j``, never a T x S array. ``log2`` (the
+  forward pass with ``cfg.exp2``) returns ``log2(e) s``: log2 e is folded into the scale,
+  the decay terms and the cap (``c cap tanh(x / cap) = (c cap) tanh(c x / (c cap))``).
   """
-  s = dot(cfg, q, k, (1, 1)) * cfg.scale
+  c = LOG2E if log2 else 1.0
+  s = dot(cfg, q, k, (1, 1)) * (cfg.scale * c)
   if cq is not None:
-    s = s + (cq - ck)
+    s = s + ((cq * c) - (ck * c) if log2 else cq - ck)
   if cfg.soft_cap is not None:
-    s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    cap = cfg.soft_cap * c
+    s = cap * jnp.tanh(s / cap)
   return s
 
 
@@ -217,20 +228,21 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
       q_seg=q_seg if cfg.has_segments else None, kv_seg=k_seg)
 
 
-def dense_logits(cfg: Config, s, mask, bias=None, keep=None):
+def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False):
   """``(x, visible)`` of a tile with a dense bias and mask: ``x = s + bias`` (added after
   the soft cap, as the dense path does) and ``visible = mask & keep & (x > -inf)``.
 
   ``s`` [bq, bk] the (capped) logits, ``mask`` the structure's visibility (or None),
   ``bias`` the float bias tile and ``keep`` the mask tile (nonzero = attend), each
   [bq, bk] or None. A ``-inf`` bias entry hides its key exactly like a False mask entry.
+  ``log2``: ``s`` is in log2 units (:func:`tile_logits`), so is the bias added to it.
   """
   x = s
   if keep is not None:
     k = keep != 0
     mask = k if mask is None else jnp.logical_and(mask, k)
   if bias is not None:
-    x = s + bias.astype(s.dtype)
+    x = s + (bias.astype(s.dtype) * LOG2E if log2 else bias.astype(s.dtype))
     finite = x > -jnp.inf
     mask = finite if mask is None else jnp.logical_and(mask, finite)
   return x, mask
@@ -267,20 +279,118 @@ def init_state(cfg: Config, bq: int, hd: int):
 def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
   """One key block of the online pass (``_tile.online_update``): returns the new (m, l, acc).
 
-  ``s`` [bq, bk] float32 logits, ``v`` [bk, H], ``length`` [bq, 1] and each of ``dyn``
-  [bq, 1] (per-row hyperparameters).
+  ``s`` [bq, bk] float32 logits (log2 units with ``cfg.exp2``), ``v`` [bk, H], ``length``
+  [bq, 1] and each of ``dyn`` [bq, 1] (per-row hyperparameters). With the K06 flags the
+  block goes through :func:`_online_exp` instead.
   """
   m, lsum, acc = state
   static, arrays = _hp(cfg, dyn)
+  if cfg.exp2 or cfg.rescale_threshold is not None:
+    m_new, lsum, num, alpha = _online_exp(cfg, s, mask, m, lsum, length, {**static, **arrays})
+    pv = dot(cfg, num.astype(v.dtype), v, (1, 0))
+    if cfg.rescale_threshold is None:
+      return m_new, lsum, acc * alpha + pv
+    # lazy: the accumulator is rescaled only when some row moved its stabiliser (a
+    # factor of exactly 1 is skipped, so the result is the same as multiplying; alpha <= 1)
+    acc = jax.lax.cond(jnp.min(alpha) < 1.0, lambda a: a * alpha, lambda a: a, acc)
+    return m_new, lsum, acc + pv
   m, lsum, num, alpha = tile.online_update(cfg.tile, s, mask, m, lsum, length,
                                            {**static, **arrays})
   return m, lsum, tile.rescale(acc, alpha) + dot(cfg, num.astype(v.dtype), v, (1, 0))
 
 
+def _online_exp(cfg: Config, x, mask, m, lsum, length, hp):
+  """``_tile.online_update`` of a class-E rule with ``numerator = denominator = e^{z - m}``
+  under the K06 flags: returns ``(m', l', numerators, alpha)``.
+
+  ``exp2`` (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+  Partitioning", arXiv:2307.08691; Shah et al. 2024, "FlashAttention-3", arXiv:2407.08608):
+  ``x`` is already ``log2(e) x`` (:func:`tile_logits`), the score map is linear
+  (:func:`check_flags`), so ``z2 = log2(e) z`` and ``m`` are carried in log2 units
+  and ``e^{z - m} = 2^{z2 - m2}`` (the floor is scaled too; :func:`finalize` converts m
+  back). ``rescale_threshold`` tau (FlashAttention-4's conditional rescaling, Tri Dao et
+  al. 2025): the stabiliser ``m_used`` moves to the new running max only where that
+  exceeds ``m_used + tau``; elsewhere the block adds ``e^{z - m_used} <= e^tau`` with
+  alpha = 1. Both (m, l, acc) stay relative to the same m, so ``acc / (l + offset(m))``
+  is the same function (tau = 0: the eager update).
+  """
+  rule = cfg.tile
+  c = LOG2E if cfg.exp2 else 1.0
+  z = rule.score_map(mask_where(mask, x, jnp.zeros_like(x)), length, **hp)
+  floor = rule.floor_value(length, hp)
+  if floor is not None and cfg.exp2:
+    floor = floor * LOG2E
+  m_new = tile.running_max(z, mask, m, floor)
+  if cfg.rescale_threshold is not None:
+    m_new = jnp.where(m_new > m + cfg.rescale_threshold * c, m_new, m)
+  m_use = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
+  exp = jnp.exp2 if cfg.exp2 else jnp.exp
+  alpha = exp(m - m_use)  # 0 while nothing was visible (m = -inf), 1 where m stayed
+  num = exp(mask_where(mask, z, m_use) - m_use)
+  num = mask_where(mask, num, 0.0)
+  return m_new, lsum * alpha + jnp.sum(num, axis=-1, keepdims=True), num, alpha
+
+
+def mask_where(mask, a, b):
+  """``a`` where visible (everywhere when ``mask`` is None), else ``b``."""
+  return a if mask is None else jnp.where(mask, a, b)
+
+
+LOG2E = 1.0 / math.log(2.0)  # log2(e): e^x = 2^{x log2(e)}
+LN2 = math.log(2.0)
+
+
+def exp2_exact(cfg: Config) -> bool:
+  """Whether the tile rule is exact in the log2 domain: class E with ``e^{z - m}`` as
+  numerator and denominator and a score map linear in the logits (identity or the
+  temperature's ``x / T``), so ``z2 = log2(e) z``; any offset (a sink) and floor."""
+  rule = cfg.tile
+  return (cfg.kernel_class in ("E", "R") and rule.uses_max
+          and rule.numerator is exp_numerator and rule.denominator is exp_numerator
+          and rule.score_map in (_spec.identity_score_map, temperature_score_map))
+
+
+def check_flags(cfg: Config) -> None:
+  """ValueError naming ``exp2`` / ``rescale_threshold`` when the call's tile rule cannot
+  run them exactly. ``rescale_threshold`` needs class E (or R's class-E second pass) with
+  ``e^{z - m}`` numerator and denominator, any score map, offset, floor, soft cap, bias
+  or decay; ``exp2`` also a linear score map (:func:`exp2_exact`: softmax with any
+  temperature, softmax_1, softmax_n, softmax_sink)."""
+  tau = cfg.rescale_threshold
+  if tau is not None:
+    rule = cfg.tile if cfg.kernel_class in ("E", "S", "P", "R") else None
+    if (rule is None or not rule.uses_max or rule.numerator is not exp_numerator
+        or rule.denominator is not exp_numerator):
+      raise ValueError(
+          f"`rescale_threshold` needs a class-E normalizer with e^(z - m) numerators "
+          f"(softmax and its sink/temperature/length-scaled variants), not "
+          f"{cfg.spec.name!r}")
+    if not (isinstance(tau, (int, float)) and not isinstance(tau, bool)
+            and 0.0 <= tau <= MAX_RESCALE_THRESHOLD):
+      raise ValueError(f"`rescale_threshold` must be None or a number in [0, "
+                       f"{MAX_RESCALE_THRESHOLD}], got {tau!r}")
+  if not isinstance(cfg.exp2, bool):
+    raise ValueError(f"`exp2` must be a bool, got {cfg.exp2!r}")
+  if cfg.exp2 and (cfg.kernel_class not in ("E", "S", "P", "R") or not exp2_exact(cfg)):
+    raise ValueError(
+        f"`exp2` needs a class-E normalizer with e^(z - m) numerators and a linear score "
+        f"map (softmax, softmax_1, softmax_n, softmax_sink), not {cfg.spec.name!r}")
+
+
+# A lazily rescaled block adds terms up to e^tau: 64 keeps a row's sums of up to 2^40
+# such terms far below float32's 3.4e38.
+MAX_RESCALE_THRESHOLD = 64.0
+
+
 def finalize(cfg: Config, state, length, dyn):
-  """Returns (o [bq, H] float32, m [bq, 1], D [bq, 1]); a row with D = 0 gives zeros."""
+  """Returns (o [bq, H] float32, m [bq, 1], D [bq, 1]); a row with D = 0 gives zeros.
+
+  With ``cfg.exp2`` the carried m is in log2 units; m and D leave in natural ones (the
+  backward passes, the offset and the residuals read them so)."""
   m, lsum, acc = state
   static, arrays = _hp(cfg, dyn)
+  if cfg.exp2:
+    m = m * LN2
   m, d = tile.finalize(cfg.tile, m, lsum, length, {**static, **arrays})
   return tile.normalize(cfg.tile, acc, d), m, d
 

@@ -126,9 +126,12 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
 
     @pl.when(active)
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
+      # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural)
+      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref),
+                        log2=cfg.exp2)
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk),
+                               log2=cfg.exp2)
       mask = E.select_mask(mask, _read(sel_ref), kb, bk)
       state = E.forward_tile(cfg, x, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
                              len_ref[...], tuple(rf[...] for rf in dyn_refs))

@@ -110,11 +110,13 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
     def body(j, state):
       kb = block(j)
       sl = pl.ds(kb * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl])
+      # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural)
+      s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl],
+                        log2=cfg.exp2)
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                            cols=sl))
+                                                            cols=sl), log2=cfg.exp2)
       mask = E.select_mask(mask, sel, kb, bk)
       return E.forward_tile(cfg, x, mask, state, v_ref[sl, :], length, dyn_v)
 
