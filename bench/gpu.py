@@ -18,6 +18,23 @@ Two more sections (``--sections``), each checked before it is timed:
   XLA's temporary memory, bf16, tokens x vocab x d = 8192 x 32768 x 1024 and 16384 x 131072 x
   1024 (the issue's sizes need more memory than the materialised baseline leaves: the
   baseline is not run where its logits would exceed 16 GiB).
+* ``extras`` (milliseconds, bf16; every op checked first, a failed one is never timed):
+
+  - K06 flags: ``kp.attention(normalizer="softmax", backend="triton")`` with ``exp2=True``,
+    ``rescale_threshold=8.0`` and both, forward ms against the same call with the flags off
+    (the baseline), H = 128, T in {4k, 16k}, full and causal; checked (output and
+    cotangents) against the dense float32 reference.
+  - block-sparse (A12): ``jaxsoft.attention.block_sparse_attention(method=moba | bfla |
+    prism, block_size=64, top_k_blocks=8, is_causal=True, implementation="pallas")``,
+    forward and ``jax.grad`` of a sum, B·T = 16k, N = 16, H = 128, T in {8k, 16k}, against
+    dense causal softmax ``kp.attention`` (the baseline); checked (output and cotangents,
+    bf16) against ``implementation="xla_chunked"`` of the same call.
+  - decode (K05): ``kp.decode_attention`` (split-K, one query token per sequence), B = 8,
+    N = 32 query heads on K = 8 KV heads (GQA), H = 128, KV cache of 32k and 128k tokens
+    with ragged lengths, against ``jaxsoft.attention.dot_product_attention(
+    key_value_seq_lengths=..., implementation="xla")`` (the baseline and the check).
+
+  Each ratio is baseline ms / op ms (above 1: the op is faster), both measured in this run.
 
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
@@ -25,6 +42,7 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
 
     python bench/gpu.py                      # on a GPU, under 5 minutes
     python bench/gpu.py --interpret --tiny   # on CPU: interpret mode, tiny shapes (a test)
+    python bench/gpu.py --sections extras    # only the K06 / block-sparse / decode rows
 """
 
 from __future__ import annotations
@@ -45,7 +63,7 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
-SECTIONS = ("attention", "linear", "ce")
+SECTIONS = ("attention", "linear", "ce", "extras")
 
 
 @dataclasses.dataclass
@@ -173,6 +191,8 @@ def main(argv=None):
     ok &= linear_section(args)
   if "ce" in sections:
     ok &= ce_section(args)
+  if "extras" in sections:
+    ok &= extras_section(args)
   return 0 if ok else 1
 
 
@@ -374,6 +394,171 @@ def ce_section(args) -> bool:
       print(f"| {name} | {t} x {vocab} x {d} | {ms:.3g} | {mib_s} | {tr} | {mr} | ok |",
             flush=True)
   return all(v[0] for v in passed.values())
+
+
+# --------------------------------------------- extras: K06 flags, block-sparse, decode
+
+
+def _try_err(label: str, thunk) -> float:
+  """thunk() -> (got, want) tuples; their max relative error, inf when it cannot run."""
+  try:
+    return _max_rel_err(*thunk())
+  except Exception as e:  # an op that cannot run is reported, never timed
+    print(f"# {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    return float("inf")
+
+
+def _grad_sum(fn):
+  """jit of jax.grad of sum(fn(q, k, v)) in q, k and v."""
+  return jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+
+
+def _fwd_grad_ms(fn, qkv, reps):
+  """[forward ms, jax.grad-of-a-sum ms] of fn(q, k, v)."""
+  return [timeit(jax.jit(fn), qkv, reps) * 1e3, timeit(_grad_sum(fn), qkv, reps) * 1e3]
+
+
+def _ms_row(label, shape, ms, base, status):
+  """A table row: ms per column, and base / ms ("x faster than the baseline")."""
+  cells = " | ".join("-" if m is None else f"{m:.3g}" for m in ms)
+  ratios = " | ".join("-" if m is None or b is None else f"{b / m:.2f}x"
+                      for m, b in zip(ms, base, strict=True))
+  return f"| {label} | {shape} | {cells} | {ratios} | {status} |"
+
+
+def _k06_part(args, interpret, dtype) -> bool:
+  if args.tiny:
+    shapes, check_t, reps = [(64, 64, 1, 2)], 40, args.reps or 2  # (H, T, B, N)
+  else:
+    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 512, (
+        args.reps or 10)
+  flags = {"flags off": {}, "exp2": dict(exp2=True), "rescale 8": dict(rescale_threshold=8.0),
+           "exp2 + rescale 8": dict(exp2=True, rescale_threshold=8.0)}
+  print("\n| K06 kp.attention softmax | shape | fwd ms | vs flags off | status |\n"
+        "|---|---|---|---|---|")
+  ok = True
+  for causal in (False, True):
+    fns = {name: (lambda q, k, v, kw=kw, causal=causal: kp.attention(
+        q, k, v, normalizer="softmax", is_causal=causal, backend="triton",
+        interpret=interpret, **kw)) for name, kw in flags.items()}
+    passed = {}
+    for name, fn in fns.items():
+      try:
+        passed[name] = check(fn, "softmax", shapes[0][0], causal, check_t, dtype, tol=3e-2)
+      except Exception as e:
+        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        passed[name] = False
+    ok &= all(passed.values())
+    for h, t, b, n in shapes:
+      shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
+      q, k, v, _ = _inputs(b, t, n, h, dtype)
+      base = timeit(jax.jit(fns["flags off"]), (q, k, v), reps) * 1e3 if passed[
+          "flags off"] else None
+      for name, fn in fns.items():
+        if not passed[name]:
+          print(f"| {name} | {shape} | - | - | FAIL |")
+          continue
+        ms = base if name == "flags off" else timeit(jax.jit(fn), (q, k, v), reps) * 1e3
+        print(_ms_row(name, shape, [ms], [base], "ok"), flush=True)
+  return ok
+
+
+def _block_sparse_part(args, interpret, dtype) -> bool:
+  import jaxsoft.attention as ja
+
+  if args.tiny:
+    bs, top, check_bth, reps = 16, 2, (1, 64, 2, 32), args.reps or 2
+    shapes = [(1, 64, 2, 32)]  # (B, T, N, H)
+  else:
+    bs, top, check_bth, reps = 64, 8, (1, 1024, 4, 128), args.reps or 5
+    shapes = [(2, 8192, 16, 128), (1, 16384, 16, 128)]
+
+  def sparse(method, impl):
+    return lambda q, k, v: ja.block_sparse_attention(
+        q, k, v, method=method, block_size=bs, top_k_blocks=top, is_causal=True,
+        implementation=impl)
+
+  def dense(q, k, v):
+    return kp.attention(q, k, v, normalizer="softmax", is_causal=True, backend="triton",
+                        interpret=interpret)
+
+  b0, t0, n0, h0 = check_bth
+  try:
+    dense_ok = check(dense, "softmax", h0, True, min(t0, 512), dtype, tol=3e-2)
+  except Exception as e:
+    print(f"# block-sparse dense: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    dense_ok = False
+  q, k, v, ct = _inputs(b0, t0, n0, h0, dtype, seed=1)
+  errs = {}
+  for method in ("moba", "bfla", "prism"):
+    errs[method] = _try_err(f"block-sparse {method}", lambda m=method: tuple(
+        jax.jit(lambda *a, fn=sparse(m, impl): _vjp_all(fn, a[:3], a[3]))(q, k, v, ct)
+        for impl in ("pallas", "xla_chunked")))
+  print(f"\n| block-sparse causal (block {bs}, top {top}) | shape | fwd ms | grad ms | "
+        "vs dense fwd | vs dense grad | status |\n|---|---|---|---|---|---|---|")
+  for b, t, n, h in shapes:
+    shape = f"B={b} T={t} N={n} H={h}"
+    qkv = _inputs(b, t, n, h, dtype)[:3]
+    base = _fwd_grad_ms(dense, qkv, reps) if dense_ok else [None, None]
+    print(_ms_row("dense kp.attention", shape, base, base, "ok" if dense_ok else "FAIL"))
+    for method, err in errs.items():
+      if err > 3e-2:
+        print(f"| {method} pallas | {shape} | - | - | - | - | FAIL (vs xla_chunked {err:.2g}) |")
+        continue
+      print(_ms_row(f"{method} pallas", shape, _fwd_grad_ms(sparse(method, "pallas"), qkv, reps),
+                    base, f"ok (vs xla_chunked {err:.1e})"), flush=True)
+  return dense_ok and all(e <= 3e-2 for e in errs.values())
+
+
+def _decode_part(args, interpret, dtype) -> bool:
+  import jaxsoft.attention as ja
+
+  if args.tiny:
+    shapes, check_shape, reps = [(2, 64)], (2, 64), args.reps or 2  # (B, S_max)
+    n, kh, h, block_k = 4, 2, 16, 16
+  else:
+    shapes, check_shape, reps = [(8, 32768), (8, 131072)], (4, 4096), args.reps or 10
+    n, kh, h, block_k = 32, 8, 128, None
+
+  def inputs(b, s, seed=0):
+    kq, kk, kv, kl = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (b, n, h), jnp.float32).astype(dtype)
+    k, v = (jax.random.normal(x, (b, s, kh, h), jnp.float32).astype(dtype) for x in (kk, kv))
+    lengths = jax.random.randint(kl, (b,), s // 2, s + 1).at[0].set(s)  # ragged, one full
+    return q, k, v, lengths
+
+  def pallas(q, k, v, lengths):
+    return kp.decode_attention(q, k, v, lengths, backend="triton", interpret=interpret,
+                               block_k=block_k)
+
+  def xla(q, k, v, lengths):
+    return ja.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=lengths,
+                                    implementation="xla")[:, 0]
+
+  cargs = inputs(*check_shape, seed=1)
+  err = _try_err("decode", lambda: ((jax.jit(pallas)(*cargs),), (jax.jit(xla)(*cargs),)))
+  print(f"\n| decode, N={n} K={kh} H={h} | B x S_max | ms | vs XLA | status |\n"
+        "|---|---|---|---|---|")
+  for b, s in shapes:
+    shape = f"{b} x {s}"
+    a = inputs(b, s)
+    base = timeit(jax.jit(xla), a, reps) * 1e3
+    print(_ms_row("xla dot_product_attention", shape, [base], [base], "ok"))
+    if err > 3e-2:
+      print(f"| kp.decode_attention | {shape} | - | - | FAIL (err {err:.2g}) |")
+      continue
+    print(_ms_row("kp.decode_attention", shape, [timeit(jax.jit(pallas), a, reps) * 1e3],
+                  [base], f"ok (check err {err:.1e})"), flush=True)
+  return err <= 3e-2
+
+
+def extras_section(args) -> bool:
+  """K06 flags, block-sparse attention and split-K decode, each against its baseline."""
+  interpret, dtype = bool(args.interpret), jnp.bfloat16
+  ok = _k06_part(args, interpret, dtype)
+  ok &= _block_sparse_part(args, interpret, dtype)
+  return _decode_part(args, interpret, dtype) and ok
 
 
 def _fmt(r: Row) -> str:

@@ -71,3 +71,41 @@ def test_a_linear_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   assert not bench.linear_section(bench.argparse.Namespace(tiny=True, reps=1))
   out = capsys.readouterr().out
   assert out.count("FAIL") == 2 and "| xla chunked |" not in out
+
+
+def test_extras_is_a_section_and_unknown_ones_are_refused():
+  bench = _load_bench()
+  assert "extras" in bench.SECTIONS and "--sections extras" in bench.__doc__
+  with pytest.raises(SystemExit):
+    bench.main(["--sections", "extras,nope"])
+
+
+@pytest.mark.slow
+def test_extras_section_checks_then_times(capsys):
+  """K06 flags, block-sparse and decode in interpret mode: each row checked, then timed with
+  the ratio to its named baseline (flags off, dense kp.attention, XLA decode)."""
+  bench = _load_bench()
+  rc = bench.main(["--interpret", "--tiny", "--sections", "extras", "--reps", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  rows = [line for line in out.splitlines()
+          if line.startswith("| ") and " ms |" not in line]  # not the headers
+  assert {line.split("|")[1].strip() for line in rows} == {
+      "flags off", "exp2", "rescale 8", "exp2 + rescale 8", "dense kp.attention",
+      "moba pallas", "bfla pallas", "prism pallas", "xla dot_product_attention",
+      "kp.decode_attention"}, out
+  assert all("x | ok" in line for line in rows), rows
+  assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2  # K06: flags x masks
+
+
+@pytest.mark.slow
+def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
+  bench = _load_bench()
+  real = bench.kp.decode_attention
+  monkeypatch.setattr(bench.kp, "decode_attention", lambda *a, **kw: real(*a, **kw) * 1.5)
+  timed = []
+  monkeypatch.setattr(bench, "timeit", lambda f, args, reps: timed.append(f) or 1.0)
+  args = bench.argparse.Namespace(tiny=True, reps=1)
+  assert not bench._decode_part(args, True, jnp.bfloat16)
+  out = capsys.readouterr().out
+  assert "| kp.decode_attention | 2 x 64 | - | - | FAIL" in out and len(timed) == 1
