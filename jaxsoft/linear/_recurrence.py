@@ -60,6 +60,8 @@ against: there the UT inverse is differentiated by its own rule
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 
@@ -249,11 +251,17 @@ def _chunk_parts(qc, kc, vc, gc, bc, rc, run_prev):
   return dq * qc, dk * kc, ds, P, b * dq * kc, b * vc, b * scores(kc, kc, strict)
 
 
+def _parts_of(xs, rc, run_prev):
+  """:func:`_chunk_parts` of the chunked inputs ``xs = (qc, kc, vc, gc, bc)``."""
+  qc, kc, vc, gc, bc = xs
+  return _chunk_parts(qc, kc, vc, gc, bc, rc, run_prev)
+
+
 def _terms(xs, rc, run_prev):
   """The chunk terms ``(qd, kd, ds, P, U_tilde, W)`` of :func:`_chunk_parts` with the UT
   transform done: ``W = (I + A)^{-1} β e^G K`` and ``U_tilde = (I + A)^{-1} β V`` (``v``
   and None without ``beta``)."""
-  qd, kd, ds, P, Kb, Vb, A = _chunk_parts(*xs, rc, run_prev)
+  qd, kd, ds, P, Kb, Vb, A = _parts_of(xs, rc, run_prev)
   if A is None:
     return qd, kd, ds, P, Vb, None
   T_inv = unit_lower_inverse(A)                                        # (I + A)^{-1}
@@ -337,7 +345,7 @@ def _chunked_recompute(xs, rc, run_prev, S0):
 
 
 def _chunked_recompute_fwd(xs, rc, run_prev, S0):
-  qd, kd, ds, P, Kb, Vb, A = _chunk_parts(*xs, rc, run_prev)
+  qd, kd, ds, P, Kb, Vb, A = _parts_of(xs, rc, run_prev)
   if A is None:
     U, wy = Vb, None
     starts, S_T = _scan_starts((qd, kd, ds, P, U, None), S0)
@@ -379,7 +387,7 @@ def _chunked_recompute_bwd(res, cts):
   rebuilding ``X`` and differentiating through it."""
   xs, rc, run_prev, starts, wy = res
   do, dS_T = cts
-  parts, parts_vjp = jax.vjp(lambda xs: _chunk_parts(*xs, rc, run_prev), xs)
+  parts, parts_vjp = jax.vjp(lambda xs: _parts_of(xs, rc, run_prev), xs)
   qd, kd, ds, P, _, Vb, _ = parts
   T_inv, U_tilde, W, U = (None, Vb, None, Vb) if wy is None else wy
   # the parts of dS_c that do not depend on dS_{c+1}, for all chunks at once
@@ -404,6 +412,7 @@ def _chunked_recompute_bwd(res, cts):
         body, dS_T, tuple(_chunk_first(x) for x in (ds, kd, W, PtdO, dS_q)), reverse=True)
   _, out_vjp = jax.vjp(_chunk_out, qd, kd, ds, P, U, starts)
   dqd, dkd, dds, dP, dU_out, _ = out_vjp((do, jnp.moveaxis(d_ends, 0, 2)))
+  dparts: tuple[Any, ...]
   if wy is None:
     dparts = (dqd, dkd, dds, dP, None, dU_out, None)
   else:

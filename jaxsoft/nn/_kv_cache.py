@@ -236,6 +236,7 @@ def _pallas_request(implementation: Any) -> tuple[bool, str | None]:
   order) asks for Pallas first, and which backend."""
   if implementation is None:
     return False, None
+  first: Any
   if isinstance(implementation, str):
     first = implementation
   else:
@@ -267,6 +268,8 @@ def _prefix_view(module: Any, step: DecodeStep, window: tuple[int, int] | None):
   """
   keys, values = module.cached_key[...], module.cached_value[...]
   capacity = keys.shape[1]
+  if step.positions is None:
+    return None
   p = step.positions[0]
   if window is not None:
     left, right = window

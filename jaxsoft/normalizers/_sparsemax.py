@@ -91,7 +91,7 @@ def threshold_by_blocks(solve, x, where, shift, scale: float = 1.0):
     ok = jnp.isfinite(xb) if wb is None else jnp.logical_and(jnp.isfinite(xb), wb)
     return shifted(xb, ok, sb, scale)  # -inf on rows with shift +inf: x - inf
 
-  blocks = (split(x, n, 0.0), split(shift, 1, jnp.inf))
+  blocks: tuple[jax.Array, ...] = (split(x, n, 0.0), split(shift, 1, jnp.inf))
   if where is not None:
     blocks = blocks + (split(where, n, False),)
   block_solve = lambda b: solve(block_y(*b))  # noqa: E731
