@@ -92,8 +92,10 @@ def test_zero_margin_is_normalized_softmax_and_optax_on_scaled_cosines():
          lambda a, b: optax.losses.softmax_cross_entropy_with_integer_labels(s * cos(a, b), labels))
   results = jax.jit(lambda a, b: [jax.vjp(f, a, b)[1](jnp.arange(1.0, B + 1)) + (f(a, b),)
                                   for f in fns])(x, w)
+  # float32 gradients whose entries reach about 20: the absolute tolerance is about 1e-6 of
+  # that scale (the paths differ in rounding only; 5e-6 was seen on a 0.26 entry).
   for other in results[1:]:
-    chex.assert_trees_all_close(other, results[0], rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(other, results[0], rtol=1e-5, atol=2e-5)
   # K = 1 sub-centre is the plain loss
   chex.assert_trees_all_close(arc(x, w[..., None], labels), arc(x, w, labels), rtol=1e-6)
 
