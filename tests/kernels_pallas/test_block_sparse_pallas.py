@@ -266,3 +266,23 @@ def test_block_table_arguments_are_checked():
     run("sparsemax", block_table=table)
   with pytest.raises(NotImplementedError, match="bias"):
     run(bias=np.zeros((T, T), np.float32), block_table=table)
+
+
+def test_rows_with_no_visible_key_give_zeros_and_zero_gradients():
+  """Batch 1 has no key (length 0): its rows are all zeros with zero, finite cotangents on
+  the Pallas path, as on xla_chunked; batch 0 still matches xla_chunked."""
+  q, k, v, ct = _inputs(3)
+  kv_len = jnp.array([T, 0])
+
+  def run(implementation):
+    f = _sparse("moba", implementation, is_causal=False, kv_len=kv_len)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(ct)
+
+  out, (dq, dk, dv) = jax.jit(lambda: run("pallas"))()
+  ref, ref_grads = jax.jit(lambda: run("xla_chunked"))()
+  for x in (out, dq, dk, dv):
+    assert bool(jnp.all(jnp.isfinite(x)))
+  assert bool(jnp.all(out[1] == 0.0)) and bool(jnp.all(dq[1] == 0.0))
+  assert bool(jnp.all(dk[1] == 0.0)) and bool(jnp.all(dv[1] == 0.0))
+  chex.assert_trees_all_close((out, dq, dk, dv), (ref, *ref_grads), atol=1e-5, rtol=1e-4)

@@ -240,3 +240,26 @@ def test_lazy_rescale_class_r_second_pass():
       lambda q, k, v: reference(q, k, v, normalizer="standardized_softmax", is_causal=True),
       q, k, v)
   _close(got, (ref_out, vjp(ct)), 1e-4)
+
+
+def test_flags_keep_fully_masked_rows_zero():
+  """With both flags, a query row with no visible key (key length 0 in batch 1, query
+  length 5 in batch 0) returns zeros with zero, finite cotangents, as the flag-off kernel."""
+  q, k, v, ct = inputs(b=2, t=T, n=N, kh=KH, h=H, seed=8)
+  lengths = dict(query_seq_lengths=jnp.array([5, T]), key_value_seq_lengths=jnp.array([T, 0]))
+
+  def run(exp2, tau):
+    def f(q, k, v):
+      return kp.attention(q, k, v, backend="triton", interpret=True, block_sizes=BLOCKS,
+                          is_causal=True, exp2=exp2, rescale_threshold=tau, **lengths)
+    out, vjp = jax.vjp(f, 30.0 * q, k, v)
+    return out, vjp(ct)
+
+  out, grads = jax.jit(lambda: run(True, TAU))()
+  base_out, base_grads = jax.jit(lambda: run(False, None))()
+  for x in (out, *grads):
+    assert bool(jnp.all(jnp.isfinite(x)))
+  assert bool(jnp.all(out[1] == 0.0)) and bool(jnp.all(out[0, 5:] == 0.0))
+  assert all(bool(jnp.all(g[1] == 0.0)) for g in grads)
+  _close(out, base_out, 2e-5)
+  _close(grads, base_grads, 2e-5)
