@@ -13,7 +13,6 @@ table lists (a pass that read them would spread the NaN); cross-lowering with
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import chex
@@ -26,7 +25,7 @@ from jaxsoft.attention import _api as attention_api
 from jaxsoft.attention._block_sparse import block_sparse_attention
 from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import value_and_cotangents
-from tests.kernels_pallas.test_lowering import TRITON_CALL, _abstract_gpu
+from tests.kernels_pallas.test_lowering import export_fwd_bwd
 
 B, T, N, K, H, BS = 2, 64, 4, 2, 16, 16
 NB = T // BS
@@ -207,16 +206,7 @@ def _export(backend, block_size, monkeypatch, kv_len=None, t=256):
   k = jax.ShapeDtypeStruct((B, t, K, 64), jnp.bfloat16)
   impl = {"triton": "pallas_triton", "mosaic_tpu": "pallas_mosaic_tpu"}[backend]
   f = _sparse("moba", impl, is_causal=True, block_size=block_size, kv_len=kv_len)
-
-  def fwd_bwd(q, k, v):
-    out, vjp = jax.vjp(f, q, k, v)
-    return out, vjp(out)
-
-  platform = "cuda" if backend == "triton" else "tpu"
-  with _abstract_gpu() if backend == "triton" else contextlib.nullcontext():
-    exp = jax.export.export(jax.jit(fwd_bwd), platforms=[platform],
-                            disabled_checks=[TRITON_CALL])(q, k, k)
-  return exp.mlir_module()
+  return export_fwd_bwd(f, backend, q, k)
 
 
 def test_lowers_for_cuda_and_tpu(monkeypatch):

@@ -26,8 +26,15 @@ def _export(backend, *, b=2, t=384, s=None, n=4, kh=2, h=64, dtype=jnp.bfloat16,
   q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
   k = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
 
+  return export_fwd_bwd(lambda q, k, v: kp.attention(q, k, v, backend=backend, **kw),
+                        backend, q, k)
+
+
+def export_fwd_bwd(fn, backend, q, k):
+  """The MLIR text of ``fn``'s forward + backward (cotangent = the output), exported for
+  the backend's platform (``"triton"``: cuda; ``"mosaic_tpu"``: tpu); v is shaped like k."""
   def fwd_bwd(q, k, v):
-    out, vjp = jax.vjp(lambda q, k, v: kp.attention(q, k, v, backend=backend, **kw), q, k, v)
+    out, vjp = jax.vjp(fn, q, k, v)
     return out, vjp(out)
 
   platform = "cuda" if backend == "triton" else "tpu"

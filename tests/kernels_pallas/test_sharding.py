@@ -13,20 +13,30 @@ import textwrap
 
 import pytest
 
-SCRIPT = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import kernels_pallas as kp
-    from tests.kernels_pallas.test_engine import reference
 
-    assert jax.device_count() == 8
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
-    b, t, n, kh, h = 4, 32, 4, 2, 16
-    ks = jax.random.split(jax.random.key(0), 4)
-    q = jax.random.normal(ks[0], (b, t, n, h))
-    k = jax.random.normal(ks[1], (b, t, kh, h))
-    v = jax.random.normal(ks[2], (b, t, kh, h))
-    ct = jax.random.normal(ks[3], (b, t, n, h))
+def _prelude(t: int, seed: int, keys: int) -> str:
+  """The scripts' common start: imports, a 4 x 2 ("data", "model") mesh of the 8 devices,
+  q, k, v and an output cotangent ``ct`` of ``t`` tokens, and ``ks``: ``keys`` random keys
+  (the first four used for those)."""
+  return textwrap.dedent(f"""
+      import jax, jax.numpy as jnp, numpy as np
+      from jax.sharding import NamedSharding, PartitionSpec as P
+      import jaxsoft as js
+      import kernels_pallas as kp
+
+      assert jax.device_count() == 8
+      mesh = jax.make_mesh((4, 2), ("data", "model"))
+      b, t, n, kh, h = 4, {t}, 4, 2, 16
+      ks = jax.random.split(jax.random.key({seed}), {keys})
+      q = jax.random.normal(ks[0], (b, t, n, h))
+      k = jax.random.normal(ks[1], (b, t, kh, h))
+      v = jax.random.normal(ks[2], (b, t, kh, h))
+      ct = jax.random.normal(ks[3], (b, t, n, h))
+  """)
+
+
+SCRIPT = _prelude(32, 0, 4) + textwrap.dedent("""
+    from tests.kernels_pallas.test_engine import reference
     temp = jnp.array([1.0, 0.5, 2.0, 1.5]).reshape(n, 1, 1)
     seg = jnp.asarray(np.repeat(np.arange(2), 16)[None].repeat(b, 0), jnp.int32)
     def ref_loss(q, k, v, temp):
@@ -55,20 +65,7 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-SCRIPT_DENSE = textwrap.dedent("""
-    import jax, jax.numpy as jnp, numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
-    import jaxsoft as js
-    import kernels_pallas as kp
-
-    assert jax.device_count() == 8
-    mesh = jax.make_mesh((4, 2), ("data", "model"))
-    b, t, n, kh, h = 4, 16, 4, 2, 16
-    ks = jax.random.split(jax.random.key(1), 7)
-    q = jax.random.normal(ks[0], (b, t, n, h))
-    k = jax.random.normal(ks[1], (b, t, kh, h))
-    v = jax.random.normal(ks[2], (b, t, kh, h))
-    ct = jax.random.normal(ks[3], (b, t, n, h))
+SCRIPT_DENSE = _prelude(16, 1, 7) + textwrap.dedent("""
     bias = jax.random.normal(ks[4], (b, 1, t, t))           # per batch row, all heads
     mask = jax.random.bernoulli(ks[5], 0.7, (1, n, t, t))    # per head, all batch rows
     mask = mask | jnp.eye(t, dtype=bool)                     # every row sees its own key
