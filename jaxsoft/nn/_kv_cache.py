@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsoft.attention._api import dot_product_attention
+from jaxsoft.attention._api import _implementation_order, dot_product_attention
 from jaxsoft.attention._masks import normalize_window
 from jaxsoft.normalizers import _spec
 
@@ -234,19 +234,13 @@ _KERNEL_KWARGS = ("scale", "logits_soft_cap", "score")
 def _pallas_request(implementation: Any) -> tuple[bool, str | None]:
   """``(asked, backend)``: whether ``implementation`` (a name or a sequence tried in
   order) asks for Pallas first, and which backend."""
-  if implementation is None:
+  try:
+    names = _implementation_order(implementation)
+  except ValueError:
+    return False, None  # dot_product_attention raises the ValueError naming it
+  if not names or names[0] not in _PALLAS:
     return False, None
-  first: Any
-  if isinstance(implementation, str):
-    first = implementation
-  else:
-    try:
-      first = next(iter(implementation), None)
-    except TypeError:
-      return False, None  # dot_product_attention raises the ValueError naming it
-  if not isinstance(first, str) or first not in _PALLAS:
-    return False, None
-  return True, _PALLAS[first]
+  return True, _PALLAS[names[0]]
 
 
 def _static_number(x: Any) -> bool:
