@@ -49,6 +49,7 @@ __all__ = [
     "prepare",
     "visible_count",
     "masked_max",
+    "nan_max",
     "safe_divide",
     "row_param",
     "finish",
@@ -121,7 +122,8 @@ _RULES: contextvars.ContextVar[_RowRules | None] = contextvars.ContextVar(
     "jaxsoft_dense_rules", default=None)
 
 
-def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
+def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False,
+            nan_check: bool = True):
   """Validates and upcasts ``x``; returns ``(x_safe, mask, axis)``.
 
   ``mask`` is a boolean array of ``x``'s shape: ``where`` (broadcast) and ``x > -inf``.
@@ -137,6 +139,8 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
   Called by a normalizer under :func:`dense_rules` on the array the wrapper gave it, a
   row with a visible NaN or ``+inf`` comes back fully masked with ``x_safe`` 0 (finite,
   zero gradient); the wrapper then writes that row's result by its rules.
+  ``nan_check=False`` (see :func:`nan_max`) is for a normalizer that finds the rows with
+  a visible NaN itself and marks them NaN in ``_RULES.get().top`` before it returns.
   """
   x = jnp.asarray(x)
   axis = canonical_axis(axis, x.ndim, fn_name)
@@ -148,11 +152,10 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
   if rules is not None and rules.x is x and rules.top is None and x.shape[axis] > 0:
     # One pass gives the stabiliser and the rows the wrapper takes over: the visible max
     # is NaN with a visible NaN, +inf with a visible +inf.
-    top = jax.lax.stop_gradient(
-        # (without `where`, mask is x != -inf and the select is the identity: XLA:CPU
-        # would write it out as a full-size copy before the max)
-        jnp.max(xc if where is None else jnp.where(mask, xc, -jnp.inf), axis=axis,
-                keepdims=True))
+    # (without `where`, mask is x != -inf and the select is the identity: XLA:CPU
+    # would write it out as a full-size copy before the max)
+    top = nan_max(xc if where is None else jnp.where(mask, xc, -jnp.inf), axis,
+                  check=nan_check)
     rules.top = top
     usual = jnp.isfinite(top)
     mask = jnp.logical_and(mask, usual)
@@ -163,6 +166,31 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False):
   if with_max:
     return x_safe, mask, axis, fill
   return x_safe, mask, axis
+
+
+def nan_max(z, axis: int, *, check: bool = True):
+  """Row max of ``z`` over ``axis`` (keepdims, no gradient), NaN on the rows that hold one.
+
+  ``jnp.max`` does not promise the NaN on XLA:CPU: its vectorised row reduction can drop
+  it (a [9, 5000] float32 array with one NaN came out with finite row maxes, and ``-inf``
+  with the NaN last; also rows of 1024). A reduction with a NaN-propagating step is not
+  partitioned by XLA's SPMD partitioner (a row sharded over the normalized axis), so the
+  NaN is found by a sum instead, which propagates it and runs as fast as the max (XLA:CPU
+  makes one pass of the two at n = 1024, two at n = 8192): its row is NaN if the row
+  holds a NaN (or both infinities, or overflows both ways), and only when some row's
+  is, a ``lax.cond`` looks for the NaN itself (a slower pass).
+  ``check=False`` leaves that to the caller (a solve whose own sums propagate the NaN).
+  """
+  z = jax.lax.stop_gradient(z)
+  top = jnp.max(z, axis=axis, keepdims=True)
+  if not check:
+    return top
+  odd = jnp.isnan(jnp.sum(z, axis=axis, keepdims=True))
+  return jax.lax.cond(
+      jnp.any(odd),
+      lambda z, top: jnp.where(jnp.any(jnp.isnan(z), axis=axis, keepdims=True),
+                               jnp.asarray(jnp.nan, top.dtype), top),
+      lambda z, top: top, z, top)
 
 
 def visible_count(mask, axis: int, dtype=jnp.float32):
@@ -301,8 +329,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
       _RULES.reset(token)
     top = rules.top
     if top is None:  # fn did not pass x to prepare(): give it x with the odd rows masked
-      top = jax.lax.stop_gradient(
-          jnp.max(jnp.where(visible, x, -jnp.inf), axis=ax, keepdims=True))
+      top = nan_max(jnp.where(visible, x, -jnp.inf), ax)
       x_in = jnp.where(jnp.isnan(x) | (x == jnp.inf) | ~jnp.isfinite(top) & visible,
                        jnp.asarray(-jnp.inf, x.dtype), x)
       w = fn(*lead, x_in, axis, where, **hparams)
@@ -311,9 +338,13 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     if inf_limit is share_among_inf:  # 1/k on each of the k +inf entries
       # Counted only when some row has a +inf (rare): the count is a full pass that
       # XLA:CPU runs slower than the normalizer's own row max.
-      k = jax.lax.cond(jnp.any(top == jnp.inf),
-                       lambda p: jnp.sum(p, axis=ax, keepdims=True, dtype=jnp.int32),
-                       lambda p: jnp.ones_like(top, jnp.int32), posinf)
+      # The branch takes x (and where), not the +inf mask: an operand of the cond would be
+      # written out in full on every call.
+      def count(x, where):
+        p = (x == jnp.inf) if where is None else (x == jnp.inf) & where
+        return jnp.sum(p, axis=ax, keepdims=True, dtype=jnp.int32)
+      k = jax.lax.cond(jnp.any(top == jnp.inf), count,
+                       lambda x, where: jnp.ones_like(top, jnp.int32), x, where)
       limit = (posinf / jnp.maximum(k, 1)).astype(w.dtype)
     else:
       assert callable(inf_limit)  # (pointwise normalizers returned above)

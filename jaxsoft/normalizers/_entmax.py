@@ -57,12 +57,14 @@ def entmax15_threshold(ym):
   three reductions each; the loop runs until every row of the block has.
 
   Returns:
-    tau of shape ``ym.shape[:-1] + (1,)`` (0 for rows with no visible entry).
+    tau of shape ``ym.shape[:-1] + (1,)`` (0 for rows with no visible entry, NaN for rows
+    with a NaN).
   """
   def step(t, cnt, lo, hi):
     # Select-and-add reductions (the fastest form on XLA:CPU; see _sparsemax.relu_sum),
     # the second made to depend on the first (c.decouple) so that they stay two loops.
     s1 = _sparsemax.relu_sum(ym, t)
+    nan = jnp.isnan(s1)  # a NaN y: the row's tau is NaN (see _sparsemax.relu_sum)
     t1 = c.decouple(t, s1)
     s2 = jnp.sum(jnp.where(ym > t1, jnp.square(ym - t1), 0.0), axis=-1, keepdims=True)
     f = s2 - 1.0
@@ -79,12 +81,13 @@ def entmax15_threshold(ym):
     slack = jnp.maximum(hi - lo, 64.0 * jnp.finfo(ym.dtype).eps * (1.0 - t))
     use_r = (disc >= 0.0) & (r >= lo - slack) & (r <= hi + slack)
     t_new = jnp.where(use_r, r, lo)
+    t_new = jnp.where(nan, jnp.asarray(jnp.nan, t.dtype), t_new)
     cnt_new = _sparsemax.count_above(ym, t_new)
     same = cnt_new == cnt
     # Done: r's own support is S (exact), or no step moves t any more (the root to
     # rounding: f(t) = 0 in floating point), or nothing is visible.
-    now_done = (use_r & same) | ((t_new == t) & same) | (cnt == 0)
-    return (jnp.where(cnt > 0, t_new, 0.0), cnt_new, lo, hi), now_done
+    now_done = (use_r & same) | ((t_new == t) & same) | (cnt == 0) | nan
+    return (jnp.where((cnt > 0) | nan, t_new, 0.0), cnt_new, lo, hi), now_done
 
   minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
   init = (minus_one, _sparsemax.count_above(ym, minus_one), minus_one, jnp.zeros_like(minus_one))
@@ -110,7 +113,7 @@ def _entmax15_last(x, mask, top, shift, where):
   """1.5-entmax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
   tau = _sparsemax.threshold_by_blocks(entmax15_threshold, jax.lax.stop_gradient(x), where,
                                        shift, 0.5)
-  return _entmax15_from_threshold(x, mask, top, tau)
+  return _entmax15_from_threshold(x, mask, top, tau), tau
 
 
 def _support_jvp(g, v):

@@ -31,8 +31,9 @@ def relu_sum(ym, t):
   """``sum_j [y_j - t]_+`` over the last axis, written as a select: XLA:CPU writes the
   select out (from cache) and sums it in a separate reduction, about 2x faster than the
   single fused reduction it makes of ``maximum(y - t, 0)`` (measured on a [32, 1024]
-  block)."""
-  return jnp.sum(jnp.where(ym > t, ym - t, 0.0), axis=-1, keepdims=True)
+  block). A NaN ``y_j`` (or ``t``) makes the sum NaN: that is how the solves find the rows
+  with a visible NaN, whose row max XLA:CPU can miss (see ``_common.nan_max``)."""
+  return jnp.sum(jnp.where(ym <= t, 0.0, ym - t), axis=-1, keepdims=True)
 
 
 # Rows are solved in blocks of about this many entries (128 KiB of float32), so the passes
@@ -51,9 +52,10 @@ def solve_shift(x, where, top, axis: int):
   """The per-row shift for :func:`threshold_by_blocks`: ``top``, or ``+inf`` on the rows
   that the input rules take over (a visible NaN or ``+inf``; ``prepare`` masks them).
 
-  The visible row max is recomputed here exactly as ``_common.prepare`` computes it, which
-  XLA merges with prepare's own reduction (no extra pass): so the solve needs no mask
-  array, only ``x``, ``where`` and this per-row value.
+  The visible row max is recomputed here as ``_common.prepare`` computes it outside the
+  input rules, which XLA merges with prepare's own reduction (no extra pass): so the solve
+  needs no mask array, only ``x``, ``where`` and this per-row value. (Under the input
+  rules :func:`fused_along_axis` takes prepare's NaN-propagating row max instead.)
   """
   if where is not None:
     x = jnp.where(jnp.logical_and(x != -jnp.inf, where), x, -jnp.inf)
@@ -67,7 +69,8 @@ def threshold_by_blocks(solve, x, where, shift, scale: float = 1.0):
   ``x`` (and ``where``, a boolean array of ``x``'s shape or None) have the normalized axis
   last, any leading shape; ``shift`` is the visible row max (keepdims, from
   :func:`solve_shift`: ``+inf`` on rows to leave out). ``y`` is ``-inf`` where ``x`` is not
-  finite or ``where`` is False, and on the rows whose shift is ``+inf``. Each block's
+  finite or ``where`` is False, and on the rows whose shift is ``+inf``, but NaN where
+  ``x`` is a visible NaN: ``solve`` returns a NaN tau for such a row. Each block's
   ``y`` is formed inside the block, so neither a full-size shifted copy nor a mask is
   written: the solve reads ``x`` (and ``where``) once from memory and makes its passes
   from cache. Padding rows are fully masked (every solver here returns a finite
@@ -88,7 +91,10 @@ def threshold_by_blocks(solve, x, where, shift, scale: float = 1.0):
     return a.reshape(nblocks, per, width)
 
   def block_y(xb, sb, wb=None):
-    ok = jnp.isfinite(xb) if wb is None else jnp.logical_and(jnp.isfinite(xb), wb)
+    # A visible NaN stays NaN (the solves return a NaN tau for its row), +inf is masked
+    # (-inf needs no mask: x - shift is -inf already).
+    ok = xb != jnp.inf
+    ok = ok if wb is None else jnp.logical_and(ok, wb)
     return shifted(xb, ok, sb, scale)  # -inf on rows with shift +inf: x - inf
 
   blocks: tuple[jax.Array, ...] = (split(x, n, 0.0), split(shift, 1, jnp.inf))
@@ -116,14 +122,17 @@ def sparsemax_threshold(ym):
   until every row has (at most n + 2 passes, Michelot's worst case).
 
   Returns:
-    tau of shape ``ym.shape[:-1] + (1,)`` (-1 for rows with no visible entry).
+    tau of shape ``ym.shape[:-1] + (1,)`` (-1 for rows with no visible entry, NaN for
+    rows with a NaN).
   """
   def step(t, cnt):
     tot = relu_sum(ym, t)
+    nan = jnp.isnan(tot)  # a NaN y: the row's tau is NaN
     # Monotone by construction (rounding could otherwise step back and loop).
     t_new = jnp.maximum(t, t + c.safe_divide(tot - 1.0, cnt))
+    t_new = jnp.where(nan, jnp.asarray(jnp.nan, t.dtype), t_new)
     cnt_new = count_above(ym, t_new)
-    return (t_new, cnt_new), cnt_new == cnt  # same support: t_new is exact
+    return (t_new, cnt_new), (cnt_new == cnt) | nan  # same support: t_new is exact
 
   minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
   return c.passes_until_done(step, (minus_one, count_above(ym, minus_one)),
@@ -154,7 +163,7 @@ def _sparsemax_last(x, mask, top, shift, where):
   """sparsemax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
   # tau carries no gradient: no tangent enters the solve's loops.
   tau = threshold_by_blocks(sparsemax_threshold, jax.lax.stop_gradient(x), where, shift)
-  return from_threshold(x, mask, top, tau)
+  return from_threshold(x, mask, top, tau), tau
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -197,22 +206,40 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
 
 
 def fused_along_axis(fn_last, x, axis: int, where, fn_name: str):
-  """``fn_last(xc, mask, top, shift, where)`` along ``axis``, with ``prepare``/``finish``.
+  """``fn_last(xc, mask, top, shift, where) -> (p, tau)`` along ``axis``, with
+  ``prepare``/``finish``.
 
   ``fn_last`` gets the upcast scores themselves (not ``prepare``'s masked copy, which
   would be one more full-size array to write and read: it reads only visible entries),
   the mask and the visible row max from the pass that ``prepare`` makes anyway, and for
   its threshold solve the per-row shift of :func:`solve_shift` and ``where`` (broadcast,
   or None), so that the solve does not read a materialised mask.
+
+  The solve also finds the rows with a visible NaN (its tau is NaN there: its sums
+  propagate the NaN), so ``prepare`` skips its own NaN check (``nan_check=False``, a pass
+  over the rows) and those rows are marked NaN for :func:`_common.dense_rules` here.
   """
   x = jnp.asarray(x)
-  _, mask, axis, top = c.prepare(x, axis, where, fn_name, with_max=True)
+  found = c._RULES.get()
+  # the rules of this call, when prepare() below is the one that takes its rows out
+  rules = found if found is not None and found.top is None else None
+  _, mask, axis, top = c.prepare(x, axis, where, fn_name, with_max=True, nan_check=False)
   xc = x.astype(c.compute_dtype(x.dtype))
   if where is not None:
     where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-  shift = solve_shift(xc, where, top, axis)
+  if rules is not None and rules.top is not None:
+    # prepare() took the rows with a visible +inf (or a NaN its max saw) out under the
+    # input rules: its visible row max marks them, no second pass needed. (A NaN row the
+    # max missed is solved as usual: its tau comes back NaN.)
+    shift = jnp.where(jnp.isfinite(rules.top), top, jnp.inf)
+  else:
+    shift = solve_shift(xc, where, top, axis)
   last = lambda a: None if a is None else c.to_last(a, axis)  # noqa: E731
-  p = fn_last(last(xc), last(mask), last(top), last(shift), last(where))
+  p, tau = fn_last(last(xc), last(mask), last(top), last(shift), last(where))
+  if rules is not None and rules.top is not None:
+    # the rows the input rules take over as NaN rows: prepare's max can miss their NaN
+    rules.top = jnp.where(jnp.isnan(c.from_last(tau, axis)),
+                          jnp.asarray(jnp.nan, rules.top.dtype), rules.top)
   return c.finish(c.from_last(p, axis), mask, x.dtype)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _entmax, _sparsemax, entmax15, sparsemax
+from jaxsoft.normalizers import _entmax, _sparsemax, entmax, entmax15, softmax, sparsemax
 
 
 def oracle_tau(y, mapping):
@@ -112,8 +112,8 @@ def test_every_row_settles_in_a_few_passes(monkeypatch, mapping, solve, scale):
 def test_row_blocks_mask_and_odd_rows(fn, mapping, scale):
   # 9 rows of 5000: blocks of 6 rows (the second one padded), a `where` mask, a row the
   # input rules take over (a visible +inf), which the solve leaves out without reading a
-  # mask array, and a masked NaN, which is ignored. (A visible NaN in a row this long is
-  # not tested: XLA:CPU's row max drops it, for jaxsoft's softmax too.)
+  # mask array, and a masked NaN, which is ignored. (A visible NaN in rows this long:
+  # test_visible_nan_in_long_rows.)
   rng = np.random.default_rng(3)
   x = rng.standard_normal((9, 5000)).astype(np.float32) * 2.0
   where = rng.random(x.shape) < 0.9
@@ -129,3 +129,37 @@ def test_row_blocks_mask_and_odd_rows(fn, mapping, scale):
   want = np.maximum(z - tau, 0) ** (1 if mapping == "sparsemax" else 2)
   np.testing.assert_allclose(p[ok], np.where(np.isfinite(want), want, 0.0), atol=2e-6)
   np.testing.assert_array_equal(p[2], np.where(np.isinf(x[2]), 0.5, 0.0))
+
+
+@pytest.mark.parametrize("n", [5000, 8192])
+@pytest.mark.parametrize("fn", [sparsemax, entmax15, lambda x, where: entmax(x, where=where),
+                                softmax], ids=["sparsemax", "entmax15", "entmax1.5", "softmax"])
+def test_visible_nan_in_long_rows(fn, n):
+  # XLA:CPU's vectorised row max can drop a NaN (a [9, 5000] row with one NaN had a
+  # finite max; -inf with the NaN last), so these rows came out finite: a visible NaN
+  # must make its row NaN (visible entries; masked ones 0) wherever it is, next to +inf
+  # or -inf entries too, with a zero gradient; a masked NaN changes nothing.
+  rng = np.random.default_rng(5)
+  x = rng.standard_normal((8, n)).astype(np.float32)
+  where = np.ones(x.shape, bool)
+  where[:, 1] = False
+  x[0, n - 1] = np.nan  # last
+  x[1, 0] = np.nan  # first
+  x[2, n // 2 + 3] = np.nan
+  x[3, [7, 9]], x[3, 8] = np.nan, np.inf  # with a +inf: still a NaN row
+  x[4, 11], x[4, :5] = np.nan, -np.inf  # with -inf entries
+  x[5, 1] = np.nan  # masked: ignored
+  x[6, [2, n - 2]] = np.inf  # +inf only: 1/2 each
+  nan_rows = [0, 1, 2, 3, 4]
+  f = jax.jit(lambda v: fn(v, where=jnp.asarray(where)))
+  p = np.asarray(f(jnp.asarray(x)))
+  vis = where & (x != -np.inf)
+  np.testing.assert_array_equal(np.isnan(p[nan_rows]), vis[nan_rows])
+  np.testing.assert_array_equal(p[nan_rows][~vis[nan_rows]], 0.0)
+  np.testing.assert_array_equal(p[6], np.where(np.isinf(x[6]) & where[6], 0.5, 0.0))
+  clean = np.where(np.isnan(x), 0.0, x)
+  np.testing.assert_array_equal(p[[5, 7]], np.asarray(f(jnp.asarray(clean)))[[5, 7]])
+  g = np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(jnp.where(jnp.isnan(f(v)), 0.0, f(v))
+                                                    * jnp.arange(n))))(jnp.asarray(x)))
+  assert np.isfinite(g).all()
+  np.testing.assert_array_equal(g[nan_rows + [6]], 0.0)
