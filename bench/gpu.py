@@ -35,6 +35,15 @@ Two more sections (``--sections``), each checked before it is timed:
     key_value_seq_lengths=..., implementation="xla")`` (the baseline and the check).
 
   Each ratio is baseline ms / op ms (above 1: the op is faster), both measured in this run.
+* ``autotune`` (K06 tiles): ``kp.autotune_block_sizes`` for softmax attention, bf16,
+  H = 128, T in {4k, 16k} (B·T = 16k, N = 16), full and causal: the default shape is
+  checked against the dense float32 reference first, every candidate against the default
+  (a disagreeing one is rejected); prints the chosen shape and default fwd+bwd ms / chosen
+  fwd+bwd ms.
+
+* ``fp8`` (K06): ``kp.attention(fp8="e4m3")`` (Hadamard-rotated, block-quantised q and k)
+  checked against the bf16 kernel (max / mean abs output error printed; fails above
+  0.25 max abs), then forward ms fp8 / bf16 at H = 128, T in {4k, 16k}, full and causal.
 
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
@@ -63,7 +72,7 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
-SECTIONS = ("attention", "linear", "ce", "extras")
+SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8")
 
 
 @dataclasses.dataclass
@@ -193,6 +202,10 @@ def main(argv=None):
     ok &= ce_section(args)
   if "extras" in sections:
     ok &= extras_section(args)
+  if "autotune" in sections:
+    ok &= autotune_section(args)
+  if "fp8" in sections:
+    ok &= fp8_section(args)
   return 0 if ok else 1
 
 
@@ -560,6 +573,102 @@ def extras_section(args) -> bool:
   ok &= _block_sparse_part(args, interpret, dtype)
   return _decode_part(args, interpret, dtype) and ok
 
+
+
+# ----------------------------------------------------------------------------- fp8 (K06)
+
+
+def fp8_section(args) -> bool:
+  """K06 fp8 forward: error against the bf16 kernel, then fwd ms fp8 / bf16."""
+  interpret, dtype = bool(args.interpret), jnp.bfloat16
+  if args.tiny:
+    shapes, check_t, reps = [(64, 64, 1, 2)], 64, args.reps or 1  # (H, T, B, N)
+  else:
+    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 1024, (
+        args.reps or 10)
+  print("\n| K06 fp8 e4m3 softmax | shape | bf16 fwd ms | fp8 fwd ms | fp8 / bf16 | status |\n"
+        "|---|---|---|---|---|---|")
+  ok = True
+  for causal in (False, True):
+    fns = {fp: (lambda q, k, v, fp=fp, causal=causal: kp.attention(
+        q, k, v, normalizer="softmax", is_causal=causal, backend="triton",
+        interpret=interpret, fp8=fp)) for fp in (None, "e4m3")}
+    q, k, v, _ = _inputs(1, check_t, 2, shapes[0][0], dtype)
+    try:
+      a, b = (jax.jit(fns[x])(q, k, v).astype(jnp.float32) for x in (None, "e4m3"))
+      err = jnp.abs(a - b)
+      mx, mean = float(err.max()), float(err.mean())
+      passed = mx < 0.25
+      print(f"# fp8 vs bf16 kernel ({'causal' if causal else 'full'}, T={check_t}): "
+            f"max abs {mx:.3g}, mean abs {mean:.3g}")
+    except Exception as e:
+      print(f"# fp8: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      passed = False
+    ok &= passed
+    for h, t, b, n in shapes:
+      shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
+      if not passed:
+        print(f"| fp8 | {shape} | - | - | - | FAIL |")
+        continue
+      q, k, v, _ = _inputs(b, t, n, h, dtype)
+      base = timeit(jax.jit(fns[None]), (q, k, v), reps) * 1e3
+      ms = timeit(jax.jit(fns["e4m3"]), (q, k, v), reps) * 1e3
+      print(f"| fp8 | {shape} | {base:.3g} | {ms:.3g} | {ms / base:.2f} | ok |", flush=True)
+  return ok
+
+
+# ----------------------------------------------------------------------------- autotune (K06)
+
+
+def autotune_section(args) -> bool:
+  """K06 autotuned block shapes: the chosen shape's fwd+bwd time against the default's."""
+  from kernels_pallas import autotune as kat
+
+  interpret, dtype = bool(args.interpret), jnp.bfloat16
+  if args.tiny:
+    shapes, check_t, reps = [(64, 64, 1, 2)], 40, args.reps or 1  # (H, T, B, N)
+  else:
+    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 512, (
+        args.reps or 10)
+  print("\n| K06 autotune softmax | shape | chosen (fwd q x k, bwd q x k) | default fwd+bwd ms "
+        "| chosen fwd+bwd ms | default / chosen | rejected | status |\n"
+        "|---|---|---|---|---|---|---|---|")
+  ok = True
+  for causal in (False, True):
+    fn = lambda q, k, v, causal=causal, bl=None: kp.attention(  # noqa: E731
+        q, k, v, normalizer="softmax", is_causal=causal, backend="triton",
+        interpret=interpret, block_sizes=bl)
+    try:
+      passed = check(fn, "softmax", shapes[0][0], causal, check_t, dtype, tol=3e-2)
+    except Exception as e:
+      print(f"# autotune default: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      passed = False
+    for h, t, b, n in shapes:
+      shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
+      if not passed:
+        print(f"| default | {shape} | - | - | - | - | - | FAIL |")
+        ok = False
+        continue
+      q, k, v, ct = _inputs(b, t, n, h, dtype)
+      cands = kat.candidate_block_sizes("triton", t, t, h)
+      if args.tiny:
+        cands = cands[:3]
+      best = kat.autotune_block_sizes(q, k, v, backend="triton", interpret=interpret,
+                                      candidates=cands, is_causal=causal,
+                                      normalizer="softmax", reps=reps)
+      rejected = len(kat.LAST_RESULT.rejected) if kat.LAST_RESULT else 0
+
+      def fwd_bwd(bl, fn=fn, ct=ct):
+        return jax.jit(jax.grad(lambda *qkv: jnp.sum(
+            fn(*qkv, bl=bl).astype(jnp.float32) * ct.astype(jnp.float32)),
+            argnums=(0, 1, 2)))
+
+      base = timeit(fwd_bwd(None), (q, k, v), reps) * 1e3
+      ms = timeit(fwd_bwd(best), (q, k, v), reps) * 1e3
+      tile = (f"{best.block_q}x{best.block_k}, {best.block_q_dkv}x{best.block_k_dkv}")
+      print(f"| autotuned | {shape} | {tile} | {base:.3g} | {ms:.3g} | {base / ms:.2f}x | "
+            f"{rejected} | ok |", flush=True)
+  return ok
 
 def _fmt(r: Row) -> str:
   f = "-" if r.fwd_tflops is None else f"{r.fwd_tflops:.4g}"

@@ -10,9 +10,15 @@ docs/feature_ids.md. ``attention_from_call`` is the adapter
 """
 
 from kernels_pallas._api import BlockSizes, attention, attention_from_call
+from kernels_pallas.autotune import (
+    autotune_block_sizes,
+    candidate_block_sizes,
+    clear_autotune_cache,
+)
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.sharding import sharded_attention
 
 __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
-           "default_block_sizes", "sharded_attention", "decode_attention"]
+           "default_block_sizes", "sharded_attention", "decode_attention",
+           "autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache"]

@@ -22,6 +22,7 @@ from jaxsoft.attention._masks import table_ranges
 from jaxsoft.normalizers import _spec
 from kernels_pallas import core
 from kernels_pallas import engine as E
+from kernels_pallas import fp8 as fp8_mod
 from kernels_pallas import row_stats as row_stats_core
 
 __all__ = ["attention", "attention_from_call", "pick_backend", "BlockSizes", "INTERPRET_ENV"]
@@ -93,7 +94,8 @@ def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: b
 def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
                         debug: bool = False, block_table=None, row_blocks=None,
-                        exp2: bool = False, rescale_threshold: float | None = None):
+                        exp2: bool = False, rescale_threshold: float | None = None,
+                        fp8: str | None = None, fp8_rotation: bool = True):
   """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
 
   Args:
@@ -123,6 +125,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       only where a block's max exceeds it by more than tau (FlashAttention-4's
       conditional rescaling); None (or 0): every time. Class E with ``e^{z - m}``
       numerators.
+    fp8: K06: None or ``"e4m3"``: q and k (after ``fp8_rotation``) block-quantised to
+      float8_e4m3fn (``kernels_pallas.fp8``); see :func:`attention`.
+    fp8_rotation: with ``fp8``, rotate q and k by the seeded randomized Hadamard first.
 
   Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
   heads, queries or keys without copies; the bias's gradient is the logits' cotangent
@@ -185,6 +190,14 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   except (TypeError, jax.errors.ConcretizationTypeError):
     q = (q.astype(acc) * jnp.asarray(call.scale, acc)).astype(dtype)
     scale = 1.0
+  if fp8 not in (None, "e4m3"):
+    raise ValueError(f"`fp8` must be None or 'e4m3', got {fp8!r}")
+  if not isinstance(fp8_rotation, bool):
+    raise ValueError(f"`fp8_rotation` must be a bool, got {fp8_rotation!r}")
+  if fp8 is not None and dtype == jnp.float64:
+    raise ValueError("`fp8` needs float32/bfloat16/float16 inputs, not float64")
+  if fp8 is not None and fp8_rotation:  # same orthogonal R on q and k: q.k unchanged
+    q, k = (fp8_mod.hadamard_rotation(x).astype(dtype) for x in (q, k))
 
   st = call.structure
   b, t, n, h = q.shape
@@ -192,6 +205,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   key_lanes = st.is_per_batch or any(x is not None for x in (call.bias, call.mask,
                                                               call.decay_bias))
   bl = _block_sizes(block_sizes, backend, t, s, h, key_lanes)
+  if fp8 is not None:  # per (batch, head, block) e4m3 scales; straight-through gradient
+    q = fp8_mod.fake_quant_blocks(q, bl.block_q).astype(dtype)
+    k = fp8_mod.fake_quant_blocks(k, bl.block_k).astype(dtype)
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
   elif threshold or row_stats:
@@ -392,10 +408,11 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               normalizer_params: Mapping[str, Any] | None = None, scale=None,
               is_causal: bool = False, local_window_size=None, segment_ids=None,
               logits_soft_cap=None, backend: str = "triton", interpret=False,
-              block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
+              block_sizes: E.BlockSizes | Mapping[str, int] | str | None = None,
               query_seq_lengths=None, key_value_seq_lengths=None, decay_bias=None,
               debug: bool = False, exp2: bool = False,
-              rescale_threshold: float | None = None):
+              rescale_threshold: float | None = None, fp8: str | None = None,
+              fp8_rotation: bool = True):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -437,7 +454,9 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
     interpret: run in the Pallas interpreter (CPU); a ``pltpu.InterpretParams`` selects TPU
       interpret mode for the Mosaic driver.
     block_sizes: a :class:`BlockSizes` (or a dict of its fields); default per backend
-      (``engine.default_block_sizes``).
+      (``engine.default_block_sizes``); ``"auto"``: the fastest legal shape that agrees
+      with the default's result, timed forward + backward once per call key and cached
+      (K06, :func:`kernels_pallas.autotune.autotune_block_sizes`).
     query_seq_lengths, key_value_seq_lengths: ``[B]`` valid lengths (padding masks).
     decay_bias: Forgetting attention's ``(cq [B, T, N], ck [B, S, N])``: ``cq_i - ck_j`` is
       added to the scaled logits before the soft cap (differentiable).
@@ -449,6 +468,20 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       when a block's max exceeds the running one by more than tau (FlashAttention-4;
       class E with e^(z - m) numerators). Both flags give the same result up to float32
       rounding and leave the backward unchanged.
+    fp8: K06, None or ``"e4m3"`` (FlashAttention-3's fp8 forward numerics): q and k are
+      rotated along the head dim by a fixed seeded randomized Hadamard matrix
+      (``fp8_rotation``; head dim zero-padded to a power of two; q . k unchanged, outlier
+      channels spread), then quantised to float8_e4m3fn per (batch, head, query block)
+      and per (batch, kv-head, key block) with float32 scales amax/448; the kernel's
+      scores are those of the dequantised values (float32 accumulation), so they carry
+      exactly the fp8 error (the kernel is not yet a native fp8 dot: no speed-up). v is
+      not quantised. Any normalizer/mask the kernel runs. Gradient: straight-through
+      (identity through the quantiser); the backward passes run on the same quantised
+      q, k as the forward, so the saved statistics are consistent, and the rotation is
+      differentiated exactly. Measured forward error vs the float32 dense reference
+      (B=1, T=256, N=2, H=64, blocks 64, causal; tests/kernels_pallas/test_fp8.py), max
+      abs / mean abs of the output: see ``kernels_pallas.fp8.ERRORS``.
+    fp8_rotation: apply the Hadamard rotation with ``fp8`` (default True).
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype. A query row with no visible key gives zeros.
@@ -458,11 +491,24 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       callable, or a stochastic normalizer; the dispatcher falls back to XLA.
     ValueError: bad shapes or arguments (the message names the argument).
   """
+  if isinstance(block_sizes, str):
+    if block_sizes != "auto":
+      raise ValueError("`block_sizes` must be None, 'auto', a BlockSizes or a dict, got "
+                       f"{block_sizes!r}")
+    from kernels_pallas.autotune import autotune_block_sizes  # (it imports this module)
+    block_sizes = autotune_block_sizes(
+        q, k, v, backend=backend, interpret=interpret, is_causal=is_causal,
+        normalizer=normalizer, bias=bias, mask=mask, normalizer_params=normalizer_params,
+        scale=scale, local_window_size=local_window_size, segment_ids=segment_ids,
+        logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths, decay_bias=decay_bias, exp2=exp2,
+        rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation)
   call = attention_api._canonical_call(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
       decay_bias, None)
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
-                            rescale_threshold=rescale_threshold)
+                            rescale_threshold=rescale_threshold, fp8=fp8,
+                            fp8_rotation=fp8_rotation)
   return out[0] if jnp.ndim(q) == 3 else out
