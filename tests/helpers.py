@@ -335,8 +335,9 @@ def numeric_grad(f, x, h=1e-6):
   return g
 
 
-# The normalizers the heavy generated per-normalizer tests (check_normalizer, the numeric
-# promises, the tile rules, the chunked and Pallas comparisons) run by default: every kernel
+# The normalizers the heavy generated per-normalizer tests (the numeric promises, the tile
+# rules, the chunked and Pallas comparisons; check_normalizer takes six of them,
+# test_registry.CHECK_DEFAULT) run by default: every kernel
 # class with a blockwise rule (E: softmax, the sink, the length-dependent ssmax, softpick's own
 # denominator; S: stablemax; P: sigmoid; T: sparsemax, entmax15, top-k; R: standardized; the
 # stochastic class X is drawn by test_registry's hypothesis sample). Every registered

@@ -64,7 +64,7 @@ def test_vmap_and_jit(blocks):
 
 
 @pytest.mark.parametrize(
-    "length_block", sampled([(1, None), (7, 4), (384, 128), (1000, None)], {"1", "7", "1000"},
+    "length_block", sampled([(1, None), (7, 4), (384, 128), (1000, None)], {"7"},
                             ids=["1", "7", "384", "1000"]))
 def test_lengths_not_multiples_of_the_block(length_block, blocks):
   length, block = length_block

@@ -9,6 +9,7 @@ import pytest
 
 import jaxsoft.normalizers as jn
 import kernels_pallas as kp
+from tests.helpers import registry_sample
 from tests.kernels_pallas.test_engine import (
     ENGINE_NAMES,
     TRITON_SMALL,
@@ -34,7 +35,7 @@ def _sample_params(name):
 PARAM_NAMES = [n for n in ENGINE_NAMES if _sample_params(n)]
 
 
-@pytest.mark.parametrize("name", PARAM_NAMES)
+@pytest.mark.parametrize("name", registry_sample(PARAM_NAMES))
 def test_array_hyperparameters_and_their_gradients(name):
   q, k, v, ct = inputs(t=24, n=2, kh=2, seed=1)
   params = _sample_params(name)
