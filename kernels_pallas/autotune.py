@@ -82,6 +82,12 @@ def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
                           head_dim_v: int | None = None) -> list[BlockSizes]:
   """Legal candidate shapes for ``backend``, the default first (see the module docstring
   for the bounds). Forward tile (block_q, block_k) and one backward tile for both passes."""
+  if backend not in _api.BACKENDS:
+    raise ValueError(f"`backend` must be one of {_api.BACKENDS}, got {backend!r}")
+  for name, x in (("t", t), ("s", s), ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
+    if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))
+                          or x <= 0):
+      raise ValueError(f"`{name}` must be a positive int, got {x!r}")
   hv = head_dim if head_dim_v is None else head_dim_v
   default = E.default_block_sizes(backend, t, s, head_dim).resolved()
   out = [default]

@@ -62,6 +62,10 @@ def quantize_blocks(x, block: int):
   (T zero-padded to ``nb = ceil(T / block)`` blocks), ``scale`` float32
   ``[B, nb, 1, N, 1]`` = the block's amax / 448 per (batch, head, block of ``block`` rows)
   (an all-zero block gets scale 1), so that ``x ~ x8 * scale``."""
+  if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or block <= 0:
+    raise ValueError(f"`block` must be a positive int, got {block!r}")
+  if jnp.ndim(x) != 4:
+    raise ValueError(f"`x` must be [B, T, N, H], got shape {jnp.shape(x)}")
   b, t, n, h = x.shape
   nb = -(-t // block)
   xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, nb * block - t), (0, 0), (0, 0)))

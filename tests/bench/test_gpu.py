@@ -109,3 +109,14 @@ def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   assert not bench._decode_part(args, True, jnp.bfloat16)
   out = capsys.readouterr().out
   assert "| kp.decode_attention | 2 x 64 | - | - | FAIL" in out and len(timed) == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("section,label", [("autotune", "| autotuned |"), ("fp8", "| fp8 |")])
+def test_k06_sections_run_and_check_first(section, label, capsys):
+  """The K06 sections in interpret mode: each row is checked (ok) before it is timed."""
+  rc = _load_bench().main(["--interpret", "--tiny", "--sections", section, "--reps", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  rows = [line for line in out.splitlines() if line.startswith(label)]
+  assert len(rows) == 2 and all(line.rstrip().endswith("| ok |") for line in rows), out
