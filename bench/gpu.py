@@ -578,14 +578,18 @@ def extras_section(args) -> bool:
 # ----------------------------------------------------------------------------- fp8 (K06)
 
 
+def _k06_sizes(args, check_tiny: int, check_full: int):
+  """(shapes as (H, T, B, N), the check's T, reps) of the K06 sections: T = 4k and 16k at
+  H = 128 (B*T = 16k tokens), or one tiny shape with --tiny."""
+  if args.tiny:
+    return [(64, 64, 1, 2)], check_tiny, args.reps or 1
+  return [(128, t, 16384 // t, 16) for t in (4096, 16384)], check_full, args.reps or 10
+
+
 def fp8_section(args) -> bool:
   """K06 fp8 forward: error against the bf16 kernel, then fwd ms fp8 / bf16."""
   interpret, dtype = bool(args.interpret), jnp.bfloat16
-  if args.tiny:
-    shapes, check_t, reps = [(64, 64, 1, 2)], 64, args.reps or 1  # (H, T, B, N)
-  else:
-    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 1024, (
-        args.reps or 10)
+  shapes, check_t, reps = _k06_sizes(args, 64, 1024)
   print("\n| K06 fp8 e4m3 softmax | shape | bf16 fwd ms | fp8 fwd ms | fp8 / bf16 | status |\n"
         "|---|---|---|---|---|---|")
   ok = True
@@ -625,11 +629,7 @@ def autotune_section(args) -> bool:
   from kernels_pallas import autotune as kat
 
   interpret, dtype = bool(args.interpret), jnp.bfloat16
-  if args.tiny:
-    shapes, check_t, reps = [(64, 64, 1, 2)], 40, args.reps or 1  # (H, T, B, N)
-  else:
-    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 512, (
-        args.reps or 10)
+  shapes, check_t, reps = _k06_sizes(args, 40, 512)
   print("\n| K06 autotune softmax | shape | chosen (fwd q x k, bwd q x k) | default fwd+bwd ms "
         "| chosen fwd+bwd ms | default / chosen | rejected | status |\n"
         "|---|---|---|---|---|---|---|---|")
