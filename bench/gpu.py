@@ -142,9 +142,11 @@ def measure(fn, b, t, n, h, causal, dtype, reps):
   flops = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
   fwd = jax.jit(fn)
   t_f = timeit(fwd, (q, k, v), reps)
-  loss = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)
-                                                  * ct.astype(jnp.float32)), argnums=(0, 1, 2)))
-  t_fb = timeit(loss, (q, k, v), reps)
+  # ct is an argument: a captured array would be an HLO constant, folded at every compile
+  loss = jax.jit(jax.grad(lambda q, k, v, ct: jnp.sum(fn(q, k, v).astype(jnp.float32)
+                                                      * ct.astype(jnp.float32)),
+                          argnums=(0, 1, 2)))
+  t_fb = timeit(loss, (q, k, v, ct), reps)
   return flops / t_f / 1e12, 3.5 * flops / t_fb / 1e12
 
 
@@ -156,7 +158,7 @@ def ops(args):
     return lambda q, k, v: kp.attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                         backend="triton", interpret=interpret)
 
-  table = {"jaxsoft_pallas": ours}
+  table = {}  # the baselines first: a run cut short still has them for every shape
   on_gpu = jax.default_backend() == "gpu"
   if on_gpu:
     table["cudnn"] = lambda normalizer, causal: None if normalizer != "softmax" else (
@@ -173,6 +175,7 @@ def ops(args):
           lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal))
   except ImportError:
     print("# tokamax not importable: no tokamax column", file=sys.stderr)
+  table["jaxsoft_pallas"] = ours
   return table
 
 
@@ -183,9 +186,16 @@ def main(argv=None):
   p.add_argument("--normalizers", default=",".join(NORMALIZERS))
   p.add_argument("--reps", type=int, default=None)
   p.add_argument("--json", default=None, help="also write the rows as JSON here")
+  p.add_argument("--lengths", default=None,
+                 help="comma-separated sequence lengths T for the attention, K06 flag, autotune "
+                      "and fp8 rows (default: each section's own)")
+  p.add_argument("--head-dims", default=None,
+                 help="comma-separated head dims for the attention section (default 64,128)")
   p.add_argument("--sections", default=",".join(SECTIONS),
                  help=f"comma-separated subset of {SECTIONS}")
   args = p.parse_args(argv)
+  args.lengths = [int(x) for x in args.lengths.split(",")] if args.lengths else None
+  args.head_dims = [int(x) for x in args.head_dims.split(",")] if args.head_dims else None
   sections = [x for x in args.sections.split(",") if x]
   for x in sections:
     if x not in SECTIONS:
@@ -216,7 +226,8 @@ def attention_section(args) -> bool:
     shapes = [(64, 64, 1, 2)]  # (H, T, B, N)
     check_t, reps = 40, args.reps or 2
   else:
-    shapes = [(h, t, 16384 // t, 2048 // h) for h in (64, 128) for t in (1024, 4096, 16384)]
+    shapes = [(h, t, max(1, 16384 // t), 2048 // h) for h in (args.head_dims or (64, 128))
+              for t in (args.lengths or (1024, 4096, 16384))]
     check_t, reps = 512, args.reps or 10
   normalizers = [x for x in args.normalizers.split(",") if x]
   table = ops(args)
@@ -235,7 +246,7 @@ def attention_section(args) -> bool:
             try:
               checked[key] = check(fn, normalizer, h, causal, check_t, dtype, tol=3e-2)
             except Exception as e:  # an op that cannot run is reported, never timed
-              print(f"# {key}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+              print(f"# {key}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
               checked[key] = False
           if not checked[key]:
             row.status = "FAIL"
@@ -307,7 +318,7 @@ def linear_section(args) -> bool:
           q, k, v, g, beta, ct) for impl in ("chunked", "pallas"))
       err = _max_rel_err(got, want)
     except Exception as e:  # a kernel that cannot run is reported, never timed
-      print(f"# linear {variant}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      print(f"# linear {variant}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
       err = float("inf")
     passed = err <= 1e-2
     ok &= passed
@@ -375,7 +386,7 @@ def ce_section(args) -> bool:
       got = jax.jit(jax.value_and_grad(fn, argnums=(0, 1)))(h, w, y)
       err = _max_rel_err((got[0], *got[1]), (want[0], *want[1]))
     except Exception as e:
-      print(f"# ce {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      print(f"# ce {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
       err = float("inf")
     passed[name] = (err <= 2e-2, err)
   print("\n| op | tokens x vocab x d | fwd+bwd ms | XLA temp+out MiB | time vs optax | "
@@ -417,7 +428,7 @@ def _try_err(label: str, thunk) -> float:
   try:
     return _max_rel_err(*thunk())
   except Exception as e:  # an op that cannot run is reported, never timed
-    print(f"# {label}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    print(f"# {label}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
     return float("inf")
 
 
@@ -441,11 +452,9 @@ def _ms_row(label, shape, ms, base, status):
 
 
 def _k06_part(args, interpret, dtype) -> bool:
+  shapes, check_t, reps = _k06_sizes(args, 40, 512)
   if args.tiny:
-    shapes, check_t, reps = [(64, 64, 1, 2)], 40, args.reps or 2  # (H, T, B, N)
-  else:
-    shapes, check_t, reps = [(128, t, 16384 // t, 16) for t in (4096, 16384)], 512, (
-        args.reps or 10)
+    reps = args.reps or 2
   flags = {"flags off": {}, "exp2": dict(exp2=True), "rescale 8": dict(rescale_threshold=8.0),
            "exp2 + rescale 8": dict(exp2=True, rescale_threshold=8.0)}
   print("\n| K06 kp.attention softmax | shape | fwd ms | vs flags off | status |\n"
@@ -460,7 +469,7 @@ def _k06_part(args, interpret, dtype) -> bool:
       try:
         passed[name] = check(fn, "softmax", shapes[0][0], causal, check_t, dtype, tol=3e-2)
       except Exception as e:
-        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
         passed[name] = False
     ok &= all(passed.values())
     for h, t, b, n in shapes:
@@ -500,7 +509,7 @@ def _block_sparse_part(args, interpret, dtype) -> bool:
   try:
     dense_ok = check(dense, "softmax", h0, True, min(t0, 512), dtype, tol=3e-2)
   except Exception as e:
-    print(f"# block-sparse dense: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+    print(f"# block-sparse dense: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
     dense_ok = False
   q, k, v, ct = _inputs(b0, t0, n0, h0, dtype, seed=1)
   errs = {}
@@ -583,7 +592,8 @@ def _k06_sizes(args, check_tiny: int, check_full: int):
   H = 128 (B*T = 16k tokens), or one tiny shape with --tiny."""
   if args.tiny:
     return [(64, 64, 1, 2)], check_tiny, args.reps or 1
-  return [(128, t, 16384 // t, 16) for t in (4096, 16384)], check_full, args.reps or 10
+  lengths = args.lengths or (4096, 16384)
+  return [(128, t, max(1, 16384 // t), 16) for t in lengths], check_full, args.reps or 10
 
 
 def fp8_section(args) -> bool:
@@ -606,7 +616,7 @@ def fp8_section(args) -> bool:
       print(f"# fp8 vs bf16 kernel ({'causal' if causal else 'full'}, T={check_t}): "
             f"max abs {mx:.3g}, mean abs {mean:.3g}")
     except Exception as e:
-      print(f"# fp8: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      print(f"# fp8: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
       passed = False
     ok &= passed
     for h, t, b, n in shapes:
@@ -641,7 +651,7 @@ def autotune_section(args) -> bool:
     try:
       passed = check(fn, "softmax", shapes[0][0], causal, check_t, dtype, tol=3e-2)
     except Exception as e:
-      print(f"# autotune default: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+      print(f"# autotune default: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
       passed = False
     for h, t, b, n in shapes:
       shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
@@ -658,13 +668,13 @@ def autotune_section(args) -> bool:
                                       normalizer="softmax", reps=reps)
       rejected = len(kat.LAST_RESULT.rejected) if kat.LAST_RESULT else 0
 
-      def fwd_bwd(bl, fn=fn, ct=ct):
-        return jax.jit(jax.grad(lambda *qkv: jnp.sum(
-            fn(*qkv, bl=bl).astype(jnp.float32) * ct.astype(jnp.float32)),
+      def fwd_bwd(bl, fn=fn):
+        return jax.jit(jax.grad(lambda q, k, v, ct: jnp.sum(
+            fn(q, k, v, bl=bl).astype(jnp.float32) * ct.astype(jnp.float32)),
             argnums=(0, 1, 2)))
 
-      base = timeit(fwd_bwd(None), (q, k, v), reps) * 1e3
-      ms = timeit(fwd_bwd(best), (q, k, v), reps) * 1e3
+      base = timeit(fwd_bwd(None), (q, k, v, ct), reps) * 1e3
+      ms = timeit(fwd_bwd(best), (q, k, v, ct), reps) * 1e3
       tile = (f"{best.block_q}x{best.block_k}, {best.block_q_dkv}x{best.block_k_dkv}")
       print(f"| autotuned | {shape} | {tile} | {base:.3g} | {ms:.3g} | {base / ms:.2f}x | "
             f"{rejected} | ok |", flush=True)

@@ -282,7 +282,9 @@ def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
   ct = jax.random.normal(jax.random.PRNGKey(0), q.shape[:-1] + (hv,), jnp.float32)
 
   def make(bl):
-    def loss(q, k, v):
+    # ct is an argument, not a closure constant: a captured [B, T, N, H] array becomes an
+    # HLO constant that XLA constant-folds at every compile (seen on a GPU: > 1 s each).
+    def loss(q, k, v, ct):
       out = fn(q, k, v, normalizer=normalizer, is_causal=is_causal, backend=backend,
                interpret=interpret, block_sizes=bl, **attention_kwargs)
       return jnp.sum(out.astype(jnp.float32) * ct), out
@@ -294,7 +296,7 @@ def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
   for bl in cands:
     try:
       f = make(bl)
-      (_, out), grads = f(q, k, v)
+      (_, out), grads = f(q, k, v, ct)
       res = (out, grads) if check else out
       if ref is None:
         ref = res
@@ -303,7 +305,7 @@ def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
         if not err <= tol:
           rejected[bl] = f"max relative error {err:.3g} > {tol:g} vs the default"
           continue
-      times[bl] = float(timer(lambda f=f: f(q, k, v)))
+      times[bl] = float(timer(lambda f=f: f(q, k, v, ct)))
     except Exception as e:  # noqa: BLE001 - an illegal or failing shape is skipped
       if bl == default:
         raise

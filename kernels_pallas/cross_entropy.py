@@ -30,9 +30,13 @@ a multiple of 128). Tokens and vocabulary are padded to whole blocks: padded voc
 columns are masked out of every max, sum and gradient, padded tokens have zero weight.
 Both run on CPU in interpret mode. Every tile holds the whole hidden axis (a ``[bt, d]``
 block of h and its dh accumulator, a ``[d, bv]`` block of w and its dw accumulator), so
-the default blocks shrink as d grows (:func:`default_block_sizes`); a split of d with
-atomic accumulation, as CCE's Triton kernels do, is not implemented. No GPU or TPU figures
-have been measured: the kernels have run in interpret mode and been cross-lowered only.
+the default blocks shrink as d grows (:func:`default_block_sizes`, sized on Triton by a
+shared-memory model, :func:`triton_shared_memory_bytes`); a split of d with atomic
+accumulation, as CCE's Triton kernels do, is not implemented, so from d = 2048 (bf16) the
+Triton driver refuses with a ValueError. On an H200 (2026-12-04) the earlier defaults asked
+for 327680 bytes of shared memory at d = 1024 and failed to compile; no GPU figure of these
+kernels has been measured since. No TPU figures: the Mosaic driver has run in interpret mode
+and been cross-lowered only.
 """
 
 from __future__ import annotations
@@ -46,7 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-__all__ = ["linear_cross_entropy_tokens", "default_block_sizes", "BACKENDS"]
+__all__ = ["linear_cross_entropy_tokens", "default_block_sizes", "triton_shared_memory_bytes",
+           "TRITON_SHARED_MEMORY_BUDGET", "BACKENDS"]
 
 BACKENDS = ("triton", "mosaic_tpu")
 
@@ -64,12 +69,52 @@ class Config(NamedTuple):
   interpret: Any     # False, True, or a pltpu.InterpretParams
 
 
-def default_block_sizes(backend: str, d_pad: int) -> tuple[int, int]:
+# Shared memory one Triton program may use on a Hopper GPU (H100/H200: 227 KiB; the limit an
+# H200 reported, bench/gpu.py 2026-12-04), less 8 KiB for Triton's own scratch.
+TRITON_SHARED_MEMORY_BUDGET = 232448 - 8 * 1024
+_TRITON_STAGES = 2  # the loads inside the kernels' loops are double-buffered (num_stages=2)
+
+
+def triton_shared_memory_bytes(bt: int, bv: int, d_pad: int, itemsize: int,
+                               compute_itemsize: int = 4) -> int:
+  """Shared memory of the largest of the three Triton kernels (a model, in bytes).
+
+  The block loaded once stays resident, the block loaded in the loop is double-buffered,
+  and a backward kernel that upcasts its loop-invariant operand to the compute dtype keeps
+  that copy too:
+
+  * forward: ``(bt + 2 bv) d itemsize`` (h block; w blocks in the vocabulary loop);
+  * dh: the forward's, plus ``bv d compute_itemsize`` when the inputs are narrower;
+  * dw: ``(bv + 2 bt) d itemsize`` (w block; h blocks in the token loop), plus
+    ``bt d compute_itemsize`` when narrower.
+
+  Calibrated on one measurement: bf16, d = 1024, bt = 32, bv = 64 asked an H200 for
+  327680 bytes, which is the forward's term.
+  """
+  upcast = compute_itemsize if compute_itemsize > itemsize else 0
+  fwd = (bt + _TRITON_STAGES * bv) * d_pad * itemsize
+  dh = fwd + bv * d_pad * upcast
+  dw = (bv + _TRITON_STAGES * bt) * d_pad * itemsize + bt * d_pad * upcast
+  return max(fwd, dh, dw)
+
+
+def default_block_sizes(backend: str, d_pad: int, itemsize: int = 2,
+                        compute_itemsize: int = 4) -> tuple[int, int]:
   """(tokens per block, vocabulary columns per block) of ``backend`` for the padded hidden
   size ``d_pad``: every tile holds the whole hidden axis (a ``[bt, d]`` block of h and a
-  ``[d, bv]`` block of w and dw), so the blocks shrink as d grows."""
+  ``[d, bv]`` block of w and dw), so the blocks shrink as d grows. On Triton, from
+  ``(64, 128)`` the larger block is halved (down to 16) until
+  :func:`triton_shared_memory_bytes` fits :data:`TRITON_SHARED_MEMORY_BUDGET`; no shape
+  fits from d = 2048 in bf16 (the caller raises)."""
   if backend == "triton":
-    return (64, 128) if d_pad <= 256 else (32, 64) if d_pad <= 1024 else (16, 32)
+    bt, bv = 64, 128
+    while triton_shared_memory_bytes(bt, bv, d_pad, itemsize, compute_itemsize) > \
+        TRITON_SHARED_MEMORY_BUDGET and max(bt, bv) > 16:
+      if bv >= bt:
+        bv //= 2
+      else:
+        bt //= 2
+    return bt, bv
   return 256, (512 if d_pad <= 1024 else 256 if d_pad <= 2048 else 128)
 
 
@@ -121,12 +166,22 @@ def linear_cross_entropy_tokens(h, w, y, keep, *, label_smoothing: float, z_loss
   n, d = h.shape
   vocab = w.shape[1]
   d_pad = _next_pow2(max(d, 16)) if backend == "triton" else _round_up(d, 128)
-  dbt, dbv = default_block_sizes(backend, d_pad)
+  itemsize = max(jnp.dtype(h.dtype).itemsize, jnp.dtype(w.dtype).itemsize)
+  compute_itemsize = jnp.dtype(compute_dtype).itemsize
+  dbt, dbv = default_block_sizes(backend, d_pad, itemsize, compute_itemsize)
   bt = dbt if token_chunk_size is None else int(token_chunk_size)
   bv = dbv if vocab_chunk_size is None else int(vocab_chunk_size)
   _check_blocks(backend, bt, bv, fn)
   if backend == "triton":  # no larger than the padded axis
     bt, bv = min(bt, _next_pow2(max(n, 16))), min(bv, _next_pow2(max(vocab, 16)))
+    need = triton_shared_memory_bytes(bt, bv, d_pad, itemsize, compute_itemsize)
+    if need > TRITON_SHARED_MEMORY_BUDGET:
+      raise ValueError(
+          f"{fn}: the Triton kernels hold the whole hidden axis in shared memory, and "
+          f"d = {d} (padded to {d_pad}) with {jnp.dtype(h.dtype).name} inputs, token_chunk_size "
+          f"= {bt} and vocab_chunk_size = {bv} needs about {need} bytes, over the "
+          f"{TRITON_SHARED_MEMORY_BUDGET} a Hopper GPU allows (the kernels do not split d); "
+          "use smaller chunks or implementation='xla'")
   else:
     bt, bv = min(bt, _round_up(n, 8)), min(bv, _round_up(vocab, 128))
   n_pad, v_pad = _round_up(n, bt), _round_up(vocab, bv)

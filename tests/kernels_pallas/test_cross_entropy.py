@@ -203,8 +203,8 @@ def _export(backend, n=300, d=72, v=1000, dtype=jnp.bfloat16, **kw):
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(token_chunk_size=16, vocab_chunk_size=32,
-                                             dtype=jnp.float32), dict(d=4096)],
-                         ids=["default", "f32_small", "d4096"])
+                                             dtype=jnp.float32), dict(d=1024)],
+                         ids=["default", "f32_small", "d1024"])
 def test_triton_lowers_for_cuda(kw):
   text = _export("triton", **kw)
   assert "__gpu$xla.gpu.triton" in text
@@ -217,3 +217,25 @@ def test_triton_lowers_for_cuda(kw):
 def test_mosaic_lowers_for_tpu(kw):
   text = _export("mosaic_tpu", **kw)
   assert text.count("tpu_custom_call") >= 3
+
+
+def test_triton_blocks_fit_the_shared_memory_model():
+  # The model reproduces the one H200 measurement: bf16, d = 1024, blocks 32 x 64 asked for
+  # 327680 bytes (the forward kernel; no upcast when the compute dtype is bf16 too).
+  assert kce.triton_shared_memory_bytes(32, 64, 1024, 2, 2) == 327680
+  assert kce.triton_shared_memory_bytes(32, 64, 1024, 2, 4) > kce.TRITON_SHARED_MEMORY_BUDGET
+  for d_pad in (16, 64, 256, 512, 1024):
+    for itemsize in (2, 4):
+      bt, bv = kce.default_block_sizes("triton", d_pad, itemsize, 4)
+      assert min(bt, bv) >= 16 and not bt & (bt - 1) and not bv & (bv - 1)
+      assert kce.triton_shared_memory_bytes(bt, bv, d_pad, itemsize, 4) <= \
+          kce.TRITON_SHARED_MEMORY_BUDGET, (d_pad, itemsize, bt, bv)
+  assert kce.default_block_sizes("triton", 64, 2, 4) == (64, 128)  # small d: large tiles
+
+
+@pytest.mark.parametrize("kw", [dict(d=2048), dict(d=1024, token_chunk_size=32,
+                                                   vocab_chunk_size=64)],
+                         ids=["d2048", "d1024_blocks_32x64"])
+def test_triton_refuses_blocks_over_the_shared_memory(kw):
+  with pytest.raises(ValueError, match="shared memory.*implementation='xla'"):
+    _export("triton", **kw)
