@@ -669,8 +669,8 @@ def autotune_section(args) -> bool:
       rejected = len(kat.LAST_RESULT.rejected) if kat.LAST_RESULT else 0
 
       def fwd_bwd(bl, fn=fn):
-        return jax.jit(jax.grad(lambda q, k, v, ct: jnp.sum(
-            fn(q, k, v, bl=bl).astype(jnp.float32) * ct.astype(jnp.float32)),
+        return jax.jit(jax.grad(lambda q_, k_, v_, ct_: jnp.sum(
+            fn(q_, k_, v_, bl=bl).astype(jnp.float32) * ct_.astype(jnp.float32)),
             argnums=(0, 1, 2)))
 
       base = timeit(fwd_bwd(None), (q, k, v, ct), reps) * 1e3
