@@ -40,8 +40,9 @@ def test_bench_refuses_to_time_a_wrong_op(monkeypatch):
   rc = bench.main(["--interpret", "--tiny", "--normalizers", "softmax", "--reps", "1",
                    "--sections", "attention"])
   assert rc == 1
-  # Only the baseline (jax.nn, full and causal) was timed; both kernel rows failed.
-  assert len(timed) == 2
+  # Only the baselines (jax.nn and JAX's Pallas reference, full and causal) were timed;
+  # both kernel rows failed.
+  assert len(timed) == 4
 
 
 @pytest.mark.slow
