@@ -725,7 +725,8 @@ def autotune_section(args) -> bool:
 
       base = timeit(fwd_bwd(None), (q, k, v, ct), reps) * 1e3
       ms = timeit(fwd_bwd(best), (q, k, v, ct), reps) * 1e3
-      tile = (f"{best.block_q}x{best.block_k}, {best.block_q_dkv}x{best.block_k_dkv}")
+      tile = (f"{best.block_q}x{best.block_k}, {best.block_q_dkv}x{best.block_k_dkv}, "
+              f"{best.num_stages or 2} stages")
       print(f"| autotuned | {shape} | {tile} | {base:.3g} | {ms:.3g} | {base / ms:.2f}x | "
             f"{rejected} | ok |", flush=True)
   return ok

@@ -76,6 +76,15 @@ def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: b
   else:
     bl = E.BlockSizes(**dict(block_sizes))
   bl = bl.resolved()
+  for name, ok in (("num_warps", (1, 2, 4, 8, 16)), ("num_stages", tuple(range(1, 9)))):
+    x = getattr(bl, name)
+    if x is None:
+      continue
+    if backend != "triton":
+      raise ValueError(f"`block_sizes.{name}` is a Triton setting; {backend} takes None, "
+                       f"got {x!r}")
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x not in ok:
+      raise ValueError(f"`block_sizes.{name}` must be one of {ok}, got {x!r}")
   for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv", "block_q_dq", "block_k_dq"):
     x = getattr(bl, name)
     if not isinstance(x, (int, np.integer)) or x <= 0:
@@ -216,7 +225,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     # is the backward passes' (the smaller: more per-row arrays are live).
     tq, tk = (bl.block_q, bl.block_k) if block_sizes is not None else (bl.block_q_dq,
                                                                        bl.block_k_dq)
-    bl = E.BlockSizes(tq, tk).resolved()
+    bl = E.BlockSizes(tq, tk, num_warps=bl.num_warps, num_stages=bl.num_stages).resolved()
   t_pad = -(-t // math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq))
   t_pad *= math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq)
   s_pad = -(-s // math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq))

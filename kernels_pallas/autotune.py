@@ -23,7 +23,11 @@ Bounds used for the candidates:
   tile (block_q x block_k); we require ``(block_q + block_k) * d_pad <= 32768`` elements
   and ``block_q * block_k <= 16384`` (the 128 x 128 tile of FlashAttention-2 at d = 128 is
   the largest), with ``d_pad`` the next power of two of the larger head dim. The backward
-  passes hold about twice as many tiles, so their bound is half of that.
+  passes hold about twice as many tiles, so their bound is half of that. The default tiles
+  also run with 3 and 4 software-pipeline stages (``BlockSizes.num_stages``; the default
+  is 2, and Hopper's FlashAttention kernels keep 3-4 loads in flight): each stage buffers
+  a k and a v tile in shared memory, 4 x 2 x 64 x 128 bf16 = 128 KiB at most for those
+  tiles, under the 227 KiB of an H100/H200.
 * Mosaic TPU: multiples of 128 (lanes; legal for key blocks even when an array is blocked
   along the keys) up to 1024 (2048 for d <= 64), at most T or S rounded up to 128: the
   working set ``(block_q + 2 block_k) * d`` stays a few MiB of the 16-32 MiB VMEM.
@@ -127,6 +131,8 @@ def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
     for f in big_f:
       for b in big_b:
         out.append(BlockSizes(*f, *b, *b))
+    for stages in (3, 4):  # deeper pipelining of the default tiles
+      out.append(dataclasses.replace(default, num_stages=stages))
   seen, uniq = set(), []
   for c in out:
     c = c.resolved()

@@ -61,7 +61,9 @@ class UnsupportedError(NotImplementedError):
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes of the forward, dK/dV and dQ passes (query rows x key columns)."""
+  """Tile sizes of the forward, dK/dV and dQ passes (query rows x key columns), and for
+  Triton the warps per program and the software-pipelining depth of every pass (None: 4
+  warps for tiles of at most 64 rows with head dim <= 64, else 8; 2 stages)."""
 
   block_q: int
   block_k: int
@@ -69,12 +71,15 @@ class BlockSizes:
   block_k_dkv: int | None = None
   block_q_dq: int | None = None
   block_k_dq: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
 
   def resolved(self) -> BlockSizes:
     return BlockSizes(
         self.block_q, self.block_k,
         self.block_q_dkv or self.block_q, self.block_k_dkv or self.block_k,
-        self.block_q_dq or self.block_q, self.block_k_dq or self.block_k)
+        self.block_q_dq or self.block_q, self.block_k_dq or self.block_k,
+        self.num_warps, self.num_stages)
 
 
 def _round_up(x: int, m: int) -> int:

@@ -78,11 +78,12 @@ def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, 
   """pallas_call of one pass: its own ``(spec, array)`` operands, then
   :func:`engine.pass_inputs`."""
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
-  warps = 4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8
+  warps = cfg.blocks.num_warps or (4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8)
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[*(o[0] for o in operands), *extra_specs],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=2),
+      compiler_params=plgpu.CompilerParams(num_warps=warps,
+                                           num_stages=cfg.blocks.num_stages or 2),
       interpret=bool(cfg.interpret), debug=cfg.debug,
       name=f"jaxsoft_attention_{name}_{cfg.spec.name}",
   )(*(o[1] for o in operands), *extra)

@@ -220,3 +220,36 @@ def test_under_jit_uses_stand_ins():
 
   out, bq = f(q, k, v)
   assert int(bq) == 32 and len(calls) == 3
+
+
+def test_pipeline_stages_and_warps_reach_the_triton_call():
+  """BlockSizes.num_warps / num_stages are the Triton compiler parameters of every pass
+  (checked in the lowered custom calls); the autotuner offers 3 and 4 stages of the default
+  tiles; the interpret kernel's result does not depend on them; bad values are named."""
+  cands = A.candidate_block_sizes("triton", 4096, 4096, 128)
+  default = kp.default_block_sizes("triton", 4096, 4096, 128).resolved()
+  assert {c.num_stages for c in cands if c.block_q == default.block_q
+          and c.block_k == default.block_k and c.block_q_dkv == default.block_q_dkv} >= {3, 4}
+  assert all(c.num_stages is None for c in A.candidate_block_sizes("mosaic_tpu", 4096, 4096,
+                                                                   128))
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 256, 1, 64), jnp.bfloat16)
+  bl = BlockSizes(64, 64, num_warps=2, num_stages=3)
+  mlir = export_fwd_bwd(lambda q, k, v: kp.attention(q, k, v, backend="triton", block_sizes=bl,
+                                                     is_causal=True), "triton", q, k)
+  assert mlir.count("num_stages = 3") >= 3 and mlir.count("num_warps = 2") >= 3
+  assert "num_stages = 2" not in mlir and "num_warps = 8" not in mlir
+
+  qa, ka, va = _qkv(t=40, h=16)
+  kw = dict(backend="triton", interpret=True, is_causal=True)
+  np.testing.assert_array_equal(
+      np.asarray(kp.attention(qa, ka, va, block_sizes=dict(block_q=16, block_k=16,
+                                                           num_stages=4, num_warps=4), **kw)),
+      np.asarray(kp.attention(qa, ka, va, block_sizes=dict(block_q=16, block_k=16), **kw)))
+  for bad, match in ((dict(num_stages=0), "num_stages"), (dict(num_warps=3), "num_warps"),
+                     (dict(num_stages=True), "num_stages")):
+    with pytest.raises(ValueError, match=match):
+      kp.attention(qa, ka, va, block_sizes=dict(block_q=16, block_k=16, **bad), **kw)
+  with pytest.raises(ValueError, match="Triton setting"):
+    kp.attention(qa, ka, va, backend="mosaic_tpu", interpret=True,
+                 block_sizes=dict(block_q=128, block_k=128, num_stages=3))
