@@ -157,3 +157,60 @@ def test_unbatched_inputs_and_value_head_dim():
     w = jax.nn.softmax(jnp.einsum("tnh,snh->nts", qq[0], kk[0]) / np.sqrt(8), axis=-1,
                        where=jnp.tril(jnp.ones((6, 6), bool)))
     np.testing.assert_allclose(out, jnp.einsum("nts,snh->tnh", w, vv[0]), atol=1e-5)
+
+
+def test_automatic_order_tries_cudnn_first_on_a_cuda_gpu(monkeypatch):
+  """On a CUDA GPU the automatic order is cudnn (for calls no row of which can be fully
+  masked), Pallas, then XLA; jax.nn's own refusals fall through to the next one."""
+  calls = []
+  real = jax.nn.dot_product_attention
+
+  def fake_cudnn(*args, implementation=None, **kw):
+    if implementation != "cudnn":
+      return real(*args, implementation=implementation, **kw)
+    calls.append(implementation)
+    if kw["local_window_size"] is not None:
+      raise ValueError("an unsupported configuration (jax.nn's own refusal)")
+    return real(*args, implementation="xla", **kw)
+
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  monkeypatch.setattr(jax.nn, "dot_product_attention", fake_cudnn)
+  monkeypatch.setitem(_api._RUNNERS, "pallas", lambda call: (_ for _ in ()).throw(
+      NotImplementedError("no Pallas here")))
+  want = dpa(q, k, v, implementation="xla")
+  np.testing.assert_allclose(dpa(q, k, v), want, rtol=1e-6)
+  assert calls == ["cudnn"]
+  # masks, lengths and the residual keep cudnn out of the automatic choice
+  for kw in (dict(mask=jnp.ones((1, 1, 5, 5), bool)),
+             dict(key_value_seq_lengths=jnp.array([5, 3], jnp.int32)),
+             dict(return_residual=True)):
+    dpa(q, k, v, **kw)
+  assert calls == ["cudnn"]
+  # a refusal by jax.nn (ValueError) falls through to XLA, the same result
+  np.testing.assert_allclose(dpa(q, k, v, local_window_size=(2, 0)),
+                             dpa(q, k, v, local_window_size=(2, 0), implementation="xla"),
+                             rtol=1e-6)
+  assert calls == ["cudnn", "cudnn"]
+  # other normalizers never reach jax.nn's cuDNN
+  dpa(q, k, v, normalizer="sparsemax")
+  assert calls == ["cudnn", "cudnn"]
+  # and an explicit "cudnn" still raises jax.nn's error as it is
+  with pytest.raises(ValueError, match="refusal"):
+    dpa(q, k, v, local_window_size=(2, 0), implementation="cudnn")
+
+
+def test_automatic_order_per_platform(monkeypatch):
+  api = _api
+  for platform, first in (("gpu", "cudnn_auto"), ("tpu", "pallas"), ("cpu", "xla")):
+    monkeypatch.setattr(jax, "default_backend", lambda p=platform: p)
+    order = api._default_order(_DummyCall(64))
+    assert order[0] == first, (platform, order)
+  monkeypatch.setattr(jax, "default_backend", lambda: "rocm")
+  assert "cudnn_auto" not in api._default_order(_DummyCall(64))
+
+
+class _DummyCall:
+  """What _default_order reads: the shapes of q and k."""
+
+  def __init__(self, t):
+    self.q = self.k = jnp.zeros((1, t, 1, 8))
