@@ -186,6 +186,10 @@ class _Aux:
   hp_int: dict  # integer array hyperparameters (no gradient)
   qn: Any = None  # score="distance": |q_i|^2 [B, K, G, Tp] (no gradient), else None
   kn: Any = None  # ... and |k_j|^2 [B, K, Sp]
+  full_lo: Any = None  # per query block the first key block fully inside the structure,
+  full_hi: Any = None  # ... and the end of that run of full blocks (int32 [nq]), or None
+  kt: Any = None  # k and v transposed once per call, [B, K, H, Sp] (the right operands of
+  vt: Any = None  # q·k^T and dO·v^T; no gradient: the backward pass returns dk, dv itself)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +250,13 @@ class _Tile:
   k: Any
   v: Any
   dist: Any = None  # score="distance": the distances d [B, K, G, bq, bk], else None
+  vt: Any = None  # the value block transposed, [B, K, H, bk]
+
+  def dp(self, do):
+    """``dO · v^T`` of the tile, [B, K, G, bq, bk]."""
+    if self.vt is None:
+      return jnp.einsum("bkgqh,bksh->bkgqs", do, self.v)
+    return jnp.einsum("bkgqh,bkhs->bkgqs", do, self.vt)
 
 
 def _query_block(plan: _Plan, inp: _Inputs, aux: _Aux, qi) -> _QueryBlock:
@@ -284,7 +295,13 @@ def _tile(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, kj, masked: boo
   ks = kj * plan.bk
   k_blk = lax.dynamic_slice_in_dim(inp.k, ks, plan.bk, 2)
   v_blk = lax.dynamic_slice_in_dim(inp.v, ks, plan.bk, 2)
-  s = jnp.einsum("bkgqh,bksh->bkgqs", qb.q, k_blk, preferred_element_type=plan.dtype)
+  vt_blk = None
+  if aux.kt is None:
+    s = jnp.einsum("bkgqh,bksh->bkgqs", qb.q, k_blk, preferred_element_type=plan.dtype)
+  else:  # a slice of the pre-transposed k: no per-tile transpose of the key block
+    kt_blk = lax.dynamic_slice_in_dim(aux.kt, ks, plan.bk, 3)
+    vt_blk = lax.dynamic_slice_in_dim(aux.vt, ks, plan.bk, 3)
+    s = jnp.einsum("bkgqh,bkhs->bkgqs", qb.q, kt_blk, preferred_element_type=plan.dtype)
   dist = None
   if aux.kn is not None:  # score="distance"
     kn = lax.dynamic_slice_in_dim(aux.kn, ks, plan.bk, 2)[:, :, None, None, :]
@@ -297,30 +314,49 @@ def _tile(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, kj, masked: boo
   vis = None
   if masked:
     vis = _visibility(plan, aux, qb, ks, x if qb.bias is not None else None)
-  return _Tile(k_start=ks, s=s, x=x, vis=vis, k=k_blk, v=v_blk, dist=dist)
+  return _Tile(k_start=ks, s=s, x=x, vis=vis, k=k_blk, v=v_blk, dist=dist, vt=vt_blk)
 
 
 def _over_key_blocks(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi,
                      step: Callable, init):
   """Runs ``carry = step(tile, carry)`` over the key blocks query block ``qi`` can see.
 
-  Tiles that lie fully inside the structure skip the masking; pruned pairs (FoX) are not
-  visited.
+  Tiles that lie fully inside the structure skip the masking: the key range is split into
+  masked blocks before the run of full blocks ``[full_lo, full_hi)``, that run, and the
+  masked blocks after it (three loops with static bodies, not a per-tile ``cond``: a
+  conditional around a step that updates the whole dK/dV accumulators makes XLA copy them
+  on every tile). Pruned pairs (FoX) are not visited.
   """
 
-  def body(kj, carry):
-    def run(c):
-      if not plan.may_skip_mask:
-        return step(_tile(plan, inp, aux, qb, kj, True), c)
-      full = aux.structure.tile_is_full(qi * plan.bq, plan.bq, kj * plan.bk, plan.bk)
-      return lax.cond(full, lambda c: step(_tile(plan, inp, aux, qb, kj, False), c),
-                      lambda c: step(_tile(plan, inp, aux, qb, kj, True), c), c)
+  def body(masked: bool):
+    def run(kj, carry):
+      return step(_tile(plan, inp, aux, qb, kj, masked), carry)
 
-    if aux.prune is not None:
-      return lax.cond(aux.prune[qi, kj], lambda c: c, run, carry)
-    return run(carry)
+    if aux.prune is None:
+      return run
+    return lambda kj, c: lax.cond(aux.prune[qi, kj], lambda c: c, lambda c: run(kj, c), c)
 
-  return lax.fori_loop(aux.kb_lo[qi], aux.kb_hi[qi], body, init)
+  lo, hi = aux.kb_lo[qi], aux.kb_hi[qi]
+  if not plan.may_skip_mask or aux.full_lo is None:
+    return lax.fori_loop(lo, hi, body(True), init)
+  f_lo = jnp.clip(aux.full_lo[qi], lo, hi)
+  f_hi = jnp.clip(aux.full_hi[qi], f_lo, hi)
+  carry = lax.fori_loop(lo, f_lo, body(True), init)
+  carry = lax.fori_loop(f_lo, f_hi, body(False), carry)
+  return lax.fori_loop(f_hi, hi, body(True), carry)
+
+
+def _full_block_runs(structure: MaskStructure, bq: int, nq: int, bk: int, nk: int):
+  """Per query block the first run of key blocks fully inside the structure, ``[lo, hi)``
+  (int32 [nq] each; ``lo = hi = nk`` where there is none). Blocks outside the run are
+  masked even if full, so the run need not be the only one."""
+  q_start = (jnp.arange(nq, dtype=jnp.int32) * bq)[:, None]
+  k_start = (jnp.arange(nk, dtype=jnp.int32) * bk)[None, :]
+  full = jnp.broadcast_to(structure.tile_is_full(q_start, bq, k_start, bk), (nq, nk))
+  idx = jnp.broadcast_to(jnp.arange(nk, dtype=jnp.int32)[None, :], (nq, nk))
+  lo = jnp.min(jnp.where(full, idx, nk), axis=1)
+  hi = jnp.min(jnp.where(~full & (idx >= lo[:, None]), idx, nk), axis=1)
+  return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
 # ----------------------------------------------------------------------------- forward
@@ -462,7 +498,7 @@ of the statistics, and the main sweep adds ``vjp(tangent)`` of each tile to its 
     g, mt = c
     _, (dw, dm) = jax.jvp(lambda tau_: tile.threshold_maps(plan.rule, t.x, t.vis, tau_, m, n, hp),
                           (tau,), (jnp.ones_like(tau),))
-    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+    dp = t.dp(do)
     g = g + jnp.sum(dw * (dp - delta), axis=-1, keepdims=True) * inv_w
     return g, mt + jnp.sum(dm, axis=-1, keepdims=True)
 
@@ -515,7 +551,7 @@ def _row_stats_gradients(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, 
   arrays = {**qb.hp, **theta}
 
   def theta_step(t: _Tile, g):
-    dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+    dp = t.dp(do)
     _, _, dhp = tile.tile_vjp(trule, t.x, t.vis, m, d, delta, dp, n, qb.hp_static, arrays)
     return {k: g[k] + dhp[k] for k in theta}
 
@@ -584,10 +620,19 @@ class _BlockGrads:
   dhp: dict  # per query block: [b, k, g, bq|1, 1]
 
 
-def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, do, g: _BlockGrads):
-  """From a tile's weights and logit cotangent to every input's gradient (all classes)."""
+def _transposed_product(a, b_t):
+  """``einsum("bkgqs,bkgqh->bksh", a, b)`` from ``b_t = b^T`` ([B, K, G, H, bq], transposed
+  once per query block) as ``(b^T a)^T``: the tile ``a`` stays the row-major right operand
+  and only the thin [h, s] result is transposed (``a^T b`` makes XLA:CPU materialise a
+  transposed copy of the whole tile first)."""
+  return jnp.swapaxes(jnp.einsum("bkghq,bkgqs->bkhs", b_t, a), -1, -2)
+
+
+def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, q_t, do_t, g: _BlockGrads):
+  """From a tile's weights and logit cotangent to every input's gradient (all classes);
+  ``q_t``, ``do_t``: the query block and its output cotangent transposed, [B, K, G, H, bq]."""
   ks = t.k_start
-  dv = _accumulate(g.dv, jnp.einsum("bkgqs,bkgqh->bksh", w, do), ks, 2)
+  dv = _accumulate(g.dv, _transposed_product(w, do_t), ks, 2)
   dbias = g.dbias if qb.bias is None else _add_bias_grad(g.dbias, dx, qb.start, ks)
   ds = dx
   if plan.cap is not None:
@@ -599,7 +644,7 @@ def _backprop_tile(plan: _Plan, qb: _QueryBlock, t: _Tile, w, dx, do, g: _BlockG
     dck = _accumulate(dck, -jnp.sum(ds, axis=-2), ks, 3)
   if t.dist is None:
     dq = g.dq + jnp.einsum("bkgqs,bksh->bkgqh", ds, t.k)
-    dk = _accumulate(g.dk, jnp.einsum("bkgqs,bkgqh->bksh", ds, qb.q), ks, 2)
+    dk = _accumulate(g.dk, _transposed_product(ds, q_t), ks, 2)
   else:  # d = ||q - k||: dq_i += sum_j r_ij (q_i - k_j), dk_j -= sum_i r_ij (q_i - k_j)
     r = jnp.where(t.dist > 0, ds / jnp.where(t.dist > 0, t.dist, 1.0), 0.0)
     dq = g.dq + jnp.sum(r, axis=-1, keepdims=True) * qb.q - jnp.einsum(
@@ -634,10 +679,12 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
       tile_gradient = _tile_gradient(plan, qb, m, d, delta, tau, coef)
       d_row = _row_gradient(plan, inp, qb, m, d, delta, coef)
 
+    q_t, do_t = jnp.swapaxes(qb.q, -1, -2), jnp.swapaxes(do, -1, -2)  # once per block
+
     def step(t: _Tile, g: _BlockGrads):
-      dp = jnp.einsum("bkgqh,bksh->bkgqs", do, t.v)
+      dp = t.dp(do)
       w, dx, dhp = tile_gradient(t, dp)
-      g = _backprop_tile(plan, qb, t, w, dx, do, g)
+      g = _backprop_tile(plan, qb, t, w, dx, q_t, do_t, g)
       return dataclasses.replace(g, dhp=jax.tree.map(jnp.add, g.dhp, dhp))
 
     g = dataclasses.replace(
@@ -831,7 +878,9 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
       q_seg=_pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,
       kv_seg=_pad_axis(st.kv_segment_ids, 1, Sp, mode="edge") if st.has_segments else None,
       counts=counts.reshape(counts.shape[0], 1, 1, Tp, 1), kb_lo=kb_lo, kb_hi=kb_hi,
-      prune=prune, hp_int=hp_int)
+      prune=prune, hp_int=hp_int,
+      kt=lax.stop_gradient(jnp.swapaxes(k4, -1, -2)),
+      vt=lax.stop_gradient(jnp.swapaxes(v4, -1, -2)))
   if call.score == "distance":  # squared norms once per call (the backward chains d itself)
     aux = dataclasses.replace(
         aux, qn=lax.stop_gradient(jnp.sum(qs * qs, axis=-1)),
@@ -839,6 +888,9 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   plan = _Plan(kind=kind, rule=rule, dtype=cdt, static_hp=tuple(static_hp),
                cap=call.logits_soft_cap, bq=bq, bk=bk, nq=nq,
                may_skip_mask=not (bias is not None or mask is not None or st.has_segments))
+  if plan.may_skip_mask:
+    full_lo, full_hi = _full_block_runs(st, bq, nq, bk, Sp // bk)
+    aux = dataclasses.replace(aux, full_lo=full_lo, full_hi=full_hi)
   if spec.length_dependent and (bias is not None or mask is not None):
     no_grad = dataclasses.replace(inp, bias=None if bias is None else lax.stop_gradient(bias))
     aux = dataclasses.replace(aux, counts=_dense_counts(plan, no_grad, aux))
