@@ -129,7 +129,10 @@ class _Layout:
 
 # ---------------------------------------------------------------------------- skip loop
 
-_BLASST_CHUNK = 128  # kept (row, key block) pairs gathered per tile of the attention loop
+# kept (row, key block) pairs gathered per tile of the attention loop: on XLA:CPU fewer,
+# larger tiles beat the padding of each key block's last chunk (16k: 512 > 256 > 128, 1024)
+_BLASST_CHUNK = 512
+_BLASST_DECIDE_WINDOW = (2, 4)  # (query, key) blocks per score tile of the decision pass
 
 
 def _blasst_tile_vis(kvalid, qpos, kj, bs: int, T: int, causal: bool):
@@ -152,20 +155,33 @@ def _blasst_decide(q, k, kvalid, tau: float, causal: bool, T: int):
   G, Tp, H = q.shape
   nk, bs = k.shape[:2]
   nq = Tp // bs
+  # QB query blocks against W key blocks per step: [QB bs, W bs] score tiles run XLA:CPU's
+  # matmul faster than [bs, bs] ones (the same dot products, so the same maxima); the
+  # positions padded to whole windows are invisible
+  W, QB = min(_BLASST_DECIDE_WINDOW[1], nk), min(_BLASST_DECIDE_WINDOW[0], nq)
+  nw, nqq = -(-nk // W), -(-nq // QB)
+  kw = _pad_to(k, 0, nw * W).reshape(nw, W * bs, H)
+  kvw = _pad_to(kvalid, 0, nw * W).reshape(nw, W * bs) > 0
+  qw = _pad_to(q, 1, nqq * QB * bs).reshape(G, nqq, QB * bs, H)
 
   def block(xs):
-    qi, qr = xs  # qr [G, bs, H]
-    qpos = qi * bs + jnp.arange(bs)
+    qi, qr = xs  # qr [G, QB bs, H]
+    qpos = qi * QB * bs + jnp.arange(QB * bs)
 
-    def body(kj, M):
-      vis = _blasst_tile_vis(kvalid, qpos, kj, bs, T, causal)
-      s = jnp.einsum("gqh,sh->gqs", qr, k[kj])
-      return M.at[kj].set(jnp.max(jnp.where(vis, s, -jnp.inf), axis=-1))
+    def body(wj, M):
+      vis = kvw[wj][None, :] & (qpos < T)[:, None]
+      if causal:
+        vis = vis & ((wj * W * bs + jnp.arange(W * bs))[None, :] <= qpos[:, None])
+      s = jnp.einsum("gqh,sh->gqs", qr, kw[wj])
+      mx = jnp.max(jnp.where(vis, s, -jnp.inf).reshape(G, QB * bs, W, bs), axis=-1)
+      return lax.dynamic_update_slice(M, jnp.moveaxis(mx, 2, 0), (wj * W, 0, 0))
 
-    hi = jnp.minimum(qi + 1, nk) if causal else nk
-    return lax.fori_loop(0, hi, body, jnp.full((nk, G, bs), -jnp.inf, q.dtype))
+    hi = (jnp.minimum(qi * QB + QB, nk) + W - 1) // W if causal else nw
+    M = lax.fori_loop(0, hi, body, jnp.full((nw * W, G, QB * bs), -jnp.inf, q.dtype))
+    return M[:nk]
 
-  M = lax.map(block, (jnp.arange(nq), jnp.moveaxis(q.reshape(G, nq, bs, H), 1, 0)))
+  M = lax.map(block, (jnp.arange(nqq), jnp.moveaxis(qw, 1, 0)))  # [nqq, nk, G, QB bs]
+  M = jnp.moveaxis(M.reshape(nqq, nk, G, QB, bs), 3, 1).reshape(nqq * QB, nk, G, bs)[:nq]
   M = jnp.transpose(M, (2, 0, 3, 1)).reshape(G, Tp, nk)  # [nq, nk, G, bs] -> [G, Tp, nk]
   diag = jnp.minimum(jnp.arange(Tp) // bs, nk - 1)
   order = (diag[:, None] - jnp.arange(nk)[None, :]) % nk  # [Tp, t]: t-th visited block
@@ -177,40 +193,53 @@ def _blasst_decide(q, k, kvalid, tau: float, causal: bool, T: int):
   return jnp.take_along_axis(keep, jnp.broadcast_to(order, M.shape), axis=-1)
 
 
-def _blasst_chunks(kept, C: int):
+def _blasst_chunks(kept, C: int, causal: bool, bs: int, Tp: int):
   """The kept pairs of one head, grouped by key block into chunks of C rows: kept [R, nk]
-  -> (cum [nk, R] running count of each block's rows, count [nk], chunk start [nk], chunks)."""
-  cum = jnp.cumsum(kept.T.astype(jnp.int32), axis=1)
-  count = cum[:, -1]
-  nch = (count + C - 1) // C
+  (R = G * Tp) -> (rows [maxc, C] int32: each chunk's rows in increasing order, R where the
+  chunk runs out; kj [maxc]: each chunk's key block; n: the number of chunks). The table is
+  built once by one scatter (no search inside the attention loops); maxc bounds n."""
+  R, nk = kept.shape
+  if causal:  # a row of query block qi sees at most min(qi + 1, nk) key blocks
+    nq = Tp // bs
+    pairs = (R // Tp) * bs * sum(min(qi + 1, nk) for qi in range(nq))
+  else:
+    pairs = R * nk
+  maxc = max(1, min(nk + pairs // C, -(-R // C) * nk))
+  ki = kept.T.astype(jnp.int32)  # [nk, R]
+  cum = jnp.cumsum(ki, axis=1)
+  nch = (cum[:, -1] + C - 1) // C
   ends = jnp.cumsum(nch)
-  return cum, count, ends - nch, ends, ends[-1]
+  rank = cum - 1
+  slot = ((ends - nch)[:, None] + rank // C) * C + rank % C
+  slot = jnp.where(ki > 0, slot, maxc * C)
+  rows = jnp.full((maxc * C,), R, jnp.int32).at[slot.reshape(-1)].set(
+      jnp.broadcast_to(jnp.arange(R, dtype=jnp.int32), (nk, R)).reshape(-1), mode="drop")
+  kj = jnp.minimum(jnp.searchsorted(ends, jnp.arange(maxc), side="right"), nk - 1)
+  return rows.reshape(maxc, C), kj.astype(jnp.int32), ends[-1]
 
 
-def _blasst_chunk(c, plan, C: int, R: int):
+def _blasst_chunk(c, plan, R: int):
   """Chunk c: its key block kj, its rows [C] (R where the chunk runs out) and their mask."""
-  cum, count, start, ends, _ = plan
-  kj = jnp.minimum(jnp.searchsorted(ends, c, side="right"), ends.shape[0] - 1)
-  r = (c - start[kj]) * C + jnp.arange(C) + 1  # ranks within the block's rows
-  ok = r <= count[kj]
-  rows = jnp.searchsorted(cum[kj], r, side="left")
-  return kj, jnp.where(ok, rows, R), ok
+  rows, kj, _ = plan
+  r = rows[c]
+  return kj[c], r, r < R
 
 
 def _blasst_head_forward(q, k, v, kvalid, tau: float, causal: bool, T: int, C: int):
   """One key/value head: q [G, Tp, H] (scaled), k/v [nk, bs, ·], kvalid [nk, bs]; returns
-  out [G, Tp, Hv], lse [G, Tp], kept bool [G, Tp, nk]. The decisions first, then
-  FlashAttention's online softmax over the kept pairs only, gathered into [C, bs] tiles."""
+  out [G, Tp, Hv], lse [G, Tp], kept bool [G, Tp, nk] and the chunk plan (reused by the
+  backward pass). The decisions first, then FlashAttention's online softmax over the kept
+  pairs only, gathered into [C, bs] tiles."""
   G, Tp, H = q.shape
   nk, bs, Hv = k.shape[0], k.shape[1], v.shape[-1]
   R = G * Tp
   kept = _blasst_decide(q, k, kvalid, tau, causal, T)
-  plan = _blasst_chunks(kept.reshape(R, nk), C)
+  plan = _blasst_chunks(kept.reshape(R, nk), C, causal, bs, Tp)
   q2 = q.reshape(R, H)
 
   def body(c, carry):
     m, l, acc = carry
-    kj, rows, ok = _blasst_chunk(c, plan, C, R)
+    kj, rows, ok = _blasst_chunk(c, plan, R)
     rc = jnp.minimum(rows, R - 1)
     vis = _blasst_tile_vis(kvalid, rc % Tp, kj, bs, T, causal) & ok[:, None]
     s = q2[rc] @ k[kj].T
@@ -230,31 +259,32 @@ def _blasst_head_forward(q, k, v, kvalid, tau: float, causal: bool, T: int, C: i
   has = l > 0
   l1 = jnp.where(has, l, 1.0)
   out = (acc / l1[:, None]).reshape(G, Tp, Hv)
-  return out, jnp.where(has, m + jnp.log(l1), -jnp.inf).reshape(G, Tp), kept
+  return out, jnp.where(has, m + jnp.log(l1), -jnp.inf).reshape(G, Tp), kept, plan
 
 
-def _blasst_head_backward(q, k, v, kvalid, out, lse, kept, dout, causal: bool, T: int,
-                          C: int):
-  """FlashAttention's backward of one key/value head over the kept pairs (same chunks)."""
+def _blasst_head_backward(q, k, v, kvalid, out, lse, plan, dout, causal: bool, T: int):
+  """FlashAttention's backward of one key/value head over the kept pairs (the forward's
+  chunks)."""
   G, Tp, H = q.shape
-  nk, bs, Hv = k.shape[0], k.shape[1], v.shape[-1]
+  bs, Hv = k.shape[1], v.shape[-1]
   R = G * Tp
-  plan = _blasst_chunks(kept.reshape(R, nk), C)
   q2, do2 = q.reshape(R, H), dout.reshape(R, Hv)
   D = jnp.sum(do2 * out.reshape(R, Hv), axis=-1)
   L = jnp.where(jnp.isfinite(lse), lse, 0.0).reshape(R)
 
   def body(c, carry):
     dq, dk, dv = carry
-    kj, rows, ok = _blasst_chunk(c, plan, C, R)
+    kj, rows, ok = _blasst_chunk(c, plan, R)
     rc = jnp.minimum(rows, R - 1)
     vis = _blasst_tile_vis(kvalid, rc % Tp, kj, bs, T, causal) & ok[:, None]
     qr, dor, kj_, vj = q2[rc], do2[rc], k[kj], v[kj]
     Lr = L[rc][:, None]
     p = jnp.where(vis, jnp.exp(jnp.where(vis, qr @ kj_.T, Lr) - Lr), 0.0)
     ds = p * (dor @ vj.T - D[rc][:, None])
-    return (dq.at[rows].add(ds @ kj_, mode="drop"), dk.at[kj].add(ds.T @ qr),
-            dv.at[kj].add(p.T @ dor))
+    # dK, dV as (x^T tile)^T: the [C, bs] tiles stay row-major right operands (a^T b
+    # makes XLA:CPU copy the whole tile transposed); only thin [C, H] blocks transpose
+    return (dq.at[rows].add(ds @ kj_, mode="drop"), dk.at[kj].add((qr.T @ ds).T),
+            dv.at[kj].add((dor.T @ p).T))
 
   dq, dk, dv = lax.fori_loop(0, plan[-1], body,
                              (jnp.zeros_like(q2), jnp.zeros_like(k), jnp.zeros_like(v)))
@@ -269,22 +299,22 @@ def _blasst_core(qs, k, v, kvalid, tau, causal, T, C):
 def _blasst_core_fwd(qs, k, v, kvalid, tau, causal, T, C):
   """qs [BK, G, Tp, H], k/v [BK, nk, bs, ·], kvalid [BK, nk, bs]: one lax.map step per key/
   value head."""
-  out, lse, kept = lax.map(
+  out, lse, kept, plan = lax.map(
       lambda a: _blasst_head_forward(a[0], a[1], a[2], a[3], tau, causal, T, C),
       (qs, k, v, kvalid))
-  return (out, kept), (qs, k, v, kvalid, out, lse, kept)
+  return (out, kept), (qs, k, v, kvalid, out, lse, plan)
 
 
 def _blasst_core_bwd(tau, causal, T, C, res, cts):
   """FlashAttention's backward over the (row, key block) pairs the forward kept: with the
   final log-sum-exp L, P = exp(S - L) on kept entries, dV = Pᵀ dO, dS = P ∘ (dO Vᵀ - D),
   D = rowsum(dO ∘ O), dQ = dS K, dK = dSᵀ Q. The block choice is piecewise constant."""
-  qs, k, v, kvalid, out, lse, kept = res
+  qs, k, v, kvalid, out, lse, plan = res
   dout = cts[0].astype(out.dtype)
   dq, dk, dv = lax.map(
       lambda a: _blasst_head_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], causal,
-                                      T, C),
-      (qs, k, v, kvalid, out, lse, kept, dout))
+                                      T),
+      (qs, k, v, kvalid, out, lse, plan, dout))
   return dq, dk, dv, jnp.zeros_like(kvalid)
 
 
@@ -303,7 +333,7 @@ def _blasst(lay: _Layout, tau: float):
   k = lay.k.reshape(B * K, nk, bs, lay.H)
   v = lay.v.reshape(B * K, nk, bs, Hv)
   out, kept = _blasst_core(qs, k, v, kvalid, float(tau), bool(lay.causal), lay.T,
-                           _BLASST_CHUNK)
+                           min(_BLASST_CHUNK, G * Tp))
   out = jnp.moveaxis(out.reshape(B, lay.N, nq, bs, Hv), 2, 0)
   kept = kept.reshape(B, lay.N, Tp, nk)
   return lay.unblock(out), kept & (jnp.arange(Tp) < lay.T)[:, None]
