@@ -178,7 +178,8 @@ def test_automatic_order_tries_cudnn_first_on_a_cuda_gpu(monkeypatch):
   monkeypatch.setitem(_api._RUNNERS, "pallas", lambda call: (_ for _ in ()).throw(
       NotImplementedError("no Pallas here")))
   want = dpa(q, k, v, implementation="xla")
-  np.testing.assert_allclose(dpa(q, k, v), want, rtol=1e-6)
+  # jax.nn's XLA path (behind the fake cuDNN) and jaxsoft's differ by float rounding
+  np.testing.assert_allclose(dpa(q, k, v), want, rtol=1e-5, atol=1e-6)
   assert calls == ["cudnn"]
   # masks, lengths and the residual keep cudnn out of the automatic choice
   for kw in (dict(mask=jnp.ones((1, 1, 5, 5), bool)),
@@ -189,7 +190,7 @@ def test_automatic_order_tries_cudnn_first_on_a_cuda_gpu(monkeypatch):
   # a refusal by jax.nn (ValueError) falls through to XLA, the same result
   np.testing.assert_allclose(dpa(q, k, v, local_window_size=(2, 0)),
                              dpa(q, k, v, local_window_size=(2, 0), implementation="xla"),
-                             rtol=1e-6)
+                             rtol=1e-5, atol=1e-6)
   assert calls == ["cudnn", "cudnn"]
   # other normalizers never reach jax.nn's cuDNN
   dpa(q, k, v, normalizer="sparsemax")
