@@ -91,6 +91,10 @@ def triton_shared_memory_bytes(bt: int, bv: int, d_pad: int, itemsize: int,
   Calibrated on one measurement: bf16, d = 1024, bt = 32, bv = 64 asked an H200 for
   327680 bytes, which is the forward's term.
   """
+  for name, x in (("bt", bt), ("bv", bv), ("d_pad", d_pad), ("itemsize", itemsize),
+                  ("compute_itemsize", compute_itemsize)):
+    if isinstance(x, bool) or not isinstance(x, int) or x <= 0:
+      raise ValueError(f"triton_shared_memory_bytes: `{name}` must be a positive int, got {x!r}")
   upcast = compute_itemsize if compute_itemsize > itemsize else 0
   fwd = (bt + _TRITON_STAGES * bv) * d_pad * itemsize
   dh = fwd + bv * d_pad * upcast

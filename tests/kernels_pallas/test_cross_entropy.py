@@ -231,6 +231,10 @@ def test_triton_blocks_fit_the_shared_memory_model():
       assert kce.triton_shared_memory_bytes(bt, bv, d_pad, itemsize, 4) <= \
           kce.TRITON_SHARED_MEMORY_BUDGET, (d_pad, itemsize, bt, bv)
   assert kce.default_block_sizes("triton", 64, 2, 4) == (64, 128)  # small d: large tiles
+  for bad in (dict(bt=0), dict(d_pad=-1), dict(itemsize=2.0)):
+    args = dict(bt=32, bv=64, d_pad=1024, itemsize=2) | bad
+    with pytest.raises(ValueError, match=next(iter(bad))):
+      kce.triton_shared_memory_bytes(**args)
 
 
 @pytest.mark.parametrize("kw", [dict(d=2048), dict(d=1024, token_chunk_size=32,
