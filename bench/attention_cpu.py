@@ -31,9 +31,17 @@ output finite, err <= ``--sparse-tol`` (default 0.15) and err within the kept-bl
 timing share a process, so a sparse row's peak RSS includes its check's forward. The table also gives
 the mean of ||o - o_dense|| / max_j ||v_j|| over the sampled rows.
 
+Class-T rows (K03; ``--threshold-length``, default 8192, ``--threshold-only`` runs only
+them): sparsemax and entmax15 attention with xla_chunked, forward + backward on the same
+white-noise inputs, next to xla_chunked softmax timed in the same run (ratio = class T
+time / softmax time: the threshold search's extra passes over the key blocks). Each is
+first checked against jaxsoft's dense ``implementation="xla"`` (output and gradients) at
+T = min(T, 1024) in its own process and is not timed if that check fails.
+
   python bench/attention_cpu.py                 # T in 1k..16k, markdown table on stdout
   python bench/attention_cpu.py --quick         # a tiny run (used by the tests)
   python bench/attention_cpu.py --sparse-only --sparse-length 4096   # sparse rows only
+  python bench/attention_cpu.py --threshold-only --reps 3           # class-T rows only
 """
 
 from __future__ import annotations
@@ -52,11 +60,12 @@ SPARSE = {  # the documented default sparsity of the block-sparse rows
     "moba": dict(method="moba", block_size=64, top_k_blocks=8),
     "blasst": dict(method="blasst", block_size=256, skip_threshold=4.0),
 }
+THRESHOLD = ("sparsemax", "entmax15")  # the class-T rows
 TOPIC_BLOCK = 64
 H = 64
 
 
-def _fn(impl: str):
+def _fn(impl: str, normalizer: str = "softmax"):
   import jax
   import jax.numpy as jnp
 
@@ -66,7 +75,7 @@ def _fn(impl: str):
     if impl == "jax.nn":
       return jax.nn.dot_product_attention(q, k, v, is_causal=True)
     return jaxsoft.attention.dot_product_attention(q, k, v, is_causal=True,
-                                                   implementation=impl)
+                                                   normalizer=normalizer, implementation=impl)
 
   def loss(q, k, v, ct):
     return jnp.sum(attn(q, k, v) * ct)
@@ -210,28 +219,73 @@ def _sparse_section(T: int, topics: int, reps: int, n_rows: int, tol: float, imp
   return lines, failed
 
 
+def _threshold_section(T: int, reps: int, normalizers):
+  """The class-T rows: (markdown lines, failed)."""
+  check_t = min(T, 1024)
+  checks = {n: _child("check", "xla_chunked", check_t, n) for n in normalizers}
+  ref = _child("time", "xla_chunked", T, reps, "softmax")
+  print(f"T={T} xla_chunked softmax: {ref}", file=sys.stderr)
+  res = {}
+  for n in normalizers:
+    print(f"correctness xla_chunked {n} at T={check_t}: {checks[n]}", file=sys.stderr)
+    if checks[n].get("ok"):
+      res[n] = _child("time", "xla_chunked", T, reps, n)
+      print(f"T={T} xla_chunked {n}: {res[n]}", file=sys.stderr)
+  lines = [
+      "",
+      f"Class-T attention (K03) with xla_chunked at T={T}, B=1, N=1, H={H}, causal, "
+      f"forward+backward under jit, median of {reps}; softmax timed in the same run on the "
+      f"same inputs; check: max abs difference of the output and gradients from jaxsoft's "
+      f"dense implementation=\"xla\" at T={check_t}",
+      "",
+      "| T | normalizer | time (ms) | this / softmax | check (max abs diff) |",
+      "|---|---|---|---|---|",
+  ]
+  failed = "error" in ref
+  if failed:
+    lines.append(f"| {T} | softmax | {ref['error']} | | |")
+  else:
+    lines.append(f"| {T} | softmax | {1e3 * ref['median_s']:.1f} | 1.00x | |")
+  for n in normalizers:
+    c = checks[n]
+    if not c.get("ok"):
+      failed = True
+      why = c.get("error") or f"check FAILED (max abs diff {c.get('max_err')}): not timed"
+      lines.append(f"| {T} | {n} | {why} | | |")
+      continue
+    r = res[n]
+    if "error" in r:
+      failed = True
+      lines.append(f"| {T} | {n} | {r['error']} | | {c['max_err']:.1e} |")
+      continue
+    ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if "median_s" in ref else "n/a"
+    lines.append(f"| {T} | {n} | {1e3 * r['median_s']:.1f} | {ratio} | {c['max_err']:.1e} |")
+  return lines, failed
+
+
 def _inputs(T: int, seed: int = 0):
   import jax
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
   return tuple(jax.random.normal(kk, (1, T, 1, H)) for kk in ks)
 
 
-def _cell_check(impl: str, T: int) -> dict:
+def _cell_check(impl: str, T: int, normalizer: str = "softmax") -> dict:
+  """impl against jax.nn (softmax) or against jaxsoft's dense "xla" path (any other)."""
   import numpy as np
   args = _inputs(T, seed=1)
-  got = _fn(impl)(*args)
-  want = _fn("jax.nn")(*args)
+  got = _fn(impl, normalizer)(*args)
+  want = _fn("jax.nn" if normalizer == "softmax" else "xla", normalizer)(*args)
   errs = [float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
           for a, b in zip([got[0], *got[1]], [want[0], *want[1]], strict=False)]
   ok = all(np.isfinite(errs)) and max(errs) < 1e-3
   return {"ok": bool(ok), "max_err": max(errs)}
 
 
-def _cell_time(impl: str, T: int, reps: int) -> dict:
+def _cell_time(impl: str, T: int, reps: int, normalizer: str = "softmax") -> dict:
   import jax
   base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
   args = _inputs(T)
-  f = _fn(impl)
+  f = _fn(impl, normalizer)
   t0 = time.perf_counter()
   jax.block_until_ready(f(*args))
   compile_s = time.perf_counter() - t0
@@ -284,15 +338,19 @@ def main(argv=None) -> int:
   p.add_argument("--topics", type=int, default=32, help="topics of the sparse rows' inputs")
   p.add_argument("--sparse-rows", type=int, default=256, help="rows sampled for the error")
   p.add_argument("--sparse-tol", type=float, default=0.15, help="error limit of a timed row")
+  p.add_argument("--threshold-length", type=int, default=8192,
+                 help="T of the class-T rows (default 8192)")
+  p.add_argument("--threshold-normalizers", type=str, default=",".join(THRESHOLD))
+  p.add_argument("--threshold-only", action="store_true", help="only the class-T rows")
   p.add_argument("--cell", nargs="+", help=argparse.SUPPRESS)
   a = p.parse_args(argv)
 
   if a.cell:  # a child process: one measurement, one JSON line
     kind = a.cell[0]
-    if kind == "check":
-      res = _cell_check(a.cell[1], int(a.cell[2]))
-    elif kind == "time":
-      res = _cell_time(a.cell[1], int(a.cell[2]), int(a.cell[3]))
+    if kind == "check":  # impl T [normalizer]
+      res = _cell_check(a.cell[1], int(a.cell[2]), *a.cell[3:4])
+    elif kind == "time":  # impl T reps [normalizer]
+      res = _cell_time(a.cell[1], int(a.cell[2]), int(a.cell[3]), *a.cell[4:5])
     elif kind == "sparse":  # impl T topics reps rows tol
       impl, T, topics = a.cell[1], int(a.cell[2]), int(a.cell[3])
       res = {"check": _cell_sparse_check(impl, T, topics, int(a.cell[5]), float(a.cell[6]))}
@@ -318,6 +376,14 @@ def main(argv=None) -> int:
   sparse_t = 512 if a.quick else a.sparse_length
   if sparse_t < 1:
     p.error(f"--sparse-length must be >= 1, got {sparse_t}")
+  threshold_t = 256 if a.quick else a.threshold_length
+  if threshold_t < 1:
+    p.error(f"--threshold-length must be >= 1, got {threshold_t}")
+  threshold_norms = [n for n in a.threshold_normalizers.split(",") if n]
+  if a.threshold_only:
+    lines, failed = _threshold_section(threshold_t, reps, threshold_norms)
+    print("\n".join(lines[1:]))
+    return 1 if failed else 0
   if a.sparse_only:
     lines, failed = _sparse_section(sparse_t, a.topics, reps, a.sparse_rows, a.sparse_tol,
                                     sparse_impls)
@@ -373,9 +439,10 @@ def main(argv=None) -> int:
                  f"about {statistics.median(base):.0f} MiB.")
   sparse_lines, sparse_failed = _sparse_section(sparse_t, a.topics, reps, a.sparse_rows,
                                                 a.sparse_tol, sparse_impls)
-  print("\n".join(lines + sparse_lines))
+  threshold_lines, threshold_failed = _threshold_section(threshold_t, reps, threshold_norms)
+  print("\n".join(lines + sparse_lines + threshold_lines))
   bad = [k for k, r in results.items() if "error" in r]
-  return 1 if bad or sparse_failed else 0
+  return 1 if bad or sparse_failed or threshold_failed else 0
 
 
 if __name__ == "__main__":

@@ -598,10 +598,14 @@ def select_mask(mask, sel, kb, bk: int):
 #
 #   pass 0        m = max_{j in V} z_j                     (one sweep over the key blocks)
 #   passes 1..P   tau solves  F(tau) = sum_{j in V} mass(z_j, tau) - target(n) = 0
-#                 on the rule's bracket [lo, hi] (F(lo) >= 0 >= F(hi)): each sweep
-#                 evaluates C candidate taus, ``lo + (hi - lo) c / (C + 1)``, merging the
-#                 per-block partial masses, and keeps the sub-bracket holding the root
-#                 (multisection: log2(C + 1) bisection steps per sweep, a fixed count)
+#                 on the rule's bracket [lo, hi] (F(lo) >= 0 >= F(hi)) by ``_tile``'s
+#                 search: each sweep sums the mass (and, for a rule with
+#                 ``newton_power``, its slope) at a few candidate taus, merging the
+#                 per-block partial sums, and closes the bracket on the root. Triton
+#                 takes Newton steps with a bisection companion and stops when every row
+#                 of the query block is done (3-7 sweeps for sparsemax and entmax15,
+#                 against 15 for a fixed multisection); the Mosaic TPU grid fixes the
+#                 sweep count in advance, so it runs multisection (2 bits per sweep).
 #   weighted pass O = sum_j weight(z_j, tau, m) v_j / W,  W = sum_j weight(z_j, tau, m)
 #                 (class P with f = the rule's weight; tau = the final lo, so the
 #                 support is never empty, and dividing by W removes the residual error
@@ -618,7 +622,7 @@ def select_mask(mask, sel, kb, bk: int):
 # ``_tile.threshold_maps``, e.g. entmax's per-head alpha), plus ``coef`` times the
 # target's derivative for the hyperparameters the target depends on.
 
-THRESHOLD_CANDIDATES = 3
+THRESHOLD_CANDIDATES = 3  # multisection (the TPU grid): 2 bits per sweep
 
 
 def threshold_iterations(cfg: Config) -> int:
@@ -627,10 +631,14 @@ def threshold_iterations(cfg: Config) -> int:
   return 2 * it if cfg.acc == "float64" else it
 
 
+def threshold_schedule(cfg: Config, early_exit: bool):
+  """``(candidates per sweep, most sweeps, newton)`` (``_tile.search_schedule``)."""
+  return tile.search_schedule(cfg.spec.threshold, threshold_iterations(cfg), early_exit)
+
+
 def threshold_passes(cfg: Config) -> int:
-  """Search sweeps over the key blocks: ceil(iterations / log2(C + 1))."""
-  bits = math.log2(THRESHOLD_CANDIDATES + 1)
-  return max(1, math.ceil(threshold_iterations(cfg) / bits))
+  """Search sweeps of a driver without early exit (multisection)."""
+  return threshold_schedule(cfg, early_exit=False)[1]
 
 
 def num_k_flags(cfg: Config) -> int:
@@ -649,17 +657,10 @@ def t_max_tile(cfg: Config, s, mask, m, length, dyn):
   return tile.running_max(z, mask, m)
 
 
-def t_bracket(cfg: Config, m, length, dyn):
-  """After pass 0: ``(m, lo, hi, target)`` per row (m finite: 0 for an empty row)."""
+def t_start(cfg: Config, m, length, dyn):
+  """After pass 0: ``(m, state, target)`` per row (``_tile.search_start``; m finite)."""
   static, arrays = _hp(cfg, dyn)
-  hp = {**static, **arrays}
-  rule = cfg.spec.threshold
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  lo, hi = rule.bracket(m, length, **hp)
-  target = rule.target(length, **hp)
-  return (m, jnp.broadcast_to(jnp.asarray(lo, m.dtype), m.shape),
-          jnp.broadcast_to(jnp.asarray(hi, m.dtype), m.shape),
-          jnp.broadcast_to(jnp.asarray(target, m.dtype), m.shape))
+  return tile.search_start(cfg.spec.threshold, m, length, {**static, **arrays})
 
 
 def t_indicator(cfg: Config) -> bool:
@@ -701,25 +702,33 @@ def t_gap_tau(tau, below):
   return jnp.where(below == -jnp.inf, tau - 1.0, 0.5 * (tau + below))
 
 
-def t_candidates(lo, hi):
-  """The C candidate taus of one sweep, each [rows, 1]."""
-  c1 = THRESHOLD_CANDIDATES + 1
-  return [lo + (hi - lo) * ((c + 1) / c1) for c in range(THRESHOLD_CANDIDATES)]
+def t_candidates(lo, hi, newton, count: int):
+  """The candidate taus of one sweep (``_tile.search_candidates``; ``newton`` None:
+  multisection)."""
+  if newton is None:
+    newton = jnp.full_like(lo, -jnp.inf)
+  return tile.search_candidates(lo, hi, newton, count)
 
 
-def t_mass_tile(cfg: Config, s, mask, m, taus, totals, length, dyn):
-  """One key block of a search sweep: ``totals[c] += sum_j mass(z_j, taus[c])``."""
+def t_sums_tile(cfg: Config, s, mask, m, taus, sums, length, dyn, newton: bool):
+  """One key block of a search sweep (``_tile.search_sums``): returns (z, sums)."""
   static, arrays = _hp(cfg, dyn)
   hp = {**static, **arrays}
   rule = cfg.spec.threshold
   z = tile.scores(rule, s, mask, m, length, hp)
-  out = []
-  for tau, tot in zip(taus, totals, strict=True):
-    mass = rule.mass(z, tau, **hp)
-    if mask is not None:
-      mass = jnp.where(mask, mass, 0.0)
-    out.append(tot + jnp.sum(mass, axis=-1, keepdims=True))
-  return z, out
+  return z, tile.search_sums(rule, z, mask, taus, sums, hp, newton)
+
+
+def t_update(cfg: Config, state, taus, sums, target, dyn, newton: bool):
+  """The search state after a sweep (``_tile.search_update``)."""
+  static, arrays = _hp(cfg, dyn)
+  return tile.search_update(cfg.spec.threshold, state, taus, sums, target,
+                            {**static, **arrays}, newton)
+
+
+def t_all_done(state):
+  """1 when every row of the block is done (int32 scalar; ``_tile.search_done``)."""
+  return jnp.min(tile.search_done(state).astype(jnp.int32))
 
 
 def t_live(z, mask, lo):
@@ -735,16 +744,6 @@ def t_flag_update(flags, j, live):
   """``flags`` [1, width] int32 with column j set to ``live`` (no dynamic store)."""
   col = jax.lax.broadcasted_iota(jnp.int32, flags.shape, 1)
   return jnp.where(col == j, live, flags)
-
-
-def t_bracket_update(lo, hi, taus, totals, target):
-  """Keeps the sub-bracket holding the root (mass is non-increasing in tau)."""
-  new_lo, new_hi = lo, hi
-  for tau, tot in zip(taus, totals, strict=True):
-    ok = tot >= target
-    new_lo = jnp.where(ok, jnp.maximum(new_lo, tau), new_lo)
-    new_hi = jnp.where(ok, new_hi, jnp.minimum(new_hi, tau))
-  return new_lo, new_hi
 
 
 def t_weight_m(m):

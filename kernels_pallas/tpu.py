@@ -381,23 +381,25 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
       @pl.when(jnp.logical_and(p > 0, p <= passes))
       def _mass():
         lo = lo_sc[...]
-        taus = E.t_candidates(lo, hi_sc[...])
-        z, tots = E.t_mass_tile(cfg, s, mask, m_sc[...], taus, [sc[...] for sc in tot_sc],
-                                length, dyn_v)
+        taus = E.t_candidates(lo, hi_sc[...], None, n_cand)
+        z, tots = E.t_sums_tile(cfg, s, mask, m_sc[...], taus, [sc[...] for sc in tot_sc],
+                                length, dyn_v, newton=False)
         for sc, x in zip(tot_sc, tots, strict=True):
           sc[...] = x
         flag_sc[...] = E.t_flag_update(flag_sc[...], ki, E.t_live(z, mask, lo))
 
     @pl.when(jnp.logical_and(p == 0, ki == nk - 1))
     def _bracket():
-      m, lo, hi, target = E.t_bracket(cfg, m_sc[...], length, dyn_v)
+      m, (lo, hi, _), target = E.t_start(cfg, m_sc[...], length, dyn_v)
       m_sc[...], lo_sc[...], hi_sc[...], tg_sc[...] = m, lo, hi, target
 
     @pl.when(jnp.logical_and(jnp.logical_and(p > 0, p <= passes), ki == nk - 1))
     def _narrow():
       lo, hi = lo_sc[...], hi_sc[...]
-      lo, hi = E.t_bracket_update(lo, hi, E.t_candidates(lo, hi), [sc[...] for sc in tot_sc],
-                                  tg_sc[...])
+      state = (lo, hi, jnp.full_like(lo, -jnp.inf))
+      lo, hi, _ = E.t_update(cfg, state, E.t_candidates(lo, hi, None, n_cand),
+                                [sc[...] for sc in tot_sc], tg_sc[...], dyn_v,
+                                newton=False)
       lo_sc[...], hi_sc[...] = lo, hi
 
     @pl.when(jnp.logical_and(p == last, ki == nk - 1))

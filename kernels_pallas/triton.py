@@ -305,7 +305,8 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   row max of z (finite), the threshold, and which key blocks hold a visible z >= tau."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, nq, width = q.shape[0], cfg.num_heads, cfg.t_pad // bq, E.num_k_flags(cfg)
-  passes, n_dyn, indicator = E.threshold_passes(cfg), len(dyn), E.t_indicator(cfg)
+  count, steps, newton = E.threshold_schedule(cfg, early_exit=True)
+  n_dyn, indicator = len(dyn), E.t_indicator(cfg)
   sp = _q_major(cfg, bq)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   flag_spec = pl.BlockSpec((None, None, None, 1, width), lambda qi, bi, ni: (bi, ni, qi, 0, 0))
@@ -333,24 +334,31 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
       return E.t_max_tile(cfg, s, mask, m, length, dyn_v)
 
     m = jax.lax.fori_loop(k_lo, k_hi, max_body, jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype))
-    m, lo, hi, target = E.t_bracket(cfg, m, length, dyn_v)
+    m, state, target = E.t_start(cfg, m, length, dyn_v)
     no_flags = jnp.zeros((1, width), jnp.int32)
 
-    def sweep(_, carry):
-      lo, hi, _ = carry
-      taus = E.t_candidates(lo, hi)
+    def sweep(carry):
+      i, _, state, _ = carry
+      lo = state[0]
+      taus = E.t_candidates(lo, state[1], state[2], count)
 
       def body(j, c):
-        totals, flags = c
+        sums, flags = c
         s, mask = logits(j)
-        z, totals = E.t_mass_tile(cfg, s, mask, m, taus, totals, length, dyn_v)
-        return totals, E.t_flag_update(flags, j, E.t_live(z, mask, lo))
+        z, sums = E.t_sums_tile(cfg, s, mask, m, taus, sums, length, dyn_v, newton)
+        return sums, E.t_flag_update(flags, j, E.t_live(z, mask, lo))
 
-      zero = [jnp.zeros((bq, 1), cfg.acc_dtype) for _ in taus]
-      totals, flags = jax.lax.fori_loop(k_lo, k_hi, body, (zero, no_flags))
-      return (*E.t_bracket_update(lo, hi, taus, totals, target), flags)
+      zero = [jnp.zeros((bq, 1), cfg.acc_dtype)] * (count * (1 + int(newton)))
+      sums, flags = jax.lax.fori_loop(k_lo, k_hi, body, (zero, no_flags))
+      state = E.t_update(cfg, state, taus, sums, target, dyn_v, newton)
+      return i + 1, E.t_all_done(state), state, flags
 
-    lo, _, flags = jax.lax.fori_loop(0, passes, sweep, (lo, hi, no_flags))
+    def more(carry):  # at least one sweep: it records the live blocks
+      i, done, _, _ = carry
+      return jnp.logical_and(i < steps, jnp.logical_or(i == 0, done == 0))
+
+    _, _, (lo, *_), flags = jax.lax.while_loop(
+        more, sweep, (jnp.int32(0), jnp.int32(0), state, no_flags))
     if indicator:
       def below_body(j, below):
         s, mask = logits(j)

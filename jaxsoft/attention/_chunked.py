@@ -9,9 +9,10 @@ blocks), carrying per query row only what the normalizer's kernel class needs:
   ``l <- l·e^{m - m'} + sum_j den(z_j, m')`` of FlashAttention;
 * class S: the running sum l (no stabiliser);
 * class P: nothing (``D = 1``);
-* class T (sparsemax, entmax, top-k): a first pass for the row max, then ``tau`` by
-  multi-section search over key blocks (several candidate taus per pass, a fixed number
-  of passes from the rule's iteration count), then a weighted pass;
+* class T (sparsemax, entmax, top-k): a first pass for the row max, then ``tau`` by a
+  search over key blocks (``_tile.search_*``: Newton steps with a bisection companion, or
+  multisection, one pass per step until every row of the query block is done), then a
+  weighted pass;
 * class R (standardised softmax, NAP, adaptive temperature, ...): a first pass merges the
   rule's row statistics over key blocks (``RowStatsRule``: mean and variance by Chan's
   merge, softmax's (m, l), ...), ``derive`` turns them into per-row hyperparameters, then
@@ -48,7 +49,6 @@ backward pass chains the logit cotangent through the distance itself:
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -63,16 +63,12 @@ from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._common import compute_dtype
 from jaxsoft.normalizers._spec import NormalizerSpec
 
-__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K", "THRESHOLD_CANDIDATES"]
+__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K"]
 
 # Default block sizes (query rows x key columns). 512 x 512 keeps a tile's float32 logits at
 # 1 MiB (L2-sized on CPUs) while each matmul is large enough to run near the GEMM peak.
 BLOCK_Q = 512
 BLOCK_K = 512
-# Candidate taus evaluated per pass of the class-T search: each pass shrinks the bracket by
-# a factor THRESHOLD_CANDIDATES + 1 (2 bits per pass for 3), so a rule's ``iterations``
-# bisection steps take ceil(iterations / 2) passes over the key blocks.
-THRESHOLD_CANDIDATES = 3
 
 
 # ------------------------------------------------------------------------------ arrays
@@ -363,7 +359,11 @@ def _full_block_runs(structure: MaskStructure, bq: int, nq: int, bk: int, nk: in
 
 
 def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
-  """Class T: the row max m and the threshold tau of one query block (no gradient)."""
+  """Class T: the row max m and the threshold tau of one query block (no gradient).
+
+  The search is ``_tile``'s: Newton steps with a bisection companion for rules with a
+  ``newton_power``, multisection for the rest, one pass over the key blocks per step,
+  until every row of the block is done (at most the rule's ``iterations`` steps)."""
   rule, hp, n = plan.rule, qb.params, qb.n
   row = plan.row(inp.q)
 
@@ -372,39 +372,30 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
     return tile.running_max(z, t.vis, m)
 
   m = _over_key_blocks(plan, inp, aux, qb, qi, max_step, jnp.full(row, -jnp.inf, plan.dtype))
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  lo, hi = rule.bracket(m, n, **hp)
-  lo = jnp.broadcast_to(jnp.asarray(lo, plan.dtype), row)
-  hi = jnp.broadcast_to(jnp.asarray(hi, plan.dtype), row)
-  target = jnp.broadcast_to(jnp.asarray(rule.target(n, **hp), plan.dtype), row)
-  C = THRESHOLD_CANDIDATES
-  passes = max(1, math.ceil(rule.iterations / math.log2(C + 1)))
-  fracs = jnp.arange(1, C + 1, dtype=plan.dtype) / (C + 1)
-  # the candidates are a trailing axis: row hyperparameter arrays get one too
-  hp_c = {k: (v[..., None] if isinstance(v, jax.Array) and v.ndim else v) for k, v in hp.items()}
+  m, state, target = tile.search_start(rule, m, n, hp)
+  count, steps, newton = tile.search_schedule(rule, rule.iterations, early_exit=True)
 
-  def search_pass(_, bracket):
-    lo, hi = bracket
-    taus = lo[..., None] + (hi - lo)[..., None] * fracs  # [..., 1, C]
+  def search_step(carry):
+    i, _, state = carry
+    taus = tile.search_candidates(*state, count)
 
-    def mass_step(t: _Tile, acc):
+    def sums_step(t: _Tile, sums):
       z = tile.scores(rule, t.x, t.vis, m, n, hp)
-      mass = rule.mass(z[..., None], taus, **hp_c)  # [..., bk, C]
-      if t.vis is not None:
-        mass = jnp.where(t.vis[..., None], mass, 0.0)
-      return acc + jnp.sum(mass, axis=-2)[..., None, :]
+      return tile.search_sums(rule, z, t.vis, taus, sums, hp, newton)
 
-    total = _over_key_blocks(plan, inp, aux, qb, qi, mass_step,
-                             jnp.zeros(row + (C,), plan.dtype))
-    ok = total >= target[..., None]  # mass non-increasing in tau: True up to the root
-    # new lo: the largest candidate with enough mass; new hi: the smallest without
-    new_lo = jnp.max(jnp.where(ok, taus, lo[..., None]), axis=-1)
-    new_hi = jnp.min(jnp.where(ok, hi[..., None], taus), axis=-1)
-    return new_lo, new_hi
+    zero = [jnp.zeros(row, plan.dtype)] * (count * (1 + int(newton)))
+    sums = _over_key_blocks(plan, inp, aux, qb, qi, sums_step, zero)
+    state = tile.search_update(rule, state, taus, sums, target, hp, newton)
+    return i + 1, jnp.all(tile.search_done(state)), state
 
-  lo, hi = lax.fori_loop(0, passes, search_pass, (lo, hi))
-  # tau = lo keeps sum(mass) >= target > 0, so every visible row has a non-empty support;
-  # the final normalisation removes the residual error of the finite search.
+  def more(carry):
+    i, done, _ = carry
+    return jnp.logical_and(i < steps, jnp.logical_not(done))
+
+  done = jnp.all(tile.search_done(state))
+  _, _, (lo, *_) = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
+  # tau = lo keeps sum(mass) >= target > 0 (to the search's tolerance), so every visible
+  # row has a non-empty support; the final normalisation removes the residual error.
   # The weights are evaluated at m' = the next float above m: a rule may clamp as
   # exp(min(z - m, 0)) against overflow, and at the row's argmax (z == m) that clamp's
   # derivative is a tie (1/2); strictly above every visible z it is inactive, and the

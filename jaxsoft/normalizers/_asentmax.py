@@ -91,7 +91,8 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
 ASENTMAX_RULE = ThresholdRule(
     score_map=_asentmax_score_map, mass=_entmax._alpha_mass, target=_sparsemax._unit_target,
-    bracket=_entmax._alpha_bracket, weight=_entmax._alpha_mass, iterations=30)
+    bracket=_entmax._alpha_bracket, weight=_entmax._alpha_mass, iterations=30,
+    newton_power=_entmax._alpha_newton_power)
 
 SPEC = register(NormalizerSpec(
     name="asentmax",

@@ -372,13 +372,24 @@ def _alpha_bracket(m, length, alpha=1.5, **_):
   return m - 1.0, m - jnp.power(jnp.maximum(length, 1.0), 1.0 - alpha)
 
 
+def _alpha_newton_power(alpha=1.5, **_):
+  # (sum_j [z_j - tau]_+^{1/(alpha-1)})^{alpha-1}: a norm of convex functions (alpha <= 2)
+  return alpha - 1.0
+
+
+def _half_newton_power(**_):
+  return 0.5
+
+
 ENTMAX15_RULE = ThresholdRule(
     score_map=_half_score_map, mass=_sq_relu, target=_sparsemax._unit_target,
-    bracket=_entmax15_bracket, weight=_sq_relu, iterations=30)
+    bracket=_entmax15_bracket, weight=_sq_relu, iterations=30,
+    newton_power=_half_newton_power)
 
 ENTMAX_RULE = ThresholdRule(
     score_map=_alpha_score_map, mass=_alpha_mass, target=_sparsemax._unit_target,
-    bracket=_alpha_bracket, weight=_alpha_mass, iterations=30)
+    bracket=_alpha_bracket, weight=_alpha_mass, iterations=30,
+    newton_power=_alpha_newton_power)
 
 SPEC15 = register(NormalizerSpec(
     name="entmax15",

@@ -255,6 +255,10 @@ def _unit_target(length, **_):
   return jnp.ones_like(length)
 
 
+def _unit_power(**_):
+  return 1.0  # M(tau) is convex and piecewise linear: Newton is Michelot's iteration
+
+
 def _sparsemax_bracket(m, length, **_):
   # f(m - 1) >= 1 from the max entry alone; f(m) = 0.
   return m - 1.0, m
@@ -267,6 +271,7 @@ SPARSEMAX_RULE = ThresholdRule(
     bracket=_sparsemax_bracket,
     weight=_relu_mass,
     iterations=30,
+    newton_power=_unit_power,
 )
 
 SPEC = register(NormalizerSpec(

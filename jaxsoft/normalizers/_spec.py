@@ -175,12 +175,23 @@ class ThresholdRule:
 
       w_j = weight(z_j, tau, m, **hp) / sum_k weight(z_k, tau, m, **hp)
 
-  (the final normalisation removes the residual error of a fixed-iteration solve). A
-  blockwise driver computes m in a first pass over key blocks, tau by bisection (a fixed
-  ``iterations`` count, each a pass over key blocks) and then runs a class-P/E pass with
-  ``weight``. Examples: sparsemax ``mass = weight = [z - tau]_+`` with
-  target 1; top-k ``mass = 1[z >= tau]`` with target ``min(k, n)`` and
-  ``weight = e^{z-m}·1[z >= tau]``.
+  (the final normalisation removes the residual error of a finite solve). A blockwise
+  driver computes m in a first pass over key blocks, tau by a search whose every step is a
+  pass over the key blocks (``jaxsoft.normalizers._tile``: bisection, at most
+  ``iterations`` halvings of the bracket) and then runs a class-P/E pass with ``weight``.
+  Examples: sparsemax ``mass = weight = [z - tau]_+`` with target 1; top-k
+  ``mass = 1[z >= tau]`` with target ``min(k, n)`` and ``weight = e^{z-m}·1[z >= tau]``.
+
+  ``newton_power(**hp) -> p`` (optional) names an exponent for which
+  ``M(tau)^p = (sum_j mass(z_j, tau))^p`` is convex in tau, e.g. ``p = alpha - 1`` for
+  entmax's ``mass = [z - tau]_+^{1/(alpha - 1)}`` with ``alpha <= 2`` (then ``M^p`` is the
+  ``L_{1/p}`` norm of the convex, non-negative ``[z_j - tau]_+``), ``p = 1`` for sparsemax.
+  The search then also takes Newton steps on ``M^p - target^p`` (from below the root they
+  stay below it; on sparsemax's fixed support one step is exact, Michelot's iteration) and
+  stops once the mass at the lower end is within a few ulps of the target: a handful of
+  passes instead of ``iterations``. A p without that convexity (entmax with alpha > 2)
+  costs only speed: every Newton point is checked like a bisection point. ``None`` (top-k,
+  whose mass is a step function): bisection only.
   """
 
   score_map: Callable[..., Any]
@@ -189,6 +200,7 @@ class ThresholdRule:
   bracket: Callable[..., Any]
   weight: Callable[..., Any]
   iterations: int = 30
+  newton_power: Callable[..., Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -30,7 +30,8 @@ by ``jax.vjp`` of the rule at fixed m (exact: the weights do not depend on m).
 :func:`offset_vjp` adds the offset's part, ``dL/dD = −Δ/D``.
 
 Class T (threshold rules) shares the masking conventions: :func:`threshold_maps`
-evaluates a tile's weights and masses at a fixed threshold.
+evaluates a tile's weights and masses at a fixed threshold, and the ``search_*``
+functions are the threshold search that finds it, one pass over the key blocks per step.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ __all__ = [
     "tile_vjp",
     "offset_vjp",
     "threshold_maps",
+    "search_schedule",
+    "search_start",
+    "search_candidates",
+    "search_sums",
+    "search_update",
+    "search_done",
 ]
 
 Params = Mapping[str, Any]
@@ -249,3 +256,117 @@ def threshold_maps(rule: ThresholdRule, x, mask, tau, m, length, hp: Params):
   weight = _where(mask, rule.weight(z, tau, m, **hp), 0.0)
   mass = _where(mask, rule.mass(z, tau, **hp), 0.0)
   return weight, mass
+
+
+# --- class T: the threshold search ------------------------------------------------------
+#
+# Each step of the search is one pass over a row's key blocks that sums, at a few
+# candidate thresholds c, the mass M(c) = sum_j mass(z_j, c) (for a rule with
+# ``newton_power`` p also its slope M'(c), by forward-mode autodiff of ``mass``). The
+# bracket [lo, hi] (M(lo) >= target > M(hi)) then closes on the candidates either side of
+# the root. The next step's candidates are, around the largest tangent root r of
+# M^p - target^p found inside the bracket (Newton's point), the pair r -+ e (e = one ulp of
+# 1 + |r|, so a Newton point on the root brackets it: M evaluates with rounding noise
+# there) and the middle of [r + e, hi] (a bisection companion: every step at least halves
+# the bracket); without such a point, multisection (points splitting [lo, hi] evenly).
+# For a rule whose M^p is convex (sparsemax, entmax with alpha <= 2) every tangent root is
+# below the root, and on sparsemax's fixed support one step is exact (Michelot's
+# iteration, Newton on the piecewise-linear M): rows settle in 3-6 steps where
+# multisection needs 15.
+#
+# A row is done once its bracket is within SEARCH_ULPS ulps of 1 + |lo| (a row with
+# nothing visible starts done). Drivers with a data-dependent loop stop when every row of
+# the block is done; a driver whose number of passes is fixed in advance (the Mosaic TPU
+# grid) runs multisection.
+
+SEARCH_ULPS = 4
+
+
+def search_schedule(rule: ThresholdRule, iterations: int, early_exit: bool):
+  """``(candidates per step, most steps, newton)`` for a search of ``iterations`` bits.
+
+  With Newton steps and a loop that can stop early: 3 candidates (the pair around Newton's
+  point and a bisection point) and at most ``iterations`` steps (each at least halves the
+  bracket). Otherwise multisection with 3 candidates (2 bits per step).
+  """
+  if rule.newton_power is not None and early_exit:
+    return 3, max(1, iterations), True
+  return 3, max(1, -(-iterations // 2)), False
+
+
+def search_start(rule: ThresholdRule, m, length, hp: Params):
+  """After the max pass: ``(m, (lo, hi, newton), target)``, each per row.
+
+  ``m`` becomes finite (0 for a row with nothing visible, whose bracket is the single point
+  lo, so it starts done); there is no Newton point yet (-inf).
+  """
+  empty = m == -jnp.inf
+  m = jnp.where(empty, 0.0, m)
+  lo, hi = rule.bracket(m, length, **hp)
+  lo = jnp.broadcast_to(jnp.asarray(lo, m.dtype), m.shape)
+  hi = jnp.where(empty, lo, jnp.broadcast_to(jnp.asarray(hi, m.dtype), m.shape))
+  target = jnp.broadcast_to(jnp.asarray(rule.target(length, **hp), m.dtype), m.shape)
+  return m, (lo, hi, jnp.full_like(lo, -jnp.inf)), target
+
+
+def _ulp_of(x):
+  return float(jnp.finfo(x.dtype).eps) * (1.0 + jnp.abs(x))
+
+
+def search_candidates(lo, hi, newton, count: int):
+  """The ``count`` thresholds of one step, each per row, in increasing order: with a Newton
+  point r in [lo, hi], ``r - e``, ``r + e`` and points splitting [r + e, hi] evenly (e one
+  ulp of 1 + |r|, clipped to the bracket); else points splitting [lo, hi] evenly."""
+  use = jnp.logical_and(newton >= lo, newton <= hi)
+  r = jnp.where(use, newton, lo)
+  e = _ulp_of(r)
+  up = jnp.minimum(r + e, hi)
+  near = [jnp.maximum(r - e, lo), up] + [up + (hi - up) * (i / (count - 1))
+                                         for i in range(1, count - 1)]
+  spread = [lo + (hi - lo) * ((i + 1) / (count + 1)) for i in range(count)]
+  return [jnp.where(use, a, b) for a, b in zip(near, spread, strict=True)]
+
+
+def search_sums(rule: ThresholdRule, z, mask, taus, sums, hp: Params, newton: bool):
+  """Adds one tile of scores ``z`` to ``sums``: ``[M(c) for c in taus]``, then (with
+  ``newton``) ``[M'(c) for c in taus]``; masked entries add nothing."""
+  masses, slopes = [], []
+  for tau in taus:
+    if newton:
+      mass, slope = jax.jvp(lambda t: rule.mass(z, t, **hp), (tau,), (jnp.ones_like(tau),))
+      slopes.append(jnp.sum(_where(mask, slope, 0.0), axis=-1, keepdims=True))
+    else:
+      mass = rule.mass(z, tau, **hp)
+    masses.append(jnp.sum(_where(mask, mass, 0.0), axis=-1, keepdims=True))
+  return [a + b for a, b in zip(sums, masses + slopes, strict=True)]
+
+
+def search_update(rule: ThresholdRule, state, taus, sums, target, hp: Params, newton: bool):
+  """The state ``(lo, hi, newton point)`` after a step that summed ``sums`` at ``taus``
+  (:func:`search_sums`)."""
+  lo, hi, _ = state
+  count = len(taus)
+  totals = sums[:count]
+  for tau, total in zip(taus, totals, strict=True):
+    ok = total >= target  # mass non-increasing in tau: at or below the root
+    lo = jnp.where(jnp.logical_and(ok, tau >= lo), tau, lo)
+    hi = jnp.where(ok, hi, jnp.minimum(hi, tau))
+  point = jnp.full_like(lo, -jnp.inf)
+  if newton:
+    p = rule.newton_power(**hp)
+    for tau, total, slope in zip(taus, totals, sums[count:], strict=True):
+      # the tangent root of M^p - target^p: tau - M (1 - (target / M)^p) / (p M')
+      good = jnp.logical_and(total > 0.0, slope < 0.0)
+      safe_total = jnp.where(good, total, 1.0)
+      step = safe_total * (1.0 - jnp.power(target / safe_total, p)) / (
+          p * jnp.where(good, slope, -1.0))
+      root = tau - step
+      inside = jnp.logical_and(good, jnp.logical_and(root >= lo, root <= hi))
+      point = jnp.maximum(point, jnp.where(inside, root, -jnp.inf))
+  return lo, hi, point
+
+
+def search_done(state):
+  """Per row: the bracket is within ``SEARCH_ULPS`` ulps of ``1 + |lo|``."""
+  lo, hi, _ = state
+  return hi - lo <= SEARCH_ULPS * _ulp_of(lo)

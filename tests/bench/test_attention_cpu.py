@@ -19,8 +19,9 @@ def test_quick_benchmark_runs():
       env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-2000:]
   rows = [line for line in proc.stdout.splitlines() if line.startswith("| 256 |")]
-  assert len(rows) == 3, proc.stdout  # T = 256 x 3 implementations
-  for row in rows:
+  dense = [r for r in rows if r.split("|")[2].strip() in ("xla_chunked", "xla", "jax.nn")]
+  assert len(dense) == 3, proc.stdout  # T = 256 x 3 implementations
+  for row in dense:
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert float(cells[2]) > 0 and float(cells[3]) > 0, row  # time (ms), peak RSS (MiB)
   assert "xla_chunked ok" in proc.stdout and "FAILED" not in proc.stdout
@@ -32,6 +33,12 @@ def test_quick_benchmark_runs():
     assert float(cells[3]) > 0 and cells[4].endswith("x") and float(cells[4][:-1]) > 0, cells
     err = [float(x) for x in cells[6].split("/")]  # max / mean
     assert 0 < float(cells[5]) <= 1 and 0 <= err[1] <= err[0] <= 0.15, cells  # kept, error
+  threshold = {r.split("|")[2].strip(): [c.strip() for c in r.strip("|").split("|")]
+               for r in rows if r.split("|")[2].strip() in ("softmax", "sparsemax", "entmax15")}
+  assert set(threshold) == {"softmax", "sparsemax", "entmax15"}, proc.stdout
+  for name in ("sparsemax", "entmax15"):
+    cells = threshold[name]
+    assert float(cells[2]) > 0 and float(cells[3][:-1]) > 0 and float(cells[4]) < 1e-3, cells
 
 
 def test_a_sparse_row_whose_error_check_fails_is_not_timed(monkeypatch):
@@ -55,3 +62,25 @@ def test_a_sparse_row_whose_error_check_fails_is_not_timed(monkeypatch):
   blasst = next(line for line in lines if "| blasst |" in line)
   assert "| 500.0 | 4.00x |" in moba
   assert "FAILED" in blasst and "not timed" in blasst and "x |" not in blasst
+
+
+def test_a_threshold_row_whose_check_fails_is_not_timed(monkeypatch):
+  """The class-T section times a normalizer only after its check against the dense path
+  passes, and gives its time as a ratio to softmax's from the same run (children faked)."""
+  bench = load_script("bench/attention_cpu.py", "bench_attention_cpu_t")
+  calls = []
+
+  def child(kind, impl, t, *args):
+    calls.append((kind, impl, args[-1] if args else None))
+    if kind == "check":  # sparsemax passes, entmax15 fails
+      return {"ok": args[0] == "sparsemax", "max_err": 2e-6 if args[0] == "sparsemax" else 0.3}
+    return {"median_s": 0.2 if args[-1] == "softmax" else 0.5, "peak_mib": 10.0}
+
+  monkeypatch.setattr(bench, "_child", child)
+  lines, failed = bench._threshold_section(512, 1, ["sparsemax", "entmax15"])
+  assert failed
+  assert ("time", "xla_chunked", "entmax15") not in calls
+  sparse = next(line for line in lines if "| sparsemax |" in line)
+  ent = next(line for line in lines if "| entmax15 |" in line)
+  assert "| 500.0 | 2.50x | 2.0e-06 |" in sparse
+  assert "FAILED" in ent and "not timed" in ent and "x |" not in ent
