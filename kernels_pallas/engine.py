@@ -726,6 +726,11 @@ def t_update(cfg: Config, state, taus, sums, target, dyn, newton: bool):
                             {**static, **arrays}, newton)
 
 
+def t_threshold(state, newton: bool):
+  """The threshold a search ends with (``_tile.search_threshold``)."""
+  return tile.search_threshold(state, newton)
+
+
 def t_all_done(state):
   """1 when every row of the block is done (int32 scalar; ``_tile.search_done``)."""
   return jnp.min(tile.search_done(state).astype(jnp.int32))

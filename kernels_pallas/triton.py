@@ -357,18 +357,19 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
       i, done, _, _ = carry
       return jnp.logical_and(i < steps, jnp.logical_or(i == 0, done == 0))
 
-    _, _, (lo, *_), flags = jax.lax.while_loop(
+    _, _, state, flags = jax.lax.while_loop(
         more, sweep, (jnp.int32(0), jnp.int32(0), state, no_flags))
+    tau = E.t_threshold(state, newton)
     if indicator:
       def below_body(j, below):
         s, mask = logits(j)
-        return E.t_below_tile(cfg, s, mask, m, lo, below, length, dyn_v)
+        return E.t_below_tile(cfg, s, mask, m, tau, below, length, dyn_v)
 
       below = jax.lax.fori_loop(k_lo, k_hi, below_body,
                                 jnp.full((bq, 1), -jnp.inf, cfg.acc_dtype))
-      lo = E.t_gap_tau(lo, below)
+      tau = E.t_gap_tau(tau, below)
     m_ref[...] = m
-    tau_ref[...] = lo
+    tau_ref[...] = tau
     flag_ref[...] = flags
 
   return _call(cfg, kernel, "tsearch", (nq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),

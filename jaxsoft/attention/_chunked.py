@@ -381,7 +381,7 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
 
     def sums_step(t: _Tile, sums):
       z = tile.scores(rule, t.x, t.vis, m, n, hp)
-      return tile.search_sums(rule, z, t.vis, taus, sums, hp, newton)
+      return tile.search_sums(rule, z, t.vis, taus, sums, hp, newton, stacked=True)
 
     zero = [jnp.zeros(row, plan.dtype)] * (count * (1 + int(newton)))
     sums = _over_key_blocks(plan, inp, aux, qb, qi, sums_step, zero)
@@ -393,15 +393,16 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
     return jnp.logical_and(i < steps, jnp.logical_not(done))
 
   done = jnp.all(tile.search_done(state))
-  _, _, (lo, *_) = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
-  # tau = lo keeps sum(mass) >= target > 0 (to the search's tolerance), so every visible
-  # row has a non-empty support; the final normalisation removes the residual error.
+  _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
+  tau = tile.search_threshold(state, newton)
+  # Every visible row has a non-empty support at tau; the final normalisation removes the
+  # residual error of the search.
   # The weights are evaluated at m' = the next float above m: a rule may clamp as
   # exp(min(z - m, 0)) against overflow, and at the row's argmax (z == m) that clamp's
   # derivative is a tie (1/2); strictly above every visible z it is inactive, and the
   # uniform factor e^{m - m'} cancels in the normalisation.
   m_w = jnp.nextafter(m, jnp.asarray(jnp.inf, m.dtype))
-  return m_w, lax.stop_gradient(lo)
+  return m_w, lax.stop_gradient(tau)
 
 
 def _full_visibility(t: _Tile):
