@@ -377,7 +377,8 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
 
   def search_step(carry):
     i, _, state = carry
-    taus = tile.search_candidates(*state, count)
+    lo, hi, point = state
+    taus = tile.search_candidates(lo, hi, point, count)
 
     def sums_step(t: _Tile, sums):
       z = tile.scores(rule, t.x, t.vis, m, n, hp)

@@ -367,7 +367,7 @@ def search_update(rule: ThresholdRule, state, taus, sums, target, hp: Params, ne
     lo = jnp.where(jnp.logical_and(ok, tau >= lo), tau, lo)
     hi = jnp.where(ok, hi, jnp.minimum(hi, tau))
   point = jnp.full_like(lo, -jnp.inf)
-  if newton:
+  if newton and rule.newton_power is not None:
     p = rule.newton_power(**hp)
     for tau, total, slope in zip(taus, totals, sums[count:], strict=True):
       # the tangent root of M^p - target^p: tau - M (1 - (target / M)^p) / (p M')
