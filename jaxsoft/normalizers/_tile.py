@@ -272,11 +272,12 @@ def threshold_maps(rule: ThresholdRule, x, mask, tau, m, length, hp: Params):
 # the bracket); without such a point, multisection (points splitting [lo, hi] evenly).
 # For a rule whose M^p is convex (sparsemax, entmax with alpha <= 2) every tangent root is
 # below the root, and on sparsemax's fixed support one step is exact (Michelot's
-# iteration, Newton on the piecewise-linear M): rows settle in 3-6 steps where
+# iteration, Newton on the piecewise-linear M): rows settle in 3-7 steps where
 # multisection needs 15.
 #
 # A row is done once its bracket is within SEARCH_ULPS ulps of 1 + |lo| (a row with
-# nothing visible starts done). Drivers with a data-dependent loop stop when every row of
+# nothing visible starts done); its threshold is then the middle of the bracket
+# (:func:`search_threshold`). Drivers with a data-dependent loop stop when every row of
 # the block is done; a driver whose number of passes is fixed in advance (the Mosaic TPU
 # grid) runs multisection.
 
