@@ -622,9 +622,6 @@ def select_mask(mask, sel, kb, bk: int):
 # ``_tile.threshold_maps``, e.g. entmax's per-head alpha), plus ``coef`` times the
 # target's derivative for the hyperparameters the target depends on.
 
-THRESHOLD_CANDIDATES = 3  # multisection (the TPU grid): 2 bits per sweep
-
-
 def threshold_iterations(cfg: Config) -> int:
   """The rule's bisection count (doubled for float64, whose resolution is 2^29 finer)."""
   it = int(cfg.spec.threshold.iterations)
@@ -634,11 +631,6 @@ def threshold_iterations(cfg: Config) -> int:
 def threshold_schedule(cfg: Config, early_exit: bool):
   """``(candidates per sweep, most sweeps, newton)`` (``_tile.search_schedule``)."""
   return tile.search_schedule(cfg.spec.threshold, threshold_iterations(cfg), early_exit)
-
-
-def threshold_passes(cfg: Config) -> int:
-  """Search sweeps of a driver without early exit (multisection)."""
-  return threshold_schedule(cfg, early_exit=False)[1]
 
 
 def num_k_flags(cfg: Config) -> int:

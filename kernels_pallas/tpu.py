@@ -324,7 +324,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, g, n_dyn = q.shape[0], cfg.num_heads, cfg.groups, len(dyn)
   nq, nk, width = cfg.t_pad // bq, cfg.s_pad // bk, E.num_k_flags(cfg)
-  passes, n_cand = E.threshold_passes(cfg), E.THRESHOLD_CANDIDATES
+  n_cand, passes, _ = E.threshold_schedule(cfg, early_exit=False)  # multisection
   indicator = E.t_indicator(cfg)  # one more sweep: the largest score below tau
 
   def index(bi, ni, qi, p, ki, lo, hi):
