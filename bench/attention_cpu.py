@@ -169,6 +169,15 @@ def _cell_sparse_time(impl: str, T: int, topics: int, reps: int) -> dict:
           "peak_mib": peak / 1024}
 
 
+def _untimed(check: dict, result: dict | None, why_check: str) -> str | None:
+  """Why a row carries no time (its check failed, or its timing errored), or None."""
+  if not check.get("ok"):
+    return check.get("error") or f"{why_check}: not timed"
+  if result is not None and "error" in result:
+    return result["error"]
+  return None
+
+
 def _sparse_section(T: int, topics: int, reps: int, n_rows: int, tol: float, impls):
   """The block-sparse rows: (markdown lines, failed)."""
   # one process per implementation: the error check, then (only if it passes) the timing
@@ -200,17 +209,12 @@ def _sparse_section(T: int, topics: int, reps: int, n_rows: int, tol: float, imp
   for i in impls:
     c = checks[i]
     cfg = ", ".join(f"{a}={b}" for a, b in SPARSE[i].items() if a != "method")
-    if not c.get("ok"):
+    r = res.get(i)
+    why = _untimed(c, r, f"error check FAILED (rel. error {c.get('rel_err', float('nan')):.3g}, "
+                         f"within bound {c.get('within_bound')})")
+    if why is not None or r is None:
       failed = True
-      why = c.get("error") or (f"error check FAILED (rel. error "
-                               f"{c.get('rel_err', float('nan')):.3g}, within bound "
-                               f"{c.get('within_bound')}): not timed")
       lines.append(f"| {T} | {i} | {cfg} | {why} | | | | |")
-      continue
-    r = res[i]
-    if "error" in r:
-      failed = True
-      lines.append(f"| {T} | {i} | {cfg} | {r['error']} | | | | |")
       continue
     ratio = f"{ref['median_s'] / r['median_s']:.2f}x" if "median_s" in ref else "n/a"
     lines.append(f"| {T} | {i} | {cfg} | {1e3 * r['median_s']:.1f} | {ratio} | "
@@ -247,16 +251,11 @@ def _threshold_section(T: int, reps: int, normalizers):
   else:
     lines.append(f"| {T} | softmax | {1e3 * ref['median_s']:.1f} | 1.00x | |")
   for n in normalizers:
-    c = checks[n]
-    if not c.get("ok"):
+    c, r = checks[n], res.get(n)
+    why = _untimed(c, r, f"check FAILED (max abs diff {c.get('max_err')})")
+    if why is not None or r is None:
       failed = True
-      why = c.get("error") or f"check FAILED (max abs diff {c.get('max_err')}): not timed"
       lines.append(f"| {T} | {n} | {why} | | |")
-      continue
-    r = res[n]
-    if "error" in r:
-      failed = True
-      lines.append(f"| {T} | {n} | {r['error']} | | {c['max_err']:.1e} |")
       continue
     ratio = f"{r['median_s'] / ref['median_s']:.2f}x" if "median_s" in ref else "n/a"
     lines.append(f"| {T} | {n} | {1e3 * r['median_s']:.1f} | {ratio} | {c['max_err']:.1e} |")
