@@ -607,8 +607,9 @@ def select_mask(mask, sel, kb, bk: int):
 #                 against 15 for a fixed multisection); the Mosaic TPU grid fixes the
 #                 sweep count in advance, so it runs multisection (2 bits per sweep).
 #   weighted pass O = sum_j weight(z_j, tau, m) v_j / W,  W = sum_j weight(z_j, tau, m)
-#                 (class P with f = the rule's weight; tau = the final lo, so the
-#                 support is never empty, and dividing by W removes the residual error
+#                 (class P with f = the rule's weight; tau = the middle of the settled
+#                 bracket, or its lower end, so the support is never empty, and dividing
+#                 by W removes the residual error
 #                 of the finite search), visiting only the key blocks that hold a
 #                 visible z >= tau: every other block's weights are exactly 0.
 #
