@@ -104,7 +104,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
                         debug: bool = False, block_table=None, row_blocks=None,
                         exp2: bool = False, rescale_threshold: float | None = None,
-                        fp8: str | None = None, fp8_rotation: bool = True):
+                        fp8: str | None = None, fp8_rotation: bool = True,
+                        fp8_dot: bool | None = None):
   """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
 
   Args:
@@ -137,6 +138,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     fp8: K06: None or ``"e4m3"``: q and k (after ``fp8_rotation``) block-quantised to
       float8_e4m3fn (``kernels_pallas.fp8``); see :func:`attention`.
     fp8_rotation: with ``fp8``, rotate q and k by the seeded randomized Hadamard first.
+    fp8_dot: with ``fp8``, whether the forward's scores are a native fp8 dot (float8
+      operands, the scales applied to the float32 tile); None: on Triton for classes E,
+      S and P, which need an fp8-capable GPU (sm_89+).
 
   Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
   heads, queries or keys without copies; the bias's gradient is the logits' cotangent
@@ -205,6 +209,18 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     raise ValueError(f"`fp8_rotation` must be a bool, got {fp8_rotation!r}")
   if fp8 is not None and dtype == jnp.float64:
     raise ValueError("`fp8` needs float32/bfloat16/float16 inputs, not float64")
+  if not (fp8_dot is None or isinstance(fp8_dot, bool)):
+    raise ValueError(f"`fp8_dot` must be None or a bool, got {fp8_dot!r}")
+  if fp8_dot is not None and fp8 is None:
+    raise ValueError("`fp8_dot` needs `fp8='e4m3'`")
+  if fp8_dot and (threshold or row_stats):
+    raise ValueError(f"`fp8_dot=True` runs the class E/S/P forward; normalizer {spec.name!r} "
+                     f"(class {spec.kernel_class}) multiplies the dequantised q and k "
+                     "(leave `fp8_dot` None)")
+  # the native fp8 dot: Triton by default (sm_89+ GPUs multiply e4m3 natively); Mosaic on
+  # request (TPUs before v7 have no fp8 matrix unit)
+  native = fp8 is not None and not (threshold or row_stats) and (
+      fp8_dot if fp8_dot is not None else backend == "triton")
   if fp8 is not None and fp8_rotation:  # same orthogonal R on q and k: q.k unchanged
     q, k = (fp8_mod.hadamard_rotation(x).astype(dtype) for x in (q, k))
 
@@ -215,8 +231,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
                                                               call.decay_bias))
   bl = _block_sizes(block_sizes, backend, t, s, h, key_lanes)
   if fp8 is not None:  # per (batch, head, block) e4m3 scales; straight-through gradient
-    q = fp8_mod.fake_quant_blocks(q, bl.block_q).astype(dtype)
-    k = fp8_mod.fake_quant_blocks(k, bl.block_k).astype(dtype)
+    q_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(q), bl.block_q)[:2]
+    k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
+    q = fp8_mod.straight_through(q, *q_fp8).astype(dtype)
+    k = fp8_mod.straight_through(k, *k_fp8).astype(dtype)
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
   elif threshold or row_stats:
@@ -230,7 +248,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   t_pad *= math.lcm(bl.block_q, bl.block_q_dkv, bl.block_q_dq)
   s_pad = -(-s // math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq))
   s_pad *= math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq)
-  h_pad, hv_pad = _head_pad(backend, h), _head_pad(backend, hv)
+  h_pad, hv_pad = _head_pad(backend, h, fp8_dot=native), _head_pad(backend, hv)
 
   bias, mask, bias_full, mask_full = _dense_inputs(call, acc, t_pad, s_pad)
   row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
@@ -250,7 +268,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None,
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
-      exp2=exp2, rescale_threshold=tau)
+      exp2=exp2, rescale_threshold=tau, fp8_dot=native)
   E.check_flags(cfg)
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
@@ -275,14 +293,19 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     length = jnp.pad(jnp.broadcast_to(length, (b, n, t)), ((0, 0), (0, 0), (0, t_pad - t)))
   else:
     length = jnp.pad(length, ((0, 0), (0, t_pad - t)))
+  pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
+  pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
+  if native:  # the forward's float8 operands and their per-row / per-key scales
+    q8, q_scale = fp8_mod.kernel_operands(*q_fp8, t_pad)
+    k8, k_scale = fp8_mod.kernel_operands(*k_fp8, s_pad)
+    tables.update(q8=jnp.pad(q8, ((0, 0),) * 3 + (pad_q[3],)), q_scale=q_scale[..., None],
+                  k8=jnp.pad(k8, ((0, 0),) * 3 + (pad_k[3],)), k_scale=k_scale[:, :, None])
   aux = E.Aux(
       q_seg=None if ids is None else ids[0][..., None],
       k_seg=None if ids is None else ids[1][:, None, :],
       length=length[..., None],
       fwd_lo=f_lo, fwd_hi=f_hi, dq_lo=q_lo, dq_hi=q_hi, dkv_lo=k_lo, dkv_hi=k_hi, mask=mask,
       **tables)
-  pad_q = ((0, 0), (0, t_pad - t), (0, 0), (0, h_pad - h))
-  pad_k = ((0, 0), (0, s_pad - s), (0, 0), (0, h_pad - h))
   pad_v = ((0, 0), (0, s_pad - s), (0, 0), (0, hv_pad - hv))
   args = (cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_v), dyn, aux)
   decay = _decay_rows(call, acc, t_pad, s_pad)
@@ -363,11 +386,11 @@ def _decay_rows(call, acc: str, t_pad: int, s_pad: int):
   return cq, ck
 
 
-def _head_pad(backend: str, h: int) -> int:
-  """A head dim padded as the driver needs: a power of two >= 16 (Triton), 64 or a
-  multiple of 128 (Mosaic)."""
+def _head_pad(backend: str, h: int, fp8_dot: bool = False) -> int:
+  """A head dim padded as the driver needs: a power of two >= 16 (Triton; >= 32 for an
+  fp8 dot, the reduction depth of Hopper's fp8 MMA), 64 or a multiple of 128 (Mosaic)."""
   if backend == "triton":
-    return max(16, 1 << (h - 1).bit_length())
+    return max(32 if fp8_dot else 16, 1 << (h - 1).bit_length())
   return h if (h % 128 == 0 or h == 64) else -(-h // 128) * 128
 
 
@@ -421,7 +444,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               query_seq_lengths=None, key_value_seq_lengths=None, decay_bias=None,
               debug: bool = False, exp2: bool = False,
               rescale_threshold: float | None = None, fp8: str | None = None,
-              fp8_rotation: bool = True):
+              fp8_rotation: bool = True, fp8_dot: bool | None = None):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -481,16 +504,22 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       rotated along the head dim by a fixed seeded randomized Hadamard matrix
       (``fp8_rotation``; head dim zero-padded to a power of two; q . k unchanged, outlier
       channels spread), then quantised to float8_e4m3fn per (batch, head, query block)
-      and per (batch, kv-head, key block) with float32 scales amax/448; the kernel's
-      scores are those of the dequantised values (float32 accumulation), so they carry
-      exactly the fp8 error (the kernel is not yet a native fp8 dot: no speed-up). v is
-      not quantised. Any normalizer/mask the kernel runs. Gradient: straight-through
-      (identity through the quantiser); the backward passes run on the same quantised
-      q, k as the forward, so the saved statistics are consistent, and the rotation is
+      and per (batch, kv-head, key block) with float32 scales amax/448. The forward's
+      scores are a native fp8 dot (``fp8_dot``) times the two scales, or the dot of the
+      dequantised values, equal up to float32 rounding: either way they carry exactly
+      the fp8 error. v is not quantised. Any normalizer/mask the kernel runs. Gradient:
+      straight-through (identity through the quantiser); the backward passes run on the
+      dequantised q, k, so the saved statistics are consistent, and the rotation is
       differentiated exactly. Measured forward error vs the float32 dense reference
       (B=1, T=256, N=2, H=64, blocks 64, causal; tests/kernels_pallas/test_fp8.py), max
       abs / mean abs of the output: see ``kernels_pallas.fp8.ERRORS``.
     fp8_rotation: apply the Hadamard rotation with ``fp8`` (default True).
+    fp8_dot: with ``fp8``: True, the forward's score tiles are a native fp8 dot (float8
+      q and k operands, float32 accumulation, the scales applied to the tile: the
+      operation FlashAttention-3's fp8 forward speeds up); False, the kernel multiplies
+      the dequantised values; None (default), native on Triton (an fp8-capable GPU,
+      sm_89+, is needed) and dequantised on Mosaic (TPUs before v7 have no fp8 matrix
+      unit). Classes E, S and P; class T and R always multiply dequantised values.
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype. A query row with no visible key gives zeros.
@@ -511,7 +540,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
         scale=scale, local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, decay_bias=decay_bias, exp2=exp2,
-        rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation)
+        rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
+        fp8_dot=fp8_dot)
   call = attention_api._canonical_call(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
@@ -519,5 +549,5 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,
-                            fp8_rotation=fp8_rotation)
+                            fp8_rotation=fp8_rotation, fp8_dot=fp8_dot)
   return out[0] if jnp.ndim(q) == 3 else out

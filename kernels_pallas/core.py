@@ -40,8 +40,16 @@ def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=Non
   ``decay`` Forgetting attention's ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` or None.
   Returns o [B, T_pad, N, Hvp] in q's dtype.
   """
-  o, _, _ = driver(cfg.backend).forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  o, _, _ = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return o
+
+
+def _forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
+  """The driver's forward; with ``cfg.fp8_dot`` on the float8 q and k of ``aux`` (q and k
+  are then their dequantised values, which the backward passes read)."""
+  if cfg.fp8_dot:
+    q, k = aux.q8, aux.k8
+  return driver(cfg.backend).forward(cfg, q, k, v, dyn, aux)
 
 
 def _with_bias(aux: E.Aux, bias, decay=None) -> E.Aux:
@@ -61,12 +69,13 @@ def sum_to_shape(x, shape):
 
 
 def _core_fwd(cfg, q, k, v, dyn, aux, bias, decay):
-  o, m, d = driver(cfg.backend).forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  o, m, d = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return o, (q, k, v, dyn, aux, bias, decay, o, m, d)
 
 
 def _core_bwd(cfg, res, do):
   q, k, v, dyn, aux, bias, decay, o, m, d = res
+  cfg = dataclasses.replace(cfg, fp8_dot=False)  # the backward reads the dequantised q, k
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
                      do.astype(cfg.acc_dtype))[..., None]
   drv = driver(cfg.backend)

@@ -156,6 +156,11 @@ class Config:
   # the running max (and rescales) only when a block's max exceeds it by more than tau.
   exp2: bool = False
   rescale_threshold: float | None = None
+  # K06 fp8: the forward's q and k operands are float8_e4m3fn (Aux.q8, Aux.k8) and its
+  # scores a native fp8 dot times the per-row and per-key scales (Aux.q_scale [B, N,
+  # T_pad, 1], Aux.k_scale [B, K, 1, S_pad]); the backward passes run with this False on
+  # the dequantised q and k (``core``).
+  fp8_dot: bool = False
 
   @property
   def hv_pad(self) -> int:
@@ -190,16 +195,23 @@ class Config:
 # Per-tile math (pure jnp; runs inside the Pallas kernels of both drivers).
 
 
-def tile_logits(cfg: Config, q, k, cq=None, ck=None, log2: bool = False):
+def tile_logits(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_scales=None):
   """s = cap * tanh((scale * q k^T + cq - ck) / cap) in float32; q [bq, H], k [bk, H].
 
   ``cq`` [bq, 1] and ``ck`` [1, bk] are Forgetting attention's decay terms (None without):
   the tile of the outer difference ``cq_i - ck_j``, never a T x S array. ``log2`` (the
   forward pass with ``cfg.exp2``) returns ``log2(e) s``: log2 e is folded into the scale,
   the decay terms and the cap (``c cap tanh(x / cap) = (c cap) tanh(c x / (c cap))``).
+  ``fp8_scales`` (``cfg.fp8_dot``): ``(sq [bq, 1], sk [1, bk])``, q and k float8 and
+  ``q k^T`` the fp8 dot (float32 accumulation) times ``sq_i sk_j``.
   """
   c = LOG2E if log2 else 1.0
-  s = dot(cfg, q, k, (1, 1)) * (cfg.scale * c)
+  s = dot(cfg, q, k, (1, 1))
+  if fp8_scales is not None:
+    sq, sk = fp8_scales
+    s = (s * (sq * (cfg.scale * c))) * sk
+  else:
+    s = s * (cfg.scale * c)
   if cq is not None:
     s = s + ((cq * c) - (ck * c) if log2 else cq - ck)
   if cfg.soft_cap is not None:
@@ -450,6 +462,12 @@ class Aux:
   dkv_cnt: Any = None
   # Per-row key-block lists [B, N, T_pad, Config.row_select] int32 (-1 = none) or None.
   sel: Any = None
+  # K06 fp8 (Config.fp8_dot): the forward's float8 q [B, T_pad, N, Hp] and k [B, S_pad, K,
+  # Hp], and their scales per query row [B, N, T_pad, 1] and per key [B, K, 1, S_pad].
+  q8: Any = None
+  k8: Any = None
+  q_scale: Any = None
+  k_scale: Any = None
 
 
 def row_lengths(cfg: Config, aux: Aux):
@@ -513,6 +531,7 @@ def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | Non
   return dict(
       q=q, kv=kv, o=o, v=vv, bias=dense(cfg.bias_full), mask=dense(cfg.mask_full),
       ck=dense((True, True, False, True)),
+      k_scale=spec((None, None, 1, k_rows), lambda b, qh, kh, qb, kb: (b, kh, 0, kb)),
       sel=spec((None, q_heads, q_rows, max(1, cfg.row_select)),
                lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
       row=spec((None, q_heads, q_rows, 1), lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
@@ -538,6 +557,9 @@ def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list
   if cfg.row_select:
     in_specs.append(specs["sel"])
     args.append(aux.sel)
+  if cfg.fp8_dot:
+    in_specs += [specs["row"], specs["k_scale"]]
+    args += [aux.q_scale, aux.k_scale]
   return in_specs, args
 
 
@@ -575,6 +597,15 @@ def split_select(cfg: Config, rest):
   if not cfg.row_select:
     return None, rest
   return rest[0], rest[1:]
+
+
+def split_fp8(cfg: Config, rest):
+  """``(q scale ref, k scale ref, the rest)`` from the refs after the per-row lists (None,
+  None without ``cfg.fp8_dot``)."""
+  rest = list(rest)
+  if not cfg.fp8_dot:
+    return None, None, rest
+  return rest[0], rest[1], rest[2:]
 
 
 def select_mask(mask, sel, kb, bk: int):

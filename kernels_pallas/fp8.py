@@ -8,11 +8,13 @@ random +-1 vector), which leaves ``q . k`` unchanged and spreads outlier channel
 ``m`` dims; then q is quantised per (batch, head, query block) and k per (batch, kv-head,
 key block) to ``float8_e4m3fn`` with float32 scales ``amax / 448``.
 
-The kernel input is the dequantised value ``x8 * scale`` (``fake_quant_blocks``):
-``dot(q8 * sq, k8 * sk)`` in float32 accumulation equals ``dot(q8, k8) * sq * sk`` up to
-float32 summation order, so the scores carry exactly the fp8 quantisation error. (The
-score tiles are *not* yet computed by a native fp8 dot inside the Pallas kernels: this is
-the numerics of FlashAttention-3's fp8 forward, not its speed.)
+The forward kernel's score tiles are a native fp8 dot, ``dot(q8, k8)`` with float32
+accumulation, times the query row's and the key's scales (``kernel_operands``; the
+Triton driver by default, the Mosaic one with ``fp8_dot=True``), or the dot of the
+dequantised values ``x8 * scale`` (``fake_quant_blocks``), which equals it up to float32
+rounding: either way the scores carry exactly the fp8 quantisation error. v and the
+P . V product stay in the input dtype. The backward passes run on the dequantised q and
+k with a straight-through gradient (FlashAttention-3's fp8 path is forward-only).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["E4M3_MAX", "hadamard_matrix", "hadamard_rotation", "quantize_blocks",
-           "dequantize_blocks", "fake_quant_blocks"]
+           "dequantize_blocks", "fake_quant_blocks", "straight_through", "kernel_operands"]
 
 E4M3_MAX = 448.0
 SEED = 0x5EED
@@ -82,12 +84,33 @@ def dequantize_blocks(x8, scale, t: int):
   return (x8.astype(jnp.float32) * scale).reshape(b, nb * block, n, h)[:, :t]
 
 
+def straight_through(x, x8, scale):
+  """The dequantised ``x8 * scale`` (float32 ``x.shape``) with the gradient of the
+  identity in ``x``: the forward sees the fp8 values, ``jax.grad`` passes through."""
+  xf = x.astype(jnp.float32)
+  y = dequantize_blocks(x8, scale, x.shape[1])
+  return xf + jax.lax.stop_gradient(y - xf)
+
+
 def fake_quant_blocks(x, block: int):
   """``dequantize_blocks(*quantize_blocks(x, block))`` with a straight-through gradient
   (identity): the forward sees the fp8 values, ``jax.grad`` passes through unchanged."""
-  xf = x.astype(jnp.float32)
-  y = dequantize_blocks(*quantize_blocks(jax.lax.stop_gradient(xf), block))
-  return xf + jax.lax.stop_gradient(y - xf)
+  x8, scale, _ = quantize_blocks(jax.lax.stop_gradient(x), block)
+  return straight_through(x, x8, scale)
+
+
+def kernel_operands(x8, scale, rows: int):
+  """The native fp8 kernel's operands from :func:`quantize_blocks`'s output: ``x8`` as
+  ``[B, rows, N, H]`` float8 (zero rows appended) and the scale of each row ``[B, N,
+  rows]`` float32 (1 on the appended rows); ``rows`` >= the quantised length."""
+  b, nb, block, n, h = x8.shape
+  if rows < nb * block:
+    raise ValueError(f"`rows` must be at least the quantised length {nb * block}, got {rows}")
+  x8 = jnp.pad(x8.reshape(b, nb * block, n, h), ((0, 0), (0, rows - nb * block), (0, 0),
+                                                 (0, 0)))
+  per_row = jnp.broadcast_to(scale, (b, nb, block, n, 1)).reshape(b, nb * block, n)
+  per_row = jnp.pad(per_row, ((0, 0), (0, rows - nb * block), (0, 0)), constant_values=1.0)
+  return x8, jnp.transpose(per_row, (0, 2, 1))
 
 # Measured forward error of ``kp.attention(..., fp8="e4m3")`` (Triton driver, interpret
 # mode, float32 inputs; bf16 row: the same kernel on bf16 inputs, no fp8) against the dense

@@ -108,7 +108,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   sp = _q_major(cfg, bq, bk)
   grid, bounds = _q_grid(cfg, aux, b, n, nq, nk, aux.fwd_lo, aux.fwd_hi)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hv), q.dtype), row_shape, row_shape]
+  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hv), v.dtype), row_shape, row_shape]
   scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, 1), cfg.acc_dtype),
              pltpu.VMEM((bq, hv), cfg.acc_dtype)]
 
@@ -116,7 +116,8 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
     cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_select(cfg, rest)
+    sel_ref, rest = E.split_select(cfg, rest)
+    sq_ref, sk_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_fp8(cfg, rest)
     bi, ni, qi, ki = (pl.program_id(a) for a in range(4))
     kb, active = _q_step(cfg, lo_ref, hi_ref, bi, ni, qi, ki, nq)
 
@@ -127,8 +128,10 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
     @pl.when(active)
     def _compute():
       # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural)
+      # K06 fp8: q and k float8, the dot times their scales
+      fp8_scales = None if sq_ref is None else (sq_ref[...], sk_ref[...])
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref),
-                        log2=cfg.exp2)
+                        log2=cfg.exp2, fp8_scales=fp8_scales)
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk),
                                log2=cfg.exp2)

@@ -94,26 +94,29 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   b, n, hv = q.shape[0], cfg.num_heads, cfg.hv_pad
   sp = _q_major(cfg, bq)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), q.dtype), row_shape, row_shape]
+  out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), v.dtype), row_shape, row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
     cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, (o_ref, m_ref, d_ref) = E.split_select(cfg, rest)
+    sel_ref, rest = E.split_select(cfg, rest)
+    sq_ref, sk_ref, (o_ref, m_ref, d_ref) = E.split_fp8(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
     cq = None if cq_ref is None else cq_ref[...]
     sel = None if sel_ref is None else sel_ref[...]
+    sq = None if sq_ref is None else sq_ref[...]
     start, stop, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, state):
       kb = block(j)
       sl = pl.ds(kb * bk, bk)
-      # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural)
+      # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural);
+      # K06 fp8: q and k float8, the dot times their scales
       s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl],
-                        log2=cfg.exp2)
+                        log2=cfg.exp2, fp8_scales=None if sq is None else (sq, sk_ref[:, sl]))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,

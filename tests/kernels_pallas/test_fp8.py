@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -119,12 +120,75 @@ def test_head_dim_padded_to_power_of_two():
   assert float(jnp.abs(o - _ref(q, k, v, False)).max()) < 0.1
 
 
+@pytest.mark.parametrize("backend,h,normalizer", [
+    ("triton", 64, "softmax"), ("triton", 16, "sigmoid"), ("mosaic_tpu", 64, "softmax")])
+def test_native_fp8_dot_equals_dequantised(backend, h, normalizer):
+  """The native fp8 dot (float8 operands, scales on the tile) gives the dequantised
+  path's output up to float32 rounding, and the same gradients (the backward passes run
+  on the dequantised q and k either way); h = 16 pads to 32 for the fp8 dot."""
+  q, k, v = _inputs("outlier", t=128, h=h)
+  blocks = BLOCKS if backend == "triton" else dict(block_q=64, block_k=128)
+  ct = jax.random.normal(jax.random.PRNGKey(5), v.shape)
+
+  def run(dot):
+    def loss(q, k, v):
+      o = kp.attention(q, k, v, backend=backend, interpret=True, block_sizes=blocks,
+                       is_causal=True, normalizer=normalizer, fp8="e4m3", fp8_dot=dot)
+      return jnp.sum(o * ct), o
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, o8), g8 = run(True)
+  (_, o), g = run(False)
+  assert float(jnp.abs(o8 - o).max()) <= 1e-4 * float(jnp.abs(o).max()), backend
+  for a, b in zip(g8, g, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(jnp.abs(b).max()))
+  # the dequantised values really differ from the inputs: fp8 is on in both runs
+  assert float(jnp.abs(o - kp.attention(q, k, v, backend=backend, interpret=True,
+                                        block_sizes=blocks, is_causal=True,
+                                        normalizer=normalizer)).max()) > 1e-3
+
+
+def test_native_fp8_dot_bf16_and_masks():
+  """bf16 inputs with lengths and a fully hidden batch row: the native path stays within
+  the dequantised path's error of the float32 reference, and empty rows give zeros."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in _inputs(t=128))
+  q, k, v = (jnp.concatenate([x, x]) for x in (q, k, v))  # B = 2
+  lens = jnp.array([40, 0])
+  kw = dict(fp8="e4m3", is_causal=True, key_value_seq_lengths=lens)
+  o8, o = _run(q, k, v, fp8_dot=True, **kw), _run(q, k, v, fp8_dot=False, **kw)
+  assert o8.dtype == jnp.bfloat16
+  r = _ref(*(x[:1].astype(jnp.float32) for x in (q, k, v)), True, kv_len=40)
+  e8, e = (float(jnp.abs(x[:1].astype(jnp.float32) - r).max()) for x in (o8, o))
+  assert e8 <= 1.25 * e + 1e-2, (e8, e)
+  np.testing.assert_array_equal(o8[1], jnp.zeros_like(o8[1]))
+
+
+def test_kernel_operands():
+  q, _, _ = _inputs(t=100)
+  x8, scale, _ = fp8.quantize_blocks(q, 64)
+  q8, per_row = fp8.kernel_operands(x8, scale, 192)
+  assert q8.shape == (B, 192, N, H) and q8.dtype == jnp.float8_e4m3fn
+  assert per_row.shape == (B, N, 192)
+  deq = q8.astype(jnp.float32) * jnp.transpose(per_row, (0, 2, 1))[..., None]
+  np.testing.assert_array_equal(deq[:, :100], fp8.dequantize_blocks(x8, scale, 100))
+  np.testing.assert_array_equal(deq[:, 128:], 0.0)
+  np.testing.assert_array_equal(per_row[..., 128:], 1.0)
+  with pytest.raises(ValueError, match="`rows`"):
+    fp8.kernel_operands(x8, scale, 100)
+
+
 def test_bad_inputs():
   q, k, v = _inputs(t=64)
   with pytest.raises(ValueError, match="fp8"):
     _run(q, k, v, fp8="e5m2")
   with pytest.raises(ValueError, match="fp8_rotation"):
     _run(q, k, v, fp8="e4m3", fp8_rotation=1)
+  with pytest.raises(ValueError, match="`fp8_dot` must"):
+    _run(q, k, v, fp8="e4m3", fp8_dot=1)
+  with pytest.raises(ValueError, match="`fp8_dot` needs"):
+    _run(q, k, v, fp8_dot=True)
+  with pytest.raises(ValueError, match="class T"):
+    _run(q, k, v, fp8="e4m3", fp8_dot=True, normalizer="sparsemax")
   with pytest.raises(ValueError, match="`block`"):
     fp8.quantize_blocks(q, 0)
   with pytest.raises(ValueError, match="`x`"):
@@ -138,3 +202,27 @@ def test_export_lowering(backend):
                          block_sizes=dict(block_q=128, block_k=128))
   text = export_fwd_bwd(fn, backend, q, q)
   assert "f8E4M3FN" in text  # the quantiser's convert is in the module
+
+
+def _pass_operands_fp8(text: str) -> dict[str, bool]:
+  """Per kernel pass of an exported module (fwd, dq, dkv): whether a float8 array is
+  among the pallas custom call's operands."""
+  out = {}
+  for line in text.splitlines():
+    name = re.search(r"jaxsoft_attention_(fwd|dq|dkv)_", line)
+    if "custom_call" in line and name:
+      out[name.group(1)] = "f8E4M3FN" in line[line.rfind(" : ("):]
+  return out
+
+
+@pytest.mark.parametrize("backend,fp8_dot,native", [
+    ("triton", None, True), ("triton", False, False), ("mosaic_tpu", None, False),
+    ("mosaic_tpu", True, True)])
+def test_export_native_fp8_operands(backend, fp8_dot, native):
+  """The forward kernel takes float8 q and k exactly when the fp8 dot is native (Triton by
+  default, Mosaic on request); the backward passes never do."""
+  q = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+  fn = functools.partial(kp.attention, backend=backend, is_causal=True, fp8="e4m3",
+                         fp8_dot=fp8_dot, block_sizes=dict(block_q=128, block_k=128))
+  assert _pass_operands_fp8(export_fwd_bwd(fn, backend, q, q)) == dict(
+      fwd=native, dq=False, dkv=False)
