@@ -34,7 +34,7 @@ from jaxsoft.normalizers._common import safe_divide
 from jaxsoft.normalizers._spec import RowStatsRule, TileRule
 
 __all__ = ["Statistic", "SOFTMAX", "MOMENTS", "ENTROPY", "EXTREMES", "row_stats_rule",
-           "softmax_derived", "softmax_of"]
+           "softmax_derived", "softmax_of", "finite_or_zero", "at_row_max"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +62,7 @@ def _sum(a):
   return jnp.sum(a, axis=-1, keepdims=True)
 
 
-def _finite_or_zero(m):
+def finite_or_zero(m):
   return jnp.where(jnp.isfinite(m), m, 0.0)
 
 
@@ -75,7 +75,7 @@ def _softmax_init(shape, dtype):
 
 def _exp_below(x, mask, m):
   """``e^{x - m}`` on visible entries (0 elsewhere; no inf in either branch)."""
-  return jnp.where(mask, jnp.exp(jnp.where(mask, x - _finite_or_zero(m), 0.0)), 0.0)
+  return jnp.where(mask, jnp.exp(jnp.where(mask, x - finite_or_zero(m), 0.0)), 0.0)
 
 
 def _softmax_block(x, mask):
@@ -85,10 +85,10 @@ def _softmax_block(x, mask):
 
 def _softmax_merge(a, b):
   m = jnp.maximum(a[0], b[0])
-  safe = _finite_or_zero(m)
+  safe = finite_or_zero(m)
   l = 0.0
   for mi, li in (a, b):  # an empty part (m = -inf) has l = 0
-    l = l + jnp.where(jnp.isfinite(mi), jnp.exp(_finite_or_zero(mi) - safe), 0.0) * li
+    l = l + jnp.where(jnp.isfinite(mi), jnp.exp(finite_or_zero(mi) - safe), 0.0) * li
   return m, l
 
 
@@ -102,7 +102,7 @@ SOFTMAX = Statistic(2, _softmax_init, _softmax_block, _softmax_merge, _softmax_t
 
 def softmax_derived(m, l) -> dict:
   """The derived hyperparameters ``row_max``, ``row_sum`` of :data:`SOFTMAX`'s (m, l)."""
-  return {"row_max": _finite_or_zero(m), "row_sum": l}
+  return {"row_max": finite_or_zero(m), "row_sum": l}
 
 
 def softmax_of(z, row_max, row_sum):
@@ -162,14 +162,14 @@ def _entropy_block(x, mask):
   """(m, l, t) with ``t = sum e^{x-m} (x - m)``, carried relative to m so that a row far
   from 0 keeps its precision; under a new max m', ``t' = e^{m-m'} (t + l (m - m'))``."""
   m, _ = _softmax_block(x, mask)
-  zc = jnp.where(mask, x - _finite_or_zero(m), 0.0)
+  zc = jnp.where(mask, x - finite_or_zero(m), 0.0)
   e = _exp_below(x, mask, m)
   return m, _sum(e), _sum(e * zc)
 
 
 def _entropy_merge(a, b):
   m = jnp.maximum(a[0], b[0])
-  safe = _finite_or_zero(m)
+  safe = finite_or_zero(m)
   l, t = 0.0, 0.0
   for mi, li, ti in (a, b):
     shift = jnp.where(jnp.isfinite(mi), mi - safe, 0.0)
@@ -181,7 +181,7 @@ def _entropy_merge(a, b):
 
 def _entropy_tangent(x, mask, final):
   m = jax.lax.stop_gradient(final[0])
-  zc = jnp.where(mask, x - _finite_or_zero(m), 0.0)
+  zc = jnp.where(mask, x - finite_or_zero(m), 0.0)
   e = _exp_below(x, mask, m)
   return jnp.zeros_like(m), _sum(e), _sum(e * zc)
 
@@ -197,7 +197,7 @@ def _extremes_init(shape, dtype):
   return jnp.full(shape, -jnp.inf, dtype), zero, jnp.full(shape, jnp.inf, dtype), zero
 
 
-def _at_max(x, hi):
+def at_row_max(x, hi):
   """Entries tied with the max ``hi`` (within the recomputation tolerance)."""
   return x >= hi - _tolerance(hi)
 
@@ -209,7 +209,7 @@ def _at_min(x, lo):
 def _extremes_block(x, mask):
   hi = jnp.max(jnp.where(mask, x, -jnp.inf), axis=-1, keepdims=True)
   lo = jnp.min(jnp.where(mask, x, jnp.inf), axis=-1, keepdims=True)
-  n_hi = _sum(mask & _at_max(x, hi)).astype(x.dtype)
+  n_hi = _sum(mask & at_row_max(x, hi)).astype(x.dtype)
   n_lo = _sum(mask & _at_min(x, lo)).astype(x.dtype)
   return hi, n_hi, lo, n_lo
 
@@ -217,7 +217,7 @@ def _extremes_block(x, mask):
 def _extremes_merge(a, b):
   """The extremes of two parts, the multiplicities of (tolerance-)tied parts added."""
   hi = jnp.maximum(a[0], b[0])
-  n_hi = jnp.where(_at_max(a[0], hi), a[1], 0.0) + jnp.where(_at_max(b[0], hi), b[1], 0.0)
+  n_hi = jnp.where(at_row_max(a[0], hi), a[1], 0.0) + jnp.where(at_row_max(b[0], hi), b[1], 0.0)
   lo = jnp.minimum(a[2], b[2])
   n_lo = jnp.where(_at_min(a[2], lo), a[3], 0.0) + jnp.where(_at_min(b[2], lo), b[3], 0.0)
   return hi, n_hi, lo, n_lo
@@ -228,7 +228,7 @@ def _extremes_tangent(x, mask, final):
   # each of the k tied entries carries 1/k of the extreme's gradient (as jnp.max does for
   # exact ties; here ties within RECOMPUTE_TOLERANCE, so that a recomputed tile whose max
   # rounds an ulp away still finds it)
-  at_hi = jnp.where(mask & _at_max(x, hi), x, 0.0)
+  at_hi = jnp.where(mask & at_row_max(x, hi), x, 0.0)
   at_lo = jnp.where(mask & _at_min(x, lo), x, 0.0)
   zero = jnp.zeros_like(n_hi)
   return safe_divide(_sum(at_hi), n_hi), zero, safe_divide(_sum(at_lo), n_lo), zero

@@ -19,7 +19,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
+from jaxsoft.normalizers import _row_blocks as blocks
+from jaxsoft.normalizers._spec import (NormalizerSpec, Param, ThresholdRule, TileRule,
+                                       identity_score_map, register)
 
 __all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"]
 
@@ -286,6 +288,46 @@ TOP_K_RULE = ThresholdRule(
     # halvings take the 111-wide bracket below float32 resolution.
     iterations=48)
 
+# --- class-R rules for epsilon and eta truncation ----------------------------------------
+# Their kept set {pi_i >= threshold} needs no search: pi_i = e^{x_i - m} / l, so it is
+# {x_i >= m + log(threshold * l)}, a closed form of the row's softmax statistics (m, l)
+# (eta's threshold also needs the entropy H = log l - t / l, blocks.ENTROPY). A first
+# pass over the key blocks merges the statistics, a second (class E) is softmax over the
+# kept entries.
+
+
+def _cut(m, l, threshold):
+  """The kept entries' lower bound ``m + min(0, log(threshold l))`` (the argmax is always
+  kept), and the row max; no gradient (the kept set is piecewise constant in x)."""
+  m, l = jax.lax.stop_gradient(m), jax.lax.stop_gradient(l)
+  row_max = blocks.finite_or_zero(m)
+  gap = jnp.log(jnp.where(l > 0, threshold * l, 1.0))
+  return {"cut": row_max + jnp.minimum(gap, 0.0), "row_max": row_max}
+
+
+def _epsilon_derive(stats, length, epsilon=_EPSILON.default, **_):
+  m, l = stats
+  return _cut(m, l, epsilon)
+
+
+def _eta_derive(stats, length, eta=_ETA.default, **_):
+  m, l, t = jax.lax.stop_gradient(stats)
+  entropy = jnp.log(jnp.where(l > 0, l, 1.0)) - c.safe_divide(t, l)
+  return _cut(m, l, jnp.minimum(eta, jnp.sqrt(eta) * jnp.exp(-entropy)))
+
+
+def _kept_exp(z, m, cut=-jnp.inf, row_max=0.0, **_):
+  """``e^{z - m}`` on the kept entries: ``z >= cut``, or tied with the row max within the
+  relative ``RECOMPUTE_TOLERANCE`` (a recomputed tile may round the argmax an ulp low)."""
+  keep = jnp.logical_or(z >= cut, blocks.at_row_max(z, row_max))
+  return jnp.where(keep, jnp.exp(jnp.where(keep, z - m, 0.0)), 0.0)
+
+
+_KEPT_SOFTMAX = TileRule(score_map=identity_score_map, numerator=_kept_exp,
+                         denominator=_kept_exp, kernel_class="E")
+EPSILON_RULE = blocks.row_stats_rule((blocks.SOFTMAX,), _epsilon_derive, _KEPT_SOFTMAX)
+ETA_RULE = blocks.row_stats_rule((blocks.ENTROPY,), _eta_derive, _KEPT_SOFTMAX)
+
 _COMMON: dict[str, Any] = dict(kernel_class="T", catalogue_id="N15", can_be_sparse=True,
                                smooth=False)
 
@@ -295,9 +337,12 @@ SPEC = register(NormalizerSpec(
 SPEC_TOP_P = register(NormalizerSpec(
     name="top_p_softmax", fn=top_p_softmax, params=(_P,),
     description="nucleus: softmax over the smallest top set with mass >= p", **_COMMON))
+# epsilon and eta: class R (row statistics, then softmax over the kept entries)
+_COMMON_R = {**_COMMON, "kernel_class": "R"}
 SPEC_EPSILON = register(NormalizerSpec(
-    name="epsilon_softmax", fn=epsilon_softmax, params=(_EPSILON,),
-    description="softmax over {pi >= epsilon} (and the argmax)", **_COMMON))
+    name="epsilon_softmax", fn=epsilon_softmax, params=(_EPSILON,), row_stats=EPSILON_RULE,
+    description="softmax over {pi >= epsilon} (and the argmax)", **_COMMON_R))
 SPEC_ETA = register(NormalizerSpec(
-    name="eta_softmax", fn=eta_softmax, params=(_ETA,),
-    description="softmax over {pi >= min(eta, sqrt(eta) e^-H)} (and the argmax)", **_COMMON))
+    name="eta_softmax", fn=eta_softmax, params=(_ETA,), row_stats=ETA_RULE,
+    description="softmax over {pi >= min(eta, sqrt(eta) e^-H)} (and the argmax)",
+    **_COMMON_R))

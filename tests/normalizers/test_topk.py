@@ -190,6 +190,46 @@ def test_bad_input():
 def test_specs():
   for name in ("top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"):
     spec = jn.get(name)
-    assert spec.kernel_class == "T" and spec.catalogue_id == "N15" and spec.can_be_sparse
+    assert spec.catalogue_id == "N15" and spec.can_be_sparse
+  # epsilon and eta cut at a closed form of the row's softmax statistics: class R
+  for name in ("epsilon_softmax", "eta_softmax"):
+    assert jn.get(name).kernel_class == "R" and jn.get(name).row_stats is not None
   assert jn.get("top_k_softmax").defaults == {"k": 8}
   assert jn.get("top_k_softmax").threshold is not None
+
+
+@pytest.mark.parametrize("name,level", [("epsilon_softmax", 0.9), ("epsilon_softmax", 0.02),
+                                        ("eta_softmax", 0.9), ("eta_softmax", 0.02)])
+def test_blockwise_truncation_matches_dense(name, level, monkeypatch):
+  """epsilon/eta in attention blockwise (class R: the cut from the row's softmax
+  statistics, then softmax over the kept keys) against the dense path, forward and
+  gradients. epsilon = 0.9 keeps only the argmax of every row (the cut lies above the max,
+  so the argmax is kept by its own rule); eta = 0.9 lowers its level with the row's
+  entropy; 0.02 keeps a few keys; a batch row without keys."""
+  from jaxsoft.attention import dot_product_attention as dpa
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")  # the Pallas kernels on CPU
+  ks = jax.random.split(jax.random.PRNGKey(4), 4)
+  q, k, v = (jax.random.normal(x, (2, 80, 2, 16)) * 2.0 for x in ks[:3])
+  ct = jax.random.normal(ks[3], v.shape)
+  hp = {"epsilon" if name == "epsilon_softmax" else "eta": level}
+  lens = jnp.array([80, 0])
+
+  def run(impl):
+    def loss(q, k, v):
+      o = dpa(q, k, v, is_causal=True, normalizer=name, normalizer_params=hp,
+              key_value_seq_lengths=lens, implementation=impl)
+      return jnp.sum(o * ct), o
+    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+
+  (_, ref), gref = run("xla")
+  if name == "epsilon_softmax" and level == 0.9:  # one key per row: its value
+    s = jnp.einsum("btnh,bsnh->bnts", q[:1], k[:1]) / 4.0
+    top = jnp.argmax(jnp.where(jnp.tril(jnp.ones((80, 80), bool)), s, -jnp.inf), -1)
+    want = jnp.take_along_axis(jnp.transpose(v[:1], (0, 2, 1, 3)), top[..., None], 2)
+    np.testing.assert_allclose(ref[:1], jnp.transpose(want, (0, 2, 1, 3)), atol=1e-6)
+  np.testing.assert_array_equal(ref[1], 0.0)
+  for impl in ("xla_chunked", "pallas_triton", "pallas_mosaic_tpu"):
+    (_, out), g = run(impl)
+    np.testing.assert_allclose(out, ref, atol=2e-5, err_msg=impl)
+    for a, b in zip(g, gref, strict=True):
+      np.testing.assert_allclose(a, b, atol=2e-4, err_msg=impl)
