@@ -20,8 +20,14 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _row_blocks as blocks
-from jaxsoft.normalizers._spec import (NormalizerSpec, Param, ThresholdRule, TileRule,
-                                       identity_score_map, register)
+from jaxsoft.normalizers._spec import (
+  NormalizerSpec,
+  Param,
+  ThresholdRule,
+  TileRule,
+  identity_score_map,
+  register,
+)
 
 __all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"]
 
