@@ -776,6 +776,11 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
   rule = _threshold_of(rule)
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_threshold_rule")
   length = c.visible_count(mask, axis, xs.dtype)
+  if rule.stats is not None:  # its derived hyperparameters (top-p: softmax's m, l)
+    last = tile.with_row_stats(rule, jnp.moveaxis(xs, axis, -1), jnp.moveaxis(mask, axis, -1),
+                               jnp.moveaxis(length, axis, -1), hparams)
+    hparams = {name: jnp.moveaxis(a, -1, axis) if name not in hparams else a
+               for name, a in last.items()}
   z = rule.score_map(xs, length, **hparams)
   m = c.masked_max(z, mask, axis)
   lo, hi = rule.bracket(m, length, **hparams)

@@ -310,6 +310,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   args = (cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_v), dyn, aux)
   decay = _decay_rows(call, acc, t_pad, s_pad)
   if threshold:
+    if spec.threshold.stats is not None:  # its derived rows first (top-p: softmax's m, l)
+      cfg, dyn = row_stats_core.with_derived_rows(cfg, *args[1:3], args[4], aux, bias, decay,
+                                                  constant=True)
+      args = (cfg, *args[1:4], dyn, aux)
     o = core.threshold_core(*args, bias, decay)
   elif row_stats:
     o = row_stats_core.row_stats_attention(*args, bias, decay)

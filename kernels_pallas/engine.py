@@ -688,42 +688,28 @@ def t_start(cfg: Config, m, length, dyn):
 
 
 def t_indicator(cfg: Config) -> bool:
-  """Whether the rule's weight jumps at tau (top-k: ``1[z >= tau] e^{z - m}``; not the
-  [z - tau]_+ family, whose weight is 0 there), probed with the static hyperparameters
-  and the defaults of the others.
-
-  Such a rule's weights change when a score equal to tau is recomputed one ulp lower (a
-  later pass's tile may round differently), so its tau is moved into the middle of the
-  gap below it (:func:`t_gap_tau`); scores within ``GAP_TOLERANCE`` (relative) of the
-  k-th largest count as tied with it and are kept.
-  """
+  """Whether the rule's weight jumps at tau (``_tile.jumps_at_threshold``, probed with the
+  static hyperparameters and the defaults of the others): its tau then moves into the gap
+  below it after one more sweep (:func:`t_below_tile`, :func:`t_gap_tau`)."""
   hp = {**cfg.spec.defaults, **dict(cfg.static_hp)}
-  hp = {name: x for name, x in hp.items() if x is not None}
-  with jax.ensure_compile_time_eval():  # concrete even while a caller is being traced
-    zero = jnp.zeros((), jnp.float32)
-    return bool(cfg.spec.threshold.weight(zero, zero, zero + 1.0, **hp) != 0)
+  return tile.jumps_at_threshold(cfg.spec.threshold,
+                                 {name: x for name, x in hp.items() if x is not None})
 
 
-# Scores within this relative distance of tau count as tau itself in the gap search: a
-# recomputed tile's logits differ by a few ulps between passes (and between loops of one
-# kernel), so a score equal to tau must not be taken for the next one below it.
-GAP_TOLERANCE = 2.0 ** -16
+GAP_TOLERANCE = tile.GAP_TOLERANCE
 
 
 def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):
   """The extra sweep of indicator rules: the running max of the visible z clearly below
-  tau (by more than ``GAP_TOLERANCE (1 + |tau|)``)."""
+  tau (``_tile.max_below``)."""
   static, arrays = _hp(cfg, dyn)
   z = tile.scores(cfg.spec.threshold, s, mask, m, length, {**static, **arrays})
-  under = z < tau - GAP_TOLERANCE * (1.0 + jnp.abs(tau))
-  if mask is not None:
-    under = jnp.logical_and(under, mask)
-  return jnp.maximum(below, jnp.max(jnp.where(under, z, -jnp.inf), axis=-1, keepdims=True))
+  return tile.max_below(z, mask, tau, below)
 
 
 def t_gap_tau(tau, below):
-  """Midway between tau and the largest score below it (tau - 1 when there is none)."""
-  return jnp.where(below == -jnp.inf, tau - 1.0, 0.5 * (tau + below))
+  """Midway between tau and the largest score below it (``_tile.gap_threshold``)."""
+  return tile.gap_threshold(tau, below)
 
 
 def t_candidates(lo, hi, newton, count: int):
@@ -776,14 +762,8 @@ def t_flag_update(flags, j, live):
 
 
 def t_weight_m(m):
-  """The stabiliser the weights are evaluated at: m raised by ``GAP_TOLERANCE (1 + |m|)``.
-
-  A rule may clamp as ``exp(min(z - m, 0))`` against overflow; at the row's argmax that
-  clamp's derivative is a tie, and a pass whose tile rounds the argmax a few ulps above
-  the search's m would drop its gradient. Strictly above every recomputed z the clamp is
-  inactive; the uniform factor ``e^{m - m'}`` cancels in the normalisation by W.
-  """
-  return m + GAP_TOLERANCE * (1.0 + jnp.abs(m))
+  """The stabiliser the weights are evaluated at (``_tile.weight_stabiliser``)."""
+  return tile.weight_stabiliser(m)
 
 
 def t_weight_tile(cfg: Config, s, mask, tau, m, length, dyn):

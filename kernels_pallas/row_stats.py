@@ -30,6 +30,10 @@ A dense bias and mask enter every pass's tiles (``engine.dense_logits``): the st
 are of the biased, visible logits, and the bias's gradient sums the statistics' dQ pass's
 tile cotangents and the E/P engine's.
 
+A class-T threshold rule with ``stats`` (top-p: softmax's (m, l) for its target) runs the
+same statistics pass first (:func:`with_derived_rows`, ``constant=True``: the derived rows
+carry no gradient), then the class-T kernels with those rows as hyperparameters.
+
 Triton (GPU) and Mosaic TPU drivers, both run on CPU in interpret mode by the tests.
 """
 
@@ -53,7 +57,8 @@ __all__ = ["row_stats_attention", "row_stats_core"]
 
 
 def _rule(cfg: E.Config):
-  return cfg.spec.row_stats
+  """The row-statistics rule: class R's, or the ``stats`` of a class-T threshold rule."""
+  return cfg.spec.row_stats if cfg.kernel_class == "R" else cfg.spec.threshold.stats
 
 
 def _visible(s, mask):
@@ -443,6 +448,15 @@ def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, deca
   the rule's second pass with the derived per-row hyperparameters appended to ``dyn``
   (both see the dense ``bias``, whose gradient sums both). Returns o [B, T_pad, N, Hvp]
   in q's dtype."""
+  second, dyn = with_derived_rows(cfg, q, k, dyn, aux, bias, decay)
+  return core.attention_core(second, q, k, v, dyn, aux, bias, decay)
+
+
+def with_derived_rows(cfg: E.Config, q, k, dyn, aux: E.Aux, bias=None, decay=None,
+                      constant: bool = False):
+  """``(cfg, dyn)`` with the rule's derived hyperparameters (statistics pass, then
+  ``derive`` in XLA) appended as per-row dynamic hyperparameters [B, N, T_pad, 1];
+  ``constant``: without gradient (a class-T rule's ``stats``)."""
   rule = _rule(cfg)
   stats = row_stats_core(cfg, q, k, aux, bias, decay)
   static, arrays = E._hp(cfg, dyn)
@@ -454,5 +468,6 @@ def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, deca
                      "shadow declared ones")
   rows = tuple(jnp.broadcast_to(jnp.asarray(theta[nm], cfg.acc_dtype), stats[0].shape)
                for nm in names)
-  second = dataclasses.replace(cfg, dyn_hp=cfg.dyn_hp + names)
-  return core.attention_core(second, q, k, v, tuple(dyn) + rows, aux, bias, decay)
+  if constant:
+    rows = jax.lax.stop_gradient(rows)
+  return dataclasses.replace(cfg, dyn_hp=cfg.dyn_hp + names), tuple(dyn) + rows

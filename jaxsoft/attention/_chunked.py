@@ -359,7 +359,8 @@ def _full_block_runs(structure: MaskStructure, bq: int, nq: int, bk: int, nk: in
 
 
 def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
-  """Class T: the row max m and the threshold tau of one query block (no gradient).
+  """Class T: ``(m', tau, residual)`` of one query block (no gradient): the weights'
+  stabiliser, their threshold and the search's (``return_residual``'s) threshold.
 
   The search is ``_tile``'s: Newton steps with a bisection companion for rules with a
   ``newton_power``, multisection for the rest, one pass over the key blocks per step,
@@ -395,15 +396,24 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
 
   done = jnp.all(tile.search_done(state))
   _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
-  tau = tile.search_threshold(state, newton)
+  tau = residual = lax.stop_gradient(tile.search_threshold(state, newton))
+  if tile.jumps_at_threshold(rule, dict(plan.static_hp)):
+    # top-k / top-p: tau moves into the gap below it, so that a score equal to tau that
+    # the backward pass recomputes an ulp lower is still kept
+    def below_step(t: _Tile, below):
+      return tile.max_below(tile.scores(rule, t.x, t.vis, m, n, hp), t.vis, tau, below)
+
+    below = _over_key_blocks(plan, inp, aux, qb, qi, below_step,
+                             jnp.full(row, -jnp.inf, plan.dtype))
+    tau = tile.gap_threshold(tau, below)
   # Every visible row has a non-empty support at tau; the final normalisation removes the
   # residual error of the search.
-  # The weights are evaluated at m' = the next float above m: a rule may clamp as
-  # exp(min(z - m, 0)) against overflow, and at the row's argmax (z == m) that clamp's
-  # derivative is a tie (1/2); strictly above every visible z it is inactive, and the
-  # uniform factor e^{m - m'} cancels in the normalisation.
-  m_w = jnp.nextafter(m, jnp.asarray(jnp.inf, m.dtype))
-  return m_w, lax.stop_gradient(tau)
+  # The weights are evaluated just above m (``_tile.weight_stabiliser``): a rule may clamp as
+  # exp(min(z - m, 0)) against overflow, and at the row's argmax that clamp's derivative
+  # is a tie (1/2) wherever the backward pass recomputes z a few ulps above the max pass's;
+  # strictly above every recomputed z it is inactive, and the uniform factor e^{m - m'}
+  # cancels in the normalisation.
+  return tile.weight_stabiliser(m), lax.stop_gradient(tau), residual
 
 
 def _full_visibility(t: _Tile):
@@ -413,9 +423,10 @@ def _full_visibility(t: _Tile):
   return jnp.broadcast_to(t.vis, t.x.shape)
 
 
-def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
-  """Class R: the row statistics of one query block, merged over its key blocks."""
-  rule = plan.rule
+def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi, rule=None):
+  """Class R: the row statistics of one query block, merged over its key blocks (``rule``:
+  that RowStatsRule instead of the plan's)."""
+  rule = plan.rule if rule is None else rule
 
   def step(t: _Tile, stats):
     return rule.merge(stats, rule.block(t.x, _full_visibility(t)))
@@ -423,9 +434,29 @@ def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi):
   return _over_key_blocks(plan, inp, aux, qb, qi, step, rule.init(plan.row(inp.q), plan.dtype))
 
 
+def _threshold_theta(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi) -> dict:
+  """Class T with ``ThresholdRule.stats``: its derived hyperparameters of one query block
+  (constants: no gradient), from a statistics sweep; ``{}`` without."""
+  rule = plan.rule.stats
+  if rule is None:
+    return {}
+  stats = _row_stats_sweep(plan, inp, aux, qb, qi, rule)
+  theta = rule.derive(stats, qb.n, **qb.params)
+  return {name: lax.stop_gradient(jnp.broadcast_to(jnp.asarray(x, plan.dtype), stats[0].shape))
+          for name, x in theta.items()}
+
+
+def _with_theta(qb: _QueryBlock, theta: dict) -> _QueryBlock:
+  """``qb`` with a threshold rule's derived hyperparameters among its constants."""
+  return dataclasses.replace(qb, hp_static={**qb.hp_static, **theta}) if theta else qb
+
+
 def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
   """Returns the residuals ``(out, m, D, extra)``, each [B, K, G, Tp, ·]; ``extra`` is
-  ``(tau,)`` for class T, the row statistics for class R, ``()`` otherwise."""
+  ``(residual tau, weights' tau, theta)`` for class T (the search's tau, and the one the
+  weights use: for top-k/top-p moved into the gap below it; theta: the derived
+  hyperparameters of its ``stats``, a dict, empty without), the row statistics for class
+  R, ``()`` otherwise."""
   rule = plan.rule
   row = plan.row(inp.q)
   Hv = inp.v.shape[-1]
@@ -435,8 +466,11 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
     hp, n = qb.params, qb.n
     extra: tuple = ()
     if plan.kind == "T":
-      m0, tau = _threshold_search(plan, inp, aux, qb, qi)
-      extra = (tau,)
+      theta = _threshold_theta(plan, inp, aux, qb, qi)
+      qb = _with_theta(qb, theta)
+      hp = qb.params
+      m0, tau, residual = _threshold_search(plan, inp, aux, qb, qi)
+      extra = (residual, tau, theta)
 
       def update(t: _Tile, m, l):  # a class-P pass with the weights at tau, and their sum
         w, _ = tile.threshold_maps(rule, t.x, t.vis, tau, m, n, hp)
@@ -659,14 +693,15 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
       return lax.dynamic_slice_in_dim(a, qb.start, plan.bq, 3)
 
     m, d, do, delta = (rows(a) for a in (m_all, d_all, dout, delta_all))
-    extra = tuple(rows(a) for a in extra_all)
+    extra = jax.tree.map(rows, extra_all)
     if plan.kind == "R":
       tile_gradient, d_row = _row_stats_gradients(plan, inp, aux, qb, qi, m, d, delta, do,
                                                   extra)
     else:
       coef = tau = None
       if plan.kind == "T":
-        (tau,) = extra
+        _, tau, theta = extra
+        qb = _with_theta(qb, theta)
         coef = _threshold_coefficient(plan, inp, aux, qb, qi, m, tau, tile.safe_inverse(d), do,
                                       delta)
       tile_gradient = _tile_gradient(plan, qb, m, d, delta, tau, coef)

@@ -71,6 +71,7 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
 
 def _threshold(rule: _spec.ThresholdRule, x, visible, n, hp):
   """Class T: tau of each row by bisection with the rule (``-inf`` for an empty row)."""
+  hp = tile.with_row_stats(rule, x, visible, n, hp)
   z0 = rule.score_map(jnp.where(visible, x, 0.0), n, **hp)
   m = jnp.max(jnp.where(visible, z0, -jnp.inf), axis=-1, keepdims=True)
   m = jnp.where(jnp.isfinite(m), m, 0.0)

@@ -241,7 +241,7 @@ EXTREMES = Statistic(4, _extremes_init, _extremes_block, _extremes_merge, _extre
 
 
 def row_stats_rule(parts: tuple[Statistic, ...], derive: Callable[..., dict],
-                   second: TileRule) -> RowStatsRule:
+                   second: TileRule | None) -> RowStatsRule:
   """A :class:`RowStatsRule` whose statistics are ``parts`` side by side (one flat tuple).
 
   ``derive(stats, length, **hp)`` receives the flat tuple (in the order of ``parts``).

@@ -192,6 +192,12 @@ class ThresholdRule:
   passes instead of ``iterations``. A p without that convexity (entmax with alpha > 2)
   costs only speed: every Newton point is checked like a bisection point. ``None`` (top-k,
   whose mass is a step function): bisection only.
+
+  ``stats`` (optional): a :class:`RowStatsRule` without a ``second`` pass whose statistics
+  a blockwise driver merges over the key blocks before the max pass; ``derive``'s outputs
+  join the hyperparameters of ``score_map``, ``mass``, ``target`` and ``bracket`` as
+  constants (no gradient: they may only move the threshold of a rule whose kept set is
+  piecewise constant, e.g. top-p's ``target = p · sum_j e^{z_j - m}``).
   """
 
   score_map: Callable[..., Any]
@@ -201,6 +207,7 @@ class ThresholdRule:
   weight: Callable[..., Any]
   iterations: int = 30
   newton_power: Callable[..., Any] | None = None
+  stats: RowStatsRule | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,10 +237,12 @@ class RowStatsRule:
   merge: Callable[..., tuple]
   derive: Callable[..., dict]
   tangent: Callable[..., tuple]
-  second: TileRule
+  second: TileRule | None  # None only as a ThresholdRule's ``stats``
 
   def validate(self, where: str = "RowStatsRule") -> None:
     """Raises ValueError unless ``second`` is a class E or P tile rule."""
+    if self.second is None:
+      raise ValueError(f"{where}: a class-R row-statistics rule needs a `second` pass")
     self.second.validate(f"{where}: RowStatsRule.second")
     if self.second.kernel_class not in ("E", "P"):
       raise ValueError(f"{where}: the second pass of a row-statistics rule is class E or P, "

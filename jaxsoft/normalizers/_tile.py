@@ -58,6 +58,12 @@ __all__ = [
     "tile_vjp",
     "offset_vjp",
     "threshold_maps",
+    "with_row_stats",
+    "GAP_TOLERANCE",
+    "jumps_at_threshold",
+    "max_below",
+    "gap_threshold",
+    "weight_stabiliser",
     "search_schedule",
     "search_start",
     "search_candidates",
@@ -257,6 +263,65 @@ def threshold_maps(rule: ThresholdRule, x, mask, tau, m, length, hp: Params):
   weight = _where(mask, rule.weight(z, tau, m, **hp), 0.0)
   mass = _where(mask, rule.mass(z, tau, **hp), 0.0)
   return weight, mass
+
+
+def with_row_stats(rule: ThresholdRule, x, mask, length, hp: Params) -> dict:
+  """``hp`` with the derived hyperparameters of ``rule.stats`` (none without), from whole
+  rows of the logits ``x`` along the last axis (one block); constants, no gradient."""
+  if rule.stats is None:
+    return dict(hp)
+  theta = rule.stats.derive(rule.stats.block(x, mask), length, **hp)
+  return {**hp, **jax.lax.stop_gradient(theta)}
+
+
+# Scores within this relative distance of tau count as tau itself in the gap search: a
+# recomputed tile's logits differ by a few ulps between passes (another fusion, another
+# kernel), so a score equal to tau must not be taken for the next one below it. 2^-21 of
+# 1 + |tau| is at least 4 ulps of tau; a wider margin (2^-16 was used before) also merged
+# genuinely distinct scores: top-p's boundary lies inside the bulk of a row's scores,
+# where neighbours 1e-6 apart occur in about one row in a thousand.
+GAP_TOLERANCE = 2.0 ** -21
+
+
+def jumps_at_threshold(rule: ThresholdRule, hp: Params) -> bool:
+  """Whether the rule's weight jumps at tau (top-k, top-p: ``1[z >= tau] e^{z - m}``; not
+  the ``[z - tau]_+`` family, whose weight is 0 there), probed at z = tau = 0, m = 1 with
+  the Python-valued hyperparameters ``hp``.
+
+  Such a rule's weights change when a score equal to tau is recomputed one ulp lower by a
+  later pass, so its tau is moved into the middle of the gap below it
+  (:func:`gap_threshold`, after a sweep of :func:`max_below`); scores within
+  ``GAP_TOLERANCE`` (relative) of tau count as tied with it and are kept.
+  """
+  with jax.ensure_compile_time_eval():  # concrete even while a caller is being traced
+    zero = jnp.zeros((), jnp.float32)
+    return bool(rule.weight(zero, zero, zero + 1.0, **hp) != 0)
+
+
+def max_below(z, mask, tau, below):
+  """``max(below, the largest visible z clearly below tau)`` per row (by more than
+  ``GAP_TOLERANCE (1 + |tau|)``; ``-inf`` while there is none)."""
+  under = z < tau - GAP_TOLERANCE * (1.0 + jnp.abs(tau))
+  if mask is not None:
+    under = jnp.logical_and(under, mask)
+  return jnp.maximum(below, jnp.max(jnp.where(under, z, -jnp.inf), axis=-1, keepdims=True))
+
+
+def gap_threshold(tau, below):
+  """Midway between tau and the largest score below it (tau - 1 when there is none)."""
+  return jnp.where(below == -jnp.inf, tau - 1.0, 0.5 * (tau + below))
+
+
+def weight_stabiliser(m):
+  """The stabiliser a class-T weight pass evaluates at: m raised by ``GAP_TOLERANCE (1 +
+  |m|)``.
+
+  A rule may clamp as ``exp(min(z - m, 0))`` against overflow; at the row's argmax that
+  clamp's derivative is a tie (1/2), and a pass whose tile rounds the argmax a few ulps
+  above the search's m would halve or drop its gradient. Strictly above every recomputed z
+  the clamp is inactive; the uniform factor ``e^{m - m'}`` cancels in the normalisation.
+  """
+  return m + GAP_TOLERANCE * (1.0 + jnp.abs(m))
 
 
 # --- class T: the threshold search ------------------------------------------------------

@@ -6,6 +6,13 @@ Each keeps a set K of the visible entries of a row and renormalises the softmax 
 
 They differ only in K. The kept set carries no gradient (it is piecewise constant in x);
 the weights are differentiable inside K, zero-gradient outside.
+
+Blockwise (attention's ``xla_chunked`` and Pallas paths, where no row is ever whole):
+top-k and top-p are class T, K = {x >= tau} with tau found by a search over key blocks
+(top-p's target, p times the row's softmax sum, comes from a statistics pass first);
+epsilon and eta are class R, since their K = {x >= m + log(level · l)} is a closed form of
+the row's softmax statistics (m, l) (and, for eta, the entropy's carried sum). The dense
+functions here are the references.
 """
 
 from __future__ import annotations
@@ -129,6 +136,9 @@ def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   with ``pi = softmax(x)`` over the visible entries. An entry is kept when the mass of the
   entries strictly before it (in descending order) is below p; entries tied with the last
   kept probability are kept too. ``p = 1`` keeps every visible entry (softmax).
+  Blockwise (class T): K = {x >= tau} with tau the largest score whose upper mass
+  ``sum_{x_j >= tau} e^{x_j - m}`` reaches ``p · l``, ``(m, l)`` the row's softmax
+  statistics from a first pass; scores within a relative 2^-21 of tau count as tied.
 
   Args:
     x: scores.
@@ -188,7 +198,7 @@ def _truncated_softmax(x, where, level, axis, fn_name):
 @c.dense_rules
 def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                     epsilon: ArrayLike = 3e-4) -> jax.Array:
-  r"""epsilon-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
+  r"""epsilon-truncated softmax (feature N15, kernel class R; Hewitt, Manning & Liang 2022).
 
   .. math::
     K = \{i : \pi_i \ge \varepsilon\} \cup \{\arg\max \pi\}, \qquad
@@ -197,7 +207,9 @@ def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   with ``pi = softmax(x)`` over the visible entries (J. Hewitt, C. D. Manning & P. Liang,
   "Truncation Sampling as Language Model Desmoothing", Findings of EMNLP 2022, arXiv
   2210.15191; the argmax is always kept, as in the reference implementation's
-  ``min_tokens_to_keep = 1``).
+  ``min_tokens_to_keep = 1``). Blockwise (class R): K = {x >= m + min(0, log(epsilon l))}
+  from the row's softmax statistics (m, l), merged over key blocks; an entry within a
+  relative 2^-16 of the max counts as the argmax.
 
   Args:
     x: scores.
@@ -224,7 +236,7 @@ def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
 @c.dense_rules
 def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                 eta: ArrayLike = 3e-4) -> jax.Array:
-  r"""eta-truncated softmax (feature N15, kernel class T; Hewitt, Manning & Liang 2022).
+  r"""eta-truncated softmax (feature N15, kernel class R; Hewitt, Manning & Liang 2022).
 
   From "Truncation Sampling as Language Model Desmoothing" (J. Hewitt, C. D. Manning &
   P. Liang, Findings of EMNLP 2022, arXiv 2210.15191):
@@ -236,6 +248,9 @@ def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   with ``pi = softmax(x)`` over the visible entries and ``H`` its Shannon entropy (nats):
   the threshold drops for high-entropy rows, so a flat row keeps more entries.
+  Blockwise (class R): K = {x >= m + min(0, log(eta' l))} from the row's softmax (m, l) and
+  the entropy ``H = log l - sum_j e^{x_j - m}(x_j - m) / l``, merged over key blocks; an
+  entry within a relative 2^-16 of the max counts as the argmax.
 
   Args:
     x: scores.
@@ -294,6 +309,31 @@ TOP_K_RULE = ThresholdRule(
     # halvings take the 111-wide bracket below float32 resolution.
     iterations=48)
 
+# --- class-T rule for top-p: top-k's search with a mass-weighted count ------------------
+# The kept set of top-p is {z >= tau} with tau the largest score whose upper mass
+# sum_{z_j >= tau} e^{z_j - m} reaches p times the row's sum_j e^{z_j - m}: a threshold rule
+# whose target needs the row's softmax statistics (m, l) first (``ThresholdRule.stats``).
+
+
+def _top_p_stats_derive(stats, length, **_):
+  m, l = jax.lax.stop_gradient(stats)
+  return {"row_max": blocks.finite_or_zero(m), "row_sum": l}
+
+
+def _top_p_mass(z, tau, *_, row_max=0.0, **__):
+  return jnp.where(z >= tau, jnp.exp(jnp.minimum(z - row_max, 0.0)), 0.0)
+
+
+def _top_p_target(length, p=0.9, row_sum=1.0, **_):
+  return jnp.minimum(p, 1.0) * row_sum
+
+
+TOP_P_RULE = ThresholdRule(
+    score_map=_topk_score_map, mass=_top_p_mass, target=_top_p_target,
+    bracket=_topk_bracket, weight=_topk_weight, iterations=48,
+    stats=blocks.row_stats_rule((blocks.SOFTMAX,), _top_p_stats_derive, None))
+
+
 # --- class-R rules for epsilon and eta truncation ----------------------------------------
 # Their kept set {pi_i >= threshold} needs no search: pi_i = e^{x_i - m} / l, so it is
 # {x_i >= m + log(threshold * l)}, a closed form of the row's softmax statistics (m, l)
@@ -341,7 +381,7 @@ SPEC = register(NormalizerSpec(
     name="top_k_softmax", fn=top_k_softmax, params=(_K,), threshold=TOP_K_RULE,
     description="softmax over the k largest (k=8 by default), 0 elsewhere", **_COMMON))
 SPEC_TOP_P = register(NormalizerSpec(
-    name="top_p_softmax", fn=top_p_softmax, params=(_P,),
+    name="top_p_softmax", fn=top_p_softmax, params=(_P,), threshold=TOP_P_RULE,
     description="nucleus: softmax over the smallest top set with mass >= p", **_COMMON))
 # epsilon and eta: class R (row statistics, then softmax over the kept entries)
 _COMMON_R = {**_COMMON, "kernel_class": "R"}

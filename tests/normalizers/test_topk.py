@@ -198,9 +198,14 @@ def test_specs():
   assert jn.get("top_k_softmax").threshold is not None
 
 
-@pytest.mark.parametrize("name,level", [("epsilon_softmax", 0.9), ("epsilon_softmax", 0.02),
-                                        ("eta_softmax", 0.9), ("eta_softmax", 0.02)])
-def test_blockwise_truncation_matches_dense(name, level, monkeypatch):
+_CHUNKED = ("xla_chunked",)
+_ALL_BLOCKWISE = ("xla_chunked", "pallas_triton", "pallas_mosaic_tpu")
+
+
+@pytest.mark.parametrize("name,level,impls", [
+    ("epsilon_softmax", 0.9, _CHUNKED), ("epsilon_softmax", 0.02, _ALL_BLOCKWISE),
+    ("eta_softmax", 0.9, _CHUNKED), ("eta_softmax", 0.02, _ALL_BLOCKWISE)])
+def test_blockwise_truncation_matches_dense(name, level, impls, monkeypatch):
   """epsilon/eta in attention blockwise (class R: the cut from the row's softmax
   statistics, then softmax over the kept keys) against the dense path, forward and
   gradients. epsilon = 0.9 keeps only the argmax of every row (the cut lies above the max,
@@ -228,8 +233,35 @@ def test_blockwise_truncation_matches_dense(name, level, monkeypatch):
     want = jnp.take_along_axis(jnp.transpose(v[:1], (0, 2, 1, 3)), top[..., None], 2)
     np.testing.assert_allclose(ref[:1], jnp.transpose(want, (0, 2, 1, 3)), atol=1e-6)
   np.testing.assert_array_equal(ref[1], 0.0)
-  for impl in ("xla_chunked", "pallas_triton", "pallas_mosaic_tpu"):
+  for impl in impls:
     (_, out), g = run(impl)
     np.testing.assert_allclose(out, ref, atol=2e-5, err_msg=impl)
     for a, b in zip(g, gref, strict=True):
       np.testing.assert_allclose(a, b, atol=2e-4, err_msg=impl)
+
+
+@pytest.mark.parametrize("name,hp,impls", [
+    ("top_k_softmax", {"k": 3}, _CHUNKED), ("top_p_softmax", {"p": 0.5}, _ALL_BLOCKWISE),
+    ("top_p_softmax", {"p": 1.0}, _CHUNKED)])
+def test_blockwise_top_k_top_p_match_dense(name, hp, impls, monkeypatch):
+  """top-k and top-p in attention blockwise (the threshold search; top-p's target from a
+  statistics pass) against the dense path, forward and every cotangent, with a soft cap,
+  a dense mask and bias and 4 x 4 chunks. On these inputs xla_chunked once halved the
+  argmax's gradient: its backward recomputed the top score an ulp above the max pass's, where
+  the weight's clamp ``exp(min(z - m, 0))`` has slope 1/2."""
+  from jaxsoft.attention import _chunked
+  from jaxsoft.attention import dot_product_attention as dpa
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
+  monkeypatch.setattr(_chunked, "BLOCK_Q", 4)
+  monkeypatch.setattr(_chunked, "BLOCK_K", 4)
+  b, t, n = 2, 11, 4
+  q, k, v = helpers.make_qkv(3, b, t, N=n, K=2, H=8)
+  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(4), (b, n, t, t))
+  mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.7, (b, 1, t, t))
+  kw = dict(mask=mask, logits_soft_cap=2.0, normalizer=name, normalizer_params=hp)
+
+  def fn(impl):
+    return lambda q, k, v, bias: dpa(q, k, v, bias, implementation=impl, **kw)
+
+  for impl in impls:
+    helpers.assert_same(fn(impl), fn("xla"), (q, k, v, bias))
