@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+import jaxsoft.normalizers as jn
 from jaxsoft import attention
+from jaxsoft.normalizers import NormalizerSpec
 from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import inputs, reference
 
@@ -35,8 +37,13 @@ def test_pick_backend(interpret_env):
 
 # A dense bias/mask, decay_bias, value head dims, dtypes and a traced scale reach the
 # kernel now (tests/kernels_pallas/test_contract.py).
+# Every registered class-T normalizer has a threshold rule now; a spec without one:
+_T_WITHOUT_RULE = NormalizerSpec(name="test_t_without_rule", fn=jn.top_p_softmax,
+                                 kernel_class="T", catalogue_id="")
+
+
 @pytest.mark.parametrize("kwargs", [
-    dict(normalizer="top_p_softmax"),  # class T without a threshold rule
+    dict(normalizer=_T_WITHOUT_RULE),  # class T without a threshold rule
     dict(normalizer="gumbel_softmax", normalizer_params={"key": jax.random.key(0)}),
     dict(normalizer=lambda x, axis=-1, where=None: jax.nn.softmax(x, axis, where=where)),
 ], ids=["class_T", "stochastic", "callable"])
