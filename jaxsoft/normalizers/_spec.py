@@ -209,6 +209,24 @@ class ThresholdRule:
   newton_power: Callable[..., Any] | None = None
   stats: RowStatsRule | None = None
 
+  def validate(self, where: str = "ThresholdRule") -> None:
+    """Raises ValueError naming the field that does not fit the declaration."""
+    for name in ("score_map", "mass", "target", "bracket", "weight"):
+      if not callable(getattr(self, name)):
+        raise ValueError(f"{where}: ThresholdRule.{name} must be callable, got "
+                         f"{getattr(self, name)!r}")
+    if self.newton_power is not None and not callable(self.newton_power):
+      raise ValueError(f"{where}: ThresholdRule.newton_power must be None or callable "
+                       f"(hyperparameters -> p), got {self.newton_power!r}")
+    it = self.iterations
+    if isinstance(it, bool) or not isinstance(it, int) or it < 1:
+      raise ValueError(f"{where}: ThresholdRule.iterations must be a positive int, got {it!r}")
+    if self.stats is not None and (not isinstance(self.stats, RowStatsRule)
+                                   or self.stats.second is not None):
+      raise ValueError(f"{where}: ThresholdRule.stats must be a RowStatsRule without a "
+                       f"`second` pass (its derived values feed the threshold), got "
+                       f"{self.stats!r}")
+
 
 @dataclasses.dataclass(frozen=True)
 class RowStatsRule:
@@ -324,6 +342,8 @@ class NormalizerSpec:
       raise ValueError(f"{where} of class {self.kernel_class} cannot carry a tile rule")
     if self.kernel_class != "T" and self.threshold is not None:
       raise ValueError(f"{where} of class {self.kernel_class} cannot carry a threshold rule")
+    if self.threshold is not None:
+      self.threshold.validate(where)
     if self.row_stats is not None:
       if self.kernel_class != "R":
         raise ValueError(f"{where} of class {self.kernel_class} cannot carry a row-statistics "

@@ -178,6 +178,26 @@ def test_rules_only_on_their_classes():
     _spec("T", denominator=lambda z, m: z)
 
 
+def test_threshold_rule_fields_are_validated():
+  """A class-T spec's ThresholdRule names its bad field when the spec is built."""
+  from jaxsoft.normalizers import _row_blocks, _topk
+  ok = _topk.TOP_K_RULE
+
+  def build(**change):
+    return NormalizerSpec(name="bad", fn=lambda x: x, kernel_class="T", catalogue_id="",
+                          threshold=dataclasses.replace(ok, **change))
+
+  build()  # the registered rule itself passes
+  for change, match in (({"mass": 1.0}, "ThresholdRule.mass"),
+                        ({"newton_power": 0.5}, "newton_power"),
+                        ({"iterations": 0}, "iterations"), ({"iterations": True}, "iterations"),
+                        ({"stats": _row_blocks.row_stats_rule(
+                            (_row_blocks.SOFTMAX,), lambda st, n: {}, _topk._KEPT_SOFTMAX)},
+                         "without a `second`")):
+    with pytest.raises(ValueError, match=match):
+      build(**change)
+
+
 def test_derived_properties_of_the_registry():
   for name, spec in REGISTRY.items():
     if spec.tile is None:
