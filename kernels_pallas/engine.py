@@ -696,9 +696,6 @@ def t_indicator(cfg: Config) -> bool:
                                  {name: x for name, x in hp.items() if x is not None})
 
 
-GAP_TOLERANCE = tile.GAP_TOLERANCE
-
-
 def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):
   """The extra sweep of indicator rules: the running max of the visible z clearly below
   tau (``_tile.max_below``)."""

@@ -223,7 +223,7 @@ class _QueryBlock:
   q: Any  # [B, K, G, bq, H]
   n: Any  # visible keys per row
   hp: dict  # float array hyperparameters, sliced
-  hp_static: dict  # Python values and integer arrays
+  hp_static: dict  # Python values, integer arrays and a threshold rule's derived constants
   q_pos: Any
   q_seg: Any
   bias: Any
