@@ -265,3 +265,23 @@ def test_blockwise_top_k_top_p_match_dense(name, hp, impls, monkeypatch):
 
   for impl in impls:
     helpers.assert_same(fn(impl), fn("xla"), (q, k, v, bias))
+
+
+def test_blockwise_top_p_rows_without_keys_are_zero(monkeypatch):
+  """top-p blockwise (statistics pass, then the search) on a batch row with no visible key:
+  zeros out, zero and finite gradients, in xla_chunked and the Triton interpreter."""
+  from jaxsoft.attention import dot_product_attention as dpa
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
+  q, k, v = helpers.make_qkv(5, 2, 16, N=2, K=1, H=8)
+  lens = jnp.array([16, 0])
+  for impl in ("xla_chunked", "pallas_triton"):
+    def loss(q, k, v, impl=impl):
+      o = dpa(q, k, v, normalizer="top_p_softmax", normalizer_params={"p": 0.5},
+              key_value_seq_lengths=lens, implementation=impl)
+      return jnp.sum(o ** 2), o
+    (_, o), g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    np.testing.assert_array_equal(o[1], 0.0)
+    assert float(jnp.abs(o[0]).max()) > 0
+    for a in g:
+      assert bool(jnp.all(jnp.isfinite(a))), impl
+      np.testing.assert_array_equal(a[1], 0.0)
