@@ -81,11 +81,14 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   for p, v in ((_DELTA, delta), (_BETA, beta), (_GAMMA, gamma)):
     p.validate(v, "asentmax")
   _entmax._check_alpha(alpha)
-  xs, mask, ax = c.prepare(x, axis, where, "asentmax")
+  xs, mask, ax, top = c.prepare(x, axis, where, "asentmax", with_max=True)
   hp = {name: c.row_param(v, xs.shape, ax, name, "asentmax", xs.dtype)
         for name, v in (("delta", delta), ("beta", beta), ("gamma", gamma))}
   theta = asentmax_scale(c.visible_count(mask, ax, xs.dtype), **hp)
-  w = _entmax.entmax(theta * xs, axis=ax, where=mask, alpha=alpha)
+  # theta (x - max x): entmax is shift invariant per row, and the scaled scores keep
+  # their differences exact however far x sits from 0 (theta x + theta c would round
+  # theta c's ulp into every gap)
+  w = _entmax.entmax(theta * (xs - top), axis=ax, where=mask, alpha=alpha)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
