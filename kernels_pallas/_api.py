@@ -149,13 +149,22 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   output takes q's), a traced ``scale`` (folded into q) and Forgetting attention's
   ``decay_bias`` (``cq_i - ck_j`` added per tile from the two vectors before the soft
   cap; its gradients are the row sums of the logits' cotangent, from the dQ passes, and
-  minus the column sums, from the dK/dV passes) are supported.
+  minus the column sums, from the dK/dV passes) are supported. So are ``score="distance"``
+  (A18: ``|q_i|^2`` and ``-|k_j|^2`` ride on the decay's row and column operands with
+  scale -2, the logit is the square root of the tile's ``-2 q.k + |q|^2 + |k|^2``, and
+  the backward chains through it: ``engine.score_tile``, ``engine.logits_grad``) and
+  ``return_residual`` (``m + log D`` from the forward's row statistics for classes E and
+  S, 0 for P, the search's tau for T; no gradient).
+
+  Returns:
+    ``o`` [B, T, N, Hv] in q's dtype, or ``(o, residual [B, T, N])`` with
+    ``call.return_residual``.
 
   Raises:
-    NotImplementedError: ``score`` other than "dot", ``return_residual``, a plain
-      callable, a normalizer of kernel class X (or T/R without its blockwise rule), a
-      stochastic normalizer, or (with ``interpret=None``) a platform with no Pallas
-      backend.
+    NotImplementedError: ``score="distance"`` together with a ``decay_bias``,
+      ``return_residual`` for class R (no row statistic is defined), a plain callable, a
+      normalizer of kernel class X (or T/R without its blockwise rule), a stochastic
+      normalizer, or (with ``interpret=None``) a platform with no Pallas backend.
     ValueError: bad block sizes or backend, a block table of the wrong shape, or
       ``exp2`` / ``rescale_threshold`` for a normalizer they do not fit.
   """
@@ -167,12 +176,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     tau = float(tau)
   if block_table is None and row_blocks is not None:
     raise ValueError("`row_blocks` needs a `block_table`")
-  if getattr(call, "score", "dot") != "dot":
-    raise NotImplementedError(f"the Pallas engine computes dot-product scores only, not "
-                              f"score={call.score!r}")
-  if call.return_residual:
-    raise NotImplementedError("the Pallas engine does not return the residual "
-                              "(`return_residual`) yet")
+  distance = call.score == "distance"
+  if distance and call.decay_bias is not None:
+    raise NotImplementedError("the Pallas engine runs score='distance' without a "
+                              "`decay_bias` (the distance rides on the decay's operands)")
   if not isinstance(spec, _spec.NormalizerSpec):
     raise E.UnsupportedError("the Pallas engine needs a registered NormalizerSpec, not a callable")
   threshold = spec.kernel_class == "T" and spec.threshold is not None
@@ -185,6 +192,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
         "and R with a RowStatsRule")
   if spec.needs_key:
     raise E.UnsupportedError(f"normalizer {spec.name!r} is stochastic")
+  if row_stats and call.return_residual:
+    raise E.UnsupportedError(
+        f"`return_residual`: normalizer {spec.name!r} (kernel class R) has no row statistic")
   if interpret is None:
     backend, interpret = pick_backend(backend)
   elif backend not in BACKENDS:
@@ -198,17 +208,22 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   dtype = jnp.promote_types(jnp.promote_types(call.q.dtype, call.k.dtype), call.v.dtype)
   acc = "float64" if dtype == jnp.float64 else "float32"
   q, k, v = (x.astype(dtype) for x in (call.q, call.k, call.v))
-  try:
-    scale = float(call.scale)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    q = (q.astype(acc) * jnp.asarray(call.scale, acc)).astype(dtype)
-    scale = 1.0
+  if distance:  # |q - k|^2 = -2 q.k + |q|^2 + |k|^2 (engine.score_tile); not scaled
+    scale = -2.0
+  else:
+    try:
+      scale = float(call.scale)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+      q = (q.astype(acc) * jnp.asarray(call.scale, acc)).astype(dtype)
+      scale = 1.0
   if fp8 not in (None, "e4m3"):
     raise ValueError(f"`fp8` must be None or 'e4m3', got {fp8!r}")
   if not isinstance(fp8_rotation, bool):
     raise ValueError(f"`fp8_rotation` must be a bool, got {fp8_rotation!r}")
   if fp8 is not None and dtype == jnp.float64:
     raise ValueError("`fp8` needs float32/bfloat16/float16 inputs, not float64")
+  if fp8 is not None and distance:
+    raise ValueError("`fp8` quantises dot-product scores, not score='distance'")
   if not (fp8_dot is None or isinstance(fp8_dot, bool)):
     raise ValueError(f"`fp8_dot` must be None or a bool, got {fp8_dot!r}")
   if fp8_dot is not None and fp8 is None:
@@ -265,7 +280,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       window=st.window, has_segments=st.is_per_batch, t=t, s=s, t_pad=t_pad, s_pad=s_pad,
       head_dim_pad=h_pad, num_heads=n, num_kv_heads=kh, blocks=bl, backend=backend,
       interpret=interpret, debug=debug, acc=acc, value_dim_pad=hv_pad, bias_full=bias_full,
-      mask_full=mask_full, length_rows=length_rows, decay=call.decay_bias is not None,
+      mask_full=mask_full, length_rows=length_rows,
+      decay=call.decay_bias is not None or distance, distance=distance,
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
       exp2=exp2, rescale_threshold=tau, fp8_dot=native)
@@ -308,18 +324,25 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       **tables)
   pad_v = ((0, 0), (0, s_pad - s), (0, 0), (0, hv_pad - hv))
   args = (cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_v), dyn, aux)
-  decay = _decay_rows(call, acc, t_pad, s_pad)
+  if distance:
+    decay = _distance_rows(q, k, acc, t_pad, s_pad)
+  else:
+    decay = _decay_rows(call, acc, t_pad, s_pad)
   if threshold:
     if spec.threshold.stats is not None:  # its derived rows first (top-p: softmax's m, l)
       cfg, dyn = row_stats_core.with_derived_rows(cfg, *args[1:3], args[4], aux, bias, decay,
                                                   constant=True)
       args = (cfg, *args[1:4], dyn, aux)
-    o = core.threshold_core(*args, bias, decay)
+    o, stat = core.threshold_core(*args, bias, decay)
   elif row_stats:
-    o = row_stats_core.row_stats_attention(*args, bias, decay)
+    o, stat = row_stats_core.row_stats_attention(*args, bias, decay)
   else:
-    o = core.attention_core(*args, bias, decay)
-  return o[:, :t, :, :hv].astype(out_dtype)
+    o, stat = core.attention_core(*args, bias, decay)
+  o = o[:, :t, :, :hv].astype(out_dtype)
+  if not call.return_residual:
+    return o
+  stat = jax.lax.stop_gradient(jnp.swapaxes(stat[:, :, :t, 0], 1, 2))  # [B, T, N]
+  return o, stat.astype(out_dtype)
 
 
 def _check_table_call(call, threshold_or_row_stats: bool, block_sizes, bl: E.BlockSizes,
@@ -379,12 +402,27 @@ def _table_lists(cfg: E.Config, st, row_ranges, block_table, row_blocks, b: int,
 
 def _decay_rows(call, acc: str, t_pad: int, s_pad: int):
   """Forgetting attention's ``(cq [B, T, N], ck [B, S, N])`` as the kernel's row and column
-  vectors ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` (None without a decay). The
-  ``decay_prune_threshold`` (an xla_chunked approximation) is not used: the kernel is
-  exact."""
+  vectors (:func:`_row_column`; None without a decay). The ``decay_prune_threshold`` (an
+  xla_chunked approximation) is not used: the kernel is exact."""
   if call.decay_bias is None:
     return None
-  cq, ck = (jnp.swapaxes(x.astype(acc), 1, 2) for x in call.decay_bias)
+  return _row_column(*call.decay_bias, acc, t_pad, s_pad)
+
+
+def _distance_rows(q, k, acc: str, t_pad: int, s_pad: int):
+  """``score="distance"``: ``|q_i|^2`` and ``-|k_j|^2`` (each key head's repeated for the
+  query heads of its group) as the kernel's row and column vectors, differentiable (the
+  kernel returns their cotangents as the decay's; autodiff chains them to q and k)."""
+  qn = jnp.sum(jnp.square(q.astype(acc)), axis=-1)  # [B, T, N]
+  kn = jnp.sum(jnp.square(k.astype(acc)), axis=-1)  # [B, S, K]
+  kn = jnp.repeat(kn, q.shape[2] // k.shape[2], axis=2)  # query head n reads kv head n // G
+  return _row_column(qn, -kn, acc, t_pad, s_pad)
+
+
+def _row_column(cq, ck, acc: str, t_pad: int, s_pad: int):
+  """``(cq [B, T, N], ck [B, S, N])`` -> the kernel's ``(cq [B, N, T_pad, 1], ck [B, N, 1,
+  S_pad])`` in the compute dtype, zero-padded."""
+  cq, ck = (jnp.swapaxes(x.astype(acc), 1, 2) for x in (cq, ck))
   cq = jnp.pad(cq, ((0, 0), (0, 0), (0, t_pad - cq.shape[2])))[..., None]
   ck = jnp.pad(ck, ((0, 0), (0, 0), (0, s_pad - ck.shape[2])))[:, :, None, :]
   return cq, ck
@@ -448,7 +486,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               query_seq_lengths=None, key_value_seq_lengths=None, decay_bias=None,
               debug: bool = False, exp2: bool = False,
               rescale_threshold: float | None = None, fp8: str | None = None,
-              fp8_rotation: bool = True, fp8_dot: bool | None = None):
+              fp8_rotation: bool = True, fp8_dot: bool | None = None,
+              return_residual: bool = False, score: str = "dot"):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -524,9 +563,17 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       the dequantised values; None (default), native on Triton (an fp8-capable GPU,
       sm_89+, is needed) and dequantised on Mosaic (TPUs before v7 have no fp8 matrix
       unit). Classes E, S and P; class T and R always multiply dequantised values.
+    return_residual: also return the row statistic of ``jaxsoft.attention``'s
+      ``return_residual`` (no gradient): the log-sum-exp ``m + log D`` for classes E and
+      S (their offset's mass included), 0 for P, the threshold tau for T; class R
+      defines none (NotImplementedError).
+    score: ``"dot"`` or ``"distance"`` (A18: the logit is ``|q_i - k_j|``, unscaled: leave
+      ``scale`` None; not with a ``decay_bias`` or ``fp8``).
 
   Returns:
-    ``[B, T, N, Hv]`` in q's dtype. A query row with no visible key gives zeros.
+    ``[B, T, N, Hv]`` in q's dtype (with ``return_residual``, the pair ``(out, residual
+    [B, T, N])``). A query row with no visible key gives zeros (and residual ``-inf``
+    for classes E, S and T).
 
   Raises:
     NotImplementedError (``engine.UnsupportedError``): a normalizer of class X, a plain
@@ -545,13 +592,17 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
         logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, decay_bias=decay_bias, exp2=exp2,
         rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
-        fp8_dot=fp8_dot)
+        fp8_dot=fp8_dot, score=score)
+  if not isinstance(return_residual, (bool, np.bool_)):
+    raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
   call = attention_api._canonical_call(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
-      decay_bias, None)
+      decay_bias, None, bool(return_residual), score)
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,
                             fp8_rotation=fp8_rotation, fp8_dot=fp8_dot)
-  return out[0] if jnp.ndim(q) == 3 else out
+  if jnp.ndim(q) == 3:  # unbatched
+    return tuple(x[0] for x in out) if return_residual else out[0]
+  return out

@@ -17,7 +17,8 @@ from jaxsoft.normalizers import _tile as tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-__all__ = ["attention_core", "threshold_core", "driver", "sum_to_shape", "block_lists"]
+__all__ = ["attention_core", "threshold_core", "row_statistic", "driver", "sum_to_shape",
+           "block_lists"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
 
@@ -38,10 +39,21 @@ def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=Non
   ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32; ``bias`` the dense
   bias [B|1, N|1, T_pad|1, S_pad|1] in the compute dtype (``cfg.bias_full``) or None;
   ``decay`` Forgetting attention's ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` or None.
-  Returns o [B, T_pad, N, Hvp] in q's dtype.
+  Returns ``(o [B, T_pad, N, Hvp] in v's dtype, residual [B, N, T_pad, 1])``, the residual
+  of ``return_residual`` (:func:`row_statistic`); its cotangent is ignored (the caller
+  stops its gradient).
   """
-  o, _, _ = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
-  return o
+  o, m, d = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  return o, row_statistic(cfg, m, d)
+
+
+def row_statistic(cfg: E.Config, m, d):
+  """The residual of ``return_residual`` from the forward's per-row ``(m, D)`` (natural
+  units): ``m + log D`` for classes E and S (the log-sum-exp for softmax, the offset's mass
+  included; ``-inf`` where D = 0), 0 for class P (its D is 1), as the XLA paths."""
+  if cfg.kernel_class == "P":
+    return jnp.zeros_like(m)
+  return m + jnp.log(d)
 
 
 def _forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
@@ -70,10 +82,11 @@ def sum_to_shape(x, shape):
 
 def _core_fwd(cfg, q, k, v, dyn, aux, bias, decay):
   o, m, d = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
-  return o, (q, k, v, dyn, aux, bias, decay, o, m, d)
+  return (o, row_statistic(cfg, m, d)), (q, k, v, dyn, aux, bias, decay, o, m, d)
 
 
-def _core_bwd(cfg, res, do):
+def _core_bwd(cfg, res, cotangents):
+  do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, m, d = res
   cfg = dataclasses.replace(cfg, fp8_dot=False)  # the backward reads the dequantised q, k
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
@@ -124,27 +137,31 @@ def _live_tables(cfg: E.Config, flags):
 def _threshold_forward(cfg, q, k, v, dyn, aux):
   """Search and weighted pass (``aux`` carries the dense bias, if any)."""
   drv = driver(cfg.backend)
-  m, tau, flags = drv.threshold_search(cfg, q, k, dyn, aux)
+  m, tau, flags, tau_search = drv.threshold_search(cfg, q, k, dyn, aux)
   m = E.t_weight_m(m)
   tables = _live_tables(cfg, flags)
   o, d = drv.threshold_forward(cfg, q, k, v, m, tau, tables[0], tables[1], dyn, aux)
-  return o, (m, tau, d, tables)
+  # the residual: the search's tau (top-k/top-p weigh at a tau moved into the gap below
+  # it), -inf for a row with no visible key (its weights sum to 0), as the XLA paths
+  return (o, jnp.where(d > 0, tau_search, -jnp.inf)), (m, tau, d, tables)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def threshold_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=None):
   """Class T on padded inputs (the engine's class-T section): search, then the weighted
   pass over the live key blocks (``bias``, ``decay`` as in :func:`attention_core`).
-  Returns o [B, T_pad, N, Hvp] in q's dtype."""
+  Returns ``(o [B, T_pad, N, Hvp] in q's dtype, residual [B, N, T_pad, 1])``: the
+  residual is the threshold tau (its cotangent is ignored)."""
   return _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))[0]
 
 
 def _threshold_fwd(cfg, q, k, v, dyn, aux, bias, decay):
-  o, res = _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
-  return o, (q, k, v, dyn, aux, bias, decay, o, res)
+  out, res = _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
+  return out, (q, k, v, dyn, aux, bias, decay, out[0], res)
 
 
-def _threshold_bwd(cfg, res, do):
+def _threshold_bwd(cfg, res, cotangents):
+  do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
   delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
                      do.astype(cfg.acc_dtype))[..., None]

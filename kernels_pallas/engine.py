@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxsoft.attention import _masks
+from jaxsoft.attention._dense import safe_distance
 from jaxsoft.normalizers import _spec
 from jaxsoft.normalizers import _tile as tile
 from jaxsoft.normalizers._softmax import exp_numerator, temperature_score_map
@@ -142,6 +143,9 @@ class Config:
   mask_full: tuple[bool, bool, bool, bool] | None = None
   length_rows: bool = False  # the visible counts are per head: Aux.length [B, N, T_pad, 1]
   decay: bool = False  # Forgetting attention's cq_i - ck_j added before the soft cap
+  # A18 score="distance": the logit is |q_i - k_j| (``score_tile``); it rides on the decay's
+  # row and column operands (then |q_i|^2 and -|k_j|^2, ``decay`` True, scale -2)
+  distance: bool = False
   # Block tables (``attention_from_call(block_table=...)``): the key loops of the forward
   # and dQ passes follow a compacted list of key blocks per (batch, head, query block),
   # Aux.fwd_idx / fwd_cnt, and the dK/dV pass its transpose, Aux.dkv_idx / dkv_cnt,
@@ -203,21 +207,39 @@ def tile_logits(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_sca
   forward pass with ``cfg.exp2``) returns ``log2(e) s``: log2 e is folded into the scale,
   the decay terms and the cap (``c cap tanh(x / cap) = (c cap) tanh(c x / (c cap))``).
   ``fp8_scales`` (``cfg.fp8_dot``): ``(sq [bq, 1], sk [1, bk])``, q and k float8 and
-  ``q k^T`` the fp8 dot (float32 accumulation) times ``sq_i sk_j``.
+  ``q k^T`` the fp8 dot (float32 accumulation) times ``sq_i sk_j``. With
+  ``cfg.distance`` see :func:`score_tile`.
+  """
+  return score_tile(cfg, q, k, cq, ck, log2, fp8_scales)[0]
+
+
+def score_tile(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_scales=None):
+  """``(s, d)``: the logits of :func:`tile_logits` and, with ``cfg.distance``, the tile's
+  distances before the soft cap (None otherwise), which :func:`logits_grad` chains through.
+
+  With ``cfg.distance`` (A18, ``score="distance"``) the row and column terms are
+  ``cq_i = |q_i|^2`` and ``ck_j = -|k_j|^2`` and the scale is -2, so that
+  ``scale q k^T + cq - ck`` is the squared distance ``|q_i - k_j|^2`` and the pre-cap logit
+  its square root ``d_ij`` (``safe_distance``: 0, with gradient 0, where rounding makes the
+  square negative).
   """
   c = LOG2E if log2 else 1.0
   s = dot(cfg, q, k, (1, 1))
-  if fp8_scales is not None:
+  dist = None
+  if cfg.distance:
+    dist = safe_distance(s * cfg.scale + cq - ck)
+    s = dist * c if log2 else dist
+  elif fp8_scales is not None:
     sq, sk = fp8_scales
     s = (s * (sq * (cfg.scale * c))) * sk
   else:
     s = s * (cfg.scale * c)
-  if cq is not None:
+  if cq is not None and not cfg.distance:
     s = s + ((cq * c) - (ck * c) if log2 else cq - ck)
   if cfg.soft_cap is not None:
     cap = cfg.soft_cap * c
     s = cap * jnp.tanh(s / cap)
-  return s
+  return s, dist
 
 
 def soft_cap_grad(cfg: Config, s, ds):
@@ -226,6 +248,17 @@ def soft_cap_grad(cfg: Config, s, ds):
     return ds
   t = s / cfg.soft_cap
   return ds * (1.0 - t * t)
+
+
+def logits_grad(cfg: Config, s, dist, ds):
+  """The cotangent of the tile's ``scale q k^T + cq - ck`` from the logits' ``ds``: through
+  the soft cap (:func:`soft_cap_grad`) and, with ``cfg.distance``, through ``d = sqrt(d2)``
+  (``ds / (2 d)``, 0 where d = 0 as ``safe_distance``); ``dist`` from :func:`score_tile`."""
+  ds = soft_cap_grad(cfg, s, ds)
+  if dist is None:
+    return ds
+  pos = dist > 0
+  return jnp.where(pos, ds / (2.0 * jnp.where(pos, dist, 1.0)), 0.0)
 
 
 def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg=None):

@@ -155,7 +155,7 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       dq, dcq = carry
       sl = pl.ds(j * bk, bk)
       kt = k_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt, *triton._decay_q(cq_ref, ck_ref, sl))
+      s, dist = E.score_tile(cfg, qt, kt, *triton._decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
@@ -163,7 +163,7 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       ds = tangent_tile(cfg, x, mask, st, gt)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       return (dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0)),
               dcq + jnp.sum(ds, axis=-1, keepdims=True))
 
@@ -206,14 +206,14 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
         dk, dck = carry
         sl = pl.ds(i * bq, bq)
         qt = q_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt, *triton._decay_k(cq_ref, ck_ref, gi, sl))
+        s, dist = E.score_tile(cfg, qt, kt, *triton._decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
         x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(
             cfg, bias_ref, mask_ref, bq, bk, head=gi, rows=sl))
         st = tuple(r[gi, sl, :] for r in st_refs)
         gt = tuple(r[gi, sl, :] for r in g_refs)
-        ds = E.soft_cap_grad(cfg, s, tangent_tile(cfg, x, mask, st, gt))
+        ds = E.logits_grad(cfg, s, dist, tangent_tile(cfg, x, mask, st, gt))
         return (dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0)),
                 dck - jnp.sum(ds, axis=0, keepdims=True))
 
@@ -318,14 +318,14 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
     @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt, tpu._read(cq_ref), tpu._read(ck_ref))
+      s, dist = E.score_tile(cfg, q_ref[...], kt, tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
                         tuple(y[...] for y in g_refs))
       if ds_ref is not None:
         ds_ref[...] = ds
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if dcq_sc is not None:
         dcq_sc[...] += jnp.sum(ds, axis=-1, keepdims=True)
       dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
@@ -381,12 +381,12 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
     @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
     def _compute():
       qt = q_ref[...]
-      s = E.tile_logits(cfg, qt, k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
+      s, dist = E.score_tile(cfg, qt, k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
                         tuple(y[...] for y in g_refs))
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
         dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
       ds = ds * cfg.scale
@@ -446,8 +446,9 @@ row_stats_core.defvjp(_stats_fwd, _stats_bwd)
 def row_stats_attention(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=None):
   """Class R on padded inputs: statistics, ``derive`` in XLA, then the E/P engine running
   the rule's second pass with the derived per-row hyperparameters appended to ``dyn``
-  (both see the dense ``bias``, whose gradient sums both). Returns o [B, T_pad, N, Hvp]
-  in q's dtype."""
+  (both see the dense ``bias``, whose gradient sums both). Returns ``(o [B, T_pad, N,
+  Hvp], residual)`` as :func:`core.attention_core` (the residual is the second pass's,
+  which ``return_residual`` does not expose: class R defines none)."""
   second, dyn = with_derived_rows(cfg, q, k, dyn, aux, bias, decay)
   return core.attention_core(second, q, k, v, dyn, aux, bias, decay)
 

@@ -45,7 +45,8 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
       decay_bias, **kwargs: as for :func:`kernels_pallas.attention`.
 
   Returns:
-    The attention output ``[B, T, N, H]``, sharded like q.
+    The attention output ``[B, T, N, H]``, sharded like q (with ``return_residual=True``,
+    the pair ``(out, residual [B, T, N])``).
   """
   b, t, n, _ = q.shape
   qkv = P(batch_axis, None, head_axis, None)
@@ -86,7 +87,11 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
   args = (q, k, v, dyn, seg, ql, kl, bias, mask, decay)
   args = jax.tree_util.tree_map(lambda x, sp: _place(mesh, x, sp), args, in_specs,
                                 is_leaf=lambda x: x is None)
-  fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=qkv, check_vma=False)
+  out_specs = qkv
+  if kwargs.get("return_residual"):  # (out, residual [B, T, N])
+    out_specs = (qkv, P(batch_axis, None, head_axis))
+  fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                     check_vma=False)
   return fn(*args)
 
 

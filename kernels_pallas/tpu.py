@@ -196,7 +196,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
+      s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       mask = E.select_mask(mask, _read(sel_ref), kb, bk)
@@ -205,7 +205,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                                     len_ref[...], tuple(rf[...] for rf in dyn_refs))
       if ds_ref is not None:
         ds_ref[...] = ds
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
         ddyn = (*ddyn, jnp.sum(ds, axis=-1, keepdims=True))
       dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
@@ -282,14 +282,14 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     @pl.when(active)
     def _compute():
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s = E.tile_logits(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
+      s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       mask = E.select_mask(mask, _read(sel_ref), ki, bk)
       dp = E.dot(cfg, dot_, vt, (1, 1))
       w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                  len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
         dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
       ds = ds * cfg.scale
@@ -323,7 +323,8 @@ def _live(i, cnt_at, idx_at):
 
 
 def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
-  """Returns (m [B, N, T_pad, 1] (finite), tau [B, N, T_pad, 1], flags [B, N, nq, 1, nk])."""
+  """Returns (m [B, N, T_pad, 1] (finite), tau [B, N, T_pad, 1], flags [B, N, nq, 1, nk],
+  tau_search [B, N, T_pad, 1]) as the Triton driver's ``threshold_search``."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, g, n_dyn = q.shape[0], cfg.num_heads, cfg.groups, len(dyn)
   nq, nk, width = cfg.t_pad // bq, cfg.s_pad // bk, E.num_k_flags(cfg)
@@ -338,7 +339,8 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   flag_spec = pl.BlockSpec((None, None, None, 1, width),
                            lambda bi, ni, qi, p, ki, lo, hi: (bi, ni, qi, 0, 0))
-  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32)]
+  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32),
+               row_shape]
   row = pltpu.VMEM((bq, 1), cfg.acc_dtype)
   scratch = [row] * 4 + [pltpu.VMEM((1, width), jnp.int32)] + [row] * n_cand
   last = passes + int(indicator)
@@ -347,7 +349,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
     cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    m_out, tau_out, flag_out, m_sc, lo_sc, hi_sc, tg_sc, flag_sc, *tot_sc = rest
+    m_out, tau_out, flag_out, res_out, m_sc, lo_sc, hi_sc, tg_sc, flag_sc, *tot_sc = rest
     bi, qi, p, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nq + qi
     length, dyn_v = len_ref[...], tuple(rf[...] for rf in dyn_refs)
@@ -408,6 +410,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
     @pl.when(jnp.logical_and(p == last, ki == nk - 1))
     def _finish():
       m_out[...] = m_sc[...]
+      res_out[...] = lo_sc[...]
       if indicator:
         tau_out[...] = E.t_gap_tau(lo_sc[...], tot_sc[0][...])
       else:
@@ -416,7 +419,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 
   return _call(cfg, kernel, "tsearch", (b, n, nq, last + 1, nk), sp,
                (aux.fwd_lo, aux.fwd_hi), [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k))],
-               aux, dyn, [sp["row"], sp["row"], flag_spec], out_shape, scratch)
+               aux, dyn, [sp["row"], sp["row"], flag_spec, sp["row"]], out_shape, scratch)
 
 
 def _q_major_live(cfg: E.Config, idx_shape):
@@ -533,7 +536,7 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
     @pl.when(live)
     def _compute():
       kt = k_ref[...]
-      s = E.tile_logits(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
+      s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
@@ -551,7 +554,7 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
                                       delta_ref[...], coef_sc[...], dp, length, dyn_v)
         if ds_ref is not None:
           ds_ref[...] = ds
-        ds = E.soft_cap_grad(cfg, s, ds)
+        ds = E.logits_grad(cfg, s, dist, ds)
         if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
           dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
         dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
@@ -642,14 +645,14 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
     @pl.when(live)
     def _compute():
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s = E.tile_logits(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
+      s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, dot_, vt, (1, 1))
       w, ds, _ = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
                                    delta_ref[...], coef_ref[...], dp, len_ref[...],
                                    tuple(rf[...] for rf in dyn_refs))
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
         dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
       ds = ds * cfg.scale

@@ -191,7 +191,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       kb = block(j)
       sl = pl.ds(kb * bk, bk)
       kt = k_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
+      s, dist = E.score_tile(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
@@ -201,7 +201,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       _, ds, dd = E.backward_tile(cfg, x, mask, mt, dt, delt, dp, length, dyn_v)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, s, dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
         dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
       dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
@@ -259,7 +259,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         i = block(j)
         sl = pl.ds(i * bq, bq)
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
+        s, dist = E.score_tile(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
         x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
@@ -271,7 +271,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
         w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
                                    delta_ref[gi, sl, :], dp, length, dyn_v)
-        ds = E.soft_cap_grad(cfg, s, ds)
+        ds = E.logits_grad(cfg, s, dist, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
         dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
         return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
@@ -304,8 +304,10 @@ def _tables(width: int):
 
 
 def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
-  """Returns (m [B, N, T_pad, 1], tau [B, N, T_pad, 1], flags [B, N, nq, 1, width]): the
-  row max of z (finite), the threshold, and which key blocks hold a visible z >= tau."""
+  """Returns (m [B, N, T_pad, 1], tau [B, N, T_pad, 1], flags [B, N, nq, 1, width],
+  tau_search [B, N, T_pad, 1]): the row max of z (finite), the weights' threshold, which
+  key blocks hold a visible z >= tau, and the search's threshold (``return_residual``'s;
+  tau itself except for indicator rules, whose tau moves into the gap below it)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, nq, width = q.shape[0], cfg.num_heads, cfg.t_pad // bq, E.num_k_flags(cfg)
   count, steps, newton = E.threshold_schedule(cfg, early_exit=True)
@@ -313,12 +315,13 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   sp = _q_major(cfg, bq)
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   flag_spec = pl.BlockSpec((None, None, None, 1, width), lambda qi, bi, ni: (bi, ni, qi, 0, 0))
-  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32)]
+  out_shape = [row_shape, row_shape, jax.ShapeDtypeStruct((b, n, nq, 1, width), jnp.int32),
+               row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
     bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (m_ref, tau_ref, flag_ref) = E.split_decay(cfg, rest)
+    cq_ref, ck_ref, (m_ref, tau_ref, flag_ref, res_ref) = E.split_decay(cfg, rest)
     qi = pl.program_id(0)
     qs = None if qs_ref is None else qs_ref[...]
     length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
@@ -363,6 +366,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
     _, _, state, flags = jax.lax.while_loop(
         more, sweep, (jnp.int32(0), jnp.int32(0), state, no_flags))
     tau = E.t_threshold(state, newton)
+    res_ref[...] = tau
     if indicator:
       def below_body(j, below):
         s, mask = logits(j)
@@ -376,7 +380,8 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
     flag_ref[...] = flags
 
   return _call(cfg, kernel, "tsearch", (nq, b, n), bq, sp, (aux.fwd_lo, aux.fwd_hi),
-               [(sp["q"], q), (sp["kv"], k)], aux, dyn, [sp["row"], sp["row"], flag_spec],
+               [(sp["q"], q), (sp["kv"], k)], aux, dyn,
+               [sp["row"], sp["row"], flag_spec, sp["row"]],
                out_shape)
 
 
@@ -459,12 +464,12 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
       kb = idx_ref[j]
       sl = pl.ds(kb * bk, bk)
       kt, vt = k_ref[sl, :], v_ref[sl, :]
-      s = E.tile_logits(cfg, qt, kt, *_decay_q(cq_ref, ck_ref, sl))
+      s, dist = E.score_tile(cfg, qt, kt, *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
-      return kt, s, x, mask, E.dot(cfg, dot_, vt, (1, 1)), sl
+      return kt, (s, dist), x, mask, E.dot(cfg, dot_, vt, (1, 1)), sl
 
     def coef_body(j, carry):
       _, _, x, mask, dp, _ = tile_at(j)
@@ -477,11 +482,11 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
 
     def body(j, carry):
       dq, ddyn = carry
-      kt, s, x, mask, dp, sl = tile_at(j)
+      kt, s_dist, x, mask, dp, sl = tile_at(j)
       _, ds, dd = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.soft_cap_grad(cfg, s, ds)
+      ds = E.logits_grad(cfg, *s_dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
         dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
       dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
@@ -547,7 +552,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
         qb = idx_ref[gi, j]
         sl = pl.ds(qb * bq, bq)
         qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s = E.tile_logits(cfg, qt, kt, *_decay_k(cq_ref, ck_ref, gi, sl))
+        s, dist = E.score_tile(cfg, qt, kt, *_decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
         x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
@@ -558,7 +563,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
         length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
         w, ds, _ = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
-        ds = E.soft_cap_grad(cfg, s, ds)
+        ds = E.logits_grad(cfg, s, dist, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
         dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
         return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)

@@ -531,9 +531,10 @@ def dot_product_attention(
       no denominator: D = 1). T (sparsemax, entmax, top-k): the threshold tau in the
       rule's score units (sparsemax ``w = [l - tau]_+``; top-k: the k-th largest logit,
       or a value at most the smallest visible logit when fewer than k are visible; ``-inf`` for a
-      row with no visible key). Other normalizers (epsilon/eta/top-p
-      softmax, gumbel) and plain callables define none: NotImplementedError. The Pallas
-      implementations do not return it (NotImplementedError: the chain falls through).
+      row with no visible key; top-p: its threshold on the weights). Class R (epsilon/eta
+      softmax, standardized_softmax, ...), stochastic normalizers (gumbel) and plain
+      callables define none: NotImplementedError. Every implementation but cuDNN's
+      (which returns jax.nn's log-sum-exp for plain softmax) computes the same statistic.
     decay_bias: optional (cq [B, T, N], ck [B, S, N]) float arrays; cq[b, i, n] - ck[b, j, n]
       is added to the scaled logits (before soft-capping), as in Forgetting attention
       (FoX, feature A08) where cq = ck = cumulative sums of log forget gates;
@@ -556,8 +557,9 @@ def dot_product_attention(
       float64 inputs) as ``sqrt(max(|q|^2 + |k|^2 - 2 q·k, 0))``; its gradient
       ``(q_i - k_j) / d_ij`` is taken as 0 where ``d_ij = 0`` (a subgradient of the norm
       at 0, which keeps the gradient finite when a query equals a key). Implementations
-      "xla" and "xla_chunked" (the Pallas and cuDNN ones raise NotImplementedError, so
-      ``implementation=None`` falls back to them).
+      "xla", "xla_chunked" and the Pallas ones (which refuse a distance together with a
+      ``decay_bias``: NotImplementedError, so the chain falls through); cuDNN raises
+      NotImplementedError.
 
   Returns:
     [B, T, N, Hv] (or [T, N, Hv]) in query's dtype (float32 for integer or bool inputs);

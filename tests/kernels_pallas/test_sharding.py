@@ -1,8 +1,8 @@
 """sharded_attention under jit on 8 fake CPU devices (its own process: the device count is
 fixed at start-up), forward and gradients: array hyperparameters and segments against a
-dense reference; a dense bias, a dense mask and FoX's decay (split along the axes they
-hold in full, kept whole along broadcast ones) against the unsharded kernel and the
-dense XLA path."""
+dense reference (and the residual pair, with distance scores); a dense bias, a dense mask
+and FoX's decay (split along the axes they hold in full, kept whole along broadcast ones)
+against the unsharded kernel and the dense XLA path."""
 
 from __future__ import annotations
 
@@ -61,6 +61,18 @@ SCRIPT = _prelude(32, 0, 4) + textwrap.dedent("""
     for g, r in zip(grads, rgrads):
       np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
     assert out.sharding.spec == P("data", None, "model", None), out.sharding
+
+    # return_residual (the pair's residual sharded over batch and heads) with distances
+    kw = dict(is_causal=True, normalizer="idw_softmax", score="distance",
+              return_residual=True)
+    with jax.set_mesh(mesh):
+      out_r, res = jax.jit(lambda q, k, v: kp.sharded_attention(
+          mesh, q, k, v, batch_axis="data", head_axis="model", backend="triton",
+          interpret=True, block_sizes=dict(block_q=16, block_k=16), **kw))(q, k, v)
+    ref_o, ref_r = js.attention.dot_product_attention(q, k, v, implementation="xla", **kw)
+    np.testing.assert_allclose(out_r, ref_o, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(res, ref_r, atol=1e-5, rtol=1e-5)
+    assert res.sharding.spec == P("data", None, "model"), res.sharding
     print("SHARDED_OK")
 """)
 

@@ -1,0 +1,216 @@
+"""The Pallas engine's ``score="distance"`` (A18) and ``return_residual``, against the dense
+xla path, in both drivers (interpret mode).
+
+Distance: ``|q_i|^2`` and ``-|k_j|^2`` ride on the decay's row and column operands with
+scale -2 (``engine.score_tile``), the logit is the square root of the tile's squared
+distance and the backward chains through it (``engine.logits_grad``); checked forward and
+backward (q, k, v) with GQA, causal masks, a soft cap, rows with no visible key, classes
+E, T and R, bfloat16 inputs and the exp2 flag. Residual: the row statistic of each class
+(``m + log D`` for E and S, 0 for P, the search's tau for T), ``-inf`` on rows with no
+visible key, no gradient; class R (none defined) and distance with a decay are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from jaxsoft import attention
+from tests.helpers import sampled
+from tests.kernels_pallas.test_contract import MOSAIC_SMALL, _decay
+from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
+from tests.kernels_pallas.test_lowering import TRITON_CALL, _abstract_gpu
+
+B, T, N, KH, H = 2, 24, 4, 2, 16
+KV_LEN = jnp.array([T, 0], jnp.int32)  # batch row 1 sees no key
+
+
+def _blocks(backend):
+  return TRITON_SMALL if backend == "triton" else MOSAIC_SMALL
+
+
+def _kernel(backend, **kw):
+  return lambda q, k, v: kp.attention(q, k, v, backend=backend, interpret=True,
+                                      block_sizes=_blocks(backend), **kw)
+
+
+def _xla(**kw):
+  return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation="xla", **kw)
+
+
+# ------------------------------------------------------------------ score="distance"
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_distance_matches_xla_with_gqa_causal_cap_and_empty_rows(backend):
+  """idw_softmax (inverse-distance weights, the normalizer distance scores are for), causal,
+  GQA (|k_j|^2 repeated over the group), a soft cap, and a batch row with no visible key
+  (zeros, zero and finite gradients)."""
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=51)
+  kw = dict(normalizer="idw_softmax", score="distance", is_causal=True, logits_soft_cap=6.0,
+            key_value_seq_lengths=KV_LEN)
+  out, (dq, dk, dv) = assert_matches(_kernel(backend, **kw), _xla(**kw), (q, k, v), ct)
+  assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(dq[1] == 0)) and bool(jnp.all(dk[1] == 0))
+  assert bool(jnp.any(dq[0] != 0)) and bool(jnp.any(dk[0] != 0))
+
+
+@pytest.mark.parametrize("backend,normalizer", [
+    ("triton", "sparsemax"), ("mosaic_tpu", "standardized_softmax"),
+    pytest.param("mosaic_tpu", "sparsemax", marks=pytest.mark.slow),
+    pytest.param("triton", "standardized_softmax", marks=pytest.mark.slow),
+    pytest.param("triton", "softmax", marks=pytest.mark.slow),
+    pytest.param("mosaic_tpu", "sigmoid", marks=pytest.mark.slow)])
+def test_distance_runs_every_class(backend, normalizer):
+  """Class T (the threshold search and its support-restricted backward) and class R (the
+  statistics pass and its own backward) see the distance logits too; with a dense bias
+  (added after the distance) and a mask."""
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=52)
+  q, k = 0.3 * q, 0.3 * k  # distances of about 2: sparsemax keeps several keys
+  bias = 0.5 * jax.random.normal(jax.random.key(53), (T, T))
+  mask = jax.random.bernoulli(jax.random.key(54), 0.8, (B, 1, T, T))
+  kw = dict(normalizer=normalizer, score="distance", bias=bias, mask=mask)
+  assert_matches(_kernel(backend, **kw), _xla(**kw), (q, k, v), ct)
+
+
+def test_distance_bfloat16_and_exp2():
+  """bfloat16 inputs: the kernel's q.k (float32 accumulation of exact bf16 products) and
+  the float32 squared norms of the same bf16 values give the dense path's distances to
+  float32 rounding, so the bf16 output is within its own rounding; ``exp2`` (log2 e
+  applied after the square root) changes nothing beyond float32 rounding."""
+  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=55)
+  kw = dict(normalizer="softmax", score="distance", is_causal=True)
+  qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+  out = _kernel("triton", **kw)(qb, kb, vb)
+  ref = _xla(**kw)(*(x.astype(jnp.float32) for x in (qb, kb, vb)))
+  assert out.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
+  plain, fast = _kernel("triton", **kw)(q, k, v), _kernel("triton", exp2=True, **kw)(q, k, v)
+  chex.assert_trees_all_close(fast, plain, atol=2e-6, rtol=1e-5)
+
+
+def test_distance_gradient_is_finite_where_a_key_equals_its_query():
+  """k_j = q_j: the squared distance is 0 up to rounding; its gradient is 0 where the
+  rounded square is <= 0 (safe_distance) and finite elsewhere."""
+  q, _, v, ct = inputs(b=1, t=T, n=2, kh=2, h=H, seed=56)
+  f = _kernel("triton", normalizer="idw_softmax", score="distance")
+  dq, dk = jax.grad(lambda q, k: jnp.sum(f(q, k, v) * ct), argnums=(0, 1))(q, q)
+  assert bool(jnp.all(jnp.isfinite(dq))) and bool(jnp.all(jnp.isfinite(dk)))
+
+
+def test_distance_with_a_decay_falls_back_and_fp8_is_refused(monkeypatch):
+  """``score="distance"`` with a ``decay_bias`` (both would need the row/column operands):
+  implementation="pallas" alone raises NotImplementedError; the chain falls through to
+  xla_chunked with its result. fp8 quantises dot products only: ValueError."""
+  monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
+  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=57)
+  kw = dict(score="distance", decay_bias=_decay(n=N))
+  with pytest.raises(NotImplementedError, match="distance"):
+    attention.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  got = attention.dot_product_attention(q, k, v, implementation=("pallas", "xla_chunked"), **kw)
+  chex.assert_trees_all_close(got, attention.dot_product_attention(
+      q, k, v, implementation="xla_chunked", **kw))
+  with pytest.raises(ValueError, match="fp8"):
+    kp.attention(q, k, v, score="distance", fp8="e4m3", interpret=True)
+
+
+# ------------------------------------------------------------------ return_residual
+
+RESIDUAL_CASES = {
+    "softmax": {}, "softmax_sink": {"sink_logit": 0.7}, "ssmax": {"s": 0.8},
+    "sigmoid": {}, "sparsemax": {}, "top_k_softmax": {"k": 3}, "entmax15": {},
+    "top_p_softmax": {"p": 0.8},
+}
+
+
+# by default each class once (E with and without an offset, P, T with and without the gap
+# tau) over the two drivers; the full matrix under -m slow
+RESIDUAL_MATRIX = [(b, name) for name in RESIDUAL_CASES for b in ("triton", "mosaic_tpu")]
+RESIDUAL_DEFAULT = ("triton-softmax", "mosaic_tpu-softmax_sink", "mosaic_tpu-sigmoid",
+                    "triton-sparsemax", "mosaic_tpu-top_k_softmax", "triton-top_k_softmax")
+
+
+@pytest.mark.parametrize("case", sampled(
+    RESIDUAL_MATRIX, RESIDUAL_DEFAULT, ids=[f"{b}-{name}" for b, name in RESIDUAL_MATRIX]))
+def test_residual_matches_xla_per_class(case):
+  """The residual equals the dense path's (the log-sum-exp with the sink's mass, ssmax's
+  scaled one, 0 for sigmoid, tau for sparsemax / entmax15 / top-k: the search's tau, not
+  the gap tau top-k weighs at), ``-inf`` on the rows with no visible key (0 for class P,
+  the sink logit for softmax_sink), with no gradient; the output is the one without the residual."""
+  backend, name = case
+  params = RESIDUAL_CASES[name]
+  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=58)
+  kw = dict(normalizer=name, normalizer_params=params, is_causal=True,
+            key_value_seq_lengths=KV_LEN)
+  out, res = _kernel(backend, return_residual=True, **kw)(q, k, v)
+  ref, ref_res = _xla(return_residual=True, **kw)(q, k, v)
+  assert res.shape == (B, T, N) and res.dtype == q.dtype
+  chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(out, _kernel(backend, **kw)(q, k, v))
+  finite = np.isfinite(np.asarray(ref_res))
+  np.testing.assert_array_equal(np.isfinite(np.asarray(res)), finite)
+  np.testing.assert_allclose(np.asarray(res)[finite], np.asarray(ref_res)[finite], atol=2e-5,
+                             rtol=1e-5)
+  if name == "sigmoid":
+    np.testing.assert_array_equal(np.asarray(res), 0.0)
+  elif name == "softmax_sink":  # an empty row keeps the sink's mass: log e^sink
+    np.testing.assert_allclose(np.asarray(res[1]), params["sink_logit"], rtol=1e-6)
+  else:
+    assert not finite[1].any() and finite[0].all()
+  grad = jax.grad(lambda q: jnp.sum(jnp.where(
+      finite, _kernel(backend, return_residual=True, **kw)(q, k, v)[1], 0.0)))(q)
+  np.testing.assert_array_equal(np.asarray(grad), 0.0)
+
+
+def test_residual_unbatched_and_through_the_dispatcher(monkeypatch):
+  """[T, N, H] inputs give a [T, N] residual; ``implementation="pallas"`` reaches the
+  kernel (a single explicit implementation raises instead of falling back) and returns
+  jax.nn's log-sum-exp."""
+  monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
+  q, k, v, _ = inputs(b=1, t=T, n=N, kh=N, h=H, seed=59)
+  out, res = kp.attention(q[0], k[0], v[0], is_causal=True, return_residual=True,
+                          interpret=True, block_sizes=TRITON_SMALL)
+  assert out.shape == (T, N, H) and res.shape == (T, N)
+  got = attention.dot_product_attention(q, k, v, is_causal=True, implementation="pallas",
+                                        return_residual=True)
+  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+  chex.assert_trees_all_close(res, want[1][0], atol=1e-5, rtol=1e-5)
+
+
+def test_residual_of_class_r_is_refused_and_bad_flags_raise(monkeypatch):
+  monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
+  q, k, v, _ = inputs(b=1, t=T, n=2, kh=2, h=H, seed=60)
+  with pytest.raises(NotImplementedError, match="class R"):
+    attention.dot_product_attention(q, k, v, normalizer="standardized_softmax",
+                                    implementation="pallas", return_residual=True)
+  with pytest.raises(ValueError, match="return_residual"):
+    kp.attention(q, k, v, return_residual=1, interpret=True)
+  with pytest.raises(ValueError, match="score"):
+    kp.attention(q, k, v, score="cosine", interpret=True)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_distance_and_residual_lower_for_both_targets(backend):
+  """Exported for cuda (Pallas-to-Triton) and tpu (Mosaic): the distance's row/column
+  operands and the residual's outputs have legal block shapes."""
+  q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+  def fwd_bwd(q, k, v):
+    f = lambda q, k, v: kp.attention(q, k, v, backend=backend, is_causal=True,  # noqa: E731
+                                     normalizer="sparsemax", score="distance",
+                                     return_residual=True)
+    (out, res), vjp = jax.vjp(f, q, k, v)
+    return out, res, vjp((out, jnp.zeros_like(res)))
+
+  platform = "cuda" if backend == "triton" else "tpu"
+  with _abstract_gpu() if backend == "triton" else contextlib.nullcontext():
+    text = jax.export.export(jax.jit(fwd_bwd), platforms=[platform],
+                             disabled_checks=[TRITON_CALL])(q, k, k).mlir_module()
+  assert text.count("jaxsoft_attention_") >= 3
