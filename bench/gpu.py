@@ -36,6 +36,11 @@ Two more sections (``--sections``), each checked before it is timed:
     block's per-token choices, which is the kernel's block table, covers every causal block
     (1.000 for all three methods at T = 2048 on CPU). Each row prints that union's share of
     the causal blocks (with topics at T = 8k on CPU: moba 0.55, bfla 0.15, prism 0.54).
+  - FoX decay (A08) with ACP block pruning: causal softmax ``kp.attention(decay_bias=...,
+    decay_prune_threshold=-10)`` against the same call unpruned (the baseline), forward and
+    ``jax.grad`` of a sum, H = 128, T in {4k, 16k}; decay terms are cumulative log forget
+    gates with a per-head mix of memory lengths; both checked against the dense float32
+    reference (the pruned mass is below e^-10).
   - decode (K05): ``kp.decode_attention`` (split-K, one query token per sequence), B = 8,
     N = 32 query heads on K = 8 KV heads (GQA), H = 128, KV cache of 32k and 128k tokens
     with ragged lengths, against ``jaxsoft.attention.dot_product_attention(
@@ -627,11 +632,65 @@ def _decode_part(args, interpret, dtype) -> bool:
   return err <= 3e-2
 
 
+def _fox_decay(b, t, n, seed=0):
+  """FoX-style decay terms cq = ck = cumulative log forget gates, a per-head mix of short
+  and long memories: gate logits around linspace(1, 6) over the heads (log forget of
+  -0.31 to -0.0025 per step)."""
+  bias = jnp.linspace(1.0, 6.0, n)
+  z = bias + 0.5 * jax.random.normal(jax.random.key(seed), (b, t, n))
+  c = jnp.cumsum(jax.nn.log_sigmoid(z), axis=1)
+  return c, c
+
+
+def _fox_part(args, interpret, dtype) -> bool:
+  """A08 + ACP: causal softmax with a FoX decay, ``decay_prune_threshold=-10`` against the
+  same call without pruning (the baseline); checked (output and cotangents) against the
+  dense float32 reference with the decay, where the pruned mass is below e^-10."""
+  import jaxsoft.attention as ja
+
+  shapes, check_t, reps = _k06_sizes(args, 64, 1024)
+  if args.tiny:
+    reps = args.reps or 2
+  runs = {"decay": {}, "decay, pruned at -10": dict(decay_prune_threshold=-10.0)}
+
+  def call(kw, decay):
+    return lambda q, k, v: kp.attention(q, k, v, is_causal=True, decay_bias=decay,
+                                        backend="triton", interpret=interpret, **kw)
+
+  def dense(decay):
+    return lambda q, k, v: ja.dot_product_attention(q, k, v, is_causal=True, decay_bias=decay,
+                                                    implementation="xla")
+
+  h0 = shapes[0][0]
+  q, k, v, ct = (x.astype(jnp.float32) for x in _inputs(1, check_t, 4, h0, dtype, seed=3))
+  decay = _fox_decay(1, check_t, 4, seed=4)
+  errs = {name: _try_err(f"FoX {name}", lambda kw=kw: (
+      jax.jit(lambda *a: _vjp_all(call(kw, decay), a[:3], a[3]))(q, k, v, ct),
+      _vjp_all(dense(decay), (q, k, v), ct))) for name, kw in runs.items()}
+  print("\n| A08 FoX decay, causal softmax | shape | fwd ms | grad ms | vs unpruned fwd | "
+        "vs unpruned grad | status |\n|---|---|---|---|---|---|---|")
+  for h, t, b, n in shapes:
+    shape = f"H={h} T={t} B={b} N={n}"
+    qkv = _inputs(b, t, n, h, dtype)[:3]
+    decay = _fox_decay(b, t, n)
+    base = None
+    for name, kw in runs.items():
+      if errs[name] > 3e-2:
+        print(f"| {name} | {shape} | - | - | - | - | FAIL (vs dense {errs[name]:.2g}) |")
+        continue
+      ms = _fwd_grad_ms(call(kw, decay), qkv, reps)
+      base = base or ms
+      print(_ms_row(name, shape, ms, base, f"ok (vs dense {errs[name]:.1e})"), flush=True)
+  return all(e <= 3e-2 for e in errs.values())
+
+
 def extras_section(args) -> bool:
-  """K06 flags, block-sparse attention and split-K decode, each against its baseline."""
+  """K06 flags, block-sparse attention, FoX pruning and split-K decode, each against its
+  baseline."""
   interpret, dtype = bool(args.interpret), jnp.bfloat16
   ok = _k06_part(args, interpret, dtype)
   ok &= _block_sparse_part(args, interpret, dtype)
+  ok &= _fox_part(args, interpret, dtype)
   return _decode_part(args, interpret, dtype) and ok
 
 

@@ -250,12 +250,18 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
     q = fp8_mod.straight_through(q, *q_fp8).astype(dtype)
     k = fp8_mod.straight_through(k, *k_fp8).astype(dtype)
+  # ACP block pruning of a decay (classes E, S, P without a dense bias, whose gradient
+  # would need the skipped tiles' zeros): a block table of the tiles the bound keeps
+  prune = (block_table is None and call.decay_prune_threshold is not None
+           and call.decay_bias is not None and call.bias is None
+           and not (threshold or row_stats))
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
-  elif threshold or row_stats:
+  elif threshold or row_stats or prune:
     # Class T: the live-block tables of the search serve every pass, so one tile shape;
-    # class R: the backward recomputes exactly the statistics pass's tiles. The default
-    # is the backward passes' (the smaller: more per-row arrays are live).
+    # class R: the backward recomputes exactly the statistics pass's tiles; a pruned
+    # decay: the table's tiles. The default is the backward passes' (the smaller: more
+    # per-row arrays are live).
     tq, tk = (bl.block_q, bl.block_k) if block_sizes is not None else (bl.block_q_dq,
                                                                        bl.block_k_dq)
     bl = E.BlockSizes(tq, tk, num_warps=bl.num_warps, num_stages=bl.num_stages).resolved()
@@ -264,6 +270,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   s_pad = -(-s // math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq))
   s_pad *= math.lcm(bl.block_k, bl.block_k_dkv, bl.block_k_dq)
   h_pad, hv_pad = _head_pad(backend, h, fp8_dot=native), _head_pad(backend, hv)
+  if prune:
+    block_table = _decay_keep_table(call.decay_bias, call.decay_prune_threshold, bl, t_pad,
+                                    s_pad)
 
   bias, mask, bias_full, mask_full = _dense_inputs(call, acc, t_pad, s_pad)
   row_ranges = st.row_ranges()  # one search serves the counts and the three block tables
@@ -400,10 +409,29 @@ def _table_lists(cfg: E.Config, st, row_ranges, block_table, row_blocks, b: int,
   return out
 
 
+def _decay_keep_table(decay_bias, threshold: float, bl: E.BlockSizes, t_pad: int,
+                      s_pad: int):
+  """ACP block pruning of Forgetting attention's decay (Lin et al. 2025, "Adaptive
+  Computation Pruning for the Forgetting Transformer"): the tiles to compute, bool [B, N,
+  nq, nk] (no gradient). A tile of batch b and head n is kept when
+  ``max_i cq_i - min_j ck_j >= threshold`` over its rows and columns, so every logit of a
+  skipped tile has a decay term below the threshold (xla_chunked's bound, there taken over
+  all batches and heads at once). Padded rows and keys take no part in the bound."""
+  cq, ck = (jax.lax.stop_gradient(jnp.asarray(x, jnp.float32)) for x in decay_bias)
+  (b, t, n), s = cq.shape, ck.shape[1]
+  bq, bk = bl.block_q, bl.block_k
+  cq = jnp.pad(cq, ((0, 0), (0, t_pad - t), (0, 0)), constant_values=-jnp.inf)
+  ck = jnp.pad(ck, ((0, 0), (0, s_pad - s), (0, 0)), constant_values=jnp.inf)
+  q_max = jnp.max(cq.reshape(b, t_pad // bq, bq, n), axis=2)  # [B, nq, N]
+  k_min = jnp.min(ck.reshape(b, s_pad // bk, bk, n), axis=2)  # [B, nk, N]
+  keep = q_max[:, :, None, :] - k_min[:, None, :, :] >= threshold  # [B, nq, nk, N]
+  return jnp.transpose(keep, (0, 3, 1, 2))
+
+
 def _decay_rows(call, acc: str, t_pad: int, s_pad: int):
   """Forgetting attention's ``(cq [B, T, N], ck [B, S, N])`` as the kernel's row and column
-  vectors (:func:`_row_column`; None without a decay). The ``decay_prune_threshold`` (an
-  xla_chunked approximation) is not used: the kernel is exact."""
+  vectors (:func:`_row_column`; None without a decay). The ``decay_prune_threshold`` acts
+  through :func:`_decay_keep_table`."""
   if call.decay_bias is None:
     return None
   return _row_column(*call.decay_bias, acc, t_pad, s_pad)
@@ -487,7 +515,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               debug: bool = False, exp2: bool = False,
               rescale_threshold: float | None = None, fp8: str | None = None,
               fp8_rotation: bool = True, fp8_dot: bool | None = None,
-              return_residual: bool = False, score: str = "dot"):
+              return_residual: bool = False, score: str = "dot",
+              decay_prune_threshold: float | None = None):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -569,6 +598,11 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       defines none (NotImplementedError).
     score: ``"dot"`` or ``"distance"`` (A18: the logit is ``|q_i - k_j|``, unscaled: leave
       ``scale`` None; not with a ``decay_bias`` or ``fp8``).
+    decay_prune_threshold: with ``decay_bias``, a float t < 0: ACP block pruning (Lin et
+      al. 2025): a tile whose decay bound ``max_i cq_i - min_j ck_j`` is below t is
+      skipped in every pass (a block table; one tile shape for all passes), so each
+      skipped logit's decay term is below t (``jaxsoft.attention``'s bound on the
+      output). Classes E, S and P without a dense ``bias``; the others stay exact.
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype (with ``return_residual``, the pair ``(out, residual
@@ -598,7 +632,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
   call = attention_api._canonical_call(
       q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
       local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
-      decay_bias, None, bool(return_residual), score)
+      decay_bias, decay_prune_threshold, bool(return_residual), score)
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,

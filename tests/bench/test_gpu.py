@@ -83,8 +83,9 @@ def test_extras_is_a_section_and_unknown_ones_are_refused():
 
 @pytest.mark.slow
 def test_extras_section_checks_then_times(capsys):
-  """K06 flags, block-sparse and decode in interpret mode: each row checked, then timed with
-  the ratio to its named baseline (flags off, dense kp.attention, XLA decode)."""
+  """K06 flags, block-sparse, FoX pruning and decode in interpret mode: each row checked,
+  then timed with the ratio to its named baseline (flags off, dense kp.attention, the
+  unpruned decay, XLA decode)."""
   bench = _load_bench()
   rc = bench.main(["--interpret", "--tiny", "--sections", "extras", "--reps", "1"])
   out = capsys.readouterr().out
@@ -93,10 +94,10 @@ def test_extras_section_checks_then_times(capsys):
           if line.startswith("| ") and " ms |" not in line]  # not the headers
   assert {line.split("|")[1].strip() for line in rows} == {
       "flags off", "exp2", "rescale 8", "exp2 + rescale 8", "dense kp.attention",
-      "moba pallas", "bfla pallas", "prism pallas", "xla dot_product_attention",
-      "kp.decode_attention"}, out
+      "moba pallas", "bfla pallas", "prism pallas", "decay", "decay, pruned at -10",
+      "xla dot_product_attention", "kp.decode_attention"}, out
   assert all("x | ok" in line for line in rows), rows
-  assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2  # K06: flags x masks
+  assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2 + 2  # K06: flags x masks
 
 
 @pytest.mark.slow

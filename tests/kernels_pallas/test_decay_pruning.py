@@ -1,0 +1,111 @@
+"""ACP block pruning of Forgetting attention's decay in the Pallas kernels
+(``decay_prune_threshold``): a (query block, key block) tile whose decay bound
+``max_i cq_i - min_j ck_j`` is below the threshold is skipped in every pass.
+
+Oracle: the dense xla path with the skipped tiles hidden by a mask computes exactly what
+the pruned kernel computes (forward and every cotangent, cq and ck included); against the
+unpruned output the error stays within xla_chunked's documented bound.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from jaxsoft import attention
+from kernels_pallas import _api
+from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
+
+N, KH, H = 2, 1, 16
+THRESHOLD = -4.0
+BLOCKS = {"triton": TRITON_SMALL, "mosaic_tpu": dict(block_q=16, block_k=128)}
+SHAPES = {"triton": (2, 64), "mosaic_tpu": (1, 256)}  # (B, T): Mosaic's keys in 128s
+
+
+def _fox_decay(B, T, seed=71):
+  """cq = ck = cumulative log forget gates, strong enough that distant tiles fall below
+  the threshold (about -0.35 per step)."""
+  gates = jax.nn.log_sigmoid(1.0 + 0.5 * jax.random.normal(jax.random.key(seed), (B, T, N)))
+  c = jnp.cumsum(gates, axis=1)
+  return c, c
+
+
+def _kept_mask(cq, ck, backend):
+  """The element mask [B, N, T, T] of the tiles the kernel keeps (its block shape)."""
+  T = cq.shape[1]
+  bq, bk = BLOCKS[backend]["block_q"], BLOCKS[backend]["block_k"]
+  t_pad, s_pad = -(-T // bq) * bq, -(-T // bk) * bk
+  bl = kp.BlockSizes(bq, bk).resolved()
+  keep = _api._decay_keep_table((cq, ck), THRESHOLD, bl, t_pad, s_pad)  # [B, N, nq, nk]
+  rows = jnp.repeat(jnp.repeat(keep, bq, axis=2), bk, axis=3)
+  return rows[:, :, :T, :T]
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
+  B, T = SHAPES[backend]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=72)
+  cq, ck = _fox_decay(B, T)
+  kept = _kept_mask(cq, ck, backend)
+  causal = np.tril(np.ones((T, T), bool))
+  skipped = float(1.0 - jnp.sum(kept & causal) / (B * N * causal.sum()))
+  assert 0.2 < skipped < 0.9, skipped  # the threshold prunes, and not everything
+
+  def pruned(q, k, v, cq, ck):
+    return kp.attention(q, k, v, is_causal=True, decay_bias=(cq, ck), backend=backend,
+                        interpret=True, block_sizes=BLOCKS[backend],
+                        decay_prune_threshold=THRESHOLD)
+
+  def oracle(q, k, v, cq, ck):
+    return attention.dot_product_attention(q, k, v, mask=kept, is_causal=True,
+                                           decay_bias=(cq, ck), implementation="xla")
+
+  out, grads = assert_matches(pruned, oracle, (q, k, v, cq, ck), ct)
+  assert bool(jnp.any(grads[3] != 0)) and bool(jnp.any(grads[4] != 0))
+  # against the unpruned result: within 2 max|v| sum_skipped w_ij, each skipped weight at
+  # most e^{l_ij - l_ii} (the diagonal's decay is 0: D_i >= e^{l_ii}), the decay of
+  # l_ij below the threshold
+  full = attention.dot_product_attention(q, k, v, is_causal=True, decay_bias=(cq, ck),
+                                         implementation="xla")
+  logits = attention.dense_logits(q, k, scale=1 / np.sqrt(H), decay_bias=(cq, ck))
+  diag = jnp.diagonal(logits, axis1=-2, axis2=-1)[..., None]
+  terms = jnp.where(causal & ~kept, jnp.exp(logits - diag), 0.0)
+  bound = 2 * float(jnp.max(jnp.abs(v))) * jnp.sum(terms, axis=-1)  # [B, N, T]
+  err = jnp.max(jnp.abs(out - full), axis=-1)  # [B, T, N]
+  assert bool(jnp.all(err <= jnp.swapaxes(bound, 1, 2) + 1e-6))
+  assert float(jnp.max(err)) > 0  # something was skipped
+
+
+
+def test_with_a_bias_or_class_t_the_kernel_stays_exact(monkeypatch):
+  """A dense bias (its gradient needs every tile's dS) or a class-T normalizer: no
+  pruning, the exact result; the dispatcher's implementation="pallas" takes the argument."""
+  monkeypatch.setenv(_api.INTERPRET_ENV, "1")
+  B, T = SHAPES["triton"]
+  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
+  cq, ck = _fox_decay(B, T)
+  bias = 0.1 * jax.random.normal(jax.random.key(74), (T, T))
+  for kw in (dict(bias=bias), dict(normalizer="sparsemax")):
+    args = dict(is_causal=True, decay_bias=(cq, ck), **kw)
+    got = attention.dot_product_attention(q, k, v, implementation="pallas",
+                                          decay_prune_threshold=THRESHOLD, **args)
+    want = attention.dot_product_attention(q, k, v, implementation="xla", **args)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_pruned_decay_lowers_for_both_targets(backend):
+  """The block-table kernels with the decay's row and column operands export for cuda and
+  tpu."""
+  from tests.kernels_pallas.test_lowering import export_fwd_bwd
+  q = jax.ShapeDtypeStruct((2, 512, 4, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((2, 512, 2, 64), jnp.bfloat16)
+  cq = jnp.cumsum(jnp.full((2, 512, 4), -0.1), axis=1)
+  text = export_fwd_bwd(
+      lambda q, k, v: kp.attention(q, k, v, is_causal=True, decay_bias=(cq, cq),
+                                   decay_prune_threshold=-4.0, backend=backend),
+      backend, q, k)
+  assert text.count("jaxsoft_attention_") >= 3
