@@ -36,11 +36,6 @@ Two more sections (``--sections``), each checked before it is timed:
     block's per-token choices, which is the kernel's block table, covers every causal block
     (1.000 for all three methods at T = 2048 on CPU). Each row prints that union's share of
     the causal blocks (with topics at T = 8k on CPU: moba 0.55, bfla 0.15, prism 0.54).
-  - FoX decay (A08) with ACP block pruning: causal softmax ``kp.attention(decay_bias=...,
-    decay_prune_threshold=-10)`` against the same call unpruned (the baseline), forward and
-    ``jax.grad`` of a sum, H = 128, T in {4k, 16k}; decay terms are cumulative log forget
-    gates with a per-head mix of memory lengths; both checked against the dense float32
-    reference (the pruned mass is below e^-10).
   - decode (K05): ``kp.decode_attention`` (split-K, one query token per sequence), B = 8,
     N = 32 query heads on K = 8 KV heads (GQA), H = 128, KV cache of 32k and 128k tokens
     with ragged lengths, against ``jaxsoft.attention.dot_product_attention(
@@ -53,6 +48,16 @@ Two more sections (``--sections``), each checked before it is timed:
   (a disagreeing one is rejected); prints the chosen shape and default fwd+bwd ms / chosen
   fwd+bwd ms.
 
+* ``sigmoid`` (K06 ``approx_sigmoid=True``: sigmoid's numerator with tanh.approx.f32,
+  FlashSigmoid) and the exact sigmoid kernel against the softmax kernel (the baseline of
+  issue 15's goal: sigmoid at least 1.10x softmax forward), forward and ``jax.grad`` of a
+  sum, bf16, H = 128, T in {4k, 16k}, full and causal; each checked against the dense
+  float32 reference.
+* ``fox`` (A08, ACP block pruning): causal softmax ``kp.attention(decay_bias=...,
+  decay_prune_threshold=-10)`` against the same call unpruned (the baseline), forward and
+  ``jax.grad`` of a sum, bf16, H = 128, T in {4k, 16k}; the decay terms are cumulative log
+  forget gates with a per-head mix of memory lengths; both checked against the dense
+  float32 reference (the pruned mass is below e^-10).
 * ``fp8`` (K06): ``kp.attention(fp8="e4m3")`` (Hadamard-rotated, block-quantised q and k),
   with the native fp8 dot (the Triton default) and with ``fp8_dot=False`` (the kernel
   multiplies dequantised values), each checked against the bf16 kernel (max / mean abs
@@ -86,7 +91,7 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
-SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8")
+SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox")
 
 
 @dataclasses.dataclass
@@ -238,6 +243,10 @@ def main(argv=None):
     ok &= ce_section(args)
   if "extras" in sections:
     ok &= extras_section(args)
+  if "sigmoid" in sections:
+    ok &= _sigmoid_part(args, bool(args.interpret), jnp.bfloat16)
+  if "fox" in sections:
+    ok &= _fox_part(args, bool(args.interpret), jnp.bfloat16)
   if "autotune" in sections:
     ok &= autotune_section(args)
   if "fp8" in sections:
@@ -632,6 +641,44 @@ def _decode_part(args, interpret, dtype) -> bool:
   return err <= 3e-2
 
 
+def _sigmoid_part(args, interpret, dtype) -> bool:
+  """K06 approx_sigmoid: sigmoid's numerator with tanh.approx.f32 (FlashSigmoid) against
+  the exact sigmoid kernel and the softmax kernel (the baseline of issue 15's goal: sigmoid
+  at least 1.10x softmax forward); each checked against the dense float32 reference."""
+  shapes, check_t, reps = _k06_sizes(args, 40, 512)
+  if args.tiny:
+    reps = args.reps or 2
+  runs = {"softmax": ("softmax", {}), "sigmoid": ("sigmoid", {}),
+          "sigmoid approx_sigmoid": ("sigmoid", dict(approx_sigmoid=True))}
+  print("\n| K06 sigmoid, kp.attention | shape | fwd ms | grad ms | vs softmax fwd | "
+        "vs softmax grad | status |\n|---|---|---|---|---|---|---|")
+  ok = True
+  for causal in (False, True):
+    fns = {name: (lambda q, k, v, nm=nm, kw=kw, causal=causal: kp.attention(
+        q, k, v, normalizer=nm, is_causal=causal, backend="triton", interpret=interpret,
+        **kw)) for name, (nm, kw) in runs.items()}
+    passed = {}
+    for name, fn in fns.items():
+      try:
+        passed[name] = check(fn, runs[name][0], shapes[0][0], causal, check_t, dtype,
+                             tol=3e-2)
+      except Exception as e:
+        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
+        passed[name] = False
+    ok &= all(passed.values())
+    for h, t, b, n in shapes:
+      shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
+      qkv = _inputs(b, t, n, h, dtype)[:3]
+      base = _fwd_grad_ms(fns["softmax"], qkv, reps) if passed["softmax"] else [None, None]
+      for name, fn in fns.items():
+        if not passed[name]:
+          print(f"| {name} | {shape} | - | - | - | - | FAIL |")
+          continue
+        ms = base if name == "softmax" else _fwd_grad_ms(fn, qkv, reps)
+        print(_ms_row(name, shape, ms, base, "ok"), flush=True)
+  return ok
+
+
 def _fox_decay(b, t, n, seed=0):
   """FoX-style decay terms cq = ck = cumulative log forget gates, a per-head mix of short
   and long memories: gate logits around linspace(1, 6) over the heads (log forget of
@@ -685,12 +732,10 @@ def _fox_part(args, interpret, dtype) -> bool:
 
 
 def extras_section(args) -> bool:
-  """K06 flags, block-sparse attention, FoX pruning and split-K decode, each against its
-  baseline."""
+  """K06 flags, block-sparse attention and split-K decode, each against its baseline."""
   interpret, dtype = bool(args.interpret), jnp.bfloat16
   ok = _k06_part(args, interpret, dtype)
   ok &= _block_sparse_part(args, interpret, dtype)
-  ok &= _fox_part(args, interpret, dtype)
   return _decode_part(args, interpret, dtype) and ok
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session of bench/gpu.py in about 8 minutes: each section in its own process under
+# One GPU session of bench/gpu.py in about 9 minutes: each section in its own process under
 # its own time limit (a slow or failing section cannot eat the others' time), the logs under
 # $OUT (or ./gpu_logs), a short digest on stdout. Run from the repository root:
 #
@@ -35,9 +35,11 @@ section() {  # name, seconds, extra arguments
   grep -E "^\|.*(ok|FAIL)|^# (backend|fp8)|Error" "$out/$name.log" | grep -v "^|---" | cut -c1-230
 }
 
-section attention 200 --head-dims 128 --lengths 4096,16384 --reps 5 --json "$out/attention.json"
-section extras 90
+section attention 190 --head-dims 128 --lengths 4096,16384 --reps 5 --json "$out/attention.json"
+section sigmoid 50
 section fp8 40
-section autotune 75 --lengths 4096 --reps 3
-section linear 75
-section ce 60
+section autotune 70 --lengths 4096 --reps 3
+section fox 35
+section extras 70
+section linear 50
+section ce 45

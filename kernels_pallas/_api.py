@@ -105,7 +105,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         debug: bool = False, block_table=None, row_blocks=None,
                         exp2: bool = False, rescale_threshold: float | None = None,
                         fp8: str | None = None, fp8_rotation: bool = True,
-                        fp8_dot: bool | None = None):
+                        fp8_dot: bool | None = None, approx_sigmoid: bool = False):
   """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
 
   Args:
@@ -141,6 +141,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     fp8_dot: with ``fp8``, whether the forward's scores are a native fp8 dot (float8
       operands, the scales applied to the float32 tile); None: on Triton for classes E,
       S and P, which need an fp8-capable GPU (sm_89+).
+    approx_sigmoid: K06, Triton, the sigmoid normalizer: its numerator as
+      ``0.5 + 0.5 tanh(z / 2)`` with the GPU's ``tanh.approx.f32`` in every pass
+      (``engine.approx_sigmoid_numerator``; |error| < 2.5e-4 on each weight).
 
   Dense ``bias`` and ``mask`` are read per tile in every pass, broadcast over batch,
   heads, queries or keys without copies; the bias's gradient is the logits' cotangent
@@ -293,7 +296,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       decay=call.decay_bias is not None or distance, distance=distance,
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
-      exp2=exp2, rescale_threshold=tau, fp8_dot=native)
+      exp2=exp2, rescale_threshold=tau, fp8_dot=native, approx_sigmoid=approx_sigmoid)
   E.check_flags(cfg)
 
   # Per-row parameters [B, N, T_pad, 1]; autodiff of the broadcast sums their cotangents back.
@@ -516,7 +519,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
               rescale_threshold: float | None = None, fp8: str | None = None,
               fp8_rotation: bool = True, fp8_dot: bool | None = None,
               return_residual: bool = False, score: str = "dot",
-              decay_prune_threshold: float | None = None):
+              decay_prune_threshold: float | None = None, approx_sigmoid: bool = False):
   r"""Blockwise ("flash") attention for any normalizer of kernel class E, S, P, T or R.
 
   .. math::
@@ -598,6 +601,10 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       defines none (NotImplementedError).
     score: ``"dot"`` or ``"distance"`` (A18: the logit is ``|q_i - k_j|``, unscaled: leave
       ``scale`` None; not with a ``decay_bias`` or ``fp8``).
+    approx_sigmoid: K06 (Triton, ``normalizer="sigmoid"``): the numerator as
+      ``0.5 + 0.5 tanh(z / 2)`` with the GPU's ``tanh.approx.f32`` (FlashSigmoid), forward
+      and backward; each weight within 2.5e-4 of the exact sigmoid (PTX's documented
+      bound). In interpret mode ``jnp.tanh`` stands in.
     decay_prune_threshold: with ``decay_bias``, a float t < 0: ACP block pruning (Lin et
       al. 2025): a tile whose decay bound ``max_i cq_i - min_j ck_j`` is below t is
       skipped in every pass (a block table; one tile shape for all passes), so each
@@ -626,7 +633,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
         logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
         key_value_seq_lengths=key_value_seq_lengths, decay_bias=decay_bias, exp2=exp2,
         rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
-        fp8_dot=fp8_dot, score=score)
+        fp8_dot=fp8_dot, score=score, approx_sigmoid=approx_sigmoid)
   if not isinstance(return_residual, (bool, np.bool_)):
     raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
   call = attention_api._canonical_call(
@@ -636,7 +643,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,
-                            fp8_rotation=fp8_rotation, fp8_dot=fp8_dot)
+                            fp8_rotation=fp8_rotation, fp8_dot=fp8_dot,
+                            approx_sigmoid=approx_sigmoid)
   if jnp.ndim(q) == 3:  # unbatched
     return tuple(x[0] for x in out) if return_residual else out[0]
   return out

@@ -45,6 +45,7 @@ from jaxsoft.attention import _masks
 from jaxsoft.attention._dense import safe_distance
 from jaxsoft.normalizers import _spec
 from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers._pointwise import _sigmoid_numerator
 from jaxsoft.normalizers._softmax import exp_numerator, temperature_score_map
 
 __all__ = [
@@ -165,6 +166,10 @@ class Config:
   # T_pad, 1], Aux.k_scale [B, K, 1, S_pad]); the backward passes run with this False on
   # the dequantised q and k (``core``).
   fp8_dot: bool = False
+  # K06 (Triton): the sigmoid numerator as 0.5 + 0.5 tanh(z / 2) with the GPU's
+  # tanh.approx.f32 (FlashSigmoid's one MUFU instruction per score instead of an exp and an
+  # IEEE division), in every pass; ``approx_sigmoid_numerator``.
+  approx_sigmoid: bool = False
 
   @property
   def hv_pad(self) -> int:
@@ -181,9 +186,10 @@ class Config:
   @property
   def tile(self) -> _spec.TileRule:
     """The tile rule the E/S/P passes run (class R: its row-statistics rule's second pass)."""
-    if self.spec.kernel_class == "R":
-      return self.spec.row_stats.second
-    return self.spec.tile
+    rule = self.spec.row_stats.second if self.spec.kernel_class == "R" else self.spec.tile
+    if self.approx_sigmoid and rule is not None:
+      rule = dataclasses.replace(rule, numerator=approx_sigmoid_numerator(bool(self.interpret)))
+    return rule
 
   @property
   def kernel_class(self) -> str:
@@ -386,6 +392,32 @@ def mask_where(mask, a, b):
   return a if mask is None else jnp.where(mask, a, b)
 
 
+def approx_sigmoid_numerator(interpret: bool):
+  """The sigmoid tile numerator ``w = 0.5 + 0.5 tanh(z / 2)`` with the GPU's
+  ``tanh.approx.f32`` (``plgpu.approx_tanh``; PTX documents a maximum relative error of
+  2^-10.987 for it, so ``|dw| <= 2^-11.987 |tanh| < 2.5e-4``), as FlashSigmoid (Ramapuram
+  et al. 2024, "Theory, analysis, and best practices for sigmoid self-attention"). Its
+  derivative is ``w (1 - w)`` of the same w. In the interpreter (no PTX) ``jnp.tanh``
+  stands in: the algebra is exact there, the error is measured on a GPU
+  (``bench/gpu.py --sections extras``)."""
+  if interpret:
+    tanh = jnp.tanh
+  else:
+    from jax.experimental.pallas import triton as plgpu
+    tanh = plgpu.approx_tanh
+
+  @jax.custom_jvp
+  def sig(z):
+    return 0.5 + 0.5 * tanh(0.5 * z)
+
+  @sig.defjvp
+  def _sig_jvp(primals, tangents):
+    w = sig(primals[0])
+    return w, w * (1.0 - w) * tangents[0]
+
+  return lambda z, m, **_: sig(z)
+
+
 LOG2E = 1.0 / math.log(2.0)  # log2(e): e^x = 2^{x log2(e)}
 LN2 = math.log(2.0)
 
@@ -405,7 +437,17 @@ def check_flags(cfg: Config) -> None:
   run them exactly. ``rescale_threshold`` needs class E (or R's class-E second pass) with
   ``e^{z - m}`` numerator and denominator, any score map, offset, floor, soft cap, bias
   or decay; ``exp2`` also a linear score map (:func:`exp2_exact`: softmax with any
-  temperature, softmax_1, softmax_n, softmax_sink)."""
+  temperature, softmax_1, softmax_n, softmax_sink); ``approx_sigmoid`` the sigmoid
+  normalizer on the Triton backend."""
+  if not isinstance(cfg.approx_sigmoid, bool):
+    raise ValueError(f"`approx_sigmoid` must be a bool, got {cfg.approx_sigmoid!r}")
+  if cfg.approx_sigmoid:
+    base = cfg.spec.row_stats.second if cfg.kernel_class == "R" else cfg.spec.tile
+    if base is None or base.numerator is not _sigmoid_numerator:
+      raise ValueError(f"`approx_sigmoid` needs the sigmoid normalizer, not {cfg.spec.name!r}")
+    if cfg.backend != "triton":
+      raise ValueError("`approx_sigmoid` needs the Triton backend (tanh.approx.f32 is a PTX "
+                       f"instruction), not {cfg.backend!r}")
   tau = cfg.rescale_threshold
   if tau is not None:
     rule = cfg.tile if cfg.kernel_class in ("E", "S", "P", "R") else None

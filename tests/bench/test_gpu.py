@@ -83,9 +83,8 @@ def test_extras_is_a_section_and_unknown_ones_are_refused():
 
 @pytest.mark.slow
 def test_extras_section_checks_then_times(capsys):
-  """K06 flags, block-sparse, FoX pruning and decode in interpret mode: each row checked,
-  then timed with the ratio to its named baseline (flags off, dense kp.attention, the
-  unpruned decay, XLA decode)."""
+  """K06 flags, block-sparse and decode in interpret mode: each row checked, then timed with
+  the ratio to its named baseline (flags off, dense kp.attention, XLA decode)."""
   bench = _load_bench()
   rc = bench.main(["--interpret", "--tiny", "--sections", "extras", "--reps", "1"])
   out = capsys.readouterr().out
@@ -94,10 +93,10 @@ def test_extras_section_checks_then_times(capsys):
           if line.startswith("| ") and " ms |" not in line]  # not the headers
   assert {line.split("|")[1].strip() for line in rows} == {
       "flags off", "exp2", "rescale 8", "exp2 + rescale 8", "dense kp.attention",
-      "moba pallas", "bfla pallas", "prism pallas", "decay", "decay, pruned at -10",
-      "xla dot_product_attention", "kp.decode_attention"}, out
+      "moba pallas", "bfla pallas", "prism pallas", "xla dot_product_attention",
+      "kp.decode_attention"}, out
   assert all("x | ok" in line for line in rows), rows
-  assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2 + 2  # K06: flags x masks
+  assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2  # K06: flags x masks
 
 
 @pytest.mark.slow
@@ -111,6 +110,21 @@ def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   assert not bench._decode_part(args, True, jnp.bfloat16)
   out = capsys.readouterr().out
   assert "| kp.decode_attention | 2 x 64 | - | - | FAIL" in out and len(timed) == 1
+
+
+@pytest.mark.parametrize("section,names", [
+    ("sigmoid", {"softmax", "sigmoid", "sigmoid approx_sigmoid"}),
+    pytest.param("fox", {"decay", "decay, pruned at -10"}, marks=pytest.mark.slow)])
+def test_sigmoid_and_fox_sections_check_then_time(section, names, capsys):
+  """The approximate-sigmoid and FoX-pruning sections in interpret mode: every row checked
+  against the dense reference (ok), then timed against its baseline (softmax; the
+  unpruned decay)."""
+  rc = _load_bench().main(["--interpret", "--tiny", "--sections", section, "--reps", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  rows = [line for line in out.splitlines() if line.startswith("| ") and " ms |" not in line]
+  assert {line.split("|")[1].strip() for line in rows} == names, out
+  assert all("x | ok" in line for line in rows), rows
 
 
 @pytest.mark.slow
