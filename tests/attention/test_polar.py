@@ -136,9 +136,27 @@ def test_bad_input():
 
 @pytest.mark.slow
 def test_other_normalizers_count_blind_direction():
+  """Count-blind for normalizers whose weights do not change shape with n: sigmoid with a
+  fixed bias (duplicated keys keep their weights) and relu (whose x / n halves them)."""
   q, k, v = make_qkv(6, 1, 4, S=6, N=2, K=1, H=4)
   k2, v2 = jnp.concatenate([k, k], axis=1), jnp.concatenate([v, v], axis=1)
-  for name in ("sigmoid", "sparsemax", "relu"):
+  for name, params in (("sigmoid", {"bias": -1.0}), ("relu", None)):
+    kw = dict(normalizer=name, normalizer_params=params, return_parts=True)
+    a = polar_attention(q, k, v, **kw)
+    b = polar_attention(q, k2, v2, **kw)
+    for x, y in zip(b[:3], a[:3], strict=True):  # o, u, m; PR doubles with n
+      np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(b[3], 2 * a[3], rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_length_dependent_normalizers_are_not_count_blind():
+  """sigmoid's default bias -log n and sparsemax's threshold change the shape of the
+  weights when every key is repeated: the docstring's count-blindness does not cover
+  them, and the direction moves."""
+  q, k, v = make_qkv(6, 1, 4, S=6, N=2, K=1, H=4)
+  k2, v2 = jnp.concatenate([k, k], axis=1), jnp.concatenate([v, v], axis=1)
+  for name in ("sigmoid", "sparsemax"):
     a = polar_attention(q, k, v, normalizer=name, return_parts=True)
     b = polar_attention(q, k2, v2, normalizer=name, return_parts=True)
-    np.testing.assert_allclose(b[1], a[1], rtol=1e-4, atol=1e-5)
+    assert float(jnp.max(jnp.abs(b[1] - a[1]))) > 1e-3
