@@ -44,7 +44,8 @@ def _kept_mask(cq, ck, backend):
   return rows[:, :, :T, :T]
 
 
-@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("backend", ["triton", pytest.param("mosaic_tpu",
+                                                             marks=pytest.mark.slow)])
 def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
   B, T = SHAPES[backend]
   q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=72)
