@@ -82,14 +82,16 @@ def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
 
 
 def test_with_a_bias_or_class_t_the_kernel_stays_exact(monkeypatch):
-  """A dense bias (its gradient needs every tile's dS) or a class-T normalizer: no
-  pruning, the exact result; the dispatcher's implementation="pallas" takes the argument."""
+  """A dense bias or mask (the block-table passes take neither) or a class-T normalizer:
+  no pruning, the exact result; the dispatcher's implementation="pallas" takes the
+  argument."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   B, T = SHAPES["triton"]
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
   cq, ck = _fox_decay(B, T)
   bias = 0.1 * jax.random.normal(jax.random.key(74), (T, T))
-  for kw in (dict(bias=bias), dict(normalizer="sparsemax")):
+  mask = jax.random.bernoulli(jax.random.key(75), 0.8, (B, 1, T, T))
+  for kw in (dict(bias=bias), dict(mask=mask), dict(normalizer="sparsemax")):
     args = dict(is_causal=True, decay_bias=(cq, ck), **kw)
     got = attention.dot_product_attention(q, k, v, implementation="pallas",
                                           decay_prune_threshold=THRESHOLD, **args)
