@@ -253,10 +253,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
     q = fp8_mod.straight_through(q, *q_fp8).astype(dtype)
     k = fp8_mod.straight_through(k, *k_fp8).astype(dtype)
-  # ACP block pruning of a decay: a block table of the tiles the bound keeps (classes E,
-  # S, P without a dense bias or mask, which the block-table passes do not take)
+  # ACP block pruning of a decay (classes E, S, P without a dense bias, whose gradient
+  # would need the skipped tiles' zeros): a block table of the tiles the bound keeps
   prune = (block_table is None and call.decay_prune_threshold is not None
-           and call.decay_bias is not None and call.bias is None and call.mask is None
+           and call.decay_bias is not None and call.bias is None
            and not (threshold or row_stats))
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
@@ -609,8 +609,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       al. 2025): a tile whose decay bound ``max_i cq_i - min_j ck_j`` is below t is
       skipped in every pass (a block table; one tile shape for all passes), so each
       skipped logit's decay term is below t (``jaxsoft.attention``'s bound on the
-      output). Classes E, S and P without a dense ``bias`` or ``mask``; the others stay
-      exact.
+      output). Classes E, S and P without a dense ``bias``; the others stay exact.
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype (with ``return_residual``, the pair ``(out, residual

@@ -81,17 +81,34 @@ def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
 
 
 
+def test_pruning_with_a_dense_mask():
+  """A dense mask [B, 1, T, S] (read per kept tile): the pruned kernel is the dense path
+  over the kept tiles and the mask, forward and every cotangent."""
+  B, T = SHAPES["triton"]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=76)
+  cq, ck = _fox_decay(B, T)
+  mask = jax.random.bernoulli(jax.random.key(77), 0.8, (B, 1, T, T))
+  kept = _kept_mask(cq, ck, "triton")
+  assert_matches(
+      lambda q, k, v, cq, ck: kp.attention(
+          q, k, v, mask=mask, is_causal=True, decay_bias=(cq, ck), interpret=True,
+          block_sizes=BLOCKS["triton"], decay_prune_threshold=THRESHOLD),
+      lambda q, k, v, cq, ck: attention.dot_product_attention(
+          q, k, v, mask=kept & mask, is_causal=True, decay_bias=(cq, ck),
+          implementation="xla"),
+      (q, k, v, cq, ck), ct)
+
+
 def test_with_a_bias_or_class_t_the_kernel_stays_exact(monkeypatch):
-  """A dense bias or mask (the block-table passes take neither) or a class-T normalizer:
-  no pruning, the exact result; the dispatcher's implementation="pallas" takes the
+  """A dense bias (its gradient would need every tile's dS) or a class-T normalizer: no
+  pruning, the exact result; the dispatcher's implementation="pallas" takes the
   argument."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   B, T = SHAPES["triton"]
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
   cq, ck = _fox_decay(B, T)
   bias = 0.1 * jax.random.normal(jax.random.key(74), (T, T))
-  mask = jax.random.bernoulli(jax.random.key(75), 0.8, (B, 1, T, T))
-  for kw in (dict(bias=bias), dict(mask=mask), dict(normalizer="sparsemax")):
+  for kw in (dict(bias=bias), dict(normalizer="sparsemax")):
     args = dict(is_causal=True, decay_bias=(cq, ck), **kw)
     got = attention.dot_product_attention(q, k, v, implementation="pallas",
                                           decay_prune_threshold=THRESHOLD, **args)
