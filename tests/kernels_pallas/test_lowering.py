@@ -46,9 +46,13 @@ def export_fwd_bwd(fn, backend, q, k):
 
 def _abstract_gpu():
   """An abstract one-device H100 mesh: newer JAX (0.12) reads the target GPU from it when no
-  GPU is attached; JAX 0.10 lowers without one, and the mesh changes nothing there."""
+  GPU is attached; JAX 0.10 lowers without one, and the mesh changes nothing there. Its axis
+  is Auto, not the Explicit default of JAX 0.12: an Explicit axis turns on sharding in
+  types, under which the class-T passes' small arrays (and any compile-time constant) fail
+  to trace without a concrete mesh, which a real GPU run never lacks."""
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
   return jax.sharding.use_abstract_mesh(mesh)
 
 
