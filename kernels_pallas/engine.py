@@ -399,7 +399,7 @@ def approx_sigmoid_numerator(interpret: bool):
   et al. 2024, "Theory, analysis, and best practices for sigmoid self-attention"). Its
   derivative is ``w (1 - w)`` of the same w. In the interpreter (no PTX) ``jnp.tanh``
   stands in: the algebra is exact there, the error is measured on a GPU
-  (``bench/gpu.py --sections extras``)."""
+  (``bench/gpu.py --sections sigmoid``)."""
   if interpret:
     tanh = jnp.tanh
   else:

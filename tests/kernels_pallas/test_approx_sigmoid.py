@@ -7,7 +7,7 @@ cotangents (the length-dependent bias, a learned per-head bias, rows with no vis
 key), that the cuda lowering of every pass holds the ``tanh.approx.f32`` instruction (and
 the flag-off one none), and that misuse is refused. The instruction's own error (PTX:
 relative 2^-10.987, so each weight within 2.5e-4) is measured on a GPU by
-``bench/gpu.py --sections extras``.
+``bench/gpu.py --sections sigmoid``.
 """
 
 from __future__ import annotations
