@@ -488,6 +488,20 @@ def _ms_row(label, shape, ms, base, status):
   return f"| {label} | {shape} | {cells} | {ratios} | {status} |"
 
 
+def _check_all(fns, normalizer_of, h, causal, t, dtype) -> dict[str, bool]:
+  """{name: whether fns[name] passes :func:`check` against the dense reference of
+  ``normalizer_of(name)`` (bf16 tolerance 3e-2)}; an op that raises fails, with its error
+  on stderr."""
+  passed = {}
+  for name, fn in fns.items():
+    try:
+      passed[name] = check(fn, normalizer_of(name), h, causal, t, dtype, tol=3e-2)
+    except Exception as e:
+      print(f"# K06 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
+      passed[name] = False
+  return passed
+
+
 def _k06_part(args, interpret, dtype) -> bool:
   shapes, check_t, reps = _k06_sizes(args, 40, 512)
   if args.tiny:
@@ -501,13 +515,7 @@ def _k06_part(args, interpret, dtype) -> bool:
     fns = {name: (lambda q, k, v, kw=kw, causal=causal: kp.attention(
         q, k, v, normalizer="softmax", is_causal=causal, backend="triton",
         interpret=interpret, **kw)) for name, kw in flags.items()}
-    passed = {}
-    for name, fn in fns.items():
-      try:
-        passed[name] = check(fn, "softmax", shapes[0][0], causal, check_t, dtype, tol=3e-2)
-      except Exception as e:
-        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
-        passed[name] = False
+    passed = _check_all(fns, lambda name: "softmax", shapes[0][0], causal, check_t, dtype)
     ok &= all(passed.values())
     for h, t, b, n in shapes:
       shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
@@ -657,14 +665,8 @@ def _sigmoid_part(args, interpret, dtype) -> bool:
     fns = {name: (lambda q, k, v, nm=nm, kw=kw, causal=causal: kp.attention(
         q, k, v, normalizer=nm, is_causal=causal, backend="triton", interpret=interpret,
         **kw)) for name, (nm, kw) in runs.items()}
-    passed = {}
-    for name, fn in fns.items():
-      try:
-        passed[name] = check(fn, runs[name][0], shapes[0][0], causal, check_t, dtype,
-                             tol=3e-2)
-      except Exception as e:
-        print(f"# K06 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
-        passed[name] = False
+    passed = _check_all(fns, lambda name: runs[name][0], shapes[0][0], causal, check_t,
+                        dtype)
     ok &= all(passed.values())
     for h, t, b, n in shapes:
       shape = f"H={h} T={t} B={b} N={n} {'causal' if causal else 'full'}"
