@@ -34,6 +34,7 @@ broadcast axes).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -184,9 +185,16 @@ class Config:
     return self.num_heads // self.num_kv_heads
 
   @property
+  def spec_tile(self) -> _spec.TileRule | None:
+    """The spec's own tile rule for the E/S/P passes (class R: its row-statistics rule's
+    second pass)."""
+    return self.spec.row_stats.second if self.spec.kernel_class == "R" else self.spec.tile
+
+  @property
   def tile(self) -> _spec.TileRule:
-    """The tile rule the E/S/P passes run (class R: its row-statistics rule's second pass)."""
-    rule = self.spec.row_stats.second if self.spec.kernel_class == "R" else self.spec.tile
+    """The tile rule the E/S/P passes run: :attr:`spec_tile`, with the K06
+    ``approx_sigmoid`` numerator when that flag is on."""
+    rule = self.spec_tile
     if self.approx_sigmoid and rule is not None:
       rule = dataclasses.replace(rule, numerator=approx_sigmoid_numerator(bool(self.interpret)))
     return rule
@@ -392,6 +400,7 @@ def mask_where(mask, a, b):
   return a if mask is None else jnp.where(mask, a, b)
 
 
+@functools.lru_cache(maxsize=2)  # one per interpret flag: Config.tile asks on every use
 def approx_sigmoid_numerator(interpret: bool):
   """The sigmoid tile numerator ``w = 0.5 + 0.5 tanh(z / 2)`` with the GPU's
   ``tanh.approx.f32`` (``plgpu.approx_tanh``; PTX documents a maximum relative error of
@@ -442,7 +451,7 @@ def check_flags(cfg: Config) -> None:
   if not isinstance(cfg.approx_sigmoid, bool):
     raise ValueError(f"`approx_sigmoid` must be a bool, got {cfg.approx_sigmoid!r}")
   if cfg.approx_sigmoid:
-    base = cfg.spec.row_stats.second if cfg.kernel_class == "R" else cfg.spec.tile
+    base = cfg.spec_tile
     if base is None or base.numerator is not _sigmoid_numerator:
       raise ValueError(f"`approx_sigmoid` needs the sigmoid normalizer, not {cfg.spec.name!r}")
     if cfg.backend != "triton":
