@@ -99,6 +99,25 @@ def test_pruning_with_a_dense_mask():
       (q, k, v, cq, ck), ct)
 
 
+def test_pruning_keeps_rows_without_a_visible_key_zero():
+  """A batch row of key length 0 under pruning: zero output, zero and finite gradients; the
+  other row is the dense path over the kept tiles."""
+  B, T = SHAPES["triton"]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=78)
+  cq, ck = _fox_decay(B, T)
+  lengths = jnp.array([T, 0], jnp.int32)
+  kept = _kept_mask(cq, ck, "triton")
+  out, grads = assert_matches(
+      lambda q, k, v: kp.attention(
+          q, k, v, is_causal=True, decay_bias=(cq, ck), key_value_seq_lengths=lengths,
+          interpret=True, block_sizes=BLOCKS["triton"], decay_prune_threshold=THRESHOLD),
+      lambda q, k, v: attention.dot_product_attention(
+          q, k, v, mask=kept, is_causal=True, decay_bias=(cq, ck),
+          key_value_seq_lengths=lengths, implementation="xla"),
+      (q, k, v), ct)
+  assert bool(jnp.all(out[1] == 0)) and all(bool(jnp.all(g[1] == 0)) for g in grads)
+
+
 def test_with_a_bias_or_class_t_the_kernel_stays_exact(monkeypatch):
   """A dense bias (its gradient would need every tile's dS) or a class-T normalizer: no
   pruning, the exact result; the dispatcher's implementation="pallas" takes the
