@@ -148,6 +148,9 @@ class Config:
   # A18 score="distance": the logit is |q_i - k_j| (``score_tile``); it rides on the decay's
   # row and column operands (then |q_i|^2 and -|k_j|^2, ``decay`` True, scale -2)
   distance: bool = False
+  # score="distance" together with FoX's decay: the row and column operands hold two terms
+  # each (:attr:`terms`), the squared norms first, then the decay's cq_i and ck_j
+  distance_decay: bool = False
   # Block tables (``attention_from_call(block_table=...)``): the key loops of the forward
   # and dQ passes follow a compacted list of key blocks per (batch, head, query block),
   # Aux.fwd_idx / fwd_cnt, and the dK/dV pass its transpose, Aux.dkv_idx / dkv_cnt,
@@ -200,6 +203,12 @@ class Config:
     return rule
 
   @property
+  def terms(self) -> int:
+    """Columns of the row operand (Aux.cq [B, N, T_pad, W]) and rows of the column operand
+    (Aux.ck [B, N, W, S_pad]): 2 with :attr:`distance_decay`, else 1."""
+    return 2 if self.distance_decay else 1
+
+  @property
   def kernel_class(self) -> str:
     return self.spec.kernel_class
 
@@ -222,7 +231,8 @@ def tile_logits(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_sca
   the decay terms and the cap (``c cap tanh(x / cap) = (c cap) tanh(c x / (c cap))``).
   ``fp8_scales`` (``cfg.fp8_dot``): ``(sq [bq, 1], sk [1, bk])``, q and k float8 and
   ``q k^T`` the fp8 dot (float32 accumulation) times ``sq_i sk_j``. With
-  ``cfg.distance`` see :func:`score_tile`.
+  ``cfg.distance`` see :func:`score_tile` (then ``cq`` [bq, W] and ``ck`` [W, bk],
+  W = ``cfg.terms``).
   """
   return score_tile(cfg, q, k, cq, ck, log2, fp8_scales)[0]
 
@@ -235,25 +245,61 @@ def score_tile(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_scal
   ``cq_i = |q_i|^2`` and ``ck_j = -|k_j|^2`` and the scale is -2, so that
   ``scale q k^T + cq - ck`` is the squared distance ``|q_i - k_j|^2`` and the pre-cap logit
   its square root ``d_ij`` (``safe_distance``: 0, with gradient 0, where rounding makes the
-  square negative).
+  square negative). With ``cfg.distance_decay`` the operands hold two terms (:func:`term`),
+  the norms and then the decay, added to ``d_ij`` before the soft cap.
   """
   c = LOG2E if log2 else 1.0
   s = dot(cfg, q, k, (1, 1))
   dist = None
-  if cfg.distance:
-    dist = safe_distance(s * cfg.scale + cq - ck)
+  if cfg.distance:  # the norms are term 0; a decay (cfg.distance_decay) term 1
+    dist = safe_distance(s * cfg.scale + term(cq, 0, 1) - term(ck, 0, 0))
     s = dist * c if log2 else dist
+    cq, ck = (term(cq, 1, 1), term(ck, 1, 0)) if cfg.distance_decay else (None, None)
   elif fp8_scales is not None:
     sq, sk = fp8_scales
     s = (s * (sq * (cfg.scale * c))) * sk
   else:
     s = s * (cfg.scale * c)
-  if cq is not None and not cfg.distance:
+  if cq is not None:
     s = s + ((cq * c) - (ck * c) if log2 else cq - ck)
   if cfg.soft_cap is not None:
     cap = cfg.soft_cap * c
     s = cap * jnp.tanh(s / cap)
   return s, dist
+
+
+def term_shapes(cfg: Config, b: int):
+  """The cotangents of the row and column operands (``Config.decay``): ``(d cq [B, N,
+  T_pad, W], d ck [B, N, W, S_pad])`` in the compute dtype (W = ``Config.terms``)."""
+  w, n = cfg.terms, cfg.num_heads
+  return (jax.ShapeDtypeStruct((b, n, cfg.t_pad, w), cfg.acc_dtype),
+          jax.ShapeDtypeStruct((b, n, w, cfg.s_pad), cfg.acc_dtype))
+
+
+def term(x, i: int, axis: int):
+  """Term ``i`` of a row operand tile ``x`` [bq, W] (``axis`` 1) or a column operand tile
+  [W, bk] (``axis`` 0), keeping the axis (size 1); ``x`` itself when W = 1. A masked sum,
+  not a slice: Triton lowers no value slicing."""
+  if x.shape[axis] == 1:
+    return x
+  pick = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis) == i
+  return jnp.sum(jnp.where(pick, x, 0.0), axis=axis, keepdims=True)
+
+
+def term_grads(cfg: Config, s, ds, dz, axis: int):
+  """The cotangent of the row (``axis`` -1: [bq, W]) or column (``axis`` 0: [W, bk]; the
+  column operand enters with a minus sign, which the caller applies) operand of a tile:
+  the sums of ``dz`` (:func:`logits_grad` of the logits' cotangent ``ds``) along
+  ``axis``; with :attr:`Config.distance_decay` the decay's term, after the distance's,
+  sums ``ds`` chained through the soft cap only (the decay is added after the square
+  root)."""
+  g = jnp.sum(dz, axis=axis, keepdims=True)
+  if not cfg.distance_decay:
+    return g
+  h = jnp.sum(soft_cap_grad(cfg, s, ds), axis=axis, keepdims=True)
+  shape = (s.shape[0], 2) if axis in (-1, 1) else (2, s.shape[1])
+  first = jax.lax.broadcasted_iota(jnp.int32, shape, 1 if axis in (-1, 1) else 0) == 0
+  return jnp.where(first, g, h)
 
 
 def soft_cap_grad(cfg: Config, s, ds):
@@ -583,10 +629,11 @@ def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | Non
   block units; query-side blocks have ``q_rows`` rows and ``q_heads`` heads (None: one,
   squeezed), key-side blocks ``k_rows`` rows. Keys: ``q`` (q, dQ: [B, T, N, H], or
   [B, N, T, H] when ``heads_first``), ``o`` (O, dO: value head dim), ``kv`` (K, dK),
-  ``v`` (V, dV), ``bias``/``mask`` (the dense bias and mask, None without), ``ck`` (the
-  decay's key terms [B, N, 1, S] and their cotangent), ``row`` (per-row statistics
-  and hyperparameters [B, N, T, 1]), ``q_ids`` (query segment ids and visible counts
-  [B, T, 1]) and ``k_ids`` (key segment ids [B, 1, S]).
+  ``v`` (V, dV), ``bias``/``mask`` (the dense bias and mask, None without), ``cq``/``ck``
+  (the decay's row and column terms [B, N, T, W] / [B, N, W, S], ``Config.terms``, and
+  their cotangents), ``row`` (per-row statistics and hyperparameters [B, N, T, 1]),
+  ``q_ids`` (query segment ids and visible counts [B, T, 1]) and ``k_ids`` (key segment
+  ids [B, 1, S]).
   """
   hp, hv = cfg.head_dim_pad, cfg.hv_pad
 
@@ -614,7 +661,8 @@ def block_specs(cfg: Config, index, q_rows: int, k_rows: int, q_heads: int | Non
     vv = spec((None, k_rows, None, hv), lambda b, qh, kh, qb, kb: (b, kb, kh, 0))
   return dict(
       q=q, kv=kv, o=o, v=vv, bias=dense(cfg.bias_full), mask=dense(cfg.mask_full),
-      ck=dense((True, True, False, True)),
+      cq=spec((None, q_heads, q_rows, cfg.terms), lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
+      ck=spec((None, q_heads, cfg.terms, k_rows), lambda b, qh, kh, qb, kb: (b, qh, 0, kb)),
       k_scale=spec((None, None, 1, k_rows), lambda b, qh, kh, qb, kb: (b, kh, 0, kb)),
       sel=spec((None, q_heads, q_rows, max(1, cfg.row_select)),
                lambda b, qh, kh, qb, kb: (b, qh, qb, 0)),
@@ -636,7 +684,7 @@ def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list
       in_specs.append(specs[name])
       args.append(getattr(aux, name))
   if cfg.decay:
-    in_specs += [specs["row"], specs["ck"]]
+    in_specs += [specs["cq"], specs["ck"]]
     args += [aux.cq, aux.ck]
   if cfg.row_select:
     in_specs.append(specs["sel"])

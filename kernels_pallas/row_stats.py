@@ -132,8 +132,8 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   sp = triton._q_major(cfg, bq)
   out_specs, out_shape = [sp["q"]], [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
   if cfg.decay:
-    out_specs.append(sp["row"])
-    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype))
+    out_specs.append(sp["cq"])
+    out_shape.append(E.term_shapes(cfg, b)[0])
   if has_bias:
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad), lambda qi, bi, ni: (bi, ni, qi, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
@@ -163,9 +163,9 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       ds = tangent_tile(cfg, x, mask, st, gt)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.logits_grad(cfg, s, dist, ds)
-      return (dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0)),
-              dcq + jnp.sum(ds, axis=-1, keepdims=True))
+      dz = E.logits_grad(cfg, s, dist, ds)
+      return (dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0)),
+              dcq + E.term_grads(cfg, s, ds, dz, -1))
 
     if ds_ref is not None:  # the key blocks the loop skips have dS = 0
       def clear(j, c):
@@ -175,7 +175,7 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       jax.lax.fori_loop(0, lo, clear, 0)
       jax.lax.fori_loop(hi, nk, clear, 0)
     dq, dcq = jax.lax.fori_loop(lo, hi, body, (jnp.zeros((bq, hp), cfg.acc_dtype),
-                                               jnp.zeros((bq, 1), cfg.acc_dtype)))
+                                               jnp.zeros((bq, cfg.terms), cfg.acc_dtype)))
     dq_ref[...] = dq
     if dcq_ref is not None:
       dcq_ref[...] = dcq
@@ -213,12 +213,13 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
             cfg, bias_ref, mask_ref, bq, bk, head=gi, rows=sl))
         st = tuple(r[gi, sl, :] for r in st_refs)
         gt = tuple(r[gi, sl, :] for r in g_refs)
-        ds = E.logits_grad(cfg, s, dist, tangent_tile(cfg, x, mask, st, gt))
-        return (dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0)),
-                dck - jnp.sum(ds, axis=0, keepdims=True))
+        ds = tangent_tile(cfg, x, mask, st, gt)
+        dz = E.logits_grad(cfg, s, dist, ds)
+        return (dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0)),
+                dck - E.term_grads(cfg, s, ds, dz, 0))
 
       dk, dck = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
-                                  (dk, jnp.zeros((1, bk), cfg.acc_dtype)))
+                                  (dk, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
       if dck_refs:
         dck_refs[0][gi] = dck
     dk_ref[...] = dk
@@ -226,7 +227,7 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   out_specs, out_shape = [sp["kv"]], [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)]
   if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums, per query head
     out_specs.append(sp["ck"])
-    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
   ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
   outs = triton._call(cfg, kernel, "rdk", (cfg.s_pad // bk, b, kvh), bk, sp,
                       (aux.dkv_lo, aux.dkv_hi), ops, aux, (), out_specs, out_shape)
@@ -288,9 +289,9 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
   scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
   if cfg.decay:
-    out_specs.append(sp["row"])
-    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype))
-    scratch.append(pltpu.VMEM((bq, 1), cfg.acc_dtype))
+    out_specs.append(sp["cq"])
+    out_shape.append(E.term_shapes(cfg, b)[0])
+    scratch.append(pltpu.VMEM((bq, cfg.terms), cfg.acc_dtype))
   if has_bias:
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
@@ -325,10 +326,10 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
                         tuple(y[...] for y in g_refs))
       if ds_ref is not None:
         ds_ref[...] = ds
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if dcq_sc is not None:
-        dcq_sc[...] += jnp.sum(ds, axis=-1, keepdims=True)
-      dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+        dcq_sc[...] += E.term_grads(cfg, s, ds, dz, -1)
+      dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
 
     if ds_ref is not None:
       @pl.when(jnp.logical_not(visible))
@@ -386,11 +387,11 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
                         tuple(y[...] for y in g_refs))
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
-        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
-      ds = ds * cfg.scale
-      dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
+        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
+      dz = dz * cfg.scale
+      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
 
     @pl.when(jnp.logical_and(gi == grp - 1, qi == nq - 1))
     def _finish():
@@ -400,7 +401,7 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)]
   if cfg.decay:
     out_specs.append(sp["ck"])
-    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
   ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
   ops += [(sp["row"], x) for x in (*stats, *g)]
   outs = tpu._call(cfg, kernel, "rdk", (b, kvh, nk, grp, nq), sp, (aux.dkv_lo, aux.dkv_hi), ops,

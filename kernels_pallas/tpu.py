@@ -167,14 +167,17 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   sp = _q_major(cfg, bq, bk)
   grid, bounds = _q_grid(cfg, aux, b, n, nq, nk, aux.dq_lo, aux.dq_hi)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_rows
-  out_specs = [sp["q"]] + [sp["row"]] * n_rows
-  if has_bias:  # every grid step writes its own dS tile (not clamped like the inputs)
-    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
+  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
+  out_specs = [sp["q"]] + [sp["row"]] * n_dyn + [sp["cq"]] * int(cfg.decay)
+  if has_bias:  # every grid step writes its own dS tile (not clamped like the inputs; with
+    # a block table into slot ki, the ki-th listed block's, scattered afterwards)
+    out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, grid[3] * bk), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
   scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
-  scratch += [pltpu.VMEM((bq, 1), cfg.acc_dtype)] * n_rows
+  scratch += [pltpu.VMEM((bq, w), cfg.acc_dtype)
+              for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
     qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
@@ -205,10 +208,10 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                                     len_ref[...], tuple(rf[...] for rf in dyn_refs))
       if ds_ref is not None:
         ds_ref[...] = ds
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        ddyn = (*ddyn, jnp.sum(ds, axis=-1, keepdims=True))
-      dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+        ddyn = (*ddyn, E.term_grads(cfg, s, ds, dz, -1))
+      dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
       for sc, y in zip(ddyn_sc, ddyn, strict=True):
         sc[...] += y
 
@@ -225,8 +228,11 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   outs = _call(cfg, kernel, "dq", grid, sp, bounds,
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
                out_shape, scratch)
-  return (_heads_first(outs[0]), tuple(outs[1:1 + n_dyn]),
-          outs[1 + n_rows] if has_bias else None, outs[1 + n_dyn] if cfg.decay else None)
+  ds = outs[1 + n_rows] if has_bias else None
+  if ds is not None and cfg.key_table:
+    ds = _scatter_live(cfg, ds, aux.fwd_idx)
+  return (_heads_first(outs[0]), tuple(outs[1:1 + n_dyn]), ds,
+          outs[1 + n_dyn] if cfg.decay else None)
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
@@ -256,7 +262,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
   if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
-    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])  # over the consecutive query-block steps
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
@@ -289,12 +295,12 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       dp = E.dot(cfg, dot_, vt, (1, 1))
       w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
                                  len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
-        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
-      ds = ds * cfg.scale
+        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
+      dz = dz * cfg.scale
       dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
-      dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
+      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
 
     @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
     def _finish():
@@ -506,14 +512,15 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
   sp = _q_major_live(cfg, idx.shape)
   row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
   out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype), row]
-  out_shape += [row] * n_rows
-  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_rows)
+  out_shape += [row] * n_dyn + [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
+  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_dyn) + [sp["cq"]] * int(cfg.decay)
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, width * bk), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ph, i, idx, cnt: (bi, ni, qi, i * ph)))
   rsc = pltpu.VMEM((bq, 1), cfg.acc_dtype)
-  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_rows
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_dyn
+  scratch += [pltpu.VMEM((bq, cfg.terms), cfg.acc_dtype)] * int(cfg.decay)
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              *refs):
@@ -554,10 +561,10 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
                                       delta_ref[...], coef_sc[...], dp, length, dyn_v)
         if ds_ref is not None:
           ds_ref[...] = ds
-        ds = E.logits_grad(cfg, s, dist, ds)
+        dz = E.logits_grad(cfg, s, dist, ds)
         if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-          dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
-        dq_sc[...] += E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+          dd = (*dd, E.term_grads(cfg, s, ds, dz, -1))
+        dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
         for sc, y in zip(ddyn_sc, dd, strict=True):
           sc[...] += y
 
@@ -618,7 +625,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
   scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
   if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
-    out_shape.append(jax.ShapeDtypeStruct((b, n, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])  # over the consecutive steps of that head
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
@@ -652,12 +659,12 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
       w, ds, _ = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
                                    delta_ref[...], coef_ref[...], dp, len_ref[...],
                                    tuple(rf[...] for rf in dyn_refs))
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if dck_ref is not None:
-        dck_ref[...] -= jnp.sum(ds, axis=0, keepdims=True)
-      ds = ds * cfg.scale
+        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
+      dz = dz * cfg.scale
       dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
-      dk_sc[...] += E.dot(cfg, ds.T.astype(qt.dtype), qt, (1, 0))
+      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
 
     @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
     def _finish():

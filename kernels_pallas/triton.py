@@ -165,8 +165,9 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   sp = _q_major(cfg, bq)
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_rows
-  out_specs = [sp["q"]] + [sp["row"]] * n_rows
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
+  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
+  out_specs = [sp["q"]] + [sp["row"]] * n_dyn + [sp["cq"]] * int(cfg.decay)
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
@@ -201,21 +202,25 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       _, ds, dd = E.backward_tile(cfg, x, mask, mt, dt, delt, dp, length, dyn_v)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.logits_grad(cfg, s, dist, ds)
+      dz = E.logits_grad(cfg, s, dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
-      dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+        dd = (*dd, E.term_grads(cfg, s, ds, dz, -1))
+      dq = dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
       return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
 
-    if ds_ref is not None:  # the key blocks the loop skips have dS = 0 (no block table)
+    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
       def clear(j, c):
         ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
         return c
 
-      jax.lax.fori_loop(0, lo, clear, 0)
-      jax.lax.fori_loop(hi, nk, clear, 0)
+      if cfg.key_table:  # every block, then the loop writes the listed ones
+        jax.lax.fori_loop(0, nk, clear, 0)
+      else:
+        jax.lax.fori_loop(0, lo, clear, 0)
+        jax.lax.fori_loop(hi, nk, clear, 0)
     init = (jnp.zeros((bq, hp), cfg.acc_dtype),
-            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_rows)))
+            tuple(jnp.zeros((bq, w), cfg.acc_dtype)
+                  for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)))
     dq, ddyn = jax.lax.fori_loop(lo, hi, body, init)
     dq_ref[...] = dq
     for rf, x in zip(ddyn_refs, ddyn, strict=True):
@@ -238,7 +243,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
   if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
-    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
@@ -271,13 +276,13 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
         w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
                                    delta_ref[gi, sl, :], dp, length, dyn_v)
-        ds = E.logits_grad(cfg, s, dist, ds)
+        dz = E.logits_grad(cfg, s, dist, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
-        return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
+        dk = dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0))
+        return dk, dv, dck - E.term_grads(cfg, s, ds, dz, 0)
 
       *dk_dv, dck = jax.lax.fori_loop(start, stop, body,
-                                      (*dk_dv, jnp.zeros((1, bk), cfg.acc_dtype)))
+                                      (*dk_dv, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
       if dck_refs:
         dck_refs[0][gi] = dck
     dk_ref[...] = dk_dv[0]
@@ -440,8 +445,9 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
   sp = _q_major(cfg, bq)
   idx_spec, cnt_spec = _tables(idx.shape[-1])
   row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_rows
-  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_rows)
+  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_dyn
+  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
+  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_dyn) + [sp["cq"]] * int(cfg.decay)
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
@@ -486,10 +492,10 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
       _, ds, dd = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
       if ds_ref is not None:
         ds_ref[:, sl] = ds
-      ds = E.logits_grad(cfg, *s_dist, ds)
+      dz = E.logits_grad(cfg, *s_dist, ds)
       if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        dd = (*dd, jnp.sum(ds, axis=-1, keepdims=True))
-      dq = dq + E.dot(cfg, (ds * cfg.scale).astype(kt.dtype), kt, (1, 0))
+        dd = (*dd, E.term_grads(cfg, s_dist[0], ds, dz, -1))
+      dq = dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
       return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
 
     if ds_ref is not None:  # dS = 0 on every block but the live ones (written below)
@@ -499,7 +505,8 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
 
       jax.lax.fori_loop(0, nk, clear, 0)
     init = (jnp.zeros((bq, hp), cfg.acc_dtype),
-            tuple(jnp.zeros((bq, 1), cfg.acc_dtype) for _ in range(n_rows)))
+            tuple(jnp.zeros((bq, w), cfg.acc_dtype)
+                  for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)))
     dq, ddyn = jax.lax.fori_loop(0, count, body, init)
     dq_ref[...] = dq
     coef_ref[...] = coef
@@ -533,7 +540,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
                jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
   if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
-    out_shape.append(jax.ShapeDtypeStruct((b, cfg.num_heads, 1, cfg.s_pad), cfg.acc_dtype))
+    out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
@@ -563,13 +570,13 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
         dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
         length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
         w, ds, _ = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
-        ds = E.logits_grad(cfg, s, dist, ds)
+        dz = E.logits_grad(cfg, s, dist, ds)
         dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, (ds * cfg.scale).astype(qt.dtype), qt, (0, 0))
-        return dk, dv, dck - jnp.sum(ds, axis=0, keepdims=True)
+        dk = dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0))
+        return dk, dv, dck - E.term_grads(cfg, s, ds, dz, 0)
 
       *dk_dv, dck = jax.lax.fori_loop(0, cnt_ref[gi, 0], body,
-                                      (*dk_dv, jnp.zeros((1, bk), cfg.acc_dtype)))
+                                      (*dk_dv, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
       if dck_refs:
         dck_refs[0][gi] = dck
     dk_ref[...] = dk_dv[0]

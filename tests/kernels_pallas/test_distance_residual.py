@@ -7,7 +7,8 @@ distance and the backward chains through it (``engine.logits_grad``); checked fo
 backward (q, k, v) with GQA, causal masks, a soft cap, rows with no visible key, classes
 E, T and R, bfloat16 inputs and the exp2 flag. Residual: the row statistic of each class
 (``m + log D`` for E and S, 0 for P, the search's tau for T), ``-inf`` on rows with no
-visible key, no gradient; class R (none defined) and distance with a decay are refused.
+visible key, no gradient; class R (none defined) is refused. Distance with FoX's decay:
+the operands carry two terms each, checked with every cotangent.
 """
 
 from __future__ import annotations
@@ -101,18 +102,52 @@ def test_distance_gradient_is_finite_where_a_key_equals_its_query():
   assert bool(jnp.all(jnp.isfinite(dq))) and bool(jnp.all(jnp.isfinite(dk)))
 
 
-def test_distance_with_a_decay_falls_back_and_fp8_is_refused(monkeypatch):
-  """``score="distance"`` with a ``decay_bias`` (both would need the row/column operands):
-  implementation="pallas" alone raises NotImplementedError; the chain falls through to
-  xla_chunked with its result. fp8 quantises dot products only: ValueError."""
+@pytest.mark.parametrize("backend,normalizer", [
+    ("triton", "idw_softmax"), ("mosaic_tpu", "softmax"),
+    ("triton", "entmax15"), ("mosaic_tpu", "standardized_softmax"),
+    pytest.param("mosaic_tpu", "sparsemax", marks=pytest.mark.slow),
+    pytest.param("triton", "clipped_softmax", marks=pytest.mark.slow),
+    pytest.param("triton", "sigmoid", marks=pytest.mark.slow),
+    pytest.param("mosaic_tpu", "idw_softmax", marks=pytest.mark.slow)])
+def test_distance_with_a_decay_matches_xla(backend, normalizer):
+  """``score="distance"`` together with FoX's ``decay_bias``: the row and column operands
+  carry two terms each (``engine.Config.distance_decay``: the squared norms, then cq and
+  ck), the logit is ``|q_i - k_j| + cq_i - ck_j`` before the soft cap. Forward and every
+  cotangent (q, k, v, cq, ck) against the dense path, with GQA, causality, a soft cap and
+  a batch row with no visible key (zeros, zero gradients)."""
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=57)
+  q, k = 0.3 * q, 0.3 * k  # distances of about 2: the threshold normalizers keep several
+  cq, ck = _decay(n=N)
+  kw = dict(normalizer=normalizer, score="distance", is_causal=True, logits_soft_cap=8.0,
+            key_value_seq_lengths=KV_LEN)
+
+  def kernel(q, k, v, cq, ck):
+    return _kernel(backend, decay_bias=(cq, ck), **kw)(q, k, v)
+
+  def ref(q, k, v, cq, ck):
+    return attention.dot_product_attention(q, k, v, implementation="xla",
+                                           decay_bias=(cq, ck), **kw)
+
+  out, grads = assert_matches(kernel, ref, (q, k, v, cq, ck), ct)
+  assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(grads[0][1] == 0))
+  assert bool(jnp.all(grads[3][1] == 0)) and bool(jnp.any(grads[3][0] != 0))
+  assert bool(jnp.any(grads[4][0] != 0))
+
+
+def test_distance_with_a_decay_through_the_dispatcher_and_fp8_is_refused(monkeypatch):
+  """``implementation="pallas"`` runs a distance with a decay (no fallback), with ACP
+  pruning too: the kernel's pruned tiles are below the threshold, so the output is within
+  the bound's weight of the unpruned one. fp8 quantises dot products only: ValueError."""
   monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
-  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=57)
-  kw = dict(score="distance", decay_bias=_decay(n=N))
-  with pytest.raises(NotImplementedError, match="distance"):
-    attention.dot_product_attention(q, k, v, implementation="pallas", **kw)
-  got = attention.dot_product_attention(q, k, v, implementation=("pallas", "xla_chunked"), **kw)
-  chex.assert_trees_all_close(got, attention.dot_product_attention(
-      q, k, v, implementation="xla_chunked", **kw))
+  q, k, v, _ = inputs(b=B, t=64, n=N, kh=KH, h=H, seed=61)
+  cq = jnp.cumsum(jnp.full((B, 64, N), -0.5), axis=1)  # strong decay: far tiles prunable
+  kw = dict(score="distance", decay_bias=(cq, cq), is_causal=True)
+  want = attention.dot_product_attention(q, k, v, implementation="xla", **kw)
+  got = attention.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
+  pruned = kp.attention(q, k, v, interpret=True, block_sizes=TRITON_SMALL,
+                        decay_prune_threshold=-12.0, **kw)
+  chex.assert_trees_all_close(pruned, want, atol=1e-3)
   with pytest.raises(ValueError, match="fp8"):
     kp.attention(q, k, v, score="distance", fp8="e4m3", interpret=True)
 
@@ -193,16 +228,20 @@ def test_residual_of_class_r_is_refused_and_bad_flags_raise(monkeypatch):
     kp.attention(q, k, v, score="cosine", interpret=True)
 
 
+@pytest.mark.parametrize("decay", [False, True], ids=["distance", "distance_decay"])
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-def test_distance_and_residual_lower_for_both_targets(backend):
+def test_distance_and_residual_lower_for_both_targets(backend, decay):
   """Exported for cuda (Pallas-to-Triton) and tpu (Mosaic): the distance's row/column
-  operands and the residual's outputs have legal block shapes."""
+  operands (with a decay: two terms each, [bq, 2] and [2, bk] blocks) and the residual's
+  outputs have legal block shapes."""
   q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
 
   def f(q, k, v):  # the residual stays in the program (its cotangent is ignored)
+    cq = jnp.cumsum(-jax.nn.softplus(q[..., 0].astype(jnp.float32)), axis=1)  # [B, T, N]
     out, res = kp.attention(q, k, v, backend=backend, is_causal=True, normalizer="sparsemax",
-                            score="distance", return_residual=True)
+                            score="distance", return_residual=True,
+                            decay_bias=(cq, cq) if decay else None)
     return out + (0 * res)[..., None].astype(out.dtype)
 
   text = export_fwd_bwd(f, backend, q, k)
