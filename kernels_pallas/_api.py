@@ -154,8 +154,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   cap; its gradients are the row sums of the logits' cotangent, from the dQ passes, and
   minus the column sums, from the dK/dV passes) are supported. So are ``score="distance"``
   (A18: ``|q_i|^2`` and ``-|k_j|^2`` ride on the decay's row and column operands with
-  scale -2, the logit is the square root of the tile's ``-2 q.k + |q|^2 + |k|^2``, and
-  the backward chains through it: ``engine.score_tile``, ``engine.logits_grad``) and
+  scale -2, as a second term beside a decay; the logit is the square root of the tile's
+  ``-2 q.k + |q|^2 + |k|^2`` and the backward chains through it: ``engine.score_tile``,
+  ``engine.logits_grad``, ``engine.term_grads``) and
   ``return_residual`` (``m + log D`` from the forward's row statistics for classes E and
   S, 0 for P, the search's tau for T; no gradient).
 
@@ -164,10 +165,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     ``call.return_residual``.
 
   Raises:
-    NotImplementedError: ``score="distance"`` together with a ``decay_bias``,
-      ``return_residual`` for class R (no row statistic is defined), a plain callable, a
-      normalizer of kernel class X (or T/R without its blockwise rule), a stochastic
-      normalizer, or (with ``interpret=None``) a platform with no Pallas backend.
+    NotImplementedError: ``return_residual`` for class R (no row statistic is defined), a
+      plain callable, a normalizer of kernel class X (or T/R without its blockwise rule),
+      a stochastic normalizer, or (with ``interpret=None``) a platform with no Pallas
+      backend.
     ValueError: bad block sizes or backend, a block table of the wrong shape, or
       ``exp2`` / ``rescale_threshold`` for a normalizer they do not fit.
   """
@@ -180,9 +181,6 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   if block_table is None and row_blocks is not None:
     raise ValueError("`row_blocks` needs a `block_table`")
   distance = call.score == "distance"
-  if distance and call.decay_bias is not None:
-    raise NotImplementedError("the Pallas engine runs score='distance' without a "
-                              "`decay_bias` (the distance rides on the decay's operands)")
   if not isinstance(spec, _spec.NormalizerSpec):
     raise E.UnsupportedError("the Pallas engine needs a registered NormalizerSpec, not a callable")
   threshold = spec.kernel_class == "T" and spec.threshold is not None
@@ -253,11 +251,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
     q = fp8_mod.straight_through(q, *q_fp8).astype(dtype)
     k = fp8_mod.straight_through(k, *k_fp8).astype(dtype)
-  # ACP block pruning of a decay (classes E, S, P without a dense bias, whose gradient
-  # would need the skipped tiles' zeros): a block table of the tiles the bound keeps
+  # ACP block pruning of a decay (classes E, S, P): a block table of the tiles the bound
+  # keeps (a dense bias's gradient is 0 on the skipped tiles, as the dQ passes write it)
   prune = (block_table is None and call.decay_prune_threshold is not None
-           and call.decay_bias is not None and call.bias is None
-           and not (threshold or row_stats))
+           and call.decay_bias is not None and not (threshold or row_stats))
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
   elif threshold or row_stats or prune:
@@ -294,6 +291,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       interpret=interpret, debug=debug, acc=acc, value_dim_pad=hv_pad, bias_full=bias_full,
       mask_full=mask_full, length_rows=length_rows,
       decay=call.decay_bias is not None or distance, distance=distance,
+      distance_decay=distance and call.decay_bias is not None,
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
       exp2=exp2, rescale_threshold=tau, fp8_dot=native, approx_sigmoid=approx_sigmoid)
@@ -336,10 +334,11 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       **tables)
   pad_v = ((0, 0), (0, s_pad - s), (0, 0), (0, hv_pad - hv))
   args = (cfg, jnp.pad(q, pad_q), jnp.pad(k, pad_k), jnp.pad(v, pad_v), dyn, aux)
-  if distance:
-    decay = _distance_rows(q, k, acc, t_pad, s_pad)
-  else:
-    decay = _decay_rows(call, acc, t_pad, s_pad)
+  decay = _decay_rows(call, acc, t_pad, s_pad)
+  if distance:  # the squared norms first, then the decay's terms (Config.distance_decay)
+    norms = _distance_rows(q, k, acc, t_pad, s_pad)
+    decay = norms if decay is None else (jnp.concatenate((norms[0], decay[0]), axis=3),
+                                         jnp.concatenate((norms[1], decay[1]), axis=2))
   if threshold:
     if spec.threshold.stats is not None:  # its derived rows first (top-p: softmax's m, l)
       cfg, dyn = row_stats_core.with_derived_rows(cfg, *args[1:3], args[4], aux, bias, decay,
@@ -609,7 +608,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       al. 2025): a tile whose decay bound ``max_i cq_i - min_j ck_j`` is below t is
       skipped in every pass (a block table; one tile shape for all passes), so each
       skipped logit's decay term is below t (``jaxsoft.attention``'s bound on the
-      output). Classes E, S and P without a dense ``bias``; the others stay exact.
+      output). Classes E, S and P (with a dense bias too: its gradient is 0 on the
+      skipped tiles); classes T and R stay exact.
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype (with ``return_residual``, the pair ``(out, residual

@@ -233,6 +233,9 @@ def _canonical_call(q, k, v, bias, mask, scale, is_causal, query_seq_lengths,
   target = (B, N, T, S)
   if bias is not None:
     bias = _check_broadcast(bias, "bias", target)
+    if bias.dtype == jnp.bool_:  # it would be added as 0/1: a mask passed in bias's place
+      raise ValueError("`bias` must be numeric (it is added to the logits); pass a boolean "
+                       "mask as `mask`")
     if not jnp.issubdtype(bias.dtype, jnp.floating):
       bias = bias.astype(jnp.float32)  # e.g. an integer bias
   if mask is not None:
@@ -483,7 +486,8 @@ def dot_product_attention(
       key/value head n // (N / K), as jax.nn).
     value: values [B, S, K, Hv] (Hv may differ from H).
     bias: optional float array broadcastable to [B, N, T, S] (right-aligned), added to the
-      logits after soft-capping; differentiable.
+      logits after soft-capping; differentiable. A boolean array is a ValueError (pass it
+      as ``mask``; jax.nn would add it as 0/1).
     mask: optional boolean array broadcastable to [B, N, T, S]; True = attend.
     scale: logit scale; None = 1/sqrt(H).
     is_causal: query i sees keys j <= i (top-left aligned when T != S, as jax.nn).
@@ -540,8 +544,8 @@ def dot_product_attention(
       (FoX, feature A08) where cq = ck = cumulative sums of log forget gates;
       differentiable.
     decay_prune_threshold: optional float t < 0, only with ``decay_bias``; used by
-      "xla_chunked" and the Pallas kernels (classes E, S and P without a dense ``bias``;
-      "xla" and the other cases stay exact): a (query block, key block) pair
+      "xla_chunked" and the Pallas kernels (classes E, S and P; "xla" and the other
+      cases stay exact): a (query block, key block) pair
       is skipped when ``max_i cq[i] - min_j ck[j] < t`` over the pair (xla_chunked: over
       all batches and heads at once; Pallas: per batch and head, on its own tiles). Every
       skipped logit is then below its undecayed value plus t, so for class-E normalizers
@@ -559,9 +563,8 @@ def dot_product_attention(
       float64 inputs) as ``sqrt(max(|q|^2 + |k|^2 - 2 q·k, 0))``; its gradient
       ``(q_i - k_j) / d_ij`` is taken as 0 where ``d_ij = 0`` (a subgradient of the norm
       at 0, which keeps the gradient finite when a query equals a key). Implementations
-      "xla", "xla_chunked" and the Pallas ones (which refuse a distance together with a
-      ``decay_bias``: NotImplementedError, so the chain falls through); cuDNN raises
-      NotImplementedError.
+      "xla", "xla_chunked" and the Pallas ones (also together with a ``decay_bias``,
+      added to the distance before the soft cap); cuDNN raises NotImplementedError.
 
   Returns:
     [B, T, N, Hv] (or [T, N, Hv]) in query's dtype (float32 for integer or bool inputs);

@@ -23,6 +23,7 @@ q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
     ({"mask": jnp.ones((2, 4, 5, 5), jnp.float32)}, "`mask`"),
     ({"bias": jnp.ones((3, 4, 5, 5))}, "`bias`"),
     ({"bias": jnp.ones((1, 1, 1, 5, 5))}, "`bias`"),
+    ({"bias": jnp.ones((2, 4, 5, 5), bool)}, "`bias`.*`mask`"),  # jax.nn adds it as 0/1
     ({"query_seq_lengths": jnp.array([1, 2, 3], jnp.int32)}, "`query_seq_lengths`"),
     ({"key_value_seq_lengths": jnp.array([1.0, 2.0])}, "`key_value_seq_lengths`"),
     ({"local_window_size": (1, 2, 3)}, "`local_window_size`"),

@@ -4,7 +4,8 @@
 
 Oracle: the dense xla path with the skipped tiles hidden by a mask computes exactly what
 the pruned kernel computes (forward and every cotangent, cq and ck included); against the
-unpruned output the error stays within xla_chunked's documented bound.
+unpruned output the error stays within xla_chunked's documented bound. With a dense bias
+the bias's gradient is zero on the skipped tiles, as the oracle's.
 """
 
 from __future__ import annotations
@@ -118,33 +119,61 @@ def test_pruning_keeps_rows_without_a_visible_key_zero():
   assert bool(jnp.all(out[1] == 0)) and all(bool(jnp.all(g[1] == 0)) for g in grads)
 
 
-def test_with_a_bias_or_class_t_the_kernel_stays_exact(monkeypatch):
-  """A dense bias (its gradient would need every tile's dS) or a class-T normalizer: no
-  pruning, the exact result; the dispatcher's implementation="pallas" takes the
-  argument."""
+@pytest.mark.parametrize("backend,bias_shape", [
+    ("triton", (64, 64)), ("mosaic_tpu", (1, 2, 256, 256)),
+    pytest.param("triton", (2, 2, 64, 64), marks=pytest.mark.slow),
+    pytest.param("mosaic_tpu", (256, 256), marks=pytest.mark.slow)])
+def test_pruning_with_a_dense_bias(backend, bias_shape):
+  """A dense bias, broadcast or per head: the pruned kernel is the dense path over the kept
+  tiles, forward and every cotangent; the bias's gradient is the dQ passes' dS, zero on the
+  skipped tiles (Triton clears every block before writing the listed ones, Mosaic writes
+  its listed tiles into slots scattered afterwards)."""
+  B, T = SHAPES[backend]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
+  cq, ck = _fox_decay(B, T)
+  bias = 0.3 * jax.random.normal(jax.random.key(74), bias_shape)
+  kept = _kept_mask(cq, ck, backend)
+  _, grads = assert_matches(
+      lambda q, k, v, bias: kp.attention(
+          q, k, v, bias=bias, is_causal=True, decay_bias=(cq, ck), backend=backend,
+          interpret=True, block_sizes=BLOCKS[backend], decay_prune_threshold=THRESHOLD),
+      lambda q, k, v, bias: attention.dot_product_attention(
+          q, k, v, bias=bias, mask=kept, is_causal=True, decay_bias=(cq, ck),
+          implementation="xla"),
+      (q, k, v, bias), ct)
+  dbias = grads[3] if len(bias_shape) == 2 else grads[3][0, 0]  # [T, T] of batch 0, head 0
+  skipped = ~kept[0, 0] & np.tril(np.ones((T, T), bool))
+  assert bool(jnp.any(skipped)) and bool(jnp.any(dbias != 0))
+  if len(bias_shape) == 4:  # per (batch, head): exactly zero on its skipped tiles
+    assert bool(jnp.all(jnp.where(skipped, dbias, 0.0) == 0))
+
+
+def test_with_class_t_the_kernel_stays_exact(monkeypatch):
+  """A class-T normalizer (its live blocks come from the threshold search): no pruning,
+  the exact result; the dispatcher's implementation="pallas" takes the argument."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   B, T = SHAPES["triton"]
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
   cq, ck = _fox_decay(B, T)
-  bias = 0.1 * jax.random.normal(jax.random.key(74), (T, T))
-  for kw in (dict(bias=bias), dict(normalizer="sparsemax")):
-    args = dict(is_causal=True, decay_bias=(cq, ck), **kw)
-    got = attention.dot_product_attention(q, k, v, implementation="pallas",
-                                          decay_prune_threshold=THRESHOLD, **args)
-    want = attention.dot_product_attention(q, k, v, implementation="xla", **args)
-    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  args = dict(is_causal=True, decay_bias=(cq, ck), normalizer="sparsemax")
+  got = attention.dot_product_attention(q, k, v, implementation="pallas",
+                                        decay_prune_threshold=THRESHOLD, **args)
+  want = attention.dot_product_attention(q, k, v, implementation="xla", **args)
+  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["decay", "decay_bias"])
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-def test_pruned_decay_lowers_for_both_targets(backend):
-  """The block-table kernels with the decay's row and column operands export for cuda and
-  tpu."""
+def test_pruned_decay_lowers_for_both_targets(backend, bias):
+  """The block-table kernels with the decay's row and column operands (and a dense bias,
+  whose dS the block-table dQ passes write) export for cuda and tpu."""
   from tests.kernels_pallas.test_lowering import export_fwd_bwd
   q = jax.ShapeDtypeStruct((2, 512, 4, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 512, 2, 64), jnp.bfloat16)
   cq = jnp.cumsum(jnp.full((2, 512, 4), -0.1), axis=1)
+  dense = 0.1 * jnp.ones((4, 512, 512), jnp.float32) if bias else None
   text = export_fwd_bwd(
-      lambda q, k, v: kp.attention(q, k, v, is_causal=True, decay_bias=(cq, cq),
+      lambda q, k, v: kp.attention(q, k, v, dense, is_causal=True, decay_bias=(cq, cq),
                                    decay_prune_threshold=-4.0, backend=backend),
       backend, q, k)
   assert text.count("jaxsoft_attention_") >= 3
