@@ -36,12 +36,17 @@ them): sparsemax and entmax15 attention with xla_chunked, forward + backward on 
 white-noise inputs, next to xla_chunked softmax timed in the same run (ratio = class T
 time / softmax time: the threshold search's extra passes over the key blocks). Each is
 first checked against jaxsoft's dense ``implementation="xla"`` (output and gradients) at
-T = min(T, 1024) in its own process and is not timed if that check fails.
+T = min(T, 1024) in its own process and is not timed if that check fails. A row named
+``name:distance`` uses ``score="distance"`` (A18, inverse-distance attention: the logit is
+``|q_i - k_j|``), e.g. ``idw_softmax:distance``: the cost of the distance scores next to
+the dot product's.
 
   python bench/attention_cpu.py                 # T in 1k..16k, markdown table on stdout
   python bench/attention_cpu.py --quick         # a tiny run (used by the tests)
   python bench/attention_cpu.py --sparse-only --sparse-length 4096   # sparse rows only
   python bench/attention_cpu.py --threshold-only --reps 3           # class-T rows only
+  python bench/attention_cpu.py --threshold-only --threshold-normalizers \
+      idw_softmax:distance,softmax:distance                          # A18 rows
 """
 
 from __future__ import annotations
@@ -65,17 +70,25 @@ TOPIC_BLOCK = 64
 H = 64
 
 
+def _row(normalizer: str) -> tuple[str, str]:
+  """``"name"`` or ``"name:distance"`` -> (normalizer, score)."""
+  name, _, score = normalizer.partition(":")
+  return name, score or "dot"
+
+
 def _fn(impl: str, normalizer: str = "softmax"):
   import jax
   import jax.numpy as jnp
 
   import jaxsoft
 
+  name, score = _row(normalizer)
+
   def attn(q, k, v):
     if impl == "jax.nn":
       return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-    return jaxsoft.attention.dot_product_attention(q, k, v, is_causal=True,
-                                                   normalizer=normalizer, implementation=impl)
+    return jaxsoft.attention.dot_product_attention(q, k, v, is_causal=True, normalizer=name,
+                                                   score=score, implementation=impl)
 
   def loss(q, k, v, ct):
     return jnp.sum(attn(q, k, v) * ct)
@@ -237,7 +250,8 @@ def _threshold_section(T: int, reps: int, normalizers):
       print(f"T={T} xla_chunked {n}: {res[n]}", file=sys.stderr)
   lines = [
       "",
-      f"Class-T attention (K03) with xla_chunked at T={T}, B=1, N=1, H={H}, causal, "
+      f"Attention rows (class T: K03; name:distance: score=\"distance\", A18) with "
+      f"xla_chunked at T={T}, B=1, N=1, H={H}, causal, "
       f"forward+backward under jit, median of {reps}; softmax timed in the same run on the "
       f"same inputs; check: max abs difference of the output and gradients from jaxsoft's "
       f"dense implementation=\"xla\" at T={check_t}",

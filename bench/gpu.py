@@ -57,7 +57,9 @@ Two more sections (``--sections``), each checked before it is timed:
   decay_prune_threshold=-10)`` against the same call unpruned (the baseline), forward and
   ``jax.grad`` of a sum, bf16, H = 128, T in {4k, 16k}; the decay terms are cumulative log
   forget gates with a per-head mix of memory lengths; both checked against the dense
-  float32 reference (the pruned mass is below e^-10).
+  float32 reference (the pruned mass is below e^-10). A third row times
+  ``score="distance"`` (A18, ``idw_softmax``) with the same decay (the row and column
+  operands then carry two terms each) against the unpruned dot-product decay.
 * ``fp8`` (K06): ``kp.attention(fp8="e4m3")`` (Hadamard-rotated, block-quantised q and k),
   with the native fp8 dot (the Triton default) and with ``fp8_dot=False`` (the kernel
   multiplies dequantised values), each checked against the bf16 kernel (max / mean abs
@@ -700,22 +702,24 @@ def _fox_part(args, interpret, dtype) -> bool:
   shapes, check_t, reps = _k06_sizes(args, 64, 1024)
   if args.tiny:
     reps = args.reps or 2
-  runs = {"decay": {}, "decay, pruned at -10": dict(decay_prune_threshold=-10.0)}
+  runs = {"decay": {}, "decay, pruned at -10": dict(decay_prune_threshold=-10.0),
+          "distance + decay (idw_softmax)": dict(score="distance", normalizer="idw_softmax")}
 
   def call(kw, decay):
     return lambda q, k, v: kp.attention(q, k, v, is_causal=True, decay_bias=decay,
                                         backend="triton", interpret=interpret, **kw)
 
-  def dense(decay):
+  def dense(kw, decay):
+    kw = {key: x for key, x in kw.items() if key != "decay_prune_threshold"}
     return lambda q, k, v: ja.dot_product_attention(q, k, v, is_causal=True, decay_bias=decay,
-                                                    implementation="xla")
+                                                    implementation="xla", **kw)
 
   h0 = shapes[0][0]
   q, k, v, ct = (x.astype(jnp.float32) for x in _inputs(1, check_t, 4, h0, dtype, seed=3))
   decay = _fox_decay(1, check_t, 4, seed=4)
   errs = {name: _try_err(f"FoX {name}", lambda kw=kw: (
       jax.jit(lambda *a: _vjp_all(call(kw, decay), a[:3], a[3]))(q, k, v, ct),
-      _vjp_all(dense(decay), (q, k, v), ct))) for name, kw in runs.items()}
+      _vjp_all(dense(kw, decay), (q, k, v), ct))) for name, kw in runs.items()}
   print("\n| A08 FoX decay, causal softmax | shape | fwd ms | grad ms | vs unpruned fwd | "
         "vs unpruned grad | status |\n|---|---|---|---|---|---|---|")
   for h, t, b, n in shapes:

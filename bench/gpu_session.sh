@@ -39,7 +39,7 @@ section attention 190 --head-dims 128 --lengths 4096,16384 --reps 5 --json "$out
 section sigmoid 50
 section fp8 40
 section autotune 70 --lengths 4096 --reps 3
-section fox 35
+section fox 45
 section extras 70
 section linear 50
 section ce 45

@@ -64,6 +64,26 @@ def test_a_sparse_row_whose_error_check_fails_is_not_timed(monkeypatch):
   assert "FAILED" in blasst and "not timed" in blasst and "x |" not in blasst
 
 
+@pytest.mark.slow
+def test_distance_rows_run_and_are_checked():
+  """A row ``name:distance`` (A18) runs with score="distance", is checked against the dense
+  path and timed next to dot-product softmax."""
+  proc = subprocess.run(
+      [sys.executable, str(ROOT / "bench" / "attention_cpu.py"), "--quick", "--threshold-only",
+       "--threshold-normalizers", "idw_softmax:distance"],
+      capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  row = next(r for r in proc.stdout.splitlines() if "| idw_softmax:distance |" in r)
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert float(cells[2]) > 0 and cells[3].endswith("x") and float(cells[4]) < 1e-3, cells
+
+
+def test_a_row_name_carries_its_score():
+  bench = load_script("bench/attention_cpu.py", "bench_attention_cpu_rows")
+  assert bench._row("idw_softmax:distance") == ("idw_softmax", "distance")
+  assert bench._row("sparsemax") == ("sparsemax", "dot")
+
+
 def test_a_threshold_row_whose_check_fails_is_not_timed(monkeypatch):
   """The class-T section times a normalizer only after its check against the dense path
   passes, and gives its time as a ratio to softmax's from the same run (children faked)."""

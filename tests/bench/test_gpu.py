@@ -114,7 +114,8 @@ def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
 
 @pytest.mark.parametrize("section,names", [
     ("sigmoid", {"softmax", "sigmoid", "sigmoid approx_sigmoid"}),
-    pytest.param("fox", {"decay", "decay, pruned at -10"}, marks=pytest.mark.slow)])
+    pytest.param("fox", {"decay", "decay, pruned at -10", "distance + decay (idw_softmax)"},
+                 marks=pytest.mark.slow)])
 def test_sigmoid_and_fox_sections_check_then_time(section, names, capsys):
   """The approximate-sigmoid and FoX-pruning sections in interpret mode: every row checked
   against the dense reference (ok), then timed against its baseline (softmax; the
