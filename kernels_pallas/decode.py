@@ -132,20 +132,26 @@ def _init(gp: int, hv: int):
 # ---------------------------------------------------------------------------------- Triton
 
 
-def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   """Grid (batch, KV head, split); the split's key blocks ``[lo, hi)`` are the loop bounds
   of the kernel. q4 ``[B, K, gp, Hp]``, caches ``[B, S_pad, K, Hp]`` (S_pad a multiple of
-  the block), ``c [B, K, P, gp, 1]``. Returns ``(m, l, acc)`` of every split."""
+  the block), ``c [B, K, P, gp, 1]``. Returns ``(m, l, acc)`` of every split. A paged
+  cache: ``k``/``v`` are the page pool as ``[1, pages * block, K, Hp]`` and ``pages``
+  ``[B, width]`` maps logical key block j of a row to its page (the block the loop loads;
+  the positions, hence the lengths' masks, stay logical)."""
   from jax.experimental.pallas import triton as plgpu
 
   b, kh, gp, hp = q4.shape
   s_pad, hv, p, bk = k.shape[1], v.shape[-1], cfg.num_splits, cfg.block_k
+  paged = pages is not None
 
-  def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, m_ref, l_ref, acc_ref):
+  def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, *refs):
+    pg_ref = refs[0] if paged else None
+    m_ref, l_ref, acc_ref = refs[-3:]
     q, n, cr = q_ref[...], len_ref[...], c_ref[...]
 
     def body(j, state):
-      sl = pl.ds(j * bk, bk)
+      sl = pl.ds((j if pg_ref is None else pg_ref[j]) * bk, bk)
       s, valid, vt = _logits(cfg, q, k_ref[sl, :], v_ref[sl, :], j * bk, n)
       return _tile(cfg.mode, s, valid, vt, state, cr)
 
@@ -157,58 +163,74 @@ def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
   scalar = pl.BlockSpec((None, None), lambda bi, h, si: (bi, si))
   row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, h, si: (bi, h, si, 0, 0))
   row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
+  cache_row = (lambda bi: 0) if paged else (lambda bi: bi)  # the page pool has one "row"
+  in_specs = [scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
+              pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
+              pl.BlockSpec((None, s_pad, None, hp), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
+              pl.BlockSpec((None, s_pad, None, hv), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
+              row]
+  args = [lo, hi, lens[:, None], q4, k, v, c]
+  if paged:
+    in_specs.append(pl.BlockSpec((None, pages.shape[1]), lambda bi, h, si: (bi, 0)))
+    args.append(pages)
   return pl.pallas_call(
-      kernel, grid=(b, kh, p),
-      in_specs=[scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
-                pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
-                pl.BlockSpec((None, s_pad, None, hp), lambda bi, h, si: (bi, 0, h, 0)),
-                pl.BlockSpec((None, s_pad, None, hv), lambda bi, h, si: (bi, 0, h, 0)), row],
+      kernel, grid=(b, kh, p), in_specs=in_specs,
       out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
                                         lambda bi, h, si: (bi, h, si, 0, 0))],
       out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, hv), jnp.float32)],
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
       interpret=bool(cfg.interpret), name=f"jaxsoft_decode_{cfg.mode}",
-  )(lo, hi, lens[:, None], q4, k, v, c)
+  )(*args)
 
 
 # ------------------------------------------------------------------------------ Mosaic TPU
 
 
-def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   """Grid (batch, KV head, split, block of the split), the last axis "arbitrary" with the
   state in VMEM scratch; the bounds are scalar-prefetched and a step outside ``[lo, hi)``
   computes nothing and re-reads the last fetched block (its index is clamped). A cache
   whose head dim is a multiple of 128 is read in place through the free view
   ``[B, S, K * H]``; otherwise it is transposed to ``[B, K, S, H]`` (a copy, with a
   head dim other than 64 padded to a multiple of 128 on the way: allocate such caches
-  heads-first on TPU). The last key block may be partial (masked)."""
+  heads-first on TPU). The last key block may be partial (masked). A paged cache (the
+  pool as ``[1, pages * block, K, H]``, ``pages [B, width]`` scalar-prefetched too): the
+  index maps fetch logical block j of row b from page ``pages[b, j]``."""
   from jax.experimental.pallas import tpu as pltpu
 
   b, kh, gp, h = q4.shape
-  s_len, hv, p, bk = k.shape[1], v.shape[-1], cfg.num_splits, cfg.block_k
+  hv, p, bk = v.shape[-1], cfg.num_splits, cfg.block_k
   bps, nk = cfg.blocks_per_split, cfg.num_blocks
+  paged = pages is not None
 
-  def block(bi, si, t, lo_ref, hi_ref):
+  def block(bi, si, t, lo_ref, hi_ref, pg_ref):
     r = bi * p + si
     a, z = lo_ref[r], hi_ref[r]
-    kb = jnp.minimum(jnp.maximum(si * bps + t, a), jnp.maximum(z - 1, a))
-    return jnp.minimum(kb, nk - 1)
+    kb = jnp.minimum(jnp.minimum(jnp.maximum(si * bps + t, a), jnp.maximum(z - 1, a)), nk - 1)
+    return kb if pg_ref is None else pg_ref[bi * nk + kb]
 
   def cache_spec(x):
-    hd = x.shape[-1]
+    rows, hd = x.shape[0], x.shape[-1]
+
+    def at(bi, si, t, refs):  # (cache row, key block) of a grid step
+      return (0 if paged else bi), block(bi, si, t, *refs[:2], refs[3] if paged else None)
+
     if hd % 128 == 0:
-      view = x.reshape(b, s_len, kh * hd)
+      view = x.reshape(rows, x.shape[1], kh * hd)
       return view, pl.BlockSpec(
-          (None, bk, hd), lambda bi, hh, si, t, lo_r, hi_r, n_r: (bi, block(bi, si, t, lo_r, hi_r), hh))
+          (None, bk, hd), lambda bi, hh, si, t, *refs: (*at(bi, si, t, refs), hh))
     return jnp.swapaxes(x, 1, 2), pl.BlockSpec(
         (None, None, bk, hd),
-        lambda bi, hh, si, t, lo_r, hi_r, n_r: (bi, hh, block(bi, si, t, lo_r, hi_r), 0))
+        lambda bi, hh, si, t, *refs: (at(bi, si, t, refs)[0], hh, at(bi, si, t, refs)[1], 0))
 
   k_in, k_spec = cache_spec(k)
   v_in, v_spec = cache_spec(v)
 
-  def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, m_ref, l_ref, acc_ref,
-             m_sc, l_sc, acc_sc):
+  def kernel(*refs):
+    if paged:  # the page table is only read by the index maps
+      refs = refs[:3] + refs[4:]
+    (lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, m_ref, l_ref, acc_ref,
+     m_sc, l_sc, acc_sc) = refs
     bi, si, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r, kb = bi * p + si, si * bps + pl.program_id(3)
 
@@ -230,10 +252,11 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
 
   row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))
   row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
+  scalars = [lo.reshape(-1), hi.reshape(-1), lens] + ([pages.reshape(-1)] if paged else [])
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, kh, p, bps),
+          num_scalar_prefetch=len(scalars), grid=(b, kh, p, bps),
           in_specs=[pl.BlockSpec((None, None, gp, h), lambda bi, hh, si, t, *_: (bi, hh, 0, 0)),
                     k_spec, v_spec, row],
           out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
@@ -245,12 +268,12 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=cfg.interpret if cfg.interpret is not None else False,
       name=f"jaxsoft_decode_{cfg.mode}",
-  )(lo.reshape(-1), hi.reshape(-1), lens, q4, k_in, v_in, c)
+  )(*scalars, q4, k_in, v_in, c)
 
 
-def _partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c):
+def _partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   fn = _triton_partials if cfg.backend == "triton" else _mosaic_partials
-  return fn(cfg, q4, k, v, lo, hi, lens, c)
+  return fn(cfg, q4, k, v, lo, hi, lens, c, pages)
 
 
 # -------------------------------------------------------------------------- merge (XLA)
@@ -335,7 +358,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
                      num_splits: int | None = None, unified_max=None,
                      safe_range: tuple[float, float] | None = None,
                      logits_soft_cap: float | None = None, backend: str = "triton",
-                     interpret: Any = False, block_k: int | None = None) -> jax.Array:
+                     interpret: Any = False, block_k: int | None = None,
+                     page_table=None) -> jax.Array:
   r"""Attention of one new token per sequence to its KV cache, split-K (K05).
 
   For batch row b and query head n (KV head ``n // G``, ``G = N / K``):
@@ -378,15 +402,32 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
     block_k: keys per block (Triton: a power of two >= 16, default 128, 64 for H > 128;
       Mosaic: a multiple of 128, default 512). Triton pads a cache whose ``S_max`` is not
       a multiple of it, or whose head dim is not a power of two >= 16 (a copy: allocate
-      the cache at such sizes to avoid it).
+      the cache at such sizes to avoid it). With a ``page_table``: the page size (None
+      or equal to it).
+    page_table: None (a contiguous cache, as above), or a paged cache (vLLM's
+      PagedAttention layout, W. Kwon et al. 2023, "Efficient Memory Management for Large
+      Language Model Serving with PagedAttention"): ``k_cache`` / ``v_cache`` are page
+      pools ``[num_pages, page_size, K, H]`` / ``[num_pages, page_size, K, Hv]`` shared by
+      the batch, and ``page_table`` ``[B, max_pages]`` int maps the row's logical key block
+      j (positions ``j * page_size ...``) to its page; ``S_max = max_pages * page_size``.
+      Each key block of the kernel is one page (the page size obeys ``block_k``'s rules),
+      read from the pool in place (Triton: head dims that are not a power of two >= 16
+      are padded, a copy of the pool). Entries past a row's length are never read (they
+      may hold anything; out-of-range ones are clipped); concrete entries that are read
+      must lie in ``[0, num_pages)``.
 
   Returns:
     ``[B, N, Hv]`` in q's dtype (computed in float32).
   """
   q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
-  b, n, h, s_len, kh, lens = _check_arrays(q, k_cache, v_cache, lengths)
   if backend not in BACKENDS:
     raise _err(f"`backend` must be one of {BACKENDS}, got {backend!r}")
+  pages = None
+  if page_table is None:
+    b, n, h, s_len, kh, lens = _check_arrays(q, k_cache, v_cache, lengths)
+  else:
+    b, n, h, s_len, kh, lens, pages = _check_paged(q, k_cache, v_cache, lengths, page_table)
+    block_k = _check_page(backend, k_cache.shape[1], block_k, s_len)
   params = _check_params(normalizer, normalizer_params)
   scale, cap = _check_numbers(scale, logits_soft_cap, h)
   if unified_max is not None and normalizer == "sigmoid":
@@ -398,9 +439,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
   g, hv = n // kh, v_cache.shape[-1]
   mode = "sigmoid" if normalizer == "sigmoid" else ("fixed" if unified_max is not None
                                                     else "online")
-  cfg, (gp, hp, hvp) = _tiling(backend, mode, q, k_cache, v_cache, block_k, num_splits, scale,
-                               cap, interpret)
-  k, v = _pad_caches(cfg, k_cache, v_cache, hp, hvp)
+  cfg, (gp, hp, hvp) = _tiling(backend, mode, q, s_len, k_cache, v_cache, block_k, num_splits,
+                               scale, cap, interpret)
+  if pages is not None:  # the pool as one cache row of num_pages * page_size keys
+    k_cache, v_cache = (x.reshape(1, -1, *x.shape[2:]) for x in (k_cache, v_cache))
+  k, v = _pad_caches(cfg, k_cache, v_cache, hp, hvp, whole=pages is not None)
   q4 = jnp.pad(q.reshape(b, kh, g, h), ((0, 0), (0, 0), (0, gp - g), (0, hp - h)))
   p, bps = cfg.num_splits, cfg.blocks_per_split
 
@@ -418,7 +461,8 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
     if bias is None:
       bias = jnp.broadcast_to(-jnp.log(jnp.maximum(lens, 1).astype(jnp.float32))[:, None],
                               (b, n))
-    _, _, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(_per_head(bias, b, n, "bias")))
+    _, _, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(_per_head(bias, b, n, "bias")),
+                          pages)
     out = jnp.sum(acc, axis=2)
   else:
     sink = None
@@ -426,10 +470,11 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
       s_arr = _per_head(params.get("sink_logit", 0.0), b, n, "sink_logit")
       sink = s_arr.reshape(b, kh, g)[..., None]
     if mode == "online":
-      m, l, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(jnp.zeros((b, n), jnp.float32)))
+      m, l, acc = _partials(cfg, q4, k, v, lo, hi, lens, rows(jnp.zeros((b, n), jnp.float32)),
+                            pages)
     else:
       m, l, acc = _unified(cfg, q4, k, v, lo, hi, lens,
-                           rows(_per_head(unified_max, b, n, "unified_max")), g, guard)
+                           rows(_per_head(unified_max, b, n, "unified_max")), g, guard, pages)
     out = _merge(m[:, :, :, :g], l[:, :, :, :g], acc[:, :, :, :g], sink)
     out = jnp.where((lens > 0)[:, None, None, None], out, 0.0)
   return out[:, :, :g, :hv].reshape(b, n, hv).astype(q.dtype)
@@ -453,6 +498,61 @@ def _check_arrays(q, k_cache, v_cache, lengths):
   if s_len < 1 or kh < 1 or n % kh:
     raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
                f"K = {kh} (`k_cache` {k_cache.shape})")
+  return b, n, h, s_len, kh, _check_lengths(lengths, b, s_len)
+
+
+def _check_paged(q, k_pool, v_pool, lengths, page_table):
+  """A paged cache's shapes and table; returns ``(B, N, H, S_max, K, lengths clipped to
+  [0, S_max], the page table int32 clipped to the pool)``."""
+  for arg, x, rank in (("q", q, 3), ("k_cache", k_pool, 4), ("v_cache", v_pool, 4)):
+    if x.ndim != rank:
+      raise _err(f"`{arg}` must have rank {rank}, got shape {x.shape}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise _err(f"`{arg}` must be floating point, got {x.dtype}")
+  b, n, h = q.shape
+  num_pages, page, kh, _ = k_pool.shape
+  if k_pool.shape[3] != h or num_pages < 1 or page < 1:
+    raise _err(f"a paged `k_cache` must be [num_pages, page_size, K, H] with H = {h}, got "
+               f"{k_pool.shape}")
+  if v_pool.shape[:3] != k_pool.shape[:3]:
+    raise _err(f"a paged `v_cache` must be [num_pages, page_size, K, Hv] = [{num_pages}, "
+               f"{page}, {kh}, Hv], got {v_pool.shape}")
+  if kh < 1 or n % kh:
+    raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
+               f"K = {kh} (`k_cache` {k_pool.shape})")
+  table = jnp.asarray(page_table)
+  if table.ndim != 2 or table.shape[0] != b or table.shape[1] < 1 or not jnp.issubdtype(
+      table.dtype, jnp.integer):
+    raise _err(f"`page_table` must be an int array [B, max_pages] with B = {b}, got "
+               f"{table.dtype}{list(table.shape)}")
+  s_len = table.shape[1] * page
+  lens = _check_lengths(lengths, b, s_len)
+  if _is_concrete(page_table) and _is_concrete(lengths):
+    used = np.arange(table.shape[1])[None, :] * page < np.asarray(lens)[:, None]
+    host = np.asarray(table)
+    if np.any(used & ((host < 0) | (host >= num_pages))):
+      raise _err(f"`page_table` entries of the pages a row reads must lie in [0, "
+                 f"num_pages = {num_pages}), got {host[used]}")
+  return b, n, h, s_len, kh, lens, jnp.clip(table.astype(jnp.int32), 0, num_pages - 1)
+
+
+def _check_page(backend: str, page: int, block_k, s_len: int) -> int:
+  """The key block of a paged cache: its page size, which must be a legal block."""
+  if block_k is not None and block_k != page:
+    raise _err(f"`block_k` must be None or the page size {page} with a `page_table`, got "
+               f"{block_k!r}")
+  try:
+    legal = _check_block(backend, page, s_len, 0) == page
+  except ValueError:
+    legal = False
+  if not legal:
+    raise _err(f"the page size {page} is not a legal key block for {backend} (Triton: a "
+               f"power of two >= 16; Mosaic: a multiple of 128)")
+  return page
+
+
+def _check_lengths(lengths, b: int, s_len: int):
+  """``lengths`` [B] int in [0, S_max] (concrete values checked, traced ones clipped)."""
   if _is_concrete(lengths):
     host = np.asarray(lengths)
     if host.shape == (b,) and np.issubdtype(host.dtype, np.integer) and (
@@ -462,7 +562,7 @@ def _check_arrays(q, k_cache, v_cache, lengths):
   if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
     raise _err(f"`lengths` must be an int array of shape [B] = [{b}], got "
                f"{lengths.dtype}{list(lengths.shape)}")
-  return b, n, h, s_len, kh, jnp.clip(lengths.astype(jnp.int32), 0, s_len)
+  return jnp.clip(lengths.astype(jnp.int32), 0, s_len)
 
 
 def _check_params(normalizer, normalizer_params) -> dict[str, Any]:
@@ -497,10 +597,12 @@ def _check_numbers(scale, cap, h: int) -> tuple[float, float | None]:
   return scale, float(cap)
 
 
-def _tiling(backend, mode, q, k_cache, v_cache, block_k, num_splits, scale, cap, interpret):
-  """The kernel config and the padded (query rows per tile, head dim, value head dim)."""
+def _tiling(backend, mode, q, s_len: int, k_cache, v_cache, block_k, num_splits, scale, cap,
+            interpret):
+  """The kernel config and the padded (query rows per tile, head dim, value head dim);
+  ``s_len`` is S_max (a paged cache's max_pages * page_size)."""
   b, n, h = q.shape
-  s_len, kh, hv = k_cache.shape[1], k_cache.shape[2], v_cache.shape[-1]
+  kh, hv = k_cache.shape[2], v_cache.shape[-1]
   g = n // kh
   if backend == "triton":
     gp, hp, hvp = _next_pow2(max(g, 16)), _next_pow2(max(h, 16)), _next_pow2(max(hv, 16))
@@ -520,11 +622,12 @@ def _tiling(backend, mode, q, k_cache, v_cache, block_k, num_splits, scale, cap,
   return cfg, (gp, hp, hvp)
 
 
-def _pad_caches(cfg: _Cfg, k, v, hp: int, hvp: int):
+def _pad_caches(cfg: _Cfg, k, v, hp: int, hvp: int, whole: bool = False):
   """Triton: whole blocks along S and power-of-two head dims; Mosaic: head dims padded
-  (folded into the heads-first copy of :func:`_mosaic_partials`)."""
+  (folded into the heads-first copy of :func:`_mosaic_partials`). ``whole``: S is already
+  whole blocks (a page pool)."""
   s_len, s_pad = k.shape[1], cfg.num_blocks * cfg.block_k
-  ds = s_pad - s_len if cfg.backend == "triton" else 0
+  ds = s_pad - s_len if cfg.backend == "triton" and not whole else 0
   if ds or hp != k.shape[-1]:
     k = jnp.pad(k, ((0, 0), (0, ds), (0, 0), (0, hp - k.shape[-1])))
   if ds or hvp != v.shape[-1]:
@@ -532,12 +635,12 @@ def _pad_caches(cfg: _Cfg, k, v, hp: int, hvp: int):
   return k, v
 
 
-def _unified(cfg: _Cfg, q4, k, v, lo, hi, lens, phi, g: int, guard):
+def _unified(cfg: _Cfg, q4, k, v, lo, hi, lens, phi, g: int, guard, pages=None):
   """The unified-max pass, then (only when a split is flagged) the flagged splits again
   with their own max; returns partials ``(m, l, acc)`` for :func:`_merge` (``m = phi`` for
   the unflagged splits, whose partials then merge by plain addition)."""
   a, b = guard
-  top, l1, acc1 = _partials(cfg, q4, k, v, lo, hi, lens, phi)
+  top, l1, acc1 = _partials(cfg, q4, k, v, lo, hi, lens, phi, pages)
   gap = top - phi
   real = jnp.arange(phi.shape[3])[None, None, None, :, None] < g  # not a padding row
   nonempty = (hi > lo)[:, None, :, None, None]
@@ -547,7 +650,7 @@ def _unified(cfg: _Cfg, q4, k, v, lo, hi, lens, phi, g: int, guard):
 
   def recompute():
     own = jnp.where(jnp.isfinite(top), top, 0.0)
-    return _partials(cfg, q4, k, v, lo, hi2, lens, own)
+    return _partials(cfg, q4, k, v, lo, hi2, lens, own, pages)
 
   def skip():
     return top, jnp.zeros_like(l1), jnp.zeros_like(acc1)

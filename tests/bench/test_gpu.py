@@ -94,7 +94,7 @@ def test_extras_section_checks_then_times(capsys):
   assert {line.split("|")[1].strip() for line in rows} == {
       "flags off", "exp2", "rescale 8", "exp2 + rescale 8", "dense kp.attention",
       "moba pallas", "bfla pallas", "prism pallas", "xla dot_product_attention",
-      "kp.decode_attention"}, out
+      "kp.decode_attention", "kp.decode_attention, paged (16)"}, out
   assert all("x | ok" in line for line in rows), rows
   assert sum(" T=64 B=1 N=2 " in line for line in rows) == 4 * 2  # K06: flags x masks
 
@@ -110,6 +110,7 @@ def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   assert not bench._decode_part(args, True, jnp.bfloat16)
   out = capsys.readouterr().out
   assert "| kp.decode_attention | 2 x 64 | - | - | FAIL" in out and len(timed) == 1
+  assert "| kp.decode_attention, paged (16) | 2 x 64 | - | - | FAIL" in out
 
 
 @pytest.mark.parametrize("section,names", [

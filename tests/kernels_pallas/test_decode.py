@@ -3,7 +3,8 @@
 The reference is ``jaxsoft.attention.dot_product_attention`` with one query per row and
 ``key_value_seq_lengths``; lengths 0, 1, partial and S_max, GQA, split counts that do not
 divide the key blocks, a partial last Mosaic block, bf16 caches, the unified max on and
-off, its overflow guard (scores far above and far below phi) and export-lowering of both
+off, its overflow guard (scores far above and far below phi), paged caches (a shuffled page
+pool and table, against the same cache made contiguous) and export-lowering of both
 drivers for their real targets.
 """
 
@@ -79,9 +80,9 @@ def _spy(monkeypatch):
   calls = []
   real = decode._partials
 
-  def spy(cfg, q4, k, v, lo, hi, lens, c):
+  def spy(cfg, q4, k, v, lo, hi, lens, c, pages=None):
     jax.debug.callback(lambda x: calls.append(np.asarray(x)), hi - lo)
-    return real(cfg, q4, k, v, lo, hi, lens, c)
+    return real(cfg, q4, k, v, lo, hi, lens, c, pages)
 
   monkeypatch.setattr(decode, "_partials", spy)
   return calls
@@ -200,6 +201,50 @@ def test_mosaic_tpu_interpret_mode_races_and_nan_memory():
     _close(out, _reference(q, k, v, lengths))
 
 
+def _paged(k, v, lengths, page: int, seed: int = 0, spare: int = 3):
+  """The contiguous caches ``[B, S, K, H]`` (S a multiple of ``page``) as a shuffled page
+  pool with ``spare`` unused NaN pages, and the table ``[B, S / page]``: the entries of the
+  pages past a row's length are -1 (never read) and their pool pages hold NaN."""
+  b, s_len = k.shape[:2]
+  width = s_len // page
+  order = np.random.default_rng(seed).permutation(b * width + spare)
+  table = order[:b * width].reshape(b, width)
+  pools = []
+  for x in (k, v):
+    pool = jnp.full((b * width + spare, page, *x.shape[2:]), jnp.nan, x.dtype)
+    pools.append(pool.at[table.reshape(-1)].set(x.reshape(b * width, page, *x.shape[2:])))
+  used = np.arange(width)[None, :] * page < np.asarray(lengths)[:, None]
+  return pools[0], pools[1], jnp.asarray(np.where(used, table, -1), jnp.int32)
+
+
+@pytest.mark.parametrize("backend,kw", [
+    ("triton", dict(num_splits=2, unified_max=1.0, logits_soft_cap=3.0)),
+    ("mosaic_tpu", dict(num_splits=2, normalizer="sigmoid")),
+    pytest.param("mosaic_tpu", dict(num_splits=3, normalizer="softmax_sink",
+                                    normalizer_params={"sink_logit": 0.5}),
+                 marks=pytest.mark.slow),
+    pytest.param("triton", dict(num_splits=1), marks=pytest.mark.slow)])
+def test_paged_cache_equals_the_contiguous_one(backend, kw):
+  """A paged cache (shuffled pages, -1 past each row's length, NaN in every page no row
+  reads and in the slots past the length): the same output as the contiguous cache, and
+  the float64 reference; lengths 0, 1, partial and S_max; GQA."""
+  page = BLOCK[backend]
+  h = 16 if backend == "triton" else 128
+  q, k, v = _inputs(s=4 * page, h=h, seed=11)
+  lengths = jnp.array([0, 1, 2 * page + 3, 4 * page], jnp.int32)
+  k, v = _poison(k, lengths), _poison(v, lengths)
+  k_pool, v_pool, table = _paged(k, v, lengths, page)
+  f = jax.jit(lambda q, k, v, n, pt: decode_attention(q, k, v, n, interpret=True,
+                                                      backend=backend, page_table=pt, **kw))
+  out = f(q, k_pool, v_pool, lengths, table)
+  _close(out, _jit(backend=backend, block_k=page, **kw)(q, k, v, lengths), tol=1e-6)
+  ref = dict(normalizer=kw.get("normalizer", "softmax"), cap=kw.get("logits_soft_cap"))
+  if "normalizer_params" in kw:
+    ref["sink"] = np.full(4, kw["normalizer_params"]["sink_logit"])
+  _close(out, _reference(q, k, v, lengths, **ref))
+  assert bool(jnp.all(jnp.isfinite(out)))
+
+
 def _abstract_gpu():
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
   mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
@@ -220,6 +265,52 @@ def test_export_lowering(backend, h):
         q, k, k, lengths).mlir_module()
   assert ("__gpu$xla.gpu.triton" if backend == "triton" else "tpu_custom_call") in text
   assert text.count("jaxsoft_decode_fixed") >= 2  # the unified pass and the recomputation
+
+
+@pytest.mark.parametrize("backend,h", [("triton", 128), ("mosaic_tpu", 64), ("mosaic_tpu", 128)])
+def test_paged_export_lowering(backend, h):
+  """A paged cache exports for cuda and tpu: the page table rides in the Triton kernel's
+  operands and in Mosaic's scalar prefetch (its index maps)."""
+  page = 128
+  q = jax.ShapeDtypeStruct((2, 8, h), jnp.bfloat16)
+  pool = jax.ShapeDtypeStruct((20, page, 2, h), jnp.bfloat16)
+  lengths = jax.ShapeDtypeStruct((2,), jnp.int32)
+  table = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+  f = jax.jit(lambda q, k, v, n, pt: decode_attention(q, k, v, n, backend=backend,
+                                                      num_splits=3, page_table=pt))
+  platform = "cuda" if backend == "triton" else "tpu"
+  with _abstract_gpu() if backend == "triton" else contextlib.nullcontext():
+    text = jax.export.export(f, platforms=[platform], disabled_checks=[TRITON_CALL])(
+        q, pool, pool, lengths, table).mlir_module()
+  assert ("__gpu$xla.gpu.triton" if backend == "triton" else "tpu_custom_call") in text
+  assert "jaxsoft_decode_online" in text
+
+
+def test_paged_bad_input():
+  q, k, v = _inputs(b=2, s=32)
+  n = jnp.array([3, 32], jnp.int32)
+  k_pool, v_pool, table = _paged(k, v, n, 16)
+  bad = [
+      (dict(page_table=table[0]), "page_table"),
+      (dict(page_table=table.astype(jnp.float32)), "page_table"),
+      (dict(page_table=table.at[1, 1].set(99)), "page_table"),  # read by row 1
+      (dict(block_k=32), "block_k"),
+      (dict(k_cache=k_pool[:, :, :, :8]), "k_cache"),
+      (dict(v_cache=v_pool[:, :8]), "v_cache"),
+      (dict(lengths=jnp.array([3, 33])), "lengths"),
+      (dict(k_cache=k_pool[:, :12], v_cache=v_pool[:, :12], lengths=jnp.array([3, 20])),
+       "page size"),  # 12 keys: not a Triton block
+  ]
+  for over, match in bad:
+    args = dict(q=q, k_cache=k_pool, v_cache=v_pool, lengths=n, page_table=table)
+    args.update(over)
+    pos = [args.pop(a) for a in ("q", "k_cache", "v_cache", "lengths")]
+    with pytest.raises(ValueError, match=match):
+      decode_attention(*pos, interpret=True, **args)
+  # entries past a row's length are never read: out of range there is fine
+  out = decode_attention(q, k_pool, v_pool, n, page_table=table.at[0, 1].set(99),
+                         interpret=True)
+  _close(out, _reference(q, k, v, n))
 
 
 def test_illegal_blocks_and_bad_input():
