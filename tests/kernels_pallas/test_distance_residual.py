@@ -80,8 +80,9 @@ def test_distance_runs_every_class(backend, normalizer):
 def test_distance_bfloat16_and_exp2():
   """bfloat16 inputs: the kernel's q.k (float32 accumulation of exact bf16 products) and
   the float32 squared norms of the same bf16 values give the dense path's distances to
-  float32 rounding, so the bf16 output is within its own rounding; ``exp2`` (log2 e
-  applied after the square root) changes nothing beyond float32 rounding."""
+  float32 rounding, so the bf16 output is within its own rounding, with a FoX decay too;
+  ``exp2`` (log2 e applied after the square root) changes nothing beyond float32
+  rounding."""
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=55)
   kw = dict(normalizer="softmax", score="distance", is_causal=True)
   qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
@@ -91,6 +92,11 @@ def test_distance_bfloat16_and_exp2():
   chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
   plain, fast = _kernel("triton", **kw)(q, k, v), _kernel("triton", exp2=True, **kw)(q, k, v)
   chex.assert_trees_all_close(fast, plain, atol=2e-6, rtol=1e-5)
+  decay = _decay(n=N)  # with a decay too (the two-term operands, float32 in the kernel)
+  out = _kernel("triton", decay_bias=decay, **kw)(qb, kb, vb)
+  ref = _xla(decay_bias=decay, **kw)(*(x.astype(jnp.float32) for x in (qb, kb, vb)))
+  assert out.dtype == jnp.bfloat16
+  chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
 
 
 def test_distance_gradient_is_finite_where_a_key_equals_its_query():
