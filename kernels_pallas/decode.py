@@ -480,13 +480,18 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
   return out[:, :, :g, :hv].reshape(b, n, hv).astype(q.dtype)
 
 
-def _check_arrays(q, k_cache, v_cache, lengths):
-  """Shapes and dtypes; returns ``(B, N, H, S_max, K, lengths clipped to [0, S_max])``."""
+def _check_ranks(q, k_cache, v_cache):
+  """q rank 3, the caches (or pools) rank 4, all floating point."""
   for arg, x, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
     if x.ndim != rank:
       raise _err(f"`{arg}` must have rank {rank}, got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise _err(f"`{arg}` must be floating point, got {x.dtype}")
+
+
+def _check_arrays(q, k_cache, v_cache, lengths):
+  """Shapes and dtypes; returns ``(B, N, H, S_max, K, lengths clipped to [0, S_max])``."""
+  _check_ranks(q, k_cache, v_cache)
   b, n, h = q.shape
   _, s_len, kh, _ = k_cache.shape
   if k_cache.shape[0] != b or k_cache.shape[3] != h:
@@ -504,11 +509,7 @@ def _check_arrays(q, k_cache, v_cache, lengths):
 def _check_paged(q, k_pool, v_pool, lengths, page_table):
   """A paged cache's shapes and table; returns ``(B, N, H, S_max, K, lengths clipped to
   [0, S_max], the page table int32 clipped to the pool)``."""
-  for arg, x, rank in (("q", q, 3), ("k_cache", k_pool, 4), ("v_cache", v_pool, 4)):
-    if x.ndim != rank:
-      raise _err(f"`{arg}` must have rank {rank}, got shape {x.shape}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      raise _err(f"`{arg}` must be floating point, got {x.dtype}")
+  _check_ranks(q, k_pool, v_pool)
   b, n, h = q.shape
   num_pages, page, kh, _ = k_pool.shape
   if k_pool.shape[3] != h or num_pages < 1 or page < 1:
