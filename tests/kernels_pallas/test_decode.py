@@ -220,16 +220,17 @@ def _paged(k, v, lengths, page: int, seed: int = 0, spare: int = 3):
 @pytest.mark.parametrize("backend,kw", [
     ("triton", dict(num_splits=2, unified_max=1.0, logits_soft_cap=3.0)),
     ("mosaic_tpu", dict(num_splits=2, normalizer="sigmoid")),
-    pytest.param("mosaic_tpu", dict(num_splits=3, normalizer="softmax_sink",
+    pytest.param("mosaic_tpu", dict(num_splits=3, normalizer="softmax_sink", h=64,
                                     normalizer_params={"sink_logit": 0.5}),
-                 marks=pytest.mark.slow),
+                 marks=pytest.mark.slow),  # H = 64: the heads-first copy of the pool
     pytest.param("triton", dict(num_splits=1), marks=pytest.mark.slow)])
 def test_paged_cache_equals_the_contiguous_one(backend, kw):
   """A paged cache (shuffled pages, -1 past each row's length, NaN in every page no row
   reads and in the slots past the length): the same output as the contiguous cache, and
   the float64 reference; lengths 0, 1, partial and S_max; GQA."""
   page = BLOCK[backend]
-  h = 16 if backend == "triton" else 128
+  kw = dict(kw)
+  h = kw.pop("h", 16 if backend == "triton" else 128)
   q, k, v = _inputs(s=4 * page, h=h, seed=11)
   lengths = jnp.array([0, 1, 2 * page + 3, 4 * page], jnp.int32)
   k, v = _poison(k, lengths), _poison(v, lengths)
