@@ -7,7 +7,9 @@ attention's ``decay_bias``. Each case runs both drivers in interpret
 mode against the dense xla path: the output and every cotangent (q, k, v, bias, scale,
 cq, ck), fully masked rows (zeros, zero and finite gradients), GQA, and
 ``dot_product_attention(implementation="pallas")`` reaching the kernel (a single explicit
-implementation raises instead of falling back).
+implementation raises instead of falling back). Last, every normalizer the engine runs
+(read from the registry) takes one call with all of these at once, with either score and
+``return_residual``: traced forward and backward, so no such call falls back.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import pytest
 
 import kernels_pallas as kp
 from jaxsoft import attention
+from jaxsoft import normalizers as jn
 from kernels_pallas import _api
+from tests.helpers import registry_sample
 from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
 
 # Mosaic: key blocks of 128 lanes once a bias, mask or decay is blocked along the keys.
@@ -223,3 +227,38 @@ def test_bias_with_array_hyperparameters(backend, normalizer, name):
       lambda q, k, v, b, a: _reference(normalizer, normalizer_params={name: a})(
           q, k, v, b, mask), (q, k, v, bias, hp), ct)
   assert bool(jnp.all(grads[4] != 0))
+
+
+KERNEL_NAMES = sorted(  # every registered normalizer the engine runs (E/S/P, T and R with
+    n for n in jn.names()  # their blockwise rules), read from the registry
+    if not jn.get(n).needs_key and (
+        jn.get(n).kernel_class in ("E", "S", "P")
+        or (jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None)
+        or (jn.get(n).kernel_class == "R" and jn.get(n).row_stats is not None)))
+
+
+@pytest.mark.parametrize("name", registry_sample(KERNEL_NAMES))
+@pytest.mark.parametrize("score", ["dot", "distance"])
+def test_every_kernel_normalizer_takes_every_argument(monkeypatch, name, score):
+  """``implementation="pallas"`` (which raises instead of falling back) takes, for every
+  normalizer the engine runs, one call with everything xla_chunked takes: a bias, a mask,
+  a FoX decay, GQA, causality, a soft cap, a value head dim of its own, a key length, the
+  dot-product or the distance score, and ``return_residual`` wherever a row statistic is
+  defined (not class R). Traced forward and backward (``jax.eval_shape`` of the VJP: every
+  pass's kernel is built, none is run); the numbers are checked by the tests above and
+  per class."""
+  monkeypatch.setenv(_api.INTERPRET_ENV, "1")
+  q, k, _, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=39)
+  v = jax.random.normal(jax.random.key(40), (B, T, KH, 8))
+  residual = jn.get(name).kernel_class != "R"
+  kw = dict(normalizer=name, is_causal=True, logits_soft_cap=20.0, score=score,
+            key_value_seq_lengths=jnp.array([T, T - 5], jnp.int32), decay_bias=_decay(),
+            return_residual=residual, implementation="pallas")
+
+  def loss(q, k, v, bias):
+    out = attention.dot_product_attention(q, k, v, bias, _mask((B, 1, T, T)), **kw)
+    return jnp.sum(out[0] if residual else out)
+
+  shapes = jax.eval_shape(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)), q, k, v,
+                          _bias((T, T)))
+  assert shapes[1][3].shape == (T, T) and shapes[1][2].shape == v.shape
