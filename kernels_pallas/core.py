@@ -38,7 +38,8 @@ def attention_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=Non
 
   ``dyn`` are the per-row hyperparameters [B, N, T_pad, 1] float32; ``bias`` the dense
   bias [B|1, N|1, T_pad|1, S_pad|1] in the compute dtype (``cfg.bias_full``) or None;
-  ``decay`` Forgetting attention's ``(cq [B, N, T_pad, 1], ck [B, N, 1, S_pad])`` or None.
+  ``decay`` Forgetting attention's ``(cq [B, N, T_pad, W], ck [B, N, W, S_pad])`` or None
+  (W = ``cfg.terms``: 2 with score="distance", whose squared norms come first).
   Returns ``(o [B, T_pad, N, Hvp] in v's dtype, residual [B, N, T_pad, 1])``, the residual
   of ``return_residual`` (:func:`row_statistic`); its cotangent is ignored (the caller
   stops its gradient).

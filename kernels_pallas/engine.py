@@ -580,7 +580,7 @@ class Aux:
   mask: Any = None
   bias: Any = None
   # Forgetting attention's decay (differentiable, put here by ``core`` like the bias):
-  # cq [B, N, T_pad, 1] and ck [B, N, 1, S_pad], or None.
+  # cq [B, N, T_pad, W] and ck [B, N, W, S_pad] (W = Config.terms), or None.
   cq: Any = None
   ck: Any = None
   # Block tables (Config.key_table): the key blocks of each query block, [B, N, nq, width]

@@ -225,7 +225,7 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
     dk_ref[...] = dk
 
   out_specs, out_shape = [sp["kv"]], [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)]
-  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums, per query head
+  if cfg.decay:  # d ck [B, N, W, S_pad]: minus the column sums, per query head
     out_specs.append(sp["ck"])
     out_shape.append(E.term_shapes(cfg, b)[1])
   ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]

@@ -158,7 +158,8 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   """dQ and the hyperparameters' cotangents; with a dense bias also dS [B, N, T_pad,
   S_pad], the cotangent of the biased logits (zero outside the visible key blocks); with
-  a decay d cq [B, N, T_pad, 1]. Returns (dq, ddyn, dS or None, dcq or None)."""
+  a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
+  None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
@@ -261,7 +262,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
                jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hv), cfg.acc_dtype)]
   scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
+  if cfg.decay:  # d ck [B, N, W, S_pad]: one block per (query head, key block), revisited
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])  # over the consecutive query-block steps
 
@@ -624,7 +625,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
                jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hv), cfg.acc_dtype)]
   scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, 1, S_pad]: one block per (query head, key block), revisited
+  if cfg.decay:  # d ck [B, N, W, S_pad]: one block per (query head, key block), revisited
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])  # over the consecutive steps of that head
 

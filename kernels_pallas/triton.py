@@ -158,7 +158,8 @@ def _decay_k(cq_ref, ck_ref, gi: int, sl):
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   """dQ and the hyperparameters' cotangents; with a dense bias also dS [B, N, T_pad,
   S_pad], the cotangent of the biased logits (zero outside the visible key blocks); with
-  a decay d cq [B, N, T_pad, 1]. Returns (dq, ddyn, dS or None, dcq or None)."""
+  a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
+  None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
@@ -242,7 +243,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
                jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
+  if cfg.decay:  # d ck [B, N, W, S_pad]: minus the column sums of dS, per query head
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])
 
@@ -539,7 +540,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
   out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
                jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
   out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, 1, S_pad]: minus the column sums of dS, per query head
+  if cfg.decay:  # d ck [B, N, W, S_pad]: minus the column sums of dS, per query head
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])
 
