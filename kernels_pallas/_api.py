@@ -292,6 +292,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       mask_full=mask_full, length_rows=length_rows,
       decay=call.decay_bias is not None or distance, distance=distance,
       distance_decay=distance and call.decay_bias is not None,
+      prune_threshold=(float(call.decay_prune_threshold) if (threshold or row_stats) and
+                       call.decay_bias is not None and call.decay_prune_threshold is not None
+                       else None),
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
       exp2=exp2, rescale_threshold=tau, fp8_dot=native, approx_sigmoid=approx_sigmoid)
@@ -608,8 +611,9 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
       al. 2025): a tile whose decay bound ``max_i cq_i - min_j ck_j`` is below t is
       skipped in every pass (a block table; one tile shape for all passes), so each
       skipped logit's decay term is below t (``jaxsoft.attention``'s bound on the
-      output). Classes E, S and P (with a dense bias too: its gradient is 0 on the
-      skipped tiles); classes T and R stay exact.
+      output). Every class: E, S and P skip the tiles through the block table (with a
+      dense bias too: its gradient is 0 on the skipped tiles), T and R hide them inside
+      every pass (``engine.prune_mask``).
 
   Returns:
     ``[B, T, N, Hv]`` in q's dtype (with ``return_residual``, the pair ``(out, residual

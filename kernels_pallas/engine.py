@@ -151,6 +151,11 @@ class Config:
   # score="distance" together with FoX's decay: the row and column operands hold two terms
   # each (:attr:`terms`), the squared norms first, then the decay's cq_i and ck_j
   distance_decay: bool = False
+  # ACP block pruning of the decay inside the tiles (classes T and R, whose passes share one
+  # tile shape and follow the structure's ranges or the search's live blocks): a tile whose
+  # bound max_i cq_i - min_j ck_j is below this threshold is hidden (:func:`prune_mask`).
+  # Classes E, S and P prune with a block table instead (``key_table``), so never both.
+  prune_threshold: float | None = None
   # Block tables (``attention_from_call(block_table=...)``): the key loops of the forward
   # and dQ passes follow a compacted list of key blocks per (batch, head, query block),
   # Aux.fwd_idx / fwd_cnt, and the dK/dV pass its transpose, Aux.dkv_idx / dkv_cnt,
@@ -336,6 +341,22 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
       rows, cols, is_causal=cfg.causal, window=cfg.window,
       q_len=cfg.t if cfg.t_pad != cfg.t else None, kv_len=cfg.s if cfg.s_pad != cfg.s else None,
       q_seg=q_seg if cfg.has_segments else None, kv_seg=k_seg)
+
+
+def prune_mask(cfg: Config, mask, decay, q_start, k_start, bq: int, bk: int):
+  """``mask`` with the whole tile hidden when ACP prunes it (``cfg.prune_threshold``):
+  ``max_i cq_i - min_j ck_j`` over the tile's real rows and keys (padding excluded, as
+  ``_api._decay_keep_table``) below the threshold. ``decay`` is the tile's ``(cq [bq, W],
+  ck [W, bk])`` (the decay's term is the last); ``mask`` the visibility or None."""
+  if cfg.prune_threshold is None or decay[0] is None:
+    return mask
+  cq, ck = term(decay[0], cfg.terms - 1, 1), term(decay[1], cfg.terms - 1, 0)
+  rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, 1), 0) < cfg.t
+  cols = k_start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < cfg.s
+  top = jnp.max(jnp.where(rows, cq, -jnp.inf), axis=0, keepdims=True)  # [1, 1]
+  low = jnp.min(jnp.where(cols, ck, jnp.inf), axis=1, keepdims=True)  # [1, 1]
+  keep = jnp.broadcast_to(top - low >= cfg.prune_threshold, (bq, bk))
+  return keep if mask is None else jnp.logical_and(mask, keep)
 
 
 def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False):

@@ -110,6 +110,7 @@ def _triton_stats(cfg: E.Config, q, k, aux: E.Aux):
       s = E.tile_logits(cfg, qt, k_ref[sl, :], *triton._decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, triton._decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
                                                                    bk, cols=sl))
       return stats_tile(cfg, x, mask, stats)
@@ -158,6 +159,7 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       s, dist = E.score_tile(cfg, qt, kt, *triton._decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, triton._decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
                                                                    bk, cols=sl))
       ds = tangent_tile(cfg, x, mask, st, gt)
@@ -209,6 +211,8 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
         s, dist = E.score_tile(cfg, qt, kt, *triton._decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        mask = E.prune_mask(cfg, mask, triton._decay_k(cq_ref, ck_ref, gi, sl),
+                            i * bq, ki * bk, bq, bk)
         x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(
             cfg, bias_ref, mask_ref, bq, bk, head=gi, rows=sl))
         st = tuple(r[gi, sl, :] for r in st_refs)
@@ -262,6 +266,8 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
     def _compute():
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
+                          qi * bq, ki * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       stats = stats_tile(cfg, x, mask, tuple(ref[...] for ref in sc))
       for ref, x in zip(sc, stats, strict=True):
@@ -321,6 +327,8 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       kt = k_ref[...]
       s, dist = E.score_tile(cfg, q_ref[...], kt, tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
+                          qi * bq, ki * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
                         tuple(y[...] for y in g_refs))
@@ -384,6 +392,8 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
       qt = q_ref[...]
       s, dist = E.score_tile(cfg, qt, k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
+                          qi * bq, ki * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
                         tuple(y[...] for y in g_refs))

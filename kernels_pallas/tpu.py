@@ -133,6 +133,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref),
                         log2=cfg.exp2, fp8_scales=fp8_scales)
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk),
                                log2=cfg.exp2)
       mask = E.select_mask(mask, _read(sel_ref), kb, bk)
@@ -202,6 +203,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       kt = k_ref[...]
       s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       mask = E.select_mask(mask, _read(sel_ref), kb, bk)
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
@@ -291,6 +293,7 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
       s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qb * bq, ki * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       mask = E.select_mask(mask, _read(sel_ref), ki, bk)
       dp = E.dot(cfg, dot_, vt, (1, 1))
@@ -379,6 +382,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
     def _compute():
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, ki * bk, bq, bk)
       s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
 
       @pl.when(p == 0)
@@ -470,6 +474,7 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
     def _compute():
       s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
       s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       w = E.t_weight_tile(cfg, s, mask, tau_ref[...], m_ref[...], len_ref[...],
                           tuple(rf[...] for rf in dyn_refs))
@@ -546,6 +551,7 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
       kt = k_ref[...]
       s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
 
@@ -655,6 +661,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
       qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
       s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
       mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
+      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qb * bq, ki * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
       dp = E.dot(cfg, dot_, vt, (1, 1))
       w, ds, _ = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],

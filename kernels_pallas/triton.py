@@ -119,6 +119,8 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
                         log2=cfg.exp2, fp8_scales=None if sq is None else (sq, sk_ref[:, sl]))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, (cq, None if ck_ref is None else ck_ref[:, sl]),
+                          qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl), log2=cfg.exp2)
       mask = E.select_mask(mask, sel, kb, bk)
@@ -196,6 +198,8 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
       s, dist = E.score_tile(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, (cq, None if ck_ref is None else ck_ref[:, sl]),
+                          qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
       mask = E.select_mask(mask, sel, kb, bk)
@@ -268,6 +272,8 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
         s, dist = E.score_tile(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
         mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        mask = E.prune_mask(cfg, mask, (None if cq_ref is None else cq_ref[gi, sl, :], ck),
+                            i * bq, ki * bk, bq, bk)
         x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                               head=gi, rows=sl))
         if sel_ref is not None:
@@ -338,6 +344,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
       s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
       return E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                          cols=sl))
 
@@ -416,6 +423,7 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
       s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
       w = E.t_weight_tile(cfg, x, mask, taut, mt, length, dyn_v)
@@ -474,6 +482,7 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
       s, dist = E.score_tile(cfg, qt, kt, *_decay_q(cq_ref, ck_ref, sl))
       mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
                          None if ks_ref is None else ks_ref[:, sl])
+      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, kb * bk, bq, bk)
       x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                             cols=sl))
       return kt, (s, dist), x, mask, E.dot(cfg, dot_, vt, (1, 1)), sl
@@ -563,6 +572,7 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
         s, dist = E.score_tile(cfg, qt, kt, *_decay_k(cq_ref, ck_ref, gi, sl))
         mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk,
                            None if qs_ref is None else qs_ref[sl, :], ks)
+        mask = E.prune_mask(cfg, mask, _decay_k(cq_ref, ck_ref, gi, sl), qb * bq, ki * bk, bq, bk)
         x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
                                                               head=gi, rows=sl))
         dp = E.dot(cfg, dot_, vt, (1, 1))

@@ -544,8 +544,7 @@ def dot_product_attention(
       (FoX, feature A08) where cq = ck = cumulative sums of log forget gates;
       differentiable.
     decay_prune_threshold: optional float t < 0, only with ``decay_bias``; used by
-      "xla_chunked" and the Pallas kernels (classes E, S and P; "xla" and the other
-      cases stay exact): a (query block, key block) pair
+      "xla_chunked" and the Pallas kernels (every class; "xla" stays exact): a (query block, key block) pair
       is skipped when ``max_i cq[i] - min_j ck[j] < t`` over the pair (xla_chunked: over
       all batches and heads at once; Pallas: per batch and head, on its own tiles). Every
       skipped logit is then below its undecayed value plus t, so for class-E normalizers

@@ -5,7 +5,8 @@
 Oracle: the dense xla path with the skipped tiles hidden by a mask computes exactly what
 the pruned kernel computes (forward and every cotangent, cq and ck included); against the
 unpruned output the error stays within xla_chunked's documented bound. With a dense bias
-the bias's gradient is zero on the skipped tiles, as the oracle's.
+the bias's gradient is zero on the skipped tiles, as the oracle's. Classes E, S and P skip
+the pruned tiles through a block table; classes T and R hide them inside every pass.
 """
 
 from __future__ import annotations
@@ -148,25 +149,56 @@ def test_pruning_with_a_dense_bias(backend, bias_shape):
     assert bool(jnp.all(jnp.where(skipped, dbias, 0.0) == 0))
 
 
-def test_with_class_t_the_kernel_stays_exact(monkeypatch):
-  """A class-T normalizer (its live blocks come from the threshold search): no pruning,
-  the exact result; the dispatcher's implementation="pallas" takes the argument."""
+@pytest.mark.parametrize("backend,normalizer", [
+    ("triton", "sparsemax"), ("mosaic_tpu", "standardized_softmax"),
+    pytest.param("triton", "entmax15", marks=pytest.mark.slow),
+    pytest.param("triton", "softmax", marks=pytest.mark.slow),  # class E: the block table
+    pytest.param("triton", "top_p_softmax", marks=pytest.mark.slow),
+    pytest.param("triton", "nap", marks=pytest.mark.slow),
+    pytest.param("mosaic_tpu", "top_k_softmax", marks=pytest.mark.slow)])
+def test_classes_t_and_r_prune_inside_the_tiles(monkeypatch, backend, normalizer):
+  """Classes T and R (one tile shape for every pass; the search's live blocks, the
+  statistics passes' ranges) hide a pruned tile inside each pass (``engine.prune_mask``):
+  the threshold search, the statistics and every backward pass see the dense path over the
+  kept tiles, forward and every cotangent (cq and ck included); through the dispatcher
+  too."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
-  B, T = SHAPES["triton"]
-  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=73)
+  B, T = SHAPES[backend]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=79)
+  q = 4.0 * q  # scores spread wide: the pruned keys would be in the threshold's support
   cq, ck = _fox_decay(B, T)
-  args = dict(is_causal=True, decay_bias=(cq, ck), normalizer="sparsemax")
-  got = attention.dot_product_attention(q, k, v, implementation="pallas",
-                                        decay_prune_threshold=THRESHOLD, **args)
-  want = attention.dot_product_attention(q, k, v, implementation="xla", **args)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+  kept = _kept_mask(cq, ck, backend)
+  params = {"k": 24} if normalizer == "top_k_softmax" else None
+  kw = dict(normalizer=normalizer, normalizer_params=params, is_causal=True)
+  unpruned = attention.dot_product_attention(q, k, v, decay_bias=(cq, ck),
+                                             implementation="xla", **kw)
+  oracle = attention.dot_product_attention(q, k, v, mask=kept, decay_bias=(cq, ck),
+                                           implementation="xla", **kw)
+  assert float(jnp.max(jnp.abs(unpruned - oracle))) > 1e-3  # pruning changes the answer
+  out, grads = assert_matches(
+      lambda q, k, v, cq, ck: kp.attention(
+          q, k, v, decay_bias=(cq, ck), backend=backend, interpret=True,
+          block_sizes=BLOCKS[backend], decay_prune_threshold=THRESHOLD, **kw),
+      lambda q, k, v, cq, ck: attention.dot_product_attention(
+          q, k, v, mask=kept, decay_bias=(cq, ck), implementation="xla", **kw),
+      (q, k, v, cq, ck), ct)
+  assert bool(jnp.any(grads[3] != 0))
+  if backend == "triton":  # the dispatcher reaches the pruned kernel (its default tiles)
+    got = attention.dot_product_attention(q, k, v, decay_bias=(cq, ck),
+                                          decay_prune_threshold=THRESHOLD,
+                                          implementation="pallas", **kw)
+    assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.max(jnp.abs(got - unpruned))) > 0
 
 
-@pytest.mark.parametrize("bias", [False, True], ids=["decay", "decay_bias"])
+@pytest.mark.parametrize("bias,normalizer", [
+    (False, "softmax"), (True, "softmax"), (False, "sparsemax"),
+    (False, "standardized_softmax")],
+    ids=["decay", "decay_bias", "class_t", "class_r"])
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
-def test_pruned_decay_lowers_for_both_targets(backend, bias):
+def test_pruned_decay_lowers_for_both_targets(backend, bias, normalizer):
   """The block-table kernels with the decay's row and column operands (and a dense bias,
-  whose dS the block-table dQ passes write) export for cuda and tpu."""
+  whose dS the block-table dQ passes write), and the class-T and class-R passes that hide
+  the pruned tiles themselves, export for cuda and tpu."""
   from tests.kernels_pallas.test_lowering import export_fwd_bwd
   q = jax.ShapeDtypeStruct((2, 512, 4, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((2, 512, 2, 64), jnp.bfloat16)
@@ -174,6 +206,7 @@ def test_pruned_decay_lowers_for_both_targets(backend, bias):
   dense = 0.1 * jnp.ones((4, 512, 512), jnp.float32) if bias else None
   text = export_fwd_bwd(
       lambda q, k, v: kp.attention(q, k, v, dense, is_causal=True, decay_bias=(cq, cq),
-                                   decay_prune_threshold=-4.0, backend=backend),
+                                   decay_prune_threshold=-4.0, backend=backend,
+                                   normalizer=normalizer),
       backend, q, k)
   assert text.count("jaxsoft_attention_") >= 3
