@@ -632,20 +632,26 @@ def _decode_part(args, interpret, dtype) -> bool:
     return kp.decode_attention(q, k, v, lengths, backend="triton", interpret=interpret,
                                block_k=block_k)
 
-  def paged(q, k, v, lengths):  # the same cache as a shuffled page pool and its table
-    k_pool, v_pool, table = _page_pool(k, v, page)
+  def paged(q, k_pool, v_pool, lengths, table):
     return kp.decode_attention(q, k_pool, v_pool, lengths, backend="triton",
                                interpret=interpret, page_table=table)
+
+  def as_pages(q, k, v, lengths):  # the same cache as a shuffled page pool and its table
+    k_pool, v_pool, table = _page_pool(k, v, page)
+    return q, k_pool, v_pool, lengths, table
 
   def xla(q, k, v, lengths):
     return ja.dot_product_attention(q[:, None], k, v, key_value_seq_lengths=lengths,
                                     implementation="xla")[:, 0]
 
-  ops = {"kp.decode_attention": pallas, f"kp.decode_attention, paged ({page})": paged}
+  # name: (op, its arguments from the contiguous inputs; built before timing)
+  ops = {"kp.decode_attention": (pallas, lambda *a: a),
+         f"kp.decode_attention, paged ({page})": (paged, as_pages)}
   cargs = inputs(*check_shape, seed=1)
   want = jax.jit(xla)(*cargs)
-  errs = {name: _try_err(name, lambda fn=fn: ((jax.jit(fn)(*cargs),), (want,)))
-          for name, fn in ops.items()}
+  errs = {name: _try_err(name, lambda fn=fn, prep=prep: ((jax.jit(fn)(*prep(*cargs)),),
+                                                         (want,)))
+          for name, (fn, prep) in ops.items()}
   print(f"\n| decode, N={n} K={kh} H={h} | B x S_max | ms | vs XLA | status |\n"
         "|---|---|---|---|---|")
   for b, s in shapes:
@@ -653,17 +659,11 @@ def _decode_part(args, interpret, dtype) -> bool:
     a = inputs(b, s)
     base = timeit(jax.jit(xla), a, reps) * 1e3
     print(_ms_row("xla dot_product_attention", shape, [base], [base], "ok"))
-    for name, fn in ops.items():
+    for name, (fn, prep) in ops.items():
       if errs[name] > 3e-2:
         print(f"| {name} | {shape} | - | - | FAIL (err {errs[name]:.2g}) |")
         continue
-      if fn is paged:  # time the kernel on the pool, not the pool's construction
-        k_pool, v_pool, table = _page_pool(a[1], a[2], page)
-        ms = timeit(jax.jit(lambda q, kp_, vp, n, pt: kp.decode_attention(
-            q, kp_, vp, n, backend="triton", interpret=interpret, page_table=pt)),
-            (a[0], k_pool, v_pool, a[3], table), reps) * 1e3
-      else:
-        ms = timeit(jax.jit(fn), a, reps) * 1e3
+      ms = timeit(jax.jit(fn), prep(*a), reps) * 1e3
       print(_ms_row(name, shape, [ms], [base], f"ok (check err {errs[name]:.1e})"),
             flush=True)
   return all(e <= 3e-2 for e in errs.values())

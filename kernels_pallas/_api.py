@@ -251,10 +251,11 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
     q = fp8_mod.straight_through(q, *q_fp8).astype(dtype)
     k = fp8_mod.straight_through(k, *k_fp8).astype(dtype)
-  # ACP block pruning of a decay (classes E, S, P): a block table of the tiles the bound
-  # keeps (a dense bias's gradient is 0 on the skipped tiles, as the dQ passes write it)
-  prune = (block_table is None and call.decay_prune_threshold is not None
-           and call.decay_bias is not None and not (threshold or row_stats))
+  # ACP block pruning of a decay: classes E, S, P follow a block table of the tiles the
+  # bound keeps (a dense bias's gradient is 0 on the skipped tiles, as the dQ passes write
+  # it); classes T and R hide the pruned tiles inside every pass (engine.prune_mask)
+  pruning = call.decay_prune_threshold is not None and call.decay_bias is not None
+  prune = block_table is None and pruning and not (threshold or row_stats)
   if block_table is not None:
     _check_table_call(call, threshold or row_stats, block_sizes, bl, block_table, row_blocks)
   elif threshold or row_stats or prune:
@@ -292,9 +293,8 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       mask_full=mask_full, length_rows=length_rows,
       decay=call.decay_bias is not None or distance, distance=distance,
       distance_decay=distance and call.decay_bias is not None,
-      prune_threshold=(float(call.decay_prune_threshold) if (threshold or row_stats) and
-                       call.decay_bias is not None and call.decay_prune_threshold is not None
-                       else None),
+      prune_threshold=(float(call.decay_prune_threshold)
+                       if pruning and (threshold or row_stats) else None),
       key_table=block_table is not None,
       row_select=0 if row_blocks is None else _select_width(backend, row_blocks),
       exp2=exp2, rescale_threshold=tau, fp8_dot=native, approx_sigmoid=approx_sigmoid)

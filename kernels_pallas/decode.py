@@ -219,9 +219,12 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
       view = x.reshape(rows, x.shape[1], kh * hd)
       return view, pl.BlockSpec(
           (None, bk, hd), lambda bi, hh, si, t, *refs: (*at(bi, si, t, refs), hh))
-    return jnp.swapaxes(x, 1, 2), pl.BlockSpec(
-        (None, None, bk, hd),
-        lambda bi, hh, si, t, *refs: (at(bi, si, t, refs)[0], hh, at(bi, si, t, refs)[1], 0))
+
+    def heads_first(bi, hh, si, t, *refs):
+      row, kb = at(bi, si, t, refs)
+      return row, hh, kb, 0
+
+    return jnp.swapaxes(x, 1, 2), pl.BlockSpec((None, None, bk, hd), heads_first)
 
   k_in, k_spec = cache_spec(k)
   v_in, v_spec = cache_spec(v)
@@ -481,12 +484,16 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
 
 
 def _check_ranks(q, k_cache, v_cache):
-  """q rank 3, the caches (or pools) rank 4, all floating point."""
+  """q rank 3, the caches (or pools) rank 4, all floating point, and GQA's N % K == 0."""
   for arg, x, rank in (("q", q, 3), ("k_cache", k_cache, 4), ("v_cache", v_cache, 4)):
     if x.ndim != rank:
       raise _err(f"`{arg}` must have rank {rank}, got shape {x.shape}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise _err(f"`{arg}` must be floating point, got {x.dtype}")
+  n, kh = q.shape[1], k_cache.shape[2]
+  if kh < 1 or n % kh:
+    raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
+               f"K = {kh} (`k_cache` {k_cache.shape})")
 
 
 def _check_arrays(q, k_cache, v_cache, lengths):
@@ -500,9 +507,8 @@ def _check_arrays(q, k_cache, v_cache, lengths):
   if v_cache.shape[:3] != k_cache.shape[:3]:
     raise _err(f"`v_cache` must be [B, S_max, K, Hv] = [{b}, {s_len}, {kh}, Hv], "
                f"got {v_cache.shape}")
-  if s_len < 1 or kh < 1 or n % kh:
-    raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
-               f"K = {kh} (`k_cache` {k_cache.shape})")
+  if s_len < 1:
+    raise _err(f"`k_cache` must hold at least one key, got {k_cache.shape}")
   return b, n, h, s_len, kh, _check_lengths(lengths, b, s_len)
 
 
@@ -518,9 +524,6 @@ def _check_paged(q, k_pool, v_pool, lengths, page_table):
   if v_pool.shape[:3] != k_pool.shape[:3]:
     raise _err(f"a paged `v_cache` must be [num_pages, page_size, K, Hv] = [{num_pages}, "
                f"{page}, {kh}, Hv], got {v_pool.shape}")
-  if kh < 1 or n % kh:
-    raise _err(f"the number of query heads N = {n} must be a multiple of the cache's "
-               f"K = {kh} (`k_cache` {k_pool.shape})")
   table = jnp.asarray(page_table)
   if table.ndim != 2 or table.shape[0] != b or table.shape[1] < 1 or not jnp.issubdtype(
       table.dtype, jnp.integer):
