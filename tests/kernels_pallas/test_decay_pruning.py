@@ -190,6 +190,26 @@ def test_classes_t_and_r_prune_inside_the_tiles(monkeypatch, backend, normalizer
     assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.max(jnp.abs(got - unpruned))) > 0
 
 
+@pytest.mark.parametrize("normalizer", ["sparsemax", "standardized_softmax"])
+def test_classes_t_and_r_pruning_keeps_rows_without_a_visible_key_zero(normalizer):
+  """Classes T and R under in-tile pruning with a batch row of key length 0: zero output,
+  zero and finite gradients; the other row is the dense path over the kept tiles."""
+  B, T = SHAPES["triton"]
+  q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=80)
+  cq, ck = _fox_decay(B, T)
+  lengths = jnp.array([T, 0], jnp.int32)
+  kept = _kept_mask(cq, ck, "triton")
+  kw = dict(normalizer=normalizer, is_causal=True, decay_bias=(cq, ck),
+            key_value_seq_lengths=lengths)
+  out, grads = assert_matches(
+      lambda q, k, v: kp.attention(q, k, v, interpret=True, block_sizes=BLOCKS["triton"],
+                                   decay_prune_threshold=THRESHOLD, **kw),
+      lambda q, k, v: attention.dot_product_attention(q, k, v, mask=kept,
+                                                      implementation="xla", **kw),
+      (q, k, v), ct)
+  assert bool(jnp.all(out[1] == 0)) and all(bool(jnp.all(g[1] == 0)) for g in grads)
+
+
 @pytest.mark.parametrize("bias,normalizer", [
     (False, "softmax"), (True, "softmax"), (False, "sparsemax"),
     (False, "standardized_softmax")],
