@@ -1,4 +1,4 @@
-"""jaxsoft inside Flax's own attention layers: the README's section runs as written, NNX's
+"""jaxsoft inside Flax's own attention layers: docs/flax.md runs as written, NNX's
 cached decoding equals the causal forward, and Linen's layers compute the normalizer asked for.
 
 Oracles: Flax itself (its default attention_fn for softmax, its causal forward for the
@@ -17,7 +17,7 @@ from flax import nnx
 
 import jaxsoft as js
 
-README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
+FLAX_PAGE = pathlib.Path(__file__).resolve().parents[2] / "docs" / "flax.md"
 B, T, F, N = 2, 7, 16, 4
 # length dependent (ssmax, sigmoid's -log n bias), threshold (sparsemax), no sum to one (softmax_1)
 NORMALIZERS = [("softmax", {}), ("ssmax", {"s": 0.5}), ("sigmoid", {}), ("sparsemax", {}),
@@ -25,9 +25,7 @@ NORMALIZERS = [("softmax", {}), ("ssmax", {"s": 0.5}), ("sigmoid", {}), ("sparse
 
 
 def _section_blocks():
-  text = README.read_text()
-  start = text.index("## Using jaxsoft in an existing Flax model")
-  section = text[start:text.index("\n## ", start + 1)]
+  section = FLAX_PAGE.read_text()  # the page is the section: "Using jaxsoft in an existing Flax model"
   return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
@@ -35,14 +33,14 @@ def _x(seed=0):
   return jax.random.normal(jax.random.key(seed), (B, T, F))
 
 
-def test_readme_flax_section_runs_as_written():
+def test_flax_page_runs_as_written():
   blocks = _section_blocks()
   assert len(blocks) == 2, "one NNX block and one Linen block"
   ns = {}
-  exec(compile(blocks[0], "README.md (NNX)", "exec"), ns)  # noqa: S102  (asserts decode == forward)
+  exec(compile(blocks[0], "docs/flax.md (NNX)", "exec"), ns)  # noqa: S102  (asserts decode == forward)
   assert isinstance(ns["layer"], nnx.MultiHeadAttention) and ns["steps"].shape == ns["x"].shape
   chex.assert_trees_all_close(ns["steps"], ns["full"], atol=1e-5)
-  exec(compile(blocks[1], "README.md (Linen)", "exec"), ns)  # noqa: S102
+  exec(compile(blocks[1], "docs/flax.md (Linen)", "exec"), ns)  # noqa: S102
   assert isinstance(ns["layer"], nn.MultiHeadDotProductAttention)
   assert ns["y"].shape == ns["x"].shape and bool(jnp.isfinite(ns["y"]).all())
 
