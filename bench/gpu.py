@@ -862,7 +862,7 @@ def autotune_section(args) -> bool:
       cands = kat.candidate_block_sizes("triton", t, t, h)
       if args.tiny:
         cands = cands[:3]
-      best = kat.autotune_block_sizes(q, k, v, backend="triton", interpret=interpret,
+      best = kat.autotune_block_sizes(kp.attention, q, k, v, backend="triton", interpret=interpret,
                                       candidates=cands, is_causal=causal,
                                       normalizer="softmax", reps=reps)
       rejected = len(kat.LAST_RESULT.rejected) if kat.LAST_RESULT else 0

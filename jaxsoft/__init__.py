@@ -4,8 +4,6 @@
 needs no flax import.
 """
 
-import importlib
-
 from jaxsoft import attention, linear, losses, normalizers, pooling, testing
 
 __version__ = "0.1.0"
@@ -15,5 +13,6 @@ __all__ = ["attention", "linear", "losses", "nn", "normalizers", "pooling", "tes
 
 def __getattr__(name):
   if name == "nn":
-    return importlib.import_module("jaxsoft.nn")
+    import jaxsoft.nn  # noqa: PLC0415  (flax is imported on first use of jaxsoft.nn)
+    return jaxsoft.nn
   raise AttributeError(f"module 'jaxsoft' has no attribute {name!r}")

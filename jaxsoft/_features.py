@@ -8,8 +8,7 @@ the code.
 
 Columns: feature id and kernel class (E/S/P/T/R/X; both explained in docs/feature_ids.md),
 registry name, the implementations a user can call (normalizer: the dense function;
-attention: "xla" always, "xla_chunked" and "pallas" (when ``kernels_pallas`` provides the
-attention engine) for a spec with a tile, threshold or row-statistics rule) and the status
+attention: "xla" always, "xla_chunked" and "pallas" for a spec with a tile, threshold or row-statistics rule) and the status
 ("tested": every registered spec runs the generated suite of
 tests/normalizers/test_registry.py).
 """
@@ -17,7 +16,6 @@ tests/normalizers/test_registry.py).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import pathlib
 import sys
 
@@ -29,36 +27,24 @@ START = "<!-- features:start -->"
 END = "<!-- features:end -->"
 
 
-def _has_pallas_engine() -> bool:
-  """Whether kernels_pallas ships the blockwise attention engine (without importing it)."""
-  try:
-    return importlib.util.find_spec("kernels_pallas.engine") is not None
-  except (ImportError, ValueError):  # no kernels_pallas package at all
-    return False
-
-
-def _implementations(spec, pallas: bool) -> tuple[str, str]:
+def _implementations(spec) -> tuple[str, str]:
   attention = ["xla"]
   if spec.tile is not None or spec.threshold is not None or spec.row_stats is not None:
-    attention.append("xla_chunked")
-  if pallas and (spec.tile is not None or spec.threshold is not None
-                 or spec.row_stats is not None):
     # E/S/P through the tile rule, T through the threshold kernels, R through the
     # statistics pass and the tile rule of its second pass
-    attention.append("pallas")
+    attention += ["xla_chunked", "pallas"]
   return "dense", ", ".join(attention)
 
 
 def feature_table() -> str:
   """A markdown table of every registered normalizer, sorted by catalogue id then name."""
-  pallas = _has_pallas_engine()
   specs = sorted(normalizers.REGISTRY.values(), key=lambda s: (s.catalogue_id, s.name))
   lines = [
       "| id | name | class | normalizer | attention | status |",
       "|---|---|---|---|---|---|",
   ]
   for spec in specs:
-    dense, attention = _implementations(spec, pallas)
+    dense, attention = _implementations(spec)
     lines.append(f"| {spec.catalogue_id} | `{spec.name}` | {spec.kernel_class} | {dense} | "
                  f"{attention} | tested |")
   return "\n".join(lines)

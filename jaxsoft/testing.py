@@ -46,9 +46,9 @@ import numpy as np
 from jax import test_util as jtu
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _tile as tile
-from jaxsoft.normalizers._spec import REGISTRY, NormalizerSpec, ThresholdRule, TileRule
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import tile
+from jaxsoft.normalizers.spec import REGISTRY, NormalizerSpec, ThresholdRule, TileRule
 
 __all__ = [
     "SAME_TOL",
@@ -665,7 +665,7 @@ def evaluate_tile_rule(rule: TileRule | NormalizerSpec, x: ArrayLike, axis: int 
           \quad (P)
 
   with ``w_j = 0`` off V and for a zero denominator. This is the whole row as one block
-  of the same tile math (``jaxsoft.normalizers._tile``) that the chunked and Pallas
+  of the same tile math (``jaxsoft.normalizers.tile``) that the chunked and Pallas
   attention paths run blockwise; it equals the normalizer itself.
 
   Args:
@@ -706,7 +706,7 @@ def evaluate_tile_rule_online(rule: TileRule | NormalizerSpec, x: ArrayLike, v: 
 
   (FlashAttention's rescaling merge). Classes S and P keep m = 0 and α = 1, and class P
   carries no l. Finally ``O = acc / (l + offset(m, n))`` (0 when that is 0; class P:
-  ``O = acc``). These are the same functions (``jaxsoft.normalizers._tile``) the chunked
+  ``O = acc``). These are the same functions (``jaxsoft.normalizers.tile``) the chunked
   attention path and the Pallas engine call per tile. A block with no visible entry
   leaves the state unchanged and a fully masked row gives O = 0, with gradients free of
   NaN. Differentiable with respect to ``x``, ``v`` and array hparams.

@@ -1,4 +1,4 @@
-"""Pallas kernels for jaxsoft (imported lazily by ``implementation="pallas*"``).
+"""Pallas kernels for jaxsoft (what ``implementation="pallas*"`` runs).
 
 ``attention`` is one blockwise attention engine for every normalizer of kernel class E
 (running max and row sum carried across key blocks), S (row sum only), P (nothing
@@ -9,16 +9,18 @@ docs/feature_ids.md. ``attention_from_call`` is the adapter
 ``jaxsoft.attention.dot_product_attention`` calls.
 """
 
-from kernels_pallas._api import BlockSizes, attention, attention_from_call
+from kernels_pallas._api import BlockSizes, attention, attention_from_call, resolve_block_sizes
 from kernels_pallas.autotune import (
     autotune_block_sizes,
     candidate_block_sizes,
     clear_autotune_cache,
 )
+from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.sharding import sharded_attention
 
 __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "default_block_sizes", "sharded_attention", "decode_attention",
-           "autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache"]
+           "autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache",
+           "resolve_block_sizes", "pick_backend", "BACKENDS", "INTERPRET_ENV"]

@@ -9,7 +9,6 @@ engine cannot compute *exactly*, so that the dispatcher falls back to XLA.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,43 +16,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoft.attention import _api as attention_api
-from jaxsoft.attention._masks import table_ranges
-from jaxsoft.normalizers import _spec
-from kernels_pallas import core
+from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention.masks import table_ranges
+from jaxsoft.normalizers import spec as _spec
+from kernels_pallas import autotune, core
 from kernels_pallas import engine as E
 from kernels_pallas import fp8 as fp8_mod
 from kernels_pallas import row_stats as row_stats_core
+from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
 
-__all__ = ["attention", "attention_from_call", "pick_backend", "BlockSizes", "INTERPRET_ENV"]
+__all__ = ["attention", "attention_from_call", "resolve_block_sizes", "pick_backend",
+           "BlockSizes", "INTERPRET_ENV"]
 
 BlockSizes = E.BlockSizes
-BACKENDS = ("triton", "mosaic_tpu")
-INTERPRET_ENV = "JAXSOFT_PALLAS_INTERPRET"
-_PLATFORM_BACKEND = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
-
-
-def pick_backend(backend: str | None) -> tuple[str, bool]:
-  """(driver, interpret) for ``backend`` on the default JAX platform.
-
-  ``None`` picks from the platform (gpu -> triton, tpu -> mosaic_tpu). A platform that
-  cannot run the requested driver raises NotImplementedError, unless the environment
-  variable ``JAXSOFT_PALLAS_INTERPRET=1`` asks for the Pallas interpreter (CPU tests and
-  notebooks), in which case ``None`` means the Triton driver.
-  """
-  if backend not in (None, *BACKENDS):
-    raise ValueError(f"`backend` must be None or one of {BACKENDS}, got {backend!r}")
-  platform = jax.default_backend()
-  native = _PLATFORM_BACKEND.get(platform)
-  if backend in (None, native) and native is not None:
-    return native, False
-  if os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
-    return backend or "triton", True
-  raise NotImplementedError(
-      f"no Pallas {backend or 'backend'} on platform {platform!r} (set {INTERPRET_ENV}=1 to "
-      "run the Pallas kernels in interpret mode)")
-
-
 def is_static(x) -> bool:
   """A hyperparameter compiled into the kernel (a Python or NumPy scalar)."""
   return x is None or isinstance(x, (bool, int, float, np.integer, np.floating))
@@ -65,7 +40,7 @@ def rows(x, b: int, n: int, t: int, dtype=None):
   return jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (b, n, t, 1))
 
 
-def _block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: bool):
+def resolve_block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: bool):
   """The resolved, validated block sizes. ``key_lanes``: some array is blocked along the
   keys in its last dimension (segment ids, a dense bias or mask, the decay's ck), so Mosaic
   key blocks must be multiples of 128 lanes."""
@@ -245,7 +220,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   s, kh, hv = k.shape[1], k.shape[2], v.shape[3]
   key_lanes = st.is_per_batch or any(x is not None for x in (call.bias, call.mask,
                                                               call.decay_bias))
-  bl = _block_sizes(block_sizes, backend, t, s, h, key_lanes)
+  bl = resolve_block_sizes(block_sizes, backend, t, s, h, key_lanes)
   if fp8 is not None:  # per (batch, head, block) e4m3 scales; straight-through gradient
     q_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(q), bl.block_q)[:2]
     k_fp8 = fp8_mod.quantize_blocks(jax.lax.stop_gradient(k), bl.block_k)[:2]
@@ -629,9 +604,8 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
     if block_sizes != "auto":
       raise ValueError("`block_sizes` must be None, 'auto', a BlockSizes or a dict, got "
                        f"{block_sizes!r}")
-    from kernels_pallas.autotune import autotune_block_sizes  # (it imports this module)
-    block_sizes = autotune_block_sizes(
-        q, k, v, backend=backend, interpret=interpret, is_causal=is_causal,
+    block_sizes = autotune.autotune_block_sizes(
+        attention, q, k, v, backend=backend, interpret=interpret, is_causal=is_causal,
         normalizer=normalizer, bias=bias, mask=mask, normalizer_params=normalizer_params,
         scale=scale, local_window_size=local_window_size, segment_ids=segment_ids,
         logits_soft_cap=logits_soft_cap, query_seq_lengths=query_seq_lengths,
@@ -640,10 +614,14 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
         fp8_dot=fp8_dot, score=score, approx_sigmoid=approx_sigmoid)
   if not isinstance(return_residual, (bool, np.bool_)):
     raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
-  call = attention_api._canonical_call(
-      q, k, v, bias, mask, scale, is_causal, query_seq_lengths, key_value_seq_lengths,
-      local_window_size, segment_ids, logits_soft_cap, normalizer, normalizer_params,
-      decay_bias, decay_prune_threshold, bool(return_residual), score)
+  call = AttentionCall.create(
+      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, normalizer=normalizer,
+      normalizer_params=normalizer_params, decay_bias=decay_bias,
+      decay_prune_threshold=decay_prune_threshold, return_residual=bool(return_residual),
+      score=score)
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,

@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas import _api
 from kernels_pallas import engine as E
+from kernels_pallas.backends import BACKENDS, pick_backend
 from kernels_pallas.engine import BlockSizes
 
 __all__ = ["autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache",
@@ -86,8 +86,8 @@ def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
                           head_dim_v: int | None = None) -> list[BlockSizes]:
   """Legal candidate shapes for ``backend``, the default first (see the module docstring
   for the bounds). Forward tile (block_q, block_k) and one backward tile for both passes."""
-  if backend not in _api.BACKENDS:
-    raise ValueError(f"`backend` must be one of {_api.BACKENDS}, got {backend!r}")
+  if backend not in BACKENDS:
+    raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
   for name, x in (("t", t), ("s", s), ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
     if x is not None and (isinstance(x, bool) or not isinstance(x, (int, np.integer))
                           or x <= 0):
@@ -206,12 +206,12 @@ def _max_rel_err(got, want) -> float:
   return max(errs, default=0.0)
 
 
-def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
+def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
+                         backend: str | None = None, interpret=None,
                          candidates: Sequence[BlockSizes] | None = None,
                          is_causal: bool = False, normalizer="softmax", reps: int = 3,
                          timer: Callable[[Callable[[], Any]], float] | None = None,
                          check: bool = True, use_cache: bool = True,
-                         attention_fn: Callable | None = None,
                          **attention_kwargs) -> BlockSizes:
   """The fastest legal, correct block shape for this attention call (K06).
 
@@ -222,24 +222,24 @@ def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
   failing candidate is rejected and reported in ``LAST_RESULT.rejected``.
 
   Args:
+    attention_fn: the function to tune, called as ``attention_fn(q, k, v, normalizer=...,
+      is_causal=..., backend=..., interpret=..., block_sizes=..., **attention_kwargs)``:
+      :func:`kernels_pallas.attention` (what ``block_sizes="auto"`` passes) or a wrapper.
     q, k, v: the call's arrays (``[B, T, N, H]``, ``[B, S, K, H]``, ``[B, S, K, Hv]``).
     backend, interpret: as for :func:`kernels_pallas.attention`; None picks from the
-      platform (``_api.pick_backend``).
+      platform (:func:`kernels_pallas.backends.pick_backend`).
     candidates: the shapes to try (the default shape is always added as the reference).
     timer: ``timer(fn) -> seconds`` for a zero-arg ``fn``; default: median of ``reps``
       ``block_until_ready`` runs after an excluded warm-up.
     use_cache: reuse (and store) the result for the same key.
-    attention_fn: the function to tune (default ``kernels_pallas.attention``).
     **attention_kwargs: further static arguments of ``attention`` (part of the cache key).
   """
   global LAST_RESULT
   if backend is None or interpret is None:
-    be, interp = _api.pick_backend(backend)
+    be, interp = pick_backend(backend)
     backend = be
     interpret = interp if interpret is None else interpret
   fn = attention_fn
-  if fn is None:
-    fn = _api.attention
   t, s = q.shape[-3], k.shape[-3]
   h, hv = q.shape[-1], v.shape[-1]
   key = (backend, bool(interpret), _device_kind(), str(jnp.result_type(q, k, v)),
@@ -259,10 +259,10 @@ def autotune_block_sizes(q, k, v, *, backend: str | None = None, interpret=None,
     def work():
       try:
         box["best"] = autotune_block_sizes(
-            *(_stand_in(x, i) for i, x in enumerate((q, k, v))), backend=backend,
-            interpret=interpret, candidates=candidates, is_causal=is_causal,
-            normalizer=normalizer, reps=reps, timer=timer, check=check,
-            use_cache=use_cache, attention_fn=attention_fn,
+            attention_fn, *(_stand_in(x, i) for i, x in enumerate((q, k, v))),
+            backend=backend, interpret=interpret, candidates=candidates,
+            is_causal=is_causal, normalizer=normalizer, reps=reps, timer=timer, check=check,
+            use_cache=use_cache,
             **jax.tree_util.tree_map(lambda x: _stand_in(x, 3), attention_kwargs))
       except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
         box["error"] = e

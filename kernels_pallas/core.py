@@ -13,7 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers import tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 

@@ -50,10 +50,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
+from kernels_pallas.backends import BACKENDS, check_backend
+
 __all__ = ["linear_cross_entropy_tokens", "default_block_sizes", "triton_shared_memory_bytes",
            "TRITON_SHARED_MEMORY_BUDGET", "BACKENDS"]
 
-BACKENDS = ("triton", "mosaic_tpu")
 
 
 class Config(NamedTuple):
@@ -165,8 +166,7 @@ def linear_cross_entropy_tokens(h, w, y, keep, *, label_smoothing: float, z_loss
     ``[n]`` losses in ``compute_dtype`` (0 where ``keep`` is False), differentiable in h, w.
   """
   fn = "linear_cross_entropy"
-  if backend not in BACKENDS:
-    raise ValueError(f"{fn}: `backend` must be one of {BACKENDS}, got {backend!r}")
+  check_backend(backend, fn)
   n, d = h.shape
   vocab = w.shape[1]
   d_pad = _next_pow2(max(d, 16)) if backend == "triton" else _round_up(d, 128)

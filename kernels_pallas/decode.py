@@ -43,12 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from kernels_pallas.backends import BACKENDS
+
 __all__ = ["decode_attention"]
 
 _NAME = "decode_attention"
 NORMALIZERS = ("softmax", "softmax_sink", "sigmoid")
 _PARAMS = {"softmax": (), "softmax_sink": ("sink_logit",), "sigmoid": ("bias",)}
-BACKENDS = ("triton", "mosaic_tpu")
 _F32 = np.finfo(np.float32)
 # Default guard of the unified max: scores within 43.7 below the split's max stay normal
 # numbers; 44.4 above phi leaves e^{44} * S * |v| far below the float32 maximum.

@@ -1,7 +1,7 @@
 """One blockwise attention engine for every normalizer of kernel class E, S or P.
 
 The per-tile math is the normalizer's :class:`~jaxsoft.normalizers.TileRule` run through
-``jaxsoft.normalizers._tile``, the one module that the chunked XLA path and the reference
+``jaxsoft.normalizers.tile``, the one module that the chunked XLA path and the reference
 evaluators of ``jaxsoft.testing`` also call: the drivers (``triton.py`` for GPUs,
 ``tpu.py`` for Mosaic TPU) only move tiles and call the functions below, so a new E/S/P
 normalizer runs in both kernels with no kernel change.
@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsoft.attention import _masks
+from jaxsoft.attention import masks
 from jaxsoft.attention._dense import safe_distance
-from jaxsoft.normalizers import _spec
-from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers import tile
 from jaxsoft.normalizers._pointwise import _sigmoid_numerator
 from jaxsoft.normalizers._softmax import exp_numerator, temperature_score_map
 
@@ -329,7 +329,7 @@ def logits_grad(cfg: Config, s, dist, ds):
 def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg=None):
   """Visibility of a [bq, bk] tile (None when every entry is visible).
 
-  The structure's :func:`~jaxsoft.attention._masks.positions_visible` at the tile's
+  The structure's :func:`~jaxsoft.attention.masks.positions_visible` at the tile's
   positions: ``q_start``/``k_start`` are its first global row/column, ``q_seg`` [bq, 1]
   and ``k_seg`` [1, bk] the kernel segment ids (lengths and padding folded in).
   """
@@ -337,7 +337,7 @@ def tile_mask(cfg: Config, q_start, k_start, bq: int, bk: int, q_seg=None, k_seg
     return None
   rows = q_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   cols = k_start + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  return _masks.positions_visible(
+  return masks.positions_visible(
       rows, cols, is_causal=cfg.causal, window=cfg.window,
       q_len=cfg.t if cfg.t_pad != cfg.t else None, kv_len=cfg.s if cfg.s_pad != cfg.s else None,
       q_seg=q_seg if cfg.has_segments else None, kv_seg=k_seg)
@@ -408,7 +408,7 @@ def init_state(cfg: Config, bq: int, hd: int):
 
 
 def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
-  """One key block of the online pass (``_tile.online_update``): returns the new (m, l, acc).
+  """One key block of the online pass (``tile.online_update``): returns the new (m, l, acc).
 
   ``s`` [bq, bk] float32 logits (log2 units with ``cfg.exp2``), ``v`` [bk, H], ``length``
   [bq, 1] and each of ``dyn`` [bq, 1] (per-row hyperparameters). With the K06 flags the
@@ -431,7 +431,7 @@ def forward_tile(cfg: Config, s, mask, state, v, length, dyn):
 
 
 def _online_exp(cfg: Config, x, mask, m, lsum, length, hp):
-  """``_tile.online_update`` of a class-E rule with ``numerator = denominator = e^{z - m}``
+  """``tile.online_update`` of a class-E rule with ``numerator = denominator = e^{z - m}``
   under the K06 flags: returns ``(m', l', numerators, alpha)``.
 
   ``exp2`` (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
@@ -564,7 +564,7 @@ def finalize(cfg: Config, state, length, dyn):
 
 
 def backward_tile(cfg: Config, s, mask, m, d, delta, dp, length, dyn):
-  """Recomputes the tile's weights and returns (w, ds, dhp) (``_tile.tile_vjp``).
+  """Recomputes the tile's weights and returns (w, ds, dhp) (``tile.tile_vjp``).
 
   ``w`` [bq, bk] the attention weights (for dV), ``ds`` [bq, bk] the cotangent of the
   logits before the soft cap is undone (the caller applies :func:`soft_cap_grad`),
@@ -804,7 +804,7 @@ def select_mask(mask, sel, kb, bk: int):
 #   coef = [sum_k d_tau weight_k (dP_k - Delta) / W] / [sum_k d_tau mass_k]
 #
 # (derivatives through ``score_map`` and the array hyperparameters by jax.vjp of
-# ``_tile.threshold_maps``, e.g. entmax's per-head alpha), plus ``coef`` times the
+# ``tile.threshold_maps``, e.g. entmax's per-head alpha), plus ``coef`` times the
 # target's derivative for the hyperparameters the target depends on.
 
 def threshold_iterations(cfg: Config) -> int:
@@ -814,7 +814,7 @@ def threshold_iterations(cfg: Config) -> int:
 
 
 def threshold_schedule(cfg: Config, early_exit: bool):
-  """``(candidates per sweep, most sweeps, newton)`` (``_tile.search_schedule``)."""
+  """``(candidates per sweep, most sweeps, newton)`` (``tile.search_schedule``)."""
   return tile.search_schedule(cfg.spec.threshold, threshold_iterations(cfg), early_exit)
 
 
@@ -835,13 +835,13 @@ def t_max_tile(cfg: Config, s, mask, m, length, dyn):
 
 
 def t_start(cfg: Config, m, length, dyn):
-  """After pass 0: ``(m, state, target)`` per row (``_tile.search_start``; m finite)."""
+  """After pass 0: ``(m, state, target)`` per row (``tile.search_start``; m finite)."""
   static, arrays = _hp(cfg, dyn)
   return tile.search_start(cfg.spec.threshold, m, length, {**static, **arrays})
 
 
 def t_indicator(cfg: Config) -> bool:
-  """Whether the rule's weight jumps at tau (``_tile.jumps_at_threshold``, probed with the
+  """Whether the rule's weight jumps at tau (``tile.jumps_at_threshold``, probed with the
   static hyperparameters and the defaults of the others): its tau then moves into the gap
   below it after one more sweep (:func:`t_below_tile`, :func:`t_gap_tau`)."""
   hp = {**cfg.spec.defaults, **dict(cfg.static_hp)}
@@ -851,19 +851,19 @@ def t_indicator(cfg: Config) -> bool:
 
 def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):
   """The extra sweep of indicator rules: the running max of the visible z clearly below
-  tau (``_tile.max_below``)."""
+  tau (``tile.max_below``)."""
   static, arrays = _hp(cfg, dyn)
   z = tile.scores(cfg.spec.threshold, s, mask, m, length, {**static, **arrays})
   return tile.max_below(z, mask, tau, below)
 
 
 def t_gap_tau(tau, below):
-  """Midway between tau and the largest score below it (``_tile.gap_threshold``)."""
+  """Midway between tau and the largest score below it (``tile.gap_threshold``)."""
   return tile.gap_threshold(tau, below)
 
 
 def t_candidates(lo, hi, newton, count: int):
-  """The candidate taus of one sweep (``_tile.search_candidates``; ``newton`` None:
+  """The candidate taus of one sweep (``tile.search_candidates``; ``newton`` None:
   multisection)."""
   if newton is None:
     newton = jnp.full_like(lo, -jnp.inf)
@@ -871,7 +871,7 @@ def t_candidates(lo, hi, newton, count: int):
 
 
 def t_sums_tile(cfg: Config, s, mask, m, taus, sums, length, dyn, newton: bool):
-  """One key block of a search sweep (``_tile.search_sums``): returns (z, sums)."""
+  """One key block of a search sweep (``tile.search_sums``): returns (z, sums)."""
   static, arrays = _hp(cfg, dyn)
   hp = {**static, **arrays}
   rule = cfg.spec.threshold
@@ -880,19 +880,19 @@ def t_sums_tile(cfg: Config, s, mask, m, taus, sums, length, dyn, newton: bool):
 
 
 def t_update(cfg: Config, state, taus, sums, target, dyn, newton: bool):
-  """The search state after a sweep (``_tile.search_update``)."""
+  """The search state after a sweep (``tile.search_update``)."""
   static, arrays = _hp(cfg, dyn)
   return tile.search_update(cfg.spec.threshold, state, taus, sums, target,
                             {**static, **arrays}, newton)
 
 
 def t_threshold(state, newton: bool):
-  """The threshold a search ends with (``_tile.search_threshold``)."""
+  """The threshold a search ends with (``tile.search_threshold``)."""
   return tile.search_threshold(state, newton)
 
 
 def t_all_done(state):
-  """1 when every row of the block is done (int32 scalar; ``_tile.search_done``)."""
+  """1 when every row of the block is done (int32 scalar; ``tile.search_done``)."""
   return jnp.min(tile.search_done(state).astype(jnp.int32))
 
 
@@ -912,7 +912,7 @@ def t_flag_update(flags, j, live):
 
 
 def t_weight_m(m):
-  """The stabiliser the weights are evaluated at (``_tile.weight_stabiliser``)."""
+  """The stabiliser the weights are evaluated at (``tile.weight_stabiliser``)."""
   return tile.weight_stabiliser(m)
 
 

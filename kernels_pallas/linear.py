@@ -74,11 +74,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
 
-from jaxsoft.linear import _chunk, _recurrence
+from jaxsoft.linear import chunk as _chunk
+from jaxsoft.linear import recurrence as _recurrence
+from kernels_pallas.backends import check_backend
 
 __all__ = ["chunked", "check_chunk"]
 
-BACKENDS = ("triton", "mosaic_tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -464,8 +465,7 @@ def _next_pow2(x: int) -> int:
 def check_chunk(chunk: int, T: int, backend: str, fn_name: str = "chunked") -> int:
   """The chunk length the kernels use: ``chunk``, or for ``T < chunk`` the shortest legal
   chunk holding ``T``. Raises ValueError for a chunk the backend cannot tile."""
-  if backend not in BACKENDS:
-    raise ValueError(f"{fn_name}: `backend` must be one of {BACKENDS}, got {backend!r}")
+  check_backend(backend, fn_name)
   if backend == "triton":
     if chunk < 16 or chunk & (chunk - 1):
       raise ValueError(f"{fn_name}: `chunk_size` must be a power of two >= 16 for the Triton "
@@ -484,7 +484,7 @@ def _masked_exp(mask, x):
 def _ut_form(kc, vc, bc, fq, G, rel):
   """The delta rule's ``W = (I + A)^{-1} diag(beta f^q) K`` and ``\\tilde U = (I + A)^{-1}
   (beta ⊙ V)`` of every chunk, ``A_ij = beta_i e^{G_i - G_j} k_i · k_j`` (``j < i``, same
-  run), by :func:`jaxsoft.linear._recurrence.unit_lower_inverse`."""
+  run), by :func:`jaxsoft.linear.recurrence.unit_lower_inverse`."""
   C = kc.shape[-2]
   i = jnp.arange(C)
   strict = ((rel[..., :, None] == rel[..., None, :]) & (i[:, None] > i[None, :]))[:, None]

@@ -22,7 +22,7 @@ statistics of the row extremes compare logits for equality).
 
 A recomputed tile may round differently from the statistics pass (another kernel, or XLA
 constant-folding the interpreter), so the rules compare logits with the row's extremes
-within a relative 2^-16 (``_row_blocks.RECOMPUTE_TOLERANCE``), and a row with one visible
+within a relative 2^-16 (``row_blocks.RECOMPUTE_TOLERANCE``), and a row with one visible
 key uses scale 1 (its weights do not depend on the scale, and ``x - mean`` recomputed is
 not exactly 0).
 

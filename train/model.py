@@ -26,7 +26,7 @@ from jaxsoft import attention as js_attention
 from jaxsoft import losses as js_losses
 from jaxsoft import normalizers
 from jaxsoft.nn import param_transform
-from jaxsoft.normalizers._common import safe_divide
+from jaxsoft.normalizers.common import safe_divide
 from train import layers
 from train.config import ATTENTION_VARIANTS, Config, attention_normalizer, layer_kinds
 

@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from etils import epath  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxsoft.normalizers._common import safe_divide  # noqa: E402
+from jaxsoft.normalizers.common import safe_divide  # noqa: E402
 from train import checkpoint, config, data, metrics, model, sharding  # noqa: E402
 from train.config import Config, ConfigError  # noqa: E402
 

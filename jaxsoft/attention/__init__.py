@@ -20,7 +20,6 @@ from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
 from jaxsoft.attention._block_sparse import BLOCK_SPARSE_METHODS, block_sparse_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._lucid import lucid_attention, lucid_preconditioned_values
-from jaxsoft.attention._masks import MaskStructure
 from jaxsoft.attention._merge import alternating_matching, merge_kv
 from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
 from jaxsoft.attention._polar import polar_attention
@@ -39,6 +38,7 @@ from jaxsoft.attention._tier3 import (
 )
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._variants import *
+from jaxsoft.attention.masks import MaskStructure
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
            *_variants.__all__,

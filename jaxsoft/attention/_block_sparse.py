@@ -35,7 +35,6 @@ pass (``jax.checkpoint``).
 from __future__ import annotations
 
 import functools
-import importlib
 import numbers
 from typing import Any
 
@@ -44,7 +43,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import _canonical_call
+import kernels_pallas
+from jaxsoft.attention.call import AttentionCall
 
 __all__ = ["block_sparse_attention", "BLOCK_SPARSE_METHODS"]
 
@@ -546,20 +546,16 @@ def _union_blocks(lay: _Layout, kept_tokens):
 
 
 def _pallas_backend(implementation: str, lay: _Layout, fn: str):
-  """``(kernels_pallas._api, backend, interpret)`` of a Pallas ``implementation``; a
+  """``(backend, interpret)`` of a Pallas ``implementation``; a
   ``block_size`` the backend cannot tile raises ValueError naming it."""
-  try:
-    kernels = importlib.import_module("kernels_pallas._api")
-  except ImportError as e:
-    raise NotImplementedError(f"{fn}: kernels_pallas is not available: {e}") from e
-  backend, interpret = kernels.pick_backend(_PALLAS_BACKENDS[implementation])
+  backend, interpret = kernels_pallas.pick_backend(_PALLAS_BACKENDS[implementation])
   try:  # the engine's own block rules (Mosaic: 128-lane key blocks with key lengths)
-    kernels._block_sizes(dict(block_q=lay.bs, block_k=lay.bs), backend, lay.T, lay.S, lay.H,
+    kernels_pallas.resolve_block_sizes(dict(block_q=lay.bs, block_k=lay.bs), backend, lay.T, lay.S, lay.H,
                          lay.kv_len is not None)
   except ValueError as e:
     raise ValueError(f"{fn}: `block_size`={lay.bs} cannot be the block of implementation "
                      f"{implementation!r} ({backend}): {e}") from None
-  return kernels, backend, interpret
+  return backend, interpret
 
 
 def _pallas_attend(call, lay: _Layout, table, sel, pallas):
@@ -568,8 +564,8 @@ def _pallas_attend(call, lay: _Layout, table, sel, pallas):
   ``sel`` int [B, N, T, kb] each token's blocks (-1 = none), hiding in a tile the rows that
   did not select its key block. Block size = ``lay.bs``; ``pallas`` is
   :func:`_pallas_backend`'s answer."""
-  kernels, backend, interpret = pallas
-  return kernels.attention_from_call(
+  backend, interpret = pallas
+  return kernels_pallas.attention_from_call(
       call, backend=backend, interpret=interpret,
       block_sizes=dict(block_q=lay.bs, block_k=lay.bs), block_table=table, row_blocks=sel)
 
@@ -705,8 +701,8 @@ def block_sparse_attention(
     raise ValueError(f"{fn}: `implementation` {implementation!r} does not run method "
                      "'blasst' (its skips depend on the running max inside the key loop); "
                      "use 'xla_chunked'")
-  call = _canonical_call(query, key, value, None, None, scale, is_causal, None,
-                         key_value_seq_lengths, None, None, None, "softmax", None, None, None)
+  call = AttentionCall.create(query, key, value, scale=scale, is_causal=is_causal,
+                              key_value_seq_lengths=key_value_seq_lengths)
   lay = _Layout(call, bs)
   Tp = lay.nq * bs
   pallas = None if implementation == "xla_chunked" else _pallas_backend(implementation, lay, fn)

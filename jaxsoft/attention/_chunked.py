@@ -18,7 +18,7 @@ blocks), carrying per query row only what the normalizer's kernel class needs:
   merge, softmax's (m, l), ...), ``derive`` turns them into per-row hyperparameters, then
   an ordinary class E or P pass runs with them.
 
-The per-tile math of classes E/S/P is ``jaxsoft.normalizers._tile`` (shared with the
+The per-tile math of classes E/S/P is ``jaxsoft.normalizers.tile`` (shared with the
 Pallas engine and ``jaxsoft.testing``); this module only moves blocks. A custom_vjp
 recomputes each tile in the backward pass (memory O(B·N·T·H); the only T x S-sized
 arrays are the caller's own ``bias``/``mask`` and their gradient): ``_tile.tile_vjp``
@@ -58,10 +58,10 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention._dense import safe_distance
-from jaxsoft.attention._masks import MaskStructure
-from jaxsoft.normalizers import _tile as tile
-from jaxsoft.normalizers._common import compute_dtype
-from jaxsoft.normalizers._spec import NormalizerSpec
+from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.normalizers import tile
+from jaxsoft.normalizers.common import compute_dtype
+from jaxsoft.normalizers.spec import NormalizerSpec
 
 __all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K"]
 

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._masks import MaskStructure
-from jaxsoft.normalizers import _spec
-from jaxsoft.normalizers import _tile as tile
-from jaxsoft.normalizers._common import compute_dtype, visible_count
+from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers import tile
+from jaxsoft.normalizers.common import compute_dtype, visible_count
 
 __all__ = ["dense_logits", "dense_attention", "row_statistic", "safe_distance"]
 

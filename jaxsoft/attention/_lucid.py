@@ -10,7 +10,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from jaxsoft.attention._api import dot_product_attention
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["lucid_attention", "lucid_preconditioned_values"]
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["merge_kv", "alternating_matching"]
 

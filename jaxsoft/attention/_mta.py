@@ -8,8 +8,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import _canonical_call
 from jaxsoft.attention._dense import dense_logits
+from jaxsoft.attention.call import AttentionCall
 
 __all__ = ["multi_token_attention", "mta_identity_kernel"]
 
@@ -94,8 +94,7 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   fn = "multi_token_attention"
   if jnp.ndim(query) != 4:
     raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
-  call = _canonical_call(query, key, value, None, None, scale, is_causal, None, None, None, None,
-                         None, "softmax", None, None, None)
+  call = AttentionCall.create(query, key, value, scale=scale, is_causal=is_causal)
   B, T, N, _ = call.q.shape
   S = call.k.shape[1]
   kernel = jnp.asarray(kernel)

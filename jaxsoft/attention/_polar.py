@@ -16,9 +16,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import _canonical_call, _concrete
+from jaxsoft._validation import concrete as _concrete
 from jaxsoft.attention._dense import dense_logits, safe_distance
 from jaxsoft.attention._variants import per_head
+from jaxsoft.attention.call import AttentionCall
 
 __all__ = ["polar_attention"]
 
@@ -33,12 +34,7 @@ def _weights(fn: str, query, key, value, bias, mask, kwargs: dict[str, Any]):
   for name in kwargs:
     if name not in _ALLOWED:
       raise ValueError(f"{fn}: unexpected argument `{name}`")
-  g = kwargs.get
-  call = _canonical_call(
-      query, key, value, bias, mask, g("scale"), g("is_causal", False), g("query_seq_lengths"),
-      g("key_value_seq_lengths"), g("local_window_size"), g("segment_ids"),
-      g("logits_soft_cap"), g("normalizer", "softmax"), g("normalizer_params"),
-      g("decay_bias"), None, False, g("score", "dot"))
+  call = AttentionCall.create(query, key, value, bias=bias, mask=mask, **kwargs)
   logits = dense_logits(call.q, call.k, scale=call.scale, decay_bias=call.decay_bias,
                         logits_soft_cap=call.logits_soft_cap, bias=call.bias, score=call.score)
   visible = jnp.broadcast_to(call.structure.dense(), logits.shape)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
            "nonlocal_block"]

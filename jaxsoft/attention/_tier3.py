@@ -23,11 +23,13 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import _canonical_call, _concrete, dot_product_attention
+from jaxsoft._validation import concrete as _concrete
+from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._variants import per_head
-from jaxsoft.normalizers import _spec
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.attention.call import AttentionCall
+from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["multiscreen_attention", "uniattn_shared_map", "uniattn", "infsa_attention"]
 
@@ -52,13 +54,8 @@ def _attention_map(fn: str, query, key, bias, mask, kwargs: dict[str, Any]) -> j
   for name in kwargs:
     if name not in allowed:
       raise ValueError(f"{fn}: unexpected argument `{name}`")
-  g = kwargs.get
   dummy_v = jnp.zeros(k.shape[:3] + (1,), jnp.float32)
-  call = _canonical_call(
-      q, k, dummy_v, bias, mask, g("scale"), g("is_causal", False), g("query_seq_lengths"),
-      g("key_value_seq_lengths"), g("local_window_size"), g("segment_ids"),
-      g("logits_soft_cap"), g("normalizer", "softmax"), g("normalizer_params"),
-      g("decay_bias"), None)
+  call = AttentionCall.create(q, k, dummy_v, bias=bias, mask=mask, **kwargs)
   logits = dense_logits(call.q, call.k, scale=call.scale, decay_bias=call.decay_bias,
                         logits_soft_cap=call.logits_soft_cap, bias=call.bias)
   visible = jnp.broadcast_to(call.structure.dense(), logits.shape)

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import _canonical_call
 from jaxsoft.attention._dense import dense_logits
-from jaxsoft.attention._masks import MaskStructure, positions_visible
+from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention.masks import MaskStructure, positions_visible
 
 __all__ = ["topk_attention", "SELECTIONS"]
 
@@ -272,9 +272,10 @@ def topk_attention(
     raise ValueError(f"{fn}: `block_k` must be an int >= 1, got {block_k!r}")
   if jnp.ndim(query) != 4:
     raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
-  call = _canonical_call(query, key, value, bias, mask, scale, is_causal, query_seq_lengths,
-                         key_value_seq_lengths, local_window_size, segment_ids, None, "softmax",
-                         None, None, None)
+  call = AttentionCall.create(
+      query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
+      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+      local_window_size=local_window_size, segment_ids=segment_ids)
   B, T, N, _ = call.q.shape
   S = call.k.shape[1]
   if isinstance(top_k, bool) or not isinstance(top_k, numbers.Integral) or not 1 <= top_k <= S:

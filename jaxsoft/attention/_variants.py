@@ -30,8 +30,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.attention._api import dot_product_attention
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import spec
 
 __all__ = [
     "hopfield_retrieval",
@@ -130,9 +130,9 @@ def _merge_params(normalizer_params: Mapping[str, Any] | None, extra: dict[str, 
 
 def _row_normalize(normalizer, z, where, normalizer_params, fn_name: str):
   """Applies a normalizer given as a registered name, a NormalizerSpec or a callable."""
-  fn = _spec.resolve(normalizer)
+  fn = spec.resolve(normalizer)
   params = dict(normalizer_params or {})
-  if isinstance(fn, _spec.NormalizerSpec):
+  if isinstance(fn, spec.NormalizerSpec):
     if fn.needs_key:
       raise ValueError(
           f"{fn_name}: `normalizer` {fn.name!r} needs a PRNG key; pass a callable that closes "
@@ -143,7 +143,7 @@ def _row_normalize(normalizer, z, where, normalizer_params, fn_name: str):
 
 def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
                        num_iters: int = 1,
-                       normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax_1",
+                       normalizer: str | spec.NormalizerSpec | Callable[..., Any] = "softmax_1",
                        normalizer_params: Mapping[str, Any] | None = None,
                        where: ArrayLike | None = None) -> jax.Array:
   r"""Modern-Hopfield retrieval, iterated (feature A03; OutEffHop, J. Hu et al. 2024).

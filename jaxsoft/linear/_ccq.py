@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _recurrence
+from jaxsoft.linear import _checks, _dispatch
+from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["ccq", "ccq_step", "curvature_query"]
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _recurrence
+from jaxsoft.linear import _checks, _dispatch, recurrence
 
 __all__ = ["delta_rule", "delta_rule_step", "gated_delta_rule", "gated_delta_rule_step",
            "l2_normalize"]
@@ -151,7 +151,7 @@ def _delta_step(fn_name: str, gated: bool, q, k, v, g, beta, state, scale, qk_l2
   beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
   if qk_l2norm:
     q, k = l2_normalize(q), l2_normalize(k)
-  o, S = _recurrence.step(S, q * scale, k, v, g, beta)
+  o, S = recurrence.step(S, q * scale, k, v, g, beta)
   return o.astype(dtype), S
 
 

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.linear import _checks, _chunk, _recurrence
+from jaxsoft.linear import _checks, recurrence
+from jaxsoft.linear import chunk as _chunk
+from kernels_pallas import backends
+from kernels_pallas import linear as pallas_linear
 
 __all__ = ["Call", "prepare", "prepare_step", "forward", "finish"]
 
@@ -58,30 +60,23 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   if call.implementation == "pallas":
     o, S_T = _pallas(call, args)
   elif call.implementation == "recurrent":
-    o, S_T = _recurrence.recurrent(*args)
+    o, S_T = recurrence.recurrent(*args)
   elif call.implementation == "chunked":
-    o, S_T = _recurrence.chunked(*args, chunk=min(call.chunk_size, T))
+    o, S_T = recurrence.chunked(*args, chunk=min(call.chunk_size, T))
   else:  # parallel: one chunk holding the whole sequence
-    o, S_T = _recurrence.chunked(*args, chunk=T, recompute=False)
+    o, S_T = recurrence.chunked(*args, chunk=T, recompute=False)
   return jnp.moveaxis(o, 2, 1), S_T
 
 
 def _pallas(call: Call, args) -> tuple[jax.Array, jax.Array]:
-  """The Pallas chunk kernels (``kernels_pallas.linear``; imported here, so that users
-  without Pallas never import it) on the driver of the default platform: Triton on GPUs,
+  """The Pallas chunk kernels (``kernels_pallas.linear``) on the driver of the default platform: Triton on GPUs,
   Mosaic on TPUs, the Triton driver in interpret mode where ``JAXSOFT_PALLAS_INTERPRET=1``;
   elsewhere NotImplementedError."""
   try:
-    api = importlib.import_module("kernels_pallas._api")
-    kernels = importlib.import_module("kernels_pallas.linear")
-  except ImportError as e:  # pragma: no cover - kernels_pallas ships with jaxsoft
-    raise NotImplementedError(f"implementation='pallas': kernels_pallas is not available: {e}"
-                              ) from e
-  try:
-    backend, interpret = api.pick_backend(None)
+    backend, interpret = backends.pick_backend(None)
   except NotImplementedError as e:
     raise NotImplementedError(f"implementation='pallas': {e}") from None
-  return kernels.chunked(*args, chunk=call.chunk_size, backend=backend, interpret=interpret,
+  return pallas_linear.chunked(*args, chunk=call.chunk_size, backend=backend, interpret=interpret,
                          segments=call.segment_ids is not None)
 
 

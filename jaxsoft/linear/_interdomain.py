@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _linear_attention, _recurrence
+from jaxsoft.linear import _checks, _dispatch, _linear_attention
+from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["interdomain_attention", "interdomain_attention_step"]
 

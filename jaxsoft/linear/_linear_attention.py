@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _features, _recurrence
+from jaxsoft.linear import _checks, _dispatch, _features
+from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["linear_attention", "linear_attention_step", "FEATURE_MAPS", "mapped_attention",
            "mapped_step"]

@@ -26,7 +26,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _linear_attention, _recurrence
+from jaxsoft.linear import _checks, _dispatch, _linear_attention
+from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["mala", "mala_step"]
 

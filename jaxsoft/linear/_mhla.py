@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _chunk, _linear_attention
+from jaxsoft.linear import _checks, _linear_attention, chunk
 
 __all__ = ["mhla", "mhla_step"]
 
@@ -54,9 +54,9 @@ def _parallel(fq, fk, v, C, block, causal, eps):
 def _chunked(fq, fk, v, C, block, causal, eps):
   B, T, N, _ = fq.shape
   pad = (-T) % block
-  fq, fk, v = (_chunk.pad_time(x, 1, pad) for x in (fq, fk, v))       # padded keys are 0
+  fq, fk, v = (chunk.pad_time(x, 1, pad) for x in (fq, fk, v))       # padded keys are 0
   vv = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)        # the ones: denominators
-  qc, kc, vc = (_chunk.to_chunks(x, 1, block) for x in (fq, fk, vv))   # [B, M, b, N, ...]
+  qc, kc, vc = (chunk.to_chunks(x, 1, block) for x in (fq, fk, vv))   # [B, M, b, N, ...]
   S = jnp.einsum("bmcnk,bmcnv->bmnkv", kc, vc)                         # block summaries
   if causal:
     M = C.shape[-1]
@@ -69,7 +69,7 @@ def _chunked(fq, fk, v, C, block, causal, eps):
            + jnp.einsum("bmnij,bmjnv->bminv", intra, vc))
   else:
     out = jnp.einsum("bmcnk,nmi,binkv->bmcnv", qc, C, S)
-  out = _chunk.from_chunks(out, 1)[:, :T]
+  out = chunk.from_chunks(out, 1)[:, :T]
   return _linear_attention._safe_divide(out[..., :-1], out[..., -1:], eps)
 
 

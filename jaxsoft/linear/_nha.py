@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _chunk
+from jaxsoft.linear import _checks, chunk
 
 __all__ = ["native_hybrid_attention", "native_hybrid_attention_step"]
 
@@ -91,12 +91,12 @@ def _chunked(q, k, v, a, run, K0, V0, w, C):
   Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
   slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
   pad = (-T) % C
-  qp, kp, vp = (_chunk.pad_time(x, 1, pad) for x in (q, k, v))
-  rp = _chunk.pad_time(run, 1, pad, mode="edge")
+  qp, kp, vp = (chunk.pad_time(x, 1, pad) for x in (q, k, v))
+  rp = chunk.pad_time(run, 1, pad, mode="edge")
   n = (T + pad) // C
-  qc = _chunk.to_chunks(qp, 1, C)                                      # [B, n, C, N, K]
+  qc = chunk.to_chunks(qp, 1, C)                                      # [B, n, C, N, K]
   prev = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
-  kc, vc, rc = (_chunk.to_chunks(x, 1, C) for x in (kp, vp, rp))
+  kc, vc, rc = (chunk.to_chunks(x, 1, C) for x in (kp, vp, rp))
   k2 = jnp.concatenate([prev(kc), kc], axis=2)                         # [B, n, 2C, N, K]
   v2 = jnp.concatenate([prev(vc), vc], axis=2)
   # the previous block's run ids; block 0 has none (-1 never matches a run id)
@@ -109,10 +109,10 @@ def _chunked(q, k, v, a, run, K0, V0, w, C):
   mask = band[None] & (rc[:, :, :, None] == r2[:, :, None, :])         # [B, n, C, 2C]
   win_logits = jnp.where(mask[:, :, :, None],
                          jnp.einsum("bicnk,bijnk->bicnj", qc, k2), -jnp.inf)
-  win_logits = _chunk.from_chunks(win_logits, 1)[:, :T]               # [B, T, N, 2C]
+  win_logits = chunk.from_chunks(win_logits, 1)[:, :T]               # [B, T, N, 2C]
   ps, pw, den = _joint_softmax(slot_logits, win_logits)
-  pw_c = _chunk.to_chunks(_chunk.pad_time(pw, 1, pad), 1, C)
-  o_win = _chunk.from_chunks(jnp.einsum("bicnj,bijnv->bicnv", pw_c, v2), 1)[:, :T]
+  pw_c = chunk.to_chunks(chunk.pad_time(pw, 1, pad), 1, C)
+  o_win = chunk.from_chunks(jnp.einsum("bicnj,bijnv->bicnv", pw_c, v2), 1)[:, :T]
   o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + o_win
   return o / den, (Ks[:, -1], Vs[:, -1])
 
@@ -221,7 +221,7 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   f32 = lambda x: x.astype(jnp.float32)
   qs, kf, vf = f32(q) * scale, f32(k), f32(v)
-  run = _chunk.run_ids(seg, B, T)
+  run = chunk.run_ids(seg, B, T)
   if impl == "recurrent":
     o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window)
   elif impl == "chunked":

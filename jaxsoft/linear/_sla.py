@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _recurrence
+from jaxsoft.linear import _checks, _dispatch, recurrence
 
 __all__ = ["softmax_linear_attention", "softmax_linear_attention_step", "head_gates"]
 
@@ -155,5 +155,5 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
       vf = vf * gk[..., None]
     else:
       beta = beta * gk
-  o, S = _recurrence.step(S, qf * scale, kf, vf, g, beta)
+  o, S = recurrence.step(S, qf * scale, kf, vf, g, beta)
   return (o * gq[..., None]).astype(dtype), S

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _chunk
+from jaxsoft.linear import _checks, chunk
 
 __all__ = ["ttt_linear", "ttt_linear_step"]
 
@@ -71,8 +71,8 @@ def _chunked(q, k, v, eta, S0, b):
   """The dual form: a scan over mini-batches for their start weights, outputs batched."""
   T = q.shape[1]
   pad = (-T) % b
-  q, k, v, eta = (_chunk.pad_time(x, 1, pad) for x in (q, k, v, eta))   # padded: eta = 0
-  qc, kc, vc, ec = (jnp.moveaxis(_chunk.to_chunks(x, 1, b), 1, 0) for x in (q, k, v, eta))
+  q, k, v, eta = (chunk.pad_time(x, 1, pad) for x in (q, k, v, eta))   # padded: eta = 0
+  qc, kc, vc, ec = (jnp.moveaxis(chunk.to_chunks(x, 1, b), 1, 0) for x in (q, k, v, eta))
   tril = jnp.tril(jnp.ones((b, b), bool))
 
   def body(Ws, x):
@@ -85,7 +85,7 @@ def _chunked(q, k, v, eta, S0, b):
   scores = jnp.where(tril[:, :, None], jnp.einsum("mbink,mbjnk->mbijn", qc, kc), 0.0)
   o = (jnp.einsum("mbcnk,mbnkv->mbcnv", qc, starts)
        - jnp.einsum("mbijn,mbjnv->mbinv", scores * ec[:, :, None], err))
-  o = _chunk.from_chunks(jnp.moveaxis(o, 0, 1), 1)
+  o = chunk.from_chunks(jnp.moveaxis(o, 0, 1), 1)
   return o[:, :T], W_T
 
 

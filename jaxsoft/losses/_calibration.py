@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._margin import check_margin, check_positive
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 from jaxsoft.normalizers._calibration import dirichlet_logits
 
 __all__ = [

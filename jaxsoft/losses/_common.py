@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 
 def check_logits(logits, fn_name: str):

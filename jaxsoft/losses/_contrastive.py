@@ -18,7 +18,7 @@ from jax.typing import ArrayLike
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
 from jaxsoft.losses._margin import angular_margin_target, check_margin, check_positive
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = [
     "decoupled_softmax_loss",

@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
 from jaxsoft.losses import _common as lc
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = ["fenchel_young_loss"]
 

@@ -21,7 +21,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = [
     "augment_reduce_loss",

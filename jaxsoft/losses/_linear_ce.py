@@ -4,7 +4,6 @@ without ever materialising the ``[tokens, vocab]`` logits."""
 from __future__ import annotations
 
 import functools
-import importlib
 import math
 from typing import Any, NamedTuple
 
@@ -14,7 +13,8 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
+from kernels_pallas import backends, cross_entropy
 
 __all__ = ["linear_cross_entropy"]
 
@@ -160,19 +160,13 @@ TOKEN_CHUNK, VOCAB_CHUNK = 256, 1024
 
 def _pallas(implementation, h, w, y, keep, eps, lam, cap, dtype, token_chunk_size,
             vocab_chunk_size):
-  """The Pallas kernels (kernels_pallas.cross_entropy, imported here: users without Pallas
-  never import it) on the flattened tokens; +inf for a kept label outside [0, V)."""
-  try:
-    kernels_api = importlib.import_module("kernels_pallas._api")
-    kernels = importlib.import_module("kernels_pallas.cross_entropy")
-  except ImportError as e:
-    raise NotImplementedError(f"kernels_pallas is not available: {e}") from e
+  """The Pallas kernels (kernels_pallas.cross_entropy) on the flattened tokens; +inf for a kept label outside [0, V)."""
   backend = {"pallas": None, "pallas_triton": "triton",
              "pallas_mosaic_tpu": "mosaic_tpu"}[implementation]
-  backend, interpret = kernels_api.pick_backend(backend)
+  backend, interpret = backends.pick_backend(backend)
   y = y.astype(jnp.int32)
   in_range = (y >= 0) & (y < w.shape[1])
-  loss = kernels.linear_cross_entropy_tokens(
+  loss = cross_entropy.linear_cross_entropy_tokens(
       h, w, jnp.where(in_range, y, 0), keep & in_range, label_smoothing=eps, z_loss=lam,
       softcap=cap, compute_dtype=dtype, backend=backend, interpret=interpret,
       token_chunk_size=token_chunk_size, vocab_chunk_size=vocab_chunk_size)

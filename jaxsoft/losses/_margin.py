@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = ["adacos_scale", "arcface_loss", "cosface_loss", "normalized_softmax_loss"]
 

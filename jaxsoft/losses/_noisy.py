@@ -8,7 +8,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = ["noisy_softmax_loss"]
 

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = ["orthogonal_gradient"]
 

@@ -28,7 +28,7 @@ from jaxsoft.losses._large_output import (
     example_keep,
     finish_labels,
 )
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = [
     "discretized_logistic_mixture_loss",

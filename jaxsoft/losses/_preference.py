@@ -15,7 +15,7 @@ from jax.typing import ArrayLike
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy
 from jaxsoft.losses._margin import check_positive
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = ["adpo_loss", "sdpo_loss"]
 

@@ -15,7 +15,7 @@ from jaxsoft import pooling
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
 from jaxsoft.losses._margin import check_margin, check_positive
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = [
     "attention_entropy_penalty",

@@ -12,7 +12,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._margin import _l2_normalize, check_margin, check_positive, cosine_logits
-from jaxsoft.normalizers import _common as nc
+from jaxsoft.normalizers import common as nc
 
 __all__ = [
     "nbc_softmax_loss",

@@ -21,7 +21,7 @@ from flax.nnx.nn import dtypes
 from jax.typing import ArrayLike
 
 from jaxsoft.attention._api import dot_product_attention
-from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["attention_fn", "attention_weights"]
 

@@ -37,7 +37,6 @@ position ``p``; a ring buffer appends the slot the new token evicted, position
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,9 +46,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import kernels_pallas
 from jaxsoft.attention._api import _implementation_order, dot_product_attention
-from jaxsoft.attention._masks import normalize_window
-from jaxsoft.normalizers import _spec
+from jaxsoft.attention.masks import normalize_window
+from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["DecodeStep", "init_cache", "check_decode_call", "update_cache", "has_cache",
            "pallas_decode", "KERNEL_NORMALIZERS"]
@@ -395,10 +395,8 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
   if hp is None:
     return None
   try:
-    kernels = importlib.import_module("kernels_pallas.decode")
-    kapi = importlib.import_module("kernels_pallas._api")
-    driver, interpret = kapi.pick_backend(backend)
-  except (ImportError, NotImplementedError):
+    driver, interpret = kernels_pallas.pick_backend(backend)
+  except NotImplementedError:
     return None
   view = _prefix_view(module, step, window)
   if view is None:
@@ -407,7 +405,7 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
   lengths = jnp.broadcast_to(count.astype(jnp.int32), (b,))
 
   def kernel(q_, k_, v_, lengths_, hp_):
-    return kernels.decode_attention(
+    return kernels_pallas.decode_attention(
         q_, k_, v_, lengths_, normalizer=spec.name, normalizer_params=hp_ or None,
         scale=scale, logits_soft_cap=cap, backend=driver, interpret=interpret)
 

@@ -45,8 +45,8 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft import normalizers as nz
-from jaxsoft.attention import _masks
 from jaxsoft.attention import _variants as variants
+from jaxsoft.attention import masks as _masks
 from jaxsoft.normalizers import _calibration
 
 __all__ = ["MultiMax", "QASSMax", "SSA", "ASEntmax", "PolarSink", "TempNet", "MoEGate",

@@ -34,7 +34,7 @@ from jax.typing import ArrayLike
 from jaxsoft.attention import _variants as variants
 from jaxsoft.nn import _kv_cache, _learned
 from jaxsoft.nn._attention_fn import _flatten_logit_array, attend
-from jaxsoft.normalizers import _spec
+from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["MultiHeadAttention", "param_transform"]
 

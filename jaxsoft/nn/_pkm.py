@@ -9,7 +9,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["ProductKeyMemory", "product_key_topk"]
 

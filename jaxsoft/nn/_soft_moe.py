@@ -12,7 +12,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers._common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["SoftMoE", "soft_moe_weights", "soft_moe"]
 

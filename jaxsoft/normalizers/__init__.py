@@ -33,7 +33,14 @@ from jaxsoft.normalizers._softmax import *
 from jaxsoft.normalizers._softpick import *
 from jaxsoft.normalizers._softplus import *
 from jaxsoft.normalizers._sparsemax import *
-from jaxsoft.normalizers._spec import (
+from jaxsoft.normalizers._spherical import *
+from jaxsoft.normalizers._ssa import *
+from jaxsoft.normalizers._ssmax import *
+from jaxsoft.normalizers._stablemax import *
+from jaxsoft.normalizers._taylor import *
+from jaxsoft.normalizers._topk import *
+from jaxsoft.normalizers._tropical import *
+from jaxsoft.normalizers.spec import (
     REGISTRY,
     NormalizerSpec,
     Param,
@@ -44,10 +51,3 @@ from jaxsoft.normalizers._spec import (
     register,
     resolve,
 )
-from jaxsoft.normalizers._spherical import *
-from jaxsoft.normalizers._ssa import *
-from jaxsoft.normalizers._ssmax import *
-from jaxsoft.normalizers._stablemax import *
-from jaxsoft.normalizers._taylor import *
-from jaxsoft.normalizers._topk import *
-from jaxsoft.normalizers._tropical import *

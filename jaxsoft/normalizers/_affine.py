@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _row_blocks as blocks
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, identity_score_map, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import row_blocks as blocks
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["affine_softmax"]
 

@@ -6,9 +6,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _entmax, _sparsemax
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, ThresholdRule, register
 
 __all__ = ["asentmax", "asentmax_scale"]
 

@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers._softmax import softmax
 
 __all__ = ["temperature_scale", "power_soften", "dirichlet_calibration", "odir_penalty"]

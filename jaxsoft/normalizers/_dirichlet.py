@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, register
 
 __all__ = ["dirichlet_resample"]
 

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _sparsemax
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, ThresholdRule, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, ThresholdRule, register
 
 __all__ = ["entmax15", "entmax", "learned_alpha"]
 

@@ -10,8 +10,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import Param
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import Param
 
 __all__ = ["log_softmax", "logsumexp", "smooth_max", "smooth_min"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 
 __all__ = ["exp_normalize"]
 
@@ -14,7 +14,7 @@ __all__ = ["exp_normalize"]
 def exp_normalize(z, mask, axis: int, null=None):
   """``e^{z_i} / (sum_{j in V} e^{z_j} [+ e^{null}])`` over the visible entries V.
 
-  ``z`` is finite at masked entries (as :func:`_common.prepare` leaves them). The
+  ``z`` is finite at masked entries (as :func:`common.prepare` leaves them). The
   stabiliser is the row max of ``z`` over V, floored at the null logit when there is one
   (so ``e^{null - m} <= 1`` cannot overflow, as the tile rule's ``m_floor``); it cancels,
   so it carries no gradient. A row with nothing visible gets zeros.

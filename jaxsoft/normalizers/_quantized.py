@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers._softmax import softmax
 
 __all__ = [

@@ -6,7 +6,7 @@ visible entries only, then the weights from them; the gradient flows through the
 statistics.
 
 ``+inf`` logits take the limit as they grow together. For N08 that is the shared rule of
-``_common.dense_rules`` (each of the k visible ``+inf`` entries gets 1/k). N09 and N26
+``common.dense_rules`` (each of the k visible ``+inf`` entries gets 1/k). N09 and N26
 standardise, which bounds the scores: as k entries of n grow together their z-scores tend
 to sqrt((n-k)/k) and the others' to -sqrt(k/(n-k)) (0 for all when k = n), and the weights
 are those of the limiting z-scores (softmax of z / tau; z itself).
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _row_blocks as blocks
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import row_blocks as blocks
 from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 

@@ -6,10 +6,10 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers._spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["sdm"]
 

@@ -6,8 +6,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, TileRule, identity_score_map, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import NormalizerSpec, TileRule, identity_score_map, register
 
 __all__ = ["softpick"]
 

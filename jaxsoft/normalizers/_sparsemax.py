@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import NormalizerSpec, ThresholdRule, identity_score_map, register
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import NormalizerSpec, ThresholdRule, identity_score_map, register
 
 __all__ = ["sparsemax"]
 
@@ -32,7 +32,7 @@ def relu_sum(ym, t):
   select out (from cache) and sums it in a separate reduction, about 2x faster than the
   single fused reduction it makes of ``maximum(y - t, 0)`` (measured on a [32, 1024]
   block). A NaN ``y_j`` (or ``t``) makes the sum NaN: that is how the solves find the rows
-  with a visible NaN, whose row max XLA:CPU can miss (see ``_common.nan_max``)."""
+  with a visible NaN, whose row max XLA:CPU can miss (see ``common.nan_max``)."""
   return jnp.sum(jnp.where(ym <= t, 0.0, ym - t), axis=-1, keepdims=True)
 
 
@@ -52,7 +52,7 @@ def solve_shift(x, where, top, axis: int):
   """The per-row shift for :func:`threshold_by_blocks`: ``top``, or ``+inf`` on the rows
   that the input rules take over (a visible NaN or ``+inf``; ``prepare`` masks them).
 
-  The visible row max is recomputed here as ``_common.prepare`` computes it outside the
+  The visible row max is recomputed here as ``common.prepare`` computes it outside the
   input rules, which XLA merges with prepare's own reduction (no extra pass): so the solve
   needs no mask array, only ``x``, ``where`` and this per-row value. (Under the input
   rules :func:`fused_along_axis` takes prepare's NaN-propagating row max instead.)
@@ -217,7 +217,7 @@ def fused_along_axis(fn_last, x, axis: int, where, fn_name: str):
 
   The solve also finds the rows with a visible NaN (its tau is NaN there: its sums
   propagate the NaN), so ``prepare`` skips its own NaN check (``nan_check=False``, a pass
-  over the rows) and those rows are marked NaN for :func:`_common.dense_rules` here.
+  over the rows) and those rows are marked NaN for :func:`common.dense_rules` here.
   """
   x = jnp.asarray(x)
   found = c._RULES.get()

@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers import _row_blocks as blocks
-from jaxsoft.normalizers._spec import (
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import row_blocks as blocks
+from jaxsoft.normalizers.spec import (
   NormalizerSpec,
   Param,
   ThresholdRule,

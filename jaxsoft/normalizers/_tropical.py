@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 
 __all__ = ["tropical_max_plus", "tropical_hilbert_scores"]
 

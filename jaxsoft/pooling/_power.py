@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from jaxsoft.pooling import _util as u
 
 __all__ = ["gem", "ggem", "power_mean_pool"]

@@ -10,7 +10,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from jaxsoft.pooling import _power
 from jaxsoft.pooling import _util as u
 

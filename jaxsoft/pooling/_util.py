@@ -1,6 +1,6 @@
 """Helpers shared by the pooling functions (private).
 
-The pooling functions follow the normalizers' numerics policy (jaxsoft.normalizers._common):
+The pooling functions follow the normalizers' numerics policy (jaxsoft.normalizers.common):
 masked entries are left out exactly, a pool with no visible entry gives 0 with a zero
 gradient, low-precision inputs are computed in float32 and returned in their dtype.
 """
@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 
 
 def check_range(value, name: str, fn_name: str, *, low: float | None = None,
@@ -69,7 +69,7 @@ def weighted_log_mean_exp(z, w, mask, axis: int):
   the max of ``z`` over the entries with ``w > 0``: no overflow, and no cancellation when
   the ``z_i`` are close together (a log-mean-exp at a large temperature is then as
   accurate as the mean it tends to). ``z`` must be finite everywhere (masked entries
-  hold a visible value, as :func:`jaxsoft.normalizers._common.prepare` gives); ``w`` is 0
+  hold a visible value, as :func:`jaxsoft.normalizers.common.prepare` gives); ``w`` is 0
   at masked entries. A pool with no weight gives 0.
   """
   live = jnp.logical_and(mask, w > 0)

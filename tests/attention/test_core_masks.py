@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.attention import _masks
-from jaxsoft.attention._masks import MaskStructure
+from jaxsoft.attention import masks as _masks
+from jaxsoft.attention.masks import MaskStructure
 
 
 def _structures():

@@ -78,26 +78,23 @@ def test_choice_follows_timer_and_rejects_wrong():
   q, k, v = _qkv(t=16)
   calls = []
   # default (16x16 for t=16) first, then 32x16, then 16x32 (WRONG is never timed).
-  best = kp.autotune_block_sizes(q, k, v, backend="triton", interpret=True,
-                                 candidates=CANDS, attention_fn=_fake_attention,
-                                 timer=_fake_timer([3.0, 1.0, 2.0], calls))
+  best = kp.autotune_block_sizes(_fake_attention, q, k, v, backend="triton", interpret=True,
+                                 candidates=CANDS, timer=_fake_timer([3.0, 1.0, 2.0], calls))
   assert best == BlockSizes(32, 16).resolved()
   res = A.LAST_RESULT
   assert WRONG in res.rejected and WRONG not in res.times
   assert len(calls) == 3
   # The timer's other order picks the other shape (a fresh cache).
   kp.clear_autotune_cache()
-  best = kp.autotune_block_sizes(q, k, v, backend="triton", interpret=True,
-                                 candidates=CANDS, attention_fn=_fake_attention,
-                                 timer=_fake_timer([3.0, 2.0, 0.5], []))
+  best = kp.autotune_block_sizes(_fake_attention, q, k, v, backend="triton", interpret=True,
+                                 candidates=CANDS, timer=_fake_timer([3.0, 2.0, 0.5], []))
   assert best == BlockSizes(16, 32).resolved()
 
 
 def test_wrong_fastest_is_never_chosen():
   q, k, v = _qkv(t=16)
-  best = kp.autotune_block_sizes(q, k, v, backend="triton", interpret=True,
-                                 candidates=[WRONG], attention_fn=_fake_attention,
-                                 timer=_fake_timer([5.0], []))
+  best = kp.autotune_block_sizes(_fake_attention, q, k, v, backend="triton", interpret=True,
+                                 candidates=[WRONG], timer=_fake_timer([5.0], []))
   assert best == kp.default_block_sizes("triton", 16, 16, 16).resolved()
   assert WRONG in A.LAST_RESULT.rejected
 
@@ -106,17 +103,17 @@ def test_cache_avoids_retiming():
   q, k, v = _qkv(t=16)
   calls = []
   kw = dict(backend="triton", interpret=True, candidates=CANDS,
-            attention_fn=_fake_attention, timer=_fake_timer([3.0, 1.0, 2.0], calls))
-  first = kp.autotune_block_sizes(q, k, v, **kw)
+            timer=_fake_timer([3.0, 1.0, 2.0], calls))
+  first = kp.autotune_block_sizes(_fake_attention, q, k, v, **kw)
   assert len(calls) == 3
-  again = kp.autotune_block_sizes(q, k, v, **kw)  # the timer's list is empty now
+  again = kp.autotune_block_sizes(_fake_attention, q, k, v, **kw)  # the timer's list is empty now
   assert again == first and len(calls) == 3 and A.LAST_RESULT.cached
   # T in the same power-of-two bucket (16 -> 13 rounds to 16): still cached.
   q2, k2, v2 = _qkv(t=13)
-  assert kp.autotune_block_sizes(q2, k2, v2, **kw) == first and len(calls) == 3
+  assert kp.autotune_block_sizes(_fake_attention, q2, k2, v2, **kw) == first and len(calls) == 3
   # A different static flag is a different key.
   with pytest.raises(IndexError):  # it re-times, and the fake timer is exhausted
-    kp.autotune_block_sizes(q, k, v, is_causal=True, **kw)
+    kp.autotune_block_sizes(_fake_attention, q, k, v, is_causal=True, **kw)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
@@ -129,7 +126,7 @@ def test_real_kernel_matches_default(backend):
   else:
     cands = [BlockSizes(16, 32, 16, 32, 16, 32)]
   kw = dict(backend=backend, interpret=True, is_causal=True)
-  best = kp.autotune_block_sizes(q, k, v, candidates=cands, timer=lambda f: 0.0,
+  best = kp.autotune_block_sizes(kp.attention, q, k, v, candidates=cands, timer=lambda f: 0.0,
                                  **kw)
   assert not A.LAST_RESULT.rejected, A.LAST_RESULT.rejected
 
@@ -213,9 +210,8 @@ def test_under_jit_uses_stand_ins():
 
   @jax.jit
   def f(q, k, v):
-    bl = kp.autotune_block_sizes(q, k, v, backend="triton", interpret=True,
-                                 candidates=CANDS, attention_fn=_fake_attention,
-                                 timer=_fake_timer([3.0, 1.0, 2.0], calls))
+    bl = kp.autotune_block_sizes(_fake_attention, q, k, v, backend="triton", interpret=True,
+                                 candidates=CANDS, timer=_fake_timer([3.0, 1.0, 2.0], calls))
     return _fake_attention(q, k, v, block_sizes=bl), bl.block_q
 
   out, bq = f(q, k, v)

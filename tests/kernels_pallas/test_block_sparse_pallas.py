@@ -21,8 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.attention import _api as attention_api
 from jaxsoft.attention._block_sparse import block_sparse_attention
+from jaxsoft.attention.call import AttentionCall
 from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import value_and_cotangents
 from tests.kernels_pallas.test_lowering import export_fwd_bwd
@@ -161,8 +161,7 @@ def test_unlisted_blocks_are_never_read(backend, rows):
   k_nan, v_nan = k.at[poison].set(jnp.nan), v.at[poison].set(jnp.nan)
 
   def kernel(q, k, v):
-    call = attention_api._canonical_call(q, k, v, None, None, None, True, None, None, None,
-                                         None, None, "softmax", None, None, None)
+    call = AttentionCall.create(q, k, v, is_causal=True)
     return _api.attention_from_call(
         call, backend=backend, interpret=True, block_sizes=dict(block_q=BS, block_k=BS),
         block_table=jnp.asarray(table), row_blocks=None if sel is None else jnp.asarray(sel))
@@ -237,8 +236,7 @@ def test_block_table_arguments_are_checked():
     blocks = dict(block_q=BS, block_k=BS) if blocks is None else blocks
 
     def f(q, k, v):
-      call = attention_api._canonical_call(q, k, v, bias, None, None, True, None, None, None,
-                                           None, None, normalizer, None, None, None)
+      call = AttentionCall.create(q, k, v, bias=bias, is_causal=True, normalizer=normalizer)
       return _api.attention_from_call(call, backend="triton", interpret=True,
                                       block_sizes=blocks, **kw)
 

@@ -25,7 +25,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.test_util import check_grads
 
 from jaxsoft import linear
-from jaxsoft.linear import _chunk, _recurrence
+from jaxsoft.linear import chunk as _chunk
+from jaxsoft.linear import recurrence as _recurrence
 from kernels_pallas import linear as kl
 from tests.linear import cases
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.linear import _recurrence
+from jaxsoft.linear import recurrence
 from tests.linear import cases
 
 T, C, K, V = 100, 16, 4, 3
@@ -39,7 +39,7 @@ def _residual_shapes(fn, *args):
 
 
 def _internal_args(variant, seed=0):
-  """``[B, N, T, ...]`` inputs of :func:`_recurrence.chunked` for ``variant``."""
+  """``[B, N, T, ...]`` inputs of :func:`recurrence.chunked` for ``variant``."""
   a = cases.inputs(variant, B=1, T=T, N=1, K=K, V=V, seed=seed, state=False)
   bn = lambda x: None if x is None else jnp.moveaxis(x, 1, 2)
   return (bn(a["q"]), bn(a["k"]), bn(a["v"]), bn(a.get("g")), bn(a.get("beta")),
@@ -61,7 +61,7 @@ def test_backward_keeps_only_inputs_and_chunk_states(variant):
   q, k, v, g, beta, run, S0 = _internal_args(variant)
 
   def loss(recompute, q, k, v, g, beta, S0):
-    o, S_T = _recurrence.chunked(q, k, v, g, beta, run, S0, C, recompute=recompute)
+    o, S_T = recurrence.chunked(q, k, v, g, beta, run, S0, C, recompute=recompute)
     return jnp.sum(jnp.sin(o)) + jnp.sum(S_T)
 
   padded = N_CHUNKS * C

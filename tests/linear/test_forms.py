@@ -208,8 +208,8 @@ def test_matrix_slow(variant, T, chunk, with_segments):
 @pytest.mark.parametrize("C", [1, 5, 16])
 def test_unit_lower_inverse(C):
   """The recursive block inverse of I + A (A strictly lower) against numpy, C not a power of 2."""
-  from jaxsoft.linear import _recurrence
+  from jaxsoft.linear import recurrence
   A = np.tril(np.random.default_rng(C).normal(size=(2, C, C)), -1) * 0.5
   want = np.linalg.inv(np.eye(C) + A)
-  got = _recurrence.unit_lower_inverse(jnp.asarray(A, jnp.float32))
+  got = recurrence.unit_lower_inverse(jnp.asarray(A, jnp.float32))
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""gla's recursive secondary chunking (``_recurrence.channel_scores``) on chunks that are not
+"""gla's recursive secondary chunking (``recurrence.channel_scores``) on chunks that are not
 a power of two (padded), with run changes inside the chunk, strong decays and gradients."""
 
 import functools
@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.linear import _recurrence
+from jaxsoft.linear import recurrence
 from tests.linear import cases
 
 
@@ -23,7 +23,7 @@ def test_channel_scores_equal_the_full_tensor(C):
   run = np.cumsum(rng.uniform(size=(2, 1, C)) < 0.1, axis=-1)
   i = np.arange(C)
   mask = jnp.asarray((run[..., :, None] == run[..., None, :]) & (i[:, None] >= i[None, :]))
-  got = jax.jit(_recurrence.channel_scores)(x, y, G, mask)
+  got = jax.jit(recurrence.channel_scores)(x, y, G, mask)
   diff = np.asarray(G, np.float64)[..., :, None, :] - np.asarray(G, np.float64)[..., None, :, :]
   m = np.asarray(mask)[..., None]
   want = np.einsum("...ik,...jk,...ijk->...ij", np.asarray(x, np.float64),

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.linear import _chunk, _recurrence
+from jaxsoft.linear import chunk as _chunk
+from jaxsoft.linear import recurrence
 from tests.linear import cases
 
 
@@ -27,10 +28,10 @@ def test_kept_wy_factors_solve_the_ut_system():
   xs = tuple(_chunk.to_chunks(bn(a[n]), 2, C) for n in ("q", "k", "v", "g", "beta"))
   rc = _chunk.to_chunks(run, 1, C)
   run_prev = jnp.concatenate([rc[:, :1, 0], rc[:, :-1, -1]], axis=1)
-  _, res = jax.jit(_recurrence._chunked_recompute_fwd)(xs, rc, run_prev, a["initial_state"])
+  _, res = jax.jit(recurrence._chunked_recompute_fwd)(xs, rc, run_prev, a["initial_state"])
   starts, (T_inv, U_tilde, W, U) = res[3], res[4]
   _, _, _, _, Kb, Vb, A = (np.asarray(x, np.float64)
-                           for x in jax.jit(_recurrence._chunk_parts)(*xs, rc, run_prev))
+                           for x in jax.jit(recurrence._chunk_parts)(*xs, rc, run_prev))
   M = np.eye(C) + A
   assert np.all(np.triu(A) == 0)
   np.testing.assert_allclose(W, np.linalg.solve(M, Kb), rtol=1e-5, atol=1e-5)
@@ -44,9 +45,9 @@ def test_gram_rule_equals_einsum_autodiff():
   """``_gram``'s backward ``(D + D^T) x`` equals autodiff of ``einsum(x, x)``."""
   x = jax.random.normal(jax.random.key(0), (3, 7, 5))
   D = jax.random.normal(jax.random.key(1), (3, 7, 7))
-  got = jax.vjp(_recurrence._gram, x)[1](D)[0]
+  got = jax.vjp(recurrence._gram, x)[1](D)[0]
   want = jax.vjp(lambda x: jnp.einsum("...ik,...jk->...ij", x, x), x)[1](D)[0]
-  np.testing.assert_allclose(_recurrence._gram(x), jnp.einsum("...ik,...jk->...ij", x, x),
+  np.testing.assert_allclose(recurrence._gram(x), jnp.einsum("...ik,...jk->...ij", x, x),
                              rtol=1e-6)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 

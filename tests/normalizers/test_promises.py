@@ -18,7 +18,7 @@ import pytest
 
 import jaxsoft as js
 from jaxsoft import normalizers as N
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from tests.helpers import registry_sample
 
 NAMES = N.names()

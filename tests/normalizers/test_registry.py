@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 
 from jaxsoft import normalizers, testing
-from jaxsoft.normalizers import _common as c
-from jaxsoft.normalizers._spec import KERNEL_CLASSES
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers.spec import KERNEL_CLASSES
 from tests.helpers import sampled
 
 NAMES = normalizers.names()

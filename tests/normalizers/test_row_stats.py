@@ -11,8 +11,8 @@ import pytest
 
 from jaxsoft import normalizers as nz
 from jaxsoft import testing
-from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _row_stats as R
+from jaxsoft.normalizers import common as c
 from tests import helpers
 from tests.helpers import sampled
 

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.normalizers import _entmax, _sparsemax, _topk
-from jaxsoft.normalizers import _tile as tile
+from jaxsoft.normalizers import _entmax, _sparsemax, _topk, tile
 from tests.normalizers.test_threshold_solver import hard_rows, oracle_tau
 
 BLOCK = 128

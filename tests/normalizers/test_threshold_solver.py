@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.normalizers import _common as c
 from jaxsoft.normalizers import _entmax, _sparsemax, entmax, entmax15, softmax, sparsemax
+from jaxsoft.normalizers import common as c
 
 
 def oracle_tau(y, mapping):

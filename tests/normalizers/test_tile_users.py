@@ -1,5 +1,5 @@
 """One tile rule, three users: the reference evaluators of jaxsoft.testing, the chunked XLA
-attention path and the Pallas engine all run ``jaxsoft.normalizers._tile``.
+attention path and the Pallas engine all run ``jaxsoft.normalizers.tile``.
 
 The rules here are written for this test (not registered) and chosen where readings of a
 rule used to disagree: a class-S rule whose offset depends on the stabiliser (a user that
@@ -23,7 +23,7 @@ from jaxsoft import testing
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
 from jaxsoft.normalizers import REGISTRY, NormalizerSpec, TileRule
-from jaxsoft.normalizers import _common as c
+from jaxsoft.normalizers import common as c
 from tests.helpers import assert_same, make_qkv
 
 FWD = dict(rtol=1e-5, atol=1e-6)
@@ -180,7 +180,7 @@ def test_rules_only_on_their_classes():
 
 def test_threshold_rule_fields_are_validated():
   """A class-T spec's ThresholdRule names its bad field when the spec is built."""
-  from jaxsoft.normalizers import _row_blocks, _topk
+  from jaxsoft.normalizers import _topk, row_blocks
   ok = _topk.TOP_K_RULE
 
   def build(**change):
@@ -191,8 +191,8 @@ def test_threshold_rule_fields_are_validated():
   for change, match in (({"mass": 1.0}, "ThresholdRule.mass"),
                         ({"newton_power": 0.5}, "newton_power"),
                         ({"iterations": 0}, "iterations"), ({"iterations": True}, "iterations"),
-                        ({"stats": _row_blocks.row_stats_rule(
-                            (_row_blocks.SOFTMAX,), lambda st, n: {}, _topk._KEPT_SOFTMAX)},
+                        ({"stats": row_blocks.row_stats_rule(
+                            (row_blocks.SOFTMAX,), lambda st, n: {}, _topk._KEPT_SOFTMAX)},
                          "without a `second`")):
     with pytest.raises(ValueError, match=match):
       build(**change)

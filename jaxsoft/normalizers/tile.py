@@ -42,8 +42,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.normalizers._common import safe_divide
-from jaxsoft.normalizers._spec import ThresholdRule, TileRule
+from jaxsoft.normalizers.common import safe_divide
+from jaxsoft.normalizers.spec import ThresholdRule, TileRule
 
 __all__ = [
     "safe_inverse",

@@ -30,8 +30,8 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.normalizers._common import safe_divide
-from jaxsoft.normalizers._spec import RowStatsRule, TileRule
+from jaxsoft.normalizers.common import safe_divide
+from jaxsoft.normalizers.spec import RowStatsRule, TileRule
 
 __all__ = ["Statistic", "SOFTMAX", "MOMENTS", "ENTROPY", "EXTREMES", "row_stats_rule",
            "softmax_derived", "softmax_of", "finite_or_zero", "at_row_max"]

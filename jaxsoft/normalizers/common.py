@@ -287,7 +287,7 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
   count of the ``+inf`` entries and one select.
 
   ``keyed=True`` for stochastic normalizers ``fn(key, x, axis=-1, where=None, ...)``.
-  The registry requires the mark this sets (``_spec.register``).
+  The registry requires the mark this sets (``spec.register``).
   """
   if fn is None:
     return functools.partial(dense_rules, inf_limit=inf_limit, keyed=keyed)

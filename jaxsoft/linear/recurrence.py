@@ -65,7 +65,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.linear import _chunk
+from jaxsoft.linear import chunk as _chunk
 
 __all__ = ["step", "recurrent", "chunked", "unit_lower_inverse", "channel_scores"]
 

@@ -110,7 +110,7 @@ class TileRule:
   statistic). Backward: with dP_j = dO·v_j and Δ = dO·O,
   ``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'·dP``),
   the derivatives taken elementwise at fixed ``m``. The math itself lives once, in
-  ``jaxsoft.normalizers._tile``.
+  ``jaxsoft.normalizers.tile``.
   """
 
   score_map: Callable[..., Any]
@@ -177,7 +177,7 @@ class ThresholdRule:
 
   (the final normalisation removes the residual error of a finite solve). A blockwise
   driver computes m in a first pass over key blocks, tau by a search whose every step is a
-  pass over the key blocks (``jaxsoft.normalizers._tile``: bisection, at most
+  pass over the key blocks (``jaxsoft.normalizers.tile``: bisection, at most
   ``iterations`` halvings of the bracket) and then runs a class-P/E pass with ``weight``.
   Examples: sparsemax ``mass = weight = [z - tau]_+`` with target 1; top-k
   ``mass = 1[z >= tau]`` with target ``min(k, n)`` and ``weight = e^{z-m}·1[z >= tau]``.
@@ -410,14 +410,14 @@ def register(spec: NormalizerSpec) -> NormalizerSpec:
   """Adds ``spec`` to the registry (names are unique).
 
   The function's signature is checked (:func:`check_signature`): hyperparameters must be
-  keyword-only; and it must carry ``_common.dense_rules`` (the shared input rules).
+  keyword-only; and it must carry ``common.dense_rules`` (the shared input rules).
   """
   check_signature(spec.fn, spec.needs_key, spec.name)
   base = getattr(spec.fn, "func", spec.fn)  # a functools.partial of a normalizer
   if not getattr(base, "_jaxsoft_dense_rules", False):
     raise ValueError(
         f"normalizer {spec.name!r}: decorate its function with "
-        "jaxsoft.normalizers._common.dense_rules, which applies the input rules every "
+        "jaxsoft.normalizers.common.dense_rules, which applies the input rules every "
         "normalizer shares (integer promotion, empty arrays, the +inf and NaN rules)")
   if spec.name in REGISTRY and REGISTRY[spec.name] is not spec:
     raise ValueError(f"normalizer {spec.name!r} is already registered")

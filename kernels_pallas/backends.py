@@ -1,0 +1,54 @@
+"""Which Pallas driver runs on this platform: ``triton`` (GPU) or ``mosaic_tpu`` (TPU).
+
+Every kernel family (attention, decode, linear, cross entropy) picks its driver here.
+On CPU the kernels run only in the Pallas interpreter, which the environment variable
+``JAXSOFT_PALLAS_INTERPRET=1`` asks for (tests and notebooks).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+__all__ = ["BACKENDS", "INTERPRET_ENV", "pick_backend", "check_backend"]
+
+BACKENDS = ("triton", "mosaic_tpu")
+INTERPRET_ENV = "JAXSOFT_PALLAS_INTERPRET"
+_PLATFORM_BACKEND = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}
+
+
+def check_backend(backend: str, owner: str) -> str:
+  """``backend`` itself when it names a driver; ValueError naming ``owner`` otherwise."""
+  if backend not in BACKENDS:
+    raise ValueError(f"{owner}: `backend` must be one of {BACKENDS}, got {backend!r}")
+  return backend
+
+
+def pick_backend(backend: str | None) -> tuple[str, bool]:
+  """(driver, interpret) for ``backend`` on the default JAX platform.
+
+  ``None`` picks from the platform (gpu -> triton, tpu -> mosaic_tpu). A platform that
+  cannot run the requested driver raises NotImplementedError, unless the environment
+  variable ``JAXSOFT_PALLAS_INTERPRET=1`` asks for the Pallas interpreter (CPU tests and
+  notebooks), in which case ``None`` means the Triton driver.
+
+  Examples:
+    >>> import os
+    >>> from kernels_pallas.backends import INTERPRET_ENV, pick_backend
+    >>> os.environ[INTERPRET_ENV] = "1"       # on a CPU: the interpreter
+    >>> pick_backend(None)
+    ('triton', True)
+    >>> del os.environ[INTERPRET_ENV]
+  """
+  if backend not in (None, *BACKENDS):
+    raise ValueError(f"`backend` must be None or one of {BACKENDS}, got {backend!r}")
+  platform = jax.default_backend()
+  native = _PLATFORM_BACKEND.get(platform)
+  if backend in (None, native) and native is not None:
+    return native, False
+  if os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on"):
+    return backend or "triton", True
+  raise NotImplementedError(
+      f"no Pallas {backend or 'backend'} on platform {platform!r} (set {INTERPRET_ENV}=1 to "
+      "run the Pallas kernels in interpret mode)")
