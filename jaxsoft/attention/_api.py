@@ -12,12 +12,11 @@ from jax.typing import ArrayLike
 
 import kernels_pallas
 from jaxsoft.attention import _chunked, _dense
-from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention.call import IMPLEMENTATIONS, AttentionCall, implementation_order
 from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS"]
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
 
 # implementation=None uses the chunked path when one head's score matrix has at least this
 # many entries (T·S >= 1024·1024, 4 MiB of float32): below it the dense path's T x S
@@ -132,27 +131,6 @@ def _default_order(call: AttentionCall) -> list[str]:
     order.append("xla_chunked")
   order.append("xla")
   return order
-
-
-def _implementation_order(implementation) -> list[str] | None:
-  """None -> None (automatic); a name or a sequence of names -> a list; ValueError else."""
-  if implementation is None:
-    return None
-  names = [implementation] if isinstance(implementation, str) else implementation
-  try:
-    names = list(names)
-  except TypeError:
-    raise ValueError(
-        f"`implementation` must be None, one of {IMPLEMENTATIONS} or a sequence of them, got "
-        f"{implementation!r}") from None
-  if not names:
-    raise ValueError("`implementation` must not be an empty sequence")
-  for name in names:
-    if name not in IMPLEMENTATIONS:
-      raise ValueError(
-          f"`implementation`: unknown implementation {name!r}; choose from {IMPLEMENTATIONS} "
-          "(or None, or a sequence of them)")
-  return names
 
 
 def dot_product_attention(
@@ -323,7 +301,7 @@ def dot_product_attention(
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
     ((2, 8, 2, 4), True)
   """
-  order = _implementation_order(implementation)
+  order = implementation_order(implementation)
   if not isinstance(return_residual, (bool, np.bool_)):
     raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
   unbatched = jnp.ndim(query) == 3

@@ -22,9 +22,11 @@ from jaxsoft.attention.masks import MaskStructure, normalize_segment_ids, normal
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers.common import compute_dtype
 
-__all__ = ["AttentionCall", "SCORES"]
+__all__ = ["AttentionCall", "SCORES", "IMPLEMENTATIONS", "implementation_order"]
 
 SCORES = ("dot", "distance")
+
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
 
 
 @dataclasses.dataclass
@@ -308,3 +310,33 @@ def _as_float(t, name: str):
   if jnp.issubdtype(t.dtype, jnp.integer) or t.dtype == jnp.bool_:
     return t.astype(compute_dtype(t.dtype))
   raise ValueError(f"`{name}` must be a real (floating, integer or bool) array, got dtype {t.dtype}")
+
+
+def implementation_order(implementation: Any) -> list[str] | None:
+  """The ``implementation=`` argument as a list of names to try in order.
+
+  None stays None (the automatic order); a name or a sequence of names becomes a list;
+  anything else is a ValueError naming the argument.
+
+  Examples:
+    >>> from jaxsoft.attention.call import implementation_order
+    >>> implementation_order("xla"), implementation_order(("pallas", "xla")), implementation_order(None)
+    (['xla'], ['pallas', 'xla'], None)
+  """
+  if implementation is None:
+    return None
+  names = [implementation] if isinstance(implementation, str) else implementation
+  try:
+    names = list(names)
+  except TypeError:
+    raise ValueError(
+        f"`implementation` must be None, one of {IMPLEMENTATIONS} or a sequence of them, got "
+        f"{implementation!r}") from None
+  if not names:
+    raise ValueError("`implementation` must not be an empty sequence")
+  for name in names:
+    if name not in IMPLEMENTATIONS:
+      raise ValueError(
+          f"`implementation`: unknown implementation {name!r}; choose from {IMPLEMENTATIONS} "
+          "(or None, or a sequence of them)")
+  return names

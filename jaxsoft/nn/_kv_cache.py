@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from jaxsoft.attention._api import _implementation_order, dot_product_attention
+from jaxsoft.attention._api import dot_product_attention
+from jaxsoft.attention.call import implementation_order
 from jaxsoft.attention.masks import normalize_window
 from jaxsoft.normalizers import spec as _spec
 
@@ -235,7 +236,7 @@ def _pallas_request(implementation: Any) -> tuple[bool, str | None]:
   """``(asked, backend)``: whether ``implementation`` (a name or a sequence tried in
   order) asks for Pallas first, and which backend."""
   try:
-    names = _implementation_order(implementation)
+    names = implementation_order(implementation)
   except ValueError:
     return False, None  # dot_product_attention raises the ValueError naming it
   if not names or names[0] not in _PALLAS:
