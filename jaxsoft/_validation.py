@@ -29,8 +29,10 @@ def concrete(x: Any, dtype: Any = None) -> np.ndarray | None:
     >>> concrete([1, 2])
     array([1, 2])
     >>> import jax
-    >>> jax.jit(lambda x: concrete(x) is None)(1.0)
-    True
+    >>> seen = []
+    >>> _ = jax.jit(lambda x: seen.append(concrete(x)) or x)(1.0)   # traced: None
+    >>> seen
+    [None]
   """
   try:
     return np.asarray(x, dtype=dtype)

@@ -1,4 +1,5 @@
-"""Every docstring example under jaxsoft/ runs as written: doctest, one case per module.
+"""Every docstring example under jaxsoft/ and kernels_pallas/ runs as written: doctest, one
+case per module.
 
 The examples print JAX arrays (``Array([...], dtype=float32)``); they set
 ``jnp.set_printoptions(precision=4)`` where float32 rounding could change the last digits
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxsoft
+import kernels_pallas
 
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 _PRINT_OPTIONS = np.get_printoptions()
@@ -23,8 +25,10 @@ _PRINT_OPTIONS = np.get_printoptions()
 def _module_names():
   def onerror(name):  # a package that fails to import is a failure, not a silent skip
     raise ImportError(f"cannot import {name} while collecting doctests")
-  names = {"jaxsoft"} | {m.name for m in pkgutil.walk_packages(
-      jaxsoft.__path__, "jaxsoft.", onerror=onerror)}
+  names = {"jaxsoft", "kernels_pallas"}
+  for package in (jaxsoft, kernels_pallas):
+    names |= {m.name for m in pkgutil.walk_packages(
+        package.__path__, package.__name__ + ".", onerror=onerror)}
   return sorted(n for n in names if n.rsplit(".", 1)[-1] != "__main__")
 
 
