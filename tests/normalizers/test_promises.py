@@ -1,4 +1,4 @@
-"""The README's promises for every registered normalizer and loss, tested at the shared rules.
+"""docs/numerics.md's promises for every registered normalizer and loss, tested at the shared rules.
 
 Signature (hyperparameters keyword-only), numerics (integer promotion, the +inf and NaN
 rules, finite gradients through masked entries, a float64 reference on random and
