@@ -41,9 +41,29 @@ def rows(x, b: int, n: int, t: int, dtype=None):
 
 
 def resolve_block_sizes(block_sizes, backend: str, t: int, s: int, h: int, key_lanes: bool):
-  """The resolved, validated block sizes. ``key_lanes``: some array is blocked along the
-  keys in its last dimension (segment ids, a dense bias or mask, the decay's ck), so Mosaic
-  key blocks must be multiples of 128 lanes."""
+  """The block sizes a kernel launch will use: ``block_sizes`` (None, a ``BlockSizes`` or a
+  dict of its fields) resolved against the backend's defaults and checked.
+
+  Args:
+    block_sizes: None (the engine's default for this shape), a ``BlockSizes`` or a dict.
+    backend: ``"triton"`` or ``"mosaic_tpu"``.
+    t, s, h: query length, key length and head dimension.
+    key_lanes: some array is blocked along the keys in its last dimension (segment ids, a
+      dense bias or mask, the decay's ck), so Mosaic key blocks must be multiples of 128
+      lanes.
+
+  Returns:
+    A resolved ``BlockSizes`` (every backward block filled in).
+
+  Raises:
+    ValueError naming the field the backend cannot tile with.
+
+  Examples:
+    >>> from kernels_pallas import resolve_block_sizes
+    >>> bl = resolve_block_sizes({"block_q": 32, "block_k": 16}, "triton", 64, 64, 16, False)
+    >>> bl.block_q, bl.block_k
+    (32, 16)
+  """
   if block_sizes is None:
     bl = E.default_block_sizes(backend, t, s, h)
   elif isinstance(block_sizes, E.BlockSizes):
@@ -81,7 +101,10 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
                         exp2: bool = False, rescale_threshold: float | None = None,
                         fp8: str | None = None, fp8_rotation: bool = True,
                         fp8_dot: bool | None = None, approx_sigmoid: bool = False):
-  """Runs the engine for a validated call (``jaxsoft.attention._api.AttentionCall``).
+  """Runs the engine for a validated call (a :class:`jaxsoft.attention.call.AttentionCall`).
+
+  What ``jaxsoft.attention.dot_product_attention(implementation="pallas")`` calls; the
+  arguments after ``call`` are the kernel's own settings, as for :func:`attention`.
 
   Args:
     call: the canonical call; its ``structure`` (a MaskStructure) gives the visible counts,
@@ -146,6 +169,15 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       backend.
     ValueError: bad block sizes or backend, a block table of the wrong shape, or
       ``exp2`` / ``rescale_threshold`` for a normalizer they do not fit.
+
+  Examples:
+    >>> import jax
+    >>> from jaxsoft.attention.call import AttentionCall
+    >>> from kernels_pallas import attention_from_call
+    >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 16))
+    >>> call = AttentionCall.create(q, k, v, is_causal=True, normalizer="sigmoid")
+    >>> attention_from_call(call, backend="triton", interpret=True).shape
+    (1, 16, 2, 16)
   """
   spec = call.spec
   tau = rescale_threshold
@@ -599,6 +631,18 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
     NotImplementedError (``engine.UnsupportedError``): a normalizer of class X, a plain
       callable, or a stochastic normalizer; the dispatcher falls back to XLA.
     ValueError: bad shapes or arguments (the message names the argument).
+
+  Examples:
+    In the Pallas interpreter on a CPU (on a GPU or TPU leave ``interpret`` False),
+    softmax attention equals jax.nn's:
+
+    >>> import jax, jax.numpy as jnp
+    >>> import kernels_pallas as kp
+    >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 16))   # [B, T, N, H]
+    >>> out = kp.attention(q, k, v, is_causal=True, backend="triton", interpret=True)
+    >>> ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-5))
+    ((1, 16, 2, 16), True)
   """
   if isinstance(block_sizes, str):
     if block_sizes != "auto":

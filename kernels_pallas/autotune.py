@@ -70,7 +70,12 @@ class AutotuneResult:
 
 
 def clear_autotune_cache() -> None:
-  """Forget every tuned shape (the next call re-times)."""
+  """Forgets every tuned shape (the next :func:`autotune_block_sizes` call re-times).
+
+  Examples:
+    >>> from kernels_pallas import clear_autotune_cache
+    >>> clear_autotune_cache()
+  """
   _CACHE.clear()
 
 
@@ -84,8 +89,26 @@ def _round_up(x: int, m: int) -> int:
 
 def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
                           head_dim_v: int | None = None) -> list[BlockSizes]:
-  """Legal candidate shapes for ``backend``, the default first (see the module docstring
-  for the bounds). Forward tile (block_q, block_k) and one backward tile for both passes."""
+  """Legal candidate block shapes for ``backend``, the default first.
+
+  Forward tile (block_q, block_k) and one backward tile for both passes, within the
+  register / shared-memory (Triton) or VMEM and lane (Mosaic) bounds of the module
+  docstring.
+
+  Args:
+    backend: ``"triton"`` or ``"mosaic_tpu"``.
+    t, s: query and key lengths.
+    head_dim, head_dim_v: head dimensions of q/k and of v (default ``head_dim``).
+
+  Returns:
+    A list of resolved ``BlockSizes``, the backend's default first.
+
+  Examples:
+    >>> from kernels_pallas import candidate_block_sizes
+    >>> cands = candidate_block_sizes("mosaic_tpu", 1024, 1024, 128)
+    >>> all(c.block_q % 128 == 0 and c.block_k % 128 == 0 for c in cands), len(cands) > 1
+    (True, True)
+  """
   if backend not in BACKENDS:
     raise ValueError(f"`backend` must be one of {BACKENDS}, got {backend!r}")
   for name, x in (("t", t), ("s", s), ("head_dim", head_dim), ("head_dim_v", head_dim_v)):
@@ -233,6 +256,24 @@ def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
       ``block_until_ready`` runs after an excluded warm-up.
     use_cache: reuse (and store) the result for the same key.
     **attention_kwargs: further static arguments of ``attention`` (part of the cache key).
+
+  Returns:
+    The fastest ``BlockSizes`` whose results agree with the default's
+    (``LAST_RESULT`` keeps the times and the rejections).
+
+  Examples:
+    On a GPU, ``kp.autotune_block_sizes(kp.attention, q, k, v, is_causal=True)`` times
+    every legal candidate. Here, in the interpreter, with one candidate and a stand-in
+    timer, the (checked) default wins:
+
+    >>> import jax
+    >>> import kernels_pallas as kp
+    >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 1, 16))
+    >>> best = kp.autotune_block_sizes(
+    ...     kp.attention, q, k, v, backend="triton", interpret=True, is_causal=True,
+    ...     candidates=[], timer=lambda f: 1.0, use_cache=False)
+    >>> best == kp.default_block_sizes("triton", 16, 16, 16).resolved()
+    True
   """
   global LAST_RESULT
   if backend is None or interpret is None:
