@@ -41,7 +41,7 @@ The feature ids are explained in docs/feature_ids.md.
 from jaxsoft.linear._ccq import ccq, ccq_step
 from jaxsoft.linear._checks import IMPLEMENTATIONS
 from jaxsoft.linear._cosformer import cosformer, cosformer_step
-from jaxsoft.linear._delta import (
+from jaxsoft.linear._delta_rule import (
     delta_rule,
     delta_rule_step,
     gated_delta_rule,
@@ -61,9 +61,9 @@ from jaxsoft.linear._lightning import lightning_attention, lightning_attention_s
 from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
 from jaxsoft.linear._mhla import mhla, mhla_step
-from jaxsoft.linear._nha import native_hybrid_attention, native_hybrid_attention_step
+from jaxsoft.linear._native_hybrid import native_hybrid_attention, native_hybrid_attention_step
 from jaxsoft.linear._rala import rala, rala_key_weights
-from jaxsoft.linear._sla import (
+from jaxsoft.linear._softmax_linear import (
     head_gates,
     softmax_linear_attention,
     softmax_linear_attention_step,
