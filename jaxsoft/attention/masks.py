@@ -254,10 +254,10 @@ class MaskStructure:
     j = k_pos[None, :]
     vis = positions_visible(i, j, is_causal=self.is_causal, window=self.window, q_len=self.T,
                             kv_len=self.S)[None, None]  # [1, 1, bq, bk]
-    if self.q_lengths is not None:
-      vis = vis & (i < self.q_lengths[:, None, None, None])
+    if self.q_lengths is not None:  # (explicit ranks: no implicit rank promotion)
+      vis = vis & (i[None, None] < self.q_lengths[:, None, None, None])
     if self.kv_lengths is not None:
-      vis = vis & (j < self.kv_lengths[:, None, None, None])
+      vis = vis & (j[None, None] < self.kv_lengths[:, None, None, None])
     if self.has_segments:
       vis = vis & (q_seg[:, None, :, None] == kv_seg[:, None, None, :])
     return vis

@@ -1,0 +1,33 @@
+"""Attention needs no implicit rank promotion (issue: sequence lengths broadcast by rank).
+
+Under ``jax.numpy_rank_promotion("raise")``, the setting of JAX's own test suite and of
+many users', every implementation takes query / key lengths, segment ids and windows,
+forward and backward, and gives what it gives without the setting.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxsoft as js
+
+Q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+LENS = jnp.array([5, 8])
+SEGMENTS = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
+
+
+def _loss(q, implementation):
+  out = js.attention.dot_product_attention(
+      q, q, q, query_seq_lengths=LENS, key_value_seq_lengths=LENS, segment_ids=SEGMENTS,
+      local_window_size=3, is_causal=True, normalizer="ssmax", normalizer_params={"s": 0.5},
+      implementation=implementation)
+  return jnp.sum(out * jnp.cos(out))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_sequence_lengths_need_no_rank_promotion(implementation):
+  want = jax.value_and_grad(_loss)(Q, implementation)
+  with jax.numpy_rank_promotion("raise"):
+    got = jax.value_and_grad(_loss)(Q, implementation)
+  chex.assert_trees_all_close(got, want, atol=1e-6)
