@@ -57,7 +57,7 @@ typecheck: $(VENV)/.base
 notebooks: $(VENV)/.base
 	$(VENV)/bin/jupytext --sync notebooks/[0-9][0-9]_*.py
 
-## CPU benchmarks (the figures in README.md); bench/gpu.py runs on a GPU machine.
+## CPU benchmarks (the figures in docs/benchmarks.md); bench/gpu.py runs on a GPU machine.
 bench: $(VENV)/.bench
 	$(PY) bench/normalizers.py
 	$(PY) bench/attention_cpu.py

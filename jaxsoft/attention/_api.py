@@ -74,7 +74,7 @@ def _run_cudnn(call: AttentionCall):
 def _run_cudnn_auto(call: AttentionCall):
   """cuDNN as the automatic first choice on a CUDA GPU (measured on an H200 with bf16, H =
   128, T = 4k-16k: 1.7-2.1x the Pallas kernel's forward rate, 2.9-3.7x forward+backward,
-  README). Only
+  docs/benchmarks.md). Only
   for calls whose every query row sees a key, where cuDNN and jaxsoft agree on the
   result: no dense mask, no sequence lengths, no residual. jax.nn's own refusals (a
   ValueError or RuntimeError at trace time: an unsupported head dim, sharding along the
@@ -219,7 +219,7 @@ def dot_product_attention(
       raises NotImplementedError. None tries it first on a CUDA GPU for calls with no
       dense ``mask``, no sequence lengths and no ``return_residual`` (so no row is fully
       masked, where cuDNN's convention differs): it was 1.7-3.7x faster than the Pallas
-      kernel there (H200, bf16, forward and forward+backward, README).
+      kernel there (H200, bf16, forward and forward+backward, docs/benchmarks.md).
     return_residual: also return the residual, one number per query row, [B, T, N] (or
       [T, N]) in the output's dtype and without gradient (as jax.nn). It is the row
       statistic of the normalizer's kernel class: E and S (softmax family, stablemax,
