@@ -24,7 +24,8 @@ The only jaxsoft package that imports flax.
 """
 
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
-from jaxsoft.nn._learned import (
+from jaxsoft.nn._infinite import InfSA
+from jaxsoft.nn._learned_normalizers import (
     SSA,
     ASEntmax,
     DirichletCalibration,
@@ -46,9 +47,9 @@ from jaxsoft.nn._linear import (
     SimpleGLA,
 )
 from jaxsoft.nn._mha import MultiHeadAttention, param_transform
-from jaxsoft.nn._pkm import ProductKeyMemory, product_key_topk
+from jaxsoft.nn._product_key_memory import ProductKeyMemory, product_key_topk
 from jaxsoft.nn._soft_moe import SoftMoE, soft_moe, soft_moe_weights
-from jaxsoft.nn._tier3 import InfSA, UniAttnCompensation
+from jaxsoft.nn._uniattn import UniAttnCompensation
 
 __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_transform",
            "SoftMoE", "soft_moe", "soft_moe_weights", "ProductKeyMemory", "product_key_topk",

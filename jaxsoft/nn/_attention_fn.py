@@ -20,7 +20,7 @@ from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.typing import ArrayLike
 
-from jaxsoft.attention._api import dot_product_attention
+from jaxsoft.attention import dot_product_attention
 from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["attention_fn", "attention_weights"]
@@ -36,7 +36,7 @@ def _flatten_batch(x, name: str, fn_name: str):
   return x.reshape((math.prod(batch),) + x.shape[-3:]), batch
 
 
-def _flatten_logit_array(a, batch: tuple[int, ...], name: str, fn_name: str):
+def flatten_logit_array(a, batch: tuple[int, ...], name: str, fn_name: str):
   """A mask or bias broadcastable to ``[batch..., N, T, S]`` -> ``[B or 1, n, t, s]``."""
   if a is None:
     return None
@@ -275,10 +275,10 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
     if not batch == kbatch == vbatch:
       raise ValueError(f"attention_fn: query, key and value batch dimensions differ: {batch}, "
                        f"{kbatch}, {vbatch}")
-    m = _flatten_logit_array(mask, batch, "mask", "attention_fn")
+    m = flatten_logit_array(mask, batch, "mask", "attention_fn")
     if m is not None:
       m = m.astype(bool)
-    b = _flatten_logit_array(bias, batch, "bias", "attention_fn")
+    b = flatten_logit_array(bias, batch, "bias", "attention_fn")
     out = attend(
         q, k, v, b, m, normalizer=normalizer, normalizer_params=normalizer_params or None,
         implementation=implementation, dropout_rng=dropout_rng, dropout_rate=dropout_rate,

@@ -47,7 +47,8 @@ import numpy as np
 from flax import nnx
 
 import kernels_pallas
-from jaxsoft.attention._api import dot_product_attention
+from jaxsoft._validation import positive_int
+from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention.call import implementation_order
 from jaxsoft.attention.masks import normalize_window
 from jaxsoft.normalizers import spec as _spec
@@ -82,12 +83,6 @@ def has_cache(module: Any) -> bool:
   return getattr(module, "cache_index", None) is not None
 
 
-def _positive_int(value: Any, arg: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-    raise ValueError(f"{_NAME}.init_cache: `{arg}` must be a positive int, got {value!r}")
-  return int(value)
-
-
 def init_cache(module: Any, batch: int | Sequence[int], max_length: int, *,
                local_window_size: int | tuple[int, int] | None = None,
                dtype: Any = None) -> None:
@@ -99,23 +94,22 @@ def init_cache(module: Any, batch: int | Sequence[int], max_length: int, *,
   a sliding window; ``dtype``: of the stored keys and values (default the module's
   ``dtype``, else its ``param_dtype``).
   """
+  owner = f"{_NAME}.init_cache"
   batch_shape = (batch,) if isinstance(batch, (int, np.integer)) else batch
   try:
     batch_shape = tuple(batch_shape)
   except TypeError:
     raise ValueError(
-        f"{_NAME}.init_cache: `batch` must be an int or a tuple of ints, got {batch!r}") from None
-  for d in batch_shape:
-    _positive_int(d, "batch")
-  batch_shape = tuple(int(d) for d in batch_shape)
-  max_length = _positive_int(max_length, "max_length")
+        f"{owner}: `batch` must be an int or a tuple of ints, got {batch!r}") from None
+  batch_shape = tuple(positive_int(d, "batch", owner) for d in batch_shape)
+  max_length = positive_int(max_length, "max_length", owner)
   try:
     window = normalize_window(local_window_size)
   except ValueError as e:
-    raise ValueError(f"{_NAME}.init_cache: {e}") from None
+    raise ValueError(f"{owner}: {e}") from None
   if window is not None and window[0] < 0:
     raise ValueError(
-        f"{_NAME}.init_cache: `local_window_size` left side must be >= 0 for causal "
+        f"{owner}: `local_window_size` left side must be >= 0 for causal "
         f"decoding, got {local_window_size!r}")
   capacity = max_length if window is None else min(max_length, max(window[0], 1))
   if dtype is None:

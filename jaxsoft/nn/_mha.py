@@ -31,9 +31,15 @@ from flax.nnx.nn.linear import default_kernel_init
 from flax.typing import Dtype, Initializer, PrecisionLike
 from jax.typing import ArrayLike
 
-from jaxsoft.attention import _variants as variants
-from jaxsoft.nn import _kv_cache, _learned
-from jaxsoft.nn._attention_fn import _flatten_logit_array, attend
+from jaxsoft._validation import positive_int
+from jaxsoft.attention import (
+  forget_gate_decay,
+  gated_attention_output,
+  softplus_from_range,
+  softplus_to_range,
+)
+from jaxsoft.nn import _kv_cache, _learned_normalizers
+from jaxsoft.nn._attention_fn import attend, flatten_logit_array
 from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["MultiHeadAttention", "param_transform"]
@@ -64,12 +70,12 @@ def param_transform(param: _spec.Param) -> tuple[_Map, _Map]:
     if high is None:
       return jnp.asarray, (lambda y: jnp.asarray(y, jnp.float32))
     upper = high
-    return (lambda z: -variants.softplus_to_range(-jnp.asarray(z), -upper, hi_m),
-            lambda y: -variants.softplus_from_range(-jnp.asarray(y), -upper, hi_m))
+    return (lambda z: -softplus_to_range(-jnp.asarray(z), -upper, hi_m),
+            lambda y: -softplus_from_range(-jnp.asarray(y), -upper, hi_m))
   if high is None:
     lower = low
-    return (lambda z: variants.softplus_to_range(z, lower, lo_m),
-            lambda y: variants.softplus_from_range(y, lower, lo_m))
+    return (lambda z: softplus_to_range(z, lower, lo_m),
+            lambda y: softplus_from_range(y, lower, lo_m))
   a, b = low + lo_m, high - hi_m
   if not a < b:
     raise ValueError(f"parameter `{param.name}`: empty range [{low}, {high}]")
@@ -129,7 +135,7 @@ class MultiHeadAttention(nnx.Module):
       ACP block pruning in the ``"xla_chunked"`` path: key blocks whose decay is below
       ``t`` for every pair are skipped, and (softmax) each skipped weight is at most
       ``e^{t + 2U}`` for logits bounded by ``|l| <= U``. Choose ``t = log(eps) - 2U``
-      (:func:`jaxsoft.attention._variants.acp_prune_threshold` computes it from a batch).
+      (:func:`jaxsoft.attention.acp_prune_threshold` computes it from a batch).
     sink: learn a per-head sink logit (``softmax``/``softmax_1`` become ``softmax_sink``).
     implementation: passed to ``dot_product_attention``. When it is "pallas",
       "pallas_triton", "pallas_mosaic_tpu" (or a sequence whose first entry is one of
@@ -182,8 +188,7 @@ class MultiHeadAttention(nnx.Module):
     for arg, val in (("num_heads", num_heads), ("in_features", in_features),
                      ("qkv_features", qkv_features), ("out_features", out_features),
                      ("num_kv_heads", num_kv_heads)):
-      if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-        raise ValueError(f"{name}: `{arg}` must be a positive int, got {val!r}")
+      positive_int(val, arg, name)
     if qkv_features % num_heads:
       raise ValueError(
           f"{name}: `qkv_features` ({qkv_features}) must be divisible by `num_heads` "
@@ -219,7 +224,7 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"{name}: `learned` needs a registered normalizer (a name or NormalizerSpec) to "
           f"know the parameters' ranges, got {normalizer!r}")
-    _learned.check_attention_modules(modules, spec, num_heads, name)
+    _learned_normalizers.check_attention_modules(modules, spec, num_heads, name)
     if forget_prune_threshold is not None:
       if not forget_gate:
         raise ValueError(f"{name}: `forget_prune_threshold` needs `forget_gate=True`")
@@ -410,7 +415,7 @@ class MultiHeadAttention(nnx.Module):
             f"{name}: `forget_gate` needs self-attention (keys as long as queries), got "
             f"T={xq.shape[-2]}, S={xk.shape[-2]}")
       is_causal = True  # the decay c_i - c_j is a forgetting bias only for j <= i
-      kw["decay_bias"] = variants.forget_gate_decay(self.log_forget_gates(xq))
+      kw["decay_bias"] = forget_gate_decay(self.log_forget_gates(xq))
       if self.forget_prune_threshold is not None:
         kw["decay_prune_threshold"] = float(self.forget_prune_threshold)
 
@@ -429,17 +434,17 @@ class MultiHeadAttention(nnx.Module):
     else:
       deterministic, dropout_rng = True, None
 
-    m = _flatten_logit_array(mask, batch, "mask", name)
+    m = flatten_logit_array(mask, batch, "mask", name)
     if m is not None:
       m = m.astype(bool)
     if step is not None:
       m = step.mask
     if len(self.learned_modules):
-      n_visible = _learned.visible_key_counts(
+      n_visible = _learned_normalizers.visible_key_counts(
           q.shape[1], k.shape[1], m, is_causal=is_causal, batch=q.shape[0],
           **{a: kw[a] for a in ("local_window_size", "query_seq_lengths",
                                 "key_value_seq_lengths", "segment_ids") if a in kw})
-      q, params = _learned.apply_attention_modules(self.learned_modules, q, params, n_visible)
+      q, params = _learned_normalizers.apply_attention_modules(self.learned_modules, q, params, n_visible)
     y = None
     if (step is not None and dropout_rng is None and not sow_weights
         and not len(self.learned_modules) and not self.forget_gate):
@@ -454,7 +459,7 @@ class MultiHeadAttention(nnx.Module):
           deterministic=deterministic, module=self if sow_weights else None,
           precision=self.precision, batch_shape=batch, is_causal=is_causal, **kw)
     if self.gated:
-      y = variants.gated_attention_output(y, xq, self.gate_kernel[...], self.gate_bias[...])
+      y = gated_attention_output(y, xq, self.gate_kernel[...], self.gate_bias[...])
     out = self.out(y)
     if step is not None and step.overflow is not None:
       out = jnp.where(step.overflow, jnp.nan, out)  # past max_length under jit: no raise

@@ -12,6 +12,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import positive_int
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["SoftMoE", "soft_moe_weights", "soft_moe"]
@@ -113,11 +114,9 @@ class SoftMoE(nnx.Module):
                rngs: nnx.Rngs) -> None:
     for arg, val in (("in_features", in_features), ("num_experts", num_experts),
                      ("slots_per_expert", slots_per_expert)):
-      if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-        raise ValueError(f"SoftMoE: `{arg}` must be a positive int, got {val!r}")
+      positive_int(val, arg, "SoftMoE")
     hidden = 4 * in_features if hidden_features is None else hidden_features
-    if isinstance(hidden, bool) or not isinstance(hidden, int) or hidden < 1:
-      raise ValueError(f"SoftMoE: `hidden_features` must be a positive int, got {hidden_features!r}")
+    positive_int(hidden, "hidden_features", "SoftMoE")
     self.num_experts = num_experts
     self.dtype = dtype
     init = initializers.lecun_normal()

@@ -11,7 +11,7 @@ from flax import nnx
 from jax.test_util import check_grads
 
 import jaxsoft as js
-from jaxsoft.nn import _learned as L
+from jaxsoft.nn import _learned_normalizers as L
 from tests import helpers
 
 B, N, T, H = 2, 3, 5, 4

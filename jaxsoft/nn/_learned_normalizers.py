@@ -45,9 +45,9 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft import normalizers as nz
-from jaxsoft.attention import _variants as variants
+from jaxsoft._validation import finite_float, positive_int
 from jaxsoft.attention import masks as _masks
-from jaxsoft.normalizers import _calibration
+from jaxsoft.attention import softplus_from_range, softplus_to_range
 
 __all__ = ["MultiMax", "QASSMax", "SSA", "ASEntmax", "PolarSink", "TempNet", "MoEGate",
            "DirichletCalibration"]
@@ -59,27 +59,11 @@ _TAU_MARGIN = 1e-3
 _MULTIMAX_NAMES = ("t1", "t2", "t3", "t4", "b1", "b2", "b3", "b4")
 
 
-def _positive_int(value, name: str, owner: str) -> int:
-  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-    raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
-  return value
-
-
-def _finite_float(value, name: str, owner: str) -> float:
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    raise ValueError(f"{owner}: `{name}` must be a float, got {value!r}") from None
-  if not math.isfinite(v):
-    raise ValueError(f"{owner}: `{name}` must be finite, got {value!r}")
-  return v
-
-
 def _per_head(value, num_heads: int, name: str, owner: str) -> jax.Array:
   """A per-head initial value: a finite scalar or an array of shape ``[num_heads]``."""
   v = np.asarray(value, np.float64)
   if v.ndim == 0:
-    v = np.full((num_heads,), _finite_float(v, name, owner))
+    v = np.full((num_heads,), finite_float(v, name, owner))
   if v.shape != (num_heads,):
     raise ValueError(f"{owner}: `{name}` must be a float or an array of shape "
                      f"[num_heads] = [{num_heads}], got shape {v.shape}")
@@ -169,7 +153,7 @@ class MultiMax(LearnedNormalizer):
   normalizer = "multimax"
 
   def __init__(self, num_heads: int, *, init_std: float = 0.02, rngs: nnx.Rngs):
-    _positive_int(num_heads, "num_heads", "MultiMax")
+    positive_int(num_heads, "num_heads", "MultiMax")
     if not init_std >= 0:
       raise ValueError(f"MultiMax: `init_std` must be >= 0, got {init_std!r}")
     self.num_heads = num_heads
@@ -231,7 +215,7 @@ class QASSMax(LearnedNormalizer):
 
   def __init__(self, num_heads: int, head_dim: int, *, hidden: int = 64, rngs: nnx.Rngs):
     for name, v in (("num_heads", num_heads), ("head_dim", head_dim), ("hidden", hidden)):
-      _positive_int(v, name, "QASSMax")
+      positive_int(v, name, "QASSMax")
     self.num_heads, self.head_dim = num_heads, head_dim
     zeros = nnx.initializers.zeros_init()
     self.base_in = nnx.Linear(1, hidden, rngs=rngs)
@@ -312,8 +296,8 @@ class TempNet(LearnedNormalizer):
 
   def __init__(self, in_features: int, *, hidden: int = 64, tau_min: float = 0.05,
                tau_max: float = 2.0, tau_init: float = 1.0, rngs: nnx.Rngs):
-    _positive_int(in_features, "in_features", "TempNet")
-    _positive_int(hidden, "hidden", "TempNet")
+    positive_int(in_features, "in_features", "TempNet")
+    positive_int(hidden, "hidden", "TempNet")
     if not 0 < tau_min < tau_max:
       raise ValueError(f"TempNet: need 0 < `tau_min` < `tau_max`, got {tau_min!r}, {tau_max!r}")
     if not tau_min < tau_init < tau_max:
@@ -390,8 +374,8 @@ class SSA(LearnedNormalizer):
   def __init__(self, num_heads: int, head_dim: int, *, alpha_init: ArrayLike = 0.0,
                rngs: nnx.Rngs | None = None):
     del rngs
-    _positive_int(num_heads, "num_heads", "SSA")
-    _positive_int(head_dim, "head_dim", "SSA")
+    positive_int(num_heads, "num_heads", "SSA")
+    positive_int(head_dim, "head_dim", "SSA")
     self.num_heads, self.head_dim = num_heads, head_dim
     self.alpha = nnx.Param(_per_head(alpha_init, num_heads, "alpha_init", "SSA"))
     self.token_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
@@ -454,13 +438,13 @@ class ASEntmax(LearnedNormalizer):
                rngs: nnx.Rngs | None = None):
     del rngs
     owner = "ASEntmax"
-    _positive_int(num_heads, "num_heads", owner)
-    _positive_int(head_dim, "head_dim", owner)
-    if not _finite_float(alpha, "alpha", owner) > 1.0:
+    positive_int(num_heads, "num_heads", owner)
+    positive_int(head_dim, "head_dim", owner)
+    if not finite_float(alpha, "alpha", owner) > 1.0:
       raise ValueError(f"{owner}: `alpha` must be > 1, got {alpha!r}")
-    if not _finite_float(delta, "delta", owner) >= 0.0:
+    if not finite_float(delta, "delta", owner) >= 0.0:
       raise ValueError(f"{owner}: `delta` must be >= 0, got {delta!r}")
-    if not _finite_float(beta_init, "beta_init", owner) > 0.0:
+    if not finite_float(beta_init, "beta_init", owner) > 0.0:
       raise ValueError(f"{owner}: `beta_init` must be > 0, got {beta_init!r}")
     gamma0 = _per_head(gamma_init, num_heads, "gamma_init", owner)
     if not bool(jnp.all(gamma0 > _GAMMA_MARGIN)):
@@ -468,9 +452,9 @@ class ASEntmax(LearnedNormalizer):
     self.num_heads, self.head_dim = num_heads, head_dim
     self.alpha, self.delta = float(alpha), float(delta)
     self.beta_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
-    self.beta_bias = nnx.Param(jnp.full((num_heads,), variants.softplus_from_range(
+    self.beta_bias = nnx.Param(jnp.full((num_heads,), softplus_from_range(
         beta_init), jnp.float32))
-    self.gamma = nnx.Param(variants.softplus_from_range(gamma0, 0.0, _GAMMA_MARGIN))
+    self.gamma = nnx.Param(softplus_from_range(gamma0, 0.0, _GAMMA_MARGIN))
 
   def beta(self, q: ArrayLike) -> jax.Array:
     """``beta(q) = softplus(w_h . q + c_h) >= 0``, ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
@@ -484,7 +468,7 @@ class ASEntmax(LearnedNormalizer):
   def gamma_values(self) -> jax.Array:
     """``gamma_h = 1e-3 + softplus(g_h)``, ``[N]``."""
     g = _learned_value(self.gamma, (self.num_heads,), "gamma", "ASEntmax")
-    return variants.softplus_to_range(g, 0.0, _GAMMA_MARGIN)
+    return softplus_to_range(g, 0.0, _GAMMA_MARGIN)
 
   def attention_hyperparams(self, q: ArrayLike,
                             n_visible: ArrayLike | None) -> dict[str, Any]:
@@ -528,7 +512,7 @@ class PolarSink(LearnedNormalizer):
                null_bias_init: ArrayLike = 0.0, gamma_init: ArrayLike = 0.0,
                rngs: nnx.Rngs | None = None):
     del rngs
-    _positive_int(num_heads, "num_heads", "PolarSink")
+    positive_int(num_heads, "num_heads", "PolarSink")
     self.num_heads = num_heads
     self.alpha = nnx.Param(_per_head(alpha_init, num_heads, "alpha_init", "PolarSink"))
     self.null_bias = nnx.Param(_per_head(null_bias_init, num_heads, "null_bias_init",
@@ -585,9 +569,9 @@ class MoEGate(LearnedNormalizer):
 
   def __init__(self, in_features: int, num_experts: int, *, tau_init: float = 1.0,
                activation: bool = True, rngs: nnx.Rngs):
-    _positive_int(in_features, "in_features", "MoEGate")
-    _positive_int(num_experts, "num_experts", "MoEGate")
-    if not _finite_float(tau_init, "tau_init", "MoEGate") > _TAU_MARGIN:
+    positive_int(in_features, "in_features", "MoEGate")
+    positive_int(num_experts, "num_experts", "MoEGate")
+    if not finite_float(tau_init, "tau_init", "MoEGate") > _TAU_MARGIN:
       raise ValueError(f"MoEGate: `tau_init` must be > {_TAU_MARGIN}, got {tau_init!r}")
     if not isinstance(activation, bool):
       raise ValueError(f"MoEGate: `activation` must be a bool, got {activation!r}")
@@ -595,11 +579,11 @@ class MoEGate(LearnedNormalizer):
     self.activation = activation
     self.normalizer = "moe_gate" if activation else "softmax"
     self.router = nnx.Linear(in_features, num_experts, rngs=rngs)
-    self.tau_free = nnx.Param(variants.softplus_from_range(float(tau_init), 0.0, _TAU_MARGIN))
+    self.tau_free = nnx.Param(softplus_from_range(float(tau_init), 0.0, _TAU_MARGIN))
 
   def temperature(self) -> jax.Array:
     """``tau = 1e-3 + softplus(z)``, a scalar."""
-    return variants.softplus_to_range(_learned_value(self.tau_free, (), "tau_free", "MoEGate"),
+    return softplus_to_range(_learned_value(self.tau_free, (), "tau_free", "MoEGate"),
                                       0.0, _TAU_MARGIN)
 
   def logits(self, inputs: ArrayLike) -> jax.Array:
@@ -642,16 +626,16 @@ class DirichletCalibration(nnx.Module):
 
   def __init__(self, num_classes: int, *, rngs: nnx.Rngs | None = None):
     del rngs
-    _positive_int(num_classes, "num_classes", "DirichletCalibration")
+    positive_int(num_classes, "num_classes", "DirichletCalibration")
     self.weights = nnx.Param(jnp.eye(num_classes, dtype=jnp.float32))
     self.bias = nnx.Param(jnp.zeros((num_classes,), jnp.float32))
 
   def __call__(self, log_probs: ArrayLike) -> jax.Array:
-    return _calibration.dirichlet_calibration(log_probs, self.weights[...], self.bias[...])
+    return nz.dirichlet_calibration(log_probs, self.weights[...], self.bias[...])
 
   def penalty(self, lambda_od: float = 1.0, lambda_b: float = 1.0) -> jax.Array:
     """The ODIR regulariser of the current W, b."""
-    return _calibration.odir_penalty(self.weights[...], self.bias[...], lambda_od=lambda_od,
+    return nz.odir_penalty(self.weights[...], self.bias[...], lambda_od=lambda_od,
                                      lambda_b=lambda_b)
 
 

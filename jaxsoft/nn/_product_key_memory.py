@@ -9,6 +9,7 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import positive_int
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["ProductKeyMemory", "product_key_topk"]
@@ -82,8 +83,7 @@ class ProductKeyMemory(nnx.Module):
     for arg, val in (("in_features", in_features), ("key_dim", key_dim),
                      ("num_sub_keys", num_sub_keys), ("top_k", top_k), ("value_dim", value_dim),
                      ("num_heads", num_heads)):
-      if isinstance(val, bool) or not isinstance(val, int) or val < 1:
-        raise ValueError(f"ProductKeyMemory: `{arg}` must be a positive int, got {val!r}")
+      positive_int(val, arg, "ProductKeyMemory")
     if key_dim % 2:
       raise ValueError(f"ProductKeyMemory: `key_dim` must be even, got {key_dim}")
     if top_k > num_sub_keys:

@@ -1,4 +1,4 @@
-"""A47 ProductKeyMemory / product_key_topk (jaxsoft/nn/_pkm.py).
+"""A47 ProductKeyMemory / product_key_topk (jaxsoft/nn/_product_key_memory.py).
 
 Oracles: brute-force top-k over all n^2 key sums (numpy float64), and the softmax-weighted
 value sum written out in numpy.
