@@ -46,8 +46,8 @@ from jaxsoft.attention import masks
 from jaxsoft.attention._dense import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
-from jaxsoft.normalizers._pointwise import _sigmoid_numerator
-from jaxsoft.normalizers._softmax import exp_numerator, temperature_score_map
+from jaxsoft.normalizers.spec import exp_numerator, temperature_score_map
+from jaxsoft.normalizers.spec import sigmoid_numerator as _sigmoid_numerator
 
 __all__ = [
     "Aux",

@@ -13,7 +13,14 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
+from jaxsoft.normalizers.spec import (
+    NormalizerSpec,
+    Param,
+    TileRule,
+    identity_score_map,
+    register,
+    sigmoid_numerator,
+)
 
 __all__ = ["sigmoid", "relu", "relu_n", "relu2"]
 
@@ -150,11 +157,6 @@ def _sigmoid_score_map(x, length, bias=None, **_):
   return x + (-_log_length(length) if bias is None else bias)
 
 
-def _sigmoid_numerator(z, m, **_):
-  return jax.nn.sigmoid(z)
-
-
-
 def _per_length_score_map(x, length, **_):
   # relu(x) / n = relu(x / n) for n > 0, so the division moves into the score map.
   return x / jnp.maximum(length, 1.0)
@@ -174,7 +176,7 @@ _POINTWISE: dict[str, Any] = dict(kernel_class="P", catalogue_id="N22", sums_to_
 SPEC_SIGMOID = register(NormalizerSpec(
     name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,
     smooth=True,
-    tile=TileRule(score_map=_sigmoid_score_map, numerator=_sigmoid_numerator),
+    tile=TileRule(score_map=_sigmoid_score_map, numerator=sigmoid_numerator),
     description="sigmoid(x + b), b = -log n", **{**_POINTWISE, "catalogue_id": "N21"}))
 
 SPEC_RELU = register(NormalizerSpec(

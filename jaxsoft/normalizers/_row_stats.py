@@ -20,8 +20,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers import row_blocks as blocks
-from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 

@@ -8,8 +8,13 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers import row_blocks as blocks
-from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers.spec import NormalizerSpec, TileRule, identity_score_map, register
+from jaxsoft.normalizers.spec import (
+    NormalizerSpec,
+    TileRule,
+    exp_numerator,
+    identity_score_map,
+    register,
+)
 
 __all__ = ["sa_softmax", "sa_softmax_normalized"]
 

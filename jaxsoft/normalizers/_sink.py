@@ -14,8 +14,14 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
+from jaxsoft.normalizers.spec import (
+    NormalizerSpec,
+    Param,
+    TileRule,
+    exp_numerator,
+    identity_score_map,
+    register,
+)
 
 __all__ = ["softmax_n", "softmax_1", "softmax_sink"]
 

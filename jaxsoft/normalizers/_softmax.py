@@ -7,7 +7,14 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers.spec import (
+    NormalizerSpec,
+    Param,
+    TileRule,
+    exp_numerator,
+    register,
+    temperature_score_map,
+)
 
 __all__ = ["softmax"]
 
@@ -58,15 +65,6 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   d = jnp.sum(e, axis=axis, keepdims=True)  # >= 1 unless nothing is visible (then e = 0)
   w = e / jnp.where(d > 0, d, 1.0)  # exact zeros where masked, as finish() would give
   return w.astype(c.output_dtype(jnp.asarray(x).dtype))
-
-
-def exp_numerator(z, m, **_):
-  """Class-E numerator and denominator: e^{z - m}."""
-  return jnp.exp(z - m)
-
-
-def temperature_score_map(x, length, temperature=1.0, **_):
-  return x / temperature
 
 
 SPEC = register(NormalizerSpec(

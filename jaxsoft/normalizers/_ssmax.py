@@ -7,8 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._softmax import exp_numerator
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["ssmax"]
 

@@ -14,6 +14,9 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 __all__ = [
     "Param",
     "TileRule",
@@ -27,6 +30,9 @@ __all__ = [
     "names",
     "resolve",
     "identity_score_map",
+    "temperature_score_map",
+    "exp_numerator",
+    "sigmoid_numerator",
 ]
 
 KERNEL_CLASSES = ("E", "S", "P", "R", "T", "X")
@@ -159,9 +165,28 @@ class TileRule:
                        "has no running max")
 
 
+# --- building blocks of tile rules, shared by the normalizers and the Pallas engine ------
+# (the engine recognises them by identity to pick its fast paths)
+
+
 def identity_score_map(x, length, **_):
   """The score map of rules that use the logits as they are."""
   return x
+
+
+def temperature_score_map(x, length, temperature=1.0, **_):
+  """The score map of softmax with temperature: ``x / T``."""
+  return x / temperature
+
+
+def exp_numerator(z, m, **_):
+  """Class-E numerator and denominator: e^{z - m}."""
+  return jnp.exp(z - m)
+
+
+def sigmoid_numerator(z, m, **_):
+  """Class-P numerator of sigmoid attention: sigma(z) (the bias is in the score map)."""
+  return jax.nn.sigmoid(z)
 
 
 @dataclasses.dataclass(frozen=True)
