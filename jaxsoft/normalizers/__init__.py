@@ -16,6 +16,7 @@ from jaxsoft.normalizers._entmax import *
 from jaxsoft.normalizers._fourier_head import *
 from jaxsoft.normalizers._gumbel import *
 from jaxsoft.normalizers._idw import *
+from jaxsoft.normalizers._kernel_softmax import *
 from jaxsoft.normalizers._logsumexp import *
 from jaxsoft.normalizers._moe_gate import *
 from jaxsoft.normalizers._multimax import *
