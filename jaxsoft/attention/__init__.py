@@ -1,47 +1,58 @@
-"""Attention: one entry point for every normalizer and implementation.
+"""Attention: one entry point for every normalizer and implementation, and its variants.
 
 ``dot_product_attention`` is a drop-in superset of ``jax.nn.dot_product_attention`` (the
 same arguments in the same positions, plus ``normalizer``, ``normalizer_params`` and more
 ``implementation`` choices); ``MaskStructure`` describes causal / window / length /
-segment masks without a T x S array (shared with the Pallas kernels); the variants of
-features A03-A10 (``_variants``; ids in docs/feature_ids.md) are built on the entry point;
-KV merging (A48, ``_merge``), top-k attention (A11, ``_topk``), block-sparse attention
-(A12, ``_block_sparse``), LUCID (A14, ``_lucid``), Multi-Token
-Attention (A13, ``_mta``), tensor attention, SOFT and the softmax-free non-local block
-(A24, A26, A27, ``_structured``); Multiscreen screening attention, UniAttn and
-Infinite Self-Attention (A19, A22, A25, ``_tier3``); Polar attention (A20, ``_polar``).
+segment masks without a T x S array (shared with the Pallas kernels); ``dense_logits``
+are the logits every path computes. The variants, one module per concept (feature ids in
+docs/feature_ids.md):
+
+* built on the entry point: Hopfield retrieval (A03, ``_hopfield``), gated attention
+  output (A07, ``_gated``), Forgetting attention with ACP pruning (A08, ``_forgetting``),
+  SSMax / entmax / sparsemax attention with per-head parameters (A09, A10,
+  ``_shortcuts``) and the parameterisations of learned parameters (``_parameters``);
+* other selections of keys: top-k attention (A11, ``_topk``), block-sparse attention
+  (A12, ``_block_sparse``), KV merging (A48, ``_merge``);
+* other maps: Multi-Token Attention (A13, ``_multi_token``), LUCID (A14, ``_lucid``),
+  Multiscreen screening attention (A19, ``_multiscreen``), Polar attention (A20,
+  ``_polar``), UniAttn (A22, ``_uniattn``), tensor attention (A24, ``_tensor``),
+  Infinite Self-Attention (A25, ``_infinite``), SOFT (A26, ``_soft``) and the
+  softmax-free non-local block (A27, ``_nonlocal``).
+
 Inverse-distance attention (A18) is ``dot_product_attention(score="distance",
 normalizer="idw_softmax")``.
 """
 
-# ruff: noqa: F401, F403
-from jaxsoft.attention import _variants
 from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
 from jaxsoft.attention._block_sparse import BLOCK_SPARSE_METHODS, block_sparse_attention
 from jaxsoft.attention._dense import dense_logits
+from jaxsoft.attention._forgetting import (
+    acp_prune_threshold,
+    forget_gate_decay,
+    forgetting_attention,
+)
+from jaxsoft.attention._gated import gated_attention_output
+from jaxsoft.attention._hopfield import hopfield_energy, hopfield_retrieval
+from jaxsoft.attention._infinite import infsa_attention
 from jaxsoft.attention._lucid import lucid_attention, lucid_preconditioned_values
 from jaxsoft.attention._merge import alternating_matching, merge_kv
-from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
+from jaxsoft.attention._multi_token import mta_identity_kernel, multi_token_attention
+from jaxsoft.attention._multiscreen import multiscreen_attention
+from jaxsoft.attention._nonlocal import nonlocal_block
+from jaxsoft.attention._parameters import per_head, softplus_from_range, softplus_to_range
 from jaxsoft.attention._polar import polar_attention
-from jaxsoft.attention._structured import (
-    gaussian_kernel,
-    newton_schulz_pinv,
-    nonlocal_block,
-    soft_attention,
-    tensor_attention,
-)
-from jaxsoft.attention._tier3 import (
-    infsa_attention,
-    multiscreen_attention,
-    uniattn,
-    uniattn_shared_map,
-)
+from jaxsoft.attention._shortcuts import entmax_attention, sparsemax_attention, ssmax_attention
+from jaxsoft.attention._soft import gaussian_kernel, newton_schulz_pinv, soft_attention
+from jaxsoft.attention._tensor import tensor_attention
 from jaxsoft.attention._topk import topk_attention
-from jaxsoft.attention._variants import *
+from jaxsoft.attention._uniattn import uniattn, uniattn_shared_map
 from jaxsoft.attention.masks import MaskStructure
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
-           *_variants.__all__,
+           "hopfield_retrieval", "hopfield_energy", "gated_attention_output",
+           "forget_gate_decay", "forgetting_attention", "acp_prune_threshold",
+           "ssmax_attention", "entmax_attention", "sparsemax_attention",
+           "per_head", "softplus_to_range", "softplus_from_range",
            "merge_kv", "alternating_matching", "topk_attention",
            "block_sparse_attention", "BLOCK_SPARSE_METHODS",
            "lucid_attention", "lucid_preconditioned_values",

@@ -35,7 +35,6 @@ pass (``jax.checkpoint``).
 from __future__ import annotations
 
 import functools
-import numbers
 from typing import Any
 
 import jax
@@ -44,6 +43,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 import kernels_pallas
+from jaxsoft.attention._checks import check_int
 from jaxsoft.attention.call import AttentionCall
 
 __all__ = ["block_sparse_attention", "BLOCK_SPARSE_METHODS"]
@@ -570,14 +570,6 @@ def _pallas_attend(call, lay: _Layout, table, sel, pallas):
       block_sizes=dict(block_q=lay.bs, block_k=lay.bs), block_table=table, row_blocks=sel)
 
 
-def _check_int(value, name: str, low: int, fn: str, high: int | None = None):
-  bad = isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low
-  if bad or (high is not None and value > high):
-    rng = f">= {low}" if high is None else f"in [{low}, {high}]"
-    raise ValueError(f"{fn}: `{name}` must be an int {rng}, got {value!r}")
-  return int(value)
-
-
 def block_sparse_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, *, method: str, block_size: int = 64,
     top_k_blocks: int | None = None, skip_threshold: float | None = None,
@@ -693,7 +685,7 @@ def block_sparse_attention(
     raise ValueError(f"{fn}: `method` must be one of {BLOCK_SPARSE_METHODS}, got {method!r}")
   if jnp.ndim(query) != 4:
     raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
-  bs = _check_int(block_size, "block_size", 1, fn)
+  bs = check_int(block_size, "block_size", 1, fn)
   if implementation not in BLOCK_SPARSE_IMPLEMENTATIONS:
     raise ValueError(f"{fn}: `implementation` must be one of {BLOCK_SPARSE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
@@ -715,16 +707,16 @@ def block_sparse_attention(
     out, kept_tokens = _blasst(lay, tau)
   else:
     if method == "bfla":
-      kb = lay.nk if top_k_blocks is None else _check_int(top_k_blocks, "top_k_blocks", 1, fn)
+      kb = lay.nk if top_k_blocks is None else check_int(top_k_blocks, "top_k_blocks", 1, fn)
       if not 0 < mass_threshold <= 1:
         raise ValueError(f"{fn}: `mass_threshold` must be in (0, 1], got {mass_threshold!r}")
     else:
       if top_k_blocks is None:
         raise ValueError(f"{fn}: method {method!r} needs `top_k_blocks`")
-      kb = _check_int(top_k_blocks, "top_k_blocks", 1, fn)
+      kb = check_int(top_k_blocks, "top_k_blocks", 1, fn)
     kb = min(kb, lay.nk)  # a short sequence (a decoding prefix) keeps all its blocks
     if method == "prism":
-      pairs = max(1, lay.H // 8) if high_frequency_pairs is None else _check_int(
+      pairs = max(1, lay.H // 8) if high_frequency_pairs is None else check_int(
           high_frequency_pairs, "high_frequency_pairs", 1, fn, max(1, lay.H // 2 - 1))
       if lay.H < 4:
         raise ValueError(f"{fn}: method 'prism' needs a head dimension H >= 4, got {lay.H}")

@@ -5,16 +5,20 @@ Every other implementation is a faster way to compute exactly this.
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.masks import MaskStructure
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype, visible_count
 
-__all__ = ["dense_logits", "dense_attention", "row_statistic", "safe_distance"]
+__all__ = ["dense_logits", "dense_weights", "dense_attention", "row_statistic", "safe_distance"]
 
 
 def safe_distance(d2):
@@ -67,6 +71,30 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
   if bias is not None:
     logits = logits + jnp.asarray(bias, cdt)
   return logits
+
+
+def dense_weights(fn: str, query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                  bias: ArrayLike | None, mask: ArrayLike | None, kwargs: Mapping[str, Any],
+                  allowed: Collection[str]) -> tuple[AttentionCall, jax.Array, jax.Array]:
+  """The validated call, its dense weights [B, N, T, S] and their visibility.
+
+  The weights :func:`dot_product_attention` would apply (same validation, masks, GQA and
+  normalizers; float32, float64 for float64 inputs), with exact zeros off the visible set,
+  and the visibility (bool, the same shape): the map the dense variants (UniAttn, InfSA,
+  Polar attention) work on. ``kwargs`` are the caller's other arguments of
+  :func:`dot_product_attention`; a name outside ``allowed`` is a ValueError naming ``fn``.
+  """
+  for name in kwargs:
+    if name not in allowed:
+      raise ValueError(f"{fn}: unexpected argument `{name}`")
+  call = AttentionCall.create(query, key, value, bias=bias, mask=mask, **kwargs)
+  logits = dense_logits(call.q, call.k, scale=call.scale, decay_bias=call.decay_bias,
+                        logits_soft_cap=call.logits_soft_cap, bias=call.bias, score=call.score)
+  visible = jnp.broadcast_to(call.structure.dense(), logits.shape)
+  if call.mask is not None:
+    visible = visible & call.mask
+  weights = call.normalize_fn()(logits, visible).astype(logits.dtype)
+  return call, jnp.where(visible, weights, 0.0), visible
 
 
 def _threshold(rule: _spec.ThresholdRule, x, visible, n, hp):

@@ -10,19 +10,13 @@ import numbers
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import concrete
+from jaxsoft.attention._checks import check_int
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["merge_kv", "alternating_matching"]
-
-
-def _concrete(x):
-  try:
-    return np.asarray(x)
-  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-    return None
 
 
 def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
@@ -92,15 +86,12 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
   if a.ndim != 2 or a.shape[1] != S or a.shape[0] not in (1, B):
     raise ValueError(f"{fn}: `assignment` must have shape [B, S] = [{B}, {S}] or [S], got {a.shape}")
   a = jnp.broadcast_to(a, (B, S)).astype(jnp.int32)
-  values = _concrete(a)
+  values = concrete(a)
   if num_clusters is None:
     if values is None:
       raise ValueError(f"{fn}: `num_clusters` must be given when `assignment` is traced (jit)")
     num_clusters = int(values.max()) + 1 if values.size else 1
-  if (isinstance(num_clusters, bool) or not isinstance(num_clusters, numbers.Integral)
-      or num_clusters < 1):
-    raise ValueError(f"{fn}: `num_clusters` must be an int >= 1, got {num_clusters!r}")
-  C = int(num_clusters)
+  C = check_int(num_clusters, "num_clusters", 1, fn)
   if values is not None and values.size and (values.min() < 0 or values.max() >= C):
     raise ValueError(
         f"{fn}: `assignment` values must lie in [0, num_clusters) = [0, {C}), got "
@@ -145,9 +136,7 @@ def alternating_matching(key: ArrayLike, *, chunk_size: int, num_merges: int) ->
     raise ValueError(
         f"{fn}: `chunk_size` must be an even int >= 2 dividing S={S}, got {chunk_size!r}")
   half = chunk_size // 2
-  if isinstance(num_merges, bool) or not isinstance(num_merges, numbers.Integral) or not (
-      0 <= num_merges <= half):
-    raise ValueError(f"{fn}: `num_merges` must be an int in [0, {half}], got {num_merges!r}")
+  check_int(num_merges, "num_merges", 0, fn, half)
   nc = S // chunk_size
   kc = k.astype(compute_dtype(k.dtype))
   kc = kc / jnp.maximum(jnp.linalg.norm(kc, axis=-1, keepdims=True), 1e-12)

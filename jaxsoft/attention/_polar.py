@@ -17,31 +17,14 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete as _concrete
-from jaxsoft.attention._dense import dense_logits, safe_distance
-from jaxsoft.attention._variants import per_head
-from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention._dense import dense_weights, safe_distance
+from jaxsoft.attention._parameters import per_head
 
 __all__ = ["polar_attention"]
 
 _ALLOWED = frozenset({
     "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
     "segment_ids", "logits_soft_cap", "normalizer", "normalizer_params", "decay_bias", "score"})
-
-
-def _weights(fn: str, query, key, value, bias, mask, kwargs: dict[str, Any]):
-  """The validated call, its dense weights [B, N, T, S] (exact zeros off the visible set)
-  and the visibility (bool, same shape), as :func:`dot_product_attention` would use."""
-  for name in kwargs:
-    if name not in _ALLOWED:
-      raise ValueError(f"{fn}: unexpected argument `{name}`")
-  call = AttentionCall.create(query, key, value, bias=bias, mask=mask, **kwargs)
-  logits = dense_logits(call.q, call.k, scale=call.scale, decay_bias=call.decay_bias,
-                        logits_soft_cap=call.logits_soft_cap, bias=call.bias, score=call.score)
-  visible = jnp.broadcast_to(call.structure.dense(), logits.shape)
-  if call.mask is not None:
-    visible = visible & call.mask
-  weights = call.normalize_fn()(logits, visible).astype(logits.dtype)
-  return call, jnp.where(visible, weights, 0.0), visible
 
 
 def _per_head_rows(value, num_heads: int, name: str, fn: str):
@@ -126,7 +109,7 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   heads = jnp.shape(query)[-2] if jnp.ndim(query) >= 2 else 1
   a = _per_head_rows(magnitude_slope, heads, "magnitude_slope", fn)
   b = _per_head_rows(magnitude_bias, heads, "magnitude_bias", fn)
-  call, w, visible = _weights(fn, query, key, value, bias, mask, kwargs)
+  call, w, visible = dense_weights(fn, query, key, value, bias, mask, kwargs, _ALLOWED)
   B, T, N, _ = call.q.shape
   K = call.k.shape[2]
   cdt = w.dtype

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxsoft.attention._checks import check_int
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.masks import MaskStructure, positions_visible
@@ -268,8 +269,7 @@ def topk_attention(
   if implementation not in (None, "xla", "xla_chunked"):
     raise ValueError(
         f"{fn}: `implementation` must be None, 'xla' or 'xla_chunked', got {implementation!r}")
-  if isinstance(block_k, bool) or not isinstance(block_k, numbers.Integral) or block_k < 1:
-    raise ValueError(f"{fn}: `block_k` must be an int >= 1, got {block_k!r}")
+  check_int(block_k, "block_k", 1, fn)
   if jnp.ndim(query) != 4:
     raise ValueError(f"{fn}: `query` must have shape [B, T, N, H], got {jnp.shape(query)}")
   call = AttentionCall.create(

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxsoft.attention._checks import check_int
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention.call import AttentionCall
 
@@ -111,8 +112,7 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   if implementation not in ("xla", "xla_chunked"):
     raise ValueError(
         f"{fn}: `implementation` must be 'xla' or 'xla_chunked', got {implementation!r}")
-  if isinstance(block_q, bool) or not isinstance(block_q, int) or block_q < 1:
-    raise ValueError(f"{fn}: `block_q` must be an int >= 1, got {block_q!r}")
+  check_int(block_q, "block_q", 1, fn)
   bq = T if implementation == "xla" else min(block_q, T)
   nq = -(-T // bq)
   cq = kernel.shape[1]

@@ -1,4 +1,4 @@
-"""A13 multi_token_attention (jaxsoft/attention/_mta.py).
+"""A13 multi_token_attention (jaxsoft/attention/_multi_token.py).
 
 Oracles: a float64 reference written with explicit shifts and loops (no convolution
 primitive) for values and autodiff gradients; jax.test_util.check_grads; standard attention
@@ -13,8 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.attention import dot_product_attention
-from jaxsoft.attention._mta import mta_identity_kernel, multi_token_attention
+from jaxsoft.attention import dot_product_attention, mta_identity_kernel, multi_token_attention
 from tests.attention.test_topk import largest_intermediate
 from tests.helpers import check_raises, make_qkv
 

@@ -1,0 +1,131 @@
+"""Modern-Hopfield retrieval with any normalizer (feature A03; OutEffHop).
+
+:func:`hopfield_retrieval` iterates ``xi <- Xi · normalizer(beta Xi^T xi)`` (one step is
+attention of the state over the stored patterns); :func:`hopfield_energy` is the energy
+each ``softmax`` / ``softmax_1`` step does not increase.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.typing import ArrayLike
+
+from jaxsoft._validation import check_positive
+from jaxsoft.attention._checks import check_int
+from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import spec
+
+__all__ = ["hopfield_retrieval", "hopfield_energy"]
+
+
+def _row_normalize(normalizer, z, where, normalizer_params, fn_name: str):
+  """Applies a normalizer given as a registered name, a NormalizerSpec or a callable."""
+  fn = spec.resolve(normalizer)
+  params = dict(normalizer_params or {})
+  if isinstance(fn, spec.NormalizerSpec):
+    if fn.needs_key:
+      raise ValueError(
+          f"{fn_name}: `normalizer` {fn.name!r} needs a PRNG key; pass a callable that closes "
+          "over one")
+    fn.validate(params)
+  return fn(z, axis=-1, where=where, **params)
+
+
+def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
+                       num_iters: int = 1,
+                       normalizer: str | spec.NormalizerSpec | Callable[..., Any] = "softmax_1",
+                       normalizer_params: Mapping[str, Any] | None = None,
+                       where: ArrayLike | None = None) -> jax.Array:
+  r"""Modern-Hopfield retrieval, iterated (feature A03; OutEffHop, J. Hu et al. 2024).
+
+  OutEffHop is from J. Hu et al., "Outlier-Efficient Hopfield Layers for Large
+  Transformer-Based Models" (ICML 2024, arXiv 2404.03828).
+
+  With the stored patterns :math:`\Xi = [\xi^1, \dots, \xi^M]` (the rows of ``memory``)
+  and a state :math:`\xi`, each iteration applies
+
+  .. math:: \xi \leftarrow \Xi \, f(\beta\, \Xi^\top \xi)
+
+  where ``f`` is the normalizer over the M patterns: ``softmax`` is the modern Hopfield
+  network of H. Ramsauer et al., "Hopfield Networks is All You Need" (ICLR 2021, arXiv
+  2008.02217), whose one step is attention; ``softmax_1`` (the default,
+  :math:`e^{z_i} / (1 + \sum_j e^{z_j})`) is OutEffHop, whose implicit zero logit lets a
+  state that matches no pattern retrieve (nearly) nothing. Any registered normalizer (a
+  name, a NormalizerSpec) or a callable ``f(z, axis=-1, where=None, **params)`` works; for
+  ``softmax`` and ``softmax_1`` each step does not increase :func:`hopfield_energy`
+  (the update is the concave-convex procedure on it).
+
+  Args:
+    query_state: states ``[..., Q, d]`` (Q states retrieved at once).
+    memory: patterns ``[..., M, d]``; leading dimensions broadcast with ``query_state``.
+    beta: inverse temperature > 0 (a scalar or an array broadcast to ``[..., Q, 1]``).
+    num_iters: number of update steps, a static int >= 1.
+    normalizer: the normalizer over patterns (default ``"softmax_1"``).
+    normalizer_params: extra hyperparameters of the normalizer.
+    where: optional boolean mask broadcast to ``[..., Q, M]``: which patterns are stored.
+
+  Returns:
+    The state after ``num_iters`` updates, ``[..., Q, d]`` in ``query_state``'s dtype
+    (computed in float32 for bf16/fp16). Differentiable in all array arguments.
+  """
+  fn_name = "hopfield_retrieval"
+  check_int(num_iters, "num_iters", 1, fn_name)
+  xi = jnp.asarray(query_state)
+  mem = jnp.asarray(memory)
+  if xi.ndim < 2 or mem.ndim < 2:
+    raise ValueError(
+        f"{fn_name}: `query_state` [..., Q, d] and `memory` [..., M, d] need rank >= 2, got "
+        f"{xi.shape} and {mem.shape}")
+  if xi.shape[-1] != mem.shape[-1]:
+    raise ValueError(
+        f"{fn_name}: `query_state` and `memory` must share the pattern dimension d, got "
+        f"{xi.shape[-1]} and {mem.shape[-1]}")
+  check_positive(beta, "beta", fn_name)
+  out_dtype = xi.dtype
+  cdt = c.compute_dtype(jnp.result_type(xi.dtype, mem.dtype))
+  xi = xi.astype(cdt)
+  mem = mem.astype(cdt)
+  beta = jnp.asarray(beta, cdt)
+
+  def step(_, state):
+    z = beta * jnp.einsum("...qd,...md->...qm", state, mem)
+    w = _row_normalize(normalizer, z, where, normalizer_params, fn_name).astype(cdt)
+    return jnp.einsum("...qm,...md->...qd", w, mem)
+
+  # The first step also broadcasts the state against memory's leading dimensions, so the
+  # loop carry has a fixed shape.
+  xi = step(0, xi)
+  xi = jax.lax.fori_loop(1, num_iters, step, xi)
+  return xi.astype(out_dtype)
+
+
+def hopfield_energy(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
+                    offset: float = 1.0) -> jax.Array:
+  r"""The Hopfield energy that :func:`hopfield_retrieval` descends (softmax / softmax_1).
+
+  .. math::
+    E(\xi) = -\frac{1}{\beta} \log\Big(c + \sum_{i=1}^{M} e^{\beta \langle \xi^i, \xi\rangle}
+    \Big) + \tfrac12 \langle \xi, \xi \rangle
+
+  with ``offset`` :math:`c = 1` for OutEffHop's ``softmax_1`` (``lse_1``) and ``c = 0`` for
+  the modern Hopfield network (``softmax``). Returns ``[..., Q]`` in float32 (or float64).
+  """
+  if offset < 0:
+    raise ValueError(f"hopfield_energy: `offset` must be >= 0, got {offset}")
+  xi = jnp.asarray(query_state)
+  mem = jnp.asarray(memory)
+  cdt = c.compute_dtype(jnp.result_type(xi.dtype, mem.dtype))
+  xi = xi.astype(cdt)
+  mem = mem.astype(cdt)
+  beta = jnp.asarray(beta, cdt)
+  z = beta * jnp.einsum("...qd,...md->...qm", xi, mem)
+  if offset > 0:
+    z = jnp.concatenate([z, jnp.full(z.shape[:-1] + (1,), math.log(offset), cdt)], axis=-1)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  beta_row = jnp.broadcast_to(beta, z.shape[:-1] + (1,))[..., 0]
+  return -lse / beta_row + 0.5 * jnp.sum(xi * xi, axis=-1)
