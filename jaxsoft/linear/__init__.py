@@ -48,7 +48,7 @@ from jaxsoft.linear._delta_rule import (
     gated_delta_rule_step,
     l2_normalize,
 )
-from jaxsoft.linear._features import favor_feature_map, taylor_features
+from jaxsoft.linear._features import FEATURE_MAPS, favor_feature_map, taylor_features
 from jaxsoft.linear._gla import gla, gla_step, simple_gla, simple_gla_step
 from jaxsoft.linear._hedgehog import (
     hedgehog_attention_weights,
@@ -58,7 +58,7 @@ from jaxsoft.linear._hedgehog import (
 )
 from jaxsoft.linear._interdomain import interdomain_attention, interdomain_attention_step
 from jaxsoft.linear._lightning import lightning_attention, lightning_attention_step, lightning_decay
-from jaxsoft.linear._linear_attention import FEATURE_MAPS, linear_attention, linear_attention_step
+from jaxsoft.linear._linear_attention import linear_attention, linear_attention_step
 from jaxsoft.linear._mala import mala, mala_step
 from jaxsoft.linear._mhla import mhla, mhla_step
 from jaxsoft.linear._native_hybrid import native_hybrid_attention, native_hybrid_attention_step

@@ -99,15 +99,11 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
   V = call.v.shape[-1]
   if isinstance(strength, bool) or not isinstance(strength, (int, float)):
     raise ValueError(f"{fn_name}: `strength` must be a float, got {strength!r}")
-  if g is not None:
-    g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
-  if beta is not None:
-    beta = _checks.check_beta(beta, (B, T, N), fn_name)
+  g, beta = _checks.check_decay_and_beta(g, beta, (B, T, N), fn_name)
   S0 = M0 = None
   if initial_state is not None:
-    if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-      raise ValueError(f"{fn_name}: `initial_state` must be a pair (S [B, N, K, V], "
-                       f"M [B, N, K + 1, K + 1]) or None")
+    _checks.check_tuple(initial_state, 2, "initial_state", fn_name,
+                        "a pair (S [B, N, K, V], M [B, N, K + 1, K + 1])")
     S0 = _checks.check_state(initial_state[0], (B, N, K, V), fn_name)
     M0 = _checks.check_state(initial_state[1], (B, N, K + 1, K + 1), fn_name)
   cq, M_T = curvature_query(call, call.q, call.k, g, M0)
@@ -141,15 +137,11 @@ def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = Non
   V = v0.shape[-1]
   if state is None:
     state = (jnp.zeros((B, N, K, V), jnp.float32), jnp.zeros((B, N, K + 1, K + 1), jnp.float32))
-  if not (isinstance(state, (tuple, list)) and len(state) == 2):
-    raise ValueError(f"{fn_name}: `state` must be a pair (S, M) or None")
+  _checks.check_tuple(state, 2, "state", fn_name, "a pair (S, M)")
   (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state[0],
                                                          scale=scale)
   M = _checks.check_state(state[1], (B, N, K + 1, K + 1), fn_name, "state")
-  if g is not None:
-    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
-  if beta is not None:
-    beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
+  g, beta = _checks.check_decay_and_beta(g, beta, (B, N), fn_name)
   k1 = jnp.concatenate([kf, jnp.ones_like(kf[..., :1])], axis=-1)
   if g is not None:
     M = M * jnp.exp(g)[..., None, None]

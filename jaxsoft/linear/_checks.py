@@ -8,6 +8,7 @@ only; traced values (under ``jit`` or ``grad``) are checked for shape and dtype 
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -15,71 +16,72 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoft._validation import concrete, positive_int
+
 __all__ = [
     "IMPLEMENTATIONS",
+    "check_floating",
     "check_qkv",
     "check_qkv_step",
     "check_gate",
     "check_beta",
+    "check_decay_and_beta",
     "check_gate_logits",
     "check_state",
+    "check_optional_state",
+    "check_tuple",
     "check_segment_ids",
     "check_chunk_size",
     "check_implementation",
+    "check_forms",
+    "check_eps",
+    "check_int",
+    "check_positive_number",
     "resolve_scale",
 ]
 
 IMPLEMENTATIONS = ("parallel", "recurrent", "chunked", "pallas")
 
-def _concrete(x) -> np.ndarray | None:
-  """``x`` as a float64 numpy array, or None when it is traced."""
-  try:
-    return np.asarray(x, dtype=np.float64)
-  except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
 
-
-def _floating(x, name: str, fn_name: str) -> jax.Array:
+def check_floating(x, name: str, fn_name: str) -> jax.Array:
+  """``x`` as a JAX array of a floating dtype."""
   x = jnp.asarray(x)
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{fn_name}: `{name}` must be a floating array, got dtype {x.dtype}")
   return x
 
 
+def _check_qkv(q, k, v, fn_name: str, lead: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``q, k [lead..., K]`` and ``v [lead..., V]`` with ``lead`` ``"B, T, N"`` or ``"B, N"``."""
+  q, k, v = (check_floating(t, n, fn_name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
+  ndim = lead.count(",") + 2
+  for t, name, last in ((q, "q", "K"), (k, "k", "K"), (v, "v", "V")):
+    if t.ndim != ndim:
+      raise ValueError(f"{fn_name}: `{name}` must have shape [{lead}, {last}], got {t.shape}")
+  if k.shape != q.shape:
+    raise ValueError(f"{fn_name}: `k` of shape {k.shape} must match `q` [{lead}, K] = {q.shape}")
+  if v.shape[:-1] != q.shape[:-1]:
+    raise ValueError(
+        f"{fn_name}: `v` of shape {v.shape} must match `q` in [{lead}] = {q.shape[:-1]}")
+  return q, k, v
+
+
 def check_qkv(q, k, v, fn_name: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``q, k [B, T, N, K]`` and ``v [B, T, N, V]``: floating, 4-D, matching."""
-  q, k, v = (_floating(t, n, fn_name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-  for t, name, last in ((q, "q", "K"), (k, "k", "K"), (v, "v", "V")):
-    if t.ndim != 4:
-      raise ValueError(f"{fn_name}: `{name}` must have shape [B, T, N, {last}], got {t.shape}")
-  if k.shape != q.shape:
-    raise ValueError(
-        f"{fn_name}: `k` of shape {k.shape} must match `q` [B, T, N, K] = {q.shape}")
-  if v.shape[:3] != q.shape[:3]:
-    raise ValueError(
-        f"{fn_name}: `v` of shape {v.shape} must match `q` in [B, T, N] = {q.shape[:3]}")
-  return q, k, v
+  return _check_qkv(q, k, v, fn_name, "B, T, N")
 
 
 def check_qkv_step(q, k, v, fn_name: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One decoding step: ``q, k [B, N, K]`` and ``v [B, N, V]``."""
-  q, k, v = (_floating(t, n, fn_name) for t, n in ((q, "q"), (k, "k"), (v, "v")))
-  for t, name, last in ((q, "q", "K"), (k, "k", "K"), (v, "v", "V")):
-    if t.ndim != 3:
-      raise ValueError(f"{fn_name}: `{name}` must have shape [B, N, {last}], got {t.shape}")
-  if k.shape != q.shape:
-    raise ValueError(f"{fn_name}: `k` of shape {k.shape} must match `q` [B, N, K] = {q.shape}")
-  if v.shape[:2] != q.shape[:2]:
-    raise ValueError(f"{fn_name}: `v` of shape {v.shape} must match `q` in [B, N] = {q.shape[:2]}")
-  return q, k, v
+  return _check_qkv(q, k, v, fn_name, "B, N")
 
 
 def check_gate(g, shape: tuple[int, ...], layout: str, fn_name: str, name: str = "g") -> jax.Array:
   """A log-space decay of the given shape, ``<= 0`` (and not NaN) where concrete."""
-  g = _floating(g, name, fn_name)
+  g = check_floating(g, name, fn_name)
   if g.shape != tuple(shape):
     raise ValueError(f"{fn_name}: `{name}` must have shape {layout} = {list(shape)}, got {g.shape}")
-  values = _concrete(g)
+  values = concrete(g, np.float64)
   if values is not None and not np.all(np.isfinite(values) & (values <= 0.0)):
     bad = values[~(np.isfinite(values) & (values <= 0.0))]
     raise ValueError(
@@ -90,11 +92,11 @@ def check_gate(g, shape: tuple[int, ...], layout: str, fn_name: str, name: str =
 
 def check_beta(beta, shape: tuple[int, ...], fn_name: str) -> jax.Array:
   """The delta-rule write strength ``[B, T, N]`` (or ``[B, N]`` for a step), in ``[0, 2]``."""
-  beta = _floating(beta, "beta", fn_name)
+  beta = check_floating(beta, "beta", fn_name)
   if beta.shape != tuple(shape):
     layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
     raise ValueError(f"{fn_name}: `beta` must have shape {layout} = {list(shape)}, got {beta.shape}")
-  values = _concrete(beta)
+  values = concrete(beta, np.float64)
   if values is not None and not np.all((values >= 0.0) & (values <= 2.0)):
     raise ValueError(
         f"{fn_name}: `beta` must lie in [0, 2] (values in (1, 2] give the transition "
@@ -103,13 +105,25 @@ def check_beta(beta, shape: tuple[int, ...], fn_name: str) -> jax.Array:
   return beta
 
 
+def check_decay_and_beta(g, beta, shape: tuple[int, ...],
+                         fn_name: str) -> tuple[jax.Array | None, jax.Array | None]:
+  """A backbone's optional scalar log decays ``g`` and delta-rule strengths ``beta``, both
+  of ``shape`` (``[B, T, N]``, or ``[B, N]`` for a step): float32, or None."""
+  if g is not None:
+    layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
+    g = check_gate(g, shape, layout, fn_name).astype(jnp.float32)
+  if beta is not None:
+    beta = check_beta(beta, shape, fn_name).astype(jnp.float32)
+  return g, beta
+
+
 def check_gate_logits(x, shape: tuple[int, ...], fn_name: str, name: str) -> jax.Array:
   """Real-valued gate logits (or coefficients) of the given shape, finite where concrete;
   float32 is returned."""
-  x = _floating(x, name, fn_name)
+  x = check_floating(x, name, fn_name)
   if x.shape != tuple(shape):
     raise ValueError(f"{fn_name}: `{name}` must have shape {list(shape)}, got {x.shape}")
-  values = _concrete(x)
+  values = concrete(x, np.float64)
   if values is not None and not np.all(np.isfinite(values)):
     raise ValueError(f"{fn_name}: `{name}` must be finite")
   return x.astype(jnp.float32)
@@ -118,11 +132,23 @@ def check_gate_logits(x, shape: tuple[int, ...], fn_name: str, name: str) -> jax
 def check_state(state, shape: tuple[int, ...], fn_name: str,
                 name: str = "initial_state") -> jax.Array:
   """A state ``[B, N, K, V]`` (float32 is returned)."""
-  state = _floating(state, name, fn_name)
+  state = check_floating(state, name, fn_name)
   if state.shape != tuple(shape):
     raise ValueError(
         f"{fn_name}: `{name}` must have shape [B, N, K, V] = {list(shape)}, got {state.shape}")
   return state.astype(jnp.float32)
+
+
+def check_optional_state(state, shape: tuple[int, ...], fn_name: str,
+                         name: str = "initial_state") -> jax.Array | None:
+  """None, or :func:`check_state`'s float32 state."""
+  return None if state is None else check_state(state, shape, fn_name, name)
+
+
+def check_tuple(value: Any, length: int, name: str, fn_name: str, form: str) -> None:
+  """A state made of ``length`` parts (a tuple or a list); ``form`` describes it in the error."""
+  if not (isinstance(value, (tuple, list)) and len(value) == length):
+    raise ValueError(f"{fn_name}: `{name}` must be {form} or None")
 
 
 def check_segment_ids(segment_ids, shape: tuple[int, int], fn_name: str) -> jax.Array | None:
@@ -139,10 +165,30 @@ def check_segment_ids(segment_ids, shape: tuple[int, int], fn_name: str) -> jax.
 
 
 def check_chunk_size(chunk_size: Any, fn_name: str) -> int:
-  if (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
-      or chunk_size < 1):
-    raise ValueError(f"{fn_name}: `chunk_size` must be a positive int, got {chunk_size!r}")
-  return int(chunk_size)
+  """A positive int."""
+  return positive_int(chunk_size, "chunk_size", fn_name)
+
+
+def check_eps(eps: Any, fn_name: str) -> float:
+  """A denominator floor: a Python number > 0."""
+  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+    raise ValueError(f"{fn_name}: `eps` must be a positive float, got {eps!r}")
+  return float(eps)
+
+
+def check_int(value: Any, name: str, fn_name: str, low: int = 0) -> int:
+  """A Python or NumPy int ``>= low`` (bools refused)."""
+  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+    raise ValueError(f"{fn_name}: `{name}` must be an int >= {low}, got {value!r}")
+  return int(value)
+
+
+def check_positive_number(value: Any, name: str, fn_name: str) -> float:
+  """A static real number, finite and > 0 (bools refused)."""
+  if (isinstance(value, bool) or not isinstance(value, numbers.Real)
+      or not math.isfinite(value) or value <= 0):
+    raise ValueError(f"{fn_name}: `{name}` must be a positive finite number, got {value!r}")
+  return float(value)
 
 
 def check_implementation(implementation: Any, T: int, chunk_size: int, fn_name: str,
@@ -171,11 +217,22 @@ def check_implementation(implementation: Any, T: int, chunk_size: int, fn_name: 
   return str(implementation)
 
 
+def check_forms(implementation: Any, forms: tuple[str, ...], default: str, fn_name: str) -> str:
+  """``implementation`` for a variant with only some of the forms: one of ``forms``, or
+  None for ``default``."""
+  if implementation is None:
+    return default
+  if implementation not in forms:
+    raise ValueError(f"{fn_name}: `implementation` must be {', '.join(map(repr, forms))} or "
+                     f"None, got {implementation!r}")
+  return str(implementation)
+
+
 def resolve_scale(scale: Any, K: int, fn_name: str) -> Any:
   """``scale`` or the default ``K ** -0.5``."""
   if scale is None:
     return K ** -0.5
-  values = _concrete(scale)
+  values = concrete(scale, np.float64)
   if values is not None and (values.ndim != 0 or not np.isfinite(values)):
     raise ValueError(f"{fn_name}: `scale` must be a finite scalar, got {scale!r}")
   return scale

@@ -19,8 +19,6 @@ sequence you will generate and pass the same value to the full call and to the s
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any
 
 import jax
@@ -28,12 +26,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import concrete
 from jaxsoft.linear import _checks, _linear_attention
 
 __all__ = ["cosformer", "cosformer_step"]
 
 
-def _features(x: jax.Array, position: jax.Array, max_len: float) -> jax.Array:
+def _position_features(x: jax.Array, position: jax.Array, max_len: float) -> jax.Array:
   """``[relu(x) cos a, relu(x) sin a]``, ``a = π position / (2 max_len)``; ``position``
   broadcasts against ``x[..., 0]``."""
   a = (jnp.pi / (2.0 * max_len)) * position.astype(jnp.float32)
@@ -42,21 +41,12 @@ def _features(x: jax.Array, position: jax.Array, max_len: float) -> jax.Array:
 
 
 def _check_max_len(max_len: Any, longest: int | None, fn_name: str) -> float:
-  if (isinstance(max_len, bool) or not isinstance(max_len, numbers.Real)
-      or not math.isfinite(max_len) or max_len <= 0):
-    raise ValueError(f"{fn_name}: `max_len` must be a positive finite number, got {max_len!r}")
-  if longest is not None and max_len < longest:
+  M = _checks.check_positive_number(max_len, "max_len", fn_name)
+  if longest is not None and M < longest:
     raise ValueError(
         f"{fn_name}: `max_len` must be >= the largest query-key distance start_position + "
         f"T - 1 = {longest} (else cos((π/2)(i - j)/M) < 0), got {max_len}")
-  return float(max_len)
-
-
-def _check_start(start_position: Any, fn_name: str) -> int:
-  if (isinstance(start_position, bool) or not isinstance(start_position, numbers.Integral)
-      or start_position < 0):
-    raise ValueError(f"{fn_name}: `start_position` must be an int >= 0, got {start_position!r}")
-  return int(start_position)
+  return M
 
 
 def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None = None,
@@ -100,14 +90,14 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
     Array([0.    , 0.5858], dtype=float32)
   """
   fn_name = "cosformer"
-  eps = _linear_attention._check_eps(eps, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   T = q.shape[1]
-  start = _check_start(start_position, fn_name)
+  start = _checks.check_int(start_position, "start_position", fn_name)
   M = _check_max_len(start + T if max_len is None else max_len, start + T - 1, fn_name)
   pos = (start + jnp.arange(T))[None, :, None]                      # [1, T, 1]
-  fq, fk = _features(q, pos, M), _features(k, pos, M)
+  fq, fk = _position_features(q, pos, M), _position_features(k, pos, M)
   return _linear_attention.mapped_attention(
       fn_name, fq, fk, v, dtype, normalize=normalize, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, segment_ids=segment_ids,
@@ -142,7 +132,7 @@ def cosformer_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, 
     Array([[[0.5858]]], dtype=float32)
   """
   fn_name = "cosformer_step"
-  eps = _linear_attention._check_eps(eps, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
   M = _check_max_len(max_len, None, fn_name)
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
@@ -151,10 +141,10 @@ def cosformer_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, 
     raise ValueError(
         f"{fn_name}: `position` must be an int or [B] = [{q.shape[0]}] ints, got "
         f"{pos.shape} {pos.dtype}")
-  values = _checks._concrete(pos)
+  values = concrete(pos, np.float64)
   if values is not None and not np.all((values >= 0) & (values <= M)):
     raise ValueError(f"{fn_name}: `position` must lie in [0, max_len = {M}], got {values}")
   pos = jnp.broadcast_to(pos, (q.shape[0],))[:, None]                # [B, 1]
-  fq, fk = _features(q, pos, M), _features(k, pos, M)
+  fq, fk = _position_features(q, pos, M), _position_features(k, pos, M)
   return _linear_attention.mapped_step(fn_name, fq, fk, v, state, dtype, normalize=normalize,
                                        scale=scale, eps=eps)

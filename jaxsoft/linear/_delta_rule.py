@@ -50,8 +50,7 @@ def _delta(fn_name: str, gated: bool, q, k, v, g, beta, *, scale, initial_state,
   if gated:
     g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
   beta = _checks.check_beta(beta, (B, T, N), fn_name)
-  S0 = None if initial_state is None else _checks.check_state(
-      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
   q, k = call.q, call.k
   if qk_l2norm:
     q, k = l2_normalize(q), l2_normalize(k)

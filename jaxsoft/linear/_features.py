@@ -1,5 +1,10 @@
-r"""Feature maps for :func:`jaxsoft.linear.linear_attention` beyond elementwise ones.
+r"""Feature maps of the linear-attention family: the named ones, and the two that are more
+than an elementwise function.
 
+* ``FEATURE_MAPS``: the maps a variant's ``feature_map=`` accepts by name (``"elu1"``,
+  ``"relu"``, ``"identity"``, ``"taylor"``); :func:`resolve` turns a name or a callable
+  into the map and :func:`apply` checks ``q, k, v`` and maps ``q`` and ``k``, for every
+  variant that takes a ``feature_map`` (linear attention, MALA, MHLA, RALA, interdomain).
 * :func:`taylor_features`: ``φ(x) = [x^{⊗i} / \sqrt{i!}]_{i=0..m}`` so that
   ``φ(q) · φ(k) = Σ_{i<=m} (q·k)^i / i!``, the order-m Taylor polynomial of ``exp(q·k)``.
 * :func:`favor_feature_map`: Performer's FAVOR+ positive orthogonal random features, an
@@ -10,22 +15,17 @@ r"""Feature maps for :func:`jaxsoft.linear.linear_attention` beyond elementwise 
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
-__all__ = ["taylor_features", "favor_feature_map", "check_order"]
+from jaxsoft._validation import positive_int
+from jaxsoft.linear import _checks
 
-
-def check_order(order, fn_name: str) -> int:
-  """The Taylor order: an int ``>= 0``."""
-  if isinstance(order, bool) or not isinstance(order, (int, np.integer)) or order < 0:
-    raise ValueError(f"{fn_name}: `order` must be an int >= 0, got {order!r}")
-  return int(order)
+__all__ = ["taylor_features", "favor_feature_map", "FEATURE_MAPS", "resolve", "apply"]
 
 
 def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
@@ -56,7 +56,7 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
     >>> taylor_features(q) @ taylor_features(k), 1 + (q @ k) + (q @ k) ** 2 / 2
     (Array(0.625, dtype=float32), Array(0.625, dtype=float32))
   """
-  order = check_order(order, "taylor_features")
+  order = _checks.check_int(order, "order", "taylor_features")
   x = jnp.asarray(x)
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
   power = jnp.ones(x.shape[:-1] + (1,), x.dtype)
@@ -65,12 +65,6 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
     power = (power[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (-1,))
     parts.append(power / math.sqrt(math.factorial(i)))
   return jnp.concatenate(parts, axis=-1)
-
-
-def _check_positive_int(value, name: str, fn_name: str) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{fn_name}: `{name}` must be a positive int, got {value!r}")
-  return int(value)
 
 
 def _orthogonal_gaussian(key: jax.Array, m: int, d: int) -> jax.Array:
@@ -130,16 +124,12 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
                                           or (key.dtype == jnp.uint32 and key.shape == (2,)))):
     raise ValueError(f"{fn_name}: `key` must be a JAX PRNG key (jax.random.key(seed)), got "
                      f"{type(key).__name__} {getattr(key, 'dtype', '')}")
-  d = _check_positive_int(head_dim, "head_dim", fn_name)
-  m = _check_positive_int(num_features, "num_features", fn_name)
-  if scale is None:
-    scale = d ** -0.5
-  if (isinstance(scale, bool) or not isinstance(scale, numbers.Real)
-      or not (math.isfinite(float(scale)) and float(scale) > 0)):
-    raise ValueError(f"{fn_name}: `scale` must be a positive finite number, got {scale!r}")
+  d = positive_int(head_dim, "head_dim", fn_name)
+  m = positive_int(num_features, "num_features", fn_name)
+  scale = _checks.check_positive_number(d ** -0.5 if scale is None else scale, "scale", fn_name)
   W = (_orthogonal_gaussian(key, m, d) if orthogonal
        else jax.random.normal(key, (m, d), jnp.float32))
-  root = math.sqrt(float(scale))
+  root = math.sqrt(scale)
 
   def phi(x: jax.Array) -> jax.Array:
     x = jnp.asarray(x)
@@ -151,3 +141,48 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
     return jnp.exp(proj - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)) / math.sqrt(m)
 
   return phi
+
+
+def _elu1(x: jax.Array) -> jax.Array:
+  return jax.nn.elu(x) + 1.0
+
+
+FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "elu1": _elu1,            # Katharopoulos et al. 2020: elu(x) + 1 > 0
+    "relu": jax.nn.relu,
+    "identity": lambda x: x,
+    # order-2 Taylor features of exp(q·k) (feature A40); scale q first, see taylor_linear_attention
+    "taylor": taylor_features,
+}
+
+
+def resolve(feature_map: Any, fn_name: str) -> Callable[[jax.Array], jax.Array]:
+  """A callable ``feature_map`` as it is, or the map ``FEATURE_MAPS`` names."""
+  if callable(feature_map):
+    return feature_map
+  if isinstance(feature_map, str) and feature_map in FEATURE_MAPS:
+    return FEATURE_MAPS[feature_map]
+  raise ValueError(
+      f"{fn_name}: `feature_map` must be one of {sorted(FEATURE_MAPS)} or a callable, got "
+      f"{feature_map!r}")
+
+
+def apply(phi: Callable[[jax.Array], jax.Array], q, k, v, fn_name: str, *,
+          step: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+  """Checks ``q, k [B, T, N, K]``, ``v [B, T, N, V]`` (``[B, N, ...]`` for a decoding
+  ``step``) and maps ``q`` and ``k`` in float32.
+
+  Returns ``(φ(q), φ(k) [..., K'], v, dtype)``, ``dtype`` the inputs' result type; raises
+  ValueError naming ``feature_map`` when ``φ`` changes the leading axes or maps ``q`` and
+  ``k`` to different shapes.
+  """
+  check = _checks.check_qkv_step if step else _checks.check_qkv
+  q, k, v = check(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  if fq.shape[:-1] != q.shape[:-1] or fk.shape != fq.shape:
+    lead = "B, N" if step else "B, T, N"
+    raise ValueError(
+        f"{fn_name}: `feature_map` must map q and k [{lead}, K] to equal shapes [{lead}, K'],"
+        f" got {fq.shape} and {fk.shape}")
+  return fq, fk, v, dtype

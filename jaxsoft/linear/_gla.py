@@ -34,8 +34,7 @@ def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
     g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
   else:
     g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
-  S0 = None if initial_state is None else _checks.check_state(
-      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
   return _dispatch.finish(o, S_T, call.dtype, output_final_state)
 

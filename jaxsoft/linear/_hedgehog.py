@@ -20,12 +20,13 @@ and those of the linear attention it induces, ``Â_{ij} = φ(q_i)·φ(k_j) / Σ_
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
+
+from jaxsoft._validation import positive_int
 
 __all__ = ["hedgehog_init", "hedgehog_feature_map", "hedgehog_attention_weights",
            "hedgehog_distillation_loss"]
@@ -45,8 +46,7 @@ def hedgehog_init(num_heads: int, head_dim: int, feature_dim: int | None = None,
   fn_name = "hedgehog_init"
   F = head_dim if feature_dim is None else feature_dim
   for name, value in (("num_heads", num_heads), ("head_dim", head_dim), ("feature_dim", F)):
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-      raise ValueError(f"{fn_name}: `{name}` must be a positive int, got {value!r}")
+    positive_int(value, name, fn_name)
   W = jnp.broadcast_to(jnp.eye(head_dim, F, dtype=jnp.float32), (num_heads, head_dim, F))
   b = jnp.zeros((num_heads, F), jnp.float32)
   if key is not None:

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _linear_attention
+from jaxsoft.linear import _checks, _dispatch, _features
 from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["interdomain_attention", "interdomain_attention_step"]
@@ -74,15 +74,9 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
     Array([2. , 3.5], dtype=float32)
   """
   fn_name = "interdomain_attention"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  B, T, N, _ = q.shape
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
-  if fq.shape[:3] != q.shape[:3] or fk.shape != fq.shape:
-    raise ValueError(f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes "
-                     f"[B, T, N, K'], got {fq.shape} and {fk.shape}")
-  Kf = fq.shape[-1]
+  phi = _features.resolve(feature_map, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
+  B, T, N, Kf = fq.shape
   b_in = jnp.asarray(basis_in)
   if b_in.ndim != 4 or b_in.shape[:3] != (B, T, N):
     raise ValueError(f"{fn_name}: `basis_in` must have shape [B, T, N, R] with [B, T, N] = "
@@ -96,8 +90,8 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
       scale=Kf ** -0.5 if scale is None else scale, segment_ids=segment_ids,
       implementation=implementation, chunk_size=chunk_size)
   V = call.v.shape[-1]
-  S0 = None if initial_state is None else _checks.check_state(
-      initial_state, (B, N, R, Kf, V), fn_name).reshape(B, N, R * Kf, V)
+  S0 = _checks.check_optional_state(initial_state, (B, N, R, Kf, V), fn_name)
+  S0 = None if S0 is None else S0.reshape(B, N, R * Kf, V)
   g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, T, N, R * Kf))
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
   return _dispatch.finish(o, S_T.reshape(B, N, R, Kf, V), dtype, output_final_state)
@@ -128,13 +122,10 @@ def interdomain_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_i
     Array([[[2.]]], dtype=float32)
   """
   fn_name = "interdomain_attention_step"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  B, N, _ = q.shape
+  phi = _features.resolve(feature_map, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name, step=True)
+  B, N, Kf = fq.shape
   V = v.shape[-1]
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
-  Kf = fq.shape[-1]
   b_in = jnp.asarray(basis_in)
   if b_in.ndim != 3 or b_in.shape[:2] != (B, N):
     raise ValueError(f"{fn_name}: `basis_in` must have shape [B, N, R], got {b_in.shape}")

@@ -25,7 +25,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.linear import _checks, _gla
@@ -73,8 +72,7 @@ def lightning_decay(num_heads: int, layer_idx: int = 0, num_layers: int = 1) -> 
   fn_name = "lightning_decay"
   for name, value, low in (("num_heads", num_heads, 1), ("num_layers", num_layers, 1),
                            ("layer_idx", layer_idx, 0)):
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-      raise ValueError(f"{fn_name}: `{name}` must be an int >= {low}, got {value!r}")
+    _checks.check_int(value, name, fn_name, low)
   if layer_idx >= num_layers:
     raise ValueError(
         f"{fn_name}: `layer_idx` must be < num_layers = {num_layers}, got {layer_idx}")

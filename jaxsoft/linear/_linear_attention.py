@@ -25,43 +25,14 @@ from jax.typing import ArrayLike
 from jaxsoft.linear import _checks, _dispatch, _features
 from jaxsoft.linear import recurrence as _recurrence
 
-__all__ = ["linear_attention", "linear_attention_step", "FEATURE_MAPS", "mapped_attention",
-           "mapped_step"]
+__all__ = ["linear_attention", "linear_attention_step", "mapped_attention", "mapped_step",
+           "safe_divide"]
 
 
-def _elu1(x: jax.Array) -> jax.Array:
-  return jax.nn.elu(x) + 1.0
-
-
-FEATURE_MAPS: dict[str, Callable[[jax.Array], jax.Array]] = {
-    "elu1": _elu1,            # Katharopoulos et al. 2020: elu(x) + 1 > 0
-    "relu": jax.nn.relu,
-    "identity": lambda x: x,
-    # order-2 Taylor features of exp(q·k) (feature A40); scale q first, see taylor_linear_attention
-    "taylor": _features.taylor_features,
-}
-
-
-def _feature_map(feature_map: Any, fn_name: str) -> Callable[[jax.Array], jax.Array]:
-  if callable(feature_map):
-    return feature_map
-  if isinstance(feature_map, str) and feature_map in FEATURE_MAPS:
-    return FEATURE_MAPS[feature_map]
-  raise ValueError(
-      f"{fn_name}: `feature_map` must be one of {sorted(FEATURE_MAPS)} or a callable, got "
-      f"{feature_map!r}")
-
-
-def _safe_divide(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
+def safe_divide(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
   """``num / den`` with ``|den|`` clamped to at least ``eps`` (its sign kept; 0 counts as +)."""
   den = jnp.where(jnp.abs(den) >= eps, den, jnp.where(den < 0, -eps, eps))
   return num / den
-
-
-def _check_eps(eps: Any, fn_name: str) -> float:
-  if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
-    raise ValueError(f"{fn_name}: `eps` must be a positive float, got {eps!r}")
-  return float(eps)
 
 
 def _split_state(state, shape, normalize: bool, fn_name: str, name: str):
@@ -130,15 +101,9 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     Array([0. , 0.5, 1. ], dtype=float32)
   """
   fn_name = "linear_attention"
-  phi = _feature_map(feature_map, fn_name)
-  eps = _check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
-  if fq.shape[:3] != q.shape[:3] or fk.shape != fq.shape:
-    raise ValueError(
-        f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes [B, T, N, K'],"
-        f" got {fq.shape} and {fk.shape}")
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
   return mapped_attention(fn_name, fq, fk, v, dtype, normalize=normalize, scale=scale,
                           initial_state=initial_state, output_final_state=output_final_state,
                           segment_ids=segment_ids, implementation=implementation,
@@ -158,7 +123,7 @@ def mapped_attention(fn_name: str, fq, fk, v, dtype, *, normalize: bool, scale, 
   vv = jnp.concatenate([call.v, jnp.ones_like(call.v[..., :1])], axis=-1) if normalize else call.v
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, vv, None, None, S0)
   if normalize:
-    o = _safe_divide(o[..., :-1], o[..., -1:], eps)
+    o = safe_divide(o[..., :-1], o[..., -1:], eps)
   return _dispatch.finish(o, _join_state(S_T, normalize), dtype, output_final_state)
 
 
@@ -186,15 +151,9 @@ def linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any =
     (Array([[[3.]]], dtype=float32), Array([[[1., 1.]]], dtype=float32))
   """
   fn_name = "linear_attention_step"
-  phi = _feature_map(feature_map, fn_name)
-  eps = _check_eps(eps, fn_name)
-  qa, ka, va = _checks.check_qkv_step(q, k, v, fn_name)
-  dtype = jnp.result_type(qa.dtype, ka.dtype, va.dtype)
-  fq, fk = phi(qa.astype(jnp.float32)), phi(ka.astype(jnp.float32))
-  if fq.shape[:2] != qa.shape[:2] or fk.shape != fq.shape:
-    raise ValueError(
-        f"{fn_name}: `feature_map` must map q and k [B, N, K] to equal shapes [B, N, K'], got "
-        f"{fq.shape} and {fk.shape}")
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, va, dtype = _features.apply(phi, q, k, v, fn_name, step=True)
   return mapped_step(fn_name, fq, fk, va, state, dtype, normalize=normalize, scale=scale,
                      eps=eps)
 
@@ -211,5 +170,5 @@ def mapped_step(fn_name: str, fq, fk, v, state, dtype, *, normalize: bool, scale
   vv = jnp.concatenate([vf, jnp.ones_like(vf[..., :1])], axis=-1) if normalize else vf
   o, S = _recurrence.step(S, fq * scale, fk, vv, None, None)
   if normalize:
-    o = _safe_divide(o[..., :-1], o[..., -1:], eps)
+    o = safe_divide(o[..., :-1], o[..., -1:], eps)
   return o.astype(dtype), _join_state(S, normalize)

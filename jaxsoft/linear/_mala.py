@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _dispatch, _linear_attention
+from jaxsoft.linear import _checks, _dispatch, _features
 from jaxsoft.linear import recurrence as _recurrence
 
 __all__ = ["mala", "mala_step"]
@@ -49,10 +49,6 @@ def _combine(att: jax.Array, cnt: jax.Array, eps: float) -> jax.Array:
   n = jnp.maximum(cnt[..., -1:], 1.0)
   z = att[..., -1:] / n
   return (1.0 + 1.0 / (z + eps)) * att[..., :-1] / n - z / n * cnt[..., :-1]
-
-
-def _check_state(state, shape, fn_name: str, name: str):
-  return None if state is None else _checks.check_state(state, shape, fn_name, name)
 
 
 def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
@@ -92,20 +88,14 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     Array([1., 2.], dtype=float32)
   """
   fn_name = "mala"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
-  if fq.shape[:3] != q.shape[:3] or fk.shape != fq.shape:
-    raise ValueError(
-        f"{fn_name}: `feature_map` must map q and k [B, T, N, K] to equal shapes [B, T, N, K'],"
-        f" got {fq.shape} and {fk.shape}")
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
   call = _dispatch.prepare(fn_name, fq, fk, v, scale=scale, segment_ids=segment_ids,
                            implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
   V = call.v.shape[-1]
-  S0 = _check_state(initial_state, (B, N, K + 1, V + 1), fn_name, "initial_state")
+  S0 = _checks.check_optional_state(initial_state, (B, N, K + 1, V + 1), fn_name)
   q_att, q_cnt, k2, v2 = _augment(call.q, call.k, call.v, call.scale)
   twice = lambda x: jnp.concatenate([x, x], axis=2)          # the two query sets as 2N heads
   o, S_T = _dispatch.forward(call, jnp.concatenate([q_att, q_cnt], axis=2), twice(k2),
@@ -138,19 +128,13 @@ def mala_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: ArrayLike | None 
            [1., 1.]], dtype=float32))
   """
   fn_name = "mala_step"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  qa, ka, va = _checks.check_qkv_step(q, k, v, fn_name)
-  dtype = jnp.result_type(qa.dtype, ka.dtype, va.dtype)
-  fq, fk = phi(qa.astype(jnp.float32)), phi(ka.astype(jnp.float32))
-  if fq.shape[:2] != qa.shape[:2] or fk.shape != fq.shape:
-    raise ValueError(
-        f"{fn_name}: `feature_map` must map q and k [B, N, K] to equal shapes [B, N, K'], got "
-        f"{fq.shape} and {fk.shape}")
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, va, dtype = _features.apply(phi, q, k, v, fn_name, step=True)
   (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, va, None, scale=scale)
   B, N, K = fq.shape
   V = vf.shape[-1]
-  S = _check_state(state, (B, N, K + 1, V + 1), fn_name, "state")
+  S = _checks.check_optional_state(state, (B, N, K + 1, V + 1), fn_name, "state")
   if S is None:
     S = jnp.zeros((B, N, K + 1, V + 1), jnp.float32)
   q_att, q_cnt, k2, v2 = _augment(fq, fk, vf, scale)

@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _linear_attention, chunk
+from jaxsoft._validation import concrete, positive_int
+from jaxsoft.linear import _checks, _features, _linear_attention, chunk
 
 __all__ = ["mhla", "mhla_step"]
 
@@ -48,7 +49,7 @@ def _parallel(fq, fk, v, C, block, causal, eps):
     w = jnp.where(jnp.tril(jnp.ones((T, T), bool)), w, 0.0)
   num = jnp.einsum("bnts,bsnv->btnv", w, v)
   den = jnp.moveaxis(jnp.sum(w, -1), 1, 2)[..., None]
-  return _linear_attention._safe_divide(num, den, eps)
+  return _linear_attention.safe_divide(num, den, eps)
 
 
 def _chunked(fq, fk, v, C, block, causal, eps):
@@ -70,7 +71,7 @@ def _chunked(fq, fk, v, C, block, causal, eps):
   else:
     out = jnp.einsum("bmcnk,nmi,binkv->bmcnv", qc, C, S)
   out = chunk.from_chunks(out, 1)[:, :T]
-  return _linear_attention._safe_divide(out[..., :-1], out[..., -1:], eps)
+  return _linear_attention.safe_divide(out[..., :-1], out[..., -1:], eps)
 
 
 def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_size: int,
@@ -107,26 +108,19 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
     Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
   """
   fn_name = "mhla"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  B, T, N, _ = q.shape
-  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-    raise ValueError(f"{fn_name}: `block_size` must be a positive int, got {block_size!r}")
-  block = block_size
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
+  B, T, N, _ = fq.shape
+  block = positive_int(block_size, "block_size", fn_name)
   M = math.ceil(T / block)
   C = jnp.asarray(mixing)
   if C.shape not in ((M, M), (N, M, M)):
     raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with "
                      f"M = ceil(T / block_size) = {M}, N = {N}, got {C.shape}")
   C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing"), (N, M, M))
-  if implementation is None:
-    implementation = "chunked"
-  if implementation not in ("parallel", "chunked"):
-    raise ValueError(f"{fn_name}: `implementation` must be 'parallel', 'chunked' or None, got "
-                     f"{implementation!r}")
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  implementation = _checks.check_forms(implementation, ("parallel", "chunked"), "chunked",
+                                       fn_name)
   form = _parallel if implementation == "parallel" else _chunked
   return form(fq, fk, v.astype(jnp.float32), C, block, causal, eps).astype(dtype)
 
@@ -168,14 +162,13 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
     Array(2., dtype=float32)
   """
   fn_name = "mhla_step"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, _ = q.shape
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name, step=True)
+  B, N, F = fk.shape
   V = v.shape[-1]
-  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-    raise ValueError(f"{fn_name}: `block_size` must be a positive int, got {block_size!r}")
-  C = _checks._floating(mixing, "mixing", fn_name)
+  block_size = positive_int(block_size, "block_size", fn_name)
+  C = _checks.check_floating(mixing, "mixing", fn_name)
   if C.ndim not in (2, 3) or C.shape[-1] != C.shape[-2] or C.ndim == 3 and C.shape[0] != N:
     raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with N = {N}, "
                      f"got {C.shape}")
@@ -185,16 +178,13 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
   if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.shape not in ((), (B,)):
     raise ValueError(f"{fn_name}: `position` must be an int or [B] = [{B}] ints, got "
                      f"{pos.shape} {pos.dtype}")
-  values = _checks._concrete(pos)
+  values = concrete(pos, np.float64)
   if values is not None and not np.all((values >= 0) & (values < M * block_size)):
     raise ValueError(f"{fn_name}: `position` must lie in [0, M * block_size = "
                      f"{M * block_size}), got {values}")
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
-  F = fk.shape[-1]
   if state is None:
     state = jnp.zeros((B, N, M, F, V + 1), jnp.float32)
-  state = _checks._floating(state, "state", fn_name)
+  state = _checks.check_floating(state, "state", fn_name)
   if state.shape != (B, N, M, F, V + 1):
     raise ValueError(f"{fn_name}: `state` must have shape [B, N, M, K', V + 1] = "
                      f"{[B, N, M, F, V + 1]}, got {state.shape}")
@@ -206,7 +196,7 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
   row = jnp.moveaxis(jnp.take(C, block, axis=1), 1, 0)                 # [B, N, M]: c_{iβ}
   row = jnp.where(jnp.arange(M) <= block[:, None, None], row, 0.0)      # β <= i
   out = jnp.einsum("bnk,bnm,bnmkv->bnv", fq, row, state)
-  o = _linear_attention._safe_divide(out[..., :-1], out[..., -1:], eps)
+  o = _linear_attention.safe_divide(out[..., :-1], out[..., -1:], eps)
   inside = (jnp.broadcast_to(pos, (B,)) >= 0) & (block < M)             # traced: NaN outside
   o = jnp.where(inside[:, None, None], o, jnp.nan)
   return o.astype(dtype), state

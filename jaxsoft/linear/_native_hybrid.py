@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import positive_int
 from jaxsoft.linear import _checks, chunk
 
 __all__ = ["native_hybrid_attention", "native_hybrid_attention_step"]
@@ -197,8 +198,7 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, N, K = q.shape
   V = v.shape[-1]
-  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-    raise ValueError(f"{fn_name}: `window` must be a positive int, got {window!r}")
+  window = positive_int(window, "window", fn_name)
   chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
   impl = _checks.check_implementation(implementation, T, chunk_size, fn_name)
   sg = jnp.asarray(slot_log_gates)
@@ -213,9 +213,8 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   if initial_state is None:
     K0, V0 = jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32)
   else:
-    if not (isinstance(initial_state, (tuple, list)) and len(initial_state) == 2):
-      raise ValueError(f"{fn_name}: `initial_state` must be a pair (K̃ [B, N, M, K], "
-                       f"Ṽ [B, N, M, V]) or None")
+    _checks.check_tuple(initial_state, 2, "initial_state", fn_name,
+                        "a pair (K̃ [B, N, M, K], Ṽ [B, N, M, V])")
     K0 = _checks.check_state(initial_state[0], (B, N, M, K), fn_name)
     V0 = _checks.check_state(initial_state[1], (B, N, M, V), fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
@@ -260,8 +259,7 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
   B, N, K = q.shape
   V = v.shape[-1]
-  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-    raise ValueError(f"{fn_name}: `window` must be a positive int, got {window!r}")
+  window = positive_int(window, "window", fn_name)
   sg = jnp.asarray(slot_log_gates)
   if sg.ndim != 3 or sg.shape[:2] != (B, N):
     raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, N, M], got {sg.shape}")
@@ -271,8 +269,7 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   if state is None:
     state = (jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32),
              *_empty_window(B, N, K, V, window), jnp.zeros((), jnp.int32))
-  if not (isinstance(state, (tuple, list)) and len(state) == 6):
-    raise ValueError(f"{fn_name}: `state` must be (K̃, Ṽ, ring_k, ring_v, valid, t) or None")
+  _checks.check_tuple(state, 6, "state", fn_name, "(K̃, Ṽ, ring_k, ring_v, valid, t)")
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   f32 = lambda x: x.astype(jnp.float32)
   state, o = _token(tuple(state), (f32(q) * scale, f32(k), f32(v), f32(a),

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.linear import _checks, _linear_attention
+from jaxsoft.linear import _checks, _features, _linear_attention
 
 __all__ = ["rala", "rala_key_weights"]
 
@@ -74,19 +74,16 @@ def rala(q: ArrayLike, k: ArrayLike, v: ArrayLike, gate: ArrayLike | None = None
     Array([4., 4.], dtype=float32)
   """
   fn_name = "rala"
-  phi = _linear_attention._feature_map(feature_map, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  phi = _features.resolve(feature_map, fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
   if gate is not None:
     gate = _checks.check_gate_logits(gate, v.shape, fn_name, "gate")
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  fq, fk = phi(q), phi(k)
   alpha = rala_key_weights(q, k)[..., None]
-  kv = jnp.einsum("btnk,btnv->bnkv", alpha * fk, v)
+  kv = jnp.einsum("btnk,btnv->bnkv", alpha * fk, v.astype(jnp.float32))
   z = jnp.einsum("btnk->bnk", alpha * fk)
-  y = _linear_attention._safe_divide(jnp.einsum("btnk,bnkv->btnv", fq, kv),
-                                     jnp.einsum("btnk,bnk->btn", fq, z)[..., None], eps)
+  y = _linear_attention.safe_divide(jnp.einsum("btnk,bnkv->btnv", fq, kv),
+                                    jnp.einsum("btnk,bnk->btn", fq, z)[..., None], eps)
   if gate is not None:
     y = y * gate
   return y.astype(dtype)

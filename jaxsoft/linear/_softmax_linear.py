@@ -42,12 +42,23 @@ def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
   return jax.nn.softmax(jnp.asarray(logits, jnp.float32) / temperature, axis=-1)
 
 
-def _check_temperature(temperature, fn_name: str) -> float:
-  if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not (
-      temperature > 0 and temperature < float("inf")):
-    raise ValueError(f"{fn_name}: `temperature` must be a positive finite number, got "
-                     f"{temperature!r}")
-  return float(temperature)
+def _gates(fn_name: str, shape: tuple[int, ...], v, q_gate_logits, k_gate_logits, g, beta,
+           temperature) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """The read gates ``γ^q`` and the backbone's ``v, g, beta`` with the write gate ``γ^k``
+  folded in (``γ^k v`` without ``beta``, else ``γ^k β``); ``shape`` is ``[B, T, N]`` or a
+  step's ``[B, N]``."""
+  temperature = _checks.check_positive_number(temperature, "temperature", fn_name)
+  gq = head_gates(_checks.check_gate_logits(q_gate_logits, shape, fn_name, "q_gate_logits"),
+                  temperature)
+  gk = None if k_gate_logits is None else head_gates(
+      _checks.check_gate_logits(k_gate_logits, shape, fn_name, "k_gate_logits"), temperature)
+  g, beta = _checks.check_decay_and_beta(g, beta, shape, fn_name)
+  if gk is not None:
+    if beta is None:
+      v = v * gk[..., None]      # S += γ^k k v^T
+    else:
+      beta = beta * gk           # u = γ^k β (v - S^T k)
+  return gq, v, g, beta
 
 
 def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_logits: ArrayLike,
@@ -93,24 +104,9 @@ def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_lo
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
                            implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
-  temperature = _check_temperature(temperature, fn_name)
-  gq = head_gates(_checks.check_gate_logits(q_gate_logits, (B, T, N), fn_name, "q_gate_logits"),
-                  temperature)
-  gk = None if k_gate_logits is None else head_gates(
-      _checks.check_gate_logits(k_gate_logits, (B, T, N), fn_name, "k_gate_logits"),
-      temperature)
-  if g is not None:
-    g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
-  if beta is not None:
-    beta = _checks.check_beta(beta, (B, T, N), fn_name).astype(jnp.float32)
-  S0 = None if initial_state is None else _checks.check_state(
-      initial_state, (B, N, K, call.v.shape[-1]), fn_name)
-  v_in = call.v
-  if gk is not None:
-    if beta is None:
-      v_in = v_in * gk[..., None]      # S += γ^k k v^T
-    else:
-      beta = beta * gk                 # u = γ^k β (v - S^T k)
+  gq, v_in, g, beta = _gates(fn_name, (B, T, N), call.v, q_gate_logits, k_gate_logits, g, beta,
+                             temperature)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, v_in, g, beta, S0)
   return _dispatch.finish(o * gq[..., None], S_T, call.dtype, output_final_state)
 
@@ -141,19 +137,7 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   fn_name = "softmax_linear_attention_step"
   (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
   B, N, _ = qf.shape
-  temperature = _check_temperature(temperature, fn_name)
-  gq = head_gates(_checks.check_gate_logits(q_gate_logits, (B, N), fn_name, "q_gate_logits"),
-                  temperature)
-  gk = None if k_gate_logits is None else head_gates(
-      _checks.check_gate_logits(k_gate_logits, (B, N), fn_name, "k_gate_logits"), temperature)
-  if g is not None:
-    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
-  if beta is not None:
-    beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
-  if gk is not None:
-    if beta is None:
-      vf = vf * gk[..., None]
-    else:
-      beta = beta * gk
+  gq, vf, g, beta = _gates(fn_name, (B, N), vf, q_gate_logits, k_gate_logits, g, beta,
+                           temperature)
   o, S = recurrence.step(S, qf * scale, kf, vf, g, beta)
   return (o * gq[..., None]).astype(dtype), S

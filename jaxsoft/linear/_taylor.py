@@ -32,6 +32,19 @@ from jaxsoft.linear import _checks, _features, _linear_attention
 __all__ = ["taylor_linear_attention", "taylor_linear_attention_step"]
 
 
+def _taylor_qkv(fn_name: str, q, k, v, order, scale, eps, step: bool):
+  """The checked arguments and the features ``φ_m(scale · q)``, ``φ_m(k)``:
+  ``(fq, fk, v, dtype, eps)``."""
+  order = _checks.check_int(order, "order", fn_name)
+  eps = _checks.check_eps(eps, fn_name)
+  q, k, v = (_checks.check_qkv_step if step else _checks.check_qkv)(q, k, v, fn_name)
+  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
+  scale = _checks.resolve_scale(scale, q.shape[-1], fn_name)
+  fq = _features.taylor_features(q.astype(jnp.float32) * scale, order)
+  fk = _features.taylor_features(k.astype(jnp.float32), order)
+  return fq, fk, v, dtype, eps
+
+
 def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: int = 2,
                             scale: float | None = None, normalize: bool = True,
                             initial_state: Any = None, output_final_state: bool = False,
@@ -70,13 +83,7 @@ def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: 
     Array([1., 2.], dtype=float32)
   """
   fn_name = "taylor_linear_attention"
-  order = _features.check_order(order, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  scale = _checks.resolve_scale(scale, q.shape[-1], fn_name)
-  fq = _features.taylor_features(q.astype(jnp.float32) * scale, order)
-  fk = _features.taylor_features(k.astype(jnp.float32), order)
+  fq, fk, v, dtype, eps = _taylor_qkv(fn_name, q, k, v, order, scale, eps, step=False)
   return _linear_attention.mapped_attention(
       fn_name, fq, fk, v, dtype, normalize=normalize, scale=1.0, initial_state=initial_state,
       output_final_state=output_final_state, segment_ids=segment_ids,
@@ -107,12 +114,6 @@ def taylor_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state
     (Array([[[1.]]], dtype=float32), (1, 1, 3))
   """
   fn_name = "taylor_linear_attention_step"
-  order = _features.check_order(order, fn_name)
-  eps = _linear_attention._check_eps(eps, fn_name)
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  scale = _checks.resolve_scale(scale, q.shape[-1], fn_name)
-  fq = _features.taylor_features(q.astype(jnp.float32) * scale, order)
-  fk = _features.taylor_features(k.astype(jnp.float32), order)
+  fq, fk, v, dtype, eps = _taylor_qkv(fn_name, q, k, v, order, scale, eps, step=True)
   return _linear_attention.mapped_step(fn_name, fq, fk, v, state, dtype, normalize=normalize,
                                        scale=1.0, eps=eps)

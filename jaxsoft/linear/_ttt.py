@@ -22,7 +22,6 @@ inside ``f`` and learns ``η_t`` and ``W_0``; those are layer choices (pass ``et
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import jax
@@ -30,19 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import concrete, positive_int
 from jaxsoft.linear import _checks, chunk
 
 __all__ = ["ttt_linear", "ttt_linear_step"]
 
 
 def _check_eta(eta, shape, fn_name: str) -> jax.Array:
-  eta = jnp.asarray(eta)
-  if not jnp.issubdtype(eta.dtype, jnp.floating):
-    raise ValueError(f"{fn_name}: `eta` must be a floating array, got dtype {eta.dtype}")
+  eta = _checks.check_floating(eta, "eta", fn_name)
   if eta.shape != tuple(shape):
     layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
     raise ValueError(f"{fn_name}: `eta` must have shape {layout} = {list(shape)}, got {eta.shape}")
-  values = _checks._concrete(eta)
+  values = concrete(eta, np.float64)
   if values is not None and not np.all(np.isfinite(values) & (values >= 0.0)):
     raise ValueError(f"{fn_name}: `eta` (inner learning rates) must be finite and >= 0")
   return eta.astype(jnp.float32)
@@ -129,15 +127,9 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, N, K = q.shape
   V = v.shape[-1]
-  if (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, numbers.Integral)
-      or mini_batch_size < 1):
-    raise ValueError(f"{fn_name}: `mini_batch_size` must be a positive int, got "
-                     f"{mini_batch_size!r}")
-  if implementation is None:
-    implementation = "chunked"
-  if implementation not in ("recurrent", "chunked"):
-    raise ValueError(f"{fn_name}: `implementation` must be 'recurrent', 'chunked' or None, got "
-                     f"{implementation!r}")
+  mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
+  implementation = _checks.check_forms(implementation, ("recurrent", "chunked"), "chunked",
+                                       fn_name)
   eta = _check_eta(eta, (B, T, N), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   S0 = (jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None
@@ -145,7 +137,7 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   f32 = lambda x: x.astype(jnp.float32)
   form = _recurrent if implementation == "recurrent" else _chunked
-  o, W_T = form(f32(q) * scale, f32(k), f32(v), eta, S0, int(mini_batch_size))
+  o, W_T = form(f32(q) * scale, f32(k), f32(v), eta, S0, mini_batch_size)
   o = o.astype(dtype)
   return (o, W_T) if output_final_state else o
 
@@ -178,17 +170,13 @@ def ttt_linear_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike,
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
   B, N, K = q.shape
   V = v.shape[-1]
-  if (isinstance(mini_batch_size, bool) or not isinstance(mini_batch_size, numbers.Integral)
-      or mini_batch_size < 1):
-    raise ValueError(f"{fn_name}: `mini_batch_size` must be a positive int, got "
-                     f"{mini_batch_size!r}")
+  mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
   eta = _check_eta(eta, (B, N), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   if state is None:
     zeros = jnp.zeros((B, N, K, V), jnp.float32)
     state = (zeros, zeros, 0)
-  if not (isinstance(state, (tuple, list)) and len(state) == 3):
-    raise ValueError(f"{fn_name}: `state` must be (W_s, W_t, i) or None")
+  _checks.check_tuple(state, 3, "state", fn_name, "(W_s, W_t, i)")
   Ws = _checks.check_state(state[0], (B, N, K, V), fn_name, "state")
   Wt = _checks.check_state(state[1], (B, N, K, V), fn_name, "state")
   i = jnp.asarray(state[2])
