@@ -101,8 +101,41 @@ def attention_weights(
   weights themselves are needed (dropout on the weights, sowing them for inspection); it
   ignores ``decay_prune_threshold`` (no pruning).
 
+  Args:
+    q: queries ``[B, T, N, H]``.
+    k: keys ``[B, S, K, H]``, N % K == 0.
+    bias: added to the logits, broadcastable to ``[B, N, T, S]``.
+    mask: True (or nonzero) = attend, broadcastable to ``[B, N, T, S]``.
+    scale: the logit scale (default ``1 / sqrt(H)``).
+    is_causal, query_seq_lengths, key_value_seq_lengths, local_window_size, segment_ids:
+      the keys each query sees, as :func:`jaxsoft.attention.dot_product_attention`.
+    logits_soft_cap: ``c`` of the tanh soft-cap, or None.
+    normalizer: a registered name, a NormalizerSpec or a callable ``f(x, axis, where,
+      **params)``.
+    normalizer_params: its hyperparameters.
+    decay_bias: ``(c_q [B, T, N], c_k [B, S, N])``, the FoX forget-gate decay
+      ``c^q_i - c^k_j`` added to the logits.
+    precision: of the ``Q K^T`` einsum.
+
   Returns:
     Weights ``[B, N, T, S]`` in float32 (float64 for float64 inputs).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = k = jnp.ones((1, 3, 2, 4))                 # [B, T, N, H]
+    >>> w = js.nn.attention_weights(q, k, is_causal=True)
+    >>> w.shape                                        # [B, N, T, S]
+    (1, 2, 3, 3)
+    >>> w[0, 0]                                        # equal scores: uniform over j <= i
+    Array([[1.    , 0.    , 0.    ],
+           [0.5   , 0.5   , 0.    ],
+           [0.3333, 0.3333, 0.3333]], dtype=float32)
+
+  References:
+    A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez, Ł. Kaiser &
+    I. Polosukhin, 2017, "Attention Is All You Need".
   """
   fn_name = "attention_weights"
   q = jnp.asarray(q)
@@ -259,6 +292,35 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
   With ``normalizer="softmax"`` the result equals Flax's default, except that a query row
   with no visible key gives zeros (Flax's softmax over ``finfo.min`` logits averages the
   values there).
+
+  Args:
+    normalizer: a registered name, a NormalizerSpec or a callable ``f(x, axis, where,
+      **params)``.
+    implementation: passed to :func:`jaxsoft.attention.dot_product_attention` (a name or
+      a sequence tried in order; default: its own choice).
+    **normalizer_params: the normalizer's fixed hyperparameters.
+
+  Returns:
+    A function with the signature of ``flax.nnx.dot_product_attention``, for the
+    ``attention_fn`` argument of ``flax.nnx.MultiHeadAttention``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> x = jax.random.normal(jax.random.key(0), (1, 3, 8))
+    >>> flax_own = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
+    >>> ours = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0),
+    ...                               attention_fn=js.nn.attention_fn("softmax"))
+    >>> bool(jnp.allclose(ours(x), flax_own(x), atol=1e-6))   # same parameters, same output
+    True
+    >>> ours.attention_fn = js.nn.attention_fn("sparsemax")   # swap the normalizer
+    >>> ours(x).shape
+    (1, 3, 8)
+
+  References:
+    A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez, Ł. Kaiser &
+    I. Polosukhin, 2017, "Attention Is All You Need".
   """
   spec = _spec.resolve(normalizer)
   if isinstance(spec, _spec.NormalizerSpec):

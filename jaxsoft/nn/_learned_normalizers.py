@@ -113,6 +113,24 @@ class LearnedNormalizer(nnx.Module):
   Subclasses set ``normalizer`` (the registered name whose hyperparameters they produce)
   and implement :meth:`attention_hyperparams`; :meth:`attention_queries` leaves the
   queries as they are unless a module rescales them.
+
+  Examples:
+    A module that gives softmax a fixed temperature, plugged into the layer:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> class Sharpen(js.nn.LearnedNormalizer):
+    ...   normalizer = "softmax"
+    ...   def attention_hyperparams(self, q, n_visible):
+    ...     return {"temperature": 0.5}
+    >>> layer = js.nn.MultiHeadAttention(2, 8, learned=(Sharpen(),), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 3, 8))).shape
+    (1, 3, 8)
+
+  References:
+    A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez, Ł. Kaiser &
+    I. Polosukhin, 2017, "Attention Is All You Need" (the attention the modules plug into).
   """
 
   normalizer: str = "softmax"
@@ -130,7 +148,32 @@ class LearnedNormalizer(nnx.Module):
     return jnp.asarray(q)
 
 
-class MultiMax(LearnedNormalizer):
+class _PerHeadNormalizer(LearnedNormalizer):
+  """A learned normalizer whose hyperparameters are one value per head, whatever the query
+  (:meth:`hyperparameters`, each ``[N, 1, 1]``)."""
+
+  num_heads: int
+
+  def hyperparameters(self) -> dict[str, jax.Array]:
+    raise NotImplementedError
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """Each head's values as ``[N, 1, 1]`` (the queries only fix N)."""
+    del n_visible
+    _head_queries(q, self.num_heads, None, type(self).__name__)
+    return self.hyperparameters()
+
+  def _apply_per_head(self, fn, scores: ArrayLike, where: ArrayLike | None) -> jax.Array:
+    """``fn`` over the last axis of ``scores [..., N, T, S]`` with each head's values."""
+    s = jnp.asarray(scores)
+    if s.ndim < 3 or s.shape[-3] != self.num_heads:
+      raise ValueError(f"{type(self).__name__}: `scores` must have shape "
+                       f"[..., {self.num_heads}, T, S], got {s.shape}")
+    return fn(s, -1, where, **self.hyperparameters())
+
+
+class MultiMax(_PerHeadNormalizer):
   r"""MultiMax's learned slopes and breakpoints, per head (feature N11).
 
   From Y. Zhou, M. Fritz, M. Keuper, "MultiMax: Sparse and Multi-Modal Attention Learning"
@@ -148,6 +191,23 @@ class MultiMax(LearnedNormalizer):
 
   In attention (``learned=(MultiMax(N, ...),)`` with ``normalizer="multimax"``) each head
   uses its own parameters.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> mm = js.nn.MultiMax(2, init_std=0.0, rngs=nnx.Rngs(0))   # t = 0: softmax
+    >>> scores = jnp.array([[[0.0, 1.0, 2.0]], [[1.0, 1.0, 1.0]]])   # [N, T, S]
+    >>> mm(scores)
+    Array([[[0.09  , 0.2447, 0.6652]],
+           [[0.3333, 0.3333, 0.3333]]], dtype=float32)
+    >>> sorted(mm.hyperparameters())
+    ['b1', 'b2', 'b3', 'b4', 't1', 't2', 't3', 't4']
+
+  References:
+    Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
+    Learning".
   """
 
   normalizer = "multimax"
@@ -166,21 +226,10 @@ class MultiMax(LearnedNormalizer):
     vals = jnp.concatenate([self.t[...], self.b[...]], axis=0)
     return {name: vals[i].reshape(self.num_heads, 1, 1) for i, name in enumerate(_MULTIMAX_NAMES)}
 
-  def attention_hyperparams(self, q: ArrayLike,
-                            n_visible: ArrayLike | None) -> dict[str, Any]:
-    """Each head's ``t1..t4, b1..b4`` as ``[N, 1, 1]`` (the queries only fix N)."""
-    del n_visible
-    _head_queries(q, self.num_heads, None, "MultiMax")
-    return self.hyperparameters()
-
   def __call__(self, scores: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
     """``multimax(scores)`` over the last axis with each head's parameters; ``scores``
     ``[..., N, T, S]``."""
-    s = jnp.asarray(scores)
-    if s.ndim < 3 or s.shape[-3] != self.num_heads:
-      raise ValueError(f"MultiMax: `scores` must have shape [..., {self.num_heads}, T, S], got "
-                       f"{s.shape}")
-    return nz.multimax(s, -1, where, **self.hyperparameters())
+    return self._apply_per_head(nz.multimax, scores, where)
 
 
 class QASSMax(LearnedNormalizer):
@@ -209,6 +258,24 @@ class QASSMax(LearnedNormalizer):
 
   In attention (``learned=(QASSMax(N, H),)`` with ``normalizer="softmax"``) the layer's
   queries are rescaled by :meth:`attention_queries` with each query's visible count n.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> qa = js.nn.QASSMax(2, 4, hidden=8, rngs=nnx.Rngs(0))
+    >>> q = jnp.ones((1, 3, 2, 4))                          # [B, T, N, d_h]
+    >>> n = jnp.arange(1.0, 4.0)                            # causal rows see 1, 2, 3 keys
+    >>> qa(q, n)[0, :, 0, 0]                                # at init q log n: SSMax, s = 1
+    Array([0.    , 0.6931, 1.0986], dtype=float32)
+
+  References:
+    TabICLv2, 2026 (arXiv 2602.11139; soda-inria/tabicl): the query-aware scaling, as
+    its reimplementations quote it.
+
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention" (SSMax, the
+    baseline at init).
   """
 
   normalizer = "softmax"
@@ -290,6 +357,22 @@ class TempNet(LearnedNormalizer):
   In attention (``learned=(TempNet(F),)`` with ``normalizer="softmax"``) the temperature
   is predicted from the queries: from all heads of a query (``F = N H``), one temperature
   per query ``[B, 1, T, 1]``; from each head's query (``F = H``), ``[B, N, T, 1]``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> tn = js.nn.TempNet(4, hidden=8, tau_init=0.5, rngs=nnx.Rngs(0))
+    >>> tn.temperature(jnp.ones((2, 4)))                    # constant tau_init at init
+    Array([[0.5],
+           [0.5]], dtype=float32)
+    >>> tn(jnp.ones((1, 4)), jnp.array([[0.0, 1.0]]))       # softmax([0, 1] / 0.5)
+    Array([[0.1192, 0.8808]], dtype=float32)
+
+  References:
+    Z.-H. Qiu, S. Guo, M. Xu, T. Zhao, L. Zhang & T. Yang, 2024, "To Cool or not to Cool?
+    Temperature Network Meets Large Foundation Models via DRO".
   """
 
   normalizer = "softmax"
@@ -367,6 +450,20 @@ class SSA(LearnedNormalizer):
     alpha_init: the initial position logit (default 0, ``sigma = 1/2``; the normalizer's
       default), a float or one per head ``[N]``.
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
+    >>> q = jnp.ones((1, 2, 3, 4))                                     # [B, N, T, H]
+    >>> ssa = js.nn.SSA(2, 4)
+    >>> bool(jnp.allclose(ssa(scores, q), js.normalizers.ssa_softmax(scores)))  # at init
+    True
+
+  References:
+    X. Zhang, X. Chang, M. Li, A. Roy-Chowdhury, J. Chen & S. Oymak, 2024, "Selective
+    Attention: Enhancing Transformer through Principled Context Control".
   """
 
   normalizer = "ssa_softmax"
@@ -429,6 +526,22 @@ class ASEntmax(LearnedNormalizer):
     beta_init: ``beta > 0`` at init (default 0.5, the normalizer's default).
     gamma_init: ``gamma > 1e-3`` at init (default 1), a float or one per head ``[N]``.
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
+    >>> q = jnp.ones((1, 2, 3, 4))                                     # [B, N, T, H]
+    >>> ase = js.nn.ASEntmax(2, 4)
+    >>> bool(jnp.allclose(ase(scores, q), js.normalizers.asentmax(scores)))  # at init
+    True
+    >>> ase.gamma_values()
+    Array([1., 1.], dtype=float32)
+
+  References:
+    P. Vasylenko, M. Treviso, A. F. T. Martins et al., 2025, "Long-Context Generalization with
+    Sparse Attention".
   """
 
   normalizer = "asentmax"
@@ -484,7 +597,7 @@ class ASEntmax(LearnedNormalizer):
     return nz.asentmax(scores, -1, where, **self.attention_hyperparams(q, None))
 
 
-class PolarSink(LearnedNormalizer):
+class PolarSink(_PerHeadNormalizer):
   r"""Polar attention's learned length temperature and null logit, per head (N12).
 
   From ATMA (Kreasof AI, kreasof-ai/atma): the weights are
@@ -504,6 +617,22 @@ class PolarSink(LearnedNormalizer):
     num_heads: N.
     alpha_init, null_bias_init, gamma_init: initial values, a float or one per head ``[N]``.
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
+    >>> sink = js.nn.PolarSink(2)
+    >>> w = sink(scores)
+    >>> bool(jnp.allclose(w, js.normalizers.polar_softmax(scores)))    # at init
+    True
+    >>> bool(jnp.all(w.sum(-1) <= 1.0))                  # the null entry takes the rest
+    True
+
+  References:
+    Kreasof AI, ATMA (kreasof-ai/atma): polar attention's length temperature and null
+    logit.
   """
 
   normalizer = "polar_softmax"
@@ -525,20 +654,10 @@ class PolarSink(LearnedNormalizer):
                                  "PolarSink").reshape(self.num_heads, 1, 1)
             for name in ("alpha", "null_bias", "gamma")}
 
-  def attention_hyperparams(self, q: ArrayLike,
-                            n_visible: ArrayLike | None) -> dict[str, Any]:
-    """The per-head values ``[N, 1, 1]`` (n enters through the normalizer's own count)."""
-    del n_visible
-    _head_queries(q, self.num_heads, None, "PolarSink")
-    return self.hyperparameters()
-
   def __call__(self, scores: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
-    """``polar_softmax`` of ``scores [..., N, T, S]`` over the last axis, per head."""
-    s = jnp.asarray(scores)
-    if s.ndim < 3 or s.shape[-3] != self.num_heads:
-      raise ValueError(f"PolarSink: `scores` must have shape [..., {self.num_heads}, T, S], "
-                       f"got {s.shape}")
-    return nz.polar_softmax(s, -1, where, **self.hyperparameters())
+    """``polar_softmax`` of ``scores [..., N, T, S]`` over the last axis, per head (n
+    enters through the normalizer's own count)."""
+    return self._apply_per_head(nz.polar_softmax, scores, where)
 
 
 class MoEGate(LearnedNormalizer):
@@ -565,6 +684,22 @@ class MoEGate(LearnedNormalizer):
     tau_init: the initial temperature, ``> 1e-3`` (default 1).
     activation: the activation gate (default) or the plain gate.
     rngs: ``nnx.Rngs`` for the init of ``W``.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> gate = js.nn.MoEGate(4, 3, rngs=nnx.Rngs(0))       # 4 features, 3 experts
+    >>> w = gate(jnp.ones((2, 4)))
+    >>> w.shape, w.sum(-1)
+    ((2, 3), Array([1., 1.], dtype=float32))
+    >>> gate.temperature()
+    Array(1., dtype=float32)
+
+  References:
+    H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
+    Gaussian Mixture of Experts?".
   """
 
   def __init__(self, in_features: int, num_experts: int, *, tau_init: float = 1.0,
@@ -622,6 +757,22 @@ class DirichletCalibration(nnx.Module):
   Args:
     num_classes: K.
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> cal = js.nn.DirichletCalibration(3)
+    >>> cal(jnp.log(jnp.array([0.2, 0.3, 0.5])))            # W = I, b = 0: the identity
+    Array([0.2, 0.3, 0.5], dtype=float32)
+    >>> cal.penalty()
+    Array(0., dtype=float32)
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019,
+    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with
+    Dirichlet calibration".
   """
 
   def __init__(self, num_classes: int, *, rngs: nnx.Rngs | None = None):

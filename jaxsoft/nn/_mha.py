@@ -62,6 +62,32 @@ def param_transform(param: _spec.Param) -> tuple[_Map, _Map]:
   * both: ``l + (u - l)·sigmoid(z)``, shrunk by the margins of the open ends.
 
   ``from_range`` inverts ``to_range`` (for initialising at the spec default).
+
+  Args:
+    param: the hyperparameter's declaration (``NormalizerSpec.param(name)``), with its
+      bounds and whether they are open.
+
+  Returns:
+    ``(to_range, from_range)``: the map from a free value ``z`` (any real) into the valid
+    range, and its inverse.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> alpha = js.normalizers.get("entmax").param("alpha")      # alpha > 1 (open)
+    >>> to_range, from_range = js.nn.param_transform(alpha)
+    >>> to_range(jnp.array([-20.0, 0.0, 20.0]))                  # 1.001 + softplus(z)
+    Array([ 1.001 ,  1.6941, 21.001 ], dtype=float32)
+    >>> to_range(from_range(1.5))
+    Array(1.5, dtype=float32)
+
+  References:
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models"
+    (alpha-entmax, whose alpha the example keeps above 1).
+
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers"
+    (a learned per-head alpha through ``1 + softplus``-like maps).
   """
   low, high = param.low, param.high
   lo_m = _OPEN_MARGIN * max(1.0, abs(low)) if (low is not None and param.low_open) else 0.0
@@ -150,6 +176,36 @@ class MultiHeadAttention(nnx.Module):
     use_bias, kernel_init, bias_init, precision: of the q/k/v/out projections.
     dtype: computation dtype (default: inferred); param_dtype: parameter dtype.
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> layer = js.nn.MultiHeadAttention(2, 8, normalizer="entmax", learned=("alpha",),
+    ...                                  gated=True, rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 3, 8)), is_causal=True).shape           # [B, T, out_features]
+    (1, 3, 8)
+    >>> layer.normalizer_values()["alpha"]                         # starts at entmax's 1.5
+    Array([1.5, 1.5], dtype=float32)
+
+  References:
+    A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez, Ł. Kaiser &
+    I. Polosukhin, 2017, "Attention Is All You Need".
+
+    G. Xiao, Y. Tian, B. Chen, S. Han & M. Lewis, 2024, "Efficient Streaming Language
+    Models with Attention Sinks" (``sink``).
+
+    Z. Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
+    Sparsity, and Attention-Sink-Free" (``gated``).
+
+    Z. Lin, E. Nikishin, X. O. He & A. Courville, 2025, "Forgetting Transformer: Softmax
+    Attention with a Forget Gate" (``forget_gate``).
+
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention" (learned SSMax
+    ``s``).
+
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers"
+    (learned entmax ``alpha``).
   """
 
   def __init__(

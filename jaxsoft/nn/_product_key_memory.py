@@ -33,6 +33,20 @@ def product_key_topk(query: ArrayLike, sub_keys1: ArrayLike, sub_keys2: ArrayLik
   Returns:
     ``(scores [..., heads, k], indices [..., heads, k])``, scores descending, indices
     ``a · n + b`` in [0, n^2) (int32).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.array([[1.0, 0.0, 0.0, 1.0]])                   # [heads=1, d=4]
+    >>> c1 = jnp.array([[[1.0, 0.0], [0.5, 0.0], [-1.0, 0.0]]])   # half scores 1, .5, -1
+    >>> c2 = jnp.array([[[0.0, 1.0], [0.0, 0.25], [0.0, -1.0]]])  # half scores 1, .25, -1
+    >>> scores, idx = js.nn.product_key_topk(q, c1, c2, 2)
+    >>> scores, idx                                  # (a, b) = (0, 0) and (1, 0)
+    (Array([[2. , 1.5]], dtype=float32), Array([[0, 3]], dtype=int32))
+
+  References:
+    G. Lample, A. Sablayrolles, M. Ranzato, L. Denoyer & H. Jégou, 2019, "Large Memory
+    Layers with Product Keys".
   """
   q = jnp.asarray(query)
   c1, c2 = jnp.asarray(sub_keys1), jnp.asarray(sub_keys2)
@@ -74,6 +88,26 @@ class ProductKeyMemory(nnx.Module):
     num_sub_keys: n (the memory has n^2 slots); value_dim: d_v (default d_in);
     top_k: k <= n; num_heads: heads (their outputs are summed);
     param_dtype: parameter dtype; rngs: nnx.Rngs.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> pkm = js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2, rngs=nnx.Rngs(0))
+    >>> pkm.value_table.shape                        # n^2 = 9 slots of d_v = 8
+    (9, 8)
+    >>> x = jnp.ones((2, 8))
+    >>> pkm(x).shape
+    (2, 8)
+    >>> weights, idx = pkm.lookup(x)                 # softmax over the k = 2 slots read
+    >>> weights.sum(-1)
+    Array([[1.],
+           [1.]], dtype=float32)
+
+  References:
+    G. Lample, A. Sablayrolles, M. Ranzato, L. Denoyer & H. Jégou, 2019, "Large Memory
+    Layers with Product Keys".
   """
 
   def __init__(self, in_features: int, *, key_dim: int, num_sub_keys: int, top_k: int,

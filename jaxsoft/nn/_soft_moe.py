@@ -48,6 +48,21 @@ def soft_moe_weights(x: ArrayLike, phi: ArrayLike, *, scale: ArrayLike | None = 
   Returns:
     ``(dispatch [B, m, s], combine [B, m, s])`` in float32 (float64 for float64 input):
     each dispatch column and each visible combine row sums to 1.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2))    # 3 tokens of d = 2
+    >>> phi = jax.random.normal(jax.random.key(1), (2, 2))     # 2 slots
+    >>> dispatch, combine = js.nn.soft_moe_weights(x, phi)
+    >>> dispatch.sum(axis=1)                                   # over tokens, per slot
+    Array([[1., 1.]], dtype=float32)
+    >>> combine.sum(axis=2)                                    # over slots, per token
+    Array([[1., 1., 1.]], dtype=float32)
+
+  References:
+    J. Puigcerver, C. Riquelme, B. Mustafa & N. Houlsby, 2024, "From Sparse to Soft Mixtures
+    of Experts".
   """
   x, phi = jnp.asarray(x), jnp.asarray(phi)
   cdt = compute_dtype(x.dtype)
@@ -76,6 +91,32 @@ def soft_moe(x: ArrayLike, phi: ArrayLike, experts: Callable[[jax.Array], jax.Ar
 
   From J. Puigcerver, C. Riquelme, B. Mustafa, N. Houlsby, "From Sparse to Soft Mixtures of
   Experts" (ICLR 2024).
+
+  Args:
+    x: tokens [B, m, d].
+    phi: slot parameters [d, s], s divisible by ``num_experts``.
+    experts: ``[B, n, s/n, d] -> [B, n, s/n, d_out]``, expert e on its own slots.
+    num_experts: n.
+    scale: None (plain logits) or the scalar of the normalised variant
+      (:func:`soft_moe_weights`).
+    mask: optional bool [B, m]: padding tokens take no part.
+
+  Returns:
+    [B, m, d_out] in x's dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.arange(6.0).reshape(1, 3, 2)       # tokens [0, 1], [2, 3], [4, 5]
+    >>> phi = jnp.zeros((2, 2))                    # equal logits: every slot is the mean [2, 3]
+    >>> js.nn.soft_moe(x, phi, lambda slots: 2 * slots, num_experts=2)
+    Array([[[4., 6.],
+            [4., 6.],
+            [4., 6.]]], dtype=float32)
+
+  References:
+    J. Puigcerver, C. Riquelme, B. Mustafa & N. Houlsby, 2024, "From Sparse to Soft Mixtures
+    of Experts".
   """
   x = jnp.asarray(x)
   if x.ndim != 3:
@@ -106,6 +147,21 @@ class SoftMoE(nnx.Module):
     normalize: the paper's normalised logits with a learnable scale (initialised to 1).
     dtype: computation dtype (default: the input's); param_dtype: parameter dtype.
     rngs: nnx.Rngs.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import jaxsoft as js
+    >>> moe = js.nn.SoftMoE(4, num_experts=2, slots_per_expert=1, hidden_features=8,
+    ...                     rngs=nnx.Rngs(0))
+    >>> moe.w1.shape                                 # [experts, d, hidden]
+    (2, 4, 8)
+    >>> moe(jnp.ones((1, 3, 4))).shape               # [B, m, d]
+    (1, 3, 4)
+
+  References:
+    J. Puigcerver, C. Riquelme, B. Mustafa & N. Houlsby, 2024, "From Sparse to Soft Mixtures
+    of Experts".
   """
 
   def __init__(self, in_features: int, num_experts: int, slots_per_expert: int = 1, *,
