@@ -142,11 +142,13 @@ def masked_logsumexp(x, mask, axis: int):
   """log sum_{visible} e^x (no keepdims) and the row's visible flag; 0 for empty rows.
 
   The max shift carries no gradient (it cancels), so the gradient is the masked
-  softmax, free of NaN for fully masked rows.
+  softmax, free of NaN for fully masked rows. A NaN at a visible entry makes the sum NaN,
+  and that row is *visible* (its LSE is NaN, so the caller's loss is NaN, as optax's):
+  only a sum of exactly 0 (nothing visible) is an empty row.
   """
   m = nc.masked_max(x, mask, axis)
   s = jnp.sum(jnp.where(mask, jnp.exp(x - m), 0.0), axis=axis, keepdims=True)
-  any_visible = s > 0
+  any_visible = s != 0  # True for a NaN sum (`s > 0` would take it for an empty row)
   lse = jnp.log(jnp.where(any_visible, s, 1.0)) + m
   return lse.squeeze(axis), any_visible.squeeze(axis)
 

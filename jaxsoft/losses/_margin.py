@@ -289,12 +289,13 @@ def margin_cross_entropy(cos, labels, scale, target, where, fn):
 def _l2_normalize(a, axis):
   """a / ||a|| along ``axis`` (0 for a zero vector), safe for |a| up to float max: the
   vector is first divided by its largest magnitude (in two sqrt steps, since 1/max is
-  subnormal for max > 2^126 and XLA:CPU flushes subnormals)."""
+  subnormal for max > 2^126 and XLA:CPU flushes subnormals). A vector holding a NaN comes
+  back NaN (not as a zero vector), so a loss on it is NaN as optax's would be."""
   big = jax.lax.stop_gradient(jnp.max(jnp.abs(a), axis=axis, keepdims=True))
   root = jnp.sqrt(jnp.where(big > 0, big, 1.0))
   a = a / root / root
   sq = jnp.sum(jnp.square(a), axis=axis, keepdims=True)
-  ok = sq > 0
+  ok = sq != 0  # True for a NaN norm (`sq > 0` would zero the vector)
   return jnp.where(ok, a * jax.lax.rsqrt(jnp.where(ok, sq, 1.0)), 0.0)
 
 
