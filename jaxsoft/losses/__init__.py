@@ -13,6 +13,7 @@ Each family lives in its own private module; this package re-exports exactly the
 public names.
 """
 
+from jaxsoft.losses._auc import midam_auc_loss
 from jaxsoft.losses._calibration import (
     dirichlet_calibrate,
     ece,
@@ -27,6 +28,7 @@ from jaxsoft.losses._classification import (
     softmax_cross_entropy_with_integer_labels,
     top_k_cross_entropy,
 )
+from jaxsoft.losses._continual import continual_cross_entropy
 from jaxsoft.losses._contrastive import (
     decoupled_softmax_loss,
     info_nce,
@@ -40,6 +42,7 @@ from jaxsoft.losses._distillation import (
     logit_standardized_kd_loss,
     squared_error_logit_loss,
 )
+from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_loss
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._large_output import (
@@ -58,6 +61,7 @@ from jaxsoft.losses._margin import (
     cosface_loss,
     normalized_softmax_loss,
 )
+from jaxsoft.losses._multimodal import pmrl_loss
 from jaxsoft.losses._noisy import noisy_softmax_loss
 from jaxsoft.losses._orthogonal import orthogonal_gradient
 from jaxsoft.losses._output_layers import (
@@ -76,23 +80,13 @@ from jaxsoft.losses._ranking import (
     softmax_loss_at_k,
     top_k_threshold_loss,
 )
+from jaxsoft.losses._regularizers import attention_entropy_penalty
+from jaxsoft.losses._segmentation import dice_semimetric_loss
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
-from jaxsoft.losses._tier3 import (
-    attention_entropy_penalty,
-    continual_cross_entropy,
-    dice_semimetric_loss,
-    midam_auc_loss,
-    soft_msm,
-)
-from jaxsoft.losses._tier3_metric import (
-    nbc_softmax_loss,
-    orthogonal_projection_loss,
-    pmrl_loss,
-    wcdas_loss,
-    wrapped_cauchy_log_density,
-)
+from jaxsoft.losses._time_series import soft_msm
+from jaxsoft.losses._wrapped_cauchy import wcdas_loss, wrapped_cauchy_log_density
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
-from jaxsoft.normalizers._fourier_head import fourier_head_cross_entropy
+from jaxsoft.normalizers import fourier_head_cross_entropy
 
 __all__ = [
     "adacos_scale",
