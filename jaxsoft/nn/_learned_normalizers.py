@@ -452,12 +452,11 @@ class SSA(LearnedNormalizer):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
+    >>> import jax.numpy as jnp
     >>> import jaxsoft as js
-    >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
-    >>> q = jnp.ones((1, 2, 3, 4))                                     # [B, N, T, H]
-    >>> ssa = js.nn.SSA(2, 4)
+    >>> ssa = js.nn.SSA(2, 4)                    # N = 2 heads of H = 4
+    >>> scores = jnp.linspace(-1.0, 1.0, 18).reshape(1, 2, 3, 3)    # [B, N, T, S]
+    >>> q = jnp.ones((1, 2, 3, 4))                                   # [B, N, T, H]
     >>> bool(jnp.allclose(ssa(scores, q), js.normalizers.ssa_softmax(scores)))  # at init
     True
 
@@ -528,16 +527,18 @@ class ASEntmax(LearnedNormalizer):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
+    At init the hyperparameters are asentmax's defaults (``beta = 0.5``, ``gamma = 1``):
+
+    >>> import jax.numpy as jnp
     >>> import jaxsoft as js
-    >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
-    >>> q = jnp.ones((1, 2, 3, 4))                                     # [B, N, T, H]
-    >>> ase = js.nn.ASEntmax(2, 4)
-    >>> bool(jnp.allclose(ase(scores, q), js.normalizers.asentmax(scores)))  # at init
-    True
-    >>> ase.gamma_values()
-    Array([1., 1.], dtype=float32)
+    >>> jnp.set_printoptions(precision=4)
+    >>> ase = js.nn.ASEntmax(2, 4)                  # N = 2 heads of H = 4
+    >>> q = jnp.ones((1, 2, 3, 4))                  # [B, N, T, H]
+    >>> hp = ase.attention_hyperparams(q, None)
+    >>> hp["alpha"], hp["beta"].shape               # beta per query [B, N, T, 1]
+    (1.5, (1, 2, 3, 1))
+    >>> hp["beta"][0, :, 0, 0], hp["gamma"].ravel()
+    (Array([0.5, 0.5], dtype=float32), Array([1., 1.], dtype=float32))
 
   References:
     P. Vasylenko, M. Treviso, A. F. T. Martins et al., 2025, "Long-Context Generalization with
@@ -620,10 +621,9 @@ class PolarSink(_PerHeadNormalizer):
 
   Examples:
     >>> import jax, jax.numpy as jnp
-    >>> from flax import nnx
     >>> import jaxsoft as js
+    >>> sink = js.nn.PolarSink(2)                # alpha, null bias, gamma: 0 per head
     >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
-    >>> sink = js.nn.PolarSink(2)
     >>> w = sink(scores)
     >>> bool(jnp.allclose(w, js.normalizers.polar_softmax(scores)))    # at init
     True

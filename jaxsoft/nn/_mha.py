@@ -181,6 +181,7 @@ class MultiHeadAttention(nnx.Module):
     >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> layer = js.nn.MultiHeadAttention(2, 8, normalizer="entmax", learned=("alpha",),
     ...                                  gated=True, rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((1, 3, 8)), is_causal=True).shape           # [B, T, out_features]

@@ -52,6 +52,7 @@ def soft_moe_weights(x: ArrayLike, phi: ArrayLike, *, scale: ArrayLike | None = 
   Examples:
     >>> import jax, jax.numpy as jnp
     >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2))    # 3 tokens of d = 2
     >>> phi = jax.random.normal(jax.random.key(1), (2, 2))     # 2 slots
     >>> dispatch, combine = js.nn.soft_moe_weights(x, phi)
@@ -107,6 +108,7 @@ def soft_moe(x: ArrayLike, phi: ArrayLike, experts: Callable[[jax.Array], jax.Ar
   Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.arange(6.0).reshape(1, 3, 2)       # tokens [0, 1], [2, 3], [4, 5]
     >>> phi = jnp.zeros((2, 2))                    # equal logits: every slot is the mean [2, 3]
     >>> js.nn.soft_moe(x, phi, lambda slots: 2 * slots, num_experts=2)
