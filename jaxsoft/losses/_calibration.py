@@ -13,7 +13,6 @@ from jax.typing import ArrayLike
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._margin import check_margin, check_positive
 from jaxsoft.normalizers import common as nc
-from jaxsoft.normalizers._calibration import dirichlet_logits
 
 __all__ = [
     "dirichlet_calibrate",
@@ -276,7 +275,13 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
   fn = "dirichlet_calibrate"
   z = lc.check_logits(logits, fn).astype(jnp.float32)
   w, b = jnp.asarray(weights, jnp.float32), jnp.asarray(bias, jnp.float32)
-  return dirichlet_logits(jax.nn.log_softmax(z, axis=-1), w, b, fn)
+  k = z.shape[-1]
+  if w.shape != (k, k):
+    raise ValueError(f"{fn}: `weights` must have shape [K, K] = {(k, k)} for logits of shape "
+                     f"{z.shape}, got {w.shape}")
+  if b.shape != (k,):
+    raise ValueError(f"{fn}: `bias` must have shape [K] = {(k,)}, got {b.shape}")
+  return jax.nn.log_softmax(z, axis=-1) @ w.T + b
 
 
 def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
