@@ -20,7 +20,10 @@ The only jaxsoft package that imports flax.
   and output gate, each with a one-token decoding ``step``: :class:`GatedDeltaNet`,
   :class:`DeltaNet`, :class:`GLA`, :class:`SimpleGLA`, :class:`LightningAttention`,
   :class:`LinearAttention` (any feature map; :class:`HedgehogFeatureMap` is Hedgehog's learned
-  one, with its distillation loss), all :class:`LinearMixer` of a ``kind``.
+  one, with its distillation loss), all :class:`LinearMixer` of a ``kind``: a row
+  (:class:`LinearKind`) of ``LINEAR_MIXER_TABLE``, whose keys are ``LINEAR_MIXER_KINDS``;
+  their short causal convolution :func:`causal_conv` and its decoding form
+  :func:`causal_conv_step`.
 """
 
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
@@ -38,13 +41,18 @@ from jaxsoft.nn._learned_normalizers import (
 )
 from jaxsoft.nn._linear import (
     GLA,
+    LINEAR_MIXER_KINDS,
+    LINEAR_MIXER_TABLE,
     DeltaNet,
     GatedDeltaNet,
     HedgehogFeatureMap,
     LightningAttention,
     LinearAttention,
+    LinearKind,
     LinearMixer,
     SimpleGLA,
+    causal_conv,
+    causal_conv_step,
 )
 from jaxsoft.nn._mha import MultiHeadAttention, param_transform
 from jaxsoft.nn._product_key_memory import ProductKeyMemory, product_key_topk
@@ -56,4 +64,5 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "DirichletCalibration", "MultiMax", "QASSMax", "TempNet", "SSA", "ASEntmax",
            "PolarSink", "MoEGate", "LearnedNormalizer", "LinearMixer", "GatedDeltaNet",
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
-           "HedgehogFeatureMap", "UniAttnCompensation", "InfSA"]
+           "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
+           "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA"]

@@ -70,7 +70,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -78,26 +78,50 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft import linear as js_linear
+from jaxsoft._validation import positive_int
+from jaxsoft.nn._linear_kinds import (
+    GLA_GATE_NORMALIZER,
+    GLA_GATE_RANK,
+    LINEAR_MIXER_TABLE,
+    TTT_ETA_BASE,
+    LinearKind,
+)
 
 __all__ = ["LinearMixer", "GatedDeltaNet", "DeltaNet", "GLA", "SimpleGLA",
            "LightningAttention", "LinearAttention", "HedgehogFeatureMap", "causal_conv",
-           "causal_conv_step", "rms_norm", "LINEAR_MIXER_KINDS", "GLA_GATE_RANK",
-           "GLA_GATE_NORMALIZER"]
+           "causal_conv_step", "rms_norm", "LINEAR_MIXER_KINDS", "LINEAR_MIXER_TABLE",
+           "LinearKind", "GLA_GATE_RANK", "GLA_GATE_NORMALIZER", "TTT_ETA_BASE"]
 
-LINEAR_MIXER_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla",
-                      "lightning_attention", "linear", "cosformer", "mala", "ttt_linear", "ccq",
-                      "softmax_linear_attention", "native_hybrid", "interdomain", "mhla",
-                      "rala")
-_BIDIRECTIONAL = ("rala",)  # kinds with no causal form (they read the whole sequence)
-_EITHER = ("mhla",)  # kinds with a causal and a bidirectional form
-GLA_GATE_RANK = 16  # GLA's low-rank gate bottleneck
-GLA_GATE_NORMALIZER = 16.0  # GLA divides log sigmoid by 16 (slow decay at initialisation)
-TTT_ETA_BASE = 1.0  # TTT-Linear's base inner learning rate
+LINEAR_MIXER_KINDS = tuple(LINEAR_MIXER_TABLE)
+# The kinds that take causal=False (a bidirectional form).
+_NON_CAUSAL = tuple(name for name, row in LINEAR_MIXER_TABLE.items() if row.direction != "causal")
 
 
 def causal_conv(u: jax.Array, w: jax.Array) -> jax.Array:
-  """Causal depthwise convolution ``y_t = sum_i w_i * u_{t-c+1+i}`` of ``u [B, T, C]`` with
-  ``w [c, C]`` (zero before the first position)."""
+  r"""Causal depthwise convolution, the short convolution of the linear-attention layers.
+
+  .. math::
+    y_t = \sum_{i=0}^{c-1} w_i \odot u_{t-c+1+i}
+
+  with ``u`` zero before the first position.
+
+  Args:
+    u: the input ``[B, T, C]``.
+    w: the filter ``[c, C]``, one of width ``c`` per channel.
+
+  Returns:
+    ``y [B, T, C]``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft.nn import causal_conv
+    >>> causal_conv(jnp.arange(1.0, 5.0).reshape(1, 4, 1), jnp.array([[1.0], [10.0]]))[..., 0]
+    Array([[10., 21., 32., 43.]], dtype=float32)
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training" (the short convolution of its layers).
+  """
   c, t = w.shape[0], u.shape[1]
   padded = jnp.pad(u, ((0, 0), (c - 1, 0), (0, 0)))
   out = w[0] * padded[:, :t]
@@ -108,8 +132,34 @@ def causal_conv(u: jax.Array, w: jax.Array) -> jax.Array:
 
 def causal_conv_step(u: jax.Array, w: jax.Array, window: jax.Array
                      ) -> tuple[jax.Array, jax.Array]:
-  """One position of :func:`causal_conv`: ``u [B, C]`` and the previous ``c - 1`` inputs
-  ``window [B, c - 1, C]`` -> (``y [B, C]``, the next window)."""
+  r"""One position of :func:`causal_conv`, for decoding token by token.
+
+  .. math::
+    y = \sum_{i=0}^{c-2} w_i \odot \mathrm{window}_i + w_{c-1} \odot u
+
+  Args:
+    u: this position's input ``[B, C]``.
+    w: the filter ``[c, C]``.
+    window: the previous ``c - 1`` inputs ``[B, c - 1, C]`` (zeros before the start).
+
+  Returns:
+    ``(y [B, C], the next window)``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft.nn import causal_conv_step
+    >>> w, window = jnp.array([[1.0], [10.0]]), jnp.zeros((1, 1, 1))
+    >>> for u in (1.0, 2.0, 3.0):
+    ...   y, window = causal_conv_step(jnp.full((1, 1), u), w, window)
+    ...   print(y[0, 0])
+    10.0
+    21.0
+    32.0
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training" (the short convolution of its layers).
+  """
   full = jnp.concatenate([window, u[:, None].astype(window.dtype)], axis=1)  # [B, c, C]
   y = jnp.sum(w[None] * full, axis=1)
   return y, full[:, 1:]
@@ -123,38 +173,60 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
   return (normed * scale).astype(x.dtype)
 
 
-def _inverse_softplus(y: jax.Array) -> jax.Array:
-  return y + jnp.log(-jnp.expm1(-y))
-
-
-def _positive_int(owner: str, name: str, value: Any) -> int:
-  if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-    raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
-  return int(value)
+def _one_of(choices: list[str]) -> str:
+  return choices[0] if len(choices) == 1 else f"{', '.join(choices[:-1])} or {choices[-1]}"
 
 
 # -------------------------------------------------------------------------------- Hedgehog
 
 
 class HedgehogFeatureMap(nnx.Module):
-  r"""Hedgehog's learned feature map as a module: per head
-  :math:`φ(x) = [\operatorname{softmax}(xW + b), \operatorname{softmax}(-xW - b)]`
-  (Zhang, Bhatia, Kumbong & Ré 2024, "The Hedgehog & the Porcupine"), ``W [N, K, F]``
-  starting at the identity, ``b [N, F]`` at zero (plus ``noise · N(0, 1)`` when ``noise > 0``).
+  r"""Hedgehog's learned feature map, a module that owns its parameters.
 
-  Call it on ``[..., N, K]`` to get ``[..., N, 2F]``; pass it as ``feature_map=`` to
-  :func:`jaxsoft.linear.linear_attention` or to :class:`LinearAttention`. Train it with
+  Per head,
+
+  .. math::
+    φ(x) = [\operatorname{softmax}(xW + b), \operatorname{softmax}(-xW - b)]
+
+  with ``W [N, K, F]`` starting at the identity and ``b [N, F]`` at zero (plus
+  ``noise · N(0, 1)`` when ``noise > 0``). Call it on ``[..., N, K]`` to get ``[..., N, 2F]``;
+  pass it as ``feature_map=`` to :func:`jaxsoft.linear.linear_attention` or to
+  :class:`LinearAttention` (which then trains it with the layer). Train it alone with
   :meth:`distillation_loss` (the cross-entropy of causal softmax attention against the
   linear-attention map it induces).
+
+  Args:
+    num_heads: ``N``.
+    head_dim: ``K``.
+    feature_dim: ``F`` (default ``K``).
+    noise: the standard deviation of the noise added to the starting ``W`` and ``b``.
+    rngs: the random stream of the noise (needed when ``noise > 0``).
+
+  Returns:
+    Called on ``x [..., N, K]``: the features ``[..., N, 2F]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from jaxsoft.nn import HedgehogFeatureMap
+    >>> phi = HedgehogFeatureMap(num_heads=2, head_dim=4, feature_dim=3)
+    >>> jax.eval_shape(phi, jnp.ones((1, 5, 2, 4))).shape  # the shape of phi(x)
+    (1, 5, 2, 6)
+    >>> phi.W.shape, phi.b.shape
+    ((2, 4, 3), (2, 3))
+
+  References:
+    M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
+    Linear Attentions with Softmax Mimicry".
   """
 
   def __init__(self, num_heads: int, head_dim: int, feature_dim: int | None = None, *,
                noise: float = 0.0, rngs: nnx.Rngs | None = None):
     name = "HedgehogFeatureMap"
-    num_heads = _positive_int(name, "num_heads", num_heads)
-    head_dim = _positive_int(name, "head_dim", head_dim)
+    num_heads = positive_int(num_heads, "num_heads", name)
+    head_dim = positive_int(head_dim, "head_dim", name)
     if feature_dim is not None:
-      feature_dim = _positive_int(name, "feature_dim", feature_dim)
+      feature_dim = positive_int(feature_dim, "feature_dim", name)
     if not noise >= 0:
       raise ValueError(f"{name}: `noise` must be >= 0, got {noise!r}")
     if noise > 0 and rngs is None:
@@ -186,34 +258,81 @@ class HedgehogFeatureMap(nnx.Module):
 
 
 class LinearMixer(nnx.Module):
-  """A linear-attention layer of ``kind`` (one of :data:`LINEAR_MIXER_KINDS`) with the
-  projections, short convolution, gates, per-head RMSNorm and SiLU output gate of the
-  module docstring.
+  r"""A linear-attention layer of any kind of :data:`LINEAR_MIXER_KINDS`, wired as its paper.
+
+  .. math::
+    [q; k; v]_t = \mathrm{SiLU}\bigl(\mathrm{conv}_w([W_q; W_k; W_v]\, x)\bigr)_t, \qquad
+    y_t = W_o\bigl(\mathrm{RMSNorm}(o_t) \odot \mathrm{SiLU}(W_r x_t)\bigr)
+
+  with ``o = mix(q, k, v, gates)`` the kind's recurrence of :mod:`jaxsoft.linear` and its
+  gates computed from ``x`` (the module docstring lists them; RALA's output gate is linear).
+  The kind's row of ``LINEAR_MIXER_TABLE`` (a :class:`LinearKind`) says which function and
+  decoding step it calls, which gates and other parameters it adds, which implementations and
+  feature maps it takes and whether it is causal. :meth:`init_state` and :meth:`step` decode
+  one token at a time, equal to the full forward position by position.
 
   Args:
-    kind: the recurrence.
-    d_model: the width of ``x``.
-    num_heads, head_dim: ``N`` and ``K = V`` (``head_dim`` default ``d_model // num_heads``).
+    kind: the recurrence, a key of ``LINEAR_MIXER_TABLE``.
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
     conv_size: the width ``c >= 1`` of the causal depthwise convolution (4 in the papers).
-    feature_map: for ``kind="linear"`` (and ``"mala"``, ``"mhla"``, ``"rala"``): a name of
-      ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"`` (``"linear"`` only), a callable or a
-      HedgehogFeatureMap.
+    feature_map: for the kinds with a feature map (``"linear"``, ``"mala"``, ``"mhla"``,
+      ``"rala"``): a name of ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"`` (``"linear"``
+      only), a callable or a :class:`HedgehogFeatureMap` (whose parameters the layer then
+      owns).
     normalize: for ``kind="linear"``: divide by ``φ(q)·Σφ(k)`` (False: the numerator alone).
-    favor_features, feature_seed: the number of random features and the key of ``"favor"``.
-    layer_idx, num_layers: the depth that sets Lightning Attention's decays.
+    favor_features: the number of random features of ``"favor"``.
+    feature_seed: the key of ``"favor"``'s random features.
+    layer_idx: the depth that sets Lightning Attention's decays, with ``num_layers``.
+    num_layers: the depth of the stack.
     max_len: cosFormer's ``M``; for ``"mhla"`` the longest sequence, decoded or not
-      (``M_max`` blocks).
-    block_size: MHLA's tokens per block ``b``.
-    causal: None (the kind's own: False for ``"rala"``, True otherwise); False is allowed for
-      ``"mhla"`` and ``"rala"`` only (a bidirectional layer: no ``step``), True not for
-      ``"rala"``.
+      (``M_max = ⌈max_len / block_size⌉`` blocks).
+    implementation: passed to the full-sequence function (None: its default); the kind's row
+      says which it takes.
+    chunk_size: the chunk of the chunked form.
     mini_batch_size: TTT-Linear's inner mini-batch.
     strength: CCQ's contraction strength.
     num_slots: the slots of ``"native_hybrid"`` and the basis functions of ``"interdomain"``.
     window: the sliding window of ``"native_hybrid"`` (the token itself included).
-    implementation, chunk_size: passed to the full-sequence function (None: its default).
+    block_size: MHLA's tokens per block ``b``.
+    causal: None (the kind's own: False for ``"rala"``, True otherwise); False is allowed
+      for the kinds with a bidirectional form (``"mhla"``, ``"rala"``: no ``step``), True
+      not for ``"rala"``.
     dtype: the computation dtype (parameters stay float32).
     rngs: the parameters' random streams.
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``, causal unless ``causal=False``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import LinearMixer
+    >>> layer = LinearMixer("simple_gla", d_model=8, num_heads=2, conv_size=4,
+    ...                     rngs=nnx.Rngs(0))
+    >>> x = jnp.ones((1, 4, 8))
+    >>> jax.eval_shape(layer, x).shape  # the shape of layer(x)
+    (1, 4, 8)
+    >>> state = layer.init_state(batch=1)  # the last c - 1 inputs of the conv, S [B, N, K, V]
+    >>> state["conv"].shape, state["state"].shape
+    ((1, 3, 24), (1, 2, 4, 4))
+
+  References:
+    S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
+    Delta Rule".
+
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training".
+
+    A. Katharopoulos, A. Vyas, N. Pappas & F. Fleuret, 2020, "Transformers are RNNs: Fast
+    Autoregressive Transformers with Linear Attention".
+
+    Z. Qin et al., 2022, "cosFormer: Rethinking Softmax in Attention".
+
+    Y. Sun et al., 2024, "Learning to (Learn at Test Time): RNNs with Expressive Hidden
+    States".
   """
 
   def __init__(self, kind: str, d_model: int, num_heads: int, head_dim: int | None = None, *,
@@ -226,44 +345,39 @@ class LinearMixer(nnx.Module):
     name = type(self).__name__
     if kind not in LINEAR_MIXER_KINDS:
       raise ValueError(f"{name}: `kind` must be one of {LINEAR_MIXER_KINDS}, got {kind!r}")
-    d = _positive_int(name, "d_model", d_model)
-    n = _positive_int(name, "num_heads", num_heads)
+    row = LINEAR_MIXER_TABLE[kind]
+    d = positive_int(d_model, "d_model", name)
+    n = positive_int(num_heads, "num_heads", name)
     if head_dim is None:
       if d % n:
         raise ValueError(f"{name}: `num_heads` ({n}) must divide `d_model` ({d}) when "
                          "`head_dim` is not given")
       head_dim = d // n
-    h = _positive_int(name, "head_dim", head_dim)
-    c = _positive_int(name, "conv_size", conv_size)
+    h = positive_int(head_dim, "head_dim", name)
+    c = positive_int(conv_size, "conv_size", name)
     if implementation is not None and implementation not in js_linear.IMPLEMENTATIONS:
       raise ValueError(f"{name}: `implementation` must be None or one of "
                        f"{js_linear.IMPLEMENTATIONS}, got {implementation!r}")
-    if kind in ("linear", "mala", "mhla", "rala") and not (
-        callable(feature_map) or feature_map == "favor" and kind == "linear"
-        or isinstance(feature_map, str) and feature_map in js_linear.FEATURE_MAPS):
+    if row.feature_maps and not (
+        callable(feature_map) or isinstance(feature_map, str) and feature_map in row.feature_maps):
       raise ValueError(f"{name}: `feature_map` must be one of "
                        f"{sorted(js_linear.FEATURE_MAPS)}, 'favor' or a callable, got "
                        f"{feature_map!r}")
-    if kind == "ttt_linear" and implementation not in (None, "recurrent", "chunked"):
-      raise ValueError(f"{name}: `implementation` of kind 'ttt_linear' must be None, "
-                       f"'recurrent' or 'chunked', got {implementation!r}")
-    if kind == "mhla" and implementation not in (None, "parallel", "chunked"):
-      raise ValueError(f"{name}: `implementation` of kind 'mhla' must be None, 'parallel' or "
-                       f"'chunked' (no recurrent form), got {implementation!r}")
-    if kind == "rala" and implementation is not None:
-      raise ValueError(f"{name}: `implementation` of kind 'rala' must be None (it has one "
-                       f"form), got {implementation!r}")
+    if implementation is not None and implementation not in row.implementations:
+      note = f" ({row.implementation_note})" if row.implementation_note else ""
+      raise ValueError(f"{name}: `implementation` of kind {kind!r} must be "
+                       f"{_one_of(['None', *map(repr, row.implementations)])}{note}, got "
+                       f"{implementation!r}")
     if causal is None:
-      causal = kind not in _BIDIRECTIONAL
+      causal = row.direction != "bidirectional"
     if not isinstance(causal, bool):
       raise ValueError(f"{name}: `causal` must be None or a bool, got {causal!r}")
-    if causal and kind in _BIDIRECTIONAL:
-      raise ValueError(f"{name}: kind {kind!r} is bidirectional (its key weights use the mean "
-                       "of all the queries), it has no causal form: `causal` must be False or "
-                       "None")
-    if not causal and kind not in _BIDIRECTIONAL + _EITHER:
+    if causal and row.direction == "bidirectional":
+      raise ValueError(f"{name}: kind {kind!r} is bidirectional ({row.why_bidirectional}), it "
+                       "has no causal form: `causal` must be False or None")
+    if not causal and row.direction == "causal":
       raise ValueError(f"{name}: `causal` = False needs a kind with a bidirectional form "
-                       f"{_BIDIRECTIONAL + _EITHER}, got kind {kind!r}")
+                       f"{_NON_CAUSAL}, got kind {kind!r}")
     if not (isinstance(strength, numbers.Real) and strength >= 0):
       raise ValueError(f"{name}: `strength` must be a number >= 0, got {strength!r}")
     if not (isinstance(max_len, numbers.Real) and max_len > 0):
@@ -271,8 +385,6 @@ class LinearMixer(nnx.Module):
     dtype = jnp.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
       raise ValueError(f"{name}: `dtype` must be a floating dtype, got {dtype}")
-    linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
-                               param_dtype=jnp.float32, rngs=rngs)
     self.kind: str = kind
     self.layer_idx: int = int(layer_idx)
     self.num_layers: int = int(num_layers)
@@ -285,50 +397,31 @@ class LinearMixer(nnx.Module):
     self.implementation: str | None = implementation
     self.chunk_size: int = int(chunk_size)
     self.feature_map: Any = feature_map
-    self.favor_features: int = _positive_int(name, "favor_features", favor_features)
+    self.favor_features: int = positive_int(favor_features, "favor_features", name)
     self.feature_seed: int = int(feature_seed)
-    self.mini_batch_size: int = _positive_int(name, "mini_batch_size", mini_batch_size)
+    self.mini_batch_size: int = positive_int(mini_batch_size, "mini_batch_size", name)
     self.strength: float = float(strength)
-    self.num_slots: int = _positive_int(name, "num_slots", num_slots)
-    self.window: int = _positive_int(name, "window", window)
-    self.block_size: int = _positive_int(name, "block_size", block_size)
+    self.num_slots: int = positive_int(num_slots, "num_slots", name)
+    self.window: int = positive_int(window, "window", name)
+    self.block_size: int = positive_int(block_size, "block_size", name)
     self.causal: bool = causal
-    m = self.num_slots
+    linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
+                               param_dtype=jnp.float32, rngs=rngs)
     self.qkv: nnx.Linear = linear(d, 3 * n * h)
     self.o: nnx.Linear = linear(n * h, d)
     self.gate: nnx.Linear = linear(d, n * h)  # the output gate SiLU(W_r x)
     self.o_norm: nnx.Param = nnx.Param(jnp.ones((h,), jnp.float32))
     bound = 1.0 / math.sqrt(c)  # PyTorch's Conv1d default for a depthwise filter
-    self.conv: nnx.Param = nnx.Param(jax.random.uniform(rngs.params(), (c, 3 * n * h), jnp.float32,
-                                             -bound, bound))
-    gated = kind == "gated_delta_rule"
-    self.a: nnx.Linear | None = linear(d, n) if gated else None  # Gated DeltaNet's decay rate
-    if gated:
-      self.A_log: nnx.Param = nnx.Param(jnp.log(jax.random.uniform(rngs.params(), (n,), jnp.float32,
-                                                        1.0, 16.0)))
-      dt = jnp.exp(jax.random.uniform(rngs.params(), (n,), jnp.float32,
-                                      math.log(1e-3), math.log(1e-1)))
-      self.dt_bias: nnx.Param = nnx.Param(_inverse_softplus(dt))
-    self.beta: nnx.Linear | None = linear(d, n) if kind in ("gated_delta_rule", "delta_rule") else None
-    biased = functools.partial(nnx.Linear, use_bias=True, dtype=dtype, param_dtype=jnp.float32,
-                               rngs=rngs)
-    decayed = kind in ("simple_gla", "ccq", "softmax_linear_attention")
-    self.gk: nnx.Linear | None = (biased(d, n) if decayed else
-               linear(d, GLA_GATE_RANK) if kind == "gla" else None)
-    self.gk2: nnx.Linear | None = biased(GLA_GATE_RANK, n * h) if kind == "gla" else None
-    self.eta: nnx.Linear | None = linear(d, n) if kind == "ttt_linear" else None
-    self.head_gate: nnx.Linear | None = (linear(d, 2 * n) if kind == "softmax_linear_attention"
-                                         else None)
-    self.slots: nnx.Linear | None = biased(d, n * m) if kind == "native_hybrid" else None
-    self.basis: nnx.Linear | None = linear(d, 2 * n * m) if kind == "interdomain" else None
-    if kind == "mhla":  # C starts as vanilla linear attention (causal: the blocks <= i)
-      blocks = math.ceil(self.max_len / self.block_size)
-      ones = jnp.ones((blocks, blocks), jnp.float32)
-      self.mixing: nnx.Param = nnx.Param(jnp.broadcast_to(
-          jnp.tril(ones) if causal else ones, (n, blocks, blocks)))
-    if kind == "interdomain":  # decay rates e^A in [0.01, 0.5], spread like Mamba's
-      self.basis_log_rate: nnx.Param = nnx.Param(jnp.log(jax.random.uniform(
-          rngs.params(), (n, m), jnp.float32, 0.01, 0.5)))
+    self.conv: nnx.Param = nnx.Param(jax.random.uniform(rngs.params(), (c, 3 * n * h),
+                                                        jnp.float32, -bound, bound))
+    for part in row.parts:  # the kind's gates and parameters, drawn in the table's order
+      for attribute, value in part.build(self, rngs).items():
+        setattr(self, attribute, value)
+
+  @property
+  def linear_kind(self) -> LinearKind:
+    """This layer's row of ``LINEAR_MIXER_TABLE``."""
+    return LINEAR_MIXER_TABLE[self.kind]
 
   # -- the pieces shared by the full and the one-step forms.
 
@@ -343,32 +436,10 @@ class LinearMixer(nnx.Module):
     return x.astype(self.dtype)
 
   def _gates(self, x: jax.Array) -> dict[str, jax.Array]:
-    """The data-dependent gates of ``x [..., d]`` (float32): ``g`` and/or ``beta``."""
+    """The data-dependent gates of ``x [..., d]`` (float32) that the kind's parts compute."""
     out: dict[str, jax.Array] = {}
-    if self.a is not None:
-      rate = jax.nn.softplus(self.a(x).astype(jnp.float32) + self.dt_bias[...])
-      out["g"] = -jnp.exp(self.A_log[...]) * rate
-    if self.beta is not None:
-      out["beta"] = jax.nn.sigmoid(self.beta(x).astype(jnp.float32))
-    if self.kind in ("simple_gla", "ccq", "softmax_linear_attention"):
-      assert self.gk is not None
-      out["g"] = jax.nn.log_sigmoid(self.gk(x).astype(jnp.float32)) / GLA_GATE_NORMALIZER
-    if self.eta is not None:
-      out["eta"] = TTT_ETA_BASE * jax.nn.sigmoid(self.eta(x).astype(jnp.float32))
-    if self.head_gate is not None:
-      out["q_gate"], out["k_gate"] = jnp.split(self.head_gate(x).astype(jnp.float32), 2, -1)
-    if self.slots is not None:
-      a = jax.nn.log_sigmoid(self.slots(x).astype(jnp.float32)) / GLA_GATE_NORMALIZER
-      out["slots"] = a.reshape(*a.shape[:-1], self.num_heads, self.num_slots)
-    if self.basis is not None:
-      b = self.basis(x).astype(jnp.float32)
-      b = b.reshape(*b.shape[:-1], 2, self.num_heads, self.num_slots)
-      out["basis_in"], out["basis_out"] = b[..., 0, :, :], b[..., 1, :, :]
-      out["log_decay"] = -jnp.exp(self.basis_log_rate[...])
-    if self.kind == "gla":
-      assert self.gk is not None and self.gk2 is not None
-      g = jax.nn.log_sigmoid(self.gk2(self.gk(x)).astype(jnp.float32)) / GLA_GATE_NORMALIZER
-      out["g"] = self._heads(g)
+    for part in self.linear_kind.parts:
+      out.update(part.compute(self, x))
     return out
 
   def _feature_map(self) -> Any:
@@ -378,20 +449,10 @@ class LinearMixer(nnx.Module):
     return self.feature_map
 
   def _finish(self, o: jax.Array, x: jax.Array) -> jax.Array:
-    """Per-head RMSNorm, the SiLU output gate (RALA's: linear), the output projection."""
+    """Per-head RMSNorm, the output gate (SiLU; RALA's: linear), the output projection."""
     o = rms_norm(o, self.o_norm[...]).astype(self.dtype)
-    gate = self.gate(x)
-    o = o.reshape(*o.shape[:-2], -1) * (gate if self.kind == "rala" else jax.nn.silu(gate))
+    o = o.reshape(*o.shape[:-2], -1) * self.linear_kind.output_gate(self.gate(x))
     return self.o(o)
-
-  def _mixing(self, t: int) -> jax.Array:
-    """MHLA's ``C`` sliced to the ``⌈t / b⌉`` blocks of ``t`` tokens."""
-    blocks = math.ceil(t / self.block_size)
-    if blocks > self.mixing.shape[-1]:
-      raise ValueError(f"{type(self).__name__}: `x` has T = {t} tokens, more than the "
-                       f"{self.mixing.shape[-1]} blocks of {self.block_size} that `max_len` = "
-                       f"{self.max_len:g} gives kind 'mhla'")
-    return self.mixing[...][:, :blocks, :blocks]
 
   def _check_causal(self) -> None:
     if not self.causal:
@@ -404,84 +465,14 @@ class LinearMixer(nnx.Module):
     x = self._check_x(x, 3, "[B, T, d]")
     u = jax.nn.silu(causal_conv(self.qkv(x), self.conv[...].astype(self.dtype)))
     q, k, v = (self._heads(part) for part in jnp.split(u, 3, axis=-1))
-    gates, kind = self._gates(x), self.kind
-    impl: dict[str, Any] = dict(implementation=self.implementation, chunk_size=self.chunk_size)
-    if kind == "gated_delta_rule":
-      o = js_linear.gated_delta_rule(q, k, v, gates["g"], gates["beta"], qk_l2norm=True, **impl)
-    elif kind == "delta_rule":
-      o = js_linear.delta_rule(q, k, v, gates["beta"], qk_l2norm=True, **impl)
-    elif kind == "simple_gla":
-      o = js_linear.simple_gla(q, k, v, gates["g"], **impl)
-    elif kind == "gla":
-      o = js_linear.gla(q, k, v, gates["g"], **impl)
-    elif kind == "lightning_attention":
-      o = js_linear.lightning_attention(q, k, v, layer_idx=self.layer_idx,
-                                        num_layers=self.num_layers, **impl)
-    elif kind == "linear":
-      o = js_linear.linear_attention(q, k, v, feature_map=self._feature_map(),
-                                     normalize=self.normalize, **impl)
-    elif kind == "cosformer":
-      o = js_linear.cosformer(q, k, v, max_len=self.max_len, **impl)
-    elif kind == "mala":
-      o = js_linear.mala(q, k, v, feature_map=self._feature_map(), **impl)
-    elif kind == "ttt_linear":
-      o = js_linear.ttt_linear(q, k, v, gates["eta"], mini_batch_size=self.mini_batch_size,
-                               implementation=self.implementation)
-    elif kind == "ccq":
-      o = js_linear.ccq(q, k, v, gates["g"], strength=self.strength, **impl)
-    elif kind == "softmax_linear_attention":
-      o = js_linear.softmax_linear_attention(q, k, v, gates["q_gate"], gates["k_gate"],
-                                             g=gates["g"], **impl)
-    elif kind == "native_hybrid":
-      o = js_linear.native_hybrid_attention(q, k, v, gates["slots"], window=self.window, **impl)
-    elif kind == "mhla":
-      o = js_linear.mhla(q, k, v, self._mixing(x.shape[1]), block_size=self.block_size,
-                         feature_map=self._feature_map(), causal=self.causal,
-                         implementation=self.implementation)
-    elif kind == "rala":
-      o = js_linear.rala(q, k, v, feature_map=self._feature_map())
-    else:  # interdomain
-      o = js_linear.interdomain_attention(q, k, v, gates["basis_in"], gates["basis_out"],
-                                          gates["log_decay"], **impl)
+    o = self.linear_kind.forward(self, q, k, v, self._gates(x))
     return self._finish(o, x)
 
-  def _step_fn(self, q, k, v, gates, position, state):
-    kind = self.kind
-    if kind == "gated_delta_rule":
-      return js_linear.gated_delta_rule_step(q, k, v, gates["g"], gates["beta"], state,
-                                             qk_l2norm=True)
-    if kind == "delta_rule":
-      return js_linear.delta_rule_step(q, k, v, gates["beta"], state, qk_l2norm=True)
-    if kind == "simple_gla":
-      return js_linear.simple_gla_step(q, k, v, gates["g"], state)
-    if kind == "gla":
-      return js_linear.gla_step(q, k, v, gates["g"], state)
-    if kind == "lightning_attention":
-      return js_linear.lightning_attention_step(q, k, v, state, layer_idx=self.layer_idx,
-                                                num_layers=self.num_layers)
-    if kind == "linear":
-      return js_linear.linear_attention_step(q, k, v, state, feature_map=self._feature_map(),
-                                             normalize=self.normalize)
-    if kind == "cosformer":
-      return js_linear.cosformer_step(q, k, v, state, position=position, max_len=self.max_len)
-    if kind == "mala":
-      return js_linear.mala_step(q, k, v, state, feature_map=self._feature_map())
-    if kind == "ttt_linear":
-      return js_linear.ttt_linear_step(q, k, v, gates["eta"], state,
-                                       mini_batch_size=self.mini_batch_size)
-    if kind == "ccq":
-      return js_linear.ccq_step(q, k, v, gates["g"], None, state, strength=self.strength)
-    if kind == "softmax_linear_attention":
-      return js_linear.softmax_linear_attention_step(q, k, v, gates["q_gate"], gates["k_gate"],
-                                                     state, g=gates["g"])
-    if kind == "mhla":
-      return js_linear.mhla_step(q, k, v, self.mixing[...], state, position=position,
-                                 block_size=self.block_size, feature_map=self._feature_map())
-    if kind == "native_hybrid":
-      return js_linear.native_hybrid_attention_step(q, k, v, gates["slots"], state,
-                                                    window=self.window)
-    return js_linear.interdomain_attention_step(q, k, v, gates["basis_in"], gates["basis_out"],
-                                                gates["log_decay"], state)
+  def _step_fn(self, q: jax.Array, k: jax.Array, v: jax.Array, gates: dict[str, jax.Array],
+               position: Any, state: Any) -> tuple[jax.Array, Any]:
+    step = self.linear_kind.step
+    assert step is not None  # a kind without a step is bidirectional: _check_causal refused it
+    return step(self, q, k, v, gates, position, state)
 
   def init_state(self, batch: int) -> dict[str, Any]:
     """The decoding state of ``batch`` sequences before their first token: the zero
@@ -489,7 +480,7 @@ class LinearMixer(nnx.Module):
     by the kind's ``*_step`` function) and ``position = 0``. A bidirectional layer
     (``causal=False``: ``"rala"``) raises ValueError."""
     self._check_causal()
-    batch = _positive_int(type(self).__name__, "batch", batch)
+    batch = positive_int(batch, "batch", type(self).__name__)
     width = self.conv.shape[0] - 1
     window = jnp.zeros((batch, width, self.conv.shape[1]), self.dtype)
     one = jnp.zeros((batch, self.num_heads, self.head_dim), self.dtype)
@@ -521,51 +512,236 @@ class LinearMixer(nnx.Module):
     return y, {"conv": window, "state": rec, "position": state["position"] + 1}
 
 
-class GatedDeltaNet(LinearMixer):
-  """Gated DeltaNet (Yang, Kautz & Hatamizadeh 2025): :class:`LinearMixer` of kind
-  ``"gated_delta_rule"``."""
+class _OneKind(LinearMixer):
+  """A :class:`LinearMixer` whose kind is the class's ``KIND``."""
+
+  KIND: ClassVar[str]
 
   def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, **kwargs: Any):
-    super().__init__("gated_delta_rule", d_model, num_heads, head_dim, **kwargs)
+    super().__init__(self.KIND, d_model, num_heads, head_dim, **kwargs)
 
 
-class DeltaNet(LinearMixer):
-  """DeltaNet (Schlag et al. 2021; Yang et al. 2024): :class:`LinearMixer` of kind
-  ``"delta_rule"``."""
+class GatedDeltaNet(_OneKind):
+  r"""Gated DeltaNet, the delta rule with a data-dependent decay: :class:`LinearMixer` of
+  kind ``"gated_delta_rule"``.
 
-  def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, **kwargs: Any):
-    super().__init__("delta_rule", d_model, num_heads, head_dim, **kwargs)
+  .. math::
+    S_t = α_t (I - β_t k_t k_t^T) S_{t-1} + β_t k_t v_t^T, \qquad o_t = S_t^T q_t
+
+  with :math:`\log α_t = -e^{A}\,\mathrm{softplus}(W_a x_t + b_{dt})` (Mamba-2's
+  parametrisation), :math:`β_t = σ(W_β x_t)` and L2-normalised keys and queries.
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    **kwargs: the other arguments of :class:`LinearMixer` (``conv_size``, ``dtype``,
+      ``rngs``, ...).
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import GatedDeltaNet
+    >>> layer = GatedDeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
+    Delta Rule".
+  """
+
+  KIND = "gated_delta_rule"
 
 
-class GLA(LinearMixer):
-  """Gated Linear Attention (Yang et al. 2024), a decay per key channel: :class:`LinearMixer`
-  of kind ``"gla"``."""
+class DeltaNet(_OneKind):
+  r"""DeltaNet, linear attention whose state is corrected towards ``v_t`` along ``k_t``:
+  :class:`LinearMixer` of kind ``"delta_rule"``.
 
-  def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, **kwargs: Any):
-    super().__init__("gla", d_model, num_heads, head_dim, **kwargs)
+  .. math::
+    S_t = (I - β_t k_t k_t^T) S_{t-1} + β_t k_t v_t^T, \qquad o_t = S_t^T q_t
+
+  with :math:`β_t = σ(W_β x_t)` and L2-normalised keys and queries.
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    **kwargs: the other arguments of :class:`LinearMixer`.
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import DeltaNet
+    >>> layer = DeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    I. Schlag, K. Irie & J. Schmidhuber, 2021, "Linear Transformers Are Secretly Fast Weight
+    Programmers".
+
+    S. Yang, B. Wang, Y. Zhang, Y. Shen & Y. Kim, 2024, "Parallelizing Linear Transformers
+    with the Delta Rule over Sequence Length".
+  """
+
+  KIND = "delta_rule"
 
 
-class SimpleGLA(LinearMixer):
-  """GLA with one data-dependent decay per head: :class:`LinearMixer` of kind
-  ``"simple_gla"``."""
+class GLA(_OneKind):
+  r"""Gated Linear Attention, a data-dependent decay per key channel: :class:`LinearMixer` of
+  kind ``"gla"``.
 
-  def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, **kwargs: Any):
-    super().__init__("simple_gla", d_model, num_heads, head_dim, **kwargs)
+  .. math::
+    S_t = \mathrm{diag}(α_t) S_{t-1} + k_t v_t^T, \qquad
+    \log α_t = \log σ(W^2 W^1 x_t + b) / 16
+
+  through a rank-16 bottleneck ``W^2 W^1``.
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    **kwargs: the other arguments of :class:`LinearMixer`.
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import GLA
+    >>> layer = GLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training".
+  """
+
+  KIND = "gla"
 
 
-class LightningAttention(LinearMixer):
-  """Lightning Attention's fixed per-head decays of depth ``layer_idx / num_layers``:
-  :class:`LinearMixer` of kind ``"lightning_attention"``."""
+class SimpleGLA(_OneKind):
+  r"""GLA with one data-dependent decay per head: :class:`LinearMixer` of kind
+  ``"simple_gla"``.
 
-  def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, **kwargs: Any):
-    super().__init__("lightning_attention", d_model, num_heads, head_dim, **kwargs)
+  .. math::
+    S_t = α_t S_{t-1} + k_t v_t^T, \qquad \log α_t = \log σ(w^T x_t + b) / 16
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    **kwargs: the other arguments of :class:`LinearMixer`.
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import SimpleGLA
+    >>> layer = SimpleGLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training".
+  """
+
+  KIND = "simple_gla"
 
 
-class LinearAttention(LinearMixer):
-  """Linear attention with ``feature_map`` (Katharopoulos et al. 2020): :class:`LinearMixer`
-  of kind ``"linear"``. A :class:`HedgehogFeatureMap` passed as ``feature_map`` becomes a
-  submodule, trained with the layer."""
+class LightningAttention(_OneKind):
+  r"""Lightning Attention, a fixed decay per head set by the layer's depth:
+  :class:`LinearMixer` of kind ``"lightning_attention"``.
+
+  .. math::
+    o_t = \sum_{j \le t} λ_n^{t-j} (q_t \cdot k_j) v_j
+
+  with :math:`λ_n` of head ``n`` at depth ``layer_idx / num_layers`` (TransNormerLLM's).
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    **kwargs: the other arguments of :class:`LinearMixer` (``layer_idx``, ``num_layers``,
+      ...).
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import LightningAttention
+    >>> layer = LightningAttention(d_model=8, num_heads=2, layer_idx=1, num_layers=4,
+    ...                            rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    Z. Qin et al., 2024, "Lightning Attention-2: A Free Lunch for Handling Unlimited Sequence
+    Lengths in Large Language Models".
+  """
+
+  KIND = "lightning_attention"
+
+
+class LinearAttention(_OneKind):
+  r"""Linear attention with a feature map: :class:`LinearMixer` of kind ``"linear"``.
+
+  .. math::
+    o_t = \frac{φ(q_t)^T \sum_{j \le t} φ(k_j) v_j^T}{φ(q_t)^T \sum_{j \le t} φ(k_j)}
+
+  (the numerator alone with ``normalize=False``). A :class:`HedgehogFeatureMap` passed as
+  ``feature_map`` becomes a submodule, trained with the layer; ``"favor"`` is Performer's
+  random features.
+
+  Args:
+    d_model: the width ``d`` of ``x``.
+    num_heads: ``N``.
+    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    feature_map: a name of ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"``, a callable or a
+      :class:`HedgehogFeatureMap`.
+    **kwargs: the other arguments of :class:`LinearMixer`.
+
+  Returns:
+    Called on ``x [B, T, d]``: ``y [B, T, d]``.
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> from jaxsoft.nn import HedgehogFeatureMap, LinearAttention
+    >>> layer = LinearAttention(d_model=8, num_heads=2,
+    ...                         feature_map=HedgehogFeatureMap(2, 4), rngs=nnx.Rngs(0))
+    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
+    (1, 4, 8)
+
+  References:
+    A. Katharopoulos, A. Vyas, N. Pappas & F. Fleuret, 2020, "Transformers are RNNs: Fast
+    Autoregressive Transformers with Linear Attention".
+
+    K. Choromanski et al., 2021, "Rethinking Attention with Performers".
+  """
+
+  KIND = "linear"
 
   def __init__(self, d_model: int, num_heads: int, head_dim: int | None = None, *,
                feature_map: str | Callable[[jax.Array], jax.Array] = "elu1", **kwargs: Any):
-    super().__init__("linear", d_model, num_heads, head_dim, feature_map=feature_map, **kwargs)
+    super().__init__(d_model, num_heads, head_dim, feature_map=feature_map, **kwargs)

@@ -14,14 +14,14 @@ import optax
 import pytest
 from flax import nnx
 
+from jaxsoft import linear as js_linear
 from jaxsoft import nn as js_nn
-from jaxsoft.nn import _linear
 from tests.helpers import check_raises
 
 D, N, H, T, B = 8, 2, 4, 6, 2
-KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention", "linear",
-         "cosformer", "mala", "ttt_linear", "ccq", "softmax_linear_attention", "native_hybrid",
-         "interdomain")
+# Every causal-only row of the table (a new one is tested here with no edit); "mhla" and
+# "rala" have a bidirectional form: tests/nn/test_linear_mixer_mhla_rala.py.
+KINDS = tuple(kind for kind, row in js_nn.LINEAR_MIXER_TABLE.items() if row.direction == "causal")
 DEFAULT_KINDS = ("gated_delta_rule", "gla")  # "linear": the Hedgehog test below
 
 
@@ -155,7 +155,6 @@ def _by_hand(layer, x):
   """A layer of the kinds ttt_linear, ccq, softmax_linear_attention, native_hybrid and
   interdomain from its parameters: projections, conv, SiLU, the gates written out from the
   module docstring, the js.linear function in its recurrent form, RMSNorm, output gate."""
-  from jaxsoft import linear as js_linear
   p = _value
   b, t, _ = x.shape
   q, k, v = _qkv_by_hand(layer, x)
@@ -335,13 +334,46 @@ def test_linear_attention_owns_a_hedgehog_feature_map_and_decodes():
   assert bool(jnp.all(jnp.isfinite(gW))) and float(jnp.max(jnp.abs(gW))) > 0
 
 
-def test_causal_conv_matches_a_numpy_loop():
+@pytest.mark.parametrize("width", [3, 4])
+def test_causal_conv_matches_a_numpy_loop_and_its_step_form(width):
   rng = np.random.default_rng(0)
-  u, w = rng.standard_normal((2, 5, 3)), rng.standard_normal((3, 3))
+  u, w = rng.standard_normal((2, 7, 3)), rng.standard_normal((width, 3))
   expected = np.zeros_like(u)
-  for t in range(5):
-    for i in range(3):
-      if t - 2 + i >= 0:
-        expected[:, t] += w[i] * u[:, t - 2 + i]
-  got = _linear.causal_conv(jnp.asarray(u, jnp.float32), jnp.asarray(w, jnp.float32))
+  for t in range(7):
+    for i in range(width):
+      if t - width + 1 + i >= 0:
+        expected[:, t] += w[i] * u[:, t - width + 1 + i]
+  got = js_nn.causal_conv(jnp.asarray(u, jnp.float32), jnp.asarray(w, jnp.float32))
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+  window = jnp.zeros((2, width - 1, 3), jnp.float32)
+  for t in range(7):
+    y, window = js_nn.causal_conv_step(jnp.asarray(u[:, t], jnp.float32),
+                                       jnp.asarray(w, jnp.float32), window)
+    np.testing.assert_allclose(y, expected[:, t], rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------- the table
+
+
+def test_the_kinds_are_the_tables_rows_each_with_a_forward_and_a_step():
+  table = js_nn.LINEAR_MIXER_TABLE
+  assert js_nn.LINEAR_MIXER_KINDS == tuple(table)
+  for kind, row in table.items():
+    assert isinstance(row, js_nn.LinearKind) and row.title and callable(row.forward), kind
+    assert row.direction in ("causal", "bidirectional", "either"), kind
+    # decoding exactly when the kind has a causal form; a bidirectional kind says why
+    assert (row.step is not None) == (row.direction != "bidirectional"), kind
+    assert bool(row.why_bidirectional) == (row.direction == "bidirectional"), kind
+    assert set(row.implementations) <= set(js_linear.IMPLEMENTATIONS), kind
+    assert set(row.feature_maps) <= {*js_linear.FEATURE_MAPS, "favor"}, kind
+  with pytest.raises(TypeError):  # read-only: a kind is a row of the table's source
+    table["new"] = table["gla"]  # type: ignore[index]
+
+
+def test_each_kind_owns_the_parameters_of_its_parts_and_nothing_else():
+  shared = {"qkv", "o", "gate", "o_norm", "conv"}
+  for kind, row in js_nn.LINEAR_MIXER_TABLE.items():
+    layer = nnx.eval_shape(lambda kind=kind: js_nn.LinearMixer(kind, D, N, rngs=nnx.Rngs(0)))
+    owned = {path[0] for path, _ in nnx.to_flat_state(nnx.state(layer))}
+    built = {name for part in row.parts for name in part.build(layer, nnx.Rngs(0))}
+    assert owned == shared | built, kind
