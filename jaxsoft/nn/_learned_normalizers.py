@@ -93,6 +93,15 @@ def _head_queries(q, num_heads: int, head_dim: int | None, owner: str) -> jax.Ar
   return q
 
 
+def _query_projection(module: Any, q, kernel: str, bias: str, owner: str) -> jax.Array:
+  """``w_h . q + c_h``, ``[B, N, T]`` for queries ``q [B, N, T, H]``, with the module's
+  per-head learned ``kernel`` ``[N, H]`` and ``bias`` ``[N]`` (attribute names)."""
+  q = _head_queries(q, module.num_heads, module.head_dim, owner)
+  w = _learned_value(getattr(module, kernel), (module.num_heads, module.head_dim), kernel, owner)
+  c = _learned_value(getattr(module, bias), (module.num_heads,), bias, owner)
+  return jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
+
+
 def _visible(n_visible, q, owner: str) -> jax.Array:
   """``n_visible`` as float32 broadcastable to ``[B, N, T, 1]``."""
   n = jnp.asarray(n_visible, jnp.float32)
@@ -479,12 +488,7 @@ class SSA(LearnedNormalizer):
 
   def token_temperature(self, q: ArrayLike) -> jax.Array:
     """``tau_tok = tanh(w_h . q + c_h)`` in (-1, 1), ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
-    q = _head_queries(q, self.num_heads, self.head_dim, "SSA")
-    w = _learned_value(self.token_kernel, (self.num_heads, self.head_dim), "token_kernel",
-                       "SSA")
-    c = _learned_value(self.token_bias, (self.num_heads,), "token_bias", "SSA")
-    z = jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
-    return jnp.tanh(z)[..., None]
+    return jnp.tanh(_query_projection(self, q, "token_kernel", "token_bias", "SSA"))[..., None]
 
   def attention_hyperparams(self, q: ArrayLike,
                             n_visible: ArrayLike | None) -> dict[str, Any]:
@@ -572,11 +576,7 @@ class ASEntmax(LearnedNormalizer):
 
   def beta(self, q: ArrayLike) -> jax.Array:
     """``beta(q) = softplus(w_h . q + c_h) >= 0``, ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
-    q = _head_queries(q, self.num_heads, self.head_dim, "ASEntmax")
-    w = _learned_value(self.beta_kernel, (self.num_heads, self.head_dim), "beta_kernel",
-                       "ASEntmax")
-    c = _learned_value(self.beta_bias, (self.num_heads,), "beta_bias", "ASEntmax")
-    z = jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
+    z = _query_projection(self, q, "beta_kernel", "beta_bias", "ASEntmax")
     return jax.nn.softplus(z)[..., None]
 
   def gamma_values(self) -> jax.Array:
