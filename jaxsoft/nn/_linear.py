@@ -532,21 +532,18 @@ class GatedDeltaNet(_OneKind):
   parametrisation), :math:`β_t = σ(W_β x_t)` and L2-normalised keys and queries.
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
-    **kwargs: the other arguments of :class:`LinearMixer` (``conv_size``, ``dtype``,
-      ``rngs``, ...).
+    d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
   Returns:
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import GatedDeltaNet
     >>> layer = GatedDeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> layer.A_log.shape, layer.dt_bias.shape, layer.beta.kernel.shape  # per head
+    ((2,), (2,), (8, 2))
     >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
     (1, 4, 8)
 
@@ -568,22 +565,22 @@ class DeltaNet(_OneKind):
   with :math:`β_t = σ(W_β x_t)` and L2-normalised keys and queries.
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
-    **kwargs: the other arguments of :class:`LinearMixer`.
+    d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
   Returns:
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import DeltaNet
     >>> layer = DeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
-    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
-    (1, 4, 8)
+    >>> layer.conv.shape  # the short convolution of q, k and v: [c, 3 N K]
+    (4, 24)
+    >>> state = layer.init_state(batch=1)
+    >>> y, state = jax.eval_shape(layer.step, jnp.ones((1, 8)), state)  # one token
+    >>> y.shape, state["state"].shape
+    ((1, 8), (1, 2, 4, 4))
 
   References:
     I. Schlag, K. Irie & J. Schmidhuber, 2021, "Linear Transformers Are Secretly Fast Weight
@@ -607,22 +604,17 @@ class GLA(_OneKind):
   through a rank-16 bottleneck ``W^2 W^1``.
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
-    **kwargs: the other arguments of :class:`LinearMixer`.
+    d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
   Returns:
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import GLA
     >>> layer = GLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
-    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
-    (1, 4, 8)
+    >>> layer.gk.kernel.shape, layer.gk2.kernel.shape  # W^1 and W^2: one decay per channel
+    ((8, 16), (16, 8))
 
   References:
     S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
@@ -640,22 +632,17 @@ class SimpleGLA(_OneKind):
     S_t = α_t S_{t-1} + k_t v_t^T, \qquad \log α_t = \log σ(w^T x_t + b) / 16
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
-    **kwargs: the other arguments of :class:`LinearMixer`.
+    d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
   Returns:
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import SimpleGLA
     >>> layer = SimpleGLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
-    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
-    (1, 4, 8)
+    >>> layer.gk.kernel.shape, layer.gk.bias.shape  # one decay per head
+    ((8, 2), (2,))
 
   References:
     S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
@@ -675,22 +662,20 @@ class LightningAttention(_OneKind):
   with :math:`λ_n` of head ``n`` at depth ``layer_idx / num_layers`` (TransNormerLLM's).
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
-    **kwargs: the other arguments of :class:`LinearMixer` (``layer_idx``, ``num_layers``,
-      ...).
+    d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer` (``layer_idx``,
+      ``num_layers`` set the decays).
 
   Returns:
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
+    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import LightningAttention
     >>> layer = LightningAttention(d_model=8, num_heads=2, layer_idx=1, num_layers=4,
     ...                            rngs=nnx.Rngs(0))
+    >>> sorted(nnx.to_pure_dict(nnx.state(layer)))  # no gate: the decays are fixed
+    ['conv', 'gate', 'o', 'o_norm', 'qkv']
     >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
     (1, 4, 8)
 
@@ -713,9 +698,7 @@ class LinearAttention(_OneKind):
   random features.
 
   Args:
-    d_model: the width ``d`` of ``x``.
-    num_heads: ``N``.
-    head_dim: ``K = V`` (default ``d_model // num_heads``).
+    d_model, num_heads, head_dim: those of :class:`LinearMixer`.
     feature_map: a name of ``jaxsoft.linear.FEATURE_MAPS``, ``"favor"``, a callable or a
       :class:`HedgehogFeatureMap`.
     **kwargs: the other arguments of :class:`LinearMixer`.
@@ -724,14 +707,12 @@ class LinearAttention(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import HedgehogFeatureMap, LinearAttention
     >>> layer = LinearAttention(d_model=8, num_heads=2,
     ...                         feature_map=HedgehogFeatureMap(2, 4), rngs=nnx.Rngs(0))
-    >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
-    (1, 4, 8)
+    >>> layer.feature_map.W.shape  # Hedgehog's W [N, K, F], trained with the layer
+    (2, 4, 4)
 
   References:
     A. Katharopoulos, A. Vyas, N. Pappas & F. Fleuret, 2020, "Transformers are RNNs: Fast

@@ -137,11 +137,15 @@ def _written_out(layer, x):
 
 @pytest.mark.parametrize("kind", ["simple_gla", pytest.param("linear", marks=pytest.mark.slow)])
 def test_layer_matches_the_written_out_recurrence_forward_and_backward(kind):
-  layer = _layer(kind)
-  x = _x(seed=3)
+  check_against_reference(_layer(kind), _written_out, _x(seed=3))
+
+
+def check_against_reference(layer, written_out, x):
+  """``layer(x)`` and its gradients (in the parameters and in ``x``) against
+  ``written_out(layer, x)``, the layer in plain jnp: equal, and the gradients finite."""
   graphdef, params = nnx.split(layer)
   got = _forward(layer, x)
-  reference = jax.jit(lambda p, x: _written_out(nnx.merge(graphdef, p), x))
+  reference = jax.jit(lambda p, x: written_out(nnx.merge(graphdef, p), x))
   np.testing.assert_allclose(got, reference(params, x), rtol=2e-4, atol=2e-5)
   ct = jax.random.normal(jax.random.key(2), got.shape)
   grad = jax.jit(jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) * ct), argnums=(0, 1)))
