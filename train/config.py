@@ -20,6 +20,17 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from jaxsoft import normalizers
+from kernels_pallas import pick_backend
+from train import checkpoint
+from train.kinds import (
+    ATTENTION_VARIANTS,
+    BIDIRECTIONAL_KINDS,
+    LAYER_KINDS,
+    LINEAR_KINDS,
+    SPARSE_KINDS,
+)
+
 __all__ = [
     "Config",
     "ConfigError",
@@ -48,24 +59,9 @@ __all__ = [
     "read_history",
 ]
 
-ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
-# Layer kinds besides the normalizer block's variants (implemented in train/layers.py):
-# jaxsoft.linear's recurrent mixers, and jaxsoft.attention's sparse / structured self-attention.
-LINEAR_KINDS = ("gated_delta_rule", "delta_rule", "simple_gla", "gla", "lightning_attention",
-                "linear:elu1", "linear:relu", "linear:identity", "linear:taylor", "linear:favor",
-                "cosformer", "mala", "ttt_linear", "ccq", "softmax_linear_attention",
-                "native_hybrid", "interdomain", "mhla")
-# jaxsoft.nn.LinearMixer kinds that exist but cannot be a layer of this causal LM, and why.
-BIDIRECTIONAL_KINDS = {
-    "rala": "RALA (rank-augmented linear attention) is bidirectional: its key weights use the "
-            "mean of all the sequence's queries, so a position would see the future; it has no "
-            "causal form for this causal LM",
-}
-SPARSE_KINDS = ("topk_attention", "block_sparse_attention:blasst", "block_sparse_attention:moba",
-                "block_sparse_attention:bfla", "block_sparse_attention:prism",
-                "multi_token_attention", "lucid_attention", "multiscreen_attention",
-                "infsa_attention")
-LAYER_KINDS = ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS
+# The layer kinds (ATTENTION_VARIANTS, LINEAR_KINDS, BIDIRECTIONAL_KINDS, SPARSE_KINDS,
+# LAYER_KINDS) come from the tables of train.kinds: jaxsoft.nn.LINEAR_MIXER_TABLE and
+# train.kinds.SPARSE_ATTENTION.
 LOSSES = ("linear_ce", "dense")
 DATASETS = ("text", "recall", "copy", "sort", "needle")
 IMPLEMENTATIONS = (None, "xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
@@ -282,8 +278,6 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
 
   The workdir is created (and probed for write access) last, only when everything else is valid.
   """
-  from jaxsoft import normalizers  # imported here so `--help` stays instant
-
   if cfg.normalizer not in normalizers.REGISTRY:
     raise ConfigError(f"--normalizer: unknown normalizer {cfg.normalizer!r}; registered: "
                       f"{', '.join(normalizers.names())}")
@@ -331,7 +325,6 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   if not cfg.workdir:
     raise ConfigError("--workdir is required")
   if cfg.init_from:
-    from train import checkpoint  # pylint: disable=import-outside-toplevel
     try:
       checkpoint.locate(cfg.init_from)
     except FileNotFoundError as e:
@@ -398,8 +391,6 @@ def attention_normalizer(cfg: Config) -> tuple[str, tuple[str, ...]]:
 
 
 def _validate_learned(cfg: Config, fixed: dict[str, Any]) -> None:
-  from jaxsoft import normalizers  # pylint: disable=import-outside-toplevel
-
   normalizer, names = attention_normalizer(cfg)
   if not names:
     return
@@ -423,11 +414,9 @@ def check_implementation(cfg: Config) -> None:
   impl = cfg.implementation
   if not impl.startswith("pallas"):
     return
-  from kernels_pallas import _api  # pylint: disable=import-outside-toplevel
-
   driver = {"pallas": None, "pallas_triton": "triton", "pallas_mosaic_tpu": "mosaic_tpu"}[impl]
   try:
-    _api.pick_backend(driver)
+    pick_backend(driver)
   except NotImplementedError as e:
     raise ConfigError(f"--implementation {impl}: {e}; or pick --implementation xla") from None
 

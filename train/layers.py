@@ -37,22 +37,25 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
   is the convolution's last ``c - 1`` inputs and the recurrent state, advanced by the kind's
   ``*_step`` function (for ``mhla`` the summaries of the ``⌈--seq_len / --block_size⌉``
   blocks, the current one a running sum).
-* :class:`SparseAttention`, ``jaxsoft.attention``'s self-attention layers
-  (``topk_attention``, ``block_sparse_attention:<method>``, ``multi_token_attention`` with a
-  learned per-head kernel of 3 query rows x 5 keys started at the identity, as its paper
-  does, ``lucid_attention``, ``multiscreen_attention``, ``infsa_attention`` with gamma 1/2) with the normalizer block's q/k/v/o projections and RoPE. Their
-  decoding cache is the layer's input history: each step recomputes the layer over it and
-  keeps the last position (exact: every kind is causal, the block-sparse methods choosing
-  key blocks per query token).
+* :class:`SparseAttention`, ``jaxsoft.attention``'s self-attention layers of
+  ``train.kinds.SPARSE_ATTENTION`` (``topk_attention``, ``block_sparse_attention:<method>``,
+  ``multi_token_attention`` with a learned per-head kernel of 3 query rows x 5 keys started at
+  the identity, as its paper does, ``lucid_attention``, ``multiscreen_attention``,
+  ``infsa_attention`` with gamma 1/2) with the normalizer block's q/k/v/o projections and
+  RoPE. Their decoding cache is the layer's input history: each step recomputes the layer over
+  it and keeps the last position (exact: every kind is causal, the block-sparse methods
+  choosing key blocks per query token).
 
-The normalizer block (``train.model.Attention``) decodes with a KV cache
-(:func:`softmax_init_cache`, :func:`softmax_step`).
+:func:`make_mixer` builds either from one table, :data:`MIXERS` (``kind -> builder``), made
+from the kinds of ``train.kinds``. The normalizer block (``train.model.Attention``) owns its
+KV cache and decoding step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -61,14 +64,21 @@ from flax import nnx
 
 from jaxsoft import attention as js_attention
 from jaxsoft import nn as js_nn
-from jaxsoft.nn._linear import causal_conv, causal_conv_step
-from train.config import ATTENTION_VARIANTS, BIDIRECTIONAL_KINDS, LINEAR_KINDS, SPARSE_KINDS, Config
+from jaxsoft.nn import causal_conv, causal_conv_step
+from train.config import Config
+from train.kinds import (
+    ATTENTION_VARIANTS,
+    BIDIRECTIONAL_KINDS,
+    LINEAR_KINDS,
+    SPARSE_ATTENTION,
+    SPARSE_KINDS,
+)
+from train.positions import rope
 
-__all__ = ["LinearMixer", "SparseAttention", "make_mixer", "causal_conv", "causal_conv_step",
-           "softmax_init_cache", "softmax_step", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
+__all__ = ["LinearMixer", "SparseAttention", "make_mixer", "MIXERS", "NEEDS", "causal_conv",
+           "causal_conv_step", "variant_config", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
 
 MTA_QUERY_WIDTH, MTA_KEY_WIDTH = 3, 5
-INFSA_GAMMA = 0.5  # the discount of infsa_attention's walks (normalised: gamma = 0 is softmax)
 
 
 class LinearMixer(js_nn.LinearMixer):
@@ -106,8 +116,20 @@ class LinearMixer(js_nn.LinearMixer):
     return y[:, None], {"conv": window, "state": state}
 
 
+# What a sparse kind may ask of its layer (``SparseKind.needs``): keyword -> (layer, keys) ->
+# value. ``kernel`` is a parameter: the layer owns a Multi-Token Attention kernel for it.
+NEEDS: Mapping[str, Callable[[Any, jax.Array], Any]] = {
+    "top_k": lambda layer, k: min(layer.top_k, k.shape[1]),
+    "top_k_blocks": lambda layer, k: layer.top_k,
+    "block_size": lambda layer, k: layer.block_size,
+    "skip_threshold": lambda layer, k: layer.skip_threshold,
+    "kernel": lambda layer, k: layer.mta_kernel[...],
+}
+
+
 class SparseAttention(nnx.Module):
-  """A jaxsoft.attention self-attention layer (one of ``config.SPARSE_KINDS``) with RoPE."""
+  """A jaxsoft.attention self-attention layer (one of ``config.SPARSE_KINDS``) with RoPE: the
+  function of its row of ``train.kinds.SPARSE_ATTENTION``, with the keywords the row needs."""
 
   def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
     if kind not in SPARSE_KINDS:
@@ -125,37 +147,15 @@ class SparseAttention(nnx.Module):
     self.v = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
     self.o = linear(cfg.num_heads * cfg.head_dim, cfg.d_model)
     self.mta_kernel = (nnx.Param(js_attention.mta_identity_kernel(
-        cfg.num_heads, MTA_QUERY_WIDTH, MTA_KEY_WIDTH)) if kind == "multi_token_attention" else None)
+        cfg.num_heads, MTA_QUERY_WIDTH, MTA_KEY_WIDTH))
+        if "kernel" in SPARSE_ATTENTION[kind].needs else None)
 
-  def _attend(self, q, k, v):
-    kind = self.kind
-    if kind == "topk_attention":
-      return js_attention.topk_attention(q, k, v, top_k=min(self.top_k, k.shape[1]),
-                                         is_causal=True)
-    if kind.startswith("block_sparse_attention:"):
-      method = kind.split(":", 1)[1]
-      kwargs: dict[str, Any] = {}
-      if method in ("moba", "prism", "bfla"):
-        kwargs["top_k_blocks"] = self.top_k
-      if method == "blasst":
-        kwargs["skip_threshold"] = self.skip_threshold
-      return js_attention.block_sparse_attention(q, k, v, method=method,
-                                                 block_size=self.block_size, is_causal=True,
-                                                 **kwargs)
-    if kind == "multi_token_attention":
-      assert self.mta_kernel is not None
-      return js_attention.multi_token_attention(q, k, v, kernel=self.mta_kernel[...],
-                                                is_causal=True)
-    if kind == "multiscreen_attention":  # A19: unit q, k and the N38 screen at its defaults
-      return js_attention.multiscreen_attention(q, k, v, is_causal=True)
-    if kind == "infsa_attention":  # A25: the normalised Neumann kernel, gamma = 1/2
-      return js_attention.infsa_attention(q, k, v, gamma=INFSA_GAMMA, normalize=True,
-                                          is_causal=True)
-    return js_attention.lucid_attention(q, k, v)
+  def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    row = SPARSE_ATTENTION[self.kind]
+    needed = {name: NEEDS[name](self, k) for name in row.needs}
+    return row.fn(q, k, v, **row.fixed, **needed)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    from train.model import rope  # pylint: disable=import-outside-toplevel  (model imports us)
-
     b, t, _ = x.shape
     q = rope(self.q(x).reshape(b, t, self.num_heads, self.head_dim), positions, self.rope_base)
     k = rope(self.k(x).reshape(b, t, self.kv_heads, self.head_dim), positions, self.rope_base)
@@ -179,54 +179,19 @@ class SparseAttention(nnx.Module):
     return out, {"x": history}
 
 
+# The layers besides the normalizer block: kind -> builder (cfg, kind, layer_idx, *, rngs).
+MIXERS: Mapping[str, Callable[..., nnx.Module]] = {
+    **dict.fromkeys(LINEAR_KINDS, LinearMixer),
+    **dict.fromkeys(SPARSE_KINDS, SparseAttention),
+}
+
+
 def make_mixer(cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs) -> nnx.Module:
-  """The LinearMixer or SparseAttention of ``kind`` (not a normalizer-block variant)."""
-  if kind in LINEAR_KINDS:
-    return LinearMixer(cfg, kind, layer_idx, rngs=rngs)
-  if kind in SPARSE_KINDS:
-    return SparseAttention(cfg, kind, layer_idx, rngs=rngs)
-  raise ValueError(f"kind: unknown layer kind {kind!r}; one of "
-                   f"{ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS}")
-
-
-# -------------------------------------------------------------------------------------------
-# The normalizer block (train.model.Attention) with a KV cache.
-
-
-def softmax_init_cache(attn: Any, batch: int, max_len: int) -> dict[str, Any]:
-  """Zero key and value buffers ``[B, max_len, kv_heads, head_dim]``."""
-  dtype = attn.k.dtype or jnp.float32
-  shape = (batch, max_len, attn.kv_heads, attn.head_dim)
-  return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
-
-
-def softmax_step(attn: Any, cfg: Config, x: jax.Array, position: jax.Array,
-                 cache: dict[str, Any]) -> tuple[jax.Array, dict[str, Any]]:
-  """One token of ``attn`` (a ``train.model.Attention`` of variant ``cfg.attention``): the
-  new key/value written at ``position``, the query attending to the keys ``<= position``
-  (and ``>= position - window`` for the window variant) with the block's normalizer."""
-  from train.model import attention_kwargs  # pylint: disable=import-outside-toplevel
-
-  b = x.shape[0]
-  positions = jnp.full((b, 1), position)
-  q, k = attn.qk(x, positions)
-  v = attn.v(x).reshape(b, 1, attn.kv_heads, attn.head_dim)
-  keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), position, 1)
-  values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
-                                               position, 1)
-  j = jnp.arange(keys.shape[1])
-  visible = j <= position
-  kwargs = attention_kwargs(cfg)
-  window = kwargs.pop("local_window_size", None)
-  if window is not None:
-    visible &= j >= position - window[0]
-  kwargs.update(is_causal=False, implementation="xla")
-  out = js_attention.dot_product_attention(
-      q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[None, None, None, :],
-      normalizer_params=attn.hparams() or None, **kwargs)
-  if attn.gate is not None:
-    out = out * jax.nn.sigmoid(attn.gate(x))[..., None].astype(out.dtype)
-  return attn.o(out.reshape(b, 1, attn.num_heads * attn.head_dim)), {"k": keys, "v": values}
+  """The layer of ``kind`` (a key of :data:`MIXERS`, not a normalizer-block variant)."""
+  if kind not in MIXERS:
+    raise ValueError(f"kind: unknown layer kind {kind!r}; one of "
+                     f"{ATTENTION_VARIANTS + tuple(MIXERS)}")
+  return MIXERS[kind](cfg, kind, layer_idx, rngs=rngs)
 
 
 def variant_config(cfg: Config, kind: str) -> Config:

@@ -29,27 +29,13 @@ from jaxsoft.nn import param_transform
 from jaxsoft.normalizers.common import safe_divide
 from train import layers
 from train.config import ATTENTION_VARIANTS, Config, attention_normalizer, layer_kinds
+from train.positions import rope
 
 __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kwargs"]
 
 # Set by train.sharding when the attention implementation is a Pallas kernel: Pallas calls are not
 # auto-partitioned, so they run under jax.shard_map over the batch axis.
 AttentionWrapper = Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]
-
-
-def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-  r"""Rotary position embedding (Su et al., 2021) on ``x [B, T, N, H]``.
-
-  Pairs (x_i, x_{i + H/2}) are rotated by the angle ``p · base^{-2i/H}``, so the score
-  ``q_p · k_s`` depends only on ``p - s``. Computed in float32.
-  """
-  half = x.shape[-1] // 2
-  freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[:, :, None, None].astype(jnp.float32) * freqs  # [B, T, 1, H/2]
-  cos, sin = jnp.cos(angles), jnp.sin(angles)
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-  return out.astype(x.dtype)
 
 
 def attention_kwargs(cfg: Config) -> dict[str, Any]:
@@ -67,6 +53,22 @@ def _attend(q, k, v, hparams, *, kwargs):
   return js_attention.dot_product_attention(q, k, v, normalizer_params=hparams or None, **kwargs)
 
 
+def _attend_cached(q, keys, values, position, hparams, *, kwargs):
+  """The query ``q [B, 1, N, H]`` at ``position`` against the cached ``keys``, ``values``
+  ``[B, max_len, kv_heads, H]``: the keys ``<= position`` are visible (and ``>= position -
+  window`` for the window variant), with the block's normalizer."""
+  j = jnp.arange(keys.shape[1])
+  visible = j <= position
+  kwargs = dict(kwargs)
+  window = kwargs.pop("local_window_size", None)
+  if window is not None:
+    visible &= j >= position - window[0]
+  kwargs.update(is_causal=False, implementation="xla")
+  return js_attention.dot_product_attention(
+      q, keys.astype(q.dtype), values.astype(q.dtype), mask=visible[None, None, None, :],
+      normalizer_params=hparams or None, **kwargs)
+
+
 def _initial_free(cfg: Config) -> dict[str, float]:
   """The free (unconstrained) starting value of each learned hyperparameter: its default mapped
   back through ``param_transform``."""
@@ -82,7 +84,11 @@ def _initial_free(cfg: Config) -> dict[str, float]:
 
 
 class Attention(nnx.Module):
-  """Multi-head (GQA) causal self-attention with RoPE; weights from jaxsoft's normalizer."""
+  """Multi-head (GQA) causal self-attention with RoPE; weights from jaxsoft's normalizer.
+
+  Decodes with a KV cache: :meth:`init_cache` and :meth:`step`, the interface of the mixers
+  of train.layers.
+  """
 
   def __init__(self, cfg: Config, *, rngs: nnx.Rngs, wrap: AttentionWrapper | None = None):
     linear = functools.partial(nnx.Linear, use_bias=False, dtype=_dtype(cfg),
@@ -101,8 +107,10 @@ class Attention(nnx.Module):
     free = _initial_free(cfg)
     self.learned = nnx.Dict({name: nnx.Param(jnp.full((cfg.num_heads,), z0, jnp.float32))
                              for name, z0 in free.items()}) if free else None
-    attend = functools.partial(_attend, kwargs=attention_kwargs(cfg))
+    kwargs = attention_kwargs(cfg)
+    attend = functools.partial(_attend, kwargs=kwargs)
     self.attend = wrap(attend) if wrap is not None else attend
+    self.attend_cached = functools.partial(_attend_cached, kwargs=kwargs)
 
   def learned_values(self) -> dict[str, jax.Array]:
     """The learned hyperparameters in their valid range, ``{name: [num_heads]}``."""
@@ -128,9 +136,36 @@ class Attention(nnx.Module):
     q, k = self.qk(x, positions)
     v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
     out = self.attend(q, k, v, self.hparams())
+    return self._output(out, x)
+
+  def _output(self, out: jax.Array, x: jax.Array) -> jax.Array:
+    """The gated (A07) heads ``out [B, T, N, H]`` through the output projection."""
     if self.gate is not None:
       out = out * jax.nn.sigmoid(self.gate(x))[..., None].astype(out.dtype)
+    b, t = out.shape[:2]
     return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
+
+  def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+    """Zero key and value buffers ``[B, max_len, kv_heads, head_dim]``."""
+    dtype = self.k.dtype or jnp.float32
+    shape = (batch, max_len, self.kv_heads, self.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+  def step(self, x: jax.Array, position: jax.Array, cache: dict[str, Any]
+           ) -> tuple[jax.Array, dict[str, Any]]:
+    """One token ``x [B, 1, d]`` at ``position``: its key and value written into the cache at
+    ``position``, its query attending to the cached keys it may see -> (``[B, 1, d]``, the
+    cache)."""
+    b = x.shape[0]
+    positions = jnp.full((b, 1), position)
+    q, k = self.qk(x, positions)
+    v = self.v(x).reshape(b, 1, self.kv_heads, self.head_dim)
+    keys = jax.lax.dynamic_update_slice_in_dim(cache["k"], k.astype(cache["k"].dtype), position,
+                                               1)
+    values = jax.lax.dynamic_update_slice_in_dim(cache["v"], v.astype(cache["v"].dtype),
+                                                 position, 1)
+    out = self.attend_cached(q, keys, values, position, self.hparams())
+    return self._output(out, x), {"k": keys, "v": values}
 
 
 class Block(nnx.Module):
@@ -163,19 +198,11 @@ class Block(nnx.Module):
     return self._mlp(x + self.attn(self.attn_norm(x), positions))
 
   def init_cache(self, batch: int, max_len: int) -> Any:
-    if self.kind in ATTENTION_VARIANTS:
-      return layers.softmax_init_cache(self.attn, batch, max_len)
     return self.attn.init_cache(batch, max_len)
 
-  def step(self, cfg: Config, x: jax.Array, position: jax.Array, cache: Any
-           ) -> tuple[jax.Array, Any]:
+  def step(self, x: jax.Array, position: jax.Array, cache: Any) -> tuple[jax.Array, Any]:
     """One token ``x [B, 1, d]`` at ``position`` with this block's decoding cache."""
-    h = self.attn_norm(x)
-    if self.kind in ATTENTION_VARIANTS:
-      out, cache = layers.softmax_step(self.attn, layers.variant_config(cfg, self.kind), h,
-                                       position, cache)
-    else:
-      out, cache = self.attn.step(h, position, cache)
+    out, cache = self.attn.step(self.attn_norm(x), position, cache)
     return self._mlp(x + out), cache
 
 
@@ -194,7 +221,7 @@ class Transformer(nnx.Module):
   def __init__(self, cfg: Config, vocab_size: int, *, rngs: nnx.Rngs,
                wrap: AttentionWrapper | None = None, attention_factory=None):
     dtype = _dtype(cfg)
-    self.cfg = cfg  # static (a frozen dataclass): the decode steps need the block variants
+    self.cfg = cfg  # static (a frozen dataclass)
     # std 1/sqrt(d): the tied output layer then starts with unit-scale logits (loss ≈ log vocab).
     self.embed = nnx.Embed(vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                            embedding_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
@@ -247,7 +274,7 @@ class Transformer(nnx.Module):
     x = self.embed(tokens[:, None])
     new_cache = []
     for block, block_cache in zip(self.blocks, cache, strict=True):
-      x, block_cache = block.step(self.cfg, x, position, block_cache)
+      x, block_cache = block.step(x, position, block_cache)
       new_cache.append(block_cache)
     return self.logits(self.final_norm(x))[:, 0], new_cache
 

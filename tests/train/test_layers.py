@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxsoft import nn as js_nn
+from tests.nn.test_linear_modules import check_against_reference
 from train import config, layers, model
 from train import train as train_lib
 from train.config import LAYER_KINDS, Config, ConfigError
@@ -57,21 +59,11 @@ def test_bad_layer_configs_raise_naming_the_flag(overrides, match):
 # ------------------------------------------------------------------------- the linear layers
 
 
-def test_causal_conv_matches_a_numpy_loop_and_its_step_form():
-  rng = np.random.default_rng(0)
-  u, w = rng.standard_normal((2, 7, 3)), rng.standard_normal((4, 3))
-  expected = np.zeros_like(u)
-  for t in range(7):
-    for i in range(4):
-      if t - 3 + i >= 0:
-        expected[:, t] += w[i] * u[:, t - 3 + i]
-  got = layers.causal_conv(jnp.asarray(u, jnp.float32), jnp.asarray(w, jnp.float32))
-  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-  window = jnp.zeros((2, 3, 3), jnp.float32)
-  for t in range(7):
-    y, window = layers.causal_conv_step(jnp.asarray(u[:, t], jnp.float32),
-                                        jnp.asarray(w, jnp.float32), window)
-    np.testing.assert_allclose(y, expected[:, t], rtol=1e-5, atol=1e-5)
+def test_the_linear_layers_use_jaxsofts_causal_conv():
+  # the convolution and its step form are tested against a numpy loop in
+  # tests/nn/test_linear_modules.py; the layers here re-export them
+  assert layers.causal_conv is js_nn.causal_conv
+  assert layers.causal_conv_step is js_nn.causal_conv_step
 
 
 def _gated_delta_reference(layer, x):
@@ -109,16 +101,8 @@ def _gated_delta_reference(layer, x):
 def test_gated_delta_rule_layer_matches_its_recurrence_forward_and_backward():
   cfg = _cfg()
   layer = _jit_init(lambda: layers.LinearMixer(cfg, "gated_delta_rule", 0, rngs=nnx.Rngs(0)))
-  x = jax.random.normal(jax.random.key(1), (2, 8, 16))
-  graphdef, params = nnx.split(layer)
-  got = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x))(params, x)
-  reference = jax.jit(lambda p, x: _gated_delta_reference(nnx.merge(graphdef, p), x))
-  np.testing.assert_allclose(got, reference(params, x), rtol=2e-4, atol=2e-5)
-  ct = jax.random.normal(jax.random.key(2), got.shape)
-  grad = jax.jit(jax.grad(lambda p, x: jnp.sum(nnx.merge(graphdef, p)(x) * ct), argnums=(0, 1)))
-  ref = jax.jit(jax.grad(lambda p, x: jnp.sum(reference(p, x) * ct), argnums=(0, 1)))
-  for a, b in zip(jax.tree.leaves(grad(params, x)), jax.tree.leaves(ref(params, x)), strict=True):
-    np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-5)
+  check_against_reference(layer, _gated_delta_reference,
+                          jax.random.normal(jax.random.key(1), (2, 8, 16)))
 
 
 def _perturbed_outputs(kind, dtype="float32", t=8, at=5):

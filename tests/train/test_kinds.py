@@ -1,0 +1,94 @@
+"""The layer kinds come from tables (train/kinds.py): the linear rows of
+jaxsoft.nn.LINEAR_MIXER_TABLE and the sparse rows of train.kinds.SPARSE_ATTENTION.
+
+Every row reaches the kinds lists, the mixers' table (train.layers.MIXERS) and the command
+line's choices; a row added to a table shows up there (the derivation is checked, not a
+list written out twice).
+"""
+
+import dataclasses
+
+import jax
+import pytest
+from flax import nnx
+
+from jaxsoft import nn as js_nn
+from train import config, kinds, layers, model
+from train.config import Config
+
+TINY = dict(d_model=16, num_heads=2, mlp_dim=32, seq_len=8, block_size=4, top_k=2,
+            favor_features=8, workdir="unused")
+TABLE = js_nn.LINEAR_MIXER_TABLE
+
+
+def _attention_choices() -> str:
+  """The --attention help text: the values the command line offers."""
+  return next(a.help for a in config.make_parser()._actions if "--attention" in a.option_strings)
+
+
+def test_the_linear_kinds_are_the_causal_rows_of_the_nn_table():
+  causal = [name for name, row in TABLE.items() if row.direction != "bidirectional"]
+  assert list(dict.fromkeys(k.partition(":")[0] for k in config.LINEAR_KINDS)) == causal
+  assert set(config.BIDIRECTIONAL_KINDS) == set(TABLE) - set(causal)
+  for name in causal:  # every layer decodes: a forward and a step
+    assert callable(TABLE[name].forward) and callable(TABLE[name].step), name
+  for name in kinds.FEATURE_MAP_KINDS:  # `linear` once per feature map it accepts
+    assert [k for k in config.LINEAR_KINDS if k.startswith(f"{name}:")] == [
+        f"{name}:{feature_map}" for feature_map in TABLE[name].feature_maps]
+  for name, why in config.BIDIRECTIONAL_KINDS.items():
+    assert why.startswith(f"{TABLE[name].title} is bidirectional: ")
+
+
+def test_the_sparse_kinds_are_the_tables_keys_and_their_needs_are_known():
+  assert config.SPARSE_KINDS == tuple(kinds.SPARSE_ATTENTION)
+  for name, row in kinds.SPARSE_ATTENTION.items():
+    assert callable(row.fn) and set(row.needs) <= set(layers.NEEDS), name
+
+
+def test_every_kind_reaches_the_mixers_and_the_command_line():
+  assert config.LAYER_KINDS == (config.ATTENTION_VARIANTS + config.LINEAR_KINDS
+                                + config.SPARSE_KINDS)
+  assert tuple(layers.MIXERS) == config.LINEAR_KINDS + config.SPARSE_KINDS
+  choices = _attention_choices()
+  for kind in config.LAYER_KINDS:
+    assert repr(kind) in choices, kind
+    config.layer_kinds(Config(**TINY, attention=kind))  # accepted
+  for kind in config.BIDIRECTIONAL_KINDS:
+    assert kind not in config.LAYER_KINDS and repr(kind) not in choices
+
+
+def test_a_row_added_to_the_linear_table_reaches_the_kinds():
+  new = dataclasses.replace(TABLE["gla"], title="a new gated layer")
+  assert kinds.linear_kinds({**TABLE, "new": new}) == config.LINEAR_KINDS + ("new",)
+  assert kinds.bidirectional_kinds({**TABLE, "new": new}) == config.BIDIRECTIONAL_KINDS
+  one_way = dataclasses.replace(TABLE["rala"], title="A new bidirectional layer")
+  assert kinds.linear_kinds({**TABLE, "new": one_way}) == config.LINEAR_KINDS
+  assert kinds.bidirectional_kinds({**TABLE, "new": one_way})["new"].startswith(
+      "A new bidirectional layer is bidirectional: its key weights")
+  fewer_maps = {**TABLE, "linear": dataclasses.replace(TABLE["linear"],
+                                                       feature_maps=("relu", "favor"))}
+  assert [k for k in kinds.linear_kinds(fewer_maps) if k.startswith("linear")] == [
+      "linear:relu", "linear:favor"]
+
+
+@pytest.mark.parametrize("kind", config.LINEAR_KINDS + config.SPARSE_KINDS)
+def test_make_mixer_builds_the_tables_layer(kind):
+  cfg = Config(**TINY)
+  layer = nnx.eval_shape(lambda: layers.make_mixer(cfg, kind, 0, rngs=nnx.Rngs(0)))
+  assert type(layer) is layers.MIXERS[kind]
+  if kind in kinds.SPARSE_ATTENTION:
+    assert (layer.mta_kernel is not None) == ("kernel" in kinds.SPARSE_ATTENTION[kind].needs)
+
+
+@pytest.mark.parametrize("variant", config.ATTENTION_VARIANTS)
+def test_the_normalizer_block_owns_its_cache_and_step(variant):
+  cfg = Config(**TINY, attention=variant, num_kv_heads=1)
+  attn = nnx.eval_shape(lambda: model.Attention(cfg, rngs=nnx.Rngs(0)))
+  cache = attn.init_cache(2, 8)
+  assert {name: c.shape for name, c in cache.items()} == {"k": (2, 8, 1, 8), "v": (2, 8, 1, 8)}
+  graphdef, state = nnx.split(attn)
+  x = jax.ShapeDtypeStruct((2, 1, 16), jax.numpy.float32)
+  out, after = jax.eval_shape(lambda s, x, c: nnx.merge(graphdef, s).step(x, 3, c), state, x,
+                              cache)
+  assert out.shape == (2, 1, 16) and jax.tree.map(lambda a: a.shape, after) == {
+      "k": (2, 8, 1, 8), "v": (2, 8, 1, 8)}

@@ -1,0 +1,93 @@
+"""The layer kinds of a hybrid stack, derived from two tables.
+
+* the normalizer block's variants :data:`ATTENTION_VARIANTS` (``train.model.Attention``);
+* the linear mixers: every causal row of ``jaxsoft.nn.LINEAR_MIXER_TABLE``
+  (:data:`LINEAR_KINDS`; ``linear`` once per feature map, ``linear:<map>``); the
+  bidirectional rows cannot be a layer of this causal LM (:data:`BIDIRECTIONAL_KINDS`, with
+  the reason);
+* the sparse / structured self-attentions of ``jaxsoft.attention``: this module's table
+  :data:`SPARSE_ATTENTION` (``name -> SparseKind``), whose keys are :data:`SPARSE_KINDS`.
+
+:data:`LAYER_KINDS` (the values ``--attention`` and ``--layers`` take) is their union, in
+that order. A new linear layer is a row of ``jaxsoft.nn.LINEAR_MIXER_TABLE``, a new sparse
+attention a row of :data:`SPARSE_ATTENTION`: both reach the command line from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from jaxsoft import attention as js_attention
+from jaxsoft import nn as js_nn
+
+__all__ = ["ATTENTION_VARIANTS", "FEATURE_MAP_KINDS", "linear_kinds", "bidirectional_kinds",
+           "LINEAR_KINDS", "BIDIRECTIONAL_KINDS", "SparseKind", "SPARSE_ATTENTION",
+           "SPARSE_KINDS", "LAYER_KINDS", "INFSA_GAMMA"]
+
+ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
+# The linear kinds named once per feature map on the command line (`linear:elu1`, ...).
+FEATURE_MAP_KINDS = ("linear",)
+INFSA_GAMMA = 0.5  # the discount of infsa_attention's walks (normalised: gamma = 0 is softmax)
+
+
+def linear_kinds(table: Mapping[str, js_nn.LinearKind]) -> tuple[str, ...]:
+  """The layer kinds of ``table``'s rows with a causal form, in the table's order; a kind of
+  :data:`FEATURE_MAP_KINDS` once per feature map it accepts (``name:map``)."""
+  kinds: list[str] = []
+  for name, row in table.items():
+    if row.direction == "bidirectional":
+      continue
+    kinds += ([f"{name}:{feature_map}" for feature_map in row.feature_maps]
+              if name in FEATURE_MAP_KINDS else [name])
+  return tuple(kinds)
+
+
+def bidirectional_kinds(table: Mapping[str, js_nn.LinearKind]) -> dict[str, str]:
+  """``{kind: why it cannot be a layer here}`` for ``table``'s rows with no causal form."""
+  return {name: f"{row.title} is bidirectional: {row.why_bidirectional}, so a position would "
+                "see the future; it has no causal form for this causal LM"
+          for name, row in table.items() if row.direction == "bidirectional"}
+
+
+LINEAR_KINDS = linear_kinds(js_nn.LINEAR_MIXER_TABLE)
+# jaxsoft.nn.LinearMixer kinds that exist but cannot be a layer of this causal LM, and why.
+BIDIRECTIONAL_KINDS = bidirectional_kinds(js_nn.LINEAR_MIXER_TABLE)
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseKind:
+  """A sparse / structured self-attention layer: ``fn(q, k, v, **fixed, **needed)``.
+
+  ``needs`` names the keywords the layer fills from the config (``train.layers.NEEDS``:
+  ``top_k``, ``top_k_blocks``, ``block_size``, ``skip_threshold``, and ``kernel``, a learned
+  Multi-Token Attention kernel the layer then owns); ``fixed`` the constant ones.
+  """
+
+  fn: Callable[..., Any]
+  needs: tuple[str, ...] = ()
+  fixed: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_CAUSAL = {"is_causal": True}
+
+SPARSE_ATTENTION: Mapping[str, SparseKind] = {
+    "topk_attention": SparseKind(js_attention.topk_attention, ("top_k",), _CAUSAL),
+    **{f"block_sparse_attention:{method}": SparseKind(
+        js_attention.block_sparse_attention, ("block_size", need),
+        {"method": method, **_CAUSAL})
+       for method, need in (("blasst", "skip_threshold"), ("moba", "top_k_blocks"),
+                            ("bfla", "top_k_blocks"), ("prism", "top_k_blocks"))},
+    # a learned per-head kernel of 3 query rows x 5 keys started at the identity
+    "multi_token_attention": SparseKind(js_attention.multi_token_attention, ("kernel",),
+                                        _CAUSAL),
+    "lucid_attention": SparseKind(js_attention.lucid_attention),
+    # A19: unit q, k and the N38 screen at its defaults
+    "multiscreen_attention": SparseKind(js_attention.multiscreen_attention, (), _CAUSAL),
+    # A25: the normalised Neumann kernel, gamma = 1/2
+    "infsa_attention": SparseKind(js_attention.infsa_attention, (),
+                                  {"gamma": INFSA_GAMMA, "normalize": True, **_CAUSAL}),
+}
+SPARSE_KINDS = tuple(SPARSE_ATTENTION)
+LAYER_KINDS = ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS
