@@ -36,7 +36,7 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
                  decay_bias: tuple[ArrayLike, ArrayLike] | None = None,
                  logits_soft_cap: float | None = None, bias: ArrayLike | None = None,
                  score: str = "dot") -> jax.Array:
-  r"""Logits [B, N, T, S] (float32; float64 for float64 inputs) in the order all paths use.
+  r"""The attention logits every implementation computes, in the order all paths use.
 
   .. math::
     \ell_{bnij} = c\,\tanh\!\Big(\frac{s\, q_{bin} \cdot k_{bj\kappa(n)}
@@ -47,6 +47,34 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
   head n (GQA; jax.nn's grouping). With ``score="distance"`` the Euclidean distance
   ``||q_{bin} - k_{bj\kappa(n)}||`` (:func:`safe_distance` of the expanded square) replaces
   ``s q·k`` (``scale`` is then ignored).
+
+  Args:
+    q: queries [B, T, N, H]; k: keys [B, S, K, H] (N % K == 0).
+    scale: s, the logit scale (a Python float).
+    decay_bias: None or ``(cq [B, T, N], ck [B, S, N])`` (e.g. :func:`forget_gate_decay`).
+    logits_soft_cap: None or c > 0.
+    bias: None or an array broadcastable to [B, N, T, S], added last.
+    score: ``"dot"`` or ``"distance"``.
+
+  Returns:
+    [B, N, T, S] in float32 (float64 for float64 inputs).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.ones((1, 2, 2, 4))   # [B, T, N, H]
+    >>> k = jnp.ones((1, 3, 1, 4))   # [B, S, K, H]: one key/value head for both heads
+    >>> logits = js.attention.dense_logits(q, k, scale=0.5)
+    >>> logits.shape, logits[0, 1]
+    ((1, 2, 2, 3), Array([[2., 2., 2.],
+           [2., 2., 2.]], dtype=float32))
+
+  References:
+    A. Vaswani, N. Shazeer, N. Parmar, J. Uszkoreit, L. Jones, A. N. Gomez, Ł. Kaiser &
+    I. Polosukhin, 2017, "Attention Is All You Need".
+
+    J. Ainslie, J. Lee-Thorp, M. de Jong, Y. Zemlyanskiy, F. Lebrón & S. Sanghai, 2023,
+    "GQA: Training Generalized Multi-Query Transformer Models from Multi-Head Checkpoints".
   """
   q, k = jnp.asarray(q), jnp.asarray(k)
   B, T, N, H = q.shape

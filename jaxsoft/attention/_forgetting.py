@@ -22,7 +22,10 @@ __all__ = ["forget_gate_decay", "forgetting_attention", "acp_prune_threshold"]
 
 
 def forget_gate_decay(log_f: ArrayLike) -> tuple[jax.Array, jax.Array]:
-  r"""The FoX decay bias as ``(cq, ck)`` for ``dot_product_attention(decay_bias=...)``.
+  r"""The Forgetting-attention decay bias ``(cq, ck)`` from forget gates (feature A08).
+
+  The form ``dot_product_attention(decay_bias=(cq, ck))`` takes (a rank-1 bias, never a
+  T x S array).
 
   With per-token, per-head log forget gates :math:`\log f_t = \log\sigma(w_f^\top x_t + b_f)
   \le 0` and their cumulative sum :math:`c_t = \sum_{l \le t} \log f_l`,
@@ -40,6 +43,21 @@ def forget_gate_decay(log_f: ArrayLike) -> tuple[jax.Array, jax.Array]:
 
   Returns:
     ``(cq, ck)``, both ``[B, T, N]``.
+
+  Examples:
+    Every gate at 1/2: the bias halves a key's weight for each step it lies in the past.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> log_f = jnp.log(jnp.full((1, 4, 1), 0.5))   # [B, T, N]
+    >>> cq, ck = js.attention.forget_gate_decay(log_f)
+    >>> cq[0, 3, 0] - ck[0, :, 0]   # D_3j for j = 0..3
+    Array([-2.0794, -1.3863, -0.6931,  0.    ], dtype=float32)
+
+  References:
+    Z. Lin, E. Nikishin, X. O. He & A. Courville, 2025, "Forgetting Transformer: Softmax
+    Attention with a Forget Gate" (ICLR 2025, arXiv 2503.02130).
   """
   lf = jnp.asarray(log_f)
   if lf.ndim != 3:
@@ -50,7 +68,7 @@ def forget_gate_decay(log_f: ArrayLike) -> tuple[jax.Array, jax.Array]:
 
 def acp_prune_threshold(q: ArrayLike, k: ArrayLike, *, epsilon: float,
                         scale: float | None = None) -> jax.Array:
-  r"""A decay threshold below which FoX attention weights are provably below ``epsilon``.
+  r"""The ACP threshold: a decay below which every FoX weight is below ``epsilon`` (A08).
 
   Adaptive computation pruning (ACP, Lin et al. 2025) skips the (i, j) pairs whose decay
   :math:`D_{ij}` is so negative that their weight is negligible. With the scaled logits
@@ -80,6 +98,19 @@ def acp_prune_threshold(q: ArrayLike, k: ArrayLike, *, epsilon: float,
     a function of ``q`` and ``k`` but carries no gradient. The chunked path builds its
     block skip table from a concrete float, so compute it outside ``jit`` (e.g. once from
     a representative batch, or from a static bound ``U`` as ``log(eps) - 2U``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k = jnp.cos(q)
+    >>> thr = js.attention.acp_prune_threshold(q, k, epsilon=1e-3)
+    >>> bool(thr < jnp.log(1e-3))   # log(eps) - 2U, below log(eps)
+    True
+
+  References:
+    Z. Lin et al., 2025, "Adaptive Computation Pruning for the Forgetting Transformer"
+    (arXiv 2504.06949).
   """
   if not 0.0 < float(epsilon) < 1.0:
     raise ValueError(f"acp_prune_threshold: `epsilon` must be in (0, 1), got {epsilon}")
@@ -97,7 +128,7 @@ def acp_prune_threshold(q: ArrayLike, k: ArrayLike, *, epsilon: float,
 def forgetting_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, log_f: ArrayLike, *,
                          prune_threshold: float | None = None, is_causal: bool = True,
                          **kwargs: Any) -> jax.Array:
-  r"""Forgetting attention (FoX, feature A08): causal attention with a forget-gate decay.
+  r"""Forgetting attention (FoX): causal attention with a forget-gate decay (feature A08).
 
   .. math::
     o_i = \sum_{j \le i} \frac{e^{s_{ij} + D_{ij}}}{\sum_{l \le i} e^{s_{il} + D_{il}}} v_j,
@@ -129,6 +160,27 @@ def forgetting_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, log_f: ArrayL
 
   Returns:
     ``[B, T, N, H]`` in ``q``'s dtype.
+
+  Examples:
+    Gates of 1 (``log_f = 0``) forget nothing: plain causal attention.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k, v = jnp.cos(q), q
+    >>> out = js.attention.forgetting_attention(q, k, v, jnp.zeros((1, 4, 2)))
+    >>> out.shape
+    (1, 4, 2, 8)
+    >>> bool(jnp.allclose(out, js.attention.dot_product_attention(q, k, v, is_causal=True),
+    ...                   atol=1e-6))
+    True
+
+  References:
+    Z. Lin, E. Nikishin, X. O. He & A. Courville, 2025, "Forgetting Transformer: Softmax
+    Attention with a Forget Gate" (ICLR 2025, arXiv 2503.02130).
+
+    Z. Lin et al., 2025, "Adaptive Computation Pruning for the Forgetting Transformer"
+    (arXiv 2504.06949).
   """
   fn_name = "forgetting_attention"
   for bad in ("decay_bias", "decay_prune_threshold"):

@@ -13,11 +13,10 @@ __all__ = ["gated_attention_output"]
 
 def gated_attention_output(attn_out: ArrayLike, x: ArrayLike, w_gate: ArrayLike,
                            b_gate: ArrayLike | None = None) -> jax.Array:
-  r"""Gated attention output (feature A07; Z. Qiu et al. 2025, "G1" position).
+  r"""Gated attention output: a sigmoid gate on each head's attention output (feature A07).
 
-  From "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
-  Attention-Sink-Free" (Z. Qiu et al. 2025, arXiv 2505.06708), whose "G1" gate sits right
-  after the attention, before the output projection:
+  The "G1" gate of Z. Qiu et al. (2025) sits right after the attention, before the output
+  projection:
 
   .. math:: Y' = Y \odot \sigma(X W_\theta + b_\theta)
 
@@ -35,6 +34,23 @@ def gated_attention_output(attn_out: ArrayLike, x: ArrayLike, w_gate: ArrayLike,
   Returns:
     ``Y'`` of ``attn_out``'s shape and dtype (the gate is computed in float32 for
     low-precision inputs).
+
+  Examples:
+    One scalar gate per head (``w_gate`` [D, N]): with zero weights the gates are
+    ``sigmoid(b)``, 0.5 for head 0 and 0.8808 for head 1.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> y = jnp.ones((1, 3, 2, 4))   # [B, T, N, H]
+    >>> x = jnp.ones((1, 3, 5))      # [B, T, D]
+    >>> out = js.attention.gated_attention_output(y, x, jnp.zeros((5, 2)), jnp.array([0.0, 2.0]))
+    >>> out.shape, out[0, 0, :, 0]
+    ((1, 3, 2, 4), Array([0.5   , 0.8808], dtype=float32))
+
+  References:
+    Z. Qiu et al., 2025, "Gated Attention for Large Language Models: Non-linearity,
+    Sparsity, and Attention-Sink-Free" (arXiv 2505.06708).
   """
   fn_name = "gated_attention_output"
   y = jnp.asarray(attn_out)

@@ -41,10 +41,7 @@ def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: Array
                        normalizer: str | spec.NormalizerSpec | Callable[..., Any] = "softmax_1",
                        normalizer_params: Mapping[str, Any] | None = None,
                        where: ArrayLike | None = None) -> jax.Array:
-  r"""Modern-Hopfield retrieval, iterated (feature A03; OutEffHop, J. Hu et al. 2024).
-
-  OutEffHop is from J. Hu et al., "Outlier-Efficient Hopfield Layers for Large
-  Transformer-Based Models" (ICML 2024, arXiv 2404.03828).
+  r"""Modern-Hopfield retrieval: a state attends to stored patterns, iterated (feature A03).
 
   With the stored patterns :math:`\Xi = [\xi^1, \dots, \xi^M]` (the rows of ``memory``)
   and a state :math:`\xi`, each iteration applies
@@ -72,6 +69,32 @@ def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: Array
   Returns:
     The state after ``num_iters`` updates, ``[..., Q, d]`` in ``query_state``'s dtype
     (computed in float32 for bf16/fp16). Differentiable in all array arguments.
+
+  Examples:
+    Three patterns; a noisy copy of the first is cleaned up in one step, and a state that
+    matches no pattern retrieves almost nothing with ``softmax_1`` (OutEffHop) but the
+    patterns' average with ``softmax``:
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> memory = 2.0 * jnp.eye(3, 4)   # [M, d] = [3, 4]
+    >>> noisy = jnp.array([[1.8, 0.3, 0.0, 0.0]])
+    >>> bool(jnp.allclose(js.attention.hopfield_retrieval(noisy, memory, beta=4.0),
+    ...                   memory[:1], atol=1e-3))
+    True
+    >>> far = jnp.array([[-1.0, -1.0, -1.0, 0.0]])
+    >>> js.attention.hopfield_retrieval(far, memory, beta=4.0)
+    Array([[0.0007, 0.0007, 0.0007, 0.    ]], dtype=float32)
+    >>> js.attention.hopfield_retrieval(far, memory, beta=4.0, normalizer="softmax")
+    Array([[0.6667, 0.6667, 0.6667, 0.    ]], dtype=float32)
+
+  References:
+    J. Y.-C. Hu et al., 2024, "Outlier-Efficient Hopfield Layers for Large
+    Transformer-Based Models" (ICML 2024, arXiv 2404.03828).
+
+    H. Ramsauer et al., 2021, "Hopfield Networks is All You Need" (ICLR 2021, arXiv
+    2008.02217).
   """
   fn_name = "hopfield_retrieval"
   check_int(num_iters, "num_iters", 1, fn_name)
@@ -106,14 +129,43 @@ def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: Array
 
 def hopfield_energy(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLike,
                     offset: float = 1.0) -> jax.Array:
-  r"""The Hopfield energy that :func:`hopfield_retrieval` descends (softmax / softmax_1).
+  r"""The modern-Hopfield energy that :func:`hopfield_retrieval` descends (feature A03).
 
   .. math::
     E(\xi) = -\frac{1}{\beta} \log\Big(c + \sum_{i=1}^{M} e^{\beta \langle \xi^i, \xi\rangle}
     \Big) + \tfrac12 \langle \xi, \xi \rangle
 
   with ``offset`` :math:`c = 1` for OutEffHop's ``softmax_1`` (``lse_1``) and ``c = 0`` for
-  the modern Hopfield network (``softmax``). Returns ``[..., Q]`` in float32 (or float64).
+  the modern Hopfield network (``softmax``); each retrieval step with that normalizer does
+  not increase it.
+
+  Args:
+    query_state: states ``[..., Q, d]``.
+    memory: patterns ``[..., M, d]``; leading dimensions broadcast with ``query_state``.
+    beta: inverse temperature > 0 (a scalar or an array broadcast to ``[..., Q, 1]``).
+    offset: c >= 0 (1 for ``softmax_1``, 0 for ``softmax``).
+
+  Returns:
+    ``[..., Q]`` in float32 (float64 for float64 inputs).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> memory = 2.0 * jnp.eye(3, 4)
+    >>> state = jnp.array([[1.8, 0.3, 0.0, 0.0]])
+    >>> before = js.attention.hopfield_energy(state, memory, beta=4.0)
+    >>> after = js.attention.hopfield_energy(
+    ...     js.attention.hopfield_retrieval(state, memory, beta=4.0), memory, beta=4.0)
+    >>> before, after, bool(after <= before)
+    (Array([-1.935], dtype=float32), Array([-2.], dtype=float32), True)
+
+  References:
+    J. Y.-C. Hu et al., 2024, "Outlier-Efficient Hopfield Layers for Large
+    Transformer-Based Models" (ICML 2024, arXiv 2404.03828).
+
+    H. Ramsauer et al., 2021, "Hopfield Networks is All You Need" (ICLR 2021, arXiv
+    2008.02217).
   """
   if offset < 0:
     raise ValueError(f"hopfield_energy: `offset` must be >= 0, got {offset}")

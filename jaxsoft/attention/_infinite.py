@@ -31,7 +31,7 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                     gamma: ArrayLike, terms: int | None = None, normalize: bool = False,
                     **kwargs: Any) -> jax.Array:
-  r"""Infinite Self-Attention: attention propagated along all walks of the token graph (A25) [R].
+  r"""Infinite Self-Attention: attention propagated along all walks of the tokens (A25) [R].
 
   With A the dense self-attention map, the discounted Neumann (Katz / PageRank) kernel sums
   the walks of every length t >= 1:
@@ -52,8 +52,7 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   GQA: each query head propagates along its own map, starting from its key/value head's
   values.
 
-  From G. Roffo et al., "Self-Attention And Beyond the Infinite: Towards Linear
-  Transformers with Infinite Self-Attention" (2026, arXiv 2603.00175). [R] The paper sums
+  [R] The paper (G. Roffo et al. 2026) sums
   the series across layers on a ReLU, Frobenius-normalised map (pass such a normalizer to
   match its base); here the series of its kernel :math:`(I - \gamma A)^{-1} - I` is applied
   to one map (softmax by default), truncated or solved exactly. Linear-InfSA (the principal
@@ -76,6 +75,35 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside).
+
+  Examples:
+    The truncated series approaches the exact solve; the normalised kernel at
+    ``gamma = 0`` is attention, and it is row-stochastic (values of 1 give 1).
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k, v = jnp.cos(q), q
+    >>> exact = js.attention.infsa_attention(q, k, v, gamma=0.5, is_causal=True)
+    >>> exact.shape
+    (1, 4, 2, 8)
+    >>> series = js.attention.infsa_attention(q, k, v, gamma=0.5, terms=30, is_causal=True)
+    >>> bool(jnp.allclose(series, exact, atol=1e-5))
+    True
+    >>> plain = js.attention.infsa_attention(q, k, v, gamma=0.0, normalize=True, is_causal=True)
+    >>> bool(jnp.allclose(plain, js.attention.dot_product_attention(q, k, v, is_causal=True),
+    ...                   atol=1e-6))
+    True
+    >>> ones = js.attention.infsa_attention(q, k, jnp.ones_like(v), gamma=0.5, normalize=True)
+    >>> bool(jnp.allclose(ones, 1.0, atol=1e-5))
+    True
+
+  References:
+    G. Roffo et al., 2026, "Self-Attention And Beyond the Infinite: Towards Linear
+    Transformers with Infinite Self-Attention" (arXiv 2603.00175).
+
+    L. Katz, 1953, "A New Status Index Derived from Sociometric Analysis" (Psychometrika
+    18; the discounted walk sum).
   """
   fn = "infsa_attention"
   q = check_rank(query, "query", 4, "[B, T, N, H]", fn)

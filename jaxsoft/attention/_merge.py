@@ -21,7 +21,7 @@ __all__ = ["merge_kv", "alternating_matching"]
 
 def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
              num_clusters: int | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-  r"""Merges keys and values by cluster and returns the log-count bias (A48).
+  r"""KV merging: keys and values averaged by cluster, with the log-count bias (A48).
 
   For each batch b, key/value head h and cluster c with members
   :math:`M_c = \{j : a_{bj} = c\}` and :math:`n_c = |M_c|`:
@@ -60,7 +60,9 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
     values in their input dtypes, the bias in float32 (float64 for float64 keys),
     broadcastable to the logits [B, N, T, C] (pass it as ``bias=``).
 
-  Example:
+  Examples:
+    Two equal keys merged into one cluster: attention with the bias is unchanged.
+
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> k = jnp.array([1.0, 1.0, -1.0]).reshape(1, 3, 1, 1)  # keys 0 and 1 are equal
@@ -70,6 +72,13 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
     >>> bool(jnp.allclose(js.attention.dot_product_attention(q, mk, mv, bias, scale=1.0),
     ...                   js.attention.dot_product_attention(q, k, v, scale=1.0)))
     True
+
+  References:
+    D. Bolya, C.-Y. Fu, X. Dai, P. Zhang, C. Feichtenhofer & J. Hoffman, 2023, "Token
+    Merging: Your ViT But Faster" (ICLR 2023; the proportional-attention bias).
+
+    Chelsea, 2025, online KV-cache clustering with chunked soft matching (authors and
+    full title not recorded in this project's sources).
   """
   fn = "merge_kv"
   k, v = jnp.asarray(key), jnp.asarray(value)
@@ -108,7 +117,7 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
 
 
 def alternating_matching(key: ArrayLike, *, chunk_size: int, num_merges: int) -> jax.Array:
-  r"""A cluster assignment by Chelsea's chunked alternating soft matching [R] (A48).
+  r"""Chunked alternating soft matching: which keys :func:`merge_kv` merges [R] (A48).
 
   Within each chunk of ``chunk_size`` positions, the even positions (set A) are matched to
   their most similar odd position (set B) by the cosine similarity of the keys (averaged
@@ -125,6 +134,28 @@ def alternating_matching(key: ArrayLike, *, chunk_size: int, num_merges: int) ->
   Returns:
     int32 [B, S] cluster ids in ``[0, S - (S / chunk_size) · num_merges)``, numbered in
     order of first position; pass it to :func:`merge_kv` with that ``num_clusters``.
+
+  Examples:
+    Two chunks of 4 keys, one merge each: keys 0 and 1 are equal, so key 0 joins key 1's
+    cluster; in the second chunk keys 5 and 6 (equal) merge.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.array([1.0, 1.0, 0.0, 1.0, 1.0, -1.0, -1.0, -1.0]).reshape(1, 8, 1, 1)
+    >>> key = jnp.concatenate([x, jnp.ones_like(x)], axis=-1)   # [B, S, K, H] = [1, 8, 1, 2]
+    >>> ids = js.attention.alternating_matching(key, chunk_size=4, num_merges=1)
+    >>> ids
+    Array([[0, 0, 1, 2, 3, 4, 4, 5]], dtype=int32)
+    >>> merged_key, _, bias = js.attention.merge_kv(key, key, ids, num_clusters=6)
+    >>> merged_key.shape
+    (1, 6, 1, 2)
+
+  References:
+    D. Bolya, C.-Y. Fu, X. Dai, P. Zhang, C. Feichtenhofer & J. Hoffman, 2023, "Token
+    Merging: Your ViT But Faster" (ICLR 2023; bipartite soft matching).
+
+    Chelsea, 2025, online KV-cache clustering with chunked soft matching (authors and
+    full title not recorded in this project's sources).
   """
   fn = "alternating_matching"
   k = jnp.asarray(key)

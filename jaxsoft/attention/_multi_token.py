@@ -1,5 +1,5 @@
 """Multi-Token Attention (feature A13): a causal 2-D convolution over the logit map, and
-head mixing."""
+head mixing, so that neighbouring queries and keys shape each attention weight."""
 
 from __future__ import annotations
 
@@ -17,8 +17,33 @@ __all__ = ["multi_token_attention", "mta_identity_kernel"]
 
 def mta_identity_kernel(num_heads: int, query_width: int, key_width: int,
                         dtype=jnp.float32) -> jax.Array:
-  """The delta kernel [N, c_q, c_k] (1 at query offset 0 and the key centre): with it MTA is
-  standard attention (MTA's initialisation)."""
+  """The delta kernel of Multi-Token Attention: with it MTA is standard attention (A13).
+
+  ``[N, c_q, c_k]``, 1 at query offset 0 and the key centre ``c_k // 2``, 0 elsewhere:
+  MTA's initialisation, from which the convolution learns to mix neighbouring logits.
+
+  Args:
+    num_heads: N.
+    query_width: c_q, the past queries the kernel reaches (the query itself included).
+    key_width: c_k, the keys centred on j.
+    dtype: of the kernel.
+
+  Returns:
+    ``[N, c_q, c_k]`` in ``dtype``.
+
+  Examples:
+    >>> import jaxsoft as js
+    >>> kernel = js.attention.mta_identity_kernel(2, 2, 3)
+    >>> kernel.shape
+    (2, 2, 3)
+    >>> kernel[0]
+    Array([[0., 1., 0.],
+           [0., 0., 0.]], dtype=float32)
+
+  References:
+    O. Golovneva, T. Wang, J. Weston & S. Sukhbaatar, 2025, "Multi-Token Attention"
+    (arXiv 2504.00927).
+  """
   return jnp.zeros((num_heads, query_width, key_width), dtype).at[:, 0, key_width // 2].set(1)
 
 
@@ -52,7 +77,7 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
                           head_mix_position: str = "pre", scale: float | None = None,
                           is_causal: bool = True, implementation: str = "xla",
                           block_q: int = 256) -> jax.Array:
-  r"""Multi-Token Attention: neighbouring queries and keys shape each attention weight (A13).
+  r"""Multi-Token Attention: neighbouring queries and keys shape each weight (A13).
 
   With :math:`\hat A = s\, Q K^\top` per head (``scale`` s, default 1/sqrt(H)):
 
@@ -91,6 +116,33 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside). Differentiable in query, key, value,
     kernel and head_mix.
+
+  Examples:
+    With the delta kernel MTA is causal attention; a kernel that also reads the previous
+    query's logits is computed the same by the chunked path.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k, v = jnp.cos(q), q
+    >>> kernel = js.attention.mta_identity_kernel(2, 2, 3)  # [N, c_q, c_k]
+    >>> out = js.attention.multi_token_attention(q, k, v, kernel=kernel)
+    >>> out.shape
+    (1, 4, 2, 8)
+    >>> bool(jnp.allclose(out, js.attention.dot_product_attention(q, k, v, is_causal=True),
+    ...                   atol=1e-6))
+    True
+    >>> mixed = kernel.at[:, 1, 1].set(0.5)
+    >>> bool(jnp.allclose(
+    ...     js.attention.multi_token_attention(q, k, v, kernel=mixed),
+    ...     js.attention.multi_token_attention(q, k, v, kernel=mixed,
+    ...                                        implementation="xla_chunked", block_q=2),
+    ...     atol=1e-6))
+    True
+
+  References:
+    O. Golovneva, T. Wang, J. Weston & S. Sukhbaatar, 2025, "Multi-Token Attention"
+    (arXiv 2504.00927).
   """
   fn = "multi_token_attention"
   if jnp.ndim(query) != 4:

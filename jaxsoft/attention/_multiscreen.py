@@ -28,9 +28,9 @@ def multiscreen_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                           bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                           theta: ArrayLike = 0.0, power: ArrayLike = 1.0, eps: float = 1e-6,
                           **kwargs: Any) -> jax.Array:
-  r"""Multiscreen screening attention (feature A19; K. M. Nakanishi 2026) [R].
+  r"""Multiscreen screening attention: keys kept by a threshold on cosine similarity (A19) [R].
 
-  From "Screening Is Enough" (K. M. Nakanishi, 2026, arXiv 2604.01178): each key is judged
+  From K. M. Nakanishi's "Screening Is Enough" (2026): each key is judged
   against an explicit threshold on a *bounded* query-key similarity; keys below it are
   discarded and the rest aggregated, with no competition between keys and no unit mass to
   redistribute. The paper's exact map is not established; this is the reconstruction:
@@ -59,6 +59,24 @@ def multiscreen_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
   Returns:
     [B, T, N, Hv] in query's dtype.
+
+  Examples:
+    One query over keys at cosine 1, 0.6 and 0 with ``theta = 0.5``: weights 1, 0.2 and
+    exactly 0 (one-hot values show them); with only the screened-out key the output is 0.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)                      # [B, T, N, H]
+    >>> k = jnp.array([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]]).reshape(1, 3, 1, 2)
+    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)
+    >>> js.attention.multiscreen_attention(q, k, v, theta=0.5)[0, 0, 0]
+    Array([1. , 0.2, 0. ], dtype=float32)
+    >>> js.attention.multiscreen_attention(q, k[:, 2:], v[:, 2:], theta=0.5)[0, 0, 0]
+    Array([0., 0., 0.], dtype=float32)
+
+  References:
+    K. M. Nakanishi, 2026, "Screening Is Enough" (arXiv 2604.01178).
   """
   fn = "multiscreen_attention"
   for name in ("scale", "normalizer", "normalizer_params", "logits_soft_cap"):

@@ -20,7 +20,7 @@ _HI = lax.Precision.HIGHEST
 def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: ArrayLike,
                    w_out: ArrayLike, *, num_heads: int = 1, scale: float | None = None,
                    use_softmax: bool = False) -> jax.Array:
-  r"""The non-local block with a softmax-free scaled dot product (A27).
+  r"""The softmax-free non-local block: a scaled dot product, re-associated (feature A27).
 
   For positions x_i (a flattened image or sequence), per head:
 
@@ -34,10 +34,8 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
   extra cost. ``use_softmax=True`` is the original embedded-Gaussian block,
   :math:`f = \mathrm{softmax}_j(\theta_i \cdot \phi_j)` (O(T^2)), for comparison.
 
-  From Cho et al., "Rethinking Efficacy of Softmax for Lightweight Non-Local Neural
-  Networks" (2022); the non-local block is X. Wang, R. Girshick,
-  A. Gupta, K. He, "Non-local Neural Networks" (CVPR 2018). [R] The paper's value of s is
-  not established; 1/T is the classic choice.
+  [R] The paper's value of s (Cho et al. 2022) is not established; 1/T is the classic
+  choice.
 
   Args:
     x: [B, T, C].
@@ -49,6 +47,27 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
 
   Returns:
     z [B, T, C] in x's dtype (float32 inside).
+
+  Examples:
+    One head, the same projection for theta, phi and g: the re-associated block equals the
+    quadratic form :math:`x + \tfrac1T (\Theta \Theta^\top) \Theta W_z`.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.sin(jnp.arange(24.0)).reshape(1, 4, 6)       # [B, T, C]
+    >>> w = 0.1 * jnp.cos(jnp.arange(48.0)).reshape(6, 8)    # [C, D]
+    >>> z = js.attention.nonlocal_block(x, w, w, w, w.T)
+    >>> z.shape
+    (1, 4, 6)
+    >>> theta = x[0] @ w
+    >>> bool(jnp.allclose(z[0], x[0] + (theta @ theta.T / 4) @ theta @ w.T, atol=1e-6))
+    True
+
+  References:
+    Y. Cho et al., 2022, "Rethinking Efficacy of Softmax for Lightweight Non-Local Neural
+    Networks".
+
+    X. Wang, R. Girshick, A. Gupta & K. He, 2018, "Non-local Neural Networks" (CVPR 2018).
   """
   fn = "nonlocal_block"
   xa = check_rank(x, "x", 3, "[B, T, C]", fn)

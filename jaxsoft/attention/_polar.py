@@ -37,7 +37,7 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                     magnitude_slope: ArrayLike = 1.0, magnitude_bias: ArrayLike = 0.0,
                     eps: float = 1e-6, return_parts: bool = False, **kwargs: Any) -> Any:
-  r"""Polar attention: a unit direction times a magnitude in [0, 1] (feature A20) [R].
+  r"""Polar attention: a unit direction times a bounded magnitude (feature A20) [R].
 
   From the ATMA paper ("Polar attention" with a gated-delta memory; reference code by
   kreasof-ai; authors and year not established):
@@ -89,6 +89,26 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     o [B, T, N, Hv] in query's dtype (float32 for integer inputs); with ``return_parts``,
     ``(o, u [B, T, N, Hv], m [B, T, N], PR [B, T, N])`` (u, m and PR in the compute dtype,
     float32 or float64). Unbatched inputs give unbatched results.
+
+  Examples:
+    Query 0 matches one key of four (PR near 1: m = n / (n + PR) = 0.8); query 1 matches
+    none (uniform weights, PR = n: m = sigma(0) = 0.5).
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.array([[10.0, 0.0], [0.0, 0.0]]).reshape(1, 2, 1, 2)   # [B, T, N, H]
+    >>> k = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)
+    >>> v = jnp.array([[3.0, 4.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)
+    >>> out, u, m, pr = js.attention.polar_attention(q, k, v, scale=1.0, return_parts=True)
+    >>> m[0, :, 0]
+    Array([0.8, 0.5], dtype=float32)
+    >>> out[0, 0, 0]   # 0.8 times the unit direction (0.6, 0.8) of the matched value
+    Array([0.48, 0.64], dtype=float32)
+
+  References:
+    ATMA / Polar attention (reference code by kreasof-ai; authors and year not established
+    in this project's sources).
   """
   fn = "polar_attention"
   if not isinstance(return_parts, (bool, np.bool_)):

@@ -41,17 +41,16 @@ def _merge_params(normalizer_params: Mapping[str, Any] | None, extra: dict[str, 
 def ssmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
                     mask: ArrayLike | None = None, *, s: ArrayLike = 0.43,
                     normalizer_params: Mapping[str, Any] | None = None, **kwargs: Any) -> jax.Array:
-  r"""SSMax attention with a per-head ``s`` (feature A09; K. M. Nakanishi 2025).
-
-  From "Scalable-Softmax Is Superior for Attention" (Nakanishi 2025, arXiv 2501.19399):
+  r"""SSMax attention: softmax scaled by ``s log n``, ``s`` per head (feature A09).
 
   .. math::
     \mathrm{SSMax}(z)_j = \frac{n^{s z_j}}{\sum_l n^{s z_l}}
       = \mathrm{softmax}\big((s \log n)\, z\big)_j
 
   on the scaled logits of each query row, with ``n`` the number of keys that row sees
-  (causal and padding aware, so query ``i`` of a causal row uses ``n = i + 1``). A
-  learned ``s`` is kept positive as ``s = softplus(z)`` (:func:`softplus_to_range`);
+  (causal and padding aware, so query ``i`` of a causal row uses ``n = i + 1``): the
+  attention stays peaked as the context grows. A learned ``s`` is kept positive as
+  ``s = softplus(z)`` (:func:`softplus_to_range`);
   ``jaxsoft.nn.MultiHeadAttention(normalizer="ssmax", learned=("s",))`` holds it.
 
   Args:
@@ -59,6 +58,26 @@ def ssmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | 
     s: a scalar or a per-head vector ``[N]`` (differentiable).
     normalizer_params: other SSMax hyperparameters (e.g. its optional ``bias``).
     **kwargs: other arguments of :func:`dot_product_attention`.
+
+  Returns:
+    ``[B, T, N, Hv]`` in ``q``'s dtype, as :func:`dot_product_attention`.
+
+  Examples:
+    One query over three keys (scores 2, 1.5, -1): with ``s = 1`` the weights are
+    ``softmax(log(3) z)``.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.ones((1, 1, 1, 1))
+    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
+    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> js.attention.ssmax_attention(q, k, v, scale=1.0, s=1.0)[0, 0, 0]
+    Array([0.6194, 0.3576, 0.0229], dtype=float32)
+
+  References:
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention" (arXiv
+    2501.19399).
   """
   n_heads = _num_heads(q, "ssmax_attention")
   params = _merge_params(
@@ -71,10 +90,7 @@ def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike |
                      mask: ArrayLike | None = None, *, alpha: ArrayLike = 1.5,
                      normalizer_params: Mapping[str, Any] | None = None,
                      **kwargs: Any) -> jax.Array:
-  r"""alpha-entmax attention with a per-head ``alpha`` (feature A10; Correia et al. 2019).
-
-  From "Adaptively Sparse Transformers" (G. M. Correia, V. Niculae & A. F. T. Martins,
-  EMNLP 2019, arXiv 1909.00015):
+  r"""alpha-entmax attention: adaptively sparse weights, ``alpha`` per head (feature A10).
 
   .. math::
     \alpha\text{-entmax}(z)_j = \big[(\alpha - 1) z_j - \tau\big]_+^{1/(\alpha-1)},
@@ -89,7 +105,30 @@ def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike |
   Args:
     q, k, v, bias, mask: as :func:`dot_product_attention`.
     alpha: ``> 1``, a scalar or a per-head vector ``[N]`` (differentiable).
+    normalizer_params: other entmax hyperparameters.
     **kwargs: other arguments of :func:`dot_product_attention`.
+
+  Returns:
+    ``[B, T, N, Hv]`` in ``q``'s dtype, as :func:`dot_product_attention`.
+
+  Examples:
+    One query over three keys (scores 2, 1.5, -1): the last key gets exactly 0.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.ones((1, 1, 1, 1))
+    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
+    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> js.attention.entmax_attention(q, k, v, scale=1.0, alpha=1.5)[0, 0, 0]
+    Array([0.674, 0.326, 0.   ], dtype=float32)
+
+  References:
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers"
+    (EMNLP 2019, arXiv 1909.00015).
+
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models"
+    (ACL 2019; alpha-entmax).
   """
   fn_name = "entmax_attention"
   n_heads = _num_heads(q, fn_name)
@@ -104,14 +143,34 @@ def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike |
 
 def sparsemax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | None = None,
                         mask: ArrayLike | None = None, **kwargs: Any) -> jax.Array:
-  r"""Sparsemax attention (feature A10 at ``alpha = 2``; Martins & Astudillo 2016).
-
-  Sparsemax is from A. F. T. Martins & R. F. Astudillo, "From Softmax to Sparsemax: A
-  Sparse Model of Attention and Multi-Label Classification" (ICML 2016, arXiv
-  1602.02068):
+  r"""Sparsemax attention: the weights are the logits projected onto the simplex (A10).
 
   .. math:: \mathrm{sparsemax}(z) = \arg\min_{p \in \Delta} \lVert p - z \rVert^2
 
-  on the scaled logits of each query row: the Euclidean projection onto the simplex.
+  on the scaled logits of each query row (feature A10 at ``alpha = 2``): keys far below
+  the best get exactly zero weight.
+
+  Args:
+    q, k, v, bias, mask: as :func:`dot_product_attention`.
+    **kwargs: other arguments of :func:`dot_product_attention`.
+
+  Returns:
+    ``[B, T, N, Hv]`` in ``q``'s dtype, as :func:`dot_product_attention`.
+
+  Examples:
+    One query over three keys (scores 2, 1.5, -1): sparsemax keeps the first two.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.ones((1, 1, 1, 1))
+    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
+    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> js.attention.sparsemax_attention(q, k, v, scale=1.0)[0, 0, 0]
+    Array([0.75, 0.25, 0.  ], dtype=float32)
+
+  References:
+    A. F. T. Martins & R. F. Astudillo, 2016, "From Softmax to Sparsemax: A Sparse Model
+    of Attention and Multi-Label Classification" (ICML 2016, arXiv 1602.02068).
   """
   return dot_product_attention(q, k, v, bias, mask, normalizer="sparsemax", **kwargs)

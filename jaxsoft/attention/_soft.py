@@ -23,8 +23,33 @@ _HI = lax.Precision.HIGHEST
 
 
 def gaussian_kernel(a: ArrayLike, b: ArrayLike) -> jax.Array:
-  r"""SOFT's kernel :math:`S(a_i, b_j) = \exp(-\|a_i - b_j\|^2 / (2\sqrt{d}))` over the
-  last axis: ``a`` [..., n, d], ``b`` [..., m, d] -> [..., n, m] (entries in (0, 1])."""
+  r"""SOFT's Gaussian kernel between two sets of points (feature A26).
+
+  .. math:: S(a_i, b_j) = \exp\big(-\|a_i - b_j\|^2 / (2\sqrt{d})\big)
+
+  over the last axis, the softmax-free similarity :func:`soft_attention` uses in place of
+  :math:`\exp(q_i \cdot k_j / \sqrt{d})` (entries in (0, 1], 1 on equal points).
+
+  Args:
+    a: [..., n, d].
+    b: [..., m, d] (leading dimensions broadcast with ``a``'s).
+
+  Returns:
+    [..., n, m] in the inputs' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> a = jnp.array([[0.0, 0.0], [1.0, 1.0]])   # two points in d = 2
+    >>> js.attention.gaussian_kernel(a, a)       # exp(-2 / (2 sqrt 2)) off the diagonal
+    Array([[1.    , 0.4931],
+           [0.4931, 1.    ]], dtype=float32)
+
+  References:
+    J. Lu, J. Yao, J. Zhang, X. Zhu, H. Xu, W. Gao, C. Xu, T. Xiang & L. Zhang, 2021,
+    "SOFT: Softmax-free Transformer with Linear Complexity" (NeurIPS 2021).
+  """
   a, b = jnp.asarray(a), jnp.asarray(b)
   d = a.shape[-1]
   sq = (jnp.sum(a * a, -1)[..., :, None] + jnp.sum(b * b, -1)[..., None, :]
@@ -33,7 +58,7 @@ def gaussian_kernel(a: ArrayLike, b: ArrayLike) -> jax.Array:
 
 
 def newton_schulz_pinv(a: ArrayLike, num_iters: int = 20) -> jax.Array:
-  r"""The Moore-Penrose pseudo-inverse of square matrices by Newton-Schulz iteration.
+  r"""The Moore-Penrose pseudo-inverse of square matrices by Newton-Schulz iteration (A26).
 
   .. math:: Z_0 = \frac{A^\top}{\|A\|_1 \|A\|_\infty}, \qquad Z_{k+1} = 2 Z_k - Z_k A Z_k
 
@@ -47,6 +72,26 @@ def newton_schulz_pinv(a: ArrayLike, num_iters: int = 20) -> jax.Array:
   Args:
     a: [..., m, m].
     num_iters: a static int >= 0.
+
+  Returns:
+    :math:`Z_{\text{num\_iters}}`, [..., m, m] in ``a``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> a = jnp.array([[2.0, 1.0], [1.0, 3.0]])
+    >>> js.attention.newton_schulz_pinv(a, 20)   # the inverse, [[3, -1], [-1, 2]] / 5
+    Array([[ 0.6, -0.2],
+           [-0.2,  0.4]], dtype=float32)
+
+  References:
+    G. Schulz, 1933, "Iterative Berechnung der reziproken Matrix" (Zeitschrift für
+    Angewandte Mathematik und Mechanik 13).
+
+  References:
+    J. Lu, J. Yao, J. Zhang, X. Zhu, H. Xu, W. Gao, C. Xu, T. Xiang & L. Zhang, 2021,
+    "SOFT: Softmax-free Transformer with Linear Complexity" (NeurIPS 2021).
   """
   a = jnp.asarray(a)
   check_int(num_iters, "num_iters", 0, "newton_schulz_pinv")
@@ -80,10 +125,9 @@ def soft_attention(query: ArrayLike, value: ArrayLike, *, num_landmarks: int,
   m = T the landmarks are the tokens and :math:`\hat S = S` (when A is invertible).
   Not causal (the landmarks pool the whole sequence).
 
-  From J. Lu, J. Yao, J. Zhang, X. Zhu, H. Xu, W. Gao, C. Xu, T. Xiang, L. Zhang, "SOFT:
-  Softmax-free Transformer with Linear Complexity" (NeurIPS 2021). [R] The landmarks here
-  are segment means (SOFT uses a strided convolution or pooling); the gradient is autodiff
-  through the Newton-Schulz iterations, not the paper's closed form.
+  [R] The landmarks here are segment means (SOFT uses a strided convolution or pooling);
+  the gradient is autodiff through the Newton-Schulz iterations, not the paper's closed
+  form.
 
   Args:
     query: [B, T, N, H] (also the keys).
@@ -95,6 +139,25 @@ def soft_attention(query: ArrayLike, value: ArrayLike, *, num_landmarks: int,
 
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside).
+
+  Examples:
+    With as many landmarks as tokens it is exact kernel attention :math:`S V` (fewer
+    landmarks approximate it in linear time).
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = 0.5 * jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> v = jnp.cos(q)
+    >>> exact = js.attention.soft_attention(q, v, num_landmarks=4, num_iters=40)
+    >>> exact.shape
+    (1, 4, 2, 8)
+    >>> kernel = js.attention.gaussian_kernel(q[0, :, 0], q[0, :, 0])   # head 0, [T, T]
+    >>> bool(jnp.allclose(exact[0, :, 0], kernel @ v[0, :, 0], atol=1e-3))
+    True
+
+  References:
+    J. Lu, J. Yao, J. Zhang, X. Zhu, H. Xu, W. Gao, C. Xu, T. Xiang & L. Zhang, 2021,
+    "SOFT: Softmax-free Transformer with Linear Complexity" (NeurIPS 2021).
   """
   fn = "soft_attention"
   q = check_rank(query, "query", 4, "[B, T, N, H]", fn)

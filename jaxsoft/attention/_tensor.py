@@ -18,7 +18,7 @@ _HI = lax.Precision.HIGHEST
 def tensor_attention(query: ArrayLike, key1: ArrayLike, key2: ArrayLike, value1: ArrayLike,
                      value2: ArrayLike, *, scale: float | None = None,
                      is_causal: bool = False) -> jax.Array:
-  r"""Tensor (triple-wise) attention: each query attends to pairs of keys (A24).
+  r"""Tensor (triple-wise) attention: each query attends to pairs of keys (feature A24).
 
   .. math::
     \ell_{i,(j,k)} = s \sum_h q_{ih}\, k^{(1)}_{jh}\, k^{(2)}_{kh}, \qquad
@@ -31,9 +31,6 @@ def tensor_attention(query: ArrayLike, key1: ArrayLike, key2: ArrayLike, value1:
   with j <= i and k <= i. Dense: O(T·S^2·H) time and O(T·S^2) memory per head (the paper's
   point is that faster algorithms exist only for small entries).
 
-  From J. Alman, Z. Song, "How to Capture Higher-order Correlations? Generalizing Matrix
-  Softmax Attention to Kronecker Computation" (ICLR 2024, arXiv 2310.04064).
-
   Args:
     query: [B, T, N, H]; key1, key2: [B, S, N, H]; value1, value2: [B, S, N, Hv].
     scale: s; None = 1/sqrt(H) (so that key2 = 1 reduces to dot_product_attention's
@@ -42,6 +39,25 @@ def tensor_attention(query: ArrayLike, key1: ArrayLike, key2: ArrayLike, value1:
 
   Returns:
     [B, T, N, Hv] in query's dtype (float32 inside). Differentiable in all five arrays.
+
+  Examples:
+    With ``key2`` and ``value2`` all ones it is standard softmax attention:
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k, v = jnp.cos(q), q
+    >>> ones = jnp.ones_like(k)
+    >>> out = js.attention.tensor_attention(q, k, ones, v, ones, is_causal=True)
+    >>> out.shape
+    (1, 4, 2, 8)
+    >>> bool(jnp.allclose(out, js.attention.dot_product_attention(q, k, v, is_causal=True),
+    ...                   atol=1e-5))
+    True
+
+  References:
+    J. Alman & Z. Song, 2024, "How to Capture Higher-order Correlations? Generalizing
+    Matrix Softmax Attention to Kronecker Computation" (ICLR 2024, arXiv 2310.04064).
   """
   fn = "tensor_attention"
   q = check_rank(query, "query", 4, "[B, T, N, H]", fn)

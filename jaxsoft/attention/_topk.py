@@ -202,7 +202,7 @@ def topk_attention(
     selection: str = "per_head", indices: ArrayLike | None = None,
     return_indices: bool = False, implementation: str | None = None,
     block_k: int = BLOCK_K) -> Any:
-  r"""Top-k attention: softmax over the k highest-scoring visible keys (feature A11).
+  r"""Top-k attention: softmax over each query's k highest-scoring visible keys (A11).
 
   With :math:`\ell_{ij} = s\, q_i \cdot k_j + \mathrm{bias}_{ij}` over the visible keys
   :math:`V_i` (the mask arguments of :func:`dot_product_attention`):
@@ -250,7 +250,7 @@ def topk_attention(
     [B, T, N, Hv] in query's dtype (computed in float32 for bf16/fp16), and the indices
     when ``return_indices``. Differentiable in query, key, value and bias.
 
-  Example:
+  Examples:
     One query, four keys with scores 1, 0.5, -1, 2 and one-hot values: the two best keys
     share the softmax of their own scores, the others get exactly 0.
 
@@ -262,6 +262,13 @@ def topk_attention(
     >>> v = jnp.eye(4).reshape(1, 4, 1, 4)
     >>> js.attention.topk_attention(q, k, v, top_k=2, scale=1.0)[0, 0, 0]
     Array([0.2689, 0.    , 0.    , 0.7311], dtype=float32)
+
+  References:
+    W. Wu et al., 2025, "TokenSelect: Dynamic Token-Level KV Cache Selection" (EMNLP 2025,
+    arXiv 2411.02886; the per-head soft vote).
+
+    Kascade, 2025, training-free sparse attention reusing anchor layers' top-k indices
+    (authors and full title not recorded in this project's sources).
   """
   fn = "topk_attention"
   if selection not in SELECTIONS:

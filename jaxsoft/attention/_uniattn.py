@@ -40,7 +40,7 @@ def attention_map(fn: str, query, key, bias, mask, kwargs: Mapping[str, Any]) ->
 
 def uniattn_shared_map(query: ArrayLike, key: ArrayLike, bias: ArrayLike | None = None,
                        mask: ArrayLike | None = None, **kwargs: Any) -> jax.Array:
-  r"""The attention map a UniAttn superblock computes once (feature A22) [R].
+  r"""UniAttn's shared attention map: the dense weights a superblock computes once (A22) [R].
 
   .. math:: A = f\big(s\, Q K^\top + \mathrm{bias}\big) \text{ over the visible keys}
 
@@ -57,13 +57,31 @@ def uniattn_shared_map(query: ArrayLike, key: ArrayLike, bias: ArrayLike | None 
 
   Returns:
     [B, N, T, S] in float32 (float64 for float64 inputs); exact zeros off the visible set.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> a = js.attention.uniattn_shared_map(q, jnp.cos(q), is_causal=True)
+    >>> a.shape
+    (1, 2, 4, 4)
+    >>> a[0, 0]   # head 0: causal rows summing to 1
+    Array([[1.    , 0.    , 0.    , 0.    ],
+           [0.4914, 0.5086, 0.    , 0.    ],
+           [0.3467, 0.333 , 0.3204, 0.    ],
+           [0.2343, 0.2446, 0.2561, 0.265 ]], dtype=float32)
+
+  References:
+    Y. Xiong et al., 2025, "UniAttn: Reducing Inference Costs via Softmax Unification for
+    Post-Training LLMs" (arXiv 2502.00439).
   """
   return attention_map("uniattn_shared_map", query, key, bias, mask, kwargs)
 
 
 def uniattn(attn_map: ArrayLike, values: ArrayLike, x: ArrayLike | None = None,
             w_c: ArrayLike | None = None) -> jax.Array:
-  r"""UniAttn: one shared attention map applied to several blocks' values (feature A22) [R].
+  r"""UniAttn: one shared attention map applied to several blocks' values (A22) [R].
 
   Consecutive transformer blocks form a superblock; the softmax map A of its first block
   (:func:`uniattn_shared_map`) is reused by every block l, and a linear projection
@@ -72,11 +90,9 @@ def uniattn(attn_map: ArrayLike, values: ArrayLike, x: ArrayLike | None = None,
   .. math:: o_l = A\, V_l + X_l W_{c,l}
 
   so the later blocks need neither keys (no K cache) nor a softmax. With the same queries
-  and keys in every block and :math:`W_c = 0` it is exact. From Y. Xiong et al.,
-  "UniAttn: Reducing Inference Costs via Softmax Unification for Post-Training LLMs"
-  (2025, arXiv 2502.00439). [R] The compensation is written as one matrix per block from
-  that block's input X_l to its attention output; the paper's exact placement is not
-  established.
+  and keys in every block and :math:`W_c = 0` it is exact. [R] The compensation is
+  written as one matrix per block from that block's input X_l to its attention output;
+  the paper's exact placement is not established.
 
   Args:
     attn_map: A [B, N, T, S] (e.g. from :func:`uniattn_shared_map`); differentiable.
@@ -87,6 +103,31 @@ def uniattn(attn_map: ArrayLike, values: ArrayLike, x: ArrayLike | None = None,
 
   Returns:
     [L, B, T, N, Hv] (or [B, T, N, Hv]) in the values' dtype (float32 inside).
+
+  Examples:
+    Two blocks sharing the first block's map: exact attention for a block with the same
+    queries and keys; the compensation adds :math:`X_l W_{c,l}`.
+
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
+    >>> k = jnp.cos(q)
+    >>> a = js.attention.uniattn_shared_map(q, k, is_causal=True)
+    >>> values = jnp.stack([q, 2.0 * q])                    # [L, B, S, K, Hv]
+    >>> out = js.attention.uniattn(a, values)
+    >>> out.shape
+    (2, 1, 4, 2, 8)
+    >>> bool(jnp.allclose(out[1], js.attention.dot_product_attention(
+    ...     q, k, 2.0 * q, is_causal=True), atol=1e-6))
+    True
+    >>> x = jnp.ones((2, 1, 4, 3))             # [L, B, T, C]
+    >>> w_c = jnp.full((2, 3, 2, 8), 0.1)      # [L, C, N, Hv]
+    >>> bool(jnp.allclose(js.attention.uniattn(a, values, x, w_c) - out, 0.3))
+    True
+
+  References:
+    Y. Xiong et al., 2025, "UniAttn: Reducing Inference Costs via Softmax Unification for
+    Post-Training LLMs" (arXiv 2502.00439).
   """
   fn = "uniattn"
   a = check_rank(attn_map, "attn_map", 4, "[B, N, T, S]", fn)
