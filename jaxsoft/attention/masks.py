@@ -180,6 +180,19 @@ class MaskStructure:
     window: ``(left, right)``: i - left <= j <= i + right; None = unbounded.
     q_lengths, kv_lengths: int32 [B] or None.
     q_segment_ids, kv_segment_ids: int32 [B, T] and [B, S], or None.
+
+  Examples:
+    Causal attention over a window of the previous key and the query's own:
+
+    >>> from jaxsoft.attention import MaskStructure
+    >>> mask = MaskStructure(T=4, S=4, is_causal=True, window=(1, 0))
+    >>> mask.dense().astype(int)[0, 0]   # visible (query, key) pairs, [T, S]
+    Array([[1, 0, 0, 0],
+           [1, 1, 0, 0],
+           [0, 1, 1, 0],
+           [0, 0, 1, 1]], dtype=int32)
+    >>> mask.is_trivial, mask.is_per_batch
+    (False, False)
   """
 
   T: int
