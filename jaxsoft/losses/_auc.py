@@ -8,7 +8,8 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft import pooling
-from jaxsoft.losses._margin import check_margin, check_positive
+from jaxsoft._validation import check_positive
+from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["midam_auc_loss"]
@@ -66,7 +67,7 @@ def midam_auc_loss(instance_scores: ArrayLike, bag_labels: ArrayLike, *,
   if not (jnp.issubdtype(y.dtype, jnp.integer) or y.dtype == jnp.bool_):
     raise ValueError(f"{fn}: `bag_labels` must be integers or booleans, got {y.dtype}")
   check_positive(temperature, "temperature", fn)
-  m = check_margin(margin, fn)
+  m = lc.nonnegative_float(margin, "margin", fn)
   dtype = nc.compute_dtype(h.dtype)
   hc = h.astype(dtype)
   inst = jnp.ones(h.shape, bool) if where is None else jnp.broadcast_to(

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive, positive_int
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import check_margin, check_positive
 from jaxsoft.normalizers import common as nc
 
 __all__ = [
@@ -52,8 +52,7 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
   """
   fn = "msp"
   t = check_positive(temperature, "temperature", fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   x = x / t
   lse, visible = lc.masked_logsumexp(x, mask, axis)
   top = jnp.max(jnp.where(mask, x, -jnp.inf), axis=axis)
@@ -88,8 +87,7 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
   """
   fn = "energy_score"
   t = check_positive(temperature, "temperature", fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   lse, visible = lc.masked_logsumexp(x / t, mask, axis)
   return lc.finish(t * lse, visible, dtype)
 
@@ -180,8 +178,7 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int =
     0.4601
   """
   fn = "ece"
-  if isinstance(num_bins, bool) or not isinstance(num_bins, int) or num_bins < 1:
-    raise ValueError(f"{fn}: `num_bins` must be an int >= 1, got {num_bins!r}")
+  positive_int(num_bins, "num_bins", fn)
   logits = lc.check_logits(logits, fn).astype(jnp.float32)
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
@@ -234,17 +231,8 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
   """
   fn = "fit_temperature"
   init = check_positive(init, "init", fn)
-  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-    raise ValueError(f"{fn}: `num_steps` must be an int >= 1, got {num_steps!r}")
-  z = lc.check_logits(logits, fn).astype(jnp.float32)
-  if z.ndim != 2:
-    raise ValueError(f"{fn}: `logits` must be [n, K], got shape {z.shape}")
-  labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
+  z, labels, weights, n = _held_out(logits, labels, where, num_steps, 1, fn)
   z = jax.lax.stop_gradient(z)
-  weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
-  if weights.shape != z.shape[:1]:
-    raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
-  n = jnp.maximum(jnp.sum(weights), 1.0)
   z_y = jnp.take_along_axis(z, labels[:, None], axis=1)[:, 0]
 
   def nll(log_t):
@@ -312,19 +300,10 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
     ``(W [K, K], b [K])``, float32.
   """
   fn = "fit_dirichlet_calibration"
-  if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
-    raise ValueError(f"{fn}: `num_steps` must be an int >= 1, got {num_steps!r}")
-  lam = check_margin(off_diagonal_weight, fn, name="off_diagonal_weight")
-  mu = check_margin(bias_weight, fn, name="bias_weight")
-  z = lc.check_logits(logits, fn).astype(jnp.float32)
-  if z.ndim != 2 or z.shape[1] < 2:
-    raise ValueError(f"{fn}: `logits` must be [n, K] with K >= 2, got shape {z.shape}")
-  labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
+  lam = lc.nonnegative_float(off_diagonal_weight, "off_diagonal_weight", fn)
+  mu = lc.nonnegative_float(bias_weight, "bias_weight", fn)
+  z, labels, weights, n = _held_out(logits, labels, where, num_steps, 2, fn)
   k = z.shape[1]
-  weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
-  if weights.shape != z.shape[:1]:
-    raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
-  n = jnp.maximum(jnp.sum(weights), 1.0)
   log_p = jax.lax.stop_gradient(jax.nn.log_softmax(z, axis=-1))
   off = 1.0 - jnp.eye(k)
 
@@ -337,6 +316,22 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
 
   params = (jnp.eye(k), jnp.zeros((k,)))
   return _lbfgs(objective, params, num_steps)
+
+
+def _held_out(logits, labels, where, num_steps, min_classes,
+              fn) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The held-out set of a fit, checked: float32 logits ``[n, K]`` (K >= ``min_classes``),
+  ``[n]`` labels, the ``[n]`` example weights from ``where`` and their sum (at least 1)."""
+  positive_int(num_steps, "num_steps", fn)
+  z = lc.check_logits(logits, fn).astype(jnp.float32)
+  if z.ndim != 2 or z.shape[1] < min_classes:
+    raise ValueError(f"{fn}: `logits` must be [n, K] with K >= {min_classes}, got shape "
+                     f"{z.shape}")
+  labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
+  weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
+  if weights.shape != z.shape[:1]:
+    raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
+  return z, labels, weights, jnp.maximum(jnp.sum(weights), 1.0)
 
 
 def _lbfgs(objective, params, num_steps):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.losses import _common as lc
@@ -58,8 +57,7 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
   """
   fn = "softmax_cross_entropy"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   y = lc.check_probability_labels(
       labels, x.shape, fn,
       " (for integer class indices use softmax_cross_entropy_with_integer_labels)")
@@ -115,8 +113,7 @@ def softmax_cross_entropy_with_integer_labels(
   fn = "softmax_cross_entropy_with_integer_labels"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
   lse, visible = lc.masked_logsumexp(x, mask, axis)
   x_y, label_visible = lc.gather_label(x, mask, labels, axis)
@@ -175,16 +172,12 @@ def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: i
   """
   fn = "top_k_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
   n_classes = x.shape[axis]
-  if (isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer))
-      or not 1 <= k <= n_classes):
-    raise ValueError(
-        f"{fn}: `k` must be an int in [1, {n_classes}] (the size of the class axis), got {k!r}")
+  k = lc.int_in_range(k, "k", 1, n_classes, fn, " (the size of the class axis)")
   x_y, label_visible = lc.gather_label(x, mask, labels, axis)
-  support = _top_k_membership(x, mask, int(k), axis)
+  support = _top_k_membership(x, mask, k, axis)
   target = lc.one_hot(labels, n_classes, axis, bool) & jnp.expand_dims(label_visible, axis)
   support = mask & (support | target)
   lse, visible = lc.masked_logsumexp(x, support, axis)

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoft._validation import finite_float
 from jaxsoft.normalizers import common as nc
 
 
@@ -58,6 +59,13 @@ def prepare(logits, axis: int, where, fn_name: str):
   return nc.prepare(logits, axis, example_where(where, logits.ndim, axis), fn_name)
 
 
+def prepare_logits(logits, axis: int, where, fn_name: str):
+  """:func:`prepare` and the dtype the loss comes back in: ``(x, mask, axis, dtype)``."""
+  logits = check_logits(logits, fn_name)
+  x, mask, axis = prepare(logits, axis, where, fn_name)
+  return x, mask, axis, logits.dtype
+
+
 def check_probability_labels(labels, logits_shape, fn_name: str, hint: str = ""):
   """Probability targets: same shape as ``logits``, returned as float32."""
   labels = jnp.asarray(labels)
@@ -81,6 +89,75 @@ def check_integer_labels(labels, logits_shape, axis: int, fn_name: str):
         f"{fn_name}: `labels` of shape {labels.shape} must have the shape of `logits` "
         f"{tuple(logits_shape)} without the class axis {axis}, i.e. {expected}")
   return labels
+
+
+def integer_or_probability_labels(labels, x, mask, axis: int, ignore_index, fn_name: str):
+  """Integer class labels or probability targets, told apart by their dtype.
+
+  Returns ``(labels, None)`` for integer labels (checked against ``x`` without ``axis``)
+  and ``(None, y)`` for probability targets (``x``'s shape, float32, 0 at masked entries);
+  ``ignore_index`` applies to integer labels only.
+  """
+  labels = jnp.asarray(labels)
+  if jnp.issubdtype(labels.dtype, jnp.integer):
+    return check_integer_labels(labels, x.shape, axis, fn_name), None
+  if ignore_index is not None:
+    raise ValueError(f"{fn_name}: `ignore_index` applies to integer labels only")
+  return None, jnp.where(mask, check_probability_labels(labels, x.shape, fn_name), 0.0)
+
+
+def check_labels(labels, shape, fn_name: str, name: str = "labels",
+                 what: str = "") -> jax.Array:
+  """Integer ``labels`` of exactly ``shape`` (``what`` says where that shape comes from)."""
+  labels = jnp.asarray(labels)
+  if not jnp.issubdtype(labels.dtype, jnp.integer):
+    raise ValueError(f"{fn_name}: `{name}` must have an integer dtype, got {labels.dtype}")
+  if labels.shape != tuple(shape):
+    raise ValueError(f"{fn_name}: `{name}` of shape {labels.shape} must have shape "
+                     f"{tuple(shape)}{f' ({what})' if what else ''}")
+  return labels
+
+
+def example_labels(labels, shape, where, ignore_index,
+                   fn_name: str) -> tuple[jax.Array, jax.Array]:
+  """:func:`check_labels` and :func:`example_keep`: ``(labels, keep)``."""
+  labels = check_labels(labels, shape, fn_name)
+  return labels, example_keep(where, labels, ignore_index, fn_name)
+
+
+def example_keep(where, labels, ignore_index, fn_name: str) -> jax.Array:
+  """The examples that count: ``where`` (of ``labels``' shape) and not ``ignore_index``."""
+  ignore_index = check_ignore_index(ignore_index, fn_name)
+  keep = jnp.ones(labels.shape, bool)
+  if where is not None:
+    where = jnp.asarray(where)
+    if where.shape != labels.shape:
+      raise ValueError(f"{fn_name}: `where` of shape {where.shape} must have `labels`' shape "
+                       f"{labels.shape} (one flag per example)")
+    keep = where.astype(bool)
+  return drop_ignored(keep, labels, ignore_index)
+
+
+def drop_ignored(keep, labels, ignore_index):
+  """``keep`` without the examples whose label is ``ignore_index`` (None: all kept)."""
+  return keep if ignore_index is None else keep & (labels != ignore_index)
+
+
+def nonnegative_float(value, name: str, fn_name: str, upper: float | None = None) -> float:
+  """A static float in ``[0, upper)`` (``[0, inf)`` without ``upper``); ValueError otherwise."""
+  v = finite_float(value, name, fn_name)
+  if v < 0 or (upper is not None and not v < upper):
+    rng = f"[0, {upper:.6g})" if upper is not None else "[0, inf)"
+    raise ValueError(f"{fn_name}: `{name}` must be in {rng}, got {value!r}")
+  return v
+
+
+def int_in_range(value, name: str, lo: int, hi: int, fn_name: str, hint: str = "") -> int:
+  """``value`` as an int in ``[lo, hi]`` (``hint`` ends the error message)."""
+  if (isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer))
+      or not lo <= value <= hi):
+    raise ValueError(f"{fn_name}: `{name}` must be an int in [{lo}, {hi}]{hint}, got {value!r}")
+  return int(value)
 
 
 def check_ignore_index(ignore_index, fn_name: str):
@@ -153,6 +230,14 @@ def masked_logsumexp(x, mask, axis: int):
   return lse.squeeze(axis), any_visible.squeeze(axis)
 
 
+def integer_cross_entropy(x, mask, labels, axis: int):
+  """Softmax CE of integer labels over the visible entries, before :func:`integer_finish`:
+  ``(LSE - x_y, the row's visible flag, the label's visible flag)``."""
+  lse, visible = masked_logsumexp(x, mask, axis)
+  x_y, label_visible = gather_label(x, mask, labels, axis)
+  return lse - x_y, visible, label_visible
+
+
 def finish(loss, keep, dtype):
   """0 (with zero gradient) where ``keep`` is False, then the logits' dtype."""
   return jnp.where(keep, loss, jnp.zeros_like(loss)).astype(dtype)
@@ -164,9 +249,7 @@ def integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
   Loss 0 (zero gradient) for rows with no visible class and for ``labels == ignore_index``;
   ``+inf`` where the label names no visible class.
   """
-  keep = visible
-  if ignore_index is not None:
-    keep = keep & (labels != ignore_index)
+  keep = drop_ignored(visible, labels, ignore_index)
   return finish(jnp.where(label_visible, loss, jnp.inf), keep, dtype)
 
 

@@ -13,11 +13,13 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive, concrete, positive_int
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
-from jaxsoft.losses._margin import angular_margin_target, check_margin, check_positive
+from jaxsoft.losses._margin import angular_margin_target
 from jaxsoft.normalizers import common as nc
 
 __all__ = [
@@ -83,8 +85,8 @@ def info_nce(scores: ArrayLike, *, temperature: ArrayLike = 1.0, labels: ArrayLi
   b, n = x.shape
   if margin and angular_margin:
     raise ValueError(f"{fn}: give `margin` (AM) or `angular_margin` (AAM), not both")
-  m_am = check_margin(margin, fn)
-  m_aam = check_margin(angular_margin, fn, upper=math.pi, name="angular_margin")
+  m_am = lc.nonnegative_float(margin, "margin", fn)
+  m_aam = lc.nonnegative_float(angular_margin, "angular_margin", fn, upper=math.pi)
   if symmetric:
     if labels is not None:
       raise ValueError(f"{fn}: `labels` must be None with `symmetric=True` (positives on the "
@@ -290,8 +292,7 @@ def top_k_multi_positive_loss(scores: ArrayLike, positives: ArrayLike, *, k: int
   fn = "top_k_multi_positive_loss"
   x, mask, keep, pos, dtype = _multi_positive_inputs(scores, positives, temperature, where, fn)
   if k is not None:
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-      raise ValueError(f"{fn}: `k` must be None or an int >= 1, got {k!r}")
+    k = positive_int(k, "k", fn)
     if k < x.shape[-1]:
       ranked = jnp.where(pos, jax.lax.stop_gradient(x), -jnp.inf)
       _, idx = jax.lax.top_k(ranked, k)
@@ -352,7 +353,7 @@ def soft_clip_loss(scores: ArrayLike, query_similarity: ArrayLike,
   if b != n:
     raise ValueError(f"{fn}: `scores` must be square (pairs on the diagonal), got {x.shape}")
   eps = _unit_interval(smoothing, "smoothing", fn)
-  lam = check_margin(negative_weight, fn, name="negative_weight")
+  lam = lc.nonnegative_float(negative_weight, "negative_weight", fn)
   sims = []
   for name, s in (("query_similarity", query_similarity),
                   ("candidate_similarity",
@@ -459,11 +460,8 @@ def _multi_positive_inputs(scores, positives, temperature, where, fn):
 
 
 def _check_nonnegative(w, name, fn):
-  try:
-    bad = bool(jnp.any(w < 0))
-  except jax.errors.ConcretizationTypeError:
-    return
-  if bad:
+  values = concrete(w)  # None when traced: the caller vouches for it
+  if values is not None and np.any(values < 0):
     raise ValueError(f"{fn}: `{name}` must be >= 0")
 
 

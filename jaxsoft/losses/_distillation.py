@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import check_positive
 from jaxsoft.normalizers import common as nc
 
 __all__ = [
@@ -94,8 +94,7 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
   tau = check_positive(temperature, "temperature", fn)
   if not (isinstance(eps, (int, float)) and eps >= 0):
     raise ValueError(f"{fn}: `eps` must be a float >= 0, got {eps!r}")
-  dtype = lc.check_logits(student_logits, fn).dtype
-  xs, mask, axis = lc.prepare(student_logits, axis, where, fn)
+  xs, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   xt, mask_t, _ = lc.prepare(teacher_logits, axis, where, fn)
   _same_shape(xs, xt, "student_logits", "teacher_logits", fn)
   mask = mask & mask_t
@@ -138,18 +137,16 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
   """
   fn = "squared_error_logit_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  dtype = lc.check_logits(student_logits, fn).dtype
-  x, mask, axis = lc.prepare(student_logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   labels = jnp.asarray(lc.check_integer_labels(labels, x.shape, axis, fn))
   lt = jnp.asarray(teacher_log_probs)
   if lt.shape != labels.shape or not jnp.issubdtype(lt.dtype, jnp.floating):
     raise ValueError(f"{fn}: `teacher_log_probs` must be a float array of `labels`' shape "
                      f"{labels.shape}, got {lt.shape} {lt.dtype}")
-  lse, visible = lc.masked_logsumexp(x, mask, axis)
-  x_y, label_visible = lc.gather_label(x, mask, labels, axis)
+  ce, visible, label_visible = lc.integer_cross_entropy(x, mask, labels, axis)
   finite = jnp.isfinite(lt)
   lt = jnp.where(finite, lt.astype(x.dtype), 0.0)
-  loss = jnp.where(finite, jnp.square(x_y - lse - lt), jnp.inf)
+  loss = jnp.where(finite, jnp.square(-ce - lt), jnp.inf)
   return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
 
 
@@ -182,8 +179,7 @@ def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLik
   """
   fn = "averaged_teacher_kd_loss"
   tau = check_positive(temperature, "temperature", fn)
-  dtype = lc.check_logits(student_logits, fn).dtype
-  xs, mask, axis = lc.prepare(student_logits, axis, where, fn)
+  xs, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   zt = lc.check_logits(teacher_logits, fn)
   if zt.ndim != xs.ndim + 1 or zt.shape[1:] != xs.shape or zt.shape[0] == 0:
     raise ValueError(f"{fn}: `teacher_logits` of shape {zt.shape} must be [T] + the student's "

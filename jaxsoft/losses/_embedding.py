@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive, positive_int
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import _l2_normalize, check_margin, check_positive
+from jaxsoft.losses._margin import _l2_normalize
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["nbc_softmax_loss", "orthogonal_projection_loss"]
@@ -19,13 +20,7 @@ def _check_batch(embeddings, labels, where, fn, name="embeddings"):
   x = jnp.asarray(embeddings)
   if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 2:
     raise ValueError(f"{fn}: `{name}` must be floating [B, d], got {x.shape} {x.dtype}")
-  y = jnp.asarray(labels)
-  if not jnp.issubdtype(y.dtype, jnp.integer) or y.shape != x.shape[:1]:
-    raise ValueError(f"{fn}: `labels` must be [B] = {x.shape[:1]} integers, got "
-                     f"{y.shape} {y.dtype}")
-  keep = jnp.ones(y.shape, bool) if where is None else jnp.asarray(where, bool)
-  if keep.shape != y.shape:
-    raise ValueError(f"{fn}: `where` must be a [B] example mask, got shape {keep.shape}")
+  y, keep = lc.example_labels(labels, x.shape[:1], where, None, fn)
   return x.astype(nc.compute_dtype(x.dtype)), y, keep
 
 
@@ -61,7 +56,7 @@ def orthogonal_projection_loss(features: ArrayLike, labels: ArrayLike, *, gamma:
     0.0
   """
   fn = "orthogonal_projection_loss"
-  g = check_margin(gamma, fn, name="gamma")
+  g = lc.nonnegative_float(gamma, "gamma", fn)
   f, y, keep = _check_batch(features, labels, where, fn, "features")
   fh = _l2_normalize(f, axis=-1)
   cos = fh @ fh.T
@@ -117,10 +112,9 @@ def nbc_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Ar
     [0.3133 0.3133]
   """
   fn = "nbc_softmax_loss"
-  lam = check_margin(weight, fn, name="weight")
+  lam = lc.nonnegative_float(weight, "weight", fn)
   check_positive(temperature, "temperature", fn)
-  if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-    raise ValueError(f"{fn}: `block_size` must be an int >= 1, got {block_size!r}")
+  positive_int(block_size, "block_size", fn)
   out_dtype = jnp.asarray(embeddings).dtype
   x, y, keep = _check_batch(embeddings, labels, where, fn)
   w = jnp.asarray(class_weights)

@@ -11,6 +11,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
+from jaxsoft._validation import concrete
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
@@ -94,18 +95,12 @@ def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
   fn = "fenchel_young_loss"
   name = _normalizer_name(normalizer, fn)
   alpha = _alpha(name, hparams, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
-  labels = jnp.asarray(labels)
-  integer_labels = jnp.issubdtype(labels.dtype, jnp.integer)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
+  labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)
+  integer_labels = y is None
   if integer_labels:
-    labels = lc.check_integer_labels(labels, x.shape, axis, fn)
     x_y, label_visible = lc.gather_label(x, mask, labels, axis)
     y = lc.one_hot(labels, x.shape[axis], axis) * jnp.expand_dims(label_visible, axis)
-  else:
-    if ignore_index is not None:
-      raise ValueError(f"{fn}: `ignore_index` applies to integer labels only")
-    y = jnp.where(mask, lc.check_probability_labels(labels, x.shape, fn), 0.0)
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   if alpha is not None and np.ndim(alpha) > 0:
     alpha = nc.row_param(alpha, x.shape, axis, "alpha", fn, x.dtype)
@@ -145,9 +140,8 @@ def _alpha(name: str, hparams, fn_name: str):
   if name != "entmax":
     return _ALPHA[name]
   alpha = hparams.get("alpha", 1.5)
-  try:
-    values = np.asarray(alpha, dtype=np.float64)  # concrete values are checked now
-  except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+  values = concrete(alpha, np.float64)  # concrete values are checked now
+  if values is None:
     return alpha
   if np.any(np.isnan(values)) or np.any(values <= 1.0):
     raise ValueError(f"{fn_name}: entmax `alpha` must be > 1, got {alpha}")

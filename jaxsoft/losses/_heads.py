@@ -144,19 +144,12 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
 def _per_class_sum(fn, logits, labels, axis, where, ignore_index, per_class):
   """sum over visible classes of ``per_class(z, y)``, integer or probability targets."""
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   x = jnp.where(mask, x, 0.0)   # a -inf (masked) logit enters no branch of per_class
-  labels = jnp.asarray(labels)
+  labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)
   keep = jnp.any(mask, axis=axis)
-  if jnp.issubdtype(labels.dtype, jnp.integer):
-    labels = lc.check_integer_labels(labels, x.shape, axis, fn)
+  if y is None:
     y = lc.one_hot(labels, x.shape[axis], axis)
-    if ignore_index is not None:
-      keep = keep & (labels != ignore_index)
-  else:
-    if ignore_index is not None:
-      raise ValueError(f"{fn}: `ignore_index` applies to integer labels only")
-    y = lc.check_probability_labels(labels, x.shape, fn)
+    keep = lc.drop_ignored(keep, labels, ignore_index)
   loss = jnp.sum(jnp.where(mask, per_class(x, y), 0.0), axis=axis)
   return lc.finish(loss, keep, dtype)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import concrete, positive_int
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
@@ -44,48 +45,26 @@ def check_hidden(h, w, fn, w_name="w") -> tuple[jax.Array, jax.Array, Any]:
   return h.astype(ct), w.astype(ct), h.dtype
 
 
-def check_labels(labels, shape, fn, name="labels") -> jax.Array:
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `{name}` must have an integer dtype, got {labels.dtype}")
-  if labels.shape != tuple(shape):
-    raise ValueError(f"{fn}: `{name}` of shape {labels.shape} must have shape {tuple(shape)}")
-  return labels
-
-
-def example_keep(where, labels, ignore_index, fn):
-  """The examples that count: ``where`` (of ``labels``' shape) and not ``ignore_index``."""
-  ignore_index = lc.check_ignore_index(ignore_index, fn)
-  keep = jnp.ones(labels.shape, bool)
-  if where is not None:
-    where = jnp.asarray(where)
-    if where.shape != labels.shape:
-      raise ValueError(f"{fn}: `where` of shape {where.shape} must have `labels`' shape "
-                       f"{labels.shape} (one flag per example)")
-    keep = where.astype(bool)
-  if ignore_index is not None:
-    keep = keep & (labels != ignore_index)
-  return keep
-
-
 def finish_labels(loss, labels, n, keep, dtype):
   """``+inf`` for labels outside [0, n), then 0 (zero gradient) where ``keep`` is False."""
   in_range = (labels >= 0) & (labels < n)
   return lc.finish(jnp.where(in_range, loss, jnp.inf), keep, dtype)
 
 
-def check_count(value, name, fn, lo=1):
-  if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo:
-    raise ValueError(f"{fn}: `{name}` must be an int >= {lo}, got {value!r}")
-  return int(value)
+def check_ids(ids, n, name, fn, shape=None) -> jax.Array:
+  """Integer ids in [0, n) (of ``shape`` when given; their range is checked when known at
+  trace time)."""
+  a = concrete(ids)
+  ids = lc.check_labels(ids, jnp.shape(ids) if shape is None else shape, fn, name)
+  if a is not None and a.size and (a.min() < 0 or a.max() >= n):
+    raise ValueError(f"{fn}: `{name}` must hold ids in [0, {n})")
+  return ids
 
 
-def concrete(a):
-  """``a`` as a numpy array when its value is known at trace time, else None."""
-  try:
-    return np.asarray(a)
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    return None
+def _check_weights(a, name, fn):
+  """Raise unless ``a`` (a concrete array, or None when traced) is finite, >= 0, not all 0."""
+  if a is not None and (not np.all(np.isfinite(a)) or np.any(a < 0) or a.sum() <= 0):
+    raise ValueError(f"{fn}: `{name}` must be finite, >= 0 and not all 0")
 
 
 def _check_key(key, fn):
@@ -98,26 +77,13 @@ def _log_proposal(proposal, n, fn):
   """log of the normalised proposal ``[n]`` (uniform when None); entries 0 give -inf."""
   if proposal is None:
     return jnp.full((n,), -np.log(n), jnp.float32)
-  qn = concrete(proposal)
   q = jnp.asarray(proposal, jnp.float32)
   if q.shape != (n,):
     raise ValueError(f"{fn}: `proposal` of shape {q.shape} must be [{n}] (one weight per class)")
-  if qn is not None and (not np.all(np.isfinite(qn)) or np.any(qn < 0) or qn.sum() <= 0):
-    raise ValueError(f"{fn}: `proposal` must be finite, >= 0 and not all 0")
+  _check_weights(concrete(proposal), "proposal", fn)
   q = jax.lax.stop_gradient(q)
   q = q / jnp.sum(q)
   return jnp.where(q > 0, jnp.log(jnp.where(q > 0, q, 1.0)), -jnp.inf)
-
-
-def _class_ids(ids, n, name, fn) -> jax.Array:
-  """Integer class ids in [0, n) (their range is checked when known at trace time)."""
-  a = concrete(ids)
-  ids = jnp.asarray(ids)
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `{name}` must have an integer dtype, got {ids.dtype}")
-  if a is not None and a.size and (a.min() < 0 or a.max() >= n):
-    raise ValueError(f"{fn}: `{name}` must hold class ids in [0, {n})")
-  return ids
 
 
 def _gather_columns(w, idx):
@@ -196,15 +162,14 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
   fn = "sampled_softmax_loss"
   h, w, dtype = check_hidden(h, w, fn)
   v = w.shape[1]
-  labels = check_labels(labels, h.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
   log_q = _log_proposal(proposal, v, fn)
   b = _bias(bias, v, fn)
   if sampled is None:
-    s_count = check_count(num_samples, "num_samples", fn)
+    s_count = positive_int(num_samples, "num_samples", fn)
     sampled = jax.random.categorical(_check_key(key, fn), log_q, shape=(s_count,))
   else:
-    sampled = _class_ids(sampled, v, "sampled", fn)
+    sampled = check_ids(sampled, v, "sampled", fn)
     if sampled.ndim != 1:
       raise ValueError(f"{fn}: `sampled` must be a 1-d int array of class ids, got shape "
                        f"{sampled.shape}")
@@ -237,12 +202,10 @@ def unigram_proposal(counts: ArrayLike, power: float = 0.75) -> jax.Array:
     ``[V]`` float32 probabilities summing to 1.
   """
   fn = "unigram_proposal"
-  cn = concrete(counts)
   c = jnp.asarray(counts, jnp.float32)
   if c.ndim != 1 or c.shape[0] == 0:
     raise ValueError(f"{fn}: `counts` must be a non-empty 1-d array, got shape {c.shape}")
-  if cn is not None and (not np.all(np.isfinite(cn)) or np.any(cn < 0) or cn.sum() <= 0):
-    raise ValueError(f"{fn}: `counts` must be finite, >= 0 and not all 0")
+  _check_weights(concrete(counts), "counts", fn)
   p = jnp.where(c > 0, jnp.power(jnp.where(c > 0, c, 1.0), power), 0.0)
   return p / jnp.sum(p)
 
@@ -285,15 +248,14 @@ def negative_sampling_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, la
   fn = "negative_sampling_loss"
   h, w, dtype = check_hidden(h, w, fn)
   v = w.shape[1]
-  labels = check_labels(labels, h.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
   b = _bias(bias, v, fn)
   if negatives is None:
-    k = check_count(num_negatives, "num_negatives", fn)
+    k = positive_int(num_negatives, "num_negatives", fn)
     log_q = _log_proposal(proposal, v, fn)
     negatives = jax.random.categorical(_check_key(key, fn), log_q, shape=labels.shape + (k,))
   else:
-    negatives = _class_ids(negatives, v, "negatives", fn)
+    negatives = check_ids(negatives, v, "negatives", fn)
     if negatives.shape[:-1] != labels.shape or negatives.ndim != labels.ndim + 1:
       raise ValueError(f"{fn}: `negatives` must be an int array of shape {labels.shape} + (k,), "
                        f"got {negatives.shape}")
@@ -426,8 +388,7 @@ def hierarchical_softmax_loss(h: ArrayLike, w: ArrayLike, labels: ArrayLike, pat
   h, w, dtype = check_hidden(h, w, fn)
   paths, codes = _check_tree(paths, codes, w.shape[1], fn)
   v = paths.shape[0]
-  labels = check_labels(labels, h.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
   y = _safe_labels(labels, v)
   p_y, c_y = paths[y], codes[y]                                # [..., L]
   valid = p_y >= 0
@@ -516,9 +477,8 @@ def augment_reduce_loss(key: jax.Array, logits: ArrayLike, labels: ArrayLike, nu
   k = x.shape[-1]
   if k < 2:
     raise ValueError(f"{fn}: `logits` needs at least 2 classes, got shape {x.shape}")
-  labels = check_labels(labels, x.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
-  n = check_count(num_samples, "num_samples", fn)
+  labels, keep = lc.example_labels(labels, x.shape[:-1], where, ignore_index, fn)
+  n = positive_int(num_samples, "num_samples", fn)
   y = _safe_labels(labels, k)
   psi_y = jnp.take_along_axis(x, y[..., None], axis=-1)[..., 0]
   u = jax.random.randint(_check_key(key, fn), labels.shape + (n,), 0, k - 1)

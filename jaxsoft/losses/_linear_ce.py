@@ -9,9 +9,9 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive, finite_float, positive_int
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 from kernels_pallas import backends, cross_entropy
@@ -99,33 +99,17 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   """
   fn = "linear_cross_entropy"
   h, w = lc.check_hidden_and_weights(h, w, fn)
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
-  if labels.shape != h.shape[:-1]:
-    raise ValueError(f"{fn}: `labels` of shape {labels.shape} must have the shape of `h` "
-                     f"{h.shape} without its last axis, i.e. {h.shape[:-1]}")
-  ignore_index = lc.check_ignore_index(ignore_index, fn)
-  eps = _static_float(label_smoothing, "label_smoothing", fn, lo=0.0, hi=1.0, hi_open=True)
-  lam = _static_float(z_loss, "z_loss", fn, lo=0.0)
-  cap = None if softcap is None else _static_float(softcap, "softcap", fn, lo=0.0, lo_open=True)
+  labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
+  eps = lc.nonnegative_float(label_smoothing, "label_smoothing", fn, upper=1.0)
+  lam = lc.nonnegative_float(z_loss, "z_loss", fn)
+  cap = None if softcap is None else check_positive(finite_float(softcap, "softcap", fn),
+                                                    "softcap", fn)
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"{fn}: `implementation` must be one of {IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
   for name, v in (("token_chunk_size", token_chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
-    if v is None:
-      continue
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)) or v < 1:
-      raise ValueError(f"{fn}: `{name}` must be a positive int, got {v!r}")
-  keep = jnp.ones(labels.shape, bool)
-  if where is not None:
-    where = jnp.asarray(where)
-    if where.shape != labels.shape:
-      raise ValueError(f"{fn}: `where` of shape {where.shape} must have `labels`' shape "
-                       f"{labels.shape} (one flag per token)")
-    keep = where.astype(bool)
-  if ignore_index is not None:
-    keep = keep & (labels != ignore_index)
+    if v is not None:
+      positive_int(v, name, fn)
 
   out_dtype = h.dtype
   batch_shape, d = h.shape[:-1], h.shape[-1]
@@ -181,21 +165,6 @@ class _Config(NamedTuple):
   lam: float
   cap: float | None
   dtype: Any
-
-
-def _static_float(value, name, fn, lo=None, hi=None, lo_open=False, hi_open=False):
-  try:
-    v = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise ValueError(f"{fn}: `{name}` must be a Python number (static), got {value!r}") from None
-  bad = (lo is not None and (v < lo or (lo_open and v == lo))) or \
-        (hi is not None and (v > hi or (hi_open and v == hi))) or not math.isfinite(v)
-  if bad:
-    lo_s = "(" if lo_open else "["
-    hi_s = ")" if hi_open else "]"
-    raise ValueError(f"{fn}: `{name}` must be in {lo_s}{lo}, {'inf' if hi is None else hi}{hi_s}, "
-                     f"got {value!r}")
-  return v
 
 
 def _capped(z_raw, cap):

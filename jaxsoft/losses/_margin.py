@@ -9,10 +9,13 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["adacos_scale", "arcface_loss", "cosface_loss", "normalized_softmax_loss"]
+
+EMBEDDING_BATCH = "`embeddings`' shape without its last axis"
 
 
 def cosine_logits(embeddings: ArrayLike, class_weights: ArrayLike, fn_name: str = "cosine_logits"):
@@ -94,7 +97,7 @@ def arcface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     [0.0042 3.929 ]
   """
   fn = "arcface_loss"
-  m = check_margin(margin, fn, upper=math.pi)
+  m = lc.nonnegative_float(margin, "margin", fn, upper=math.pi)
   return _margin_softmax(fn, embeddings, class_weights, labels, scale,
                          lambda c: angular_margin_target(c, m, easy_margin), where, ignore_index)
 
@@ -146,7 +149,7 @@ def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     [0.0205 4.0105]
   """
   fn = "cosface_loss"
-  m = check_margin(margin, fn)
+  m = lc.nonnegative_float(margin, "margin", fn)
   return _margin_softmax(fn, embeddings, class_weights, labels, scale, lambda c: c - m, where,
                          ignore_index)
 
@@ -239,13 +242,8 @@ def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   if previous_scale is None:
     return jnp.asarray(math.sqrt(2.0) * math.log(n_classes - 1), jnp.float32)
   cos = jax.lax.stop_gradient(cosine_logits(embeddings, w, fn))
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer) or labels.shape != cos.shape[:1]:
-    raise ValueError(f"{fn}: `labels` must be [B] = {cos.shape[:1]} integers, got "
-                     f"{labels.shape} {labels.dtype}")
-  keep = jnp.ones(labels.shape, bool) if where is None else jnp.asarray(where, bool)
-  if keep.shape != labels.shape:
-    raise ValueError(f"{fn}: `where` must be a [B] example mask, got shape {keep.shape}")
+  labels = lc.check_labels(labels, cos.shape[:1], fn, what="[B]")
+  keep = lc.example_keep(where, labels, None, fn)
   s = jax.lax.stop_gradient(jnp.asarray(previous_scale, jnp.float32))
   target = jax.nn.one_hot(labels, n_classes, dtype=bool)
   b_sum = jnp.sum(jnp.where(target, 0.0, jnp.exp(s * cos)), axis=-1)
@@ -261,12 +259,7 @@ def _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where,
   scale = check_positive(scale, "scale", fn)
   out_dtype = jnp.asarray(embeddings).dtype
   cos = cosine_logits(embeddings, class_weights, fn)
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
-  if labels.shape != cos.shape[:-1]:
-    raise ValueError(f"{fn}: `labels` of shape {labels.shape} must have the shape of "
-                     f"`embeddings` without its last axis, {cos.shape[:-1]}")
+  labels = lc.check_labels(labels, cos.shape[:-1], fn, what=EMBEDDING_BATCH)
   loss, visible, label_visible = margin_cross_entropy(cos, labels, scale, target, where, fn)
   return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, out_dtype)
 
@@ -297,25 +290,3 @@ def _l2_normalize(a, axis):
   sq = jnp.sum(jnp.square(a), axis=axis, keepdims=True)
   ok = sq != 0  # True for a NaN norm (`sq > 0` would zero the vector)
   return jnp.where(ok, a * jax.lax.rsqrt(jnp.where(ok, sq, 1.0)), 0.0)
-
-
-def check_positive(value, name, fn):
-  try:
-    v = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    return value  # traced (e.g. a learned temperature): the caller vouches for it
-  if not (v > 0 and math.isfinite(v)):
-    raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}")
-  return value
-
-
-def check_margin(value, fn, upper=None, name="margin"):
-  """A static float in [0, upper) (or [0, inf)); ValueError naming ``name`` otherwise."""
-  try:
-    v = float(value)
-  except (TypeError, jax.errors.ConcretizationTypeError):
-    raise ValueError(f"{fn}: `{name}` must be a Python number (static), got {value!r}") from None
-  if not v >= 0 or (upper is not None and not v < upper) or not math.isfinite(v):
-    rng = f"[0, {upper:.6g})" if upper is not None else "[0, inf)"
-    raise ValueError(f"{fn}: `{name}` must be in {rng}, got {value!r}")
-  return v

@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import _l2_normalize, check_positive
+from jaxsoft.losses._margin import _l2_normalize
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["pmrl_loss"]

@@ -15,19 +15,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import positive_int
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
-from jaxsoft.losses._large_output import (
-    check_count,
-    check_hidden,
-    check_labels,
-    concrete,
-    example_keep,
-    finish_labels,
-)
+from jaxsoft.losses._large_output import check_hidden, check_ids, finish_labels
 from jaxsoft.normalizers import common as nc
 
 __all__ = [
@@ -48,17 +41,14 @@ def _float(a, name, fn) -> jax.Array:
   return a
 
 
-def _ids(ids, n, name, fn, shape=None) -> jax.Array:
-  """Integer ids in [0, n) (checked when concrete)."""
-  a = concrete(ids)
-  ids = jnp.asarray(ids)
-  if not jnp.issubdtype(ids.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `{name}` must have an integer dtype, got {ids.dtype}")
-  if shape is not None and ids.shape != tuple(shape):
-    raise ValueError(f"{fn}: `{name}` of shape {ids.shape} must have shape {tuple(shape)}")
-  if a is not None and a.size and (a.min() < 0 or a.max() >= n):
-    raise ValueError(f"{fn}: `{name}` must hold ids in [0, {n})")
-  return ids
+def _context_mask(context_where, shape, fn) -> jax.Array:
+  """The mask of the context positions ``[..., L]`` (all True when ``context_where`` is None)."""
+  if context_where is None:
+    return jnp.ones(shape, bool)
+  ctx = jnp.asarray(context_where)
+  if ctx.shape != tuple(shape):
+    raise ValueError(f"{fn}: `context_where` of shape {ctx.shape} must be {tuple(shape)}")
+  return ctx.astype(bool)
 
 
 def _scatter(values, ids, keep, n, mode):
@@ -84,7 +74,7 @@ def _check_vq(h, codebook, assignment, fn) -> tuple[jax.Array, jax.Array, jax.Ar
   if assignment.ndim != 1:
     raise ValueError(f"{fn}: `assignment` must be [V] (the code of each class), got shape "
                      f"{assignment.shape}")
-  assignment = _ids(assignment, c.shape[1], "assignment", fn)
+  assignment = check_ids(assignment, c.shape[1], "assignment", fn)
   return h, c, assignment, dtype
 
 
@@ -152,8 +142,7 @@ def vq_logits_cross_entropy(h: ArrayLike, codebook: ArrayLike, assignment: Array
   fn = "vq_logits_cross_entropy"
   h, c, assignment, dtype = _check_vq(h, codebook, assignment, fn)
   v, k = assignment.shape[0], c.shape[1]
-  labels = check_labels(labels, h.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
   z = h @ c
   counts = jnp.zeros((k,), z.dtype).at[assignment].add(1.0)
   used = counts > 0
@@ -200,8 +189,7 @@ def dual_softmax_loss(coarse_logits: ArrayLike, fine_logits: ArrayLike, labels: 
   if zc.shape[:-1] != zf.shape[:-1]:
     raise ValueError(f"{fn}: `coarse_logits` {zc.shape} and `fine_logits` {zf.shape} must have "
                      "the same batch shape")
-  labels = check_labels(labels, zc.shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, zc.shape[:-1], where, ignore_index, fn)
   kc, kf = zc.shape[-1], zf.shape[-1]
   y = jnp.where((labels >= 0) & (labels < kc * kf), labels, 0)
   ct = nc.compute_dtype(jnp.result_type(zc.dtype, zf.dtype))
@@ -269,9 +257,10 @@ def discretized_logistic_mixture_loss(logit_weights: ArrayLike, means: ArrayLike
     if a.shape != shape:
       raise ValueError(f"{fn}: `{name}` of shape {a.shape} must have `logit_weights`' shape "
                        f"{shape}")
-  b_count = check_count(num_bins, "num_bins", fn, lo=2)
-  labels = check_labels(labels, shape[:-1], fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  b_count = positive_int(num_bins, "num_bins", fn)
+  if b_count < 2:
+    raise ValueError(f"{fn}: `num_bins` must be an int >= 2, got {num_bins!r}")
+  labels, keep = lc.example_labels(labels, shape[:-1], where, ignore_index, fn)
   ct = nc.compute_dtype(dtype)
   k = jnp.clip(labels, 0, b_count - 1)
   x = (2.0 * k.astype(ct) / (b_count - 1) - 1.0)[..., None]
@@ -349,13 +338,8 @@ def _pointer(vocab_logits, pointer_scores, sentinel_score, context_ids, context_
   s = _float(sentinel_score, "sentinel_score", fn)
   if s.shape != batch:
     raise ValueError(f"{fn}: `sentinel_score` of shape {s.shape} must be {batch}")
-  ids = _ids(context_ids, v, "context_ids", fn, shape=z.shape)
-  ctx = jnp.ones(z.shape, bool)
-  if context_where is not None:
-    cw = jnp.asarray(context_where)
-    if cw.shape != z.shape:
-      raise ValueError(f"{fn}: `context_where` of shape {cw.shape} must be {z.shape}")
-    ctx = cw.astype(bool)
+  ids = check_ids(context_ids, v, "context_ids", fn, shape=z.shape)
+  ctx = _context_mask(context_where, z.shape, fn)
   zs = jnp.concatenate([z.astype(ct), s.astype(ct)[..., None]], axis=-1)
   amask = jnp.concatenate([ctx, jnp.ones(batch + (1,), bool)], axis=-1)
   zs = jnp.where(amask, zs, 0.0)
@@ -368,8 +352,7 @@ def _pointer(vocab_logits, pointer_scores, sentinel_score, context_ids, context_
   if target is None:
     return _mix(log_g[..., None], log_pv, ptr).astype(dtype)
   labels, where, ignore_index = target
-  labels = check_labels(labels, batch, fn)
-  keep = example_keep(where, labels, ignore_index, fn)
+  labels, keep = lc.example_labels(labels, batch, where, ignore_index, fn)
   y = jnp.where((labels >= 0) & (labels < v), labels, 0)[..., None]
   log_p = _mix(log_g, jnp.take_along_axis(log_pv, y, -1)[..., 0],
                jnp.take_along_axis(ptr, y, -1)[..., 0])
@@ -451,12 +434,8 @@ def softmax_cpr_logits(h: ArrayLike, w: ArrayLike, *, bias: ArrayLike | None = N
     ids = jnp.asarray(context_ids)
     if ids.ndim != h.ndim or ids.shape[:-1] != batch:
       raise ValueError(f"{fn}: `context_ids` of shape {ids.shape} must be {batch} + (L,)")
-    ids = _ids(ids, v, "context_ids", fn)
-    ctx = jnp.ones(ids.shape, bool)
-    if context_where is not None:
-      ctx = jnp.asarray(context_where).astype(bool)
-      if ctx.shape != ids.shape:
-        raise ValueError(f"{fn}: `context_where` of shape {ctx.shape} must be {ids.shape}")
+    ids = check_ids(ids, v, "context_ids", fn)
+    ctx = _context_mask(context_where, ids.shape, fn)
     if context_h is not None:
       hc = proj(context_h, "context_h")
       vals = jnp.einsum("...d,...ld->...l", hc, jnp.take(w.T, ids, axis=0))
@@ -467,10 +446,9 @@ def softmax_cpr_logits(h: ArrayLike, w: ArrayLike, *, bias: ArrayLike | None = N
         raise ValueError(f"{fn}: `pointer_scores` of shape {z.shape} must be {ids.shape}")
       out = out + _scatter(z.astype(h.dtype), ids, ctx, v, "add")
   if reranker_h is not None:
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= v:
-      raise ValueError(f"{fn}: `k` must be an int in [1, {v}] with `reranker_h`, got {k!r}")
+    k = lc.int_in_range(k, "k", 1, v, fn, " with `reranker_h`")
     hr = proj(reranker_h, "reranker_h")
-    _, top = jax.lax.top_k(jax.lax.stop_gradient(logits), int(k))
+    _, top = jax.lax.top_k(jax.lax.stop_gradient(logits), k)
     vals = jnp.einsum("...d,...kd->...k", hr, jnp.take(w.T, top, axis=0))
     out = out + _scatter(vals, top, jnp.ones(top.shape, bool), v, "set")
   return out.astype(dtype)

@@ -11,13 +11,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import (
-    angular_margin_target,
-    check_margin,
-    check_positive,
-    cosine_logits,
-)
+from jaxsoft.losses._margin import angular_margin_target, cosine_logits
 
 __all__ = ["partial_fc_loss"]
 
@@ -97,10 +93,10 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
     raise ValueError(f"{fn}: `class_weights` must be [d, C] or [d, C, K] with d = {x.shape[1]}, "
                      f"got shape {w.shape}")
   if margin_type == "arcface":
-    m = check_margin(margin, fn, upper=math.pi)
+    m = lc.nonnegative_float(margin, "margin", fn, upper=math.pi)
     target = lambda c: angular_margin_target(c, m, easy_margin)  # noqa: E731
   elif margin_type == "cosface":
-    m = check_margin(margin, fn)
+    m = lc.nonnegative_float(margin, "margin", fn)
     target = lambda c: c - m  # noqa: E731
   else:
     raise ValueError(f"{fn}: `margin_type` must be 'arcface' or 'cosface', got {margin_type!r}")
@@ -123,14 +119,7 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
                      f"{n_shards} shards of mesh axis {class_axis!r}")
   c_local = n_classes // n_shards
   n_sample = min(c_local, max(math.ceil(rate * c_local), min(x.shape[0], c_local)))
-  keep = jnp.ones(labels.shape, bool)
-  if where is not None:
-    where = jnp.asarray(where)
-    if where.shape != labels.shape:
-      raise ValueError(f"{fn}: `where` must be a [B] example mask, got shape {where.shape}")
-    keep = where.astype(bool)
-  if ignore_index is not None:
-    keep = keep & (labels != ignore_index)
+  keep = lc.example_keep(where, labels, ignore_index, fn)
 
   def shard_fn(x, w_local, labels, keep, key):
     axis = class_axis if mesh is not None else None

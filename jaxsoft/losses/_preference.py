@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy
-from jaxsoft.losses._margin import check_positive
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["adpo_loss", "sdpo_loss"]
@@ -93,9 +93,8 @@ def sdpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike, ref_chosen_log
                        f"{chosen.shape} (examples)")
   labels = jnp.zeros(chosen.shape, jnp.int32)
   x, mask, _ = lc.prepare(logits, -1, where, fn)
-  lse, visible = lc.masked_logsumexp(x, mask, -1)
-  x_y, label_visible = lc.gather_label(x, mask, labels, -1)
-  return lc.integer_finish(lse - x_y, labels, visible, label_visible, None, dtype)
+  loss, visible, label_visible = lc.integer_cross_entropy(x, mask, labels, -1)
+  return lc.integer_finish(loss, labels, visible, label_visible, None, dtype)
 
 
 def adpo_loss(logps: ArrayLike, ref_logps: ArrayLike, targets: ArrayLike, *,
@@ -130,8 +129,8 @@ def adpo_loss(logps: ArrayLike, ref_logps: ArrayLike, targets: ArrayLike, *,
   """
   fn = "adpo_loss"
   tau = check_positive(temperature, "temperature", fn)
-  dtype = lc.check_logits(logps, fn).dtype
   lp = lc.check_logits(logps, fn)
+  dtype = lp.dtype
   ref = _float_like(ref_logps, lp.shape, "ref_logps", fn)
   q = _float_like(targets, lp.shape, "targets", fn)
   z = (lp.astype(ref.dtype) - ref) / tau

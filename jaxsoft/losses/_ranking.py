@@ -1,4 +1,4 @@
-"""L14 ranking losses for recommendation (tier 3): the pairwise softmax loss (PSL) and the
+"""L14 ranking losses for recommendation: the pairwise softmax loss (PSL) and the
 top-K weighted softmax loss SL@K with its quantile threshold.
 
 Every loss takes ``scores [..., M]`` (the model's scores of M candidate items for a user,
@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import check_positive
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["pairwise_softmax_loss", "softmax_loss_at_k", "top_k_threshold_loss"]
@@ -143,11 +142,8 @@ def softmax_loss_at_k(scores: ArrayLike, labels: ArrayLike, *, k: int | None = N
   dtype = lc.check_logits(scores, fn).dtype
   x, mask, labels, x_y, label_visible = _check_inputs(scores, labels, where, fn)
   if threshold is None:
-    m = x.shape[-1]
-    if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= m:
-      raise ValueError(f"{fn}: `k` must be an int in [1, {m}] when `threshold` is None, "
-                       f"got {k!r}")
-    beta = _kth_largest(x, mask, int(k))
+    k = lc.int_in_range(k, "k", 1, x.shape[-1], fn, " when `threshold` is None")
+    beta = _kth_largest(x, mask, k)
   else:
     beta = jnp.broadcast_to(jnp.asarray(threshold, x.dtype), labels.shape)
   weight = jax.lax.stop_gradient(jax.nn.sigmoid((x_y - beta) / tau_b))
@@ -183,9 +179,7 @@ def top_k_threshold_loss(scores: ArrayLike, threshold: ArrayLike, k: int, *,
   fn = "top_k_threshold_loss"
   dtype = lc.check_logits(scores, fn).dtype
   x, mask, _ = lc.prepare(scores, -1, where, fn)
-  m = x.shape[-1]
-  if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)) or not 1 <= k <= m:
-    raise ValueError(f"{fn}: `k` must be an int in [1, {m}], got {k!r}")
+  k = lc.int_in_range(k, "k", 1, x.shape[-1], fn)
   beta = jnp.asarray(threshold)
   if beta.shape != x.shape[:-1]:
     raise ValueError(f"{fn}: `threshold` of shape {beta.shape} must be {x.shape[:-1]}")

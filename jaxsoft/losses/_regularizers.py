@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.losses._margin import check_margin
+from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["attention_entropy_penalty"]
@@ -57,7 +57,7 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
   a = jnp.asarray(probs)
   if not jnp.issubdtype(a.dtype, jnp.floating) or a.ndim < 3:
     raise ValueError(f"{fn}: `probs` must be floating [..., H, T, S], got {a.shape} {a.dtype}")
-  gamma = check_margin(tolerance, fn, name="tolerance")
+  gamma = lc.nonnegative_float(tolerance, "tolerance", fn)
   dtype = nc.compute_dtype(a.dtype)
   ac = a.astype(dtype)
   rows = jnp.ones(a.shape[:-1], bool)

@@ -72,18 +72,13 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
   """
   fn = "stablemax_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
+  labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)
   log_s = log_stablemax_score(x)
   lse, visible = lc.masked_logsumexp(log_s, mask, axis)
-  labels = jnp.asarray(labels)
-  if jnp.issubdtype(labels.dtype, jnp.integer):
-    labels = lc.check_integer_labels(labels, x.shape, axis, fn)
+  if y is None:
     log_s_y, label_visible = lc.gather_label(log_s, mask, labels, axis)
     return lc.integer_finish(lse - log_s_y, labels, visible, label_visible, ignore_index, dtype)
-  if ignore_index is not None:
-    raise ValueError(f"{fn}: `ignore_index` applies to integer labels only")
-  y = jnp.where(mask, lc.check_probability_labels(labels, x.shape, fn), 0.0)
   log_p = log_s - jnp.expand_dims(lse, axis)
   loss = -jnp.sum(jnp.where(mask, y * log_p, 0.0), axis=axis)
   return lc.finish(loss, visible, dtype)
@@ -126,11 +121,8 @@ def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int
   logits = lc.check_logits(logits, fn).astype(jnp.float32)
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
-  lse, visible = lc.masked_logsumexp(x, mask, axis)
-  x_y, label_visible = lc.gather_label(x, mask, labels, axis)
-  counted = visible & label_visible
-  if ignore_index is not None:
-    counted = counted & (labels != ignore_index)
-  collapsed = counted & (lse - x_y == 0.0)
+  loss, visible, label_visible = lc.integer_cross_entropy(x, mask, labels, axis)
+  counted = lc.drop_ignored(visible & label_visible, labels, ignore_index)
+  collapsed = counted & (loss == 0.0)
   total = jnp.sum(counted)
   return nc.safe_divide(jnp.sum(collapsed), total).astype(jnp.float32)

@@ -7,7 +7,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
-from jaxsoft.losses._margin import check_margin, check_positive
+from jaxsoft._validation import check_positive
+from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["soft_msm"]
@@ -106,7 +107,7 @@ def soft_msm(x: ArrayLike, y: ArrayLike, *, gamma: float = 1.0, cost: float = 1.
                        f"{a.shape} {a.dtype}")
   check_positive(gamma, "gamma", fn)
   check_positive(gate_sharpness, "gate_sharpness", fn)
-  c = check_margin(cost, fn, name="cost")
+  c = lc.nonnegative_float(cost, "cost", fn)
   dtype = nc.compute_dtype(jnp.result_type(xs.dtype, ys.dtype))
   try:
     batch = jnp.broadcast_shapes(xs.shape[:-1], ys.shape[:-1])

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive, concrete
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import check_positive, cosine_logits
+from jaxsoft.losses._margin import EMBEDDING_BATCH, cosine_logits
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["wcdas_loss", "wrapped_cauchy_log_density"]
@@ -105,10 +106,7 @@ def wcdas_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLik
   # every kernel's cosine (cosine_logits would keep only the largest of a class's K)
   cos = cosine_logits(embeddings, w.reshape(w.shape[0], n_cls * n_ker), fn)
   cos = cos.reshape(cos.shape[:-1] + (n_cls, n_ker))
-  try:
-    rho_np = np.asarray(concentration, np.float64)
-  except (TypeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    rho_np = None  # traced (a learned concentration): the caller vouches for its range
+  rho_np = concrete(concentration, np.float64)  # None when traced (a learned concentration)
   if rho_np is not None and not np.all((rho_np >= 0) & (rho_np < 1)):
     raise ValueError(f"{fn}: `concentration` must lie in [0, 1), got {concentration!r}")
   rho = jnp.asarray(concentration, cos.dtype)
@@ -117,14 +115,7 @@ def wcdas_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLik
                      f"{rho.shape}")
   rho = jnp.broadcast_to(rho, (n_cls,))[:, None]
   logits = scale * (jax.nn.logsumexp(_wc_log_kernel(cos, rho), axis=-1) - math.log(n_ker))
-  labels = jnp.asarray(labels)
-  if not jnp.issubdtype(labels.dtype, jnp.integer):
-    raise ValueError(f"{fn}: `labels` must have an integer dtype, got {labels.dtype}")
-  if labels.shape != logits.shape[:-1]:
-    raise ValueError(f"{fn}: `labels` of shape {labels.shape} must have the shape of "
-                     f"`embeddings` without its last axis, {logits.shape[:-1]}")
-  axis = logits.ndim - 1
-  z, mask, axis = lc.prepare(logits, axis, where, fn)
-  z_y, label_visible = lc.gather_label(z, mask, labels, axis)
-  lse, visible = lc.masked_logsumexp(z, mask, axis)
-  return lc.integer_finish(lse - z_y, labels, visible, label_visible, ignore_index, out_dtype)
+  labels = lc.check_labels(labels, logits.shape[:-1], fn, what=EMBEDDING_BATCH)
+  z, mask, axis = lc.prepare(logits, logits.ndim - 1, where, fn)
+  loss, visible, label_visible = lc.integer_cross_entropy(z, mask, labels, axis)
+  return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, out_dtype)

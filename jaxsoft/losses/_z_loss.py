@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import check_positive
 from jaxsoft.losses import _common as lc
-from jaxsoft.losses._margin import check_positive
 from jaxsoft.normalizers import common as nc
 
 __all__ = ["spherical_z_loss", "z_loss"]
@@ -70,8 +70,7 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   fn = "spherical_z_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   a = check_positive(a, "a", fn)
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   z = _standardise(x, mask, axis)
   n = nc.visible_count(mask, axis).squeeze(axis)
   visible = n > 0
@@ -79,14 +78,10 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   def per_class(zc):
     return jax.nn.softplus(a * (b - zc)) / a
 
-  labels = jnp.asarray(labels)
-  if jnp.issubdtype(labels.dtype, jnp.integer):
-    labels = lc.check_integer_labels(labels, x.shape, axis, fn)
+  labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)
+  if y is None:
     z_y, label_visible = lc.gather_label(z, mask, labels, axis)
     return lc.integer_finish(per_class(z_y), labels, visible, label_visible, ignore_index, dtype)
-  if ignore_index is not None:
-    raise ValueError(f"{fn}: `ignore_index` applies to integer labels only")
-  y = jnp.where(mask, lc.check_probability_labels(labels, x.shape, fn), 0.0)
   loss = jnp.sum(jnp.where(mask, y * per_class(z), 0.0), axis=axis)
   return lc.finish(loss, visible, dtype)
 
@@ -123,8 +118,7 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
     [0.4805 4.1967]
   """
   fn = "z_loss"
-  dtype = lc.check_logits(logits, fn).dtype
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   lse, visible = lc.masked_logsumexp(x, mask, axis)
   return lc.finish(jnp.square(lse), visible, dtype)
 
