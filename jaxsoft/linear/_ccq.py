@@ -59,8 +59,7 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
         initial_state: Any = None, output_final_state: bool = False,
         segment_ids: ArrayLike | None = None, implementation: str | None = None,
         chunk_size: int = 64) -> Any:
-  r"""Curvature-conditioned query: read the linear-attention state with ``q - λ C_t q``
-  (feature A35, [R]).
+  r"""Curvature-conditioned query: read the state with ``q - λ C_t q`` (feature A35, [R]).
 
   .. math::
     \tilde q_t = q_t - λ C_t q_t, \qquad o_t = S_t^\top (\text{scale} \cdot \tilde q_t)
@@ -85,12 +84,30 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, (S_T, M_T))``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([[1.0, 0.0], [-1.0, 0.0]]).reshape(1, 2, 1, 2)   # variance 1 along x
     >>> q = jnp.ones((1, 2, 1, 2)); v = jnp.ones((1, 2, 1, 1))
     >>> o = ccq(q, k, v, strength=0.5, scale=1.0)    # t = 1: q~ = (1 - 0.5, 1)
     >>> o[0, :, 0, 0]
     Array([1., 0.], dtype=float32)
+
+    The forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options are
+    static under ``jax.jit``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)        # unit keys: ‖C_t‖ <= 1
+    >>> g = jnp.full((1, 8, 2), jnp.log(0.9))
+    >>> fn = jax.jit(ccq, static_argnames=("implementation", "chunk_size", "strength"))
+    >>> o = fn(q, k, v, g, strength=0.5, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, g, strength=0.5, implementation="chunked", chunk_size=4)
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    Le, Nguyen, Nguyen & Luu, 2026, "Don't Read Everything: A Curvature-Conditioned Query for
+    Linear Attention" (the operator here is a reconstruction).
   """
   fn_name = "ccq"
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
@@ -115,8 +132,10 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
 def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
              beta: ArrayLike | None = None, state: Any = None, *, strength: float = 1.0,
              scale: float | None = None) -> tuple[jax.Array, Any]:
-  r"""One decoding step of :func:`ccq`: the statistics ``M = e^g M + [k, 1][k, 1]^T``, then
-  ``q~ = q - λ C q`` and the backbone's step read with ``q~``.
+  r"""One decoding step of :func:`ccq`.
+
+  The statistics ``M = e^g M + [k, 1][k, 1]^T``, then ``q~ = q - λ C q`` and the backbone's
+  step read with ``q~``.
 
   Args:
     q, k: ``[B, N, K]``; v: ``[B, N, V]``; g, beta: ``[B, N]`` or None.
@@ -126,10 +145,13 @@ def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = Non
   Returns:
     ``(o [B, N, V] in the inputs' dtype, (S, M))``.
 
-  Example:
+  Examples:
     >>> o, (S, M) = ccq_step(jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)), jnp.ones((1, 1, 1)))
     >>> M[0, 0, -1, -1]   # the token count
     Array(1., dtype=float32)
+
+  References:
+    Le et al., 2026, "Don't Read Everything" (in full: :func:`ccq`).
   """
   fn_name = "ccq_step"
   q0, _, v0 = _checks.check_qkv_step(q, k, v, fn_name)

@@ -83,11 +83,25 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.ones((1, 2, 1, 1)); v = jnp.array([0.0, 1.0]).reshape(1, 2, 1, 1)
     >>> cosformer(q, k, v, max_len=2)[0, :, 0, 0]   # weights cos(π/4) and 1 at t = 1
     Array([0.    , 0.5858], dtype=float32)
+
+    The rows are normalised, so scaling ``q`` changes nothing (``[B, T, N, K] = [1, 8, 2, 4]``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> cos = jax.jit(cosformer)
+    >>> o = cos(q, k, v)
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(cos(3.0 * q, k, v), o, atol=1e-5))
+    True
+
+  References:
+    Z. Qin, W. Sun, H. Deng, D. Li, Y. Wei, B. Lv, J. Yan, L. Kong & Y. Zhong, 2022,
+    "cosFormer: Rethinking Softmax in Attention".
   """
   fn_name = "cosformer"
   eps = _checks.check_eps(eps, fn_name)
@@ -123,13 +137,16 @@ def cosformer_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, 
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> one = jnp.ones((1, 1, 1))
     >>> o, state = cosformer_step(one, one, 0.0 * one, position=0, max_len=2)
     >>> o, state = cosformer_step(one, one, one, state, position=1, max_len=2)
     >>> o
     Array([[[0.5858]]], dtype=float32)
+
+  References:
+    Qin et al., 2022, "cosFormer: Rethinking Softmax in Attention" (in full: :func:`cosformer`).
   """
   fn_name = "cosformer_step"
   eps = _checks.check_eps(eps, fn_name)

@@ -32,11 +32,26 @@ __all__ = ["delta_rule", "delta_rule_step", "gated_delta_rule", "gated_delta_rul
 
 
 def l2_normalize(x: ArrayLike, eps: float = 1e-6) -> jax.Array:
-  """``x / sqrt(sum(x^2) + eps)`` along the last axis (safe at 0).
+  """Unit-norm vectors along the last axis, ``x / sqrt(sum(x^2) + eps)`` (finite at 0).
 
-  Example:
+  The keys of the delta rules should have unit norm (the transition ``I - beta k k^T`` is then
+  a contraction); ``qk_l2norm=True`` applies this to ``q`` and ``k``
+  (flash-linear-attention's ``use_qk_l2norm_in_kernel``).
+
+  Args:
+    x: ``[..., K]``.
+    eps: added to the squared norm (``0`` gives exact unit vectors, and NaN at 0).
+
+  Returns:
+    ``x`` scaled to (nearly) unit L2 norm along the last axis, in ``x``'s dtype.
+
+  Examples:
     >>> l2_normalize(jnp.array([3.0, 4.0]), eps=0.0)
     Array([0.6, 0.8], dtype=float32)
+
+  References:
+    S. Yang, B. Wang, Y. Zhang, Y. Shen & Y. Kim, 2024, "Parallelizing Linear Transformers
+    with the Delta Rule over Sequence Length" (L2-normalised keys and queries).
   """
   x = jnp.asarray(x)
   return x * jax.lax.rsqrt(jnp.sum(jnp.square(x), axis=-1, keepdims=True) + eps)
@@ -91,13 +106,33 @@ def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)  # the same key twice
     >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> o, S = delta_rule(k, k, v, jnp.full((1, 2, 1), 0.5), scale=1.0,
     ...                   output_final_state=True)
     >>> o[0, :, 0, 0]   # 0.5 * 1, then 0.5 + 0.5 * (3 - 0.5)
     Array([0.5 , 1.75], dtype=float32)
+
+    The three forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options
+    are static under ``jax.jit``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> beta = jax.nn.sigmoid(jax.random.normal(jax.random.key(1), (1, 8, 2)))
+    >>> fn = jax.jit(delta_rule, static_argnames=("implementation", "chunk_size", "qk_l2norm"))
+    >>> o = fn(q, k, v, beta, qk_l2norm=True, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, beta, qk_l2norm=True, implementation="chunked", chunk_size=4)
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    I. Schlag, K. Irie & J. Schmidhuber, 2021, "Linear Transformers Are Secretly Fast Weight
+    Programmers".
+
+    S. Yang, B. Wang, Y. Zhang, Y. Shen & Y. Kim, 2024, "Parallelizing Linear Transformers
+    with the Delta Rule over Sequence Length".
   """
   return _delta("delta_rule", False, q, k, v, None, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state,
@@ -129,12 +164,29 @@ def gated_delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, bet
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)
     >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> g = jnp.log(jnp.full((1, 2, 1), 0.5))
     >>> gated_delta_rule(k, k, v, g, jnp.full((1, 2, 1), 0.5), scale=1.0)[0, :, 0, 0]
     Array([0.5  , 1.625], dtype=float32)
+
+    Without decay (``g = 0``) it is :func:`delta_rule` (``[B, T, N, K] = [1, 8, 2, 4]``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> k = l2_normalize(k); beta = jnp.full((1, 8, 2), 0.5)
+    >>> o = jax.jit(gated_delta_rule)(q, k, v, jnp.zeros((1, 8, 2)), beta)
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(o, jax.jit(delta_rule)(q, k, v, beta), atol=1e-5))
+    True
+
+  References:
+    S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
+    Delta Rule".
+
+    R. Grazzi, J. Siems, J. K. H. Franke, A. Zela, F. Hutter & M. Pontil, 2025, "Unlocking
+    State-Tracking in Linear RNNs Through Negative Eigenvalues" (``beta`` in ``(1, 2]``).
   """
   return _delta("gated_delta_rule", True, q, k, v, g, beta, scale=scale,
                 initial_state=initial_state, output_final_state=output_final_state,
@@ -168,11 +220,15 @@ def delta_rule_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([[[1.0, 0.0]]])
     >>> o, S = delta_rule_step(k, k, jnp.ones((1, 1, 1)), jnp.ones((1, 1)), scale=1.0)
     >>> o   # beta = 1 writes v exactly
     Array([[[1.]]], dtype=float32)
+
+  References:
+    Schlag et al., 2021; Yang et al., 2024, "Parallelizing Linear Transformers"
+    (in full: :func:`delta_rule`).
   """
   return _delta_step("delta_rule_step", False, q, k, v, None, beta, state, scale, qk_l2norm)
 
@@ -184,20 +240,20 @@ def gated_delta_rule_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike
   r"""One decoding step of :func:`gated_delta_rule`: ``S = e^g S``, then the delta write.
 
   Args:
-    q, k: ``[B, N, K]``; v: ``[B, N, V]``; g: ``[B, N]`` log decays (``<= 0``);
-      beta: ``[B, N]`` in ``[0, 2]``.
-    state: ``[B, N, K, V]`` or None (zeros).
-    scale: default ``K ** -0.5``.
-    qk_l2norm: L2-normalise ``q`` and ``k`` first.
+    q, k, v, beta, state, scale, qk_l2norm: as in :func:`delta_rule_step`.
+    g: ``[B, N]`` log decays (``<= 0``).
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o, new_state)`` as :func:`delta_rule_step`.
 
-  Example:
+  Examples:
     >>> k = jnp.array([[[1.0, 0.0]]]); S = jnp.full((1, 1, 2, 1), 2.0)
     >>> o, S = gated_delta_rule_step(k, k, jnp.zeros((1, 1, 1)), jnp.log(jnp.full((1, 1), 0.5)),
     ...                              jnp.zeros((1, 1)), S, scale=1.0)
     >>> S[0, 0, :, 0]   # beta = 0: only the decay
     Array([1., 1.], dtype=float32)
+
+  References:
+    Yang, Kautz & Hatamizadeh, 2025, "Gated Delta Networks" (in full: :func:`gated_delta_rule`).
   """
   return _delta_step("gated_delta_rule_step", True, q, k, v, g, beta, state, scale, qk_l2norm)

@@ -50,11 +50,18 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
   Returns:
     ``[..., 1 + K + ... + K^m]``, float32 (or x's wider float dtype).
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> q, k = jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0])
     >>> taylor_features(q) @ taylor_features(k), 1 + (q @ k) + (q @ k) ** 2 / 2
     (Array(0.625, dtype=float32), Array(0.625, dtype=float32))
+
+  References:
+    G. Mongaras & E. C. Larson, 2025, "On the Expressiveness of Softmax Attention: A
+    Recurrent Neural Network Perspective".
+
+    T. C. Nauen, S. Palacio & A. Dengel, 2024, "TaylorShift: Shifting the Complexity of
+    Self-Attention from Squared to Linear (and Back) using Taylor-Softmax".
   """
   order = _checks.check_int(order, "order", "taylor_features")
   x = jnp.asarray(x)
@@ -114,10 +121,15 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
   Returns:
     A function ``[..., K] -> [..., m]`` (float32).
 
-  Example:
+  Examples:
     >>> phi = favor_feature_map(jax.random.key(0), 2, 4)
     >>> phi(jnp.ones((3, 2))).shape, bool(jnp.all(phi(jnp.ones((3, 2))) > 0))
     ((3, 4), True)
+
+  References:
+    K. Choromanski, V. Likhosherstov, D. Dohan, X. Song, A. Gane, T. Sarlos, P. Hawkins,
+    J. Davis, A. Mohiuddin, L. Kaiser, D. Belanger, L. Colwell & A. Weller, 2021, "Rethinking
+    Attention with Performers".
   """
   fn_name = "favor_feature_map"
   if not (isinstance(key, jax.Array) and (jnp.issubdtype(key.dtype, jax.dtypes.prng_key)

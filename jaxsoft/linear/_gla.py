@@ -70,11 +70,30 @@ def simple_gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> q = k = jnp.ones((1, 3, 1, 2)); v = jnp.arange(3.0).reshape(1, 3, 1, 1)
     >>> g = jnp.full((1, 3, 1), jnp.log(0.5))
     >>> simple_gla(q, k, v, g, scale=1.0)[0, :, 0, 0]
     Array([0., 2., 5.], dtype=float32)
+
+    The three forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options
+    are static under ``jax.jit``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> g = jnp.full((1, 8, 2), jnp.log(0.9))
+    >>> fn = jax.jit(simple_gla, static_argnames=("implementation", "chunk_size"))
+    >>> o = fn(q, k, v, g, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(o, fn(q, k, v, g, implementation="chunked", chunk_size=4), atol=1e-5))
+    True
+
+  References:
+    Y. Sun, L. Dong, S. Huang, S. Ma, Y. Xia, J. Xue, J. Wang & F. Wei, 2023, "Retentive
+    Network: A Successor to Transformer for Large Language Models".
+
+    Z. Qin, W. Sun, D. Li, X. Shen, W. Sun & Y. Zhong, 2024, "Lightning Attention-2: A Free
+    Lunch for Handling Unlimited Sequence Lengths in Large Language Models".
   """
   return _gated("simple_gla", False, q, k, v, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, segment_ids=segment_ids,
@@ -111,12 +130,26 @@ def gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> q = k = jnp.ones((1, 2, 1, 2)); v = jnp.ones((1, 2, 1, 1))
     >>> g = jnp.log(jnp.array([[[[1.0, 0.5]], [[1.0, 0.5]]]]))   # channel 2 halves
     >>> o, S = gla(q, k, v, g, scale=1.0, output_final_state=True)
     >>> S[0, 0, :, 0]
     Array([2. , 1.5], dtype=float32)
+
+    One decay shared by the channels is :func:`simple_gla` (``[B, T, N, K] = [1, 8, 2, 4]``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> g_head = jax.nn.log_sigmoid(jax.random.normal(jax.random.key(1), (1, 8, 2)))
+    >>> o = jax.jit(gla)(q, k, v, jnp.repeat(g_head[..., None], 4, axis=-1))
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(o, jax.jit(simple_gla)(q, k, v, g_head), atol=1e-5))
+    True
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention Transformers
+    with Hardware-Efficient Training".
   """
   return _gated("gla", True, q, k, v, g, scale=scale, initial_state=initial_state,
                 output_final_state=output_final_state, segment_ids=segment_ids,
@@ -147,11 +180,15 @@ def simple_gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> o, S = simple_gla_step(jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)), jnp.ones((1, 1, 1)),
     ...                        jnp.zeros((1, 1)), scale=1.0)
     >>> o
     Array([[[2.]]], dtype=float32)
+
+  References:
+    Sun et al., 2023, "Retentive Network"; Qin et al., 2024, "Lightning Attention-2"
+    (in full: :func:`simple_gla`).
   """
   return _gated_step("simple_gla_step", False, q, k, v, g, state, scale)
 
@@ -169,11 +206,14 @@ def gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> S = jnp.ones((1, 1, 2, 1))
     >>> o, S = gla_step(jnp.ones((1, 1, 2)), jnp.zeros((1, 1, 2)), jnp.zeros((1, 1, 1)),
     ...                 jnp.log(jnp.array([[[1.0, 0.5]]])), S, scale=1.0)
     >>> S[0, 0, :, 0]
     Array([1. , 0.5], dtype=float32)
+
+  References:
+    Yang et al., 2024, "Gated Linear Attention Transformers" (in full: :func:`gla`).
   """
   return _gated_step("gla_step", True, q, k, v, g, state, scale)

@@ -34,14 +34,30 @@ __all__ = ["hedgehog_init", "hedgehog_feature_map", "hedgehog_attention_weights"
 
 def hedgehog_init(num_heads: int, head_dim: int, feature_dim: int | None = None, *,
                   key: jax.Array | None = None, noise: float = 0.0) -> dict[str, jax.Array]:
-  """Parameters ``{"W": [N, K, F], "b": [N, F]}``: ``W`` the identity (``F = K`` by
-  default; the first ``min(K, F)`` diagonal entries otherwise), ``b = 0``, plus
-  ``noise · N(0, 1)`` when a ``key`` is given.
+  """Initial parameters of a Hedgehog feature map: ``W`` the identity, ``b = 0``.
 
-  Example:
+  ``W [N, K, F]`` is the identity per head (``F = K`` by default; the first ``min(K, F)``
+  diagonal entries otherwise), so the map starts as ``[softmax(x), softmax(-x)]``; with a
+  ``key``, ``noise · N(0, 1)`` is added to ``W`` and ``b``.
+
+  Args:
+    num_heads: ``N >= 1``.
+    head_dim: ``K >= 1``, the last axis of ``q`` and ``k``.
+    feature_dim: ``F >= 1`` (the map has ``2F`` features); default ``K``.
+    key: a PRNG key for the noise, or None (no noise).
+    noise: the standard deviation of the noise.
+
+  Returns:
+    ``{"W": [N, K, F], "b": [N, F]}``, float32.
+
+  Examples:
     >>> p = hedgehog_init(2, 3)
     >>> p["W"].shape, p["b"].shape
     ((2, 3, 3), (2, 3))
+
+  References:
+    M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
+    Linear Attentions with Softmax Mimicry".
   """
   fn_name = "hedgehog_init"
   F = head_dim if feature_dim is None else feature_dim
@@ -57,14 +73,37 @@ def hedgehog_init(num_heads: int, head_dim: int, feature_dim: int | None = None,
 
 
 def hedgehog_feature_map(params: dict[str, ArrayLike]) -> Callable[[jax.Array], jax.Array]:
-  r"""The feature map ``[..., N, K] -> [..., N, 2F]``: ``[softmax(xW + b), softmax(-xW - b)]``
-  per head (Zhang et al. 2024, "The Hedgehog & the Porcupine"). Pass it as ``feature_map=``
-  to :func:`jaxsoft.linear.linear_attention` (which applies it to ``q, k [B, T, N, K]``).
+  r"""The Hedgehog feature map: a softmax over learned features of ``±(x W + b)``, per head.
 
-  Example:
+  .. math::
+    φ(x) = \big[\operatorname{softmax}(x W_n + b_n),\ \operatorname{softmax}(-x W_n - b_n)\big]
+
+  for ``x [..., N, K]`` in head ``n`` (Zhang et al. 2024). Pass it as ``feature_map=`` to
+  :func:`jaxsoft.linear.linear_attention` (which applies it to ``q, k [B, T, N, K]``).
+
+  Args:
+    params: ``{"W": [N, K, F], "b": [N, F]}`` (:func:`hedgehog_init`).
+
+  Returns:
+    A function ``[..., N, K] -> [..., N, 2F]`` (float32, every feature in ``(0, 1)``, each
+    half summing to 1).
+
+  Examples:
     >>> phi = hedgehog_feature_map(hedgehog_init(1, 2))
     >>> phi(jnp.zeros((3, 1, 2)))[0, 0]
     Array([0.5, 0.5, 0.5, 0.5], dtype=float32)
+
+    As the feature map of linear attention (``[B, T, N, K] = [1, 8, 2, 4]``):
+
+    >>> from jaxsoft.linear import linear_attention
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> phi = hedgehog_feature_map(hedgehog_init(2, 4, key=jax.random.key(1), noise=0.1))
+    >>> linear_attention(q, k, v, feature_map=phi).shape
+    (1, 8, 2, 4)
+
+  References:
+    M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
+    Linear Attentions with Softmax Mimicry".
   """
   W, b = jnp.asarray(params["W"]), jnp.asarray(params["b"])
   if W.ndim != 3 or b.shape != (W.shape[0], W.shape[2]):
@@ -88,15 +127,31 @@ def _causal(T: int) -> jax.Array:
 
 def hedgehog_attention_weights(params: dict[str, ArrayLike], q: ArrayLike, k: ArrayLike,
                                eps: float = 1e-12) -> jax.Array:
-  r"""The causal attention map ``Â [B, N, T, T]`` that linear attention with Hedgehog
-  features applies: ``Â_{ij} = φ(q_i)·φ(k_j) / Σ_{l<=i} φ(q_i)·φ(k_l)`` for ``j <= i``.
+  r"""The causal attention map that linear attention with Hedgehog features applies.
 
-  Example:
+  .. math::
+    Â_{ij} = \frac{φ(q_i) \cdot φ(k_j)}{\sum_{l \le i} φ(q_i) \cdot φ(k_l)}, \quad j \le i,
+
+  and 0 above the diagonal, ``φ`` :func:`hedgehog_feature_map` ``(params)``.
+
+  Args:
+    params: ``{"W": [N, K, F], "b": [N, F]}``.
+    q, k: ``[B, T, N, K]``.
+    eps: the floor of each row's sum.
+
+  Returns:
+    ``Â [B, N, T, T]`` float32, each row summing to 1.
+
+  Examples:
     >>> w = hedgehog_attention_weights(hedgehog_init(1, 2), jnp.zeros((1, 2, 1, 2)),
     ...                                jnp.zeros((1, 2, 1, 2)))
     >>> w[0, 0]
     Array([[1. , 0. ],
            [0.5, 0.5]], dtype=float32)
+
+  References:
+    M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
+    Linear Attentions with Softmax Mimicry".
   """
   phi = hedgehog_feature_map(params)
   s = jnp.einsum("btnf,bsnf->bnts", phi(jnp.asarray(q)), phi(jnp.asarray(k)))
@@ -106,8 +161,10 @@ def hedgehog_attention_weights(params: dict[str, ArrayLike], q: ArrayLike, k: Ar
 
 def hedgehog_distillation_loss(params: dict[str, ArrayLike], q: ArrayLike, k: ArrayLike, *,
                                scale: float | None = None, eps: float = 1e-12) -> jax.Array:
-  r"""Attention distillation: the mean over query rows of the cross-entropy between causal
-  softmax attention and the Hedgehog map,
+  r"""Attention distillation: cross-entropy from causal softmax attention to Hedgehog's map.
+
+  The mean over query rows of the cross-entropy between causal softmax attention and the
+  Hedgehog map,
 
   .. math::
     \mathcal{L} = -\frac{1}{B N T} \sum_{b, n, i} \sum_{j \le i} A_{ij} \log Â_{ij}, \qquad
@@ -125,11 +182,15 @@ def hedgehog_distillation_loss(params: dict[str, ArrayLike], q: ArrayLike, k: Ar
   Returns:
     A scalar float32 loss.
 
-  Example:
+  Examples:
     >>> q = k = jnp.zeros((1, 3, 1, 2))   # both maps uniform over j <= i
     >>> loss = hedgehog_distillation_loss(hedgehog_init(1, 2), q, k)
     >>> bool(jnp.isclose(loss, (0 + jnp.log(2) + jnp.log(3)) / 3))
     True
+
+  References:
+    M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
+    Linear Attentions with Softmax Mimicry".
   """
   q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
   K = q.shape[-1]

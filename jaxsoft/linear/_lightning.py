@@ -64,10 +64,16 @@ def lightning_decay(num_heads: int, layer_idx: int = 0, num_layers: int = 1) -> 
   Returns:
     ``g [N]`` float32, every entry ``< 0``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> jnp.exp(lightning_decay(2))
     Array([0.9394, 0.9961], dtype=float32)
+
+  References:
+    O. Press, N. A. Smith & M. Lewis, 2022, "Train Short, Test Long: Attention with Linear
+    Biases Enables Input Length Extrapolation".
+
+    MiniMax, 2025, "MiniMax-01: Scaling Foundation Models with Lightning Attention".
   """
   fn_name = "lightning_decay"
   for name, value, low in (("num_heads", num_heads, 1), ("num_layers", num_layers, 1),
@@ -91,8 +97,9 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
                         scale: float | None = None, initial_state: ArrayLike | None = None,
                         output_final_state: bool = False, segment_ids: ArrayLike | None = None,
                         implementation: str | None = None, chunk_size: int = 64) -> Any:
-  r"""Lightning Attention / TransNormer: causal linear attention with a fixed per-head
-  decay (feature A33).
+  r"""Lightning Attention / TransNormer: causal linear attention with a fixed decay per head.
+
+  Feature A33.
 
   .. math::
     S_t = λ_n S_{t-1} + k_t v_t^\top, \qquad o_t = S_t^\top (\text{scale} \cdot q_t),
@@ -115,10 +122,29 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> q = k = jnp.ones((1, 3, 1, 1)); v = jnp.ones((1, 3, 1, 1))
     >>> lightning_attention(q, k, v, jnp.log(jnp.array([0.5])))[0, :, 0, 0]
     Array([1.  , 1.5 , 1.75], dtype=float32)
+
+    It is :func:`jaxsoft.linear.simple_gla` with the decay fixed in time (``[B, T, N, K] =
+    [1, 8, 2, 4]``; ``g`` from :func:`lightning_decay`):
+
+    >>> from jaxsoft.linear import simple_gla
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> o = jax.jit(lightning_attention)(q, k, v)
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> g = jnp.broadcast_to(lightning_decay(2), (1, 8, 2))
+    >>> bool(jnp.allclose(o, jax.jit(simple_gla)(q, k, v, g), atol=1e-5))
+    True
+
+  References:
+    Z. Qin et al., 2023, "TransNormerLLM: A Faster and Better Large Language Model with
+    Improved TransNormer".
+
+    Z. Qin, W. Sun, D. Li, X. Shen, W. Sun & Y. Zhong, 2024, "Lightning Attention-2: A Free
+    Lunch for Handling Unlimited Sequence Lengths in Large Language Models".
   """
   fn_name = "lightning_attention"
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
@@ -143,12 +169,16 @@ def lightning_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> o, S = lightning_attention_step(jnp.ones((1, 1, 1)), jnp.ones((1, 1, 1)),
     ...                                 jnp.ones((1, 1, 1)), jnp.ones((1, 1, 1, 1)),
     ...                                 g=jnp.log(jnp.array([0.5])))
     >>> o
     Array([[[1.5]]], dtype=float32)
+
+  References:
+    Qin et al., 2023, "TransNormerLLM"; Qin et al., 2024, "Lightning Attention-2"
+    (in full: :func:`lightning_attention`).
   """
   fn_name = "lightning_attention_step"
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)

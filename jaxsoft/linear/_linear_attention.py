@@ -95,10 +95,26 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> q = k = jnp.zeros((1, 3, 1, 2)); v = jnp.arange(3.0).reshape(1, 3, 1, 1)
     >>> linear_attention(q, k, v)[0, :, 0, 0]   # φ = 1 everywhere: the running mean of v
     Array([0. , 0.5, 1. ], dtype=float32)
+
+    The three forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options
+    are static under ``jax.jit``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> fn = jax.jit(linear_attention, static_argnames=("implementation", "chunk_size"))
+    >>> o = fn(q, k, v, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, implementation="chunked", chunk_size=4)
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    A. Katharopoulos, A. Vyas, N. Pappas & F. Fleuret, 2020, "Transformers are RNNs: Fast
+    Autoregressive Transformers with Linear Attention".
   """
   fn_name = "linear_attention"
   phi = _features.resolve(feature_map, fn_name)
@@ -144,11 +160,14 @@ def linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any =
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)`` (the state in the form it was given).
 
-  Example:
+  Examples:
     >>> o, (S, z) = linear_attention_step(jnp.zeros((1, 1, 2)), jnp.zeros((1, 1, 2)),
     ...                                   jnp.full((1, 1, 1), 3.0))
     >>> o, z
     (Array([[[3.]]], dtype=float32), Array([[[1., 1.]]], dtype=float32))
+
+  References:
+    Katharopoulos et al., 2020, "Transformers are RNNs" (in full: :func:`linear_attention`).
   """
   fn_name = "linear_attention_step"
   phi = _features.resolve(feature_map, fn_name)

@@ -56,8 +56,9 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
          scale: float | None = None, initial_state: ArrayLike | None = None,
          output_final_state: bool = False, segment_ids: ArrayLike | None = None,
          implementation: str | None = None, chunk_size: int = 64, eps: float = 1e-6) -> Any:
-  r"""Causal magnitude-aware linear attention (feature A32; the causal form is a
-  reconstruction [R], see the module docstring).
+  r"""Causal magnitude-aware linear attention (feature A32).
+
+  The causal form is a reconstruction [R] (see the module docstring).
 
   .. math::
     s_{tj} = \frac{c\, φ(q_t) \cdot φ(k_j)}{n_t}, \quad z_t = \sum_{j \le t} s_{tj}, \quad
@@ -81,11 +82,23 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> mala(q, k, v, scale=1.0)[0, :, 0, 0]   # s = 1/n: z = 1, o = 2 mean(v) - mean(v)
     Array([1., 2.], dtype=float32)
+
+    The weights sum to 1, so a constant ``v`` comes back (``[B, T, N, K] = [1, 8, 2, 4]``):
+
+    >>> q, k = jax.random.normal(jax.random.key(0), (2, 1, 8, 2, 4))
+    >>> o = jax.jit(mala)(q, k, jnp.full((1, 8, 2, 4), 2.5))
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(o, 2.5, rtol=1e-4))
+    True
+
+  References:
+    Q. Fan et al., 2025, "Rectifying Magnitude Neglect in Linear Attention".
   """
   fn_name = "mala"
   phi = _features.resolve(feature_map, fn_name)
@@ -120,12 +133,15 @@ def mala_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: ArrayLike | None 
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state float32)``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> o, S = mala_step(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.ones((1, 1, 1)))
     >>> o, S[0, 0]
     (Array([[[1.]]], dtype=float32), Array([[1., 1.],
            [1., 1.]], dtype=float32))
+
+  References:
+    Fan et al., 2025, "Rectifying Magnitude Neglect in Linear Attention" (in full: :func:`mala`).
   """
   fn_name = "mala_step"
   phi = _features.resolve(feature_map, fn_name)

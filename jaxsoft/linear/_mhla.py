@@ -1,6 +1,7 @@
 r"""MHLA: linear attention with token-level heads, block summaries mixed by learned weights.
 
-Feature A36 ("MHLA: Multi-Head Linear Attention", arXiv 2601.07832, 2026). Vanilla linear
+Feature A36 (Zhang et al. 2026, "MHLA: Restoring Expressivity of Linear Attention via
+Token-Level Multi-Head", arXiv 2601.07832). Vanilla linear
 attention sums every key into one ``K' x V`` state, so its attention matrix has rank at
 most ``K'`` ("global context collapse"). MHLA splits the tokens into ``M`` blocks of
 ``b`` tokens, keeps each block's summary
@@ -84,7 +85,7 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
                {\sum_{j} c_{β(t) β(j)}\, φ(q_t) \cdot φ(k_j)}
 
   over ``j <= t`` (causal) or all ``j``, ``β(t) = ⌊t / b⌋`` the block of ``t``
-  ("MHLA: Multi-Head Linear Attention", 2026; see the module docstring). The chunked form
+  (Zhang et al. 2026, "MHLA"; see the module docstring). The chunked form
   computes it from the block summaries in O(T·K'·V + M²·K'·V). ``scale`` cancels in the
   ratio, so there is none.
 
@@ -101,11 +102,27 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype.
 
-  Example:
+  Examples:
     >>> q = k = jnp.zeros((1, 4, 1, 1)); v = jnp.arange(4.0).reshape(1, 4, 1, 1)
     >>> C = jnp.array([[1.0, 0.0], [0.0, 1.0]])   # each block reads only itself
     >>> mhla(q, k, v, C, block_size=2, causal=False)[0, :, 0, 0]
     Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
+
+    The two forms give the same output (``[B, T, N, K] = [1, 8, 2, 4]``, two blocks of 4):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> C = jnp.array([[1.0, 0.0], [0.5, 1.0]])
+    >>> fn = jax.jit(mhla, static_argnames=("implementation", "block_size"))
+    >>> o = fn(q, k, v, C, block_size=4, implementation="parallel")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, C, block_size=4, implementation="chunked")
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    K. Zhang, Y. Huang, Y. Deng, J. Yu, J. Chen, H. Ling, E. Xie & D. Zhou, 2026, "MHLA:
+    Restoring Expressivity of Linear Attention via Token-Level Multi-Head".
   """
   fn_name = "mhla"
   phi = _features.resolve(feature_map, fn_name)
@@ -137,7 +154,7 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
   .. math::
     o_t = \frac{φ(q_t)^\top \sum_{β \le i} c_{iβ} S_β}{φ(q_t)^\top \sum_{β \le i} c_{iβ} z_β},
 
-  which is the causal :func:`mhla` at ``t`` ("MHLA: Multi-Head Linear Attention", 2026;
+  which is the causal :func:`mhla` at ``t`` (Zhang et al. 2026, "MHLA";
   reconstruction [R], see the module docstring).
 
   Args:
@@ -152,7 +169,7 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
-  Example:
+  Examples:
     >>> C = jnp.array([[1.0, 0.0], [0.0, 1.0]])   # each block reads only itself
     >>> state = None
     >>> for t in range(3):
@@ -160,6 +177,9 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
     ...   o, state = mhla_step(0 * one, 0 * one, one, C, state, position=t, block_size=2)
     >>> o[0, 0, 0]   # block 1 holds only token 2
     Array(2., dtype=float32)
+
+  References:
+    Zhang et al., 2026, "MHLA" (in full: :func:`mhla`).
   """
   fn_name = "mhla_step"
   phi = _features.resolve(feature_map, fn_name)

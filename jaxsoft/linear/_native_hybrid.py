@@ -188,11 +188,30 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, (K̃_T, Ṽ_T))``.
 
-  Example:
+  Examples:
     >>> q = jnp.zeros((1, 2, 1, 1)); v = jnp.array([2.0, 4.0]).reshape(1, 2, 1, 1)
     >>> a = jnp.log(jnp.full((1, 2, 1, 1), 0.5))        # one slot, gate 1/2
     >>> native_hybrid_attention(q, q, v, a, window=1)[0, :, 0, 0]   # (1 + 2)/2, (2.5 + 4)/2
     Array([1.5 , 3.25], dtype=float32)
+
+    ``[B, T, N, K] = [1, 8, 2, 4]``: with no slots and a window covering the sequence it is
+    causal softmax attention:
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> no_slots = jnp.zeros((1, 8, 2, 0))
+    >>> fn = jax.jit(native_hybrid_attention, static_argnames=("implementation", "window"))
+    >>> o = fn(q, k, v, no_slots, window=8, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> bool(jnp.allclose(o, jax.nn.dot_product_attention(q, k, v, is_causal=True), atol=1e-5))
+    True
+
+  References:
+    J. Du, J. Hu, T. Zhang, W. Sun & Y. Cheng, 2025, "Native Hybrid Attention for Efficient
+    Sequence Modeling".
+
+    Y. Zhang et al., 2024, "Gated Slot Attention for Efficient Linear-Time Sequence Modeling"
+    (the slot update).
   """
   fn_name = "native_hybrid_attention"
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
@@ -248,12 +267,15 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
-  Example:
+  Examples:
     >>> o, state = native_hybrid_attention_step(
     ...     jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.full((1, 1, 1), 2.0),
     ...     jnp.log(jnp.full((1, 1, 1), 0.5)), window=1)
     >>> o   # (slot 0.5 * 2 + window 2) / 2
     Array([[[1.5]]], dtype=float32)
+
+  References:
+    Du et al., 2025, "Native Hybrid Attention" (in full: :func:`native_hybrid_attention`).
   """
   fn_name = "native_hybrid_attention_step"
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)

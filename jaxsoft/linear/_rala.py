@@ -32,13 +32,27 @@ __all__ = ["rala", "rala_key_weights"]
 
 
 def rala_key_weights(q: ArrayLike, k: ArrayLike) -> jax.Array:
-  r"""``α [B, T, N] = T · softmax_j(q̄ · k_j / √K)`` with ``q̄`` the mean query of each
-  sequence and head; ``Σ_j α_j = T``.
+  r"""RALA's key weights: how well each key matches the mean query (feature A37, [R]).
 
-  Example:
+  .. math::
+    α_j = T \operatorname{softmax}_j(\bar q \cdot k_j / \sqrt K), \qquad
+    \bar q = \tfrac1T \sum_t q_t,
+
+  per sequence and head, so ``Σ_j α_j = T`` (uniform weights are all 1).
+
+  Args:
+    q, k: ``[B, T, N, K]``.
+
+  Returns:
+    ``α [B, T, N]`` float32.
+
+  Examples:
     >>> q = jnp.zeros((1, 3, 1, 2)); k = jnp.ones((1, 3, 1, 2))
     >>> rala_key_weights(q, k)[0, :, 0]
     Array([1., 1., 1.], dtype=float32)
+
+  References:
+    Q. Fan, H. Huang & R. He, 2025, "Breaking the Low-Rank Dilemma of Linear Attention".
   """
   q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
   T, K = q.shape[1], q.shape[-1]
@@ -68,10 +82,27 @@ def rala(q: ArrayLike, k: ArrayLike, v: ArrayLike, gate: ArrayLike | None = None
   Returns:
     ``y [B, T, N, V]`` in the inputs' dtype.
 
-  Example:
+  Examples:
     >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> rala(q, k, v, gate=jnp.full((1, 2, 1, 1), 2.0))[0, :, 0, 0]   # 2 * mean(v)
     Array([4., 4.], dtype=float32)
+
+    ``[B, T, N, K] = [1, 8, 2, 4]``; a zero-mean query gives uniform key weights, so RALA is
+    then bidirectional linear attention:
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> q = jnp.concatenate([q[:, :4], -q[:, :4]], axis=1)    # mean query 0
+    >>> y = rala(q, k, v)
+    >>> y.shape
+    (1, 8, 2, 4)
+    >>> fq, fk = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
+    >>> w = jnp.einsum("btnk,bsnk->bnts", fq, fk)
+    >>> plain = jnp.einsum("bnts,bsnv->btnv", w / w.sum(-1, keepdims=True), v)
+    >>> bool(jnp.allclose(y, plain, atol=1e-5))
+    True
+
+  References:
+    Q. Fan, H. Huang & R. He, 2025, "Breaking the Low-Rank Dilemma of Linear Attention".
   """
   fn_name = "rala"
   phi = _features.resolve(feature_map, fn_name)

@@ -33,11 +33,25 @@ __all__ = ["softmax_linear_attention", "softmax_linear_attention_step", "head_ga
 
 
 def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
-  """``softmax`` over the head axis (the last) of ``logits [..., N] / temperature``.
+  r"""Softmax gates over heads: heads compete for each token's read or write (feature A34).
 
-  Example:
+  .. math::
+    γ_{t,n} = \operatorname{softmax}_n(\text{logits}_{t,n} / τ)
+
+  Args:
+    logits: ``[..., N]``, the head axis last.
+    temperature: ``τ > 0``.
+
+  Returns:
+    ``γ [..., N]`` float32, positive and summing to 1 over the heads.
+
+  Examples:
     >>> head_gates(jnp.zeros((1, 4)))
     Array([[0.25, 0.25, 0.25, 0.25]], dtype=float32)
+
+  References:
+    Xu, Lin, Guo, Xu & Cui, 2026, "Softmax Linear Attention: Reclaiming Global Competition"
+    (the gates' placement here is a reconstruction).
   """
   return jax.nn.softmax(jnp.asarray(logits, jnp.float32) / temperature, axis=-1)
 
@@ -94,11 +108,29 @@ def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_lo
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.ones((1, 1, 2, 1)); v = jnp.ones((1, 1, 2, 1))
     >>> softmax_linear_attention(q, k, v, jnp.array([[[0.0, jnp.log(3.0)]]]), scale=1.0)[0, 0, :, 0]
     Array([0.25, 0.75], dtype=float32)
+
+    The forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options are
+    static under ``jax.jit``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> gate_q, gate_k = jax.random.normal(jax.random.key(1), (2, 1, 8, 2))
+    >>> g = jnp.full((1, 8, 2), jnp.log(0.9))
+    >>> fn = jax.jit(softmax_linear_attention, static_argnames=("implementation", "chunk_size"))
+    >>> o = fn(q, k, v, gate_q, gate_k, g=g, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, gate_q, gate_k, g=g, implementation="chunked", chunk_size=4)
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    Xu, Lin, Guo, Xu & Cui, 2026, "Softmax Linear Attention: Reclaiming Global Competition"
+    (the gates' placement here is a reconstruction).
   """
   fn_name = "softmax_linear_attention"
   call = _dispatch.prepare(fn_name, q, k, v, scale=scale, segment_ids=segment_ids,
@@ -128,11 +160,14 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
 
-  Example:
+  Examples:
     >>> o, S = softmax_linear_attention_step(jnp.ones((1, 2, 1)), jnp.ones((1, 2, 1)),
     ...                                      jnp.ones((1, 2, 1)), jnp.zeros((1, 2)), scale=1.0)
     >>> o[0, :, 0]
     Array([0.5, 0.5], dtype=float32)
+
+  References:
+    Xu et al., 2026, "Softmax Linear Attention" (in full: :func:`softmax_linear_attention`).
   """
   fn_name = "softmax_linear_attention_step"
   (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)

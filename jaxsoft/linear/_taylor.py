@@ -51,8 +51,10 @@ def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: 
                             segment_ids: ArrayLike | None = None,
                             implementation: str | None = None, chunk_size: int = 64,
                             eps: float = 1e-6) -> Any:
-  r"""Causal attention with weights ``P_m(scale · q·k) = Σ_{i<=m} (scale · q·k)^i / i!``
-  (feature A40), in linear time.
+  r"""Causal attention with ``exp`` replaced by its order-m Taylor polynomial (feature A40).
+
+  The weights are ``P_m(scale · q·k) = Σ_{i<=m} (scale · q·k)^i / i!``, computed in linear
+  time.
 
   .. math::
     S_t = S_{t-1} + φ_m(k_t) v_t^\top, \quad z_t = z_{t-1} + φ_m(k_t), \quad
@@ -76,11 +78,29 @@ def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: 
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
-  Example:
+  Examples:
     >>> q = jnp.zeros((1, 2, 1, 2)); k = jnp.ones((1, 2, 1, 2))
     >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> taylor_linear_attention(q, k, v)[0, :, 0, 0]   # q = 0: every weight is P(0) = 1
     Array([1., 2.], dtype=float32)
+
+    Order 0 gives every key the weight 1: the running mean of ``v`` (``[B, T, N, K] =
+    [1, 8, 2, 4]``):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> o = jax.jit(taylor_linear_attention, static_argnames="order")(q, k, v, order=0)
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> running_mean = jnp.cumsum(v, axis=1) / jnp.arange(1, 9)[:, None, None]
+    >>> bool(jnp.allclose(o, running_mean, atol=1e-5))
+    True
+
+  References:
+    G. Mongaras & E. C. Larson, 2025, "On the Expressiveness of Softmax Attention: A
+    Recurrent Neural Network Perspective".
+
+    T. C. Nauen, S. Palacio & A. Dengel, 2024, "TaylorShift: Shifting the Complexity of
+    Self-Attention from Squared to Linear (and Back) using Taylor-Softmax".
   """
   fn_name = "taylor_linear_attention"
   fq, fk, v, dtype, eps = _taylor_qkv(fn_name, q, k, v, order, scale, eps, step=False)
@@ -107,11 +127,15 @@ def taylor_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
-  Example:
+  Examples:
     >>> o, (S, z) = taylor_linear_attention_step(jnp.zeros((1, 1, 2)), jnp.ones((1, 1, 2)),
     ...                                          jnp.ones((1, 1, 1)), order=1)
     >>> o, z.shape
     (Array([[[1.]]], dtype=float32), (1, 1, 3))
+
+  References:
+    Mongaras & Larson, 2025; Nauen et al., 2024, "TaylorShift"
+    (in full: :func:`taylor_linear_attention`).
   """
   fn_name = "taylor_linear_attention_step"
   fq, fk, v, dtype, eps = _taylor_qkv(fn_name, q, k, v, order, scale, eps, step=True)

@@ -91,8 +91,9 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
                mini_batch_size: int = 16, scale: float | None = None,
                initial_state: ArrayLike | None = None, output_final_state: bool = False,
                implementation: str | None = None) -> Any:
-  r"""TTT-Linear: fast weights updated by mini-batch gradient descent on ``½‖W^T k - v‖²``
-  (feature A39).
+  r"""TTT-Linear: fast weights trained by mini-batch gradient descent at test time (feature A39).
+
+  The inner loss is ``½‖W^T k - v‖²``.
 
   .. math::
     W_t = W_s - \sum_{s < j \le t} η_j\, k_j (W_s^\top k_j - v_j)^\top, \qquad
@@ -117,11 +118,28 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   Returns:
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, W_T)``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)
     >>> v = jnp.array([2.0, 2.0]).reshape(1, 2, 1, 1)
     >>> ttt_linear(k, k, v, jnp.full((1, 2, 1), 0.5), mini_batch_size=2, scale=1.0)[0, :, 0, 0]
     Array([1., 2.], dtype=float32)
+
+    The two forms give the same output (``[B, T, N, K] = [1, 8, 2, 4]``, mini-batches of 4):
+
+    >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
+    >>> eta = jnp.full((1, 8, 2), 0.1)
+    >>> fn = jax.jit(ttt_linear, static_argnames=("implementation", "mini_batch_size"))
+    >>> o = fn(q, k, v, eta, mini_batch_size=4, implementation="recurrent")
+    >>> o.shape
+    (1, 8, 2, 4)
+    >>> o_chunked = fn(q, k, v, eta, mini_batch_size=4, implementation="chunked")
+    >>> bool(jnp.allclose(o, o_chunked, atol=1e-5))
+    True
+
+  References:
+    Y. Sun, X. Li, K. Dalal, J. Xu, A. Vikram, G. Zhang, Y. Dubois, X. Chen, X. Wang,
+    S. Koyejo, T. Hashimoto & C. Guestrin, 2024, "Learning to (Learn at Test Time): RNNs with
+    Expressive Hidden States".
   """
   fn_name = "ttt_linear"
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
@@ -159,12 +177,15 @@ def ttt_linear_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike,
   Returns:
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
-  Example:
+  Examples:
     >>> k = jnp.array([[[1.0, 0.0]]])
     >>> o, state = ttt_linear_step(k, k, jnp.full((1, 1, 1), 2.0), jnp.full((1, 1), 0.5),
     ...                            scale=1.0)
     >>> o
     Array([[[1.]]], dtype=float32)
+
+  References:
+    Sun et al., 2024, "Learning to (Learn at Test Time)" (in full: :func:`ttt_linear`).
   """
   fn_name = "ttt_linear_step"
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
