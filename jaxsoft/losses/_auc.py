@@ -51,11 +51,15 @@ def midam_auc_loss(instance_scores: ArrayLike, bag_labels: ArrayLike, *,
     A scalar in float32 (float64 for float64 scores); 0, with zero gradient, when there is
     no positive or no negative bag.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> h = jnp.array([[3.0, -1.0], [0.0, 0.0]])
     >>> print(round(float(js.losses.midam_auc_loss(h, jnp.array([1, 0]), margin=1.0)), 4))
     1.7556
+
+  References:
+    D. Zhu, B. Wang, Z. Chen, Y. Wang, M. Sonka, X. Wu & T. Yang, 2023, "Provable Multi-instance
+    Deep AUC Maximization with Stochastic Pooling" (ICML).
   """
   fn = "midam_auc_loss"
   h = jnp.asarray(instance_scores)

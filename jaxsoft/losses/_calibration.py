@@ -44,11 +44,15 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
   Returns:
     One score per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.msp(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
     [0.787  0.3333]
+
+  References:
+    D. Hendrycks & K. Gimpel, 2017, "A Baseline for Detecting Misclassified and
+    Out-of-Distribution Examples in Neural Networks" (ICLR).
   """
   fn = "msp"
   t = check_positive(temperature, "temperature", fn)
@@ -79,11 +83,15 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
   Returns:
     One score per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.energy_score(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
     [2.2395 2.0986]
+
+  References:
+    W. Liu, X. Wang, J. D. Owens & Y. Li, 2020, "Energy-based Out-of-distribution Detection"
+    (NeurIPS).
   """
   fn = "energy_score"
   t = check_positive(temperature, "temperature", fn)
@@ -118,6 +126,20 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
 
   Returns:
     ``[B]`` float32 scores in [1/K, 1].
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = jnp.array([[2.0, -1.0, 0.0], [0.0, 1.0, -1.0]])
+    >>> x = jnp.array([[1.0, 0.5], [0.1, 0.1]])
+    >>> print(js.losses.odin(lambda v: v @ w, x, temperature=2.0, epsilon=0.0))  # msp of logits / 2
+    [0.6357 0.3616]
+    >>> print(js.losses.odin(lambda v: v @ w, x, temperature=2.0, epsilon=0.1))  # the step raises it
+    [0.6641 0.3907]
+
+  References:
+    S. Liang, Y. Li & R. Srikant, 2018, "Enhancing The Reliability of Out-of-distribution Image
+    Detection in Neural Networks" (ICLR).
   """
   fn = "odin"
   if not callable(model_fn):
@@ -171,11 +193,18 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int =
   Returns:
     A float32 scalar in [0, 1] (0 when no example counts).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> logits = jnp.array([[3.0, 0.0], [3.0, 0.0], [0.0, 0.1]])
     >>> print(round(float(js.losses.ece(logits, jnp.array([0, 1, 1]), num_bins=10)), 4))
     0.4601
+
+  References:
+    C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, 2017, "On Calibration of Modern Neural
+    Networks" (ICML).
+
+    M. P. Naeini, G. F. Cooper & M. Hauskrecht, 2015, "Obtaining Well Calibrated Probabilities
+    Using Bayesian Binning" (AAAI).
   """
   fn = "ece"
   positive_int(num_bins, "num_bins", fn)
@@ -221,13 +250,20 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
   Returns:
     The fitted temperature, a float32 scalar.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> logits = 5.0 * jax.random.normal(jax.random.key(0), (500, 4))
     >>> labels = jax.random.categorical(jax.random.key(1), logits / 5.0)  # T = 5 is right
     >>> t = js.losses.fit_temperature(logits, labels)
     >>> bool(3.5 < t < 6.5)
     True
+
+  References:
+    C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, 2017, "On Calibration of Modern Neural
+    Networks" (ICML).
+
+    D. C. Liu & J. Nocedal, 1989, "On the Limited Memory BFGS Method for Large Scale
+    Optimization" (Mathematical Programming).
   """
   fn = "fit_temperature"
   init = check_positive(init, "init", fn)
@@ -259,6 +295,18 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
 
   Returns:
     ``[..., K]`` float32 calibrated logits (apply a softmax for probabilities).
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxsoft as js
+    >>> z = jnp.array([[2.0, 0.0, -1.0]])
+    >>> cal = js.losses.dirichlet_calibrate(z, jnp.eye(3) / 2.0, jnp.zeros(3))  # W = I/T, T = 2
+    >>> print(bool(jnp.allclose(jax.nn.softmax(cal), jax.nn.softmax(z / 2.0))))
+    True
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019, "Beyond
+    temperature scaling: Obtaining well-calibrated multi-class probabilities with Dirichlet
+    calibration" (NeurIPS).
   """
   fn = "dirichlet_calibrate"
   z = lc.check_logits(logits, fn).astype(jnp.float32)
@@ -298,6 +346,21 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
 
   Returns:
     ``(W [K, K], b [K])``, float32.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> logits = jnp.array([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 3.0], [0.5, 0.0, 0.0]])
+    >>> w, b = js.losses.fit_dirichlet_calibration(logits, jnp.array([0, 1, 2, 1]), num_steps=2)
+    >>> print(w.shape, b.shape)
+    (3, 3) (3,)
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019, "Beyond
+    temperature scaling: Obtaining well-calibrated multi-class probabilities with Dirichlet
+    calibration" (NeurIPS).
+
+    D. C. Liu & J. Nocedal, 1989, "On the Limited Memory BFGS Method for Large Scale
+    Optimization" (Mathematical Programming).
   """
   fn = "fit_dirichlet_calibration"
   lam = lc.nonnegative_float(off_diagonal_weight, "off_diagonal_weight", fn)

@@ -47,13 +47,17 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
   Returns:
     One loss per example (``logits``' shape without ``axis``), in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> labels = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.softmax_cross_entropy(logits, labels))
     [0.2761 2.9518]
+
+  References:
+    C. Szegedy, V. Vanhoucke, S. Ioffe, J. Shlens & Z. Wojna, 2016, "Rethinking the Inception
+    Architecture for Computer Vision" (CVPR; label smoothing).
   """
   fn = "softmax_cross_entropy"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
@@ -103,12 +107,16 @@ def softmax_cross_entropy_with_integer_labels(
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> print(js.losses.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 1])))
     [0.2761 2.9518]
+
+  References:
+    C. Szegedy, V. Vanhoucke, S. Ioffe, J. Shlens & Z. Wojna, 2016, "Rethinking the Inception
+    Architecture for Computer Vision" (CVPR; label smoothing).
   """
   fn = "softmax_cross_entropy_with_integer_labels"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
@@ -163,12 +171,16 @@ def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: i
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> print(js.losses.top_k_cross_entropy(logits, jnp.array([0, 1]), k=1))  # 0: label is top-1
     [0.     2.3955]
+
+  References:
+    S. Sun et al., 2021, "Sparse-softmax: A Simpler and Faster Alternative Softmax
+    Transformation" (arXiv 2112.12433).
   """
   fn = "top_k_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

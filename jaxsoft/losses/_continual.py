@@ -49,7 +49,7 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> z, cur = jnp.array([[2.0, 1.0, 0.0]]), jnp.array([False, True, True])
@@ -57,6 +57,10 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
     [0.3133]
     >>> print(js.losses.continual_cross_entropy(z, jnp.array([1]), cur, mode="stop_gradient"))
     [1.4076]
+
+  References:
+    "Revisiting Softmax Masking: Stop Gradient for Enhancing Stability in Replay-based Continual
+    Learning", 2023 (its authors are not recorded here).
   """
   fn = "continual_cross_entropy"
   if mode not in _CL_MODES:

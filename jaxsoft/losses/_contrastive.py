@@ -72,12 +72,22 @@ def info_nce(scores: ArrayLike, *, temperature: ArrayLike = 1.0, labels: ArrayLi
   Returns:
     ``[B]`` losses in ``scores``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[0.9, 0.1, -0.2], [0.3, 0.8, 0.0], [0.0, 0.5, 0.7]])
     >>> print(js.losses.info_nce(s, temperature=0.1, symmetric=True))
     [0.0015 0.0283 0.0644]
+
+  References:
+    A. van den Oord, Y. Li & O. Vinyals, 2018, "Representation Learning with Contrastive
+    Predictive Coding".
+
+    A. Radford et al., 2021, "Learning Transferable Visual Models From Natural Language
+    Supervision" (ICML).
+
+    T. Lepage & R. Dehak, 2023, "Experimenting with Additive Margins for Contrastive
+    Self-Supervised Speaker Verification" (Interspeech).
   """
   fn = "info_nce"
   x, dtype = _scores(scores, fn)
@@ -135,13 +145,17 @@ def soft_info_nce(scores: ArrayLike, negative_weights: ArrayLike, *,
   Returns:
     ``[B]`` losses in ``scores``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[0.9, 0.1, -0.2], [0.3, 0.8, 0.0]])
     >>> w = jnp.array([[1.0, 0.5, 1.5], [0.0, 1.0, 1.0]])
     >>> print(js.losses.soft_info_nce(s, w))
     [0.5446 0.3711]
+
+  References:
+    H. Li, X. Zhou, L. A. Tuan & C. Miao, 2023, "Rethinking Negative Pairs in Code Search"
+    (EMNLP).
   """
   fn = "soft_info_nce"
   x, dtype = _scores(scores, fn)
@@ -188,6 +202,17 @@ def soft_info_nce_weights(similarity: ArrayLike, *, temperature: float = 1.0, al
 
   Returns:
     ``[B, M]`` float32 weights for :func:`soft_info_nce`.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> sim = jnp.array([[1.0, 0.9, 0.0, 0.0]])  # candidate 1 is a likely false negative
+    >>> print(js.losses.soft_info_nce_weights(sim, temperature=0.1))
+    [[1.     0.1    1.4998 1.4998]]
+
+  References:
+    H. Li, X. Zhou, L. A. Tuan & C. Miao, 2023, "Rethinking Negative Pairs in Code Search"
+    (EMNLP).
   """
   fn = "soft_info_nce_weights"
   x, _ = _scores(similarity, fn, name="similarity")
@@ -231,12 +256,16 @@ def decoupled_softmax_loss(scores: ArrayLike, positives: ArrayLike, *,
   Returns:
     ``[B]`` losses in ``scores``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[2.0, 1.5, -1.0, 0.0]])
     >>> print(js.losses.decoupled_softmax_loss(s, jnp.array([[True, True, False, False]])))
     [0.2181]
+
+  References:
+    N. Gupta, D. Khatri, A. S. Rawat, S. Bhojanapalli, P. Jain & I. S. Dhillon, 2024,
+    "Dual-Encoders for Extreme Multi-label Classification" (ICLR).
   """
   fn = "decoupled_softmax_loss"
   x, mask, keep, pos, dtype = _multi_positive_inputs(scores, positives, temperature, where, fn)
@@ -281,13 +310,20 @@ def top_k_multi_positive_loss(scores: ArrayLike, positives: ArrayLike, *, k: int
   Returns:
     ``[B]`` losses in ``scores``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[2.0, 1.5, -1.0, 0.0]])
     >>> pos = jnp.array([[True, True, True, False]])
     >>> print(js.losses.top_k_multi_positive_loss(s, pos, k=2))
     [0.1091]
+
+  References:
+    J. Hu, T. Bai, F. Wu, W. Li, Z. Peng & Y. Zhang, 2026, "ExpAlign: Expectation-Guided
+    Vision-Language Alignment for Open-Vocabulary Grounding" (arXiv 2601.22666).
+
+    A. Miech et al., 2020, "End-to-End Learning of Visual Representations from Uncurated
+    Instructional Videos" (CVPR; MIL-NCE).
   """
   fn = "top_k_multi_positive_loss"
   x, mask, keep, pos, dtype = _multi_positive_inputs(scores, positives, temperature, where, fn)
@@ -344,6 +380,23 @@ def soft_clip_loss(scores: ArrayLike, query_similarity: ArrayLike,
 
   Returns:
     ``[B]`` losses in ``scores``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> s = jnp.array([[0.9, 0.1], [0.3, 0.8]])
+    >>> sim = jnp.array([[1.0, 0.9], [0.9, 1.0]])  # the two queries look alike
+    >>> print(js.losses.soft_clip_loss(s, sim, temperature=0.1))
+    [0.6664 0.5738]
+    >>> print(js.losses.soft_clip_loss(s, sim, temperature=0.1, smoothing=0.0))  # = symmetric info_nce
+    [0.0014 0.0038]
+
+  References:
+    Y. Gao, J. Liu, Z. Xu, T. Wu, E. Zhang et al., 2024, "SoftCLIP: Softer Cross-modal Alignment
+    Makes CLIP Stronger" (AAAI).
+
+    A. Radford et al., 2021, "Learning Transferable Visual Models From Natural Language
+    Supervision" (ICML).
   """
   fn = "soft_clip_loss"
   x, dtype = _scores(scores, fn)

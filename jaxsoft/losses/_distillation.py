@@ -83,12 +83,18 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
   Returns:
     One loss per example, in ``student_logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> s, t = jnp.array([[2.0, 0.5, -1.0]]), jnp.array([[1.0, 3.0, -2.0]])
     >>> print(js.losses.logit_standardized_kd_loss(s, t))  # = for 10 * s - 3, or 2 * t + 1
     [0.3492]
+
+  References:
+    S. Sun, W. Ren, J. Li, R. Wang & X. Cao, 2024, "Logit Standardization in Knowledge
+    Distillation" (CVPR).
+
+    G. Hinton, O. Vinyals & J. Dean, 2015, "Distilling the Knowledge in a Neural Network".
   """
   fn = "logit_standardized_kd_loss"
   tau = check_positive(temperature, "temperature", fn)
@@ -107,8 +113,7 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
                              teacher_log_probs: ArrayLike, *, axis: int = -1,
                              where: ArrayLike | None = None,
                              ignore_index: int | None = None) -> jax.Array:
-  r"""Squared-error logit loss for distillation from the teacher's probability of a label
-  (feature L11) [R].
+  r"""Squared-error logit loss for distillation from the teacher's label probability (L11) [R].
 
   From Q. Zhao & B. Zhu, "Towards the Fundamental Limits of Knowledge Transfer over Finite
   Domains" (2023): when each sampled label :math:`a \sim \pi^*(\cdot \mid s)` comes with the
@@ -134,6 +139,17 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
 
   Returns:
     One loss per example, in ``student_logits``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> z, a = jnp.zeros((1, 2)), jnp.array([0])  # the student's log p(a) = -log 2
+    >>> print(js.losses.squared_error_logit_loss(z, a, jnp.array([-1.0])))  # (1 - log 2)^2
+    [0.0942]
+
+  References:
+    Q. Zhao & B. Zhu, 2023, "Towards the Fundamental Limits of Knowledge Transfer over Finite
+    Domains".
   """
   fn = "squared_error_logit_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
@@ -176,6 +192,19 @@ def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLik
 
   Returns:
     One loss per example, in ``student_logits``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> teachers = jnp.array([[[2.0, 0.0]], [[0.0, 2.0]]])  # [T, B, K]: their mean softmax is uniform
+    >>> print(js.losses.averaged_teacher_kd_loss(jnp.array([[1.0, 0.0]]), teachers))  # KL(uniform || p)
+    [0.1201]
+
+  References:
+    Z. Shen & M. Savvides, 2020, "MEAL V2: Boosting Vanilla ResNet-50 to 80%+ Top-1 Accuracy on
+    ImageNet without Tricks".
+
+    G. Hinton, O. Vinyals & J. Dean, 2015, "Distilling the Knowledge in a Neural Network".
   """
   fn = "averaged_teacher_kd_loss"
   tau = check_positive(temperature, "temperature", fn)

@@ -49,11 +49,15 @@ def orthogonal_projection_loss(features: ArrayLike, labels: ArrayLike, *, gamma:
   Returns:
     A scalar in float32 (float64 for float64 features).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> f = jnp.array([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
     >>> print(round(float(js.losses.orthogonal_projection_loss(f, jnp.array([0, 0, 1]))), 6))
     0.0
+
+  References:
+    K. Ranasinghe, M. Naseer, M. Hayat, S. Khan & F. S. Khan, 2021, "Orthogonal Projection Loss"
+    (ICCV).
   """
   fn = "orthogonal_projection_loss"
   g = lc.nonnegative_float(gamma, "gamma", fn)
@@ -104,12 +108,16 @@ def nbc_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Ar
   Returns:
     ``[B]`` losses in ``embeddings``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x, w = jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.eye(2)
     >>> print(js.losses.nbc_softmax_loss(x, w, jnp.array([0, 1]), weight=0.0))
     [0.3133 0.3133]
+
+  References:
+    G. K. Kulatilleke, S. S. Chandra & M. Portmann, 2022, "NBC-Softmax: Darkweb Author
+    Fingerprinting and Migration Tracking".
   """
   fn = "nbc_softmax_loss"
   lam = lc.nonnegative_float(weight, "weight", fn)

@@ -85,12 +85,24 @@ def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.fenchel_young_loss(logits, jnp.array([0, 1]), "sparsemax"))
     [0.   0.19]
+
+  References:
+    M. Blondel, A. F. T. Martins & V. Niculae, 2020, "Learning with Fenchel-Young Losses"
+    (JMLR).
+
+    A. F. T. Martins & R. F. Astudillo, 2016, "From Softmax to Sparsemax: A Sparse Model of
+    Attention and Multi-Label Classification" (ICML).
+
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models" (ACL).
+
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers"
+    (EMNLP).
   """
   fn = "fenchel_young_loss"
   name = _normalizer_name(normalizer, fn)

@@ -40,11 +40,15 @@ def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.ovr_bce_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.1333]
+
+  References:
+    J. Pan & K. Huang, 2026, "PCOV-KWS: Multi-task Learning for Personalized Customizable Open
+    Vocabulary Keyword Spotting" (arXiv 2603.18023).
   """
   fn = "ovr_bce_loss"
   return _per_class_sum(fn, logits, labels, axis, where, ignore_index,
@@ -82,11 +86,15 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.gol_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [0.6623]
+
+  References:
+    K. P. Alexandridis, J. Deng, A. Nguyen & S. Luo, 2022, "Long-tailed Instance Segmentation
+    using Gumbel Optimized Loss" (ECCV).
   """
   fn = "gol_loss"
 
@@ -131,10 +139,16 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> print(js.losses.l2_svm_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.]
+
+  References:
+    A. F. Agarap, 2017, "An Architecture Combining Convolutional Neural Network (CNN) and
+    Support Vector Machine (SVM) for Image Classification".
+
+    Y. Tang, 2013, "Deep Learning using Linear Support Vector Machines".
   """
   fn = "l2_svm_loss"
   return _per_class_sum(fn, logits, labels, axis, where, ignore_index,

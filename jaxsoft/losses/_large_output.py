@@ -150,7 +150,7 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
   Returns:
     One loss per example, in ``h``'s dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> h = jnp.array([[1.0, 0.0], [0.5, -1.0]])
@@ -158,6 +158,13 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
     >>> y = jnp.array([0, 2])
     >>> print(js.losses.sampled_softmax_loss(None, h, w, y, 3, sampled=jnp.arange(3)))  # = full CE
     [0.555  0.6335]
+
+  References:
+    Y. Bengio & J.-S. Senécal, 2008, "Adaptive Importance Sampling to Accelerate Training of a
+    Neural Probabilistic Language Model" (IEEE Transactions on Neural Networks).
+
+    S. Jean, K. Cho, R. Memisevic & Y. Bengio, 2015, "On Using Very Large Target Vocabulary for
+    Neural Machine Translation" (ACL).
   """
   fn = "sampled_softmax_loss"
   h, w, dtype = check_hidden(h, w, fn)
@@ -200,6 +207,16 @@ def unigram_proposal(counts: ArrayLike, power: float = 0.75) -> jax.Array:
 
   Returns:
     ``[V]`` float32 probabilities summing to 1.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> print(js.losses.unigram_proposal(jnp.array([16.0, 1.0, 0.0])))  # 16^(3/4) = 8 : 1 : 0
+    [0.8889 0.1111 0.    ]
+
+  References:
+    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
+    of Words and Phrases and their Compositionality" (NeurIPS).
   """
   fn = "unigram_proposal"
   c = jnp.asarray(counts, jnp.float32)
@@ -244,6 +261,18 @@ def negative_sampling_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, la
 
   Returns:
     One loss per example, in ``h``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> h, w = jnp.array([[1.0, 0.0]]), jnp.array([[2.0, -1.0, 0.0], [0.0, 1.0, 1.0]])
+    >>> negatives = jnp.array([[1, 2]])  # given instead of drawn
+    >>> print(js.losses.negative_sampling_loss(None, h, w, jnp.array([0]), 2, negatives=negatives))
+    [1.1333]
+
+  References:
+    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
+    of Words and Phrases and their Compositionality" (NeurIPS).
   """
   fn = "negative_sampling_loss"
   h, w, dtype = check_hidden(h, w, fn)
@@ -286,6 +315,25 @@ def huffman_tree(counts) -> tuple[np.ndarray, np.ndarray]:
 
   Returns:
     ``paths`` and ``codes``, both int32 ``[V, L]`` with L the depth of the deepest leaf.
+
+  Examples:
+    >>> import jaxsoft as js
+    >>> paths, codes = js.losses.huffman_tree([5, 1, 1])  # the frequent class 0 gets a 1-bit code
+    >>> print(paths)
+    [[ 1 -1]
+     [ 1  0]
+     [ 1  0]]
+    >>> print(codes)
+    [[1 0]
+     [0 0]
+     [0 1]]
+
+  References:
+    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
+    of Words and Phrases and their Compositionality" (NeurIPS).
+
+    D. A. Huffman, 1952, "A Method for the Construction of Minimum-Redundancy Codes"
+    (Proceedings of the IRE).
   """
   c = np.asarray(counts, np.float64)
   if c.ndim != 1 or c.shape[0] < 2 or not np.all(np.isfinite(c)) or np.any(c < 0):
@@ -376,13 +424,20 @@ def hierarchical_softmax_loss(h: ArrayLike, w: ArrayLike, labels: ArrayLike, pat
   Returns:
     One loss per example, in ``h``'s dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> paths, codes = js.losses.huffman_tree([5, 1, 1])
     >>> h, w = jnp.array([[1.0, -0.5]]), jnp.array([[0.3, -1.0], [0.2, 0.4]])
     >>> print(js.losses.hierarchical_softmax_loss(h, w, jnp.array([0]), paths, codes))
     [0.2633]
+
+  References:
+    F. Morin & Y. Bengio, 2005, "Hierarchical Probabilistic Neural Network Language Model"
+    (AISTATS).
+
+    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
+    of Words and Phrases and their Compositionality" (NeurIPS).
   """
   fn = "hierarchical_softmax_loss"
   h, w, dtype = check_hidden(h, w, fn)
@@ -411,6 +466,22 @@ def hierarchical_softmax_log_probs(h: ArrayLike, w: ArrayLike, paths: ArrayLike,
 
   Returns:
     ``[..., V]`` log-probabilities in ``h``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> paths, codes = js.losses.huffman_tree([5, 1, 1])
+    >>> h, w = jnp.array([[1.0, -0.5]]), jnp.array([[0.3, -1.0], [0.2, 0.4]])
+    >>> log_p = js.losses.hierarchical_softmax_log_probs(h, w, paths, codes)
+    >>> print(log_p, jnp.exp(log_p).sum())  # -log_p[0, 0] is hierarchical_softmax_loss's
+    [[-0.2633 -2.0614 -2.2614]] 1.0
+
+  References:
+    F. Morin & Y. Bengio, 2005, "Hierarchical Probabilistic Neural Network Language Model"
+    (AISTATS).
+
+    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
+    of Words and Phrases and their Compositionality" (NeurIPS).
   """
   fn = "hierarchical_softmax_log_probs"
   h, w, dtype = check_hidden(h, w, fn)
@@ -469,6 +540,19 @@ def augment_reduce_loss(key: jax.Array, logits: ArrayLike, labels: ArrayLike, nu
 
   Returns:
     One value per example, in ``logits``' dtype.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> logits, y = jnp.array([[2.0, 0.0]]), jnp.array([0])  # K = 2: the one draw is exact
+    >>> print(js.losses.augment_reduce_loss(jax.random.key(0), logits, y, 1))
+    [0.1269]
+    >>> print(js.losses.softmax_cross_entropy_with_integer_labels(logits, y))
+    [0.1269]
+
+  References:
+    F. J. R. Ruiz, M. K. Titsias, A. B. Dieng & D. M. Blei, 2018, "Augment and Reduce:
+    Stochastic Inference for Large Categorical Distributions" (ICML).
   """
   fn = "augment_reduce_loss"
   logits = jnp.asarray(lc.check_logits(logits, fn))

@@ -89,13 +89,19 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   Returns:
     One loss per token, of ``labels``' shape, in ``h``'s dtype.
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> h = jnp.array([[1.0, 0.0], [0.5, -1.0], [0.0, 2.0]])
     >>> w = jnp.array([[1.0, -1.0, 0.5], [0.0, 1.0, -0.5]])
     >>> print(js.losses.linear_cross_entropy(h, w, jnp.array([0, 1, 2]), vocab_chunk_size=2))
     [0.555  2.8835 3.1698]
+
+  References:
+    E. Wijmans, B. Huval, A. Hertzberg, V. Koltun & P. Krähenbühl, 2024, "Cut Your Losses in
+    Large-Vocabulary Language Models" (arXiv 2411.09009).
+
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
   """
   fn = "linear_cross_entropy"
   h, w = lc.check_hidden_and_weights(h, w, fn)

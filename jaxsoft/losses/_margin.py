@@ -88,13 +88,20 @@ def arcface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   Returns:
     One loss per example, in ``embeddings``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.arcface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
     [0.0042 3.929 ]
+
+  References:
+    J. Deng, J. Guo, N. Xue & S. Zafeiriou, 2019, "ArcFace: Additive Angular Margin Loss for
+    Deep Face Recognition" (CVPR).
+
+    J. Deng, J. Guo, T. Liu, M. Gong & S. Zafeiriou, 2020, "Sub-center ArcFace: Boosting Face
+    Recognition by Large-scale Noisy Web Faces" (ECCV).
   """
   fn = "arcface_loss"
   m = lc.nonnegative_float(margin, "margin", fn, upper=math.pi)
@@ -140,13 +147,20 @@ def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   Returns:
     One loss per example, in ``embeddings``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.cosface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
     [0.0205 4.0105]
+
+  References:
+    H. Wang, Y. Wang, Z. Zhou, X. Ji, D. Gong, J. Zhou, Z. Li & W. Liu, 2018, "CosFace: Large
+    Margin Cosine Loss for Deep Face Recognition" (CVPR).
+
+    F. Wang, J. Cheng, W. Liu & H. Liu, 2018, "Additive Margin Softmax for Face Verification"
+    (IEEE Signal Processing Letters).
   """
   fn = "cosface_loss"
   m = lc.nonnegative_float(margin, "margin", fn)
@@ -180,13 +194,17 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
   Returns:
     One loss per example, in ``embeddings``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.normalized_softmax_loss(x, w, jnp.array([0, 2]), temperature=0.125))
     [0.0019 1.7774]
+
+  References:
+    A. Zhai & H.-Y. Wu, 2019, "Classification is a Strong Baseline for Deep Metric Learning"
+    (BMVC).
   """
   fn = "normalized_softmax_loss"
   temperature = check_positive(temperature, "temperature", fn)
@@ -228,11 +246,15 @@ def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   Returns:
     A float32 scalar.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 1001))
     >>> print(round(float(js.losses.adacos_scale(x, w, jnp.array([0, 1]))), 3))
     9.769
+
+  References:
+    X. Zhang, R. Zhao, Y. Qiao, X. Wang & H. Li, 2019, "AdaCos: Adaptively Scaling Cosine Logits
+    for Effectively Learning Deep Face Representations" (CVPR).
   """
   fn = "adacos_scale"
   w = jnp.asarray(class_weights)

@@ -44,11 +44,14 @@ def pmrl_loss(embeddings: ArrayLike, *, temperature: float = 1.0,
   Returns:
     ``[...]`` losses in ``embeddings``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> z = jnp.array([[1.0, 0.0], [2.0, 0.0]])  # aligned: sigma = (sqrt 2, 0)
     >>> print(round(float(js.losses.pmrl_loss(z)), 4))
     0.2176
+
+  References:
+    X. Liu et al., 2025, "Principled Multimodal Representation Learning".
   """
   fn = "pmrl_loss"
   check_positive(temperature, "temperature", fn)

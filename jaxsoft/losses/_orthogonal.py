@@ -46,6 +46,18 @@ def orthogonal_gradient() -> optax.GradientTransformation:
 
   Returns:
     A stateless ``optax.GradientTransformation`` whose ``update`` requires ``params``.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> tx = js.losses.orthogonal_gradient()
+    >>> params = {"w": jnp.array([1.0, 0.0])}
+    >>> updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)
+    >>> print(updates["w"])  # the part along w is gone, the norm 5 is kept
+    [0. 5.]
+
+  References:
+    L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal, 2025, "Grokking at the Edge of
+    Numerical Stability" (ICLR).
   """
 
   def init_fn(params):

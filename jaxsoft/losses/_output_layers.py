@@ -102,6 +102,16 @@ def vq_logits(h: ArrayLike, codebook: ArrayLike, assignment: ArrayLike, *,
 
   Returns:
     ``[..., V]`` logits in ``h``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> h, codebook = jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> print(js.losses.vq_logits(h, codebook, jnp.array([0, 1, 1, 0])))  # 4 classes, 2 codes
+    [[1. 2. 2. 1.]]
+
+  References:
+    "VQ-Logits: Compressing the Output Bottleneck of Large Language Models via Vector Quantized
+    Logits", 2025 (its authors are not recorded here).
   """
   fn = "vq_logits"
   h, c, assignment, dtype = _check_vq(h, codebook, assignment, fn)
@@ -138,6 +148,21 @@ def vq_logits_cross_entropy(h: ArrayLike, codebook: ArrayLike, assignment: Array
 
   Returns:
     One loss per example, in ``h``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> h, codebook = jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 0.0], [0.0, 1.0]])
+    >>> assignment, y = jnp.array([0, 1, 1, 0]), jnp.array([1])
+    >>> print(js.losses.vq_logits_cross_entropy(h, codebook, assignment, y))
+    [1.0064]
+    >>> print(js.losses.softmax_cross_entropy_with_integer_labels(
+    ...     js.losses.vq_logits(h, codebook, assignment), y))
+    [1.0064]
+
+  References:
+    "VQ-Logits: Compressing the Output Bottleneck of Large Language Models via Vector Quantized
+    Logits", 2025 (its authors are not recorded here).
   """
   fn = "vq_logits_cross_entropy"
   h, c, assignment, dtype = _check_vq(h, codebook, assignment, fn)
@@ -182,6 +207,18 @@ def dual_softmax_loss(coarse_logits: ArrayLike, fine_logits: ArrayLike, labels: 
 
   Returns:
     One loss per example, in ``coarse_logits``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> coarse, fine = jnp.zeros((1, 4)), jnp.zeros((1, 4))  # 16 values y = 4 c + f
+    >>> print(js.losses.dual_softmax_loss(coarse, fine, jnp.array([13])))  # uniform: log 16
+    [2.7726]
+
+  References:
+    N. Kalchbrenner, E. Elsen, K. Simonyan, S. Noury, N. Casagrande, E. Lockhart, F. Stimberg,
+    A. van den Oord, S. Dieleman & K. Kavukcuoglu, 2018, "Efficient Neural Audio Synthesis"
+    (ICML).
   """
   fn = "dual_softmax_loss"
   zc = lc.check_logits(coarse_logits, fn)
@@ -246,6 +283,18 @@ def discretized_logistic_mixture_loss(logit_weights: ArrayLike, means: ArrayLike
 
   Returns:
     :math:`-\log P(\text{label})` per example, in ``logit_weights``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w, mu, log_s = jnp.zeros((4, 1)), jnp.zeros((4, 1)), jnp.full((4, 1), -1.0)
+    >>> p = jnp.exp(-js.losses.discretized_logistic_mixture_loss(w, mu, log_s, jnp.arange(4), num_bins=4))
+    >>> print(p, round(float(p.sum()), 4))  # the 4 bins' probabilities sum to 1
+    [0.1404 0.3596 0.3596 0.1404] 1.0
+
+  References:
+    T. Salimans, A. Karpathy, X. Chen & D. P. Kingma, 2017, "PixelCNN++: Improving the PixelCNN
+    with Discretized Logistic Mixture Likelihood and Other Modifications" (ICLR).
   """
   fn = "discretized_logistic_mixture_loss"
   logits = lc.check_logits(logit_weights, fn)
@@ -300,6 +349,19 @@ def pointer_sentinel_log_probs(vocab_logits: ArrayLike, pointer_scores: ArrayLik
 
   Returns:
     ``[..., V]`` log-probabilities in ``vocab_logits``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> vocab, ptr = jnp.array([[1.0, 0.0, 0.0, -1.0]]), jnp.array([[2.0, 0.0]])
+    >>> ids = jnp.array([[3, 3]])  # both context positions hold word 3
+    >>> log_p = js.losses.pointer_sentinel_log_probs(vocab, ptr, jnp.array([0.0]), ids)
+    >>> print(jnp.exp(log_p), round(float(jnp.exp(log_p).sum()), 4))
+    [[0.0569 0.0209 0.0209 0.9012]] 1.0
+
+  References:
+    S. Merity, C. Xiong, J. Bradbury & R. Socher, 2017, "Pointer Sentinel Mixture Models"
+    (ICLR).
   """
   fn = "pointer_sentinel_log_probs"
   return _pointer(vocab_logits, pointer_scores, sentinel_score, context_ids, context_where,
@@ -321,6 +383,18 @@ def pointer_sentinel_loss(vocab_logits: ArrayLike, pointer_scores: ArrayLike,
 
   Returns:
     One loss per example, in ``vocab_logits``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> vocab, ptr = jnp.array([[1.0, 0.0, 0.0, -1.0]]), jnp.array([[2.0, 0.0]])
+    >>> ids = jnp.array([[3, 3]])
+    >>> print(js.losses.pointer_sentinel_loss(vocab, ptr, jnp.array([0.0]), ids, jnp.array([3])))
+    [0.104]
+
+  References:
+    S. Merity, C. Xiong, J. Bradbury & R. Socher, 2017, "Pointer Sentinel Mixture Models"
+    (ICLR).
   """
   fn = "pointer_sentinel_loss"
   return _pointer(vocab_logits, pointer_scores, sentinel_score, context_ids, context_where,
@@ -410,6 +484,20 @@ def softmax_cpr_logits(h: ArrayLike, w: ArrayLike, *, bias: ArrayLike | None = N
 
   Returns:
     ``[..., V]`` logits in ``h``'s dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> h, w = jnp.array([[1.0, 0.0]]), jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
+    >>> print(js.losses.softmax_cpr_logits(h, w))  # no partition: h @ w
+    [[ 1.  0. -1.]]
+    >>> print(js.losses.softmax_cpr_logits(h, w, context_ids=jnp.array([[2]]),
+    ...     pointer_scores=jnp.array([[3.0]])))  # P: word 2's pointer score added
+    [[1. 0. 2.]]
+
+  References:
+    H.-S. Chang, Z. Yao, A. Gon, H. Yu & A. McCallum, 2023, "Revisiting the Architectures like
+    Pointer Networks to Efficiently Improve the Next Word Distribution, Summarization
+    Factuality, and Beyond" (Findings of ACL).
   """
   fn = "softmax_cpr_logits"
   h, w, dtype = check_hidden(h, w, fn)

@@ -70,7 +70,7 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
   Returns:
     ``[B]`` losses in ``embeddings``' dtype (a label outside ``[0, C)`` gets ``+inf``).
 
-  Example:
+  Examples:
     >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> x = jax.random.normal(jax.random.key(0), (4, 8))
     >>> w = jax.random.normal(jax.random.key(1), (8, 16))
@@ -81,6 +81,19 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
     >>> part = js.losses.partial_fc_loss(x, w, y, sample_rate=0.5, key=jax.random.key(2))
     >>> bool(jnp.all(part <= full + 1e-4))
     True
+
+  References:
+    X. An, X. Zhu, Y. Gao, Y. Xiao, Y. Zhao, Z. Feng, L. Wu, B. Qin, M. Zhang, D. Zhang & Y. Fu,
+    2021, "Partial FC: Training 10 Million Identities on a Single Machine" (ICCV workshops).
+
+    X. An, J. Deng, J. Guo, Z. Feng, X. Zhu, J. Yang & T. Liu, 2022, "Killing Two Birds with One
+    Stone: Efficient and Robust Training of Face Recognition CNNs by Partial FC" (CVPR).
+
+    J. Deng, J. Guo, N. Xue & S. Zafeiriou, 2019, "ArcFace: Additive Angular Margin Loss for
+    Deep Face Recognition" (CVPR).
+
+    H. Wang, Y. Wang, Z. Zhou, X. Ji, D. Gong, J. Zhou, Z. Li & W. Liu, 2018, "CosFace: Large
+    Margin Cosine Loss for Deep Face Recognition" (CVPR).
   """
   fn = "partial_fc_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

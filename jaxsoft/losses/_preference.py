@@ -61,12 +61,19 @@ def sdpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike, ref_chosen_log
   Returns:
     One loss per example (``chosen_logps``' shape), in ``chosen_logps``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.sdpo_loss(jnp.array([-1.0]), jnp.array([[-2.0, -1.5]]),
     ...                           jnp.array([-1.2]), jnp.array([[-1.8, -1.6]]), beta=0.5))
     [1.0188]
+
+  References:
+    Y. Chen et al., 2024, "On Softmax Direct Preference Optimization for Recommendation"
+    (NeurIPS).
+
+    R. Rafailov, A. Sharma, E. Mitchell, S. Ermon, C. D. Manning & C. Finn, 2023, "Direct
+    Preference Optimization: Your Language Model is Secretly a Reward Model" (NeurIPS).
   """
   fn = "sdpo_loss"
   beta = check_positive(beta, "beta", fn)
@@ -126,6 +133,19 @@ def adpo_loss(logps: ArrayLike, ref_logps: ArrayLike, targets: ArrayLike, *,
 
   Returns:
     One loss per example (``logps``' shape without the last axis), in ``logps``' dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp, jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> logps, ref = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -1.5]])
+    >>> print(js.losses.adpo_loss(logps, ref, jnp.array([[1.0, 0.0]])))  # DPO: log(1 + e^-1)
+    [0.3133]
+
+  References:
+    "Anchored Direct Preference Optimization", 2025 (its authors are not recorded here).
+
+    R. Rafailov, A. Sharma, E. Mitchell, S. Ermon, C. D. Manning & C. Finn, 2023, "Direct
+    Preference Optimization: Your Language Model is Secretly a Reward Model" (NeurIPS).
   """
   fn = "adpo_loss"
   tau = check_positive(temperature, "temperature", fn)

@@ -46,12 +46,15 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
   Returns:
     ``[..., H]`` penalties in float32 (float64 for float64 weights).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> a = jnp.stack([jnp.eye(4), jnp.full((4, 4), 0.25)])[None]  # [1, H=2, 4, 4]
     >>> pen = js.losses.attention_entropy_penalty(a, jnp.array([0.5, 0.5]), tolerance=0.25)
     >>> print(pen / jnp.log(4.0))  # collapsed head and uniform head, both 0.5 log 4 off
     [[0.5 0.5]]
+
+  References:
+    N. K. Jha & B. Reagen, 2024, "AERO: Softmax-Only LLMs for Efficient Private Inference".
   """
   fn = "attention_entropy_penalty"
   a = jnp.asarray(probs)

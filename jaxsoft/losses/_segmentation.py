@@ -52,11 +52,15 @@ def dice_semimetric_loss(predictions: ArrayLike, targets: ArrayLike, *,
   Returns:
     The loss with ``axis`` reduced, in ``predictions``' dtype (float32 for integers).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> x = jnp.array([[0.5, 0.5], [1.0, 0.0]])
     >>> print(js.losses.dice_semimetric_loss(x, jnp.array([[0.5, 0.5], [0.0, 1.0]])))
     [0. 1.]
+
+  References:
+    Z. Wang, X. Yang, T. Popordanoska, M. B. Blaschko et al., 2023, "Dice Semimetric Losses:
+    Optimizing the Dice Score with Soft Labels" (MICCAI).
   """
   fn = "dice_semimetric_loss"
   x = jnp.asarray(predictions)

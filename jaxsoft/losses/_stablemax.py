@@ -63,12 +63,16 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.stablemax_cross_entropy(logits, jnp.array([0, 1])))
     [0.5108 0.9614]
+
+  References:
+    L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal, 2025, "Grokking at the Edge of
+    Numerical Stability" (ICLR).
   """
   fn = "stablemax_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
@@ -110,11 +114,15 @@ def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int
   Returns:
     A float32 scalar in [0, 1] (0 when no example counts). Not differentiable (a count).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> logits = jnp.array([[40.0, 0.0, 0.0], [2.0, 0.5, -1.0]])
     >>> print(js.losses.softmax_collapse_fraction(logits, jnp.array([0, 0])))  # first row
     0.5
+
+  References:
+    L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal, 2025, "Grokking at the Edge of
+    Numerical Stability" (ICLR).
   """
   fn = "softmax_collapse_fraction"
   ignore_index = lc.check_ignore_index(ignore_index, fn)

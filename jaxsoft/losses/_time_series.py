@@ -93,11 +93,20 @@ def soft_msm(x: ArrayLike, y: ArrayLike, *, gamma: float = 1.0, cost: float = 1.
   Returns:
     ``[...]`` values in float32 (float64 for float64 inputs).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> x = jnp.array([0.0, 1.0, 2.0])
     >>> print(round(float(js.losses.soft_msm(x, x + 0.5, gamma=1e-3, gate_sharpness=1e4)), 3))
     1.5
+
+  References:
+    The Soft-MSM paper, 2025 (arXiv 2411.02886, EMNLP 2025; its authors are not recorded here).
+
+    A. Stefan, V. Athitsos & G. Das, 2013, "The Move-Split-Merge Metric for Time Series" (IEEE
+    Transactions on Knowledge and Data Engineering).
+
+    M. Cuturi & M. Blondel, 2017, "Soft-DTW: a Differentiable Loss Function for Time-Series"
+    (ICML).
   """
   fn = "soft_msm"
   xs, ys = jnp.asarray(x), jnp.asarray(y)

@@ -60,12 +60,16 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   Returns:
     One loss per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.spherical_z_loss(logits, jnp.array([0, 1]), a=2.0, b=1.0))
     [0.2467 0.2062]
+
+  References:
+    A. de Brébisson & P. Vincent, 2016, "The Z-loss: a shift and scale invariant classification
+    loss belonging to the Spherical Family" (arXiv 1604.08859).
   """
   fn = "spherical_z_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
@@ -111,11 +115,16 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
   Returns:
     One value per example, in ``logits``' dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp, jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.z_loss(jnp.array([[0.0, 0.0], [2.0, -1.0]])))
     [0.4805 4.1967]
+
+  References:
+    A. Chowdhery et al., 2022, "PaLM: Scaling Language Modeling with Pathways".
+
+    B. Zoph et al., 2022, "ST-MoE: Designing Stable and Transferable Sparse Expert Models".
   """
   fn = "z_loss"
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
