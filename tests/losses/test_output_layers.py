@@ -26,6 +26,21 @@ def _sigmoid(x):
   return 1.0 / (1.0 + np.exp(-x))
 
 
+def _assert_vjp_matches(f, ref, args, ct, rtol, atol):
+  """``f``'s VJP at ``args`` against finite differences of ``ref(*args) @ ct``, argument by
+  argument; returns the VJP's gradients."""
+  ct = np.asarray(ct, np.float64)
+  _, vjp = jax.vjp(f, *args)
+  grads = vjp(jnp.asarray(ct, jnp.float32))
+  for i, arg in enumerate(args):
+    def partial(a, i=i):
+      full = list(args)
+      full[i] = a
+      return ref(*full) @ ct
+    np.testing.assert_allclose(grads[i], numeric_grad(partial, arg), rtol=rtol, atol=atol)
+  return grads
+
+
 # ----------------------------------------------------------------------------- VQ-logits
 
 
@@ -110,15 +125,7 @@ def test_discretized_logistic_mixture_matches_reference_and_sums_to_one():
   allk = jax.jit(jax.vmap(lambda kk: L.discretized_logistic_mixture_loss(
       lw, mu, ls, jnp.full((3,), kk))))(jnp.arange(256))
   np.testing.assert_allclose(np.exp(-np.asarray(allk, np.float64)).sum(0), 1.0, rtol=1e-5)
-  ct = np.asarray(rows(3, (3,)), np.float64)
-  _, vjp = jax.vjp(f, lw, mu, ls)
-  grads = vjp(jnp.asarray(ct, jnp.float32))
-  for i, arg in enumerate((lw, mu, ls)):
-    def ref(a, i=i):
-      args = [lw, mu, ls]
-      args[i] = a
-      return _dlm_ref(*args, k) @ ct
-    np.testing.assert_allclose(grads[i], numeric_grad(ref, arg), rtol=1e-3, atol=1e-4)
+  _assert_vjp_matches(f, lambda *a: _dlm_ref(*a, k), (lw, mu, ls), rows(3, (3,)), 1e-3, 1e-4)
   # a few bins: sums to 1 too; masks and an out-of-range bin
   four = jax.vmap(lambda kk: L.discretized_logistic_mixture_loss(lw, mu, ls, jnp.full((3,), kk),
                                                                  num_bins=4))(jnp.arange(4))
@@ -170,17 +177,11 @@ def test_pointer_sentinel_matches_reference_and_sums_to_one():
   y = jnp.array([5, 2, 4])                                    # absent, absent, present
   f = jax.jit(lambda *a: L.pointer_sentinel_loss(*a, ids, y, context_where=ctx))
   np.testing.assert_allclose(f(u, z, s), -want[np.arange(3), np.asarray(y)], rtol=1e-5)
-  ct = np.asarray(rows(5, (3,)), np.float64)
-  _, vjp = jax.vjp(f, u, z, s)
-  grads = vjp(jnp.asarray(ct, jnp.float32))
-  for i, arg in enumerate((u, z, s)):
-    def ref(a, i=i):
-      args = [u, z, s]
-      args[i] = a
-      return -_pointer_ref(*args, np.asarray(ids), np.asarray(ctx))[np.arange(3),
-                                                                     np.asarray(y)] @ ct
-    np.testing.assert_allclose(grads[i], numeric_grad(ref, arg), rtol=1e-4, atol=1e-5)
-    assert np.any(np.asarray(grads[i]) != 0)                 # both branches get gradient
+  grads = _assert_vjp_matches(
+      f, lambda *a: -_pointer_ref(*a, np.asarray(ids), np.asarray(ctx))[np.arange(3),
+                                                                        np.asarray(y)],
+      (u, z, s), rows(5, (3,)), 1e-4, 1e-5)
+  assert all(np.any(np.asarray(g) != 0) for g in grads)     # both branches get gradient
   out = L.pointer_sentinel_loss(1e4 * u, 1e4 * z, 1e4 * s, ids, jnp.array([5, 9, 4]),
                                 where=jnp.array([True, True, False]))
   assert np.isfinite(out[0]) and np.isinf(out[1]) and out[2] == 0.0
