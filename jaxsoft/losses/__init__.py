@@ -7,7 +7,8 @@ Conventions shared by every loss: the result has ``logits``' shape without the c
 class mask broadcastable to ``logits`` (masked classes, like ``-inf`` logits, enter no
 sum or max) or, with one dimension fewer, an example mask (optax's convention); masked
 or ignored examples and rows with no visible class get loss 0 with zero gradient; a
-label naming no visible class gets ``+inf`` (never NaN).
+label naming no visible class gets ``+inf`` (never NaN); a NaN logit at a visible class
+gives NaN, as optax's losses do (a NaN at a masked class is left out).
 
 Each family lives in its own private module; this package re-exports exactly the
 public names.
