@@ -57,8 +57,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsoft.attention._dense import safe_distance
 from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype
 from jaxsoft.normalizers.spec import NormalizerSpec

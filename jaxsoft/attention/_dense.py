@@ -14,22 +14,12 @@ from jax.typing import ArrayLike
 
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype, visible_count
 
-__all__ = ["dense_logits", "dense_weights", "dense_attention", "row_statistic", "safe_distance"]
-
-
-def safe_distance(d2):
-  """``sqrt(max(d2, 0))`` with gradient 0 (not infinity) where ``d2 <= 0``.
-
-  ``d2`` is a squared distance computed as ``|q|^2 + |k|^2 - 2 q·k`` (slightly negative
-  after rounding when q = k). The derivative ``1 / (2 d)`` is replaced by 0 at ``d = 0``:
-  the distance's gradient ``(q - k) / d`` becomes 0 there, a subgradient of the norm.
-  """
-  pos = d2 > 0
-  return jnp.where(pos, jnp.sqrt(jnp.where(pos, d2, 1.0)), 0.0)
+__all__ = ["dense_logits", "dense_weights", "dense_attention", "row_statistic"]
 
 
 def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,

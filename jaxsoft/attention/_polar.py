@@ -17,8 +17,9 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete as _concrete
-from jaxsoft.attention._dense import dense_weights, safe_distance
+from jaxsoft.attention._dense import dense_weights
 from jaxsoft.attention._parameters import per_head
+from jaxsoft.attention.scores import safe_distance
 
 __all__ = ["polar_attention"]
 
