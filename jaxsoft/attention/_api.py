@@ -270,7 +270,7 @@ def dot_product_attention(
     an unknown normalizer name; NotImplementedError when no requested implementation can
     handle the call.
 
-  Example:
+  Examples:
     One query, three keys and one-hot values, so each output row is the query's
     attention weights:
 
