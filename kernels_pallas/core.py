@@ -18,7 +18,7 @@ from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
 __all__ = ["attention_core", "threshold_core", "row_statistic", "driver", "sum_to_shape",
-           "block_lists"]
+           "block_lists", "output_delta", "input_cotangents"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
 
@@ -81,6 +81,23 @@ def sum_to_shape(x, shape):
   return jnp.sum(x, axis=axes, keepdims=True) if axes else x
 
 
+def output_delta(cfg: E.Config, o, do):
+  """Delta_i = dO_i . O_i per query row, [B, N, T_pad, 1] in the compute dtype (o, do [B,
+  T_pad, N, Hvp])."""
+  return jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
+                    do.astype(cfg.acc_dtype))[..., None]
+
+
+def input_cotangents(aux: E.Aux, bias, decay, ds, dcq, dck):
+  """The cotangents of a core's non-tensor inputs: ``(aux's (None everywhere), the dense
+  bias's (dS summed to its shape), the decay's ((d cq, d ck) in their dtypes))``, each None
+  where the input is."""
+  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
+  dbias = None if bias is None else sum_to_shape(ds, bias.shape).astype(bias.dtype)
+  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
+  return aux_ct, dbias, ddecay
+
+
 def _core_fwd(cfg, q, k, v, dyn, aux, bias, decay):
   o, m, d = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return (o, row_statistic(cfg, m, d)), (q, k, v, dyn, aux, bias, decay, o, m, d)
@@ -90,8 +107,7 @@ def _core_bwd(cfg, res, cotangents):
   do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, m, d = res
   cfg = dataclasses.replace(cfg, fp8_dot=False)  # the backward reads the dequantised q, k
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
-                     do.astype(cfg.acc_dtype))[..., None]
+  delta = output_delta(cfg, o, do)
   drv = driver(cfg.backend)
   aux_b = _with_bias(aux, bias, decay)
   dq, ddyn, ds, dcq = drv.backward_dq(cfg, q, k, v, do, m, d, delta, dyn, aux_b)
@@ -101,11 +117,8 @@ def _core_bwd(cfg, res, cotangents):
   d_off = tile.offset_vjp(cfg.tile, m, d, delta, E.row_lengths(cfg, aux), static, arrays)
   if d_off is not None:
     ddyn = tuple(a + d_off[name] for a, name in zip(ddyn, cfg.dyn_hp, strict=True))
-  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  dbias = None if bias is None else sum_to_shape(ds, bias.shape).astype(bias.dtype)
-  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct,
-          dbias, ddecay)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn),
+          *input_cotangents(aux, bias, decay, ds, dcq, dck))
 
 
 attention_core.defvjp(_core_fwd, _core_bwd)
@@ -164,8 +177,7 @@ def _threshold_fwd(cfg, q, k, v, dyn, aux, bias, decay):
 def _threshold_bwd(cfg, res, cotangents):
   do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
-  delta = jnp.einsum("btnh,btnh->bnt", o.astype(cfg.acc_dtype),
-                     do.astype(cfg.acc_dtype))[..., None]
+  delta = output_delta(cfg, o, do)
   drv = driver(cfg.backend)
   aux_b = _with_bias(aux, bias, decay)
   dq, coef, ddyn, ds, dcq = drv.threshold_backward_dq(cfg, q, k, v, do, m, tau, d, delta, idx,
@@ -175,11 +187,8 @@ def _threshold_bwd(cfg, res, cotangents):
   d_target = E.t_target_vjp(cfg, coef, E.row_lengths(cfg, aux), dyn)
   if d_target is not None:
     ddyn = tuple(a + x for a, x in zip(ddyn, d_target, strict=True))
-  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  dbias = None if bias is None else sum_to_shape(ds, bias.shape).astype(bias.dtype)
-  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn), aux_ct,
-          dbias, ddecay)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), tuple(ddyn),
+          *input_cotangents(aux, bias, decay, ds, dcq, dck))
 
 
 threshold_core.defvjp(_threshold_fwd, _threshold_bwd)

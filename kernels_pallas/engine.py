@@ -36,14 +36,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxsoft.attention import masks
-from jaxsoft.attention._dense import safe_distance
+from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.spec import exp_numerator, temperature_score_map
@@ -59,14 +59,58 @@ __all__ = [
 
 
 class UnsupportedError(NotImplementedError):
-  """The engine cannot compute this call exactly; a dispatcher should fall back to XLA."""
+  """A call the Pallas engine cannot compute exactly; a dispatcher falls back to XLA.
+
+  The engine runs a normalizer blockwise only from a blockwise rule (kernel class E, S or
+  P with a tile rule, T with a threshold rule, R with a row-statistics rule); a plain
+  callable, a class-X or a stochastic normalizer raises this, as do the few combinations a
+  kernel does not implement. A subclass of ``NotImplementedError``, which
+  ``jaxsoft.attention.dot_product_attention`` catches to try its next implementation.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import kernels_pallas as kp
+    >>> q = jnp.ones((1, 16, 1, 16))
+    >>> try:
+    ...   kp.attention(q, q, q, normalizer="congestion_softmax", interpret=True)
+    ... except kp.UnsupportedError as e:
+    ...   print(type(e).__name__, "-", str(e)[:61])
+    UnsupportedError - normalizer 'congestion_softmax' is of kernel class X without
+
+  References:
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness" (the blockwise computation a rule
+    must allow).
+  """
 
 
 @dataclasses.dataclass(frozen=True)
 class BlockSizes:
-  """Tile sizes of the forward, dK/dV and dQ passes (query rows x key columns), and for
-  Triton the warps per program and the software-pipelining depth of every pass (None: 4
-  warps for tiles of at most 64 rows with head dim <= 64, else 8; 2 stages)."""
+  """Tile sizes of the attention kernels' passes, query rows x key columns.
+
+  ``block_q`` x ``block_k`` tiles the forward pass; the dK/dV and dQ passes take their own
+  (``block_q_dkv`` ...), None meaning the forward's (:meth:`resolved`). For Triton also
+  the warps per program and the software-pipelining depth of every pass (None: 4 warps
+  for tiles of at most 64 rows with head dim <= 64, else 8; 2 stages). Triton needs
+  powers of two; Mosaic TPU multiples of 8 rows and of 128 key columns where the keys lie
+  along the lanes.
+
+  Attributes:
+    block_q, block_k: the forward pass's tile.
+    block_q_dkv, block_k_dkv: the dK/dV pass's (None: the forward's).
+    block_q_dq, block_k_dq: the dQ pass's (None: the forward's).
+    num_warps, num_stages: Triton's warps per program and pipelining depth (None: default).
+
+  Examples:
+    >>> from kernels_pallas import BlockSizes
+    >>> BlockSizes(64, 32, block_q_dq=16).resolved()  # doctest: +NORMALIZE_WHITESPACE
+    BlockSizes(block_q=64, block_k=32, block_q_dkv=64, block_k_dkv=32, block_q_dq=16,
+               block_k_dq=32, num_warps=None, num_stages=None)
+
+  References:
+    T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+    Partitioning" (the forward, dK/dV and dQ passes and their tiles).
+  """
 
   block_q: int
   block_k: int
@@ -94,12 +138,33 @@ def _next_pow2(x: int) -> int:
 
 
 def default_block_sizes(backend: str, t: int, s: int, head_dim: int) -> BlockSizes:
-  """Block sizes that suit real chips.
+  """The attention kernels' default tile sizes for a backend and problem size.
 
   Mosaic TPU: 512 x 512 tiles where the lengths allow (128-wide tiles leave most of a
   v5e's MXU idle), always multiples of 128 (the lane width). Triton: 128 x 64 forward
-  (64 x 64 for the backward passes), smaller for head dim > 128 to stay in registers;
-  powers of two, as Triton requires.
+  (64 x 64 for the backward passes), smaller for head dim > 128 to stay in registers and
+  for short sequences (at least 16); powers of two, as Triton requires.
+
+  Args:
+    backend: ``"triton"`` or ``"mosaic_tpu"``.
+    t, s: the query and key lengths.
+    head_dim: the query/key head dimension.
+
+  Returns:
+    A :class:`BlockSizes` with every pass's tile set.
+
+  Examples:
+    >>> from kernels_pallas import default_block_sizes
+    >>> bl = default_block_sizes("mosaic_tpu", 4096, 4096, 128)
+    >>> bl.block_q, bl.block_k
+    (512, 512)
+    >>> bl = default_block_sizes("triton", 100, 300, 64)
+    >>> (bl.block_q, bl.block_k), (bl.block_q_dq, bl.block_k_dq)
+    ((128, 64), (64, 64))
+
+  References:
+    T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+    Partitioning" (the tile shapes of its Triton and CUDA kernels).
   """
   if backend == "mosaic_tpu":
     bq = min(512, _round_up(t, 128))
@@ -395,6 +460,55 @@ def dense_tile(full, ref, bq: int, bk: int, head=None, rows=None, cols=None):
   idx.append(rows if rows is not None and full[2] else slice(None))
   idx.append(cols if cols is not None and full[3] else slice(None))
   return jnp.broadcast_to(ref[tuple(idx)], (bq, bk))
+
+
+class Tile(NamedTuple):
+  """One tile's logits as every pass computes them (:func:`masked_logits`)."""
+
+  s: Any  # [bq, bk] the (capped) logits of :func:`score_tile`
+  dist: Any  # the distances before the soft cap (``cfg.distance``), else None
+  x: Any  # s with the dense bias added (:func:`dense_logits`)
+  mask: Any  # the tile's visibility [bq, bk], or None when every entry is visible
+
+
+def masked_logits(cfg: Config, q, k, qb, kb, bq: int, bk: int, segs=(None, None),
+                  decay=(None, None), dense=(None, None), sel=None, log2: bool = False,
+                  fp8_scales=None) -> Tile:
+  """The tile of query block ``qb`` and key block ``kb`` (block units; ``bq`` x ``bk``).
+
+  Its logits (:func:`score_tile`), its visibility (:func:`tile_mask` with the segment ids
+  ``segs`` = (q_seg [bq, 1], k_seg [1, bk])), the decay's pruning (:func:`prune_mask`,
+  ``decay`` = (cq [bq, W], ck [W, bk])), the dense bias and mask tiles ``dense``
+  (:func:`dense_logits`) and the per-row block selections ``sel`` (:func:`select_mask`);
+  each input None when absent. ``log2`` and ``fp8_scales`` as :func:`score_tile` (the
+  forward pass's K06 flags).
+  """
+  q_start, k_start = qb * bq, kb * bk
+  s, dist = score_tile(cfg, q, k, decay[0], decay[1], log2, fp8_scales)
+  mask = tile_mask(cfg, q_start, k_start, bq, bk, *segs)
+  mask = prune_mask(cfg, mask, decay, q_start, k_start, bq, bk)
+  x, mask = dense_logits(cfg, s, mask, dense[0], dense[1], log2)
+  return Tile(s, dist, x, select_mask(mask, sel, kb, bk))
+
+
+def dq_tile(cfg: Config, tile: Tile, ds, k):
+  """A tile's share of dQ [bq, H] (``k`` [bk, H] its keys) and of d cq [bq, W] (None
+  without a decay) from the logits' cotangent ``ds`` (before the soft cap is undone)."""
+  dz = logits_grad(cfg, tile.s, tile.dist, ds)
+  dcq = term_grads(cfg, tile.s, ds, dz, -1) if cfg.decay else None  # sum_j dS_ij
+  return dot(cfg, (dz * cfg.scale).astype(k.dtype), k, (1, 0)), dcq
+
+
+def dk_tile(cfg: Config, tile: Tile, ds, q, transpose: bool):
+  """A tile's share of dK [bk, H] (``q`` [bq, H] its queries) and of d ck [W, bk], to be
+  subtracted (None without a decay), from the logits' cotangent ``ds``. ``transpose``:
+  the dot of ``dz.T`` with q (the Mosaic driver's form), else over dz's rows (Triton's)."""
+  dz = logits_grad(cfg, tile.s, tile.dist, ds)
+  dck = term_grads(cfg, tile.s, ds, dz, 0) if cfg.decay else None
+  if transpose:
+    dz = dz * cfg.scale
+    return dot(cfg, dz.T.astype(q.dtype), q, (1, 0)), dck
+  return dot(cfg, (dz * cfg.scale).astype(q.dtype), q, (0, 0)), dck
 
 
 def _hp(cfg: Config, dyn: tuple) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -716,49 +830,55 @@ def pass_inputs(cfg: Config, specs: dict[str, Any], aux: Aux, dyn) -> tuple[list
   return in_specs, args
 
 
-def split_refs(cfg: Config, refs, n_dyn: int):
-  """A kernel's refs after its own inputs, as laid out by :func:`pass_inputs`:
-  ``(q_seg, k_seg, length, dyn refs, the rest)``; the segment refs are None without ids."""
-  refs = list(refs)
-  q_seg = k_seg = None
-  if cfg.has_segments:
-    q_seg, k_seg, *refs = refs
-  return q_seg, k_seg, refs[0], refs[1:1 + n_dyn], refs[1 + n_dyn:]
+class InputRefs(NamedTuple):
+  """The refs of the inputs :func:`pass_inputs` appends to a pass (None where the call has
+  no such input)."""
+
+  q_seg: Any  # query segment ids [rows, 1]
+  k_seg: Any  # key segment ids [1, cols]
+  length: Any  # the visible counts
+  dyn: tuple  # the per-row hyperparameters
+  bias: Any  # the dense bias and mask blocks
+  mask: Any
+  cq: Any  # the decay's (or the distance's) row and column operands
+  ck: Any
+  sel: Any  # the per-row key-block lists (``cfg.row_select``)
+  q_scale: Any  # the fp8 scales (``cfg.fp8_dot``)
+  k_scale: Any
 
 
-def split_dense(cfg: Config, rest):
-  """``(bias ref, mask ref, the rest)`` from the refs after the hyperparameters (each None
-  when the call has no such array)."""
-  rest = list(rest)
-  bias = rest.pop(0) if cfg.bias_full is not None else None
-  mask = rest.pop(0) if cfg.mask_full is not None else None
-  return bias, mask, rest
+def split_inputs(cfg: Config, refs, n_dyn: int) -> tuple[InputRefs, list]:
+  """A kernel's refs after its own inputs, as laid out by :func:`pass_inputs`: ``(the
+  inputs' refs, the rest)`` (the rest: the pass's outputs, then its scratch)."""
+  refs = iter(refs)
+
+  def take(present):
+    return next(refs) if present else None
+
+  segs = cfg.has_segments
+  q_seg, k_seg, length = take(segs), take(segs), next(refs)
+  dyn = tuple(next(refs) for _ in range(n_dyn))
+  bias, mask = take(cfg.bias_full is not None), take(cfg.mask_full is not None)
+  cq, ck = take(cfg.decay), take(cfg.decay)
+  sel = take(bool(cfg.row_select))
+  q_scale, k_scale = take(cfg.fp8_dot), take(cfg.fp8_dot)
+  return InputRefs(q_seg, k_seg, length, dyn, bias, mask, cq, ck, sel, q_scale,
+                   k_scale), list(refs)
 
 
-def split_decay(cfg: Config, rest):
-  """``(cq ref, ck ref, the rest)`` from the refs after the bias and mask (None, None
-  without a decay)."""
-  rest = list(rest)
-  if not cfg.decay:
-    return None, None, rest
-  return rest[0], rest[1], rest[2:]
+def dq_outputs(cfg: Config, specs: dict[str, Any], dq_shape, rows: int):
+  """``(out_shape, out_specs)`` of a dQ pass: dQ [``dq_shape``], ``rows`` per-row
+  cotangents [B, N, T_pad, 1], then with a decay d cq (:func:`term_shapes`)."""
+  b, n = dq_shape[0], cfg.num_heads
+  out_shape = [jax.ShapeDtypeStruct(dq_shape, cfg.acc_dtype)]
+  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * rows
+  out_shape += [term_shapes(cfg, b)[0]] * int(cfg.decay)
+  return out_shape, [specs["q"]] + [specs["row"]] * rows + [specs["cq"]] * int(cfg.decay)
 
 
-def split_select(cfg: Config, rest):
-  """``(sel ref, the rest)`` from the refs after the decay (None without per-row lists)."""
-  rest = list(rest)
-  if not cfg.row_select:
-    return None, rest
-  return rest[0], rest[1:]
-
-
-def split_fp8(cfg: Config, rest):
-  """``(q scale ref, k scale ref, the rest)`` from the refs after the per-row lists (None,
-  None without ``cfg.fp8_dot``)."""
-  rest = list(rest)
-  if not cfg.fp8_dot:
-    return None, None, rest
-  return rest[0], rest[1], rest[2:]
+def row_widths(cfg: Config, rows: int) -> list[int]:
+  """The widths of a dQ pass's ``rows`` per-row cotangents and, with a decay, of d cq."""
+  return [1] * rows + [cfg.terms] * int(cfg.decay)
 
 
 def select_mask(mask, sel, kb, bk: int):

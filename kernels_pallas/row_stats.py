@@ -98,26 +98,16 @@ def _triton_stats(cfg: E.Config, q, k, aux: E.Aux):
   row_shape = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs, 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, out_refs = E.split_decay(cfg, rest)
+    ins, out_refs = E.split_inputs(cfg, refs, 0)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    qt = q_ref[...]
+    qt, rows = q_ref[...], triton._q_rows(ins)
 
     def body(j, stats):
-      sl = pl.ds(j * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :], *triton._decay_q(cq_ref, ck_ref, sl))
-      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, triton._decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
-                                                                   bk, cols=sl))
-      return stats_tile(cfg, x, mask, stats)
+      t = triton._key_block(cfg, ins, rows, qt, k_ref, qi, j, bq, bk)[2]
+      return stats_tile(cfg, t.x, t.mask, stats)
 
-    stats = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, stats_init(cfg, bq))
-    for rf, x in zip(out_refs, stats, strict=True):
-      rf[...] = x
+    triton._store(out_refs, jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
+                                              stats_init(cfg, bq)))
 
   return tuple(triton._call(cfg, kernel, "rstats", (cfg.t_pad // bq, b, n), bq, sp,
                             (aux.fwd_lo, aux.fwd_hi), [(sp["q"], q), (sp["kv"], k)], aux, (),
@@ -128,59 +118,32 @@ def _triton_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   """dQ of the statistics; with a dense bias also dS [B, N, T_pad, S_pad] (0 off the
   visible key blocks), with a decay d cq. Returns (dq, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp, size = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(stats)
+  b, n, size = q.shape[0], cfg.num_heads, len(stats)
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = triton._q_major(cfg, bq)
-  out_specs, out_shape = [sp["q"]], [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
-  if cfg.decay:
-    out_specs.append(sp["cq"])
-    out_shape.append(E.term_shapes(cfg, b)[0])
+  out_shape, out_specs = E.dq_outputs(cfg, sp, q.shape, 0)
   if has_bias:
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad), lambda qi, bi, ni: (bi, ni, qi, 0)))
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dq_ref, *outs) = E.split_decay(cfg, rest)
-    dcq_ref = outs[0] if cfg.decay else None
-    ds_ref = outs[-1] if has_bias else None
+    ins, (dq_ref, *outs) = E.split_inputs(cfg, refs[2 * size:], 0)
+    dcq_refs, ds_ref = outs[:int(cfg.decay)], (outs[-1] if has_bias else None)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    qt = q_ref[...]
+    qt, rows = q_ref[...], triton._q_rows(ins)
     st, gt = tuple(r[...] for r in st_refs), tuple(r[...] for r in g_refs)
     lo, hi = lo_ref[...], hi_ref[...]
 
     def body(j, carry):
-      dq, dcq = carry
-      sl = pl.ds(j * bk, bk)
-      kt = k_ref[sl, :]
-      s, dist = E.score_tile(cfg, qt, kt, *triton._decay_q(cq_ref, ck_ref, sl))
-      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, triton._decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(cfg, bias_ref, mask_ref, bq,
-                                                                   bk, cols=sl))
-      ds = tangent_tile(cfg, x, mask, st, gt)
-      if ds_ref is not None:
-        ds_ref[:, sl] = ds
-      dz = E.logits_grad(cfg, s, dist, ds)
-      return (dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0)),
-              dcq + E.term_grads(cfg, s, ds, dz, -1))
+      sl, kt, t = triton._key_block(cfg, ins, rows, qt, k_ref, qi, j, bq, bk)
+      ds = tangent_tile(cfg, t.x, t.mask, st, gt)
+      return triton._add_dq(cfg, t, ds, kt, ds_ref, sl, carry)
 
-    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
-      def clear(j, c):
-        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
-        return c
-
-      jax.lax.fori_loop(0, lo, clear, 0)
-      jax.lax.fori_loop(hi, nk, clear, 0)
-    dq, dcq = jax.lax.fori_loop(lo, hi, body, (jnp.zeros((bq, hp), cfg.acc_dtype),
-                                               jnp.zeros((bq, cfg.terms), cfg.acc_dtype)))
-    dq_ref[...] = dq
-    if dcq_ref is not None:
-      dcq_ref[...] = dcq
+    # the key blocks the loop skips have dS = 0
+    triton._clear_ds(cfg, ds_ref, bq, bk, [(0, lo), (hi, nk)])
+    dq, dcq = jax.lax.fori_loop(lo, hi, body, triton._dq_init(cfg, bq, 0))
+    triton._store((dq_ref, *dcq_refs), (dq, *dcq))
 
   ops = [(sp["q"], q), (sp["kv"], k)] + [(sp["row"], x) for x in (*stats, *g)]
   outs = triton._call(cfg, kernel, "rdq", (cfg.t_pad // bq, b, n), bq, sp,
@@ -195,38 +158,21 @@ def _triton_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, *dck_refs) = E.split_decay(cfg, rest)
+    ins, (dk_ref, *dck_refs) = E.split_inputs(cfg, refs[2 * size:], 0)
     ki = pl.program_id(0)
-    ks = None if ks_ref is None else ks_ref[...]
-    kt = k_ref[...]
-    dk = jnp.zeros((bk, hp), cfg.acc_dtype)
-    for gi in range(grp):  # the query heads sharing this KV head
+    ks, kt = triton._read(ins.k_seg), k_ref[...]
 
-      def body(i, carry, gi=gi):
-        dk, dck = carry
-        sl = pl.ds(i * bq, bq)
-        qt = q_ref[sl, gi, :]
-        s, dist = E.score_tile(cfg, qt, kt, *triton._decay_k(cq_ref, ck_ref, gi, sl))
-        mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
-                           None if qs_ref is None else qs_ref[sl, :], ks)
-        mask = E.prune_mask(cfg, mask, triton._decay_k(cq_ref, ck_ref, gi, sl),
-                            i * bq, ki * bk, bq, bk)
-        x, mask = E.dense_logits(cfg, s, mask, *triton._dense_tiles(
-            cfg, bias_ref, mask_ref, bq, bk, head=gi, rows=sl))
-        st = tuple(r[gi, sl, :] for r in st_refs)
-        gt = tuple(r[gi, sl, :] for r in g_refs)
-        ds = tangent_tile(cfg, x, mask, st, gt)
-        dz = E.logits_grad(cfg, s, dist, ds)
-        return (dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0)),
-                dck - E.term_grads(cfg, s, ds, dz, 0))
+    def body(gi, ck, qb, carry):
+      sl, qt, t = triton._query_block(cfg, ins, (ks, ck), q_ref, kt, gi, qb, ki, bq, bk)
+      st = tuple(r[gi, sl, :] for r in st_refs)
+      gt = tuple(r[gi, sl, :] for r in g_refs)
+      return triton._add_dkv(cfg, t, tangent_tile(cfg, t.x, t.mask, st, gt), qt, carry)
 
-      dk, dck = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body,
-                                  (dk, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
-      if dck_refs:
-        dck_refs[0][gi] = dck
-    dk_ref[...] = dk
+    def loop(gi):
+      return lo_ref[...], hi_ref[...], lambda j: j
+
+    init = (jnp.zeros((bk, hp), cfg.acc_dtype),)
+    triton._store((dk_ref,), triton._over_heads(cfg, ins, grp, bk, init, loop, body, dck_refs))
 
   out_specs, out_shape = [sp["kv"]], [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype)]
   if cfg.decay:  # d ck [B, N, W, S_pad]: minus the column sums, per query head
@@ -250,9 +196,7 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
   scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype)] * size
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs, 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    ins, rest = E.split_inputs(cfg, refs, 0)
     out_refs, sc = rest[:size], rest[size:]
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
@@ -264,19 +208,12 @@ def _tpu_stats(cfg: E.Config, q, k, aux: E.Aux):
 
     @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
-                          qi * bq, ki * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      stats = stats_tile(cfg, x, mask, tuple(ref[...] for ref in sc))
+      t = tpu._tile(cfg, ins, q_ref[...], k_ref[...], qi, ki, bq, bk)
+      stats = stats_tile(cfg, t.x, t.mask, tpu._values(sc))
       for ref, x in zip(sc, stats, strict=True):
         ref[...] = x
 
-    @pl.when(ki == nk - 1)
-    def _finish():
-      for out, ref in zip(out_refs, sc, strict=True):
-        out[...] = ref[...]
+    tpu._store_at(ki == nk - 1, out_refs, sc)
 
   return tuple(tpu._call(cfg, kernel, "rstats", (b, n, nq, nk), sp, (aux.fwd_lo, aux.fwd_hi),
                          [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))],
@@ -291,13 +228,8 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
   has_bias = cfg.bias_full is not None
   sp = tpu._q_major(cfg, bq, bk)
-  out_specs = [sp["q"]]
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
-  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
-  if cfg.decay:
-    out_specs.append(sp["cq"])
-    out_shape.append(E.term_shapes(cfg, b)[0])
-    scratch.append(pltpu.VMEM((bq, cfg.terms), cfg.acc_dtype))
+  out_shape, out_specs = E.dq_outputs(cfg, sp, (b, n, cfg.t_pad, hp), 0)
+  scratch = [pltpu.VMEM((bq, w), cfg.acc_dtype) for w in [hp] + E.row_widths(cfg, 0)]
   if has_bias:
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
@@ -305,50 +237,24 @@ def _tpu_dq(cfg: E.Config, q, k, stats, g, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    ins, rest = E.split_inputs(cfg, refs[2 * size:], 0)
     n_out = 1 + int(cfg.decay) + int(has_bias)
-    dq_ref, dcq_ref = rest[0], (rest[1] if cfg.decay else None)
-    ds_ref = rest[n_out - 1] if has_bias else None
-    dq_sc, dcq_sc = rest[n_out], (rest[n_out + 1] if cfg.decay else None)
+    out_refs, ds_ref = rest[:1 + int(cfg.decay)], (rest[n_out - 1] if has_bias else None)
+    dq_sc, *dcq_sc = rest[n_out:]
     bi, qi, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3)
     r = bi * nq + qi
     visible = jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r])
-
-    @pl.when(ki == 0)
-    def _init():
-      dq_sc[...] = jnp.zeros_like(dq_sc)
-      if dcq_sc is not None:
-        dcq_sc[...] = jnp.zeros_like(dcq_sc)
+    tpu._zero_at(ki == 0, dq_sc, *dcq_sc)
 
     @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s, dist = E.score_tile(cfg, q_ref[...], kt, tpu._read(cq_ref), tpu._read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
-                          qi * bq, ki * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
-                        tuple(y[...] for y in g_refs))
-      if ds_ref is not None:
-        ds_ref[...] = ds
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if dcq_sc is not None:
-        dcq_sc[...] += E.term_grads(cfg, s, ds, dz, -1)
-      dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
+      t = tpu._tile(cfg, ins, q_ref[...], kt, qi, ki, bq, bk)
+      ds = tangent_tile(cfg, t.x, t.mask, tpu._values(st_refs), tpu._values(g_refs))
+      tpu._add_dq(cfg, t, ds, kt, ds_ref, dq_sc, dcq_sc)
 
-    if ds_ref is not None:
-      @pl.when(jnp.logical_not(visible))
-      def _skipped():
-        ds_ref[...] = jnp.zeros_like(ds_ref)
-
-    @pl.when(ki == nk - 1)
-    def _finish():
-      dq_ref[...] = dq_sc[...]
-      if dcq_sc is not None:
-        dcq_ref[...] = dcq_sc[...]
+    tpu._clear_off(ds_ref, jnp.logical_not(visible))
+    tpu._store_at(ki == nk - 1, out_refs, (dq_sc, *dcq_sc))
 
   ops = [(sp["q"], tpu._heads_first(q)), (sp["kv"], tpu._heads_first(k))]
   ops += [(sp["row"], x) for x in (*stats, *g)]
@@ -371,41 +277,20 @@ def _tpu_dk(cfg: E.Config, q, k, stats, g, aux: E.Aux):
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
     st_refs, g_refs = refs[:size], refs[size:2 * size]
-    qs_ref, ks_ref, _, _, rest = E.split_refs(cfg, refs[2 * size:], 0)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, *rest) = E.split_decay(cfg, rest)
+    ins, (dk_ref, *rest) = E.split_inputs(cfg, refs[2 * size:], 0)
     dck_ref, dk_sc = (rest[0] if cfg.decay else None), rest[-1]
     bi, ki, gi, qi = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nk + ki
-
-    @pl.when(jnp.logical_and(gi == 0, qi == 0))
-    def _init():
-      dk_sc[...] = jnp.zeros_like(dk_sc)
-
-    if dck_ref is not None:  # one block per (query head, key block), over consecutive steps
-      @pl.when(qi == 0)
-      def _init_dck():
-        dck_ref[...] = jnp.zeros_like(dck_ref)
+    tpu._dkv_init(gi, qi, (dk_sc,), dck_ref)
 
     @pl.when(jnp.logical_and(qi >= lo_ref[r], qi < hi_ref[r]))
     def _compute():
       qt = q_ref[...]
-      s, dist = E.score_tile(cfg, qt, k_ref[...], tpu._read(cq_ref), tpu._read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, tpu._read(qs_ref), tpu._read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (tpu._read(cq_ref), tpu._read(ck_ref)),
-                          qi * bq, ki * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *tpu._dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      ds = tangent_tile(cfg, x, mask, tuple(y[...] for y in st_refs),
-                        tuple(y[...] for y in g_refs))
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if dck_ref is not None:
-        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
-      dz = dz * cfg.scale
-      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
+      t = tpu._tile(cfg, ins, qt, k_ref[...], qi, ki, bq, bk)
+      ds = tangent_tile(cfg, t.x, t.mask, tpu._values(st_refs), tpu._values(g_refs))
+      tpu._add_dkv(cfg, t, ds, qt, dk_sc, dck_ref)
 
-    @pl.when(jnp.logical_and(gi == grp - 1, qi == nq - 1))
-    def _finish():
-      dk_ref[...] = dk_sc[...]
+    tpu._store_at(jnp.logical_and(gi == grp - 1, qi == nq - 1), (dk_ref,), (dk_sc,))
 
   out_specs = [sp["kv"]]
   out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype)]
@@ -445,10 +330,8 @@ def _stats_bwd(cfg, res, g):
   aux_b = core._with_bias(aux, bias, decay)
   dq, ds, dcq = dq_pass(cfg, q, k, stats, g, aux_b)
   dk, dck = dk_pass(cfg, q, k, stats, g, aux_b)
-  aux_ct = jax.tree_util.tree_map(lambda x: None, aux)
-  dbias = None if bias is None else core.sum_to_shape(ds, bias.shape).astype(bias.dtype)
-  ddecay = None if decay is None else (dcq.astype(decay[0].dtype), dck.astype(decay[1].dtype))
-  return dq.astype(q.dtype), dk.astype(k.dtype), aux_ct, dbias, ddecay
+  return (dq.astype(q.dtype), dk.astype(k.dtype),
+          *core.input_cotangents(aux, bias, decay, ds, dcq, dck))
 
 
 row_stats_core.defvjp(_stats_fwd, _stats_bwd)

@@ -90,15 +90,84 @@ def _call(cfg: E.Config, kernel, name: str, grid, sp, bounds, operands, aux, dyn
   )(*(x.reshape(-1) for x in bounds), *(o[1] for o in operands), *extra)
 
 
-def _backward_operands(sp, q, k, v, do, m, d, delta):
+def _backward_operands(sp, q, k, v, do, *rows):
+  """The operands of a backward pass: q, k, v, dO, then its per-row arrays [B, N, T_pad, 1]."""
   return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v)),
-          (sp["o"], _heads_first(do)), (sp["row"], m), (sp["row"], d), (sp["row"], delta)]
+          (sp["o"], _heads_first(do))] + [(sp["row"], x) for x in rows]
 
 
-def _dense_tiles(cfg: E.Config, bias_ref, mask_ref, bq: int, bk: int):
-  """The bias and mask tiles of this grid step (each None when absent)."""
-  return (E.dense_tile(cfg.bias_full, bias_ref, bq, bk),
-          E.dense_tile(cfg.mask_full, mask_ref, bq, bk))
+def _tile(cfg: E.Config, ins: E.InputRefs, q, k, qb, kb, bq: int, bk: int,
+          log2: bool = False) -> E.Tile:
+  """The grid step's tile (:func:`engine.masked_logits`): query block ``qb`` (``q`` [bq,
+  H]) against key block ``kb`` (``k`` [bk, H]), the other inputs read from ``ins``;
+  ``log2`` and the fp8 scales for the forward's K06 flags."""
+  fp8_scales = None if ins.q_scale is None else (ins.q_scale[...], ins.k_scale[...])
+  dense = (E.dense_tile(cfg.bias_full, ins.bias, bq, bk),
+           E.dense_tile(cfg.mask_full, ins.mask, bq, bk))
+  return E.masked_logits(cfg, q, k, qb, kb, bq, bk, (_read(ins.q_seg), _read(ins.k_seg)),
+                         (_read(ins.cq), _read(ins.ck)), dense, _read(ins.sel), log2=log2,
+                         fp8_scales=fp8_scales)
+
+
+def _values(refs):
+  return tuple(rf[...] for rf in refs)
+
+
+def _zero_at(cond, *refs):
+  """Zeroes ``refs`` at the grid steps where ``cond`` holds (a pass's first step)."""
+  @pl.when(cond)
+  def _zero():
+    for rf in refs:
+      rf[...] = jnp.zeros_like(rf)
+
+
+def _store_at(cond, outs, scratch):
+  """Copies the accumulators ``scratch`` into ``outs`` where ``cond`` holds (the last
+  step)."""
+  @pl.when(cond)
+  def _store():
+    for rf, sc in zip(outs, scratch, strict=True):
+      rf[...] = sc[...]
+
+
+def _add_dq(cfg: E.Config, t: E.Tile, ds, k, ds_ref, dq_sc, row_sc, rows=()):
+  """Adds a tile's dQ share (``k`` its keys) and per-row cotangents ``rows`` (then d cq,
+  with a decay) into the scratch ``dq_sc`` and ``row_sc``; with a dense bias writes its dS
+  tile into ``ds_ref``."""
+  if ds_ref is not None:
+    ds_ref[...] = ds
+  dq, dcq = E.dq_tile(cfg, t, ds, k)
+  dq_sc[...] += dq
+  for sc, y in zip(row_sc, (*rows, dcq) if cfg.decay else rows, strict=True):
+    sc[...] += y
+
+
+def _add_dkv(cfg: E.Config, t: E.Tile, ds, q, dk_sc, dck_ref, w=None, do=None, dv_sc=None):
+  """Adds a tile's dK share (``q`` its queries) into ``dk_sc``, its dV share (weights
+  ``w``, ``do`` the output cotangent) into ``dv_sc`` (when not None) and, with a decay,
+  subtracts its d ck share from the block ``dck_ref``."""
+  dk, dck = E.dk_tile(cfg, t, ds, q, transpose=True)
+  if dck_ref is not None:
+    dck_ref[...] -= dck
+  if dv_sc is not None:
+    dv_sc[...] += E.dot(cfg, w.T.astype(do.dtype), do, (1, 0))
+  dk_sc[...] += dk
+
+
+def _dkv_init(gi, i, scratch, dck_ref):
+  """The first steps of a dK/dV-style pass (grid step ``i`` of query head ``gi`` of the
+  group): the accumulators ``scratch`` zeroed at the group's first, and with a decay the
+  head's own d ck block (revisited over its consecutive steps) at each head's first."""
+  _zero_at(jnp.logical_and(gi == 0, i == 0), *scratch)
+  if dck_ref is not None:
+    _zero_at(i == 0, dck_ref)
+
+
+def _clear_off(ds_ref, off):
+  """Zeroes the dS tile (``ds_ref``; None without a dense bias) of the steps where ``off``
+  holds: every step writes its own tile, the ones the pass computes none for too."""
+  if ds_ref is not None:
+    _zero_at(off, ds_ref)
 
 
 def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
@@ -113,11 +182,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
              pltpu.VMEM((bq, hv), cfg.acc_dtype)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, rest = E.split_select(cfg, rest)
-    sq_ref, sk_ref, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_fp8(cfg, rest)
+    ins, (o_ref, m_ref, d_ref, m_sc, l_sc, acc_sc) = E.split_inputs(cfg, refs, len(dyn))
     bi, ni, qi, ki = (pl.program_id(a) for a in range(4))
     kb, active = _q_step(cfg, lo_ref, hi_ref, bi, ni, qi, ki, nq)
 
@@ -129,22 +194,15 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
     def _compute():
       # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural)
       # K06 fp8: q and k float8, the dot times their scales
-      fp8_scales = None if sq_ref is None else (sq_ref[...], sk_ref[...])
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref),
-                        log2=cfg.exp2, fp8_scales=fp8_scales)
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk),
-                               log2=cfg.exp2)
-      mask = E.select_mask(mask, _read(sel_ref), kb, bk)
-      state = E.forward_tile(cfg, x, mask, (m_sc[...], l_sc[...], acc_sc[...]), v_ref[...],
-                             len_ref[...], tuple(rf[...] for rf in dyn_refs))
+      t = _tile(cfg, ins, q_ref[...], k_ref[...], qi, kb, bq, bk, log2=cfg.exp2)
+      state = E.forward_tile(cfg, t.x, t.mask, (m_sc[...], l_sc[...], acc_sc[...]),
+                             v_ref[...], ins.length[...], _values(ins.dyn))
       m_sc[...], l_sc[...], acc_sc[...] = state
 
     @pl.when(ki == grid[3] - 1)
     def _finish():
-      o, m, d = E.finalize(cfg, (m_sc[...], l_sc[...], acc_sc[...]), len_ref[...],
-                           tuple(rf[...] for rf in dyn_refs))
+      o, m, d = E.finalize(cfg, (m_sc[...], l_sc[...], acc_sc[...]), ins.length[...],
+                           _values(ins.dyn))
       o_ref[...] = o.astype(o_ref.dtype)
       m_ref[...] = m
       d_ref[...] = d
@@ -168,65 +226,34 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major(cfg, bq, bk)
   grid, bounds = _q_grid(cfg, aux, b, n, nq, nk, aux.dq_lo, aux.dq_hi)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
-  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
-  out_specs = [sp["q"]] + [sp["row"]] * n_dyn + [sp["cq"]] * int(cfg.decay)
+  out_shape, out_specs = E.dq_outputs(cfg, sp, (b, n, cfg.t_pad, hp), n_dyn)
   if has_bias:  # every grid step writes its own dS tile (not clamped like the inputs; with
     # a block table into slot ki, the ki-th listed block's, scattered afterwards)
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, grid[3] * bk), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ki, lo, hi: (bi, ni, qi, ki)))
-  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype)]
-  scratch += [pltpu.VMEM((bq, w), cfg.acc_dtype)
-              for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)]
+  scratch = [pltpu.VMEM((bq, w), cfg.acc_dtype) for w in [hp] + E.row_widths(cfg, n_dyn)]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, rest = E.split_select(cfg, rest)
-    n_out = 1 + n_rows + int(has_bias)
+    ins, rest = E.split_inputs(cfg, refs, n_dyn)
     dq_ref, ddyn_refs = rest[0], rest[1:1 + n_rows]
     ds_ref = rest[1 + n_rows] if has_bias else None
-    dq_sc, ddyn_sc = rest[n_out], rest[n_out + 1:]
+    dq_sc, *ddyn_sc = rest[1 + n_rows + int(has_bias):]
     bi, ni, qi, ki = (pl.program_id(a) for a in range(4))
     kb, visible = _q_step(cfg, lo_ref, hi_ref, bi, ni, qi, ki, nq)
-
-    @pl.when(ki == 0)
-    def _init():
-      for sc in (dq_sc, *ddyn_sc):
-        sc[...] = jnp.zeros_like(sc)
+    _zero_at(ki == 0, dq_sc, *ddyn_sc)
 
     @pl.when(visible)
     def _compute():
       kt = k_ref[...]
-      s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      mask = E.select_mask(mask, _read(sel_ref), kb, bk)
+      t = _tile(cfg, ins, q_ref[...], kt, qi, kb, bq, bk)
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
-      _, ds, ddyn = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
-                                    len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      if ds_ref is not None:
-        ds_ref[...] = ds
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        ddyn = (*ddyn, E.term_grads(cfg, s, ds, dz, -1))
-      dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
-      for sc, y in zip(ddyn_sc, ddyn, strict=True):
-        sc[...] += y
+      _, ds, ddyn = E.backward_tile(cfg, t.x, t.mask, m_ref[...], d_ref[...], delta_ref[...],
+                                    dp, ins.length[...], _values(ins.dyn))
+      _add_dq(cfg, t, ds, kt, ds_ref, dq_sc, ddyn_sc, ddyn)
 
-    if ds_ref is not None:
-      @pl.when(jnp.logical_not(visible))
-      def _skipped():
-        ds_ref[...] = jnp.zeros_like(ds_ref)
-
-    @pl.when(ki == grid[3] - 1)
-    def _finish():
-      for rf, sc in zip((dq_ref, *ddyn_refs), (dq_sc, *ddyn_sc), strict=True):
-        rf[...] = sc[...]
+    _clear_off(ds_ref, jnp.logical_not(visible))
+    _store_at(ki == grid[3] - 1, (dq_ref, *ddyn_refs), (dq_sc, *ddyn_sc))
 
   outs = _call(cfg, kernel, "dq", grid, sp, bounds,
                _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
@@ -239,18 +266,39 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+  """dK, dV (and with a decay d ck) over the visible query blocks of each key block, or
+  with a block table its listed ones."""
+  if cfg.key_table:
+    bounds, table = (aux.dkv_idx, aux.dkv_cnt), True
+  else:
+    bounds, table = (aux.dkv_lo, aux.dkv_hi), False
+
+  def grads(t, dp, rows, length, dyn_v):
+    mt, dt, delt = rows
+    return E.backward_tile(cfg, t.x, t.mask, mt, dt, delt, dp, length, dyn_v)[:2]
+
+  return _dkv_pass(cfg, "dkv", (cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv), q, k, v, do,
+                   (m, d, delta), dyn, aux, bounds, table, grads)
+
+
+def _dkv_pass(cfg: E.Config, name: str, blocks, q, k, v, do, rows, dyn, aux: E.Aux, bounds,
+              table: bool, grads):
+  """A dK/dV pass: grid (batch, KV head, key block, query head of the group, step), the
+  step over the query blocks ``[lo, hi)`` of the key block (``bounds`` = (lo [B, nk], hi)),
+  or with ``table`` over its compacted list (``bounds`` = (idx [B, N, nk, width], cnt
+  [B, N, nk, 1])). ``grads(tile, dP, rows, length, dyn)`` gives the tile's ``(weights,
+  dS)`` from ``rows``, the values of the per-row arrays [B, N, T_pad, 1] (residuals) the
+  pass reads. Returns (dk, dv, dck or None)."""
+  bq, bk = blocks
   b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
   nq, nk, n = cfg.t_pad // bq, cfg.s_pad // bk, cfg.num_heads
-  # grid step i: query block i in the visible range, or (block table) the i-th query block
+  # grid step i: query block i in the visible range, or (table) the i-th query block
   # listed for this (head, key block)
-  width = aux.dkv_idx.shape[-1] if cfg.key_table else nq
-  bounds = (aux.dkv_idx, aux.dkv_cnt) if cfg.key_table else (aux.dkv_lo, aux.dkv_hi)
-  grid = (b, kvh, nk, g, width)
+  width = bounds[0].shape[-1] if table else nq
 
   def step(bi, h, ki, gi, i, a, c):
     """(the query block of step i, whether it is computed)."""
-    if cfg.key_table:
+    if table:
       r = (bi * n + h * g + gi) * nk + ki
       return _live(i, lambda: c[r], lambda j: a[r * width + j])
     r = bi * nk + ki
@@ -268,52 +316,28 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])  # over the consecutive query-block steps
 
-  def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, (dk_ref, dv_ref, *rest) = E.split_select(cfg, rest)
+  def kernel(a_ref, c_ref, q_ref, k_ref, v_ref, do_ref, *refs):
+    row_refs = refs[:len(rows)]
+    ins, (dk_ref, dv_ref, *rest) = E.split_inputs(cfg, refs[len(rows):], len(dyn))
     dck_ref = rest[0] if cfg.decay else None
     dk_sc, dv_sc = rest[-2:]
     bi, h, ki, gi, i = (pl.program_id(a) for a in range(5))
-    qb, active = step(bi, h, ki, gi, i, lo_ref, hi_ref)
-
-    @pl.when(jnp.logical_and(gi == 0, i == 0))
-    def _init():
-      dk_sc[...] = jnp.zeros_like(dk_sc)
-      dv_sc[...] = jnp.zeros_like(dv_sc)
-
-    if dck_ref is not None:
-      @pl.when(i == 0)
-      def _init_dck():
-        dck_ref[...] = jnp.zeros_like(dck_ref)
+    qb, active = step(bi, h, ki, gi, i, a_ref, c_ref)
+    _dkv_init(gi, i, (dk_sc, dv_sc), dck_ref)
 
     @pl.when(active)
     def _compute():
-      qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qb * bq, ki * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      mask = E.select_mask(mask, _read(sel_ref), ki, bk)
-      dp = E.dot(cfg, dot_, vt, (1, 1))
-      w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[...], d_ref[...], delta_ref[...], dp,
-                                 len_ref[...], tuple(rf[...] for rf in dyn_refs))
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if dck_ref is not None:
-        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
-      dz = dz * cfg.scale
-      dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
-      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
+      qt, dot_ = q_ref[...], do_ref[...]
+      t = _tile(cfg, ins, qt, k_ref[...], qb, ki, bq, bk)
+      dp = E.dot(cfg, dot_, v_ref[...], (1, 1))
+      w, ds = grads(t, dp, _values(row_refs), ins.length[...], _values(ins.dyn))
+      _add_dkv(cfg, t, ds, qt, dk_sc, dck_ref, w, dot_, dv_sc)
 
-    @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
-    def _finish():
-      dk_ref[...] = dk_sc[...]
-      dv_ref[...] = dv_sc[...]
+    _store_at(jnp.logical_and(gi == g - 1, i == width - 1), (dk_ref, dv_ref), (dk_sc, dv_sc))
 
-  outs = _call(cfg, kernel, "dkv", grid, sp, bounds,
-               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs,
-               out_shape, scratch)
+  outs = _call(cfg, kernel, name, (b, kvh, nk, g, width), sp, bounds,
+               _backward_operands(sp, q, k, v, do, *rows), aux, dyn, out_specs, out_shape,
+               scratch)
   return _heads_first(outs[0]), _heads_first(outs[1]), (outs[2] if cfg.decay else None)
 
 
@@ -356,13 +380,11 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
   last = passes + int(indicator)
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    ins, rest = E.split_inputs(cfg, refs, n_dyn)
     m_out, tau_out, flag_out, res_out, m_sc, lo_sc, hi_sc, tg_sc, flag_sc, *tot_sc = rest
     bi, qi, p, ki = pl.program_id(0), pl.program_id(2), pl.program_id(3), pl.program_id(4)
     r = bi * nq + qi
-    length, dyn_v = len_ref[...], tuple(rf[...] for rf in dyn_refs)
+    length, dyn_v = ins.length[...], _values(ins.dyn)
 
     @pl.when(jnp.logical_and(p == 0, ki == 0))
     def _init():
@@ -380,10 +402,7 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
 
     @pl.when(jnp.logical_and(ki >= lo_ref[r], ki < hi_ref[r]))
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, ki * bk, bq, bk)
-      s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      _, _, s, mask = _tile(cfg, ins, q_ref[...], k_ref[...], qi, ki, bq, bk)
 
       @pl.when(p == 0)
       def _max():
@@ -458,26 +477,17 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
   scratch = [pltpu.VMEM((bq, 1), cfg.acc_dtype), pltpu.VMEM((bq, hv), cfg.acc_dtype)]
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (o_ref, d_ref, l_sc, acc_sc) = E.split_decay(cfg, rest)
+    ins, (o_ref, d_ref, l_sc, acc_sc) = E.split_inputs(cfg, refs, n_dyn)
     bi, ni, qi, i = (pl.program_id(a) for a in range(4))
     r = (bi * n + ni) * nq + qi
     kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
-
-    @pl.when(i == 0)
-    def _init():
-      l_sc[...] = jnp.zeros_like(l_sc)
-      acc_sc[...] = jnp.zeros_like(acc_sc)
+    _zero_at(i == 0, l_sc, acc_sc)
 
     @pl.when(live)
     def _compute():
-      s = E.tile_logits(cfg, q_ref[...], k_ref[...], _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
-      s, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      w = E.t_weight_tile(cfg, s, mask, tau_ref[...], m_ref[...], len_ref[...],
-                          tuple(rf[...] for rf in dyn_refs))
+      t = _tile(cfg, ins, q_ref[...], k_ref[...], qi, kb, bq, bk)
+      w = E.t_weight_tile(cfg, t.x, t.mask, tau_ref[...], m_ref[...], ins.length[...],
+                          _values(ins.dyn))
       vt = v_ref[...]
       l_sc[...] += jnp.sum(w, axis=-1, keepdims=True)
       acc_sc[...] += E.dot(cfg, w.astype(vt.dtype), vt, (1, 0))
@@ -495,12 +505,6 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
   return _heads_first(o), d
 
 
-def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
-  return [(sp["q"], _heads_first(q)), (sp["kv"], _heads_first(k)), (sp["v"], _heads_first(v)),
-          (sp["o"], _heads_first(do)), (sp["row"], m), (sp["row"], tau), (sp["row"], d),
-          (sp["row"], delta)]
-
-
 def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
                           aux: E.Aux):
   """dQ over the live key blocks, in two phases of the grid: phase 0 sums ``coef``'s
@@ -516,83 +520,57 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
   has_bias = cfg.bias_full is not None
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major_live(cfg, idx.shape)
-  row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct((b, n, cfg.t_pad, hp), cfg.acc_dtype), row]
-  out_shape += [row] * n_dyn + [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
-  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_dyn) + [sp["cq"]] * int(cfg.decay)
+  out_shape, out_specs = E.dq_outputs(cfg, sp, (b, n, cfg.t_pad, hp), 1 + n_dyn)  # coef first
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, width * bk), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, bk),
                                   lambda bi, ni, qi, ph, i, idx, cnt: (bi, ni, qi, i * ph)))
   rsc = pltpu.VMEM((bq, 1), cfg.acc_dtype)
-  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc] + [rsc] * n_dyn
-  scratch += [pltpu.VMEM((bq, cfg.terms), cfg.acc_dtype)] * int(cfg.decay)
+  scratch = [pltpu.VMEM((bq, hp), cfg.acc_dtype), rsc, rsc, rsc]
+  scratch += [pltpu.VMEM((bq, w), cfg.acc_dtype) for w in E.row_widths(cfg, n_dyn)]
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
+    ins, rest = E.split_inputs(cfg, refs, n_dyn)
     dq_ref, coef_ref, ddyn_refs = rest[0], rest[1], rest[2:2 + n_rows]
     ds_ref = rest[2 + n_rows] if has_bias else None
     dq_sc, g_sc, mt_sc, coef_sc, *ddyn_sc = rest[2 + n_rows + int(has_bias):]
     bi, ni, qi, ph, i = (pl.program_id(a) for a in range(5))
     r = (bi * n + ni) * nq + qi
     kb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
-    length, dyn_v = len_ref[...], tuple(rf[...] for rf in dyn_refs)
-
-    @pl.when(jnp.logical_and(ph == 0, i == 0))
-    def _init():
-      for sc in (dq_sc, g_sc, mt_sc, *ddyn_sc):
-        sc[...] = jnp.zeros_like(sc)
+    length, dyn_v = ins.length[...], _values(ins.dyn)
+    _zero_at(jnp.logical_and(ph == 0, i == 0), dq_sc, g_sc, mt_sc, *ddyn_sc)
 
     @pl.when(live)
     def _compute():
       kt = k_ref[...]
-      s, dist = E.score_tile(cfg, q_ref[...], kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
+      t = _tile(cfg, ins, q_ref[...], kt, qi, kb, bq, bk)
       dp = E.dot(cfg, do_ref[...], v_ref[...], (1, 1))
 
       @pl.when(ph == 0)
       def _coef_parts():
-        gt, mt = E.t_coef_tile(cfg, x, mask, tau_ref[...], m_ref[...], delta_ref[...], dp,
+        gt, mt = E.t_coef_tile(cfg, t.x, t.mask, tau_ref[...], m_ref[...], delta_ref[...], dp,
                                length, dyn_v)
         g_sc[...] += gt
         mt_sc[...] += mt
 
       @pl.when(ph == 1)
       def _grads():
-        _, ds, dd = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
+        _, ds, dd = E.t_backward_tile(cfg, t.x, t.mask, tau_ref[...], m_ref[...], d_ref[...],
                                       delta_ref[...], coef_sc[...], dp, length, dyn_v)
-        if ds_ref is not None:
-          ds_ref[...] = ds
-        dz = E.logits_grad(cfg, s, dist, ds)
-        if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-          dd = (*dd, E.term_grads(cfg, s, ds, dz, -1))
-        dq_sc[...] += E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
-        for sc, y in zip(ddyn_sc, dd, strict=True):
-          sc[...] += y
+        _add_dq(cfg, t, ds, kt, ds_ref, dq_sc, ddyn_sc, dd)
 
-    if ds_ref is not None:
-      @pl.when(jnp.logical_and(ph == 1, jnp.logical_not(live)))
-      def _past_count():
-        ds_ref[...] = jnp.zeros_like(ds_ref)
+    _clear_off(ds_ref, jnp.logical_and(ph == 1, jnp.logical_not(live)))
 
     @pl.when(jnp.logical_and(ph == 0, i == width - 1))
     def _coef():
       coef_sc[...] = E.t_coef(g_sc[...], mt_sc[...], d_ref[...])
 
-    @pl.when(jnp.logical_and(ph == 1, i == width - 1))
-    def _finish():
-      dq_ref[...] = dq_sc[...]
-      coef_ref[...] = coef_sc[...]
-      for rf, sc in zip(ddyn_refs, ddyn_sc, strict=True):
-        rf[...] = sc[...]
+    _store_at(jnp.logical_and(ph == 1, i == width - 1), (dq_ref, coef_ref, *ddyn_refs),
+              (dq_sc, coef_sc, *ddyn_sc))
 
   outs = _call(cfg, kernel, "tdq", (b, n, nq, 2, width), sp, (idx, cnt),
-               _threshold_operands(sp, q, k, v, do, m, tau, d, delta), aux, dyn,
+               _backward_operands(sp, q, k, v, do, m, tau, d, delta), aux, dyn,
                out_specs, out_shape, scratch)
   ds = _scatter_live(cfg, outs[-1], idx) if has_bias else None
   return (_heads_first(outs[0]), outs[1], tuple(outs[2:2 + n_dyn]), ds,
@@ -616,70 +594,10 @@ def _scatter_live(cfg: E.Config, compact, idx):
 def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
                            dyn, aux: E.Aux):
   """dK, dV over, per key block and query head, the query blocks for which it is live."""
-  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, kvh, n, g = q.shape[0], cfg.num_kv_heads, cfg.num_heads, cfg.groups
-  hp, hv = cfg.head_dim_pad, cfg.hv_pad
-  nk, width = idx_t.shape[2], idx_t.shape[3]
 
-  def index(bi, h, ki, gi, i, idx, cnt):
-    r = (bi * n + h * g + gi) * nk + ki
-    qb, _ = _live(i, lambda: cnt[r], lambda j: idx[r * width + j])
-    return bi, h * g + gi, h, qb, ki
+  def grads(t, dp, rows, length, dyn_v):
+    mt, taut, dt, delt, ct = rows
+    return E.t_backward_tile(cfg, t.x, t.mask, taut, mt, dt, delt, ct, dp, length, dyn_v)[:2]
 
-  sp = E.block_specs(cfg, index, bq, bk, heads_first=True)
-  out_shape = [jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hp), cfg.acc_dtype),
-               jax.ShapeDtypeStruct((b, kvh, cfg.s_pad, hv), cfg.acc_dtype)]
-  scratch = [pltpu.VMEM((bk, hp), cfg.acc_dtype), pltpu.VMEM((bk, hv), cfg.acc_dtype)]
-  out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, W, S_pad]: one block per (query head, key block), revisited
-    out_shape.append(E.term_shapes(cfg, b)[1])
-    out_specs.append(sp["ck"])  # over the consecutive steps of that head
-
-  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
-             coef_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, dv_ref, *rest) = E.split_decay(cfg, rest)
-    dck_ref = rest[0] if cfg.decay else None
-    dk_sc, dv_sc = rest[-2:]
-    bi, h, ki, gi, i = (pl.program_id(a) for a in range(5))
-    r = (bi * n + h * g + gi) * nk + ki
-    qb, live = _live(i, lambda: cnt_ref[r], lambda j: idx_ref[r * width + j])
-
-    @pl.when(jnp.logical_and(gi == 0, i == 0))
-    def _init():
-      dk_sc[...] = jnp.zeros_like(dk_sc)
-      dv_sc[...] = jnp.zeros_like(dv_sc)
-
-    if dck_ref is not None:
-      @pl.when(i == 0)
-      def _init_dck():
-        dck_ref[...] = jnp.zeros_like(dck_ref)
-
-    @pl.when(live)
-    def _compute():
-      qt, kt, vt, dot_ = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-      s, dist = E.score_tile(cfg, qt, kt, _read(cq_ref), _read(ck_ref))
-      mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk, _read(qs_ref), _read(ks_ref))
-      mask = E.prune_mask(cfg, mask, (_read(cq_ref), _read(ck_ref)), qb * bq, ki * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk))
-      dp = E.dot(cfg, dot_, vt, (1, 1))
-      w, ds, _ = E.t_backward_tile(cfg, x, mask, tau_ref[...], m_ref[...], d_ref[...],
-                                   delta_ref[...], coef_ref[...], dp, len_ref[...],
-                                   tuple(rf[...] for rf in dyn_refs))
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if dck_ref is not None:
-        dck_ref[...] -= E.term_grads(cfg, s, ds, dz, 0)
-      dz = dz * cfg.scale
-      dv_sc[...] += E.dot(cfg, w.T.astype(dot_.dtype), dot_, (1, 0))
-      dk_sc[...] += E.dot(cfg, dz.T.astype(qt.dtype), qt, (1, 0))
-
-    @pl.when(jnp.logical_and(gi == g - 1, i == width - 1))
-    def _finish():
-      dk_ref[...] = dk_sc[...]
-      dv_ref[...] = dv_sc[...]
-
-  ops = _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
-  outs = _call(cfg, kernel, "tdkv", (b, kvh, nk, g, width), sp, (idx_t, cnt_t), ops, aux, dyn,
-               out_specs, out_shape, scratch)
-  return _heads_first(outs[0]), _heads_first(outs[1]), (outs[2] if cfg.decay else None)
+  return _dkv_pass(cfg, "tdkv", (cfg.blocks.block_q, cfg.blocks.block_k), q, k, v, do,
+                   (m, tau, d, delta, coef), dyn, aux, (idx_t, cnt_t), True, grads)

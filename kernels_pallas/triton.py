@@ -30,53 +30,29 @@ def _q_major(cfg: E.Config, bq: int):
   return E.block_specs(cfg, lambda qi, bi, ni: (bi, ni, E.div(ni, g), qi, 0), bq, cfg.s_pad)
 
 
-def _backward_operands(sp, q, k, v, do, m, d, delta):
-  return [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["o"], do), (sp["row"], m),
-          (sp["row"], d), (sp["row"], delta)]
+def _backward_operands(sp, q, k, v, do, *rows):
+  """The operands of a backward pass: q, k, v, dO, then its per-row arrays [B, N, T_pad, 1]."""
+  return [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["o"], do)] + [(sp["row"], x)
+                                                                      for x in rows]
 
 
 def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operands, aux, dyn,
-          out_specs, out_shape):
+          out_specs, out_shape, table: bool | None = None, group: bool = False):
   """pallas_call of one pass: the loop bounds [lo, hi) of each (batch, block), the pass's
-  own ``(spec, array)`` operands, then :func:`engine.pass_inputs`. With a block table
-  (``cfg.key_table``) ``bounds`` is ``(idx, cnt)`` of the loop instead: the compacted
-  block list of each (batch, head, block) and its count, [B, N, blocks, width] and
-  [B, N, blocks, 1]; a dK/dV pass (``q_heads``) reads the lists of its G query heads."""
-  if cfg.key_table:
-    width, dkv = bounds[0].shape[-1], name == "dkv"
-    g = cfg.groups if dkv else None
+  own ``(spec, array)`` operands, then :func:`engine.pass_inputs`. With ``table``
+  (default: a block table, ``cfg.key_table``) ``bounds`` is ``(idx, cnt)`` of the loop
+  instead: the compacted block list of each (batch, head, block) and its count, [B, N,
+  blocks, width] and [B, N, blocks, 1]; a dK/dV pass (``group``) reads the lists of its G
+  query heads. ``rows``: the rows of the pass's tiles (the default warp count)."""
+  if cfg.key_table if table is None else table:
+    width, g = bounds[0].shape[-1], (cfg.groups if group else None)
     at = (lambda i, bi, h: (bi, h, i, 0))
     lead = [(pl.BlockSpec((None, g, None, width), at), bounds[0]),
             (pl.BlockSpec((None, g, None, 1), at), bounds[1])]
   else:
     bound = pl.BlockSpec((None, None), lambda i, bi, h: (bi, i))
     lead = [(bound, x) for x in bounds]
-  return _call_with(cfg, kernel, name, grid, rows, sp, lead + operands, aux, dyn, out_specs,
-                    out_shape)
-
-
-def _key_loop(cfg: E.Config, a_ref, b_ref, head=None):
-  """``(start, stop, block)`` of a pass's block loop: the range [lo, hi) (``a_ref``,
-  ``b_ref``; ``block(j) = j``), or with a block table the first ``cnt`` entries of the
-  compacted list (``block(j) = idx[j]``; ``head`` picks the query head of a dK/dV pass)."""
-  if not cfg.key_table:
-    return a_ref[...], b_ref[...], lambda j: j
-  if head is None:
-    return 0, b_ref[0], lambda j: a_ref[j]
-  return 0, b_ref[head, 0], lambda j: a_ref[head, j]
-
-
-def _bounds(cfg: E.Config, aux: E.Aux, lo, hi, dkv: bool = False):
-  """The leading loop operands of a pass: its [lo, hi) ranges, or the block table."""
-  if not cfg.key_table:
-    return lo, hi
-  return (aux.dkv_idx, aux.dkv_cnt) if dkv else (aux.fwd_idx, aux.fwd_cnt)
-
-
-def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, aux, dyn,
-               out_specs, out_shape):
-  """pallas_call of one pass: its own ``(spec, array)`` operands, then
-  :func:`engine.pass_inputs`."""
+  operands = lead + operands
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
   warps = cfg.blocks.num_warps or (4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8)
   return pl.pallas_call(
@@ -89,6 +65,30 @@ def _call_with(cfg: E.Config, kernel, name: str, grid, rows: int, sp, operands, 
   )(*(o[1] for o in operands), *extra)
 
 
+def _key_loop(cfg: E.Config, a_ref, b_ref, head=None):
+  """``(start, stop, block)`` of a pass's block loop: the range [lo, hi) (``a_ref``,
+  ``b_ref``; ``block(j) = j``), or with a block table the first ``cnt`` entries of the
+  compacted list (``block(j) = idx[j]``; ``head`` picks the query head of a dK/dV pass)."""
+  if not cfg.key_table:
+    return a_ref[...], b_ref[...], lambda j: j
+  return _table_loop(a_ref, b_ref, head)
+
+
+def _table_loop(idx_ref, cnt_ref, head=None):
+  """``(start, stop, block)`` of a loop over a compacted block list (``head``: of that
+  query head of a dK/dV-style pass's group)."""
+  if head is None:
+    return 0, cnt_ref[0], lambda j: idx_ref[j]
+  return 0, cnt_ref[head, 0], lambda j: idx_ref[head, j]
+
+
+def _bounds(cfg: E.Config, aux: E.Aux, lo, hi, dkv: bool = False):
+  """The leading loop operands of a pass: its [lo, hi) ranges, or the block table."""
+  if not cfg.key_table:
+    return lo, hi
+  return (aux.dkv_idx, aux.dkv_cnt) if dkv else (aux.fwd_idx, aux.fwd_cnt)
+
+
 def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hv = q.shape[0], cfg.num_heads, cfg.hv_pad
@@ -97,34 +97,18 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
   out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), v.dtype), row_shape, row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, rest = E.split_select(cfg, rest)
-    sq_ref, sk_ref, (o_ref, m_ref, d_ref) = E.split_fp8(cfg, rest)
+    ins, (o_ref, m_ref, d_ref) = E.split_inputs(cfg, refs, len(dyn))
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
-    cq = None if cq_ref is None else cq_ref[...]
-    sel = None if sel_ref is None else sel_ref[...]
-    sq = None if sq_ref is None else sq_ref[...]
+    length, dyn_v, qt = ins.length[...], _values(ins.dyn), q_ref[...]
+    rows = _q_rows(ins)
     start, stop, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, state):
       kb = block(j)
-      sl = pl.ds(kb * bk, bk)
       # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural);
       # K06 fp8: q and k float8, the dot times their scales
-      s = E.tile_logits(cfg, qt, k_ref[sl, :], cq, None if ck_ref is None else ck_ref[:, sl],
-                        log2=cfg.exp2, fp8_scales=None if sq is None else (sq, sk_ref[:, sl]))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, (cq, None if ck_ref is None else ck_ref[:, sl]),
-                          qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                            cols=sl), log2=cfg.exp2)
-      mask = E.select_mask(mask, sel, kb, bk)
-      return E.forward_tile(cfg, x, mask, state, v_ref[sl, :], length, dyn_v)
+      sl, _, t = _key_block(cfg, ins, rows, qt, k_ref, qi, kb, bq, bk, log2=cfg.exp2)
+      return E.forward_tile(cfg, t.x, t.mask, state, v_ref[sl, :], length, dyn_v)
 
     state = jax.lax.fori_loop(start, stop, body, E.init_state(cfg, bq, hv))
     o, m, d = E.finalize(cfg, state, length, dyn_v)
@@ -138,23 +122,124 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
                [sp["o"], sp["row"], sp["row"]], out_shape)
 
 
-def _dense_tiles(cfg: E.Config, bias_ref, mask_ref, bq: int, bk: int, head=None, rows=None,
-                 cols=None):
-  """The bias and mask tiles (each None when absent) of a whole-length block."""
-  return (E.dense_tile(cfg.bias_full, bias_ref, bq, bk, head, rows, cols),
-          E.dense_tile(cfg.mask_full, mask_ref, bq, bk, head, rows, cols))
+def _values(refs):
+  return tuple(rf[...] for rf in refs)
 
 
-def _decay_q(cq_ref, ck_ref, sl):
-  """(cq [bq, 1], ck [1, bk]) of a pass over query blocks at key slice ``sl`` (whole-length
-  key blocks), or (None, None) without a decay."""
-  return (None, None) if cq_ref is None else (cq_ref[...], ck_ref[:, sl])
+def _read(ref, *index):
+  """``ref[index]`` (all of it without an index), or None for an absent input."""
+  return None if ref is None else ref[index or ...]
 
 
-def _decay_k(cq_ref, ck_ref, gi: int, sl):
-  """(cq [bq, 1], ck [1, bk]) of a dK/dV-style pass (query head ``gi`` of the group, query
-  slice ``sl``), or (None, None) without a decay."""
-  return (None, None) if cq_ref is None else (cq_ref[gi, sl, :], ck_ref[gi])
+def _q_rows(ins: E.InputRefs):
+  """The query side of a pass over query blocks, read once per program: (segment ids,
+  the decay's row terms, the per-row block lists, the fp8 scales), each None when absent."""
+  return _read(ins.q_seg), _read(ins.cq), _read(ins.sel), _read(ins.q_scale)
+
+
+def _key_block(cfg: E.Config, ins: E.InputRefs, rows, qt, k_ref, qi, kb, bq: int, bk: int,
+               log2: bool = False):
+  """``(slice, keys, tile)`` of key block ``kb`` in a pass over query blocks: the tile
+  (:func:`engine.masked_logits`) of the program's query block ``qi`` (``qt``, ``rows``
+  from :func:`_q_rows`) with the block's columns of the whole-length key-side refs."""
+  qs, cq, sel, sq = rows
+  sl = pl.ds(kb * bk, bk)
+  kt = k_ref[sl, :]
+  dense = (E.dense_tile(cfg.bias_full, ins.bias, bq, bk, cols=sl),
+           E.dense_tile(cfg.mask_full, ins.mask, bq, bk, cols=sl))
+  t = E.masked_logits(cfg, qt, kt, qi, kb, bq, bk, (qs, _read(ins.k_seg, slice(None), sl)),
+                      (cq, _read(ins.ck, slice(None), sl)), dense, sel, log2=log2,
+                      fp8_scales=None if sq is None else (sq, ins.k_scale[:, sl]))
+  return sl, kt, t
+
+
+def _query_block(cfg: E.Config, ins: E.InputRefs, cols, q_ref, kt, gi: int, qb, ki, bq: int,
+                 bk: int):
+  """``(slice, queries, tile)`` of query block ``qb`` of query head ``gi`` in a dK/dV-style
+  pass: the program's key block ``ki`` (``kt``; ``cols`` = (key segment ids, the head's
+  decay column terms), read once) with the block's rows of the whole-length query-side
+  refs."""
+  sl = pl.ds(qb * bq, bq)
+  qt = q_ref[sl, gi, :]
+  dense = (E.dense_tile(cfg.bias_full, ins.bias, bq, bk, gi, sl),
+           E.dense_tile(cfg.mask_full, ins.mask, bq, bk, gi, sl))
+  every = slice(None)
+  t = E.masked_logits(cfg, qt, kt, qb, ki, bq, bk, (_read(ins.q_seg, sl, every), cols[0]),
+                      (_read(ins.cq, gi, sl, every), cols[1]), dense,
+                      _read(ins.sel, gi, sl, every))
+  return sl, qt, t
+
+
+def _head_rows(cfg: E.Config, ins: E.InputRefs, gi: int, sl):
+  """``(visible counts, hyperparameters)`` of query head ``gi``'s rows ``sl``."""
+  length = ins.length[gi, sl, :] if cfg.length_rows else ins.length[sl, :]
+  return length, tuple(rf[gi, sl, :] for rf in ins.dyn)
+
+
+def _add_dq(cfg: E.Config, t: E.Tile, ds, kt, ds_ref, sl, carry, rows=()):
+  """``carry`` = (dQ, per-row cotangents) plus a tile's shares (``kt`` its keys): dQ's,
+  those of ``rows`` and, with a decay, d cq's; with a dense bias writes its dS columns
+  ``sl`` into ``ds_ref``."""
+  if ds_ref is not None:
+    ds_ref[:, sl] = ds
+  dq, dcq = E.dq_tile(cfg, t, ds, kt)
+  rows = (*rows, dcq) if cfg.decay else rows
+  return carry[0] + dq, tuple(a + y for a, y in zip(carry[1], rows, strict=True))
+
+
+def _dq_init(cfg: E.Config, bq: int, rows: int):
+  """The zero carry of :func:`_add_dq`: dQ and ``rows`` per-row cotangents (then d cq)."""
+  return (jnp.zeros((bq, cfg.head_dim_pad), cfg.acc_dtype),
+          tuple(jnp.zeros((bq, w), cfg.acc_dtype) for w in E.row_widths(cfg, rows)))
+
+
+def _store(refs, values):
+  for rf, x in zip(refs, values, strict=True):
+    rf[...] = x
+
+
+def _clear_ds(cfg: E.Config, ds_ref, bq: int, bk: int, spans):
+  """Zeroes dS on the key blocks of each ``[start, stop)`` in ``spans`` (those the key loop
+  does not write; nothing without a dense bias, ``ds_ref`` None)."""
+  if ds_ref is None:
+    return
+
+  def clear(j, c):
+    ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
+    return c
+
+  for start, stop in spans:
+    jax.lax.fori_loop(start, stop, clear, 0)
+
+
+def _add_dkv(cfg: E.Config, t: E.Tile, ds, qt, carry, w=None, do=None):
+  """``carry`` = (dK, [dV,] d ck) plus a tile's shares (``qt`` its queries): dK's, dV's
+  (weights ``w``, ``do`` the output cotangent; without ``w`` the carry has no dV) and,
+  with a decay, minus d ck's."""
+  dk, dck = E.dk_tile(cfg, t, ds, qt, transpose=False)
+  dv = () if w is None else (carry[1] + E.dot(cfg, w.astype(do.dtype), do, (0, 0)),)
+  return carry[0] + dk, *dv, (carry[-1] if dck is None else carry[-1] - dck)
+
+
+def _over_heads(cfg: E.Config, ins: E.InputRefs, g: int, bk: int, init, loop, body, dck_refs):
+  """Runs a dK/dV-style program over the query heads ``gi`` of its group:
+  ``carry = body(gi, ck, qb, carry)`` (``ck`` the head's decay column terms or None) over
+  the query blocks ``qb`` of the head's loop ``loop(gi)`` (:func:`_key_loop`'s ``(start,
+  stop, block)``), the accumulators ``init`` carried across the heads and each head's
+  d ck [W, bk] stored into ``dck_refs`` (with a decay). Returns the accumulators."""
+  acc = tuple(init)
+  for gi in range(g):  # the query heads sharing this KV head
+    ck = _read(ins.ck, gi)
+    start, stop, block = loop(gi)
+
+    def step(j, carry, gi=gi, ck=ck, block=block):
+      return body(gi, ck, block(j), carry)
+
+    *acc, dck = jax.lax.fori_loop(start, stop, step,
+                                  (*acc, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
+    if dck_refs:
+      dck_refs[0][gi] = dck
+  return acc
 
 
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
@@ -163,73 +248,36 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
   None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
-  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  b, n, n_dyn = q.shape[0], cfg.num_heads, len(dyn)
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = _q_major(cfg, bq)
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
-  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype)]
-  out_shape += [jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)] * n_dyn
-  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
-  out_specs = [sp["q"]] + [sp["row"]] * n_dyn + [sp["cq"]] * int(cfg.decay)
+  out_shape, out_specs = E.dq_outputs(cfg, sp, q.shape, n_dyn)
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
                                   lambda qi, bi, ni: (bi, ni, qi, 0)))
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, (dq_ref, *outs) = E.split_select(cfg, rest)
+    ins, (dq_ref, *outs) = E.split_inputs(cfg, refs, n_dyn)
     ddyn_refs, ds_ref = outs[:n_rows], (outs[n_rows] if has_bias else None)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
+    length, dyn_v = ins.length[...], _values(ins.dyn)
     qt, dot_, mt, dt, delt = q_ref[...], do_ref[...], m_ref[...], d_ref[...], delta_ref[...]
-    cq = None if cq_ref is None else cq_ref[...]
-    sel = None if sel_ref is None else sel_ref[...]
+    rows = _q_rows(ins)
     lo, hi, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, carry):
-      dq, ddyn = carry
-      kb = block(j)
-      sl = pl.ds(kb * bk, bk)
-      kt = k_ref[sl, :]
-      s, dist = E.score_tile(cfg, qt, kt, cq, None if ck_ref is None else ck_ref[:, sl])
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, (cq, None if ck_ref is None else ck_ref[:, sl]),
-                          qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                            cols=sl))
-      mask = E.select_mask(mask, sel, kb, bk)
+      sl, kt, t = _key_block(cfg, ins, rows, qt, k_ref, qi, block(j), bq, bk)
       dp = E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
-      _, ds, dd = E.backward_tile(cfg, x, mask, mt, dt, delt, dp, length, dyn_v)
-      if ds_ref is not None:
-        ds_ref[:, sl] = ds
-      dz = E.logits_grad(cfg, s, dist, ds)
-      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        dd = (*dd, E.term_grads(cfg, s, ds, dz, -1))
-      dq = dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
-      return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
+      _, ds, dd = E.backward_tile(cfg, t.x, t.mask, mt, dt, delt, dp, length, dyn_v)
+      return _add_dq(cfg, t, ds, kt, ds_ref, sl, carry, dd)
 
-    if ds_ref is not None:  # the key blocks the loop skips have dS = 0
-      def clear(j, c):
-        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
-        return c
-
-      if cfg.key_table:  # every block, then the loop writes the listed ones
-        jax.lax.fori_loop(0, nk, clear, 0)
-      else:
-        jax.lax.fori_loop(0, lo, clear, 0)
-        jax.lax.fori_loop(hi, nk, clear, 0)
-    init = (jnp.zeros((bq, hp), cfg.acc_dtype),
-            tuple(jnp.zeros((bq, w), cfg.acc_dtype)
-                  for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)))
-    dq, ddyn = jax.lax.fori_loop(lo, hi, body, init)
-    dq_ref[...] = dq
-    for rf, x in zip(ddyn_refs, ddyn, strict=True):
-      rf[...] = x
+    # the key blocks the loop skips have dS = 0 (with a block table: every block, then
+    # the loop writes the listed ones)
+    _clear_ds(cfg, ds_ref, bq, bk, [(0, nk)] if cfg.key_table else [(0, lo), (hi, nk)])
+    dq, ddyn = jax.lax.fori_loop(lo, hi, body, _dq_init(cfg, bq, n_dyn))
+    _store((dq_ref, *ddyn_refs), (dq, *ddyn))
 
   outs = _call(cfg, kernel, "dq", (cfg.t_pad // bq, b, n), bq, sp,
                _bounds(cfg, aux, aux.dq_lo, aux.dq_hi),
@@ -239,10 +287,29 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  bq, bk = cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv
+  """dK, dV (and with a decay d ck) over the visible query blocks of each key block, or
+  with a block table its listed ones."""
+
+  def grads(t, dp, rows, length, dyn_v):
+    mt, dt, delt = rows
+    return E.backward_tile(cfg, t.x, t.mask, mt, dt, delt, dp, length, dyn_v)[:2]
+
+  return _dkv_pass(cfg, "dkv", (cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv), q, k, v, do,
+                   (m, d, delta), dyn, aux, _bounds(cfg, aux, aux.dkv_lo, aux.dkv_hi, dkv=True),
+                   cfg.key_table, grads)
+
+
+def _dkv_pass(cfg: E.Config, name: str, blocks, q, k, v, do, rows, dyn, aux: E.Aux, bounds,
+              table: bool, grads):
+  """A dK/dV pass: one program per (key block, batch, KV head), which holds its G query
+  heads (the q-side blocks span the whole padded length and the group's heads, so GQA
+  never copies K/V) and loops over each head's query blocks ``[lo, hi)`` (``bounds`` =
+  (lo [B, nk], hi)), or with ``table`` over its compacted list (``bounds`` = (idx [B, N,
+  nk, width], cnt [B, N, nk, 1])). ``grads(tile, dP, rows, length, dyn)`` gives the tile's
+  ``(weights, dS)`` from ``rows``, the tile's values of the per-row arrays [B, N, T_pad,
+  1] (residuals) the pass reads. Returns (dk, dv, dck or None)."""
+  bq, bk = blocks
   b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
-  # One program per KV head holds its G query heads: the q-side blocks span the whole
-  # padded length and the group's heads.
   sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
   out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
                jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
@@ -251,53 +318,31 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     out_shape.append(E.term_shapes(cfg, b)[1])
     out_specs.append(sp["ck"])
 
-  def kernel(lo_ref, hi_ref, q_ref, k_ref, v_ref, do_ref, m_ref, d_ref, delta_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, rest = E.split_decay(cfg, rest)
-    sel_ref, (dk_ref, dv_ref, *dck_refs) = E.split_select(cfg, rest)
+  def kernel(a_ref, c_ref, q_ref, k_ref, v_ref, do_ref, *refs):
+    row_refs = refs[:len(rows)]
+    ins, (dk_ref, dv_ref, *dck_refs) = E.split_inputs(cfg, refs[len(rows):], len(dyn))
     ki = pl.program_id(0)
-    ks = None if ks_ref is None else ks_ref[...]
+    ks = _read(ins.k_seg)
     kt, vt = k_ref[...], v_ref[...]
-    dk_dv = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
-    for gi in range(g):  # the query heads sharing this KV head
-      ck = None if ck_ref is None else ck_ref[gi]
-      start, stop, block = _key_loop(cfg, lo_ref, hi_ref, head=gi if cfg.key_table else None)
 
-      def body(j, carry, gi=gi, ck=ck, block=block):
-        dk, dv, dck = carry
-        i = block(j)
-        sl = pl.ds(i * bq, bq)
-        qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s, dist = E.score_tile(cfg, qt, kt, None if cq_ref is None else cq_ref[gi, sl, :], ck)
-        mask = E.tile_mask(cfg, i * bq, ki * bk, bq, bk,
-                           None if qs_ref is None else qs_ref[sl, :], ks)
-        mask = E.prune_mask(cfg, mask, (None if cq_ref is None else cq_ref[gi, sl, :], ck),
-                            i * bq, ki * bk, bq, bk)
-        x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                              head=gi, rows=sl))
-        if sel_ref is not None:
-          mask = E.select_mask(mask, sel_ref[gi, sl, :], ki, bk)
-        dp = E.dot(cfg, dot_, vt, (1, 1))
-        dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
-        length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
-        w, ds, _ = E.backward_tile(cfg, x, mask, m_ref[gi, sl, :], d_ref[gi, sl, :],
-                                   delta_ref[gi, sl, :], dp, length, dyn_v)
-        dz = E.logits_grad(cfg, s, dist, ds)
-        dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0))
-        return dk, dv, dck - E.term_grads(cfg, s, ds, dz, 0)
+    def body(gi, ck, qb, carry):
+      sl, qt, t = _query_block(cfg, ins, (ks, ck), q_ref, kt, gi, qb, ki, bq, bk)
+      dot_ = do_ref[sl, gi, :]
+      dp = E.dot(cfg, dot_, vt, (1, 1))
+      w, ds = grads(t, dp, tuple(r[gi, sl, :] for r in row_refs), *_head_rows(cfg, ins, gi, sl))
+      return _add_dkv(cfg, t, ds, qt, carry, w, dot_)
 
-      *dk_dv, dck = jax.lax.fori_loop(start, stop, body,
-                                      (*dk_dv, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
-      if dck_refs:
-        dck_refs[0][gi] = dck
-    dk_ref[...] = dk_dv[0]
-    dv_ref[...] = dk_dv[1]
+    def loop(gi):
+      if table:
+        return _table_loop(a_ref, c_ref, gi)
+      return a_ref[...], c_ref[...], lambda j: j
 
-  outs = _call(cfg, kernel, "dkv", (cfg.s_pad // bk, b, kvh), bk, sp,
-               _bounds(cfg, aux, aux.dkv_lo, aux.dkv_hi, dkv=True),
-               _backward_operands(sp, q, k, v, do, m, d, delta), aux, dyn, out_specs, out_shape)
+    init = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
+    _store((dk_ref, dv_ref), _over_heads(cfg, ins, g, bk, init, loop, body, dck_refs))
+
+  outs = _call(cfg, kernel, name, (cfg.s_pad // bk, b, kvh), bk, sp, bounds,
+               _backward_operands(sp, q, k, v, do, *rows), aux, dyn, out_specs, out_shape,
+               table=table, group=True)
   return outs[0], outs[1], (outs[2] if cfg.decay else None)
 
 
@@ -306,13 +351,6 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 # range [lo, hi) and records which key blocks hold a visible z >= tau; the weighted pass
 # and both backward passes loop over those live blocks only (a compacted list per query
 # block, ``engine.live_block_tables``; per key block for dK/dV).
-
-
-def _tables(width: int):
-  """Specs of the live-block list [B, N, nq, width] and its count [B, N, nq, 1] of the
-  passes over query blocks (grid (query block, batch, head))."""
-  return (pl.BlockSpec((None, None, None, width), lambda qi, bi, ni: (bi, ni, qi, 0)),
-          pl.BlockSpec((None, None, None, 1), lambda qi, bi, ni: (bi, ni, qi, 0)))
 
 
 def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
@@ -331,22 +369,15 @@ def threshold_search(cfg: E.Config, q, k, dyn, aux: E.Aux):
                row_shape]
 
   def kernel(lo_ref, hi_ref, q_ref, k_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (m_ref, tau_ref, flag_ref, res_ref) = E.split_decay(cfg, rest)
+    ins, (m_ref, tau_ref, flag_ref, res_ref) = E.split_inputs(cfg, refs, n_dyn)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
+    length, dyn_v, qt = ins.length[...], _values(ins.dyn), q_ref[...]
+    rows = _q_rows(ins)
     k_lo, k_hi = lo_ref[...], hi_ref[...]
 
     def logits(j):
-      sl = pl.ds(j * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
-      mask = E.tile_mask(cfg, qi * bq, j * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, j * bk, bq, bk)
-      return E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                         cols=sl))
+      t = _key_block(cfg, ins, rows, qt, k_ref, qi, j, bq, bk)[2]
+      return t.x, t.mask
 
     def max_body(j, m):
       s, mask = logits(j)
@@ -403,43 +434,33 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
   b, n, hv, n_dyn = q.shape[0], cfg.num_heads, cfg.hv_pad, len(dyn)
   sp = _q_major(cfg, bq)
-  idx_spec, cnt_spec = _tables(idx.shape[-1])
   out_shape = [jax.ShapeDtypeStruct((b, cfg.t_pad, n, hv), q.dtype),
                jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)]
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, m_ref, tau_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (o_ref, d_ref) = E.split_decay(cfg, rest)
+    ins, (o_ref, d_ref) = E.split_inputs(cfg, refs, n_dyn)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    length, dyn_v, qt = len_ref[...], tuple(r[...] for r in dyn_refs), q_ref[...]
+    length, dyn_v, qt = ins.length[...], _values(ins.dyn), q_ref[...]
+    rows = _q_rows(ins)
     mt, taut = m_ref[...], tau_ref[...]
+    start, stop, block = _table_loop(idx_ref, cnt_ref)
 
     def body(j, carry):
       lsum, acc = carry
-      kb = idx_ref[j]
-      sl = pl.ds(kb * bk, bk)
-      s = E.tile_logits(cfg, qt, k_ref[sl, :], *_decay_q(cq_ref, ck_ref, sl))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                            cols=sl))
-      w = E.t_weight_tile(cfg, x, mask, taut, mt, length, dyn_v)
+      sl, _, t = _key_block(cfg, ins, rows, qt, k_ref, qi, block(j), bq, bk)
+      w = E.t_weight_tile(cfg, t.x, t.mask, taut, mt, length, dyn_v)
       vt = v_ref[sl, :]
       return (lsum + jnp.sum(w, axis=-1, keepdims=True),
               acc + E.dot(cfg, w.astype(vt.dtype), vt, (1, 0)))
 
     init = (jnp.zeros((bq, 1), cfg.acc_dtype), jnp.zeros((bq, hv), cfg.acc_dtype))
-    lsum, acc = jax.lax.fori_loop(0, cnt_ref[0], body, init)
+    lsum, acc = jax.lax.fori_loop(start, stop, body, init)
     o_ref[...] = (acc * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
     d_ref[...] = lsum
 
-  return _call_with(cfg, kernel, "tfwd", (cfg.t_pad // bq, b, n), bq, sp,
-                    [(idx_spec, idx), (cnt_spec, cnt), (sp["q"], q), (sp["kv"], k),
-                     (sp["v"], v), (sp["row"], m), (sp["row"], tau)],
-                    aux, dyn, [sp["o"], sp["row"]], out_shape)
+  return _call(cfg, kernel, "tfwd", (cfg.t_pad // bq, b, n), bq, sp, (idx, cnt),
+               [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["row"], m), (sp["row"], tau)],
+               aux, dyn, [sp["o"], sp["row"]], out_shape, table=True)
 
 
 def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt, dyn,
@@ -448,15 +469,11 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
   hyperparameters' tile cotangents; with a dense bias also dS [B, N, T_pad, S_pad] (0 off
   the live blocks); with a decay d cq. Returns (dq, coef, ddyn, dS or None, dcq or None)."""
   bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
+  b, n, n_dyn = q.shape[0], cfg.num_heads, len(dyn)
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
   sp = _q_major(cfg, bq)
-  idx_spec, cnt_spec = _tables(idx.shape[-1])
-  row = jax.ShapeDtypeStruct((b, n, cfg.t_pad, 1), cfg.acc_dtype)
-  out_shape = [jax.ShapeDtypeStruct(q.shape, cfg.acc_dtype), row] + [row] * n_dyn
-  out_shape += [E.term_shapes(cfg, b)[0]] * int(cfg.decay)
-  out_specs = [sp["q"]] + [sp["row"]] * (1 + n_dyn) + [sp["cq"]] * int(cfg.decay)
+  out_shape, out_specs = E.dq_outputs(cfg, sp, q.shape, 1 + n_dyn)  # coef first
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
     out_specs.append(pl.BlockSpec((None, None, bq, cfg.s_pad),
@@ -464,137 +481,54 @@ def threshold_backward_dq(cfg: E.Config, q, k, v, do, m, tau, d, delta, idx, cnt
 
   def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
              *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, n_dyn)
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dq_ref, coef_ref, *outs) = E.split_decay(cfg, rest)
+    ins, (dq_ref, coef_ref, *outs) = E.split_inputs(cfg, refs, n_dyn)
     ddyn_refs, ds_ref = outs[:n_rows], (outs[n_rows] if has_bias else None)
     qi = pl.program_id(0)
-    qs = None if qs_ref is None else qs_ref[...]
-    length, dyn_v = len_ref[...], tuple(r[...] for r in dyn_refs)
+    length, dyn_v = ins.length[...], _values(ins.dyn)
     qt, dot_, mt, taut, dt, delt = (r[...] for r in (q_ref, do_ref, m_ref, tau_ref, d_ref,
                                                      delta_ref))
-    count = cnt_ref[0]
+    rows = _q_rows(ins)
+    start, stop, block = _table_loop(idx_ref, cnt_ref)
 
     def tile_at(j):
-      kb = idx_ref[j]
-      sl = pl.ds(kb * bk, bk)
-      kt, vt = k_ref[sl, :], v_ref[sl, :]
-      s, dist = E.score_tile(cfg, qt, kt, *_decay_q(cq_ref, ck_ref, sl))
-      mask = E.tile_mask(cfg, qi * bq, kb * bk, bq, bk, qs,
-                         None if ks_ref is None else ks_ref[:, sl])
-      mask = E.prune_mask(cfg, mask, _decay_q(cq_ref, ck_ref, sl), qi * bq, kb * bk, bq, bk)
-      x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                            cols=sl))
-      return kt, (s, dist), x, mask, E.dot(cfg, dot_, vt, (1, 1)), sl
+      sl, kt, t = _key_block(cfg, ins, rows, qt, k_ref, qi, block(j), bq, bk)
+      return sl, kt, t, E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
 
     def coef_body(j, carry):
-      _, _, x, mask, dp, _ = tile_at(j)
-      g, mm = E.t_coef_tile(cfg, x, mask, taut, mt, delt, dp, length, dyn_v)
+      _, _, t, dp = tile_at(j)
+      g, mm = E.t_coef_tile(cfg, t.x, t.mask, taut, mt, delt, dp, length, dyn_v)
       return carry[0] + g, carry[1] + mm
 
     zero = jnp.zeros((bq, 1), cfg.acc_dtype)
-    g_tau, m_tau = jax.lax.fori_loop(0, count, coef_body, (zero, zero))
+    g_tau, m_tau = jax.lax.fori_loop(start, stop, coef_body, (zero, zero))
     coef = E.t_coef(g_tau, m_tau, dt)
 
     def body(j, carry):
-      dq, ddyn = carry
-      kt, s_dist, x, mask, dp, sl = tile_at(j)
-      _, ds, dd = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
-      if ds_ref is not None:
-        ds_ref[:, sl] = ds
-      dz = E.logits_grad(cfg, *s_dist, ds)
-      if cfg.decay:  # d cq_i = sum_j dS_ij (before the scale)
-        dd = (*dd, E.term_grads(cfg, s_dist[0], ds, dz, -1))
-      dq = dq + E.dot(cfg, (dz * cfg.scale).astype(kt.dtype), kt, (1, 0))
-      return dq, tuple(a + y for a, y in zip(ddyn, dd, strict=True))
+      sl, kt, t, dp = tile_at(j)
+      _, ds, dd = E.t_backward_tile(cfg, t.x, t.mask, taut, mt, dt, delt, coef, dp, length,
+                                    dyn_v)
+      return _add_dq(cfg, t, ds, kt, ds_ref, sl, carry, dd)
 
-    if ds_ref is not None:  # dS = 0 on every block but the live ones (written below)
-      def clear(j, c):
-        ds_ref[:, pl.ds(j * bk, bk)] = jnp.zeros((bq, bk), cfg.acc_dtype)
-        return c
+    # dS = 0 on every block but the live ones (written by the loop)
+    _clear_ds(cfg, ds_ref, bq, bk, [(0, nk)])
+    dq, ddyn = jax.lax.fori_loop(start, stop, body, _dq_init(cfg, bq, n_dyn))
+    _store((dq_ref, coef_ref, *ddyn_refs), (dq, coef, *ddyn))
 
-      jax.lax.fori_loop(0, nk, clear, 0)
-    init = (jnp.zeros((bq, hp), cfg.acc_dtype),
-            tuple(jnp.zeros((bq, w), cfg.acc_dtype)
-                  for w in [1] * n_dyn + [cfg.terms] * int(cfg.decay)))
-    dq, ddyn = jax.lax.fori_loop(0, count, body, init)
-    dq_ref[...] = dq
-    coef_ref[...] = coef
-    for rf, x in zip(ddyn_refs, ddyn, strict=True):
-      rf[...] = x
-
-  outs = _call_with(cfg, kernel, "tdq", (cfg.t_pad // bq, b, n), bq, sp,
-                    [(idx_spec, idx), (cnt_spec, cnt)]
-                    + _threshold_operands(sp, q, k, v, do, m, tau, d, delta),
-                    aux, dyn, out_specs, out_shape)
+  outs = _call(cfg, kernel, "tdq", (cfg.t_pad // bq, b, n), bq, sp, (idx, cnt),
+               _backward_operands(sp, q, k, v, do, m, tau, d, delta), aux, dyn, out_specs,
+               out_shape, table=True)
   return (outs[0], outs[1], tuple(outs[2:2 + n_dyn]), (outs[-1] if has_bias else None),
           outs[2 + n_dyn] if cfg.decay else None)
-
-
-def _threshold_operands(sp, q, k, v, do, m, tau, d, delta):
-  return [(sp["q"], q), (sp["kv"], k), (sp["v"], v), (sp["o"], do), (sp["row"], m),
-          (sp["row"], tau), (sp["row"], d), (sp["row"], delta)]
 
 
 def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, idx_t, cnt_t,
                            dyn, aux: E.Aux):
   """dK, dV over, per key block, the query blocks for which it is live (per query head:
   ``idx_t`` [B, N, nk, width], ``cnt_t`` [B, N, nk, 1])."""
-  bq, bk = cfg.blocks.block_q, cfg.blocks.block_k
-  b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
-  sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
-  width = idx_t.shape[-1]
-  idx_spec = pl.BlockSpec((None, g, None, width), lambda ki, bi, hi: (bi, hi, ki, 0))
-  cnt_spec = pl.BlockSpec((None, g, None, 1), lambda ki, bi, hi: (bi, hi, ki, 0))
-  out_shape = [jax.ShapeDtypeStruct(k.shape, cfg.acc_dtype),
-               jax.ShapeDtypeStruct(v.shape, cfg.acc_dtype)]
-  out_specs = [sp["kv"], sp["v"]]
-  if cfg.decay:  # d ck [B, N, W, S_pad]: minus the column sums of dS, per query head
-    out_shape.append(E.term_shapes(cfg, b)[1])
-    out_specs.append(sp["ck"])
 
-  def kernel(idx_ref, cnt_ref, q_ref, k_ref, v_ref, do_ref, m_ref, tau_ref, d_ref, delta_ref,
-             coef_ref, *refs):
-    qs_ref, ks_ref, len_ref, dyn_refs, rest = E.split_refs(cfg, refs, len(dyn))
-    bias_ref, mask_ref, rest = E.split_dense(cfg, rest)
-    cq_ref, ck_ref, (dk_ref, dv_ref, *dck_refs) = E.split_decay(cfg, rest)
-    ki = pl.program_id(0)
-    ks = None if ks_ref is None else ks_ref[...]
-    kt, vt = k_ref[...], v_ref[...]
-    dk_dv = (jnp.zeros((bk, hp), cfg.acc_dtype), jnp.zeros((bk, hv), cfg.acc_dtype))
-    for gi in range(g):  # the query heads sharing this KV head
+  def grads(t, dp, rows, length, dyn_v):
+    mt, taut, dt, delt, ct = rows
+    return E.t_backward_tile(cfg, t.x, t.mask, taut, mt, dt, delt, ct, dp, length, dyn_v)[:2]
 
-      def body(j, carry, gi=gi):
-        dk, dv, dck = carry
-        qb = idx_ref[gi, j]
-        sl = pl.ds(qb * bq, bq)
-        qt, dot_ = q_ref[sl, gi, :], do_ref[sl, gi, :]
-        s, dist = E.score_tile(cfg, qt, kt, *_decay_k(cq_ref, ck_ref, gi, sl))
-        mask = E.tile_mask(cfg, qb * bq, ki * bk, bq, bk,
-                           None if qs_ref is None else qs_ref[sl, :], ks)
-        mask = E.prune_mask(cfg, mask, _decay_k(cq_ref, ck_ref, gi, sl), qb * bq, ki * bk, bq, bk)
-        x, mask = E.dense_logits(cfg, s, mask, *_dense_tiles(cfg, bias_ref, mask_ref, bq, bk,
-                                                              head=gi, rows=sl))
-        dp = E.dot(cfg, dot_, vt, (1, 1))
-        rows = tuple(r[gi, sl, :] for r in (m_ref, tau_ref, d_ref, delta_ref, coef_ref))
-        mt, taut, dt, delt, coef = rows
-        dyn_v = tuple(rf[gi, sl, :] for rf in dyn_refs)
-        length = len_ref[gi, sl, :] if cfg.length_rows else len_ref[sl, :]
-        w, ds, _ = E.t_backward_tile(cfg, x, mask, taut, mt, dt, delt, coef, dp, length, dyn_v)
-        dz = E.logits_grad(cfg, s, dist, ds)
-        dv = dv + E.dot(cfg, w.astype(dot_.dtype), dot_, (0, 0))
-        dk = dk + E.dot(cfg, (dz * cfg.scale).astype(qt.dtype), qt, (0, 0))
-        return dk, dv, dck - E.term_grads(cfg, s, ds, dz, 0)
-
-      *dk_dv, dck = jax.lax.fori_loop(0, cnt_ref[gi, 0], body,
-                                      (*dk_dv, jnp.zeros((cfg.terms, bk), cfg.acc_dtype)))
-      if dck_refs:
-        dck_refs[0][gi] = dck
-    dk_ref[...] = dk_dv[0]
-    dv_ref[...] = dk_dv[1]
-
-  ops = [(idx_spec, idx_t), (cnt_spec, cnt_t)]
-  ops += _threshold_operands(sp, q, k, v, do, m, tau, d, delta) + [(sp["row"], coef)]
-  outs = _call_with(cfg, kernel, "tdkv", (cfg.s_pad // bk, b, kvh), bk, sp, ops, aux, dyn,
-                    out_specs, out_shape)
-  return outs[0], outs[1], (outs[2] if cfg.decay else None)
+  return _dkv_pass(cfg, "tdkv", (cfg.blocks.block_q, cfg.blocks.block_k), q, k, v, do,
+                   (m, tau, d, delta, coef), dyn, aux, (idx_t, cnt_t), True, grads)

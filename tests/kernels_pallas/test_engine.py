@@ -16,6 +16,7 @@ import pytest
 
 import jaxsoft.normalizers as jn
 import kernels_pallas as kp
+from jaxsoft import attention
 from kernels_pallas import engine
 
 ENGINE_NAMES = sorted(n for n in jn.names() if jn.get(n).kernel_class in ("E", "S", "P")
@@ -110,6 +111,64 @@ def assert_matches(kernel_fn, ref_fn, args, ct, fwd_tol=1e-5, bwd_tol=1e-4):
 
 
 TRITON_SMALL = dict(block_q=16, block_k=16)
+MOSAIC_SMALL = dict(block_q=16, block_k=128)
+
+
+def check_per_head_parameter(name, param, value, backend, seed):
+  """``name``'s hyperparameter ``param`` per head (``value`` [N, 1, 1]) reaches the kernel
+  and its gradient comes back, nonzero; segments and two batches."""
+  q, k, v, ct = inputs(b=2, t=40, n=2, kh=2, seed=seed)
+  seg = jnp.array([[0] * 17 + [1] * 23, [0] * 40], jnp.int32)
+  blocks = TRITON_SMALL if backend == "triton" else MOSAIC_SMALL
+
+  def kfn(q, k, v, x):
+    return kp.attention(q, k, v, normalizer=name, normalizer_params={param: x},
+                        segment_ids=seg, backend=backend, interpret=True, block_sizes=blocks)
+
+  _, grads = assert_matches(kfn, lambda q, k, v, x: reference(
+      q, k, v, normalizer=name, params={param: x}, segment_ids=seg), (q, k, v, value), ct)
+  assert bool(jnp.all(grads[3] != 0))
+
+
+def check_mosaic_causal_window(name, seed):
+  """The Mosaic driver with 8 x 16 tiles, causal with a (20, 0) window."""
+  q, k, v, ct = inputs(t=40, n=2, kh=1, seed=seed)
+  assert_matches(kernel(backend="mosaic_tpu", block_sizes=dict(block_q=8, block_k=16),
+                        normalizer=name, local_window_size=(20, 0), is_causal=True),
+                 lambda q, k, v: reference(q, k, v, normalizer=name, window=(20, 0),
+                                           is_causal=True), (q, k, v), ct)
+
+
+def check_dot_product_attention(monkeypatch, name, seed):
+  """``jaxsoft.attention.dot_product_attention(implementation="pallas")`` (interpret mode
+  from the environment) matches ``implementation="xla"``, output and cotangents."""
+  monkeypatch.setenv(kp.INTERPRET_ENV, "1")
+  q, k, v, ct = inputs(t=24, n=2, kh=1, seed=seed)
+
+  def run(impl):
+    f = lambda q, k, v: attention.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, normalizer=name, implementation=impl)
+    return value_and_cotangents(f, (q, k, v), ct)
+
+  # jit closing over the inputs: XLA constant-folds the interpret-mode kernels, which
+  # rounds the recomputed tiles differently from the statistics pass (the row's max and
+  # the single-entry rows must still be found: a wrong dK of O(1) before they were)
+  chex.assert_trees_all_close(jax.jit(lambda: run("pallas"))(), run("xla"), atol=1e-4,
+                              rtol=1e-4)
+
+
+def check_matrix(backend, name, params, shapes):
+  """For each ``(t, s, h)`` of ``shapes``: T not a multiple of the block, cross-attention
+  lengths (the last 7 keys hidden), soft cap; GQA with 4 query heads on 2."""
+  for t, s, h in shapes:
+    q, k, v, ct = inputs(t=t, s=s, n=4, kh=2, h=h, seed=t)
+    kw = dict(normalizer=name, normalizer_params=params, logits_soft_cap=5.0,
+              key_value_seq_lengths=jnp.array([s - 7], jnp.int32))
+    blocks = TRITON_SMALL if backend == "triton" else dict(block_q=32, block_k=128)
+    assert_matches(kernel(backend=backend, block_sizes=blocks, **kw),
+                   lambda q, k, v, s=s: reference(
+                       q, k, v, normalizer=name, params=params, soft_cap=5.0,
+                       kv_len=jnp.array([s - 7], jnp.int32)), (q, k, v), ct)
 
 
 def check_rows_without_visible_keys(name, params=None, seed=15):

@@ -11,11 +11,13 @@ import jax.numpy as jnp
 import pytest
 
 import jaxsoft.normalizers as jn
-from jaxsoft import attention
-from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import (
     TRITON_SMALL,
     assert_matches,
+    check_dot_product_attention,
+    check_matrix,
+    check_mosaic_causal_window,
+    check_per_head_parameter,
     check_rows_without_visible_keys,
     inputs,
     kernel,
@@ -27,7 +29,6 @@ from tests.kernels_pallas.test_lowering import _export
 T_NAMES = sorted(n for n in jn.names()
                  if jn.get(n).kernel_class == "T" and jn.get(n).threshold is not None)
 ALPHA = jnp.asarray([1.25, 2.5]).reshape(2, 1, 1)  # per head, differentiable; > 2 too
-MOSAIC_SMALL = dict(block_q=16, block_k=128)
 
 
 def _params(name):
@@ -56,28 +57,12 @@ def test_every_threshold_normalizer(name):
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
 def test_entmax_per_head_alpha_and_its_gradient(backend):
-  b, t = 2, 40
-  q, k, v, ct = inputs(b=b, t=t, n=2, kh=2, seed=12)
-  seg = jnp.array([[0] * 17 + [1] * 23, [0] * 40], jnp.int32)
-  blocks = TRITON_SMALL if backend == "triton" else MOSAIC_SMALL
-
-  def kfn(q, k, v, alpha):
-    return _api.attention(q, k, v, normalizer="entmax", normalizer_params={"alpha": alpha},
-                          segment_ids=seg, backend=backend, interpret=True, block_sizes=blocks)
-
-  _, grads = assert_matches(kfn, lambda q, k, v, a: reference(
-      q, k, v, normalizer="entmax", params={"alpha": a}, segment_ids=seg),
-      (q, k, v, ALPHA), ct)
-  assert bool(jnp.all(grads[3] != 0))
+  check_per_head_parameter("entmax", "alpha", ALPHA, backend, seed=12)
 
 
 @pytest.mark.slow
 def test_mosaic_sparsemax_causal_window():
-  q, k, v, ct = inputs(t=40, n=2, kh=1, seed=13)
-  assert_matches(kernel(backend="mosaic_tpu", block_sizes=dict(block_q=8, block_k=16),
-                        normalizer="sparsemax", local_window_size=(20, 0), is_causal=True),
-                 lambda q, k, v: reference(q, k, v, normalizer="sparsemax", window=(20, 0),
-                                           is_causal=True), (q, k, v), ct)
+  check_mosaic_causal_window("sparsemax", seed=13)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
@@ -104,16 +89,7 @@ def test_rows_without_visible_keys_are_zero_with_zero_gradient():
 
 
 def test_dot_product_attention_runs_the_kernel(monkeypatch):
-  monkeypatch.setenv(_api.INTERPRET_ENV, "1")
-  q, k, v, ct = inputs(t=24, n=2, kh=1, seed=16)
-
-  def run(impl):
-    f = lambda q, k, v: attention.dot_product_attention(  # noqa: E731
-        q, k, v, is_causal=True, normalizer="sparsemax", implementation=impl)
-    return value_and_cotangents(f, (q, k, v), ct)
-
-  chex.assert_trees_all_close(jax.jit(lambda: run("pallas"))(), run("xla"), atol=1e-4,
-                              rtol=1e-4)
+  check_dot_product_attention(monkeypatch, "sparsemax", seed=16)
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
@@ -128,15 +104,7 @@ def test_threshold_kernels_lower(backend):
 @pytest.mark.parametrize("name", T_NAMES)
 def test_threshold_matrix(backend, name):
   """T not a multiple of the block, cross-attention lengths, head dims 72/128, soft cap."""
-  for t, s, h in ((100, 130, 72), (64, 64, 128)):
-    q, k, v, ct = inputs(t=t, s=s, n=4, kh=2, h=h, seed=t)
-    kw = dict(normalizer=name, normalizer_params=_params(name), logits_soft_cap=5.0,
-              key_value_seq_lengths=jnp.array([s - 7], jnp.int32))
-    blocks = TRITON_SMALL if backend == "triton" else dict(block_q=32, block_k=128)
-    assert_matches(kernel(backend=backend, block_sizes=blocks, **kw),
-                   lambda q, k, v, s=s: reference(
-                       q, k, v, normalizer=name, params=_params(name), soft_cap=5.0,
-                       kv_len=jnp.array([s - 7], jnp.int32)), (q, k, v), ct)
+  check_matrix(backend, name, _params(name), [(100, 130, 72), (64, 64, 128)])
 
 
 @pytest.mark.slow
