@@ -1,14 +1,13 @@
-"""The Pallas engine's ``score="distance"`` (A18) and ``return_residual``, against the dense
-xla path, in both drivers (interpret mode).
+"""The Pallas engine's ``score="distance"`` (A18), against the dense xla path, in both
+drivers (interpret mode).
 
-Distance: ``|q_i|^2`` and ``-|k_j|^2`` ride on the decay's row and column operands with
-scale -2 (``engine.score_tile``), the logit is the square root of the tile's squared
-distance and the backward chains through it (``engine.logits_grad``); checked forward and
-backward (q, k, v) with GQA, causal masks, a soft cap, rows with no visible key, classes
-E, T and R, bfloat16 inputs and the exp2 flag. Residual: the row statistic of each class
-(``m + log D`` for E and S, 0 for P, the search's tau for T), ``-inf`` on rows with no
-visible key, no gradient; class R (none defined) is refused. Distance with FoX's decay:
-the operands carry two terms each, checked with every cotangent.
+``|q_i|^2`` and ``-|k_j|^2`` ride on the decay's row and column operands with scale -2
+(``engine.score_tile``), the logit is the square root of the tile's squared distance and
+the backward chains through it (``engine.logits_grad``); checked forward and backward (q,
+k, v) with GQA, causal masks, a soft cap, rows with no visible key, classes E, T and R,
+bfloat16 inputs and the exp2 flag. With FoX's decay the operands carry two terms each,
+checked with every cotangent. ``return_residual``: tests/kernels_pallas/test_residual.py
+(the export below keeps the residual's outputs in the program too).
 """
 
 from __future__ import annotations
@@ -16,12 +15,10 @@ from __future__ import annotations
 import chex
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import kernels_pallas as kp
 from jaxsoft import attention
-from tests.helpers import sampled
 from tests.kernels_pallas.test_contract import MOSAIC_SMALL, _decay
 from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
 from tests.kernels_pallas.test_lowering import export_fwd_bwd
@@ -41,9 +38,6 @@ def _kernel(backend, **kw):
 
 def _xla(**kw):
   return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation="xla", **kw)
-
-
-# ------------------------------------------------------------------ score="distance"
 
 
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
@@ -156,82 +150,6 @@ def test_distance_with_a_decay_through_the_dispatcher_and_fp8_is_refused(monkeyp
   chex.assert_trees_all_close(pruned, want, atol=1e-3)
   with pytest.raises(ValueError, match="fp8"):
     kp.attention(q, k, v, score="distance", fp8="e4m3", interpret=True)
-
-
-# ------------------------------------------------------------------ return_residual
-
-RESIDUAL_CASES = {
-    "softmax": {}, "softmax_sink": {"sink_logit": 0.7}, "ssmax": {"s": 0.8},
-    "sigmoid": {}, "sparsemax": {}, "top_k_softmax": {"k": 3}, "entmax15": {},
-    "top_p_softmax": {"p": 0.8},
-}
-
-
-# by default each class once (E with and without an offset, P, T with and without the gap
-# tau) over the two drivers; the full matrix under -m slow
-RESIDUAL_MATRIX = [(b, name) for name in RESIDUAL_CASES for b in ("triton", "mosaic_tpu")]
-RESIDUAL_DEFAULT = ("triton-softmax", "mosaic_tpu-softmax_sink", "mosaic_tpu-sigmoid",
-                    "triton-sparsemax", "mosaic_tpu-top_k_softmax", "triton-top_k_softmax")
-
-
-@pytest.mark.parametrize("case", sampled(
-    RESIDUAL_MATRIX, RESIDUAL_DEFAULT, ids=[f"{b}-{name}" for b, name in RESIDUAL_MATRIX]))
-def test_residual_matches_xla_per_class(case):
-  """The residual equals the dense path's (the log-sum-exp with the sink's mass, ssmax's
-  scaled one, 0 for sigmoid, tau for sparsemax / entmax15 / top-k: the search's tau, not
-  the gap tau top-k weighs at), ``-inf`` on the rows with no visible key (0 for class P,
-  the sink logit for softmax_sink), with no gradient; the output is the one without the residual."""
-  backend, name = case
-  params = RESIDUAL_CASES[name]
-  q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=58)
-  kw = dict(normalizer=name, normalizer_params=params, is_causal=True,
-            key_value_seq_lengths=KV_LEN)
-  out, res = _kernel(backend, return_residual=True, **kw)(q, k, v)
-  ref, ref_res = _xla(return_residual=True, **kw)(q, k, v)
-  assert res.shape == (B, T, N) and res.dtype == q.dtype
-  chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(out, _kernel(backend, **kw)(q, k, v))
-  finite = np.isfinite(np.asarray(ref_res))
-  np.testing.assert_array_equal(np.isfinite(np.asarray(res)), finite)
-  np.testing.assert_allclose(np.asarray(res)[finite], np.asarray(ref_res)[finite], atol=2e-5,
-                             rtol=1e-5)
-  if name == "sigmoid":
-    np.testing.assert_array_equal(np.asarray(res), 0.0)
-  elif name == "softmax_sink":  # an empty row keeps the sink's mass: log e^sink
-    np.testing.assert_allclose(np.asarray(res[1]), params["sink_logit"], rtol=1e-6)
-  else:
-    assert not finite[1].any() and finite[0].all()
-  grad = jax.grad(lambda q: jnp.sum(jnp.where(
-      finite, _kernel(backend, return_residual=True, **kw)(q, k, v)[1], 0.0)))(q)
-  np.testing.assert_array_equal(np.asarray(grad), 0.0)
-
-
-def test_residual_unbatched_and_through_the_dispatcher(monkeypatch):
-  """[T, N, H] inputs give a [T, N] residual; ``implementation="pallas"`` reaches the
-  kernel (a single explicit implementation raises instead of falling back) and returns
-  jax.nn's log-sum-exp."""
-  monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
-  q, k, v, _ = inputs(b=1, t=T, n=N, kh=N, h=H, seed=59)
-  out, res = kp.attention(q[0], k[0], v[0], is_causal=True, return_residual=True,
-                          interpret=True, block_sizes=TRITON_SMALL)
-  assert out.shape == (T, N, H) and res.shape == (T, N)
-  got = attention.dot_product_attention(q, k, v, is_causal=True, implementation="pallas",
-                                        return_residual=True)
-  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
-  chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(res, want[1][0], atol=1e-5, rtol=1e-5)
-
-
-def test_residual_of_class_r_is_refused_and_bad_flags_raise(monkeypatch):
-  monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
-  q, k, v, _ = inputs(b=1, t=T, n=2, kh=2, h=H, seed=60)
-  with pytest.raises(NotImplementedError, match="class R"):
-    attention.dot_product_attention(q, k, v, normalizer="standardized_softmax",
-                                    implementation="pallas", return_residual=True)
-  with pytest.raises(ValueError, match="return_residual"):
-    kp.attention(q, k, v, return_residual=1, interpret=True)
-  with pytest.raises(ValueError, match="score"):
-    kp.attention(q, k, v, score="cosine", interpret=True)
 
 
 @pytest.mark.parametrize("decay", [False, True], ids=["distance", "distance_decay"])
