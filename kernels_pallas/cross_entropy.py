@@ -91,6 +91,27 @@ def triton_shared_memory_bytes(bt: int, bv: int, d_pad: int, itemsize: int,
 
   Calibrated on one measurement: bf16, d = 1024, bt = 32, bv = 64 asked an H200 for
   327680 bytes, which is the forward's term.
+
+  Args:
+    bt, bv: tokens and vocabulary columns per block.
+    d_pad: the padded hidden size.
+    itemsize: bytes per element of h and w.
+    compute_itemsize: bytes per element of the compute dtype.
+
+  Returns:
+    The bytes, an int (compare with :data:`TRITON_SHARED_MEMORY_BUDGET`).
+
+  Examples:
+    >>> from kernels_pallas import cross_entropy as ce
+    >>> ce.triton_shared_memory_bytes(32, 64, 1024, 2, compute_itemsize=2)  # the forward's
+    327680
+    >>> ce.triton_shared_memory_bytes(32, 64, 1024, 2) > ce.TRITON_SHARED_MEMORY_BUDGET
+    True
+
+  References:
+    E. Wijmans, B. Huval, A. Hertzberg, V. Koltun & P. Krähenbühl, 2024, "Cut Your Losses
+    in Large-Vocabulary Language Models" (the
+    blockwise kernels whose tiles hold the whole hidden axis).
   """
   for name, x in (("bt", bt), ("bv", bv), ("d_pad", d_pad), ("itemsize", itemsize),
                   ("compute_itemsize", compute_itemsize)):
@@ -110,7 +131,27 @@ def default_block_sizes(backend: str, d_pad: int, itemsize: int = 2,
   ``[d, bv]`` block of w and dw), so the blocks shrink as d grows. On Triton, from
   ``(64, 128)`` the larger block is halved (down to 16) until
   :func:`triton_shared_memory_bytes` fits :data:`TRITON_SHARED_MEMORY_BUDGET`; no shape
-  fits from d = 2048 in bf16 (the caller raises)."""
+  fits from d = 2048 in bf16 (the caller raises). Mosaic TPU: 256 tokens and 512, 256 or
+  128 columns as d grows.
+
+  Args:
+    backend: ``"triton"`` or ``"mosaic_tpu"``.
+    d_pad: the padded hidden size.
+    itemsize: bytes per element of h and w.
+    compute_itemsize: bytes per element of the compute dtype.
+
+  Returns:
+    ``(bt, bv)``, two ints.
+
+  Examples:
+    >>> from kernels_pallas import cross_entropy as ce
+    >>> ce.default_block_sizes("triton", 256), ce.default_block_sizes("mosaic_tpu", 1024)
+    ((64, 64), (256, 512))
+
+  References:
+    E. Wijmans, B. Huval, A. Hertzberg, V. Koltun & P. Krähenbühl, 2024, "Cut Your Losses
+    in Large-Vocabulary Language Models".
+  """
   if backend == "triton":
     bt, bv = 64, 128
     while triton_shared_memory_bytes(bt, bv, d_pad, itemsize, compute_itemsize) > \
@@ -150,7 +191,17 @@ def linear_cross_entropy_tokens(h, w, y, keep, *, label_smoothing: float, z_loss
                                 softcap: float | None, compute_dtype, backend: str,
                                 interpret=False, token_chunk_size: int | None = None,
                                 vocab_chunk_size: int | None = None):
-  """Per-token loss of validated, flattened inputs (the caller checks shapes and ranges).
+  r"""Per-token linear cross-entropy by the Pallas kernels, the logits never materialised.
+
+  For token t with hidden state ``h_t``, label y and logits ``z_tv = c tanh(h_t . w_v / c)``
+  (no tanh without a soft cap c):
+
+  .. math::
+    \ell_t = \mathrm{LSE}_v(z_t) - (1 - \epsilon) z_{ty} - \epsilon\,
+    \mathrm{mean}_v(z_t) + \lambda\, \mathrm{LSE}_v(z_t)^2
+
+  (eps: label smoothing, lambda: the z-loss weight). The inputs are validated and
+  flattened by the caller, :func:`jaxsoft.losses.linear_cross_entropy`.
 
   Args:
     h: ``[n, d]`` hidden states; w: ``[d, V]``; y: ``[n]`` int32 labels in ``[0, V)``;
@@ -164,6 +215,29 @@ def linear_cross_entropy_tokens(h, w, y, keep, *, label_smoothing: float, z_loss
 
   Returns:
     ``[n]`` losses in ``compute_dtype`` (0 where ``keep`` is False), differentiable in h, w.
+
+  Examples:
+    Eight tokens, a vocabulary of 40, interpret mode on CPU, against optax on the
+    materialised logits:
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from kernels_pallas import cross_entropy as ce
+    >>> ks = jax.random.split(jax.random.key(0), 3)
+    >>> h = jax.random.normal(ks[0], (8, 16))
+    >>> w = jax.random.normal(ks[1], (16, 40)) / 4
+    >>> y = jax.random.randint(ks[2], (8,), 0, 40)
+    >>> loss = jax.jit(lambda h, w: ce.linear_cross_entropy_tokens(
+    ...     h, w, y, jnp.ones(8, bool), label_smoothing=0.0, z_loss=0.0, softcap=None,
+    ...     compute_dtype=jnp.float32, backend="triton", interpret=True))(h, w)
+    >>> ref = optax.softmax_cross_entropy_with_integer_labels(h @ w, y)
+    >>> loss.shape, bool(jnp.allclose(loss, ref, atol=1e-5))
+    ((8,), True)
+
+  References:
+    E. Wijmans, B. Huval, A. Hertzberg, V. Koltun & P. Krähenbühl, 2024, "Cut Your Losses
+    in Large-Vocabulary Language Models".
+
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
   """
   fn = "linear_cross_entropy"
   check_backend(backend, fn)

@@ -422,6 +422,37 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
 
   Returns:
     ``[B, N, Hv]`` in q's dtype (computed in float32).
+
+  Examples:
+    Two heads sharing one KV head, a cache of 32 keys of which 21 are valid, in interpret
+    mode on CPU, against the dense path with one query per row:
+
+    >>> import functools
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsoft.attention import dot_product_attention
+    >>> from kernels_pallas import decode_attention
+    >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)
+    >>> q = jax.random.normal(kq, (1, 2, 16))              # [B, N, H]: the new token
+    >>> k = jax.random.normal(kk, (1, 32, 1, 16))          # [B, S_max, K, H]
+    >>> v = jax.random.normal(kv, (1, 32, 1, 16))
+    >>> lengths = jnp.array([21])
+    >>> decode = jax.jit(functools.partial(decode_attention, block_k=16, interpret=True))
+    >>> o = decode(q, k, v, lengths)
+    >>> dense = jax.jit(lambda q, k, v, n: dot_product_attention(
+    ...     q[:, None], k, v, key_value_seq_lengths=n, implementation="xla")[:, 0])
+    >>> o.shape, bool(jnp.allclose(o, dense(q, k, v, lengths), atol=1e-5))
+    ((1, 2, 16), True)
+
+  References:
+    T. Dao, D. Haziza, F. Massa & G. Sizov, 2023, "Flash-Decoding for long-context
+    inference" (PyTorch blog; the split-K partials and their merge).
+
+    K. Hong, G. Dai, J. Xu, Q. Mao, X. Li, J. Liu, K. Chen, Y. Dong & Y. Wang, 2024,
+    "FlashDecoding++: Faster Large Language Model Inference on GPUs" (the unified max).
+
+    W. Kwon, Z. Li, S. Zhuang, Y. Sheng, L. Zheng, C. H. Yu, J. E. Gonzalez, H. Zhang &
+    I. Stoica, 2023, "Efficient Memory Management for Large Language Model Serving with
+    PagedAttention" (the paged cache).
   """
   q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
   if backend not in BACKENDS:

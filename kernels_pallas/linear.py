@@ -32,7 +32,8 @@ before the kernels, for all chunks at once (``_recurrence.unit_lower_inverse``: 
 ``[C, C]`` unit-lower-triangular inverse per chunk, by recursive block inversion, which
 neither Triton nor Mosaic expresses well in a kernel); autodiff differentiates that
 preparation, under ``jax.checkpoint`` for the delta rule, so that its ``[C, C]`` terms are
-rebuilt in the backward pass instead of being kept. The kernels do the sequential part, which is what a Pallas kernel buys:
+rebuilt in the backward pass instead of being kept. The kernels do the sequential part,
+which is what a Pallas kernel buys:
 
 * forward: one program per (batch x head) walks the chunks in order, carrying the
   ``[K, V]`` state in registers (Triton: a ``fori_loop`` inside the kernel, and one program
@@ -415,7 +416,8 @@ def _tpu_backward(cfg: _Cfg, x: dict, starts, do, dS_T):
 
   res = _tpu_call(cfg, kernel, "bwd", (BN, nC), ops, out_specs, out_shape,
                   [pltpu.VMEM((K, V), cfg.dt)])
-  grads = {n: (a.reshape(BN, nC, C) if n in ROWS else a) for n, a in zip(outs, res[:-1], strict=True)}
+  grads = {n: (a.reshape(BN, nC, C) if n in ROWS else a)
+           for n, a in zip(outs, res[:-1], strict=True)}
   return grads, res[-1]
 
 
@@ -463,8 +465,36 @@ def _next_pow2(x: int) -> int:
 
 
 def check_chunk(chunk: int, T: int, backend: str, fn_name: str = "chunked") -> int:
-  """The chunk length the kernels use: ``chunk``, or for ``T < chunk`` the shortest legal
-  chunk holding ``T``. Raises ValueError for a chunk the backend cannot tile."""
+  """The chunk length the linear-recurrence kernels use for a requested one.
+
+  ``chunk`` itself, or for ``T < chunk`` the shortest legal chunk holding ``T``: Triton
+  needs a power of two >= 16, Mosaic TPU a multiple of 8.
+
+  Args:
+    chunk: the requested chunk length (``chunk_size``).
+    T: the sequence length.
+    backend: ``"triton"`` or ``"mosaic_tpu"``.
+    fn_name: the caller's name, for the error message.
+
+  Returns:
+    The chunk length, an int.
+
+  Raises:
+    ValueError: a chunk the backend cannot tile, or an unknown backend.
+
+  Examples:
+    >>> from kernels_pallas import linear
+    >>> linear.check_chunk(64, 40, "triton"), linear.check_chunk(64, 40, "mosaic_tpu")
+    (64, 40)
+    >>> linear.check_chunk(24, 100, "triton")
+    Traceback (most recent call last):
+    ...
+    ValueError: chunked: `chunk_size` must be a power of two >= 16 for the Triton kernels, got 24
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention
+    Transformers with Hardware-Efficient Training" (the chunkwise form and its chunk).
+  """
   check_backend(backend, fn_name)
   if backend == "triton":
     if chunk < 16 or chunk & (chunk - 1):
@@ -502,7 +532,18 @@ def _pad_last(x, size: int):
 def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
             interpret: bool = False, segments: bool = True,
             block_v: int | None = None) -> tuple[jax.Array, jax.Array]:
-  """The chunked recurrence by the Pallas kernels; the layout of ``_recurrence.chunked``.
+  r"""The chunked scalar-decay linear recurrence (simple GLA, Lightning, delta rule) in Pallas.
+
+  Per batch and head, with ``S_0`` the initial state:
+
+  .. math::
+    \tilde S_t = e^{g_t} S_{t-1}, \qquad S_t = \tilde S_t + k_t u_t^\top, \qquad
+    o_t = S_t^\top q_t,
+
+  ``u_t = v_t`` without ``beta``, ``u_t = \beta_t (v_t - \tilde S_t^\top k_t)`` (the
+  gated delta rule) with it; a change of ``run`` resets the state to 0. Computed in chunks
+  of ``chunk`` tokens (see the module docstring); the same layout and result as
+  :func:`jaxsoft.linear.recurrence.chunked`, differentiable in every array input.
 
   Args:
     q, k: ``[B, N, T, K]`` float32 (``q`` scaled; float64 computes in float64, for tests);
@@ -521,6 +562,40 @@ def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
 
   Returns:
     ``(o [B, N, T, V], S_T [B, N, K, V])`` float32.
+
+  Examples:
+    Simple GLA (a log decay per token, no ``beta``) in interpret mode on CPU, against the
+    XLA chunked form:
+
+    >>> import functools
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsoft.linear import recurrence
+    >>> from kernels_pallas import linear
+    >>> ks = jax.random.split(jax.random.key(0), 4)
+    >>> q = jax.random.normal(ks[0], (1, 1, 32, 16)) / 4          # [B, N, T, K], scaled
+    >>> k = jax.random.normal(ks[1], (1, 1, 32, 16)) / 4
+    >>> v = jax.random.normal(ks[2], (1, 1, 32, 16))
+    >>> g = -jax.nn.softplus(jax.random.normal(ks[3], (1, 1, 32)))  # log decays
+    >>> run, S0 = jnp.zeros((1, 32), jnp.int32), jnp.zeros((1, 1, 16, 16))
+    >>> pallas = jax.jit(functools.partial(linear.chunked, chunk=16, interpret=True,
+    ...                                    segments=False))
+    >>> xla = jax.jit(functools.partial(recurrence.chunked, chunk=16))
+    >>> (o, S), (o_ref, S_ref) = pallas(q, k, v, g, None, run, S0), xla(q, k, v, g, None, run, S0)
+    >>> o.shape, bool(jnp.allclose(o, o_ref, atol=1e-5)), bool(jnp.allclose(S, S_ref, atol=1e-5))
+    ((1, 1, 32, 16), True, True)
+
+  References:
+    S. Yang, B. Wang, Y. Shen, R. Panda & Y. Kim, 2024, "Gated Linear Attention
+    Transformers with Hardware-Efficient Training".
+
+    Z. Qin, W. Sun, D. Li, X. Shen, W. Sun & Y. Zhong, 2024, "Lightning Attention-2: A
+    Free Lunch for Handling Unlimited Sequence Lengths in Large Language Models".
+
+    S. Yang, B. Wang, Y. Zhang, Y. Shen & Y. Kim, 2024, "Parallelizing Linear Transformers
+    with the Delta Rule over Sequence Length".
+
+    S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
+    Delta Rule".
   """
   B, N, T, K = q.shape
   V = v.shape[-1]

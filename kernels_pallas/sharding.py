@@ -47,6 +47,27 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
   Returns:
     The attention output ``[B, T, N, H]``, sharded like q (with ``return_residual=True``,
     the pair ``(out, residual [B, T, N])``).
+
+  Examples:
+    A one-device mesh (a data-parallel step's on one CPU), interpret mode, against the
+    dense path:
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxsoft.attention import dot_product_attention
+    >>> from kernels_pallas import sharded_attention
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> q = jax.random.normal(jax.random.key(0), (1, 16, 2, 16))   # [B, T, N, H]
+    >>> run = jax.jit(lambda q: sharded_attention(mesh, q, q, q, is_causal=True,
+    ...                                           backend="triton", interpret=True))
+    >>> o = run(q)
+    >>> dense = jax.jit(lambda q: dot_product_attention(q, q, q, is_causal=True,
+    ...                                                 implementation="xla"))
+    >>> o.shape, bool(jnp.allclose(o, dense(q), atol=1e-5))
+    ((1, 16, 2, 16), True)
+
+  References:
+    T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+    Partitioning" (the kernel run on each shard).
   """
   b, t, n, _ = q.shape
   qkv = P(batch_axis, None, head_axis, None)
