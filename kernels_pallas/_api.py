@@ -1,7 +1,7 @@
 """``kernels_pallas.attention`` and the adapter ``jaxsoft.attention`` calls.
 
 Both go through :func:`attention_from_call`, which takes a validated call
-(``jaxsoft.attention._api.AttentionCall``, validated once by ``_canonical_call``) and its
+(:class:`jaxsoft.attention.call.AttentionCall`, validated once by ``AttentionCall.create``) and its
 :class:`~jaxsoft.attention.MaskStructure`, and raises NotImplementedError for every call the
 engine cannot compute *exactly*, so that the dispatcher falls back to XLA.
 """
