@@ -131,7 +131,7 @@ def test_sigmoid_and_fox_sections_check_then_time(section, names, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("section,label", [("autotune", "| autotuned |"), ("fp8", "| fp8 |")])
-def test_k06_sections_run_and_check_first(section, label, capsys):
+def test_speed_flag_sections_run_and_check_first(section, label, capsys):
   """The K06 sections in interpret mode: each row is checked (ok) before it is timed."""
   rc = _load_bench().main(["--interpret", "--tiny", "--sections", section, "--reps", "1"])
   out = capsys.readouterr().out
