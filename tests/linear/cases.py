@@ -1,4 +1,9 @@
-"""Inputs and call wrappers for the five variants (no tests here)."""
+"""Inputs, call wrappers and shared checks for the linear-family tests (no tests here).
+
+The five base variants (linear attention, simple GLA, GLA, the two delta rules) have their
+inputs and calls here; every variant's test file uses the helpers below: random ``q, k, v``,
+the chunked call, the agreement of the forms with every gradient, decoding token by token.
+"""
 
 import functools
 
@@ -77,9 +82,88 @@ def reference_call(variant, args, segment_ids=None):
   a = {n: jax.tree.map(np.asarray, x) for n, x in args.items()}
   seg = None if segment_ids is None else np.asarray(segment_ids)
   if variant == "linear_attention":
-    phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))   # elu(x) + 1
+    phi = reference.elu1
     return reference.normalized_linear_attention(
         phi(a["q"]), phi(a["k"]), a["v"], initial_state=a.get("initial_state"),
         segment_ids=seg)
   return reference.recurrence(a["q"], a["k"], a["v"], g=a.get("g"), beta=a.get("beta"),
                               initial_state=a.get("initial_state"), segment_ids=seg)
+
+
+def random_qkv(keys, B, T, N, K, V, *, unit_keys=False):
+  """``{"q", "k": [B, T, N, K], "v": [B, T, N, V]}`` drawn from the first three of ``keys``
+  (standard normal; ``k`` L2-normalised along K when ``unit_keys``)."""
+  k = jax.random.normal(keys[1], (B, T, N, K))
+  return {"q": jax.random.normal(keys[0], (B, T, N, K)),
+          "k": linear.l2_normalize(k) if unit_keys else k,
+          "v": jax.random.normal(keys[2], (B, T, N, V))}
+
+
+def gated_delta_inputs(keys, B, T, N, K, V):
+  """Unit keys and a Gated DeltaNet backbone's ``g`` (in ``[-1, 0]``) and ``beta`` (in
+  ``[0.05, 1.5]``), ``[B, T, N]``, from the first five of ``keys``."""
+  a = random_qkv(keys, B, T, N, K, V, unit_keys=True)
+  a["g"] = jax.random.uniform(keys[3], (B, T, N), minval=-1.0, maxval=0.0)
+  a["beta"] = jax.random.uniform(keys[4], (B, T, N), minval=0.05, maxval=1.5)
+  return a
+
+
+def chunked(call, args, *, chunk_size=4, segment_ids=None):
+  """``call(args, implementation="chunked", ...)`` jitted: its ``(o, final_state)``."""
+  return jax.jit(functools.partial(call, implementation="chunked", chunk_size=chunk_size,
+                                   segment_ids=segment_ids))(args)
+
+
+def assert_matches_reference(call, args, reference_fn, *, segment_ids, tol=2e-5):
+  """The chunked call (chunks of 4) gives ``reference_fn(args in float64, segment_ids as
+  numpy)``'s output."""
+  o, _ = chunked(call, args, segment_ids=segment_ids)
+  a64 = jax.tree.map(lambda x: np.asarray(x, np.float64), args)
+  want = reference_fn(a64, None if segment_ids is None else np.asarray(segment_ids))
+  np.testing.assert_allclose(o, want, rtol=tol, atol=tol)
+
+
+def assert_forms_agree(call, args, forms, *, segment_ids, key, chunk_size=4):
+  """The forms of ``call`` (``call(args, implementation=, chunk_size=, segment_ids=)`` ->
+  ``(o, final_state)``) agree with ``forms[0]``: the value of a random linear function of
+  ``o`` and the final state, and its gradient with respect to every entry of ``args`` (each
+  of which must be non-zero)."""
+  o, S = jax.jit(functools.partial(call, implementation=forms[0], chunk_size=chunk_size,
+                                   segment_ids=segment_ids))(args)
+  keys = iter(jax.random.split(key, 4))
+  w = (jax.random.normal(next(keys), o.shape),
+       jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape), S))
+
+  def loss(form, args, w):
+    o, S = call(args, implementation=form, chunk_size=chunk_size, segment_ids=segment_ids)
+    return jnp.sum(o * w[0]) + sum(jnp.sum(s * c) for s, c in zip(
+        jax.tree.leaves(S), jax.tree.leaves(w[1]), strict=True))
+
+  results = {f: jax.jit(jax.value_and_grad(functools.partial(loss, f)))(args, w) for f in forms}
+  want_v, want_g = results[forms[0]]
+  for form in forms[1:]:
+    got_v, got_g = results[form]
+    np.testing.assert_allclose(got_v, want_v, rtol=1e-5, err_msg=form)
+    for name in args:
+      for got, want in zip(jax.tree.leaves(got_g[name]), jax.tree.leaves(want_g[name]),
+                           strict=True):
+        scale = float(jnp.max(jnp.abs(want)))
+        assert scale > 0, f"d/d{name} is 0"
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * scale,
+                                   err_msg=f"{form} d/d{name}")
+
+
+def assert_steps_match(step, xs, state, o, final_state, *, tol=1e-5):
+  """``step(x_t, state) -> (o_t, state)`` token by token over ``xs`` (a dict of
+  ``[B, T, ...]`` arrays, sliced at each ``t``; the Python int ``t`` is ``x_t["t"]``) gives
+  the full call's ``o`` and ``final_state``. Returns the last state (for a caller to compare
+  a part of it)."""
+  outs = []
+  for t in range(o.shape[1]):
+    o_t, state = step({n: x[:, t] for n, x in xs.items()} | {"t": t}, state)
+    outs.append(o_t)
+  np.testing.assert_allclose(jnp.stack(outs, axis=1), o, rtol=tol, atol=tol)
+  if final_state is not None:
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=tol, atol=tol),
+                 state, final_state)
+  return state

@@ -8,17 +8,27 @@ def _f64(x):
   return None if x is None else np.asarray(x, dtype=np.float64)
 
 
-def recurrence(q, k, v, *, g=None, beta=None, initial_state=None, segment_ids=None,
-               scale=None):
-  """``S_t = diag(e^{g_t}) S_{t-1}`` (reset at a segment change), then
-  ``S_t += k_t u_t^T`` with ``u_t = v_t`` or ``beta_t (v_t - S_t^T k_t)``; ``o_t = S_t^T q_t scale``.
+def elu1(x):
+  """Katharopoulos et al.'s feature map ``elu(x) + 1`` in float64."""
+  x = _f64(x)
+  return np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
 
-  ``g``: None, ``[B, T, N]`` or ``[B, T, N, K]``. Returns ``(o, S_T)`` in float64.
+
+def recurrence(q, k, v, *, g=None, beta=None, initial_state=None, segment_ids=None,
+               scale=None, write_gate=None, read_gate=None):
+  """``S_t = diag(e^{g_t}) S_{t-1}`` (reset at a segment change), then
+  ``S_t += γ^k_t k_t u_t^T`` with ``u_t = v_t`` or ``beta_t (v_t - S_t^T k_t)``;
+  ``o_t = γ^q_t S_t^T q_t scale``.
+
+  ``g``: None, ``[B, T, N]`` or ``[B, T, N, K]``; the gates ``γ^k`` (``write_gate``) and
+  ``γ^q`` (``read_gate``): None (1) or ``[B, T, N]``. Returns ``(o, S_T)`` in float64.
   """
   q, k, v, g, beta, S0 = map(_f64, (q, k, v, g, beta, initial_state))
   B, T, N, K = q.shape
   V = v.shape[-1]
   scale = K ** -0.5 if scale is None else scale
+  gk = np.ones((B, T, N)) if write_gate is None else _f64(write_gate)
+  gq = np.ones((B, T, N)) if read_gate is None else _f64(read_gate)
   o = np.zeros((B, T, N, V))
   S_T = np.zeros((B, N, K, V))
   for b in range(B):
@@ -34,8 +44,8 @@ def recurrence(q, k, v, *, g=None, beta=None, initial_state=None, segment_ids=No
           u = v[b, t, n]
         else:
           u = beta[b, t, n] * (v[b, t, n] - S.T @ k[b, t, n])
-        S = S + np.outer(k[b, t, n], u)
-        o[b, t, n] = S.T @ (q[b, t, n] * scale)
+        S = S + gk[b, t, n] * np.outer(k[b, t, n], u)
+        o[b, t, n] = gq[b, t, n] * (S.T @ (q[b, t, n] * scale))
       S_T[b, n] = S
   return o, S_T
 
@@ -105,7 +115,7 @@ def mala(q, k, v, *, scale, segment_ids=None, eps=1e-6):
   ``i``'s segment, ``s_j = scale φ(q_i)·φ(k_j) / n``, ``z = Σ s_j``, ``w_j = (1 + 1/(z + eps))
   s_j - z / n``, ``o_i = Σ w_j v_j`` (``φ = elu + 1``). Returns ``o`` in float64."""
   q, k, v = map(_f64, (q, k, v))
-  phi = lambda x: np.where(x > 0, x + 1.0, np.exp(np.minimum(x, 0.0)))
+  phi = elu1
   B, T, N, _ = q.shape
   o = np.zeros(v.shape)
   for b in range(B):
@@ -153,27 +163,12 @@ def ttt_linear(q, k, v, eta, *, mini_batch_size, initial_state=None, scale=None)
 def softmax_linear_attention(q, k, v, q_logits, k_logits=None, *, g=None, beta=None,
                              temperature=1.0, segment_ids=None, initial_state=None):
   """The [R] SLA equations as a loop: gates softmax over heads;
-  ``S_{t,n} = e^g S + γ^k k u^T`` (``u = v`` or ``β (v - S^T k)``), ``o = γ^q S^T q scale``."""
-  q, k, v, g, beta, S0 = map(_f64, (q, k, v, g, beta, initial_state))
-  B, T, N, K = q.shape
-  V = v.shape[-1]
+  ``S_{t,n} = e^g S + γ^k k u^T`` (``u = v`` or ``β (v - S^T k)``), ``o = γ^q S^T q scale``
+  (the gated :func:`recurrence`)."""
   gq = _softmax(_f64(q_logits) / temperature)
-  gk = np.ones((B, T, N)) if k_logits is None else _softmax(_f64(k_logits) / temperature)
-  o = np.zeros((B, T, N, V))
-  S_T = np.zeros((B, N, K, V))
-  for b in range(B):
-    for n in range(N):
-      S = np.zeros((K, V)) if S0 is None else S0[b, n].copy()
-      for t in range(T):
-        if segment_ids is not None and t > 0 and segment_ids[b][t] != segment_ids[b][t - 1]:
-          S = np.zeros((K, V))
-        if g is not None:
-          S = S * np.exp(g[b, t, n])
-        u = v[b, t, n] if beta is None else beta[b, t, n] * (v[b, t, n] - S.T @ k[b, t, n])
-        S = S + gk[b, t, n] * np.outer(k[b, t, n], u)
-        o[b, t, n] = gq[b, t, n] * (S.T @ q[b, t, n]) * K ** -0.5
-      S_T[b, n] = S
-  return o, S_T
+  gk = None if k_logits is None else _softmax(_f64(k_logits) / temperature)
+  return recurrence(q, k, v, g=g, beta=beta, initial_state=initial_state,
+                    segment_ids=segment_ids, write_gate=gk, read_gate=gq)
 
 
 def ccq(q, k, v, *, g=None, beta=None, strength=1.0, segment_ids=None):
