@@ -74,15 +74,11 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     >>> js.normalizers.affine_softmax(x, alpha=0.5, beta=0.1)  # free bias: sums to 0.8
     Array([0.4326, 0.2224, 0.145 ], dtype=float32)
   """
-  _ALPHA.validate(alpha, "affine_softmax")
   _BETA.validate(beta, "affine_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "affine_softmax")
-  m = c.masked_max(xs, mask, ax)
-  a = c.row_param(alpha, xs.shape, ax, "alpha", "affine_softmax", xs.dtype)
-  b = _bias(beta, a, c.visible_count(mask, ax, xs.dtype), xs.shape, ax)
-  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
-  return c.finish(a * p + b, mask, jnp.asarray(x).dtype)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "affine_softmax", (_ALPHA, alpha))
+  b = _bias(beta, hp["alpha"], c.visible_count(mask, ax, xs.dtype), xs.shape, ax)
+  p = c.exp_normalize(xs, mask, ax)
+  return c.finish(hp["alpha"] * p + b, mask, jnp.asarray(x).dtype)
 
 
 def _derive(stats, length, alpha=1.0, beta=None, **_):

@@ -78,12 +78,9 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.entmax15(x)[0], js.normalizers.asentmax(x)[0]  # n = 64: theta = 3.08
     (Array(0.3609, dtype=float32), Array(1., dtype=float32))
   """
-  for p, v in ((_DELTA, delta), (_BETA, beta), (_GAMMA, gamma)):
-    p.validate(v, "asentmax")
   _entmax._check_alpha(alpha)
-  xs, mask, ax, top = c.prepare(x, axis, where, "asentmax", with_max=True)
-  hp = {name: c.row_param(v, xs.shape, ax, name, "asentmax", xs.dtype)
-        for name, v in (("delta", delta), ("beta", beta), ("gamma", gamma))}
+  xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "asentmax", (_DELTA, delta),
+                                           (_BETA, beta), (_GAMMA, gamma), with_max=True)
   theta = asentmax_scale(c.visible_count(mask, ax, xs.dtype), **hp)
   # theta (x - max x): entmax is shift invariant per row, and the scaled scores keep
   # their differences exact however far x sits from 0 (theta x + theta c would round

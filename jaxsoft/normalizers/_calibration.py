@@ -10,7 +10,8 @@ from jax.typing import ArrayLike
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers._softmax import softmax
 
-__all__ = ["temperature_scale", "power_soften", "dirichlet_calibration", "odir_penalty"]
+__all__ = ["temperature_scale", "power_soften", "dirichlet_calibration", "dirichlet_logits",
+           "odir_penalty"]
 
 
 def temperature_scale(logits: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -106,8 +107,8 @@ def dirichlet_calibration(log_probs: ArrayLike, weights: ArrayLike,
   return out.astype(c.output_dtype(lp.dtype))
 
 
-def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike | None,
-                     fn: str) -> jax.Array:
+def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike | None = None,
+                     fn: str = "dirichlet_logits") -> jax.Array:
   """``W ln p + b`` in the compute dtype, the shapes checked (``fn`` names the caller):
   the calibrated logits of :func:`dirichlet_calibration` (and of
   ``jaxsoft.losses.dirichlet_calibrate``)."""

@@ -78,15 +78,10 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     >>> js.normalizers.clipped_softmax(x, gamma=-0.03)  # small weights become exact zeros
     Array([0.9283, 0.0177, 0.    , 0.    ], dtype=float32)
   """
-  _ZETA.validate(zeta, "clipped_softmax")
-  _GAMMA.validate(gamma, "clipped_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "clipped_softmax")
-  m = c.masked_max(xs, mask, ax)
-  zt = c.row_param(zeta, xs.shape, ax, "zeta", "clipped_softmax", xs.dtype)
-  gm = c.row_param(gamma, xs.shape, ax, "gamma", "clipped_softmax", xs.dtype)
-  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
-  return c.finish(_stretch(p, zt, gm), mask, jnp.asarray(x).dtype)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "clipped_softmax", (_ZETA, zeta),
+                                      (_GAMMA, gamma))
+  p = c.exp_normalize(xs, mask, ax)
+  return c.finish(_stretch(p, hp["zeta"], hp["gamma"]), mask, jnp.asarray(x).dtype)
 
 
 def _derive(stats, length, **_):

@@ -28,8 +28,7 @@ def _best_response(p, z, mask, gamma, t):
   u = jnp.where(mask, (z - gamma * p) / t, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(jnp.where(mask, u, -jnp.inf), axis=-1, keepdims=True))
   m = jnp.where(jnp.isfinite(m), m, 0.0)
-  e = jnp.where(mask, jnp.exp(jnp.where(mask, u, m) - m), 0.0)
-  return c.safe_divide(e, jnp.sum(e, axis=-1, keepdims=True))
+  return c.sum_normalize(jnp.exp(jnp.where(mask, u, m) - m), mask, -1)
 
 
 def _solve(z, mask, gamma, t):
@@ -142,11 +141,9 @@ def congestion_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = N
     Array(True, dtype=bool)
   """
   name = "congestion_softmax"
-  _GAMMA.validate(gamma, name)
-  _TEMPERATURE.validate(temperature, name)
-  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
-  gv = c.row_param(gamma, xs.shape, ax, "gamma", name, xs.dtype)
-  tv = c.row_param(temperature, xs.shape, ax, "temperature", name, xs.dtype)
+  xs, mask, ax, m, hp = c.prepare_params(x, axis, where, name, (_GAMMA, gamma),
+                                         (_TEMPERATURE, temperature), with_max=True)
+  gv, tv = hp["gamma"], hp["temperature"]
   last = functools.partial(c.to_last, axis=ax)
   p = _equilibrium(last(xs - m), last(mask), last(gv) if gv.ndim else gv,
                    last(tv) if tv.ndim else tv)

@@ -78,19 +78,15 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
   """
   name = "dirichlet_resample"
   key = check_key(key, name)
-  _ALPHA.validate(alpha, name)
-  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
-  a = c.row_param(alpha, xs.shape, ax, "alpha", name, xs.dtype)
-  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  xs, mask, ax, m, hp = c.prepare_params(x, axis, where, name, (_ALPHA, alpha), with_max=True)
+  p = c.sum_normalize(jnp.exp(xs - m), mask, ax)
   live = mask & (p >= _P_MIN)
-  conc = jnp.where(live, a * p, 1.0)  # 1.0: a harmless value in the dead branch
+  conc = jnp.where(live, hp["alpha"] * p, 1.0)  # 1.0: a harmless value in the dead branch
   logg = jax.random.loggamma(key, conc, dtype=xs.dtype)
   logg = jnp.where(live, logg, -jnp.inf)
   mx = jax.lax.stop_gradient(jnp.max(logg, axis=ax, keepdims=True))
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  g = jnp.where(live, jnp.exp(jnp.where(live, logg, mx) - mx), 0.0)
-  w = c.safe_divide(g, jnp.sum(g, axis=ax, keepdims=True))
+  w = c.sum_normalize(jnp.exp(jnp.where(live, logg, mx) - mx), live, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -75,13 +75,10 @@ def gumbel_softmax(key: jax.Array, x: ArrayLike, axis: int = -1,
     >>> bool(jnp.argmax(h) == jnp.argmax(y))  # same key, same noise, same winner
     True
   """
-  _TAU.validate(tau, "gumbel_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "gumbel_softmax")
-  t = c.row_param(tau, xs.shape, ax, "tau", "gumbel_softmax", xs.dtype)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "gumbel_softmax", (_TAU, tau))
   g = jax.random.gumbel(key, xs.shape, xs.dtype)
-  z = (xs + g) / t
-  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, ax)), 0.0)
-  y = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  z = (xs + g) / hp["tau"]
+  y = c.exp_normalize(z, mask, ax)
   if hard:
     idx = jnp.argmax(jnp.where(mask, z, -jnp.inf), axis=ax, keepdims=True)
     pos = jax.lax.broadcasted_iota(jnp.int32, xs.shape, ax)

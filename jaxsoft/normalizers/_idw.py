@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["idw_softmax"]
@@ -65,12 +64,9 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.idw_softmax(jnp.array([1.0, 2.0, 4.0]), power=2.0)
     Array([0.7619, 0.1905, 0.0476], dtype=float32)
   """
-  _POWER.validate(power, "idw_softmax")
-  _EPS.validate(eps, "idw_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "idw_softmax")
-  p = c.row_param(power, xs.shape, ax, "power", "idw_softmax", xs.dtype)
-  e = c.row_param(eps, xs.shape, ax, "eps", "idw_softmax", xs.dtype)
-  w = exp_normalize(_idw_score_map(xs, None, p, e), mask, ax)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
+                                      (_EPS, eps))
+  w = c.exp_normalize(_idw_score_map(xs, None, **hp), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -256,8 +256,7 @@ def unified_max_fallback(x: ArrayLike, phi: ArrayLike, axis: int = -1,
 @c.dense_rules
 def _unified_max_softmax(x, axis=-1, where=None, *, phi, safe_range):
   xs, mask, axis, ref, _ = _unified_parts(x, phi, axis, where, safe_range, "unified_max_softmax")
-  e = jnp.where(mask, jnp.exp(xs - ref), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+  w = c.sum_normalize(jnp.exp(xs - ref), mask, axis)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

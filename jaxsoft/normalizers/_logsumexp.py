@@ -108,10 +108,9 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))  # 0, not -inf
     Array([-0.3133, -1.3133,  0.    ], dtype=float32)
   """
-  _TEMPERATURE.validate(temperature, "log_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "log_softmax")
-  t = c.row_param(temperature, xs.shape, ax, "temperature", "log_softmax", xs.dtype)
-  z = xs / t
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "log_softmax",
+                                      (_TEMPERATURE, temperature))
+  z = xs / hp["temperature"]
   m, log_s = _masked_lse_parts(z, mask, ax)
   # (z - m) - log s, not z - LSE: subtracting two large numbers would lose the low bits
   # (x = 1000 has an f32 ulp of 6e-5). A fully masked row has log s = -inf; use 0 there.
@@ -121,11 +120,9 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
 def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):
   """``sign * eps * LSE(sign * x / eps)`` over visible entries (sign=+1 max, -1 min)."""
-  _EPS.validate(eps, fn_name)
   # The mask comes from x itself, so a -inf (masked) entry stays masked for smooth_min.
-  xs, mask, ax = c.prepare(x, axis, where, fn_name)
-  e = c.row_param(eps, xs.shape, ax, "eps", fn_name, xs.dtype)
-  out = sign * e * _masked_lse(sign * xs / e, mask, ax)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, fn_name, (_EPS, eps))
+  out = sign * hp["eps"] * _masked_lse(sign * xs / hp["eps"], mask, ax)
   if not keepdims:
     out = jnp.squeeze(out, axis=ax)
   return out.astype(jnp.asarray(x).dtype)

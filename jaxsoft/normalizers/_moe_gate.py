@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["moe_gate"]
@@ -72,10 +71,8 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.moe_gate(x, tau=0.1)[0]  # a low temperature: sparser
     Array(0.9014, dtype=float32)
   """
-  _TAU.validate(tau, "moe_gate")
-  xs, mask, ax = c.prepare(x, axis, where, "moe_gate")
-  t = c.row_param(tau, xs.shape, ax, "tau", "moe_gate", xs.dtype)
-  w = exp_normalize(_moe_gate_score_map(xs, None, tau=t), mask, ax)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "moe_gate", (_TAU, tau))
+  w = c.exp_normalize(_moe_gate_score_map(xs, None, **hp), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

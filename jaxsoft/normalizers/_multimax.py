@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["multimax", "multimax_modulator"]
@@ -96,12 +95,10 @@ def multimax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.multimax(x, t2=1.0, b2=1.0)  # the two large scores take the mass
     Array([0.573 , 0.3841, 0.0285, 0.0105, 0.0039], dtype=float32)
   """
-  hp = dict(t1=t1, t2=t2, t3=t3, t4=t4, b1=b1, b2=b2, b3=b3, b4=b4)
-  for p in _PARAMS:
-    p.validate(hp[p.name], "multimax")
-  xs, mask, ax = c.prepare(x, axis, where, "multimax")
-  hv = {k: c.row_param(v, xs.shape, ax, k, "multimax", xs.dtype) for k, v in hp.items()}
-  w = exp_normalize(multimax_modulator(xs, **hv), mask, ax)
+  given = dict(t1=t1, t2=t2, t3=t3, t4=t4, b1=b1, b2=b2, b3=b3, b4=b4)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "multimax",
+                                      *((p, given[p.name]) for p in _PARAMS))
+  w = c.exp_normalize(multimax_modulator(xs, **hp), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

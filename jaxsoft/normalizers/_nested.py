@@ -80,12 +80,9 @@ def nested_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     >>> js.normalizers.nested_sigmoid(jnp.array([-0.5, 0.5, 3.0]), kappa=10.0)  # 1/3 steps
     Array([0.3333, 0.6667, 1.    ], dtype=float32)
   """
-  for p, v in ((_KAPPA, kappa), (_START, start), (_STEP, step)):
-    p.validate(v, "nested_sigmoid")
   k_levels = _check_levels(levels)
-  xs, mask, ax = c.prepare(x, axis, where, "nested_sigmoid")
-  hp = {name: c.row_param(v, xs.shape, ax, name, "nested_sigmoid", xs.dtype)
-        for name, v in (("kappa", kappa), ("start", start), ("step", step))}
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "nested_sigmoid", (_KAPPA, kappa),
+                                      (_START, start), (_STEP, step))
   return c.finish(staircase(xs, levels=k_levels, **hp), mask, jnp.asarray(x).dtype)
 
 

@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["polar_softmax"]
@@ -102,13 +101,10 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     >>> js.normalizers.polar_softmax(jnp.array([-2.0, -3.0, -3.0, -4.0])).sum()  # all low
     Array(0.0046, dtype=float32)
   """
-  for p, v in ((_ALPHA, alpha), (_NULL_BIAS, null_bias), (_GAMMA, gamma)):
-    p.validate(v, "polar_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "polar_softmax")
-  hp = {name: c.row_param(v, xs.shape, ax, name, "polar_softmax", xs.dtype)
-        for name, v in (("alpha", alpha), ("null_bias", null_bias), ("gamma", gamma))}
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "polar_softmax", (_ALPHA, alpha),
+                                      (_NULL_BIAS, null_bias), (_GAMMA, gamma))
   n = c.visible_count(mask, ax, xs.dtype)
-  w = exp_normalize(_polar_score_map(xs, n, **hp), mask, ax, null=_scaled_null(n, **hp))
+  w = c.exp_normalize(_polar_score_map(xs, n, **hp), mask, ax, null=_scaled_null(n, **hp))
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

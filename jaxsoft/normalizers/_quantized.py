@@ -356,8 +356,7 @@ def lut_exp(x: ArrayLike, table_size: int = 256, *, x_min: float = -16.0,
 @c.dense_rules
 def _lut_softmax(x, axis=-1, where=None, *, table_size, x_min, frac_bits):
   xs, mask, axis, m = c.prepare(x, axis, where, "lut_softmax", with_max=True)
-  e = jnp.where(mask, lut_exp(xs - m, table_size, x_min=x_min, frac_bits=frac_bits), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+  w = c.sum_normalize(lut_exp(xs - m, table_size, x_min=x_min, frac_bits=frac_bits), mask, axis)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -34,12 +34,6 @@ _STD_EPS = Param("eps", 1e-7, low=0.0, low_open=True, sample=1e-3)
 _NAP_EPS = Param("eps", 1e-8, low=0.0, low_open=True, sample=1e-2)
 
 
-def _masked_softmax(z, mask, axis):
-  """softmax of ``z`` over the visible entries (any stabiliser-free z is re-centred)."""
-  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
-  return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
-
-
 def _safe_sqrt(v):
   """sqrt(v) with a zero (not infinite) gradient at v = 0."""
   pos = v > 0
@@ -91,7 +85,7 @@ def _limit_z_scores(posinf, visible, axis):
 
 def _standardized_inf_limit(posinf, axis, hparams, visible):
   t = c.row_param(hparams.get("tau", 1.0), posinf.shape, axis, "tau", "standardized_softmax")
-  return _masked_softmax(_limit_z_scores(posinf, visible, axis) / t, visible, axis)
+  return c.exp_normalize(_limit_z_scores(posinf, visible, axis) / t, visible, axis)
 
 
 def _nap_inf_limit(posinf, axis, hparams, visible):
@@ -161,8 +155,7 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
   poly = jnp.polyval(jnp.asarray(coeffs, xs.dtype), h)
   beta = jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)
   # beta >= 1 > 0, so the row max of beta (x - m) is 0 and exp stays <= 1.
-  e = jnp.where(mask, jnp.exp(beta * z), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  w = c.sum_normalize(jnp.exp(beta * z), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
@@ -213,12 +206,10 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
     Array([0.7245, 0.2129, 0.0626], dtype=float32)
   """
   name = "standardized_softmax"
-  _TAU.validate(tau, name)
   _STD_EPS.validate(eps, name)
-  xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
-  t = c.row_param(tau, xs.shape, ax, "tau", name, xs.dtype)
+  xs, mask, ax, m, hp = c.prepare_params(x, axis, where, name, (_TAU, tau), with_max=True)
   centred, _, var = row_moments(xs, mask, ax, m)
-  w = _masked_softmax(centred / (t * (_safe_sqrt(var) + eps)), mask, ax)
+  w = c.exp_normalize(centred / (hp["tau"] * (_safe_sqrt(var) + eps)), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

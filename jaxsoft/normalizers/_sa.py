@@ -62,9 +62,7 @@ def sa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
     Array([ 1.2878,  0.2369,  0.    , -0.0321], dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "sa_softmax")
-  m = c.masked_max(xs, mask, ax)
-  e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  w = xs * c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  w = xs * c.exp_normalize(xs, mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
@@ -111,8 +109,7 @@ def sa_softmax_normalized(x: ArrayLike, axis: int = -1,
   hi = jnp.maximum(jnp.max(jnp.where(mask, xs, -jnp.inf), axis=ax, keepdims=True), 0.0)
   lo = jnp.minimum(jnp.min(jnp.where(mask, xs, jnp.inf), axis=ax, keepdims=True), 0.0)
   # (a fully masked row: hi = lo = 0 and the factor's 0/0 is 0)
-  e = jnp.where(mask, jnp.exp(xs - c.masked_max(xs, mask, ax)), 0.0)
-  p = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  p = c.exp_normalize(xs, mask, ax)
   factor = c.safe_divide(xs - lo, hi - lo)
   return c.finish(factor * p, mask, jnp.asarray(x).dtype)
 

@@ -65,12 +65,9 @@ def multiscreen(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.multiscreen(jnp.array([0.9, 0.6, 0.4, -0.3]), theta=0.5)
     Array([0.8, 0.2, 0. , 0. ], dtype=float32)
   """
-  _THETA.validate(theta, "multiscreen")
-  _POWER.validate(power, "multiscreen")
-  xs, mask, ax = c.prepare(x, axis, where, "multiscreen")
-  th = c.row_param(theta, xs.shape, ax, "theta", "multiscreen", xs.dtype)
-  pw = c.row_param(power, xs.shape, ax, "power", "multiscreen", xs.dtype)
-  return c.finish(screen(xs, th, pw), mask, jnp.asarray(x).dtype)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "multiscreen", (_THETA, theta),
+                                      (_POWER, power))
+  return c.finish(screen(xs, hp["theta"], hp["power"]), mask, jnp.asarray(x).dtype)
 
 
 SPEC = register(NormalizerSpec(

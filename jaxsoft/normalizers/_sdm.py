@@ -7,7 +7,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._mapped import exp_normalize
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
 
 __all__ = ["sdm"]
@@ -65,12 +64,8 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.sdm(x, d=0.0)  # no distance credit: uniform
     Array([0.3333, 0.3333, 0.3333], dtype=float32)
   """
-  _Q.validate(q, "sdm")
-  _D.validate(d, "sdm")
-  xs, mask, ax = c.prepare(x, axis, where, "sdm")
-  qv = c.row_param(q, xs.shape, ax, "q", "sdm", xs.dtype)
-  dv = c.row_param(d, xs.shape, ax, "d", "sdm", xs.dtype)
-  w = exp_normalize(_sdm_score_map(xs, None, qv, dv), mask, ax)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "sdm", (_Q, q), (_D, d))
+  w = c.exp_normalize(_sdm_score_map(xs, None, **hp), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -57,9 +57,9 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.softmax(x, where=jnp.zeros(3, bool))  # nothing visible: zeros, not NaN
     Array([0., 0., 0.], dtype=float32)
   """
-  _TEMPERATURE.validate(temperature, "softmax")
-  xs, mask, axis, m = c.prepare(x, axis, where, "softmax", with_max=True)
-  t = c.row_param(temperature, xs.shape, axis, "temperature", "softmax", xs.dtype)
+  xs, mask, axis, m, hp = c.prepare_params(x, axis, where, "softmax",
+                                           (_TEMPERATURE, temperature), with_max=True)
+  t = hp["temperature"]
   # T > 0, so the row max of x / T is m / T: no second pass for the stabiliser.
   e = jnp.where(mask, jnp.exp((xs - m) / t), 0.0)
   d = jnp.sum(e, axis=axis, keepdims=True)  # >= 1 unless nothing is visible (then e = 0)

@@ -62,15 +62,10 @@ def _powered_softplus(x, axis, where, p, base, scale, fn_name):
   """``softplus(z)^p / sum softplus(z)^p`` with ``z = lambda(n) x``, as a softmax of
   ``p log softplus(z)``: exact, and rows whose softplus values all underflow float32
   (z below about -87) still get the right (softmax-like) weights instead of 0/0."""
-  for prm, v in ((_P, p), (_BASE, base), (_SCALE, scale)):
-    prm.validate(v, fn_name)
-  xs, mask, ax = c.prepare(x, axis, where, fn_name)
-  pv = c.row_param(p, xs.shape, ax, "p", fn_name, xs.dtype)
-  sv = c.row_param(scale, xs.shape, ax, "scale", fn_name, xs.dtype)
-  lam = length_scale(c.visible_count(mask, ax, xs.dtype), base, sv)
-  a = pv * _log_softplus(lam * xs)
-  e = jnp.where(mask, jnp.exp(a - c.masked_max(a, mask, ax)), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  _BASE.validate(base, fn_name)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, fn_name, (_P, p), (_SCALE, scale))
+  lam = length_scale(c.visible_count(mask, ax, xs.dtype), base, hp["scale"])
+  w = c.exp_normalize(hp["p"] * _log_softplus(lam * xs), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

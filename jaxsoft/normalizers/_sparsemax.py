@@ -13,7 +13,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
@@ -76,36 +75,19 @@ def threshold_by_blocks(solve, x, where, shift, scale: float = 1.0):
   from cache. Padding rows are fully masked (every solver here returns a finite
   threshold for them).
   """
-  lead, n = x.shape[:-1], x.shape[-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  if rows == 0 or n == 0:
-    return jnp.zeros(lead + (1,), x.dtype)
-  per = max(1, min(rows, FUSED_BLOCK_ENTRIES // max(n, 1)))
-  nblocks = -(-rows // per)
-  pad = nblocks * per - rows
+  n = x.shape[-1]
 
-  def split(a, width, fill):
-    a = jnp.broadcast_to(a, lead + (width,)).reshape(rows, width)
-    if pad:
-      a = jnp.pad(a, ((0, pad), (0, 0)), constant_values=fill)
-    return a.reshape(nblocks, per, width)
-
-  def block_y(xb, sb, wb=None):
+  def block_solve(xb, sb, wb=None):
     # A visible NaN stays NaN (the solves return a NaN tau for its row), +inf is masked
     # (-inf needs no mask: x - shift is -inf already).
     ok = xb != jnp.inf
     ok = ok if wb is None else jnp.logical_and(ok, wb)
-    return shifted(xb, ok, sb, scale)  # -inf on rows with shift +inf: x - inf
+    return solve(shifted(xb, ok, sb, scale))  # -inf on rows with shift +inf: x - inf
 
-  blocks: tuple[jax.Array, ...] = (split(x, n, 0.0), split(shift, 1, jnp.inf))
+  parts = [(x, n, 0.0), (shift, 1, jnp.inf)]
   if where is not None:
-    blocks = blocks + (split(where, n, False),)
-  block_solve = lambda b: solve(block_y(*b))  # noqa: E731
-  if nblocks == 1:
-    out = block_solve([b[0] for b in blocks])[None]
-  else:
-    out = jax.lax.map(block_solve, blocks)
-  return out.reshape(nblocks * per, 1)[:rows].reshape(lead + (1,))
+    parts.append((where, n, False))
+  return c.map_blocks_of_rows(block_solve, parts, FUSED_BLOCK_ENTRIES)
 
 
 def sparsemax_threshold(ym):

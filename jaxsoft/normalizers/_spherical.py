@@ -55,11 +55,8 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
     >>> js.normalizers.spherical_softmax(jnp.array([2.0, -2.0, 1.0, 0.0]))
     Array([0.4436, 0.4436, 0.1117, 0.0011], dtype=float32)
   """
-  _EPS.validate(eps, "spherical_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "spherical_softmax")
-  ev = c.row_param(eps, xs.shape, ax, "eps", "spherical_softmax", xs.dtype)
-  q = jnp.where(mask, _square_plus(xs, None, ev), 0.0)
-  w = c.safe_divide(q, jnp.sum(q, axis=ax, keepdims=True))
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "spherical_softmax", (_EPS, eps))
+  w = c.sum_normalize(_square_plus(xs, None, **hp), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -67,13 +67,10 @@ def ssa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.softmax(x)[0], js.normalizers.ssa_softmax(x)[0]
     (Array(0.105, dtype=float32), Array(0.8824, dtype=float32))
   """
-  _ALPHA.validate(alpha, "ssa_softmax")
-  _TOKEN.validate(token_temperature, "ssa_softmax")
-  xs, mask, ax = c.prepare(x, axis, where, "ssa_softmax")
-  a = c.row_param(alpha, xs.shape, ax, "alpha", "ssa_softmax", xs.dtype)
-  t = c.row_param(token_temperature, xs.shape, ax, "token_temperature", "ssa_softmax",
-                  xs.dtype)
-  w = _ssmax.ssmax(xs, axis=ax, where=mask, s=jax.nn.sigmoid(a), bias=1.0 + t)
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "ssa_softmax", (_ALPHA, alpha),
+                                      (_TOKEN, token_temperature))
+  w = _ssmax.ssmax(xs, axis=ax, where=mask, s=jax.nn.sigmoid(hp["alpha"]),
+                   bias=1.0 + hp["token_temperature"])
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -74,15 +74,11 @@ def ssmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.ssmax(x, s=1.0)[0], js.normalizers.softmax(x)[0]
     (Array(0.9849, dtype=float32), Array(0.105, dtype=float32))
   """
-  for p, v in ((_S, s), (_NPARAM, n), (_BIAS, bias)):
-    p.validate(v, "ssmax")
-  xs, mask, ax = c.prepare(x, axis, where, "ssmax")
-  sv = c.row_param(s, xs.shape, ax, "s", "ssmax", xs.dtype)
-  bv = c.row_param(bias, xs.shape, ax, "bias", "ssmax", xs.dtype)
+  _NPARAM.validate(n, "ssmax")
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "ssmax", (_S, s), (_BIAS, bias))
   nv = None if n is None else c.row_param(n, xs.shape, ax, "n", "ssmax", xs.dtype)
-  z = _scale(c.visible_count(mask, ax, xs.dtype), sv, nv, bv) * xs
-  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, ax)), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  z = _scale(c.visible_count(mask, ax, xs.dtype), hp["s"], nv, hp["bias"]) * xs
+  w = c.exp_normalize(z, mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

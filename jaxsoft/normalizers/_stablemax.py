@@ -70,8 +70,7 @@ def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Array([0.9837, 0.0081, 0.0081], dtype=float32)
   """
   xs, mask, ax = c.prepare(x, axis, where, "stablemax")
-  e = jnp.where(mask, stablemax_map(xs), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  w = c.sum_normalize(stablemax_map(xs), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

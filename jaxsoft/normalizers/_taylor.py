@@ -92,8 +92,7 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   """
   order = _check_order(order, "taylor_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "taylor_softmax")
-  e = jnp.where(mask, taylor_exp(xs, order), 0.0)
-  w = c.safe_divide(e, jnp.sum(e, axis=ax, keepdims=True))
+  w = c.sum_normalize(taylor_exp(xs, order), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

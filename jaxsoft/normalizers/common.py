@@ -47,15 +47,19 @@ __all__ = [
     "dense_rules",
     "share_among_inf",
     "prepare",
+    "prepare_params",
     "visible_count",
     "masked_max",
     "nan_max",
     "safe_divide",
+    "exp_normalize",
+    "sum_normalize",
     "row_param",
     "finish",
     "to_last",
     "from_last",
     "along_axis",
+    "map_blocks_of_rows",
     "map_row_blocks",
     "decouple",
     "passes_until_done",
@@ -168,6 +172,23 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False,
   return x_safe, mask, axis
 
 
+def prepare_params(x, axis: int, where, fn_name: str, *params, with_max: bool = False):
+  """:func:`prepare` for a normalizer with hyperparameters given as ``(Param, value)`` pairs.
+
+  Each value is first checked by its ``Param`` (``Param.validate``), then, after
+  :func:`prepare`, broadcast to the rows of ``x`` in the compute dtype (:func:`row_param`).
+  Returns ``(x_safe, mask, axis, hp)``, or ``(x_safe, mask, axis, row_max, hp)`` with
+  ``with_max=True``; ``hp`` maps each parameter's name to its row value.
+  """
+  for param, value in params:
+    param.validate(value, fn_name)
+  prepared = prepare(x, axis, where, fn_name, with_max=with_max)
+  xs, ax = prepared[0], prepared[2]
+  hp = {param.name: row_param(value, xs.shape, ax, param.name, fn_name, xs.dtype)
+        for param, value in params}
+  return (*prepared, hp)
+
+
 def nan_max(z, axis: int, *, check: bool = True):
   """Row max of ``z`` over ``axis`` (keepdims, no gradient), NaN on the rows that hold one.
 
@@ -242,6 +263,34 @@ def row_param(value, x_shape, axis: int, name: str, fn_name: str, dtype=jnp.floa
         f"{fn_name}: `{name}` of shape {v.shape} does not broadcast to the rows of `x` "
         f"{tuple(x_shape)}") from None
   return v.reshape(full)
+
+
+def exp_normalize(z, mask, axis: int, null=None):
+  """``e^{z_i} / (sum_{j in V} e^{z_j} [+ e^{null}])`` over the visible entries V.
+
+  The dense form of a class-E normalizer whose tile rule is ``e^{z - m}`` of a score map
+  ``z``. ``z`` is finite at masked entries (as :func:`prepare` leaves them). The
+  stabiliser is the row max of ``z`` over V, floored at the null logit when there is one
+  (so ``e^{null - m} <= 1`` cannot overflow, as the tile rule's ``m_floor``); it cancels,
+  so it carries no gradient. A row with nothing visible gets zeros.
+  """
+  m = masked_max(z, mask, axis)
+  if null is not None:
+    m = jnp.maximum(m, jax.lax.stop_gradient(null))
+  e = jnp.where(mask, jnp.exp(z - m), 0.0)
+  den = jnp.sum(e, axis=axis, keepdims=True)
+  if null is not None:
+    den = den + jnp.exp(null - m)
+  return safe_divide(e, den)
+
+
+def sum_normalize(q, mask, axis: int):
+  """``q_i / sum_{j in V} q_j`` over the visible entries V: the dense form of class S.
+
+  0 at masked entries and on a row whose visible sum is 0.
+  """
+  q = jnp.where(mask, q, 0.0)
+  return safe_divide(q, jnp.sum(q, axis=axis, keepdims=True))
 
 
 def finish(w, mask, dtype):
@@ -397,29 +446,45 @@ def along_axis(fn_last, x, axis: int, where, fn_name: str):
 BLOCK_ENTRIES = 1 << 16
 
 
+def map_blocks_of_rows(fn, parts, block_entries: int = BLOCK_ENTRIES):
+  """``fn(*blocks) -> [per, 1]`` over blocks of ``per`` rows; the ``[*lead, 1]`` results.
+
+  ``parts`` are ``(array, width, fill)``: the first array is ``[*lead, n]`` and sets the
+  rows and the block size (``per`` rows of about ``block_entries`` entries); each array is
+  broadcast to ``lead + (width,)``, and its padding rows (up to whole blocks) hold
+  ``fill``. A single block runs ``fn`` once, more run it under ``lax.map``.
+  """
+  first = parts[0][0]
+  lead, n = first.shape[:-1], first.shape[-1]
+  rows = int(np.prod(lead, dtype=np.int64))
+  if rows == 0 or n == 0:
+    return jnp.zeros(lead + (1,), first.dtype)
+  per = max(1, min(rows, block_entries // max(n, 1)))
+  nblocks = -(-rows // per)
+  pad = nblocks * per - rows
+
+  def split(a, width, fill):
+    a = jnp.broadcast_to(a, lead + (width,)).reshape(rows, width)
+    if pad:
+      a = jnp.pad(a, ((0, pad), (0, 0)), constant_values=fill)
+    return a.reshape(nblocks, per, width)
+
+  blocks = tuple(split(*part) for part in parts)
+  if nblocks == 1:
+    out = fn(*[b[0] for b in blocks])[None]
+  else:
+    out = jax.lax.map(lambda bs: fn(*bs), blocks)
+  return out.reshape(nblocks * per, 1)[:rows].reshape(lead + (1,))
+
+
 def map_row_blocks(fn, ym, *row_args):
   """``fn(ym_block, *row_arg_blocks) -> [rows, 1]`` applied over blocks of rows of ``ym``.
 
   ``row_args`` broadcast to ``ym.shape[:-1] + (1,)``; padding rows are fully masked
   (``-inf``), which every threshold solver handles.
   """
-  lead, n = ym.shape[:-1], ym.shape[-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  if rows == 0 or n == 0:
-    return jnp.zeros(lead + (1,), ym.dtype)
-  per = max(1, min(rows, BLOCK_ENTRIES // max(n, 1)))
-  nblocks = -(-rows // per)
-  pad = nblocks * per - rows
-  shape1 = lead + (1,)
-  flat = [ym.reshape(rows, n)] + [jnp.broadcast_to(a, shape1).reshape(rows, 1) for a in row_args]
-  fill = [-jnp.inf] + [1.0] * len(row_args)
-  blocks = [jnp.pad(a, ((0, pad), (0, 0)), constant_values=v).reshape(nblocks, per, -1)
-            for a, v in zip(flat, fill, strict=True)]
-  if nblocks == 1:
-    out = fn(*[b[0] for b in blocks])[None]
-  else:
-    out = jax.lax.map(lambda bs: fn(*bs), tuple(blocks))
-  return out.reshape(nblocks * per, 1)[:rows].reshape(shape1)
+  return map_blocks_of_rows(
+      fn, [(ym, ym.shape[-1], -jnp.inf)] + [(a, 1, 1.0) for a in row_args])
 
 
 def decouple(t, s):
