@@ -7,14 +7,15 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.pooling import _util as u
+from jaxsoft.pooling import _contract as u
+from jaxsoft.pooling._smooth import weighted_log_mean_exp
 
 __all__ = ["gem", "ggem", "power_mean_pool"]
 
 
 def _power_mean(y, w, mask, axis, p):
   r"""``(sum_i w_i y_i^p)^(1/p)`` for ``y > 0``, computed as ``exp(LME(p log y) / p)``."""
-  return jnp.exp(u.weighted_log_mean_exp(p * jnp.log(y), w, mask, axis) / p)
+  return jnp.exp(weighted_log_mean_exp(p * jnp.log(y), w, mask, axis) / p)
 
 
 def gem(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -64,16 +65,14 @@ def gem(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   name = "gem"
   u.check_range(p, "p", name, low=0.0, low_open=True)
   u.check_range(eps, "eps", name, low=0.0, low_open=True)
-  u.check_bool(keepdims, "keepdims", name)
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  pp = c.row_param(p, xs.shape, ax, "p", name, xs.dtype)
-  e = c.row_param(eps, xs.shape, ax, "eps", name, xs.dtype)
-  y = jnp.maximum(xs, e)
-  out = _power_mean(y, u.mean_weights(mask, ax, xs.dtype), mask, ax, pp)
-  out = jnp.where(u.any_visible(mask, ax), out, 0.0)
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+  def reduce(xs, mask, ax):
+    pp = c.row_param(p, xs.shape, ax, "p", name, xs.dtype)
+    y = jnp.maximum(xs, c.row_param(eps, xs.shape, ax, "eps", name, xs.dtype))
+    out = _power_mean(y, u.mean_weights(mask, ax, xs.dtype), mask, ax, pp)
+    return jnp.where(u.any_visible(mask, ax), out, 0.0)
+
+  return u.pool(reduce, x, axis, where, keepdims, name)
 
 
 def ggem(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None, *,
@@ -188,27 +187,24 @@ def power_mean_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   u.check_range(p, "p", name, low=0.0, low_open=True)
   u.check_range(eps, "eps", name, low=0.0, low_open=True)
   u.check_range(weights, "weights", name, low=0.0)
-  u.check_bool(keepdims, "keepdims", name)
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  pp = c.row_param(p, xs.shape, ax, "p", name, xs.dtype)
-  e = c.row_param(eps, xs.shape, ax, "eps", name, xs.dtype)
-  if weights is None:
-    w = u.mean_weights(mask, ax, xs.dtype)
-  else:
-    wa = jnp.asarray(weights)
-    try:
-      wa = jnp.broadcast_to(wa, xs.shape).astype(xs.dtype)
-    except ValueError:
-      raise ValueError(f"{name}: `weights` of shape {wa.shape} does not broadcast to `x` of "
-                       f"shape {xs.shape}") from None
-    wa = jnp.where(mask, wa, 0.0)
-    w = c.safe_divide(wa, jnp.sum(wa, axis=ax, keepdims=True))
-  # Masked entries of xs hold the pool's visible max, so this is the visible min.
-  m = jnp.min(xs, axis=ax, keepdims=True)
-  y = xs - m + e
-  out = _power_mean(y, w, mask, ax, pp) + m - e
-  ok = jnp.any(jnp.logical_and(mask, w > 0), axis=ax, keepdims=True)
-  out = jnp.where(ok, out, 0.0)
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+  def reduce(xs, mask, ax):
+    pp = c.row_param(p, xs.shape, ax, "p", name, xs.dtype)
+    e = c.row_param(eps, xs.shape, ax, "eps", name, xs.dtype)
+    if weights is None:
+      w = u.mean_weights(mask, ax, xs.dtype)
+    else:
+      wa = jnp.asarray(weights)
+      try:
+        wa = jnp.broadcast_to(wa, xs.shape).astype(xs.dtype)
+      except ValueError:
+        raise ValueError(f"{name}: `weights` of shape {wa.shape} does not broadcast to `x` "
+                         f"of shape {xs.shape}") from None
+      w = c.sum_normalize(wa, mask, ax)
+    # Masked entries of xs hold the pool's visible max, so this is the visible min.
+    m = jnp.min(xs, axis=ax, keepdims=True)
+    out = _power_mean(xs - m + e, w, mask, ax, pp) + m - e
+    ok = jnp.any(jnp.logical_and(mask, w > 0), axis=ax, keepdims=True)
+    return jnp.where(ok, out, 0.0)
+
+  return u.pool(reduce, x, axis, where, keepdims, name)

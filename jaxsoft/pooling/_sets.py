@@ -11,8 +11,8 @@ from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
 from jaxsoft.normalizers import common as c
+from jaxsoft.pooling import _contract as u
 from jaxsoft.pooling import _power
-from jaxsoft.pooling import _util as u
 
 __all__ = ["attention_pool", "entropic_ot_weights", "entropic_ot_pool"]
 

@@ -7,15 +7,28 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.pooling import _util as u
+from jaxsoft.pooling import _contract as u
 
 __all__ = ["soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool"]
 
 
-def _softmax_weights(z, mask, axis):
-  """softmax of ``z`` over the visible entries (0 elsewhere, 0 on an empty pool)."""
-  e = jnp.where(mask, jnp.exp(z - c.masked_max(z, mask, axis)), 0.0)
-  return c.safe_divide(e, jnp.sum(e, axis=axis, keepdims=True))
+def weighted_log_mean_exp(z, w, mask, axis: int):
+  r"""``log sum_i w_i exp(z_i)`` (keepdims) for weights ``w`` that sum to 1 on the pool.
+
+  Computed as :math:`m + \mathrm{log1p}(\sum_i w_i\, \mathrm{expm1}(z_i - m))` with ``m``
+  the max of ``z`` over the entries with ``w > 0``: no overflow, and no cancellation when
+  the ``z_i`` are close together (a log-mean-exp at a large temperature is then as
+  accurate as the mean it tends to). ``z`` must be finite everywhere (masked entries
+  hold a visible value, as :func:`jaxsoft.normalizers.common.prepare` gives); ``w`` is 0
+  at masked entries. A pool with no weight gives 0.
+  """
+  live = jnp.logical_and(mask, w > 0)
+  m = c.masked_max(z, live, axis)
+  d = jnp.where(live, z - m, 0.0)
+  s = jnp.sum(jnp.where(live, w * jnp.expm1(d), 0.0), axis=axis, keepdims=True)
+  # s > -1 in exact arithmetic (the max entry contributes expm1(0) = 0); keep log1p finite.
+  s = jnp.maximum(s, -1.0 + jnp.finfo(s.dtype).eps)
+  return m + jnp.log1p(s)
 
 
 def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -63,14 +76,12 @@ def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   """
   name = "soft_pool"
   u.check_range(temperature, "temperature", name, low=0.0, low_open=True)
-  u.check_bool(keepdims, "keepdims", name)
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  t = c.row_param(temperature, xs.shape, ax, "temperature", name, xs.dtype)
-  w = _softmax_weights(xs / t, mask, ax)
-  out = jnp.sum(w * xs, axis=ax, keepdims=True)
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+  def reduce(xs, mask, ax):
+    t = c.row_param(temperature, xs.shape, ax, "temperature", name, xs.dtype)
+    return jnp.sum(c.exp_normalize(xs / t, mask, ax) * xs, axis=ax, keepdims=True)
+
+  return u.pool(reduce, x, axis, where, keepdims, name)
 
 
 def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -123,20 +134,19 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array(1.3742, dtype=float32)
   """
   name = "ada_pool"
-  u.check_bool(keepdims, "keepdims", name)
   u.check_range(beta, "beta", name)  # NaN check only: beta is clamped
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  b = jnp.clip(c.row_param(beta, xs.shape, ax, "beta", name, xs.dtype), 0.0, 1.0)
-  mean = jnp.sum(u.mean_weights(mask, ax, xs.dtype) * xs, axis=ax, keepdims=True)
-  den = mean * mean + xs * xs
-  ok = den > 0
-  dsc = jnp.where(ok, 2.0 * mean * xs / jnp.where(ok, den, 1.0), 1.0)
-  out_d = jnp.sum(_softmax_weights(dsc, mask, ax) * xs, axis=ax, keepdims=True)
-  out_m = jnp.sum(_softmax_weights(xs, mask, ax) * xs, axis=ax, keepdims=True)
-  out = b * out_d + (1.0 - b) * out_m
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+  def reduce(xs, mask, ax):
+    b = jnp.clip(c.row_param(beta, xs.shape, ax, "beta", name, xs.dtype), 0.0, 1.0)
+    mean = jnp.sum(u.mean_weights(mask, ax, xs.dtype) * xs, axis=ax, keepdims=True)
+    den = mean * mean + xs * xs
+    ok = den > 0
+    dsc = jnp.where(ok, 2.0 * mean * xs / jnp.where(ok, den, 1.0), 1.0)
+    out_d = jnp.sum(c.exp_normalize(dsc, mask, ax) * xs, axis=ax, keepdims=True)
+    out_m = jnp.sum(c.exp_normalize(xs, mask, ax) * xs, axis=ax, keepdims=True)
+    return b * out_d + (1.0 - b) * out_m
+
+  return u.pool(reduce, x, axis, where, keepdims, name)
 
 
 def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -185,15 +195,14 @@ def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
   """
   name = "log_mean_exp"
   u.check_range(tau, "tau", name, low=0.0, low_open=True)
-  u.check_bool(keepdims, "keepdims", name)
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  t = c.row_param(tau, xs.shape, ax, "tau", name, xs.dtype)
-  w = u.mean_weights(mask, ax, xs.dtype)
-  out = t * u.weighted_log_mean_exp(xs / t, w, mask, ax)
-  out = jnp.where(u.any_visible(mask, ax), out, 0.0)
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+
+  def reduce(xs, mask, ax):
+    t = c.row_param(tau, xs.shape, ax, "tau", name, xs.dtype)
+    w = u.mean_weights(mask, ax, xs.dtype)
+    out = t * weighted_log_mean_exp(xs / t, w, mask, ax)
+    return jnp.where(u.any_visible(mask, ax), out, 0.0)
+
+  return u.pool(reduce, x, axis, where, keepdims, name)
 
 
 def linear_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
@@ -230,11 +239,9 @@ def linear_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = 
     >>> pooling.linear_softmax_pool(y)  # (0.81 + 0.01 + 0.04) / 1.2
     Array(0.7167, dtype=float32)
   """
-  name = "linear_softmax_pool"
-  u.check_bool(keepdims, "keepdims", name)
-  xs, mask, ax = c.prepare(x, axis, where, name)
-  if xs.shape[ax] == 0:
-    return u.empty_result(jnp.asarray(x), ax, keepdims)
-  y = jnp.where(mask, xs, 0.0)
-  out = c.safe_divide(jnp.sum(y * y, axis=ax, keepdims=True), jnp.sum(y, axis=ax, keepdims=True))
-  return u.reduce_out(out, ax, keepdims, jnp.asarray(x).dtype)
+  def reduce(xs, mask, ax):
+    y = jnp.where(mask, xs, 0.0)
+    return c.safe_divide(jnp.sum(y * y, axis=ax, keepdims=True),
+                         jnp.sum(y, axis=ax, keepdims=True))
+
+  return u.pool(reduce, x, axis, where, keepdims, "linear_softmax_pool")

@@ -62,25 +62,6 @@ def mean_weights(mask, axis: int, dtype):
   return c.safe_divide(mask.astype(dtype), n)
 
 
-def weighted_log_mean_exp(z, w, mask, axis: int):
-  r"""``log sum_i w_i exp(z_i)`` (keepdims) for weights ``w`` that sum to 1 on the pool.
-
-  Computed as :math:`m + \mathrm{log1p}(\sum_i w_i\, \mathrm{expm1}(z_i - m))` with ``m``
-  the max of ``z`` over the entries with ``w > 0``: no overflow, and no cancellation when
-  the ``z_i`` are close together (a log-mean-exp at a large temperature is then as
-  accurate as the mean it tends to). ``z`` must be finite everywhere (masked entries
-  hold a visible value, as :func:`jaxsoft.normalizers.common.prepare` gives); ``w`` is 0
-  at masked entries. A pool with no weight gives 0.
-  """
-  live = jnp.logical_and(mask, w > 0)
-  m = c.masked_max(z, live, axis)
-  d = jnp.where(live, z - m, 0.0)
-  s = jnp.sum(jnp.where(live, w * jnp.expm1(d), 0.0), axis=axis, keepdims=True)
-  # s > -1 in exact arithmetic (the max entry contributes expm1(0) = 0); keep log1p finite.
-  s = jnp.maximum(s, -1.0 + jnp.finfo(s.dtype).eps)
-  return m + jnp.log1p(s)
-
-
 def empty_result(x, axis: int, keepdims: bool):
   """Zeros for an input whose pooled axis has length 0 (the reduced shape, output dtype)."""
   shape = list(x.shape)
@@ -89,6 +70,21 @@ def empty_result(x, axis: int, keepdims: bool):
   else:
     del shape[axis]
   return jnp.zeros(tuple(shape), c.output_dtype(x.dtype))
+
+
+def pool(reduce, x, axis: int, where, keepdims, fn_name: str):
+  """``reduce(xs, mask, ax)``, a pooled value keepdims along ``ax``, under the contract.
+
+  Checks ``keepdims``; prepares ``x`` as the normalizers do (``common.prepare``: validated,
+  upcast, masked entries holding a visible value of their pool); gives zeros of the
+  reduced shape for a pooled axis of length 0 without calling ``reduce``; and returns the
+  pooled value squeezed unless ``keepdims``, in the output dtype.
+  """
+  check_bool(keepdims, "keepdims", fn_name)
+  xs, mask, ax = c.prepare(x, axis, where, fn_name)
+  if xs.shape[ax] == 0:
+    return empty_result(jnp.asarray(x), ax, keepdims)
+  return reduce_out(reduce(xs, mask, ax), ax, keepdims, jnp.asarray(x).dtype)
 
 
 def prepare_sets(x, axis: int, where, fn_name: str):
