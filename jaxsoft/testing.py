@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -629,25 +629,21 @@ def check_normalizer(fn: Callable[..., Any] | NormalizerSpec,
 # Rule evaluators
 
 
-def _tile_of(rule) -> TileRule:
-  if isinstance(rule, NormalizerSpec):
-    if rule.tile is None:
-      raise ValueError(f"normalizer {rule.name!r} has no tile rule (class {rule.kernel_class})")
-    return rule.tile
-  if not isinstance(rule, TileRule):
-    raise ValueError(f"`rule` must be a TileRule or a NormalizerSpec, got {type(rule).__name__}")
-  rule.validate()  # a bare rule must say its kernel class
-  return rule
+_Rule = TypeVar("_Rule", TileRule, ThresholdRule)
 
 
-def _threshold_of(rule) -> ThresholdRule:
+def _rule_of(rule, cls: type[_Rule], field: str) -> _Rule:
+  """The ``field`` rule ("tile" or "threshold") of a spec, or a bare rule of type ``cls``."""
   if isinstance(rule, NormalizerSpec):
-    if rule.threshold is None:
-      raise ValueError(f"normalizer {rule.name!r} has no threshold rule")
-    return rule.threshold
-  if not isinstance(rule, ThresholdRule):
-    raise ValueError(
-        f"`rule` must be a ThresholdRule or a NormalizerSpec, got {type(rule).__name__}")
+    found = getattr(rule, field)
+    if found is None:
+      raise ValueError(f"normalizer {rule.name!r} has no {field} rule (class "
+                       f"{rule.kernel_class})")
+    return found
+  if not isinstance(rule, cls):
+    raise ValueError(f"`rule` must be a {cls.__name__} or a NormalizerSpec, got "
+                     f"{type(rule).__name__}")
+  rule.validate()  # a bare tile rule must say its kernel class
   return rule
 
 
@@ -678,7 +674,7 @@ def evaluate_tile_rule(rule: TileRule | NormalizerSpec, x: ArrayLike, axis: int 
   Returns:
     Weights of ``x``'s shape and dtype.
   """
-  rule = _tile_of(rule)
+  rule = _rule_of(rule, TileRule, "tile")
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_tile_rule")
   xs, mask = jnp.moveaxis(xs, axis, -1), jnp.moveaxis(mask, axis, -1)
   length = c.visible_count(mask, -1, xs.dtype)
@@ -722,7 +718,7 @@ def evaluate_tile_rule_online(rule: TileRule | NormalizerSpec, x: ArrayLike, v: 
   Returns:
     ``[..., H]`` in float32 (float64 for float64 inputs).
   """
-  rule = _tile_of(rule)
+  rule = _rule_of(rule, TileRule, "tile")
   xs, mask, _ = c.prepare(x, -1, where, "evaluate_tile_rule_online")
   s = xs.shape[-1]
   block_sizes = [int(b) for b in block_sizes]
@@ -773,7 +769,7 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
   Returns:
     Weights of ``x``'s shape and dtype.
   """
-  rule = _threshold_of(rule)
+  rule = _rule_of(rule, ThresholdRule, "threshold")
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_threshold_rule")
   length = c.visible_count(mask, axis, xs.dtype)
   if rule.stats is not None:  # its derived hyperparameters (top-p: softmax's m, l)
