@@ -1,5 +1,4 @@
-"""Float64 references and inputs shared by the tests of the kernel-arithmetic softmaxes
-(test_kernel_softmax) and the quantised ones (test_quantized)."""
+"""Float64 references and inputs shared by the normalizer test files."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -8,12 +7,15 @@ from tests import helpers
 
 
 def softmax64(x, mask=None):
-  """float64 numpy softmax over the last axis (masked entries 0)."""
+  """float64 numpy softmax over the last axis; masked entries and a row with nothing
+  visible get 0 (``mask`` defaults to the finite entries; ``-inf`` is always masked)."""
   x = np.asarray(x, np.float64)
   mask = np.isfinite(x) if mask is None else np.asarray(mask) & (x > -np.inf)
-  m = np.max(np.where(mask, x, -np.inf), -1, keepdims=True)
-  e = np.where(mask, np.exp(np.where(mask, x, m) - m), 0.0)
-  return e / e.sum(-1, keepdims=True)
+  z = np.where(mask, x, -np.inf)
+  top = np.max(z, -1, keepdims=True)
+  e = np.where(mask, np.exp(z - np.where(np.isfinite(top), top, 0.0)), 0.0)
+  s = e.sum(-1, keepdims=True)
+  return np.divide(e, s, out=np.zeros_like(e), where=s > 0)
 
 
 def masked_rows():

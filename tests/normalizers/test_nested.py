@@ -9,6 +9,7 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
 from tests import helpers
+from tests.normalizers import masking
 
 # jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
 NESTED_SIGMOID = jax.jit(N.nested_sigmoid, static_argnames=("levels",))
@@ -60,11 +61,4 @@ def test_gradients_float64_masks_low_precision_tile_rule():
 def test_masked_entries_and_fully_masked_rows_are_exactly_zero():
   """where=False and -inf give exact zeros, with zero gradient (the float64 reference
   comparisons above only bound them by atol)."""
-  x, mask = helpers.random_rows(4)  # row 0 fully masked
-  m = np.asarray(mask)
-  ct = helpers.random_cotangent(x.shape)
-  for fn in (NESTED_SIGMOID,):
-    for args in ((x, mask), (jnp.where(mask, x, -jnp.inf), None)):
-      w, vjp = jax.vjp(lambda v, f=fn, wh=args[1]: f(v, where=wh), args[0])
-      assert (np.asarray(w)[~m] == 0).all()
-      assert (np.asarray(vjp(ct)[0])[~m] == 0).all()
+  masking.check_hidden_entries_exact_zero(NESTED_SIGMOID)
