@@ -578,6 +578,19 @@ def check_normalizer(fn: Callable[..., Any] | NormalizerSpec,
 
   Raises:
     AssertionError: naming the normalizer, the hyperparameter setting and the property.
+
+  Examples:
+    >>> import jaxsoft as js
+    >>> def hot_softmax(x, axis=-1, where=None, *, temperature=2.0):
+    ...   return js.normalizers.softmax(x, axis, where, temperature=temperature)
+    >>> js.testing.check_normalizer(hot_softmax, "softmax")  # the spec says T = 1
+    Traceback (most recent call last):
+    ...
+    AssertionError: normalizer 'softmax' fails property 'param_defaults': `temperature`: ...
+
+  References:
+    K. Claessen & J. Hughes, 2000, "QuickCheck: A Lightweight Tool for Random Testing of
+    Haskell Programs".
   """
   fn, spec = _resolve(fn, spec)
   key = jax.random.key(0) if key is None else key
@@ -673,6 +686,22 @@ def evaluate_tile_rule(rule: TileRule | NormalizerSpec, x: ArrayLike, axis: int 
 
   Returns:
     Weights of ``x``'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.testing.evaluate_tile_rule(js.normalizers.get("softmax"), x, temperature=0.5)
+    Array([0.865 , 0.1171, 0.0158, 0.0021], dtype=float32)
+    >>> js.normalizers.softmax(x, temperature=0.5)  # the function agrees with its rule
+    Array([0.865 , 0.1171, 0.0158, 0.0021], dtype=float32)
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
   """
   rule = _rule_of(rule, TileRule, "tile")
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_tile_rule")
@@ -717,6 +746,24 @@ def evaluate_tile_rule_online(rule: TileRule | NormalizerSpec, x: ArrayLike, v: 
 
   Returns:
     ``[..., H]`` in float32 (float64 for float64 inputs).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> softmax = js.normalizers.get("softmax")
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.testing.evaluate_tile_rule_online(softmax, x, jnp.eye(4), [1, 3])  # the weights
+    Array([0.6439, 0.2369, 0.0871, 0.0321], dtype=float32)
+    >>> v = jnp.arange(4.0)[:, None]
+    >>> js.testing.evaluate_tile_rule_online(softmax, x, v, [2, 2]), softmax(x) @ v
+    (Array([0.5073], dtype=float32), Array([0.5073], dtype=float32))
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
   """
   rule = _rule_of(rule, TileRule, "tile")
   xs, mask, _ = c.prepare(x, -1, where, "evaluate_tile_rule_online")
@@ -768,6 +815,20 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
 
   Returns:
     Weights of ``x``'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
+    >>> js.testing.evaluate_threshold_rule(js.normalizers.get("top_k_softmax"), x, k=2)
+    Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
+
+  References:
+    A. F. T. Martins & R. F. Astudillo, 2016, "From Softmax to Sparsemax: A Sparse Model of
+    Attention and Multi-Label Classification".
+
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
   rule = _rule_of(rule, ThresholdRule, "threshold")
   xs, mask, axis = c.prepare(x, axis, where, "evaluate_threshold_rule")

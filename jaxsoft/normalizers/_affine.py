@@ -64,7 +64,7 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros with zero
     gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -73,6 +73,10 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Array([0.4993, 0.289 , 0.2117], dtype=float32)
     >>> js.normalizers.affine_softmax(x, alpha=0.5, beta=0.1)  # free bias: sums to 0.8
     Array([0.4326, 0.2224, 0.145 ], dtype=float32)
+
+  References:
+    J. Bae et al., 2026, "Affine-Scaled Attention: Towards Flexible and Stable Transformer
+    Attention".
   """
   _BETA.validate(beta, "affine_softmax")
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "affine_softmax", (_ALPHA, alpha))

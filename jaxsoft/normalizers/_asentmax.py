@@ -21,8 +21,34 @@ _GAMMA = Param("gamma", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=T
 
 
 def asentmax_scale(length, delta=1.0, beta=0.5, gamma=1.0):
-  """``theta = delta + beta (log n)^gamma``; ``(log n)^gamma = 0`` for n <= 1 (and a
-  gradient free of NaN there, where ``log(log n)`` is ``-inf``)."""
+  r"""The length-adaptive scale of ASEntmax: ``theta = delta + beta (log n)^gamma``.
+
+  .. math::
+    \theta(n) = \delta + \beta\,(\log n)^\gamma
+
+  with ``(log n)^gamma = 0`` for n <= 1 (and a gradient free of NaN there, where
+  ``log(log n)`` is ``-inf``). :func:`asentmax` multiplies its scores by it.
+
+  Args:
+    length: n, the number of visible entries of each row (an array).
+    delta: the offset delta.
+    beta: the slope beta.
+    gamma: the power gamma.
+
+  Returns:
+    ``theta`` of ``length``'s shape.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.asentmax_scale(jnp.array([1.0, 64.0, 4096.0]))  # 1 + log(n) / 2
+    Array([1.    , 3.0794, 5.1589], dtype=float32)
+
+  References:
+    P. Vasylenko, M. Treviso, A. F. T. Martins et al., 2025, "Long-Context Generalization
+    with Sparse Attention".
+  """
   log_n = jnp.log(jnp.maximum(length, 1.0))
   pos = log_n > 0
   powered = jnp.where(pos, jnp.power(jnp.where(pos, log_n, 1.0), gamma), 0.0)
@@ -70,13 +96,19 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Threshold rule (class T): entmax's, on the scores ``(alpha - 1) theta(n) x``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.zeros(64).at[0].set(1.0)  # a needle among 63 zeros
     >>> js.normalizers.entmax15(x)[0], js.normalizers.asentmax(x)[0]  # n = 64: theta = 3.08
     (Array(0.3609, dtype=float32), Array(1., dtype=float32))
+
+  References:
+    P. Vasylenko, M. Treviso, A. F. T. Martins et al., 2025, "Long-Context Generalization
+    with Sparse Attention".
+
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
   _entmax._check_alpha(alpha)
   xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "asentmax", (_DELTA, delta),

@@ -32,6 +32,17 @@ def temperature_scale(logits: ArrayLike, axis: int = -1, where: ArrayLike | None
 
   Returns:
     Calibrated probabilities of ``logits``'s shape and dtype.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.temperature_scale(jnp.array([2.0, 1.0, 0.0]), temperature=2.0)
+    Array([0.5065, 0.3072, 0.1863], dtype=float32)
+
+  References:
+    C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, 2017, "On Calibration of Modern Neural
+    Networks".
   """
   return softmax(logits, axis, where, temperature=temperature)
 
@@ -57,7 +68,7 @@ def power_soften(probs: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     Softened probabilities of ``probs``'s shape and dtype; a row with no positive visible
     entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -66,6 +77,13 @@ def power_soften(probs: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     Array([0.5065, 0.3072, 0.1863], dtype=float32)
     >>> js.normalizers.softmax(jnp.array([2.0, 1.0, 0.0]), temperature=2.0)
     Array([0.5065, 0.3072, 0.1863], dtype=float32)
+
+  References:
+    "Probability-domain softening operators" (authors and year not recorded in
+    docs/feature_ids.md).
+
+    C. Guo, G. Pleiss, Y. Sun & K. Q. Weinberger, 2017, "On Calibration of Modern Neural
+    Networks".
   """
   p = jnp.asarray(probs)
   if jnp.issubdtype(p.dtype, jnp.floating):
@@ -101,6 +119,22 @@ def dirichlet_calibration(log_probs: ArrayLike, weights: ArrayLike,
 
   Returns:
     ``[..., K]`` calibrated probabilities (float32 for low-precision inputs are cast back).
+
+  Examples:
+    >>> import jax
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> log_p = jax.nn.log_softmax(jnp.array([2.0, 1.0, 0.0]))
+    >>> js.normalizers.dirichlet_calibration(log_p, jnp.eye(3) / 2.0)  # = softmax(z / 2)
+    Array([0.5065, 0.3072, 0.1863], dtype=float32)
+    >>> js.normalizers.dirichlet_calibration(log_p, jnp.eye(3), jnp.array([0.0, 0.0, 1.0]))
+    Array([0.5761, 0.2119, 0.2119], dtype=float32)
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019,
+    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with
+    Dirichlet calibration".
   """
   lp = jnp.asarray(log_probs)
   out = jax.nn.softmax(dirichlet_logits(lp, weights, bias, "dirichlet_calibration"), axis=-1)
@@ -109,9 +143,36 @@ def dirichlet_calibration(log_probs: ArrayLike, weights: ArrayLike,
 
 def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike | None = None,
                      fn: str = "dirichlet_logits") -> jax.Array:
-  """``W ln p + b`` in the compute dtype, the shapes checked (``fn`` names the caller):
-  the calibrated logits of :func:`dirichlet_calibration` (and of
-  ``jaxsoft.losses.dirichlet_calibrate``)."""
+  r"""The calibrated logits of Dirichlet calibration, ``W ln p + b``.
+
+  .. math::
+    z = W \ln p + b,
+
+  whose softmax is :func:`dirichlet_calibration` (and which
+  ``jaxsoft.losses.dirichlet_calibrate`` takes its cross-entropy of), in the compute dtype
+  (float32 for low-precision inputs), the shapes checked.
+
+  Args:
+    log_probs: ``ln p`` of shape ``[..., K]``.
+    weights: ``W`` of shape ``[K, K]``.
+    bias: ``b`` of shape ``[K]``, or None for 0.
+    fn: the caller's name, for the error messages.
+
+  Returns:
+    ``[..., K]`` logits.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> log_p = jnp.log(jnp.array([0.5, 0.25, 0.25]))
+    >>> js.normalizers.dirichlet_logits(log_p, -jnp.eye(3) / jnp.log(2.0), jnp.ones(3))
+    Array([2., 3., 3.], dtype=float32)
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019,
+    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with
+    Dirichlet calibration".
+  """
   lp = jnp.asarray(log_probs)
   w = jnp.asarray(weights)
   k = lp.shape[-1] if lp.ndim else 0
@@ -130,10 +191,36 @@ def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike |
 
 def odir_penalty(weights: ArrayLike, bias: ArrayLike | None = None, *,
                  lambda_od: float = 1.0, lambda_b: float = 1.0) -> jax.Array:
-  r"""ODIR ("off-diagonal and intercept") regulariser of Dirichlet calibration (Kull et al. 2019):
-  ``lambda_od / (K (K - 1)) sum_{i != j} W_ij^2 + lambda_b / K sum_j b_j^2``.
+  r"""ODIR ("off-diagonal and intercept") regulariser of Dirichlet calibration (Kull et al. 2019).
 
-  Diagonal W (vector and temperature scaling) pays nothing for W.
+  .. math::
+    \frac{\lambda_{od}}{K (K - 1)} \sum_{i \ne j} W_{ij}^2 + \frac{\lambda_b}{K} \sum_j b_j^2
+
+  A diagonal W (vector and temperature scaling) pays nothing for W.
+
+  Args:
+    weights: ``W`` of shape ``[K, K]``.
+    bias: ``b`` of shape ``[K]``, or None (no intercept term).
+    lambda_od: the weight of the off-diagonal term.
+    lambda_b: the weight of the intercept term.
+
+  Returns:
+    The penalty, a scalar.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> w = jnp.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
+    >>> js.normalizers.odir_penalty(w)  # 0.5^2 / (3 * 2)
+    Array(0.0417, dtype=float32)
+    >>> js.normalizers.odir_penalty(jnp.eye(3) * 2.0, jnp.array([0.0, 0.0, 3.0]), lambda_b=0.1)
+    Array(0.3, dtype=float32)
+
+  References:
+    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019,
+    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with
+    Dirichlet calibration".
   """
   w = jnp.asarray(weights)
   if w.ndim != 2 or w.shape[0] != w.shape[1]:

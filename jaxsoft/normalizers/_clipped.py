@@ -68,7 +68,7 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     Weights in [0, 1] of ``x``'s shape and dtype; a row with no visible entry is all zeros
     with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -77,6 +77,10 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     Array([0.9304, 0.0463, 0.017 , 0.0063], dtype=float32)
     >>> js.normalizers.clipped_softmax(x, gamma=-0.03)  # small weights become exact zeros
     Array([0.9283, 0.0177, 0.    , 0.    ], dtype=float32)
+
+  References:
+    Y. Bondarenko, M. Nagel & T. Blankevoort, 2023, "Quantizable Transformers: Removing
+    Outliers by Helping Attention Heads Do Nothing".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "clipped_softmax", (_ZETA, zeta),
                                       (_GAMMA, gamma))

@@ -127,7 +127,7 @@ def congestion_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = N
     with none is all zeros with zero gradient. Shift invariant (a per-row constant cancels
     in the softmax).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -139,6 +139,10 @@ def congestion_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = N
     Array([0.5354, 0.3095, 0.1551], dtype=float32)
     >>> jnp.abs(p - js.normalizers.softmax(q - 2.0 * p)).max() < 1e-6  # the fixed point
     Array(True, dtype=bool)
+
+  References:
+    "MoE routing as a congestion game", 2025 (a preprint; authors not recorded in
+    docs/feature_ids.md).
   """
   name = "congestion_softmax"
   xs, mask, ax, m, hp = c.prepare_params(x, axis, where, name, (_GAMMA, gamma),

@@ -64,7 +64,7 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
     A sample of ``x``'s shape and dtype on the simplex of the visible entries (computed in
     float32); a row with no visible entry is all zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
@@ -75,6 +75,12 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
     True
     >>> bool(jnp.allclose(draws.mean(0), jnp.array([0.5, 0.3, 0.2]), atol=0.01))
     True
+
+  References:
+    The "Soft Thinking" probing study, 2025 (a preprint; authors and title not recorded
+    in docs/feature_ids.md).
+
+    M. Figurnov, S. Mohamed & A. Mnih, 2018, "Implicit Reparameterization Gradients".
   """
   name = "dirichlet_resample"
   key = check_key(key, name)

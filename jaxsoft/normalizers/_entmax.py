@@ -147,13 +147,16 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
     Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
     row with no visible entry is all zeros, with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
     >>> js.normalizers.entmax15(x)  # between softmax (no zeros) and sparsemax ([0.6, 0.4, 0, 0])
     Array([0.5292, 0.3937, 0.077 , 0.    ], dtype=float32)
+
+  References:
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
   return _sparsemax.fused_along_axis(_entmax15_last, x, axis, where, "entmax15")
 
@@ -294,7 +297,7 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     ValueError: alpha <= 1 (checked for concrete values), bad ``n_iter``, ``axis`` or
       ``where``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -306,6 +309,13 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> js.normalizers.entmax(jnp.stack([x, x]), alpha=jnp.array([[1.25], [2.0]]))  # per row
     Array([[0.4787, 0.3736, 0.1356, 0.0121],
            [0.6   , 0.4   , 0.    , 0.    ]], dtype=float32)
+
+  References:
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
+
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers".
+
+    M. Blondel, A. F. T. Martins & V. Niculae, 2020, "Learning with Fenchel-Young Losses".
   """
   _check_alpha(alpha)
   if n_iter is not None and (not isinstance(n_iter, (int, np.integer)) or n_iter < 1):
@@ -339,12 +349,15 @@ def learned_alpha(z: ArrayLike, min_gap: float = 1e-3) -> jax.Array:
   for z below about -17 (and alpha - 1 = 0 has no entmax); at ``alpha - 1 = 1e-3`` entmax
   is already within about 1e-3 of softmax. ``min_gap=0`` gives the plain ``1 + softplus(z)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.learned_alpha(jnp.array([-5.0, 0.0, 5.0]))  # always > 1
     Array([1.0077, 1.6941, 6.0077], dtype=float32)
+
+  References:
+    G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers".
   """
   return 1.0 + min_gap + jax.nn.softplus(z)
 

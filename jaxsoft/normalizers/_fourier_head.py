@@ -31,10 +31,33 @@ def _complex_coefficients(coefficients, fn_name: str):
 
 
 def fourier_autocorrelation(coefficients: ArrayLike) -> jax.Array:
-  r"""``c_k = sum_l a_{l+k} conj(a_l)`` for k = 0..N (complex; ``c_0 = sum |a_l|^2``).
+  r"""The autocorrelation of Fourier-head coefficients, the density's Fourier series.
 
-  ``coefficients``: complex ``[..., N+1]``, or real ``[..., 2(N+1)]`` (real parts, then
-  imaginary parts).
+  .. math::
+    c_k = \sum_l a_{l+k}\,\overline{a_l}, \qquad k = 0, \dots, N
+
+  (complex; ``c_0 = sum_l |a_l|^2``): :func:`fourier_head`'s density is
+  ``1/2 + Re sum_{k >= 1} (c_k / c_0) e^{i pi k z}``.
+
+  Args:
+    coefficients: complex ``[..., N+1]``, or real ``[..., 2(N+1)]`` (real parts, then
+      imaginary parts).
+
+  Returns:
+    ``[..., N+1]`` complex.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.fourier_autocorrelation(jnp.array([1.0 + 0j, 0.8 + 0j]))
+    Array([1.64+0.j, 0.8 +0.j], dtype=complex64)
+    >>> js.normalizers.fourier_autocorrelation(jnp.array([1.0, 0.8, 0.0, 0.0]))  # real form
+    Array([1.64+0.j, 0.8 +0.j], dtype=complex64)
+
+  References:
+    N. Gillman, D. Aggarwal, M. Freeman, S. Singh & C. Sun, 2025, "Fourier Head: Helping
+    Large Language Models Learn Complex Probability Distributions".
   """
   a = _complex_coefficients(coefficients, "fourier_autocorrelation")
   n = a.shape[-1]
@@ -76,7 +99,7 @@ def fourier_head(coefficients: ArrayLike, num_bins: int) -> jax.Array:
     ``[..., num_bins]`` probabilities (float32, or float64 for float64 inputs) summing to 1.
     All-zero coefficients give NaN (c_0 = 0: no density is defined).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -84,6 +107,10 @@ def fourier_head(coefficients: ArrayLike, num_bins: int) -> jax.Array:
     Array([0.25, 0.25, 0.25, 0.25], dtype=float32)
     >>> js.normalizers.fourier_head(jnp.array([1.0 + 0j, 0.8 + 0j]), 4)  # 1.64 + 1.6 cos(pi z)
     Array([0.0775, 0.4225, 0.4225, 0.0775], dtype=float32)
+
+  References:
+    N. Gillman, D. Aggarwal, M. Freeman, S. Singh & C. Sun, 2025, "Fourier Head: Helping
+    Large Language Models Learn Complex Probability Distributions".
   """
   c = fourier_autocorrelation(coefficients)
   real_dtype = jnp.real(c).dtype
@@ -98,8 +125,29 @@ def fourier_head(coefficients: ArrayLike, num_bins: int) -> jax.Array:
 
 
 def fourier_head_logits(coefficients: ArrayLike, num_bins: int) -> jax.Array:
-  """``log(P + 1e-5)``: the reference code's logits (its "inverse softmax"), so existing
-  softmax cross-entropy code can train a Fourier head."""
+  """Fourier-head logits ``log(P + 1e-5)``, P the PMF of :func:`fourier_head`.
+
+  The reference code's logits (its "inverse softmax"), so existing softmax cross-entropy
+  code can train a Fourier head.
+
+  Args:
+    coefficients: as :func:`fourier_head`.
+    num_bins: the number of bins.
+
+  Returns:
+    ``[..., num_bins]`` logits.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> js.normalizers.fourier_head_logits(jnp.array([1.0 + 0j, 0.8 + 0j]), 4)
+    Array([-2.5569, -0.8616, -0.8616, -2.5569], dtype=float32)
+
+  References:
+    N. Gillman, D. Aggarwal, M. Freeman, S. Singh & C. Sun, 2025, "Fourier Head: Helping
+    Large Language Models Learn Complex Probability Distributions".
+  """
   return jnp.log(fourier_head(coefficients, num_bins) + LOGIT_FLOOR)
 
 
@@ -123,6 +171,20 @@ def fourier_head_cross_entropy(coefficients: ArrayLike, labels: ArrayLike, num_b
 
   Returns:
     ``[...]`` losses.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> a = jnp.array([[1.0 + 0j, 0.8 + 0j]] * 2)  # P = [0.0775, 0.4225, 0.4225, 0.0775]
+    >>> js.normalizers.fourier_head_cross_entropy(a, jnp.array([1, 0]), 4)
+    Array([0.8617, 2.5569], dtype=float32)
+    >>> js.normalizers.fourier_head_cross_entropy(a, jnp.array([1, 0]), 4, gamma=0.01)
+    Array([1.1143, 2.8096], dtype=float32)
+
+  References:
+    N. Gillman, D. Aggarwal, M. Freeman, S. Singh & C. Sun, 2025, "Fourier Head: Helping
+    Large Language Models Learn Complex Probability Distributions".
   """
   if not float(gamma) >= 0.0:
     raise ValueError(f"fourier_head_cross_entropy: `gamma` must be >= 0, got {gamma!r}")

@@ -59,7 +59,7 @@ def gumbel_softmax(key: jax.Array, x: ArrayLike, axis: int = -1,
     A sample of ``x``'s shape and dtype on the simplex of the visible entries (noise and
     softmax in float32); a row with no visible entry is all zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
@@ -74,6 +74,12 @@ def gumbel_softmax(key: jax.Array, x: ArrayLike, axis: int = -1,
     (Array(1., dtype=float32), Array(1., dtype=float32))
     >>> bool(jnp.argmax(h) == jnp.argmax(y))  # same key, same noise, same winner
     True
+
+  References:
+    E. Jang, S. Gu & B. Poole, 2017, "Categorical Reparameterization with Gumbel-Softmax".
+
+    C. J. Maddison, A. Mnih & Y. W. Teh, 2017, "The Concrete Distribution: A Continuous
+    Relaxation of Discrete Random Variables".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "gumbel_softmax", (_TAU, tau))
   g = jax.random.gumbel(key, xs.shape, xs.dtype)

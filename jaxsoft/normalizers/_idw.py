@@ -55,7 +55,7 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype summing to 1; a row with no visible entry is all
     zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -63,6 +63,9 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.5714, 0.2857, 0.1429], dtype=float32)
     >>> js.normalizers.idw_softmax(jnp.array([1.0, 2.0, 4.0]), power=2.0)
     Array([0.7619, 0.1905, 0.0476], dtype=float32)
+
+  References:
+    C. McCarter, 2023, "Inverse distance weighting attention".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
                                       (_EPS, eps))

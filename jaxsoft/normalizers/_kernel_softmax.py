@@ -195,7 +195,7 @@ def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
   Returns:
     ``softmax(x)`` of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -203,6 +203,9 @@ def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     Array([0.6652, 0.2447, 0.09  ], dtype=float32)
     >>> js.normalizers.two_pass_softmax(jnp.array([1e4, 1e4 - 1.0, -3e38]))  # no overflow
     Array([0.7311, 0.2689, 0.    ], dtype=float32)
+
+  References:
+    M. Dukhan & A. Ablavatski, 2020, "The Two-Pass Softmax Algorithm".
   """
   xs, mask, axis = c.prepare(x, axis, where, "two_pass_softmax")
   y = c.from_last(_two_pass_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
@@ -248,6 +251,30 @@ def unified_max_fallback(x: ArrayLike, phi: ArrayLike, axis: int = -1,
 
   True where the row's visible max ``m`` has ``m - phi`` outside ``safe_range``; False
   for a row with nothing visible.
+
+  Args:
+    x: scores.
+    phi: the unified max, a scalar or an array broadcast to the rows.
+    axis: the softmax axis.
+    where: optional boolean mask broadcastable to ``x``.
+    safe_range: ``(a, b)`` as in :func:`unified_max_softmax`; None for the default.
+
+  Returns:
+    A boolean array of ``x``'s shape with size 1 along ``axis``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> x = jnp.array([[2.0, 1.0, 0.0], [500.0, 499.0, 498.0]])
+    >>> js.normalizers.unified_max_fallback(x, phi=3.0)  # row 2: 500 - 3 is too far
+    Array([[False],
+           [ True]], dtype=bool)
+    >>> js.normalizers.unified_max_fallback(x, phi=jnp.array([[3.0], [500.0]]))  # per row
+    Array([[False],
+           [False]], dtype=bool)
+
+  References:
+    K. Hong et al., 2024, "FlashDecoding++: Faster Large Language Model Inference on GPUs".
   """
   x = jnp.asarray(x)
   return _unified_parts(x, phi, axis, where, safe_range, "unified_max_fallback")[4]
@@ -291,7 +318,7 @@ def unified_max_softmax(x: ArrayLike, phi: ArrayLike, axis: int = -1,
   Returns:
     ``softmax(x)`` of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -302,5 +329,8 @@ def unified_max_softmax(x: ArrayLike, phi: ArrayLike, axis: int = -1,
     >>> js.normalizers.unified_max_fallback(x, phi=3.0)
     Array([[False],
            [ True]], dtype=bool)
+
+  References:
+    K. Hong et al., 2024, "FlashDecoding++: Faster Large Language Model Inference on GPUs".
   """
   return _unified_max_softmax(x, axis, where, phi=phi, safe_range=safe_range)

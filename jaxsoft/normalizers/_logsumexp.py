@@ -60,7 +60,7 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     visible entry gives ``-inf`` (the log of an empty sum, as ``jax.nn.logsumexp``) with a
     zero gradient, never NaN.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -69,6 +69,10 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Array(2.4076, dtype=float32)
     >>> js.normalizers.logsumexp(x, where=jnp.array([False, True, True]))  # log(e + 1)
     Array(1.3133, dtype=float32)
+
+  References:
+    P. Blanchard, D. J. Higham & N. J. Higham, 2021, "Accurately Computing the Log-Sum-Exp
+    and Softmax Functions".
   """
   xs, mask, ax = c.prepare(x, axis, where, "logsumexp")
   out = _masked_lse(xs, mask, ax)
@@ -98,7 +102,7 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     as in ``jax.nn.log_softmax``) so that products such as ``p * log_p`` and masked
     cross-entropies stay finite; a fully masked row is all zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -107,6 +111,13 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Array([-0.4076, -1.4076, -2.4076], dtype=float32)
     >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))  # 0, not -inf
     Array([-0.3133, -1.3133,  0.    ], dtype=float32)
+
+  References:
+    J. S. Bridle, 1990, "Probabilistic Interpretation of Feedforward Classification
+    Network Outputs, with Relationships to Statistical Pattern Recognition".
+
+    P. Blanchard, D. J. Higham & N. J. Higham, 2021, "Accurately Computing the Log-Sum-Exp
+    and Softmax Functions".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "log_softmax",
                                       (_TEMPERATURE, temperature))
@@ -153,7 +164,7 @@ def smooth_max(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayL
     The row value in ``x``'s dtype (float32 compute for low precision); ``-inf`` for a row
     with no visible entry, with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -162,6 +173,12 @@ def smooth_max(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayL
     Array(2., dtype=float32)
     >>> js.normalizers.smooth_max(x, eps=1.0)  # = logsumexp(x), at most 2 + log 3
     Array(2.4076, dtype=float32)
+
+  References:
+    D. Zhu et al., 2023, "Provable Multi-instance Deep AUC Maximization with Stochastic
+    Pooling".
+
+    M. Cuturi & M. Blondel, 2017, "Soft-DTW: a Differentiable Loss Function for Time-Series".
   """
   return _smooth_extreme(x, eps, axis, where, keepdims, 1.0, "smooth_max")
 
@@ -180,11 +197,14 @@ def smooth_min(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayL
   "Soft-DTW: a Differentiable Loss Function for Time-Series", ICML 2017, arXiv
   1703.01353) and of the elastic-distance losses built on it.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.smooth_min(jnp.array([2.0, 1.0, 0.0]), eps=0.5)  # just below min = 0
     Array(-0.0715, dtype=float32)
+
+  References:
+    M. Cuturi & M. Blondel, 2017, "Soft-DTW: a Differentiable Loss Function for Time-Series".
   """
   return _smooth_extreme(x, eps, axis, where, keepdims, -1.0, "smooth_min")

@@ -59,7 +59,7 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Tile rule: ``z = sigmoid(x) / tau`` elementwise (class E), then softmax's ``e^{z - m}``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -70,6 +70,10 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.4473, 0.3584, 0.1944], dtype=float32)
     >>> js.normalizers.moe_gate(x, tau=0.1)[0]  # a low temperature: sparser
     Array(0.9014, dtype=float32)
+
+  References:
+    H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
+    Gaussian Mixture of Experts?".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "moe_gate", (_TAU, tau))
   w = c.exp_normalize(_moe_gate_score_map(xs, None, **hp), mask, ax)

@@ -32,12 +32,16 @@ def multimax_modulator(x, t1=0.0, t2=0.0, t3=0.0, t4=0.0, b1=0.0, b2=0.0, b3=0.0
   .. math::
     \sigma(x) = x + t_1 [b_1 - x]_+ + t_2 [x - b_2]_+ + t_3 [b_3 - x]_+^2 + t_4 [x - b_4]_+^2
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> js.normalizers.multimax_modulator(jnp.array([-2.0, 0.0, 2.0]), t1=0.5, t2=0.5,
     ...                                   b1=-1.0, b2=1.0)
     Array([-1.5,  0. ,  2.5], dtype=float32)
+
+  References:
+    Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
+    Learning".
   """
   return (x + t1 * jax.nn.relu(b1 - x) + t2 * jax.nn.relu(x - b2)
           + t3 * jnp.square(jax.nn.relu(b3 - x)) + t4 * jnp.square(jax.nn.relu(x - b4)))
@@ -85,7 +89,7 @@ def multimax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Tile rule: ``z = sigma(x)`` elementwise (class E), then softmax's ``e^{z - m}``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -94,6 +98,10 @@ def multimax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.4945, 0.4049, 0.0669, 0.0246, 0.0091], dtype=float32)
     >>> js.normalizers.multimax(x, t2=1.0, b2=1.0)  # the two large scores take the mass
     Array([0.573 , 0.3841, 0.0285, 0.0105, 0.0039], dtype=float32)
+
+  References:
+    Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
+    Learning".
   """
   given = dict(t1=t1, t2=t2, t3=t3, t4=t4, b1=b1, b2=b2, b3=b3, b4=b4)
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "multimax",

@@ -60,7 +60,7 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype (f32 compute); a fully masked row is all zeros
     with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -71,6 +71,10 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.6488, 0.4046, 0.2   , 0.0842], dtype=float32)
     >>> w.sum()  # no row normalisation
     Array(1.3376, dtype=float32)
+
+  References:
+    J. Ramapuram et al., 2024, "Theory, Analysis, and Best Practices for Sigmoid
+    Self-Attention".
   """
   _BIAS.validate(bias, "sigmoid")
   xs, mask, ax = c.prepare(x, axis, where, "sigmoid")
@@ -101,11 +105,16 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
   Returns:
     Weights of ``x``'s shape and dtype.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> js.normalizers.relu(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([2., 1., 0., 0.], dtype=float32)
+
+  References:
+    A. F. Agarap, 2018, "Deep Learning using Rectified Linear Units (ReLU)".
+
+    K. Shen et al., 2023, "A Study on ReLU and Softmax in Transformer".
   """
   xs, mask, _ = c.prepare(x, axis, where, "relu")
   return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
@@ -120,7 +129,7 @@ def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.
   M. Wortsman et al. 2023, "Replacing softmax with ReLU in Vision Transformers" (arXiv
   2309.08586). Arguments and returns as :func:`relu`; a fully masked row is zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
@@ -128,6 +137,10 @@ def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.
     Array([0.5 , 0.25, 0.  , 0.  ], dtype=float32)
     >>> js.normalizers.relu_n(x, where=jnp.array([True, True, False, False]))  # n = 2
     Array([1. , 0.5, 0. , 0. ], dtype=float32)
+
+  References:
+    M. Wortsman, J. Lee, J. Gilmer & S. Kornblith, 2023, "Replacing softmax with ReLU in
+    Vision Transformers".
   """
   xs, mask, ax = c.prepare(x, axis, where, "relu_n")
   n = jnp.maximum(c.visible_count(mask, ax, xs.dtype), 1.0)
@@ -143,11 +156,15 @@ def relu2(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.A
   Efficient Transformers for Language Modeling" (arXiv 2109.08668), used here as
   attention weights.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> js.normalizers.relu2(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([4., 1., 0., 0.], dtype=float32)
+
+  References:
+    D. R. So et al., 2021, "Primer: Searching for Efficient Transformers for Language
+    Modeling".
   """
   xs, mask, _ = c.prepare(x, axis, where, "relu2")
   return c.finish(jnp.square(jax.nn.relu(xs)), mask, jnp.asarray(x).dtype)

@@ -89,7 +89,7 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   Tile rule: ``z = t x``, softmax's ``e^{z - m}`` with the offset ``e^{t nu - m}`` and
   the stabiliser floored at ``t nu`` (``m_floor``), as softmax with a sink logit.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -100,6 +100,12 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     Array(0.9128, dtype=float32)
     >>> js.normalizers.polar_softmax(jnp.array([-2.0, -3.0, -3.0, -4.0])).sum()  # all low
     Array(0.0046, dtype=float32)
+
+  References:
+    Kreasof AI, "ATMA" (an ICLR 2027 submission, repository kreasof-ai/atma; authors and
+    year not recorded here).
+
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "polar_softmax", (_ALPHA, alpha),
                                       (_NULL_BIAS, null_bias), (_GAMMA, gamma))

@@ -133,7 +133,7 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
   Row statistic (class R): the entropy of softmax, mergeable over key blocks as a carried
   ``(m, l, sum_j e^{x_j - m} x_j)``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -143,6 +143,10 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
     >>> y = jnp.array([5.0, 0.0, 0.0])    # confident (H < 0.5): softmax itself
     >>> js.normalizers.adaptive_temperature_softmax(y)
     Array([0.9867, 0.0066, 0.0066], dtype=float32)
+
+  References:
+    P. Veličković, C. Perivolaropoulos, F. Barbero & R. Pascanu, 2024, "softmax is not
+    enough (for sharp out-of-distribution)".
   """
   name = "adaptive_temperature_softmax"
   _THRESHOLD.validate(threshold, name)
@@ -195,7 +199,7 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
   Row statistics (class R): the visible count, mean and variance, mergeable over key
   blocks by Chan et al.'s rule; the second pass is softmax of the standardised scores.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -204,6 +208,10 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
     Array([0.7245, 0.2129, 0.0626], dtype=float32)
     >>> js.normalizers.standardized_softmax(10.0 * x + 3.0)  # scale and shift: the same
     Array([0.7245, 0.2129, 0.0626], dtype=float32)
+
+  References:
+    S. Sun, W. Ren, J. Li, R. Wang & X. Cao, 2024, "Logit Standardization in Knowledge
+    Distillation".
   """
   name = "standardized_softmax"
   _STD_EPS.validate(eps, name)
@@ -248,7 +256,7 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Row statistics (class R): the visible count, mean and variance (Chan et al.'s merge
   over key blocks); the second pass is pointwise.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -257,6 +265,9 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([ 1.633 ,  0.    , -0.8165, -0.8165], dtype=float32)
     >>> w.mean(), (w ** 2).mean()
     (Array(0., dtype=float32), Array(1., dtype=float32))
+
+  References:
+    O. Richter & R. Wattenhofer, 2020, "Normalized Attention Without Probability Cage".
   """
   _NAP_EPS.validate(eps, "nap")
   xs, mask, ax, m = c.prepare(x, axis, where, "nap", with_max=True)

@@ -54,12 +54,15 @@ def sa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
   Tile rule: numerator ``z e^{z - m}``, denominator ``e^{z - m}`` (class E: both rescale
   by ``e^{m - m'}`` with the running max).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sa_softmax(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([ 1.2878,  0.2369,  0.    , -0.0321], dtype=float32)
+
+  References:
+    C. Zheng et al., 2025, "Self-Adjust Softmax".
   """
   xs, mask, ax = c.prepare(x, axis, where, "sa_softmax")
   w = xs * c.exp_normalize(xs, mask, ax)
@@ -97,12 +100,15 @@ def sa_softmax_normalized(x: ArrayLike, axis: int = -1,
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros with zero
     gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sa_softmax_normalized(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([0.6439, 0.1579, 0.029 , 0.    ], dtype=float32)
+
+  References:
+    C. Zheng et al., 2025, "Self-Adjust Softmax".
   """
   xs, mask, ax = c.prepare(x, axis, where, "sa_softmax_normalized")
   # min and max with their gradients (masked_max carries none: it is a stabiliser there)

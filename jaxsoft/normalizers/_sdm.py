@@ -52,7 +52,7 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype summing to 1; a row with no visible entry is all
     zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -63,6 +63,9 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.9009, 0.0901, 0.009 ], dtype=float32)
     >>> js.normalizers.sdm(x, d=0.0)  # no distance credit: uniform
     Array([0.3333, 0.3333, 0.3333], dtype=float32)
+
+  References:
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "sdm", (_Q, q), (_D, d))
   w = c.exp_normalize(_sdm_score_map(xs, None, **hp), mask, ax)

@@ -105,7 +105,7 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Tile rule: ``e^{z - m}`` as numerator and denominator plus the offset ``n e^{-m}``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -117,6 +117,12 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array(0.7873, dtype=float32)
     >>> js.normalizers.softmax_n(x, n=0.0)  # n = 0 is softmax
     Array([0.6652, 0.2447, 0.09  ], dtype=float32)
+
+  References:
+    E. Miller, 2023, "Attention Is Off By One" (blog post).
+
+    J. Y.-C. Hu et al., 2024, "Outlier-Efficient Hopfield Layers for Large Transformer-Based
+    Models".
   """
   _N.validate(n, "softmax_n")
   return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
@@ -130,7 +136,7 @@ def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
   attention of OutEffHop, J. Hu et al., ICML 2024, arXiv 2404.03828): all weights tend
   to 0 as every ``x_j -> -inf``, so a row can attend to nothing. See :func:`softmax_n`.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -139,6 +145,12 @@ def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Array([0.1125, 0.0414, 0.0152], dtype=float32)
     >>> w.sum()  # softmax would give 1 here
     Array(0.169, dtype=float32)
+
+  References:
+    E. Miller, 2023, "Attention Is Off By One" (blog post).
+
+    J. Y.-C. Hu et al., 2024, "Outlier-Efficient Hopfield Layers for Large Transformer-Based
+    Models".
   """
   return softmax_n(x, n=1.0, axis=axis, where=where)
 
@@ -168,7 +180,7 @@ def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
     Weights of ``x``'s shape and dtype (sum < 1); a row with no visible entry is all
     zeros with zero gradient (also in ``sink_logit``).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -177,6 +189,14 @@ def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
     Array([0.2369, 0.0871, 0.0321], dtype=float32)
     >>> w.sum()  # the sink took the rest
     Array(0.3561, dtype=float32)
+
+  References:
+    G. Xiao, Y. Tian, B. Chen, S. Han & M. Lewis, 2024, "Efficient Streaming Language
+    Models with Attention Sinks".
+
+    X. Gu et al., 2025, "When Attention Sink Emerges in Language Models: An Empirical View".
+
+    E. Miller, 2023, "Attention Is Off By One" (blog post).
   """
   _SINK.validate(sink_logit, "softmax_sink")
   return _sink_softmax(x, axis, where, 1.0, sink_logit, "softmax_sink")

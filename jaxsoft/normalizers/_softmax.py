@@ -43,7 +43,7 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros (where
     ``jax.nn.softmax`` gives NaN), with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -56,6 +56,12 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.7311, 0.2689, 0.    ], dtype=float32)
     >>> js.normalizers.softmax(x, where=jnp.zeros(3, bool))  # nothing visible: zeros, not NaN
     Array([0., 0., 0.], dtype=float32)
+
+  References:
+    J. S. Bridle, 1990, "Probabilistic Interpretation of Feedforward Classification
+    Network Outputs, with Relationships to Statistical Pattern Recognition".
+
+    G. Hinton, O. Vinyals & J. Dean, 2015, "Distilling the Knowledge in a Neural Network".
   """
   xs, mask, axis, m, hp = c.prepare_params(x, axis, where, "softmax",
                                            (_TEMPERATURE, temperature), with_max=True)

@@ -51,7 +51,7 @@ def softpick(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   (``m = max(m, 0)``, as the function does), since with the plain running max ``e^{-m}``
   overflows float32 once every score seen so far is below about -88.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -62,6 +62,10 @@ def softpick(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
     Array(0.9277, dtype=float32)
     >>> js.normalizers.softpick(jnp.array([-1.0, -2.0, -3.0]))  # attend to nothing
     Array([0., 0., 0.], dtype=float32)
+
+  References:
+    Z. M. K. Zuhri, E. H. Fuadi & A. F. Aji, 2025, "Softpick: No Attention Sink, No Massive
+    Activations with Rectified Softmax".
   """
   xs, mask, ax = c.prepare(x, axis, where, "softpick")
   m = jnp.maximum(c.masked_max(xs, mask, ax), 0.0)

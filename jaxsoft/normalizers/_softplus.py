@@ -36,12 +36,16 @@ def length_scale(n: ArrayLike, base: float | None = 512.0, scale: ArrayLike = 1.
   unknown, so here ``lambda(base) = scale``. ``base=None`` turns the length scale off
   (``lambda = scale``). ``n`` is clamped to >= 1 (empty rows).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.length_scale(jnp.array([8.0, 512.0, 4096.0]))  # log_512 n
     Array([0.3333, 1.    , 1.3333], dtype=float32)
+
+  References:
+    B. Gao & M. W. Spratling, 2025, "Softplus Attention with Re-weighting Boosts Length
+    Extrapolation in Large Language Models".
   """
   if base is None:
     return jnp.multiply(scale, jnp.ones_like(n))
@@ -101,7 +105,7 @@ def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``z = lambda(n) x``, numerator = denominator = ``softplus(z)`` (no max:
   class S; the tile form underflows to 0/0 only if every z < -87).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -110,6 +114,10 @@ def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.4783, 0.2953, 0.1559, 0.0704], dtype=float32)
     >>> js.normalizers.softplus_l1(x)  # n = 4: lambda = log_512 4 = 2/9 flattens the row
     Array([0.31  , 0.2673, 0.2286, 0.194 ], dtype=float32)
+
+  References:
+    B. Gao & M. W. Spratling, 2025, "Softplus Attention with Re-weighting Boosts Length
+    Extrapolation in Large Language Models".
   """
   return _powered_softplus(x, axis, where, 1.0, base, scale, "softplus_l1")
 
@@ -138,13 +146,17 @@ def lssar(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Returns:
     Weights of ``x``'s shape and dtype summing to 1; a fully masked row is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.normalizers.lssar(x, p=2.0, base=None)  # sharper than softplus_l1(x, base=None)
     Array([0.6626, 0.2526, 0.0704, 0.0144], dtype=float32)
+
+  References:
+    B. Gao & M. W. Spratling, 2025, "Softplus Attention with Re-weighting Boosts Length
+    Extrapolation in Large Language Models".
   """
   return _powered_softplus(x, axis, where, p, base, scale, "lssar")
 

@@ -175,7 +175,7 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
     row with no visible entry is all zeros, with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -183,6 +183,13 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Array([0.6, 0.4, 0. , 0. ], dtype=float32)
     >>> js.normalizers.sparsemax(jnp.array([5.0, 4.0, 0.5, -5.0]))  # larger gaps: smaller support
     Array([1., 0., 0., 0.], dtype=float32)
+
+  References:
+    A. F. T. Martins & R. F. Astudillo, 2016, "From Softmax to Sparsemax: A Sparse Model of
+    Attention and Multi-Label Classification".
+
+    C. Michelot, 1986, "A finite algorithm for finding the projection of a point onto the
+    canonical simplex of R^n".
   """
   return fused_along_axis(_sparsemax_last, x, axis, where, "sparsemax")
 

@@ -48,12 +48,16 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
     Weights of ``x``'s shape and dtype summing to 1; a row with no visible entry is all
     zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.spherical_softmax(jnp.array([2.0, -2.0, 1.0, 0.0]))
     Array([0.4436, 0.4436, 0.1117, 0.0011], dtype=float32)
+
+  References:
+    A. de Brébisson & P. Vincent, 2016, "An Exploration of Softmax Alternatives Belonging
+    to the Spherical Loss Family".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "spherical_softmax", (_EPS, eps))
   w = c.sum_normalize(_square_plus(xs, None, **hp), mask, ax)

@@ -59,13 +59,19 @@ def ssa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``z = tau(n) x`` (known before the key pass: class E), softmax's
   ``e^{z - m}``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.zeros(64).at[0].set(2.0)
     >>> js.normalizers.softmax(x)[0], js.normalizers.ssa_softmax(x)[0]
     (Array(0.105, dtype=float32), Array(0.8824, dtype=float32))
+
+  References:
+    X. Zhang, X. Chang, M. Li, A. Roy-Chowdhury, J. Chen & S. Oymak, 2024, "Selective
+    Attention: Enhancing Transformer through Principled Context Control".
+
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "ssa_softmax", (_ALPHA, alpha),
                                       (_TOKEN, token_temperature))

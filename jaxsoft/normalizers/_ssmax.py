@@ -61,7 +61,7 @@ def ssmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``z = (s log n + b) x`` (the per-row scale is known before the key pass, so
   SSMax stays in class E), then softmax's ``e^{z - m}``.
 
-  Example:
+  Examples:
     One needle score of 2 among zeros: softmax's weight on it fades as the row grows,
     SSMax's does not.
 
@@ -73,6 +73,9 @@ def ssmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     >>> x = jnp.zeros(64).at[0].set(2.0)
     >>> js.normalizers.ssmax(x, s=1.0)[0], js.normalizers.softmax(x)[0]
     (Array(0.9849, dtype=float32), Array(0.105, dtype=float32))
+
+  References:
+    K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention".
   """
   _NPARAM.validate(n, "ssmax")
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "ssmax", (_S, s), (_BIAS, bias))

@@ -19,12 +19,16 @@ def stablemax_map(x: ArrayLike) -> jax.Array:
   The ``1/(1 - x)`` branch only ever sees x <= 0, so it produces no inf (or NaN
   gradient) at x = 1.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.stablemax_map(jnp.array([2.0, 0.0, -2.0]))
     Array([3.    , 1.    , 0.3333], dtype=float32)
+
+  References:
+    L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal, 2025, "Grokking at the Edge of
+    Numerical Stability".
   """
   x = jnp.asarray(x)
   # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0).
@@ -57,7 +61,7 @@ def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Weights of ``x``'s shape and dtype summing to 1 (f32 compute for low precision); a
     row with no visible entry is all zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -68,6 +72,10 @@ def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     Array([1., 0., 0.], dtype=float32)
     >>> js.normalizers.stablemax(x)  # polynomial, not exponential, in the gap
     Array([0.9837, 0.0081, 0.0081], dtype=float32)
+
+  References:
+    L. Prieto, M. Barsbey, P. A. M. Mediano & T. Birdal, 2025, "Grokking at the Edge of
+    Numerical Stability".
   """
   xs, mask, ax = c.prepare(x, axis, where, "stablemax")
   w = c.sum_normalize(stablemax_map(xs), mask, ax)

@@ -34,12 +34,19 @@ def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
   For even m it is strictly positive on the reals (its minimum, at the real root of the
   order-(m-1) polynomial, equals ``x^m / m! > 0``).
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.taylor_exp(jnp.array([-1.0, 0.0, 1.0]))  # 1 + x + x^2/2
     Array([0.5, 1. , 2.5], dtype=float32)
+
+  References:
+    A. de Brébisson & P. Vincent, 2016, "An Exploration of Softmax Alternatives Belonging
+    to the Spherical Loss Family".
+
+    T. C. Nauen et al., 2024, "TaylorShift: Shifting the Complexity of Self-Attention from
+    Squared to Linear (and Back) using Taylor-Softmax".
   """
   order = _check_order(order, "taylor_exp")
   acc = jnp.ones_like(x)
@@ -80,7 +87,7 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Weights of ``x``'s shape and dtype summing to 1 (f32 compute); a fully masked row is
     all zeros with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -89,6 +96,13 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Array([0.5556, 0.2778, 0.1111, 0.0556], dtype=float32)
     >>> js.normalizers.taylor_softmax(x, order=4)  # closer to softmax(x)
     Array([0.6316, 0.2444, 0.0902, 0.0338], dtype=float32)
+
+  References:
+    A. de Brébisson & P. Vincent, 2016, "An Exploration of Softmax Alternatives Belonging
+    to the Spherical Loss Family".
+
+    T. C. Nauen et al., 2024, "TaylorShift: Shifting the Complexity of Self-Attention from
+    Squared to Linear (and Back) using Taylor-Softmax".
   """
   order = _check_order(order, "taylor_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "taylor_softmax")

@@ -83,7 +83,7 @@ def top_k_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   Raises:
     ValueError: ``k`` not an int in ``[1, x.shape[axis]]``, bad ``axis`` or ``where``.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -92,6 +92,13 @@ def top_k_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
     >>> js.normalizers.top_k_softmax(x, k=4)  # k = n: softmax
     Array([0.6095, 0.2242, 0.136 , 0.0303], dtype=float32)
+
+  References:
+    S. Sun et al., 2021, "Sparse-softmax: A Simpler and Faster Alternative Softmax
+    Transformation".
+
+    H. Nguyen et al., 2024, "Statistical Perspective of Top-K Sparse Softmax Gating
+    Mixture of Experts".
   """
   if isinstance(k, (bool, np.bool_)) or not isinstance(k, (int, np.integer)):
     raise ValueError(f"top_k_softmax: `k` must be a static int, got {k!r}")
@@ -149,7 +156,7 @@ def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -158,6 +165,10 @@ def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
     >>> js.normalizers.top_p_softmax(x, p=0.9)
     Array([0.6285, 0.2312, 0.1402, 0.    ], dtype=float32)
+
+  References:
+    A. Holtzman, J. Buys, L. Du, M. Forbes & Y. Choi, 2020, "The Curious Case of Neural
+    Text Degeneration".
   """
   _P.validate(p, "top_p_softmax")
   return _top_p_softmax(x, where, float(p), axis=axis)
@@ -221,13 +232,17 @@ def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])  # softmax: [0.6095, 0.2242, 0.136, 0.0303]
     >>> js.normalizers.epsilon_softmax(x, epsilon=0.05)  # drops pi < 0.05
     Array([0.6285, 0.2312, 0.1402, 0.    ], dtype=float32)
+
+  References:
+    J. Hewitt, C. D. Manning & P. Liang, 2022, "Truncation Sampling as Language Model
+    Desmoothing".
   """
   _EPSILON.validate(epsilon, "epsilon_softmax")
   return _truncated_softmax(x, where, epsilon, axis=axis, fn_name="epsilon_softmax")
@@ -261,7 +276,7 @@ def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> jnp.set_printoptions(precision=4)
@@ -270,6 +285,10 @@ def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.3672, 0.3322, 0.3006, 0.    , 0.    ], dtype=float32)
     >>> js.normalizers.eta_softmax(flat, eta=0.22)  # high entropy lowers it to about 0.11
     Array([0.2887, 0.2612, 0.2363, 0.2138, 0.    ], dtype=float32)
+
+  References:
+    J. Hewitt, C. D. Manning & P. Liang, 2022, "Truncation Sampling as Language Model
+    Desmoothing".
   """
   _ETA.validate(eta, "eta_softmax")
   return _truncated_softmax(x, where, eta, axis=axis, fn_name="eta_softmax")

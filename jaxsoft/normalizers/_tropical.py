@@ -42,7 +42,7 @@ def tropical_max_plus(scores: ArrayLike, values: ArrayLike, where: ArrayLike | N
     ``o`` of shape ``[..., T, H]`` in the promoted dtype of the inputs (computed in float32
     for low-precision inputs); a query row with no visible key gives 0, with zero gradient.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> import jaxsoft as js
     >>> s = jnp.array([[0.0, -1.0, -5.0]])
@@ -51,6 +51,10 @@ def tropical_max_plus(scores: ArrayLike, values: ArrayLike, where: ArrayLike | N
     Array([[2.]], dtype=float32)
     >>> js.normalizers.tropical_max_plus(s, v, eps=0.01)
     Array([[2.]], dtype=float32)
+
+  References:
+    Hashemi, Pasque, Teska & Yoshida, 2025, "Tropical Attention: Neural Algorithmic
+    Reasoning for Combinatorial Algorithms".
   """
   name = "tropical_max_plus"
   s = jnp.asarray(scores)
@@ -108,6 +112,18 @@ def tropical_hilbert_scores(q: ArrayLike, k: ArrayLike) -> jax.Array:
 
   Returns:
     ``[..., T, S]``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> q = jnp.array([[0.0, 1.0, 2.0]])
+    >>> k = jnp.array([[5.0, 6.0, 7.0], [0.0, 0.0, 0.0]])  # q + 5; flat
+    >>> js.normalizers.tropical_hilbert_scores(q, k)  # distance 0 to q + c 1
+    Array([[-0., -2.]], dtype=float32)
+
+  References:
+    Hashemi, Pasque, Teska & Yoshida, 2025, "Tropical Attention: Neural Algorithmic
+    Reasoning for Combinatorial Algorithms".
   """
   q, k = jnp.asarray(q), jnp.asarray(k)
   if q.shape[-1] != k.shape[-1]:

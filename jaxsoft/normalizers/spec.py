@@ -51,6 +51,20 @@ class Param:
     sample: a valid, non-default value the generated tests also exercise.
     row_broadcast: ``True`` when an array broadcast to the rows is accepted
       (shape broadcastable against ``x`` with size 1 along ``axis``).
+
+  Examples:
+    >>> from jaxsoft.normalizers import Param
+    >>> temperature = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5)
+    >>> temperature.validate(2.0, "my_softmax")  # in range: nothing to say
+    >>> temperature.validate(0.0, "my_softmax")
+    Traceback (most recent call last):
+    ...
+    ValueError: my_softmax: `temperature` must be > 0.0, got 0.0
+
+  References:
+    The ranges are declarations for the test-suite generated from the registry, in the
+    spirit of property-based testing: K. Claessen & J. Hughes, 2000, "QuickCheck: A
+    Lightweight Tool for Random Testing of Haskell Programs".
   """
 
   name: str
@@ -117,6 +131,24 @@ class TileRule:
   ``dz_j = (numerator'(z_j)·dP_j − denominator'(z_j)·Δ) / D`` (P: ``numerator'·dP``),
   the derivatives taken elementwise at fixed ``m``. The math itself lives once, in
   ``jaxsoft.normalizers.tile``.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> from jaxsoft.normalizers import TileRule
+    >>> from jaxsoft.normalizers.spec import exp_numerator, identity_score_map
+    >>> rule = TileRule(score_map=identity_score_map, numerator=exp_numerator,
+    ...                 denominator=exp_numerator, kernel_class="E")  # softmax's rule
+    >>> rule.uses_max, rule.normalized
+    (True, True)
+    >>> js.testing.evaluate_tile_rule(rule, jnp.array([0.0, 0.0, jnp.log(2.0)]))
+    Array([0.25, 0.25, 0.5 ], dtype=float32)
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
   """
 
   score_map: Callable[..., Any]
@@ -223,6 +255,25 @@ class ThresholdRule:
   join the hyperparameters of ``score_map``, ``mass``, ``target`` and ``bracket`` as
   constants (no gradient: they may only move the threshold of a rule whose kept set is
   piecewise constant, e.g. top-p's ``target = p · sum_j e^{z_j - m}``).
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> rule = js.normalizers.get("sparsemax").threshold  # [z - tau]_+ with target 1
+    >>> rule.iterations
+    30
+    >>> js.testing.evaluate_threshold_rule(rule, jnp.array([1.0, 0.8, -1.0]))  # tau = 0.4
+    Array([0.6, 0.4, 0. ], dtype=float32)
+
+  References:
+    A. F. T. Martins & R. F. Astudillo, 2016, "From Softmax to Sparsemax: A Sparse Model of
+    Attention and Multi-Label Classification".
+
+    C. Michelot, 1986, "A finite algorithm for finding the projection of a point onto the
+    canonical simplex of R^n".
+
+    B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
 
   score_map: Callable[..., Any]
@@ -329,6 +380,22 @@ class NormalizerSpec:
     needs_key: the function takes a PRNG key first (stochastic normalizers).
     smooth: differentiable everywhere (``check_grads`` applies at random points).
     description: one line for tables.
+
+  Examples:
+    >>> import jax.numpy as jnp
+    >>> import jaxsoft as js
+    >>> jnp.set_printoptions(precision=4)
+    >>> spec = js.normalizers.get("sparsemax")
+    >>> spec.kernel_class, spec.catalogue_id, spec.can_be_sparse
+    ('T', 'N16', True)
+    >>> spec(jnp.array([1.0, 0.8, -1.0]))  # calling a spec calls its function
+    Array([0.6, 0.4, 0. ], dtype=float32)
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
   """
 
   name: str
@@ -432,10 +499,36 @@ def check_signature(fn: Callable[..., Any], needs_key: bool, name: str) -> None:
 
 
 def register(spec: NormalizerSpec) -> NormalizerSpec:
-  """Adds ``spec`` to the registry (names are unique).
+  """Adds ``spec`` to the registry (names are unique) and returns it.
 
   The function's signature is checked (:func:`check_signature`): hyperparameters must be
   keyword-only; and it must carry ``common.dense_rules`` (the shared input rules).
+  Registering the registered spec again is a no-op.
+
+  Args:
+    spec: the declaration to add.
+
+  Returns:
+    ``spec``.
+
+  Examples:
+    >>> import dataclasses
+    >>> import jaxsoft as js
+    >>> softmax = js.normalizers.get("softmax")
+    >>> js.normalizers.register(softmax) is softmax
+    True
+    >>> def plain(x, axis=-1, where=None):
+    ...   return x
+    >>> js.normalizers.register(dataclasses.replace(softmax, name="plain", fn=plain))
+    Traceback (most recent call last):
+    ...
+    ValueError: normalizer 'plain': decorate its function with ...dense_rules, ...
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
   """
   check_signature(spec.fn, spec.needs_key, spec.name)
   base = getattr(spec.fn, "func", spec.fn)  # a functools.partial of a normalizer
@@ -451,7 +544,26 @@ def register(spec: NormalizerSpec) -> NormalizerSpec:
 
 
 def get(name: str) -> NormalizerSpec:
-  """Returns the registered spec for ``name``; KeyError naming it otherwise."""
+  """Returns the registered spec for ``name``; KeyError naming it otherwise.
+
+  Args:
+    name: a registered name (:func:`names`).
+
+  Returns:
+    The :class:`NormalizerSpec`.
+
+  Examples:
+    >>> import jaxsoft as js
+    >>> spec = js.normalizers.get("entmax15")
+    >>> spec.kernel_class, spec.description
+    ('T', '[x/2 - tau]_+^2, exact 1.5-entmax')
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
+  """
   try:
     return REGISTRY[name]
   except KeyError:
@@ -460,11 +572,51 @@ def get(name: str) -> NormalizerSpec:
 
 
 def names() -> list[str]:
+  """The registered normalizer names, sorted: what ``normalizer="name"`` accepts.
+
+  Returns:
+    A sorted list of names.
+
+  Examples:
+    >>> import jaxsoft as js
+    >>> "softmax" in js.normalizers.names(), "sparsemax" in js.normalizers.names()
+    (True, True)
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
+  """
   return sorted(REGISTRY)
 
 
 def resolve(normalizer) -> NormalizerSpec | Callable[..., Any]:
-  """A name, a NormalizerSpec or a callable -> a spec (or the callable itself)."""
+  """A name, a NormalizerSpec or a callable -> a spec (or the callable itself).
+
+  How every ``normalizer=`` argument of the library is read.
+
+  Args:
+    normalizer: a registered name, a :class:`NormalizerSpec` or a callable with the
+      normalizer signature.
+
+  Returns:
+    The spec, or the callable unchanged; TypeError for anything else.
+
+  Examples:
+    >>> import jax
+    >>> import jaxsoft as js
+    >>> js.normalizers.resolve("softmax") is js.normalizers.get("softmax")
+    True
+    >>> js.normalizers.resolve(jax.nn.softmax) is jax.nn.softmax  # a callable as it is
+    True
+
+  References:
+    M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
+
+    T. Dao, D. Y. Fu, S. Ermon, A. Rudra & C. Ré, 2022, "FlashAttention: Fast and
+    Memory-Efficient Exact Attention with IO-Awareness".
+  """
   if isinstance(normalizer, NormalizerSpec):
     return normalizer
   if isinstance(normalizer, str):

@@ -1,8 +1,11 @@
-"""Helpers shared by the pooling functions (private).
+"""The contract every pooling function keeps (private): argument checks, masks, empty
+pools, the reduced shape and the output dtype.
 
 The pooling functions follow the normalizers' numerics policy (jaxsoft.normalizers.common):
 masked entries are left out exactly, a pool with no visible entry gives 0 with a zero
 gradient, low-precision inputs are computed in float32 and returned in their dtype.
+:func:`pool` runs a reduction of one axis under that contract; :func:`prepare_sets` and
+:func:`sets_out` do the same for the pooling of token sets.
 """
 
 from __future__ import annotations

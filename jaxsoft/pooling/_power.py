@@ -50,7 +50,7 @@ def gem(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Returns:
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -61,6 +61,10 @@ def gem(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array(2., dtype=float32)
     >>> pooling.gem(x, p=50.0)  # close to the max
     Array(2.9348, dtype=float32)
+
+  References:
+    F. Radenović, G. Tolias & O. Chum, 2018, "Fine-tuning CNN Image Retrieval with No Human
+    Annotation".
   """
   name = "gem"
   u.check_range(p, "p", name, low=0.0, low_open=True)
@@ -105,13 +109,19 @@ def ggem(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None, *,
     ``[..., C]`` (the token axis removed) in ``x``'s dtype; 0 with zero gradient where
     no token is visible.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 1.0, 3.0, 3.0], [3.0, 3.0, 1.0, 1.0]])  # N = 2, C = 4
     >>> pooling.ggem(x, p=jnp.array([1.0, 8.0]))  # channels 0-1: mean; 2-3: near max
     Array([2.    , 2.    , 2.7511, 2.7511], dtype=float32)
+
+  References:
+    B. Ko et al., 2022, "Group Generalized Mean Pooling for Vision Transformer".
+
+    F. Radenović, G. Tolias & O. Chum, 2018, "Fine-tuning CNN Image Retrieval with No Human
+    Annotation".
   """
   name = "ggem"
   x = jnp.asarray(x)
@@ -171,7 +181,7 @@ def power_mean_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool or one
     whose weights sum to 0.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -182,6 +192,10 @@ def power_mean_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     Array(0.8257, dtype=float32)
     >>> pooling.power_mean_pool(x, p=1.0, weights=jnp.array([1.0, 1.0, 2.0]))
     Array(0.75, dtype=float32)
+
+  References:
+    B. Psomas, I. Kakogeorgiou, K. Karantzalos & Y. Avrithis, 2023, "Keep It SimPool: Who
+    Said Supervised Transformers Suffer from Attention Deficit?".
   """
   name = "power_mean_pool"
   u.check_range(p, "p", name, low=0.0, low_open=True)

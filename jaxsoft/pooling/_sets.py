@@ -73,7 +73,7 @@ def attention_pool(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None,
     ``[..., d]`` (the token axis removed, or kept with size 1) in ``x``'s dtype; 0, with
     zero gradient, where no token is visible.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -84,6 +84,10 @@ def attention_pool(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None,
     Array([0.8499, 0.8499], dtype=float32)
     >>> pooling.attention_pool(x, query=jnp.zeros(2), gamma=None)  # uniform: the mean
     Array([0.6667, 0.6667], dtype=float32)
+
+  References:
+    B. Psomas, I. Kakogeorgiou, K. Karantzalos & Y. Avrithis, 2023, "Keep It SimPool: Who
+    Said Supervised Transformers Suffer from Attention Deficit?".
   """
   name = "attention_pool"
   u.check_bool(keepdims, "keepdims", name)
@@ -239,7 +243,7 @@ def entropic_ot_weights(x: ArrayLike, axis: int = -2, where: ArrayLike | None = 
     Weights ``[..., N]`` (``x.shape[:-1]``), ≥ 0, summing to 1 over the visible tokens of
     each pool; all 0 where no token is visible. float32 for low-precision input.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=3, suppress=True)
@@ -248,6 +252,12 @@ def entropic_ot_weights(x: ArrayLike, axis: int = -2, where: ArrayLike | None = 
     Array([0.5, 0.5, 0. , 0. ], dtype=float32)
     >>> pooling.entropic_ot_weights(x, prototypes=jnp.zeros((1, 1)), mu=1.0)  # uniform
     Array([0.25, 0.25, 0.25, 0.25], dtype=float32)
+
+  References:
+    Y. Z. Gürbüz, O. Şener & A. A. Alatan, 2023, "Generalized Sum Pooling for Metric
+    Learning".
+
+    M. Cuturi, 2013, "Sinkhorn Distances: Lightspeed Computation of Optimal Transport".
   """
   x_, _, w, ax = _ot_args(x, axis, where, prototypes, mu, epsilon, num_iters,
                           "entropic_ot_weights")
@@ -270,13 +280,19 @@ def entropic_ot_pool(x: ArrayLike, axis: int = -2, where: ArrayLike | None = Non
   Returns:
     ``[..., d]`` in ``x``'s dtype; 0, with zero gradient, where no token is visible.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=3, suppress=True)
     >>> x = jnp.array([[0.0, 1.0], [0.2, 1.0], [3.0, -1.0], [4.0, -1.0]])
     >>> pooling.entropic_ot_pool(x, prototypes=jnp.zeros((1, 2)), mu=0.5)  # the near half
     Array([0.1, 1. ], dtype=float32)
+
+  References:
+    Y. Z. Gürbüz, O. Şener & A. A. Alatan, 2023, "Generalized Sum Pooling for Metric
+    Learning".
+
+    M. Cuturi, 2013, "Sinkhorn Distances: Lightspeed Computation of Optimal Transport".
   """
   name = "entropic_ot_pool"
   u.check_bool(keepdims, "keepdims", name)

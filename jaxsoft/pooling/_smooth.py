@@ -62,7 +62,7 @@ def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     The pooled values in ``x``'s dtype (float32 for integers; computed in float32 for
     low precision); 0, with zero gradient, for a pool with no visible entry.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -73,6 +73,10 @@ def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array(0.7311, dtype=float32)
     >>> pooling.soft_pool(jnp.full(4, 3.0))  # a constant pool gives the constant
     Array(3., dtype=float32)
+
+  References:
+    A. Stergiou, R. Poppe & G. Kalliatakis, 2021, "Refining activation downsampling with
+    SoftPool".
   """
   name = "soft_pool"
   u.check_range(temperature, "temperature", name, low=0.0, low_open=True)
@@ -121,7 +125,7 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Returns:
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -132,6 +136,13 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array(1.1901, dtype=float32)
     >>> pooling.ada_pool(x)
     Array(1.3742, dtype=float32)
+
+  References:
+    A. Stergiou & R. Poppe, 2023, "AdaPool: Exponential Adaptive Pooling for
+    Information-Retaining Downsampling".
+
+    A. Stergiou, R. Poppe & G. Kalliatakis, 2021, "Refining activation downsampling with
+    SoftPool".
   """
   name = "ada_pool"
   u.check_range(beta, "beta", name)  # NaN check only: beta is clamped
@@ -181,7 +192,7 @@ def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
   Returns:
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
@@ -192,6 +203,13 @@ def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
     Array(1.989, dtype=float32)
     >>> pooling.log_mean_exp(x, tau=1e4)  # ~ mean (+ 1e-4 / 3)
     Array(1., dtype=float32)
+
+  References:
+    P. O. Pinheiro & R. Collobert, 2015, "From Image-level to Pixel-level Labeling with
+    Convolutional Networks".
+
+    D. Zhu et al., 2023, "Provable Multi-instance Deep AUC Maximization with Stochastic
+    Pooling".
   """
   name = "log_mean_exp"
   u.check_range(tau, "tau", name, low=0.0, low_open=True)
@@ -231,13 +249,17 @@ def linear_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = 
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool or one
     whose entries sum to 0.
 
-  Example:
+  Examples:
     >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=4)
     >>> y = jnp.array([0.9, 0.1, 0.2])
     >>> pooling.linear_softmax_pool(y)  # (0.81 + 0.01 + 0.04) / 1.2
     Array(0.7167, dtype=float32)
+
+  References:
+    Y. Wang, J. Li & F. Metze, 2019, "A Comparison of Five Multiple Instance Learning
+    Pooling Functions for Sound Event Detection with Weak Labeling".
   """
   def reduce(xs, mask, ax):
     y = jnp.where(mask, xs, 0.0)
