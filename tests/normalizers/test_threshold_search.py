@@ -1,4 +1,4 @@
-"""The blockwise threshold search of class T (``_tile.search_*``) on its own.
+"""The blockwise threshold search of class T (``tile.search_*``) on its own.
 
 xla_chunked and the Pallas Triton kernel run this search one pass over the key blocks per
 step; here a small driver runs it over the blocks of dense rows, so the threshold it finds
