@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsoft.attention._block_sparse import block_sparse_attention
+import kernels_pallas
+from jaxsoft.attention import block_sparse_attention
 from jaxsoft.attention.call import AttentionCall
 from kernels_pallas import _api
 from tests.kernels_pallas.test_engine import value_and_cotangents
@@ -199,8 +200,9 @@ def test_block_sparse_never_reads_an_unkept_value_block():
 
 def _export(backend, block_size, monkeypatch, kv_len=None, t=256):
   """Exports forward + backward of causal MoBA through the Pallas path for the backend's
-  platform (``pick_backend`` answers as that platform would: no interpreter)."""
-  monkeypatch.setattr(_api, "pick_backend", lambda b: (b, False))
+  platform (``pick_backend``, which the block-sparse dispatch calls, answers as that
+  platform would: no interpreter)."""
+  monkeypatch.setattr(kernels_pallas, "pick_backend", lambda b: (b, False))
   q = jax.ShapeDtypeStruct((B, t, N, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((B, t, K, 64), jnp.bfloat16)
   impl = {"triton": "pallas_triton", "mosaic_tpu": "pallas_mosaic_tpu"}[backend]
