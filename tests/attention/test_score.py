@@ -97,7 +97,7 @@ def test_idw_properties(impl, blocks):
 
 def test_default_dispatch_pallas_computes_and_cudnn_refuses(monkeypatch):
   """The automatic order and the Pallas kernels (interpret mode; see
-  tests/kernels_pallas/test_distance_residual.py) give the float64 reference; cuDNN
+  tests/kernels_pallas/test_distance.py) give the float64 reference; cuDNN
   computes dot products only."""
   q, k, v = make_qkv(4, 1, 5, N=2, K=1, H=4)
   out = dpa(q, k, v, **IDW)
