@@ -350,6 +350,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     decay = norms if decay is None else (jnp.concatenate((norms[0], decay[0]), axis=3),
                                          jnp.concatenate((norms[1], decay[1]), axis=2))
   if threshold:
+    assert spec.threshold is not None  # class T with its rule (``threshold`` above)
     if spec.threshold.stats is not None:  # its derived rows first (top-p: softmax's m, l)
       cfg, dyn = row_stats_core.with_derived_rows(cfg, *args[1:3], args[4], aux, bias, decay,
                                                   constant=True)
@@ -440,7 +441,7 @@ def _decay_keep_table(decay_bias, threshold: float, bl: E.BlockSizes, t_pad: int
   return jnp.transpose(keep, (0, 3, 1, 2))
 
 
-def _decay_rows(call, acc: str, t_pad: int, s_pad: int):
+def _decay_rows(call: AttentionCall, acc: str, t_pad: int, s_pad: int):
   """Forgetting attention's ``(cq [B, T, N], ck [B, S, N])`` as the kernel's row and column
   vectors (:func:`_row_column`; None without a decay). The ``decay_prune_threshold`` acts
   through :func:`_decay_keep_table`."""

@@ -36,6 +36,7 @@ Bounds used for the candidates:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -141,6 +142,7 @@ def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
     bwd = [(bq, bk) for bq in sizes for bk in sizes
            if bq <= tq and bk <= ts and bq >= 32 and bk >= 32 and fits(bq, bk, 2)]
     fwd = fwd or [(default.block_q, default.block_k)]
+    assert default.block_q_dkv is not None and default.block_k_dkv is not None  # resolved
     bwd = bwd or [(default.block_q_dkv, default.block_k_dkv)]
     # Forward tiles with the default backward, then the default forward with larger
     # backward tiles, then large forward x large backward (keeps the list short).
@@ -295,7 +297,8 @@ def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
          for x in jax.tree_util.tree_leaves((q, k, v, attention_kwargs))):
     # Called while tracing (e.g. block_sizes="auto" under jit): tune on concrete stand-ins
     # of the same shapes and dtypes in a fresh thread (JAX's trace state is per thread).
-    box = {}
+    box: dict[str, BlockSizes] = {}
+    errors: list[BaseException] = []
 
     def work():
       try:
@@ -306,13 +309,13 @@ def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
             use_cache=use_cache,
             **jax.tree_util.tree_map(lambda x: _stand_in(x, 3), attention_kwargs))
       except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
-        box["error"] = e
+        errors.append(e)
 
     th = threading.Thread(target=work)
     th.start()
     th.join()
-    if "error" in box:
-      raise box["error"]
+    if errors:
+      raise errors[0]
     best = box["best"]
     return best
 
@@ -352,7 +355,7 @@ def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
         if not err <= tol:
           rejected[bl] = f"max relative error {err:.3g} > {tol:g} vs the default"
           continue
-      times[bl] = float(timer(lambda f=f: f(q, k, v, ct)))
+      times[bl] = float(timer(functools.partial(f, q, k, v, ct)))
     except Exception as e:  # noqa: BLE001 - an illegal or failing shape is skipped
       if bl == default:
         raise

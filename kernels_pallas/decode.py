@@ -214,7 +214,7 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
     rows, hd = x.shape[0], x.shape[-1]
 
     def at(bi, si, t, refs):  # (cache row, key block) of a grid step
-      return (0 if paged else bi), block(bi, si, t, *refs[:2], refs[3] if paged else None)
+      return (0 if paged else bi), block(bi, si, t, refs[0], refs[1], refs[3] if paged else None)
 
     if hd % 128 == 0:
       view = x.reshape(rows, x.shape[1], kh * hd)

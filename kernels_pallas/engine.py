@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -270,6 +271,9 @@ class Config:
     rule = self.spec_tile
     if self.approx_sigmoid and rule is not None:
       rule = dataclasses.replace(rule, numerator=approx_sigmoid_numerator(bool(self.interpret)))
+    # only the E/S/P/R passes ask, and a spec of those classes carries a rule (Spec and
+    # RowStatsRule validate it)
+    assert rule is not None, f"{self.spec.name!r} (class {self.kernel_class}) has no tile rule"
     return rule
 
   @property
@@ -590,6 +594,7 @@ def approx_sigmoid_numerator(interpret: bool):
   derivative is ``w (1 - w)`` of the same w. In the interpreter (no PTX) ``jnp.tanh``
   stands in: the algebra is exact there, the error is measured on a GPU
   (``bench/gpu.py --sections sigmoid``)."""
+  tanh: Callable[[jax.Array], jax.Array]
   if interpret:
     tanh = jnp.tanh
   else:

@@ -115,7 +115,7 @@ def hadamard_rotation(x, seed: int = SEED):
   return jnp.matmul(x, hadamard_matrix(m, seed), precision=jax.lax.Precision.HIGHEST)
 
 
-def quantize_blocks(x, block: int):
+def quantize_blocks(x, block: int) -> tuple[jax.Array, jax.Array, int]:
   r"""Block quantisation to float8_e4m3fn with one float32 scale per (batch, head, block).
 
   .. math::

@@ -108,7 +108,7 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
   args = (q, k, v, dyn, seg, ql, kl, bias, mask, decay)
   args = jax.tree_util.tree_map(lambda x, sp: _place(mesh, x, sp), args, in_specs,
                                 is_leaf=lambda x: x is None)
-  out_specs = qkv
+  out_specs: P | tuple[P, P] = qkv
   if kwargs.get("return_residual"):  # (out, residual [B, T, N])
     out_specs = (qkv, P(batch_axis, None, head_axis))
   fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs,

@@ -11,6 +11,8 @@ the step axis walks a compacted block list instead (the class-T weighted pass's 
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -75,7 +77,10 @@ def _call(cfg: E.Config, kernel, name: str, grid, sp, bounds, operands, aux, dyn
   """pallas_call of one pass: the block bounds [lo, hi) scalar-prefetched, the pass's own
   ``(spec, array)`` operands, then :func:`engine.pass_inputs`."""
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
-  semantics = ("parallel",) * 3 + ("arbitrary",) * (len(grid) - 3)
+  # typed so that mypy keeps the literals through the repetition and the concatenation
+  parallel: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel",) * 3
+  arbitrary: tuple[Literal["parallel", "arbitrary"], ...] = ("arbitrary",)
+  semantics = parallel + arbitrary * (len(grid) - 3)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -220,6 +225,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
   None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+  assert bq is not None and bk is not None  # Config.blocks is resolved
   b, n, hp, n_dyn = q.shape[0], cfg.num_heads, cfg.head_dim_pad, len(dyn)
   nq, nk = cfg.t_pad // bq, cfg.s_pad // bk
   has_bias = cfg.bias_full is not None

@@ -248,6 +248,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
   None)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
+  assert bq is not None and bk is not None  # Config.blocks is resolved
   b, n, n_dyn = q.shape[0], cfg.num_heads, len(dyn)
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = _q_major(cfg, bq)
