@@ -51,7 +51,7 @@ lint: $(VENV)/.base
 
 ## Static type check of the library (mypy; its configuration is the [mypy] section of setup.cfg).
 typecheck: $(VENV)/.base
-	$(PY) -m mypy jaxsoft
+	$(PY) -m mypy jaxsoft kernels_pallas
 
 ## Re-sync each notebook with its plain-text twin (edit the .py, then run this).
 notebooks: $(VENV)/.base
