@@ -42,7 +42,7 @@ def test_candidates_legal(backend, t, s, h):
   assert len(set(cands)) == len(cands)
   for c in cands:
     for key_lanes in (False, True):
-      assert _api._block_sizes(c, backend, t, s, h, key_lanes) == c
+      assert _api.resolve_block_sizes(c, backend, t, s, h, key_lanes) == c
     if backend == "triton":
       d = max(16, 1 << (h - 1).bit_length())
       assert (c.block_q + c.block_k) * d <= A.TRITON_TILE_ELEMS or c == default
