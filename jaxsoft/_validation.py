@@ -28,7 +28,6 @@ def concrete(x: Any, dtype: Any = None) -> np.ndarray | None:
     >>> from jaxsoft._validation import concrete
     >>> concrete([1, 2])
     array([1, 2])
-    >>> import jax
     >>> seen = []
     >>> _ = jax.jit(lambda x: seen.append(concrete(x)) or x)(1.0)   # traced: None
     >>> seen

@@ -580,7 +580,6 @@ def check_normalizer(fn: Callable[..., Any] | NormalizerSpec,
     AssertionError: naming the normalizer, the hyperparameter setting and the property.
 
   Examples:
-    >>> import jaxsoft as js
     >>> def hot_softmax(x, axis=-1, where=None, *, temperature=2.0):
     ...   return js.normalizers.softmax(x, axis, where, temperature=temperature)
     >>> js.testing.check_normalizer(hot_softmax, "softmax")  # the spec says T = 1
@@ -688,9 +687,6 @@ def evaluate_tile_rule(rule: TileRule | NormalizerSpec, x: ArrayLike, axis: int 
     Weights of ``x``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.testing.evaluate_tile_rule(js.normalizers.get("softmax"), x, temperature=0.5)
     Array([0.865 , 0.1171, 0.0158, 0.0021], dtype=float32)
@@ -748,9 +744,6 @@ def evaluate_tile_rule_online(rule: TileRule | NormalizerSpec, x: ArrayLike, v: 
     ``[..., H]`` in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> softmax = js.normalizers.get("softmax")
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.testing.evaluate_tile_rule_online(softmax, x, jnp.eye(4), [1, 3])  # the weights
@@ -817,9 +810,6 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
     Weights of ``x``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.testing.evaluate_threshold_rule(js.normalizers.get("top_k_softmax"), x, k=2)
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)

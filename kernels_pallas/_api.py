@@ -171,7 +171,6 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
       ``exp2`` / ``rescale_threshold`` for a normalizer they do not fit.
 
   Examples:
-    >>> import jax
     >>> from jaxsoft.attention.call import AttentionCall
     >>> from kernels_pallas import attention_from_call
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 16))
@@ -637,7 +636,6 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
     In the Pallas interpreter on a CPU (on a GPU or TPU leave ``interpret`` False),
     softmax attention equals jax.nn's:
 
-    >>> import jax, jax.numpy as jnp
     >>> import kernels_pallas as kp
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 2, 16))   # [B, T, N, H]
     >>> out = kp.attention(q, k, v, is_causal=True, backend="triton", interpret=True)

@@ -268,7 +268,6 @@ def autotune_block_sizes(attention_fn: Callable[..., Any], q, k, v, *,
     every legal candidate. Here, in the interpreter, with one candidate and a stand-in
     timer, the (checked) default wins:
 
-    >>> import jax
     >>> import kernels_pallas as kp
     >>> q = k = v = jax.random.normal(jax.random.key(0), (1, 16, 1, 16))
     >>> best = kp.autotune_block_sizes(

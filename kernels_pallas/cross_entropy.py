@@ -220,7 +220,7 @@ def linear_cross_entropy_tokens(h, w, y, keep, *, label_smoothing: float, z_loss
     Eight tokens, a vocabulary of 40, interpret mode on CPU, against optax on the
     materialised logits:
 
-    >>> import jax, jax.numpy as jnp, optax
+    >>> import optax
     >>> from kernels_pallas import cross_entropy as ce
     >>> ks = jax.random.split(jax.random.key(0), 3)
     >>> h = jax.random.normal(ks[0], (8, 16))

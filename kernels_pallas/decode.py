@@ -428,7 +428,6 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
     mode on CPU, against the dense path with one query per row:
 
     >>> import functools
-    >>> import jax, jax.numpy as jnp
     >>> from jaxsoft.attention import dot_product_attention
     >>> from kernels_pallas import decode_attention
     >>> kq, kk, kv = jax.random.split(jax.random.key(0), 3)

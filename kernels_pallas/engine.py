@@ -69,7 +69,6 @@ class UnsupportedError(NotImplementedError):
   ``jaxsoft.attention.dot_product_attention`` catches to try its next implementation.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> import kernels_pallas as kp
     >>> q = jnp.ones((1, 16, 1, 16))
     >>> try:

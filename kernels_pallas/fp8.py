@@ -61,7 +61,6 @@ def hadamard_matrix(m: int, seed: int = SEED, dtype=jnp.float32):
     ``[m, m]`` in ``dtype``.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from kernels_pallas import fp8
     >>> r = fp8.hadamard_matrix(4)
     >>> r
@@ -95,7 +94,6 @@ def hadamard_rotation(x, seed: int = SEED):
     ``[..., m]`` float32.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from kernels_pallas import fp8
     >>> q = jax.random.normal(jax.random.key(0), (2, 3))
     >>> k = jax.random.normal(jax.random.key(1), (2, 3))
@@ -134,9 +132,7 @@ def quantize_blocks(x, block: int) -> tuple[jax.Array, jax.Array, int]:
     ``[B, nb, 1, N, 1]`` and the unpadded length T.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from kernels_pallas import fp8
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([0.3, 1.0, -2.7, 0.01]).reshape(1, 4, 1, 1)   # two blocks of 2
     >>> x8, scale, t = fp8.quantize_blocks(x, 2)
     >>> x8.dtype, x8.astype(jnp.float32).ravel(), scale.ravel()
@@ -179,9 +175,7 @@ def dequantize_blocks(x8, scale, t: int):
     e4m3 and keep fewer bits).
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from kernels_pallas import fp8
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([0.3, 1.0, -2.7, 0.01]).reshape(1, 4, 1, 1)
     >>> fp8.dequantize_blocks(*fp8.quantize_blocks(x, 2)).ravel()
     Array([ 0.2857,  1.    , -2.7   ,  0.0098], dtype=float32)
@@ -208,7 +202,6 @@ def straight_through(x, x8, scale):
     float32 ``x.shape``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from kernels_pallas import fp8
     >>> x = jnp.array([0.3, 1.0, -2.7, 0.01]).reshape(1, 4, 1, 1)
     >>> x8, scale, _ = fp8.quantize_blocks(x, 2)
@@ -240,9 +233,7 @@ def fake_quant_blocks(x, block: int):
     float32 ``x.shape``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from kernels_pallas import fp8
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([0.3, 1.0, -2.7, 0.01]).reshape(1, 4, 1, 1)
     >>> fp8.fake_quant_blocks(x, 2).ravel()
     Array([ 0.2857,  1.    , -2.7   ,  0.0098], dtype=float32)
@@ -275,9 +266,7 @@ def kernel_operands(x8, scale, rows: int):
     ``(x8 [B, rows, N, H] float8_e4m3fn, scale [B, N, rows] float32)``.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from kernels_pallas import fp8
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([0.3, 1.0, -2.7, 0.01]).reshape(1, 4, 1, 1)
     >>> x8, scale, _ = fp8.quantize_blocks(x, 2)
     >>> x8k, sk = fp8.kernel_operands(x8, scale, 8)

@@ -568,7 +568,6 @@ def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
     XLA chunked form:
 
     >>> import functools
-    >>> import jax, jax.numpy as jnp
     >>> from jaxsoft.linear import recurrence
     >>> from kernels_pallas import linear
     >>> ks = jax.random.split(jax.random.key(0), 4)

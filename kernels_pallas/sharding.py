@@ -52,7 +52,6 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
     A one-device mesh (a data-parallel step's on one CPU), interpret mode, against the
     dense path:
 
-    >>> import jax, jax.numpy as jnp
     >>> from jaxsoft.attention import dot_product_attention
     >>> from kernels_pallas import sharded_attention
     >>> mesh = jax.make_mesh((1,), ("data",))

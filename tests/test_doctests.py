@@ -1,10 +1,12 @@
 """Every docstring example under jaxsoft/ and kernels_pallas/ runs as written: doctest, one
 case per module.
 
-The examples print JAX arrays (``Array([...], dtype=float32)``); they set
-``jnp.set_printoptions(precision=4)`` where float32 rounding could change the last digits
-between JAX versions. Each module starts from the print options pytest started with and
-gets them back afterwards, so no example leaks its settings into another test.
+As in JAX's own docstrings, the examples assume the usual imports (``import jax``,
+``import jax.numpy as jnp``, ``import numpy as np`` and ``import jaxsoft as js``) and print
+arrays with ``jnp.set_printoptions(precision=4)``, so float32 rounding in the last digits
+cannot differ between JAX versions; ``EXAMPLE_GLOBALS`` and ``EXAMPLE_PRINT_OPTIONS`` are
+what every docstring's examples start from. Each module gets the print options pytest started with back
+afterwards, so no example leaks its settings into another test.
 """
 
 import doctest
@@ -12,6 +14,8 @@ import importlib
 import io
 import pkgutil
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -20,6 +24,8 @@ import kernels_pallas
 
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 _PRINT_OPTIONS = np.get_printoptions()
+EXAMPLE_GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "js": jaxsoft}
+EXAMPLE_PRINT_OPTIONS = {"precision": 4}
 
 
 def _module_names():
@@ -38,8 +44,10 @@ def test_docstring_examples(name):
   report = io.StringIO()
   runner = doctest.DocTestRunner(optionflags=FLAGS)
   with np.printoptions(**_PRINT_OPTIONS):
-    for test in doctest.DocTestFinder(exclude_empty=True).find(module, name):
-      runner.run(test, out=report.write)
+    for test in doctest.DocTestFinder(exclude_empty=True).find(
+        module, name, globs={**vars(module), **EXAMPLE_GLOBALS}):
+      with np.printoptions(**EXAMPLE_PRINT_OPTIONS):  # each docstring starts afresh
+        runner.run(test, out=report.write)
   result = runner.summarize(verbose=False)
   assert result.failed == 0, (
       f"{result.failed} of {result.attempted} doctest examples failed in {name}:\n"

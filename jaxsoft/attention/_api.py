@@ -274,10 +274,6 @@ def dot_product_attention(
     One query, three keys and one-hot values, so each output row is the query's
     attention weights:
 
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.ones((1, 1, 1))                             # [T, N, H]: one query, one head
     >>> k = jnp.array([1.0, 0.5, -1.0]).reshape(3, 1, 1)    # [S, K, H]: scores 1, 0.5, -1
     >>> v = jnp.eye(3).reshape(3, 1, 3)                     # [S, K, Hv]: one-hot values

@@ -663,8 +663,6 @@ def block_sparse_attention(
     best earlier one (shown: the union over each query block's tokens); BLASST with an
     infinite threshold skips nothing (exact attention).
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.sin(jnp.arange(256.0)).reshape(2, 16, 2, 4)  # [B, T, N, H]
     >>> out, stats = js.attention.block_sparse_attention(
     ...     x, x, x, method="moba", block_size=4, top_k_blocks=2, is_causal=True,

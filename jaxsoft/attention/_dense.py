@@ -50,8 +50,6 @@ def dense_logits(q: ArrayLike, k: ArrayLike, *, scale: float,
     [B, N, T, S] in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.ones((1, 2, 2, 4))   # [B, T, N, H]
     >>> k = jnp.ones((1, 3, 1, 4))   # [B, S, K, H]: one key/value head for both heads
     >>> logits = js.attention.dense_logits(q, k, scale=0.5)

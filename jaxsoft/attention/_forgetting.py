@@ -47,9 +47,6 @@ def forget_gate_decay(log_f: ArrayLike) -> tuple[jax.Array, jax.Array]:
   Examples:
     Every gate at 1/2: the bias halves a key's weight for each step it lies in the past.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> log_f = jnp.log(jnp.full((1, 4, 1), 0.5))   # [B, T, N]
     >>> cq, ck = js.attention.forget_gate_decay(log_f)
     >>> cq[0, 3, 0] - ck[0, :, 0]   # D_3j for j = 0..3
@@ -100,8 +97,6 @@ def acp_prune_threshold(q: ArrayLike, k: ArrayLike, *, epsilon: float,
     a representative batch, or from a static bound ``U`` as ``log(eps) - 2U``).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k = jnp.cos(q)
     >>> thr = js.attention.acp_prune_threshold(q, k, epsilon=1e-3)
@@ -164,8 +159,6 @@ def forgetting_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, log_f: ArrayL
   Examples:
     Gates of 1 (``log_f = 0``) forget nothing: plain causal attention.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k, v = jnp.cos(q), q
     >>> out = js.attention.forgetting_attention(q, k, v, jnp.zeros((1, 4, 2)))

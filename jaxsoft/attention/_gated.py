@@ -39,9 +39,6 @@ def gated_attention_output(attn_out: ArrayLike, x: ArrayLike, w_gate: ArrayLike,
     One scalar gate per head (``w_gate`` [D, N]): with zero weights the gates are
     ``sigmoid(b)``, 0.5 for head 0 and 0.8808 for head 1.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> y = jnp.ones((1, 3, 2, 4))   # [B, T, N, H]
     >>> x = jnp.ones((1, 3, 5))      # [B, T, D]
     >>> out = js.attention.gated_attention_output(y, x, jnp.zeros((5, 2)), jnp.array([0.0, 2.0]))

@@ -75,9 +75,6 @@ def hopfield_retrieval(query_state: ArrayLike, memory: ArrayLike, *, beta: Array
     matches no pattern retrieves almost nothing with ``softmax_1`` (OutEffHop) but the
     patterns' average with ``softmax``:
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> memory = 2.0 * jnp.eye(3, 4)   # [M, d] = [3, 4]
     >>> noisy = jnp.array([[1.8, 0.3, 0.0, 0.0]])
     >>> bool(jnp.allclose(js.attention.hopfield_retrieval(noisy, memory, beta=4.0),
@@ -149,9 +146,6 @@ def hopfield_energy(query_state: ArrayLike, memory: ArrayLike, *, beta: ArrayLik
     ``[..., Q]`` in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> memory = 2.0 * jnp.eye(3, 4)
     >>> state = jnp.array([[1.8, 0.3, 0.0, 0.0]])
     >>> before = js.attention.hopfield_energy(state, memory, beta=4.0)

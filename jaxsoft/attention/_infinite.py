@@ -80,8 +80,6 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     The truncated series approaches the exact solve; the normalised kernel at
     ``gamma = 0`` is attention, and it is row-stochastic (values of 1 give 1).
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k, v = jnp.cos(q), q
     >>> exact = js.attention.infsa_attention(q, k, v, gamma=0.5, is_causal=True)

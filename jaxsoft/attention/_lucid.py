@@ -68,9 +68,6 @@ def lucid_preconditioned_values(key: ArrayLike, value: ArrayLike, *,
     Three copies of one key and value: the solve gives all the mass to the first copy
     (:math:`e^{-|k|^2/s}` of it) and none to the duplicates.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> key = jnp.ones((1, 3, 1, 2))     # [B, S, K, H]
     >>> value = jnp.ones((1, 3, 1, 1))
     >>> js.attention.lucid_preconditioned_values(key, value)[0, :, 0, 0]
@@ -136,8 +133,6 @@ def lucid_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   Examples:
     Causal: changing the last token leaves the earlier outputs as they were.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k, v = jnp.cos(q), q
     >>> out = js.attention.lucid_attention(q, k, v)

@@ -63,8 +63,6 @@ def merge_kv(key: ArrayLike, value: ArrayLike, assignment: ArrayLike,
   Examples:
     Two equal keys merged into one cluster: attention with the bias is unchanged.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> k = jnp.array([1.0, 1.0, -1.0]).reshape(1, 3, 1, 1)  # keys 0 and 1 are equal
     >>> v = jnp.array([2.0, 2.0, 0.0]).reshape(1, 3, 1, 1)
     >>> q = jnp.ones((1, 1, 1, 1))
@@ -139,8 +137,6 @@ def alternating_matching(key: ArrayLike, *, chunk_size: int, num_merges: int) ->
     Two chunks of 4 keys, one merge each: keys 0 and 1 are equal, so key 0 joins key 1's
     cluster; in the second chunk keys 5 and 6 (equal) merge.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.array([1.0, 1.0, 0.0, 1.0, 1.0, -1.0, -1.0, -1.0]).reshape(1, 8, 1, 1)
     >>> key = jnp.concatenate([x, jnp.ones_like(x)], axis=-1)   # [B, S, K, H] = [1, 8, 1, 2]
     >>> ids = js.attention.alternating_matching(key, chunk_size=4, num_merges=1)

@@ -32,7 +32,6 @@ def mta_identity_kernel(num_heads: int, query_width: int, key_width: int,
     ``[N, c_q, c_k]`` in ``dtype``.
 
   Examples:
-    >>> import jaxsoft as js
     >>> kernel = js.attention.mta_identity_kernel(2, 2, 3)
     >>> kernel.shape
     (2, 2, 3)
@@ -121,8 +120,6 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     With the delta kernel MTA is causal attention; a kernel that also reads the previous
     query's logits is computed the same by the chunked path.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k, v = jnp.cos(q), q
     >>> kernel = js.attention.mta_identity_kernel(2, 2, 3)  # [N, c_q, c_k]

@@ -64,9 +64,6 @@ def multiscreen_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     One query over keys at cosine 1, 0.6 and 0 with ``theta = 0.5``: weights 1, 0.2 and
     exactly 0 (one-hot values show them); with only the screened-out key the output is 0.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2)                      # [B, T, N, H]
     >>> k = jnp.array([[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]]).reshape(1, 3, 1, 2)
     >>> v = jnp.eye(3).reshape(1, 3, 1, 3)

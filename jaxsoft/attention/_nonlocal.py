@@ -52,8 +52,6 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
     One head, the same projection for theta, phi and g: the re-associated block equals the
     quadratic form :math:`x + \tfrac1T (\Theta \Theta^\top) \Theta W_z`.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.sin(jnp.arange(24.0)).reshape(1, 4, 6)       # [B, T, C]
     >>> w = 0.1 * jnp.cos(jnp.arange(48.0)).reshape(6, 8)    # [C, D]
     >>> z = js.attention.nonlocal_block(x, w, w, w, w.T)

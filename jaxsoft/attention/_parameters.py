@@ -41,9 +41,6 @@ def softplus_to_range(free: ArrayLike, low: float = 0.0, margin: float = 0.0) ->
     the dtype of ``free``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> alpha = js.attention.softplus_to_range(jnp.array([-2.0, 0.0, 3.0]), 1.0)
     >>> alpha   # entmax alphas, all above 1
     Array([1.1269, 1.6931, 4.0486], dtype=float32)
@@ -78,9 +75,6 @@ def softplus_from_range(value: ArrayLike, low: float = 0.0, margin: float = 0.0)
     concrete value is not above ``low + margin`` (a traced one is not checked).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> z = js.attention.softplus_from_range(jnp.array([1.5, 2.0]), 1.0)
     >>> z
     Array([-0.4328,  0.5413], dtype=float32)
@@ -120,8 +114,6 @@ def per_head(value: ArrayLike, num_heads: int, name: str, fn_name: str) -> jax.A
     ValueError naming ``fn_name`` and ``name`` for any other shape.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> js.attention.per_head(jnp.array([0.5, 1.0]), 2, "s", "my_attention").shape
     (2, 1, 1)
     >>> js.attention.per_head(0.5, 2, "s", "my_attention").shape

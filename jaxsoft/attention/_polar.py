@@ -95,9 +95,6 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Query 0 matches one key of four (PR near 1: m = n / (n + PR) = 0.8); query 1 matches
     none (uniform weights, PR = n: m = sigma(0) = 0.5).
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.array([[10.0, 0.0], [0.0, 0.0]]).reshape(1, 2, 1, 2)   # [B, T, N, H]
     >>> k = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)
     >>> v = jnp.array([[3.0, 4.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)

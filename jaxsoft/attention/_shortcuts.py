@@ -66,9 +66,6 @@ def ssmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | 
     One query over three keys (scores 2, 1.5, -1): with ``s = 1`` the weights are
     ``softmax(log(3) z)``.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.ones((1, 1, 1, 1))
     >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
     >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
@@ -114,9 +111,6 @@ def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike |
   Examples:
     One query over three keys (scores 2, 1.5, -1): the last key gets exactly 0.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.ones((1, 1, 1, 1))
     >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
     >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
@@ -160,9 +154,6 @@ def sparsemax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLik
   Examples:
     One query over three keys (scores 2, 1.5, -1): sparsemax keeps the first two.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.ones((1, 1, 1, 1))
     >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
     >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights

@@ -38,9 +38,6 @@ def gaussian_kernel(a: ArrayLike, b: ArrayLike) -> jax.Array:
     [..., n, m] in the inputs' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> a = jnp.array([[0.0, 0.0], [1.0, 1.0]])   # two points in d = 2
     >>> js.attention.gaussian_kernel(a, a)       # exp(-2 / (2 sqrt 2)) off the diagonal
     Array([[1.    , 0.4931],
@@ -77,9 +74,6 @@ def newton_schulz_pinv(a: ArrayLike, num_iters: int = 20) -> jax.Array:
     :math:`Z_{\text{num\_iters}}`, [..., m, m] in ``a``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> a = jnp.array([[2.0, 1.0], [1.0, 3.0]])
     >>> js.attention.newton_schulz_pinv(a, 20)   # the inverse, [[3, -1], [-1, 2]] / 5
     Array([[ 0.6, -0.2],
@@ -144,8 +138,6 @@ def soft_attention(query: ArrayLike, value: ArrayLike, *, num_landmarks: int,
     With as many landmarks as tokens it is exact kernel attention :math:`S V` (fewer
     landmarks approximate it in linear time).
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = 0.5 * jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> v = jnp.cos(q)
     >>> exact = js.attention.soft_attention(q, v, num_landmarks=4, num_iters=40)

@@ -43,8 +43,6 @@ def tensor_attention(query: ArrayLike, key1: ArrayLike, key2: ArrayLike, value1:
   Examples:
     With ``key2`` and ``value2`` all ones it is standard softmax attention:
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k, v = jnp.cos(q), q
     >>> ones = jnp.ones_like(k)

@@ -254,9 +254,6 @@ def topk_attention(
     One query, four keys with scores 1, 0.5, -1, 2 and one-hot values: the two best keys
     share the softmax of their own scores, the others get exactly 0.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.ones((1, 1, 1, 1))
     >>> k = jnp.array([1.0, 0.5, -1.0, 2.0]).reshape(1, 4, 1, 1)
     >>> v = jnp.eye(4).reshape(1, 4, 1, 4)

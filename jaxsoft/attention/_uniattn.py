@@ -59,9 +59,6 @@ def uniattn_shared_map(query: ArrayLike, key: ArrayLike, bias: ArrayLike | None 
     [B, N, T, S] in float32 (float64 for float64 inputs); exact zeros off the visible set.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> a = js.attention.uniattn_shared_map(q, jnp.cos(q), is_causal=True)
     >>> a.shape
@@ -108,8 +105,6 @@ def uniattn(attn_map: ArrayLike, values: ArrayLike, x: ArrayLike | None = None,
     Two blocks sharing the first block's map: exact attention for a block with the same
     queries and keys; the compensation adds :math:`X_l W_{c,l}`.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.sin(jnp.arange(64.0)).reshape(1, 4, 2, 8)   # [B, T, N, H]
     >>> k = jnp.cos(q)
     >>> a = js.attention.uniattn_shared_map(q, k, is_causal=True)

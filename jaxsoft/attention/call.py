@@ -97,7 +97,6 @@ class AttentionCall:
     KeyError for an unknown normalizer name.
 
     Examples:
-      >>> import jax.numpy as jnp
       >>> from jaxsoft.attention.call import AttentionCall
       >>> call = AttentionCall.create(jnp.ones((4, 2, 8)), jnp.ones((6, 1, 8)),
       ...                             jnp.ones((6, 1, 8)), is_causal=True, normalizer="sparsemax")

@@ -18,7 +18,6 @@ def safe_distance(d2: ArrayLike) -> jax.Array:
   the distance's gradient ``(q - k) / d`` becomes 0 there, a subgradient of the norm.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from jaxsoft.attention.scores import safe_distance
     >>> safe_distance(jnp.array([4.0, 0.0, -1e-7]))
     Array([2., 0., 0.], dtype=float32)

@@ -84,7 +84,6 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.ones((1, 2, 1, 1)); v = jnp.array([0.0, 1.0]).reshape(1, 2, 1, 1)
     >>> cosformer(q, k, v, max_len=2)[0, :, 0, 0]   # weights cos(π/4) and 1 at t = 1
     Array([0.    , 0.5858], dtype=float32)
@@ -138,7 +137,6 @@ def cosformer_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, 
     ``(o [B, N, V] in the inputs' dtype, new_state)``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> one = jnp.ones((1, 1, 1))
     >>> o, state = cosformer_step(one, one, 0.0 * one, position=0, max_len=2)
     >>> o, state = cosformer_step(one, one, one, state, position=1, max_len=2)

@@ -51,7 +51,6 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
     ``[..., 1 + K + ... + K^m]``, float32 (or x's wider float dtype).
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> q, k = jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0])
     >>> taylor_features(q) @ taylor_features(k), 1 + (q @ k) + (q @ k) ** 2 / 2
     (Array(0.625, dtype=float32), Array(0.625, dtype=float32))

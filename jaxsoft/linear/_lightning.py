@@ -65,7 +65,6 @@ def lightning_decay(num_heads: int, layer_idx: int = 0, num_layers: int = 1) -> 
     ``g [N]`` float32, every entry ``< 0``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> jnp.exp(lightning_decay(2))
     Array([0.9394, 0.9961], dtype=float32)
 

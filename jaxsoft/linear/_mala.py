@@ -83,7 +83,6 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
     >>> mala(q, k, v, scale=1.0)[0, :, 0, 0]   # s = 1/n: z = 1, o = 2 mean(v) - mean(v)
     Array([1., 2.], dtype=float32)
@@ -134,7 +133,6 @@ def mala_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: ArrayLike | None 
     ``(o [B, N, V] in the inputs' dtype, new_state float32)``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> o, S = mala_step(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.ones((1, 1, 1)))
     >>> o, S[0, 0]
     (Array([[[1.]]], dtype=float32), Array([[1., 1.],

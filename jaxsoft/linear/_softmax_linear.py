@@ -109,7 +109,6 @@ def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_lo
     ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state)``.
 
   Examples:
-    >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.ones((1, 1, 2, 1)); v = jnp.ones((1, 1, 2, 1))
     >>> softmax_linear_attention(q, k, v, jnp.array([[[0.0, jnp.log(3.0)]]]), scale=1.0)[0, 0, :, 0]
     Array([0.25, 0.75], dtype=float32)

@@ -52,7 +52,6 @@ def midam_auc_loss(instance_scores: ArrayLike, bag_labels: ArrayLike, *,
     no positive or no negative bag.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> h = jnp.array([[3.0, -1.0], [0.0, 0.0]])
     >>> print(round(float(js.losses.midam_auc_loss(h, jnp.array([1, 0]), margin=1.0)), 4))
     1.7556

@@ -45,8 +45,6 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
     One score per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.msp(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
     [0.787  0.3333]
 
@@ -84,8 +82,6 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
     One score per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.energy_score(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
     [2.2395 2.0986]
 
@@ -128,8 +124,6 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
     ``[B]`` float32 scores in [1/K, 1].
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = jnp.array([[2.0, -1.0, 0.0], [0.0, 1.0, -1.0]])
     >>> x = jnp.array([[1.0, 0.5], [0.1, 0.1]])
     >>> print(js.losses.odin(lambda v: v @ w, x, temperature=2.0, epsilon=0.0))  # msp of logits / 2
@@ -194,7 +188,6 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int =
     A float32 scalar in [0, 1] (0 when no example counts).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> logits = jnp.array([[3.0, 0.0], [3.0, 0.0], [0.0, 0.1]])
     >>> print(round(float(js.losses.ece(logits, jnp.array([0, 1, 1]), num_bins=10)), 4))
     0.4601
@@ -251,7 +244,6 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
     The fitted temperature, a float32 scalar.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> logits = 5.0 * jax.random.normal(jax.random.key(0), (500, 4))
     >>> labels = jax.random.categorical(jax.random.key(1), logits / 5.0)  # T = 5 is right
     >>> t = js.losses.fit_temperature(logits, labels)
@@ -297,7 +289,6 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
     ``[..., K]`` float32 calibrated logits (apply a softmax for probabilities).
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> z = jnp.array([[2.0, 0.0, -1.0]])
     >>> cal = js.losses.dirichlet_calibrate(z, jnp.eye(3) / 2.0, jnp.zeros(3))  # W = I/T, T = 2
     >>> print(bool(jnp.allclose(jax.nn.softmax(cal), jax.nn.softmax(z / 2.0))))
@@ -348,7 +339,6 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
     ``(W [K, K], b [K])``, float32.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> logits = jnp.array([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 3.0], [0.5, 0.0, 0.0]])
     >>> w, b = js.losses.fit_dirichlet_calibration(logits, jnp.array([0, 1, 2, 1]), num_steps=2)
     >>> print(w.shape, b.shape)

@@ -48,8 +48,6 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
     One loss per example (``logits``' shape without ``axis``), in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> labels = jnp.array([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.softmax_cross_entropy(logits, labels))
@@ -108,8 +106,6 @@ def softmax_cross_entropy_with_integer_labels(
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> print(js.losses.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 1])))
     [0.2761 2.9518]
@@ -172,8 +168,6 @@ def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: i
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> print(js.losses.top_k_cross_entropy(logits, jnp.array([0, 1]), k=1))  # 0: label is top-1
     [0.     2.3955]

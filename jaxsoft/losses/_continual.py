@@ -50,8 +50,6 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> z, cur = jnp.array([[2.0, 1.0, 0.0]]), jnp.array([False, True, True])
     >>> print(js.losses.continual_cross_entropy(z, jnp.array([1]), cur))
     [0.3133]

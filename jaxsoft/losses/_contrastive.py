@@ -73,8 +73,6 @@ def info_nce(scores: ArrayLike, *, temperature: ArrayLike = 1.0, labels: ArrayLi
     ``[B]`` losses in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[0.9, 0.1, -0.2], [0.3, 0.8, 0.0], [0.0, 0.5, 0.7]])
     >>> print(js.losses.info_nce(s, temperature=0.1, symmetric=True))
     [0.0015 0.0283 0.0644]
@@ -146,8 +144,6 @@ def soft_info_nce(scores: ArrayLike, negative_weights: ArrayLike, *,
     ``[B]`` losses in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[0.9, 0.1, -0.2], [0.3, 0.8, 0.0]])
     >>> w = jnp.array([[1.0, 0.5, 1.5], [0.0, 1.0, 1.0]])
     >>> print(js.losses.soft_info_nce(s, w))
@@ -204,8 +200,6 @@ def soft_info_nce_weights(similarity: ArrayLike, *, temperature: float = 1.0, al
     ``[B, M]`` float32 weights for :func:`soft_info_nce`.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> sim = jnp.array([[1.0, 0.9, 0.0, 0.0]])  # candidate 1 is a likely false negative
     >>> print(js.losses.soft_info_nce_weights(sim, temperature=0.1))
     [[1.     0.1    1.4998 1.4998]]
@@ -257,8 +251,6 @@ def decoupled_softmax_loss(scores: ArrayLike, positives: ArrayLike, *,
     ``[B]`` losses in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[2.0, 1.5, -1.0, 0.0]])
     >>> print(js.losses.decoupled_softmax_loss(s, jnp.array([[True, True, False, False]])))
     [0.2181]
@@ -311,8 +303,6 @@ def top_k_multi_positive_loss(scores: ArrayLike, positives: ArrayLike, *, k: int
     ``[B]`` losses in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[2.0, 1.5, -1.0, 0.0]])
     >>> pos = jnp.array([[True, True, True, False]])
     >>> print(js.losses.top_k_multi_positive_loss(s, pos, k=2))
@@ -382,8 +372,6 @@ def soft_clip_loss(scores: ArrayLike, query_similarity: ArrayLike,
     ``[B]`` losses in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[0.9, 0.1], [0.3, 0.8]])
     >>> sim = jnp.array([[1.0, 0.9], [0.9, 1.0]])  # the two queries look alike
     >>> print(js.losses.soft_clip_loss(s, sim, temperature=0.1))

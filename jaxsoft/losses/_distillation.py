@@ -84,8 +84,6 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
     One loss per example, in ``student_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s, t = jnp.array([[2.0, 0.5, -1.0]]), jnp.array([[1.0, 3.0, -2.0]])
     >>> print(js.losses.logit_standardized_kd_loss(s, t))  # = for 10 * s - 3, or 2 * t + 1
     [0.3492]
@@ -141,8 +139,6 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
     One loss per example, in ``student_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> z, a = jnp.zeros((1, 2)), jnp.array([0])  # the student's log p(a) = -log 2
     >>> print(js.losses.squared_error_logit_loss(z, a, jnp.array([-1.0])))  # (1 - log 2)^2
     [0.0942]
@@ -194,8 +190,6 @@ def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLik
     One loss per example, in ``student_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> teachers = jnp.array([[[2.0, 0.0]], [[0.0, 2.0]]])  # [T, B, K]: their mean softmax is uniform
     >>> print(js.losses.averaged_teacher_kd_loss(jnp.array([[1.0, 0.0]]), teachers))  # KL(uniform || p)
     [0.1201]

@@ -50,7 +50,6 @@ def orthogonal_projection_loss(features: ArrayLike, labels: ArrayLike, *, gamma:
     A scalar in float32 (float64 for float64 features).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> f = jnp.array([[1.0, 0.0], [2.0, 0.0], [0.0, 1.0]])
     >>> print(round(float(js.losses.orthogonal_projection_loss(f, jnp.array([0, 0, 1]))), 6))
     0.0
@@ -109,8 +108,6 @@ def nbc_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Ar
     ``[B]`` losses in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x, w = jnp.array([[1.0, 0.0], [0.0, 1.0]]), jnp.eye(2)
     >>> print(js.losses.nbc_softmax_loss(x, w, jnp.array([0, 1]), weight=0.0))
     [0.3133 0.3133]

@@ -86,8 +86,6 @@ def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.fenchel_young_loss(logits, jnp.array([0, 1]), "sparsemax"))
     [0.   0.19]

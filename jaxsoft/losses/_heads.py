@@ -41,8 +41,6 @@ def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.ovr_bce_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.1333]
 
@@ -87,8 +85,6 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.gol_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [0.6623]
 
@@ -140,7 +136,6 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> print(js.losses.l2_svm_loss(jnp.array([[2.0, -1.0, 0.0]]), jnp.array([0])))
     [1.]
 

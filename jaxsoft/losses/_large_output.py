@@ -151,8 +151,6 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
     One loss per example, in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> h = jnp.array([[1.0, 0.0], [0.5, -1.0]])
     >>> w = jnp.array([[1.0, -1.0, 0.5], [0.0, 1.0, -0.5]])
     >>> y = jnp.array([0, 2])
@@ -209,8 +207,6 @@ def unigram_proposal(counts: ArrayLike, power: float = 0.75) -> jax.Array:
     ``[V]`` float32 probabilities summing to 1.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.unigram_proposal(jnp.array([16.0, 1.0, 0.0])))  # 16^(3/4) = 8 : 1 : 0
     [0.8889 0.1111 0.    ]
 
@@ -263,8 +259,6 @@ def negative_sampling_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, la
     One loss per example, in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> h, w = jnp.array([[1.0, 0.0]]), jnp.array([[2.0, -1.0, 0.0], [0.0, 1.0, 1.0]])
     >>> negatives = jnp.array([[1, 2]])  # given instead of drawn
     >>> print(js.losses.negative_sampling_loss(None, h, w, jnp.array([0]), 2, negatives=negatives))
@@ -317,7 +311,6 @@ def huffman_tree(counts) -> tuple[np.ndarray, np.ndarray]:
     ``paths`` and ``codes``, both int32 ``[V, L]`` with L the depth of the deepest leaf.
 
   Examples:
-    >>> import jaxsoft as js
     >>> paths, codes = js.losses.huffman_tree([5, 1, 1])  # the frequent class 0 gets a 1-bit code
     >>> print(paths)
     [[ 1 -1]
@@ -425,8 +418,6 @@ def hierarchical_softmax_loss(h: ArrayLike, w: ArrayLike, labels: ArrayLike, pat
     One loss per example, in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> paths, codes = js.losses.huffman_tree([5, 1, 1])
     >>> h, w = jnp.array([[1.0, -0.5]]), jnp.array([[0.3, -1.0], [0.2, 0.4]])
     >>> print(js.losses.hierarchical_softmax_loss(h, w, jnp.array([0]), paths, codes))
@@ -468,8 +459,6 @@ def hierarchical_softmax_log_probs(h: ArrayLike, w: ArrayLike, paths: ArrayLike,
     ``[..., V]`` log-probabilities in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> paths, codes = js.losses.huffman_tree([5, 1, 1])
     >>> h, w = jnp.array([[1.0, -0.5]]), jnp.array([[0.3, -1.0], [0.2, 0.4]])
     >>> log_p = js.losses.hierarchical_softmax_log_probs(h, w, paths, codes)
@@ -542,8 +531,6 @@ def augment_reduce_loss(key: jax.Array, logits: ArrayLike, labels: ArrayLike, nu
     One value per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits, y = jnp.array([[2.0, 0.0]]), jnp.array([0])  # K = 2: the one draw is exact
     >>> print(js.losses.augment_reduce_loss(jax.random.key(0), logits, y, 1))
     [0.1269]

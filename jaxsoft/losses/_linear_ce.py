@@ -90,8 +90,6 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     One loss per token, of ``labels``' shape, in ``h``'s dtype.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> h = jnp.array([[1.0, 0.0], [0.5, -1.0], [0.0, 2.0]])
     >>> w = jnp.array([[1.0, -1.0, 0.5], [0.0, 1.0, -0.5]])
     >>> print(js.losses.linear_cross_entropy(h, w, jnp.array([0, 1, 2]), vocab_chunk_size=2))

@@ -89,8 +89,6 @@ def arcface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     One loss per example, in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.arcface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
@@ -148,8 +146,6 @@ def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     One loss per example, in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.cosface_loss(x, w, jnp.array([0, 2]), scale=8.0, margin=0.3))
@@ -195,8 +191,6 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
     One loss per example, in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.2], [0.1, -1.0]])
     >>> w = jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.normalized_softmax_loss(x, w, jnp.array([0, 2]), temperature=0.125))
@@ -247,7 +241,6 @@ def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     A float32 scalar.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 1001))
     >>> print(round(float(js.losses.adacos_scale(x, w, jnp.array([0, 1]))), 3))
     9.769

@@ -45,7 +45,6 @@ def pmrl_loss(embeddings: ArrayLike, *, temperature: float = 1.0,
     ``[...]`` losses in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> z = jnp.array([[1.0, 0.0], [2.0, 0.0]])  # aligned: sigma = (sqrt 2, 0)
     >>> print(round(float(js.losses.pmrl_loss(z)), 4))
     0.2176

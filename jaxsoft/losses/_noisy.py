@@ -61,7 +61,6 @@ def noisy_softmax_loss(key: jax.Array, embeddings: ArrayLike, class_weights: Arr
     One loss per example, in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> x, w, y = jnp.array([[1.0, 0.5], [0.2, -1.0]]), jnp.eye(2), jnp.array([0, 1])
     >>> noisy = js.losses.noisy_softmax_loss(jax.random.key(0), x, w, y, alpha=0.5)
     >>> clean = js.losses.softmax_cross_entropy_with_integer_labels(x @ w, y)

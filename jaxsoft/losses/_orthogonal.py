@@ -48,7 +48,6 @@ def orthogonal_gradient() -> optax.GradientTransformation:
     A stateless ``optax.GradientTransformation`` whose ``update`` requires ``params``.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> tx = js.losses.orthogonal_gradient()
     >>> params = {"w": jnp.array([1.0, 0.0])}
     >>> updates, _ = tx.update({"w": jnp.array([3.0, 4.0])}, tx.init(params), params)

@@ -104,7 +104,6 @@ def vq_logits(h: ArrayLike, codebook: ArrayLike, assignment: ArrayLike, *,
     ``[..., V]`` logits in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> h, codebook = jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 0.0], [0.0, 1.0]])
     >>> print(js.losses.vq_logits(h, codebook, jnp.array([0, 1, 1, 0])))  # 4 classes, 2 codes
     [[1. 2. 2. 1.]]
@@ -150,8 +149,6 @@ def vq_logits_cross_entropy(h: ArrayLike, codebook: ArrayLike, assignment: Array
     One loss per example, in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> h, codebook = jnp.array([[1.0, 2.0]]), jnp.array([[1.0, 0.0], [0.0, 1.0]])
     >>> assignment, y = jnp.array([0, 1, 1, 0]), jnp.array([1])
     >>> print(js.losses.vq_logits_cross_entropy(h, codebook, assignment, y))
@@ -209,8 +206,6 @@ def dual_softmax_loss(coarse_logits: ArrayLike, fine_logits: ArrayLike, labels: 
     One loss per example, in ``coarse_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> coarse, fine = jnp.zeros((1, 4)), jnp.zeros((1, 4))  # 16 values y = 4 c + f
     >>> print(js.losses.dual_softmax_loss(coarse, fine, jnp.array([13])))  # uniform: log 16
     [2.7726]
@@ -285,8 +280,6 @@ def discretized_logistic_mixture_loss(logit_weights: ArrayLike, means: ArrayLike
     :math:`-\log P(\text{label})` per example, in ``logit_weights``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w, mu, log_s = jnp.zeros((4, 1)), jnp.zeros((4, 1)), jnp.full((4, 1), -1.0)
     >>> p = jnp.exp(-js.losses.discretized_logistic_mixture_loss(w, mu, log_s, jnp.arange(4), num_bins=4))
     >>> print(p, round(float(p.sum()), 4))  # the 4 bins' probabilities sum to 1
@@ -351,8 +344,6 @@ def pointer_sentinel_log_probs(vocab_logits: ArrayLike, pointer_scores: ArrayLik
     ``[..., V]`` log-probabilities in ``vocab_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> vocab, ptr = jnp.array([[1.0, 0.0, 0.0, -1.0]]), jnp.array([[2.0, 0.0]])
     >>> ids = jnp.array([[3, 3]])  # both context positions hold word 3
     >>> log_p = js.losses.pointer_sentinel_log_probs(vocab, ptr, jnp.array([0.0]), ids)
@@ -385,8 +376,6 @@ def pointer_sentinel_loss(vocab_logits: ArrayLike, pointer_scores: ArrayLike,
     One loss per example, in ``vocab_logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> vocab, ptr = jnp.array([[1.0, 0.0, 0.0, -1.0]]), jnp.array([[2.0, 0.0]])
     >>> ids = jnp.array([[3, 3]])
     >>> print(js.losses.pointer_sentinel_loss(vocab, ptr, jnp.array([0.0]), ids, jnp.array([3])))
@@ -486,7 +475,6 @@ def softmax_cpr_logits(h: ArrayLike, w: ArrayLike, *, bias: ArrayLike | None = N
     ``[..., V]`` logits in ``h``'s dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> h, w = jnp.array([[1.0, 0.0]]), jnp.array([[1.0, 0.0, -1.0], [0.0, 1.0, 0.0]])
     >>> print(js.losses.softmax_cpr_logits(h, w))  # no partition: h @ w
     [[ 1.  0. -1.]]

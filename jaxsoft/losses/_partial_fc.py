@@ -71,7 +71,6 @@ def partial_fc_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Arr
     ``[B]`` losses in ``embeddings``' dtype (a label outside ``[0, C)`` gets ``+inf``).
 
   Examples:
-    >>> import jax, jax.numpy as jnp, jaxsoft as js
     >>> x = jax.random.normal(jax.random.key(0), (4, 8))
     >>> w = jax.random.normal(jax.random.key(1), (8, 16))
     >>> y = jnp.array([0, 5, 9, 15])

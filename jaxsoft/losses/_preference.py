@@ -62,8 +62,6 @@ def sdpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike, ref_chosen_log
     One loss per example (``chosen_logps``' shape), in ``chosen_logps``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.sdpo_loss(jnp.array([-1.0]), jnp.array([[-2.0, -1.5]]),
     ...                           jnp.array([-1.2]), jnp.array([[-1.8, -1.6]]), beta=0.5))
     [1.0188]
@@ -135,8 +133,6 @@ def adpo_loss(logps: ArrayLike, ref_logps: ArrayLike, targets: ArrayLike, *,
     One loss per example (``logps``' shape without the last axis), in ``logps``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logps, ref = jnp.array([[-1.0, -2.0]]), jnp.array([[-1.5, -1.5]])
     >>> print(js.losses.adpo_loss(logps, ref, jnp.array([[1.0, 0.0]])))  # DPO: log(1 + e^-1)
     [0.3133]

@@ -76,8 +76,6 @@ def pairwise_softmax_loss(scores: ArrayLike, labels: ArrayLike, *, activation: s
     One loss per example, in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.pairwise_softmax_loss(jnp.array([[0.9, 0.1, 0.3, -0.5]]), jnp.array([0])))
     [0.649]
 
@@ -141,8 +139,6 @@ def softmax_loss_at_k(scores: ArrayLike, labels: ArrayLike, *, k: int | None = N
     One loss per example, in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s, y = jnp.array([[0.9, 0.1, 0.3, -0.5], [0.2, 0.8, 0.6, 0.0]]), jnp.array([0, 0])
     >>> print(js.losses.softmax_loss_at_k(s, y, k=1))  # row 1's positive is below the top 1
     [0.4043 0.5796]
@@ -192,8 +188,6 @@ def top_k_threshold_loss(scores: ArrayLike, threshold: ArrayLike, k: int, *,
     One value per row, in ``scores``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> s = jnp.array([[4.0, 3.0, 2.0, 1.0]])  # k = 1: t = 3/4, minimised between 3 and 4
     >>> print(js.losses.top_k_threshold_loss(s, jnp.array([3.5]), 1),
     ...       js.losses.top_k_threshold_loss(s, jnp.array([2.0]), 1))

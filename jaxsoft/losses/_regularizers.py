@@ -47,7 +47,6 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
     ``[..., H]`` penalties in float32 (float64 for float64 weights).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> a = jnp.stack([jnp.eye(4), jnp.full((4, 4), 0.25)])[None]  # [1, H=2, 4, 4]
     >>> pen = js.losses.attention_entropy_penalty(a, jnp.array([0.5, 0.5]), tolerance=0.25)
     >>> print(pen / jnp.log(4.0))  # collapsed head and uniform head, both 0.5 log 4 off

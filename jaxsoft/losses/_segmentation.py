@@ -53,7 +53,6 @@ def dice_semimetric_loss(predictions: ArrayLike, targets: ArrayLike, *,
     The loss with ``axis`` reduced, in ``predictions``' dtype (float32 for integers).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> x = jnp.array([[0.5, 0.5], [1.0, 0.0]])
     >>> print(js.losses.dice_semimetric_loss(x, jnp.array([[0.5, 0.5], [0.0, 1.0]])))
     [0. 1.]

@@ -64,8 +64,6 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.stablemax_cross_entropy(logits, jnp.array([0, 1])))
     [0.5108 0.9614]
@@ -115,7 +113,6 @@ def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int
     A float32 scalar in [0, 1] (0 when no example counts). Not differentiable (a count).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> logits = jnp.array([[40.0, 0.0, 0.0], [2.0, 0.5, -1.0]])
     >>> print(js.losses.softmax_collapse_fraction(logits, jnp.array([0, 0])))  # first row
     0.5

@@ -94,7 +94,6 @@ def soft_msm(x: ArrayLike, y: ArrayLike, *, gamma: float = 1.0, cost: float = 1.
     ``[...]`` values in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
     >>> x = jnp.array([0.0, 1.0, 2.0])
     >>> print(round(float(js.losses.soft_msm(x, x + 0.5, gamma=1e-3, gate_sharpness=1e4)), 3))
     1.5

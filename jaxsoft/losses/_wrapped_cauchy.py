@@ -38,8 +38,6 @@ def wrapped_cauchy_log_density(theta: ArrayLike, concentration: ArrayLike,
     :math:`\log \mathrm{wC}` in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> theta = jnp.array([0.0, jnp.pi / 2, jnp.pi])
     >>> print(js.losses.wrapped_cauchy_log_density(theta, 0.0))  # uniform: -log(2 pi)
     [-1.8379 -1.8379 -1.8379]
@@ -101,8 +99,6 @@ def wcdas_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLik
     One loss per example, in ``embeddings``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x, w = jnp.array([[1.0, 0.0]]), jnp.eye(2)
     >>> print(js.losses.wcdas_loss(x, w, jnp.array([0]), jnp.array([0.5, 0.5])))
     [0.1823]

@@ -61,8 +61,6 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
     One loss per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> logits = jnp.array([[2.0, 0.5, -1.0], [0.0, 0.3, 0.1]])
     >>> print(js.losses.spherical_z_loss(logits, jnp.array([0, 1]), a=2.0, b=1.0))
     [0.2467 0.2062]
@@ -116,8 +114,6 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
     One value per example, in ``logits``' dtype.
 
   Examples:
-    >>> import jax.numpy as jnp, jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> print(js.losses.z_loss(jnp.array([[0.0, 0.0], [2.0, -1.0]])))
     [0.4805 4.1967]
 

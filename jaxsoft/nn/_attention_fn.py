@@ -121,9 +121,6 @@ def attention_weights(
     Weights ``[B, N, T, S]`` in float32 (float64 for float64 inputs).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = k = jnp.ones((1, 3, 2, 4))                 # [B, T, N, H]
     >>> w = js.nn.attention_weights(q, k, is_causal=True)
     >>> w.shape                                        # [B, N, T, S]
@@ -305,9 +302,7 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
     ``attention_fn`` argument of ``flax.nnx.MultiHeadAttention``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
     >>> x = jax.random.normal(jax.random.key(0), (1, 3, 8))
     >>> flax_own = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
     >>> ours = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0),

@@ -42,9 +42,6 @@ class InfSA(nnx.Module):
       ``normalizer``, ...).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> mod = js.nn.InfSA(2, gamma_init=0.25, terms=4, is_causal=True)
     >>> mod.gamma
     Array([0.25, 0.25], dtype=float32)

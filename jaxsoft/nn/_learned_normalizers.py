@@ -126,9 +126,7 @@ class LearnedNormalizer(nnx.Module):
   Examples:
     A module that gives softmax a fixed temperature, plugged into the layer:
 
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
     >>> class Sharpen(js.nn.LearnedNormalizer):
     ...   normalizer = "softmax"
     ...   def attention_hyperparams(self, q, n_visible):
@@ -202,10 +200,7 @@ class MultiMax(_PerHeadNormalizer):
   uses its own parameters.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> mm = js.nn.MultiMax(2, init_std=0.0, rngs=nnx.Rngs(0))   # t = 0: softmax
     >>> scores = jnp.array([[[0.0, 1.0, 2.0]], [[1.0, 1.0, 1.0]]])   # [N, T, S]
     >>> mm(scores)
@@ -269,10 +264,7 @@ class QASSMax(LearnedNormalizer):
   queries are rescaled by :meth:`attention_queries` with each query's visible count n.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> qa = js.nn.QASSMax(2, 4, hidden=8, rngs=nnx.Rngs(0))
     >>> q = jnp.ones((1, 3, 2, 4))                          # [B, T, N, d_h]
     >>> n = jnp.arange(1.0, 4.0)                            # causal rows see 1, 2, 3 keys
@@ -368,10 +360,7 @@ class TempNet(LearnedNormalizer):
   per query ``[B, 1, T, 1]``; from each head's query (``F = H``), ``[B, N, T, 1]``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> tn = js.nn.TempNet(4, hidden=8, tau_init=0.5, rngs=nnx.Rngs(0))
     >>> tn.temperature(jnp.ones((2, 4)))                    # constant tau_init at init
     Array([[0.5],
@@ -461,8 +450,6 @@ class SSA(LearnedNormalizer):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> ssa = js.nn.SSA(2, 4)                    # N = 2 heads of H = 4
     >>> scores = jnp.linspace(-1.0, 1.0, 18).reshape(1, 2, 3, 3)    # [B, N, T, S]
     >>> q = jnp.ones((1, 2, 3, 4))                                   # [B, N, T, H]
@@ -533,9 +520,6 @@ class ASEntmax(LearnedNormalizer):
   Examples:
     At init the hyperparameters are asentmax's defaults (``beta = 0.5``, ``gamma = 1``):
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> ase = js.nn.ASEntmax(2, 4)                  # N = 2 heads of H = 4
     >>> q = jnp.ones((1, 2, 3, 4))                  # [B, N, T, H]
     >>> hp = ase.attention_hyperparams(q, None)
@@ -620,8 +604,6 @@ class PolarSink(_PerHeadNormalizer):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> sink = js.nn.PolarSink(2)                # alpha, null bias, gamma: 0 per head
     >>> scores = jax.random.normal(jax.random.key(0), (1, 2, 3, 3))   # [B, N, T, S]
     >>> w = sink(scores)
@@ -686,10 +668,7 @@ class MoEGate(LearnedNormalizer):
     rngs: ``nnx.Rngs`` for the init of ``W``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> gate = js.nn.MoEGate(4, 3, rngs=nnx.Rngs(0))       # 4 features, 3 experts
     >>> w = gate(jnp.ones((2, 4)))
     >>> w.shape, w.sum(-1)
@@ -759,10 +738,7 @@ class DirichletCalibration(nnx.Module):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> cal = js.nn.DirichletCalibration(3)
     >>> cal(jnp.log(jnp.array([0.2, 0.3, 0.5])))            # W = I, b = 0: the identity
     Array([0.2, 0.3, 0.5], dtype=float32)

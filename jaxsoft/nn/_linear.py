@@ -113,7 +113,6 @@ def causal_conv(u: jax.Array, w: jax.Array) -> jax.Array:
     ``y [B, T, C]``.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft.nn import causal_conv
     >>> causal_conv(jnp.arange(1.0, 5.0).reshape(1, 4, 1), jnp.array([[1.0], [10.0]]))[..., 0]
     Array([[10., 21., 32., 43.]], dtype=float32)
@@ -146,7 +145,6 @@ def causal_conv_step(u: jax.Array, w: jax.Array, window: jax.Array
     ``(y [B, C], the next window)``.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft.nn import causal_conv_step
     >>> w, window = jnp.array([[1.0], [10.0]]), jnp.zeros((1, 1, 1))
     >>> for u in (1.0, 2.0, 3.0):
@@ -206,8 +204,6 @@ class HedgehogFeatureMap(nnx.Module):
     Called on ``x [..., N, K]``: the features ``[..., N, 2F]``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
     >>> from jaxsoft.nn import HedgehogFeatureMap
     >>> phi = HedgehogFeatureMap(num_heads=2, head_dim=4, feature_dim=3)
     >>> jax.eval_shape(phi, jnp.ones((1, 5, 2, 4))).shape  # the shape of phi(x)
@@ -306,8 +302,6 @@ class LinearMixer(nnx.Module):
     Called on ``x [B, T, d]``: ``y [B, T, d]``, causal unless ``causal=False``.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import LinearMixer
     >>> layer = LinearMixer("simple_gla", d_model=8, num_heads=2, conv_size=4,
@@ -538,7 +532,6 @@ class GatedDeltaNet(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import GatedDeltaNet
     >>> layer = GatedDeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
@@ -571,7 +564,6 @@ class DeltaNet(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import DeltaNet
     >>> layer = DeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
@@ -669,7 +661,6 @@ class LightningAttention(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
     >>> from jaxsoft.nn import LightningAttention
     >>> layer = LightningAttention(d_model=8, num_heads=2, layer_idx=1, num_layers=4,

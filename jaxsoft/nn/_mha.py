@@ -72,9 +72,6 @@ def param_transform(param: _spec.Param) -> tuple[_Map, _Map]:
     range, and its inverse.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> alpha = js.normalizers.get("entmax").param("alpha")      # alpha > 1 (open)
     >>> to_range, from_range = js.nn.param_transform(alpha)
     >>> to_range(jnp.array([-20.0, 0.0, 20.0]))                  # 1.001 + softplus(z)
@@ -178,10 +175,7 @@ class MultiHeadAttention(nnx.Module):
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> layer = js.nn.MultiHeadAttention(2, 8, normalizer="entmax", learned=("alpha",),
     ...                                  gated=True, rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((1, 3, 8)), is_causal=True).shape           # [B, T, out_features]

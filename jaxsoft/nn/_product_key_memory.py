@@ -35,8 +35,6 @@ def product_key_topk(query: ArrayLike, sub_keys1: ArrayLike, sub_keys2: ArrayLik
     ``a · n + b`` in [0, n^2) (int32).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.array([[1.0, 0.0, 0.0, 1.0]])                   # [heads=1, d=4]
     >>> c1 = jnp.array([[[1.0, 0.0], [0.5, 0.0], [-1.0, 0.0]]])   # half scores 1, .5, -1
     >>> c2 = jnp.array([[[0.0, 1.0], [0.0, 0.25], [0.0, -1.0]]])  # half scores 1, .25, -1
@@ -90,10 +88,7 @@ class ProductKeyMemory(nnx.Module):
     param_dtype: parameter dtype; rngs: nnx.Rngs.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> pkm = js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2, rngs=nnx.Rngs(0))
     >>> pkm.value_table.shape                        # n^2 = 9 slots of d_v = 8
     (9, 8)

@@ -50,9 +50,6 @@ def soft_moe_weights(x: ArrayLike, phi: ArrayLike, *, scale: ArrayLike | None = 
     each dispatch column and each visible combine row sums to 1.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jax.random.normal(jax.random.key(0), (1, 3, 2))    # 3 tokens of d = 2
     >>> phi = jax.random.normal(jax.random.key(1), (2, 2))     # 2 slots
     >>> dispatch, combine = js.nn.soft_moe_weights(x, phi)
@@ -106,9 +103,6 @@ def soft_moe(x: ArrayLike, phi: ArrayLike, experts: Callable[[jax.Array], jax.Ar
     [B, m, d_out] in x's dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.arange(6.0).reshape(1, 3, 2)       # tokens [0, 1], [2, 3], [4, 5]
     >>> phi = jnp.zeros((2, 2))                    # equal logits: every slot is the mean [2, 3]
     >>> js.nn.soft_moe(x, phi, lambda slots: 2 * slots, num_experts=2)
@@ -151,9 +145,7 @@ class SoftMoE(nnx.Module):
     rngs: nnx.Rngs.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
     >>> moe = js.nn.SoftMoE(4, num_experts=2, slots_per_expert=1, hidden_features=8,
     ...                     rngs=nnx.Rngs(0))
     >>> moe.w1.shape                                 # [experts, d, hidden]

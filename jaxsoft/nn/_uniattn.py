@@ -39,9 +39,7 @@ class UniAttnCompensation(nnx.Module):
     param_dtype: the dtype of :math:`W_c`.
 
   Examples:
-    >>> import jax, jax.numpy as jnp
     >>> from flax import nnx
-    >>> import jaxsoft as js
     >>> comp = js.nn.UniAttnCompensation(2, 3, 2, 4)   # L=2, C=3, N=2, Hv=4
     >>> comp.w_c.shape
     (2, 3, 2, 4)

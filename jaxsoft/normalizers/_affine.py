@@ -65,9 +65,6 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.affine_softmax(x, alpha=0.5)  # halfway to uniform, sums to 1
     Array([0.4993, 0.289 , 0.2117], dtype=float32)

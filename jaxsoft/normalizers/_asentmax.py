@@ -39,9 +39,6 @@ def asentmax_scale(length, delta=1.0, beta=0.5, gamma=1.0):
     ``theta`` of ``length``'s shape.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.asentmax_scale(jnp.array([1.0, 64.0, 4096.0]))  # 1 + log(n) / 2
     Array([1.    , 3.0794, 5.1589], dtype=float32)
 
@@ -97,9 +94,6 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Threshold rule (class T): entmax's, on the scores ``(alpha - 1) theta(n) x``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.zeros(64).at[0].set(1.0)  # a needle among 63 zeros
     >>> js.normalizers.entmax15(x)[0], js.normalizers.asentmax(x)[0]  # n = 64: theta = 3.08
     (Array(0.3609, dtype=float32), Array(1., dtype=float32))

@@ -34,9 +34,6 @@ def temperature_scale(logits: ArrayLike, axis: int = -1, where: ArrayLike | None
     Calibrated probabilities of ``logits``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.temperature_scale(jnp.array([2.0, 1.0, 0.0]), temperature=2.0)
     Array([0.5065, 0.3072, 0.1863], dtype=float32)
 
@@ -69,9 +66,6 @@ def power_soften(probs: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> p = js.normalizers.softmax(jnp.array([2.0, 1.0, 0.0]))
     >>> js.normalizers.power_soften(p, temperature=2.0)
     Array([0.5065, 0.3072, 0.1863], dtype=float32)
@@ -121,10 +115,6 @@ def dirichlet_calibration(log_probs: ArrayLike, weights: ArrayLike,
     ``[..., K]`` calibrated probabilities (float32 for low-precision inputs are cast back).
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> log_p = jax.nn.log_softmax(jnp.array([2.0, 1.0, 0.0]))
     >>> js.normalizers.dirichlet_calibration(log_p, jnp.eye(3) / 2.0)  # = softmax(z / 2)
     Array([0.5065, 0.3072, 0.1863], dtype=float32)
@@ -162,8 +152,6 @@ def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike |
     ``[..., K]`` logits.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> log_p = jnp.log(jnp.array([0.5, 0.25, 0.25]))
     >>> js.normalizers.dirichlet_logits(log_p, -jnp.eye(3) / jnp.log(2.0), jnp.ones(3))
     Array([2., 3., 3.], dtype=float32)
@@ -208,9 +196,6 @@ def odir_penalty(weights: ArrayLike, bias: ArrayLike | None = None, *,
     The penalty, a scalar.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = jnp.array([[1.0, 0.5, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 2.0]])
     >>> js.normalizers.odir_penalty(w)  # 0.5^2 / (3 * 2)
     Array(0.0417, dtype=float32)

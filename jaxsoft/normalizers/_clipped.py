@@ -69,9 +69,6 @@ def clipped_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([3.0, 0.0, -1.0, -2.0])
     >>> js.normalizers.softmax(x)
     Array([0.9304, 0.0463, 0.017 , 0.0063], dtype=float32)

@@ -128,9 +128,6 @@ def congestion_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = N
     in the softmax).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> q = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.congestion_softmax(q, gamma=0.0)  # softmax
     Array([0.6652, 0.2447, 0.09  ], dtype=float32)

@@ -65,9 +65,6 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
     float32); a row with no visible entry is all zeros with zero gradient.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
     >>> keys = jax.random.split(jax.random.key(0), 20000)
     >>> draws = jax.vmap(lambda k: js.normalizers.dirichlet_resample(k, logits, alpha=5.0))(keys)

@@ -148,9 +148,6 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
     row with no visible entry is all zeros, with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
     >>> js.normalizers.entmax15(x)  # between softmax (no zeros) and sparsemax ([0.6, 0.4, 0, 0])
     Array([0.5292, 0.3937, 0.077 , 0.    ], dtype=float32)
@@ -298,9 +295,6 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
       ``where``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
     >>> js.normalizers.entmax(x, alpha=1.25)  # close to softmax: no zero yet
     Array([0.4787, 0.3736, 0.1356, 0.0121], dtype=float32)
@@ -350,9 +344,6 @@ def learned_alpha(z: ArrayLike, min_gap: float = 1e-3) -> jax.Array:
   is already within about 1e-3 of softmax. ``min_gap=0`` gives the plain ``1 + softplus(z)``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.learned_alpha(jnp.array([-5.0, 0.0, 5.0]))  # always > 1
     Array([1.0077, 1.6941, 6.0077], dtype=float32)
 

@@ -47,9 +47,6 @@ def fourier_autocorrelation(coefficients: ArrayLike) -> jax.Array:
     ``[..., N+1]`` complex.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.fourier_autocorrelation(jnp.array([1.0 + 0j, 0.8 + 0j]))
     Array([1.64+0.j, 0.8 +0.j], dtype=complex64)
     >>> js.normalizers.fourier_autocorrelation(jnp.array([1.0, 0.8, 0.0, 0.0]))  # real form
@@ -100,9 +97,6 @@ def fourier_head(coefficients: ArrayLike, num_bins: int) -> jax.Array:
     All-zero coefficients give NaN (c_0 = 0: no density is defined).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.fourier_head(jnp.array([1.0 + 0j]), 4)  # N = 0: uniform
     Array([0.25, 0.25, 0.25, 0.25], dtype=float32)
     >>> js.normalizers.fourier_head(jnp.array([1.0 + 0j, 0.8 + 0j]), 4)  # 1.64 + 1.6 cos(pi z)
@@ -138,9 +132,6 @@ def fourier_head_logits(coefficients: ArrayLike, num_bins: int) -> jax.Array:
     ``[..., num_bins]`` logits.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.fourier_head_logits(jnp.array([1.0 + 0j, 0.8 + 0j]), 4)
     Array([-2.5569, -0.8616, -0.8616, -2.5569], dtype=float32)
 
@@ -173,9 +164,6 @@ def fourier_head_cross_entropy(coefficients: ArrayLike, labels: ArrayLike, num_b
     ``[...]`` losses.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> a = jnp.array([[1.0 + 0j, 0.8 + 0j]] * 2)  # P = [0.0775, 0.4225, 0.4225, 0.0775]
     >>> js.normalizers.fourier_head_cross_entropy(a, jnp.array([1, 0]), 4)
     Array([0.8617, 2.5569], dtype=float32)

@@ -60,10 +60,6 @@ def gumbel_softmax(key: jax.Array, x: ArrayLike, axis: int = -1,
     softmax in float32); a row with no visible entry is all zeros with zero gradient.
 
   Examples:
-    >>> import jax
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> key = jax.random.key(0)
     >>> logits = jnp.log(jnp.array([0.5, 0.3, 0.2]))
     >>> y = js.normalizers.gumbel_softmax(key, logits, tau=0.5)

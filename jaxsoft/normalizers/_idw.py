@@ -56,9 +56,6 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.idw_softmax(jnp.array([1.0, 2.0, 4.0]))  # 1, 1/2, 1/4 over 7/4
     Array([0.5714, 0.2857, 0.1429], dtype=float32)
     >>> js.normalizers.idw_softmax(jnp.array([1.0, 2.0, 4.0]), power=2.0)

@@ -196,9 +196,6 @@ def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     ``softmax(x)`` of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.two_pass_softmax(jnp.array([2.0, 1.0, 0.0]))
     Array([0.6652, 0.2447, 0.09  ], dtype=float32)
     >>> js.normalizers.two_pass_softmax(jnp.array([1e4, 1e4 - 1.0, -3e38]))  # no overflow
@@ -263,8 +260,6 @@ def unified_max_fallback(x: ArrayLike, phi: ArrayLike, axis: int = -1,
     A boolean array of ``x``'s shape with size 1 along ``axis``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.array([[2.0, 1.0, 0.0], [500.0, 499.0, 498.0]])
     >>> js.normalizers.unified_max_fallback(x, phi=3.0)  # row 2: 500 - 3 is too far
     Array([[False],
@@ -319,9 +314,6 @@ def unified_max_softmax(x: ArrayLike, phi: ArrayLike, axis: int = -1,
     ``softmax(x)`` of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[2.0, 1.0, 0.0], [500.0, 499.0, 498.0]])
     >>> js.normalizers.unified_max_softmax(x, phi=3.0)  # row 2: 500 - 3 > b, recomputed
     Array([[0.6652, 0.2447, 0.09  ],

@@ -61,9 +61,6 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     zero gradient, never NaN.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.logsumexp(x)
     Array(2.4076, dtype=float32)
@@ -103,9 +100,6 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     cross-entropies stay finite; a fully masked row is all zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.log_softmax(x)
     Array([-0.4076, -1.4076, -2.4076], dtype=float32)
@@ -165,9 +159,6 @@ def smooth_max(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayL
     with no visible entry, with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.smooth_max(x, eps=0.1)  # close to max(x) = 2
     Array(2., dtype=float32)
@@ -198,9 +189,6 @@ def smooth_min(x: ArrayLike, eps: ArrayLike = 1.0, axis: int = -1, where: ArrayL
   1703.01353) and of the elastic-distance losses built on it.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.smooth_min(jnp.array([2.0, 1.0, 0.0]), eps=0.5)  # just below min = 0
     Array(-0.0715, dtype=float32)
 

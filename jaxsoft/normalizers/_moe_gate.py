@@ -60,9 +60,6 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``z = sigmoid(x) / tau`` elementwise (class E), then softmax's ``e^{z - m}``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([3.0, 1.0, -2.0])
     >>> js.normalizers.softmax(x)
     Array([0.8756, 0.1185, 0.0059], dtype=float32)

@@ -33,8 +33,6 @@ def multimax_modulator(x, t1=0.0, t2=0.0, t3=0.0, t4=0.0, b1=0.0, b2=0.0, b3=0.0
     \sigma(x) = x + t_1 [b_1 - x]_+ + t_2 [x - b_2]_+ + t_3 [b_3 - x]_+^2 + t_4 [x - b_4]_+^2
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> js.normalizers.multimax_modulator(jnp.array([-2.0, 0.0, 2.0]), t1=0.5, t2=0.5,
     ...                                   b1=-1.0, b2=1.0)
     Array([-1.5,  0. ,  2.5], dtype=float32)
@@ -90,9 +88,6 @@ def multimax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``z = sigma(x)`` elementwise (class E), then softmax's ``e^{z - m}``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.8, 0.0, -1.0, -2.0])
     >>> js.normalizers.softmax(x)
     Array([0.4945, 0.4049, 0.0669, 0.0246, 0.0091], dtype=float32)

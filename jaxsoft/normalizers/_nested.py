@@ -74,9 +74,6 @@ def nested_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     Weights in (0, 1) of ``x``'s shape and dtype; a fully masked row is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.nested_sigmoid(jnp.array([-0.5, 0.5, 3.0]), kappa=10.0)  # 1/3 steps
     Array([0.3333, 0.6667, 1.    ], dtype=float32)
 

@@ -50,9 +50,6 @@ def ovr_sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) ->
     Weights of ``x``'s shape and dtype; a fully masked row is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.ovr_sigmoid(jnp.array([2.0, 1.0, 0.0, -1.0]))  # two above 1/2
     Array([0.8808, 0.7311, 0.5   , 0.2689], dtype=float32)
 
@@ -90,9 +87,6 @@ def gumbel_cdf(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
     Weights of ``x``'s shape and dtype; a fully masked row is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.gumbel_cdf(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([0.8734, 0.6922, 0.3679, 0.066 ], dtype=float32)
 

@@ -61,9 +61,6 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sigmoid(jnp.zeros(4))  # bias -log 4: each 1/5, the row sums to 4/5
     Array([0.2, 0.2, 0.2, 0.2], dtype=float32)
     >>> w = js.normalizers.sigmoid(jnp.array([2.0, 1.0, 0.0, -1.0]))
@@ -106,8 +103,6 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
     Weights of ``x``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> js.normalizers.relu(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([2., 1., 0., 0.], dtype=float32)
 
@@ -130,8 +125,6 @@ def relu_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.
   2309.08586). Arguments and returns as :func:`relu`; a fully masked row is zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.normalizers.relu_n(x)  # n = 4
     Array([0.5 , 0.25, 0.  , 0.  ], dtype=float32)
@@ -157,8 +150,6 @@ def relu2(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.A
   attention weights.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> js.normalizers.relu2(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([4., 1., 0., 0.], dtype=float32)
 

@@ -90,9 +90,6 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   the stabiliser floored at ``t nu`` (``m_floor``), as softmax with a sink logit.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = js.normalizers.polar_softmax(jnp.array([2.0, 1.0, 0.0, -1.0]))
     >>> w  # n = 4: t = 1.96, nu = 0.88
     Array([0.7847, 0.1104, 0.0155, 0.0022], dtype=float32)

@@ -75,9 +75,6 @@ def uniform_quantize(p: ArrayLike, bits: int, *, scale: float | None = None,
     The dequantised values, ``p``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.uniform_quantize(jnp.array([0.7, 0.2, 0.06, 0.04]), 3)  # steps of 1/7
     Array([0.7143, 0.1429, 0.    , 0.    ], dtype=float32)
 
@@ -128,9 +125,6 @@ def log2_quantize(p: ArrayLike, bits: int, *, shift: float = 0.0) -> jax.Array:
     The dequantised values in [0, 1], ``p``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> p = jnp.array([0.7, 0.2, 0.06, 0.04])
     >>> js.normalizers.log2_quantize(p, 3)  # powers of two
     Array([0.5   , 0.25  , 0.0625, 0.0312], dtype=float32)
@@ -187,9 +181,6 @@ def tan_quantize(p: ArrayLike, bits: int, *, theta: float = 1.3) -> jax.Array:
     The dequantised values in [0, 1], ``p``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.tan_quantize(jnp.array([0.7, 0.2, 0.06, 0.04]), 3)
     Array([0.6828, 0.3172, 0.0384, 0.0384], dtype=float32)
 
@@ -249,8 +240,6 @@ def softmax_quantization_bias(x: ArrayLike, bits: int = 8, axis: int = -1,
     beta in float32 (float64 for float64 input); 0 where nothing is visible.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.zeros((1, 1000))  # p = 0.001 everywhere, below half an 8-bit step
     >>> round(float(js.normalizers.softmax_quantization_bias(x, 8)), 6)  # every p is lost
     0.001
@@ -305,8 +294,6 @@ def quantized_softmax(x: ArrayLike, bits: int = 8, axis: int = -1,
     The quantised weights, ``x``'s shape and dtype; masked entries exactly 0.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> x = jnp.zeros((1, 1000))  # uniform row: every p = 0.001 < s/2 rounds to 0 at 8 bits
     >>> float(js.normalizers.quantized_softmax(x, bits=8).sum())
     0.0
@@ -391,9 +378,6 @@ def lut_exp(x: ArrayLike, table_size: int = 256, *, x_min: float = -16.0,
     The table values, ``x``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> d = jnp.array([0.0, -1.0, -20.0])
     >>> js.normalizers.lut_exp(d, 64, x_min=-8.0)  # exp(-1) = 0.3679; -20 is off the table
     Array([1.    , 0.3621, 0.    ], dtype=float32)
@@ -451,9 +435,6 @@ def lut_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.lut_softmax(x, table_size=16, x_min=-4.0)  # a coarse table
     Array([0.6672, 0.2296, 0.1032], dtype=float32)
@@ -501,9 +482,6 @@ def softmax_aware_binarize(p: ArrayLike, axis: int = -1, where: ArrayLike | None
     The binarised rows, ``p``'s shape and dtype.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> p = jnp.array([0.7, 0.2, 0.06, 0.04])
     >>> js.normalizers.softmax_aware_binarize(p)  # keeping only 0.7 fits best
     Array([0.7, 0. , 0. , 0. ], dtype=float32)

@@ -134,9 +134,6 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
   ``(m, l, sum_j e^{x_j - m} x_j)``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.zeros(64).at[0].set(2.0)   # a dispersed row: H = 4.0 nats
     >>> js.normalizers.softmax(x)[0], js.normalizers.adaptive_temperature_softmax(x)[0]
     (Array(0.105, dtype=float32), Array(0.6562, dtype=float32))
@@ -200,9 +197,6 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
   blocks by Chan et al.'s rule; the second pass is softmax of the standardised scores.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.standardized_softmax(x)
     Array([0.7245, 0.2129, 0.0626], dtype=float32)
@@ -257,9 +251,6 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   over key blocks); the second pass is pointwise.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = js.normalizers.nap(jnp.array([3.0, 1.0, 0.0, 0.0]))
     >>> w
     Array([ 1.633 ,  0.    , -0.8165, -0.8165], dtype=float32)

@@ -55,9 +55,6 @@ def sa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
   by ``e^{m - m'}`` with the running max).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sa_softmax(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([ 1.2878,  0.2369,  0.    , -0.0321], dtype=float32)
 
@@ -101,9 +98,6 @@ def sa_softmax_normalized(x: ArrayLike, axis: int = -1,
     gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sa_softmax_normalized(jnp.array([2.0, 1.0, 0.0, -1.0]))
     Array([0.6439, 0.1579, 0.029 , 0.    ], dtype=float32)
 

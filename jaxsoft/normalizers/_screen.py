@@ -59,9 +59,6 @@ def multiscreen(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights in [0, 1] of ``x``'s shape and dtype; a fully masked row is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.multiscreen(jnp.array([0.9, 0.6, 0.4, -0.3]), theta=0.5)
     Array([0.8, 0.2, 0. , 0. ], dtype=float32)
 

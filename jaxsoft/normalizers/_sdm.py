@@ -53,9 +53,6 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.sdm(x)  # base 2: 4, 2, 1 over 7
     Array([0.5714, 0.2857, 0.1429], dtype=float32)

@@ -106,9 +106,6 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   Tile rule: ``e^{z - m}`` as numerator and denominator plus the offset ``n e^{-m}``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> w = js.normalizers.softmax_n(x, n=3.0)
     >>> w
@@ -137,9 +134,6 @@ def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
   to 0 as every ``x_j -> -inf``, so a row can attend to nothing. See :func:`softmax_n`.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = js.normalizers.softmax_1(jnp.array([-2.0, -3.0, -4.0]))  # no score is high
     >>> w
     Array([0.1125, 0.0414, 0.0152], dtype=float32)
@@ -181,9 +175,6 @@ def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
     zeros with zero gradient (also in ``sink_logit``).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = js.normalizers.softmax_sink(jnp.array([2.0, 1.0, 0.0]), sink_logit=3.0)
     >>> w
     Array([0.2369, 0.0871, 0.0321], dtype=float32)

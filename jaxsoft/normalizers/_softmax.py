@@ -44,9 +44,6 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     ``jax.nn.softmax`` gives NaN), with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.softmax(x)
     Array([0.6652, 0.2447, 0.09  ], dtype=float32)

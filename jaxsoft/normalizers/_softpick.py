@@ -52,9 +52,6 @@ def softpick(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   overflows float32 once every score seen so far is below about -88.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> w = js.normalizers.softpick(jnp.array([2.0, 1.0, 0.0, -1.0]))
     >>> w  # exact zeros where x <= 0
     Array([0.7311, 0.1966, 0.    , 0.    ], dtype=float32)

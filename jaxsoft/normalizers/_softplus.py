@@ -37,9 +37,6 @@ def length_scale(n: ArrayLike, base: float | None = 512.0, scale: ArrayLike = 1.
   (``lambda = scale``). ``n`` is clamped to >= 1 (empty rows).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.length_scale(jnp.array([8.0, 512.0, 4096.0]))  # log_512 n
     Array([0.3333, 1.    , 1.3333], dtype=float32)
 
@@ -106,9 +103,6 @@ def softplus_l1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   class S; the tile form underflows to 0/0 only if every z < -87).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.normalizers.softplus_l1(x, base=None)  # lambda = 1: softplus, l1-normalised
     Array([0.4783, 0.2953, 0.1559, 0.0704], dtype=float32)
@@ -147,9 +141,6 @@ def lssar(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype summing to 1; a fully masked row is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.normalizers.lssar(x, p=2.0, base=None)  # sharper than softplus_l1(x, base=None)
     Array([0.6626, 0.2526, 0.0704, 0.0144], dtype=float32)

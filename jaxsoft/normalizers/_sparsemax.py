@@ -176,9 +176,6 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     row with no visible entry is all zeros, with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.sparsemax(jnp.array([1.0, 0.8, 0.1, -1.0]))  # tau = 0.4
     Array([0.6, 0.4, 0. , 0. ], dtype=float32)
     >>> js.normalizers.sparsemax(jnp.array([5.0, 4.0, 0.5, -5.0]))  # larger gaps: smaller support

@@ -49,9 +49,6 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
     zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.spherical_softmax(jnp.array([2.0, -2.0, 1.0, 0.0]))
     Array([0.4436, 0.4436, 0.1117, 0.0011], dtype=float32)
 

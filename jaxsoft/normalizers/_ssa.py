@@ -60,9 +60,6 @@ def ssa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   ``e^{z - m}``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.zeros(64).at[0].set(2.0)
     >>> js.normalizers.softmax(x)[0], js.normalizers.ssa_softmax(x)[0]
     (Array(0.105, dtype=float32), Array(0.8824, dtype=float32))

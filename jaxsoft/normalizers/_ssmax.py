@@ -65,9 +65,6 @@ def ssmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     One needle score of 2 among zeros: softmax's weight on it fades as the row grows,
     SSMax's does not.
 
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.ssmax(jnp.array([2.0, 0.0, 0.0, 0.0]), s=1.0)
     Array([0.8421, 0.0526, 0.0526, 0.0526], dtype=float32)
     >>> x = jnp.zeros(64).at[0].set(2.0)

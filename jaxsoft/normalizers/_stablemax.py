@@ -20,9 +20,6 @@ def stablemax_map(x: ArrayLike) -> jax.Array:
   gradient) at x = 1.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.stablemax_map(jnp.array([2.0, 0.0, -2.0]))
     Array([3.    , 1.    , 0.3333], dtype=float32)
 
@@ -62,9 +59,6 @@ def stablemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     row with no visible entry is all zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.stablemax(jnp.array([2.0, 0.0, -2.0]))
     Array([0.6923, 0.2308, 0.0769], dtype=float32)
     >>> x = jnp.array([120.0, 0.0, 0.0])

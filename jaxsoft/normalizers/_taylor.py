@@ -35,9 +35,6 @@ def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
   order-(m-1) polynomial, equals ``x^m / m! > 0``).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> js.normalizers.taylor_exp(jnp.array([-1.0, 0.0, 1.0]))  # 1 + x + x^2/2
     Array([0.5, 1. , 2.5], dtype=float32)
 
@@ -88,9 +85,6 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     all zeros with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
     >>> js.normalizers.taylor_softmax(x)  # (1 + x + x^2/2) / sum: 5, 2.5, 1, 0.5 over 9
     Array([0.5556, 0.2778, 0.1111, 0.0556], dtype=float32)

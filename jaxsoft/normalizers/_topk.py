@@ -84,9 +84,6 @@ def top_k_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     ValueError: ``k`` not an int in ``[1, x.shape[axis]]``, bad ``axis`` or ``where``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])
     >>> js.normalizers.top_k_softmax(x, k=2)  # softmax over the two largest, exact zeros
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
@@ -157,9 +154,6 @@ def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])  # softmax: [0.6095, 0.2242, 0.136, 0.0303]
     >>> js.normalizers.top_p_softmax(x, p=0.8)  # 0.6095 + 0.2242 >= 0.8
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
@@ -233,9 +227,6 @@ def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.5, -1.0])  # softmax: [0.6095, 0.2242, 0.136, 0.0303]
     >>> js.normalizers.epsilon_softmax(x, epsilon=0.05)  # drops pi < 0.05
     Array([0.6285, 0.2312, 0.1402, 0.    ], dtype=float32)
@@ -277,9 +268,6 @@ def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> flat = jnp.array([1.0, 0.9, 0.8, 0.7, -1.0])  # softmax: [0.28, 0.25, 0.23, 0.21, 0.04]
     >>> js.normalizers.epsilon_softmax(flat, epsilon=0.22)  # a fixed threshold of 0.22
     Array([0.3672, 0.3322, 0.3006, 0.    , 0.    ], dtype=float32)

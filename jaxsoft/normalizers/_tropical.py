@@ -43,8 +43,6 @@ def tropical_max_plus(scores: ArrayLike, values: ArrayLike, where: ArrayLike | N
     for low-precision inputs); a query row with no visible key gives 0, with zero gradient.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> s = jnp.array([[0.0, -1.0, -5.0]])
     >>> v = jnp.array([[1.0], [3.0], [0.0]])
     >>> js.normalizers.tropical_max_plus(s, v)  # max(0 + 1, -1 + 3, -5 + 0)
@@ -114,8 +112,6 @@ def tropical_hilbert_scores(q: ArrayLike, k: ArrayLike) -> jax.Array:
     ``[..., T, S]``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> q = jnp.array([[0.0, 1.0, 2.0]])
     >>> k = jnp.array([[5.0, 6.0, 7.0], [0.0, 0.0, 0.0]])  # q + 5; flat
     >>> js.normalizers.tropical_hilbert_scores(q, k)  # distance 0 to q + c 1

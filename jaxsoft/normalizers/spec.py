@@ -133,8 +133,6 @@ class TileRule:
   ``jaxsoft.normalizers.tile``.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
     >>> from jaxsoft.normalizers import TileRule
     >>> from jaxsoft.normalizers.spec import exp_numerator, identity_score_map
     >>> rule = TileRule(score_map=identity_score_map, numerator=exp_numerator,
@@ -257,9 +255,6 @@ class ThresholdRule:
   piecewise constant, e.g. top-p's ``target = p · sum_j e^{z_j - m}``).
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> rule = js.normalizers.get("sparsemax").threshold  # [z - tau]_+ with target 1
     >>> rule.iterations
     30
@@ -382,9 +377,6 @@ class NormalizerSpec:
     description: one line for tables.
 
   Examples:
-    >>> import jax.numpy as jnp
-    >>> import jaxsoft as js
-    >>> jnp.set_printoptions(precision=4)
     >>> spec = js.normalizers.get("sparsemax")
     >>> spec.kernel_class, spec.catalogue_id, spec.can_be_sparse
     ('T', 'N16', True)
@@ -513,7 +505,6 @@ def register(spec: NormalizerSpec) -> NormalizerSpec:
 
   Examples:
     >>> import dataclasses
-    >>> import jaxsoft as js
     >>> softmax = js.normalizers.get("softmax")
     >>> js.normalizers.register(softmax) is softmax
     True
@@ -553,7 +544,6 @@ def get(name: str) -> NormalizerSpec:
     The :class:`NormalizerSpec`.
 
   Examples:
-    >>> import jaxsoft as js
     >>> spec = js.normalizers.get("entmax15")
     >>> spec.kernel_class, spec.description
     ('T', '[x/2 - tau]_+^2, exact 1.5-entmax')
@@ -578,7 +568,6 @@ def names() -> list[str]:
     A sorted list of names.
 
   Examples:
-    >>> import jaxsoft as js
     >>> "softmax" in js.normalizers.names(), "sparsemax" in js.normalizers.names()
     (True, True)
 
@@ -604,8 +593,6 @@ def resolve(normalizer) -> NormalizerSpec | Callable[..., Any]:
     The spec, or the callable unchanged; TypeError for anything else.
 
   Examples:
-    >>> import jax
-    >>> import jaxsoft as js
     >>> js.normalizers.resolve("softmax") is js.normalizers.get("softmax")
     True
     >>> js.normalizers.resolve(jax.nn.softmax) is jax.nn.softmax  # a callable as it is

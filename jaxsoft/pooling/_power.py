@@ -51,9 +51,7 @@ def gem(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([3.0, 1.0, 2.0])
     >>> pooling.gem(x)  # (36 / 3) ** (1/3)
     Array(2.2894, dtype=float32)
@@ -110,9 +108,7 @@ def ggem(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None, *,
     no token is visible.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 1.0, 3.0, 3.0], [3.0, 3.0, 1.0, 1.0]])  # N = 2, C = 4
     >>> pooling.ggem(x, p=jnp.array([1.0, 8.0]))  # channels 0-1: mean; 2-3: near max
     Array([2.    , 2.    , 2.7511, 2.7511], dtype=float32)
@@ -182,9 +178,7 @@ def power_mean_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
     whose weights sum to 0.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([-1.0, 0.0, 2.0])
     >>> pooling.power_mean_pool(x, p=1.0)  # the mean
     Array(0.3333, dtype=float32)

@@ -74,9 +74,7 @@ def attention_pool(x: ArrayLike, axis: int = -2, where: ArrayLike | None = None,
     zero gradient, where no token is visible.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # N = 3 tokens, d = 2
     >>> pooling.attention_pool(x, gamma=None)
     Array([0.7224, 0.7224], dtype=float32)
@@ -244,7 +242,6 @@ def entropic_ot_weights(x: ArrayLike, axis: int = -2, where: ArrayLike | None = 
     each pool; all 0 where no token is visible. float32 for low-precision input.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=3, suppress=True)
     >>> x = jnp.array([[0.0], [0.1], [3.0], [4.0]])  # N = 4 tokens, d = 1
@@ -281,7 +278,6 @@ def entropic_ot_pool(x: ArrayLike, axis: int = -2, where: ArrayLike | None = Non
     ``[..., d]`` in ``x``'s dtype; 0, with zero gradient, where no token is visible.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
     >>> jnp.set_printoptions(precision=3, suppress=True)
     >>> x = jnp.array([[0.0, 1.0], [0.2, 1.0], [3.0, -1.0], [4.0, -1.0]])

@@ -63,9 +63,7 @@ def soft_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     low precision); 0, with zero gradient, for a pool with no visible entry.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> pooling.soft_pool(x)  # between the mean 1 and the max 2
     Array(1.5752, dtype=float32)
@@ -126,9 +124,7 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.5])
     >>> pooling.ada_pool(x, beta=0.0)  # SoftPool
     Array(1.5584, dtype=float32)
@@ -193,9 +189,7 @@ def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
     The pooled values in ``x``'s dtype; 0, with zero gradient, for an empty pool.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> pooling.log_mean_exp(x)  # log((e^2 + e + 1) / 3)
     Array(1.309, dtype=float32)
@@ -250,9 +244,7 @@ def linear_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = 
     whose entries sum to 0.
 
   Examples:
-    >>> import jax.numpy as jnp
     >>> from jaxsoft import pooling
-    >>> jnp.set_printoptions(precision=4)
     >>> y = jnp.array([0.9, 0.1, 0.2])
     >>> pooling.linear_softmax_pool(y)  # (0.81 + 0.01 + 0.04) / 1.2
     Array(0.7167, dtype=float32)
