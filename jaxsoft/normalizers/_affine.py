@@ -104,7 +104,6 @@ SPEC = register(NormalizerSpec(
     sums_to_one=False,
     at_most_one=False,
     nonnegative=False,
-    shift_invariant=True,
     length_dependent=True,
     params=(_ALPHA, _BETA),
     row_stats=ROW_RULE,

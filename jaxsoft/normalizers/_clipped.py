@@ -105,7 +105,6 @@ SPEC = register(NormalizerSpec(
     catalogue_id="N04",
     sums_to_one=False,
     at_most_one=False,
-    shift_invariant=True,
     can_be_sparse=True,
     smooth=False,
     params=(_ZETA, _GAMMA),

@@ -156,8 +156,6 @@ SPEC = register(NormalizerSpec(
     fn=congestion_softmax,
     kernel_class="X",
     catalogue_id="N37",
-    sums_to_one=True,
-    shift_invariant=True,
     params=(_GAMMA, _TEMPERATURE),
     description="the fixed point p = softmax((x - gamma p) / T), implicit gradient",
 ))

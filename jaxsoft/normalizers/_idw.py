@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["idw_softmax"]
 
@@ -64,10 +64,8 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   References:
     C. McCarter, 2023, "Inverse distance weighting attention".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
-                                      (_EPS, eps))
-  w = c.exp_normalize(_idw_score_map(xs, None, **hp), mask, ax)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return c.score_map_softmax(x, axis, where, "idw_softmax", _idw_score_map, (_POWER, power),
+                             (_EPS, eps))
 
 
 SPEC = register(NormalizerSpec(
@@ -75,9 +73,8 @@ SPEC = register(NormalizerSpec(
     fn=idw_softmax,
     kernel_class="E",
     catalogue_id="N28",
-    sums_to_one=True,
     shift_invariant=False,
     params=(_POWER, _EPS),
-    tile=TileRule(score_map=_idw_score_map, numerator=exp_numerator, denominator=exp_numerator),
+    tile=TileRule.softmax(_idw_score_map),
     description="softmax(-p log d) on distances d: d^-p / sum d^-p",
 ))

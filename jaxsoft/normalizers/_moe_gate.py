@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["moe_gate"]
 
@@ -72,9 +71,7 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
     Gaussian Mixture of Experts?".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "moe_gate", (_TAU, tau))
-  w = c.exp_normalize(_moe_gate_score_map(xs, None, **hp), mask, ax)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return c.score_map_softmax(x, axis, where, "moe_gate", _moe_gate_score_map, (_TAU, tau))
 
 
 SPEC = register(NormalizerSpec(
@@ -82,10 +79,8 @@ SPEC = register(NormalizerSpec(
     fn=moe_gate,
     kernel_class="E",
     catalogue_id="N32",
-    sums_to_one=True,
     shift_invariant=False,
     params=(_TAU,),
-    tile=TileRule(score_map=_moe_gate_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator),
+    tile=TileRule.softmax(_moe_gate_score_map),
     description="softmax(sigmoid(x) / tau), the activation dense-to-sparse MoE gate",
 ))

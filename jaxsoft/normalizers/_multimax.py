@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["multimax", "multimax_modulator"]
 
@@ -110,11 +110,9 @@ SPEC = register(NormalizerSpec(
     fn=multimax,
     kernel_class="E",
     catalogue_id="N11",
-    sums_to_one=True,
     shift_invariant=False,
     smooth=False,
     params=_PARAMS,
-    tile=TileRule(score_map=_multimax_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator),
+    tile=TileRule.softmax(_multimax_score_map),
     description="softmax(x + t1[b1-x]+ + t2[x-b2]+ + t3[b3-x]+^2 + t4[x-b4]+^2)",
 ))

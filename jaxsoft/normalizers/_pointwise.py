@@ -183,7 +183,6 @@ _POINTWISE: dict[str, Any] = dict(kernel_class="P", catalogue_id="N22", sums_to_
 
 SPEC_SIGMOID = register(NormalizerSpec(
     name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,
-    smooth=True,
     tile=TileRule(score_map=_sigmoid_score_map, numerator=sigmoid_numerator),
     description="sigmoid(x + b), b = -log n", **{**_POINTWISE, "catalogue_id": "N21"}))
 

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["polar_softmax"]
 
@@ -117,11 +117,9 @@ SPEC = register(NormalizerSpec(
     kernel_class="E",
     catalogue_id="N12",
     sums_to_one=False,
-    at_most_one=True,
     shift_invariant=False,
     length_dependent=True,
     params=(_ALPHA, _NULL_BIAS, _GAMMA),
-    tile=TileRule(score_map=_polar_score_map, numerator=exp_numerator, denominator=exp_numerator,
-                  offset=_polar_offset, m_floor=_polar_floor),
+    tile=TileRule.softmax(_polar_score_map, offset=_polar_offset, m_floor=_polar_floor),
     description="softmax(t [x, nu])[:n], t = 1 + softplus(a) log n, nu ~ sqrt(log n)",
 ))

@@ -20,7 +20,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers import row_blocks as blocks
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["adaptive_temperature_softmax", "standardized_softmax", "nap"]
 
@@ -312,12 +312,10 @@ def _identity_numerator(z, m, **_):
 
 ADAPTIVE_RULE = blocks.row_stats_rule(
     (blocks.ENTROPY,), _adaptive_derive,
-    TileRule(score_map=_beta_score_map, numerator=exp_numerator, denominator=exp_numerator,
-             kernel_class="E"))
+    TileRule.softmax(_beta_score_map, kernel_class="E"))
 STANDARDIZED_RULE = blocks.row_stats_rule(
     (blocks.MOMENTS,), _standardized_derive,
-    TileRule(score_map=_standard_score_map, numerator=exp_numerator, denominator=exp_numerator,
-             kernel_class="E"))
+    TileRule.softmax(_standard_score_map, kernel_class="E"))
 NAP_RULE = blocks.row_stats_rule(
     (blocks.MOMENTS,), _nap_derive,
     TileRule(score_map=_standard_score_map, numerator=_identity_numerator, kernel_class="P"))
@@ -328,8 +326,6 @@ SPEC_ADAPTIVE = register(NormalizerSpec(
     fn=adaptive_temperature_softmax,
     kernel_class="R",
     catalogue_id="N08",
-    sums_to_one=True,
-    shift_invariant=True,
     # `coefficients` (a tuple) is not declared: attention's normalizer_params take scalars
     # and row arrays only; it is for direct calls.
     params=(_THRESHOLD,),
@@ -343,8 +339,6 @@ SPEC_STANDARDIZED = register(NormalizerSpec(
     fn=standardized_softmax,
     kernel_class="R",
     catalogue_id="N09",
-    sums_to_one=True,
-    shift_invariant=True,
     params=(_TAU, _STD_EPS),
     row_stats=STANDARDIZED_RULE,
     description="softmax((x - mean) / (tau (std + eps))), per-row z-score",
@@ -358,7 +352,6 @@ SPEC_NAP = register(NormalizerSpec(
     sums_to_one=False,
     at_most_one=False,
     nonnegative=False,
-    shift_invariant=True,
     can_be_sparse=True,
     params=(_NAP_EPS,),
     row_stats=NAP_RULE,

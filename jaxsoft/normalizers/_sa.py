@@ -153,7 +153,6 @@ SPEC_NORMALIZED = register(NormalizerSpec(
     kernel_class="R",
     catalogue_id="N25",
     sums_to_one=False,
-    at_most_one=True,
     shift_invariant=False,
     can_be_sparse=True,
     row_stats=NORMALIZED_ROW_RULE,

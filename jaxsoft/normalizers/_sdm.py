@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["sdm"]
 
@@ -64,9 +64,7 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   References:
     A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "sdm", (_Q, q), (_D, d))
-  w = c.exp_normalize(_sdm_score_map(xs, None, **hp), mask, ax)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return c.score_map_softmax(x, axis, where, "sdm", _sdm_score_map, (_Q, q), (_D, d))
 
 
 SPEC = register(NormalizerSpec(
@@ -74,9 +72,7 @@ SPEC = register(NormalizerSpec(
     fn=sdm,
     kernel_class="E",
     catalogue_id="N10",
-    sums_to_one=True,
-    shift_invariant=True,
     params=(_Q, _D),
-    tile=TileRule(score_map=_sdm_score_map, numerator=exp_numerator, denominator=exp_numerator),
+    tile=TileRule.softmax(_sdm_score_map),
     description="(2+q)^(d x) / sum (2+q)^(d x)",
 ))

@@ -18,7 +18,6 @@ from jaxsoft.normalizers.spec import (
     NormalizerSpec,
     Param,
     TileRule,
-    exp_numerator,
     identity_score_map,
     register,
 )
@@ -231,18 +230,15 @@ _COMMON: dict[str, Any] = dict(kernel_class="E", catalogue_id="N03", sums_to_one
 SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),
     # m_floor = log n (the function's max(max x, log n)): n e^{-m} <= 1; none for n = 0.
-    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_n_offset, m_floor=_n_floor),
+    tile=TileRule.softmax(identity_score_map, offset=_n_offset, m_floor=_n_floor),
     description="exp(x) / (n + sum exp(x))", **_COMMON))
 
 SPEC_1 = register(NormalizerSpec(
     name="softmax_1", fn=softmax_1,
-    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_one_offset, m_floor=0.0),
+    tile=TileRule.softmax(identity_score_map, offset=_one_offset, m_floor=0.0),
     description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]", **_COMMON))
 
 SPEC_SINK = register(NormalizerSpec(
     name="softmax_sink", fn=softmax_sink, params=(_SINK,),
-    tile=TileRule(score_map=identity_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator, offset=_sink_offset, m_floor=_sink_floor),
+    tile=TileRule.softmax(identity_score_map, offset=_sink_offset, m_floor=_sink_floor),
     description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit", **_COMMON))

@@ -11,7 +11,6 @@ from jaxsoft.normalizers.spec import (
     NormalizerSpec,
     Param,
     TileRule,
-    exp_numerator,
     register,
     temperature_score_map,
 )
@@ -76,7 +75,6 @@ SPEC = register(NormalizerSpec(
     kernel_class="E",
     catalogue_id="N01",
     params=(_TEMPERATURE,),
-    tile=TileRule(score_map=temperature_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator),
+    tile=TileRule.softmax(temperature_score_map),
     description="exp(x/T) / sum exp(x/T)",
 ))

@@ -265,7 +265,6 @@ SPEC = register(NormalizerSpec(
     fn=sparsemax,
     kernel_class="T",
     catalogue_id="N16",
-    shift_invariant=True,
     can_be_sparse=True,
     smooth=False,
     threshold=SPARSEMAX_RULE,

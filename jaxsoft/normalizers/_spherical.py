@@ -66,7 +66,6 @@ SPEC = register(NormalizerSpec(
     fn=spherical_softmax,
     kernel_class="S",
     catalogue_id="N29",
-    sums_to_one=True,
     shift_invariant=False,
     params=(_EPS,),
     tile=TileRule(score_map=identity_score_map, numerator=_square_plus,

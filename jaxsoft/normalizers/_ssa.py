@@ -8,7 +8,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _ssmax
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["ssa_softmax"]
 
@@ -82,10 +82,8 @@ SPEC = register(NormalizerSpec(
     fn=ssa_softmax,
     kernel_class="E",
     catalogue_id="N07",
-    sums_to_one=True,
-    shift_invariant=True,
     length_dependent=True,
     params=(_ALPHA, _TOKEN),
-    tile=TileRule(score_map=_ssa_score_map, numerator=exp_numerator, denominator=exp_numerator),
+    tile=TileRule.softmax(_ssa_score_map),
     description="softmax((tau_tok + 1 + sigmoid(alpha) log n) x)",
 ))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, exp_numerator, register
+from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
 __all__ = ["ssmax"]
 
@@ -91,11 +91,8 @@ SPEC = register(NormalizerSpec(
     fn=ssmax,
     kernel_class="E",
     catalogue_id="N05",
-    sums_to_one=True,
-    shift_invariant=True,
     length_dependent=True,
     params=(_S, _NPARAM, _BIAS),
-    tile=TileRule(score_map=_ssmax_score_map, numerator=exp_numerator,
-                  denominator=exp_numerator),
+    tile=TileRule.softmax(_ssmax_score_map),
     description="softmax((s log n + b) x), n = visible keys",
 ))

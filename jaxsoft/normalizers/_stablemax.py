@@ -86,7 +86,6 @@ SPEC = register(NormalizerSpec(
     fn=stablemax,
     kernel_class="S",
     catalogue_id="N19",
-    sums_to_one=True,
     shift_invariant=False,
     tile=TileRule(score_map=identity_score_map, numerator=_stablemax_tile,
                   denominator=_stablemax_tile),

@@ -114,8 +114,6 @@ SPEC = register(NormalizerSpec(
     fn=taylor_softmax,
     kernel_class="S",
     catalogue_id="N24",
-    sums_to_one=True,
-    nonnegative=True,
     shift_invariant=False,
     params=(_ORDER,),
     tile=TileRule(score_map=identity_score_map, numerator=_taylor_tile,

@@ -293,6 +293,18 @@ def sum_normalize(q, mask, axis: int):
   return safe_divide(q, jnp.sum(q, axis=axis, keepdims=True))
 
 
+def score_map_softmax(x, axis: int, where, fn_name: str, score_map, *params):
+  """``softmax(score_map(x))`` over the visible entries: the whole dense body of a class-E
+  normalizer whose tile rule is ``TileRule.softmax(score_map)``.
+
+  ``params`` are ``(Param, value)`` pairs, as :func:`prepare_params`; ``score_map`` is
+  called as the tile rule calls it, ``score_map(x, length, **hp)``, with ``length=None``.
+  """
+  xs, mask, ax, hp = prepare_params(x, axis, where, fn_name, *params)
+  w = exp_normalize(score_map(xs, None, **hp), mask, ax)
+  return finish(w, mask, jnp.asarray(x).dtype)
+
+
 def finish(w, mask, dtype):
   """Exact zeros at masked entries, then the output dtype of an input of ``dtype``."""
   return jnp.where(mask, w, jnp.zeros_like(w)).astype(output_dtype(dtype))

@@ -156,6 +156,23 @@ class TileRule:
   m_floor: float | Callable[..., Any] | None = None
   kernel_class: str | None = None
 
+  @classmethod
+  def softmax(cls, score_map: Callable[..., Any], **fields: Any) -> TileRule:
+    """The class-E rule ``e^{z - m} / sum e^{z - m}`` of ``z = score_map(x, length, **hp)``.
+
+    Softmax of a score map: numerator and denominator are both :func:`exp_numerator`;
+    ``fields`` are the other fields (``offset``, ``m_floor``, ``kernel_class``).
+
+    Examples:
+      >>> from jaxsoft.normalizers import TileRule
+      >>> from jaxsoft.normalizers.spec import temperature_score_map
+      >>> rule = TileRule.softmax(temperature_score_map, kernel_class="E")
+      >>> js.testing.evaluate_tile_rule(rule, jnp.array([0.0, jnp.log(3.0)]))
+      Array([0.25, 0.75], dtype=float32)
+    """
+    return cls(score_map=score_map, numerator=exp_numerator, denominator=exp_numerator,
+               **fields)
+
   def floor_value(self, length, hp: Mapping[str, Any]):
     """The stabiliser's floor for rows of visible count ``length``, or None (no floor)."""
     if self.m_floor is None or not callable(self.m_floor):
