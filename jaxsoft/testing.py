@@ -19,6 +19,9 @@ docs/feature_ids.md):
   (m, l) merge of FlashAttention, fused with the weighted sum of a value matrix;
 * :func:`evaluate_threshold_rule` -- class T by a fixed number of bisection steps.
 
+:func:`weight_probe` builds one query over given key scores with one-hot values, so an
+attention function's output is its weight row.
+
 Tolerances (documented because a user relies on them):
 
 * ``SAME_TOL`` (float32, rtol 1e-5, atol 1e-6): two computations of the same value that
@@ -59,6 +62,7 @@ __all__ = [
     "evaluate_tile_rule",
     "evaluate_tile_rule_online",
     "evaluate_threshold_rule",
+    "weight_probe",
 ]
 
 SAME_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -801,10 +805,7 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
 
   Args:
     rule: a :class:`ThresholdRule` or a spec carrying one.
-    x: scores; computed in float32 for low-precision inputs.
-    axis: the row axis.
-    where: optional boolean mask broadcastable to ``x``.
-    **hparams: the normalizer's hyperparameters.
+    x, axis, where, **hparams: as in :func:`evaluate_tile_rule`.
 
   Returns:
     Weights of ``x``'s shape and dtype.
@@ -848,3 +849,33 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
   wt = jnp.where(mask, rule.weight(z, tau, m, **hparams), 0.0)
   w = c.safe_divide(wt, jnp.sum(wt, axis=axis, keepdims=True))
   return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def weight_probe(scores: ArrayLike) -> tuple[jax.Array, jax.Array, jax.Array]:
+  r"""One query over keys with the given scores and one-hot values: the output is the weights.
+
+  With ``q = 1`` (``[1, 1, 1, 1]``), ``k_j = z_j`` (``[1, S, 1, 1]``) and ``v_j = e_j``
+  (``[1, S, 1, S]``), an attention call with ``scale=1.0`` has logits ``z`` and returns
+  :math:`\sum_j w_j e_j = w`, so ``out[0, 0, 0]`` is the weight row an attention
+  normalizer gives the scores ``z``.
+
+  Args:
+    scores: ``[S]`` float scores.
+
+  Returns:
+    ``(q, k, v)`` in the layout ``[B, T, N, H]`` of :func:`jaxsoft.attention.dot_product_attention`.
+
+  Examples:
+    >>> q, k, v = js.testing.weight_probe(jnp.array([2.0, 1.0, 0.0]))
+    >>> js.attention.dot_product_attention(q, k, v, scale=1.0)[0, 0, 0]
+    Array([0.6652, 0.2447, 0.09  ], dtype=float32)
+    >>> js.normalizers.softmax(jnp.array([2.0, 1.0, 0.0]))
+    Array([0.6652, 0.2447, 0.09  ], dtype=float32)
+  """
+  z = jnp.asarray(scores)
+  if z.ndim != 1 or z.shape[0] == 0 or not jnp.issubdtype(z.dtype, jnp.floating):
+    raise ValueError(f"weight_probe: `scores` must be a non-empty 1-D float array, got "
+                     f"{z.dtype} of shape {z.shape}")
+  n = z.shape[0]
+  q = jnp.ones((1, 1, 1, 1), z.dtype)
+  return q, z.reshape(1, n, 1, 1), jnp.eye(n, dtype=z.dtype).reshape(1, n, 1, n)

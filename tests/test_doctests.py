@@ -2,11 +2,12 @@
 case per module.
 
 As in JAX's own docstrings, the examples assume the usual imports (``import jax``,
-``import jax.numpy as jnp``, ``import numpy as np`` and ``import jaxsoft as js``) and print
-arrays with ``jnp.set_printoptions(precision=4)``, so float32 rounding in the last digits
-cannot differ between JAX versions; ``EXAMPLE_GLOBALS`` and ``EXAMPLE_PRINT_OPTIONS`` are
-what every docstring's examples start from. Each module gets the print options pytest started with back
-afterwards, so no example leaks its settings into another test.
+``import jax.numpy as jnp``, ``import numpy as np``, ``import jaxsoft as js`` and, as in
+Flax's, ``from flax import nnx``) and print arrays with ``jnp.set_printoptions(precision=4)``,
+so float32 rounding in the last digits cannot differ between JAX versions.
+``EXAMPLE_GLOBALS`` and ``EXAMPLE_PRINT_OPTIONS`` are what every docstring's examples start
+from. Each module gets the print options pytest started with back afterwards, so no example
+leaks its settings into another test.
 """
 
 import doctest
@@ -18,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxsoft
 import kernels_pallas
 
 FLAGS = doctest.NORMALIZE_WHITESPACE | doctest.ELLIPSIS
 _PRINT_OPTIONS = np.get_printoptions()
-EXAMPLE_GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "js": jaxsoft}
+EXAMPLE_GLOBALS = {"jax": jax, "jnp": jnp, "np": np, "js": jaxsoft, "nnx": nnx}
 EXAMPLE_PRINT_OPTIONS = {"precision": 4}
 
 

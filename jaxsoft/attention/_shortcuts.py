@@ -66,9 +66,7 @@ def ssmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike | 
     One query over three keys (scores 2, 1.5, -1): with ``s = 1`` the weights are
     ``softmax(log(3) z)``.
 
-    >>> q = jnp.ones((1, 1, 1, 1))
-    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
-    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> q, k, v = js.testing.weight_probe(jnp.array([2.0, 1.5, -1.0]))  # output = weights
     >>> js.attention.ssmax_attention(q, k, v, scale=1.0, s=1.0)[0, 0, 0]
     Array([0.6194, 0.3576, 0.0229], dtype=float32)
 
@@ -111,9 +109,7 @@ def entmax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLike |
   Examples:
     One query over three keys (scores 2, 1.5, -1): the last key gets exactly 0.
 
-    >>> q = jnp.ones((1, 1, 1, 1))
-    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
-    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> q, k, v = js.testing.weight_probe(jnp.array([2.0, 1.5, -1.0]))  # output = weights
     >>> js.attention.entmax_attention(q, k, v, scale=1.0, alpha=1.5)[0, 0, 0]
     Array([0.674, 0.326, 0.   ], dtype=float32)
 
@@ -154,9 +150,7 @@ def sparsemax_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, bias: ArrayLik
   Examples:
     One query over three keys (scores 2, 1.5, -1): sparsemax keeps the first two.
 
-    >>> q = jnp.ones((1, 1, 1, 1))
-    >>> k = jnp.array([2.0, 1.5, -1.0]).reshape(1, 3, 1, 1)
-    >>> v = jnp.eye(3).reshape(1, 3, 1, 3)   # one-hot values: the output is the weights
+    >>> q, k, v = js.testing.weight_probe(jnp.array([2.0, 1.5, -1.0]))  # output = weights
     >>> js.attention.sparsemax_attention(q, k, v, scale=1.0)[0, 0, 0]
     Array([0.75, 0.25, 0.  ], dtype=float32)
 

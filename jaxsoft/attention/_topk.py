@@ -254,9 +254,7 @@ def topk_attention(
     One query, four keys with scores 1, 0.5, -1, 2 and one-hot values: the two best keys
     share the softmax of their own scores, the others get exactly 0.
 
-    >>> q = jnp.ones((1, 1, 1, 1))
-    >>> k = jnp.array([1.0, 0.5, -1.0, 2.0]).reshape(1, 4, 1, 1)
-    >>> v = jnp.eye(4).reshape(1, 4, 1, 4)
+    >>> q, k, v = js.testing.weight_probe(jnp.array([1.0, 0.5, -1.0, 2.0]))  # output = weights
     >>> js.attention.topk_attention(q, k, v, top_k=2, scale=1.0)[0, 0, 0]
     Array([0.2689, 0.    , 0.    , 0.7311], dtype=float32)
 

@@ -73,10 +73,8 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
   :math:`\mathrm{softmax}(f/T)`. A row with no visible class gets 0.
 
   Args:
-    logits: ``[..., K, ...]`` logits.
+    logits, axis, where: as in :func:`msp`.
     temperature: T > 0.
-    axis: the class axis.
-    where: optional class or example mask.
 
   Returns:
     One score per example, in ``logits``' dtype.

@@ -111,8 +111,7 @@ def softmax_cross_entropy_with_integer_labels(
     [0.2761 2.9518]
 
   References:
-    C. Szegedy, V. Vanhoucke, S. Ioffe, J. Shlens & Z. Wojna, 2016, "Rethinking the Inception
-    Architecture for Computer Vision" (CVPR; label smoothing).
+    That of :func:`softmax_cross_entropy` (label smoothing).
   """
   fn = "softmax_cross_entropy_with_integer_labels"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)

@@ -73,13 +73,7 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   gradient is still the one at -80, so a missed positive keeps its push.
 
   Args:
-    logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
-    labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
-      targets in [0, 1] of ``logits``' shape (multi-label or soft).
-    axis: the class axis.
-    where: optional class mask (broadcastable to ``logits``) or example mask (one
-      dimension fewer); a masked class adds nothing.
-    ignore_index: with integer labels, a label value whose examples get loss 0.
+    logits, labels, axis, where, ignore_index: as in :func:`ovr_bce_loss`.
 
   Returns:
     One loss per example, in ``logits``' dtype.
@@ -124,13 +118,7 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   ``optax.hinge_loss(z, t) ** 2``. Predict with ``argmax`` of the logits.
 
   Args:
-    logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
-    labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
-      targets in [0, 1] of ``logits``' shape (multi-label or soft).
-    axis: the class axis.
-    where: optional class mask (broadcastable to ``logits``) or example mask (one
-      dimension fewer); a masked class adds nothing.
-    ignore_index: with integer labels, a label value whose examples get loss 0.
+    logits, labels, axis, where, ignore_index: as in :func:`ovr_bce_loss`.
 
   Returns:
     One loss per example, in ``logits``' dtype.

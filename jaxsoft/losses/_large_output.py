@@ -466,11 +466,7 @@ def hierarchical_softmax_log_probs(h: ArrayLike, w: ArrayLike, paths: ArrayLike,
     [[-0.2633 -2.0614 -2.2614]] 1.0
 
   References:
-    F. Morin & Y. Bengio, 2005, "Hierarchical Probabilistic Neural Network Language Model"
-    (AISTATS).
-
-    T. Mikolov, I. Sutskever, K. Chen, G. Corrado & J. Dean, 2013, "Distributed Representations
-    of Words and Phrases and their Compositionality" (NeurIPS).
+    Those of :func:`hierarchical_softmax_loss`.
   """
   fn = "hierarchical_softmax_log_probs"
   h, w, dtype = check_hidden(h, w, fn)

@@ -134,13 +134,9 @@ def cosface_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   :func:`normalized_softmax_loss` with temperature ``1/scale``.
 
   Args:
-    embeddings: ``[..., d]`` features (L2-normalised inside).
-    class_weights: ``[d, C]`` class centres, or ``[d, C, K]`` with K sub-centres.
-    labels: integer classes of ``embeddings``' shape without the last axis.
+    embeddings, class_weights, labels, where, ignore_index: as in :func:`arcface_loss`.
     scale: s > 0 (64 in CosFace, 30 in AM-softmax).
     margin: m >= 0 on the cosine (0.35 in both papers).
-    where: optional class or example mask, as :func:`arcface_loss`.
-    ignore_index: a label value whose examples get loss 0.
 
   Returns:
     One loss per example, in ``embeddings``' dtype.
@@ -180,12 +176,8 @@ def normalized_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, lab
   the embeddings and of each class weight.
 
   Args:
-    embeddings: ``[..., d]`` features (L2-normalised inside).
-    class_weights: ``[d, C]`` class centres, or ``[d, C, K]`` with K sub-centres.
-    labels: integer classes of ``embeddings``' shape without the last axis.
+    embeddings, class_weights, labels, where, ignore_index: as in :func:`arcface_loss`.
     temperature: T > 0 (may be a traced, learned value).
-    where: optional class or example mask, as :func:`arcface_loss`.
-    ignore_index: a label value whose examples get loss 0.
 
   Returns:
     One loss per example, in ``embeddings``' dtype.

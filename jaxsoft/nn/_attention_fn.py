@@ -302,7 +302,6 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
     ``attention_fn`` argument of ``flax.nnx.MultiHeadAttention``.
 
   Examples:
-    >>> from flax import nnx
     >>> x = jax.random.normal(jax.random.key(0), (1, 3, 8))
     >>> flax_own = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0))
     >>> ours = nnx.MultiHeadAttention(2, 8, decode=False, rngs=nnx.Rngs(0),

@@ -126,7 +126,6 @@ class LearnedNormalizer(nnx.Module):
   Examples:
     A module that gives softmax a fixed temperature, plugged into the layer:
 
-    >>> from flax import nnx
     >>> class Sharpen(js.nn.LearnedNormalizer):
     ...   normalizer = "softmax"
     ...   def attention_hyperparams(self, q, n_visible):
@@ -200,7 +199,6 @@ class MultiMax(_PerHeadNormalizer):
   uses its own parameters.
 
   Examples:
-    >>> from flax import nnx
     >>> mm = js.nn.MultiMax(2, init_std=0.0, rngs=nnx.Rngs(0))   # t = 0: softmax
     >>> scores = jnp.array([[[0.0, 1.0, 2.0]], [[1.0, 1.0, 1.0]]])   # [N, T, S]
     >>> mm(scores)
@@ -264,7 +262,6 @@ class QASSMax(LearnedNormalizer):
   queries are rescaled by :meth:`attention_queries` with each query's visible count n.
 
   Examples:
-    >>> from flax import nnx
     >>> qa = js.nn.QASSMax(2, 4, hidden=8, rngs=nnx.Rngs(0))
     >>> q = jnp.ones((1, 3, 2, 4))                          # [B, T, N, d_h]
     >>> n = jnp.arange(1.0, 4.0)                            # causal rows see 1, 2, 3 keys
@@ -360,7 +357,6 @@ class TempNet(LearnedNormalizer):
   per query ``[B, 1, T, 1]``; from each head's query (``F = H``), ``[B, N, T, 1]``.
 
   Examples:
-    >>> from flax import nnx
     >>> tn = js.nn.TempNet(4, hidden=8, tau_init=0.5, rngs=nnx.Rngs(0))
     >>> tn.temperature(jnp.ones((2, 4)))                    # constant tau_init at init
     Array([[0.5],
@@ -668,7 +664,6 @@ class MoEGate(LearnedNormalizer):
     rngs: ``nnx.Rngs`` for the init of ``W``.
 
   Examples:
-    >>> from flax import nnx
     >>> gate = js.nn.MoEGate(4, 3, rngs=nnx.Rngs(0))       # 4 features, 3 experts
     >>> w = gate(jnp.ones((2, 4)))
     >>> w.shape, w.sum(-1)
@@ -738,7 +733,6 @@ class DirichletCalibration(nnx.Module):
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
-    >>> from flax import nnx
     >>> cal = js.nn.DirichletCalibration(3)
     >>> cal(jnp.log(jnp.array([0.2, 0.3, 0.5])))            # W = I, b = 0: the identity
     Array([0.2, 0.3, 0.5], dtype=float32)

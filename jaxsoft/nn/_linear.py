@@ -204,8 +204,7 @@ class HedgehogFeatureMap(nnx.Module):
     Called on ``x [..., N, K]``: the features ``[..., N, 2F]``.
 
   Examples:
-    >>> from jaxsoft.nn import HedgehogFeatureMap
-    >>> phi = HedgehogFeatureMap(num_heads=2, head_dim=4, feature_dim=3)
+    >>> phi = js.nn.HedgehogFeatureMap(num_heads=2, head_dim=4, feature_dim=3)
     >>> jax.eval_shape(phi, jnp.ones((1, 5, 2, 4))).shape  # the shape of phi(x)
     (1, 5, 2, 6)
     >>> phi.W.shape, phi.b.shape
@@ -302,9 +301,7 @@ class LinearMixer(nnx.Module):
     Called on ``x [B, T, d]``: ``y [B, T, d]``, causal unless ``causal=False``.
 
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import LinearMixer
-    >>> layer = LinearMixer("simple_gla", d_model=8, num_heads=2, conv_size=4,
+    >>> layer = js.nn.LinearMixer("simple_gla", d_model=8, num_heads=2, conv_size=4,
     ...                     rngs=nnx.Rngs(0))
     >>> x = jnp.ones((1, 4, 8))
     >>> jax.eval_shape(layer, x).shape  # the shape of layer(x)
@@ -528,13 +525,8 @@ class GatedDeltaNet(_OneKind):
   Args:
     d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
-  Returns:
-    Called on ``x [B, T, d]``: ``y [B, T, d]``.
-
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import GatedDeltaNet
-    >>> layer = GatedDeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> layer = js.nn.GatedDeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
     >>> layer.A_log.shape, layer.dt_bias.shape, layer.beta.kernel.shape  # per head
     ((2,), (2,), (8, 2))
     >>> jax.eval_shape(layer, jnp.ones((1, 4, 8))).shape  # the shape of layer(x)
@@ -560,13 +552,8 @@ class DeltaNet(_OneKind):
   Args:
     d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
-  Returns:
-    Called on ``x [B, T, d]``: ``y [B, T, d]``.
-
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import DeltaNet
-    >>> layer = DeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> layer = js.nn.DeltaNet(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
     >>> layer.conv.shape  # the short convolution of q, k and v: [c, 3 N K]
     (4, 24)
     >>> state = layer.init_state(batch=1)
@@ -598,13 +585,8 @@ class GLA(_OneKind):
   Args:
     d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
-  Returns:
-    Called on ``x [B, T, d]``: ``y [B, T, d]``.
-
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import GLA
-    >>> layer = GLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> layer = js.nn.GLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
     >>> layer.gk.kernel.shape, layer.gk2.kernel.shape  # W^1 and W^2: one decay per channel
     ((8, 16), (16, 8))
 
@@ -626,13 +608,8 @@ class SimpleGLA(_OneKind):
   Args:
     d_model, num_heads, head_dim, **kwargs: those of :class:`LinearMixer`.
 
-  Returns:
-    Called on ``x [B, T, d]``: ``y [B, T, d]``.
-
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import SimpleGLA
-    >>> layer = SimpleGLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
+    >>> layer = js.nn.SimpleGLA(d_model=8, num_heads=2, rngs=nnx.Rngs(0))
     >>> layer.gk.kernel.shape, layer.gk.bias.shape  # one decay per head
     ((8, 2), (2,))
 
@@ -661,9 +638,7 @@ class LightningAttention(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> from flax import nnx
-    >>> from jaxsoft.nn import LightningAttention
-    >>> layer = LightningAttention(d_model=8, num_heads=2, layer_idx=1, num_layers=4,
+    >>> layer = js.nn.LightningAttention(d_model=8, num_heads=2, layer_idx=1, num_layers=4,
     ...                            rngs=nnx.Rngs(0))
     >>> sorted(nnx.to_pure_dict(nnx.state(layer)))  # no gate: the decays are fixed
     ['conv', 'gate', 'o', 'o_norm', 'qkv']
@@ -698,7 +673,6 @@ class LinearAttention(_OneKind):
     Called on ``x [B, T, d]``: ``y [B, T, d]``.
 
   Examples:
-    >>> from flax import nnx
     >>> from jaxsoft.nn import HedgehogFeatureMap, LinearAttention
     >>> layer = LinearAttention(d_model=8, num_heads=2,
     ...                         feature_map=HedgehogFeatureMap(2, 4), rngs=nnx.Rngs(0))

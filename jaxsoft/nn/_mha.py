@@ -175,7 +175,6 @@ class MultiHeadAttention(nnx.Module):
     rngs: ``nnx.Rngs`` for initialisation (and dropout).
 
   Examples:
-    >>> from flax import nnx
     >>> layer = js.nn.MultiHeadAttention(2, 8, normalizer="entmax", learned=("alpha",),
     ...                                  gated=True, rngs=nnx.Rngs(0))
     >>> layer(jnp.ones((1, 3, 8)), is_causal=True).shape           # [B, T, out_features]

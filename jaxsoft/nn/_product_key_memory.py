@@ -88,7 +88,6 @@ class ProductKeyMemory(nnx.Module):
     param_dtype: parameter dtype; rngs: nnx.Rngs.
 
   Examples:
-    >>> from flax import nnx
     >>> pkm = js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2, rngs=nnx.Rngs(0))
     >>> pkm.value_table.shape                        # n^2 = 9 slots of d_v = 8
     (9, 8)

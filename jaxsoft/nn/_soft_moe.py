@@ -145,7 +145,6 @@ class SoftMoE(nnx.Module):
     rngs: nnx.Rngs.
 
   Examples:
-    >>> from flax import nnx
     >>> moe = js.nn.SoftMoE(4, num_experts=2, slots_per_expert=1, hidden_features=8,
     ...                     rngs=nnx.Rngs(0))
     >>> moe.w1.shape                                 # [experts, d, hidden]

@@ -39,7 +39,6 @@ class UniAttnCompensation(nnx.Module):
     param_dtype: the dtype of :math:`W_c`.
 
   Examples:
-    >>> from flax import nnx
     >>> comp = js.nn.UniAttnCompensation(2, 3, 2, 4)   # L=2, C=3, N=2, Hv=4
     >>> comp.w_c.shape
     (2, 3, 2, 4)

@@ -157,9 +157,7 @@ def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike |
     Array([2., 3., 3.], dtype=float32)
 
   References:
-    M. Kull, M. Perello-Nieto, M. Kängsepp, T. Silva Filho, H. Song & P. Flach, 2019,
-    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with
-    Dirichlet calibration".
+    That of :func:`dirichlet_calibration`.
   """
   lp = jnp.asarray(log_probs)
   w = jnp.asarray(weights)

@@ -139,13 +139,10 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   ``J v = g v - g (sum g v) / sum g`` with ``g = sqrt(p)`` (a ``custom_jvp``).
 
   Args:
-    x: scores.
-    axis: the axis to normalize over.
-    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+    x, axis, where: as in :func:`sparsemax`.
 
   Returns:
-    Weights of ``x``'s shape and dtype (computed in float32 for low-precision inputs); a
-    row with no visible entry is all zeros, with zero gradient.
+    Weights as :func:`sparsemax` returns them.
 
   Examples:
     >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])

@@ -79,9 +79,7 @@ def gumbel_cdf(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> 
   -80 so it stays finite (0) down to ``-inf``.
 
   Args:
-    x: scores (logits).
-    axis: the row axis (used for the mask and validation only).
-    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+    x, axis, where: as in :func:`ovr_sigmoid`.
 
   Returns:
     Weights of ``x``'s shape and dtype; a fully masked row is all zeros.

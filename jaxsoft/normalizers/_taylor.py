@@ -39,11 +39,7 @@ def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
     Array([0.5, 1. , 2.5], dtype=float32)
 
   References:
-    A. de Brébisson & P. Vincent, 2016, "An Exploration of Softmax Alternatives Belonging
-    to the Spherical Loss Family".
-
-    T. C. Nauen et al., 2024, "TaylorShift: Shifting the Complexity of Self-Attention from
-    Squared to Linear (and Back) using Taylor-Softmax".
+    Those of :func:`taylor_softmax`.
   """
   order = _check_order(order, "taylor_exp")
   acc = jnp.ones_like(x)

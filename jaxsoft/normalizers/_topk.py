@@ -217,11 +217,9 @@ def epsilon_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None
   relative 2^-16 of the max counts as the argmax.
 
   Args:
-    x: scores.
+    x, axis, where: as in :func:`top_p_softmax`.
     epsilon: probability threshold in [0, 1); default 3e-4 (the paper's range for large
       vocabularies is 1e-4 to 1e-3).
-    axis: the axis to normalize over.
-    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
