@@ -811,8 +811,8 @@ def evaluate_threshold_rule(rule: ThresholdRule | NormalizerSpec, x: ArrayLike, 
     Weights of ``x``'s shape and dtype.
 
   Examples:
-    >>> x = jnp.array([2.0, 1.0, 0.0, -1.0])
-    >>> js.testing.evaluate_threshold_rule(js.normalizers.get("top_k_softmax"), x, k=2)
+    >>> rule = js.normalizers.get("top_k_softmax").threshold  # a bare rule or its spec
+    >>> js.testing.evaluate_threshold_rule(rule, jnp.array([2.0, 1.0, 0.0, -1.0]), k=2)
     Array([0.7311, 0.2689, 0.    , 0.    ], dtype=float32)
 
   References:

@@ -243,10 +243,8 @@ def _over_heads(cfg: E.Config, ins: E.InputRefs, g: int, bk: int, init, loop, bo
 
 
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  """dQ and the hyperparameters' cotangents; with a dense bias also dS [B, N, T_pad,
-  S_pad], the cotangent of the biased logits (zero outside the visible key blocks); with
-  a decay d cq [B, N, T_pad, W] (W = cfg.terms). Returns (dq, ddyn, dS or None, dcq or
-  None)."""
+  """The Triton form of :func:`kernels_pallas.tpu.backward_dq` (same arguments, same
+  returns)."""
   bq, bk = cfg.blocks.block_q_dq, cfg.blocks.block_k_dq
   assert bq is not None and bk is not None  # Config.blocks is resolved
   b, n, n_dyn = q.shape[0], cfg.num_heads, len(dyn)
@@ -288,8 +286,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
 
 def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
-  """dK, dV (and with a decay d ck) over the visible query blocks of each key block, or
-  with a block table its listed ones."""
+  """The Triton form of :func:`kernels_pallas.tpu.backward_dkv`."""
 
   def grads(t, dp, rows, length, dyn_v):
     mt, dt, delt = rows

@@ -80,8 +80,11 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
     One score per example, in ``logits``' dtype.
 
   Examples:
-    >>> print(js.losses.energy_score(jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])))
+    >>> logits = jnp.array([[2.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    >>> print(js.losses.energy_score(logits))
     [2.2395 2.0986]
+    >>> print(jnp.log(js.losses.msp(logits)) + js.losses.energy_score(logits))  # max logit
+    [2. 1.]
 
   References:
     W. Liu, X. Wang, J. D. Owens & Y. Li, 2020, "Energy-based Out-of-distribution Detection"

@@ -3,9 +3,9 @@
 The two-pass (mantissa, exponent) softmax, which spends no pass on the row max, and the
 unified-max softmax of split-K decoding, whose chunks merge by plain addition.
 
-These are reference functions for numerics studies: each computes what the kernel it
-describes computes, in plain ``jnp``, so its error against the float64 softmax can be
-measured. None is registered as an attention normalizer.
+Like the quantised softmaxes (K09), each is a plain-``jnp`` reading of one kernel's
+arithmetic, for numerics studies against the float64 softmax; none is registered as an
+attention normalizer.
 """
 
 from __future__ import annotations
