@@ -95,16 +95,17 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
       ``axis``); differentiable.
 
   Returns:
-    Log-weights of ``x``'s shape and dtype. Masked entries hold exactly 0 (not ``-inf``
-    as in ``jax.nn.log_softmax``) so that products such as ``p * log_p`` and masked
-    cross-entropies stay finite; a fully masked row is all zeros with zero gradient.
+    Log-weights of ``x``'s shape and dtype. As in ``jax.nn.log_softmax``, a masked entry
+    (``where`` False, or a ``-inf`` score) holds ``-inf``, the log of its weight 0, and a
+    fully masked row is all ``-inf``; no gradient flows to or through a masked entry (it is
+    0, never NaN). Take ``jnp.where(where, log_p, 0.0)`` before forming ``p * log_p``.
 
   Examples:
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> js.normalizers.log_softmax(x)
     Array([-0.4076, -1.4076, -2.4076], dtype=float32)
-    >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))  # 0, not -inf
-    Array([-0.3133, -1.3133,  0.    ], dtype=float32)
+    >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))
+    Array([-0.3133, -1.3133,    -inf], dtype=float32)
 
   References:
     J. S. Bridle, 1990, "Probabilistic Interpretation of Feedforward Classification
@@ -118,9 +119,11 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   z = xs / hp["temperature"]
   m, log_s = _masked_lse_parts(z, mask, ax)
   # (z - m) - log s, not z - LSE: subtracting two large numbers would lose the low bits
-  # (x = 1000 has an f32 ulp of 6e-5). A fully masked row has log s = -inf; use 0 there.
+  # (x = 1000 has an f32 ulp of 6e-5). A fully masked row has log s = -inf; use 0 there,
+  # inside the where, so that its gradient is 0 rather than NaN.
   log_s = jnp.where(jnp.isfinite(log_s), log_s, 0.0)
-  return c.finish((z - m) - log_s, mask, jnp.asarray(x).dtype)
+  out = jnp.where(mask, (z - m) - log_s, -jnp.inf)  # jax.nn's -inf at masked entries
+  return out.astype(c.output_dtype(jnp.asarray(x).dtype))
 
 
 def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):

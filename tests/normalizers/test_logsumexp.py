@@ -61,30 +61,48 @@ def test_log_softmax_row_temperature_is_differentiable():
                               atol=1e-5, rtol=1e-5)
 
 
-def test_log_softmax_mask_is_delete_and_masked_entries_are_zero():
+def test_log_softmax_where_mask_matches_jax_nn():
+  # JAX's testSoftmaxWhereMask: the visible entries are log_softmax of the visible scores,
+  # and a masked entry is -inf (the log of its weight 0), exactly as jax.nn gives it.
+  x = jnp.array([5.5, 1.3, -4.2, 0.9])
+  m = jnp.array([True, False, True, True])
+  out = N.log_softmax(x, where=m)
+  chex.assert_trees_all_close(out[m], jax.nn.log_softmax(x[m]), atol=1e-6)
+  assert out[1] == -jnp.inf
+  chex.assert_trees_all_close(jnp.exp(out).sum(), 1.0, atol=1e-6)
   keep = np.ones(7, bool)
   keep[2] = False
   out = N.log_softmax(X, where=jnp.asarray(keep))
   chex.assert_trees_all_close(out[:, keep], jax.nn.log_softmax(X[:, keep]), atol=1e-6)
-  assert np.all(np.asarray(out[:, 2]) == 0)
-  # Agrees with jax.nn.log_softmax(where=...) on the visible entries.
-  ref = jax.nn.log_softmax(X, where=MASK)
-  out = N.log_softmax(X, where=MASK)
-  chex.assert_trees_all_close(jnp.where(MASK, out, 0.0), jnp.where(MASK, ref, 0.0), atol=1e-6)
-  assert np.all(np.asarray(out)[~np.asarray(MASK)] == 0)
-  # exp(log_softmax) is the masked softmax: rows sum to 1 over visible entries.
-  chex.assert_trees_all_close(jnp.sum(jnp.where(MASK, jnp.exp(out), 0.0), -1), jnp.ones(4),
+  assert np.all(np.asarray(out[:, 2]) == -np.inf)
+  # With a random mask: equal to jax.nn.log_softmax(where=...) everywhere, -inf included.
+  chex.assert_trees_all_close(N.log_softmax(X, where=MASK), jax.nn.log_softmax(X, where=MASK),
                               atol=1e-6)
 
 
-def test_log_softmax_fully_masked_row():
+def test_log_softmax_empty_mask_is_minus_inf_with_zero_gradient():
+  # JAX's testSoftmaxEmptyMask: a row with nothing visible is all -inf.
+  x = jnp.array([5.5, 1.3, -4.2, 0.9])
+  assert np.all(np.asarray(N.log_softmax(x, where=jnp.zeros(4, bool))) == -np.inf)
   where = jnp.asarray([[False] * 7] + [[True] * 7] * 3)
   out = N.log_softmax(X, where=where)
-  assert np.all(np.asarray(out[0]) == 0) and np.all(np.isfinite(np.asarray(out)))
-  g = jax.grad(lambda x: jnp.sum(N.log_softmax(x, where=where) * helpers.random_cotangent(X.shape)))(X)
+  assert np.all(np.asarray(out[0]) == -np.inf) and np.all(np.isfinite(np.asarray(out[1:])))
+  # The gradient of anything finite built from it is 0 at the masked row, never NaN.
+  cot = helpers.random_cotangent(X.shape)
+  g = jax.grad(lambda x: jnp.sum(jnp.where(where, N.log_softmax(x, where=where), 0.0) * cot))(X)
   assert np.all(np.asarray(g[0]) == 0) and np.all(np.isfinite(np.asarray(g)))
-  out = N.log_softmax(jnp.full((2, 3), -jnp.inf))
-  assert np.all(np.asarray(out) == 0)
+  # Scores that are all -inf are masked too.
+  assert np.all(np.asarray(N.log_softmax(jnp.full((2, 3), -jnp.inf))) == -np.inf)
+
+
+def test_log_softmax_masked_entries_get_no_gradient():
+  # JAX's testSoftmaxWhereGrad: the cotangent at a masked entry never reaches x.
+  x = jnp.array([36.0, 10.0, -4.0, 2.0])
+  m = jnp.array([True, False, True, False])
+  g = jax.grad(lambda x: jnp.sum(jnp.where(m, N.log_softmax(x, where=m), 0.0)))(x)
+  want = jax.grad(lambda x: jnp.sum(jnp.where(m, jax.nn.log_softmax(x, where=m), 0.0)))(x)
+  chex.assert_trees_all_close(g, want, atol=1e-6)
+  assert g[1] == 0 and g[3] == 0
 
 
 def test_log_softmax_huge_logits():
@@ -141,8 +159,9 @@ def test_check_grads_float64():
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 5)))
     where = jnp.asarray(np.random.default_rng(3).random((3, 5)) < 0.7).at[:, 0].set(True)
     check_grads(jax.jit(lambda x: N.logsumexp(x, where=where)), (x,), order=2)
-    check_grads(jax.jit(lambda x, t: N.log_softmax(x, temperature=t, where=where)),
-                (x, jnp.float64(0.7)), order=2)
+    check_grads(jax.jit(lambda x, t: jnp.where(  # -inf at masked entries: compare the rest
+        where, N.log_softmax(x, temperature=t, where=where), 0.0)), (x, jnp.float64(0.7)),
+                order=2)
     check_grads(jax.jit(lambda x, e: N.smooth_max(x, eps=e)), (x, jnp.float64(0.3)), order=2)
     check_grads(jax.jit(lambda x: N.smooth_min(x, eps=2.0)), (x,), order=2)
     assert N.logsumexp(x).dtype == jnp.float64
