@@ -106,7 +106,12 @@ def _entmax15_from_threshold(x, mask, top, tau):
 def _entmax15_from_threshold_jvp(primals, tangents):
   x_dot = tangents[0]
   p = _entmax15_from_threshold(*primals)
-  return p, _support_jvp(jnp.sqrt(p), x_dot)
+  # g = sqrt(p) on the support, 0 off it, with the sqrt taken only where p > 0: its own
+  # derivative (second order) is then 1 / (2 sqrt p) on the support and 0 off it, never
+  # the NaN of sqrt differentiated at 0.
+  on = p > 0.0
+  g = jnp.where(on, jnp.sqrt(jnp.where(on, p, 1.0)), 0.0)
+  return p, _support_jvp(g, x_dot)
 
 
 def _entmax15_last(x, mask, top, shift, where):

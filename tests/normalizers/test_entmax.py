@@ -250,3 +250,23 @@ def test_threshold_rule_mass_has_finite_gradients_for_alpha_above_2():
     want = jnp.where(z > 0, q * jnp.power(jnp.maximum(z, 1e-30), q - 1.0), 0.0) * jnp.arange(
         1.0, 5.0)
     chex.assert_trees_all_close(g[0], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [entmax15, lambda x: entmax(x, alpha=1.5),
+                                lambda x: entmax(x, alpha=jnp.float32(1.5))],
+                         ids=["entmax15", "entmax_alpha_1.5", "entmax_traced_alpha"])
+def test_hessian_is_finite_when_an_output_is_exactly_zero(fn):
+  # Issue 37, defect 12: the JVP rule took sqrt(p) and its derivative at p = 0 was NaN, so
+  # every second derivative was NaN as soon as one weight was exactly 0. The Hessian of a
+  # linear read-out must be finite and equal a finite difference of the exact gradient.
+  with jax.enable_x64(True):
+    z = jnp.array([1.0, 0.8, 0.1, -1.0])
+    c = jnp.array([0.3, -1.2, 0.7, 2.0])
+    assert fn(z)[3] == 0.0
+    hess = jax.hessian(lambda z: fn(z) @ c)(z)
+    assert np.all(np.isfinite(np.asarray(hess)))
+    grad = jax.grad(lambda z: fn(z) @ c)
+    eps = 1e-6
+    fd = np.stack([(grad(z + eps * e) - grad(z - eps * e)) / (2 * eps) for e in np.eye(4)], 1)
+    np.testing.assert_allclose(hess, fd, atol=1e-6)
+    np.testing.assert_array_equal(hess[3], 0.0)  # off the support: no curvature
