@@ -1,7 +1,9 @@
 """Softmax-like normalizers: ``f(x, axis=-1, where=None, **hparams) -> weights``.
 
 Every normalizer is registered with a :class:`NormalizerSpec`; ``get(name)`` returns it
-and ``REGISTRY`` maps names to specs. Each family lives in its own private module and
+and ``REGISTRY`` maps names to specs. As in ``jax.nn.softmax``, ``axis`` may be a tuple:
+the entries of all the named axes form one row (a row hyperparameter array then has size 1
+along each of them). Scores must be real: complex ``x`` is a ValueError. Each family lives in its own private module and
 lists its public names in that module's ``__all__``.
 """
 

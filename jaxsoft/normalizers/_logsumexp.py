@@ -38,7 +38,7 @@ def _masked_lse(z, mask, axis):
   return m + log_s
 
 
-def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+def logsumexp(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | None = None,
               keepdims: bool = False) -> jax.Array:
   r"""Log-sum-exp over the visible entries of a row (feature N02, kernel class E).
 
@@ -51,7 +51,7 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
   Args:
     x: scores.
-    axis: the axis to reduce over.
+    axis: the axis to reduce over, or a tuple of axes reduced together (as ``jax.nn``).
     where: optional boolean mask broadcastable to ``x``; False entries are left out.
     keepdims: keep the reduced axis with size 1.
 
@@ -71,6 +71,11 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     P. Blanchard, D. J. Higham & N. J. Higham, 2021, "Accurately Computing the Log-Sum-Exp
     and Softmax Functions".
   """
+  if isinstance(axis, tuple):  # one row over several axes, as jax.nn.logsumexp
+    x_rows, where_rows, _, _ = c.merge_axes(x, axis, where, {}, "logsumexp")
+    out = logsumexp(x_rows, -1, where_rows)  # the other axes, in their order
+    named = sorted(a % jnp.ndim(x) for a in axis)
+    return jnp.expand_dims(out, named) if keepdims else out
   xs, mask, ax = c.prepare(x, axis, where, "logsumexp")
   out = _masked_lse(xs, mask, ax)
   if not keepdims:
@@ -78,7 +83,7 @@ def logsumexp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   return out.astype(jnp.asarray(x).dtype)
 
 
-def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
+def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | None = None,
                 temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Log-softmax with temperature (feature N02, kernel class E).
 
@@ -89,7 +94,7 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
   Args:
     x: scores.
-    axis: the axis to normalize over.
+    axis: the axis to normalize over, or a tuple of axes that form one row (as ``jax.nn``).
     where: optional boolean mask broadcastable to ``x``.
     temperature: T > 0, a scalar or an array broadcast to the rows (size 1 along
       ``axis``); differentiable.
@@ -114,6 +119,10 @@ def log_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
     P. Blanchard, D. J. Higham & N. J. Higham, 2021, "Accurately Computing the Log-Sum-Exp
     and Softmax Functions".
   """
+  if isinstance(axis, tuple):  # one row over several axes, as jax.nn.log_softmax
+    x_rows, where_rows, hp, restore = c.merge_axes(x, axis, where,
+                                                   {"temperature": temperature}, "log_softmax")
+    return restore(log_softmax(x_rows, -1, where_rows, **hp))
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "log_softmax",
                                       (_TEMPERATURE, temperature))
   z = xs / hp["temperature"]

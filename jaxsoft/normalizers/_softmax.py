@@ -33,7 +33,7 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Args:
     x: scores.
-    axis: the axis to normalize over.
+    axis: the axis to normalize over, or a tuple of axes that form one row (as ``jax.nn``).
     where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
     temperature: T > 0, a scalar or an array broadcast to the rows (size 1 along
       ``axis``); differentiable.

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -69,7 +70,8 @@ __all__ = [
 def canonical_axis(axis: int, ndim: int, fn_name: str) -> int:
   """Returns ``axis`` in [0, ndim); ValueError naming ``axis`` otherwise."""
   if not isinstance(axis, (int, np.integer)):
-    raise ValueError(f"{fn_name}: `axis` must be an int, got {axis!r}")
+    raise ValueError(f"{fn_name}: `axis` must be an int (a tuple of ints where the function "
+                     f"takes one), got {axis!r}")
   if ndim == 0:
     raise ValueError(f"{fn_name}: `x` must have at least one dimension, got a scalar")
   if not -ndim <= axis < ndim:
@@ -97,6 +99,59 @@ def compute_dtype(dtype) -> jnp.dtype:
   if dtype in (jnp.float32, jnp.float64):
     return dtype
   return jnp.dtype(jnp.float32)
+
+
+def check_real(x, fn_name: str):
+  """ValueError for complex ``x``: a normalizer's scores are real (it would keep the real
+  part silently, as ``astype`` does)."""
+  if jnp.iscomplexobj(x):
+    raise ValueError(f"{fn_name}: `x` must be real, got {jnp.result_type(x)} (take "
+                     "jnp.real(x), jnp.abs(x) or the like first)")
+
+
+def merge_axes(x, axes, where, hparams, fn_name: str):
+  """A tuple ``axis``: ``x`` with those axes moved last and merged into one row axis.
+
+  As ``jax.nn.softmax(x, axis=(1, 3))`` does, the entries of all the named axes form one
+  row. Returns ``(x_rows, where_rows, hparams_rows, restore)``: the row form of ``x``, of
+  ``where`` (broadcast first) and of every array hyperparameter with dimensions (broadcast
+  to ``x`` with size 1 along the named axes, then merged like ``x``; a size other than 1
+  along one of them is a ValueError), and ``restore(w)``, which puts an array of the row
+  form's shape back into ``x``'s layout.
+  """
+  x = jnp.asarray(x)
+  if not axes:
+    raise ValueError(f"{fn_name}: `axis` must name at least one axis, got {axes!r}")
+  named = tuple(canonical_axis(a, x.ndim, fn_name) for a in axes)
+  if len(set(named)) != len(named):
+    raise ValueError(f"{fn_name}: `axis` {tuple(axes)} names an axis twice")
+  rest = [d for d in range(x.ndim) if d not in named]
+  perm = rest + list(named)
+  moved = tuple(x.shape[d] for d in perm)
+  rows = moved[:len(rest)] + (math.prod(moved[len(rest):]),)
+
+  def merge_param(name, v):
+    ones = tuple(1 if d in named else x.shape[d] for d in range(x.ndim))
+    full = (1,) * (x.ndim - v.ndim) + tuple(v.shape)
+    if any(full[d] != 1 for d in named):
+      raise ValueError(f"{fn_name}: `{name}` must have size 1 along the normalized axes "
+                       f"{named} (one value per row), got shape {v.shape} for `x` of shape "
+                       f"{x.shape}")
+    v = jnp.broadcast_to(v.reshape(full), ones)
+    return jnp.transpose(v, perm).reshape(rows[:-1] + (1,))
+
+  x_rows = jnp.transpose(x, perm).reshape(rows)
+  where_rows = None
+  if where is not None:
+    where_rows = jnp.transpose(_broadcast_where(where, x.shape, fn_name), perm).reshape(rows)
+  hp_rows = {k: merge_param(k, v) if isinstance(v, (jax.Array, np.ndarray)) and v.ndim > 0
+             else v for k, v in hparams.items()}
+  inverse = tuple(int(i) for i in np.argsort(perm))
+
+  def restore(w):
+    return jnp.transpose(w.reshape(moved), inverse)
+
+  return x_rows, where_rows, hp_rows, restore
 
 
 def _broadcast_where(where, shape, fn_name: str):
@@ -147,6 +202,7 @@ def prepare(x, axis: int, where, fn_name: str, *, with_max: bool = False,
   a visible NaN itself and marks them NaN in ``_RULES.get().top`` before it returns.
   """
   x = jnp.asarray(x)
+  check_real(x, fn_name)
   axis = canonical_axis(axis, x.ndim, fn_name)
   rules = _RULES.get()
   xc = x.astype(compute_dtype(x.dtype))
@@ -357,6 +413,10 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
 
   def apply(lead, x, axis, where, hparams):
     x = jnp.asarray(x)
+    check_real(x, name)
+    if isinstance(axis, tuple):  # one row over several axes, as jax.nn.softmax
+      x_rows, where_rows, hp_rows, restore = merge_axes(x, axis, where, hparams, name)
+      return restore(apply(lead, x_rows, -1, where_rows, hp_rows))
     ax = canonical_axis(axis, x.ndim, name)
     out_dtype = output_dtype(x.dtype)
     if where is not None:
