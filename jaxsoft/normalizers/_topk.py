@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import concrete
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers import row_blocks as blocks
 from jaxsoft.normalizers.spec import (
@@ -165,7 +166,13 @@ def top_p_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
     Text Degeneration".
   """
   _P.validate(p, "top_p_softmax")
-  return _top_p_softmax(x, where, float(p), axis=axis)
+  p_value = concrete(p, np.float64)
+  if p_value is None or p_value.size != 1:
+    raise ValueError(
+        "top_p_softmax: `p` must be a static Python float (it is compiled into the cut), got "
+        f"{'a traced value' if p_value is None else f'an array of shape {p_value.shape}'}; "
+        "under jit pass it through static_argnames or functools.partial")
+  return _top_p_softmax(x, where, float(p_value.reshape(())), axis=axis)
 
 
 @functools.partial(jax.jit, static_argnames=("p", "axis"))

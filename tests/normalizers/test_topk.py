@@ -285,3 +285,15 @@ def test_blockwise_top_p_rows_without_keys_are_zero(monkeypatch):
     for a in g:
       assert bool(jnp.all(jnp.isfinite(a))), impl
       np.testing.assert_array_equal(a[1], 0.0)
+
+
+def test_top_p_traced_p_is_a_clear_error():
+  # Issue 37, defect 16: a traced p gave a bare ConcretizationTypeError from deep inside.
+  x = jnp.array([2.0, 1.0, 0.5, -1.0])
+  with pytest.raises(ValueError, match="top_p_softmax: `p` must be a static Python float"):
+    jax.jit(lambda x, p: top_p_softmax(x, p=p))(x, 0.8)
+  with pytest.raises(ValueError, match="an array of shape"):
+    top_p_softmax(x, p=jnp.array([0.8, 0.9]))
+  # static under jit: fine, and equal to the eager call
+  f = jax.jit(lambda x: top_p_softmax(x, p=0.8))
+  np.testing.assert_array_equal(f(x), top_p_softmax(x, p=0.8))
