@@ -294,7 +294,8 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Raises:
     ValueError: alpha <= 1 (checked for concrete values), bad ``n_iter``, ``axis`` or
-      ``where``.
+      ``where``. A traced alpha cannot be checked: where it is <= 1 the row's weights are
+      NaN (and so is everything computed from them), never a plausible distribution.
 
   Examples:
     >>> x = jnp.array([1.0, 0.8, 0.1, -1.0])
@@ -335,7 +336,11 @@ def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   a = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
   a = c.to_last(a, axis) if a.ndim else a
   p = _entmax_bisect_last(c.to_last(xs, axis), c.to_last(mask, axis), a, int(n_iter), q)
-  return c.finish(c.from_last(p, axis), mask, jnp.asarray(x).dtype)
+  p = c.from_last(p, axis)
+  if q is None:  # a traced alpha <= 1 (no entmax) gives NaN, never a plausible distribution
+    p = jnp.where(c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype) > 1.0, p,
+                  jnp.nan)
+  return c.finish(p, mask, jnp.asarray(x).dtype)
 
 
 def learned_alpha(z: ArrayLike, min_gap: float = 1e-3) -> jax.Array:
@@ -387,6 +392,15 @@ def _alpha_mass(z, tau, *_, alpha=1.5, **__):
   return jnp.where(pos, jnp.power(jnp.where(pos, d, 1.0), 1.0 / (alpha - 1.0)), 0.0)
 
 
+def _alpha_weight(z, tau, *args, alpha=1.5, **kwargs):
+  # The final weights: as the mass, and NaN for a traced alpha <= 1 (there is no entmax
+  # there; a plausible-looking distribution would be a silent wrong answer).
+  w = _alpha_mass(z, tau, *args, alpha=alpha, **kwargs)
+  if isinstance(alpha, (int, float)):
+    return w
+  return jnp.where(alpha > 1.0, w, jnp.nan)
+
+
 def _alpha_bracket(m, length, alpha=1.5, **_):
   return m - 1.0, m - jnp.power(jnp.maximum(length, 1.0), 1.0 - alpha)
 
@@ -407,7 +421,7 @@ ENTMAX15_RULE = ThresholdRule(
 
 ENTMAX_RULE = ThresholdRule(
     score_map=_alpha_score_map, mass=_alpha_mass, target=_sparsemax._unit_target,
-    bracket=_alpha_bracket, weight=_alpha_mass, iterations=30,
+    bracket=_alpha_bracket, weight=_alpha_weight, iterations=30,
     newton_power=_alpha_newton_power)
 
 SPEC15 = register(NormalizerSpec(

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
+import jaxsoft as js
 import jaxsoft.normalizers as jn
 from jaxsoft.normalizers import entmax, entmax15, learned_alpha, sparsemax
 from tests import helpers
@@ -270,3 +271,33 @@ def test_hessian_is_finite_when_an_output_is_exactly_zero(fn):
     fd = np.stack([(grad(z + eps * e) - grad(z - eps * e)) / (2 * eps) for e in np.eye(4)], 1)
     np.testing.assert_allclose(hess, fd, atol=1e-6)
     np.testing.assert_array_equal(hess[3], 0.0)  # off the support: no curvature
+
+
+def test_traced_alpha_at_most_one_gives_nan_not_a_distribution():
+  # Issue 37, defect 8: a traced alpha <= 1 (a learned alpha gone wrong) returned a
+  # plausible-looking distribution with a gradient that did not match it. It cannot be
+  # checked at trace time, so the row is NaN; a row with alpha > 1 is unaffected.
+  x = jnp.array([[1.0, 0.8, 0.1, -1.0], [1.0, 0.8, 0.1, -1.0]])
+  f = jax.jit(lambda x, a: entmax(x, alpha=a))
+  out = f(x, jnp.array([[0.8], [1.25]]))
+  assert np.all(np.isnan(np.asarray(out[0])))
+  np.testing.assert_allclose(out[1], entmax(x[1], alpha=1.25), rtol=1e-6)
+  assert np.all(np.isnan(np.asarray(f(x[0], jnp.float32(1.0)))))
+  # masked entries stay exactly 0, as for any NaN row
+  out = jax.jit(lambda x, a: entmax(x, alpha=a, where=jnp.array([True, True, False, True])))(
+      x[0], jnp.float32(0.5))
+  assert out[2] == 0 and np.all(np.isnan(np.asarray(out)[[0, 1, 3]]))
+
+
+@pytest.mark.parametrize("implementation", ["xla", "xla_chunked"])
+def test_attention_with_traced_alpha_at_most_one_is_nan(implementation):
+  q = jax.random.normal(jax.random.key(0), (1, 8, 2, 4))
+  alpha = jnp.array([0.9, 1.5])  # per head: head 0 has no entmax
+
+  @jax.jit
+  def f(q, alpha):
+    return js.attention.entmax_attention(q, q, q, alpha=alpha, is_causal=True,
+                                         implementation=implementation)
+  out = f(q, alpha)
+  assert np.all(np.isnan(np.asarray(out[:, :, 0])))
+  assert np.all(np.isfinite(np.asarray(out[:, :, 1])))
