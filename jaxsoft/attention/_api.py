@@ -262,8 +262,9 @@ def dot_product_attention(
       added to the distance before the soft cap); cuDNN raises NotImplementedError.
 
   Returns:
-    [B, T, N, Hv] (or [T, N, Hv]) in query's dtype (float32 for integer or bool inputs);
-    with ``return_residual``, the pair ``(out, residual)``.
+    [B, T, N, Hv] (or [T, N, Hv]) in the dtype query, key and value promote to as jnp
+    promotes (float32 for integer or bool inputs; bf16 with float32 gives float32, where
+    ``jax.nn`` raises); with ``return_residual``, the pair ``(out, residual)``.
 
   Raises:
     ValueError naming the argument for impossible shapes, dtypes or values; KeyError for

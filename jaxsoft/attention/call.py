@@ -108,6 +108,10 @@ class AttentionCall:
     if score == "distance" and scale is not None:
       raise ValueError("`scale` must be None with score='distance' (distances are not scaled)")
     q, k, v = _as_float(q, "query"), _as_float(k, "key"), _as_float(v, "value")
+    # Mixed float dtypes promote as jnp does (bf16 with f32 -> f32), so the output is never
+    # narrower than an input (jax.nn raises instead).
+    common = jnp.result_type(q, k, v)
+    q, k, v = q.astype(common), k.astype(common), v.astype(common)
     for t, name in ((q, "query"), (k, "key"), (v, "value")):
       if t.ndim not in (3, 4):
         raise ValueError(
