@@ -116,13 +116,14 @@ def ccq(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
   V = call.v.shape[-1]
   if isinstance(strength, bool) or not isinstance(strength, (int, float)):
     raise ValueError(f"{fn_name}: `strength` must be a float, got {strength!r}")
-  g, beta = _checks.check_decay_and_beta(g, beta, (B, T, N), fn_name)
+  g, beta = _checks.check_decay_and_beta(g, beta, (B, T, N), fn_name, dtype=call.q.dtype)
   S0 = M0 = None
   if initial_state is not None:
     _checks.check_tuple(initial_state, 2, "initial_state", fn_name,
                         "a pair (S [B, N, K, V], M [B, N, K + 1, K + 1])")
-    S0 = _checks.check_state(initial_state[0], (B, N, K, V), fn_name)
-    M0 = _checks.check_state(initial_state[1], (B, N, K + 1, K + 1), fn_name)
+    S0 = _checks.check_state(initial_state[0], (B, N, K, V), fn_name, dtype=call.q.dtype)
+    M0 = _checks.check_state(initial_state[1], (B, N, K + 1, K + 1), fn_name,
+                             dtype=call.q.dtype)
   cq, M_T = curvature_query(call, call.q, call.k, g, M0)
   q_tilde = call.q - strength * cq
   o, S_T = _dispatch.forward(call, q_tilde * call.scale, call.k, call.v, g, beta, S0)
@@ -154,16 +155,17 @@ def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = Non
     Le et al., 2026, "Don't Read Everything" (in full: :func:`ccq`).
   """
   fn_name = "ccq_step"
-  q0, _, v0 = _checks.check_qkv_step(q, k, v, fn_name)
+  q0, k0, v0 = _checks.check_qkv_step(q, k, v, fn_name)
   B, N, K = q0.shape
   V = v0.shape[-1]
+  cdt = _checks.compute_dtype_of(q0, k0, v0)
   if state is None:
-    state = (jnp.zeros((B, N, K, V), jnp.float32), jnp.zeros((B, N, K + 1, K + 1), jnp.float32))
+    state = (jnp.zeros((B, N, K, V), cdt), jnp.zeros((B, N, K + 1, K + 1), cdt))
   _checks.check_tuple(state, 2, "state", fn_name, "a pair (S, M)")
   (qf, kf, vf, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state[0],
                                                          scale=scale)
-  M = _checks.check_state(state[1], (B, N, K + 1, K + 1), fn_name, "state")
-  g, beta = _checks.check_decay_and_beta(g, beta, (B, N), fn_name)
+  M = _checks.check_state(state[1], (B, N, K + 1, K + 1), fn_name, "state", dtype=cdt)
+  g, beta = _checks.check_decay_and_beta(g, beta, (B, N), fn_name, dtype=cdt)
   k1 = jnp.concatenate([kf, jnp.ones_like(kf[..., :1])], axis=-1)
   if g is not None:
     M = M * jnp.exp(g)[..., None, None]

@@ -2,8 +2,10 @@
 
 Layouts follow flash-linear-attention: ``q, k [B, T, N, K]``, ``v [B, T, N, V]``, scalar
 gates ``[B, T, N]``, per-channel gates ``[B, T, N, K]``, ``beta [B, T, N]``, states
-``[B, N, K, V]``. Value checks (``g <= 0``, ``beta`` in ``[0, 2]``) run on concrete arrays
-only; traced values (under ``jit`` or ``grad``) are checked for shape and dtype only.
+``[B, N, K, V]``. Gates, logits and states come back in the call's compute dtype
+(:func:`compute_dtype_of` ``q, k, v``: float32, or float64 for float64 inputs). Value checks
+(``g <= 0``, ``beta`` in ``[0, 2]``) run on concrete arrays only; traced values (under
+``jit`` or ``grad``) are checked for shape and dtype only.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoft._validation import concrete, positive_int
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = [
     "IMPLEMENTATIONS",
     "check_floating",
+    "compute_dtype_of",
     "check_qkv",
     "check_qkv_step",
     "check_gate",
@@ -49,6 +53,13 @@ def check_floating(x, name: str, fn_name: str) -> jax.Array:
   if not jnp.issubdtype(x.dtype, jnp.floating):
     raise ValueError(f"{fn_name}: `{name}` must be a floating array, got dtype {x.dtype}")
   return x
+
+
+def compute_dtype_of(*arrays) -> jnp.dtype:
+  """The dtype a variant computes in: :func:`jaxsoft.normalizers.common.compute_dtype` of
+  the promoted dtype of ``arrays`` (``q, k, v``): bf16 / fp16 widen to float32, float32 and
+  float64 stay as they are."""
+  return compute_dtype(jnp.result_type(*(jnp.asarray(a).dtype for a in arrays)))
 
 
 def _check_qkv(q, k, v, fn_name: str, lead: str) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -105,44 +116,45 @@ def check_beta(beta, shape: tuple[int, ...], fn_name: str) -> jax.Array:
   return beta
 
 
-def check_decay_and_beta(g, beta, shape: tuple[int, ...],
-                         fn_name: str) -> tuple[jax.Array | None, jax.Array | None]:
+def check_decay_and_beta(g, beta, shape: tuple[int, ...], fn_name: str, *,
+                         dtype) -> tuple[jax.Array | None, jax.Array | None]:
   """A backbone's optional scalar log decays ``g`` and delta-rule strengths ``beta``, both
-  of ``shape`` (``[B, T, N]``, or ``[B, N]`` for a step): float32, or None."""
+  of ``shape`` (``[B, T, N]``, or ``[B, N]`` for a step): in ``dtype``, or None."""
   if g is not None:
     layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
-    g = check_gate(g, shape, layout, fn_name).astype(jnp.float32)
+    g = check_gate(g, shape, layout, fn_name).astype(dtype)
   if beta is not None:
-    beta = check_beta(beta, shape, fn_name).astype(jnp.float32)
+    beta = check_beta(beta, shape, fn_name).astype(dtype)
   return g, beta
 
 
-def check_gate_logits(x, shape: tuple[int, ...], fn_name: str, name: str) -> jax.Array:
+def check_gate_logits(x, shape: tuple[int, ...], fn_name: str, name: str, *,
+                      dtype) -> jax.Array:
   """Real-valued gate logits (or coefficients) of the given shape, finite where concrete;
-  float32 is returned."""
+  returned in ``dtype``."""
   x = check_floating(x, name, fn_name)
   if x.shape != tuple(shape):
     raise ValueError(f"{fn_name}: `{name}` must have shape {list(shape)}, got {x.shape}")
   values = concrete(x, np.float64)
   if values is not None and not np.all(np.isfinite(values)):
     raise ValueError(f"{fn_name}: `{name}` must be finite")
-  return x.astype(jnp.float32)
+  return x.astype(dtype)
 
 
-def check_state(state, shape: tuple[int, ...], fn_name: str,
-                name: str = "initial_state") -> jax.Array:
-  """A state ``[B, N, K, V]`` (float32 is returned)."""
+def check_state(state, shape: tuple[int, ...], fn_name: str, name: str = "initial_state", *,
+                dtype) -> jax.Array:
+  """A state ``[B, N, K, V]``, returned in ``dtype`` (the call's compute dtype)."""
   state = check_floating(state, name, fn_name)
   if state.shape != tuple(shape):
     raise ValueError(
         f"{fn_name}: `{name}` must have shape [B, N, K, V] = {list(shape)}, got {state.shape}")
-  return state.astype(jnp.float32)
+  return state.astype(dtype)
 
 
 def check_optional_state(state, shape: tuple[int, ...], fn_name: str,
-                         name: str = "initial_state") -> jax.Array | None:
-  """None, or :func:`check_state`'s float32 state."""
-  return None if state is None else check_state(state, shape, fn_name, name)
+                         name: str = "initial_state", *, dtype) -> jax.Array | None:
+  """None, or :func:`check_state`'s state in ``dtype``."""
+  return None if state is None else check_state(state, shape, fn_name, name, dtype=dtype)
 
 
 def check_tuple(value: Any, length: int, name: str, fn_name: str, form: str) -> None:

@@ -32,11 +32,11 @@ from jaxsoft.linear import _checks, _linear_attention
 __all__ = ["cosformer", "cosformer_step"]
 
 
-def _position_features(x: jax.Array, position: jax.Array, max_len: float) -> jax.Array:
+def _position_features(x: jax.Array, position: jax.Array, max_len: float, dtype) -> jax.Array:
   """``[relu(x) cos a, relu(x) sin a]``, ``a = π position / (2 max_len)``; ``position``
   broadcasts against ``x[..., 0]``."""
-  a = (jnp.pi / (2.0 * max_len)) * position.astype(jnp.float32)
-  r = jax.nn.relu(x.astype(jnp.float32))
+  a = (jnp.pi / (2.0 * max_len)) * position.astype(dtype)
+  r = jax.nn.relu(x.astype(dtype))
   return jnp.concatenate([r * jnp.cos(a)[..., None], r * jnp.sin(a)[..., None]], axis=-1)
 
 
@@ -110,7 +110,8 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
   start = _checks.check_int(start_position, "start_position", fn_name)
   M = _check_max_len(start + T if max_len is None else max_len, start + T - 1, fn_name)
   pos = (start + jnp.arange(T))[None, :, None]                      # [1, T, 1]
-  fq, fk = _position_features(q, pos, M), _position_features(k, pos, M)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  fq, fk = _position_features(q, pos, M, cdt), _position_features(k, pos, M, cdt)
   return _linear_attention.mapped_attention(
       fn_name, fq, fk, v, dtype, normalize=normalize, scale=scale, initial_state=initial_state,
       output_final_state=output_final_state, segment_ids=segment_ids,
@@ -160,6 +161,7 @@ def cosformer_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: Any = None, 
   if values is not None and not np.all((values >= 0) & (values <= M)):
     raise ValueError(f"{fn_name}: `position` must lie in [0, max_len = {M}], got {values}")
   pos = jnp.broadcast_to(pos, (q.shape[0],))[:, None]                # [B, 1]
-  fq, fk = _position_features(q, pos, M), _position_features(k, pos, M)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  fq, fk = _position_features(q, pos, M, cdt), _position_features(k, pos, M, cdt)
   return _linear_attention.mapped_step(fn_name, fq, fk, v, state, dtype, normalize=normalize,
                                        scale=scale, eps=eps)

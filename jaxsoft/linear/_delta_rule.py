@@ -65,7 +65,8 @@ def _delta(fn_name: str, gated: bool, q, k, v, g, beta, *, scale, initial_state,
   if gated:
     g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
   beta = _checks.check_beta(beta, (B, T, N), fn_name)
-  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name,
+                                    dtype=call.q.dtype)
   q, k = call.q, call.k
   if qk_l2norm:
     q, k = l2_normalize(q), l2_normalize(k)
@@ -94,7 +95,8 @@ def delta_rule(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike, *,
     beta: ``[B, T, N]`` write strengths in ``[0, 2]`` (``(1, 2]``: negative eigenvalues).
     scale: multiplies ``q``; default ``K ** -0.5``.
     initial_state: ``[B, N, K, V]`` or None (zeros).
-    output_final_state: also return the final state ``[B, N, K, V]`` (float32).
+    output_final_state: also return the final state ``[B, N, K, V]`` (in the compute dtype:
+      float32, float64 for float64 inputs).
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes.
     implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
       T <= chunk_size, else chunked); ``"pallas"``: the chunked form by Pallas kernels
@@ -198,8 +200,8 @@ def _delta_step(fn_name: str, gated: bool, q, k, v, g, beta, state, scale, qk_l2
   (q, k, v, S), dtype, scale = _dispatch.prepare_step(fn_name, q, k, v, state, scale=scale)
   B, N, _ = q.shape
   if gated:
-    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(jnp.float32)
-  beta = _checks.check_beta(beta, (B, N), fn_name).astype(jnp.float32)
+    g = _checks.check_gate(g, (B, N), "[B, N]", fn_name).astype(q.dtype)
+  beta = _checks.check_beta(beta, (B, N), fn_name).astype(q.dtype)
   if qk_l2norm:
     q, k = l2_normalize(q), l2_normalize(k)
   o, S = recurrence.step(S, q * scale, k, v, g, beta)
@@ -218,7 +220,7 @@ def delta_rule_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, beta: ArrayLike,
     qk_l2norm: L2-normalise ``q`` and ``k`` first.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] in the compute dtype)``.
 
   Examples:
     >>> k = jnp.array([[[1.0, 0.0]]])

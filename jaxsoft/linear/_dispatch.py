@@ -18,7 +18,8 @@ __all__ = ["Call", "prepare", "prepare_step", "forward", "finish"]
 
 @dataclasses.dataclass
 class Call:
-  """A validated call: float32 ``q``, ``k``, ``v`` in ``[B, T, N, ...]`` (``q`` not yet
+  """A validated call: ``q``, ``k``, ``v`` in ``[B, T, N, ...]`` cast to the compute dtype
+  (:func:`_checks.compute_dtype_of` them: float32, float64 for float64 inputs; ``q`` not yet
   scaled: a feature map comes first), the output dtype and the resolved options."""
 
   q: jax.Array
@@ -29,6 +30,7 @@ class Call:
   implementation: str
   chunk_size: int
   scale: Any
+  fn_name: str
 
 
 def prepare(fn_name: str, q, k, v, *, scale, segment_ids, implementation,
@@ -42,20 +44,23 @@ def prepare(fn_name: str, q, k, v, *, scale, segment_ids, implementation,
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  f32 = lambda x: x.astype(jnp.float32)
-  return Call(f32(q), f32(k), f32(v), dtype, seg, impl, chunk_size, scale)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  return Call(q.astype(cdt), k.astype(cdt), v.astype(cdt), dtype, seg, impl, chunk_size, scale,
+              fn_name)
 
 
 def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
-  """Runs the chosen form on ``[B, T, N, ...]`` float32 inputs (``q`` scaled).
+  """Runs the chosen form on ``[B, T, N, ...]`` inputs (``q`` scaled), every one cast to the
+  call's compute dtype (that of ``call.q``).
 
-  Returns ``(o [B, T, N, V] float32, S_T [B, N, K, V] float32)``.
+  Returns ``(o [B, T, N, V], S_T [B, N, K, V])`` in the compute dtype.
   """
   B, T, N, K = q.shape
   V = v.shape[-1]
-  to_bn = lambda x: None if x is None else jnp.moveaxis(x.astype(jnp.float32), 1, 2)
+  cdt = call.q.dtype
+  to_bn = lambda x: None if x is None else jnp.moveaxis(x.astype(cdt), 1, 2)
   run = _chunk.run_ids(call.segment_ids, B, T)
-  S0 = jnp.zeros((B, N, K, V), jnp.float32) if S0 is None else S0.astype(jnp.float32)
+  S0 = jnp.zeros((B, N, K, V), cdt) if S0 is None else S0.astype(cdt)
   args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
   if call.implementation == "pallas":
     o, S_T = _pallas(call, args)
@@ -69,32 +74,39 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
 
 
 def _pallas(call: Call, args) -> tuple[jax.Array, jax.Array]:
-  """The Pallas chunk kernels (``kernels_pallas.linear``) on the driver of the default platform: Triton on GPUs,
-  Mosaic on TPUs, the Triton driver in interpret mode where ``JAXSOFT_PALLAS_INTERPRET=1``;
-  elsewhere NotImplementedError."""
+  """The Pallas chunk kernels (``kernels_pallas.linear``) on the driver of the default
+  platform: Triton on GPUs, Mosaic on TPUs, the Triton driver in interpret mode where
+  ``JAXSOFT_PALLAS_INTERPRET=1``; elsewhere NotImplementedError. The kernels compute in the
+  call's compute dtype (float64 for float64 inputs: Triton and the interpreter); Mosaic has no
+  float64, so float64 inputs raise ValueError there rather than computing in float32."""
   try:
     backend, interpret = backends.pick_backend(None)
   except NotImplementedError as e:
     raise NotImplementedError(f"implementation='pallas': {e}") from None
+  if backend == "mosaic_tpu" and call.q.dtype == jnp.float64:
+    raise ValueError(
+        f"{call.fn_name}: implementation='pallas' runs the Mosaic TPU kernels, which have no "
+        "float64; `q`, `k`, `v` are float64: use implementation='chunked' (float64 throughout)")
   return pallas_linear.chunked(*args, chunk=call.chunk_size, backend=backend, interpret=interpret,
                          segments=call.segment_ids is not None)
 
 
 def finish(o: jax.Array, state: Any, dtype: Any, output_final_state: bool) -> Any:
-  """``o`` in the input dtype, with the float32 final state when asked for."""
+  """``o`` in the input dtype, with the final state (in the compute dtype) when asked for."""
   o = o.astype(dtype)
   return (o, state) if output_final_state else o
 
 
 def prepare_step(fn_name: str, q, k, v, state, *, scale, state_name: str = "state"):
   """Checks one decoding step: ``q, k [B, N, K]``, ``v [B, N, V]``, ``state [B, N, K, V]``
-  or None (zeros). Returns float32 ``(q, k, v, state)``, the output dtype and the scale."""
+  or None (zeros). Returns ``(q, k, v, state)`` in the compute dtype
+  (:func:`_checks.compute_dtype_of` ``q, k, v``), the output dtype and the scale."""
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
   B, N, K = q.shape
   shape = (B, N, K, v.shape[-1])
-  state = (jnp.zeros(shape, jnp.float32) if state is None
-           else _checks.check_state(state, shape, fn_name, state_name))
+  cdt = _checks.compute_dtype_of(q, k, v)
+  state = (jnp.zeros(shape, cdt) if state is None
+           else _checks.check_state(state, shape, fn_name, state_name, dtype=cdt))
   scale = _checks.resolve_scale(scale, K, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  f32 = lambda x: x.astype(jnp.float32)
-  return (f32(q), f32(k), f32(v), state), dtype, scale
+  return (q.astype(cdt), k.astype(cdt), v.astype(cdt), state), dtype, scale

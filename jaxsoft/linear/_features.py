@@ -24,6 +24,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft._validation import positive_int
 from jaxsoft.linear import _checks
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["taylor_features", "favor_feature_map", "FEATURE_MAPS", "resolve", "apply"]
 
@@ -48,7 +49,7 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
     order: ``m >= 0``.
 
   Returns:
-    ``[..., 1 + K + ... + K^m]``, float32 (or x's wider float dtype).
+    ``[..., 1 + K + ... + K^m]``, float32 (float64 for float64 ``x``).
 
   Examples:
     >>> q, k = jnp.array([1.0, 2.0]), jnp.array([0.5, -1.0])
@@ -118,7 +119,7 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
     orthogonal: orthogonal blocks (True) or i.i.d. Gaussian rows.
 
   Returns:
-    A function ``[..., K] -> [..., m]`` (float32).
+    A function ``[..., K] -> [..., m]`` (float32; float64 for float64 ``x``).
 
   Examples:
     >>> phi = favor_feature_map(jax.random.key(0), 2, 4)
@@ -147,7 +148,7 @@ def favor_feature_map(key: jax.Array, head_dim: int, num_features: int = 256, *,
     if x.shape[-1] != d:
       raise ValueError(f"{fn_name} features: `x` must have head_dim = {d} as its last axis, "
                        f"got shape {x.shape}")
-    x = x.astype(jnp.float32) * root
+    x = x.astype(compute_dtype(x.dtype)) * root
     proj = jnp.einsum("...d,md->...m", x, W)
     return jnp.exp(proj - 0.5 * jnp.sum(x * x, axis=-1, keepdims=True)) / math.sqrt(m)
 
@@ -181,7 +182,8 @@ def resolve(feature_map: Any, fn_name: str) -> Callable[[jax.Array], jax.Array]:
 def apply(phi: Callable[[jax.Array], jax.Array], q, k, v, fn_name: str, *,
           step: bool = False) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
   """Checks ``q, k [B, T, N, K]``, ``v [B, T, N, V]`` (``[B, N, ...]`` for a decoding
-  ``step``) and maps ``q`` and ``k`` in float32.
+  ``step``) and maps ``q`` and ``k`` in the compute dtype (:func:`_checks.compute_dtype_of`
+  ``q, k, v``: float32, float64 for float64 inputs).
 
   Returns ``(φ(q), φ(k) [..., K'], v, dtype)``, ``dtype`` the inputs' result type; raises
   ValueError naming ``feature_map`` when ``φ`` changes the leading axes or maps ``q`` and
@@ -190,7 +192,8 @@ def apply(phi: Callable[[jax.Array], jax.Array], q, k, v, fn_name: str, *,
   check = _checks.check_qkv_step if step else _checks.check_qkv
   q, k, v = check(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  fq, fk = phi(q.astype(jnp.float32)), phi(k.astype(jnp.float32))
+  cdt = _checks.compute_dtype_of(q, k, v)
+  fq, fk = phi(q.astype(cdt)), phi(k.astype(cdt))
   if fq.shape[:-1] != q.shape[:-1] or fk.shape != fq.shape:
     lead = "B, N" if step else "B, T, N"
     raise ValueError(

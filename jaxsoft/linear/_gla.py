@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.linear import _checks, _dispatch
@@ -34,7 +33,8 @@ def _gated(fn_name: str, per_channel: bool, q, k, v, g, *, scale, initial_state,
     g = _checks.check_gate(g, (B, T, N, K), "[B, T, N, K]", fn_name)
   else:
     g = _checks.check_gate(g, (B, T, N), "[B, T, N]", fn_name)
-  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name,
+                                    dtype=call.q.dtype)
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
   return _dispatch.finish(o, S_T, call.dtype, output_final_state)
 
@@ -57,7 +57,8 @@ def simple_gla(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike, *,
     g: ``[B, T, N]`` log decays, ``<= 0`` and finite (``exp(g)`` is the decay).
     scale: multiplies ``q``; default ``K ** -0.5``.
     initial_state: ``[B, N, K, V]`` or None (zeros).
-    output_final_state: also return the final state ``[B, N, K, V]`` (float32).
+    output_final_state: also return the final state ``[B, N, K, V]`` (in the compute dtype:
+      float32, float64 for float64 inputs).
     segment_ids: ``[B, T]`` ints; the state is reset where the id changes (packed sequences).
     implementation: ``"parallel"`` (T x T per head), ``"recurrent"`` (a scan over tokens),
       ``"chunked"`` (a scan over chunks; memory O(T·K·V / chunk_size + T·chunk_size)) or
@@ -163,7 +164,7 @@ def _gated_step(fn_name: str, per_channel: bool, q, k, v, g, state, scale):
     g = _checks.check_gate(g, (B, N, K), "[B, N, K]", fn_name)
   else:
     g = _checks.check_gate(g, (B, N), "[B, N]", fn_name)
-  o, S = _recurrence.step(S, q * scale, k, v, g.astype(jnp.float32), None)
+  o, S = _recurrence.step(S, q * scale, k, v, g.astype(q.dtype), None)
   return o.astype(dtype), S
 
 
@@ -178,7 +179,7 @@ def simple_gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
     scale: default ``K ** -0.5``.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] in the compute dtype)``.
 
   Examples:
     >>> o, S = simple_gla_step(jnp.ones((1, 1, 2)), jnp.ones((1, 1, 2)), jnp.ones((1, 1, 1)),
@@ -204,7 +205,7 @@ def gla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike,
     scale: default ``K ** -0.5``.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] in the compute dtype)``.
 
   Examples:
     >>> S = jnp.ones((1, 1, 2, 1))

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import positive_int
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["hedgehog_init", "hedgehog_feature_map", "hedgehog_attention_weights",
            "hedgehog_distillation_loss"]
@@ -85,8 +86,8 @@ def hedgehog_feature_map(params: dict[str, ArrayLike]) -> Callable[[jax.Array], 
     params: ``{"W": [N, K, F], "b": [N, F]}`` (:func:`hedgehog_init`).
 
   Returns:
-    A function ``[..., N, K] -> [..., N, 2F]`` (float32, every feature in ``(0, 1)``, each
-    half summing to 1).
+    A function ``[..., N, K] -> [..., N, 2F]`` (float32, float64 for float64 ``x`` or
+    params; every feature in ``(0, 1)``, each half summing to 1).
 
   Examples:
     >>> phi = hedgehog_feature_map(hedgehog_init(1, 2))
@@ -115,7 +116,7 @@ def hedgehog_feature_map(params: dict[str, ArrayLike]) -> Callable[[jax.Array], 
     if x.shape[-2:] != W.shape[:2]:
       raise ValueError(f"hedgehog features: `x` must end in [N, K] = {list(W.shape[:2])}, "
                        f"got {x.shape}")
-    z = jnp.einsum("...nk,nkf->...nf", x.astype(jnp.float32), W) + b
+    z = jnp.einsum("...nk,nkf->...nf", x.astype(compute_dtype(x.dtype)), W) + b
     return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1)
 
   return phi
@@ -140,7 +141,7 @@ def hedgehog_attention_weights(params: dict[str, ArrayLike], q: ArrayLike, k: Ar
     eps: the floor of each row's sum.
 
   Returns:
-    ``Â [B, N, T, T]`` float32, each row summing to 1.
+    ``Â [B, N, T, T]`` float32 (float64 for float64 inputs), each row summing to 1.
 
   Examples:
     >>> w = hedgehog_attention_weights(hedgehog_init(1, 2), jnp.zeros((1, 2, 1, 2)),
@@ -180,7 +181,7 @@ def hedgehog_distillation_loss(params: dict[str, ArrayLike], q: ArrayLike, k: Ar
     eps: the floor of ``Â`` inside the log.
 
   Returns:
-    A scalar float32 loss.
+    A scalar loss, float32 (float64 for float64 ``q, k``).
 
   Examples:
     >>> q = k = jnp.zeros((1, 3, 1, 2))   # both maps uniform over j <= i
@@ -192,7 +193,9 @@ def hedgehog_distillation_loss(params: dict[str, ArrayLike], q: ArrayLike, k: Ar
     M. Zhang, K. Bhatia, H. Kumbong & C. Ré, 2024, "The Hedgehog & the Porcupine: Expressive
     Linear Attentions with Softmax Mimicry".
   """
-  q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  cdt = compute_dtype(jnp.result_type(q.dtype, k.dtype))
+  q, k = q.astype(cdt), k.astype(cdt)
   K = q.shape[-1]
   scale = K ** -0.5 if scale is None else scale
   mask = _causal(q.shape[1])

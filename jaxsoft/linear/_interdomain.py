@@ -97,22 +97,23 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
   phi = _features.resolve(feature_map, fn_name)
   fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
   B, T, N, Kf = fq.shape
+  cdt = _checks.compute_dtype_of(fq, fk, v)
   b_in = jnp.asarray(basis_in)
   if b_in.ndim != 4 or b_in.shape[:3] != (B, T, N):
     raise ValueError(f"{fn_name}: `basis_in` must have shape [B, T, N, R] with [B, T, N] = "
                      f"{[B, T, N]}, got {b_in.shape}")
   R = b_in.shape[-1]
-  b_in = _checks.check_gate_logits(b_in, (B, T, N, R), fn_name, "basis_in")
-  psi = _checks.check_gate_logits(basis_out, (B, T, N, R), fn_name, "basis_out")
+  b_in = _checks.check_gate_logits(b_in, (B, T, N, R), fn_name, "basis_in", dtype=cdt)
+  psi = _checks.check_gate_logits(basis_out, (B, T, N, R), fn_name, "basis_out", dtype=cdt)
   a = _checks.check_gate(log_decay, (N, R), "[N, R]", fn_name, "log_decay")
   call = _dispatch.prepare(fn_name, (psi[..., :, None] * fq[..., None, :]).reshape(
       B, T, N, R * Kf), (b_in[..., :, None] * fk[..., None, :]).reshape(B, T, N, R * Kf), v,
       scale=Kf ** -0.5 if scale is None else scale, segment_ids=segment_ids,
       implementation=implementation, chunk_size=chunk_size)
   V = call.v.shape[-1]
-  S0 = _checks.check_optional_state(initial_state, (B, N, R, Kf, V), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, R, Kf, V), fn_name, dtype=cdt)
   S0 = None if S0 is None else S0.reshape(B, N, R * Kf, V)
-  g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, T, N, R * Kf))
+  g = jnp.broadcast_to(jnp.repeat(a.astype(cdt), Kf, axis=-1), (B, T, N, R * Kf))
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, call.v, g, None, S0)
   return _dispatch.finish(o, S_T.reshape(B, N, R, Kf, V), dtype, output_final_state)
 
@@ -133,7 +134,7 @@ def interdomain_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_i
     feature_map, scale: as in :func:`interdomain_attention`.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, R, K', V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, R, K', V] in the compute dtype)``.
 
   Examples:
     >>> o, C = interdomain_attention_step(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)),
@@ -150,18 +151,19 @@ def interdomain_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_i
   fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name, step=True)
   B, N, Kf = fq.shape
   V = v.shape[-1]
+  cdt = _checks.compute_dtype_of(fq, fk, v)
   b_in = jnp.asarray(basis_in)
   if b_in.ndim != 3 or b_in.shape[:2] != (B, N):
     raise ValueError(f"{fn_name}: `basis_in` must have shape [B, N, R], got {b_in.shape}")
   R = b_in.shape[-1]
-  b_in = _checks.check_gate_logits(b_in, (B, N, R), fn_name, "basis_in")
-  psi = _checks.check_gate_logits(basis_out, (B, N, R), fn_name, "basis_out")
+  b_in = _checks.check_gate_logits(b_in, (B, N, R), fn_name, "basis_in", dtype=cdt)
+  psi = _checks.check_gate_logits(basis_out, (B, N, R), fn_name, "basis_out", dtype=cdt)
   a = _checks.check_gate(log_decay, (N, R), "[N, R]", fn_name, "log_decay")
-  C = (jnp.zeros((B, N, R * Kf, V), jnp.float32) if state is None else _checks.check_state(
-      state, (B, N, R, Kf, V), fn_name, "state").reshape(B, N, R * Kf, V))
+  C = (jnp.zeros((B, N, R * Kf, V), cdt) if state is None else _checks.check_state(
+      state, (B, N, R, Kf, V), fn_name, "state", dtype=cdt).reshape(B, N, R * Kf, V))
   scale = Kf ** -0.5 if scale is None else scale
   qx = (psi[..., :, None] * fq[..., None, :]).reshape(B, N, R * Kf) * scale
   kx = (b_in[..., :, None] * fk[..., None, :]).reshape(B, N, R * Kf)
-  g = jnp.broadcast_to(jnp.repeat(a.astype(jnp.float32), Kf, axis=-1), (B, N, R * Kf))
-  o, C = _recurrence.step(C, qx, kx, v.astype(jnp.float32), g, None)
+  g = jnp.broadcast_to(jnp.repeat(a.astype(cdt), Kf, axis=-1), (B, N, R * Kf))
+  o, C = _recurrence.step(C, qx, kx, v.astype(cdt), g, None)
   return o.astype(dtype), C.reshape(B, N, R, Kf, V)

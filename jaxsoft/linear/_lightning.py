@@ -81,14 +81,22 @@ def lightning_decay(num_heads: int, layer_idx: int = 0, num_layers: int = 1) -> 
   if layer_idx >= num_layers:
     raise ValueError(
         f"{fn_name}: `layer_idx` must be < num_layers = {num_layers}, got {layer_idx}")
+  return _decay(num_heads, layer_idx, num_layers, jnp.float32)
+
+
+def _decay(num_heads: int, layer_idx: int, num_layers: int, dtype) -> jax.Array:
+  """:func:`lightning_decay` computed in ``dtype`` (arguments checked by the caller)."""
   factor = 1.0 + 1e-5 if num_layers == 1 else 1.0 - layer_idx / (num_layers - 1) + 1e-5
-  return -jnp.asarray(_alibi_slopes(int(num_heads)), jnp.float32) * factor
+  return -jnp.asarray(_alibi_slopes(int(num_heads)), dtype) * factor
 
 
-def _head_decay(g, N: int, layer_idx, num_layers, fn_name: str) -> jax.Array:
+def _head_decay(g, N: int, layer_idx, num_layers, fn_name: str, dtype) -> jax.Array:
+  """``g [N]`` in the compute ``dtype``: the given one, or :func:`lightning_decay`'s
+  schedule computed in ``dtype`` (float64 inputs get it in float64, not rounded to float32)."""
   if g is None:
-    return lightning_decay(N, layer_idx, num_layers)
-  return _checks.check_gate(g, (N,), "[N]", fn_name).astype(jnp.float32)
+    lightning_decay(N, layer_idx, num_layers)   # checks the arguments
+    return _decay(N, layer_idx, num_layers, dtype)
+  return _checks.check_gate(g, (N,), "[N]", fn_name).astype(dtype)
 
 
 def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = None,
@@ -119,7 +127,8 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
       :func:`jaxsoft.linear.simple_gla`.
 
   Returns:
-    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state [B, N, K, V] float32)``.
+    ``o [B, T, N, V]`` in the inputs' dtype, or ``(o, final_state [B, N, K, V])`` (the state
+    in the compute dtype: float32, float64 for float64 inputs).
 
   Examples:
     >>> q = k = jnp.ones((1, 3, 1, 1)); v = jnp.ones((1, 3, 1, 1))
@@ -148,7 +157,8 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
   fn_name = "lightning_attention"
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, N, _ = q.shape
-  g = jnp.broadcast_to(_head_decay(g, N, layer_idx, num_layers, fn_name), (B, T, N))
+  g = jnp.broadcast_to(_head_decay(g, N, layer_idx, num_layers, fn_name,
+                                   _checks.compute_dtype_of(q, k, v)), (B, T, N))
   return _gla._gated(fn_name, False, q, k, v, g, scale=scale, initial_state=initial_state,
                      output_final_state=output_final_state, segment_ids=segment_ids,
                      implementation=implementation, chunk_size=chunk_size)
@@ -166,7 +176,7 @@ def lightning_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     g, layer_idx, num_layers, scale: as in :func:`lightning_attention`.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] in the compute dtype)``.
 
   Examples:
     >>> o, S = lightning_attention_step(jnp.ones((1, 1, 1)), jnp.ones((1, 1, 1)),
@@ -182,5 +192,6 @@ def lightning_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   fn_name = "lightning_attention_step"
   q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
   B, N, _ = q.shape
-  g = jnp.broadcast_to(_head_decay(g, N, layer_idx, num_layers, fn_name), (B, N))
+  g = jnp.broadcast_to(_head_decay(g, N, layer_idx, num_layers, fn_name,
+                                   _checks.compute_dtype_of(q, k, v)), (B, N))
   return _gla._gated_step(fn_name, False, q, k, v, g, state, scale)

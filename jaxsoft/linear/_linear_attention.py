@@ -35,23 +35,24 @@ def safe_divide(num: jax.Array, den: jax.Array, eps: float) -> jax.Array:
   return num / den
 
 
-def _split_state(state, shape, normalize: bool, fn_name: str, name: str):
-  """The state as one ``[B, N, K, V(+1)]`` array (z as the last column when normalising)."""
+def _split_state(state, shape, normalize: bool, fn_name: str, name: str, dtype):
+  """The state as one ``[B, N, K, V(+1)]`` array in ``dtype`` (z as the last column when
+  normalising)."""
   if state is None:
     return None
   if not normalize:
-    return _checks.check_state(state, shape, fn_name, name)
+    return _checks.check_state(state, shape, fn_name, name, dtype=dtype)
   if not (isinstance(state, (tuple, list)) and len(state) == 2):
     raise ValueError(
         f"{fn_name}: with normalize=True `{name}` must be a pair (S [B, N, K, V], z [B, N, K]),"
         f" got {type(state).__name__}")
-  S = _checks.check_state(state[0], shape, fn_name, name)
+  S = _checks.check_state(state[0], shape, fn_name, name, dtype=dtype)
   z = jnp.asarray(state[1])
   if z.shape != shape[:3] or not jnp.issubdtype(z.dtype, jnp.floating):
     raise ValueError(
         f"{fn_name}: `{name}[1]` (z) must be a floating array of shape [B, N, K] = "
         f"{list(shape[:3])}, got {z.shape} {z.dtype}")
-  return jnp.concatenate([S, z.astype(jnp.float32)[..., None]], axis=-1)
+  return jnp.concatenate([S, z.astype(dtype)[..., None]], axis=-1)
 
 
 def _join_state(S: jax.Array, normalize: bool) -> Any:
@@ -80,12 +81,12 @@ def linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     feature_map: ``"elu1"`` (``elu(x) + 1``, the paper's), ``"relu"``, ``"identity"``,
       ``"taylor"`` (:func:`taylor_features` of order 2, on the unscaled ``q``; see
       :func:`taylor_linear_attention`) or a callable mapping ``[..., K]`` to ``[..., K']``
-      (applied to ``q`` and ``k`` in float32).
+      (applied to ``q`` and ``k`` in the compute dtype: float32, float64 for float64 inputs).
     normalize: divide by ``q'_t · z_t`` (True) or return the numerator (False).
     scale: multiplies ``φ(q)``; default ``K' ** -0.5`` (it cancels when normalising).
     initial_state: ``S [B, N, K', V]``, or with ``normalize=True`` the pair ``(S, z [B, N, K'])``;
       None: zeros.
-    output_final_state: also return the final state (the same form, float32).
+    output_final_state: also return the final state (the same form, in the compute dtype).
     segment_ids: ``[B, T]`` ints; the state (and z) is reset where the id changes.
     implementation: ``"parallel"``, ``"recurrent"``, ``"chunked"`` or None (parallel when
       T <= chunk_size, else chunked); ``"pallas"`` raises NotImplementedError.
@@ -135,7 +136,8 @@ def mapped_attention(fn_name: str, fq, fk, v, dtype, *, normalize: bool, scale, 
                            implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
   V = call.v.shape[-1]
-  S0 = _split_state(initial_state, (B, N, K, V), normalize, fn_name, "initial_state")
+  S0 = _split_state(initial_state, (B, N, K, V), normalize, fn_name, "initial_state",
+                    call.q.dtype)
   vv = jnp.concatenate([call.v, jnp.ones_like(call.v[..., :1])], axis=-1) if normalize else call.v
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, vv, None, None, S0)
   if normalize:
@@ -183,9 +185,9 @@ def mapped_step(fn_name: str, fq, fk, v, state, dtype, *, normalize: bool, scale
   (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, v, None, scale=scale)
   B, N, K = fq.shape
   V = vf.shape[-1]
-  S = _split_state(state, (B, N, K, V), normalize, fn_name, "state")
+  S = _split_state(state, (B, N, K, V), normalize, fn_name, "state", fq.dtype)
   if S is None:
-    S = jnp.zeros((B, N, K, V + int(normalize)), jnp.float32)
+    S = jnp.zeros((B, N, K, V + int(normalize)), fq.dtype)
   vv = jnp.concatenate([vf, jnp.ones_like(vf[..., :1])], axis=-1) if normalize else vf
   o, S = _recurrence.step(S, fq * scale, fk, vv, None, None)
   if normalize:

@@ -75,7 +75,8 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
     scale: ``c``, multiplies ``φ(q)``; default ``K' ** -0.5`` (it does not cancel here).
     initial_state: ``[B, N, K' + 1, V + 1]``, the augmented state
       ``[[Σ φ(k) v^T, Σ φ(k)], [Σ v^T, n]]``, or None (zeros).
-    output_final_state: also return the final augmented state (float32).
+    output_final_state: also return the final augmented state (in the compute dtype:
+      float32, float64 for float64 inputs).
     segment_ids, implementation, chunk_size: as in :func:`jaxsoft.linear.linear_attention`.
     eps: ``ε`` in ``1 / (z + ε)``.
 
@@ -107,7 +108,8 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
                            implementation=implementation, chunk_size=chunk_size)
   B, T, N, K = call.q.shape
   V = call.v.shape[-1]
-  S0 = _checks.check_optional_state(initial_state, (B, N, K + 1, V + 1), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K + 1, V + 1), fn_name,
+                                    dtype=call.q.dtype)
   q_att, q_cnt, k2, v2 = _augment(call.q, call.k, call.v, call.scale)
   twice = lambda x: jnp.concatenate([x, x], axis=2)          # the two query sets as 2N heads
   o, S_T = _dispatch.forward(call, jnp.concatenate([q_att, q_cnt], axis=2), twice(k2),
@@ -130,7 +132,7 @@ def mala_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: ArrayLike | None 
     feature_map, scale, eps: as in :func:`mala`.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state in the compute dtype)``.
 
   Examples:
     >>> o, S = mala_step(jnp.zeros((1, 1, 1)), jnp.zeros((1, 1, 1)), jnp.ones((1, 1, 1)))
@@ -148,9 +150,10 @@ def mala_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, state: ArrayLike | None 
   (fq, fk, vf, _), _, scale = _dispatch.prepare_step(fn_name, fq, fk, va, None, scale=scale)
   B, N, K = fq.shape
   V = vf.shape[-1]
-  S = _checks.check_optional_state(state, (B, N, K + 1, V + 1), fn_name, "state")
+  S = _checks.check_optional_state(state, (B, N, K + 1, V + 1), fn_name, "state",
+                                   dtype=fq.dtype)
   if S is None:
-    S = jnp.zeros((B, N, K + 1, V + 1), jnp.float32)
+    S = jnp.zeros((B, N, K + 1, V + 1), fq.dtype)
   q_att, q_cnt, k2, v2 = _augment(fq, fk, vf, scale)
   att, S_new = _recurrence.step(S, q_att, k2, v2, None, None)
   cnt = jnp.einsum("bnkv,bnk->bnv", S_new, q_cnt)

@@ -135,11 +135,14 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
   if C.shape not in ((M, M), (N, M, M)):
     raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with "
                      f"M = ceil(T / block_size) = {M}, N = {N}, got {C.shape}")
-  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing"), (N, M, M))
+  cdt = _checks.compute_dtype_of(fq, fk, v)
+  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing", dtype=cdt),
+                       (N, M, M))
   implementation = _checks.check_forms(implementation, ("parallel", "chunked"), "chunked",
                                        fn_name)
   form = _parallel if implementation == "parallel" else _chunked
-  return form(fq, fk, v.astype(jnp.float32), C, block, causal, eps).astype(dtype)
+  return form(fq.astype(cdt), fk.astype(cdt), v.astype(cdt), C, block, causal,
+              eps).astype(dtype)
 
 
 def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state: Any = None, *,
@@ -193,7 +196,9 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
     raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with N = {N}, "
                      f"got {C.shape}")
   M = C.shape[-1]
-  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing"), (N, M, M))
+  cdt = _checks.compute_dtype_of(fq, fk, v)
+  C = jnp.broadcast_to(_checks.check_gate_logits(C, C.shape, fn_name, "mixing", dtype=cdt),
+                       (N, M, M))
   pos = jnp.asarray(position)
   if not jnp.issubdtype(pos.dtype, jnp.integer) or pos.shape not in ((), (B,)):
     raise ValueError(f"{fn_name}: `position` must be an int or [B] = [{B}] ints, got "
@@ -203,19 +208,19 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
     raise ValueError(f"{fn_name}: `position` must lie in [0, M * block_size = "
                      f"{M * block_size}), got {values}")
   if state is None:
-    state = jnp.zeros((B, N, M, F, V + 1), jnp.float32)
+    state = jnp.zeros((B, N, M, F, V + 1), cdt)
   state = _checks.check_floating(state, "state", fn_name)
   if state.shape != (B, N, M, F, V + 1):
     raise ValueError(f"{fn_name}: `state` must have shape [B, N, M, K', V + 1] = "
                      f"{[B, N, M, F, V + 1]}, got {state.shape}")
   block = jnp.broadcast_to(pos // block_size, (B,))                     # i, per sequence
-  here = (jnp.arange(M) == block[:, None]).astype(jnp.float32)          # [B, M] one-hot
-  vv = jnp.concatenate([v.astype(jnp.float32), jnp.ones((B, N, 1), jnp.float32)], axis=-1)
-  write = jnp.einsum("bnk,bnv->bnkv", fk, vv)
-  state = state.astype(jnp.float32) + here[:, None, :, None, None] * write[:, :, None]
+  here = (jnp.arange(M) == block[:, None]).astype(cdt)                  # [B, M] one-hot
+  vv = jnp.concatenate([v.astype(cdt), jnp.ones((B, N, 1), cdt)], axis=-1)
+  write = jnp.einsum("bnk,bnv->bnkv", fk.astype(cdt), vv)
+  state = state.astype(cdt) + here[:, None, :, None, None] * write[:, :, None]
   row = jnp.moveaxis(jnp.take(C, block, axis=1), 1, 0)                 # [B, N, M]: c_{iβ}
   row = jnp.where(jnp.arange(M) <= block[:, None, None], row, 0.0)      # β <= i
-  out = jnp.einsum("bnk,bnm,bnmkv->bnv", fq, row, state)
+  out = jnp.einsum("bnk,bnm,bnmkv->bnv", fq.astype(cdt), row, state)
   o = _linear_attention.safe_divide(out[..., :-1], out[..., -1:], eps)
   inside = (jnp.broadcast_to(pos, (B,)) >= 0) & (block < M)             # traced: NaN outside
   o = jnp.where(inside[:, None, None], o, jnp.nan)

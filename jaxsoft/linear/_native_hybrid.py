@@ -138,8 +138,8 @@ def _token(carry, x, w):
   return (Kt, Vt, ring_k, ring_v, valid, t + 1), o
 
 
-def _empty_window(B, N, K, V, w):
-  return (jnp.zeros((B, w, N, K), jnp.float32), jnp.zeros((B, w, N, V), jnp.float32),
+def _empty_window(B, N, K, V, w, dtype):
+  return (jnp.zeros((B, w, N, K), dtype), jnp.zeros((B, w, N, V), dtype),
           jnp.zeros((B, w), bool))
 
 
@@ -147,7 +147,7 @@ def _recurrent(q, k, v, a, run, K0, V0, w):
   B, T, N, K = q.shape
   keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
   tf = lambda x: jnp.moveaxis(x, 1, 0)
-  carry = (K0, V0, *_empty_window(B, N, K, v.shape[-1], w), jnp.zeros((), jnp.int32))
+  carry = (K0, V0, *_empty_window(B, N, K, v.shape[-1], w, q.dtype), jnp.zeros((), jnp.int32))
   (K_T, V_T, *_), o = jax.lax.scan(lambda c, x: _token(c, x, w), carry,
                                    (tf(q), tf(k), tf(v), tf(a), tf(keep)))
   return jnp.moveaxis(o, 0, 1), (K_T, V_T)
@@ -225,20 +225,20 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
     raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, T, N, M] with "
                      f"[B, T, N] = {[B, T, N]}, got {sg.shape}")
   M = sg.shape[-1]
+  cdt = _checks.compute_dtype_of(q, k, v)
   a = _checks.check_gate(sg, (B, T, N, M), "[B, T, N, M]", fn_name,
-                         "slot_log_gates").astype(jnp.float32)
+                         "slot_log_gates").astype(cdt)
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   if initial_state is None:
-    K0, V0 = jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32)
+    K0, V0 = jnp.zeros((B, N, M, K), cdt), jnp.zeros((B, N, M, V), cdt)
   else:
     _checks.check_tuple(initial_state, 2, "initial_state", fn_name,
                         "a pair (K̃ [B, N, M, K], Ṽ [B, N, M, V])")
-    K0 = _checks.check_state(initial_state[0], (B, N, M, K), fn_name)
-    V0 = _checks.check_state(initial_state[1], (B, N, M, V), fn_name)
+    K0 = _checks.check_state(initial_state[0], (B, N, M, K), fn_name, dtype=cdt)
+    V0 = _checks.check_state(initial_state[1], (B, N, M, V), fn_name, dtype=cdt)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  f32 = lambda x: x.astype(jnp.float32)
-  qs, kf, vf = f32(q) * scale, f32(k), f32(v)
+  qs, kf, vf = q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt)
   run = chunk.run_ids(seg, B, T)
   if impl == "recurrent":
     o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window)
@@ -288,12 +288,13 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   M = sg.shape[-1]
   a = _checks.check_gate(sg, (B, N, M), "[B, N, M]", fn_name, "slot_log_gates")
   scale = _checks.resolve_scale(scale, K, fn_name)
+  cdt = _checks.compute_dtype_of(q, k, v)
   if state is None:
-    state = (jnp.zeros((B, N, M, K), jnp.float32), jnp.zeros((B, N, M, V), jnp.float32),
-             *_empty_window(B, N, K, V, window), jnp.zeros((), jnp.int32))
+    state = (jnp.zeros((B, N, M, K), cdt), jnp.zeros((B, N, M, V), cdt),
+             *_empty_window(B, N, K, V, window, cdt), jnp.zeros((), jnp.int32))
   _checks.check_tuple(state, 6, "state", fn_name, "(K̃, Ṽ, ring_k, ring_v, valid, t)")
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  f32 = lambda x: x.astype(jnp.float32)
-  state, o = _token(tuple(state), (f32(q) * scale, f32(k), f32(v), f32(a),
-                                   jnp.ones((B,), bool)), window)
+  c = lambda x: jnp.asarray(x).astype(cdt)
+  state = (*(c(x) for x in state[:4]), *state[4:])   # slots and window in the compute dtype
+  state, o = _token(state, (c(q) * scale, c(k), c(v), c(a), jnp.ones((B,), bool)), window)
   return o.astype(dtype), state

@@ -44,7 +44,7 @@ def rala_key_weights(q: ArrayLike, k: ArrayLike) -> jax.Array:
     q, k: ``[B, T, N, K]``.
 
   Returns:
-    ``α [B, T, N]`` float32.
+    ``α [B, T, N]`` float32 (float64 for float64 ``q, k``).
 
   Examples:
     >>> q = jnp.zeros((1, 3, 1, 2)); k = jnp.ones((1, 3, 1, 2))
@@ -54,7 +54,9 @@ def rala_key_weights(q: ArrayLike, k: ArrayLike) -> jax.Array:
   References:
     Q. Fan, H. Huang & R. He, 2025, "Breaking the Low-Rank Dilemma of Linear Attention".
   """
-  q, k = jnp.asarray(q, jnp.float32), jnp.asarray(k, jnp.float32)
+  q, k = jnp.asarray(q), jnp.asarray(k)
+  cdt = _checks.compute_dtype_of(q, k)
+  q, k = q.astype(cdt), k.astype(cdt)
   T, K = q.shape[1], q.shape[-1]
   q_mean = jnp.mean(q, axis=1, keepdims=True)
   return T * jax.nn.softmax(jnp.sum(q_mean * k, -1) * K ** -0.5, axis=1)
@@ -108,10 +110,12 @@ def rala(q: ArrayLike, k: ArrayLike, v: ArrayLike, gate: ArrayLike | None = None
   phi = _features.resolve(feature_map, fn_name)
   eps = _checks.check_eps(eps, fn_name)
   fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
+  cdt = _checks.compute_dtype_of(fq, fk, v)
   if gate is not None:
-    gate = _checks.check_gate_logits(gate, v.shape, fn_name, "gate")
-  alpha = rala_key_weights(q, k)[..., None]
-  kv = jnp.einsum("btnk,btnv->bnkv", alpha * fk, v.astype(jnp.float32))
+    gate = _checks.check_gate_logits(gate, v.shape, fn_name, "gate", dtype=cdt)
+  alpha = rala_key_weights(q, k)[..., None].astype(cdt)
+  fq, fk = fq.astype(cdt), fk.astype(cdt)
+  kv = jnp.einsum("btnk,btnv->bnkv", alpha * fk, v.astype(cdt))
   z = jnp.einsum("btnk->bnk", alpha * fk)
   y = _linear_attention.safe_divide(jnp.einsum("btnk,bnkv->btnv", fq, kv),
                                     jnp.einsum("btnk,bnk->btn", fq, z)[..., None], eps)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.linear import _checks, _dispatch, recurrence
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["softmax_linear_attention", "softmax_linear_attention_step", "head_gates"]
 
@@ -43,7 +44,8 @@ def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
     temperature: ``τ > 0``.
 
   Returns:
-    ``γ [..., N]`` float32, positive and summing to 1 over the heads.
+    ``γ [..., N]`` float32 (float64 for float64 logits), positive and summing to 1 over
+    the heads.
 
   Examples:
     >>> head_gates(jnp.zeros((1, 4)))
@@ -53,7 +55,8 @@ def head_gates(logits: ArrayLike, temperature: float = 1.0) -> jax.Array:
     Xu, Lin, Guo, Xu & Cui, 2026, "Softmax Linear Attention: Reclaiming Global Competition"
     (the gates' placement here is a reconstruction).
   """
-  return jax.nn.softmax(jnp.asarray(logits, jnp.float32) / temperature, axis=-1)
+  logits = jnp.asarray(logits)
+  return jax.nn.softmax(logits.astype(compute_dtype(logits.dtype)) / temperature, axis=-1)
 
 
 def _gates(fn_name: str, shape: tuple[int, ...], v, q_gate_logits, k_gate_logits, g, beta,
@@ -62,11 +65,13 @@ def _gates(fn_name: str, shape: tuple[int, ...], v, q_gate_logits, k_gate_logits
   folded in (``γ^k v`` without ``beta``, else ``γ^k β``); ``shape`` is ``[B, T, N]`` or a
   step's ``[B, N]``."""
   temperature = _checks.check_positive_number(temperature, "temperature", fn_name)
-  gq = head_gates(_checks.check_gate_logits(q_gate_logits, shape, fn_name, "q_gate_logits"),
-                  temperature)
+  cdt = v.dtype   # the call's compute dtype: every gate is cast to it
+  gq = head_gates(_checks.check_gate_logits(q_gate_logits, shape, fn_name, "q_gate_logits",
+                                            dtype=cdt), temperature)
   gk = None if k_gate_logits is None else head_gates(
-      _checks.check_gate_logits(k_gate_logits, shape, fn_name, "k_gate_logits"), temperature)
-  g, beta = _checks.check_decay_and_beta(g, beta, shape, fn_name)
+      _checks.check_gate_logits(k_gate_logits, shape, fn_name, "k_gate_logits", dtype=cdt),
+      temperature)
+  g, beta = _checks.check_decay_and_beta(g, beta, shape, fn_name, dtype=cdt)
   if gk is not None:
     if beta is None:
       v = v * gk[..., None]      # S += γ^k k v^T
@@ -137,7 +142,8 @@ def softmax_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, q_gate_lo
   B, T, N, K = call.q.shape
   gq, v_in, g, beta = _gates(fn_name, (B, T, N), call.v, q_gate_logits, k_gate_logits, g, beta,
                              temperature)
-  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name)
+  S0 = _checks.check_optional_state(initial_state, (B, N, K, call.v.shape[-1]), fn_name,
+                                    dtype=call.q.dtype)
   o, S_T = _dispatch.forward(call, call.q * call.scale, call.k, v_in, g, beta, S0)
   return _dispatch.finish(o * gq[..., None], S_T, call.dtype, output_final_state)
 
@@ -157,7 +163,7 @@ def softmax_linear_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     temperature, scale: as in :func:`softmax_linear_attention`.
 
   Returns:
-    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] float32)``.
+    ``(o [B, N, V] in the inputs' dtype, new_state [B, N, K, V] in the compute dtype)``.
 
   Examples:
     >>> o, S = softmax_linear_attention_step(jnp.ones((1, 2, 1)), jnp.ones((1, 2, 1)),

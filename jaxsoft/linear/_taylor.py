@@ -40,8 +40,9 @@ def _taylor_qkv(fn_name: str, q, k, v, order, scale, eps, step: bool):
   q, k, v = (_checks.check_qkv_step if step else _checks.check_qkv)(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   scale = _checks.resolve_scale(scale, q.shape[-1], fn_name)
-  fq = _features.taylor_features(q.astype(jnp.float32) * scale, order)
-  fk = _features.taylor_features(k.astype(jnp.float32), order)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  fq = _features.taylor_features(q.astype(cdt) * scale, order)
+  fk = _features.taylor_features(k.astype(cdt), order)
   return fq, fk, v, dtype, eps
 
 

@@ -35,7 +35,7 @@ from jaxsoft.linear import _checks, chunk
 __all__ = ["ttt_linear", "ttt_linear_step"]
 
 
-def _check_eta(eta, shape, fn_name: str) -> jax.Array:
+def _check_eta(eta, shape, fn_name: str, dtype) -> jax.Array:
   eta = _checks.check_floating(eta, "eta", fn_name)
   if eta.shape != tuple(shape):
     layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
@@ -43,7 +43,7 @@ def _check_eta(eta, shape, fn_name: str) -> jax.Array:
   values = concrete(eta, np.float64)
   if values is not None and not np.all(np.isfinite(values) & (values >= 0.0)):
     raise ValueError(f"{fn_name}: `eta` (inner learning rates) must be finite and >= 0")
-  return eta.astype(jnp.float32)
+  return eta.astype(dtype)
 
 
 def _recurrent(q, k, v, eta, S0, b):
@@ -110,7 +110,8 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
     mini_batch_size: ``b``, a positive int (the paper uses 16); T need not be a multiple.
     scale: multiplies ``q``; default ``K ** -0.5``.
     initial_state: ``W_0 [B, N, K, V]`` or None (zeros).
-    output_final_state: also return ``W_T`` (float32).
+    output_final_state: also return ``W_T`` (in the compute dtype: float32, float64 for
+      float64 inputs).
     implementation: ``"recurrent"`` (a scan over tokens), ``"chunked"`` (the dual form, one
       step per mini-batch) or None (chunked). There is no T x T "parallel" form: the
       mini-batches chain nonlinearly in ``W``.
@@ -148,14 +149,14 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
   implementation = _checks.check_forms(implementation, ("recurrent", "chunked"), "chunked",
                                        fn_name)
-  eta = _check_eta(eta, (B, T, N), fn_name)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  eta = _check_eta(eta, (B, T, N), fn_name, cdt)
   scale = _checks.resolve_scale(scale, K, fn_name)
-  S0 = (jnp.zeros((B, N, K, V), jnp.float32) if initial_state is None
-        else _checks.check_state(initial_state, (B, N, K, V), fn_name))
+  S0 = (jnp.zeros((B, N, K, V), cdt) if initial_state is None
+        else _checks.check_state(initial_state, (B, N, K, V), fn_name, dtype=cdt))
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  f32 = lambda x: x.astype(jnp.float32)
   form = _recurrent if implementation == "recurrent" else _chunked
-  o, W_T = form(f32(q) * scale, f32(k), f32(v), eta, S0, mini_batch_size)
+  o, W_T = form(q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt), eta, S0, mini_batch_size)
   o = o.astype(dtype)
   return (o, W_T) if output_final_state else o
 
@@ -192,17 +193,18 @@ def ttt_linear_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike,
   B, N, K = q.shape
   V = v.shape[-1]
   mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
-  eta = _check_eta(eta, (B, N), fn_name)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  eta = _check_eta(eta, (B, N), fn_name, cdt)
   scale = _checks.resolve_scale(scale, K, fn_name)
   if state is None:
-    zeros = jnp.zeros((B, N, K, V), jnp.float32)
+    zeros = jnp.zeros((B, N, K, V), cdt)
     state = (zeros, zeros, 0)
   _checks.check_tuple(state, 3, "state", fn_name, "(W_s, W_t, i)")
-  Ws = _checks.check_state(state[0], (B, N, K, V), fn_name, "state")
-  Wt = _checks.check_state(state[1], (B, N, K, V), fn_name, "state")
+  Ws = _checks.check_state(state[0], (B, N, K, V), fn_name, "state", dtype=cdt)
+  Wt = _checks.check_state(state[1], (B, N, K, V), fn_name, "state", dtype=cdt)
   i = jnp.asarray(state[2])
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
-  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  q, k, v = (x.astype(cdt) for x in (q, k, v))
   new = (i % mini_batch_size) == 0
   Ws = jnp.where(new, Wt, Ws)
   err = jnp.einsum("bnkv,bnk->bnv", Ws, k) - v

@@ -1,6 +1,7 @@
 r"""The one recurrence behind every variant, in its three forms (recurrent, chunked, parallel).
 
-Internal layout ``[B, N, T, ...]``, float32, ``q`` already scaled (and feature-mapped). The
+Internal layout ``[B, N, T, ...]``, every array in the call's compute dtype (float32, or
+float64 for float64 inputs), ``q`` already scaled (and feature-mapped). The
 state ``S [B, N, K, V]`` follows the (gated) delta recurrence
 
 .. math::

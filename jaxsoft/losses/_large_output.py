@@ -73,11 +73,15 @@ def _check_key(key, fn):
   return key
 
 
-def _log_proposal(proposal, n, fn):
-  """log of the normalised proposal ``[n]`` (uniform when None); entries 0 give -inf."""
+def _log_proposal(proposal, n, fn, dtype):
+  """log of the normalised proposal ``[n]`` (uniform when None); entries 0 give -inf.
+
+  Normalised in ``dtype`` (the loss's compute dtype) promoted with the proposal's own: a
+  float64 proposal (or float64 ``h``) stays float64, float32 stays float32."""
   if proposal is None:
-    return jnp.full((n,), -np.log(n), jnp.float32)
-  q = jnp.asarray(proposal, jnp.float32)
+    return jnp.full((n,), -np.log(n), dtype)
+  q = jnp.asarray(proposal)
+  q = q.astype(nc.compute_dtype(jnp.result_type(q.dtype, dtype)))
   if q.shape != (n,):
     raise ValueError(f"{fn}: `proposal` of shape {q.shape} must be [{n}] (one weight per class)")
   _check_weights(concrete(proposal), "proposal", fn)
@@ -95,13 +99,14 @@ def _safe_labels(labels, n):
   return jnp.where((labels >= 0) & (labels < n), labels, 0)
 
 
-def _bias(bias, n, fn):
+def _bias(bias, n, fn, dtype):
+  """The output bias ``[n]`` in ``dtype`` (the compute dtype) promoted with its own, or None."""
   if bias is None:
     return None
   b = jnp.asarray(bias)
   if b.shape != (n,) or not jnp.issubdtype(b.dtype, jnp.floating):
     raise ValueError(f"{fn}: `bias` must be a float array of shape [{n}], got {b.shape} {b.dtype}")
-  return b.astype(jnp.float32)
+  return b.astype(nc.compute_dtype(jnp.result_type(b.dtype, dtype)))
 
 
 # ---------------------------------------------------------------------- sampled softmax
@@ -168,8 +173,8 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
   h, w, dtype = check_hidden(h, w, fn)
   v = w.shape[1]
   labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
-  log_q = _log_proposal(proposal, v, fn)
-  b = _bias(bias, v, fn)
+  log_q = _log_proposal(proposal, v, fn, h.dtype)
+  b = _bias(bias, v, fn, h.dtype)
   if sampled is None:
     s_count = positive_int(num_samples, "num_samples", fn)
     sampled = jax.random.categorical(_check_key(key, fn), log_q, shape=(s_count,))
@@ -272,10 +277,10 @@ def negative_sampling_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, la
   h, w, dtype = check_hidden(h, w, fn)
   v = w.shape[1]
   labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
-  b = _bias(bias, v, fn)
+  b = _bias(bias, v, fn, h.dtype)
   if negatives is None:
     k = positive_int(num_negatives, "num_negatives", fn)
-    log_q = _log_proposal(proposal, v, fn)
+    log_q = _log_proposal(proposal, v, fn, h.dtype)
     negatives = jax.random.categorical(_check_key(key, fn), log_q, shape=labels.shape + (k,))
   else:
     negatives = check_ids(negatives, v, "negatives", fn)
