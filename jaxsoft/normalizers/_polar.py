@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _ssmax
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
@@ -104,10 +105,15 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
 
     K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "polar_softmax", (_ALPHA, alpha),
-                                      (_NULL_BIAS, null_bias), (_GAMMA, gamma))
+  xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "polar_softmax", (_ALPHA, alpha),
+                                           (_NULL_BIAS, null_bias), (_GAMMA, gamma),
+                                           with_max=True)
   n = c.visible_count(mask, ax, xs.dtype)
-  w = c.exp_normalize(_polar_score_map(xs, n, **hp), mask, ax, null=_scaled_null(n, **hp))
+  # softmax(t [x, nu]) as e^{t ([x, nu] - p)}, p = max(max x, nu): not t x - max(t x),
+  # which XLA contracts into an FMA (wrong past scaled scores of ~1e9).
+  w = _ssmax.scaled_softmax(xs, mask, ax, polar_temperature(n, hp["alpha"]), top,
+                            null=polar_null_logit(n, hp["null_bias"], hp["gamma"]),
+                            nonnegative=True)  # t >= 1
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _ssmax
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
@@ -37,7 +38,8 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   exponent; both are per example, so pass them as arrays broadcast to the rows. The
   output sharpens monotonically in q and in d; ``d = 0`` is uniform and ``2 + q = e``
   with ``d = 1`` is softmax. Shift invariant (q and d fixed per row). Computed as
-  softmax of the scaled scores, max-stabilised (the code subtracts the max as well).
+  ``e^{c (x_i - max x)}`` normalised, ``c = d log(2 + q)`` (the product after the
+  difference, so scaled scores past 1e9 stay exact under ``jit``).
 
   Args:
     x: scores.
@@ -64,7 +66,12 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   References:
     A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
   """
-  return c.score_map_softmax(x, axis, where, "sdm", _sdm_score_map, (_Q, q), (_D, d))
+  xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "sdm", (_Q, q), (_D, d),
+                                           with_max=True)
+  # softmax(c x) as e^{c (x - max x)}: not c x - max(c x), which XLA turns into an FMA.
+  w = _ssmax.scaled_softmax(xs, mask, ax, _sdm_score_map(1.0, None, **hp), top,
+                            nonnegative=_ssmax.known_at_least(0.0, q, d))
+  return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
 SPEC = register(NormalizerSpec(

@@ -70,10 +70,12 @@ def ssa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
     K. M. Nakanishi, 2025, "Scalable-Softmax Is Superior for Attention".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "ssa_softmax", (_ALPHA, alpha),
-                                      (_TOKEN, token_temperature))
-  w = _ssmax.ssmax(xs, axis=ax, where=mask, s=jax.nn.sigmoid(hp["alpha"]),
-                   bias=1.0 + hp["token_temperature"])
+  xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "ssa_softmax", (_ALPHA, alpha),
+                                           (_TOKEN, token_temperature), with_max=True)
+  n = c.visible_count(mask, ax, xs.dtype)
+  # tau >= 1 + tau_tok: known >= 0 for a concrete tau_tok >= -1.
+  w = _ssmax.scaled_softmax(xs, mask, ax, _ssa_score_map(1.0, n, **hp), top,
+                            nonnegative=_ssmax.known_at_least(-1.0, token_temperature))
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
