@@ -41,8 +41,12 @@ def multimax_modulator(x, t1=0.0, t2=0.0, t3=0.0, t4=0.0, b1=0.0, b2=0.0, b3=0.0
     Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
     Learning".
   """
+  # t r^2 as (t r) r: with t = 0 (the defaults) r^2 overflows to inf from |x| ~ 1.8e19 in
+  # float32 and 0 * inf is NaN; (t r) r overflows only where t r^2 itself does (r >= 1).
+  r3 = jax.nn.relu(b3 - x)
+  r4 = jax.nn.relu(x - b4)
   return (x + t1 * jax.nn.relu(b1 - x) + t2 * jax.nn.relu(x - b2)
-          + t3 * jnp.square(jax.nn.relu(b3 - x)) + t4 * jnp.square(jax.nn.relu(x - b4)))
+          + (t3 * r3) * r3 + (t4 * r4) * r4)
 
 
 def _multimax_score_map(x, length, **hp):
