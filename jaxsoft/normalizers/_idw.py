@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _ssmax
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, register
 
@@ -15,9 +18,42 @@ _POWER = Param("power", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=T
 _EPS = Param("eps", 1e-12, low=0.0, low_open=True, sample=1e-4)
 
 
+@jax.custom_jvp
+def _log_square_plus(x, eps):
+  """``log(d^2 + eps)``, finite for every finite d and eps.
+
+  ``d^2`` overflows from ``|d| = 2^64`` in float32 (``2^512`` in float64): past ``2^62``
+  (or ``eps = 2^124``; float64: ``2^510``, ``2^1020``) the log is taken as
+  ``log((2^-66 d)^2 + 2^-132 eps) + 132 log 2`` (float64: 514, 1028), scaled by a power
+  of two, so it rounds as the unscaled sum would and cannot overflow. Both logs are taken
+  and one selected (a select before a single log ran ~3x slower on XLA:CPU); below the
+  threshold the plain form is unchanged.
+  """
+  half = jnp.finfo(jnp.result_type(x)).maxexp // 2  # 64 (float32), 512 (float64)
+  down = 2.0 ** -(half + 2)
+  big = (jnp.abs(x) > 2.0 ** (half - 2)) | (eps > 2.0 ** (2 * half - 4))
+  scaled_x = x * down
+  # Each log's argument is 1 where the other is selected: its 0 (underflow) or inf
+  # would make the unselected branch's gradient 0 * inf = NaN.
+  scaled = jnp.log(jnp.where(big, scaled_x * scaled_x + (eps * down) * down, 1.0))
+  scaled = scaled + (2 * half + 4) * math.log(2.0)
+  return jnp.where(big, scaled, jnp.log(jnp.where(big, 1.0, x * x + eps)))
+
+
+@_log_square_plus.defjvp
+def _log_square_plus_jvp(primals, tangents):
+  """``d/dd = 2d / (d^2 + eps) = 2 / (d + eps / d)`` (no square: exact past 1.8e19, 0 at
+  d = 0) and ``d/deps = 1 / (d^2 + eps) = e^{-L}``; one expression instead of the
+  derivatives of both branches of the select (~1.5x faster backward on XLA:CPU)."""
+  x, eps = primals
+  dx, deps = tangents
+  out = _log_square_plus(x, eps)
+  return out, 2.0 / (x + eps / x) * dx + jnp.exp(-out) * deps
+
+
 def _idw_score_map(x, length, power=1.0, eps=1e-12, **_):
-  """``-p log sqrt(d^2 + eps)``, smooth in d and finite at d = 0."""
-  return -0.5 * power * jnp.log(x * x + eps)
+  """``-p log sqrt(d^2 + eps)``, smooth in d and finite at d = 0 and at any finite d."""
+  return -0.5 * power * _log_square_plus(x, eps)
 
 
 @c.dense_rules
@@ -38,9 +74,10 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   generalisation (equal to softmax with temperature ``1/p`` on ``-log d``). Only ``|d|``
   matters; ``eps`` makes a zero distance finite (its weight tends to 1 as eps -> 0:
   interpolation). Scale invariant: ``d -> c d`` for all entries leaves the weights
-  unchanged up to eps. A ``-inf`` entry is masked (as everywhere in the library); a
-  ``+inf`` follows the library's shared rule (it takes the row's mass), so mask
-  infinitely distant keys with ``where`` instead.
+  unchanged up to eps. Finite for any finite distance (``d^2`` is not formed past
+  ``2^62``, where it would overflow float32). A ``-inf`` entry is masked (as everywhere
+  in the library); a ``+inf`` follows the library's shared rule (it takes the row's
+  mass), so mask infinitely distant keys with ``where`` instead.
 
   Args:
     x: distances ``d_j`` (only their magnitude is used).
@@ -64,8 +101,15 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   References:
     C. McCarter, 2023, "Inverse distance weighting attention".
   """
-  return c.score_map_softmax(x, axis, where, "idw_softmax", _idw_score_map, (_POWER, power),
-                             (_EPS, eps))
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
+                                      (_EPS, eps))
+  # softmax(-p/2 L), L = log(d^2 + eps), as e^{-p/2 (L - min L)}: not -p/2 L - max(...),
+  # which XLA contracts into an FMA. xs holds visible values at masked entries, so the
+  # plain row min of L is the visible one.
+  log_sq = _log_square_plus(xs, hp["eps"])
+  nearest = jax.lax.stop_gradient(jnp.min(log_sq, axis=ax, keepdims=True))
+  w = _ssmax.exp_scaled(log_sq, mask, ax, -0.5 * hp["power"], nearest)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
 SPEC = register(NormalizerSpec(

@@ -18,6 +18,21 @@ def _square_plus(z, m, eps=0.01, **_):
   return z * z + eps
 
 
+def pow2_row_scale(r, exponent: int = 2):
+  """``t = 2^-k``, the smallest such power of two (k >= 0) with ``|r| t < 2^exponent``.
+
+  A row scaled by it keeps every rounding of an unscaled evaluation (a product or sum
+  of values scaled by powers of two is rounded as the unscaled one, until it falls below
+  the smallest normal float), while the largest entry is brought under ``2^exponent``:
+  so a homogeneous (or power-of-two-scalable) formula no longer overflows. ``r`` is the
+  row's largest magnitude (without gradient); rows already below ``2^exponent`` get
+  ``t = 1`` exactly. ``k <= 128 - exponent`` keeps ``t`` a normal float for
+  ``exponent >= 2``.
+  """
+  _, e = jnp.frexp(r)  # r < 2^e
+  return jnp.ldexp(jnp.ones_like(r), -jnp.maximum(e - exponent, 0))
+
+
 @c.dense_rules
 def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                       eps: ArrayLike = 0.01) -> jax.Array:
@@ -34,8 +49,11 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
   even in each score (``x`` and ``-x`` weigh the same), not shift invariant, and its
   weights decay polynomially, not exponentially, in the score gap. ``eps > 0`` keeps an
   all-zero row uniform and every weight positive. No max is needed: a blockwise pass
-  carries only the row sum (class S). Finite while ``x^2`` fits the float range
-  (``|x| < 1.8e19`` in float32).
+  carries only the row sum (class S). The function scales each row by a power of two
+  before squaring (exact: the ratio is homogeneous), so it is finite for any finite
+  scores; the blockwise form (its tile rule, used by the chunked and Pallas attention
+  paths) carries no row statistic and squares unscaled: finite while ``x^2`` fits the
+  float range (``|x| < 1.8e19`` in float32).
 
   Args:
     x: scores.
@@ -57,7 +75,14 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
     to the Spherical Loss Family".
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "spherical_softmax", (_EPS, eps))
-  w = c.sum_normalize(_square_plus(xs, None, **hp), mask, ax)
+  # Homogeneous: (x^2 + eps) / sum = ((t x)^2 + eps t^2) / sum, with t a power of two
+  # that brings max(|x|, sqrt eps) under 4 (x^2 overflows from |x| ~ 1.8e19 in float32).
+  # xs holds visible values at masked entries, so its row max |x| is the visible one.
+  eps_row = hp["eps"]
+  big = jnp.maximum(jnp.max(jnp.abs(xs), axis=ax, keepdims=True), jnp.sqrt(eps_row))
+  t = pow2_row_scale(jax.lax.stop_gradient(big))
+  y = xs * t
+  w = c.sum_normalize(y * y + (eps_row * t) * t, mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

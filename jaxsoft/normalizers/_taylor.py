@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _spherical
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
@@ -49,6 +52,30 @@ def taylor_exp(x: ArrayLike, order: int = 2) -> jax.Array:
   return acc
 
 
+def _scaled_taylor_exp(x, order: int, t):
+  """``taylor_exp(x, order) t^order`` for a power of two ``t`` (per row).
+
+  taylor_exp's Horner steps on ``y = t x``: its partial values ``acc_k`` (``acc_m = 1``,
+  ``acc_{k-1} = 1 + acc_k x / k``) times ``t^{m-k}`` obey ``b_{k-1} = t^{m-k+1} + b_k y /
+  k``, so each step is taylor_exp's own times a power of two and rounds the same (until
+  a term falls below the smallest normal float, far below the row's largest); ``t = 1``
+  is taylor_exp itself.
+  """
+  y = x * t
+  acc = jnp.ones_like(y)
+  tj = jnp.ones_like(t)
+  for k in range(order, 0, -1):
+    tj = tj * t
+    acc = tj + acc * y / k
+  return acc
+
+
+def _scale_exponent(order: int) -> int:
+  """log2 of the bound the row's largest |x| is scaled under: about ``order / e``, where
+  ``|x|^m / m!`` is near 1; at least 2 (``|t x| < 4``, the bound for m <= 8)."""
+  return max(2, math.floor(math.log2(max(order / math.e, 2.0))) + 1)
+
+
 @c.dense_rules
 def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                    order: int = 2) -> jax.Array:
@@ -60,8 +87,12 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
   over the visible entries V. Only even orders m are allowed: even truncations of exp are
   strictly positive (``1 + x + x^2/2 >= 1/2``), odd ones are not. Growth is polynomial, so
-  no max is needed (class S) and large scores do not overflow unless ``|x|^m / m!`` passes
-  float32's max (e.g. |x| > 2.6e19 for m = 2). Not shift invariant; as m grows it tends to
+  no max is needed (class S). For a row with large scores the function evaluates
+  ``t^m sum_k x^k / k!`` (t a power of two bringing the row's largest |x| near m / e:
+  the same roundings, and a factor that cancels), so it is finite for any finite
+  scores; the blockwise form (its tile rule, used by the chunked and Pallas attention
+  paths) has no row statistic and overflows once ``|x|^m / m!`` passes the float range
+  (|x| > 2.6e19 for m = 2 in float32). Not shift invariant; as m grows it tends to
   softmax for moderate x.
 
   The order-2 form is from A. de Brébisson & P. Vincent 2016, "An Exploration of Softmax
@@ -96,7 +127,13 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   """
   order = _check_order(order, "taylor_softmax")
   xs, mask, ax = c.prepare(x, axis, where, "taylor_softmax")
-  w = c.sum_normalize(taylor_exp(xs, order), mask, ax)
+  # The ratio is unchanged when numerator and denominator are both multiplied by t^m: a
+  # row whose largest |x| is past 2^_scale_exponent (|x|^m / m! overflows float32 from
+  # 2.6e19 for m = 2) is evaluated at t x, t a power of two (xs holds visible values at
+  # masked entries: its row max |x| is the visible one).
+  big = jax.lax.stop_gradient(jnp.max(jnp.abs(xs), axis=ax, keepdims=True))
+  t = _spherical.pow2_row_scale(big, _scale_exponent(order))
+  w = c.sum_normalize(_scaled_taylor_exp(xs, order, t), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
