@@ -333,13 +333,12 @@ def _entmax_bisect(x, alpha, where, axis, n_iter, q):
   xs, mask, axis = c.prepare(x, axis, where, "entmax")
   if n_iter is None:
     n_iter = 60 if xs.dtype == jnp.float64 else 30
-  a = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
-  a = c.to_last(a, axis) if a.ndim else a
+  a_rows = c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype)
+  a = c.to_last(a_rows, axis) if a_rows.ndim else a_rows
   p = _entmax_bisect_last(c.to_last(xs, axis), c.to_last(mask, axis), a, int(n_iter), q)
   p = c.from_last(p, axis)
   if q is None:  # a traced alpha <= 1 (no entmax) gives NaN, never a plausible distribution
-    p = jnp.where(c.row_param(alpha, xs.shape, axis, "alpha", "entmax", xs.dtype) > 1.0, p,
-                  jnp.nan)
+    p = jnp.where(a_rows > 1.0, p, jnp.nan)
   return c.finish(p, mask, jnp.asarray(x).dtype)
 
 
