@@ -81,3 +81,12 @@ def test_bad_tuple_axis_names_the_argument(axis, match):
 def test_complex_scores_are_refused(fn):
   with pytest.raises(ValueError, match="`x` must be real, got complex64"):
     fn(jnp.array([1.0 + 2.0j, 0.5 - 1.0j]))
+
+
+def test_tuple_axis_fully_masked_row_is_zeros_with_zero_gradient():
+  where = jnp.ones(X.shape, bool).at[0].set(False)  # batch 0: every entry of its rows masked
+  for fn in (js.normalizers.softmax, js.normalizers.sparsemax):
+    out = fn(X, axis=(1, 3), where=where)
+    assert np.all(np.asarray(out[0]) == 0) and np.all(np.isfinite(np.asarray(out)))
+    g = jax.grad(lambda x, fn=fn: jnp.sum(fn(x, axis=(1, 3), where=where) ** 2))(X)
+    assert np.all(np.asarray(g[0]) == 0) and np.all(np.isfinite(np.asarray(g)))
