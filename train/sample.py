@@ -10,13 +10,16 @@ the short-convolution window) for the linear layers, advanced by jaxsoft.linear'
 functions, and the input history for the sparse attention layers, so a step costs O(1) in the
 length for a linear layer. The prompt is fed through the same steps. Sampling draws from
 ``softmax(logits / temperature)`` restricted to the ``--top_k`` most likely tokens (0: all);
-temperature 0 is greedy.
+temperature 0 is greedy (the argmax, the limit of temperature -> 0). A negative or non-finite
+temperature, or a negative top_k, is refused with a message naming it (a negative temperature
+would favour the least likely tokens).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -34,7 +37,7 @@ from flax import nnx  # noqa: E402
 from train import checkpoint, config, data, model  # noqa: E402
 from train.config import Config, ConfigError  # noqa: E402
 
-__all__ = ["load_model", "generate", "encode", "decode", "main"]
+__all__ = ["load_model", "generate", "check_sampling", "encode", "decode", "main"]
 
 
 def load_model(workdir: str) -> tuple[Config, model.Transformer, int]:
@@ -75,6 +78,21 @@ def decode(tokens: Sequence[int], vocab_size: int) -> str:
   return " ".join(str(int(t)) for t in tokens)
 
 
+def check_sampling(temperature: float, top_k: int) -> None:
+  """Raises ValueError naming the argument unless ``temperature`` is a finite number >= 0 (0 is
+  greedy) and ``top_k`` an int >= 0 (0: all tokens)."""
+  try:
+    t = float(temperature)
+  except (TypeError, ValueError):
+    raise ValueError(f"temperature: must be a number >= 0 (0 is greedy), got "
+                     f"{temperature!r}") from None
+  if not math.isfinite(t) or t < 0:
+    raise ValueError(f"temperature: must be a finite number >= 0 (0 is greedy; a negative "
+                     f"temperature would favour the least likely tokens), got {temperature!r}")
+  if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+    raise ValueError(f"top_k: must be an int >= 0 (0: all tokens), got {top_k!r}")
+
+
 def _pick(logits: jax.Array, key: jax.Array, temperature: float, top_k: int) -> jax.Array:
   if temperature <= 0:
     return jnp.argmax(logits, axis=-1)
@@ -98,9 +116,12 @@ def generate(net: model.Transformer, prompt: Sequence[int], length: int, *,
              return_logits: bool = False) -> Any:
   """``prompt`` followed by ``length`` generated tokens (a list of ints).
 
+  ``temperature`` 0 is greedy; a negative or non-finite one is a ValueError (:func:`check_sampling`).
+
   With ``return_logits`` also the ``[len(prompt) + length - 1, vocab]`` logits each step
   produced (row i predicts token i + 1).
   """
+  check_sampling(temperature, top_k)
   if not prompt:
     raise ValueError("prompt: at least one token is needed")
   if length < 0:
@@ -145,6 +166,7 @@ def make_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
   args = make_parser().parse_args(argv)
   try:
+    check_sampling(args.temperature, args.top_k)  # before the model is loaded
     cfg, net, step = load_model(os.path.abspath(os.path.expanduser(args.workdir)))
     vocab = net.output_matrix().shape[-1]
     tokens = generate(net, encode(args.prompt, vocab), args.length,

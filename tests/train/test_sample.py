@@ -107,3 +107,17 @@ def test_sample_cli_prints_text_and_rejects_bad_input(saved, tmp_path, capsys):
     sample.generate(None, [], 3)
   with pytest.raises(ValueError, match="probe token ids"):
     sample.encode("1 99", 64)
+
+
+@pytest.mark.parametrize("temperature", ["-0.5", "nan", "inf"])
+def test_sample_refuses_a_negative_or_nonfinite_temperature(saved, capsys, temperature):
+  """Refused with the argument named, before the model is loaded (a negative temperature
+  would favour the least likely tokens; NaN logits would draw garbage)."""
+  assert sample.main(["--workdir", str(saved[0]), "--length", "3",
+                      "--temperature", temperature]) == 2
+  captured = capsys.readouterr()
+  assert captured.out == "" and "temperature: must be a finite number >= 0" in captured.err
+  with pytest.raises(ValueError, match=r"temperature: must be a finite number >= 0 \(0 is greedy"):
+    sample.generate(None, [1, 2], 3, temperature=float(temperature))
+  with pytest.raises(ValueError, match=r"top_k: must be an int >= 0"):
+    sample.generate(None, [1, 2], 3, top_k=-1)
