@@ -40,21 +40,39 @@ def _safe_sqrt(v):
   return jnp.where(pos, jnp.sqrt(jnp.where(pos, v, 1.0)), 0.0)
 
 
-def row_moments(xs, mask, axis: int, m=None):
-  """(centred x, mean, population variance) of the visible entries of each row.
+def _pow2_inverse(r):
+  """``2^-e`` with ``r`` in ``[2^(e-1), 2^e)`` (1 for r = 0): a power of two that brings the
+  row's largest magnitude ``r`` into [1/2, 1) without rounding anything. ``e`` is clamped to
+  +-(maxexp - 28) (100 in float32, 996 in float64), so the factor is a normal float and
+  the squares of the scaled row stay within the normal range even for a subnormal or a
+  near-overflow ``r``."""
+  _, e = jnp.frexp(r)
+  lim = jnp.finfo(r.dtype).maxexp - 28
+  return jnp.ldexp(jnp.ones_like(r), -jnp.clip(e, -lim, lim))
+
+
+def scaled_moments(xs, mask, axis: int, m=None):
+  """``(y, s, t)``: the visible entries of each row centred on their mean and scaled by a
+  power of two ``t`` (no gradient), ``y = t (x - mean)``, and their population standard
+  deviation ``s = t std(x)``; the unscaled std is ``s / t``.
 
   ``xs`` is ``prepare``'s masked-safe input; ``m``, a per-row constant without gradient
   (the row max), is subtracted first so a row far from 0 (``x + 1000``) keeps its
-  deviations exact (Sterbenz) instead of losing them to the rounding of a large sum. The
-  centred values are 0 at masked entries. This is the two-pass form; a blockwise driver
-  would merge (count, mean, M2) per key block with Chan et al.'s rule instead.
+  deviations exact (Sterbenz) instead of losing them to the rounding of a large sum. ``y``
+  is 0 at masked entries. ``t`` (:func:`_pow2_inverse` of the largest centred magnitude)
+  brings the row into [-1, 1] without rounding anything, so the squares neither overflow
+  (float32 ``x^2`` does from |x| ~ 1.8e19) nor underflow (below ~1e-19: a std of 0), and
+  a formula kept in the scaled variables (``y / (s + eps t)``) never squares a tiny std in
+  its derivative. This is the two-pass form; a blockwise driver merges (count, mean, M2)
+  per key block with Chan et al.'s rule instead.
   """
   n = c.visible_count(mask, axis, xs.dtype)
   d = jnp.where(mask, xs - (0.0 if m is None else m), 0.0)
   mean = c.safe_divide(jnp.sum(d, axis=axis, keepdims=True), n)
   centred = jnp.where(mask, d - mean, 0.0)
-  var = c.safe_divide(jnp.sum(centred * centred, axis=axis, keepdims=True), n)
-  return centred, mean, var
+  t = _pow2_inverse(jax.lax.stop_gradient(jnp.max(jnp.abs(centred), axis=axis, keepdims=True)))
+  y = centred * t
+  return y, _safe_sqrt(c.safe_divide(jnp.sum(y * y, axis=axis, keepdims=True), n)), t
 
 
 def softmax_entropy(z, mask, axis: int):
@@ -210,8 +228,9 @@ def standardized_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None =
   name = "standardized_softmax"
   _STD_EPS.validate(eps, name)
   xs, mask, ax, m, hp = c.prepare_params(x, axis, where, name, (_TAU, tau), with_max=True)
-  centred, _, var = row_moments(xs, mask, ax, m)
-  w = c.exp_normalize(centred / (hp["tau"] * (_safe_sqrt(var) + eps)), mask, ax)
+  # (x - mu) / (tau (std + eps)) in the scaled variables of scaled_moments
+  y, std, t = scaled_moments(xs, mask, ax, m)
+  w = c.exp_normalize(y / (hp["tau"] * (std + eps * t)), mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
@@ -262,8 +281,11 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   """
   _NAP_EPS.validate(eps, "nap")
   xs, mask, ax, m = c.prepare(x, axis, where, "nap", with_max=True)
-  centred, _, var = row_moments(xs, mask, ax, m)
-  w = centred * jax.lax.rsqrt(var + eps)
+  # (x - mu) / sqrt(var + eps) in the scaled variables of scaled_moments, the root as
+  # hypot(s, sqrt(eps) t): no square of a tiny std, and a finite derivative at var = 0 for
+  # any eps (rsqrt's, eps^-1.5, is inf in float32 from eps ~ 1e-26).
+  y, std, t = scaled_moments(xs, mask, ax, m)
+  w = y / jnp.hypot(std, jnp.sqrt(jnp.asarray(eps, std.dtype)) * t)
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 

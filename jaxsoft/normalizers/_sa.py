@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _row_stats
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers import row_blocks as blocks
 from jaxsoft.normalizers.spec import (
@@ -109,8 +110,8 @@ def sa_softmax_normalized(x: ArrayLike, axis: int = -1,
   hi = jnp.maximum(jnp.max(jnp.where(mask, xs, -jnp.inf), axis=ax, keepdims=True), 0.0)
   lo = jnp.minimum(jnp.min(jnp.where(mask, xs, jnp.inf), axis=ax, keepdims=True), 0.0)
   # (a fully masked row: hi = lo = 0 and the factor's 0/0 is 0)
+  factor = _range_fraction(xs, hi, lo)
   p = c.exp_normalize(xs, mask, ax)
-  factor = c.safe_divide(xs - lo, hi - lo)
   return c.finish(factor * p, mask, jnp.asarray(x).dtype)
 
 
@@ -133,13 +134,21 @@ SPEC = register(NormalizerSpec(
     description="x * softmax(x)",
 ))
 
+def _range_fraction(z, hi, lo):
+  """``(z - lo) / (hi - lo)`` (0 where hi = lo), numerator and denominator first scaled by a
+  power of two bringing ``hi - lo`` near 1 (exact): the quotient's derivative squares the
+  denominator, which underflows to 0 for a row of size ~1e-20 (float32), a NaN gradient."""
+  t = _row_stats._pow2_inverse(jax.lax.stop_gradient(hi - lo))
+  return c.safe_divide((z - lo) * t, (hi - lo) * t)
+
+
 def _normalized_derive(stats, length, **_):
   m, l, hi, _, lo, _ = stats
   return {**blocks.softmax_derived(m, l), "hi": jnp.maximum(hi, 0.0), "lo": jnp.minimum(lo, 0.0)}
 
 
 def _normalized_numerator(z, m, row_max=0.0, row_sum=1.0, hi=0.0, lo=0.0, **_):
-  return c.safe_divide(z - lo, hi - lo) * blocks.softmax_of(z, row_max, row_sum)
+  return _range_fraction(z, hi, lo) * blocks.softmax_of(z, row_max, row_sum)
 
 
 # blockwise: softmax's (m, l) and the row's extremes first, then a pointwise (class-P) pass

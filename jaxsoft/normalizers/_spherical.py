@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft.normalizers import _row_stats
 from jaxsoft.normalizers import common as c
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
@@ -76,11 +77,13 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
   """
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "spherical_softmax", (_EPS, eps))
   # Homogeneous: (x^2 + eps) / sum = ((t x)^2 + eps t^2) / sum, with t a power of two
-  # that brings max(|x|, sqrt eps) under 4 (x^2 overflows from |x| ~ 1.8e19 in float32).
-  # xs holds visible values at masked entries, so its row max |x| is the visible one.
+  # that brings max(|x|, sqrt eps) into [1/2, 1) (exact): x^2 overflows from |x| ~ 1.8e19
+  # in float32, and a row sum of ~1e-30 (tiny x, eps = 1e-30) has a square that underflows
+  # to 0 in the quotient's derivative (a NaN gradient). xs holds visible values at masked
+  # entries, so its row max |x| is the visible one.
   eps_row = hp["eps"]
   big = jnp.maximum(jnp.max(jnp.abs(xs), axis=ax, keepdims=True), jnp.sqrt(eps_row))
-  t = pow2_row_scale(jax.lax.stop_gradient(big))
+  t = _row_stats._pow2_inverse(jax.lax.stop_gradient(big))
   y = xs * t
   w = c.sum_normalize(y * y + (eps_row * t) * t, mask, ax)
   return c.finish(w, mask, jnp.asarray(x).dtype)

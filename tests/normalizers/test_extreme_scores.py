@@ -309,3 +309,107 @@ def test_tile_rule_exact_at_extreme_scores(name):
           "multimax": lambda: _softmax_vjp(x64, 1.0, mask, g)}[name]()[0]
   got = testing.evaluate_tile_rule_online(N.get(name), jnp.asarray(x), jnp.eye(4), [1, 3])
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2e-5, atol=1e-7)
+
+
+def _moments64(x, mask):
+  """(centred x, population std, n) of the visible entries, float64 (0 where masked)."""
+  n = _count(mask)
+  mean = np.where(mask, x, 0.0).sum(-1, keepdims=True) / n
+  c = np.where(mask, x - mean, 0.0)
+  return c, np.sqrt((c * c).sum(-1, keepdims=True) / n), n
+
+
+def _nap64(x, mask, g, eps):
+  """(x - mean) / sqrt(var + eps) and its VJP, float64: with r = (var + eps)^-1/2,
+  ``dx_j = r (g_j - mean g) - r^3 c_j (g . c) / n``."""
+  c, std, n = _moments64(x, mask)
+  g = np.where(mask, g, 0.0)
+  r = 1.0 / np.sqrt(std * std + eps)
+  gc = (g * c).sum(-1, keepdims=True)
+  vjp = np.where(mask, r * (g - g.sum(-1, keepdims=True) / n) - r ** 3 * c * gc / n, 0.0)
+  scale = 2.0 * r * np.abs(g).max() + r ** 3 * _row_max(np.abs(c)) * np.abs(gc) / n
+  return np.where(mask, c * r, 0.0), vjp, scale
+
+
+def _standardized64(x, mask, g, eps):
+  """softmax(z), z = (x - mean) / (std + eps), and its VJP, float64: with gz the softmax
+  cotangent of z, ``dx_j = (gz_j - mean gz) / (std + eps) - (gz . c) c_j / ((std + eps)^2 n
+  std)``."""
+  c, std, n = _moments64(x, mask)
+  d = std + eps
+  w, gz, _ = _softmax_vjp(c / d, 1.0, mask, g)
+  gzc = (gz * c).sum(-1, keepdims=True)
+  vjp = np.where(mask, (gz - gz.sum(-1, keepdims=True) / n) / d - gzc * c / (d * d * n * std),
+                 0.0)
+  scale = 2.0 * _row_max(np.abs(gz)) / d + np.abs(gzc) * _row_max(np.abs(c)) / (d * d * n * std)
+  return w, vjp, scale
+
+
+# Rows whose squares overflow (|x| ~ 1e20 .. 1e30) or underflow (~1e-20) float32: the old
+# variance gave zeros / uniform rows (overflow) or one-hot rows and NaN gradients (eps 1e-30).
+BIG_ROWS = [[1e20, -3e20, 2e20, None], [3e19, 1e19, -2e19, 0.0], [1e30, -1e30, 0.0, 5e29],
+            [1.0, 2.0, None, 0.5]]
+TINY_ROWS = [[1e-20, -3e-20, 2e-20, None], [2e-19, 0.0, -1e-19, 5e-20],
+             [3e-21, 1e-21, 2e-21, 0.0], [1.0, 2.0, None, 0.5]]
+
+
+@pytest.mark.parametrize("jit", MODES)
+@pytest.mark.parametrize("rows,eps", [(BIG_ROWS, 1e-8), (TINY_ROWS, 1e-30)],
+                         ids=["big", "tiny-eps1e-30"])
+def test_nap_exact_past_variance_overflow_and_underflow(rows, eps, jit):
+  x, mask = _rows(rows)
+  ref = _nap64(x.astype(np.float64), mask, _cotangent(x.shape), eps)
+  _check(lambda x, where: N.nap(x, where=where, eps=eps), x, mask, ref, jit)
+
+
+@pytest.mark.parametrize("jit", MODES)
+@pytest.mark.parametrize("rows,eps", [(BIG_ROWS, 1e-7), (TINY_ROWS, 1e-30)],
+                         ids=["big", "tiny-eps1e-30"])
+def test_standardized_exact_past_variance_overflow_and_underflow(rows, eps, jit):
+  x, mask = _rows(rows)
+  ref = _standardized64(x.astype(np.float64), mask, _cotangent(x.shape), eps)
+  _check(lambda x, where: N.standardized_softmax(x, where=where, eps=eps), x, mask, ref, jit)
+
+
+@pytest.mark.parametrize("jit", MODES)
+def test_spherical_finite_gradient_on_tiny_rows_at_eps_1e_30(jit):
+  """A row sum of ~1e-30 (the square of which underflows in the quotient's derivative)."""
+  x, mask = _rows([[1e-20, -2e-20, None, 0.0], [0.0, 0.0, 0.0, 0.0], [3e-16, 1e-15, 0.0, 2e-16],
+                   [1.0, 2.0, None, 0.5]])
+  x64 = x.astype(np.float64)
+  eps = 1e-30
+  ref = _ratio_vjp(x64 ** 2 + eps, 2 * x64, x64 ** 2 + eps, 2 * x64, mask, _cotangent(x.shape))
+  _check(lambda x, where: N.spherical_softmax(x, where=where, eps=eps), x, mask, ref, jit)
+
+
+def _sa_normalized64(x, mask, g):
+  """(x - lo) / (hi - lo) softmax(x) and its VJP, float64 (rows without ties at the min or
+  max), lo = min(x_min, 0), hi = max(x_max, 0): the min and max pass their derivative to
+  their argument when they are not 0."""
+  xm_hi, xm_lo = np.where(mask, x, -np.inf), np.where(mask, x, np.inf)
+  hi = np.maximum(xm_hi.max(-1, keepdims=True), 0.0)
+  lo = np.minimum(xm_lo.min(-1, keepdims=True), 0.0)
+  d_hi = (xm_hi == xm_hi.max(-1, keepdims=True)) & (hi > 0)
+  d_lo = (xm_lo == xm_lo.min(-1, keepdims=True)) & (lo < 0)
+  r = hi - lo
+  p, _, _ = _softmax_vjp(x, 1.0, mask, np.zeros_like(x))
+  f = np.where(mask, (x - lo) / r, 0.0)
+  g = np.where(mask, g, 0.0)
+  gp = g * p
+  vjp = gp / r  # the diagonal of df
+  vjp = vjp - d_lo * (gp.sum(-1, keepdims=True) / r)
+  vjp = vjp - (d_hi.astype(float) - d_lo) * (gp * f).sum(-1, keepdims=True) / r
+  gf = g * f
+  vjp = vjp + p * (gf - (gf * p).sum(-1, keepdims=True))
+  scale = 3.0 * np.abs(g).max() * (1.0 / r + 1.0)
+  return f * p, np.where(mask, vjp, 0.0), scale
+
+
+@pytest.mark.parametrize("jit", MODES)
+def test_sa_softmax_normalized_finite_gradient_on_tiny_rows(jit):
+  """A row of size ~1e-20: the quotient's derivative squares hi - lo (~1e-40: 0 in float32,
+  which gave NaN)."""
+  x, mask = _rows([[1e-20, -3e-20, 2e-20, None], [2e-20, 5e-21, 1e-20, 0.5e-20],
+                   [-1e-20, -3e-20, None, -2e-20], [1.0, 2.0, None, -0.5]])
+  ref = _sa_normalized64(x.astype(np.float64), mask, _cotangent(x.shape))
+  _check(N.sa_softmax_normalized, x, mask, ref, jit)
