@@ -19,10 +19,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-__all__ = ["Checkpointer", "Skipped", "restore_params", "locate"]
+__all__ = ["Checkpointer", "Skipped", "restore_params", "check_params", "locate"]
 
 DAMAGED = "checkpoints_damaged"
 
@@ -147,12 +148,55 @@ def locate(path: str) -> tuple[epath.Path, int]:
   return root / str(step), step
 
 
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+  """``{"blocks/0/attn/q/kernel": shape}`` of the array leaves of a nested dict."""
+  out = {}
+  for keys, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    name = "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
+                    for k in keys)
+    out[name] = tuple(getattr(leaf, "shape", ()))
+  return out
+
+
+def check_params(path: str, abstract_params: Any) -> int:
+  """Raises ValueError unless the checkpoint ``path`` names holds exactly these parameters.
+
+  Reads only the checkpoint's metadata (no array data): every parameter of ``abstract_params``
+  must be there with the same shape, and the checkpoint may hold no other parameter (it would
+  be dropped: a checkpoint of another architecture). The message names the first mismatched
+  parameter, its path and both shapes. Returns the checkpoint's step.
+  """
+  step_dir, step = locate(path)
+  metadata = ocp.PyTreeCheckpointer().metadata(step_dir / "state")
+  tree = getattr(metadata, "item_metadata", metadata)
+  tree = getattr(tree, "tree", tree)
+  if not isinstance(tree, dict) or "params" not in tree:
+    raise ValueError(f"{str(step_dir)!r} holds no parameters (not a train.py checkpoint)")
+  saved, wanted = _shapes(tree["params"]), _shapes(abstract_params)
+  where = f"the checkpoint {str(step_dir)!r}"
+  for name, shape in wanted.items():
+    if name not in saved:
+      raise ValueError(f"parameter {name} {shape} of this model is not in {where}: it was saved "
+                       "by another architecture")
+    if saved[name] != shape:
+      raise ValueError(f"parameter {name} has shape {saved[name]} in {where} but {shape} in "
+                       "this model: it was saved by another architecture")
+  extra = sorted(set(saved) - set(wanted))
+  if extra:
+    raise ValueError(f"parameter {extra[0]} {saved[extra[0]]} of {where} is not in this model"
+                     + (f" (nor {len(extra) - 1} more)" if len(extra) > 1 else "")
+                     + ": it was saved by another architecture")
+  return step
+
+
 def restore_params(path: str, abstract_params: Any) -> tuple[Any, int]:
   """Parameters only, from a workdir (its latest checkpoint) or a checkpoint step directory.
 
   Returns the params laid out as ``abstract_params`` and the step they come from. The optimizer
-  state, step, RNG and data position start fresh (fine-tuning / warm start).
+  state, step, RNG and data position start fresh (fine-tuning / warm start). A checkpoint of
+  another architecture is a ValueError naming the mismatched parameter (:func:`check_params`).
   """
+  check_params(path, abstract_params)
   step_dir, step = locate(path)
   target = {"params": abstract_params}  # a partial restore: the optimizer state is not read
   args = ocp.args.PyTreeRestore(item=target, partial_restore=True,

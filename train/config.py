@@ -155,6 +155,13 @@ class Config:
   num_cpu_devices: int = _f(0, "fake CPU devices (0 = what the platform has)")
   progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off", _SWITCH)
   tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboardX)")
+  check_numerics: bool = _f(False, "checkify the train step: each learned normalizer "
+                                    "hyperparameter in its declared range (jaxsoft.checks), "
+                                    "the loss and every gradient finite; a failed check stops "
+                                    "the run with a message naming it, saving nothing of that "
+                                    "step. Without it a traced out-of-range hyperparameter is "
+                                    "computed as given and only a non-finite loss or gradient "
+                                    "norm stops the run")
   # Testing hooks: they drive the real signal paths so tests need no timing games.
   preempt_at_step: int = _f(-1, "testing: send SIGTERM to this process after this step")
   kill_after_save_at_step: int = _f(-1, "testing: SIGKILL this process right after starting the "
@@ -238,7 +245,10 @@ def make_parser() -> argparse.ArgumentParser:
                       help="comma-separated normalizers trained on identical data and seeds; "
                            "writes compare.md and compare.png in --workdir")
   for field in dataclasses.fields(Config):
+    # A bare boolean flag (``--check_numerics``) means true; ``--flag false`` still works.
+    bare = _field_type(field) is bool
     parser.add_argument(f"--{field.name}", type=_converter(field), default=None,
+                        nargs="?" if bare else None, const=True if bare else None,
                         help=f"{field.metadata['help']} (default: {field.default!r})")
   return parser
 

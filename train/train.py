@@ -15,6 +15,16 @@ metrics)`` is one pure jitted function; checkpoints and logging happen at the ed
 command with the same --workdir resumes from its newest checkpoint that restores, bit for bit (a
 damaged newer one is moved to checkpoints_damaged/ and named in the log). The held-out loss is
 evaluated every --eval_every steps and at the end (``eval_loss`` in metrics.jsonl).
+
+Exit status: 0 when every step is done; 2 for a bad command line or configuration (nothing
+written; an --init_from checkpoint of another architecture is one, naming the parameter);
+3 when a step's loss or gradient norm is not finite, or a --check_numerics check fails (the
+step is not taken and nothing of it is saved; the message names the check); 143 (128 + SIGTERM)
+when SIGTERM stopped the run after saving its step: not finished, so a scheduler does not take
+it for done. ``--check_numerics`` checkifies the train step with ``jaxsoft.checks``: every
+learned normalizer hyperparameter in its declared range, the loss and each gradient finite.
+Without it a traced hyperparameter outside its range is computed as given (for entmax's alpha,
+NaN rows) and only a non-finite loss or gradient norm stops the run.
 """
 
 from __future__ import annotations
@@ -37,16 +47,21 @@ import jax.numpy as jnp  # noqa: E402
 import optax  # noqa: E402
 from etils import epath  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import checkify  # noqa: E402
 
+from jaxsoft import checks  # noqa: E402
 from jaxsoft.normalizers.common import safe_divide  # noqa: E402
 from train import checkpoint, config, data, metrics, model, sharding  # noqa: E402
 from train.config import Config, ConfigError  # noqa: E402
 
 __all__ = ["main", "run", "make_optimizer", "make_train_step", "make_eval_step", "init_state",
-           "EXIT_NONFINITE", "EXIT_USAGE"]
+           "check_learned", "EXIT_NONFINITE", "EXIT_USAGE", "EXIT_PREEMPTED"]
 
-EXIT_NONFINITE = 3
+EXIT_NONFINITE = 3  # a non-finite loss or gradient norm, or a failed --check_numerics check
 EXIT_USAGE = 2  # a bad command line or configuration, as argparse exits
+# Stopped by SIGTERM after saving: not finished, so not 0 (a scheduler must not take the run for
+# done); 128 + 15, the status a shell reports for a process that SIGTERM ended.
+EXIT_PREEMPTED = 128 + signal.SIGTERM
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,15 +108,39 @@ def loss_sums(graphdef, params, batch) -> tuple[jax.Array, jax.Array]:
   return jnp.sum(losses * batch["weights"]), jnp.sum(batch["weights"])
 
 
-def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule):
+def check_learned(graphdef, params) -> None:
+  """``jaxsoft.checks`` checks of every learned normalizer hyperparameter, named by layer.
+
+  The values are those the forward pass uses (``Attention.learned_values``: the free parameters
+  mapped into the declared range), so what can fail is a NaN (a free parameter the optimizer
+  made NaN) or a value the map rounds onto an open bound.
+  """
+  net = nnx.merge(graphdef, params)
+  for i, block in enumerate(net.blocks):
+    learned = getattr(block.attn, "learned_values", None)
+    if learned is not None:
+      checks.check_hparams(block.attn.normalizer, learned(),
+                           context=f" (learned, layer {i}: params blocks/{i}/attn/learned)")
+
+
+def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
+                    check_numerics: bool = False):
   """``train_step(state, batch) -> (state, metrics)`` for batches ``[grad_accum, micro, T]``.
 
   Gradients of the summed loss are accumulated over the micro-batches with ``lax.scan`` and divided
   by the total weight once, so the update equals that of one big batch of the token-mean loss.
+
+  ``check_numerics``: the step also records ``checkify`` checks (run it under
+  ``checkify.checkify``): the learned hyperparameters in range (:func:`check_learned`), the loss
+  and each gradient finite, named by parameter path. Without them only the caller's test of the
+  loss and gradient norm sees a bad value, and a traced out-of-range hyperparameter is computed as
+  given.
   """
 
   def train_step(state, batch):
     params = state["params"]
+    if check_numerics:
+      check_learned(graphdef, params)
     grad_fn = jax.value_and_grad(lambda p, mb: loss_sums(graphdef, p, mb), has_aux=True)
 
     def micro_step(carry, micro_batch):
@@ -113,6 +152,9 @@ def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule:
     (grads, loss_sum, weight_sum), _ = jax.lax.scan(
         micro_step, (zeros, jnp.float32(0), jnp.float32(0)), batch)
     grads = jax.tree.map(lambda g: safe_divide(g, weight_sum), grads)
+    if check_numerics:
+      checks.check_finite(loss_sum, "loss")
+      checks.check_finite(grads, "gradient of params")
     updates, opt_state = optimizer.update(grads, state["opt_state"], params)
     # The step key is split every step so a resumed run draws the same randomness.
     rng, _ = jax.random.split(jax.random.wrap_key_data(state["rng"]))
@@ -156,7 +198,8 @@ def init_state(cfg: Config, graphdef, params, optimizer) -> dict[str, Any]:
 
 
 class _StopFlag:
-  """Set by SIGTERM: the loop saves a checkpoint after the current step and exits cleanly."""
+  """Set by SIGTERM: the loop saves a checkpoint after the current step and returns
+  ``EXIT_PREEMPTED`` (unless that step was the last: then the run is done, status 0)."""
 
   def __init__(self):
     self.requested = False
@@ -215,9 +258,12 @@ def run(cfg: Config, mesh) -> int:
     config.append_history(cfg, start_step=latest or 0)
 
   batch_sharding = sharding.batch_sharding(mesh)
-  train_step = jax.jit(make_train_step(graphdef, optimizer, schedule),
-                       in_shardings=(state_sharding, batch_sharding),
-                       out_shardings=(state_sharding, None), donate_argnums=0)
+  step_fn = make_train_step(graphdef, optimizer, schedule, check_numerics=cfg.check_numerics)
+  out_shardings: Any = (state_sharding, None)
+  if cfg.check_numerics:  # (error, (state, metrics)): the error is a small replicated pytree
+    step_fn, out_shardings = checkify.checkify(step_fn), (None, out_shardings)
+  train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
+                       out_shardings=out_shardings, donate_argnums=0)
   stats_fn = jax.jit(lambda params, tokens: model.attention_stats(
       nnx.merge(graphdef, params), tokens, cfg))
   eval_step = jax.jit(make_eval_step(graphdef))
@@ -245,16 +291,26 @@ def run(cfg: Config, mesh) -> int:
   try:
     while step < cfg.steps:
       batch = sharding.global_batch(dataset, position, cfg, batch_sharding)
-      new_state, step_metrics = train_step(state, batch)
+      failed = None  # (what failed, details): the step is not taken, nothing of it saved
+      if cfg.check_numerics:
+        error, (new_state, step_metrics) = train_step(state, batch)
+        if error.get() is not None:
+          failed = (f"--check_numerics: {error.get()}", "")
+      else:
+        new_state, step_metrics = train_step(state, batch)
       step_metrics = jax.device_get(step_metrics)
-      if not all(math.isfinite(float(step_metrics[k])) for k in ("loss", "grad_norm")):
+      if failed is None and not all(math.isfinite(float(step_metrics[k]))
+                                    for k in ("loss", "grad_norm")):
+        failed = ("non-finite loss/grad_norm", f" (loss={step_metrics['loss']}, "
+                  f"grad_norm={step_metrics['grad_norm']})")
+      if failed is not None:
         ckpt.wait()  # let an in-flight save finish so it counts as the last good one
         last = ckpt.latest_step()
+        what, details = failed
         log.message(
-            f"error: non-finite loss/grad_norm at step {step + 1} (loss={step_metrics['loss']}, "
-            f"grad_norm={step_metrics['grad_norm']}); stopped without saving. The last good "
+            f"error: {what} at step {step + 1}{details}; stopped without saving. The last good "
             f"checkpoint is step {last} in {ckpt.directory}" if last is not None else
-            f"error: non-finite loss/grad_norm at step {step + 1}; stopped; no checkpoint yet")
+            f"error: {what} at step {step + 1}; stopped; no checkpoint yet")
         code = EXIT_NONFINITE
         break
       state, step, position = new_state, step + 1, position + 1
@@ -284,8 +340,10 @@ def run(cfg: Config, mesh) -> int:
       if step == cfg.kill_after_save_at_step:  # testing: die while the async save is in flight
         os.kill(os.getpid(), signal.SIGKILL)
       if stop.requested and not final:
+        ckpt.wait()  # the forced save is on disk before the exit status says "stopped"
         log.message(f"stopped at step {step} (SIGTERM); checkpoint saved in {ckpt.directory}; "
-                    "run the same command again to resume")
+                    f"exit status {EXIT_PREEMPTED}; run the same command again to resume")
+        code = EXIT_PREEMPTED
         break
   finally:
     ckpt.close()
@@ -314,7 +372,10 @@ def _wait_for(stop: _StopFlag, timeout: float = 5.0) -> None:
 
 
 def compare(cfg: Config, mesh, names: Sequence[str]) -> int:
-  """Trains each normalizer on identical data and seeds; writes compare.md and compare.png."""
+  """Trains each normalizer on identical data and seeds; writes compare.md and compare.png.
+
+  A run that does not finish (non-finite, SIGTERM) stops the comparison with its exit status.
+  """
   runs = []
   for sub in _runs(cfg, names):
     code = run(sub, mesh)
@@ -343,6 +404,19 @@ def _check_resumable(cfg: Config) -> None:
     config.check_resume_compatible(cfg, config.load(str(saved)))
 
 
+def _check_init_from(cfg: Config) -> None:
+  """Refuses an --init_from checkpoint whose parameters are not this model's (names the first
+  mismatched one, its path and shapes), from the metadata alone, before anything is written."""
+  if not cfg.init_from:
+    return
+  vocab = data.make_dataset(cfg.dataset, cfg.seq_len, cfg.batch_size, cfg.seed).vocab_size
+  abstract = nnx.eval_shape(lambda: model.make_model(cfg, vocab, cfg.seed))
+  try:
+    checkpoint.check_params(cfg.init_from, nnx.to_pure_dict(nnx.state(abstract)))
+  except (ValueError, FileNotFoundError) as e:
+    raise ConfigError(f"--init_from: {e}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   """Entry point: parse and check everything, then train (or compare). Returns the exit code.
 
@@ -352,10 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
   try:
     cfg, args = config.from_argv(argv)
     names = [n for n in args.compare.split(",") if n]
-    for sub in _runs(cfg, names):  # every run must be valid (and resumable) before any starts
+    # Every run must be valid (and resumable) before any starts. With --compare, the runs are
+    # the configs to check: --normalizer (and what --learned names in it) is replaced by each
+    # compared normalizer, so it is not checked on its own.
+    if not cfg.workdir:  # (each compared run's workdir is under it)
+      raise ConfigError("--workdir is required")
+    for sub in _runs(cfg, names):
       config.validate(sub, check_workdir=False)
       _check_resumable(sub)
-    config.validate(cfg, check_workdir=False)
     if cfg.tensorboard:
       try:
         import tensorboardX  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
@@ -364,6 +442,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sharding.setup_devices(cfg)
     mesh = sharding.make_mesh(cfg)
     config.check_implementation(cfg)
+    for sub in _runs(cfg, names):  # (after setup_devices: this builds the abstract model)
+      _check_init_from(sub)
     config.prepare_workdir(cfg.workdir)  # the first write, once everything else is checked
   except ConfigError as e:
     print(f"train.py: error: {e}", file=sys.stderr, flush=True)

@@ -3,9 +3,10 @@
 import os
 
 import numpy as np
+import pytest
 
 from tests import helpers
-from train import metrics
+from train import config, metrics
 from train import train as train_lib
 
 TINY = helpers.train_argv("--log_every", helpers.TRAIN_STEPS)
@@ -48,3 +49,31 @@ def test_plots_leave_the_matplotlib_backend_alone(tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   finally:
     matplotlib.use(before)
+
+
+def test_compare_with_a_learned_hyperparameter_checks_each_run_not_the_base(tmp_path,
+                                                                            monkeypatch):
+  """--compare entmax,ssa_softmax --learned alpha: --learned is checked against each compared
+  normalizer (both take alpha), not against --normalizer's default, softmax (which has none)."""
+  seen = []
+  monkeypatch.setattr(train_lib, "compare",
+                      lambda cfg, mesh, names: seen.append((cfg, list(names))) or 0)
+  argv = TINY + ["--workdir", str(tmp_path), "--learned", "alpha"]
+  assert train_lib.main(argv + ["--compare", "entmax,ssa_softmax"]) == 0
+  assert [sub.normalizer for sub in train_lib._runs(*seen[0])] == ["entmax", "ssa_softmax"]
+  with pytest.raises(SystemExit) as info:  # a compared normalizer without alpha is named
+    train_lib.main(argv + ["--compare", "entmax,sparsemax"])
+  assert info.value.code == train_lib.EXIT_USAGE
+
+
+@pytest.mark.slow
+def test_compare_trains_a_learned_alpha_per_normalizer(tmp_path):
+  assert train_lib.main(TINY + ["--workdir", str(tmp_path), "--learned", "alpha",
+                                "--compare", "entmax,ssa_softmax"]) == 0
+  rows = (tmp_path / "compare.md").read_text().splitlines()[2:]
+  assert sorted(line.split("|")[1].strip() for line in rows) == ["entmax", "ssa_softmax"]
+  for name in ("entmax", "ssa_softmax"):
+    _, losses, _ = helpers.train_records(tmp_path / "compare" / name)
+    assert len(losses) == helpers.TRAIN_STEPS and np.all(np.isfinite(losses))
+    saved = config.load(str(tmp_path / "compare" / name / "config.json"))
+    assert saved["normalizer"] == name and saved["learned"] == "alpha"

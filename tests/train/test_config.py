@@ -164,3 +164,13 @@ def test_precedence_defaults_preset_set_flags():
   parser = config.make_parser()
   flags = {a.dest for a in parser._actions}  # pylint: disable=protected-access
   assert {f.name for f in dataclasses.fields(config.Config)} <= flags
+
+
+def test_compare_without_workdir_is_named(tmp_path):
+  """(--compare checks each compared run; their workdirs are under --workdir, which is needed.)"""
+  _fails(TINY + ["--compare", "softmax,sigmoid"], "--workdir is required")
+
+
+def test_bare_boolean_flag_means_true():
+  cfg, _ = config.from_argv(TINY + ["--workdir", "w", "--check_numerics", "--fsdp", "false"])
+  assert cfg.check_numerics is True and cfg.fsdp is False

@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent("""
     np.testing.assert_allclose(wrapped, attend(q, k, v), rtol=1e-5, atol=1e-6)
     print("SHARD_MAP_OK")
     assert T.main(tiny + ["--workdir", root + "/fsdp8", "--fsdp", "true",
-                          "--preempt_at_step", "3"]) == 0
+                          "--preempt_at_step", "3"]) == T.EXIT_PREEMPTED
 """)
 
 

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import jax
 import numpy as np
@@ -18,6 +19,7 @@ from train import checkpoint, config, data, metrics, sharding
 from train import train as train_lib
 
 STEPS = helpers.TRAIN_STEPS
+PREEMPTED = train_lib.EXIT_PREEMPTED  # stopped by SIGTERM: saved, not finished, not 0
 TINY = helpers.train_argv("--save_every", 2)
 _losses = helpers.train_records
 
@@ -35,8 +37,8 @@ def uninterrupted(tmp_path_factory):
 def test_sigterm_then_resume_gives_the_same_losses_step_for_step(uninterrupted, tmp_path):
   workdir = str(tmp_path / "run")
   # preempt_at_step sends a real SIGTERM to this process after step 3; the handler makes the
-  # loop save (off the save_every=2 schedule) and return.
-  assert train_lib.main(TINY + ["--workdir", workdir, "--preempt_at_step", "3"]) == 0
+  # loop save (off the save_every=2 schedule) and return a non-zero status.
+  assert train_lib.main(TINY + ["--workdir", workdir, "--preempt_at_step", "3"]) == PREEMPTED
   assert checkpoint.Checkpointer(workdir, 3, 2).latest_step() == 3
   assert _losses(workdir)[0] == [1, 2, 3]
   assert train_lib.main(TINY + ["--workdir", workdir]) == 0
@@ -97,6 +99,79 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
   assert steps == [1, 2] and np.all(np.isfinite(losses))
 
 
+@pytest.mark.slow  # (a process of its own: ~30 s; the preempt_at_step tests check the status)
+def test_sigterm_from_outside_saves_and_exits_nonzero(tmp_path):
+  """A scheduler's SIGTERM (another process, mid-run): the run saves its step and exits with
+  EXIT_PREEMPTED, never 0, so the scheduler does not take it for finished."""
+  workdir = tmp_path / "term"
+  cmd = [sys.executable, str(helpers.ROOT / "train" / "train.py"),
+         *helpers.train_argv("--steps", 100000, "--save_every", 100000, "--eval_every", 0),
+         "--workdir", str(workdir)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.Popen(cmd, cwd=helpers.ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+  try:
+    deadline = time.monotonic() + 240
+    # The handler is installed before the first step: wait until a step is recorded.
+    while not (workdir / "metrics.jsonl").exists() or not (workdir / "metrics.jsonl").read_text():
+      assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+      time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=240)[0]
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+      proc.wait()
+  assert proc.returncode == PREEMPTED, out
+  steps = _losses(workdir)[0]
+  assert steps == list(range(1, len(steps) + 1)) and steps[-1] < 100000
+  assert checkpoint.Checkpointer(str(workdir), 3, 100000).latest_step() == steps[-1], out
+  assert f"stopped at step {steps[-1]} (SIGTERM)" in out
+
+
+def test_init_from_another_architecture_fails_before_anything_is_written(uninterrupted, tmp_path,
+                                                                        capsys):
+  target = tmp_path / "wider"
+  with pytest.raises(SystemExit) as info:  # the source has d_model 16
+    train_lib.main(TINY + ["--workdir", str(target), "--init_from", uninterrupted[2],
+                           "--d_model", "32"])
+  assert info.value.code == train_lib.EXIT_USAGE
+  err = capsys.readouterr().err
+  assert "train.py: error: --init_from: parameter blocks/0/attn/k/kernel has shape (16, 16) in " \
+         "the checkpoint" in err and "but (32, 32) in this model" in err, err
+  assert not target.exists()
+  with pytest.raises(SystemExit):  # a parameter the checkpoint lacks (a learned alpha) is named
+    train_lib.main(TINY + ["--workdir", str(target), "--init_from", uninterrupted[2],
+                           "--normalizer", "entmax", "--learned", "alpha"])
+  assert "parameter blocks/0/attn/learned/alpha (2,) of this model is not in the checkpoint" \
+      in capsys.readouterr().err
+  assert not target.exists()
+
+
+def test_check_numerics_names_an_injected_nan_hyperparameter_and_saves_nothing(tmp_path, capsys):
+  """A learned alpha made NaN (as a diverging optimizer would) in the parameters a run starts
+  from: --check_numerics stops step 1 with the hyperparameter, layer and normalizer named, and
+  the run writes no checkpoint and no step."""
+  argv = TINY + ["--normalizer", "entmax", "--learned", "alpha"]
+  source, target = tmp_path / "source", tmp_path / "target"
+  cfg = config.from_argv(argv + ["--workdir", str(source)])[0]
+  _, _, _, init_fn, _, _, _ = train_lib.build(cfg, sharding.make_mesh(cfg))
+  state = init_fn()
+  poison = lambda path, x: x.at[1].set(np.nan) if "alpha" in jax.tree_util.keystr(path) else x  # noqa: E731
+  state = dict(state, params=jax.tree_util.tree_map_with_path(poison, state["params"]))
+  ckpt = checkpoint.Checkpointer(str(source), 1, 1)
+  ckpt.save(1, state, 0, force=True)
+  ckpt.close()
+  code = train_lib.main(argv + ["--workdir", str(target), "--init_from", str(source),
+                                "--check_numerics"])
+  assert code == train_lib.EXIT_NONFINITE
+  out = capsys.readouterr().out
+  assert ("error: --check_numerics: entmax: `alpha` must not be NaN (learned, layer 0: params "
+          "blocks/0/attn/learned) (`check` failed) at step 1; stopped; no checkpoint yet") in out, out
+  assert checkpoint.Checkpointer(str(target), 3, 1).latest_step() is None
+  assert metrics.read_jsonl(target / "metrics.jsonl") == []
+
+
 # ---------------------------------------------------------------------------------------------
 # Damaged checkpoints: resume from the newest one that restores, keep the damaged one aside.
 
@@ -105,7 +180,7 @@ def test_nonfinite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, capsy
 def preempted(tmp_path_factory):
   """A run stopped (SIGTERM) after step 4: checkpoints 1 (orbax saves the first), 2 and 4."""
   workdir = str(tmp_path_factory.mktemp("preempted") / "run")
-  assert train_lib.main(TINY + ["--workdir", workdir, "--preempt_at_step", "4"]) == 0
+  assert train_lib.main(TINY + ["--workdir", workdir, "--preempt_at_step", "4"]) == PREEMPTED
   steps = sorted(int(p.name) for p in (pathlib.Path(workdir) / "checkpoints").iterdir())
   assert steps == [1, 2, 4]
   return workdir
@@ -172,7 +247,7 @@ def test_max_to_keep_cannot_collect_the_good_checkpoint_for_a_damaged_one(uninte
   # (the newest) and delete steps 1-3, the only ones that restore.
   workdir, _ = _damaged_copy(preempted, tmp_path, "empty_step_dir")
   argv = TINY + ["--workdir", str(workdir), "--max_to_keep", "1", "--save_every", "1"]
-  assert train_lib.main(argv + ["--preempt_at_step", "3"]) == 0
+  assert train_lib.main(argv + ["--preempt_at_step", "3"]) == PREEMPTED
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["3"]
   assert (workdir / checkpoint.DAMAGED / "4").is_dir()
   assert train_lib.main(argv) == 0
