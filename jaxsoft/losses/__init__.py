@@ -8,7 +8,15 @@ class mask broadcastable to ``logits`` (masked classes, like ``-inf`` logits, en
 sum or max) or, with one dimension fewer, an example mask (optax's convention); masked
 or ignored examples and rows with no visible class get loss 0 with zero gradient; a
 label naming no visible class gets ``+inf`` (never NaN); a NaN logit at a visible class
-gives NaN, as optax's losses do (a NaN at a masked class is left out).
+gives NaN, as optax's losses do (a NaN at a masked class is left out). A tuple ``axis``
+(None: every axis) names axes that form one class axis, as in optax: they are moved last in
+the order given and merged, an integer label is a flat index into that slice, and an
+example ``where`` has the logits' rank minus the number of named axes. ``axis`` is
+positional only in the optax drop-ins (``softmax_cross_entropy``,
+``softmax_cross_entropy_with_integer_labels``: ``(logits, labels, axis, where)``, as optax
+has them) and keyword-only everywhere else, as optax's losses with hyperparameters have it.
+Integer and boolean array inputs (logits, scores, embeddings, weights) promote to float as
+jax.nn's inputs do (float32; float64 for 64-bit integers under x64).
 
 Each family lives in its own private module; this package re-exports exactly the
 public names.

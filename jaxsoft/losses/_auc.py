@@ -61,8 +61,8 @@ def midam_auc_loss(instance_scores: ArrayLike, bag_labels: ArrayLike, *,
     Deep AUC Maximization with Stochastic Pooling" (ICML).
   """
   fn = "midam_auc_loss"
-  h = jnp.asarray(instance_scores)
-  if not jnp.issubdtype(h.dtype, jnp.floating) or h.ndim != 2:
+  h = lc.float_input(instance_scores, "instance_scores", fn)
+  if h.ndim != 2:
     raise ValueError(f"{fn}: `instance_scores` must be floating [B, n], got {h.shape} {h.dtype}")
   y = jnp.asarray(bag_labels)
   if y.shape != h.shape[:1]:

@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
+def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: lc.Axis = -1,
         where: ArrayLike | None = None) -> jax.Array:
   r"""Maximum softmax probability, the baseline confidence / OOD score (feature L16).
 
@@ -38,7 +38,7 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
   Args:
     logits: ``[..., K, ...]`` logits.
     temperature: T > 0 (ODIN uses 1000).
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class or example mask (as the losses).
 
   Returns:
@@ -54,6 +54,7 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
   """
   fn = "msp"
   t = check_positive(temperature, "temperature", fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   x = x / t
   lse, visible = lc.masked_logsumexp(x, mask, axis)
@@ -62,7 +63,7 @@ def msp(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
   return lc.finish(jnp.exp(top - lse), visible, dtype)
 
 
-def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int = -1,
+def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: lc.Axis = -1,
                  where: ArrayLike | None = None) -> jax.Array:
   r"""Negative free energy :math:`-E(x) = T \log\sum_k e^{f_k(x)/T}` (feature L16).
 
@@ -92,6 +93,7 @@ def energy_score(logits: ArrayLike, *, temperature: ArrayLike = 1.0, axis: int =
   """
   fn = "energy_score"
   t = check_positive(temperature, "temperature", fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   lse, visible = lc.masked_logsumexp(x / t, mask, axis)
   return lc.finish(t * lse, visible, dtype)
@@ -147,7 +149,7 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
   if not eps_ok:
     raise ValueError(f"{fn}: `epsilon` must be >= 0, got {epsilon!r}")
   x = jnp.asarray(inputs)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
+  if not jnp.issubdtype(x.dtype, jnp.floating):  # the model's inputs, perturbed along a gradient
     raise ValueError(f"{fn}: `inputs` must have a floating dtype, got {x.dtype}")
 
   def log_score(v):
@@ -162,7 +164,7 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
   return jnp.exp(log_score(x_tilde))
 
 
-def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int = -1,
+def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: lc.Axis = -1,
         where: ArrayLike | None = None) -> jax.Array:
   r"""Expected calibration error of the softmax confidence (feature L16).
 
@@ -182,7 +184,7 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int =
     logits: ``[..., K, ...]`` logits.
     labels: integer labels of ``logits``' shape without ``axis``.
     num_bins: M >= 1.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class or example mask.
 
   Returns:
@@ -202,6 +204,7 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: int =
   """
   fn = "ece"
   positive_int(num_bins, "num_bins", fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   logits = lc.check_logits(logits, fn).astype(jnp.float32)
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)

@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 
-def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
+def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: lc.Axis = -1,
                           where: ArrayLike | None = None, *,
                           label_smoothing: ArrayLike = 0.0) -> jax.Array:
   r"""Softmax cross-entropy against probability targets (feature L01).
@@ -39,7 +39,7 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
       computed in float32).
     labels: targets of ``logits``' shape (a distribution over classes per example; any
       float or int dtype). Differentiable.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional mask, either broadcastable to ``logits`` (False classes are left out)
       or with one dimension fewer (per example; a False example gets loss 0).
     label_smoothing: :math:`\epsilon \in [0, 1)`.
@@ -59,6 +59,7 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
   """
   fn = "softmax_cross_entropy"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
+  logits, where, axis, (labels,) = lc.class_rows(logits, axis, where, fn, labels=labels)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   y = lc.check_probability_labels(
       labels, x.shape, fn,
@@ -74,7 +75,7 @@ def softmax_cross_entropy(logits: ArrayLike, labels: ArrayLike, axis: int = -1,
 
 
 def softmax_cross_entropy_with_integer_labels(
-    logits: ArrayLike, labels: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+    logits: ArrayLike, labels: ArrayLike, axis: lc.Axis = -1, where: ArrayLike | None = None, *,
     label_smoothing: ArrayLike = 0.0, ignore_index: int | None = None) -> jax.Array:
   r"""Softmax cross-entropy against integer class labels (feature L01).
 
@@ -95,8 +96,10 @@ def softmax_cross_entropy_with_integer_labels(
 
   Args:
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
-    labels: integer class indices of ``logits``' shape without ``axis``.
-    axis: the class axis.
+    labels: integer class indices of ``logits``' shape without ``axis``; with a tuple
+      ``axis``, a flat index into the slice ``logits[axis]`` (row-major over the named axes
+      in the order given, ``jnp.ravel_multi_index``), as optax.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional mask broadcastable to ``logits`` (classes) or of ``labels``' shape
       (examples).
     label_smoothing: :math:`\epsilon \in [0, 1)`.
@@ -109,6 +112,10 @@ def softmax_cross_entropy_with_integer_labels(
     >>> logits = jnp.array([[1.2, -0.8, -0.5], [0.9, -1.2, 1.1]])
     >>> print(js.losses.softmax_cross_entropy_with_integer_labels(logits, jnp.array([0, 1])))
     [0.2761 2.9518]
+    >>> x = jnp.arange(24.0).reshape(1, 2, 3, 4)        # classes: the 3 x 4 slice
+    >>> labels = jnp.ravel_multi_index((jnp.array([[1, 2]]), jnp.array([[1, 3]])), (3, 4))
+    >>> print(js.losses.softmax_cross_entropy_with_integer_labels(x, labels, axis=(2, 3)))
+    [[6.4587 0.4587]]
 
   References:
     That of :func:`softmax_cross_entropy` (label smoothing).
@@ -116,6 +123,7 @@ def softmax_cross_entropy_with_integer_labels(
   fn = "softmax_cross_entropy_with_integer_labels"
   label_smoothing = lc.check_label_smoothing(label_smoothing, fn)
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
   lse, visible = lc.masked_logsumexp(x, mask, axis)
@@ -128,7 +136,7 @@ def softmax_cross_entropy_with_integer_labels(
   return lc.integer_finish(loss, labels, visible, label_visible, ignore_index, dtype)
 
 
-def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: int = -1,
+def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: lc.Axis = -1,
                         where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Sparse-softmax cross-entropy over the top-k logits (feature L03).
 
@@ -158,7 +166,7 @@ def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: i
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
     labels: integer class indices of ``logits``' shape without ``axis``.
     k: number of logits kept, ``1 <= k <= K``.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional mask, broadcastable to ``logits`` (False classes are left out) or
       with one dimension fewer (per example; a False example gets loss 0).
     ignore_index: a label value whose examples get loss 0.
@@ -177,6 +185,7 @@ def top_k_cross_entropy(logits: ArrayLike, labels: ArrayLike, k: int, *, axis: i
   """
   fn = "top_k_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
   n_classes = x.shape[axis]

@@ -14,6 +14,8 @@ with one ``[K]`` row, pass it as ``[1, K]``.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,21 +23,70 @@ import numpy as np
 from jaxsoft._validation import finite_float
 from jaxsoft.normalizers import common as nc
 
+Axis = int | tuple[int, ...] | None
+"""A loss's ``axis``: one class axis, a tuple of axes forming one class axis, or None (all)."""
+
+
+def float_input(a, name: str, fn_name: str) -> jax.Array:
+  """``a`` as a floating array: integer and boolean arrays promote as jax.nn's inputs do.
+
+  float32, or float64 for 64-bit integers under x64 (``normalizers.common.output_dtype``);
+  any other dtype (complex, ...) is a ValueError naming the argument.
+  """
+  a = jnp.asarray(a)
+  if jnp.issubdtype(a.dtype, jnp.floating):
+    return a
+  if not (jnp.issubdtype(a.dtype, jnp.integer) or a.dtype == jnp.bool_):
+    raise ValueError(f"{fn_name}: `{name}` must have a real dtype, got {a.dtype}")
+  return a.astype(nc.output_dtype(a.dtype))
+
 
 def check_logits(logits, fn_name: str):
-  """``logits`` as a floating array with at least one dimension.
-
-  Integer and boolean logits promote as the normalizers' inputs do
-  (``normalizers._common.output_dtype``: float32, float64 for int64 under x64).
-  """
-  logits = jnp.asarray(logits)
-  if not jnp.issubdtype(logits.dtype, jnp.floating):
-    if not (jnp.issubdtype(logits.dtype, jnp.integer) or logits.dtype == jnp.bool_):
-      raise ValueError(f"{fn_name}: `logits` must have a real dtype, got {logits.dtype}")
-    logits = logits.astype(nc.output_dtype(logits.dtype))
+  """``logits`` as a floating array with at least one dimension (:func:`float_input`)."""
+  logits = float_input(logits, "logits", fn_name)
   if logits.ndim == 0:
     raise ValueError(f"{fn_name}: `logits` must have a class axis, got a scalar")
   return logits
+
+
+def class_rows(logits, axis: Axis, where, fn_name: str, name: str = "logits",
+               **like) -> tuple[jax.Array, Any, int, tuple[Any, ...]]:
+  """A tuple ``axis`` (None: every axis) read as one class axis, as optax's losses read it.
+
+  The named axes are moved last in the order given and merged, so an integer label is a
+  flat index into the slice ``logits[axis]`` (``jnp.ravel_multi_index`` over their sizes).
+  ``where`` of ``logits``' rank minus the number of named axes is an example mask (optax's
+  convention); otherwise it must broadcast to ``logits``. Each array in ``like`` of
+  ``logits``' rank (probability targets, a teacher's logits) must have ``logits``' shape
+  and is merged the same way; other arrays (integer labels) already index the examples.
+
+  Returns ``(logits, where, axis, like)``: unchanged for an int ``axis``; otherwise the
+  merged arrays, ``axis=-1`` and ``like`` as a tuple in the order given.
+  """
+  if isinstance(axis, (int, np.integer)) and not isinstance(axis, (bool, np.bool_)):
+    return logits, where, int(axis), tuple(like.values())
+  logits = float_input(logits, name, fn_name)
+  if axis is None:
+    axes: tuple = tuple(range(logits.ndim))
+  elif isinstance(axis, (tuple, list)) and all(
+      isinstance(a, (int, np.integer)) and not isinstance(a, (bool, np.bool_)) for a in axis):
+    axes = tuple(int(a) for a in axis)
+  else:
+    raise ValueError(f"{fn_name}: `axis` must be an int, a tuple of ints or None, got {axis!r}")
+  named = tuple(nc.canonical_axis(a, logits.ndim, fn_name) for a in axes)
+  if where is not None and jnp.ndim(where) == logits.ndim - len(set(named)):
+    where = jnp.expand_dims(jnp.asarray(where), named)
+  x, where, _, _ = nc.merge_axes(logits, axes, where, {}, fn_name)
+  merged = []
+  for key, a in like.items():
+    if a is not None and jnp.ndim(a) == logits.ndim:
+      a = jnp.asarray(a)
+      if a.shape != logits.shape:
+        raise ValueError(f"{fn_name}: `{key}` of shape {a.shape} must have the shape of "
+                         f"`{name}` {logits.shape}")
+      a = nc.merge_axes(a, axes, None, {}, fn_name)[0]
+    merged.append(a)
+  return x, where, -1, tuple(merged)
 
 
 def example_where(where, logits_ndim: int, axis: int):
@@ -48,7 +99,7 @@ def example_where(where, logits_ndim: int, axis: int):
   return where
 
 
-def prepare(logits, axis: int, where, fn_name: str):
+def prepare(logits, axis: int, where, fn_name: str) -> tuple[jax.Array, jax.Array, int]:
   """Returns ``(x, mask, axis)``: float32 logits with 0 at masked entries, the mask.
 
   ``mask`` is False for ``where=False`` entries, ``-inf`` logits and every class of a
@@ -59,7 +110,8 @@ def prepare(logits, axis: int, where, fn_name: str):
   return nc.prepare(logits, axis, example_where(where, logits.ndim, axis), fn_name)
 
 
-def prepare_logits(logits, axis: int, where, fn_name: str):
+def prepare_logits(logits, axis: int, where,
+                   fn_name: str) -> tuple[jax.Array, jax.Array, int, Any]:
   """:func:`prepare` and the dtype the loss comes back in: ``(x, mask, axis, dtype)``."""
   logits = check_logits(logits, fn_name)
   x, mask, axis = prepare(logits, axis, where, fn_name)
@@ -254,13 +306,10 @@ def integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
 
 
 def check_hidden_and_weights(h, w, fn: str, w_name: str = "w") -> tuple[jax.Array, jax.Array]:
-  """``h [..., d]`` and ``w [d, N]`` as arrays, checked: floating dtypes, a feature axis,
+  """``h [..., d]`` and ``w [d, N]`` as float arrays (:func:`float_input`), checked: a feature axis,
   ``w``'s first axis equal to d and at least one column (ValueError naming the argument)."""
-  h = jnp.asarray(h)
-  w = jnp.asarray(w)
-  for name, a in (("h", h), (w_name, w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
+  h = float_input(h, "h", fn)
+  w = float_input(w, w_name, fn)
   if h.ndim < 1:
     raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
   if w.ndim != 2 or w.shape[0] != h.shape[-1]:

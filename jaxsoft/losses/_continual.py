@@ -17,7 +17,7 @@ _CL_MODES = ("mask", "stop_gradient")
 
 
 def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classes: ArrayLike, *,
-                            mode: str = "mask", axis: int = -1, where: ArrayLike | None = None,
+                            mode: str = "mask", axis: lc.Axis = -1, where: ArrayLike | None = None,
                             ignore_index: int | None = None) -> jax.Array:
   r"""Softmax CE with the classes outside the current task masked or frozen (feature L17).
 
@@ -42,7 +42,7 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
     current_classes: boolean mask of the current task's classes, broadcastable to ``logits``
       (e.g. ``[K]`` for a class-last batch).
     mode: ``"mask"`` or ``"stop_gradient"``.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class or example mask, as the other losses.
     ignore_index: a label value whose examples get loss 0.
 
@@ -72,6 +72,7 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
   except ValueError:
     raise ValueError(f"{fn}: `current_classes` of shape {cur.shape} does not broadcast to "
                      f"`logits` {z.shape}") from None
+  z, where, axis, (cur,) = lc.class_rows(z, axis, where, fn, current_classes=cur)
   if mode == "mask":
     ex = lc.example_where(where, z.ndim, nc.canonical_axis(axis, z.ndim, fn))
     mask = cur if ex is None else jnp.logical_and(cur, ex)

@@ -445,9 +445,7 @@ def _masked_softmax(z, mask, fn):
 
 
 def _scores(scores, fn, name="scores"):
-  x = jnp.asarray(scores)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {x.dtype}")
+  x = lc.float_input(scores, name, fn)
   if x.ndim != 2:
     raise ValueError(f"{fn}: `{name}` must be [B, M] (queries x candidates), got shape {x.shape}")
   return x.astype(nc.compute_dtype(x.dtype)), x.dtype

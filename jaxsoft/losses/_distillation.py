@@ -54,7 +54,7 @@ def _standardize(x, mask, axis, eps):
 
 
 def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLike, *,
-                               temperature: ArrayLike = 1.0, eps: float = 1e-7, axis: int = -1,
+                               temperature: ArrayLike = 1.0, eps: float = 1e-7, axis: lc.Axis = -1,
                                where: ArrayLike | None = None) -> jax.Array:
   r"""Knowledge distillation on z-scored logits (feature L11).
 
@@ -77,7 +77,7 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
     teacher_logits: teacher logits of the same shape.
     temperature: base temperature :math:`\tau > 0`.
     eps: :math:`\epsilon \ge 0` added to the std.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class mask (broadcastable) or example mask (one dimension fewer).
 
   Returns:
@@ -98,6 +98,8 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
   tau = check_positive(temperature, "temperature", fn)
   if not (isinstance(eps, (int, float)) and eps >= 0):
     raise ValueError(f"{fn}: `eps` must be a float >= 0, got {eps!r}")
+  student_logits, where, axis, (teacher_logits,) = lc.class_rows(
+      student_logits, axis, where, fn, "student_logits", teacher_logits=teacher_logits)
   xs, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   xt, mask_t, _ = lc.prepare(teacher_logits, axis, where, fn)
   _same_shape(xs, xt, "student_logits", "teacher_logits", fn)
@@ -108,7 +110,7 @@ def logit_standardized_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayL
 
 
 def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
-                             teacher_log_probs: ArrayLike, *, axis: int = -1,
+                             teacher_log_probs: ArrayLike, *, axis: lc.Axis = -1,
                              where: ArrayLike | None = None,
                              ignore_index: int | None = None) -> jax.Array:
   r"""Squared-error logit loss for distillation from the teacher's label probability (L11) [R].
@@ -131,7 +133,7 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
     student_logits: ``[..., K, ...]`` student logits.
     labels: integer sampled labels a (the logits' shape without ``axis``).
     teacher_log_probs: :math:`\log\pi^*(a \mid s)` of each label, of ``labels``' shape.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class or example mask.
     ignore_index: a label value whose examples get loss 0.
 
@@ -149,10 +151,11 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
   """
   fn = "squared_error_logit_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  student_logits, where, axis, _ = lc.class_rows(student_logits, axis, where, fn, "student_logits")
   x, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   labels = jnp.asarray(lc.check_integer_labels(labels, x.shape, axis, fn))
-  lt = jnp.asarray(teacher_log_probs)
-  if lt.shape != labels.shape or not jnp.issubdtype(lt.dtype, jnp.floating):
+  lt = lc.float_input(teacher_log_probs, "teacher_log_probs", fn)
+  if lt.shape != labels.shape:
     raise ValueError(f"{fn}: `teacher_log_probs` must be a float array of `labels`' shape "
                      f"{labels.shape}, got {lt.shape} {lt.dtype}")
   ce, visible, label_visible = lc.integer_cross_entropy(x, mask, labels, axis)
@@ -163,7 +166,7 @@ def squared_error_logit_loss(student_logits: ArrayLike, labels: ArrayLike,
 
 
 def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLike, *,
-                             temperature: ArrayLike = 1.0, axis: int = -1,
+                             temperature: ArrayLike = 1.0, axis: lc.Axis = -1,
                              where: ArrayLike | None = None) -> jax.Array:
   r"""Distillation from the average of an ensemble's softmax outputs (feature L11).
 
@@ -183,7 +186,8 @@ def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLik
     student_logits: ``[..., K, ...]`` student logits.
     teacher_logits: ``[T, ...]`` the T teachers' logits stacked on a new leading axis.
     temperature: :math:`\tau > 0`.
-    axis: the class axis of ``student_logits``.
+    axis: the class axis of ``student_logits``, or a tuple of its axes that form one class
+      axis (None: all).
     where: optional class or example mask (for the student's shape).
 
   Returns:
@@ -202,11 +206,15 @@ def averaged_teacher_kd_loss(student_logits: ArrayLike, teacher_logits: ArrayLik
   """
   fn = "averaged_teacher_kd_loss"
   tau = check_positive(temperature, "temperature", fn)
-  xs, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
-  zt = lc.check_logits(teacher_logits, fn)
-  if zt.ndim != xs.ndim + 1 or zt.shape[1:] != xs.shape or zt.shape[0] == 0:
+  zt = lc.float_input(teacher_logits, "teacher_logits", fn)
+  student_shape = jnp.shape(student_logits)
+  if zt.ndim != len(student_shape) + 1 or zt.shape[1:] != student_shape or zt.shape[0] == 0:
     raise ValueError(f"{fn}: `teacher_logits` of shape {zt.shape} must be [T] + the student's "
-                     f"shape {xs.shape} (T >= 1 teachers stacked on axis 0)")
+                     f"shape {student_shape} (T >= 1 teachers stacked on axis 0)")
+  if not isinstance(axis, int):  # each teacher's class axes merged as the student's
+    zt = jax.vmap(lambda t: lc.class_rows(t, axis, None, fn, "teacher_logits")[0])(zt)
+  student_logits, where, axis, _ = lc.class_rows(student_logits, axis, where, fn, "student_logits")
+  xs, mask, axis, dtype = lc.prepare_logits(student_logits, axis, where, fn)
   xt, mask_t, _ = lc.prepare(zt, axis + 1, None if where is None else
                              jnp.expand_dims(lc.example_where(where, xs.ndim, axis), 0), fn)
   mask = mask & jnp.all(mask_t, axis=0)

@@ -17,8 +17,8 @@ __all__ = ["nbc_softmax_loss", "orthogonal_projection_loss"]
 
 def _check_batch(embeddings, labels, where, fn, name="embeddings"):
   """``[B, d]`` float32/64 embeddings, ``[B]`` integer labels and a ``[B]`` keep mask."""
-  x = jnp.asarray(embeddings)
-  if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim != 2:
+  x = lc.float_input(embeddings, name, fn)
+  if x.ndim != 2:
     raise ValueError(f"{fn}: `{name}` must be floating [B, d], got {x.shape} {x.dtype}")
   y, keep = lc.example_labels(labels, x.shape[:1], where, None, fn)
   return x.astype(nc.compute_dtype(x.dtype)), y, keep
@@ -120,10 +120,10 @@ def nbc_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Ar
   lam = lc.nonnegative_float(weight, "weight", fn)
   check_positive(temperature, "temperature", fn)
   positive_int(block_size, "block_size", fn)
-  out_dtype = jnp.asarray(embeddings).dtype
+  out_dtype = nc.output_dtype(jnp.result_type(embeddings))
   x, y, keep = _check_batch(embeddings, labels, where, fn)
-  w = jnp.asarray(class_weights)
-  if not jnp.issubdtype(w.dtype, jnp.floating) or w.ndim != 2 or w.shape[0] != x.shape[1]:
+  w = lc.float_input(class_weights, "class_weights", fn)
+  if w.ndim != 2 or w.shape[0] != x.shape[1]:
     raise ValueError(f"{fn}: `class_weights` must be floating [d, C] with d = {x.shape[1]}, "
                      f"got {w.shape} {w.dtype}")
   wc = w.astype(x.dtype)

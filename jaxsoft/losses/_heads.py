@@ -15,7 +15,7 @@ from jaxsoft.losses import _common as lc
 
 __all__ = ["gol_loss", "l2_svm_loss", "ovr_bce_loss"]
 
-def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: lc.Axis = -1,
                  where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""One-vs-rest sigmoid binary cross-entropy summed over classes (feature L15).
 
@@ -32,7 +32,7 @@ def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
     labels: integer classes (``logits``' shape without ``axis``; one-hot targets) or
       targets in [0, 1] of ``logits``' shape (multi-label or soft).
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class mask (broadcastable to ``logits``) or example mask (one
       dimension fewer); a masked class adds nothing.
     ignore_index: with integer labels, a label value whose examples get loss 0.
@@ -53,7 +53,7 @@ def ovr_bce_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
                         lambda z, y: jax.nn.softplus(z) - y * z)
 
 
-def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: lc.Axis = -1,
              where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Gumbel Optimized Loss: binary CE with the Gumbel CDF as activation (feature L15).
 
@@ -100,7 +100,7 @@ def gol_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
   return _per_class_sum(fn, logits, labels, axis, where, ignore_index, per_class)
 
 
-def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: lc.Axis = -1,
                 where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""L2-SVM one-vs-rest squared hinge loss (feature L15).
 
@@ -141,6 +141,7 @@ def l2_svm_loss(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
 def _per_class_sum(fn, logits, labels, axis, where, ignore_index, per_class):
   """sum over visible classes of ``per_class(z, y)``, integer or probability targets."""
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  logits, where, axis, (labels,) = lc.class_rows(logits, axis, where, fn, labels=labels)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   x = jnp.where(mask, x, 0.0)   # a -inf (masked) logit enters no branch of per_class
   labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)

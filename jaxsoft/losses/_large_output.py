@@ -103,8 +103,8 @@ def _bias(bias, n, fn, dtype):
   """The output bias ``[n]`` in ``dtype`` (the compute dtype) promoted with its own, or None."""
   if bias is None:
     return None
-  b = jnp.asarray(bias)
-  if b.shape != (n,) or not jnp.issubdtype(b.dtype, jnp.floating):
+  b = lc.float_input(bias, "bias", fn)
+  if b.shape != (n,):
     raise ValueError(f"{fn}: `bias` must be a float array of shape [{n}], got {b.shape} {b.dtype}")
   return b.astype(nc.compute_dtype(jnp.result_type(b.dtype, dtype)))
 

@@ -26,11 +26,8 @@ def cosine_logits(embeddings: ArrayLike, class_weights: ArrayLike, fn_name: str 
   Returns float32 (float64 under x64 for float64 inputs) cosines ``[..., C]`` in
   :math:`[-1, 1]`. A zero vector has cosine 0 with everything.
   """
-  x = jnp.asarray(embeddings)
-  w = jnp.asarray(class_weights)
-  for name, a in (("embeddings", x), ("class_weights", w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{fn_name}: `{name}` must have a floating dtype, got {a.dtype}")
+  x = lc.float_input(embeddings, "embeddings", fn_name)
+  w = lc.float_input(class_weights, "class_weights", fn_name)
   if x.ndim < 1:
     raise ValueError(f"{fn_name}: `embeddings` must be [..., d], got a scalar")
   if w.ndim not in (2, 3) or w.shape[0] != x.shape[-1]:
@@ -264,7 +261,7 @@ def _margin_softmax(fn, embeddings, class_weights, labels, scale, target, where,
   """Softmax CE of ``scale * cos`` with the label's cosine replaced by ``target(cos_y)``."""
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   scale = check_positive(scale, "scale", fn)
-  out_dtype = jnp.asarray(embeddings).dtype
+  out_dtype = nc.output_dtype(jnp.result_type(embeddings))
   cos = cosine_logits(embeddings, class_weights, fn)
   labels = lc.check_labels(labels, cos.shape[:-1], fn, what=EMBEDDING_BATCH)
   loss, visible, label_visible = margin_cross_entropy(cos, labels, scale, target, where, fn)

@@ -54,8 +54,8 @@ def pmrl_loss(embeddings: ArrayLike, *, temperature: float = 1.0,
   """
   fn = "pmrl_loss"
   check_positive(temperature, "temperature", fn)
-  z = jnp.asarray(embeddings)
-  if not jnp.issubdtype(z.dtype, jnp.floating) or z.ndim < 2:
+  z = lc.float_input(embeddings, "embeddings", fn)
+  if z.ndim < 2:
     raise ValueError(f"{fn}: `embeddings` must be floating [..., M, d], got {z.shape} {z.dtype}")
   m = z.shape[-2]
   zc = _l2_normalize(z.astype(nc.compute_dtype(z.dtype)), axis=-1)

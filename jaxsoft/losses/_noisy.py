@@ -72,11 +72,8 @@ def noisy_softmax_loss(key: jax.Array, embeddings: ArrayLike, class_weights: Arr
     via Postponing the Early Softmax Saturation" (CVPR).
   """
   fn = "noisy_softmax_loss"
-  x = jnp.asarray(embeddings)
-  w = jnp.asarray(class_weights)
-  for name, a in (("embeddings", x), ("class_weights", w)):
-    if not jnp.issubdtype(a.dtype, jnp.floating):
-      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
+  x = lc.float_input(embeddings, "embeddings", fn)
+  w = lc.float_input(class_weights, "class_weights", fn)
   if x.ndim < 1 or w.ndim != 2 or w.shape[0] != x.shape[-1]:
     raise ValueError(f"{fn}: `class_weights` must be [d, C] with d = the last axis of "
                      f"`embeddings` {x.shape}, got shape {w.shape}")

@@ -35,10 +35,7 @@ __all__ = [
 
 
 def _float(a, name, fn) -> jax.Array:
-  a = jnp.asarray(a)
-  if not jnp.issubdtype(a.dtype, jnp.floating):
-    raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
-  return a
+  return lc.float_input(a, name, fn)
 
 
 def _context_mask(context_where, shape, fn) -> jax.Array:

@@ -21,9 +21,7 @@ __all__ = ["adpo_loss", "sdpo_loss"]
 
 
 def _float_like(a, shape, name, fn) -> jax.Array:
-  a = jnp.asarray(a)
-  if not jnp.issubdtype(a.dtype, jnp.floating):
-    raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
+  a = lc.float_input(a, name, fn)
   if a.shape != tuple(shape):
     raise ValueError(f"{fn}: `{name}` of shape {a.shape} must have shape {tuple(shape)}")
   return a.astype(nc.compute_dtype(a.dtype))
@@ -75,9 +73,7 @@ def sdpo_loss(chosen_logps: ArrayLike, rejected_logps: ArrayLike, ref_chosen_log
   """
   fn = "sdpo_loss"
   beta = check_positive(beta, "beta", fn)
-  chosen = jnp.asarray(chosen_logps)
-  if not jnp.issubdtype(chosen.dtype, jnp.floating):
-    raise ValueError(f"{fn}: `chosen_logps` must have a floating dtype, got {chosen.dtype}")
+  chosen = lc.float_input(chosen_logps, "chosen_logps", fn)
   dtype = chosen.dtype
   rej = jnp.asarray(rejected_logps)
   if rej.ndim != chosen.ndim + 1 or rej.shape[:-1] != chosen.shape:

@@ -56,8 +56,8 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
     N. K. Jha & B. Reagen, 2024, "AERO: Softmax-Only LLMs for Efficient Private Inference".
   """
   fn = "attention_entropy_penalty"
-  a = jnp.asarray(probs)
-  if not jnp.issubdtype(a.dtype, jnp.floating) or a.ndim < 3:
+  a = lc.float_input(probs, "probs", fn)
+  if a.ndim < 3:
     raise ValueError(f"{fn}: `probs` must be floating [..., H, T, S], got {a.shape} {a.dtype}")
   gamma = lc.nonnegative_float(tolerance, "tolerance", fn)
   dtype = nc.compute_dtype(a.dtype)

@@ -28,7 +28,7 @@ def log_stablemax_score(x: ArrayLike) -> jax.Array:
   return jnp.where(nonneg, pos, neg)
 
 
-def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: lc.Axis = -1,
                             where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Cross-entropy of log-StableMax (feature L04; L. Prieto et al., ICLR 2025).
 
@@ -55,7 +55,7 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
     labels: integer class indices (``logits``' shape without ``axis``) or probability
       targets (``logits``' shape, a floating dtype).
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional mask, broadcastable to ``logits`` (False classes are left out) or
       with one dimension fewer (per example; a False example gets loss 0).
     ignore_index: with integer labels, a label value whose examples get loss 0.
@@ -74,6 +74,7 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
   """
   fn = "stablemax_cross_entropy"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  logits, where, axis, (labels,) = lc.class_rows(logits, axis, where, fn, labels=labels)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   labels, y = lc.integer_or_probability_labels(labels, x, mask, axis, ignore_index, fn)
   log_s = log_stablemax_score(x)
@@ -86,7 +87,7 @@ def stablemax_cross_entropy(logits: ArrayLike, labels: ArrayLike, *, axis: int =
   return lc.finish(loss, visible, dtype)
 
 
-def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int = -1,
+def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: lc.Axis = -1,
                               where: ArrayLike | None = None, ignore_index: int | None = None) -> jax.Array:
   r"""Fraction of examples in Softmax Collapse (features L04/E02; Prieto et al., ICLR 2025).
 
@@ -104,7 +105,7 @@ def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int
   Args:
     logits: ``[..., K, ...]`` float logits.
     labels: integer class indices of ``logits``' shape without ``axis``.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class or example mask; masked examples, ignored labels and rows
       with no visible class are not counted (neither as collapsed nor in the total).
     ignore_index: a label value whose examples are not counted.
@@ -123,6 +124,7 @@ def softmax_collapse_fraction(logits: ArrayLike, labels: ArrayLike, *, axis: int
   """
   fn = "softmax_collapse_fraction"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   logits = lc.check_logits(logits, fn).astype(jnp.float32)
   x, mask, axis = lc.prepare(logits, axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)

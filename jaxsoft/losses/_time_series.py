@@ -108,9 +108,9 @@ def soft_msm(x: ArrayLike, y: ArrayLike, *, gamma: float = 1.0, cost: float = 1.
     (ICML).
   """
   fn = "soft_msm"
-  xs, ys = jnp.asarray(x), jnp.asarray(y)
+  xs, ys = lc.float_input(x, "x", fn), lc.float_input(y, "y", fn)
   for name, a in (("x", xs), ("y", ys)):
-    if not jnp.issubdtype(a.dtype, jnp.floating) or a.ndim < 1 or a.shape[-1] == 0:
+    if a.ndim < 1 or a.shape[-1] == 0:
       raise ValueError(f"{fn}: `{name}` must be a floating [..., n] series with n >= 1, got "
                        f"{a.shape} {a.dtype}")
   check_positive(gamma, "gamma", fn)

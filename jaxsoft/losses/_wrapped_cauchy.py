@@ -110,7 +110,7 @@ def wcdas_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLik
   fn = "wcdas_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   check_positive(scale, "scale", fn)
-  out_dtype = jnp.asarray(embeddings).dtype
+  out_dtype = nc.output_dtype(jnp.result_type(embeddings))
   w = jnp.asarray(class_weights)
   if w.ndim not in (2, 3):
     raise ValueError(f"{fn}: `class_weights` must be [d, C] or [d, C, K] (K kernels per "

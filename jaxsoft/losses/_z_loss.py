@@ -19,7 +19,7 @@ __all__ = ["spherical_z_loss", "z_loss"]
 
 
 def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b: float = 0.0,
-                     axis: int = -1, where: ArrayLike | None = None,
+                     axis: lc.Axis = -1, where: ArrayLike | None = None,
                      ignore_index: int | None = None) -> jax.Array:
   r"""The Z-loss of the spherical family (feature L05).
 
@@ -52,7 +52,7 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
       targets (``logits``' shape, a floating dtype).
     a: sharpness, > 0.
     b: location (margin) on the standardised scale.
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class mask (broadcastable to ``logits``) or example mask (one
       dimension fewer).
     ignore_index: with integer labels, a label value whose examples get loss 0.
@@ -72,6 +72,7 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   fn = "spherical_z_loss"
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   a = check_positive(a, "a", fn)
+  logits, where, axis, (labels,) = lc.class_rows(logits, axis, where, fn, labels=labels)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   z = _standardise(x, mask, axis)
   n = nc.visible_count(mask, axis).squeeze(axis)
@@ -88,7 +89,7 @@ def spherical_z_loss(logits: ArrayLike, labels: ArrayLike, *, a: float = 1.0, b:
   return lc.finish(loss, visible, dtype)
 
 
-def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def z_loss(logits: ArrayLike, *, axis: lc.Axis = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""The :math:`\log^2 Z` regulariser of the softmax normaliser (feature L05).
 
   .. math::
@@ -106,7 +107,7 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
 
   Args:
     logits: ``[..., K, ...]`` float logits (bf16/fp16 computed in float32).
-    axis: the class axis.
+    axis: the class axis, or a tuple of axes that form one class axis (None: all), as optax.
     where: optional class mask (broadcastable to ``logits``) or example mask (one
       dimension fewer).
 
@@ -123,6 +124,7 @@ def z_loss(logits: ArrayLike, *, axis: int = -1, where: ArrayLike | None = None)
     B. Zoph et al., 2022, "ST-MoE: Designing Stable and Transferable Sparse Expert Models".
   """
   fn = "z_loss"
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, axis, dtype = lc.prepare_logits(logits, axis, where, fn)
   lse, visible = lc.masked_logsumexp(x, mask, axis)
   return lc.finish(jnp.square(lse), visible, dtype)
