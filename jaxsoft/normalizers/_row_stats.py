@@ -91,6 +91,16 @@ def softmax_entropy(z, mask, axis: int):
   return p, h
 
 
+def _polyval(coefficients, h):
+  """``poly(h)``, coefficients highest degree first, by Horner in Python (a static tuple):
+  ``jnp.polyval`` runs a scan whose carry is built without ``h``'s sharding, which fails
+  under an Explicit mesh ("carry input and carry output must have equal types")."""
+  acc = jnp.full_like(h, coefficients[0])
+  for a in coefficients[1:]:
+    acc = acc * h + a
+  return acc
+
+
 def _limit_z_scores(posinf, visible, axis):
   """The z-scores of a row whose k visible ``+inf`` entries grow together: sqrt((n-k)/k)
   on them, -sqrt(k/(n-k)) on the other visible entries, 0 on all when k = n."""
@@ -171,7 +181,7 @@ def adaptive_temperature_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike 
   xs, mask, ax, m = c.prepare(x, axis, where, name, with_max=True)
   z = xs - m
   _, h = softmax_entropy(z, mask, ax)
-  poly = jnp.polyval(jnp.asarray(coeffs, xs.dtype), h)
+  poly = _polyval(coeffs, h)
   beta = jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)
   # beta >= 1 > 0, so the row max of beta (x - m) is 0 and exp stays <= 1.
   w = c.sum_normalize(jnp.exp(beta * z), mask, ax)
@@ -295,7 +305,7 @@ def nap(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 def _adaptive_derive(stats, length, threshold=0.5, coefficients=_POLY, **_):
   _, l, t = stats
   h = jnp.log(jnp.where(l > 0, l, 1.0)) - c.safe_divide(t, l)
-  poly = jnp.polyval(jnp.asarray(coefficients, l.dtype), h)
+  poly = _polyval(tuple(coefficients), h)
   return {"beta": jnp.where(h > threshold, jnp.maximum(poly, 1.0), 1.0)}
 
 
