@@ -15,7 +15,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from flax.nnx.nn import dtypes
 from jax.typing import ArrayLike
@@ -49,7 +48,7 @@ def flatten_logit_array(a, batch: tuple[int, ...], name: str, fn_name: str):
   a = a.reshape((1,) * (rank - a.ndim) + a.shape)
   lead = a.shape[:len(batch)]
   try:
-    lead = np.broadcast_shapes(lead, batch)
+    lead = jnp.broadcast_shapes(lead, batch)  # jnp's: symbolic (jax.export) dims allowed
   except ValueError:
     raise ValueError(
         f"{fn_name}: `{name}` of shape {a.shape} does not broadcast to the batch "
@@ -58,6 +57,15 @@ def flatten_logit_array(a, batch: tuple[int, ...], name: str, fn_name: str):
     return a.reshape((1,) + a.shape[len(batch):])
   a = jnp.broadcast_to(a, batch + a.shape[len(batch):])
   return a.reshape((math.prod(batch),) + a.shape[len(batch):])
+
+
+def check_value(key_shape, value_shape, fn_name: str) -> None:
+  """``value`` ``[batch..., S, K, Hv]`` must match ``key`` ``[batch..., S, K, H]`` but in Hv."""
+  if tuple(key_shape[:-1]) != tuple(value_shape[:-1]):
+    raise ValueError(
+        f"{fn_name}: `value` of shape {tuple(value_shape)} must match `key` of shape "
+        f"{tuple(key_shape)} in all but the last dimension ([batch..., S, K]: the same "
+        "length S and heads K)")
 
 
 def _segment_mask(segment_ids, t: int, s: int):
@@ -232,23 +240,30 @@ def _sow_weights(module, w) -> None:
 def attend(q, k, v, bias=None, mask=None, *, normalizer="softmax", normalizer_params=None,
            implementation=None, dropout_rng=None, dropout_rate: float = 0.0,
            broadcast_dropout: bool = True, deterministic: bool = True, module=None,
-           precision=None, batch_shape=None, **kwargs):
+           precision=None, batch_shape=None, weights_dtype=None, fn_name: str = "attention",
+           **kwargs):
   """dot_product_attention, or the dense weights path when dropout or sowing needs them.
 
   q ``[B, T, N, H]``, k/v ``[B, S, K, H]``; ``kwargs`` are further arguments of
   ``dot_product_attention`` (is_causal, segment_ids, decay_bias, ...). ``batch_shape``
   (default ``(B,)``) is the caller's batch shape the weights are sown and dropped in.
+  ``weights_dtype`` (default: q's dtype) is the dtype the weights are kept, sown, dropped
+  and applied in; the result comes back in it promoted with q's (Linen's
+  ``force_fp32_for_softmax``: float32 weights and output for bf16 inputs).
   """
+  check_value(k.shape, v.shape, fn_name)
   batch_shape = (q.shape[0],) if batch_shape is None else tuple(batch_shape)
   use_dropout = (not deterministic) and dropout_rate > 0.0
   if not use_dropout and module is None:
+    if weights_dtype is not None:
+      q, k, v = (a.astype(jnp.promote_types(a.dtype, weights_dtype)) for a in (q, k, v))
     return dot_product_attention(
         q, k, v, bias, mask, normalizer=normalizer, normalizer_params=normalizer_params,
         implementation=implementation, **kwargs)
   kwargs.pop("decay_prune_threshold", None)  # the dense weights are exact: nothing to prune
   w = attention_weights(q, k, bias, mask, normalizer=normalizer,
                         normalizer_params=normalizer_params, precision=precision, **kwargs)
-  w = w.astype(q.dtype)
+  w = w.astype(q.dtype if weights_dtype is None else weights_dtype)
   if module is not None:
     _sow_weights(module, w.reshape(batch_shape + w.shape[1:]))
   if use_dropout:
@@ -256,7 +271,18 @@ def attend(q, k, v, bias=None, mask=None, *, normalizer="softmax", normalizer_pa
       raise ValueError("attention: `dropout_rng` is required when dropout_rate > 0 and not "
                        "deterministic")
     w = _dropout(w, dropout_rng, dropout_rate, broadcast_dropout, batch_shape)
-  return _apply_weights(w, v, precision).astype(q.dtype)
+  return _apply_weights(w, v, precision).astype(jnp.promote_types(q.dtype, w.dtype))
+
+
+def _fp32_weights(dtype, force_fp32_for_softmax: bool):
+  """Linen's ``force_fp32_for_softmax``: float32 weights for inputs narrower than float32.
+
+  (Flax casts any non-float32 dtype; float64 stays float64 here, never computed narrower.)
+  """
+  if (force_fp32_for_softmax and jnp.issubdtype(dtype, jnp.floating)
+      and jnp.finfo(dtype).bits < 32):
+    return jnp.float32
+  return None
 
 
 def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "softmax",
@@ -285,6 +311,11 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
   random draw as Flax) and sowing the weights into ``nnx.Intermediate`` under
   ``'attention_weights'`` when the module asks (``sow_weights=True``) go through the dense
   weights; otherwise the call goes to ``dot_product_attention`` with ``implementation``.
+  As a Linen ``attention_fn`` (``flax.linen.MultiHeadDotProductAttention``, which passes
+  only the keywords the signature names), ``force_fp32_for_softmax=True`` with bf16/fp16
+  inputs keeps the weights in float32 (sown, dropped and applied in float32) and returns
+  float32, as Linen's own ``dot_product_attention``; custom einsums
+  (``qk_attn_weights_einsum``) raise ``NotImplementedError`` rather than being ignored.
 
   With ``normalizer="softmax"`` the result equals Flax's default, except that a query row
   with no visible key gives zeros (Flax's softmax over ``finfo.min`` logits averages the
@@ -323,8 +354,14 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
   def fn(query, key, value, bias=None, mask=None, broadcast_dropout: bool = True,
          dropout_rng=None, dropout_rate: float = 0.0, deterministic: bool = False, dtype=None,
          precision=None, module=None, promote_dtype=dtypes.promote_dtype,
-         is_causal: bool = False, **kwargs):
+         is_causal: bool = False, force_fp32_for_softmax: bool = False,
+         qk_attn_weights_einsum=None, attn_weights_value_einsum=None, **kwargs):
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+      raise NotImplementedError(
+          "attention_fn: `qk_attn_weights_einsum` / `attn_weights_value_einsum` (custom "
+          "einsums, e.g. quantized) are not supported; leave them None")
     query, key, value = promote_dtype((query, key, value), dtype=dtype)
+    check_value(jnp.shape(key), jnp.shape(value), "attention_fn")
     q, batch = _flatten_batch(query, "query", "attention_fn")
     k, kbatch = _flatten_batch(key, "key", "attention_fn")
     v, vbatch = _flatten_batch(value, "value", "attention_fn")
@@ -339,7 +376,9 @@ def attention_fn(normalizer: str | _spec.NormalizerSpec | Callable[..., Any] = "
         q, k, v, b, m, normalizer=normalizer, normalizer_params=normalizer_params or None,
         implementation=implementation, dropout_rng=dropout_rng, dropout_rate=dropout_rate,
         broadcast_dropout=broadcast_dropout, deterministic=deterministic, module=module,
-        precision=precision, batch_shape=batch, is_causal=is_causal, **kwargs)
+        precision=precision, batch_shape=batch, is_causal=is_causal,
+        weights_dtype=_fp32_weights(q.dtype, force_fp32_for_softmax), fn_name="attention_fn",
+        **kwargs)
     return out.reshape(batch + out.shape[1:])
 
   fn.__name__ = f"attention_fn_{getattr(spec, 'name', 'custom')}"

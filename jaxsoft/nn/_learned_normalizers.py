@@ -109,7 +109,7 @@ def _visible(n_visible, q, owner: str) -> jax.Array:
   try:
     if n.ndim > 4:
       raise ValueError
-    np.broadcast_shapes((1,) * (4 - n.ndim) + n.shape, want)
+    jnp.broadcast_shapes((1,) * (4 - n.ndim) + n.shape, want)  # symbolic dims allowed
   except ValueError:
     raise ValueError(f"{owner}: `n_visible` of shape {n.shape} does not broadcast to "
                      f"[B, N, T, 1] = {want}") from None
