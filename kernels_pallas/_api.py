@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoft.attention._chunked import refuse_unsupported_ad
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.masks import table_ranges
 from jaxsoft.normalizers import spec as _spec
@@ -348,6 +349,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     norms = _distance_rows(q, k, acc, t_pad, s_pad)
     decay = norms if decay is None else (jnp.concatenate((norms[0], decay[0]), axis=3),
                                          jnp.concatenate((norms[1], decay[1]), axis=2))
+  refuse_unsupported_ad((args[1:5], bias, decay), core.WHERE)
   if threshold:
     assert spec.threshold is not None  # class T with its rule (``threshold`` above)
     if spec.threshold.stats is not None:  # its derived rows first (top-p: softmax's m, l)

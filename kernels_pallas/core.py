@@ -13,11 +13,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.attention._chunked import first_order_only
 from jaxsoft.normalizers import tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-__all__ = ["attention_core", "threshold_core", "row_statistic", "driver", "sum_to_shape",
+# who raises when a custom VJP below is differentiated again (jaxsoft.attention._chunked's
+# ``first_order_only``): the Pallas kernels have no derivative rules of their own
+WHERE = "dot_product_attention(implementation='pallas')"
+
+__all__ = ["WHERE", "attention_core", "threshold_core", "row_statistic", "driver", "sum_to_shape",
            "block_lists", "output_delta", "input_cotangents"]
 
 _DRIVERS = {"triton": triton, "mosaic_tpu": tpu}
@@ -99,11 +104,20 @@ def input_cotangents(aux: E.Aux, bias, decay, ds, dcq, dck):
 
 
 def _core_fwd(cfg, q, k, v, dyn, aux, bias, decay):
+  return first_order_only(functools.partial(_core_fwd_impl, cfg), WHERE)(
+      q, k, v, dyn, aux, bias, decay)
+
+
+def _core_fwd_impl(cfg, q, k, v, dyn, aux, bias, decay):
   o, m, d = _forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return (o, row_statistic(cfg, m, d)), (q, k, v, dyn, aux, bias, decay, o, m, d)
 
 
 def _core_bwd(cfg, res, cotangents):
+  return first_order_only(functools.partial(_core_bwd_impl, cfg), WHERE)(res, cotangents)
+
+
+def _core_bwd_impl(cfg, res, cotangents):
   do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, m, d = res
   cfg = dataclasses.replace(cfg, fp8_dot=False)  # the backward reads the dequantised q, k
@@ -170,11 +184,20 @@ def threshold_core(cfg: E.Config, q, k, v, dyn, aux: E.Aux, bias=None, decay=Non
 
 
 def _threshold_fwd(cfg, q, k, v, dyn, aux, bias, decay):
+  return first_order_only(functools.partial(_threshold_fwd_impl, cfg), WHERE)(
+      q, k, v, dyn, aux, bias, decay)
+
+
+def _threshold_fwd_impl(cfg, q, k, v, dyn, aux, bias, decay):
   out, res = _threshold_forward(cfg, q, k, v, dyn, _with_bias(aux, bias, decay))
   return out, (q, k, v, dyn, aux, bias, decay, out[0], res)
 
 
 def _threshold_bwd(cfg, res, cotangents):
+  return first_order_only(functools.partial(_threshold_bwd_impl, cfg), WHERE)(res, cotangents)
+
+
+def _threshold_bwd_impl(cfg, res, cotangents):
   do, _ = cotangents  # the residual has no gradient
   q, k, v, dyn, aux, bias, decay, o, (m, tau, d, (idx, cnt, idx_t, cnt_t)) = res
   delta = output_delta(cfg, o, do)

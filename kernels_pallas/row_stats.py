@@ -47,6 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxsoft.attention._chunked import first_order_only
 from kernels_pallas import core, tpu, triton
 from kernels_pallas import engine as E
 
@@ -320,11 +321,20 @@ def row_stats_core(cfg: E.Config, q, k, aux: E.Aux, bias=None, decay=None) -> tu
 
 
 def _stats_fwd(cfg, q, k, aux, bias, decay):
+  return first_order_only(functools.partial(_stats_fwd_impl, cfg), core.WHERE)(
+      q, k, aux, bias, decay)
+
+
+def _stats_fwd_impl(cfg, q, k, aux, bias, decay):
   stats = _PASSES[cfg.backend][0](cfg, q, k, core._with_bias(aux, bias, decay))
   return stats, (q, k, aux, bias, decay, stats)
 
 
 def _stats_bwd(cfg, res, g):
+  return first_order_only(functools.partial(_stats_bwd_impl, cfg), core.WHERE)(res, g)
+
+
+def _stats_bwd_impl(cfg, res, g):
   q, k, aux, bias, decay, stats = res
   _, dq_pass, dk_pass = _PASSES[cfg.backend]
   aux_b = core._with_bias(aux, bias, decay)

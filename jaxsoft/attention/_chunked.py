@@ -49,6 +49,7 @@ backward pass chains the logit cotangent through the distance itself:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,6 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax._src.interpreters import ad as _ad  # LinearizeTracer (not re-exported)
+from jax._src.interpreters import batching  # BatchTracer (not re-exported)
+from jax.interpreters import ad
 
 from jaxsoft.attention.masks import MaskStructure
 from jaxsoft.attention.scores import safe_distance
@@ -63,12 +67,90 @@ from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype
 from jaxsoft.normalizers.spec import NormalizerSpec
 
-__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K"]
+__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K", "refuse_unsupported_ad", "first_order_only",
+           "UnsupportedDifferentiation"]
 
 # Default block sizes (query rows x key columns). 512 x 512 keeps a tile's float32 logits at
 # 1 MiB (L2-sized on CPUs) while each matmul is large enough to run near the GEMM peak.
 BLOCK_Q = 512
 BLOCK_K = 512
+
+
+# ----------------------------------------------------------------------- AD guards
+
+
+_SECOND_ORDER = ("a second- or higher-order derivative (jax.hessian, jax.grad of jax.grad, "
+                 "jax.jvp of jax.grad)")
+
+
+def _ad_message(where: str, what: str) -> str:
+  return (
+      f"{where}: {what} is not supported: the blockwise path computes its gradient with a "
+      "custom VJP (a recomputing backward pass), which gives first-order reverse mode "
+      "(jax.grad, jax.vjp, jax.jacrev) only. Use implementation='xla' (the dense path), "
+      "which supports jax.jvp, jax.jacfwd, jax.hessian and any nesting; note that "
+      "implementation=None picks 'xla_chunked' on CPU once T*S >= 1024*1024.")
+
+
+class UnsupportedDifferentiation(NotImplementedError, TypeError):
+  """A derivative the blockwise paths cannot take (forward mode, second order). A
+  NotImplementedError, so the automatic ``implementation=None`` moves on to the dense
+  path; a TypeError, as JAX's own refusals of a transformation."""
+
+
+def _ad_levels(x) -> tuple[bool, int]:
+  """``(forward, depth)`` of one leaf: whether its outermost derivative is forward mode
+  (a JVP tracer; reverse mode traces with linearize tracers) and how many nested
+  derivatives trace it (vmaps looked through)."""
+  forward, depth = None, 0
+  while isinstance(x, jax.core.Tracer):
+    if isinstance(x, batching.BatchTracer):
+      x = x.val
+    elif isinstance(x, (ad.JVPTracer, _ad.LinearizeTracer)):
+      if forward is None:
+        forward = isinstance(x, ad.JVPTracer)
+      depth += 1
+      x = x.primal
+    else:
+      break
+  return bool(forward), depth
+
+
+def refuse_unsupported_ad(tree, where: str) -> None:
+  """:class:`UnsupportedDifferentiation` naming ``where`` when ``tree`` (the
+  differentiable inputs) is differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``)
+  or twice (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of ``jax.grad``).
+
+  Seen here only when the derivative retraces the call; one taken of a ``jax.jit``-compiled
+  function holding the call is caught later: the second order by
+  :func:`first_order_only` (a TypeError with this message), forward mode by JAX's own
+  "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
+  """
+  levels = [_ad_levels(x) for x in jax.tree.leaves(tree)]
+  if any(depth >= 2 for _, depth in levels):
+    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
+  if any(forward for forward, _ in levels):
+    raise UnsupportedDifferentiation(
+        _ad_message(where, "forward-mode differentiation (jax.jvp, jax.jacfwd)"))
+
+
+def first_order_only(fn: Callable, where: str) -> Callable:
+  """``fn`` (a custom VJP's forward or backward computation) made to raise
+  :class:`UnsupportedDifferentiation` naming ``where`` when it is itself differentiated, i.e. under a second- or
+  higher-order derivative (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of
+  ``jax.grad``). Its first-order result is unchanged; without the guard the backward's
+  internal constants (the transposed keys and values, the threshold's stopped gradient)
+  would silently drop terms of the Hessian."""
+
+  @jax.custom_jvp
+  def guarded(*args):
+    return fn(*args)
+
+  @guarded.defjvp
+  def _refuse(primals, tangents):
+    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
+
+  return guarded
 
 
 # ------------------------------------------------------------------------------ arrays
@@ -101,6 +183,17 @@ def _accumulate(buf, upd, start, axis: int):
     return buf + upd
   cur = lax.dynamic_slice_in_dim(buf, start, upd.shape[axis], axis)
   return lax.dynamic_update_slice_in_dim(buf, cur + upd, start, axis)
+
+
+def _typed_like(tree, ref):
+  """``tree``'s arrays ([B, K, G, bq, w], built from a shape) given the sharding and the
+  varying mesh axes of ``ref`` ([B, K, G, bq, ...]: a query block), so that a loop carry
+  started from them keeps its type under an Explicit mesh and inside ``jax.shard_map``
+  (``jnp.zeros(shape)`` is replicated and invariant, the loop's output is not)."""
+  def typed(x):
+    return x + jnp.zeros_like(ref[..., :1], dtype=x.dtype)
+
+  return jax.tree.map(typed, tree)
 
 
 def _heads5(a, N: int, K: int, G: int):
@@ -372,7 +465,8 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
     z = rule.score_map(jnp.where(t.vis, t.x, 0.0) if t.vis is not None else t.x, n, **hp)
     return tile.running_max(z, t.vis, m)
 
-  m = _over_key_blocks(plan, inp, aux, qb, qi, max_step, jnp.full(row, -jnp.inf, plan.dtype))
+  m = _over_key_blocks(plan, inp, aux, qb, qi, max_step,
+                       _typed_like(jnp.full(row, -jnp.inf, plan.dtype), qb.q))
   m, state, target = tile.search_start(rule, m, n, hp)
   count, steps, newton = tile.search_schedule(rule, rule.iterations, early_exit=True)
 
@@ -385,7 +479,7 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
       z = tile.scores(rule, t.x, t.vis, m, n, hp)
       return tile.search_sums(rule, z, t.vis, taus, sums, hp, newton, stacked=True)
 
-    zero = [jnp.zeros(row, plan.dtype)] * (count * (1 + int(newton)))
+    zero = [_typed_like(jnp.zeros(row, plan.dtype), qb.q)] * (count * (1 + int(newton)))
     sums = _over_key_blocks(plan, inp, aux, qb, qi, sums_step, zero)
     state = tile.search_update(rule, state, taus, sums, target, hp, newton)
     return i + 1, jnp.all(tile.search_done(state)), state
@@ -397,14 +491,14 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   done = jnp.all(tile.search_done(state))
   _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
   tau = residual = lax.stop_gradient(tile.search_threshold(state, newton))
-  if tile.jumps_at_threshold(rule, dict(plan.static_hp)):
+  if _jumps_at_threshold(rule, dict(plan.static_hp)):
     # top-k / top-p: tau moves into the gap below it, so that a score equal to tau that
     # the backward pass recomputes an ulp lower is still kept
     def below_step(t: _Tile, below):
       return tile.max_below(tile.scores(rule, t.x, t.vis, m, n, hp), t.vis, tau, below)
 
     below = _over_key_blocks(plan, inp, aux, qb, qi, below_step,
-                             jnp.full(row, -jnp.inf, plan.dtype))
+                             _typed_like(jnp.full(row, -jnp.inf, plan.dtype), qb.q))
     tau = tile.gap_threshold(tau, below)
   # Every visible row has a non-empty support at tau; the final normalisation removes the
   # residual error of the search.
@@ -416,11 +510,17 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   return tile.weight_stabiliser(m), lax.stop_gradient(tau), residual
 
 
+def _jumps_at_threshold(rule, hp: dict) -> bool:
+  """:func:`tile.jumps_at_threshold` outside the caller's mesh: its compile-time
+  evaluation fails inside ``jax.shard_map`` (a constant placed on the manual mesh)."""
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    return tile.jumps_at_threshold(rule, hp)
+
+
 def _full_visibility(t: _Tile):
   """The tile's visibility as a boolean array of the logits' shape."""
-  if t.vis is None:
-    return jnp.ones(t.x.shape, bool)
-  return jnp.broadcast_to(t.vis, t.x.shape)
+  full = jnp.ones_like(t.x, dtype=bool)  # typed like the logits (sharding, varying axes)
+  return full if t.vis is None else full & t.vis
 
 
 def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi, rule=None):
@@ -431,7 +531,8 @@ def _row_stats_sweep(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi, 
   def step(t: _Tile, stats):
     return rule.merge(stats, rule.block(t.x, _full_visibility(t)))
 
-  return _over_key_blocks(plan, inp, aux, qb, qi, step, rule.init(plan.row(inp.q), plan.dtype))
+  init = _typed_like(rule.init(plan.row(inp.q), plan.dtype), qb.q)
+  return _over_key_blocks(plan, inp, aux, qb, qi, step, init)
 
 
 def _threshold_theta(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi) -> dict:
@@ -476,13 +577,13 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
         w, _ = tile.threshold_maps(rule, t.x, t.vis, tau, m, n, hp)
         return m, l + jnp.sum(w, axis=-1, keepdims=True), w, None
 
-      l0 = jnp.zeros(row, plan.dtype)
+      l0 = _typed_like(jnp.zeros(row, plan.dtype), qb.q)
     else:
       if plan.kind == "R":
         extra = _row_stats_sweep(plan, inp, aux, qb, qi)
         hp = {**hp, **rule.derive(extra, n, **hp)}
       trule = plan.tile_rule
-      m0, l0 = tile.init_rows(trule, row, plan.dtype)
+      m0, l0 = _typed_like(tile.init_rows(trule, row, plan.dtype), qb.q)
 
       def update(t: _Tile, m, l):
         return tile.online_update(trule, t.x, t.vis, m, l, n, hp)
@@ -493,7 +594,7 @@ def _forward(plan: _Plan, inp: _Inputs, aux: _Aux):
       pv = jnp.einsum("bkgqs,bksh->bkgqh", num, t.v, preferred_element_type=plan.dtype)
       return m, l, tile.rescale(acc, alpha) + pv
 
-    acc0 = jnp.zeros(row[:-1] + (Hv,), plan.dtype)
+    acc0 = _typed_like(jnp.zeros(row[:-1] + (Hv,), plan.dtype), qb.q)
     m, l, acc = _over_key_blocks(plan, inp, aux, qb, qi, step, (m0, l0, acc0))
     if plan.kind == "T":
       d = l
@@ -529,7 +630,7 @@ of the statistics, and the main sweep adds ``vjp(tangent)`` of each tile to its 
     g = g + jnp.sum(dw * (dp - delta), axis=-1, keepdims=True) * inv_w
     return g, mt + jnp.sum(dm, axis=-1, keepdims=True)
 
-  zero = jnp.zeros(plan.row(inp.q), plan.dtype)
+  zero = _typed_like(jnp.zeros(plan.row(inp.q), plan.dtype), qb.q)
   g_tau, m_tau = _over_key_blocks(plan, inp, aux, qb, qi, step, (zero, zero))
   return g_tau * tile.safe_inverse(m_tau)
 
@@ -717,7 +818,7 @@ def _backward(plan: _Plan, inp: _Inputs, aux: _Aux, res, dout) -> _Inputs:
 
     g = dataclasses.replace(
         carry, dq=jnp.zeros_like(qb.q), dhp=jax.tree.map(jnp.zeros_like, qb.hp),
-        dcq=None if inp.decay is None else jnp.zeros(qb.q.shape[:-1], plan.dtype))
+        dcq=None if inp.decay is None else jnp.zeros_like(qb.q[..., 0], plan.dtype))
     g = _over_key_blocks(plan, inp, aux, qb, qi, step, g)
     dhp = g.dhp
     if d_row is not None:
@@ -760,18 +861,22 @@ def _attend(plan: _Plan):
   the recomputing custom VJP; the statistic's cotangent is ignored (the caller stops its
   gradient)."""
 
+  where = "dot_product_attention(implementation='xla_chunked')"
+  forward = first_order_only(functools.partial(_forward, plan), where)
+  backward = first_order_only(functools.partial(_backward, plan), where)
+
   @jax.custom_vjp
   def attend(inp: _Inputs, aux: _Aux):
-    out, m, d, extra = _forward(plan, inp, aux)
+    out, m, d, extra = forward(inp, aux)
     return out, _row_statistic(plan, m, d, extra)
 
   def attend_fwd(inp, aux):
-    res = _forward(plan, inp, aux)
+    res = forward(inp, aux)
     return (res[0], _row_statistic(plan, *res[1:])), (inp, aux, res)
 
   def attend_bwd(saved, cotangents):
     inp, aux, res = saved
-    return _backward(plan, inp, aux, res, cotangents[0]), None
+    return backward(inp, aux, res, cotangents[0]), None
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend
@@ -818,7 +923,7 @@ def _dense_counts(plan: _Plan, inp: _Inputs, aux: _Aux):
       return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(plan.dtype)
 
     return lax.fori_loop(aux.kb_lo[qi], aux.kb_hi[qi], body,
-                         jnp.zeros(plan.row(inp.q), plan.dtype))
+                         _typed_like(jnp.zeros(plan.row(inp.q), plan.dtype), qb.q))
 
   return _unblock(lax.map(q_block, jnp.arange(plan.nq, dtype=jnp.int32)))
 
@@ -926,6 +1031,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   # length terms must not create NaN in masked branches
   aux = dataclasses.replace(aux, counts=jnp.maximum(aux.counts, 1.0))
 
+  refuse_unsupported_ad(inp, "dot_product_attention(implementation='xla_chunked')")
   out, stat = _attend(plan)(inp, aux)  # [B, K, G, Tp, Hv], [B, K, G, Tp, 1]
   out = jnp.transpose(out[:, :, :, :T], (0, 3, 1, 2, 4)).reshape(B, T, N, v.shape[-1])
   if not call.return_residual:
