@@ -306,10 +306,15 @@ def integer_finish(loss, labels, visible, label_visible, ignore_index, dtype):
 
 
 def check_hidden_and_weights(h, w, fn: str, w_name: str = "w") -> tuple[jax.Array, jax.Array]:
-  """``h [..., d]`` and ``w [d, N]`` as float arrays (:func:`float_input`), checked: a feature axis,
-  ``w``'s first axis equal to d and at least one column (ValueError naming the argument)."""
-  h = float_input(h, "h", fn)
-  w = float_input(w, w_name, fn)
+  """``h [..., d]`` and ``w [d, N]`` as arrays, checked: floating dtypes, a feature axis,
+  ``w``'s first axis equal to d and at least one column (ValueError naming the argument).
+
+  (Callers that promote integer inputs pass them through :func:`float_input` first.)"""
+  h = jnp.asarray(h)
+  w = jnp.asarray(w)
+  for name, a in (("h", h), (w_name, w)):
+    if not jnp.issubdtype(a.dtype, jnp.floating):
+      raise ValueError(f"{fn}: `{name}` must have a floating dtype, got {a.dtype}")
   if h.ndim < 1:
     raise ValueError(f"{fn}: `h` must have a feature axis ([..., d]), got a scalar")
   if w.ndim != 2 or w.shape[0] != h.shape[-1]:

@@ -39,8 +39,10 @@ __all__ = [
 
 
 def check_hidden(h, w, fn, w_name="w") -> tuple[jax.Array, jax.Array, Any]:
-  """``h [..., d]`` and ``w [d, N]`` as float arrays; returns them in the compute dtype."""
-  h, w = lc.check_hidden_and_weights(h, w, fn, w_name)
+  """``h [..., d]`` and ``w [d, N]`` as float arrays (integers promote, as jax.nn's inputs);
+  returns them in the compute dtype."""
+  h, w = lc.check_hidden_and_weights(lc.float_input(h, "h", fn), lc.float_input(w, w_name, fn),
+                                     fn, w_name)
   ct = nc.compute_dtype(jnp.result_type(h.dtype, w.dtype))
   return h.astype(ct), w.astype(ct), h.dtype
 
