@@ -23,7 +23,19 @@ def _bias(beta, alpha, n, shape, axis):
   return c.row_param(beta, shape, axis, "beta", "affine_softmax", n.dtype)
 
 
-@c.dense_rules
+def _inf_limit(posinf, axis, hparams, visible):
+  """The limit as the k visible ``+inf`` logits grow together: softmax tends to 1/k on
+  them and 0 elsewhere, so the weights tend to ``alpha/k + beta`` and ``beta`` (the bias
+  stays on every visible entry; tied: ``(1 - alpha) / n``, n counting the +inf ones)."""
+  shape = posinf.shape
+  alpha = c.row_param(hparams.get("alpha", 1.0), shape, axis, "alpha", "affine_softmax")
+  n = jnp.sum(visible, axis=axis, keepdims=True).astype(alpha.dtype)
+  k = jnp.sum(posinf, axis=axis, keepdims=True).astype(alpha.dtype)
+  share = posinf / jnp.maximum(k, 1.0)
+  return alpha * share + _bias(hparams.get("beta"), alpha, n, shape, axis)
+
+
+@c.dense_rules(inf_limit=_inf_limit)
 def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                    alpha: ArrayLike = 1.0, beta: ArrayLike | None = None) -> jax.Array:
   r"""Affine-scaled softmax (feature N27, kernel class R; J. Bae et al. 2026).
@@ -47,9 +59,9 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   Kernel class R: the bias is added to *normalised* weights, so a blockwise pass needs the
   row's softmax statistics (m, l) first; blockwise attention (``xla_chunked``,
   ``pallas``) runs a statistics pass over the key blocks, then a pointwise pass (in
-  attention ``o = alpha (A V) + beta sum_j v_j``). ``+inf`` logits follow the library's
-  shared rule, ``1/k`` on each of the k visible ``+inf`` entries and 0 elsewhere (the
-  limit at the defaults; a row's limit ``alpha/k + beta`` is not taken).
+  attention ``o = alpha (A V) + beta sum_j v_j``). ``+inf`` logits take the formula's
+  limit: with k visible ``+inf`` entries, ``alpha/k + beta`` on each of them and ``beta``
+  on the other visible entries (softmax's own limit, 1/k and 0, scaled and shifted).
 
   Args:
     x: scores.

@@ -57,6 +57,46 @@ def _idw_score_map(x, length, power=1.0, eps=1e-12, **_):
 
 
 @c.dense_rules
+def _idw_softmax(x, axis=-1, where=None, *, power=1.0, eps=1e-12):
+  xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
+                                      (_EPS, eps))
+  # softmax(-p/2 L), L = log(d^2 + eps), as e^{-p/2 (L - min L)}: not -p/2 L - max(...),
+  # which XLA contracts into an FMA. xs holds visible values at masked entries, so the
+  # plain row min of L is the visible one.
+  log_sq = _log_square_plus(xs, hp["eps"])
+  nearest = jax.lax.stop_gradient(jnp.min(log_sq, axis=ax, keepdims=True))
+  w = _ssmax.exp_scaled(log_sq, mask, ax, -0.5 * hp["power"], nearest)
+  return c.finish(w, mask, jnp.asarray(x).dtype)
+
+
+def _far_keys(x, axis, where):
+  """``(x, where)`` with the formula's limit at ``+inf`` distances: a row with a visible
+  finite distance masks its ``+inf`` ones (weight ``d^-p -> 0``); a row whose visible
+  distances are all ``+inf`` gets them as equal finite distances (1/k each, the limit as
+  they grow together); a row with a visible NaN is left to the NaN rule. An invalid
+  ``axis`` or ``where`` is left to the rules' errors (``_idw_softmax``)."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating) or x.ndim == 0:
+    return x, where
+  axes = axis if isinstance(axis, tuple) else (axis,)
+  if (not axes or not all(isinstance(a, int) and -x.ndim <= a < x.ndim for a in axes)
+      or len({a % x.ndim for a in axes}) != len(axes)):
+    return x, where
+  far = x == jnp.inf
+  visible = x != -jnp.inf
+  if where is not None:
+    try:
+      visible = visible & jnp.broadcast_to(jnp.asarray(where), x.shape).astype(bool)
+    except ValueError:
+      return x, where
+  rows = tuple(a % x.ndim for a in axes)
+  near = jnp.any(visible & ~far, axis=rows, keepdims=True)
+  nan_row = jnp.any(visible & jnp.isnan(x), axis=rows, keepdims=True)  # NaN everywhere
+  keep = ~(far & near & ~nan_row)
+  where = keep if where is None else jnp.logical_and(where, keep)
+  return jnp.where(far & ~near, jnp.ones_like(x), x), where
+
+
 def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                 power: ArrayLike = 1.0, eps: ArrayLike = 1e-12) -> jax.Array:
   r"""Inverse-distance weighting as a softmax (feature N28, kernel class E; C. McCarter 2023).
@@ -76,8 +116,9 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   interpolation). Scale invariant: ``d -> c d`` for all entries leaves the weights
   unchanged up to eps. Finite for any finite distance (``d^2`` is not formed past
   ``2^62``, where it would overflow float32). A ``-inf`` entry is masked (as everywhere
-  in the library); a ``+inf`` follows the library's shared rule (it takes the row's
-  mass), so mask infinitely distant keys with ``where`` instead.
+  in the library); a ``+inf`` distance takes the formula's limit, weight 0 (``d^-p -> 0``),
+  unless every visible distance of its row is ``+inf`` (then 1/k each, the limit as they
+  grow together).
 
   Args:
     x: distances ``d_j`` (only their magnitude is used).
@@ -101,15 +142,11 @@ def idw_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   References:
     C. McCarter, 2023, "Inverse distance weighting attention".
   """
-  xs, mask, ax, hp = c.prepare_params(x, axis, where, "idw_softmax", (_POWER, power),
-                                      (_EPS, eps))
-  # softmax(-p/2 L), L = log(d^2 + eps), as e^{-p/2 (L - min L)}: not -p/2 L - max(...),
-  # which XLA contracts into an FMA. xs holds visible values at masked entries, so the
-  # plain row min of L is the visible one.
-  log_sq = _log_square_plus(xs, hp["eps"])
-  nearest = jax.lax.stop_gradient(jnp.min(log_sq, axis=ax, keepdims=True))
-  w = _ssmax.exp_scaled(log_sq, mask, ax, -0.5 * hp["power"], nearest)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  x, where = _far_keys(x, axis, where)
+  return _idw_softmax(x, axis, where, power=power, eps=eps)
+
+
+setattr(idw_softmax, "_jaxsoft_dense_rules", True)  # noqa: B010 (_idw_softmax applies them)
 
 
 SPEC = register(NormalizerSpec(

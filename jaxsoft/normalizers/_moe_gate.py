@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
@@ -20,6 +21,10 @@ def _moe_gate_score_map(x, length, tau=1.0, **_):
 
 
 @c.dense_rules
+def _moe_gate(x, axis=-1, where=None, *, tau=1.0):
+  return c.score_map_softmax(x, axis, where, "moe_gate", _moe_gate_score_map, (_TAU, tau))
+
+
 def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
              tau: ArrayLike = 1.0) -> jax.Array:
   r"""Activation dense-to-sparse MoE gate (feature N32, kernel class E; Nguyen, Akbarian & Ho 2024).
@@ -53,8 +58,10 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Returns:
     Weights of ``x``'s shape and dtype summing to 1; a row with no visible entry is all
-    zeros with zero gradient. A ``+inf`` logit follows the library's rule for normalizing
-    normalizers (the ``+inf`` entries of a row share its mass).
+    zeros with zero gradient. A ``+inf`` logit takes the formula's limit,
+    ``sigmoid(+inf) = 1`` (the score ``1/tau``, with zero gradient): it does not take the
+    row's mass, the other entries keep theirs. ``-inf`` masks the entry, as everywhere in
+    the library.
 
   Tile rule: ``z = sigmoid(x) / tau`` elementwise (class E), then softmax's ``e^{z - m}``.
 
@@ -71,7 +78,19 @@ def moe_gate(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
     Gaussian Mixture of Experts?".
   """
-  return c.score_map_softmax(x, axis, where, "moe_gate", _moe_gate_score_map, (_TAU, tau))
+  return _moe_gate(_saturate_posinf(x), axis, where, tau=tau)
+
+
+def _saturate_posinf(x):
+  """``+inf`` replaced by the dtype's largest float, whose sigmoid is exactly 1 with a zero
+  derivative: the formula's limit, before the library's +inf rule (all the mass) applies."""
+  x = jnp.asarray(x)
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  return jnp.where(x == jnp.inf, jnp.asarray(jnp.finfo(x.dtype).max, x.dtype), x)
+
+
+setattr(moe_gate, "_jaxsoft_dense_rules", True)  # noqa: B010 (_moe_gate applies the rules)
 
 
 SPEC = register(NormalizerSpec(

@@ -75,3 +75,23 @@ def test_masked_entries_and_fully_masked_rows_are_exactly_zero():
   """where=False and -inf give exact zeros, with zero gradient (the float64 reference
   comparisons above only bound them by atol)."""
   masking.check_hidden_entries_exact_zero(AFFINE_SOFTMAX)
+
+
+def test_posinf_takes_the_formula_limit():
+  """As the k visible +inf logits grow together softmax tends to 1/k on them, 0 elsewhere,
+  so the weights tend to alpha/k + beta and beta (numpy float64 from the formula), not
+  all the mass to the +inf entries; the gradient there is finite."""
+  inf = np.inf
+  x = np.array([[inf, 1.0, 0.0, -1.0], [inf, 2.0, inf, -inf], [inf, 3.0, 1.0, 2.0]],
+               np.float32)
+  where = np.array([[True] * 4, [True] * 4, [True, False, True, True]])
+  for alpha, beta in ((0.5, None), (0.3, 0.1), (1.7, None)):
+    vis = where & (x != -inf)
+    n = vis.sum(-1, keepdims=True)
+    pos = vis & (x == inf)
+    b = (1.0 - alpha) / n if beta is None else beta
+    want = np.where(vis, alpha * pos / pos.sum(-1, keepdims=True) + b, 0.0)
+    got = N.affine_softmax(jnp.asarray(x), where=jnp.asarray(where), alpha=alpha, beta=beta)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-7)
+  g = jax.grad(lambda a: jnp.sum(N.affine_softmax(jnp.asarray(x), alpha=a)[0]))(0.5)
+  np.testing.assert_allclose(g, 1.0 - 4 * 0.25, atol=1e-6)  # d/dalpha sum = 1 - n/n = 0

@@ -61,3 +61,22 @@ def test_masked_entries_and_fully_masked_rows_are_exactly_zero():
   """where=False and -inf give exact zeros, with zero gradient (the float64 reference
   comparisons above only bound them by atol)."""
   masking.check_hidden_entries_exact_zero(IDW_SOFTMAX)
+
+
+def test_posinf_distance_takes_the_formula_limit():
+  """An infinitely distant key has weight d^-p -> 0 (the others share the row as if it
+  were absent: numpy float64 from the formula); a row of only +inf distances gives 1/k each
+  (the limit as they grow together); a NaN row stays NaN."""
+  inf = np.inf
+  x = np.array([[inf, 1.0, 2.0, 4.0], [inf, inf, -inf, inf], [1.0, inf, inf, 0.5]],
+               np.float32)
+  got = np.asarray(N.idw_softmax(jnp.asarray(x), power=2.0), np.float64)
+  d = np.where(np.isfinite(x), x, 1.0).astype(np.float64)
+  e = np.where(np.isfinite(x), (d * d + 1e-12) ** -1.0, 0.0)
+  want = e / e.sum(-1, keepdims=True)
+  want[1] = [1 / 3, 1 / 3, 0.0, 1 / 3]
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+  g = np.asarray(jax.grad(lambda v: N.idw_softmax(v)[0, 1])(jnp.asarray(x)))
+  assert np.all(np.isfinite(g)) and g[0, 0] == 0
+  nan_row = N.idw_softmax(jnp.array([inf, np.nan, 1.0]))
+  assert np.all(np.isnan(np.asarray(nan_row)))

@@ -91,3 +91,20 @@ def test_extreme_logits_and_bad_tau():
   helpers.check_raises(("tau", lambda: N.moe_gate(big, tau=0.0)),
                        ("tau", lambda: N.moe_gate(big, tau=-1.0)),
                        ("tau", lambda: N.moe_gate(big, tau=jnp.ones((2, 3)))))
+
+
+def test_posinf_takes_the_formula_limit():
+  """sigmoid(+inf) = 1: a +inf router logit has the score 1/tau and shares the row with the
+  others (numpy float64 from the formula), it does not take all the mass; its gradient is
+  0 and the others' are finite."""
+  inf = np.inf
+  x = np.array([[inf, 1.0, 0.0, -1.0], [inf, 2.0, inf, -inf]], np.float32)
+  for tau in (1.0, 0.1):
+    vis = x != -inf
+    s = np.where(vis, 1.0 / (1.0 + np.exp(-np.where(vis, x, 0.0).astype(np.float64))), 0.0)
+    e = np.where(vis, np.exp(s / tau), 0.0)
+    got = N.moe_gate(jnp.asarray(x), tau=tau)
+    np.testing.assert_allclose(np.asarray(got, np.float64), e / e.sum(-1, keepdims=True),
+                               rtol=1e-6, atol=1e-7)
+  g = np.asarray(jax.grad(lambda v: N.moe_gate(v)[0, 1])(jnp.asarray(x)))
+  assert np.all(np.isfinite(g)) and g[0, 0] == 0 and g[0, 1] > 0
