@@ -6,11 +6,15 @@ and not registered NormalizerSpecs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers._softmax import is_zero_tangent, odd_rows, output_residuals, row_value
 from jaxsoft.normalizers.spec import Param
 
 __all__ = ["log_softmax", "logsumexp", "smooth_max", "smooth_min"]
@@ -90,7 +94,9 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
   .. math::
     \log \mathrm{softmax}(x)_i = \frac{x_i}{T} - \log \sum_{j \in V} e^{x_j / T}
 
-  over the visible entries V of the row, in float32 for low-precision inputs.
+  over the visible entries V of the row, in float32 for low-precision inputs. The
+  derivative is written in terms of the output ``l`` (``dl = dz - <e^l, dz>``), so reverse
+  mode keeps only ``l`` and one flag per row, as ``jax.nn.log_softmax`` keeps its output.
 
   Args:
     x: scores.
@@ -104,6 +110,9 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
     (``where`` False, or a ``-inf`` score) holds ``-inf``, the log of its weight 0, and a
     fully masked row is all ``-inf``; no gradient flows to or through a masked entry (it is
     0, never NaN). Take ``jnp.where(where, log_p, 0.0)`` before forming ``p * log_p``.
+    Non-finite scores follow softmax's rules in the log domain: a row with k visible
+    ``+inf`` entries gives ``-log k`` on them and ``-inf`` elsewhere; a row with a visible
+    NaN is NaN on its visible entries; both have a zero gradient.
 
   Examples:
     >>> x = jnp.array([2.0, 1.0, 0.0])
@@ -111,6 +120,8 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
     Array([-0.4076, -1.4076, -2.4076], dtype=float32)
     >>> js.normalizers.log_softmax(x, where=jnp.array([True, True, False]))
     Array([-0.3133, -1.3133,    -inf], dtype=float32)
+    >>> js.normalizers.log_softmax(jnp.array([jnp.inf, 0.0, jnp.inf]))  # log of 1/2, 0, 1/2
+    Array([-0.6931,    -inf, -0.6931], dtype=float32)
 
   References:
     J. S. Bridle, 1990, "Probabilistic Interpretation of Feedforward Classification
@@ -119,12 +130,29 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
     P. Blanchard, D. J. Higham & N. J. Higham, 2021, "Accurately Computing the Log-Sum-Exp
     and Softmax Functions".
   """
+  _TEMPERATURE.validate(temperature, "log_softmax")  # (a concrete value: inside, it is traced)
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _log_softmax_saving_output(x, where, temperature, axis)
+
+
+def _log_softmax_rows(x, axis, where, temperature):
+  """:func:`log_softmax`'s forward pass."""
   if isinstance(axis, tuple):  # one row over several axes, as jax.nn.log_softmax
     x_rows, where_rows, hp, restore = c.merge_axes(x, axis, where,
                                                    {"temperature": temperature}, "log_softmax")
-    return restore(log_softmax(x_rows, -1, where_rows, **hp))
+    return restore(_log_softmax_rows(x_rows, -1, where_rows, hp["temperature"]))
   xs, mask, ax, hp = c.prepare_params(x, axis, where, "log_softmax",
                                       (_TEMPERATURE, temperature))
+  # The shared rules (docs/numerics.md) in the log domain: a row with a visible +inf keeps
+  # only its k +inf entries (log 1/k each, the log of softmax's limit); a row with a
+  # visible NaN is NaN on its visible entries. Both are computed as finite rows.
+  posinf = xs == jnp.inf
+  inf_row = jnp.any(mask & posinf, axis=ax, keepdims=True)
+  nan_row = jnp.any(mask & jnp.isnan(xs), axis=ax, keepdims=True)
+  visible = mask
+  mask = mask & ~nan_row & (posinf | ~inf_row)
+  xs = jnp.where(inf_row | nan_row, jnp.zeros((), xs.dtype), xs)
   z = xs / hp["temperature"]
   m, log_s = _masked_lse_parts(z, mask, ax)
   # (z - m) - log s, not z - LSE: subtracting two large numbers would lose the low bits
@@ -132,7 +160,54 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
   # inside the where, so that its gradient is 0 rather than NaN.
   log_s = jnp.where(jnp.isfinite(log_s), log_s, 0.0)
   out = jnp.where(mask, (z - m) - log_s, -jnp.inf)  # jax.nn's -inf at masked entries
+  out = jnp.where(nan_row & visible, jnp.asarray(jnp.nan, out.dtype), out)
   return out.astype(c.output_dtype(jnp.asarray(x).dtype))
+
+
+_OUT, _ROW = "jaxsoft_log_softmax_output", "jaxsoft_log_softmax_rows"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _log_softmax_from_output(x, where, temperature, axis):
+  return _log_softmax_rows(x, axis, where, temperature)
+
+
+@functools.partial(_log_softmax_from_output.defjvp, symbolic_zeros=True)
+def _log_softmax_from_output_jvp(axis, primals, tangents):
+  r"""``dl = dz - <p, dz>`` with ``z = x/T``, ``p = e^l``, from the output ``l`` alone.
+
+  The temperature's term is ``-(dT/T) (l - <p, l>)`` (``z`` is ``l`` up to a per-row
+  constant). Masked entries (``l = -inf``) and the rows holding a visible NaN or ``+inf``
+  get a zero tangent.
+  """
+  x, where, temperature = primals
+  dx, _, dt = tangents
+  out = checkpoint_name(_log_softmax_from_output(x, where, temperature, axis), _OUT)
+  if is_zero_tangent(dx) and is_zero_tangent(dt):
+    return out, jnp.zeros_like(out)
+  odd = checkpoint_name(odd_rows(x, where, axis), _ROW)
+  cd = c.compute_dtype(out.dtype)
+  t = row_value(temperature, out.ndim, cd)
+  zero = jnp.zeros((), cd)
+  lv = out.astype(cd)
+  vis = (lv > -jnp.inf) & ~odd
+  lv = jnp.where(vis, lv, zero)
+  p = jnp.where(vis, jnp.exp(lv), zero)
+
+  def centred(v):  # v - <p, v> on the visible entries, 0 elsewhere
+    return jnp.where(vis, v - jnp.sum(p * v, axis=axis, keepdims=True), zero)
+
+  parts = []
+  if not is_zero_tangent(dx):
+    parts.append(centred(jnp.where(vis, dx.astype(cd), zero) / t))
+  if not is_zero_tangent(dt):
+    parts.append(-(row_value(dt, out.ndim, cd) / t) * centred(lv))
+  return out, sum(parts[1:], parts[0]).astype(out.dtype)
+
+
+# Reverse mode keeps the output and one flag per row (as jax.nn.log_softmax keeps its output).
+_log_softmax_saving_output = jax.checkpoint(
+    _log_softmax_from_output, policy=output_residuals(_OUT, _ROW), static_argnums=(3,))
 
 
 def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
@@ -20,8 +24,7 @@ __all__ = ["softmax"]
 _TEMPERATURE = Param("temperature", 1.0, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
-@c.dense_rules
-def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+def softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | None = None, *,
             temperature: ArrayLike = 1.0) -> jax.Array:
   r"""Softmax with temperature (feature N01, kernel class E; see docs/feature_ids.md).
 
@@ -29,7 +32,16 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     \mathrm{softmax}(x)_i = \frac{e^{x_i / T}}{\sum_{j \in V} e^{x_j / T}}
 
   over the visible entries V of the row (``where`` True and ``x > -inf``). Computed as
-  ``exp(x/T - m)`` with ``m`` the row max, in float32 for low-precision inputs.
+  ``exp(x/T - m)`` with ``m`` the row max, in float32 for low-precision inputs. The
+  derivative is written in terms of the output ``y`` (a ``custom_jvp``, as in
+  ``jax.nn.softmax``),
+
+  .. math::
+    dy = y \odot (dz - \langle y, dz \rangle), \quad
+    dz = \frac{dx}{T} - \frac{dT}{T} (\log y - \langle y, \log y \rangle),
+
+  so reverse mode keeps only ``y`` and one flag per row between the forward and the
+  backward pass (``jax.nn.softmax`` keeps ``y``).
 
   Args:
     x: scores.
@@ -59,6 +71,14 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
     G. Hinton, O. Vinyals & J. Dean, 2015, "Distilling the Knowledge in a Neural Network".
   """
+  _TEMPERATURE.validate(temperature, "softmax")  # (a concrete value: inside, it is traced)
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _softmax_saving_output(x, where, temperature, axis)
+
+
+def _softmax_body(x, axis=-1, where=None, *, temperature=1.0):
+  """The weights of :func:`softmax` (its forward pass; the shared rules wrap it below)."""
   xs, mask, axis, m, hp = c.prepare_params(x, axis, where, "softmax",
                                            (_TEMPERATURE, temperature), with_max=True)
   t = hp["temperature"]
@@ -69,6 +89,88 @@ def softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   return w.astype(c.output_dtype(jnp.asarray(x).dtype))
 
 
+_softmax_body.__name__ = "softmax"  # the name the shared rules give in their errors
+_softmax_rows = c.dense_rules(_softmax_body)
+
+
+def output_residuals(*names: str):
+  """The remat policy of a function whose derivative is a function of its output.
+
+  Under it, reverse mode keeps only the values tagged with ``names``
+  (``jax.ad_checkpoint.checkpoint_name``): the output and small row statistics; the
+  tangent map's other inputs (the output upcast, broadcast masks) are recomputed from
+  them in the backward pass.
+  """
+  return jax.checkpoint_policies.save_only_these_names(*names)
+
+
+def is_zero_tangent(t) -> bool:
+  """Whether a ``custom_jvp(symbolic_zeros=True)`` tangent is zero (none is flowing)."""
+  return isinstance(t, SymbolicZero) or jnp.result_type(t) == jax.dtypes.float0
+
+
+def odd_rows(x, where, axis):
+  """Rows whose visible entries hold a NaN or ``+inf`` (keepdims, no gradient): the rows
+  the shared rules fill in by convention, with a zero gradient."""
+  x = jax.lax.stop_gradient(x)
+  odd = ~(x < jnp.inf)  # NaN or +inf
+  if where is not None:
+    odd = odd & jnp.broadcast_to(where, x.shape)
+  return jnp.any(odd, axis=axis, keepdims=True)
+
+
+def row_value(value, ndim: int, dtype):
+  """A row hyperparameter (scalar, or broadcastable to ``x`` numpy-style) at rank ``ndim``,
+  so that it combines with ``x`` without implicit rank promotion."""
+  v = jnp.asarray(value).astype(dtype)
+  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+_OUT, _ROW = "jaxsoft_softmax_output", "jaxsoft_softmax_rows"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _softmax_from_output(x, where, temperature, axis):
+  return _softmax_rows(x, axis, where, temperature=temperature)
+
+
+@functools.partial(_softmax_from_output.defjvp, symbolic_zeros=True)
+def _softmax_from_output_jvp(axis, primals, tangents):
+  r"""``dy = y (dx/T - <y, dx/T>) - (dT/T) y (log y - <y, log y>)``, from ``y`` alone.
+
+  ``log y = x/T - LSE`` up to a per-row constant, which the centring removes, so the
+  temperature's term needs no ``x`` either. Rows the shared rules fill in (a visible NaN
+  or ``+inf``) get a zero tangent, as the fill is a constant.
+  """
+  x, where, temperature = primals
+  dx, _, dt = tangents
+  y = checkpoint_name(_softmax_from_output(x, where, temperature, axis), _OUT)
+  if is_zero_tangent(dx) and is_zero_tangent(dt):
+    return y, jnp.zeros_like(y)
+  odd = checkpoint_name(odd_rows(x, where, axis), _ROW)
+  cd = c.compute_dtype(y.dtype)
+  t = row_value(temperature, y.ndim, cd)
+  p = jnp.where(odd, jnp.zeros((), cd), y.astype(cd))  # finite: the NaN rows are 0 here
+
+  def centred(v):  # p (v - <p, v>)
+    return p * (v - jnp.sum(p * v, axis=axis, keepdims=True))
+
+  parts = []
+  if not is_zero_tangent(dx):
+    parts.append(centred(dx.astype(cd) / t))
+  if not is_zero_tangent(dt):
+    pos = p > 0
+    log_p = jnp.where(pos, jnp.log(jnp.where(pos, p, jnp.ones((), cd))), jnp.zeros((), cd))
+    parts.append(-(row_value(dt, y.ndim, cd) / t) * centred(log_p))
+  return y, jnp.where(odd, jnp.zeros((), cd), sum(parts[1:], parts[0])).astype(y.dtype)
+
+
+# Reverse mode keeps y and one flag per row (jax.nn.softmax keeps y).
+_softmax_saving_output = jax.checkpoint(_softmax_from_output, policy=output_residuals(_OUT, _ROW),
+                                        static_argnums=(3,))
+# softmax applies the shared rules through _softmax_rows: the registry's mark
+setattr(softmax, "_jaxsoft_dense_rules", True)  # noqa: B010
+
 SPEC = register(NormalizerSpec(
     name="softmax",
     fn=softmax,
@@ -76,5 +178,6 @@ SPEC = register(NormalizerSpec(
     catalogue_id="N01",
     params=(_TEMPERATURE,),
     tile=TileRule.softmax(temperature_score_map),
+    residuals="output",
     description="exp(x/T) / sum exp(x/T)",
 ))

@@ -391,6 +391,10 @@ class NormalizerSpec:
       blocks, then an E or P pass); ``None`` otherwise (the dense path only).
     needs_key: the function takes a PRNG key first (stochastic normalizers).
     smooth: differentiable everywhere (``check_grads`` applies at random points).
+    residuals: ``"output"`` when reverse mode keeps only the output (and per-row
+      statistics) between the forward and the backward pass, as ``jax.nn.softmax`` does:
+      the derivative is written as a function of the output (a ``custom_jvp``); a
+      generated test holds it to that. ``"any"`` (the default) promises nothing.
     description: one line for tables.
 
   Examples:
@@ -423,11 +427,15 @@ class NormalizerSpec:
   row_stats: RowStatsRule | None = None
   needs_key: bool = False
   smooth: bool = True
+  residuals: str = "any"
   description: str = ""
 
   def __post_init__(self):
     if self.kernel_class not in KERNEL_CLASSES:
       raise ValueError(f"kernel_class must be one of {KERNEL_CLASSES}, got {self.kernel_class!r}")
+    if self.residuals not in ("any", "output"):
+      raise ValueError(f"normalizer {self.name!r}: residuals must be 'any' or 'output', got "
+                       f"{self.residuals!r}")
     where = f"normalizer {self.name!r}"
     if self.kernel_class in ("E", "S", "P"):
       if self.tile is None:
