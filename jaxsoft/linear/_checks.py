@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxsoft._validation import concrete, positive_int
-from jaxsoft.normalizers.common import compute_dtype
+from jaxsoft.normalizers.common import compute_dtype, output_dtype
 
 __all__ = [
     "IMPLEMENTATIONS",
@@ -48,18 +48,24 @@ IMPLEMENTATIONS = ("parallel", "recurrent", "chunked", "pallas")
 
 
 def check_floating(x, name: str, fn_name: str) -> jax.Array:
-  """``x`` as a JAX array of a floating dtype."""
+  """``x`` as a JAX array of a floating dtype: integers and booleans promote as
+  ``jax.nn``'s inputs do (float32, float64 for 64-bit integers under x64:
+  :func:`jaxsoft.normalizers.common.output_dtype`); any other dtype (complex, ...) is a
+  ValueError naming the argument."""
   x = jnp.asarray(x)
-  if not jnp.issubdtype(x.dtype, jnp.floating):
-    raise ValueError(f"{fn_name}: `{name}` must be a floating array, got dtype {x.dtype}")
-  return x
+  if jnp.issubdtype(x.dtype, jnp.floating):
+    return x
+  if not (jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_):
+    raise ValueError(f"{fn_name}: `{name}` must be a real (floating, integer or boolean) "
+                     f"array, got dtype {x.dtype}")
+  return x.astype(output_dtype(x.dtype))
 
 
 def compute_dtype_of(*arrays) -> jnp.dtype:
   """The dtype a variant computes in: :func:`jaxsoft.normalizers.common.compute_dtype` of
-  the promoted dtype of ``arrays`` (``q, k, v``): bf16 / fp16 widen to float32, float32 and
-  float64 stay as they are."""
-  return compute_dtype(jnp.result_type(*(jnp.asarray(a).dtype for a in arrays)))
+  the promoted dtype of ``arrays`` (``q, k, v``; integers and booleans count as the float
+  they promote to): bf16 / fp16 widen to float32, float32 and float64 stay as they are."""
+  return compute_dtype(jnp.result_type(*(output_dtype(jnp.asarray(a).dtype) for a in arrays)))
 
 
 def _check_qkv(q, k, v, fn_name: str, lead: str) -> tuple[jax.Array, jax.Array, jax.Array]:

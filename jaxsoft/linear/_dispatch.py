@@ -55,12 +55,14 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
 
   Returns ``(o [B, T, N, V], S_T [B, N, K, V])`` in the compute dtype.
   """
-  B, T, N, K = q.shape
-  V = v.shape[-1]
+  B, T = q.shape[:2]
   cdt = call.q.dtype
   to_bn = lambda x: None if x is None else jnp.moveaxis(x.astype(cdt), 1, 2)
-  run = _chunk.run_ids(call.segment_ids, B, T)
-  S0 = jnp.zeros((B, N, K, V), cdt) if S0 is None else S0.astype(cdt)
+  run = _chunk.run_ids(call.segment_ids, B, T, like=q)
+  if S0 is None:   # zeros built from the inputs: the batch sharding of an explicit mesh
+    S0 = jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k[:, 0], v[:, 0]), dtype=cdt)
+  # the scans over time carry the state: it varies over every shard_map axis the inputs do
+  S0 = _chunk.vary_like(S0.astype(cdt), q, k, v, g, beta, run)
   args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
   if call.implementation == "pallas":
     o, S_T = _pallas(call, args)
@@ -105,7 +107,7 @@ def prepare_step(fn_name: str, q, k, v, state, *, scale, state_name: str = "stat
   B, N, K = q.shape
   shape = (B, N, K, v.shape[-1])
   cdt = _checks.compute_dtype_of(q, k, v)
-  state = (jnp.zeros(shape, cdt) if state is None
+  state = (jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k, v), dtype=cdt) if state is None
            else _checks.check_state(state, shape, fn_name, state_name, dtype=cdt))
   scale = _checks.resolve_scale(scale, K, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)

@@ -39,6 +39,12 @@ from jaxsoft.linear import _checks, chunk
 __all__ = ["native_hybrid_attention", "native_hybrid_attention_step"]
 
 
+def _keep(run):
+  """``[B, T]``: False where a new run (segment) starts, built from ``run`` (its sharding)."""
+  return jnp.concatenate([jnp.ones_like(run[:, :1], dtype=bool), run[:, 1:] == run[:, :-1]],
+                         axis=1)
+
+
 def _slots_all(a, k, v, keep, K0, V0):
   """Every token's slots ``[B, T, N, M, K]`` and ``[B, T, N, M, V]`` by an associative scan of
   ``h_t = α_t h_{t-1} + (1 - α_t) x_t`` (``α_t := 0`` where the segment starts anew)."""
@@ -73,7 +79,7 @@ def _joint_softmax(slot_logits, win_logits):
 
 def _parallel(q, k, v, a, run, K0, V0, w):
   B, T, N, _ = q.shape
-  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  keep = _keep(run)
   Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
   slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
   t = jnp.arange(T)
@@ -88,7 +94,7 @@ def _parallel(q, k, v, a, run, K0, V0, w):
 
 def _chunked(q, k, v, a, run, K0, V0, w, C):
   B, T, N, K = q.shape
-  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  keep = _keep(run)
   Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
   slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
   pad = (-T) % C
@@ -138,16 +144,20 @@ def _token(carry, x, w):
   return (Kt, Vt, ring_k, ring_v, valid, t + 1), o
 
 
-def _empty_window(B, N, K, V, w, dtype):
-  return (jnp.zeros((B, w, N, K), dtype), jnp.zeros((B, w, N, V), dtype),
-          jnp.zeros((B, w), bool))
+def _empty_window(k, v, w):
+  """The empty ring buffer ``(ring_k [B, w, N, K], ring_v [B, w, N, V], valid [B, w])``,
+  built from ``k, v [B, T, N, ...]`` so that it carries their batch sharding."""
+  ring = lambda x: jnp.zeros_like(jnp.broadcast_to(x[:, :1], (x.shape[0], w) + x.shape[2:]))
+  return ring(k), ring(v), jnp.zeros_like(k[:, :1, 0, 0], dtype=bool).repeat(w, axis=1)
 
 
 def _recurrent(q, k, v, a, run, K0, V0, w):
-  B, T, N, K = q.shape
-  keep = jnp.concatenate([jnp.ones((B, 1), bool), run[:, 1:] == run[:, :-1]], axis=1)
+  keep = _keep(run)
   tf = lambda x: jnp.moveaxis(x, 1, 0)
-  carry = (K0, V0, *_empty_window(B, N, K, v.shape[-1], w, q.dtype), jnp.zeros((), jnp.int32))
+  carry = (K0, V0, *_empty_window(k, v, w))
+  # every part of the carry varies over the shard_map axes the inputs do (check_vma)
+  carry = tuple(chunk.vary_like(c, q, k, v, a, run) for c in carry)
+  carry = carry + (jnp.zeros((), jnp.int32),)
   (K_T, V_T, *_), o = jax.lax.scan(lambda c, x: _token(c, x, w), carry,
                                    (tf(q), tf(k), tf(v), tf(a), tf(keep)))
   return jnp.moveaxis(o, 0, 1), (K_T, V_T)
@@ -230,8 +240,9 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
                          "slot_log_gates").astype(cdt)
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
-  if initial_state is None:
-    K0, V0 = jnp.zeros((B, N, M, K), cdt), jnp.zeros((B, N, M, V), cdt)
+  if initial_state is None:   # zeros built from the inputs: their batch sharding
+    K0 = jnp.zeros_like(jnp.einsum("bnm,bnk->bnmk", a[:, 0], k[:, 0]), dtype=cdt)
+    V0 = jnp.zeros_like(jnp.einsum("bnm,bnv->bnmv", a[:, 0], v[:, 0]), dtype=cdt)
   else:
     _checks.check_tuple(initial_state, 2, "initial_state", fn_name,
                         "a pair (K̃ [B, N, M, K], Ṽ [B, N, M, V])")
@@ -239,7 +250,7 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
     V0 = _checks.check_state(initial_state[1], (B, N, M, V), fn_name, dtype=cdt)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   qs, kf, vf = q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt)
-  run = chunk.run_ids(seg, B, T)
+  run = chunk.run_ids(seg, B, T, like=q)
   if impl == "recurrent":
     o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window)
   elif impl == "chunked":
@@ -291,7 +302,7 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
   cdt = _checks.compute_dtype_of(q, k, v)
   if state is None:
     state = (jnp.zeros((B, N, M, K), cdt), jnp.zeros((B, N, M, V), cdt),
-             *_empty_window(B, N, K, V, window, cdt), jnp.zeros((), jnp.int32))
+             *_empty_window(k[:, None], v[:, None], window), jnp.zeros((), jnp.int32))
   _checks.check_tuple(state, 6, "state", fn_name, "(K̃, Ṽ, ring_k, ring_v, valid, t)")
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   c = lambda x: jnp.asarray(x).astype(cdt)

@@ -46,6 +46,12 @@ def _check_eta(eta, shape, fn_name: str, dtype) -> jax.Array:
   return eta.astype(dtype)
 
 
+def _zero_state(k, v):
+  """Zero weights ``[B, N, K, V]`` built from ``k [B, T, N, K]`` and ``v``: they carry the
+  inputs' batch sharding on an explicit mesh (``jnp.zeros(shape)`` carries none)."""
+  return jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k[:, 0], v[:, 0]))
+
+
 def _recurrent(q, k, v, eta, S0, b):
   """Token by token: ``(W_s, W_t)`` carried; a new mini-batch starts every ``b`` tokens."""
   T = q.shape[1]
@@ -152,11 +158,13 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   cdt = _checks.compute_dtype_of(q, k, v)
   eta = _check_eta(eta, (B, T, N), fn_name, cdt)
   scale = _checks.resolve_scale(scale, K, fn_name)
-  S0 = (jnp.zeros((B, N, K, V), cdt) if initial_state is None
+  q, k, v = q.astype(cdt), k.astype(cdt), v.astype(cdt)
+  S0 = (_zero_state(k, v) if initial_state is None
         else _checks.check_state(initial_state, (B, N, K, V), fn_name, dtype=cdt))
+  S0 = chunk.vary_like(S0, q, k, v, eta)   # the scans carry it (jax.shard_map's check_vma)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   form = _recurrent if implementation == "recurrent" else _chunked
-  o, W_T = form(q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt), eta, S0, mini_batch_size)
+  o, W_T = form(q * scale, k, v, eta, S0, mini_batch_size)
   o = o.astype(dtype)
   return (o, W_T) if output_final_state else o
 

@@ -12,15 +12,41 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["run_ids", "pad_time", "to_chunks", "from_chunks"]
+__all__ = ["run_ids", "pad_time", "to_chunks", "from_chunks", "vary_like", "sum_like"]
 
 
-def run_ids(segment_ids: jax.Array | None, B: int, T: int) -> jax.Array:
-  """``[B, T]`` int32 run ids (all zeros without segments)."""
+def run_ids(segment_ids: jax.Array | None, B: int, T: int,
+            like: jax.Array | None = None) -> jax.Array:
+  """``[B, T]`` int32 run ids (all zeros without segments).
+
+  Built from the inputs (``segment_ids``, else ``like``: a ``[B, T, ...]`` input), never
+  from ``jnp.zeros(shape)``, so that the ids carry the batch sharding of an explicit mesh
+  and the varying axes of ``jax.shard_map``, as the loops over them need."""
   if segment_ids is None:
-    return jnp.zeros((B, T), jnp.int32)
+    if like is None:
+      return jnp.zeros((B, T), jnp.int32)
+    return jnp.zeros_like(like[:, :, *(0,) * (like.ndim - 2)], dtype=jnp.int32)
   change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
-  return jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.cumsum(change, axis=1)], axis=1)
+  first = jnp.zeros_like(segment_ids[:, :1], dtype=jnp.int32)
+  return jnp.concatenate([first, jnp.cumsum(change, axis=1)], axis=1)
+
+
+def _varying(x) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``jax.shard_map`` (empty elsewhere)."""
+  axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset() if axis_type is None else frozenset(axis_type.varying)
+
+
+def vary_like(x: jax.Array, *refs: jax.Array | None) -> jax.Array:
+  """``x`` marked as varying over every ``jax.shard_map`` axis one of ``refs`` varies over.
+
+  A loop carry must keep its type; a carry that starts from a state the caller left
+  invariant (or from zeros) and is updated from varying inputs would change it
+  ("loop carry types differ" under the default ``check_vma``). Outside ``shard_map``
+  (and when nothing is missing) ``x`` comes back unchanged."""
+  want = frozenset().union(*(_varying(r) for r in refs if r is not None))
+  missing = tuple(sorted(want - _varying(x)))
+  return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def pad_time(x: jax.Array, axis: int, pad: int, mode: str = "zero") -> jax.Array:
@@ -31,9 +57,13 @@ def pad_time(x: jax.Array, axis: int, pad: int, mode: str = "zero") -> jax.Array
   """
   if pad == 0:
     return x
+  if mode == "edge":   # the last step repeated (jnp.pad's edge mode slices every axis,
+    # which an explicit mesh refuses on the sharded batch axis)
+    last = jax.lax.slice_in_dim(x, x.shape[axis] - 1, x.shape[axis], axis=axis)
+    return jnp.concatenate([x, jnp.repeat(last, pad, axis=axis)], axis=axis)
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, pad)
-  return jnp.pad(x, widths, mode="edge" if mode == "edge" else "constant")
+  return jnp.pad(x, widths)
 
 
 def to_chunks(x: jax.Array, axis: int, chunk: int) -> jax.Array:
@@ -46,3 +76,12 @@ def from_chunks(x: jax.Array, axis: int) -> jax.Array:
   """Merges ``[n_chunks, chunk]`` at ``axis, axis + 1`` back into one axis."""
   shape = x.shape
   return x.reshape(shape[:axis] + (shape[axis] * shape[axis + 1],) + shape[axis + 2:])
+
+
+def sum_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+  """The cotangent ``ct`` summed over the ``jax.shard_map`` axes it varies over and
+  ``primal`` does not (the transpose of :func:`vary_like`, as autodiff transposes
+  ``pcast`` to varying): what a custom backward pass returns for an input the caller left
+  invariant (a replicated weight used by every shard). Outside ``shard_map`` a no-op."""
+  extra = tuple(sorted(_varying(ct) - _varying(primal)))
+  return jax.lax.psum(ct, extra) if extra else ct

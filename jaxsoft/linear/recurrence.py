@@ -128,11 +128,12 @@ def _block_inverse(A: jax.Array) -> jax.Array:
   P = 1 << max(C - 1, 0).bit_length()
   batch = A.shape[:-2]
   A = jnp.pad(A, [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)])
-  X = jnp.ones(batch + (P, 1, 1), A.dtype)   # the inverses of the P diagonal 1 x 1 blocks
+  X = jnp.ones_like(A[..., :1, None])   # [..., P, 1, 1]: the inverses of the 1 x 1 diagonal blocks
   s = 1
   while s < P:
     nb = P // s
-    blocks = A.reshape(batch + (nb, s, nb, s))[..., 1::2, :, 0::2, :]
+    # one axis split at a time: an explicit mesh's reshape rule takes those
+    blocks = A.reshape(batch + (nb, s, P)).reshape(batch + (nb, s, nb, s))[..., 1::2, :, 0::2, :]
     L21 = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb/2, s, s]
     X11, X22 = X[..., 0::2, :, :], X[..., 1::2, :, :]
     X21 = -(X22 @ L21 @ X11)
@@ -443,7 +444,7 @@ def chunked(q, k, v, g, beta, run, S0, chunk: int,
   C = chunk
   pad = (-T) % C
   q, k, v = (_chunk.pad_time(x, 2, pad) for x in (q, k, v))
-  g = jnp.zeros((B, N, T + pad), q.dtype) if g is None else _chunk.pad_time(g, 2, pad)
+  g = jnp.zeros_like(q[..., 0]) if g is None else _chunk.pad_time(g, 2, pad)
   run = _chunk.pad_time(run, 1, pad, mode="edge")
   bc = None if beta is None else _chunk.to_chunks(_chunk.pad_time(beta, 2, pad), 2, C)
   xs = tuple(_chunk.to_chunks(x, 2, C) for x in (q, k, v, g)) + (bc,)  # [B, N, nC, C, ...]

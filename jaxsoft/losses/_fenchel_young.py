@@ -12,6 +12,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
 from jaxsoft._validation import concrete
+from jaxsoft.linear.chunk import sum_like
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
@@ -221,6 +222,8 @@ def _conjugate_bwd(axis, name, residuals, g):
   else:
     _, vjp = jax.vjp(lambda a: -_omega(p, a, axis), alpha)
     (dalpha,) = vjp(g)
+    # an alpha shared by every shard_map shard gets the sum of their gradients
+    dalpha = sum_like(dalpha, alpha)
   return dz, None, dalpha
 
 

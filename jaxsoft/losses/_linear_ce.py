@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import check_positive, finite_float, positive_int
+from jaxsoft.linear.chunk import sum_like, vary_like
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 from kernels_pallas import backends, cross_entropy
@@ -126,7 +127,14 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     loss = _pallas(implementation, h.reshape(n, d), w, labels.reshape(n), keep.reshape(n),
                    eps, lam, cap, dtype, token_chunk_size, vocab_chunk_size)
     return loss.reshape(batch_shape).astype(out_dtype)
-  tc = min(int(TOKEN_CHUNK if token_chunk_size is None else token_chunk_size), n)
+  tc = int(TOKEN_CHUNK if token_chunk_size is None else token_chunk_size)
+  if not jax.export.is_symbolic_dim(n):   # a symbolic n (jax.export) keeps the whole chunk
+    tc = min(tc, n)
+  if any(lc._sharded_along(h, i) for i in range(h.ndim - 1)) and n % tc:
+    raise ValueError(
+        f"{fn}: the {n} tokens are sharded on an explicit mesh and token_chunk_size = {tc} "
+        "does not divide them (the padding of a sharded axis is not supported): pass a "
+        "token_chunk_size that divides the number of tokens")
   vc = min(int(VOCAB_CHUNK if vocab_chunk_size is None else vocab_chunk_size), vocab)
   n_pad = -(-n // tc) * tc
   h2 = jnp.pad(h.reshape(n, d), ((0, n_pad - n), (0, 0)))
@@ -202,7 +210,15 @@ def _owned(own, x, fill):
 
 
 def _token_chunks(a, tc):
-  return a.reshape((a.shape[0] // tc, tc) + a.shape[1:])
+  """``[n, ...] -> [n / tc, tc, ...]``, chunk ``c`` holding the tokens ``c, c + n / tc, ...``
+  (strided: the loops run over the chunk axis, which must not be sharded; on an explicit
+  mesh the token axis's sharding stays on the ``tc`` tokens of each chunk)."""
+  return jnp.moveaxis(a.reshape((tc, a.shape[0] // tc) + a.shape[1:]), 1, 0)
+
+
+def _from_token_chunks(a):
+  """The inverse of :func:`_token_chunks`: ``[n / tc, tc, ...] -> [n, ...]``."""
+  return jnp.moveaxis(a, 0, 1).reshape((-1,) + a.shape[2:])
 
 
 def _chunk_forward(cfg, w, hc, yc):
@@ -211,21 +227,24 @@ def _chunk_forward(cfg, w, hc, yc):
   n_vc = -(-w.shape[1] // cfg.vc)
 
   def body(carry, k):
-    m, l, s = carry
-    wk, _, own, _ = _vocab_chunk(w, k, cfg)
+    m, l, s, z_y = carry
+    wk, cols, own, _ = _vocab_chunk(w, k, cfg)
     z, _ = _capped(hc @ wk, cfg.cap)
     m_new = jnp.maximum(m, jnp.max(_owned(own, z, -jnp.inf), axis=-1))
     l = l * jnp.exp(m - m_new) + jnp.sum(_owned(own, jnp.exp(z - m_new[:, None]), 0.0), -1)
     if cfg.eps:  # the row sum of the logits, for label smoothing only
       s = s + jnp.sum(_owned(own, z, 0.0), axis=-1)
-    return (m_new, l, s), None
+    # the label's logit, read from the tile that holds it (no gather of w's columns by the
+    # labels, whose output sharding an explicit mesh cannot infer)
+    z_y = z_y + jnp.sum(_owned(own, jnp.where(cols[None, :] == yc[:, None], z, 0.0), 0.0), -1)
+    return (m_new, l, s, z_y), None
 
-  zeros = jnp.zeros(hc.shape[:1], cfg.dtype)
-  (m, l, s), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros), jnp.arange(n_vc))
-  lse = m + jnp.log(l)
-  w_y = jnp.take(w, yc, axis=1).astype(cfg.dtype)  # [d, tc]: only the label columns
-  z_y, _ = _capped(jnp.sum(hc * w_y.T, axis=-1), cfg.cap)
-  return lse, z_y, s
+  # the carries are built from the inputs (the shape of a logit column), so they have the
+  # sharding and the shard_map varying axes of the logits the loop adds into them
+  zeros = jnp.zeros_like(hc @ w[:, :1], dtype=cfg.dtype)[:, 0]
+  (m, l, s, z_y), _ = jax.lax.scan(body, (zeros - jnp.inf, zeros, zeros, zeros),
+                                   jnp.arange(n_vc))
+  return m + jnp.log(l), z_y, s
 
 
 def _per_token_loss(cfg, lse, z_y, s, vocab):
@@ -243,7 +262,7 @@ def _forward(cfg, h, w, y, keep):
     return _chunk_forward(cfg, w, hc, yc)
 
   lse, z_y, s = jax.lax.map(chunk, (_token_chunks(h, cfg.tc), _token_chunks(y, cfg.tc)))
-  lse, z_y, s = (a.reshape(-1) for a in (lse, z_y, s))
+  lse, z_y, s = (_from_token_chunks(a) for a in (lse, z_y, s))
   loss = _per_token_loss(cfg, lse, z_y, s, w.shape[1])
   return jnp.where(keep, loss, 0.0), lse
 
@@ -268,6 +287,7 @@ def _lce_bwd(cfg, res, g):
   def token_chunk(dw, args):
     hc, yc, gc, cc, lc_ = args
     hc = hc.astype(cfg.dtype)
+    dw_sharding = jax.typeof(dw).sharding if lc._sharded_along(hc, 0) else None
 
     def vocab_step(carry, k):
       dh, dw = carry
@@ -281,19 +301,23 @@ def _lce_bwd(cfg, res, g):
       if dcap is not None:
         dz = dz * dcap
       dh = dh + dz @ wk.T
-      dwk = hc.T @ dz
+      # a sum over the tokens: on an explicit mesh that shards them, dw keeps w's sharding
+      dwk = jnp.matmul(hc.T, dz, out_sharding=dw_sharding)
       dw = jax.lax.dynamic_update_slice_in_dim(
           dw, jax.lax.dynamic_slice_in_dim(dw, start, cfg.vc, axis=1) + dwk, start, axis=1)
       return (dh, dw), None
 
-    (dh, dw), _ = jax.lax.scan(vocab_step, (jnp.zeros(hc.shape, cfg.dtype), dw),
-                               jnp.arange(n_vc))
+    dh0 = vary_like(jnp.zeros_like(hc), w, gc, cc, lc_)
+    (dh, dw), _ = jax.lax.scan(vocab_step, (dh0, dw), jnp.arange(n_vc))
     return dw, dh
 
   chunks = tuple(_token_chunks(a, cfg.tc) for a in (h, y, g, coef_p, lse))
-  dw, dh = jax.lax.scan(token_chunk, jnp.zeros(w.shape, cfg.dtype), chunks)
-  dh = dh.reshape(h.shape)
-  return dh.astype(h.dtype), dw.astype(w.dtype), None, None
+  # dw sums over every token: it varies over the shard_map axes h, g and the rest do
+  dw0 = vary_like(jnp.zeros_like(w, dtype=cfg.dtype), h, y, g, coef_p, lse)
+  dw, dh = jax.lax.scan(token_chunk, dw0, chunks)
+  dh = _from_token_chunks(dh)
+  # a weight shared by every shard gets the sum of their gradients, as autodiff gives it
+  return sum_like(dh, h).astype(h.dtype), sum_like(dw, w).astype(w.dtype), None, None
 
 
 _lce.defvjp(_lce_fwd, _lce_bwd)
