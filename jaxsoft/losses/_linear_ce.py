@@ -103,7 +103,8 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     M. Milakov & N. Gimelshein, 2018, "Online normalizer calculation for softmax".
   """
   fn = "linear_cross_entropy"
-  h, w = lc.check_hidden_and_weights(h, w, fn)
+  # integer / boolean inputs promote as jax.nn's do, then the shared checks
+  h, w = lc.check_hidden_and_weights(lc.float_input(h, "h", fn), lc.float_input(w, "w", fn), fn)
   labels, keep = lc.example_labels(labels, h.shape[:-1], where, ignore_index, fn)
   eps = lc.nonnegative_float(label_smoothing, "label_smoothing", fn, upper=1.0)
   lam = lc.nonnegative_float(z_loss, "z_loss", fn)
