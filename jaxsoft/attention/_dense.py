@@ -17,7 +17,7 @@ from jaxsoft.attention.masks import MaskStructure
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
-from jaxsoft.normalizers.common import compute_dtype, visible_count
+from jaxsoft.normalizers.common import compute_dtype, jit_under_debug_checks, visible_count
 
 __all__ = ["dense_logits", "dense_weights", "dense_attention", "row_statistic"]
 
@@ -180,6 +180,7 @@ def row_statistic(spec, params, logits, visible):
   return jax.lax.stop_gradient(jnp.broadcast_to(stat, n.shape)[..., 0])
 
 
+@jit_under_debug_checks
 def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, logits_soft_cap,
                     normalize, decay_bias=None, statistic=None, zeros_where_masked=False,
                     score="dot"):
@@ -203,6 +204,10 @@ def dense_attention(q, k, v, *, bias, mask, structure: MaskStructure, scale, log
 
   Returns:
     [B, T, N, Hv] in q's dtype; with ``statistic``, ``(out, residual [B, T, N])``.
+
+  Under ``jax.debug_infs`` / ``jax.debug_nans`` it runs as one jitted computation
+  (:func:`~jaxsoft.normalizers.common.jit_under_debug_checks`), as ``jax.nn``'s attention
+  does: the masked logits' sentinels are internal, only the result is checked.
   """
   B, T, N, _ = q.shape
   K = k.shape[2]

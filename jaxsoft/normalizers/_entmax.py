@@ -89,7 +89,7 @@ def entmax15_threshold(ym):
     now_done = (use_r & same) | ((t_new == t) & same) | (cnt == 0) | nan
     return (jnp.where((cnt > 0) | nan, t_new, 0.0), cnt_new, lo, hi), now_done
 
-  minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  minus_one = c.row_full_like(ym, -1.0)
   init = (minus_one, _sparsemax.count_above(ym, minus_one), minus_one, jnp.zeros_like(minus_one))
   return c.passes_until_done(step, init, ym.shape[-1] + 2)[0]
 
@@ -190,7 +190,7 @@ def entmax_bisect_threshold(ym, am1, n_visible, n_iter: int, q=None):
   """
   q = 1.0 / am1 if q is None else q
   n_safe = jnp.maximum(n_visible, 1.0)
-  lo = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  lo = c.row_full_like(ym, -1.0)
   hi = -jnp.power(n_safe, -am1) + jnp.zeros_like(lo)
 
   def body(_, bounds):

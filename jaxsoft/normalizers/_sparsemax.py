@@ -116,7 +116,7 @@ def sparsemax_threshold(ym):
     cnt_new = count_above(ym, t_new)
     return (t_new, cnt_new), (cnt_new == cnt) | nan  # same support: t_new is exact
 
-  minus_one = jnp.full(ym.shape[:-1] + (1,), -1.0, ym.dtype)
+  minus_one = c.row_full_like(ym, -1.0)
   return c.passes_until_done(step, (minus_one, count_above(ym, minus_one)),
                              ym.shape[-1] + 2)[0]
 

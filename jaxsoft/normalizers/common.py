@@ -40,6 +40,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _DynamicJaxprTracer
 
 __all__ = [
     "canonical_axis",
@@ -64,6 +65,9 @@ __all__ = [
     "map_row_blocks",
     "decouple",
     "passes_until_done",
+    "row_full_like",
+    "debug_checks_on",
+    "jit_under_debug_checks",
 ]
 
 
@@ -312,9 +316,9 @@ def row_param(value, x_shape, axis: int, name: str, fn_name: str, dtype=jnp.floa
     raise ValueError(
         f"{fn_name}: `{name}` must have size 1 along the normalized axis {axis} (one value "
         f"per row), got shape {v.shape} for `x` of shape {tuple(x_shape)}")
-  try:
-    np.broadcast_shapes(full, tuple(x_shape))
-  except ValueError:
+  try:  # (jax's broadcast_shapes: a dimension may be symbolic, as under jax.export)
+    jax.lax.broadcast_shapes(full, tuple(x_shape))
+  except (ValueError, TypeError):
     raise ValueError(
         f"{fn_name}: `{name}` of shape {v.shape} does not broadcast to the rows of `x` "
         f"{tuple(x_shape)}") from None
@@ -474,19 +478,46 @@ def dense_rules(fn: Callable[..., Any] | None = None, *,
     w_taken = jnp.where(visible, share, jnp.zeros_like(share))
     return jnp.where(taken, w_taken, w)
 
+  checked = jit_under_debug_checks(apply)
+
+  def run(lead, x, axis, where, hparams):
+    if debug_checks_on():
+      _validate_concrete_params(name, hparams)  # the jitted call sees arrays as tracers
+    return checked(lead, x, axis, where, hparams)
+
   wrapped: Callable[..., Any]
   if keyed:
     @functools.wraps(fn)
     def wrapped_keyed(key, x, axis=-1, where=None, **hparams):
-      return apply((key,), x, axis, where, hparams)
+      return run((key,), x, axis, where, hparams)
     wrapped = wrapped_keyed
   else:
     @functools.wraps(fn)
     def wrapped_plain(x, axis=-1, where=None, **hparams):
-      return apply((), x, axis, where, hparams)
+      return run((), x, axis, where, hparams)
     wrapped = wrapped_plain
   setattr(wrapped, "_jaxsoft_dense_rules", True)  # noqa: B010 (the registry's mark)
   return wrapped
+
+
+def _validate_concrete_params(name: str, hparams) -> None:
+  """Each concrete array hyperparameter checked against its ``Param`` range, entry by entry.
+
+  Under the debug flags :func:`jit_under_debug_checks` traces array hyperparameters, so a
+  normalizer's own check of a concrete array (``Param.validate`` of a 0-d array, entmax's
+  alpha) would not run: this keeps its ValueError."""
+  from jaxsoft.normalizers.spec import REGISTRY  # (spec registers the normalizers)
+
+  spec = REGISTRY.get(name)
+  if spec is None:
+    return
+  for param in spec.params:
+    value = hparams.get(param.name)
+    if _is_array(value) and not isinstance(value, jax.core.Tracer):
+      a = np.asarray(value)
+      if a.size and np.issubdtype(a.dtype, np.number):
+        for v in np.unique(a):
+          param.validate(v.item(), name)
 
 
 # --- threshold solves over the last axis (class T) ------------------------------------------
@@ -525,12 +556,20 @@ def map_blocks_of_rows(fn, parts, block_entries: int = BLOCK_ENTRIES):
   rows and the block size (``per`` rows of about ``block_entries`` entries); each array is
   broadcast to ``lead + (width,)``, and its padding rows (up to whole blocks) hold
   ``fill``. A single block runs ``fn`` once, more run it under ``lax.map``.
+
+  The rows are one block when their number is symbolic (``jax.export`` with a symbolic
+  batch: the blocking is a static choice) or when the leading axes are sharded (a block
+  boundary would cut across devices; each device then solves its own rows in one go).
   """
   first = parts[0][0]
   lead, n = first.shape[:-1], first.shape[-1]
-  rows = int(np.prod(lead, dtype=np.int64))
-  if rows == 0 or n == 0:
+  rows = math.prod(lead)  # symbolic under jax.export with a symbolic batch dimension
+  if not any(map(_symbolic, lead)) and (rows == 0 or n == 0):
     return jnp.zeros(lead + (1,), first.dtype)
+  if any(map(_symbolic, lead)) or _rows_sharded(first):
+    out = fn(*[jnp.broadcast_to(a, lead + (width,)).reshape(-1, width)
+               for a, width, _ in parts])
+    return out.reshape(lead + (1,))
   per = max(1, min(rows, block_entries // max(n, 1)))
   nblocks = -(-rows // per)
   pad = nblocks * per - rows
@@ -547,6 +586,28 @@ def map_blocks_of_rows(fn, parts, block_entries: int = BLOCK_ENTRIES):
   else:
     out = jax.lax.map(lambda bs: fn(*bs), blocks)
   return out.reshape(nblocks * per, 1)[:rows].reshape(lead + (1,))
+
+
+def _symbolic(d) -> bool:
+  return not isinstance(d, (int, np.integer))
+
+
+def _rows_sharded(a) -> bool:
+  """Whether a leading (row) axis of ``a`` is sharded or varies over a manual mesh axis
+  (under ``jax.shard_map``, where a block split would re-layout a per-device array)."""
+  aval = jax.typeof(a)
+  spec = getattr(getattr(aval, "sharding", None), "spec", None)
+  if spec is not None and any(s is not None for s in tuple(spec)[:-1]):
+    return True
+  return bool(getattr(aval, "vma", frozenset()))
+
+
+def row_full_like(a, value):
+  """``value`` in an array of ``a``'s shape with a last axis of 1 (``a``'s last axis
+  non-empty), built from ``a``: a loop carry of the rows that keeps ``a``'s sharding and,
+  under ``jax.shard_map``, its varying mesh axes (``jnp.full(shape)`` has neither: a
+  ``while_loop`` then refuses the carry)."""
+  return jnp.full_like(a[..., :1], value)
 
 
 def map_row_blocks(fn, ym, *row_args):
@@ -586,5 +647,78 @@ def passes_until_done(step, init, n_max: int):
     state = tuple(jnp.where(done, a, b) for a, b in zip(state, new, strict=True))
     return i + 1, state, jnp.logical_or(done, now_done)
 
-  carry = (jnp.asarray(0), tuple(init), jnp.zeros(init[0].shape, bool))
+  # (from init: a carry keeps the rows' sharding, and its varying axes under shard_map)
+  carry = (jnp.asarray(0), tuple(init), jnp.zeros_like(init[0], dtype=bool))
   return jax.lax.while_loop(cond, body, carry)[1]
+
+
+# --- jax.debug_infs / jax.debug_nans ------------------------------------------------------
+
+
+def debug_checks_on() -> bool:
+  """Whether ``jax.debug_infs`` or ``jax.debug_nans`` is on (read at call time)."""
+  return bool(getattr(jax.config, "jax_debug_infs", False)
+              or getattr(jax.config, "jax_debug_nans", False))
+
+
+def _is_array(leaf) -> bool:
+  return isinstance(leaf, (jax.Array, np.ndarray))
+
+
+def _staged(leaf) -> bool:
+  """Whether ``leaf`` is being staged out into a jaxpr (jit, checkpoint, custom rules)."""
+  return isinstance(leaf, _DynamicJaxprTracer)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run_jitted(fn, treedef, static, arrays):
+  it = iter(arrays)
+  leaves = [next(it) if s is _ARRAY else s for s in static]
+  args, kwargs = jax.tree_util.tree_unflatten(treedef, leaves)
+  return fn(*args, **kwargs)
+
+
+class _ArraySlot:
+  """Marks where an array leaf goes in :func:`_run_jitted`'s static leaves."""
+
+  __slots__ = ()
+
+  def __repr__(self) -> str:
+    return "<array>"
+
+
+_ARRAY = _ArraySlot()
+
+
+def jit_under_debug_checks(fn: Callable[..., Any]) -> Callable[..., Any]:
+  """``fn`` run as one jitted computation while ``jax.debug_infs`` / ``jax.debug_nans`` is on.
+
+  Those flags check the output of every primitive run eagerly, and only the outputs of a
+  jitted computation (forward, and under ``jax.grad`` its residuals and cotangents):
+  ``jax.nn.softmax`` (a jitted function) passes them on finite input while a normalizer
+  run op by op trips them on its internal sentinels (a masked max of ``-inf``, a NaN
+  constant of the input rules) that never reach its output. Under the flags the call goes
+  through ``jax.jit``: array arguments (pytree leaves) are traced, every other leaf
+  (Python numbers, strings, None, callables: what ``fn`` branches on) is static, so the
+  result equals the eager one. With the flags off (the default) ``fn`` runs as before.
+  A static leaf that cannot be hashed runs ``fn`` as it is.
+
+  While being staged out (an argument is a jaxpr tracer: under ``jax.jit``,
+  ``jax.checkpoint`` or a custom derivative's trace) the call is a nested ``jit`` whatever
+  the flags, which costs nothing at run time (XLA inlines it): a jaxpr traced with the
+  flags off and cached by JAX (a checkpoint's, say) is then still checked at the call's
+  outputs only when it is later evaluated op by op with the flags on.
+  """
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    if not (debug_checks_on() or any(_staged(leaf) for leaf in leaves)):
+      return fn(*args, **kwargs)
+    static = tuple(_ARRAY if _is_array(leaf) else leaf for leaf in leaves)
+    try:
+      hash(static)
+    except TypeError:
+      return fn(*args, **kwargs)
+    return _run_jitted(fn, treedef, static, tuple(leaf for leaf in leaves if _is_array(leaf)))
+
+  return wrapped
