@@ -113,10 +113,13 @@ def odd_rows(x, where, axis):
   """Rows whose visible entries hold a NaN or ``+inf`` (keepdims, no gradient): the rows
   the shared rules fill in by convention, with a zero gradient."""
   x = jax.lax.stop_gradient(x)
-  odd = ~(x < jnp.inf)  # NaN or +inf
+  # x * 0 is NaN exactly at a NaN or an infinity; a float sum finds it (XLA:CPU runs a
+  # boolean any() over the rows about twice as slowly)
+  keep = x != -jnp.inf
   if where is not None:
-    odd = odd & jnp.broadcast_to(where, x.shape)
-  return jnp.any(odd, axis=axis, keepdims=True)
+    keep = keep & jnp.broadcast_to(where, x.shape)
+  zero = jnp.zeros((), x.dtype)
+  return jnp.isnan(jnp.sum(jnp.where(keep, x * zero, zero), axis=axis, keepdims=True))
 
 
 def row_value(value, ndim: int, dtype):
@@ -150,19 +153,23 @@ def _softmax_from_output_jvp(axis, primals, tangents):
   odd = checkpoint_name(odd_rows(x, where, axis), _ROW)
   cd = c.compute_dtype(y.dtype)
   t = row_value(temperature, y.ndim, cd)
-  p = jnp.where(odd, jnp.zeros((), cd), y.astype(cd))  # finite: the NaN rows are 0 here
+  zero = jnp.zeros((), cd)
 
-  def centred(v):  # p (v - <p, v>)
+  def centred(p, v):  # p (v - <p, v>)
     return p * (v - jnp.sum(p * v, axis=axis, keepdims=True))
 
   parts = []
   if not is_zero_tangent(dx):
-    parts.append(centred(dx.astype(cd) / t))
+    # The selects on both sides keep the odd rows at 0 in both modes, also through the
+    # transpose (y is NaN on a NaN row). XLA:CPU runs this about twice as fast as zeroing
+    # y on those rows first.
+    parts.append(centred(y.astype(cd), jnp.where(odd, zero, dx.astype(cd) / t)))
   if not is_zero_tangent(dt):
+    p = jnp.where(odd, zero, y.astype(cd))  # finite: the coefficient of dT
     pos = p > 0
-    log_p = jnp.where(pos, jnp.log(jnp.where(pos, p, jnp.ones((), cd))), jnp.zeros((), cd))
-    parts.append(-(row_value(dt, y.ndim, cd) / t) * centred(log_p))
-  return y, jnp.where(odd, jnp.zeros((), cd), sum(parts[1:], parts[0])).astype(y.dtype)
+    log_p = jnp.where(pos, jnp.log(jnp.where(pos, p, jnp.ones((), cd))), zero)
+    parts.append(-(row_value(dt, y.ndim, cd) / t) * centred(p, log_p))
+  return y, jnp.where(odd, zero, sum(parts[1:], parts[0])).astype(y.dtype)
 
 
 # Reverse mode keeps y and one flag per row (jax.nn.softmax keeps y).
