@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsoft.attention import masks
+from jaxsoft.attention import _chunked, masks
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
@@ -612,6 +612,21 @@ def approx_sigmoid_numerator(interpret: bool):
   return lambda z, m, **_: sig(z)
 
 
+def varying_like(out_shape, inputs):
+  """``out_shape`` (ShapeDtypeStructs) given the manual axis type of the ``inputs`` that
+  vary over the most mesh axes: inside ``jax.shard_map`` (default ``check_vma``) a
+  pallas_call must say how its outputs vary, which a bare shape does not."""
+  avals = [jax.typeof(x) for x in inputs if x is not None]
+  mats = [a.mat for a in avals if getattr(a, "mat", None) is not None]
+  if not mats:
+    return out_shape
+  mat = max(mats, key=lambda m: len(m.varying))
+  if not mat.varying:
+    return out_shape
+  return jax.tree.map(
+      lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat), out_shape)
+
+
 LOG2E = 1.0 / math.log(2.0)  # log2(e): e^x = 2^{x log2(e)}
 LN2 = math.log(2.0)
 
@@ -969,8 +984,8 @@ def t_indicator(cfg: Config) -> bool:
   static hyperparameters and the defaults of the others): its tau then moves into the gap
   below it after one more sweep (:func:`t_below_tile`, :func:`t_gap_tau`)."""
   hp = {**cfg.spec.defaults, **dict(cfg.static_hp)}
-  return tile.jumps_at_threshold(cfg.spec.threshold,
-                                 {name: x for name, x in hp.items() if x is not None})
+  return _chunked.jumps_at_threshold(cfg.spec.threshold,
+                                     {name: x for name, x in hp.items() if x is not None})
 
 
 def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):

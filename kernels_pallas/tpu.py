@@ -81,6 +81,7 @@ def _call(cfg: E.Config, kernel, name: str, grid, sp, bounds, operands, aux, dyn
   parallel: tuple[Literal["parallel", "arbitrary"], ...] = ("parallel",) * 3
   arbitrary: tuple[Literal["parallel", "arbitrary"], ...] = ("arbitrary",)
   semantics = parallel + arbitrary * (len(grid) - 3)
+  out_shape = E.varying_like(out_shape, [o[1] for o in operands] + list(extra))
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(

@@ -55,6 +55,7 @@ def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operand
   operands = lead + operands
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
   warps = cfg.blocks.num_warps or (4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8)
+  out_shape = E.varying_like(out_shape, [o[1] for o in operands] + list(extra))
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[*(o[0] for o in operands), *extra_specs],
       out_specs=out_specs, out_shape=out_shape,

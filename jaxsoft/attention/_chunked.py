@@ -68,6 +68,7 @@ from jaxsoft.normalizers.common import compute_dtype
 from jaxsoft.normalizers.spec import NormalizerSpec
 
 __all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K", "refuse_unsupported_ad", "first_order_only",
+           "jumps_at_threshold",
            "UnsupportedDifferentiation"]
 
 # Default block sizes (query rows x key columns). 512 x 512 keeps a tile's float32 logits at
@@ -491,7 +492,7 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   done = jnp.all(tile.search_done(state))
   _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
   tau = residual = lax.stop_gradient(tile.search_threshold(state, newton))
-  if _jumps_at_threshold(rule, dict(plan.static_hp)):
+  if jumps_at_threshold(rule, dict(plan.static_hp)):
     # top-k / top-p: tau moves into the gap below it, so that a score equal to tau that
     # the backward pass recomputes an ulp lower is still kept
     def below_step(t: _Tile, below):
@@ -510,7 +511,7 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   return tile.weight_stabiliser(m), lax.stop_gradient(tau), residual
 
 
-def _jumps_at_threshold(rule, hp: dict) -> bool:
+def jumps_at_threshold(rule, hp: dict) -> bool:
   """:func:`tile.jumps_at_threshold` outside the caller's mesh: its compile-time
   evaluation fails inside ``jax.shard_map`` (a constant placed on the manual mesh)."""
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
