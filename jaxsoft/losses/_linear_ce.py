@@ -67,7 +67,14 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   is False or whose label equals ``ignore_index`` has loss 0 and zero gradient; a label
   outside ``[0, V)`` that is not ``ignore_index`` has loss ``+inf`` and zero gradient.
   bf16/fp16 inputs are computed in float32 chunk by chunk; the loss comes back in
-  ``h``'s dtype and the gradients in ``h``'s and ``w``'s.
+  ``h``'s dtype and the gradients in ``h``'s and ``w``'s (integer inputs promote as
+  jax.nn's do: float32).
+
+  Data parallelism: with the tokens sharded on an explicit mesh (``jax.make_mesh``'s
+  default) the loss and gradients equal the unsharded ones, each token chunk taking its
+  tokens strided across the shards (``token_chunk_size`` must then divide the number of
+  tokens: a padded sharded axis is refused with a ValueError); inside ``jax.shard_map``
+  the gradient of a replicated ``w`` is summed over the shards, as autodiff sums it.
 
   Args:
     h: ``[..., d]`` hidden states (float).
