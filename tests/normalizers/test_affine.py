@@ -8,6 +8,7 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
 from tests import helpers
+from tests import reference_f64 as ref64
 from tests.normalizers import masking
 
 # jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
@@ -66,9 +67,12 @@ def test_gradients_float64():
                 modes=("rev",))
 
 
-def test_masks_and_low_precision():
-  x, _ = helpers.random_rows(3, masked=False)
-  helpers.check_low_precision(AFFINE_SOFTMAX, x, alpha=0.5, beta=0.1)
+def test_masks_low_precision_and_tile_rule_against_float64():
+  """Masked rows == the reference of the rows with those entries deleted (the tied bias
+  counts only the visible n), bf16/fp16 == the reference up to one rounding, and the
+  chunked attention path == dense float64 attention (tests.reference_f64)."""
+  ref64.check_masks_low_precision_tile_rule(AFFINE_SOFTMAX, "affine_softmax", _reference,
+                                            {"alpha": 0.5})
 
 
 def test_masked_entries_and_fully_masked_rows_are_exactly_zero():

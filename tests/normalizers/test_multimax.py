@@ -8,6 +8,7 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
 from tests import helpers
+from tests import reference_f64 as ref64
 from tests.normalizers import masking
 from tests.normalizers.reference import softmax64
 
@@ -79,8 +80,10 @@ def test_gradients_float64_away_from_breakpoints_and_at_them():
 
 
 def test_masks_low_precision_tile_rule():
-  xf, _ = helpers.random_rows(3, masked=False)
-  helpers.check_low_precision(MULTIMAX, xf, **HP)
+  """Masked rows == the reference of the rows with those entries deleted, bf16/fp16 == the
+  reference up to one rounding, and the chunked attention path == dense float64 attention
+  (tests.reference_f64)."""
+  ref64.check_masks_low_precision_tile_rule(MULTIMAX, "multimax", _reference, HP)
 
 
 def test_masked_entries_and_fully_masked_rows_are_exactly_zero():

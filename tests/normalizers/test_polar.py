@@ -8,6 +8,7 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
 from tests import helpers
+from tests import reference_f64 as ref64
 from tests.normalizers import masking
 
 # jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
@@ -78,9 +79,12 @@ def test_gradients_float64_and_extreme_logits():
 
 
 def test_masks_low_precision_tile_rule():
-  xf, _ = helpers.random_rows(2, masked=False)
-  hp = {"alpha": -1.0, "null_bias": 1.5, "gamma": 1.0}
-  helpers.check_low_precision(POLAR_SOFTMAX, xf, **hp)
+  """Masked rows == the reference of the rows with those entries deleted (n counts only
+  the visible entries), bf16/fp16 == the reference up to one rounding, and the chunked
+  attention path == dense float64 attention (tests.reference_f64)."""
+  ref64.check_masks_low_precision_tile_rule(
+      POLAR_SOFTMAX, "polar_softmax", _reference,
+      {"alpha": -1.0, "null_bias": 1.5, "gamma": 1.0})
 
 
 def test_masked_entries_and_fully_masked_rows_are_exactly_zero():

@@ -19,6 +19,7 @@ import pytest
 import jaxsoft as js
 from jaxsoft import normalizers as N
 from jaxsoft.normalizers import common as c
+from tests import reference_f64 as ref64
 from tests.helpers import registry_sample
 
 NAMES = N.names()
@@ -359,7 +360,28 @@ def _case(seed):
 DTYPES = ("float32", "bfloat16", "int32", "float64")
 
 
+def _differentiable_fd(f, x, h=1e-5):
+  """Central differences of the float64 numpy function ``f`` at each entry of ``x``, and
+  where ``f`` is differentiable: the one-sided differences agree (no kink, no jump
+  between ``x - h`` and ``x + h``)."""
+  x = np.asarray(x, np.float64)
+  f0 = f(x)
+  g = np.zeros_like(x)
+  ok = np.zeros(x.shape, bool)
+  for i in np.ndindex(x.shape):
+    if not np.isfinite(x[i]):
+      continue
+    e = np.zeros_like(x)
+    e[i] = h
+    up, down = (f(x + e) - f0) / h, (f0 - f(x - e)) / h
+    g[i] = 0.5 * (up + down)
+    ok[i] = abs(up - down) <= 1e-3 * max(1.0, abs(g[i]))
+  return g, ok
+
+
 def _check_random(name, seed, dtype):
+  """The function at ``dtype`` against :mod:`tests.reference_f64` (numpy float64 from the
+  formula), values and (where smooth) gradients by central differences of it."""
   spec = N.get(name)
   x, w, axis, _ = _case(seed)
   hp = _learned(spec)
@@ -384,51 +406,76 @@ def _check_random(name, seed, dtype):
   def grad(v, h, ct):
     return jax.jit(jax.grad(lambda v, h: jnp.sum(f(v, h) * ct * jnp.isfinite(v)), (0, 1)))(v, h)
 
-  with jax.enable_x64(True):
-    x64 = jnp.asarray(np.asarray(x, np.float64))
-    hp64 = {k: jnp.asarray(v, jnp.float64) for k, v in hp.items()}
-    if dtype == "float64":
-      got = f(x64, hp64)
+  x64 = np.asarray(x, np.float64)
+  vis = np.broadcast_to(w, x.shape) & (x64 != -np.inf)
+  if dtype == "float64":
+    with jax.enable_x64(True):
+      got = f(jnp.asarray(x64), {k: jnp.asarray(v, jnp.float64) for k, v in hp.items()})
       assert got.dtype == jnp.float64
       got = np.asarray(got)
-    ref = np.asarray(f(x64, hp64))
-    vis = np.broadcast_to(w, x.shape) & (np.asarray(x, np.float64) != -np.inf)
-    clean = jnp.asarray(np.where(np.isnan(x) & vis, 0.0, np.asarray(x, np.float64)))
-    ct = jnp.asarray(np.random.default_rng(seed + 7).normal(size=x.shape))
-    g_ref = grad(clean, hp64, ct)
-  if dtype != "float64":
+  else:
     got = f(xin, hp)
     assert got.dtype == c.output_dtype(xin.dtype), got.dtype
     got = np.asarray(got.astype(jnp.float32), np.float64)
   # rules that need no reference: exact zeros where masked, NaN exactly on NaN rows
   assert (got[~vis] == 0).all(), "masked entries"
-  nan_row = np.any(np.isnan(np.asarray(x, np.float64)) & vis, axis=axis, keepdims=True)
+  nan_row = np.any(np.isnan(x64) & vis, axis=axis, keepdims=True)
   assert (np.isnan(got) == (nan_row & vis)).all(), "NaN rule"
   if spec.needs_key:
-    return  # the float64 noise differs from the float32 noise
+    return  # no float64 reference of the random draw
+  ref = ref64.normalizer(name, x64, w, axis, **hp, **static)
+  # float32 (and int32 promoted to it): a few roundings of 2^-24 each, amplified by exp
+  # of scores up to ~|x| (relative error |x| 2^-24 of e^{x - m}): 2e-4 covers |x| ~ 1e3
+  # near the max; the +-1e4 rows put all their mass on entries within O(1) of the max.
+  # bfloat16: the input is rounded first (the reference sees the rounded value), the
+  # float32 result is rounded to 8 mantissa bits: relative 2^-9 ~ 2e-3, so 2e-2 with the
+  # exp amplification. float64: the formulas' float64 roundings, far below 1e-9.
   tol = {"float32": (2e-4, 1e-5), "int32": (2e-4, 1e-5), "float64": (1e-9, 1e-12),
          "bfloat16": (2e-2, 2e-3)}[dtype]
   np.testing.assert_allclose(got, ref, rtol=tol[0], atol=tol[1], equal_nan=True,
                              err_msg=f"{name} seed={seed} {dtype} forward")
-  if dtype in ("float32", "float64"):
-    dt = jnp.float64 if dtype == "float64" else jnp.float32
-    ctx = jax.enable_x64(True) if dtype == "float64" else jax.enable_x64(False)
-    with ctx:
-      g = grad(jnp.asarray(np.asarray(clean), dt), {k: jnp.asarray(v, dt) for k, v in hp.items()},
-               jnp.asarray(np.asarray(ct), dt))
-    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
-      a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-      assert np.isfinite(a).all(), f"{name} seed={seed} {dtype} gradient not finite"
-      if spec.smooth and name not in ("top_k_softmax", "top_p_softmax", "epsilon_softmax",
-                                      "eta_softmax"):
-        scale = max(1.0, float(np.abs(b).max()))
-        # float32 sums of terms as large as the logits (the +-1e4 rows) cancel: allow
-        # the rounding of those terms
-        xs = np.asarray(clean, np.float64)
-        xmag = float(np.abs(np.where(vis & np.isfinite(xs), xs, 0.0)).sum())
-        eps = 1e-12 if dtype == "float64" else 1e-6
-        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-4 * scale + eps * xmag,
-                                   err_msg=f"{name} seed={seed} {dtype} gradient")
+  if dtype in ("float32", "float64") and spec.smooth and name not in (
+      "top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"):
+    _check_random_grad(name, seed, dtype, grad, x64, w, axis, hp, static, vis)
+
+
+def _check_random_grad(name, seed, dtype, grad, x64, w, axis, hp, static, vis):
+  """The gradient of <f, ct> against central differences of the float64 reference."""
+  dt = jnp.float64 if dtype == "float64" else jnp.float32
+  clean = np.where(np.isnan(x64) & vis, 0.0, x64)
+  ct = np.random.default_rng(seed + 7).normal(size=x64.shape)
+  with jax.enable_x64(dtype == "float64"):
+    g = grad(jnp.asarray(clean, dt), {k: jnp.asarray(v, dt) for k, v in hp.items()},
+             jnp.asarray(ct, dt))
+  for leaf in jax.tree.leaves(g):
+    assert np.isfinite(np.asarray(leaf, np.float64)).all(), (
+        f"{name} seed={seed} {dtype} gradient not finite")
+  fin = np.isfinite(clean)
+
+  def loss(v, h):
+    return float(np.sum(np.where(fin, ref64.normalizer(name, v, w, axis, **h, **static), 0.0)
+                        * ct))
+
+  # rows with a visible +inf follow their rule, constant in the other entries: skipped
+  inf_row = np.broadcast_to(np.any((clean == np.inf) & vis, axis=axis, keepdims=True),
+                            x64.shape)
+  want_x, ok_x = _differentiable_fd(lambda v: loss(v, hp), clean)
+  pairs = [(np.asarray(g[0], np.float64), want_x, ok_x & ~inf_row)]
+  if not inf_row.any():
+    for k in hp:
+      want, ok = _differentiable_fd(lambda v, k=k: loss(clean, {**hp, k: float(v)}),
+                                    np.float64(hp[k]))
+      pairs.append((np.asarray(g[1][k], np.float64), want, ok))
+  # central differences at h = 1e-5 in float64: truncation h^2 f''' / 6 and rounding
+  # 2^-52 |L| / h, both far below 1e-6 of the gradient's scale; float32: the forward's
+  # rounding amplified by the scores' magnitude (the +-1e4 rows cancel terms as large as x)
+  xmag = float(np.abs(np.where(vis & fin, clean, 0.0)).sum())
+  for a, b, ok in pairs:
+    scale = max(1.0, float(np.abs(b).max()))
+    rtol, atol = ((1e-6, 1e-6 * scale + 1e-12 * xmag) if dtype == "float64"
+                  else (2e-3, 2e-4 * scale + 1e-6 * xmag))
+    np.testing.assert_allclose(np.where(ok, a, 0.0), np.where(ok, b, 0.0), rtol=rtol, atol=atol,
+                               err_msg=f"{name} seed={seed} {dtype} gradient")
 
 
 @pytest.mark.parametrize("name", registry_sample(NAMES))

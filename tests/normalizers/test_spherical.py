@@ -8,6 +8,7 @@ from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
 from tests import helpers
+from tests import reference_f64 as ref64
 from tests.normalizers import masking
 
 # jitted once: each call compiles per shape, not per primitive (the tests stay cheap)
@@ -60,8 +61,11 @@ def test_gradients_float64_including_eps():
 
 
 def test_masks_low_precision_tile_rule():
-  x, _ = helpers.random_rows(2, masked=False)
-  helpers.check_low_precision(SPHERICAL_SOFTMAX, x)
+  """Masked rows == the reference of the rows with those entries deleted, bf16/fp16 == the
+  reference up to one rounding, and the chunked attention path == dense float64 attention
+  (tests.reference_f64)."""
+  ref64.check_masks_low_precision_tile_rule(SPHERICAL_SOFTMAX, "spherical_softmax", _reference,
+                                            {"eps": 0.3})
 
 
 def test_masked_entries_and_fully_masked_rows_are_exactly_zero():
