@@ -64,6 +64,14 @@ _SCRIPT = textwrap.dedent("""
       for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
                                    err_msg=mode)
+    # a token chunk that does not divide the sharded tokens would pad a sharded axis: refused
+    try:
+      with jax.set_mesh(mesh):
+        js.losses.linear_cross_entropy(hs, ws, ys, token_chunk_size=3)
+    except ValueError as e:
+      assert "linear_cross_entropy" in str(e) and "token_chunk_size" in str(e), e
+    else:
+      raise AssertionError("no error for token_chunk_size=3 on 8 sharded tokens")
     print("ok")
 """)
 
