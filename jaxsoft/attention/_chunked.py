@@ -38,6 +38,23 @@ block serves the G query heads of its group in one batched matmul. Forgetting at
 decay ``cq_i - ck_j`` enters through :class:`_RowColumnBias`, an additive pre-cap bias
 hook with its own tile and gradient.
 
+Differentiation: first-order reverse mode only (``jax.grad``, ``jax.vjp``, ``jax.jacrev``),
+exact against the dense path. Forward mode (``jax.jvp``, ``jax.jacfwd``) and second or
+higher orders (``jax.hessian``, grad of grad, jvp of grad) are refused with
+:class:`UnsupportedDifferentiation` (a NotImplementedError and a TypeError) naming
+``implementation='xla_chunked'`` and the dense ``implementation='xla'``, which supports
+them: the backward pass reads the transposed keys and values and the threshold tau as
+constants, so differentiating it would silently drop Hessian terms, and its loops have
+dynamic bounds (no reverse mode). The refusal is raised at the call when the derivative
+retraces it, so ``implementation=None`` moves on to the dense path (a Hessian-vector
+product keeps its meaning at every length, at the dense path's O(T·S) memory); under a
+derivative of a ``jax.jit``-compiled function the backward pass raises it
+(:func:`first_order_only`), and forward mode there gives JAX's own custom_vjp error. A
+blockwise JVP (a linear, transposable tangent pass) would lift this; it is not written.
+
+Sharding: the loop carries are typed like the query block (:func:`_typed_like`), so a
+batch-sharded call runs under an Explicit mesh and inside ``jax.shard_map``.
+
 With ``score="distance"`` (A18) the tile's pre-cap logit is the distance
 ``d_ij = sqrt(max(|q_i|^2 + |k_j|^2 - 2 q_i·k_j, 0))``: the squared norms are computed once
 per call (``_Aux.qn``/``kn``, no gradient through them) and sliced per block, and the
@@ -952,7 +969,8 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   ``call.return_residual`` (the row statistic of :func:`_row_statistic`, no gradient).
   Raises NotImplementedError for what the chunked path cannot compute: plain callables,
   stochastic normalizers, kernel class X and a class-R residual (the dispatcher then falls back to
-  "xla").
+  "xla"), and :class:`UnsupportedDifferentiation` for forward-mode and higher-order
+  derivatives (see the module docstring: first-order reverse mode only).
   """
   spec = call.spec
   kind, rule = _blockwise_rule(spec)
