@@ -113,13 +113,14 @@ def odd_rows(x, where, axis):
   """Rows whose visible entries hold a NaN or ``+inf`` (keepdims, no gradient): the rows
   the shared rules fill in by convention, with a zero gradient."""
   x = jax.lax.stop_gradient(x)
-  # x * 0 is NaN exactly at a NaN or an infinity; a float sum finds it (XLA:CPU runs a
-  # boolean any() over the rows about twice as slowly)
+  # x * 0 is NaN exactly at a NaN or +inf (-inf entries, masked, are 0 before the product:
+  # finite input makes no NaN, even under jax.debug_nans); a float sum finds it (XLA:CPU
+  # runs a boolean any() over the rows about twice as slowly)
   keep = x != -jnp.inf
   if where is not None:
     keep = keep & jnp.broadcast_to(where, x.shape)
   zero = jnp.zeros((), x.dtype)
-  return jnp.isnan(jnp.sum(jnp.where(keep, x * zero, zero), axis=axis, keepdims=True))
+  return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
 
 
 def row_value(value, ndim: int, dtype):
