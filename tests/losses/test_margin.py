@@ -191,7 +191,7 @@ def test_bad_input_names_the_argument():
   check_raises(
       ("`class_weights`", lambda: arc(x, w.T, labels)),
       ("`class_weights`", lambda: arc(x, w[None], labels)),
-      ("`embeddings`", lambda: arc(x.astype(jnp.int32), w, labels)),
+      ("`embeddings`", lambda: arc(x.astype(jnp.complex64), w, labels)),
       ("`labels`", lambda: arc(x, w, labels[:2])),
       ("`labels`", lambda: arc(x, w, labels.astype(jnp.float32))),
       ("`margin`", lambda: arc(x, w, labels, margin=-0.1)),

@@ -125,5 +125,5 @@ def test_bad_inputs_name_the_argument():
       ("`where`", lambda: E.sdpo_loss(c, r, rc, rr, where=jnp.ones((3, 2), bool))),
       ("`temperature`", lambda: E.adpo_loss(r, rr, rr, temperature=-1.0)),
       ("`targets`", lambda: E.adpo_loss(r, rr, rr[:, :2])),
-      ("`ref_logps`", lambda: E.adpo_loss(r, rr.astype(jnp.int32), rr)),
+      ("`ref_logps`", lambda: E.adpo_loss(r, rr.astype(jnp.complex64), rr)),
   )

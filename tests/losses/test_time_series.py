@@ -72,7 +72,7 @@ def test_soft_msm_gradients_and_errors():
   out = L.soft_msm(jnp.array([0.0, 1.0], jnp.bfloat16), jnp.array([0.5], jnp.bfloat16))
   assert out.dtype == jnp.float32 and np.isfinite(float(out))
   check_raises(("`x`", lambda: js.losses.soft_msm(jnp.ones(0), jnp.ones(3))),
-               ("`y`", lambda: js.losses.soft_msm(jnp.ones(2), jnp.ones(3, int))),
+               ("`y`", lambda: js.losses.soft_msm(jnp.ones(2), jnp.ones(3, jnp.complex64))),
                ("gamma", lambda: js.losses.soft_msm(jnp.ones(2), jnp.ones(3), gamma=0.0)),
                ("cost", lambda: js.losses.soft_msm(jnp.ones(2), jnp.ones(3), cost=-1.0)),
                ("broadcast", lambda: js.losses.soft_msm(jnp.ones((2, 2)), jnp.ones((3, 3)))))
