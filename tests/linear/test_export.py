@@ -1,7 +1,8 @@
 """The linear family under ``jax.export`` with a symbolic batch dimension (issue 37,
 defect 14): no shape arithmetic may need a concrete batch. Exported once with ``B``
 symbolic, the outputs, final states and gradients must equal the jitted ones at two batch
-sizes. One form by default, every form and the decoding step under ``-m slow``."""
+sizes. Every form and the decoding step, under ``-m slow`` (the default suite's budget).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +63,10 @@ def _round_trip(f, step=False):
       np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_recurrent_simple_gla_exports_with_a_symbolic_batch():
-  """One cheap form forward by default (a guard: the forms exported before too); with
-  gradients, every form, under -m slow."""
+  """A guard (the forms exported before too), under -m slow to keep the default suite's
+  budget; with gradients, every form below."""
   _round_trip(lambda q, k, v, g, b: linear.simple_gla(
       q, k, v, g, implementation="recurrent", output_final_state=True))
 
