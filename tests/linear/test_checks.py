@@ -26,7 +26,7 @@ def _bad_calls():
   yield "`q`", lambda: linear.simple_gla(q[0], k, v, g)
   yield "`k`", lambda: linear.delta_rule(q, k[..., :3], v, beta)
   yield "`v`", lambda: linear.gla(q, k, v[:, :4], -jnp.ones((B, T, N, K)))
-  yield "`q`", lambda: linear.linear_attention(q.astype(jnp.int32), k, v)
+  yield "`q`", lambda: linear.linear_attention(q.astype(jnp.complex64), k, v)
   yield "`g`", lambda: linear.simple_gla(q, k, v, -jnp.ones((B, T, N, K)))     # per channel
   yield "`g`", lambda: linear.gla(q, k, v, g)                                   # per head
   yield "`g`", lambda: linear.simple_gla(q, k, v, _set(g, (0, 2, 1), 0.1))       # g > 0

@@ -191,7 +191,7 @@ def test_bad_input_names_the_argument():
   check_raises(
       ("`w`", lambda: lce(h, w.T, y)),
       ("`w`", lambda: lce(h, jnp.zeros((D, 0)), y)),
-      ("`h`", lambda: lce(jnp.zeros((4, D), jnp.int32), w, y)),
+      ("`h`", lambda: lce(jnp.zeros((4, D), jnp.complex64), w, y)),
       ("`labels`", lambda: lce(h, w, y[:3])),
       ("`labels`", lambda: lce(h, w, y.astype(jnp.float32))),
       ("`where`", lambda: lce(h, w, y, where=jnp.ones((3,), bool))),
