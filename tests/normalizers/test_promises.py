@@ -131,6 +131,8 @@ def _limit_z(posinf, vis):
 
 def _inf_expected(name, x, where):
   """The +inf rule of the module docstring of ``_common``, in numpy."""
+  if name in ref64.FORMULAS:  # the float64 reference of the formula and its +inf rule
+    return ref64.normalizer(name, x, where)
   x = np.asarray(x, np.float64)
   vis = np.ones(x.shape, bool) if where is None else np.broadcast_to(where, x.shape)
   vis = vis & (x != -np.inf)
