@@ -28,7 +28,9 @@ def _inf_limit(posinf, axis, hparams, visible):
   them and 0 elsewhere, so the weights tend to ``alpha/k + beta`` and ``beta`` (the bias
   stays on every visible entry; tied: ``(1 - alpha) / n``, n counting the +inf ones)."""
   shape = posinf.shape
-  alpha = c.row_param(hparams.get("alpha", 1.0), shape, axis, "alpha", "affine_softmax")
+  alpha = hparams.get("alpha", 1.0)
+  # The widest float in play (float64 under x64), as the finite rows compute in.
+  alpha = c.row_param(alpha, shape, axis, "alpha", "affine_softmax", jnp.result_type(alpha, float))
   n = jnp.sum(visible, axis=axis, keepdims=True).astype(alpha.dtype)
   k = jnp.sum(posinf, axis=axis, keepdims=True).astype(alpha.dtype)
   share = posinf / jnp.maximum(k, 1.0)

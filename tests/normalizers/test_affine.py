@@ -99,3 +99,13 @@ def test_posinf_takes_the_formula_limit():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-6, atol=1e-7)
   g = jax.grad(lambda a: jnp.sum(N.affine_softmax(jnp.asarray(x), alpha=a)[0]))(0.5)
   np.testing.assert_allclose(g, 1.0 - 4 * 0.25, atol=1e-6)  # d/dalpha sum = 1 - n/n = 0
+
+
+def test_posinf_limit_stays_float64_under_x64():
+  """Under x64 a float64 row's +inf limit is computed in float64 (alpha/k + beta exact to
+  1e-15), not in float32 (0.8500000238 for 0.85)."""
+  with jax.enable_x64(True):
+    x = jnp.array([np.inf, 1.0, 0.0, -1.0], jnp.float64)
+    got = N.affine_softmax(x, alpha=0.8)
+    assert got.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(got), [0.85, 0.05, 0.05, 0.05], rtol=1e-15)
