@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoft.attention._chunked import refuse_unsupported_ad
 from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention.differentiation import refuse_unsupported_ad
 from jaxsoft.attention.masks import table_ranges
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import autotune, core

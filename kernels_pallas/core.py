@@ -13,12 +13,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxsoft.attention._chunked import first_order_only
+from jaxsoft.attention.differentiation import first_order_only
 from jaxsoft.normalizers import tile
 from kernels_pallas import engine as E
 from kernels_pallas import tpu, triton
 
-# who raises when a custom VJP below is differentiated again (jaxsoft.attention._chunked's
+# who raises when a custom VJP below is differentiated again (jaxsoft.attention.differentiation's
 # ``first_order_only``): the Pallas kernels have no derivative rules of their own
 WHERE = "dot_product_attention(implementation='pallas')"
 

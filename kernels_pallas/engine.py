@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxsoft.attention import _chunked, masks
+from jaxsoft.attention import masks
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
@@ -984,8 +984,8 @@ def t_indicator(cfg: Config) -> bool:
   static hyperparameters and the defaults of the others): its tau then moves into the gap
   below it after one more sweep (:func:`t_below_tile`, :func:`t_gap_tau`)."""
   hp = {**cfg.spec.defaults, **dict(cfg.static_hp)}
-  return _chunked.jumps_at_threshold(cfg.spec.threshold,
-                                     {name: x for name, x in hp.items() if x is not None})
+  return tile.jumps_at_threshold(cfg.spec.threshold,
+                                 {name: x for name, x in hp.items() if x is not None})
 
 
 def t_below_tile(cfg: Config, s, mask, m, tau, below, length, dyn):

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxsoft.attention._chunked import first_order_only
+from jaxsoft.attention.differentiation import first_order_only
 from kernels_pallas import core, tpu, triton
 from kernels_pallas import engine as E
 

@@ -46,9 +46,11 @@ from jaxsoft.attention._soft import gaussian_kernel, newton_schulz_pinv, soft_at
 from jaxsoft.attention._tensor import tensor_attention
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._uniattn import uniattn, uniattn_shared_map
+from jaxsoft.attention.differentiation import UnsupportedDifferentiation
 from jaxsoft.attention.masks import MaskStructure
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_logits",
+           "UnsupportedDifferentiation",
            "hopfield_retrieval", "hopfield_energy", "gated_attention_output",
            "forget_gate_decay", "forgetting_attention", "acp_prune_threshold",
            "ssmax_attention", "entmax_attention", "sparsemax_attention",

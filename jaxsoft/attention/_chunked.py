@@ -74,104 +74,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src.interpreters import ad as _ad  # LinearizeTracer (not re-exported)
-from jax._src.interpreters import batching  # BatchTracer (not re-exported)
-from jax.interpreters import ad
 
+from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 from jaxsoft.attention.masks import MaskStructure
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype
 from jaxsoft.normalizers.spec import NormalizerSpec
 
-__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K", "refuse_unsupported_ad", "first_order_only",
-           "jumps_at_threshold",
-           "UnsupportedDifferentiation"]
+__all__ = ["chunked_attention", "BLOCK_Q", "BLOCK_K"]
 
 # Default block sizes (query rows x key columns). 512 x 512 keeps a tile's float32 logits at
 # 1 MiB (L2-sized on CPUs) while each matmul is large enough to run near the GEMM peak.
 BLOCK_Q = 512
 BLOCK_K = 512
-
-
-# ----------------------------------------------------------------------- AD guards
-
-
-_SECOND_ORDER = ("a second- or higher-order derivative (jax.hessian, jax.grad of jax.grad, "
-                 "jax.jvp of jax.grad)")
-
-
-def _ad_message(where: str, what: str) -> str:
-  return (
-      f"{where}: {what} is not supported: the blockwise path computes its gradient with a "
-      "custom VJP (a recomputing backward pass), which gives first-order reverse mode "
-      "(jax.grad, jax.vjp, jax.jacrev) only. Use implementation='xla' (the dense path), "
-      "which supports jax.jvp, jax.jacfwd, jax.hessian and any nesting; note that "
-      "implementation=None picks 'xla_chunked' on CPU once T*S >= 1024*1024.")
-
-
-class UnsupportedDifferentiation(NotImplementedError, TypeError):
-  """A derivative the blockwise paths cannot take (forward mode, second order). A
-  NotImplementedError, so the automatic ``implementation=None`` moves on to the dense
-  path; a TypeError, as JAX's own refusals of a transformation."""
-
-
-def _ad_levels(x) -> tuple[bool, int]:
-  """``(forward, depth)`` of one leaf: whether its outermost derivative is forward mode
-  (a JVP tracer; reverse mode traces with linearize tracers) and how many nested
-  derivatives trace it (vmaps looked through)."""
-  forward, depth = None, 0
-  while isinstance(x, jax.core.Tracer):
-    if isinstance(x, batching.BatchTracer):
-      x = x.val
-    elif isinstance(x, (ad.JVPTracer, _ad.LinearizeTracer)):
-      if forward is None:
-        forward = isinstance(x, ad.JVPTracer)
-      depth += 1
-      x = x.primal
-    else:
-      break
-  return bool(forward), depth
-
-
-def refuse_unsupported_ad(tree, where: str) -> None:
-  """:class:`UnsupportedDifferentiation` naming ``where`` when ``tree`` (the
-  differentiable inputs) is differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``)
-  or twice (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of ``jax.grad``).
-
-  Seen here only when the derivative retraces the call; one taken of a ``jax.jit``-compiled
-  function holding the call is caught later: the second order by
-  :func:`first_order_only` (a TypeError with this message), forward mode by JAX's own
-  "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
-  """
-  levels = [_ad_levels(x) for x in jax.tree.leaves(tree)]
-  if any(depth >= 2 for _, depth in levels):
-    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
-  if any(forward for forward, _ in levels):
-    raise UnsupportedDifferentiation(
-        _ad_message(where, "forward-mode differentiation (jax.jvp, jax.jacfwd)"))
-
-
-def first_order_only(fn: Callable, where: str) -> Callable:
-  """``fn`` (a custom VJP's forward or backward computation) made to raise
-  :class:`UnsupportedDifferentiation` naming ``where`` when it is itself differentiated, i.e. under a second- or
-  higher-order derivative (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of
-  ``jax.grad``). Its first-order result is unchanged; without the guard the backward's
-  internal constants (the transposed keys and values, the threshold's stopped gradient)
-  would silently drop terms of the Hessian."""
-
-  @jax.custom_jvp
-  def guarded(*args):
-    return fn(*args)
-
-  @guarded.defjvp
-  def _refuse(primals, tangents):
-    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
-
-  return guarded
-
-
-# ------------------------------------------------------------------------------ arrays
 
 
 def _round_up(x: int, m: int) -> int:
@@ -509,7 +425,7 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   done = jnp.all(tile.search_done(state))
   _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
   tau = residual = lax.stop_gradient(tile.search_threshold(state, newton))
-  if jumps_at_threshold(rule, dict(plan.static_hp)):
+  if tile.jumps_at_threshold(rule, dict(plan.static_hp)):
     # top-k / top-p: tau moves into the gap below it, so that a score equal to tau that
     # the backward pass recomputes an ulp lower is still kept
     def below_step(t: _Tile, below):
@@ -526,13 +442,6 @@ def _threshold_search(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi)
   # strictly above every recomputed z it is inactive, and the uniform factor e^{m - m'}
   # cancels in the normalisation.
   return tile.weight_stabiliser(m), lax.stop_gradient(tau), residual
-
-
-def jumps_at_threshold(rule, hp: dict) -> bool:
-  """:func:`tile.jumps_at_threshold` outside the caller's mesh: its compile-time
-  evaluation fails inside ``jax.shard_map`` (a constant placed on the manual mesh)."""
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return tile.jumps_at_threshold(rule, hp)
 
 
 def _full_visibility(t: _Tile):

@@ -293,7 +293,10 @@ def jumps_at_threshold(rule: ThresholdRule, hp: Params) -> bool:
   (:func:`gap_threshold`, after a sweep of :func:`max_below`); scores within
   ``GAP_TOLERANCE`` (relative) of tau count as tied with it and are kept.
   """
-  with jax.ensure_compile_time_eval():  # concrete even while a caller is being traced
+  # Concrete even while a caller is being traced, and outside the caller's mesh (inside
+  # jax.shard_map a constant would be placed on the manual mesh and the probe would fail).
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
+      jax.ensure_compile_time_eval():
     zero = jnp.zeros((), jnp.float32)
     return bool(rule.weight(zero, zero, zero + 1.0, **hp) != 0)
 

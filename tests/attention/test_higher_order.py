@@ -97,7 +97,7 @@ def test_chunked_forward_mode_raises_a_clear_error():
 
 def test_refusal_is_a_type_error_and_not_implemented_error():
   """NotImplementedError lets implementation=None move on to the dense path."""
-  from jaxsoft.attention._chunked import UnsupportedDifferentiation
+  from jaxsoft.attention.differentiation import UnsupportedDifferentiation
 
   assert issubclass(UnsupportedDifferentiation, TypeError)
   assert issubclass(UnsupportedDifferentiation, NotImplementedError)
