@@ -6,7 +6,10 @@ compilation cache per run, and the ``kernels`` / ``subprocess`` markers applied 
   test that reaches a ``kernels_pallas`` module (through its module's globals, the helper
   functions of its module it calls, or the fixtures it requests);
 * ``subprocess``: tests that start a Python subprocess: the same walk finds a reference to
-  the ``subprocess`` module.
+  the ``subprocess`` module;
+* ``slow``, besides the tests that say so: the parametrized cases listed in
+  ``tests/default_sample.txt`` (the default suite's sample, chosen from measured durations by
+  ``tests/default_sample.py``; every test function keeps a case in the default run).
 
 The quick inner loop is ``pytest -m "not kernels and not subprocess and not slow"``
 (``make test-quick``).
@@ -109,10 +112,24 @@ def _is_subprocess(value):
   return value is subprocess or _module_of(value) == "subprocess"
 
 
+def _default_sample():
+  """Node ids of the parametrized cases the default suite leaves to ``-m slow``
+  (``tests/default_sample.txt``, chosen from measured durations by
+  ``tests/default_sample.py``: every test function keeps a case by default)."""
+  path = _TESTS / "default_sample.txt"
+  if not path.exists():
+    return frozenset()
+  lines = (line.strip() for line in path.read_text().splitlines())
+  return frozenset(line for line in lines if line and not line.startswith("#"))
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
 def pytest_collection_modifyitems(config, items):
   del config
+  sampled_out = _default_sample()
   for item in items:
+    if item.nodeid in sampled_out:
+      item.add_marker(pytest.mark.slow)
     path = pathlib.Path(str(item.path)).resolve()
     reached = _reached_globals(item) if isinstance(item, pytest.Function) else []
     if (_TESTS / "kernels_pallas" in path.parents or path in _KERNEL_FILES
