@@ -13,6 +13,7 @@ from jax.typing import ArrayLike
 import kernels_pallas
 from jaxsoft.attention import _chunked, _dense
 from jaxsoft.attention.call import IMPLEMENTATIONS, AttentionCall, implementation_order
+from jaxsoft.attention.differentiation import UnsupportedDifferentiation
 from jaxsoft.normalizers import spec as _spec
 
 __all__ = ["dot_product_attention", "IMPLEMENTATIONS"]
@@ -322,17 +323,22 @@ def dot_product_attention(
   explicit = order is not None
   if order is None:
     order = _default_order(call)
-  reasons = []
+  reasons, errors = [], []
   for name in order:
     try:
       out = _RUNNERS[name](call)
     except NotImplementedError as e:
       reasons.append(f"{name.removesuffix('_auto')}: {e}")
+      errors.append(e)
       continue
     return unbatch(out)
+  # A derivative every tried path refuses stays an UnsupportedDifferentiation (callers catch it).
+  refusal = (UnsupportedDifferentiation
+             if all(isinstance(e, UnsupportedDifferentiation) for e in errors)
+             else NotImplementedError)
   if explicit and len(order) == 1:
-    raise NotImplementedError(
+    raise refusal(
         f"`implementation`={order[0]!r} cannot handle this call: {reasons[0]}")
-  raise NotImplementedError(
+  raise refusal(
       f"no implementation in `implementation`={order} can handle this call: "
       + "; ".join(reasons))

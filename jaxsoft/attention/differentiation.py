@@ -38,7 +38,21 @@ def _ad_message(where: str, what: str) -> str:
 class UnsupportedDifferentiation(NotImplementedError, TypeError):
   """A derivative the blockwise paths cannot take (forward mode, second order). A
   NotImplementedError, so the automatic ``implementation=None`` moves on to the dense
-  path; a TypeError, as JAX's own refusals of a transformation."""
+  path; a TypeError, as JAX's own refusals of a transformation.
+
+  Examples:
+    >>> q = jnp.linspace(-1.0, 1.0, 32).reshape(1, 4, 1, 8)
+    >>> def f(q, implementation):
+    ...   out = js.attention.dot_product_attention(q, q, q, implementation=implementation)
+    ...   return out.sum()
+    >>> try:
+    ...   jax.hessian(f)(q, "xla_chunked")
+    ... except js.attention.UnsupportedDifferentiation as e:
+    ...   print(type(e).__name__)
+    UnsupportedDifferentiation
+    >>> jax.hessian(f)(q, "xla").shape  # the dense path takes any derivative
+    (1, 4, 1, 8, 1, 4, 1, 8)
+  """
 
 
 def _ad_levels(x) -> tuple[bool, int]:
