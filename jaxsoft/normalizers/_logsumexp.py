@@ -6,15 +6,11 @@ and not registered NormalizerSpecs.
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._softmax import is_zero_tangent, odd_rows, output_residuals, row_value
 from jaxsoft.normalizers.spec import Param
 
 __all__ = ["log_softmax", "logsumexp", "smooth_max", "smooth_min"]
@@ -133,7 +129,7 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
   _TEMPERATURE.validate(temperature, "log_softmax")  # (a concrete value: inside, it is traced)
   x = jnp.asarray(x)
   where = None if where is None else jnp.asarray(where)
-  return _log_softmax_saving_output(x, where, temperature, axis)
+  return _log_softmax_saving_output(x, where, (temperature,), (axis,))
 
 
 def _log_softmax_rows(x, axis, where, temperature):
@@ -164,30 +160,16 @@ def _log_softmax_rows(x, axis, where, temperature):
   return out.astype(c.output_dtype(jnp.asarray(x).dtype))
 
 
-_OUT, _ROW = "jaxsoft_log_softmax_output", "jaxsoft_log_softmax_rows"
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _log_softmax_from_output(x, where, temperature, axis):
-  return _log_softmax_rows(x, axis, where, temperature)
-
-
-@functools.partial(_log_softmax_from_output.defjvp, symbolic_zeros=True)
-def _log_softmax_from_output_jvp(axis, primals, tangents):
+def _log_softmax_tangent(out, odd, dx, params, dparams, static):
   r"""``dl = dz - <p, dz>`` with ``z = x/T``, ``p = e^l``, from the output ``l`` alone.
 
   The temperature's term is ``-(dT/T) (l - <p, l>)`` (``z`` is ``l`` up to a per-row
   constant). Masked entries (``l = -inf``) and the rows holding a visible NaN or ``+inf``
   get a zero tangent.
   """
-  x, where, temperature = primals
-  dx, _, dt = tangents
-  out = checkpoint_name(_log_softmax_from_output(x, where, temperature, axis), _OUT)
-  if is_zero_tangent(dx) and is_zero_tangent(dt):
-    return out, jnp.zeros_like(out)
-  odd = checkpoint_name(odd_rows(x, where, axis), _ROW)
+  (axis,), (temperature,), (dt,) = static, params, dparams
   cd = c.compute_dtype(out.dtype)
-  t = row_value(temperature, out.ndim, cd)
+  t = c.row_value(temperature, out.ndim, cd)
   zero = jnp.zeros((), cd)
   lv = out.astype(cd)
   vis = (lv > -jnp.inf) & ~odd
@@ -198,16 +180,17 @@ def _log_softmax_from_output_jvp(axis, primals, tangents):
     return jnp.where(vis, v - jnp.sum(p * v, axis=axis, keepdims=True), zero)
 
   parts = []
-  if not is_zero_tangent(dx):
+  if not c.is_zero_tangent(dx):
     parts.append(centred(jnp.where(vis, dx.astype(cd), zero) / t))
-  if not is_zero_tangent(dt):
-    parts.append(-(row_value(dt, out.ndim, cd) / t) * centred(lv))
-  return out, sum(parts[1:], parts[0]).astype(out.dtype)
+  if not c.is_zero_tangent(dt):
+    parts.append(-(c.row_value(dt, out.ndim, cd) / t) * centred(lv))
+  return sum(parts[1:], parts[0]).astype(out.dtype)
 
 
 # Reverse mode keeps the output and one flag per row (as jax.nn.log_softmax keeps its output).
-_log_softmax_saving_output = jax.checkpoint(
-    _log_softmax_from_output, policy=output_residuals(_OUT, _ROW), static_argnums=(3,))
+_log_softmax_saving_output = c.saving_output(
+    lambda x, where, params, static: _log_softmax_rows(x, static[0], where, params[0]),
+    _log_softmax_tangent, "log_softmax")
 
 
 def _smooth_extreme(x, eps, axis, where, keepdims, sign, fn_name):

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
-from jax.custom_derivatives import SymbolicZero
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
@@ -74,7 +70,7 @@ def softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | N
   _TEMPERATURE.validate(temperature, "softmax")  # (a concrete value: inside, it is traced)
   x = jnp.asarray(x)
   where = None if where is None else jnp.asarray(where)
-  return _softmax_saving_output(x, where, temperature, axis)
+  return _softmax_saving_output(x, where, (temperature,), (axis,))
 
 
 def _softmax_body(x, axis=-1, where=None, *, temperature=1.0):
@@ -93,89 +89,39 @@ _softmax_body.__name__ = "softmax"  # the name the shared rules give in their er
 _softmax_rows = c.dense_rules(_softmax_body)
 
 
-def output_residuals(*names: str):
-  """The remat policy of a function whose derivative is a function of its output.
-
-  Under it, reverse mode keeps only the values tagged with ``names``
-  (``jax.ad_checkpoint.checkpoint_name``): the output and small row statistics; the
-  tangent map's other inputs (the output upcast, broadcast masks) are recomputed from
-  them in the backward pass.
-  """
-  return jax.checkpoint_policies.save_only_these_names(*names)
-
-
-def is_zero_tangent(t) -> bool:
-  """Whether a ``custom_jvp(symbolic_zeros=True)`` tangent is zero (none is flowing)."""
-  return isinstance(t, SymbolicZero) or jnp.result_type(t) == jax.dtypes.float0
-
-
-def odd_rows(x, where, axis):
-  """Rows whose visible entries hold a NaN or ``+inf`` (keepdims, no gradient): the rows
-  the shared rules fill in by convention, with a zero gradient."""
-  x = jax.lax.stop_gradient(x)
-  # x * 0 is NaN exactly at a NaN or +inf (-inf entries, masked, are 0 before the product:
-  # finite input makes no NaN, even under jax.debug_nans); a float sum finds it (XLA:CPU
-  # runs a boolean any() over the rows about twice as slowly)
-  keep = x != -jnp.inf
-  if where is not None:
-    keep = keep & jnp.broadcast_to(where, x.shape)
-  zero = jnp.zeros((), x.dtype)
-  return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
-
-
-def row_value(value, ndim: int, dtype):
-  """A row hyperparameter (scalar, or broadcastable to ``x`` numpy-style) at rank ``ndim``,
-  so that it combines with ``x`` without implicit rank promotion."""
-  v = jnp.asarray(value).astype(dtype)
-  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
-
-
-_OUT, _ROW = "jaxsoft_softmax_output", "jaxsoft_softmax_rows"
-
-
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
-def _softmax_from_output(x, where, temperature, axis):
-  return _softmax_rows(x, axis, where, temperature=temperature)
-
-
-@functools.partial(_softmax_from_output.defjvp, symbolic_zeros=True)
-def _softmax_from_output_jvp(axis, primals, tangents):
+def _softmax_tangent(y, odd, dx, params, dparams, static):
   r"""``dy = y (dx/T - <y, dx/T>) - (dT/T) y (log y - <y, log y>)``, from ``y`` alone.
 
   ``log y = x/T - LSE`` up to a per-row constant, which the centring removes, so the
   temperature's term needs no ``x`` either. Rows the shared rules fill in (a visible NaN
   or ``+inf``) get a zero tangent, as the fill is a constant.
   """
-  x, where, temperature = primals
-  dx, _, dt = tangents
-  y = checkpoint_name(_softmax_from_output(x, where, temperature, axis), _OUT)
-  if is_zero_tangent(dx) and is_zero_tangent(dt):
-    return y, jnp.zeros_like(y)
-  odd = checkpoint_name(odd_rows(x, where, axis), _ROW)
+  (axis,), (temperature,), (dt,) = static, params, dparams
   cd = c.compute_dtype(y.dtype)
-  t = row_value(temperature, y.ndim, cd)
+  t = c.row_value(temperature, y.ndim, cd)
   zero = jnp.zeros((), cd)
 
   def centred(p, v):  # p (v - <p, v>)
     return p * (v - jnp.sum(p * v, axis=axis, keepdims=True))
 
   parts = []
-  if not is_zero_tangent(dx):
+  if not c.is_zero_tangent(dx):
     # The selects on both sides keep the odd rows at 0 in both modes, also through the
     # transpose (y is NaN on a NaN row). XLA:CPU runs this about twice as fast as zeroing
     # y on those rows first.
     parts.append(centred(y.astype(cd), jnp.where(odd, zero, dx.astype(cd) / t)))
-  if not is_zero_tangent(dt):
+  if not c.is_zero_tangent(dt):
     p = jnp.where(odd, zero, y.astype(cd))  # finite: the coefficient of dT
     pos = p > 0
     log_p = jnp.where(pos, jnp.log(jnp.where(pos, p, jnp.ones((), cd))), zero)
-    parts.append(-(row_value(dt, y.ndim, cd) / t) * centred(p, log_p))
-  return y, jnp.where(odd, zero, sum(parts[1:], parts[0])).astype(y.dtype)
+    parts.append(-(c.row_value(dt, y.ndim, cd) / t) * centred(p, log_p))
+  return jnp.where(odd, zero, sum(parts[1:], parts[0])).astype(y.dtype)
 
 
 # Reverse mode keeps y and one flag per row (jax.nn.softmax keeps y).
-_softmax_saving_output = jax.checkpoint(_softmax_from_output, policy=output_residuals(_OUT, _ROW),
-                                        static_argnums=(3,))
+_softmax_saving_output = c.saving_output(
+    lambda x, where, params, static: _softmax_rows(x, static[0], where, temperature=params[0]),
+    _softmax_tangent, "softmax")
 # softmax applies the shared rules through _softmax_rows: the registry's mark
 setattr(softmax, "_jaxsoft_dense_rules", True)  # noqa: B010
 

@@ -41,6 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax._src.interpreters.partial_eval import DynamicJaxprTracer as _DynamicJaxprTracer
+from jax.ad_checkpoint import checkpoint_name
+from jax.custom_derivatives import SymbolicZero
 
 __all__ = [
     "canonical_axis",
@@ -68,6 +70,11 @@ __all__ = [
     "row_full_like",
     "debug_checks_on",
     "jit_under_debug_checks",
+    "output_residuals",
+    "is_zero_tangent",
+    "odd_rows",
+    "row_value",
+    "saving_output",
 ]
 
 
@@ -722,3 +729,77 @@ def jit_under_debug_checks(fn: Callable[..., Any]) -> Callable[..., Any]:
     return _run_jitted(fn, treedef, static, tuple(leaf for leaf in leaves if _is_array(leaf)))
 
   return wrapped
+
+
+# --- derivatives written from the output (reverse mode keeps only the output) ---------------
+
+
+def output_residuals(*names: str):
+  """The remat policy of a function whose derivative is a function of its output.
+
+  Under it, reverse mode keeps only the values tagged with ``names``
+  (``jax.ad_checkpoint.checkpoint_name``): the output and small row statistics; the
+  tangent map's other inputs (the output upcast, broadcast masks) are recomputed from
+  them in the backward pass.
+  """
+  return jax.checkpoint_policies.save_only_these_names(*names)
+
+
+def is_zero_tangent(t) -> bool:
+  """Whether a ``custom_jvp(symbolic_zeros=True)`` tangent is zero (none is flowing)."""
+  return isinstance(t, SymbolicZero) or jnp.result_type(t) == jax.dtypes.float0
+
+
+def odd_rows(x, where, axis):
+  """Rows whose visible entries hold a NaN or ``+inf`` (keepdims, no gradient): the rows
+  the shared rules fill in by convention, with a zero gradient."""
+  x = jax.lax.stop_gradient(x)
+  # x * 0 is NaN exactly at a NaN or +inf (-inf entries, masked, are 0 before the product:
+  # finite input makes no NaN, even under jax.debug_nans); a float sum finds it (XLA:CPU
+  # runs a boolean any() over the rows about twice as slowly)
+  keep = x != -jnp.inf
+  if where is not None:
+    keep = keep & jnp.broadcast_to(where, x.shape)
+  zero = jnp.zeros((), x.dtype)
+  return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
+
+
+def row_value(value, ndim: int, dtype):
+  """A row hyperparameter (scalar, or broadcastable to ``x`` numpy-style) at rank ``ndim``,
+  so that it combines with ``x`` without implicit rank promotion."""
+  v = jnp.asarray(value).astype(dtype)
+  return v.reshape((1,) * (ndim - v.ndim) + v.shape)
+
+
+def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: str):
+  """``f(x, where, params, static)``: ``rows`` with a derivative written from its output.
+
+  ``rows(x, where, params, static) -> y`` is the forward pass (the shared rules
+  included); ``params`` is a tuple of differentiable row hyperparameters and ``static``
+  a hashable tuple whose first entry is the normalized axis (an int or a tuple). Its
+  derivative is ``tangent(y, odd, dx, params, dparams, static)``, ``odd`` the rows the
+  shared rules fill in (:func:`odd_rows`, whose tangent must be 0) and ``dx`` /
+  ``dparams`` the tangents, each possibly zero (:func:`is_zero_tangent`; never all of
+  them). It must read ``x`` only through ``y``: reverse mode then keeps only ``y`` and the
+  per-row flag between the forward and the backward pass (:func:`output_residuals`), as
+  ``jax.nn.softmax`` keeps its output. The rule is itself differentiable (higher orders
+  apply it again to ``y``).
+  """
+  out_name, row_name = f"jaxsoft_{name}_output", f"jaxsoft_{name}_rows"
+
+  @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+  def from_output(x, where, params, static):
+    return rows(x, where, params, static)
+
+  @functools.partial(from_output.defjvp, symbolic_zeros=True)
+  def from_output_jvp(static, primals, tangents):
+    x, where, params = primals
+    dx, _, dparams = tangents
+    y = checkpoint_name(from_output(x, where, params, static), out_name)
+    if is_zero_tangent(dx) and all(is_zero_tangent(d) for d in dparams):
+      return y, jnp.zeros_like(y)
+    odd = checkpoint_name(odd_rows(x, where, static[0]), row_name)
+    return y, tangent(y, odd, dx, params, dparams, static)
+
+  return jax.checkpoint(from_output, policy=output_residuals(out_name, row_name),
+                        static_argnums=(3,))
