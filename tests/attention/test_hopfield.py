@@ -99,18 +99,20 @@ def test_hopfield_check_grads_f64():
   with jax.enable_x64(True):
     mem = jax.random.normal(jax.random.key(0), (5, 4), jnp.float64)
     xi = jax.random.normal(jax.random.key(1), (2, 4), jnp.float64)
-    f = lambda x, m, b: hopfield_retrieval(x, m, beta=b, num_iters=2, normalizer="softmax_1")
+    # jit: check_grads evaluates f many times; one compiled program instead of op by op
+    f = jax.jit(lambda x, m, b: hopfield_retrieval(x, m, beta=b, num_iters=2,
+                                                   normalizer="softmax_1"))
     check_grads(f, (xi, mem, jnp.float64(0.6)), order=1, modes=("rev",))
 
 
 def test_hopfield_bf16_in_float32():
   mem = normal(10, (6, 8))
   xi = normal(11, (2, 8))
-  out = hopfield_retrieval(xi.astype(jnp.bfloat16), mem.astype(jnp.bfloat16), beta=0.5,
-                           num_iters=2)
+  out = jax.jit(lambda x, m: hopfield_retrieval(x, m, beta=0.5, num_iters=2))(
+      xi.astype(jnp.bfloat16), mem.astype(jnp.bfloat16))
   assert out.dtype == jnp.bfloat16
-  ref = _hopfield_ref(xi.astype(jnp.bfloat16).astype(jnp.float32),
-                      mem.astype(jnp.bfloat16).astype(jnp.float32), 0.5, 2, _softmax_1_ref)
+  ref = jax.jit(lambda x, m: _hopfield_ref(x, m, 0.5, 2, _softmax_1_ref))(
+      xi.astype(jnp.bfloat16).astype(jnp.float32), mem.astype(jnp.bfloat16).astype(jnp.float32))
   chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=3e-2, rtol=2e-2)
 
 

@@ -186,9 +186,15 @@ def _value_and_grads(fn, case: Case, dtype):
   args.append(None if case.hp is None else jnp.asarray(case.hp, jnp.promote_types(dtype,
                                                                                    jnp.float32)))
   ct = jnp.asarray(case.ct, jnp.promote_types(dtype, jnp.float32))
-  out, vjp = jax.vjp(lambda *a: fn(*a).astype(ct.dtype), *args)
+
+  @jax.jit  # one program for the output and its VJP (op-by-op eager compiles each op)
+  def out_and_grads(args, ct):
+    out, vjp = jax.vjp(lambda *a: fn(*a).astype(ct.dtype), *args)
+    return out, vjp(ct)
+
+  out, grads = out_and_grads(args, ct)
   return [np.asarray(out, np.float64)] + [
-      None if g is None else np.asarray(g, np.float64) for g in vjp(ct)]
+      None if g is None else np.asarray(g, np.float64) for g in grads]
 
 
 _REFERENCES: dict = {}
