@@ -81,8 +81,9 @@ def test_top_k_gradients_and_axis():
   ct = normal(4, x.shape)
   keep = reference_keep_top_k(np.asarray(x), 3, np.ones(x.shape, bool))
   ref = lambda v: jax.nn.softmax(jnp.where(keep, v, -jnp.inf), axis=-1)  # noqa: E731
-  out, vjp = jax.vjp(lambda v: top_k_softmax(v, k=3), x)
-  ref_out, ref_vjp = jax.vjp(ref, x)
+  # jitted: one program each rather than op by op
+  out, vjp = jax.vjp(jax.jit(lambda v: top_k_softmax(v, k=3)), x)
+  ref_out, ref_vjp = jax.vjp(jax.jit(ref), x)
   chex.assert_trees_all_close(out, ref_out, atol=1e-6)
   chex.assert_trees_all_close(vjp(ct), ref_vjp(ct), atol=1e-6)
   assert bool(jnp.all(jnp.where(keep, 0.0, vjp(ct)[0]) == 0))  # zero gradient outside top-k
@@ -95,7 +96,9 @@ def test_top_k_check_grads_float64():
   from jax.test_util import check_grads
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.PRNGKey(5), (3, 8), dtype=jnp.float64)
-    check_grads(lambda v: top_k_softmax(v, k=4), (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
+    # jitted: check_grads compiles each derivative program once instead of op by op
+    check_grads(jax.jit(lambda v: top_k_softmax(v, k=4)), (x,), order=1, modes=("fwd", "rev"),
+                eps=1e-6)
 
 
 @pytest.mark.parametrize("p", [0.3, 0.7, 0.95, 1.0])
@@ -146,7 +149,7 @@ ALL = [lambda v, **kw: top_k_softmax(v, k=4, **kw), lambda v, **kw: top_p_softma
 def test_masks_and_fully_masked_rows(fn):
   x = normal(13, (6, 10))
   mask = helpers.check_masked_columns(fn, x, cols=(0, 7), empty_row=3, atol=1e-6)
-  g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0))))(x)
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[3] == 0))
 
 
@@ -224,7 +227,8 @@ def test_blockwise_truncation_matches_dense(name, level, impls, monkeypatch):
       o = dpa(q, k, v, is_causal=True, normalizer=name, normalizer_params=hp,
               key_value_seq_lengths=lens, implementation=impl)
       return jnp.sum(o * ct), o
-    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    # one jitted program per implementation (eager, every op compiled on its own)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
 
   (_, ref), gref = run("xla")
   if name == "epsilon_softmax" and level == 0.9:  # one key per row: its value
@@ -260,8 +264,8 @@ def test_blockwise_top_k_top_p_match_dense(name, hp, impls, monkeypatch):
   mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.7, (b, 1, t, t))
   kw = dict(mask=mask, logits_soft_cap=2.0, normalizer=name, normalizer_params=hp)
 
-  def fn(impl):
-    return lambda q, k, v, bias: dpa(q, k, v, bias, implementation=impl, **kw)
+  def fn(impl):  # jitted: one program per implementation rather than op by op
+    return jax.jit(lambda q, k, v, bias: dpa(q, k, v, bias, implementation=impl, **kw))
 
   for impl in impls:
     helpers.assert_same(fn(impl), fn("xla"), (q, k, v, bias))
@@ -279,7 +283,7 @@ def test_blockwise_top_p_rows_without_keys_are_zero(monkeypatch):
       o = dpa(q, k, v, normalizer="top_p_softmax", normalizer_params={"p": 0.5},
               key_value_seq_lengths=lens, implementation=impl)
       return jnp.sum(o ** 2), o
-    (_, o), g = jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    (_, o), g = jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
     np.testing.assert_array_equal(o[1], 0.0)
     assert float(jnp.abs(o[0]).max()) > 0
     for a in g:
