@@ -121,15 +121,10 @@ def _entmax15_last(x, mask, top, shift, where):
   return _entmax15_from_threshold(x, mask, top, tau), tau
 
 
-def _support_jvp(g, v):
-  """``J v`` for ``J = diag(g) - g g^T / sum(g)`` (g = p^{2 - alpha} on the support)."""
-  gv = g * v
-  return gv - g * c.safe_divide(jnp.sum(gv, axis=-1, keepdims=True),
-                                jnp.sum(g, axis=-1, keepdims=True))
+_support_jvp = _sparsemax.support_jvp
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
-@c.dense_rules
 def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""1.5-entmax, exact (feature N17, kernel class T; Peters, Niculae & Martins, ACL 2019).
 
@@ -141,7 +136,8 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   Tsallis entropy ``H_a(p) = sum(p - p^a) / (a (a - 1))``. tau is exact (the closed form of
   the support's quadratic, found without a sort by Newton passes, see
   :func:`entmax15_threshold`). Sparse, shift invariant, differentiable; the Jacobian is
-  ``J v = g v - g (sum g v) / sum g`` with ``g = sqrt(p)`` (a ``custom_jvp``).
+  ``J v = g v - g (sum g v) / sum g`` with ``g = sqrt(p)`` (a ``custom_jvp`` written from
+  the output: reverse mode keeps only ``p`` and one flag per row).
 
   Args:
     x, axis, where: as in :func:`sparsemax`.
@@ -157,7 +153,68 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   References:
     B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _entmax15_saving_output(x, where, (), (axis, 1.5))
+
+
+@c.dense_rules
+def _entmax15_rows(x, axis=-1, where=None):
+  """:func:`entmax15`'s forward pass, under the shared rules."""
   return _sparsemax.fused_along_axis(_entmax15_last, x, axis, where, "entmax15")
+
+
+_entmax15_rows.__name__ = "entmax15"  # the name the shared rules give in their errors
+
+
+def _support_weights(p, on, exponent):
+  """``g = p^exponent`` on the support, 0 off it, the power taken only where ``p > 0``: its
+  own derivative (second order) is then finite, never the NaN of ``sqrt`` at 0."""
+  p_on = jnp.where(on, p, jnp.ones((), p.dtype))
+  if isinstance(exponent, (int, float)) and exponent == 0.5:
+    g = jnp.sqrt(p_on)
+  elif isinstance(exponent, (int, float)) and exponent == 0.0:
+    return on.astype(p.dtype)
+  else:
+    g = jnp.power(p_on, exponent)
+  return jnp.where(on, g, jnp.zeros((), p.dtype))
+
+
+def _entmax_tangent(y, odd, dx, params, dparams, static):
+  r"""``dp = J dx + (dp/dalpha) dalpha`` from the output ``p`` (and alpha) alone.
+
+  ``J v = g v - g (sum g v) / sum g``, ``g = p^{2 - alpha}`` on the support; for a traced
+  alpha, ``dp/dalpha = (p - p~) / (alpha - 1)^2 - (p log p - p~ sum(p log p)) / (alpha - 1)``
+  with ``p~ = g / sum g`` (Correia, Niculae & Martins 2019, App. B). Rows the shared rules
+  fill in get a zero tangent.
+  """
+  axis, alpha_static = static[0], static[1]
+  p, on = _sparsemax.on_support(y, odd)
+  if alpha_static is not None:
+    g = _support_weights(p, on, 2.0 - alpha_static)
+    return _support_jvp(g, dx.astype(p.dtype), axis).astype(y.dtype)
+  (alpha,), (dalpha,) = params, dparams
+  am1 = c.row_value(alpha, y.ndim, p.dtype) - 1.0
+  g = _support_weights(p, on, 1.0 - am1)  # p^{2 - alpha}
+  parts = []
+  if not c.is_zero_tangent(dx):
+    parts.append(_support_jvp(g, dx.astype(p.dtype), axis))
+  if not c.is_zero_tangent(dalpha):
+    p_on = jnp.where(on, p, jnp.ones((), p.dtype))
+    plogp = jnp.where(on, p_on * jnp.log(p_on), jnp.zeros((), p.dtype))
+    skew = c.safe_divide(g, jnp.sum(g, axis=axis, keepdims=True))
+    ent = jnp.sum(plogp, axis=axis, keepdims=True)
+    dp_dalpha = (p - skew) / (am1 * am1) - (plogp - skew * ent) / am1
+    parts.append(dp_dalpha * c.row_value(dalpha, y.ndim, p.dtype))
+  return sum(parts[1:], parts[0]).astype(y.dtype)
+
+
+# Reverse mode keeps p and one flag per row.
+_entmax15_saving_output = c.saving_output(
+    lambda x, where, params, static: _entmax15_rows(x, static[0], where),
+    _entmax_tangent, "entmax15")
+# entmax15 applies the shared rules through _entmax15_rows: the registry's mark
+setattr(entmax15, "_jaxsoft_dense_rules", True)  # noqa: B010
 
 
 # --- any alpha > 1: bisection --------------------------------------------------------------
@@ -258,7 +315,6 @@ def _check_alpha(alpha):
                      + (" (and NaN)" if np.any(np.isnan(a)) else ""))
 
 
-@c.dense_rules
 def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
            alpha: ArrayLike = 1.5, n_iter: int | None = None) -> jax.Array:
   r"""alpha-entmax for any alpha > 1 (feature N17, kernel class T; Peters et al. 2019).
@@ -275,7 +331,8 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Differentiable in x (``J v = g v - g (sum g v)/sum g``, ``g = p^{2-alpha}`` on the
   support) and in alpha (the closed form of Correia, Niculae & Martins, EMNLP 2019,
-  "Adaptively Sparse Transformers"), both through a ``custom_jvp``. For a learned alpha use
+  "Adaptively Sparse Transformers"), both through a ``custom_jvp`` written from the
+  output: reverse mode keeps only ``p`` and one flag per row. For a learned alpha use
   ``alpha = learned_alpha(z)``, which is > 1 by construction.
 
   Args:
@@ -315,8 +372,25 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     M. Blondel, A. F. T. Martins & V. Niculae, 2020, "Learning with Fenchel-Young Losses".
   """
   _check_alpha(alpha)
+  _check_n_iter(n_iter)
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  n_iter = None if n_iter is None else int(n_iter)
+  if _is_python_scalar(alpha):  # static: the exact solvers, a static exponent
+    return _entmax_saving_output(x, where, (), (axis, float(alpha), n_iter))
+  return _entmax_saving_output(x, where, (alpha,), (axis, None, n_iter))
+
+
+def _check_n_iter(n_iter):
   if n_iter is not None and (not isinstance(n_iter, (int, np.integer)) or n_iter < 1):
     raise ValueError(f"entmax: `n_iter` must be a positive int, got {n_iter!r}")
+
+
+@c.dense_rules
+def _entmax_rows(x, axis=-1, where=None, *, alpha=1.5, n_iter=None):
+  """:func:`entmax`'s forward pass, under the shared rules."""
+  _check_alpha(alpha)
+  _check_n_iter(n_iter)
   # The exact solvers run inside this call's rules (calling the decorated entmax15 or
   # sparsemax would apply the input rules twice: two more passes over the rows).
   if _is_python_scalar(alpha) and float(alpha) == 1.5:
@@ -326,6 +400,21 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   # A Python alpha gives a static exponent (integer powers become multiplications).
   q = 1.0 / (float(alpha) - 1.0) if _is_python_scalar(alpha) else None
   return _entmax_bisect(x, alpha, where, axis=axis, n_iter=n_iter, q=q)
+
+
+_entmax_rows.__name__ = "entmax"  # the name the shared rules give in their errors
+
+
+def _entmax_rows_of(x, where, params, static):
+  axis, alpha, n_iter = static
+  return _entmax_rows(x, axis, where, alpha=params[0] if alpha is None else alpha,
+                      n_iter=n_iter)
+
+
+# Reverse mode keeps p and one flag per row.
+_entmax_saving_output = c.saving_output(_entmax_rows_of, _entmax_tangent, "entmax")
+# entmax applies the shared rules through _entmax_rows: the registry's mark
+setattr(entmax, "_jaxsoft_dense_rules", True)  # noqa: B010
 
 
 @functools.partial(jax.jit, static_argnames=("axis", "n_iter", "q"))
@@ -430,6 +519,7 @@ SPEC15 = register(NormalizerSpec(
     catalogue_id="N17",
     can_be_sparse=True,
     threshold=ENTMAX15_RULE,
+    residuals="output",
     description="[x/2 - tau]_+^2, exact 1.5-entmax",
 ))
 
@@ -441,5 +531,6 @@ SPEC = register(NormalizerSpec(
     can_be_sparse=True,
     params=(_ALPHA, _N_ITER),
     threshold=ENTMAX_RULE,
+    residuals="output",
     description="[(alpha-1)x - tau]_+^(1/(alpha-1)), bisection for any alpha > 1",
 ))

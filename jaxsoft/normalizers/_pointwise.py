@@ -32,7 +32,6 @@ def _log_length(length):
   return jnp.log(jnp.maximum(length, 1.0))
 
 
-@c.dense_rules(inf_limit=1.0)
 def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
             bias: ArrayLike | None = None) -> jax.Array:
   r"""Sigmoid attention weights (feature N21, kernel class P; J. Ramapuram et al. 2024).
@@ -46,7 +45,9 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   with n the number of visible entries of the row (causal and padding aware), the
   paper's recommended bias: with zero scores the row sums to ``n / (n + 1)``. No row
   normalisation: weights lie in (0, 1), adding a key leaves the others unchanged when
-  ``bias`` is given, and the Jacobian is diagonal, ``sigma (1 - sigma) <= 1/4``.
+  ``bias`` is given, and the Jacobian is diagonal, ``sigma (1 - sigma) <= 1/4``, written
+  from the output (a ``custom_jvp``, as ``jax.nn.sigmoid``'s): reverse mode keeps only the
+  output and one flag per row.
 
   Args:
     x: scores.
@@ -74,6 +75,14 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Self-Attention".
   """
   _BIAS.validate(bias, "sigmoid")
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _sigmoid_saving_output(x, where, () if bias is None else (bias,), (axis,))
+
+
+@c.dense_rules(inf_limit=1.0)
+def _sigmoid_rows(x, axis=-1, where=None, *, bias=None):
+  """:func:`sigmoid`'s forward pass, under the shared rules."""
   xs, mask, ax = c.prepare(x, axis, where, "sigmoid")
   if bias is None:
     b = -_log_length(c.visible_count(mask, ax, xs.dtype))
@@ -82,7 +91,31 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   return c.finish(jax.nn.sigmoid(xs + b), mask, jnp.asarray(x).dtype)
 
 
-@c.dense_rules(inf_limit=float("inf"))
+_sigmoid_rows.__name__ = "sigmoid"  # the name the shared rules give in their errors
+
+
+def _sigmoid_tangent(y, nan_row, dx, params, dparams, static):
+  """``dy = y (1 - y) (dx + db)``: 0 at masked entries (y = 0), at ``+inf`` entries (y = 1)
+  and on the rows the NaN rule fills."""
+  cd = c.compute_dtype(y.dtype)
+  zero = jnp.zeros((), cd)
+  yc = jnp.where(nan_row, zero, y.astype(cd))
+  slope = yc * (1.0 - yc)
+  dz = [jnp.where(nan_row, zero, dx.astype(cd))] if not c.is_zero_tangent(dx) else []
+  if params and not c.is_zero_tangent(dparams[0]):
+    dz.append(c.row_value(dparams[0], y.ndim, cd))
+  return (slope * sum(dz[1:], dz[0])).astype(y.dtype)
+
+
+# Reverse mode keeps the output and one flag per row (jax.nn.sigmoid keeps its output).
+_sigmoid_saving_output = c.saving_output(
+    lambda x, where, params, static: _sigmoid_rows(x, static[0], where,
+                                                   bias=params[0] if params else None),
+    _sigmoid_tangent, "sigmoid", odd=c.nan_rows)
+# sigmoid applies the shared rules through _sigmoid_rows: the registry's mark
+setattr(sigmoid, "_jaxsoft_dense_rules", True)  # noqa: B010
+
+
 def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""ReLU weights ``max(0, x_i)`` (feature N22, kernel class P; see docs/feature_ids.md).
 
@@ -92,7 +125,8 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
 
   No normalisation: rows do not sum to 1, and a row whose scores are all <= 0 is all
   zeros ("attend to nothing"; for classification its argmax is ill-defined: ties broken
-  by ``jnp.argmax``, the first index). Gradient 1 for x > 0, 0 for x <= 0.
+  by ``jnp.argmax``, the first index). Gradient 1 for x > 0, 0 for x <= 0 (written from
+  the output, ``y > 0``: reverse mode keeps only the output and one flag per row).
 
   Args:
     x: scores.
@@ -111,8 +145,34 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
 
     K. Shen et al., 2023, "A Study on ReLU and Softmax in Transformer".
   """
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _relu_saving_output(x, where, (), (axis,))
+
+
+@c.dense_rules(inf_limit=float("inf"))
+def _relu_rows(x, axis=-1, where=None):
+  """:func:`relu`'s forward pass, under the shared rules."""
   xs, mask, _ = c.prepare(x, axis, where, "relu")
   return c.finish(jax.nn.relu(xs), mask, jnp.asarray(x).dtype)
+
+
+_relu_rows.__name__ = "relu"  # the name the shared rules give in their errors
+
+
+def _relu_tangent(y, nan_row, dx, params, dparams, static):
+  """``dy = dx`` where ``0 < y < inf``, else 0 (masked, non-positive and ``+inf`` entries,
+  whose value is the rule's constant, and the rows the NaN rule fills)."""
+  on = (y > 0) & (y < jnp.inf) & ~nan_row
+  return jnp.where(on, dx.astype(y.dtype), jnp.zeros((), y.dtype))
+
+
+# Reverse mode keeps the output and one flag per row.
+_relu_saving_output = c.saving_output(
+    lambda x, where, params, static: _relu_rows(x, static[0], where),
+    _relu_tangent, "relu", odd=c.nan_rows)
+# relu applies the shared rules through _relu_rows: the registry's mark
+setattr(relu, "_jaxsoft_dense_rules", True)  # noqa: B010
 
 
 @c.dense_rules(inf_limit=float("inf"))
@@ -183,11 +243,12 @@ _POINTWISE: dict[str, Any] = dict(kernel_class="P", catalogue_id="N22", sums_to_
 
 SPEC_SIGMOID = register(NormalizerSpec(
     name="sigmoid", fn=sigmoid, params=(_BIAS,), can_be_sparse=False, length_dependent=True,
+    residuals="output",
     tile=TileRule(score_map=_sigmoid_score_map, numerator=sigmoid_numerator),
     description="sigmoid(x + b), b = -log n", **{**_POINTWISE, "catalogue_id": "N21"}))
 
 SPEC_RELU = register(NormalizerSpec(
-    name="relu", fn=relu, can_be_sparse=True, smooth=False,
+    name="relu", fn=relu, can_be_sparse=True, smooth=False, residuals="output",
     tile=TileRule(score_map=identity_score_map, numerator=_relu_numerator),
     description="max(0, x)", **_POINTWISE))
 

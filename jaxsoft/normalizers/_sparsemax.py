@@ -149,7 +149,6 @@ def _sparsemax_last(x, mask, top, shift, where):
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
-@c.dense_rules
 def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Sparsemax (feature N16, kernel class T; A. F. T. Martins & R. F. Astudillo 2016).
 
@@ -164,7 +163,9 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
   passes from ``max(x) - 1``, see :func:`sparsemax_threshold`) and is exact: the
   ``(sum_S x - 1) / |S|`` of the support S found. Shift invariant, not scale invariant;
   exact zeros wherever ``x_j <= tau``. The Jacobian is the closed form
-  ``J v = s * v - s * (sum(s * v) / |S|)``, s the support indicator (a ``custom_jvp``).
+  ``J v = s * v - s * (sum(s * v) / |S|)``, s the support indicator ``p > 0`` (a
+  ``custom_jvp`` written from the output ``p``: reverse mode keeps only ``p`` and one flag
+  per row, as ``jax.nn.softmax`` keeps its output).
 
   Args:
     x: scores.
@@ -188,7 +189,47 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     C. Michelot, 1986, "A finite algorithm for finding the projection of a point onto the
     canonical simplex of R^n".
   """
+  x = jnp.asarray(x)
+  where = None if where is None else jnp.asarray(where)
+  return _sparsemax_saving_output(x, where, (), (axis,))
+
+
+@c.dense_rules
+def _sparsemax_rows(x, axis=-1, where=None):
+  """:func:`sparsemax`'s forward pass, under the shared rules."""
   return fused_along_axis(_sparsemax_last, x, axis, where, "sparsemax")
+
+
+_sparsemax_rows.__name__ = "sparsemax"  # the name the shared rules give in their errors
+
+
+def on_support(y, odd):
+  """``(p, p > 0)``: the output in the compute dtype, 0 on the rows the shared rules fill
+  in (so their tangent is 0 in both modes), and its support."""
+  cd = c.compute_dtype(y.dtype)
+  p = jnp.where(odd, jnp.zeros((), cd), y.astype(cd))
+  return p, p > 0
+
+
+def support_jvp(g, v, axis=-1):
+  """``J v`` for ``J = diag(g) - g g^T / sum(g)`` (g = p^{2 - alpha} on the support, 0 off
+  it; sparsemax's g is the support indicator, Martins & Astudillo 2016, eq. 12)."""
+  gv = g * v
+  return gv - g * c.safe_divide(jnp.sum(gv, axis=axis, keepdims=True),
+                                jnp.sum(g, axis=axis, keepdims=True))
+
+
+def _sparsemax_tangent(y, odd, dx, params, dparams, static):
+  p, on = on_support(y, odd)
+  return support_jvp(on.astype(p.dtype), dx.astype(p.dtype), static[0]).astype(y.dtype)
+
+
+# Reverse mode keeps p and one flag per row.
+_sparsemax_saving_output = c.saving_output(
+    lambda x, where, params, static: _sparsemax_rows(x, static[0], where),
+    _sparsemax_tangent, "sparsemax")
+# sparsemax applies the shared rules through _sparsemax_rows: the registry's mark
+setattr(sparsemax, "_jaxsoft_dense_rules", True)  # noqa: B010
 
 
 def fused_along_axis(fn_last, x, axis: int, where, fn_name: str):
@@ -268,5 +309,6 @@ SPEC = register(NormalizerSpec(
     can_be_sparse=True,
     smooth=False,
     threshold=SPARSEMAX_RULE,
+    residuals="output",
     description="[x - tau]_+, Euclidean projection onto the simplex",
 ))

@@ -73,6 +73,7 @@ __all__ = [
     "output_residuals",
     "is_zero_tangent",
     "odd_rows",
+    "nan_rows",
     "row_value",
     "saving_output",
 ]
@@ -764,6 +765,18 @@ def odd_rows(x, where, axis):
   return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
 
 
+def nan_rows(x, where, axis):
+  """Rows whose visible entries hold a NaN (keepdims, no gradient): the rows a pointwise
+  normalizer fills with NaN (its ``+inf`` entries take their own limit, the row's other
+  entries keep their values and gradients)."""
+  x = jax.lax.stop_gradient(x)
+  keep = (x != -jnp.inf) & (x != jnp.inf)
+  if where is not None:
+    keep = keep & jnp.broadcast_to(where, x.shape)
+  zero = jnp.zeros((), x.dtype)
+  return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
+
+
 def row_value(value, ndim: int, dtype):
   """A row hyperparameter (scalar, or broadcastable to ``x`` numpy-style) at rank ``ndim``,
   so that it combines with ``x`` without implicit rank promotion."""
@@ -771,14 +784,16 @@ def row_value(value, ndim: int, dtype):
   return v.reshape((1,) * (ndim - v.ndim) + v.shape)
 
 
-def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: str):
+def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: str, *,
+                  odd: Callable[..., Any] = odd_rows):
   """``f(x, where, params, static)``: ``rows`` with a derivative written from its output.
 
   ``rows(x, where, params, static) -> y`` is the forward pass (the shared rules
   included); ``params`` is a tuple of differentiable row hyperparameters and ``static``
   a hashable tuple whose first entry is the normalized axis (an int or a tuple). Its
   derivative is ``tangent(y, odd, dx, params, dparams, static)``, ``odd`` the rows the
-  shared rules fill in (:func:`odd_rows`, whose tangent must be 0) and ``dx`` /
+  shared rules fill in (``odd(x, where, axis)``: :func:`odd_rows`, or :func:`nan_rows` for
+  a pointwise normalizer; their tangent must be 0) and ``dx`` /
   ``dparams`` the tangents, each possibly zero (:func:`is_zero_tangent`; never all of
   them). It must read ``x`` only through ``y``: reverse mode then keeps only ``y`` and the
   per-row flag between the forward and the backward pass (:func:`output_residuals`), as
@@ -798,8 +813,8 @@ def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: s
     y = checkpoint_name(from_output(x, where, params, static), out_name)
     if is_zero_tangent(dx) and all(is_zero_tangent(d) for d in dparams):
       return y, jnp.zeros_like(y)
-    odd = checkpoint_name(odd_rows(x, where, static[0]), row_name)
-    return y, tangent(y, odd, dx, params, dparams, static)
+    flags = checkpoint_name(odd(x, where, static[0]), row_name)
+    return y, tangent(y, flags, dx, params, dparams, static)
 
   return jax.checkpoint(from_output, policy=output_residuals(out_name, row_name),
                         static_argnums=(3,))

@@ -83,6 +83,107 @@ def test_softmax_declares_output_residuals():
   assert "softmax" in OUTPUT_RESIDUALS
 
 
+# the normalizers whose derivative is a function of their output (issue 37, defect 7):
+# the threshold family (the support p > 0 and g = p^{2 - alpha} on it) and the pointwise
+# maps sigmoid (y (1 - y)) and relu (y > 0)
+FROM_OUTPUT = ["softmax", "sparsemax", "entmax15", "entmax", "sigmoid", "relu"]
+
+
+def test_normalizers_written_from_their_output_declare_it():
+  assert set(FROM_OUTPUT) <= set(OUTPUT_RESIDUALS)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, pytest.param(jnp.bfloat16, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name, kw", [
+    ("sparsemax", {}), ("entmax15", {}), ("entmax", {"alpha": 1.3}), ("sigmoid", {}),
+    ("relu", {}),
+    pytest.param("entmax", {"alpha": 2.0}, marks=pytest.mark.slow),
+    pytest.param("sigmoid", {"bias": -1.0}, marks=pytest.mark.slow)],
+    ids=["sparsemax", "entmax15", "entmax-1.3", "sigmoid", "relu", "entmax-2", "sigmoid-bias"])
+def test_written_from_output_keep_only_their_output(name, kw, dtype):
+  """They kept 3.5x (threshold family) to 7.5x (pointwise) their input; now the output and
+  a row flag, also with a mask and along another axis."""
+  fn = N.get(name).fn
+  x = _x(dtype=dtype)
+  where = jax.random.bernoulli(jax.random.key(1), 0.8, x.shape)
+  cases = {
+      "plain": lambda v: fn(v, **kw),
+      "where": lambda v: fn(v, where=where, **kw),
+      "axis 0": lambda v: fn(v, axis=0, **kw),
+  }
+  for case, f in cases.items():
+    got = residual_bytes(f, x)
+    assert got <= BOUND * x.nbytes, f"{name} {case}: {got / x.nbytes:.2f}x the input"
+
+
+def test_learned_hyperparameters_keep_only_the_output():
+  x = _x()
+  p = jnp.full((64, 1), 1.3)
+  for f in (lambda v, a: N.entmax(v, alpha=a), lambda v, b: N.sigmoid(v, bias=b)):
+    got = residual_bytes(f, x, p)
+    assert got <= BOUND * (x.nbytes + p.nbytes)
+
+
+def _entmax64(x, where, alpha):
+  """Float64 numpy alpha-entmax over the last axis by bisection on tau (sparsemax at
+  alpha = 2), 0 where masked and on empty rows."""
+  z = np.where(where, (alpha - 1.0) * x, -np.inf)
+  top = np.max(z, -1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  z = z - top
+  lo, hi = np.full(top.shape, -1.0), np.zeros(top.shape)
+  for _ in range(200):
+    tau = (lo + hi) / 2
+    mass = np.sum(np.maximum(z - tau, 0.0) ** (1.0 / (alpha - 1.0)), -1, keepdims=True)
+    lo, hi = np.where(mass >= 1.0, tau, lo), np.where(mass >= 1.0, hi, tau)
+  p = np.maximum(z - (lo + hi) / 2, 0.0) ** (1.0 / (alpha - 1.0))
+  s = p.sum(-1, keepdims=True)
+  return np.where(where, p / np.where(s > 0, s, 1.0), 0.0)
+
+
+@pytest.mark.parametrize("alpha, fn", [
+    (2.0, lambda v, w, a: N.sparsemax(v, where=w)),
+    pytest.param(1.5, lambda v, w, a: N.entmax15(v, where=w), marks=pytest.mark.slow),
+    (1.3, lambda v, w, a: N.entmax(v, where=w, alpha=a)),
+    pytest.param(1.7, lambda v, w, a: N.entmax(v, where=w, alpha=1.7), marks=pytest.mark.slow)],
+    ids=["sparsemax", "entmax15", "entmax-traced-alpha", "entmax-static-alpha"])
+def test_threshold_gradients_against_the_formula(alpha, fn):
+  """J = diag(g) - g g^T / sum g with g = p^{2 - alpha} on the support (the indicator for
+  sparsemax), in numpy float64 from a bisection reference; reverse and forward mode, with
+  masked entries, a fully masked row and a one-entry row (both get exactly 0)."""
+  x, where = _rows64(seed=7, shape=(6, 9))
+  p = _entmax64(x, where, alpha)
+  g = np.where(p > 0, p, 0.0) ** (2.0 - alpha) * (p > 0)
+  ct = np.random.default_rng(8).normal(size=x.shape)
+  gx_ref = g * ct - g * (g * ct).sum(-1, keepdims=True) / np.maximum(g.sum(-1, keepdims=True),
+                                                                     1e-300)
+  w = jnp.asarray(where)
+  with jax.enable_x64(True):
+    xj, a = jnp.asarray(x), jnp.full((6, 1), alpha, jnp.float64)
+    np.testing.assert_allclose(fn(xj, w, a), p, rtol=1e-9, atol=1e-12)
+    gx = jax.jit(jax.grad(lambda v: jnp.sum(fn(v, w, a) * ct)))(xj)
+    _, jx = jax.jit(lambda v, d: jax.jvp(lambda u: fn(u, w, a), (v,), (d,)))(xj, jnp.asarray(ct))
+  np.testing.assert_allclose(gx, gx_ref, rtol=1e-9, atol=1e-12)
+  np.testing.assert_allclose(jx, gx_ref, rtol=1e-9, atol=1e-12)  # J is symmetric
+  assert (np.asarray(gx)[~where] == 0).all() and (np.asarray(gx)[:2] == 0).all()
+
+
+@pytest.mark.slow
+def test_entmax_alpha_derivative_and_hessian_against_finite_differences():
+  """The alpha term of the rule and the rule differentiated again (Hessian in x, in both
+  modes), against float64 central differences of the forward pass."""
+  x, where = _rows64(seed=9, shape=(4, 6))
+  w = jnp.asarray(where)
+  with jax.enable_x64(True):
+    a = jnp.asarray(np.random.default_rng(2).uniform(1.2, 1.9, (4, 1)))
+
+    @jax.jit
+    def f(v, s):
+      return N.entmax(v, where=w, alpha=s)
+
+    check_grads(f, (jnp.asarray(x), a), order=2, modes=("fwd", "rev"), eps=1e-5)
+
+
 # --- the derivative rules: exact, to second order, in both modes ---------------------------
 
 
@@ -190,3 +291,42 @@ def test_bfloat16_gradient_is_the_float32_gradient_rounded():
     scale = float(jnp.max(jnp.abs(g32)))
     np.testing.assert_allclose(np.asarray(g16, np.float32), g32, rtol=3 * 2.0**-8,
                                atol=3 * 2.0**-8 * scale, err_msg=fn.__name__)
+
+
+def test_pointwise_gradients_against_the_formula():
+  """sigmoid: dy = y (1 - y) (dx + db); relu: dy = dx where x > 0; numpy float64, both
+  modes. Masked entries and a fully masked row get 0; a +inf entry takes its limit (1,
+  +inf) with a zero gradient while its row's other entries keep theirs; a row with a
+  visible NaN is NaN with a zero gradient."""
+  x, where = _rows64(seed=11, shape=(6, 7))
+  x[3, 1], x[4, 2] = np.inf, np.nan
+  where[3, 1] = where[4, 2] = True  # both visible
+  vis = where & ~np.isneginf(x)
+  finite = vis & np.isfinite(x)
+  finite[4] = False  # the NaN row
+  b = np.random.default_rng(12).normal(size=(6, 1))
+  ct = np.random.default_rng(13).normal(size=x.shape)
+  s = 1.0 / (1.0 + np.exp(-np.where(finite, x, 0.0) - b))
+  refs = {
+      "sigmoid": (lambda v, w, bb: N.sigmoid(v, where=w, bias=bb),
+                  np.where(finite, s * (1 - s) * ct, 0.0),
+                  np.sum(np.where(finite, s * (1 - s) * ct, 0.0), -1, keepdims=True)),
+      "relu": (lambda v, w, bb: N.relu(v, where=w),
+               np.where(finite & (x > 0), ct, 0.0), None),
+  }
+  w = jnp.asarray(where)
+  with jax.enable_x64(True):
+    xj, bj, cj = jnp.asarray(x), jnp.asarray(b), jnp.asarray(ct)
+    dx = jnp.where(jnp.isfinite(xj), cj, 0.0)
+    for name, (fn, gx_ref, gb_ref) in refs.items():
+
+      def loss(v, bb, fn=fn):
+        out = fn(v, w, bb)
+        return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0) * cj)
+
+      gx, gb = jax.jit(jax.grad(loss, (0, 1)))(xj, bj)
+      _, jx = jax.jit(lambda v, d, fn=fn: jax.jvp(lambda u: fn(u, w, bj), (v,), (d,)))(xj, dx)
+      np.testing.assert_allclose(gx, gx_ref, rtol=1e-12, atol=1e-15, err_msg=name)
+      np.testing.assert_allclose(jx, gx_ref, rtol=1e-12, atol=1e-15, err_msg=name)
+      if gb_ref is not None:
+        np.testing.assert_allclose(gb, gb_ref, rtol=1e-12, atol=1e-15, err_msg=name)
