@@ -233,7 +233,8 @@ def _check_broadcast(t, name: str, target: tuple[int, ...]):
 
 def _check_lengths(x, name: str, B: int, L: int):
   """Sequence lengths -> int32 [B] in [0, L]: ValueError naming ``name`` for a concrete
-  negative value; traced values are clamped to [0, L] (a negative length is 0)."""
+  value outside [0, L]; traced values are clamped to [0, L] (a negative length is 0, a
+  length past the sequence is the whole sequence)."""
   if x is None:
     return None
   x = jnp.asarray(x)
@@ -246,6 +247,10 @@ def _check_lengths(x, name: str, B: int, L: int):
   values = concrete(x)
   if values is not None and np.any(values < 0):
     raise ValueError(f"`{name}` must be >= 0, got {values.tolist()}")
+  if values is not None and np.any(values > L):
+    what = "query" if name.startswith("query") else "key/value"
+    raise ValueError(f"`{name}` must be <= {L}, the {what} sequence length, got "
+                     f"{values.tolist()}")
   return jnp.clip(x, 0, L).astype(jnp.int32)
 
 
