@@ -108,18 +108,22 @@ def test_per_row_alpha_broadcast():
 def test_entmax15_gradients_vs_reference():
   x = normal(5, (6, 10), 1.5)
   mask = jax.random.bernoulli(jax.random.PRNGKey(6), 0.8, x.shape).at[0].set(False)
-  helpers.vjp_close(lambda v: entmax15(v, where=mask), lambda v: reference_entmax15(v, mask), x,
+  # jitted: one program each rather than op by op
+  helpers.vjp_close(jax.jit(lambda v: entmax15(v, where=mask)),
+                    lambda v: reference_entmax15(v, mask), x,
                     atol=2e-6, rtol=1e-6, vjp_atol=2e-5, ct=normal(7, x.shape))
-  chex.assert_trees_all_close(jax.jacfwd(lambda v: entmax(v, alpha=jnp.asarray(1.5)))(x),
-                              jax.jacfwd(reference_entmax15)(x), atol=2e-5)
+  alpha = jnp.asarray(1.5)  # an array: the bisection path
+  chex.assert_trees_all_close(jax.jit(jax.jacfwd(lambda v: entmax(v, alpha=alpha)))(x),
+                              jax.jit(jax.jacfwd(reference_entmax15))(x), atol=2e-5)
 
 
 def test_check_grads_float64():
   with jax.enable_x64(True):
     x = jax.random.normal(jax.random.PRNGKey(8), (3, 7), dtype=jnp.float64)
     assert entmax15(x).dtype == jnp.float64
-    check_grads(entmax15, (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
-    check_grads(lambda v, a: entmax(v, alpha=a), (x, jnp.float64(1.3)), order=1,
+    # jitted: check_grads compiles each derivative program once instead of op by op
+    check_grads(jax.jit(entmax15), (x,), order=1, modes=("fwd", "rev"), eps=1e-6)
+    check_grads(jax.jit(lambda v, a: entmax(v, alpha=a)), (x, jnp.float64(1.3)), order=1,
                 modes=("fwd", "rev"), eps=1e-6)
 
 
@@ -176,7 +180,7 @@ def test_low_precision(dtype, tol):
 def test_masks_and_fully_masked_rows(fn):
   x = normal(13, (6, 10))
   mask = helpers.check_masked_columns(fn, x, cols=(1, 4), empty_row=2, atol=2e-6)
-  g = jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0)))(x)
+  g = jax.jit(jax.grad(lambda v: jnp.sum(fn(v, where=mask) * jnp.arange(10.0))))(x)
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[2] == 0))
 
 
@@ -264,9 +268,9 @@ def test_hessian_is_finite_when_an_output_is_exactly_zero(fn):
     z = jnp.array([1.0, 0.8, 0.1, -1.0])
     c = jnp.array([0.3, -1.2, 0.7, 2.0])
     assert fn(z)[3] == 0.0
-    hess = jax.hessian(lambda z: fn(z) @ c)(z)
+    hess = jax.jit(jax.hessian(lambda z: fn(z) @ c))(z)
     assert np.all(np.isfinite(np.asarray(hess)))
-    grad = jax.grad(lambda z: fn(z) @ c)
+    grad = jax.jit(jax.grad(lambda z: fn(z) @ c))  # compiled once for the 8 evaluations
     eps = 1e-6
     fd = np.stack([(grad(z + eps * e) - grad(z - eps * e)) / (2 * eps) for e in np.eye(4)], 1)
     np.testing.assert_allclose(hess, fd, atol=1e-6)
