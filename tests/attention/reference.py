@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from tests.helpers import BWD, FWD, normal
+from tests.helpers import BWD, FWD, normal, value_and_grads
 
 IMPLS = ("xla", "xla_chunked")
 
@@ -37,6 +37,19 @@ def assert_fn_close(f, ref, args, fwd=FWD, bwd=BWD):
   chex.assert_trees_all_close(out, out_r, **fwd)
   chex.assert_trees_all_close(grads, grads_r, **bwd)
   chex.assert_tree_all_finite((out, grads))
+
+
+def assert_same_jit(fn_a, fn_b, args, fwd_tol=1e-5, bwd_tol=1e-4):
+  """``tests.helpers.assert_same`` (the same cotangent, tolerances and checks) with each
+  side's output and gradients computed by one jitted program: op-by-op eager dispatch of an
+  attention call and its VJP costs several times the compilation of the whole."""
+  out_a, g_a = jax.jit(lambda *a: value_and_grads(fn_a, a))(*args)
+  out_b, g_b = jax.jit(lambda *a: value_and_grads(fn_b, a))(*args)
+  chex.assert_trees_all_close(out_a, out_b, atol=fwd_tol, rtol=fwd_tol)
+  chex.assert_trees_all_close(g_a, g_b, atol=bwd_tol, rtol=bwd_tol)
+  for g in jax.tree.leaves(g_a):
+    assert np.all(np.isfinite(np.asarray(g, np.float32)))
+  return out_a, g_a
 
 
 def masked_softmax(logits, visible):

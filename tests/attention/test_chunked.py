@@ -13,8 +13,9 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
+from tests.attention.reference import assert_same_jit as assert_same
 from tests.attention.test_dense import MASK_CASES, B, H, K, N, T
-from tests.helpers import assert_same, make_qkv, sampled, segment_mask
+from tests.helpers import make_qkv, sampled, segment_mask
 
 chunked = functools.partial(dpa, implementation="xla_chunked")
 
@@ -115,14 +116,16 @@ def test_fully_masked_rows_are_zero_with_finite_grads(blocks):
 
 def test_bf16_inputs(blocks):
   q, k, v = make_qkv(7, B, T, N=N, K=K, H=H, dtype=jnp.bfloat16)
-  out = chunked(q, k, v, is_causal=True)
+  # jitted: one program each instead of op-by-op dispatch
+  out = jax.jit(functools.partial(chunked, is_causal=True))(q, k, v)
   assert out.dtype == jnp.bfloat16
   f32 = [t.astype(jnp.float32) for t in (q, k, v)]
-  ref = jax.nn.dot_product_attention(*f32, is_causal=True)
+  ref = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True))(*f32)
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-2, rtol=2e-2)
-  g = jax.grad(lambda q: jnp.sum(chunked(q, k, v, is_causal=True).astype(jnp.float32)))(q)
-  g_ref = jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(
-      q, f32[1], f32[2], is_causal=True)))(f32[0])
+  g = jax.jit(jax.grad(lambda q: jnp.sum(chunked(q, k, v, is_causal=True).astype(
+      jnp.float32))))(q)
+  g_ref = jax.jit(jax.grad(lambda q: jnp.sum(jax.nn.dot_product_attention(
+      q, f32[1], f32[2], is_causal=True))))(f32[0])
   assert g.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(g, np.float32), g_ref, atol=5e-2, rtol=5e-2)
 
@@ -154,10 +157,11 @@ def test_decay_pruning_bound(blocks):
   c = _fox(13, 1, t, 2) * 2.0
   thr = -6.0
 
-  def f(threshold):
-    return chunked(q, k, v, is_causal=True, decay_bias=(c, c), decay_prune_threshold=threshold)
+  def f(threshold):  # jitted, with q, k, v and the decay as (concrete) constants
+    return jax.jit(lambda: chunked(q, k, v, is_causal=True, decay_bias=(c, c),
+                                   decay_prune_threshold=threshold))()
 
-  exact = chunked(q, k, v, is_causal=True, decay_bias=(c, c))
+  exact = f(None)
   # a very negative threshold prunes nothing
   chex.assert_trees_all_close(f(-1e30), exact, atol=1e-6)
   pruned_out = f(thr)
@@ -191,7 +195,8 @@ def test_check_grads_float64(blocks):
   with jax.enable_x64(True):
     q, k, v = make_qkv(14, 1, 6, N=2, K=1, H=4, dtype=jnp.float64)
     bias = 0.5 * jax.random.normal(jax.random.PRNGKey(15), (1, 2, 6, 6), jnp.float64)
-    f = lambda q, k, v, b: chunked(q, k, v, b, is_causal=True, logits_soft_cap=3.0)  # noqa: E731
+    # jit: check_grads evaluates f many times; one compiled program instead of op by op
+    f = jax.jit(lambda q, k, v, b: chunked(q, k, v, b, is_causal=True, logits_soft_cap=3.0))
     assert f(q, k, v, bias).dtype == jnp.float64
     jax.test_util.check_grads(f, (q, k, v, bias), order=1, modes=("rev",))
 
