@@ -2,6 +2,7 @@
 for step; the schedule on resume, the config history and the held-out loss."""
 
 import dataclasses
+import functools
 import os
 import pathlib
 import shutil
@@ -79,7 +80,8 @@ def test_init_from_takes_only_the_parameters(uninterrupted, tmp_path):
   params, step = checkpoint.restore_params(source, abstract_state["params"])
   assert step == STEPS
   batch = sharding.global_batch(dataset, 0, cfg, sharding.batch_sharding(mesh))
-  loss_sum, weight = train_lib.loss_sums(graphdef, params, jax.tree.map(lambda x: x[0], batch))
+  loss_sums = jax.jit(functools.partial(train_lib.loss_sums, graphdef))  # (not op by op)
+  loss_sum, weight = loss_sums(params, jax.tree.map(lambda x: x[0], batch))
   first = _losses(target)[1][0]
   np.testing.assert_allclose(first, loss_sum / weight, rtol=1e-5)
   fresh_first = _losses(source)[1][0]
@@ -292,13 +294,15 @@ def test_eval_loss_is_the_held_out_loss_of_the_final_parameters(uninterrupted):
   dataset, graphdef, _, _, abstract_state, _, _ = train_lib.build(cfg, mesh)
   params, step = checkpoint.restore_params(workdir, abstract_state["params"])
   assert step == STEPS
+  # One compilation for every batch (the eager model would dispatch op by op).
+  loss_sums = jax.jit(functools.partial(train_lib.loss_sums, graphdef))
   total, weight = 0.0, 0.0
   for i in range(cfg.eval_batches):
     batch = dataset.held_out().batch(i)
-    loss_sum, w = train_lib.loss_sums(graphdef, params, batch)
+    loss_sum, w = loss_sums(params, batch)
     total, weight = total + float(loss_sum), weight + float(w)
   np.testing.assert_allclose(evals[0][1], total / weight, rtol=1e-5)
-  train_loss = sum(float(train_lib.loss_sums(graphdef, params, dataset.batch(i))[0])
+  train_loss = sum(float(loss_sums(params, dataset.batch(i))[0])
                    for i in range(cfg.eval_batches))
   assert abs(train_loss / weight - evals[0][1]) > 1e-4  # really other data
 
