@@ -128,8 +128,9 @@ def assert_forms_agree(call, args, forms, *, segment_ids, key, chunk_size=4):
   ``(o, final_state)``) agree with ``forms[0]``: the value of a random linear function of
   ``o`` and the final state, and its gradient with respect to every entry of ``args`` (each
   of which must be non-zero)."""
-  o, S = jax.jit(functools.partial(call, implementation=forms[0], chunk_size=chunk_size,
-                                   segment_ids=segment_ids))(args)
+  # the shapes only: no compilation of a forward that the gradients recompute anyway
+  o, S = jax.eval_shape(functools.partial(call, implementation=forms[0], chunk_size=chunk_size,
+                                          segment_ids=segment_ids), args)
   keys = iter(jax.random.split(key, 4))
   w = (jax.random.normal(next(keys), o.shape),
        jax.tree.map(lambda s: jax.random.normal(next(keys), s.shape), S))

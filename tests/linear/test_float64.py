@@ -166,8 +166,13 @@ def _others_reference(n):
 
 
 def _other_inputs():
+  return _other_inputs_jit(jax.random.key(3))
+
+
+@jax.jit  # the draws in one compilation, not one per op
+def _other_inputs_jit(key):
   B, T, N, K, V = 1, 6, 2, 3, 2
-  keys = jax.random.split(jax.random.key(3), 10)
+  keys = jax.random.split(key, 10)
   a = cases.random_qkv(keys, B, T, N, K, V)
   a["k"] = linear.l2_normalize(a["k"])
   u = lambda i, shape, lo, hi: jax.random.uniform(keys[i], shape, minval=lo, maxval=hi)
@@ -176,7 +181,7 @@ def _other_inputs():
            basis=u(7, (B, T, N, 2), 0.1, 0.9), log_decay=u(8, (N, 2), -1.0, -0.1),
            slot_gates=u(9, (B, T, N, 2), -1.0, -0.1), mixing=u(3, (3, 3), 0.5, 1.5),
            gate=u(4, (B, T, N, V), 0.5, 1.5))
-  return {x: jnp.asarray(np.asarray(y), jnp.float64) for x, y in a.items()}
+  return {x: jnp.asarray(y, jnp.float64) for x, y in a.items()}
 
 
 def test_other_variants_compute_float64_inputs_in_float64(x64):
@@ -280,8 +285,9 @@ def test_sampled_softmax_float64_proposal_stays_float64(x64):
   b, y = rng.standard_normal(5), np.array([0, 3, 4])
   proposal = rng.uniform(0.1, 1.0, 5) * 1.37
   sampled = np.array([1, 3, 3, 0, 2, 4])
-  loss = js.losses.sampled_softmax_loss(None, h, w, y, 0, proposal=proposal, bias=b,
-                                        sampled=sampled)
+  loss = jax.jit(lambda h, w, y, proposal, b, sampled: js.losses.sampled_softmax_loss(
+      None, h, w, y, 0, proposal=proposal, bias=b, sampled=sampled))(  # one compilation
+          h, w, y, proposal, b, sampled)
   Q = proposal / proposal.sum()
   o = h @ w + b
   want = []

@@ -26,11 +26,13 @@ _SCRIPT = textwrap.dedent("""
 
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
     B, T, N, K, V = 2, 7, 2, 4, 3
-    ks = jax.random.split(jax.random.key(0), 6)
-    q, k, v = (jax.random.normal(kk, (B, T, N, d)) for kk, d in zip(ks, (K, K, V)))
-    k = linear.l2_normalize(k)
-    g = -jax.random.uniform(ks[3], (B, T, N))
-    beta = jax.random.uniform(ks[4], (B, T, N), minval=0.1, maxval=1.9)
+    # numpy's generator and one jitted normalisation: no eager compilation per op
+    rng = np.random.default_rng(0)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)
+    q, k, v = (f32(rng.standard_normal((B, T, N, d))) for d in (K, K, V))
+    k = jax.jit(linear.l2_normalize)(k)
+    g = f32(-rng.uniform(size=(B, T, N)))
+    beta = f32(rng.uniform(0.1, 1.9, size=(B, T, N)))
     seg = jnp.array([[0, 0, 0, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0]], jnp.int32)
     opts = dict(output_final_state=True, segment_ids=seg)
 
