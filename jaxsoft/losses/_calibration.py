@@ -119,12 +119,12 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
 
   Args:
     model_fn: the classifier, ``inputs -> logits [B, K]``.
-    inputs: ``[B, ...]`` float inputs.
+    inputs: ``[B, ...]`` inputs (integers promote to float, as in jax.nn).
     temperature: T > 0.
     epsilon: perturbation size >= 0 (0 gives the temperature-scaled MSP).
 
   Returns:
-    ``[B]`` float32 scores in [1/K, 1].
+    ``[B]`` scores in [1/K, 1]: float32, or float64 for float64 logits.
 
   Examples:
     >>> w = jnp.array([[2.0, -1.0, 0.0], [0.0, 1.0, -1.0]])
@@ -148,16 +148,14 @@ def odin(model_fn: Callable[[jax.Array], jax.Array], inputs: ArrayLike, *,
     eps_ok = True
   if not eps_ok:
     raise ValueError(f"{fn}: `epsilon` must be >= 0, got {epsilon!r}")
-  x = jnp.asarray(inputs)
-  if not jnp.issubdtype(x.dtype, jnp.floating):  # the model's inputs, perturbed along a gradient
-    raise ValueError(f"{fn}: `inputs` must have a floating dtype, got {x.dtype}")
+  x = lc.float_input(inputs, "inputs", fn)  # integers promote, as jax.nn's inputs do
 
   def log_score(v):
     logits = jnp.asarray(model_fn(v))
     if logits.ndim != 2 or logits.shape[0] != v.shape[0]:
       raise ValueError(f"{fn}: `model_fn` must return logits [B, K] with B = {v.shape[0]}, "
                        f"got shape {logits.shape}")
-    return jnp.log(msp(logits.astype(jnp.float32), temperature=t))
+    return jnp.log(msp(logits.astype(nc.compute_dtype(logits.dtype)), temperature=t))
 
   grad = jax.grad(lambda v: jnp.sum(log_score(v)))(x)
   x_tilde = x + epsilon * jnp.sign(grad).astype(x.dtype)   # x - eps * sign(-grad)
@@ -188,7 +186,8 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: lc.Ax
     where: optional class or example mask.
 
   Returns:
-    A float32 scalar in [0, 1] (0 when no example counts).
+    A scalar in [0, 1] (0 when no example counts): float32, or float64 for float64
+    logits.
 
   Examples:
     >>> logits = jnp.array([[3.0, 0.0], [3.0, 0.0], [0.0, 0.1]])
@@ -205,15 +204,15 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: lc.Ax
   fn = "ece"
   positive_int(num_bins, "num_bins", fn)
   logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
-  logits = lc.check_logits(logits, fn).astype(jnp.float32)
-  x, mask, axis = lc.prepare(logits, axis, where, fn)
+  z = lc.check_logits(logits, fn)
+  x, mask, axis = lc.prepare(z.astype(nc.compute_dtype(z.dtype)), axis, where, fn)
   labels = lc.check_integer_labels(labels, x.shape, axis, fn)
   conf = jax.lax.stop_gradient(msp(x, axis=axis, where=mask))
   pred = jnp.argmax(jnp.where(mask, x, -jnp.inf), axis=axis)
   counted = jnp.any(mask, axis=axis)
-  correct = (pred == labels).astype(jnp.float32)
+  correct = (pred == labels).astype(x.dtype)
   bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
-  w = counted.astype(jnp.float32)
+  w = counted.astype(x.dtype)
   n_b = jax.ops.segment_sum(w.ravel(), bins.ravel(), num_segments=num_bins)
   acc_b = jax.ops.segment_sum((w * correct).ravel(), bins.ravel(), num_segments=num_bins)
   conf_b = jax.ops.segment_sum((w * conf).ravel(), bins.ravel(), num_segments=num_bins)
@@ -245,7 +244,7 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
     where: optional ``[n]`` example mask (False: left out of the fit).
 
   Returns:
-    The fitted temperature, a float32 scalar.
+    The fitted temperature, a scalar: float32, or float64 for float64 logits.
 
   Examples:
     >>> logits = 5.0 * jax.random.normal(jax.random.key(0), (500, 4))
@@ -271,7 +270,7 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
     beta = jnp.exp(-log_t)
     return jnp.sum(weights * (jax.nn.logsumexp(beta * z, axis=1) - beta * z_y)) / n
 
-  return jnp.exp(_lbfgs(nll, jnp.log(jnp.asarray(init, jnp.float32)), num_steps))
+  return jnp.exp(_lbfgs(nll, jnp.log(jnp.asarray(init, z.dtype)), num_steps))
 
 
 def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) -> jax.Array:
@@ -290,7 +289,8 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
     bias: ``[K]`` b.
 
   Returns:
-    ``[..., K]`` float32 calibrated logits (apply a softmax for probabilities).
+    ``[..., K]`` calibrated logits (apply a softmax for probabilities): float32, or
+    float64 for float64 logits.
 
   Examples:
     >>> z = jnp.array([[2.0, 0.0, -1.0]])
@@ -304,8 +304,9 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
     calibration" (NeurIPS).
   """
   fn = "dirichlet_calibrate"
-  z = lc.check_logits(logits, fn).astype(jnp.float32)
-  w, b = jnp.asarray(weights, jnp.float32), jnp.asarray(bias, jnp.float32)
+  z = lc.check_logits(logits, fn)
+  z = z.astype(nc.compute_dtype(z.dtype))
+  w, b = jnp.asarray(weights, z.dtype), jnp.asarray(bias, z.dtype)
   k = z.shape[-1]
   if w.shape != (k, k):
     raise ValueError(f"{fn}: `weights` must have shape [K, K] = {(k, k)} for logits of shape "
@@ -340,7 +341,7 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
     where: optional ``[n]`` example mask.
 
   Returns:
-    ``(W [K, K], b [K])``, float32.
+    ``(W [K, K], b [K])``: float32, or float64 for float64 logits.
 
   Examples:
     >>> logits = jnp.array([[2.0, 0.0, -1.0], [0.0, 1.0, 0.0], [1.0, 1.0, 3.0], [0.5, 0.0, 0.0]])
@@ -371,24 +372,26 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
     reg = lam * jnp.sum(jnp.square(w * off)) / (k * (k - 1)) + mu * jnp.sum(jnp.square(b)) / k
     return jnp.sum(weights * nll) / n + reg
 
-  params = (jnp.eye(k), jnp.zeros((k,)))
+  params = (jnp.eye(k, dtype=z.dtype), jnp.zeros((k,), z.dtype))
   return _lbfgs(objective, params, num_steps)
 
 
 def _held_out(logits, labels, where, num_steps, min_classes,
               fn) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The held-out set of a fit, checked: float32 logits ``[n, K]`` (K >= ``min_classes``),
-  ``[n]`` labels, the ``[n]`` example weights from ``where`` and their sum (at least 1)."""
+  """The held-out set of a fit, checked: logits ``[n, K]`` (K >= ``min_classes``; float32,
+  or float64 as given), ``[n]`` labels, the ``[n]`` example weights from ``where`` and
+  their sum (at least 1)."""
   positive_int(num_steps, "num_steps", fn)
-  z = lc.check_logits(logits, fn).astype(jnp.float32)
+  z = lc.check_logits(logits, fn)
+  z = z.astype(nc.compute_dtype(z.dtype))
   if z.ndim != 2 or z.shape[1] < min_classes:
     raise ValueError(f"{fn}: `logits` must be [n, K] with K >= {min_classes}, got shape "
                      f"{z.shape}")
   labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
-  weights = jnp.ones(z.shape[:1]) if where is None else jnp.asarray(where, jnp.float32)
+  weights = jnp.ones(z.shape[:1], z.dtype) if where is None else jnp.asarray(where, z.dtype)
   if weights.shape != z.shape[:1]:
     raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
-  return z, labels, weights, jnp.maximum(jnp.sum(weights), 1.0)
+  return z, labels, weights, jnp.maximum(jnp.sum(weights), jnp.ones((), z.dtype))
 
 
 def _lbfgs(objective, params, num_steps):

@@ -153,7 +153,7 @@ def test_bad_input_names_the_argument():
       ("`model_fn`", lambda: L.odin(None, f)),
       ("`model_fn`", lambda: L.odin(lambda v: v[0], f)),
       ("`epsilon`", lambda: L.odin(lambda v: v, f, epsilon=-0.1)),
-      ("`inputs`", lambda: L.odin(lambda v: v, labels)),
+      ("`inputs`", lambda: L.odin(lambda v: v, f.astype(jnp.complex64))),  # ints promote
       ("`init`", lambda: L.fit_temperature(f, labels, init=0.0)),
       ("`num_steps`", lambda: L.fit_temperature(f, labels, num_steps=0)),
       ("`logits`", lambda: L.fit_temperature(f[0], labels[0])),
