@@ -189,8 +189,7 @@ def checked(normalizer: Any) -> Callable[..., jax.Array]:
     softmax: `temperature` must be > 0.0, got -1.0 (`check` failed)
 
   References:
-    JAX authors, "The checkify transformation" (``jax.experimental.checkify``),
-    https://docs.jax.dev/en/latest/debugging/checkify_guide.html.
+    As in :func:`check_hparams`.
   """
   spec = _spec_of(normalizer, "checked")
 
@@ -224,8 +223,7 @@ def check_finite(tree: Any, what: str) -> None:
     non-finite gradient at ['w'] (`check` failed)
 
   References:
-    JAX authors, "The checkify transformation" (``jax.experimental.checkify``),
-    https://docs.jax.dev/en/latest/debugging/checkify_guide.html.
+    As in :func:`check_hparams`.
   """
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     leaf = jnp.asarray(leaf)
