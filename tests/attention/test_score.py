@@ -53,8 +53,9 @@ def reference(q, k, v, *, power=1.0, eps=1e-12, is_causal=False, kv_lengths=None
 def test_matches_reference_causal_lengths_gqa(impl, blocks):
   q, k, v = make_qkv(0, 2, 9, S=9, N=4, K=2, H=3)
   lengths = np.array([9, 6])
-  out = dpa(q, k, v, is_causal=True, key_value_seq_lengths=lengths, implementation=impl,
-            normalizer_params={"power": 2.0}, **IDW)
+  out = jax.jit(functools.partial(  # jitted: one program instead of op-by-op dispatch
+      dpa, is_causal=True, key_value_seq_lengths=lengths, implementation=impl,
+      normalizer_params={"power": 2.0}, **IDW))(q, k, v)
   ref = reference(q, k, v, power=2.0, is_causal=True, kv_lengths=lengths)
   np.testing.assert_allclose(out, ref, rtol=2e-4, atol=2e-5)
 
@@ -114,8 +115,8 @@ def test_default_dispatch_pallas_computes_and_cudnn_refuses(monkeypatch):
 @pytest.mark.parametrize("impl", ["xla", pytest.param("xla_chunked", marks=pytest.mark.slow)])
 def test_bf16_and_extreme_inputs(impl, blocks):
   q, k, v = make_qkv(5, 1, 6, N=2, K=1, H=4)
-  out = dpa(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16),
-            implementation=impl, **IDW)
+  out = jax.jit(functools.partial(dpa, implementation=impl, **IDW))(
+      q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16))
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out, np.float32), reference(q, k, v), atol=5e-2)
   fg = jax.jit(jax.value_and_grad(
@@ -150,8 +151,12 @@ def test_fully_masked_rows_are_zero_with_zero_gradient(impl, blocks):
   def f(q, k, v):
     return dpa(q, k, v, key_value_seq_lengths=lengths, implementation=impl, **IDW)
 
-  out = f(q, k, v)
+  def loss(*a):
+    out = f(*a)
+    return jnp.sum(out ** 2), out
+
+  # the output and the gradients in one jitted program (the lengths stay concrete constants)
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   assert bool(jnp.all(out[1] == 0)) and bool(jnp.all(jnp.isfinite(out)))
-  grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2))(q, k, v)
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
   assert bool(jnp.all(grads[0][1] == 0)) and bool(jnp.all(grads[1][1] == 0))
