@@ -110,9 +110,11 @@ def test_integer_labels_example_mask_and_ignore_index():
   labels = labels.at[1].set(-100)
   where = jnp.array([True, True, False, True, True, True])
   loss, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels, where=where, ignore_index=-100), x)
-  ref = optax.losses.softmax_cross_entropy_with_integer_labels(x, jnp.maximum(labels, 0))
-  ref_dx = jax.grad(lambda a: jnp.sum(optax.losses.softmax_cross_entropy_with_integer_labels(
-      a, jnp.maximum(labels, 0)) * jax.random.normal(jax.random.key(99), (6,))))(x)
+  loss, dx = np.asarray(loss), np.asarray(dx)
+  optax_int = lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(
+      a, jnp.maximum(labels, 0))
+  ref, (ref_dx,), _ = value_and_vjp(optax_int, x)  # the same cotangent (seed 99), jitted
+  ref, ref_dx = np.asarray(ref), np.asarray(ref_dx)
   dropped = np.array([1, 2])
   kept = np.array([0, 3, 4, 5])
   np.testing.assert_array_equal(loss[dropped], 0.0)
@@ -129,7 +131,9 @@ def test_integer_labels_class_mask_equals_deleting_the_column():
   keep = np.array([0, 1, 3, 4, 5])
   new_labels = jnp.array([0, 4, 2, 1])
   ref, (rdx,), _ = value_and_vjp(
-      lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, new_labels), x[:, keep])
+      lambda a: optax.losses.softmax_cross_entropy_with_integer_labels(a, new_labels),
+      jnp.asarray(np.asarray(x)[:, keep]))
+  dx = np.asarray(dx)
   chex.assert_trees_all_close(loss, ref, rtol=1e-6)
   chex.assert_trees_all_close(dx[:, keep], rdx, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(dx[:, 2], 0.0)
@@ -139,9 +143,9 @@ def test_integer_labels_class_mask_equals_deleting_the_column():
   ref_smooth, (rsdx,), _ = value_and_vjp(
       lambda a: sce(a, jax.nn.one_hot(labels, 6), where=where, label_smoothing=0.3), x)
   chex.assert_trees_all_close((smooth, sdx), (ref_smooth, rsdx), rtol=1e-5, atol=1e-6)
-  # a single example (rank-1 logits, scalar label)
-  chex.assert_trees_all_close(sce_int(x[1], labels[1]), sce_int(x, labels)[1],
-                              rtol=1e-6)
+  # a single example (rank-1 logits, scalar label), jitted: one compilation per call
+  single = jax.jit(sce_int)
+  chex.assert_trees_all_close(single(x[1], labels[1]), single(x, labels)[1], rtol=1e-6)
 
 
 def test_fully_masked_rows_and_invisible_labels():
@@ -160,7 +164,7 @@ def test_fully_masked_rows_and_invisible_labels():
 def test_huge_and_shifted_logits_are_finite_and_shift_invariant():
   x64 = np.random.default_rng(0).normal(size=(4, 6)) * 3
   labels = jnp.array([0, 1, 2, 3])
-  base = sce_int(jnp.asarray(x64, jnp.float32), labels)
+  base = jax.jit(sce_int)(jnp.asarray(x64, jnp.float32), labels)
   for shift in (1000.0, -1000.0):
     shifted, (dx,), _ = value_and_vjp(lambda a: sce_int(a, labels), jnp.asarray(x64 + shift,
                                                                               jnp.float32))
@@ -172,24 +176,28 @@ def test_huge_and_shifted_logits_are_finite_and_shift_invariant():
     out, (dx,), _ = value_and_vjp(fn, huge)
     assert not np.any(np.isnan(out)) and np.all(np.isfinite(dx))
   # with the label on the largest logit the loss is exactly 0 (not NaN)
-  assert sce_int(huge, jnp.array([0]))[0] == 0.0
+  assert jax.jit(sce_int)(huge, jnp.array([0]))[0] == 0.0
 
 
 @pytest.mark.parametrize("dtype", LOW_PRECISION)
 def test_low_precision_is_computed_in_float32(dtype):
   x, labels = _logits(18, (4, 7), dtype=dtype), _labels(19, (4,), 7)
-  out = sce_int(x, labels, label_smoothing=0.1)
+  y = _probs(20, (4, 7))
+
+  @jax.jit  # one compilation instead of one per eager operation
+  def run(x):
+    x32 = x.astype(jnp.float32)
+    return (sce_int(x, labels, label_smoothing=0.1), sce_int(x32, labels, label_smoothing=0.1),
+            jax.grad(lambda a: sce_int(a, labels).astype(jnp.float32).sum())(x),
+            jax.grad(lambda a: sce_int(a, labels).sum())(x32), sce(x, y), sce(x32, y))
+
+  out, ref, dx, ref_dx, soft, soft32 = run(x)
   assert out.dtype == dtype
-  ref = sce_int(x.astype(jnp.float32), labels, label_smoothing=0.1)
   chex.assert_trees_all_close(out.astype(jnp.float32), ref, rtol=1e-2)
-  dx = jax.grad(lambda a: sce_int(a, labels).astype(jnp.float32).sum())(x)
-  ref_dx = jax.grad(lambda a: sce_int(a, labels).sum())(x.astype(jnp.float32))
   assert dx.dtype == dtype
   chex.assert_trees_all_close(dx.astype(jnp.float32), ref_dx, atol=1e-2)
-  y = _probs(20, (4, 7))
-  soft = sce(x, y)
   assert soft.dtype == dtype
-  chex.assert_trees_all_close(soft.astype(jnp.float32), sce(x.astype(jnp.float32), y), rtol=1e-2)
+  chex.assert_trees_all_close(soft.astype(jnp.float32), soft32, rtol=1e-2)
 
 
 def test_jit_and_vmap():
@@ -285,7 +293,7 @@ def test_top_k_random_cotangent_and_zero_gradient_outside_support():
 
 def test_top_k_target_outside_top_k_still_learns():
   x = jnp.array([[5.0, 4.0, 3.0, -2.0]])
-  loss, dx = jax.value_and_grad(lambda a: topk_ce(a, jnp.array([3]), 2).sum())(x)
+  loss, dx = jax.jit(jax.value_and_grad(lambda a: topk_ce(a, jnp.array([3]), 2).sum()))(x)
   ref = np.log(np.exp(5.0) + np.exp(4.0) + np.exp(-2.0)) + 2.0
   np.testing.assert_allclose(loss, ref, rtol=1e-6)
   assert dx[0, 3] < 0 and dx[0, 2] == 0.0
@@ -294,22 +302,26 @@ def test_top_k_target_outside_top_k_still_learns():
 def test_top_k_ties_break_to_the_lower_index():
   x = jnp.array([[1.0, 2.0, 2.0, 2.0, 0.0]])
   labels = jnp.array([4])
-  dx = jax.grad(lambda a: topk_ce(a, labels, 2).sum())(x)
+  # the loss and its gradient in one compilation
+  loss, dx = jax.jit(jax.value_and_grad(lambda a: topk_ce(a, labels, 2).sum()))(x)
   ref_loss, ref_dx = _top_k_reference(x, labels, 2)  # keeps indices 1 and 2 (+ target 4)
   chex.assert_trees_all_close(dx, ref_dx.astype(np.float32), rtol=1e-6)
   assert dx[0, 3] == 0.0 and dx[0, 1] > 0 and dx[0, 2] > 0
-  chex.assert_trees_all_close(topk_ce(x, labels, 2), ref_loss.astype(np.float32), rtol=1e-6)
+  chex.assert_trees_all_close(loss, ref_loss.sum().astype(np.float32), rtol=1e-6)
 
 
 def test_top_k_masks_and_edge_cases():
   x, labels = _logits(34, (4, 6)), jnp.array([0, 1, 2, -100])
   where = jnp.ones((4, 6), bool).at[:, 0].set(False).at[0, :].set(True)
   # masked class 0 is never selected: equal to the reference on the remaining columns
-  out, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, labels, 2, where=where, ignore_index=-100), x)
+  out, (dx,), cts = value_and_vjp(
+      lambda a: topk_ce(a, labels, 2, where=where, ignore_index=-100), x)
+  out, dx, cts = np.asarray(out), np.asarray(dx), np.asarray(cts)  # index in numpy, not eagerly
   for r in (1, 2):
     cols = np.arange(1, 6)
-    ref_loss, ref_dx = _top_k_reference(x[r:r + 1, cols], labels[r:r + 1] - 1, 2)
-    ct = jax.random.normal(jax.random.key(99), out.shape)[r]
+    ref_loss, ref_dx = _top_k_reference(np.asarray(x)[r:r + 1, cols],
+                                        np.asarray(labels)[r:r + 1] - 1, 2)
+    ct = cts[r]
     chex.assert_trees_all_close(out[r], ref_loss[0].astype(np.float32), rtol=1e-5)
     chex.assert_trees_all_close(dx[r, cols], (ct * ref_dx[0]).astype(np.float32), rtol=1e-5,
                                 atol=1e-6)
@@ -317,10 +329,10 @@ def test_top_k_masks_and_edge_cases():
   assert out[3] == 0.0 and np.all(dx[3] == 0.0)
   # fewer visible classes than k: plain softmax CE over the visible ones
   few = jnp.array([[True, False, True, False, False, False]])
-  chex.assert_trees_all_close(
+  chex.assert_trees_all_close(*jax.jit(lambda x, labels: (  # one compilation for both
       topk_ce(x[:1], labels[:1], 4, where=few),
-      optax.losses.softmax_cross_entropy_with_integer_labels(x[:1, ::2][:, :2], labels[:1]),
-      rtol=1e-6)
+      optax.losses.softmax_cross_entropy_with_integer_labels(x[:1, ::2][:, :2], labels[:1])))(
+          x, labels), rtol=1e-6)
   huge = jnp.array([[3e38, -3e38, 1e30, 0.0]])
   out, (dx,), _ = value_and_vjp(lambda a: topk_ce(a, jnp.array([1]), 2), huge)
   assert not np.isnan(out).any() and np.all(np.isfinite(dx))
@@ -339,8 +351,14 @@ def test_top_k_gradient_is_top_k_softmax_minus_one_hot():
   """Against the top_k_softmax normalizer (another helper's N15)."""
   x, labels = _logits(36, (6, 9)), _labels(37, (6,), 9)
   k = 4
-  p = js.normalizers.top_k_softmax(x, k=k)
-  in_top = jnp.take_along_axis(p, labels[:, None], axis=-1)[:, 0] > 0
-  dx = jax.grad(lambda a: topk_ce(a, labels, k).sum())(x)
-  expected = p - jax.nn.one_hot(labels, 9)
+
+  @jax.jit  # one compilation instead of one per eager operation
+  def run(x):
+    p = js.normalizers.top_k_softmax(x, k=k)
+    in_top = jnp.take_along_axis(p, labels[:, None], axis=-1)[:, 0] > 0
+    dx = jax.grad(lambda a: topk_ce(a, labels, k).sum())(x)
+    return in_top, dx, p - jax.nn.one_hot(labels, 9)
+
+  in_top, dx, expected = (np.asarray(a) for a in run(x))
+  assert in_top.any()
   chex.assert_trees_all_close(dx[in_top], expected[in_top], rtol=1e-5, atol=1e-6)
