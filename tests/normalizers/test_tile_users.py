@@ -99,10 +99,11 @@ def test_evaluators_equal_the_closed_form(name):
   chex.assert_trees_all_close(testing.evaluate_tile_rule(spec, x, where=mask), want, **FWD)
   v = jax.random.normal(jax.random.key(1), (x.shape[-1], 3))
   cot = jax.random.normal(jax.random.key(2), (x.shape[0], 3))
-  want_o, vjp_want = jax.vjp(lambda x, v: spec.fn(x, where=mask) @ v, x, v)
+  # jitted: one program per evaluator and block split rather than op by op
+  want_o, vjp_want = jax.vjp(jax.jit(lambda x, v: spec.fn(x, where=mask) @ v), x, v)
   for blocks in ([12], [5, 7], [3, 1, 4, 4]):
-    got, vjp_got = jax.vjp(
-        lambda x, v, b=blocks: testing.evaluate_tile_rule_online(spec, x, v, b, where=mask),
+    got, vjp_got = jax.vjp(jax.jit(
+        lambda x, v, b=blocks: testing.evaluate_tile_rule_online(spec, x, v, b, where=mask)),
         x, v)
     chex.assert_trees_all_close(got, want_o, **FWD)
     chex.assert_trees_all_close(vjp_got(cot), vjp_want(cot), rtol=1e-4, atol=1e-5)
@@ -120,8 +121,10 @@ def test_chunked_attention_equals_dense(name, monkeypatch):
   monkeypatch.setattr(_chunked, "BLOCK_K", 8)
   args, kw = _attention_case(3)
   spec = SPECS[name]
-  assert_same(functools.partial(dpa, normalizer=spec, implementation="xla_chunked", **kw),
-              functools.partial(dpa, normalizer=spec, implementation="xla", **kw), args)
+  # jitted: one program per implementation rather than op by op
+  assert_same(jax.jit(functools.partial(dpa, normalizer=spec, implementation="xla_chunked",
+                                        **kw)),
+              jax.jit(functools.partial(dpa, normalizer=spec, implementation="xla", **kw)), args)
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -131,8 +134,8 @@ def test_pallas_engine_equals_dense(name):
   spec = SPECS[name]
   kernel = functools.partial(kp.attention, normalizer=spec, backend="triton", interpret=True,
                              block_sizes=kp.BlockSizes(16, 16), **kw)
-  assert_same(kernel, functools.partial(dpa, normalizer=spec, implementation="xla", **kw),
-              args)
+  assert_same(jax.jit(kernel),
+              jax.jit(functools.partial(dpa, normalizer=spec, implementation="xla", **kw)), args)
 
 
 # ------------------------------------------------------------------------- declarations
