@@ -5,10 +5,16 @@ step calls the kernel through this wrapper, which runs it on each device's shard
 array with a batch or head axis is split like q: q/k/v, the array hyperparameters, the
 dense ``bias`` / ``mask`` (a broadcast axis of size 1 stays whole on every device) and
 FoX's ``decay_bias``.
+
+``jaxsoft.attention.dot_product_attention(implementation="pallas")`` routes a call whose
+inputs carry a mesh sharding (:func:`call_layout`) through the same ``shard_map``
+(:func:`sharded_attention_from_call`), so a batch sharded outside ``shard_map`` gives the
+unsharded call's result, sharded like q.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -16,9 +22,11 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas._api import attention, is_static, rows
+from kernels_pallas._api import attention, attention_from_call, is_static, rows
+from kernels_pallas.backends import pick_backend
 
-__all__ = ["sharded_attention"]
+__all__ = ["sharded_attention", "sharded_attention_from_call", "call_layout",
+           "refuse_interpreted_threshold_vma"]
 
 
 def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = "data",
@@ -138,3 +146,174 @@ def _place(mesh, x, spec):
     return jax.sharding.reshard(x, NamedSharding(mesh, spec))
   return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
+
+
+def _named_sharding(x) -> NamedSharding | None:
+  """The NamedSharding ``x`` carries: a concrete array's own (its Auto or Explicit axes),
+  a tracer's type (only Explicit axes are known at trace time), or None."""
+  s = None
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    s = x.sharding
+  else:
+    try:
+      s = jax.typeof(x).sharding
+    except (AttributeError, TypeError):
+      return None
+  return s if isinstance(s, NamedSharding) else None
+
+
+def _axes(entry) -> tuple:
+  """The mesh axis names of one PartitionSpec entry (None, a name or a tuple of names)."""
+  if entry is None or entry is P.UNCONSTRAINED:
+    return ()
+  return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
+
+
+def _size(mesh, entry) -> int:
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes, strict=True))
+  out = 1
+  for name in _axes(entry):
+    out *= sizes[name]
+  return out
+
+
+def call_layout(call) -> tuple[Any, Any, Any] | None:
+  """``(mesh, batch_axis, head_axis)`` of a call whose q, k or v is sharded over a mesh
+  (outside ``jax.shard_map``), or None.
+
+  The batch and head axes are q's (dimensions 0 and 2 of ``[B, T, N, H]``); a head axis
+  that does not divide the key/value heads K is dropped (each shard must hold whole GQA
+  groups: the heads stay whole), and a sharded sequence or feature dimension is gathered.
+  Under ``jit`` only Explicit mesh axes are visible in an array's type; Auto axes are seen
+  on concrete (eager) arrays only.
+
+  Examples:
+    >>> from jaxsoft.attention.call import AttentionCall
+    >>> from kernels_pallas.sharding import call_layout
+    >>> q = jnp.ones((2, 16, 2, 16))
+    >>> call_layout(AttentionCall.create(q, q, q)) is None   # one device, no mesh
+    True
+  """
+  shardings = [_named_sharding(x) for x in (call.q, call.k, call.v)]
+  named = [s for s in shardings if s is not None and any(_axes(e) for e in s.spec)]
+  if not named:
+    return None
+  mesh = named[0].mesh
+  if any(t == jax.sharding.AxisType.Manual for t in getattr(mesh, "axis_types", ())):
+    return None  # inside shard_map: the caller split the arrays
+  entries = tuple(shardings[0].spec) if shardings[0] is not None else ()
+  entries += (None,) * (4 - len(entries))
+  batch, head = (e if _axes(e) else None for e in (entries[0], entries[2]))
+  b, n, kh = call.q.shape[0], call.q.shape[2], call.k.shape[2]
+  if batch is not None and b % _size(mesh, batch):
+    batch = None
+  if head is not None and (n % _size(mesh, head) or kh % _size(mesh, head)):
+    head = None
+  return mesh, batch, head
+
+
+def sharded_attention_from_call(call, mesh, batch_axis: Any = None, head_axis: Any = None,
+                                **kwargs):
+  """:func:`kernels_pallas.attention_from_call` under ``jax.shard_map``: each device runs
+  the kernel on its shard of the batch (``batch_axis``) and heads (``head_axis``).
+
+  What ``dot_product_attention(implementation="pallas")`` runs for sharded inputs
+  (:func:`call_layout`). Every array of ``call`` with a batch or head axis is split like
+  q (dense ``bias`` / ``mask`` only along the axes they hold in full, per-row
+  hyperparameters broadcast to ``[B, N, T, 1]``); the rest is replicated.
+
+  Args:
+    call: a validated :class:`jaxsoft.attention.call.AttentionCall` (no PRNG key).
+    mesh: the mesh (concrete or abstract) holding the axes.
+    batch_axis, head_axis: mesh axis names (or tuples of names), or None.
+    **kwargs: the kernel's settings, as for :func:`kernels_pallas.attention_from_call`.
+
+  Returns:
+    The output ``[B, T, N, Hv]`` sharded like q (with ``call.return_residual``, also the
+    residual ``[B, T, N]``).
+
+  Examples:
+    >>> from jaxsoft.attention.call import AttentionCall
+    >>> from kernels_pallas.sharding import sharded_attention_from_call
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> q = jax.random.normal(jax.random.key(0), (2, 16, 2, 16))
+    >>> call = AttentionCall.create(q, q, q, is_causal=True)
+    >>> o = sharded_attention_from_call(call, mesh, "data", backend="triton", interpret=True)
+    >>> ref = js.attention.dot_product_attention(q, q, q, is_causal=True, implementation="xla")
+    >>> o.shape, bool(jnp.allclose(o, ref, atol=1e-5))
+    ((2, 16, 2, 16), True)
+  """
+  b, t, n, _ = call.q.shape
+  qkv = P(batch_axis, None, head_axis, None)
+  row = P(batch_axis, head_axis, None, None)
+  static = {name: x for name, x in call.params.items() if is_static(x)}
+  dyn_names = sorted(set(call.params) - set(static))
+
+  def dense(x):  # [B|1, N|1, T|1, S|1]: split the batch / head axes it holds in full
+    return None if x is None else P(batch_axis if x.shape[0] > 1 else None,
+                                     head_axis if x.shape[1] > 1 else None, None, None)
+
+  fields = dict(q=call.q, k=call.k, v=call.v, bias=call.bias, mask=call.mask,
+                query_seq_lengths=call.query_seq_lengths,
+                key_value_seq_lengths=call.key_value_seq_lengths,
+                segment_ids=call.segment_ids, decay_bias=call.decay_bias,
+                scale=None if is_static(call.scale) else call.scale)
+  specs = dict(q=qkv, k=qkv, v=qkv, bias=dense(call.bias), mask=dense(call.mask),
+               query_seq_lengths=P(batch_axis), key_value_seq_lengths=P(batch_axis),
+               segment_ids=(P(batch_axis, None),) * 2,
+               decay_bias=(P(batch_axis, None, head_axis),) * 2, scale=P())
+  specs = {name: (None if fields[name] is None else sp) for name, sp in specs.items()}
+  fields["params"] = [rows(call.params[name], b, n, t) for name in dyn_names]
+  specs["params"] = [row] * len(dyn_names)
+  fields = jax.tree_util.tree_map(lambda x, sp: _put(mesh, x, sp), fields, specs,
+                                  is_leaf=lambda x: x is None)
+
+  def local(f):
+    f = dict(f)
+    params = {**static, **dict(zip(dyn_names, f.pop("params"), strict=True))}
+    if f["scale"] is None:
+      f["scale"] = call.scale
+    return attention_from_call(dataclasses.replace(call, params=params, **f), **kwargs)
+
+  out_specs: P | tuple[P, P] = qkv
+  if call.return_residual:  # (out, residual [B, T, N])
+    out_specs = (qkv, P(batch_axis, None, head_axis))
+  fn = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=out_specs,
+                     check_vma=False)
+  # eagerly (concrete arrays), one compiled program instead of shard_map's op-by-op run
+  return (fn if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(fields))
+          else jax.jit(fn))(fields)
+
+
+def _put(mesh, x, spec):
+  """``x`` laid out as ``spec``: a concrete array is placed, a traced one resharded."""
+  if x is None or spec is None:
+    return x
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    return jax.device_put(x, NamedSharding(mesh, spec))
+  return _place(mesh, x, spec)
+
+
+def refuse_interpreted_threshold_vma(call, backend: str | None) -> None:
+  """NotImplementedError for a class T normalizer run by the Pallas interpreter (the
+  platform's choice for ``backend``) inside ``jax.shard_map`` with ``check_vma=True``
+  (q varies over mesh axes); otherwise nothing.
+
+  The threshold passes read their live-block lists at constant and loop indices, and the
+  interpreter evaluates those reads (``dynamic_slice``) and the passes' loop results
+  against mesh-invariant indices and constants, which the default ``check_vma`` refuses at
+  lowering ("requires varying manual axes to match"); compiled kernels are not checked so.
+  """
+  spec = call.spec
+  if getattr(spec, "kernel_class", None) != "T" or getattr(spec, "threshold", None) is None:
+    return
+  axis_type = getattr(jax.typeof(call.q), "manual_axis_type", None)
+  varying = frozenset() if axis_type is None else frozenset(axis_type.varying)
+  if varying and pick_backend(backend)[1]:
+    raise NotImplementedError(
+        f"normalizer {spec.name!r} (kernel class T) in the Pallas interpreter inside "
+        f"jax.shard_map with check_vma=True (q varies over {sorted(varying)}): the "
+        "interpreter refuses the threshold passes' block-list reads; pass check_vma=False "
+        "to jax.shard_map, call dot_product_attention on the sharded arrays outside "
+        "shard_map (or kernels_pallas.sharded_attention), or use "
+        "implementation='xla_chunked' or 'xla'")
