@@ -95,8 +95,8 @@ def test_forward_and_gradient_match_float64_formula(case):
       got = fn(jnp.asarray(x), where=jnp.asarray(mask), **hp)
       assert got.dtype == jnp.float64
       np.testing.assert_allclose(got, _ref_rows(ref, x, mask, **hp), rtol=1e-10, atol=1e-12)
-      g = jax.grad(lambda v, hp=hp: jnp.sum(fn(v, where=jnp.asarray(mask), **hp) * ct))(
-          jnp.asarray(x))
+      g = jax.jit(jax.grad(  # one program rather than op by op
+          lambda v, hp=hp: jnp.sum(fn(v, where=jnp.asarray(mask), **hp) * ct)))(jnp.asarray(x))
       np.testing.assert_allclose(g, _fd_vjp(ref, x, mask, ct, **hp), rtol=1e-5, atol=1e-7,
                                  err_msg=str(hp))
       assert np.all(np.asarray(g)[~mask] == 0)
@@ -156,7 +156,7 @@ def test_standardized_softmax_is_affine_invariant_and_a_temperature():
   # a constant row is uniform, with a finite gradient
   flat = jnp.full((1, 5), 3.0)
   np.testing.assert_allclose(R.standardized_softmax(flat), np.full((1, 5), 0.2), rtol=1e-6)
-  g = jax.grad(lambda v: R.standardized_softmax(v)[0, 0])(flat)
+  g = jax.jit(jax.grad(lambda v: R.standardized_softmax(v)[0, 0]))(flat)
   assert np.all(np.isfinite(np.asarray(g)))
 
 
