@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.helpers import LazyCases, assert_same, make_qkv, sampled, segment_mask
+from tests.attention.reference import assert_same_jit as assert_same
+from tests.helpers import LazyCases, make_qkv, sampled, segment_mask
 
 B, T, N, K, H = 2, 11, 4, 2, 8
 
@@ -135,10 +136,12 @@ def test_length_dependent_normalizer_sees_visible_count():
 def test_fully_masked_rows_are_zero_with_finite_grads():
   q, k, v = make_qkv(6, B, T, N=N, K=K, H=H)
   mask = jnp.ones((1, 1, T, T), bool).at[..., 3, :].set(False)
-  out, grads = jax.value_and_grad(
-      lambda q, k, v: jnp.sum(dpa(q, k, v, mask=mask, implementation="xla") ** 2),
-      argnums=(0, 1, 2))(q, k, v)
-  o = dpa(q, k, v, mask=mask, implementation="xla")
+  def loss(q, k, v):
+    o = dpa(q, k, v, mask=mask, implementation="xla")
+    return jnp.sum(o ** 2), o
+
+  # the output and the gradients in one jitted program (op by op costs several times more)
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
   np.testing.assert_array_equal(np.asarray(o[:, 3]), 0.0)
   np.testing.assert_array_equal(np.asarray(grads[0][:, 3]), 0.0)
   assert all(np.all(np.isfinite(g)) for g in grads)
@@ -161,8 +164,9 @@ def test_check_grads_float64():
   with jax.enable_x64(True):
     q, k, v = make_qkv(8, 1, 5, N=2, K=1, H=4, dtype=jnp.float64)
     bias = _bias((1, 2, 5, 5)).astype(jnp.float64)
-    f = lambda q, k, v, b: dpa(q, k, v, b, is_causal=True, logits_soft_cap=3.0,  # noqa: E731
-                               implementation="xla")
+    # jit: check_grads evaluates f many times; one compiled program instead of op by op
+    f = jax.jit(lambda q, k, v, b: dpa(q, k, v, b, is_causal=True, logits_soft_cap=3.0,
+                                       implementation="xla"))
     jax.test_util.check_grads(f, (q, k, v, bias), order=1, modes=("rev",))
     assert f(q, k, v, bias).dtype == jnp.float64
 
