@@ -76,7 +76,7 @@ def test_posinf_distance_takes_the_formula_limit():
   want = e / e.sum(-1, keepdims=True)
   want[1] = [1 / 3, 1 / 3, 0.0, 1 / 3]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
-  g = np.asarray(jax.grad(lambda v: N.idw_softmax(v)[0, 1])(jnp.asarray(x)))
+  g = np.asarray(jax.jit(jax.grad(lambda v: N.idw_softmax(v)[0, 1]))(jnp.asarray(x)))
   assert np.all(np.isfinite(g)) and g[0, 0] == 0
   nan_row = N.idw_softmax(jnp.array([inf, np.nan, 1.0]))
   assert np.all(np.isnan(np.asarray(nan_row)))
