@@ -323,19 +323,48 @@ def _single_entry_scale(n, scale):
   return jnp.where(n > 1, scale, 1.0)
 
 
+# The statistics are :data:`row_blocks.MOMENTS`' (n, mean, t, q = t^2 M2), t a power of
+# two: the derived scales are formed in the scaled variables and divided by t last (exact),
+# so no square of the std is formed: finite for any finite row whose deviations fit the
+# float range, and, where nothing overflows or underflows, equal bit for bit to the
+# unscaled formulas (tau (sqrt(M2/n) + eps), sqrt(M2/n + eps)).
+
+
 def _standardized_derive(stats, length, tau=1.0, eps=1e-7, **_):
-  n, mean, m2 = stats
-  scale = tau * (_safe_sqrt(c.safe_divide(m2, n)) + eps)
+  n, mean, t, q = stats
+  scale = tau * ((_safe_sqrt(c.safe_divide(q, n)) + eps * t) / t)
   return {"mu": mean, "scale": _single_entry_scale(n, scale)}
 
 
 def _nap_derive(stats, length, eps=1e-8, **_):
-  n, mean, m2 = stats
-  return {"mu": mean, "scale": _single_entry_scale(n, jnp.sqrt(c.safe_divide(m2, n) + eps))}
+  n, mean, t, q = stats
+  # sqrt(q/n + eps t^2) / t; where eps t^2 overflows (a std below ~1e-19 sqrt(eps) with t
+  # at its upper limit), q/n <= 4 is below its rounding and the root is sqrt(eps).
+  et2 = eps * t * t
+  big = ~jnp.isfinite(et2)
+  root = _safe_sqrt(c.safe_divide(q, n) + jnp.where(big, 0.0, et2)) / t
+  scale = jnp.where(big, jnp.sqrt(jnp.where(big, eps, 1.0)), root)
+  return {"mu": mean, "scale": _single_entry_scale(n, scale)}
+
+
+@jax.custom_jvp
+def _quotient(a, b):
+  """``a / b`` whose derivative is formed from the quotient, ``(da - (a/b) db) / b``:
+  autodiff's ``-a db / b^2`` squares b, which underflows in float32 for b past ~1e19 (a
+  zero gradient for a row's scale; the scales here grow with the scores)."""
+  return a / b
+
+
+@_quotient.defjvp
+def _quotient_jvp(primals, tangents):
+  a, b = primals
+  da, db = tangents
+  z = a / b
+  return z, (da - z * db) / b
 
 
 def _standard_score_map(x, length, mu=0.0, scale=1.0, **_):
-  return (x - mu) / scale
+  return _quotient(x - mu, scale)
 
 
 def _identity_numerator(z, m, **_):

@@ -15,7 +15,8 @@ per row with four functions (:class:`Statistic`):
 The statistics here: :data:`SOFTMAX` (row max m, ``l = sum e^{x-m}``: the online softmax
 merge of Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"),
 :data:`MOMENTS` (count, mean, M2: Chan, Golub & LeVeque 1979, "Updating formulae and a
-pairwise algorithm for computing sample variances"), :data:`ENTROPY` (softmax's (m, l) and
+pairwise algorithm for computing sample variances"; M2 carried scaled by a power of two,
+so that it neither overflows nor underflows), :data:`ENTROPY` (softmax's (m, l) and
 ``t = sum e^{x-m} (x - m)``, from which ``H = log l - t / l``) and :data:`EXTREMES` (the
 visible max and min with their multiplicities, so a tie shares the gradient as
 ``jnp.max`` does; entries within a relative ``RECOMPUTE_TOLERANCE`` = 2^-16 of the
@@ -34,7 +35,7 @@ from jaxsoft.normalizers.common import safe_divide
 from jaxsoft.normalizers.spec import RowStatsRule, TileRule
 
 __all__ = ["Statistic", "SOFTMAX", "MOMENTS", "ENTROPY", "EXTREMES", "row_stats_rule",
-           "softmax_derived", "softmax_of", "finite_or_zero", "at_row_max"]
+           "pow2_scale", "softmax_derived", "softmax_of", "finite_or_zero", "at_row_max"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,39 +117,80 @@ def softmax_of(z, row_max, row_sum):
                      row_sum)
 
 
-# --- moments: (count, mean, M2) ---------------------------------------------------------
+# --- moments: (count, mean, scale, scaled M2) ---------------------------------------------
+
+
+def _scale_limit(dtype) -> int:
+  """The scales t of :data:`MOMENTS` lie in [2^-L, 2^L], L = 25/32 of the largest binary
+  exponent (float32 and bfloat16: 100, float64: 800, float16: 12): normal floats, with
+  room for the products with eps of the derived hyperparameters."""
+  return int(jnp.finfo(dtype).maxexp) * 25 // 32
+
+
+def pow2_scale(r):
+  """``t = 2^-e`` with ``r t`` in [1/2, 1) (``r >= 0`` without gradient), read off the
+  float's exponent bits: exact, and only integer and bit operations (a Pallas kernel
+  lowers them). ``t`` is clamped to [2^-L, 2^L] (:func:`_scale_limit`); r = 0 or a
+  subnormal r gives the upper limit 2^L, no constraint for the minimum a merge takes.
+  """
+  info = jnp.finfo(r.dtype)
+  ints = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[info.bits]
+  field = ((1 << int(info.nexp)) - 1) << int(info.nmant)
+  # 2^floor(log2 r) for a normal r (the mantissa cleared), 0 for 0 or a subnormal
+  floor = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(r, ints) & field, r.dtype)
+  lim = _scale_limit(r.dtype)
+  floor = jnp.clip(floor, 2.0 ** (-lim - 1), 2.0 ** (lim - 1))
+  return 0.5 / floor  # 1 / 2^(floor(log2 r) + 1): a power of two, exact
 
 
 def _moments_init(shape, dtype):
-  return tuple(jnp.zeros(shape, dtype) for _ in range(3))
+  zero = jnp.zeros(shape, dtype)
+  return zero, zero, pow2_scale(zero), zero
 
 
 def _moments_block(x, mask):
-  """(count, mean, M2) of one block's visible entries, two-pass within the block."""
+  """(count, mean, t, q) of one block's visible entries, two-pass within the block: ``q =
+  sum (t (x - mean))^2``, ``t`` (:func:`pow2_scale` of the largest deviation, no
+  gradient) bringing the deviations into [-1, 1) exactly."""
   n = _sum(mask).astype(x.dtype)
   mean = safe_divide(_sum(jnp.where(mask, x, 0.0)), n)
   d = jnp.where(mask, x - mean, 0.0)
-  return n, mean, _sum(d * d)
+  t = pow2_scale(jax.lax.stop_gradient(jnp.max(jnp.abs(d), axis=-1, keepdims=True)))
+  y = d * t
+  return n, mean, t, _sum(y * y)
 
 
 def _moments_merge(a, b):
-  """Chan, Golub & LeVeque's pairwise merge of (count, mean, M2)."""
-  na, ma, qa = a
-  nb, mb, qb = b
+  """Chan, Golub & LeVeque's pairwise merge of (count, mean, M2), M2 carried as ``q = t^2
+  M2``. The merged ``t`` is the smallest of the parts' and :func:`pow2_scale` of the gap
+  between their means, so every deviation from the merged mean stays under 2 once scaled
+  (``t |x - mean| <= t |x - mean_a| + t |mean_b - mean_a|``) and ``q`` under ``4 n``;
+  every rescale is by a power of two (exact), so a row whose squares fit the float range
+  gets M2 bit for bit as unscaled."""
+  na, ma, ta, qa = a
+  nb, mb, tb, qb = b
   n = na + nb
   delta = mb - ma
   frac = safe_divide(nb, n)
-  return n, ma + delta * frac, qa + qb + delta * delta * na * frac
+  # the gap between the means matters only when both parts hold entries (an empty part's
+  # mean is 0, not a value of the row)
+  gap = jnp.where((na > 0) & (nb > 0), delta, 0.0)
+  t = jnp.minimum(jnp.minimum(ta, tb), pow2_scale(jax.lax.stop_gradient(jnp.abs(gap))))
+  dt = gap * t
+  q = qa * jnp.square(t / ta) + qb * jnp.square(t / tb) + dt * dt * na * frac
+  return n, ma + delta * frac, t, q
 
 
 def _moments_tangent(x, mask, final):
-  n, mean, _ = jax.lax.stop_gradient(final)
-  d = jnp.where(mask, x - mean, 0.0)
-  # d mean / d x_j = 1/n; d M2 / d x_j = 2 (x_j - mean) (the mean's own share sums to 0)
-  return jnp.zeros_like(n), safe_divide(_sum(jnp.where(mask, x, 0.0)), n), _sum(d * d)
+  n, mean, t, _ = jax.lax.stop_gradient(final)
+  y = jnp.where(mask, (x - mean) * t, 0.0)
+  zero = jnp.zeros_like(n)
+  # d mean / d x_j = 1/n; d q / d x_j = 2 t^2 (x_j - mean) (the mean's own share sums to
+  # 0; t is piecewise constant)
+  return zero, safe_divide(_sum(jnp.where(mask, x, 0.0)), n), zero, _sum(y * y)
 
 
-MOMENTS = Statistic(3, _moments_init, _moments_block, _moments_merge, _moments_tangent)
+MOMENTS = Statistic(4, _moments_init, _moments_block, _moments_merge, _moments_tangent)
 
 
 # --- entropy of softmax: (m, l, t) --------------------------------------------------------
