@@ -68,8 +68,8 @@ def test_forgetting_attention_matches_explicit_sum(impl):
 def test_forgetting_attention_gqa():
   q, _, _, log_f = fox_inputs(n=4)
   k, v = normal(10, (2, 7, 2, 4)), normal(11, (2, 7, 2, 4))
-  out = forgetting_attention(q, k, v, log_f)
-  ref = _fox_reference(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), log_f)
+  out = jax.jit(forgetting_attention)(q, k, v, log_f)  # jitted: one program, not op by op
+  ref = jax.jit(_fox_reference)(q, jnp.repeat(k, 2, axis=2), jnp.repeat(v, 2, axis=2), log_f)
   chex.assert_trees_all_close(out, ref, **FWD)
 
 
@@ -82,7 +82,8 @@ def test_forgetting_attention_unit_gate_is_causal_softmax():
 def test_forgetting_attention_check_grads_f64():
   with jax.enable_x64(True):
     q, k, v, log_f = (a.astype(jnp.float64) for a in fox_inputs(t=5, n=1, h=2))
-    f = lambda lf, q: forgetting_attention(q, k, v, lf, implementation="xla")
+    # jit: check_grads evaluates f many times; one compiled program instead of op by op
+    f = jax.jit(lambda lf, q: forgetting_attention(q, k, v, lf, implementation="xla"))
     check_grads(f, (log_f, q), order=1, modes=("rev",))
 
 
@@ -108,10 +109,12 @@ def test_forgetting_attention_prunes_exactly_the_decayed_blocks(small_blocks):
   skip = (cmax[:, None] - cmin[None, :]) < thr  # [query block, key block]
   assert skip[np.tril_indices(nb, -1)].any()  # the test prunes something
   keep = ~np.kron(skip, np.ones((b, b), bool))
-  out = forgetting_attention(q, k, v, log_f, implementation="xla_chunked",
-                             prune_threshold=thr)
-  chex.assert_trees_all_close(out, _fox_reference(q, k, v, log_f, jnp.asarray(keep)), **FWD)
-  assert float(jnp.max(jnp.abs(out - _fox_reference(q, k, v, log_f)))) > 1e-7
+  # jitted (the threshold stays a concrete float): one program each, not op by op
+  out = jax.jit(lambda *a: forgetting_attention(*a, implementation="xla_chunked",
+                                                prune_threshold=thr))(q, k, v, log_f)
+  reference = jax.jit(_fox_reference)
+  chex.assert_trees_all_close(out, reference(q, k, v, log_f, jnp.asarray(keep)), **FWD)
+  assert float(jnp.max(jnp.abs(out - reference(q, k, v, log_f)))) > 1e-7
 
 
 def test_acp_threshold_bounds_every_pruned_weight():
@@ -140,9 +143,10 @@ def test_forgetting_attention_acp_error_within_bound(small_blocks):
   log_f = jnp.full((2, t, 2), -1.0)
   thr = float(acp_prune_threshold(q, k, epsilon=eps))
   assert -thr < 0.5 * t  # blocks far enough in the past fall below the threshold
-  out = forgetting_attention(q, k, v, log_f, implementation="xla_chunked",
-                             prune_threshold=thr)
-  ref = _fox_reference(q, k, v, log_f)
+  # jitted (the threshold stays a concrete float): one program each, not op by op
+  out = jax.jit(lambda *a: forgetting_attention(*a, implementation="xla_chunked",
+                                                prune_threshold=thr))(q, k, v, log_f)
+  ref = jax.jit(_fox_reference)(q, k, v, log_f)
   bound = 2 * t * eps * float(jnp.max(jnp.abs(v)))
   assert float(jnp.max(jnp.abs(out - ref))) <= bound
   chex.assert_tree_all_finite(out)
