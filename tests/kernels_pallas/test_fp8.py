@@ -195,7 +195,12 @@ def test_round_e4m3_reference_is_the_format():
 
 
 def _run(q, k, v, **kw):
-  return kp.attention(q, k, v, interpret=True, block_sizes=BLOCKS, **kw)
+  """The interpret-mode kernel, jitted (one compilation, not one per eager op of the
+  quantisation and rotation); array keywords are passed as arguments."""
+  arrays = {n: x for n, x in kw.items() if isinstance(x, jax.Array)}
+  static = {n: x for n, x in kw.items() if n not in arrays}
+  return jax.jit(lambda q, k, v, arrays: kp.attention(
+      q, k, v, interpret=True, block_sizes=BLOCKS, **static, **arrays))(q, k, v, arrays)
 
 
 @pytest.mark.parametrize("case", ["normal", "outlier"])
@@ -243,8 +248,8 @@ def _grads64(q, k, v, ct, vis):
 def test_gradients_are_the_straight_through_gradients():
   q, k, v = _inputs(t=128)
   ct = jax.random.normal(jax.random.PRNGKey(3), q.shape)
-  g8 = jax.grad(lambda q, k, v: jnp.sum(_run(q, k, v, is_causal=True, fp8="e4m3") * ct),
-                (0, 1, 2))(q, k, v)
+  g8 = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+      _run(q, k, v, is_causal=True, fp8="e4m3") * ct), (0, 1, 2)))(q, k, v)
   want = _grads64(q, k, v, ct, _visible64(128, 128, True))
   for a, b in zip(g8, want, strict=True):
     # float32 backward: sums of up to S = 128 terms and a 64-term rotation, each within
@@ -276,7 +281,7 @@ def test_native_fp8_dot_equals_dequantised(backend, h, normalizer):
       o = kp.attention(q, k, v, backend=backend, interpret=True, block_sizes=blocks,
                        is_causal=True, normalizer=normalizer, fp8="e4m3", fp8_dot=dot)
       return jnp.sum(o * ct), o
-    return jax.value_and_grad(loss, (0, 1, 2), has_aux=True)(q, k, v)
+    return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))(q, k, v)
 
   (_, o8), g8 = run(True)
   (_, o), g = run(False)
@@ -284,9 +289,9 @@ def test_native_fp8_dot_equals_dequantised(backend, h, normalizer):
   for a, b in zip(g8, g, strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-3 * float(jnp.abs(b).max()))
   # the dequantised values really differ from the inputs: fp8 is on in both runs
-  assert float(jnp.abs(o - kp.attention(q, k, v, backend=backend, interpret=True,
-                                        block_sizes=blocks, is_causal=True,
-                                        normalizer=normalizer)).max()) > 1e-3
+  assert float(jnp.abs(o - jax.jit(lambda q, k, v: kp.attention(
+      q, k, v, backend=backend, interpret=True, block_sizes=blocks, is_causal=True,
+      normalizer=normalizer))(q, k, v)).max()) > 1e-3
 
 
 def test_native_fp8_dot_bf16_and_masks():

@@ -168,17 +168,19 @@ def test_unnormalized_identity_is_causal_linear_attention():
   """normalize=False, identity features: ``o = tril(q k^T) v · scale`` (a dense check)."""
   args = cases.inputs("simple_gla", T=6, state=False)
   q, k, v = args["q"], args["k"], args["v"]
-  o = linear.linear_attention(q, k, v, feature_map="identity", normalize=False, scale=0.5)
-  scores = jnp.einsum("btnk,bsnk->bnts", q, k) * 0.5 * jnp.tril(jnp.ones((6, 6)))
-  np.testing.assert_allclose(o, jnp.einsum("bnts,bsnv->btnv", scores, v), rtol=1e-5, atol=1e-5)
+  o = jax.jit(lambda q, k, v: linear.linear_attention(  # one compilation, not one per op
+      q, k, v, feature_map="identity", normalize=False, scale=0.5))(q, k, v)
+  qn, kn, vn = (np.asarray(x, np.float64) for x in (q, k, v))  # the dense check in numpy
+  scores = np.einsum("btnk,bsnk->bnts", qn, kn) * 0.5 * np.tril(np.ones((6, 6)))
+  np.testing.assert_allclose(o, np.einsum("bnts,bsnv->btnv", scores, vn), rtol=1e-5, atol=1e-5)
 
 
 def test_feature_map_callable_may_change_k():
   """A callable feature map [.., K] -> [.., 2K]: the state is [B, N, 2K, V]."""
   args = cases.inputs("simple_gla", T=5, K=3, state=False)
   phi = lambda x: jnp.concatenate([jax.nn.relu(x), jax.nn.relu(-x)], axis=-1)
-  o, (S, z) = linear.linear_attention(args["q"], args["k"], args["v"], feature_map=phi,
-                                      output_final_state=True)
+  o, (S, z) = jax.jit(lambda q, k, v: linear.linear_attention(  # one compilation
+      q, k, v, feature_map=phi, output_final_state=True))(args["q"], args["k"], args["v"])
   assert S.shape == (2, 2, 6, 3) and z.shape == (2, 2, 6)
   o_ref, _ = cases.reference.normalized_linear_attention(
       phi(args["q"]), phi(args["k"]), args["v"])
