@@ -153,8 +153,6 @@ def entmax15(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> ja
   References:
     B. Peters, V. Niculae & A. F. T. Martins, 2019, "Sparse Sequence-to-Sequence Models".
   """
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _entmax15_saving_output(x, where, (), (axis, 1.5))
 
 
@@ -373,8 +371,6 @@ def entmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   """
   _check_alpha(alpha)
   _check_n_iter(n_iter)
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   n_iter = None if n_iter is None else int(n_iter)
   if _is_python_scalar(alpha):  # static: the exact solvers, a static exponent
     return _entmax_saving_output(x, where, (), (axis, float(alpha), n_iter))

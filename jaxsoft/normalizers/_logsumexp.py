@@ -127,8 +127,6 @@ def log_softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike
     and Softmax Functions".
   """
   _TEMPERATURE.validate(temperature, "log_softmax")  # (a concrete value: inside, it is traced)
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _log_softmax_saving_output(x, where, (temperature,), (axis,))
 
 

@@ -75,8 +75,6 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Self-Attention".
   """
   _BIAS.validate(bias, "sigmoid")
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _sigmoid_saving_output(x, where, () if bias is None else (bias,), (axis,))
 
 
@@ -145,8 +143,6 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
 
     K. Shen et al., 2023, "A Study on ReLU and Softmax in Transformer".
   """
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _relu_saving_output(x, where, (), (axis,))
 
 

@@ -68,8 +68,6 @@ def softmax(x: ArrayLike, axis: int | tuple[int, ...] = -1, where: ArrayLike | N
     G. Hinton, O. Vinyals & J. Dean, 2015, "Distilling the Knowledge in a Neural Network".
   """
   _TEMPERATURE.validate(temperature, "softmax")  # (a concrete value: inside, it is traced)
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _softmax_saving_output(x, where, (temperature,), (axis,))
 
 

@@ -189,8 +189,6 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     C. Michelot, 1986, "A finite algorithm for finding the projection of a point onto the
     canonical simplex of R^n".
   """
-  x = jnp.asarray(x)
-  where = None if where is None else jnp.asarray(where)
   return _sparsemax_saving_output(x, where, (), (axis,))
 
 

@@ -788,6 +788,8 @@ def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: s
                   odd: Callable[..., Any] = odd_rows):
   """``f(x, where, params, static)``: ``rows`` with a derivative written from its output.
 
+  ``x`` and ``where`` (or None) are anything ``jnp.asarray`` takes.
+
   ``rows(x, where, params, static) -> y`` is the forward pass (the shared rules
   included); ``params`` is a tuple of differentiable row hyperparameters and ``static``
   a hashable tuple whose first entry is the normalized axis (an int or a tuple). Its
@@ -816,5 +818,10 @@ def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: s
     flags = checkpoint_name(odd(x, where, static[0]), row_name)
     return y, tangent(y, flags, dx, params, dparams, static)
 
-  return jax.checkpoint(from_output, policy=output_residuals(out_name, row_name),
-                        static_argnums=(3,))
+  saving = jax.checkpoint(from_output, policy=output_residuals(out_name, row_name),
+                          static_argnums=(3,))
+
+  def call(x, where, params, static):
+    return saving(jnp.asarray(x), None if where is None else jnp.asarray(where), params, static)
+
+  return call
