@@ -85,17 +85,20 @@ def test_promise_drop_in_jax_nn_attention_gradients(name):
   def loss(f, *args):
     return jnp.sum(f(*args[:3], args[3], **kwargs) * ct)
 
-  got = jax.grad(functools.partial(loss, dpa), argnums=(0, 1, 2, 3))(q, k, v, b)
-  want = jax.grad(functools.partial(loss, jax.nn.dot_product_attention),
-                  argnums=(0, 1, 2, 3))(q, k, v, b)
+  # jitted: one program each instead of op-by-op dispatch
+  got = jax.jit(jax.grad(functools.partial(loss, dpa), argnums=(0, 1, 2, 3)))(q, k, v, b)
+  want = jax.jit(jax.grad(functools.partial(loss, jax.nn.dot_product_attention),
+                          argnums=(0, 1, 2, 3)))(q, k, v, b)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_promise_drop_in_jax_nn_attention_unbatched_and_mqa():
   """[T, N, H] inputs and MQA (K = 1), as jax.nn's docstring allows."""
   q3, k3, v3 = q[0], k[0, :, :1], v[0, :, :1]
-  out, res = dpa(q3, k3, v3, return_residual=True, is_causal=True)
-  ref, ref_res = jax.nn.dot_product_attention(q3, k3, v3, return_residual=True, is_causal=True)
+  # jitted: one program each instead of op-by-op dispatch
+  out, res = jax.jit(functools.partial(dpa, return_residual=True, is_causal=True))(q3, k3, v3)
+  ref, ref_res = jax.jit(functools.partial(
+      jax.nn.dot_product_attention, return_residual=True, is_causal=True))(q3, k3, v3)
   assert out.shape == ref.shape == (T, N, H) and res.shape == ref_res.shape == (T, N)
   chex.assert_trees_all_close((out, res), (ref, ref_res), atol=1e-5, rtol=1e-5)
 
@@ -202,7 +205,8 @@ def test_promise_drop_in_residual_per_class(name):
     tau = np.transpose(np.asarray(res, np.float64), (0, 2, 1))[..., None]
     mass = np.where(visible, np.maximum(np.asarray(logits, np.float64) - tau, 0.0), 0.0)
     np.testing.assert_allclose(mass.sum(-1), 1.0, atol=1e-5)
-  grads = jax.grad(lambda a: jnp.sum(dpa(a, k, v, implementation="xla_chunked", **kw)[1]))(q)
+  grads = jax.jit(jax.grad(lambda a: jnp.sum(dpa(a, k, v, implementation="xla_chunked",
+                                                 **kw)[1])))(q)
   np.testing.assert_array_equal(np.asarray(grads), 0.0)  # no gradient, as jax.nn
 
 
