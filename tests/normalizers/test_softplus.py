@@ -69,7 +69,8 @@ def test_no_overflow_for_huge_scores_and_right_limit_for_very_negative():
   x = jnp.asarray([[-1000.0, -999.0, -1001.0]])
   chex.assert_trees_all_close(N.softplus_l1(x, base=None), jax.nn.softmax(x), atol=1e-6)
   chex.assert_trees_all_close(N.lssar(x, p=2.0, base=None), jax.nn.softmax(2 * x), atol=1e-6)
-  g = jax.grad(lambda x: jnp.sum(N.softplus_l1(x, base=None) * helpers.random_cotangent(x.shape)))(x)
+  g = jax.jit(jax.grad(
+      lambda x: jnp.sum(N.softplus_l1(x, base=None) * helpers.random_cotangent(x.shape))))(x)
   assert np.all(np.isfinite(np.asarray(g)))
 
 
@@ -79,16 +80,18 @@ def test_log_softplus_branch_seam_is_continuous():
   with jax.enable_x64(True):
     z64 = jnp.asarray(z, jnp.float64)
     want = jax.nn.softplus(z64) / jnp.sum(jax.nn.softplus(z64))
-    gw = jax.grad(lambda z: (jax.nn.softplus(z) / jnp.sum(jax.nn.softplus(z)))[0, 3])(z64)
+    # jitted gradients: one program each rather than op by op
+    gw = jax.jit(jax.grad(lambda z: (jax.nn.softplus(z) / jnp.sum(jax.nn.softplus(z)))[0, 3]))(
+        z64)
     out = N.softplus_l1(z64, base=None)
-    g = jax.grad(lambda z: N.softplus_l1(z, base=None)[0, 3])(z64)
+    g = jax.jit(jax.grad(lambda z: N.softplus_l1(z, base=None)[0, 3]))(z64)
   chex.assert_trees_all_close(out, want, rtol=1e-10)
   chex.assert_trees_all_close(g, gw, rtol=1e-8, atol=1e-20)
 
 
 @pytest.mark.parametrize("name", ["softplus_l1", "lssar"])
 def test_mask_fully_masked_low_precision(name):
-  fn = N.get(name).fn
+  fn = jax.jit(N.get(name).fn)  # one program per call shape instead of op by op
   helpers.check_mask_is_delete(fn, X, 5)
   helpers.check_fully_masked(fn)
   helpers.check_low_precision(fn, X)
