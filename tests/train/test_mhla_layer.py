@@ -56,9 +56,12 @@ def test_two_train_steps_of_an_mhla_model():
   np.testing.assert_array_equal(mixing, np.broadcast_to(np.tril(np.ones((3, 3))), (2, 3, 3)))
   step = jax.jit(train_lib.make_train_step(graphdef, optimizer, train_lib.make_schedule(cfg)))
   inputs, logits = _full_logits(nnx.merge(graphdef, state["params"]), batch)
-  logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-  targets = batch["targets"].reshape(inputs.shape)
-  loss = -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+  # log_softmax in numpy (float64): the oracle, without eager jnp dispatch
+  logits = np.asarray(logits, np.float64)
+  logp = logits - logits.max(-1, keepdims=True)
+  logp -= np.log(np.sum(np.exp(logp), axis=-1, keepdims=True))
+  targets = np.asarray(batch["targets"]).reshape(inputs.shape)
+  loss = -np.mean(np.take_along_axis(logp, targets[..., None], axis=-1))
 
   state, metrics = step(state, batch)  # step 0: lr = 0 (warm-up), Adam's moments fill
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-5)
