@@ -2,6 +2,8 @@
 (implementation names, sequences, NotImplementedError fallback, the automatic choice)."""
 
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -137,7 +139,9 @@ def test_unbatched_inputs_and_value_head_dim():
   qq, kk, _ = make_qkv(1, 1, 6, N=2, K=2, H=8)
   vv = jax.random.normal(jax.random.PRNGKey(3), (1, 6, 2, 3))
   for impl in ("xla", "xla_chunked"):
-    out = dpa(qq[0], kk[0], vv[0], is_causal=True, implementation=impl)
+    # jitted: one program instead of op-by-op dispatch
+    out = jax.jit(functools.partial(dpa, is_causal=True, implementation=impl))(
+        qq[0], kk[0], vv[0])
     assert out.shape == (6, 2, 3)
     w = jax.nn.softmax(jnp.einsum("tnh,snh->nts", qq[0], kk[0]) / np.sqrt(8), axis=-1,
                        where=jnp.tril(jnp.ones((6, 6), bool)))
