@@ -47,7 +47,7 @@ def sigmoid(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   normalisation: weights lie in (0, 1), adding a key leaves the others unchanged when
   ``bias`` is given, and the Jacobian is diagonal, ``sigma (1 - sigma) <= 1/4``, written
   from the output (a ``custom_jvp``, as ``jax.nn.sigmoid``'s): reverse mode keeps only the
-  output and one flag per row.
+  output.
 
   Args:
     x: scores.
@@ -92,24 +92,25 @@ def _sigmoid_rows(x, axis=-1, where=None, *, bias=None):
 _sigmoid_rows.__name__ = "sigmoid"  # the name the shared rules give in their errors
 
 
-def _sigmoid_tangent(y, nan_row, dx, params, dparams, static):
+def _sigmoid_tangent(y, _, dx, params, dparams, static):
   """``dy = y (1 - y) (dx + db)``: 0 at masked entries (y = 0), at ``+inf`` entries (y = 1)
-  and on the rows the NaN rule fills."""
+  and on the rows the NaN rule fills (y is NaN at their visible entries)."""
   cd = c.compute_dtype(y.dtype)
   zero = jnp.zeros((), cd)
-  yc = jnp.where(nan_row, zero, y.astype(cd))
+  nan = jnp.isnan(y)
+  yc = jnp.where(nan, zero, y.astype(cd))
   slope = yc * (1.0 - yc)
-  dz = [jnp.where(nan_row, zero, dx.astype(cd))] if not c.is_zero_tangent(dx) else []
+  dz = [jnp.where(nan, zero, dx.astype(cd))] if not c.is_zero_tangent(dx) else []
   if params and not c.is_zero_tangent(dparams[0]):
     dz.append(c.row_value(dparams[0], y.ndim, cd))
   return (slope * sum(dz[1:], dz[0])).astype(y.dtype)
 
 
-# Reverse mode keeps the output and one flag per row (jax.nn.sigmoid keeps its output).
+# Reverse mode keeps the output alone (as jax.nn.sigmoid).
 _sigmoid_saving_output = c.saving_output(
     lambda x, where, params, static: _sigmoid_rows(x, static[0], where,
                                                    bias=params[0] if params else None),
-    _sigmoid_tangent, "sigmoid", odd=c.nan_rows)
+    _sigmoid_tangent, "sigmoid", odd=None)
 # sigmoid applies the shared rules through _sigmoid_rows: the registry's mark
 setattr(sigmoid, "_jaxsoft_dense_rules", True)  # noqa: B010
 
@@ -124,7 +125,7 @@ def relu(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Ar
   No normalisation: rows do not sum to 1, and a row whose scores are all <= 0 is all
   zeros ("attend to nothing"; for classification its argmax is ill-defined: ties broken
   by ``jnp.argmax``, the first index). Gradient 1 for x > 0, 0 for x <= 0 (written from
-  the output, ``y > 0``: reverse mode keeps only the output and one flag per row).
+  the output, ``y > 0``: reverse mode keeps only the output).
 
   Args:
     x: scores.
@@ -156,17 +157,17 @@ def _relu_rows(x, axis=-1, where=None):
 _relu_rows.__name__ = "relu"  # the name the shared rules give in their errors
 
 
-def _relu_tangent(y, nan_row, dx, params, dparams, static):
+def _relu_tangent(y, _, dx, params, dparams, static):
   """``dy = dx`` where ``0 < y < inf``, else 0 (masked, non-positive and ``+inf`` entries,
-  whose value is the rule's constant, and the rows the NaN rule fills)."""
-  on = (y > 0) & (y < jnp.inf) & ~nan_row
+  whose value is the rule's constant, and the rows the NaN rule fills, NaN in y)."""
+  on = (y > 0) & (y < jnp.inf)
   return jnp.where(on, dx.astype(y.dtype), jnp.zeros((), y.dtype))
 
 
-# Reverse mode keeps the output and one flag per row.
+# Reverse mode keeps the output alone.
 _relu_saving_output = c.saving_output(
     lambda x, where, params, static: _relu_rows(x, static[0], where),
-    _relu_tangent, "relu", odd=c.nan_rows)
+    _relu_tangent, "relu", odd=None)
 # relu applies the shared rules through _relu_rows: the registry's mark
 setattr(relu, "_jaxsoft_dense_rules", True)  # noqa: B010
 

@@ -73,7 +73,6 @@ __all__ = [
     "output_residuals",
     "is_zero_tangent",
     "odd_rows",
-    "nan_rows",
     "row_value",
     "saving_output",
 ]
@@ -765,18 +764,6 @@ def odd_rows(x, where, axis):
   return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
 
 
-def nan_rows(x, where, axis):
-  """Rows whose visible entries hold a NaN (keepdims, no gradient): the rows a pointwise
-  normalizer fills with NaN (its ``+inf`` entries take their own limit, the row's other
-  entries keep their values and gradients)."""
-  x = jax.lax.stop_gradient(x)
-  keep = (x != -jnp.inf) & (x != jnp.inf)
-  if where is not None:
-    keep = keep & jnp.broadcast_to(where, x.shape)
-  zero = jnp.zeros((), x.dtype)
-  return jnp.isnan(jnp.sum(jnp.where(keep, x, zero) * zero, axis=axis, keepdims=True))
-
-
 def row_value(value, ndim: int, dtype):
   """A row hyperparameter (scalar, or broadcastable to ``x`` numpy-style) at rank ``ndim``,
   so that it combines with ``x`` without implicit rank promotion."""
@@ -785,7 +772,7 @@ def row_value(value, ndim: int, dtype):
 
 
 def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: str, *,
-                  odd: Callable[..., Any] = odd_rows):
+                  odd: Callable[..., Any] | None = odd_rows):
   """``f(x, where, params, static)``: ``rows`` with a derivative written from its output.
 
   ``x`` and ``where`` (or None) are anything ``jnp.asarray`` takes.
@@ -794,8 +781,9 @@ def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: s
   included); ``params`` is a tuple of differentiable row hyperparameters and ``static``
   a hashable tuple whose first entry is the normalized axis (an int or a tuple). Its
   derivative is ``tangent(y, odd, dx, params, dparams, static)``, ``odd`` the rows the
-  shared rules fill in (``odd(x, where, axis)``: :func:`odd_rows`, or :func:`nan_rows` for
-  a pointwise normalizer; their tangent must be 0) and ``dx`` /
+  shared rules fill in (``odd(x, where, axis)``, :func:`odd_rows` by default; their tangent
+  must be 0; ``odd=None`` passes None, for a pointwise normalizer, whose NaN rows are NaN
+  in ``y`` itself: no extra pass over ``x``) and ``dx`` /
   ``dparams`` the tangents, each possibly zero (:func:`is_zero_tangent`; never all of
   them). It must read ``x`` only through ``y``: reverse mode then keeps only ``y`` and the
   per-row flag between the forward and the backward pass (:func:`output_residuals`), as
@@ -815,7 +803,7 @@ def saving_output(rows: Callable[..., Any], tangent: Callable[..., Any], name: s
     y = checkpoint_name(from_output(x, where, params, static), out_name)
     if is_zero_tangent(dx) and all(is_zero_tangent(d) for d in dparams):
       return y, jnp.zeros_like(y)
-    flags = checkpoint_name(odd(x, where, static[0]), row_name)
+    flags = None if odd is None else checkpoint_name(odd(x, where, static[0]), row_name)
     return y, tangent(y, flags, dx, params, dparams, static)
 
   saving = jax.checkpoint(from_output, policy=output_residuals(out_name, row_name),
