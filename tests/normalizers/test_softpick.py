@@ -23,9 +23,9 @@ def test_matches_naive_formula_values_and_gradient():
   with jax.enable_x64(True):
     x64 = jnp.asarray(X, jnp.float64)
     ct = helpers.random_cotangent(X.shape, dtype=jnp.float64)
-    want, vjp_want = jax.vjp(_naive, x64)
+    want, vjp_want = jax.vjp(jax.jit(_naive), x64)  # jitted: one program, not op by op
     want_dx = vjp_want(ct)[0]
-  out, vjp = jax.vjp(N.softpick, X)
+  out, vjp = jax.vjp(jax.jit(N.softpick), X)
   chex.assert_trees_all_close(out, np.asarray(want, np.float32), atol=1e-6, rtol=1e-5)
   chex.assert_trees_all_close(vjp(ct.astype(jnp.float32))[0], np.asarray(want_dx, np.float32),
                               atol=1e-5, rtol=1e-4)
@@ -76,12 +76,13 @@ def test_negative_entries_get_gradient_through_the_denominator():
 
 def test_mask_trap_masked_entries_add_nothing_to_denominator():
   # A naive port adds |e^{-inf} - 1| = 1 per masked entry; deleting the column must agree.
-  helpers.check_mask_is_delete(N.softpick, X, 2)
+  softpick = jax.jit(N.softpick)  # one program per call shape instead of op by op
+  helpers.check_mask_is_delete(softpick, X, 2)
   x = jnp.asarray([2.0, 1.0, -jnp.inf, -jnp.inf])
   e = np.expm1(np.asarray([2.0, 1.0]))
   want = e / e.sum()
   chex.assert_trees_all_close(N.softpick(x)[:2], want.astype(np.float32), atol=1e-6)
-  helpers.check_fully_masked(N.softpick)
+  helpers.check_fully_masked(softpick)
 
 
 def test_not_shift_invariant():
