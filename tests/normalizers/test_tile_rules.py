@@ -169,12 +169,13 @@ def _check_online(name, hparams, splits):
   x, mask = _rows(jax.random.key(8))
   v = jax.random.normal(jax.random.key(9), (x.shape[-1], 5))
   cot = jax.random.normal(jax.random.key(10), (x.shape[0], 5))
-  want, vjp_want = jax.vjp(lambda x, v: spec.fn(x, where=mask, **hparams) @ v, x, v)
+  # jitted (hyperparameters bound as constants): one program per split, not op by op
+  want, vjp_want = jax.vjp(jax.jit(lambda x, v: spec.fn(x, where=mask, **hparams) @ v), x, v)
   g_want = vjp_want(cot)
   for blocks in splits:
-    got, vjp_got = jax.vjp(
+    got, vjp_got = jax.vjp(jax.jit(
         lambda x, v, b=blocks: testing.evaluate_tile_rule_online(spec, x, v, b, where=mask,
-                                                                 **hparams), x, v)
+                                                                 **hparams)), x, v)
     chex.assert_trees_all_close(got, want, **FWD)
     chex.assert_trees_all_close(vjp_got(cot), g_want, **BWD)
     assert np.all(np.asarray(got[1]) == 0)  # fully masked row
