@@ -198,8 +198,9 @@ def dot_product_attention(
     scale: logit scale; None = 1/sqrt(H).
     is_causal: query i sees keys j <= i (top-left aligned when T != S, as jax.nn).
     query_seq_lengths, key_value_seq_lengths: optional int arrays [B] (padding). A
-      concrete negative length is a ValueError; traced lengths (under jit, grad, vmap)
-      cannot be checked and are clamped to [0, T] / [0, S] (a negative length is 0).
+      concrete length below 0 or above T / S is a ValueError; traced lengths (under jit,
+      grad, vmap) cannot be checked and are clamped to [0, T] / [0, S] (a negative length
+      is 0, one past the sequence is the whole sequence, as in jax.nn).
     local_window_size: int w (= (w, w)) or (left, right), Python ints (static): query i
       sees keys i - left .. i + right; ``left + right < 0`` (no key for any query, e.g.
       -1 or (-3, 0)) is a ValueError.
