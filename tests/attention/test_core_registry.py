@@ -12,7 +12,8 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
-from tests.helpers import LazyCases, assert_same, make_qkv, registry_sample
+from tests.attention.reference import assert_same_jit
+from tests.helpers import LazyCases, make_qkv, registry_sample
 
 NAMES = sorted(nz.REGISTRY)
 B, T, N, K, H = 2, 11, 4, 2, 8
@@ -62,8 +63,8 @@ def _compare(name, kw, params, q, k, v, bias):
     fallback = f(("xla_chunked", "xla"), q, k, v, bias, arrays)
     assert jnp.array_equal(fallback, f("xla", q, k, v, bias, arrays))
     return
-  assert_same(functools.partial(f, "xla_chunked"), functools.partial(f, "xla"),
-              (q, k, v, bias, arrays))
+  assert_same_jit(functools.partial(f, "xla_chunked"), functools.partial(f, "xla"),
+                  (q, k, v, bias, arrays))
 
 
 @pytest.mark.parametrize("name", registry_sample(NAMES))

@@ -85,8 +85,10 @@ def test_solve_equals_inverse_and_gradient_by_finite_differences():
     kk, vv = np.asarray(k[0, :, 1]), np.asarray(v[0, :, 1])
     pre = np.tril(np.exp(kk @ kk.T / 2.0))
     np.testing.assert_allclose(np.asarray(y[0, :, 1]), np.linalg.solve(pre, vv), rtol=1e-10)
-    jax.test_util.check_grads(lambda k, v: lucid_preconditioned_values(k, v, key_scale=2.0),
-                              (k, v), order=1, modes=("rev",))
+    # jit: check_grads evaluates the function many times; one program instead of op by op
+    jax.test_util.check_grads(
+        jax.jit(lambda k, v: lucid_preconditioned_values(k, v, key_scale=2.0)), (k, v), order=1,
+        modes=("rev",))
 
 
 def test_causal_and_bf16():
