@@ -66,12 +66,12 @@ def _reference_loss(graphdef, params, batch):
 
 def test_loss_and_grad_norm_match_a_direct_computation():
   _, graphdef, state, batch, step = _setup()
-  params = jax.tree.map(jnp.copy, state["params"])
+  params = jax.tree.map(np.array, state["params"])  # (host copies: no eager op)
   _, metrics = step(state, batch)
   # Under jit: one compilation instead of the eager model's op-by-op dispatch (same math).
   loss, grads = jax.jit(jax.value_and_grad(functools.partial(_reference_loss, graphdef)))(
       params, batch)
-  grad_norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
+  grad_norm = np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64))) for g in jax.tree.leaves(grads)))
   np.testing.assert_allclose(metrics["loss"], loss, rtol=1e-6)
   np.testing.assert_allclose(metrics["grad_norm"], grad_norm, rtol=1e-5)
 
@@ -113,7 +113,7 @@ def test_adam_update_moves_params_by_at_most_lr_per_coordinate():
   """An AdamW step with bias correction moves each weight by about lr·(1 + wd·|w|) at most."""
   cfg, _, state, batch, step = _setup()
   state, _ = step(state, batch)  # optimizer step 0 has lr = 0 (the warm-up starts at 0)
-  before = jax.tree.map(jnp.copy, state["params"])
+  before = jax.tree.map(np.array, state["params"])  # (host copies: no eager op)
   new, _ = step(state, batch)
   lr = float(train_lib.make_schedule(cfg)(1))
   assert lr > 0
