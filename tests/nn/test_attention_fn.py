@@ -41,8 +41,16 @@ def _out_and_param_grads(module, x, ct, **call_kw):
     out = m(x, **call_kw)
     return jnp.sum(out * ct), out
 
-  (_, out), grads = jax.value_and_grad(loss, has_aux=True)(params)
+  # jitted: one compilation instead of one per eager operation
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
   return out, jax.tree.leaves(grads)
+
+
+def _jit_call(module, x, **call_kw):
+  """``module(x, **call_kw)`` in one compilation (state changes such as sown weights are
+  not kept)."""
+  graphdef, state = nnx.split(module)
+  return jax.jit(lambda state, x: nnx.merge(graphdef, state)(x, **call_kw))(state, x)
 
 
 def _key_padding_mask(b, t, s):
@@ -98,10 +106,10 @@ def test_dropout_equals_flax_with_the_same_draws(broadcast):
 def test_batch_dims_equal_flax(shape):
   x = normal(4, shape)
   ref, mine = _pair()
-  chex.assert_trees_all_close(mine(x), ref(x), **FWD)
+  chex.assert_trees_all_close(_jit_call(mine, x), _jit_call(ref, x), **FWD)
   mask = nnx.make_causal_mask(x[..., 0])
-  chex.assert_trees_all_close(mine(x, mask=mask, sow_weights=True),
-                              ref(x, mask=mask, sow_weights=True), **FWD)
+  chex.assert_trees_all_close(_jit_call(mine, x, mask=mask, sow_weights=True),
+                              _jit_call(ref, x, mask=mask, sow_weights=True), **FWD)
 
 
 def _projections(module, x):
@@ -143,7 +151,14 @@ def test_per_head_sink_normalizer_param():
     zz = jnp.concatenate([z, jnp.broadcast_to(sink, z.shape[:-1] + (1,))], axis=-1)
     return jax.nn.softmax(zz, axis=-1)[..., :-1]
 
-  chex.assert_trees_all_close(mine(x), _reference_layer(mine, x, with_sink), **FWD)
+  graphdef, state = nnx.split(mine)
+
+  @jax.jit  # one compilation instead of one per eager operation
+  def run(state, x):
+    m = nnx.merge(graphdef, state)
+    return m(x), _reference_layer(m, x, with_sink)
+
+  chex.assert_trees_all_close(*run(state, x), **FWD)
 
 
 def test_extra_keywords_reach_dot_product_attention():
@@ -171,12 +186,12 @@ def test_attention_weights_match_jax_nn():
 def test_attention_weights_segments_and_fully_masked_rows():
   q, k = normal(30, (1, 4, 1, 4)), normal(31, (1, 4, 1, 4))
   seg = jnp.array([[0, 0, 1, 1]])
-  w = attention_weights(q, k, segment_ids=seg, query_seq_lengths=jnp.array([3]))
+  weights = lambda q: attention_weights(q, k, segment_ids=seg, query_seq_lengths=jnp.array([3]))
+  # the weights and their gradient in one compilation (not one per eager operation)
+  w, g = jax.jit(lambda q: (weights(q), jax.grad(lambda q: jnp.sum(weights(q) ** 2))(q)))(q)
   same = np.asarray(seg[0][:, None] == seg[0][None, :])
   assert np.all(np.asarray(w[0, 0])[~same] == 0)
   np.testing.assert_array_equal(np.asarray(w[0, 0, 3]), 0.0)  # a padded query row: zeros
-  g = jax.grad(lambda q: jnp.sum(attention_weights(
-      q, k, segment_ids=seg, query_seq_lengths=jnp.array([3])) ** 2))(q)
   chex.assert_tree_all_finite(g)
 
 

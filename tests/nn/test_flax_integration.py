@@ -51,27 +51,36 @@ def _nnx_layer(name, hp, implementation=None, seed=0):
       attention_fn=js.nn.attention_fn(name, implementation=implementation, **hp))
 
 
+# Jitted layer calls: one compilation per call form instead of one per eager operation
+# (the page test above runs the layers eagerly).
+_step = nnx.jit(lambda m, xt: m(xt))
+_causal_forward = nnx.jit(lambda m, x: m(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False))
+
+
+def _cached_decode(layer, x):
+  layer.init_cache((B, T, F))
+  return jnp.concatenate([_step(layer, x[:, t:t + 1]) for t in range(T)], axis=1)
+
+
 @pytest.mark.parametrize("name, hp", NORMALIZERS, ids=[n for n, _ in NORMALIZERS])
 def test_nnx_cached_decode_equals_causal_forward(name, hp):
   x = _x()
   layer = _nnx_layer(name, hp)
-  full = layer(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False)
-  layer.init_cache((B, T, F))
-  steps = jnp.concatenate([layer(x[:, t:t + 1]) for t in range(T)], axis=1)
+  full = _causal_forward(layer, x)
+  steps = _cached_decode(layer, x)
   chex.assert_trees_all_close(steps, full, atol=1e-5, rtol=1e-5)
   # and the normalizer is really in use: it differs from Flax's default softmax layer
   if name != "softmax":
     default = nnx.MultiHeadAttention(num_heads=N, in_features=F, decode=False, rngs=nnx.Rngs(0))
-    ref = default(x, mask=nnx.make_causal_mask(x[..., 0]))
+    ref = _causal_forward(default, x)
     assert float(jnp.max(jnp.abs(ref - full))) > 1e-3
 
 
 def test_nnx_cached_decode_on_the_chunked_path():
   x = _x(1)
   layer = _nnx_layer("ssmax", {"s": 0.5}, implementation="xla_chunked")
-  full = layer(x, mask=nnx.make_causal_mask(x[..., 0]), decode=False)
-  layer.init_cache((B, T, F))
-  steps = jnp.concatenate([layer(x[:, t:t + 1]) for t in range(T)], axis=1)
+  full = _causal_forward(layer, x)
+  steps = _cached_decode(layer, x)
   chex.assert_trees_all_close(steps, full, atol=1e-5, rtol=1e-5)
 
 
@@ -86,15 +95,15 @@ def test_linen_softmax_equals_linen_default_forward_and_gradients():
   x = _x(2)
   mask = nn.make_causal_mask(x[..., 0])
   mine, ref = _linen_pair("softmax", {})
-  params = ref.init(jax.random.key(1), x)
+  params = jax.jit(ref.init)(jax.random.key(1), x)
 
-  def loss(layer):
-    return lambda p: jnp.sum(jnp.sin(layer.apply(p, x, mask=mask)))
+  def forward_and_grad(layer):  # one compilation per layer, not one per eager operation
+    loss = lambda p: jnp.sum(jnp.sin(layer.apply(p, x, mask=mask)))
+    return jax.jit(lambda p: (layer.apply(p, x, mask=mask), jax.grad(loss)(p)))(params)
 
-  chex.assert_trees_all_close(mine.apply(params, x, mask=mask), ref.apply(params, x, mask=mask),
-                              atol=1e-6)
-  chex.assert_trees_all_close(jax.grad(loss(mine))(params), jax.grad(loss(ref))(params),
-                              atol=1e-5, rtol=1e-5)
+  (out_m, g_m), (out_r, g_r) = forward_and_grad(mine), forward_and_grad(ref)
+  chex.assert_trees_all_close(out_m, out_r, atol=1e-6)
+  chex.assert_trees_all_close(g_m, g_r, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name, hp", NORMALIZERS[1:], ids=[n for n, _ in NORMALIZERS[1:]])

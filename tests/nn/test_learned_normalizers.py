@@ -20,13 +20,15 @@ B, N, T, H = 2, 3, 5, 4
 def test_multimax_zero_init_is_softmax_and_params_are_per_head():
   scores = helpers.normal(0, (B, N, T, T), 2.0)
   where = jnp.tril(jnp.ones((T, T), bool))
+  # jitted calls: one compilation per call form instead of one per eager operation
+  softmax = jax.jit(lambda s: jax.nn.softmax(s, where=where))
   mm = L.MultiMax(N, init_std=0.0, rngs=nnx.Rngs(0))
-  np.testing.assert_allclose(mm(scores, where), jax.nn.softmax(scores, where=where),
+  np.testing.assert_allclose(nnx.jit(lambda m, s: m(s, where))(mm, scores), softmax(scores),
                              rtol=1e-6, atol=1e-7)
   mm = L.MultiMax(N, init_std=0.5, rngs=nnx.Rngs(1))
   hp = mm.hyperparameters()
   assert set(hp) == {"t1", "t2", "t3", "t4", "b1", "b2", "b3", "b4"}
-  got = mm(scores)
+  got = nnx.jit(lambda m, s: m(s))(mm, scores)
   # the official code's modulator, per head, then softmax (numpy float64)
   x = np.asarray(scores, np.float64)
   t = [np.asarray(hp[f"t{i}"], np.float64) for i in range(1, 5)]
@@ -155,14 +157,15 @@ def test_ssa_reduces_to_its_baselines_and_matches_the_formula():
 
 def test_asentmax_reduces_to_entmax_and_matches_the_formula():
   scores, q, causal, n = _causal_case(20)
+  # jitted calls: one compilation per call form instead of one per eager operation
+  call = nnx.jit(lambda m, s: m(s, q, causal))
   ase = L.ASEntmax(N, H)
-  np.testing.assert_allclose(ase(scores, q, causal),
-                             js.normalizers.asentmax(scores, where=causal), rtol=1e-5,
+  baselines = jax.jit(lambda s: (js.normalizers.asentmax(s, where=causal),
+                                 js.normalizers.entmax15(s, where=causal)))(scores)
+  np.testing.assert_allclose(call(ase, scores), baselines[0], rtol=1e-5,
                              atol=1e-6)  # at init: the normalizer's defaults
   ase.beta_bias[...] = jnp.full((N,), -1e3)  # beta = softplus(-1e3) = 0 and delta = 1
-  np.testing.assert_allclose(ase(scores, q, causal),
-                             js.normalizers.entmax15(scores, where=causal), rtol=1e-5,
-                             atol=1e-6)
+  np.testing.assert_allclose(call(ase, scores), baselines[1], rtol=1e-5, atol=1e-6)
   ase = L.ASEntmax(N, H, alpha=2.0, delta=0.5, beta_init=0.3, gamma_init=[0.5, 1.0, 2.0])
   ase.beta_kernel[...] = helpers.normal(21, (N, H), 0.5)
   # float64 scale theta = delta + softplus(w_h . q + c_h) (log n)^gamma_h; alpha = 2 is
@@ -173,8 +176,9 @@ def test_asentmax_reduces_to_entmax_and_matches_the_formula():
   theta = 0.5 + beta * np.log(n) ** gamma
   z = np.where(causal, theta * np.asarray(scores, np.float64), -1e9)
   rows = jnp.asarray(z.reshape(-1, T), jnp.float32)
-  want = np.asarray(jax.vmap(optax.projections.projection_simplex)(rows)).reshape(z.shape)
-  np.testing.assert_allclose(ase(scores, q, causal), want * causal, rtol=1e-4, atol=1e-5)
+  want = np.asarray(jax.jit(jax.vmap(optax.projections.projection_simplex))(rows))
+  np.testing.assert_allclose(call(ase, scores), want.reshape(z.shape) * causal, rtol=1e-4,
+                             atol=1e-5)
   helpers.check_raises(("alpha", lambda: L.ASEntmax(N, H, alpha=1.0)),
                        ("delta", lambda: L.ASEntmax(N, H, delta=-0.1)),
                        ("beta_init", lambda: L.ASEntmax(N, H, beta_init=0.0)),
@@ -249,14 +253,16 @@ def test_module_gradients_float64_bf16_and_extreme_scores():
                   atol=1e-4, rtol=1e-4)
   # entmax is piecewise smooth: gradients finite, zero on masked entries
   for name, mod in mods.items():
-    g = jax.grad(lambda s, m=mod, c=calls[name]: jnp.sum(jnp.sin(c(m, s))))(scores)
+    @nnx.jit  # one compilation per module instead of one per eager operation
+    def run(m, scores, c=calls[name]):
+      g = jax.grad(lambda s: jnp.sum(jnp.sin(c(m, s))))(scores)
+      low = scores.astype(jnp.bfloat16)
+      return g, c(m, low), c(m, low.astype(jnp.float32)), c(m, scores * 1e4)
+
+    g, out, out32, big = run(mod, scores)
     assert np.all(np.isfinite(np.asarray(g))) and np.all(np.asarray(g)[..., ~causal] == 0)
-    out = calls[name](mod, scores.astype(jnp.bfloat16))
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32),
-                               calls[name](mod, scores.astype(jnp.bfloat16).astype(jnp.float32)),
-                               atol=1e-2)
-    big = calls[name](mod, scores * 1e4)
+    np.testing.assert_allclose(np.asarray(out, np.float32), out32, atol=1e-2)
     assert np.all(np.isfinite(np.asarray(big)))
     np.testing.assert_array_less(np.asarray(big).sum(-1), 1.0 + 1e-5)
   gate = L.MoEGate(3, 4, rngs=nnx.Rngs(0))
@@ -267,17 +273,20 @@ def test_module_gradients_float64_bf16_and_extreme_scores():
 def test_attention_hyperparams_shapes_and_visible_counts():
   q = helpers.normal(60, (B, N, T, H))
   n = jnp.arange(1.0, T + 1)[:, None]
-  got = {k: np.shape(v) for k, v in L.SSA(N, H).attention_hyperparams(q, n).items()}
+  # the shapes alone: traced, not computed (no compilation)
+  hyper = lambda m: nnx.eval_shape(lambda m: m.attention_hyperparams(q, n), m)
+  got = {k: v.shape for k, v in hyper(L.SSA(N, H)).items()}
   assert got == {"alpha": (N, 1, 1), "token_temperature": (B, N, T, 1)}
-  got = L.TempNet(N * H, hidden=4, rngs=nnx.Rngs(0)).attention_hyperparams(q, n)
+  got = hyper(L.TempNet(N * H, hidden=4, rngs=nnx.Rngs(0)))
   assert got["temperature"].shape == (B, 1, T, 1)
-  got = L.TempNet(H, hidden=4, rngs=nnx.Rngs(0)).attention_hyperparams(q, n)
+  got = hyper(L.TempNet(H, hidden=4, rngs=nnx.Rngs(0)))
   assert got["temperature"].shape == (B, N, T, 1)
   qa = L.QASSMax(N, H, hidden=4, rngs=nnx.Rngs(0))
   # per-head counts: head h scales with its own log n (at init q~ = q log n)
-  per_head = jnp.arange(1.0, N + 1)[None, :, None, None] * jnp.ones((1, 1, T, 1))
-  np.testing.assert_allclose(qa.attention_queries(q, per_head), q * jnp.log(per_head),
-                             rtol=1e-6)
+  per_head = np.arange(1.0, N + 1)[None, :, None, None] * np.ones((1, 1, T, 1))
+  np.testing.assert_allclose(
+      nnx.jit(lambda m, c: m.attention_queries(q, c))(qa, jnp.asarray(per_head, jnp.float32)),
+      np.asarray(q) * np.log(per_head), rtol=1e-6)
   helpers.check_raises(("n_visible", lambda: qa.attention_queries(q, jnp.ones((T + 1, 1)))),
                        ("q", lambda: L.PolarSink(N).attention_hyperparams(q[:, :2], n)))
   # the visible counts MultiHeadAttention gives the modules, against a brute-force count
@@ -285,9 +294,9 @@ def test_attention_hyperparams_shapes_and_visible_counts():
   qlen, kvlen = jnp.array([6, 4]), jnp.array([7, 5])
   seg = (jnp.array([[0, 0, 1, 1, 1, 2]] * 2), jnp.array([[0, 0, 0, 1, 1, 2, 2]] * 2))
   mask = np.random.default_rng(61).random((2, 1, t, s)) < 0.8
-  got = L.visible_key_counts(t, s, jnp.asarray(mask), is_causal=True, local_window_size=(2, 0),
-                             query_seq_lengths=qlen, key_value_seq_lengths=kvlen,
-                             segment_ids=seg, batch=2)
+  got = jax.jit(lambda mask, qlen, kvlen, seg: L.visible_key_counts(  # one compilation
+      t, s, mask, is_causal=True, local_window_size=(2, 0), query_seq_lengths=qlen,
+      key_value_seq_lengths=kvlen, segment_ids=seg, batch=2))(jnp.asarray(mask), qlen, kvlen, seg)
   i, j = np.arange(t)[:, None], np.arange(s)[None, :]
   vis = mask & (j <= i) & (j >= i - 2)
   vis = vis & (i < np.asarray(qlen)[:, None, None, None]) & (j < np.asarray(kvlen)[:, None, None, None])
@@ -331,11 +340,12 @@ def test_mha_with_module_at_init_equals_the_baseline_and_trains_it(make, normali
   layer = _layer(normalizer, (module,))
   ref = _layer(baseline[0], (), baseline[1])
   kw = dict(is_causal=True, key_value_seq_lengths=kvlen)
-  np.testing.assert_allclose(layer(x, **kw), ref(x, **kw), rtol=1e-5, atol=1e-6)
+  forward = nnx.jit(lambda m: m(x, **kw))  # one compilation per layer, not one per operation
+  np.testing.assert_allclose(forward(layer), forward(ref), rtol=1e-5, atol=1e-6)
   # the module's parameters are the layer's: a gradient reaches every one of them
   def loss(m):
     return jnp.sum(jnp.sin(m(x, **kw)))
-  grads = nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param))(layer)
+  grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param)))(layer)
   leaves = jax.tree.leaves(nnx.state(grads, nnx.Param)["learned_modules"])
   assert leaves and all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
   assert any(float(jnp.abs(g).max()) > 0 for g in leaves)
