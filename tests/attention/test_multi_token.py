@@ -63,17 +63,23 @@ def test_matches_shift_reference_values_and_grads_float64(position):
     r = lambda q, k, v, kern, mix: reference(q, k, v, kern, mix, position)
     args = (q, k, v, kernel, mix)
     ct = jax.random.normal(jax.random.key(3), (B, T, N, H), jnp.float64)
-    loss = lambda g: jax.jit(jax.value_and_grad(lambda *a: jnp.sum(g(*a) * ct),
-                                                argnums=tuple(range(5))))(*args)
-    want = loss(r)
+
+    def loss(g):  # ((value, output), grads): the output from the same jitted program
+      def value(*a):
+        out = g(*a)
+        return jnp.sum(out * ct), out
+      return jax.jit(jax.value_and_grad(value, argnums=tuple(range(5)), has_aux=True))(*args)
+
+    (want_value, want_out), want_grads = loss(r)
     # dense, and chunked with a block (4) that does not divide T = 9 and a halo of CQ - 1
     for impl in ("xla", "xla_chunked"):
       f = lambda q, k, v, kern, mix, impl=impl: multi_token_attention(
           q, k, v, kernel=kern, head_mix=mix, head_mix_position=position, implementation=impl,
           block_q=4)
-      chex.assert_trees_all_close(loss(f), want, atol=1e-10, rtol=1e-9)
-      np.testing.assert_allclose(np.asarray(jax.jit(f)(*args)), np.asarray(jax.jit(r)(*args)),
-                                 atol=1e-12)
+      (value, out), grads = loss(f)
+      chex.assert_trees_all_close((value, grads), (want_value, want_grads), atol=1e-10,
+                                  rtol=1e-9)
+      np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-12)
 
 
 def test_chunked_never_builds_t_by_s():
