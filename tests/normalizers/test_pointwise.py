@@ -33,7 +33,7 @@ def test_sigmoid_zero_scores_row_sum_and_diagonal_jacobian():
   for n in (1, 4, 100):
     chex.assert_trees_all_close(N.sigmoid(jnp.zeros(n)).sum(), n / (n + 1), rtol=1e-5)
   x = X[0]
-  jac = jax.jacfwd(lambda x: N.sigmoid(x, bias=-1.0))(x)
+  jac = jax.jit(jax.jacfwd(lambda x: N.sigmoid(x, bias=-1.0)))(x)
   s = jax.nn.sigmoid(x - 1.0)
   chex.assert_trees_all_close(jac, jnp.diag(s * (1 - s)), atol=1e-7)
   assert float(jnp.max(jac)) <= 0.25
@@ -65,7 +65,7 @@ def test_relu_all_negative_row_is_zero():
 
 @pytest.mark.parametrize("name", ["sigmoid", "relu", "relu_n", "relu2"])
 def test_mask_fully_masked_and_low_precision(name):
-  fn = N.get(name).fn
+  fn = jax.jit(N.get(name).fn)  # one program per call shape instead of op by op
   helpers.check_mask_is_delete(fn, X, 2)
   helpers.check_fully_masked(fn)
   helpers.check_low_precision(fn, X, atol=(3e-2, 1e-2))
