@@ -8,6 +8,7 @@ from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import _row_stats
 from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers import row_blocks as blocks
 from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_score_map, register
 
 __all__ = ["spherical_softmax"]
@@ -15,8 +16,22 @@ __all__ = ["spherical_softmax"]
 _EPS = Param("eps", 0.01, low=0.0, low_open=True, sample=0.5, row_broadcast=True)
 
 
+def _tile_scale(eps, dtype):
+  """The tile rule's fixed power of two ``s`` (no gradient), ``eps s^2`` in [2^-62, 2^-60)
+  (s kept within [2^-60, 1]): the squares of large scores come 2^-2k lower (default eps:
+  k = 27, the row sum overflows float32 past |x| ~ 2.4e27 / sqrt(n) instead of 1.8e19 /
+  sqrt(n)), while the smallest term, and so the row sum D, stays at least 2^-62, whose
+  square (in autodiff's derivative of a quotient by D) is still a normal float. A power of
+  two (exact): every term rounds as unscaled, and the factor cancels in the ratio."""
+  r = jax.lax.stop_gradient(jnp.sqrt(jnp.asarray(eps, dtype)))
+  return jnp.clip(blocks.pow2_scale(r) * 2.0 ** -30, 2.0 ** -60, 1.0)
+
+
 def _square_plus(z, m, eps=0.01, **_):
-  return z * z + eps
+  """``s^2 (z^2 + eps)``, s = :func:`_tile_scale` (the tile rule's numerator and denominator)."""
+  s = _tile_scale(eps, z.dtype)
+  y = z * s
+  return y * y + (eps * s) * s
 
 
 def pow2_row_scale(r, exponent: int = 2):
@@ -52,9 +67,14 @@ def spherical_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = No
   all-zero row uniform and every weight positive. No max is needed: a blockwise pass
   carries only the row sum (class S). The function scales each row by a power of two
   before squaring (exact: the ratio is homogeneous), so it is finite for any finite
-  scores; the blockwise form (its tile rule, used by the chunked and Pallas attention
-  paths) carries no row statistic and squares unscaled: finite while ``x^2`` fits the
-  float range (``|x| < 1.8e19`` in float32).
+  scores. The blockwise form (its tile rule, used by the chunked and Pallas attention
+  paths) carries no row statistic (class S), so it scales by a fixed power of two chosen
+  from eps (exact: the same roundings): the row sum must fit the float range, so in
+  float32 with the default eps it is finite for ``|x| < 2.4e27 / sqrt(n)`` (n the row
+  length; unscaled squares stopped at 1.8e19 / sqrt(n)); past that the row's weights are
+  NaN (one square overflows) or 0 (only the sum does). For eps below ~1e-18 the scale is
+  1, and a row whose every ``x^2 + eps`` is below ~1e-38 has a row sum that underflows
+  (zero weights) where the function itself is exact.
 
   Args:
     x: scores.

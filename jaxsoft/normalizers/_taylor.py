@@ -90,10 +90,12 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
   no max is needed (class S). For a row with large scores the function evaluates
   ``t^m sum_k x^k / k!`` (t a power of two bringing the row's largest |x| near m / e:
   the same roundings, and a factor that cancels), so it is finite for any finite
-  scores; the blockwise form (its tile rule, used by the chunked and Pallas attention
-  paths) has no row statistic and overflows once ``|x|^m / m!`` passes the float range
-  (|x| > 2.6e19 for m = 2 in float32). Not shift invariant; as m grows it tends to
-  softmax for moderate x.
+  scores. The blockwise form (its tile rule, used by the chunked and Pallas attention
+  paths) has no row statistic (class S), so it scales by a fixed power of two ``2^-(48 //
+  m)`` (exact: the same roundings): the row sum must fit the float range, so in float32
+  it is finite for ``|x| < 4e26 / sqrt(n)`` at m = 2 (n the row length; unscaled: 2.6e19
+  / sqrt(n)); past that the row's weights are NaN (one term overflows) or 0 (only the sum
+  does). Not shift invariant; as m grows it tends to softmax for moderate x.
 
   The order-2 form is from A. de Brébisson & P. Vincent 2016, "An Exploration of Softmax
   Alternatives Belonging to the Spherical Loss Family" (ICLR 2016, arXiv 1511.05042); as
@@ -138,8 +140,21 @@ def taylor_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
 
 
+def _tile_scale_exponent(order: int) -> int:
+  """k of the tile rule's fixed scale ``t = 2^-k``, ``t^m`` about 2^-48: large scores come
+  2^-k lower (m = 2: the row sum overflows float32 past |x| ~ 4e26 / sqrt(n) instead of
+  2.6e19 / sqrt(n)), while the scaled polynomial's minimum (taylor_exp's, 1/2 for m = 2,
+  0.0027 for m = 20, times t^m) keeps the row sum D at least 2^-57, whose square (in
+  autodiff's derivative of a quotient by D) is still a normal float."""
+  return 48 // order
+
+
 def _taylor_tile(z, m, order=2, **_):
-  return taylor_exp(z, order)
+  """``t^m taylor_exp(z)`` with ``t = 2^-k`` fixed (:func:`_tile_scale_exponent`): each Horner
+  step is taylor_exp's own times a power of two (:func:`_scaled_taylor_exp`), so the
+  weights round as unscaled, and the factor cancels in the ratio."""
+  t = jnp.full((), 2.0 ** -_tile_scale_exponent(order), z.dtype)
+  return _scaled_taylor_exp(z, order, t)
 
 
 SPEC = register(NormalizerSpec(
