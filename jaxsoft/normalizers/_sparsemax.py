@@ -218,8 +218,10 @@ def support_jvp(g, v, axis=-1):
 
 
 def _sparsemax_tangent(y, odd, dx, params, dparams, static):
-  p, on = on_support(y, odd)
-  return support_jvp(on.astype(p.dtype), dx.astype(p.dtype), static[0]).astype(y.dtype)
+  # the support indicator, 0 on the rows the shared rules fill in (also NaN rows: y > 0
+  # is False at a NaN)
+  g = ((y > 0) & ~odd).astype(c.compute_dtype(y.dtype))
+  return support_jvp(g, dx.astype(g.dtype), static[0]).astype(y.dtype)
 
 
 # Reverse mode keeps p and one flag per row.
