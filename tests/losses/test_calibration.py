@@ -84,11 +84,12 @@ def test_ece_matches_reference_and_fit_temperature_recovers_a_known_temperature(
   true_logits = normal(3, (600, 4), 1.5)
   labels = jax.random.categorical(jax.random.key(4), true_logits)
   overconfident = 3.0 * true_logits                 # calibrated at T = 3
+  ece = jax.jit(L.ece, static_argnames="num_bins")  # one compilation per call form
   for bins in (1, 10):
-    np.testing.assert_allclose(L.ece(overconfident, labels, num_bins=bins),
+    np.testing.assert_allclose(ece(overconfident, labels, num_bins=bins),
                                _ece_reference(overconfident, np.asarray(labels), bins),
                                rtol=1e-5, atol=1e-7)
-  t = L.fit_temperature(overconfident, labels)
+  t = jax.jit(L.fit_temperature)(overconfident, labels)
   # the NLL minimiser, by a float64 grid search refined around its best point
   z, y = np.asarray(overconfident, np.float64), np.asarray(labels)
   nll = lambda tt: np.mean(_lse(z / tt) - z[np.arange(len(y)), y] / tt)
@@ -98,10 +99,10 @@ def test_ece_matches_reference_and_fit_temperature_recovers_a_known_temperature(
   best = fine[np.argmin([nll(g) for g in fine])]
   np.testing.assert_allclose(t, best, rtol=2e-3)
   assert 2.4 < float(t) < 3.6
-  assert L.ece(overconfident / t, labels) < 0.5 * L.ece(overconfident, labels)
+  assert ece(overconfident / t, labels) < 0.5 * ece(overconfident, labels)
   # masked examples are left out
   where = jnp.arange(600) < 300
-  np.testing.assert_allclose(L.ece(overconfident, labels, where=where),
+  np.testing.assert_allclose(ece(overconfident, labels, where=where),
                              _ece_reference(overconfident[:300], y[:300], 15), rtol=1e-5)
 
 
@@ -117,14 +118,18 @@ def test_fit_temperature_leaves_masked_examples_out():
 def test_dirichlet_calibration_identity_and_fit_optimality():
   z = normal(6, (1500, 3), 2.0)
   # W = I / T, b = 0 is temperature scaling exactly
-  cal = L.dirichlet_calibrate(z, jnp.eye(3) / 2.5, jnp.zeros(3))
-  np.testing.assert_allclose(jax.nn.softmax(cal), jax.nn.softmax(z / 2.5), rtol=1e-5, atol=1e-7)
+  # jitted: one compilation per call instead of one per eager operation
+  cal, want = jax.jit(lambda z: (jax.nn.softmax(L.dirichlet_calibrate(z, jnp.eye(3) / 2.5,
+                                                                      jnp.zeros(3))),
+                                 jax.nn.softmax(z / 2.5)))(z)
+  np.testing.assert_allclose(cal, want, rtol=1e-5, atol=1e-7)
   w_true = np.array([[1.5, 0.3, 0.0], [0.0, 0.8, 0.2], [0.1, 0.0, 1.2]])
   b_true = np.array([0.2, -0.1, 0.0])
-  labels = jax.random.categorical(
-      jax.random.key(7), L.dirichlet_calibrate(z, jnp.asarray(w_true), jnp.asarray(b_true)))
+  labels = jax.jit(lambda z: jax.random.categorical(
+      jax.random.key(7), L.dirichlet_calibrate(z, jnp.asarray(w_true), jnp.asarray(b_true))))(z)
   lam, mu = 0.01, 0.01
-  w, b = L.fit_dirichlet_calibration(z, labels, off_diagonal_weight=lam, bias_weight=mu)
+  w, b = jax.jit(lambda z, labels: L.fit_dirichlet_calibration(
+      z, labels, off_diagonal_weight=lam, bias_weight=mu))(z, labels)
   z64, y = np.asarray(z, np.float64), np.asarray(labels)
   log_p = z64 - _lse(z64)[:, None]
   off = 1 - np.eye(3)
