@@ -130,10 +130,10 @@ def test_real_kernel_matches_default(backend):
                                  **kw)
   assert not A.LAST_RESULT.rejected, A.LAST_RESULT.rejected
 
-  def loss(bl):
-    return jax.value_and_grad(
+  def loss(bl):  # jitted: one compilation, not one per op
+    return jax.jit(jax.value_and_grad(
         lambda q, k, v: jnp.sum(kp.attention(q, k, v, block_sizes=bl, **kw) ** 2),
-        argnums=(0, 1, 2))(q, k, v)
+        argnums=(0, 1, 2)))(q, k, v)
 
   got, want = loss(best), loss(None)
   for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):

@@ -30,9 +30,12 @@ def test_floor_keeps_extreme_blocks_finite(normalizer):
   assert js.normalizers.get(normalizer).tile.m_floor == 0.0
   ct = jax.random.normal(jax.random.key(3), q.shape)
 
-  def run(fn):
-    out, vjp = jax.vjp(fn, q, k, v)
-    return out, vjp(ct)
+  def run(fn):  # jitted: one compilation per path, not one per op
+    @jax.jit
+    def f(q, k, v, ct):
+      out, vjp = jax.vjp(fn, q, k, v)
+      return out, vjp(ct)
+    return f(q, k, v, ct)
 
   ref = run(lambda q, k, v: js.attention.dot_product_attention(
       q, k, v, normalizer=normalizer, scale=1.0, implementation="xla"))
