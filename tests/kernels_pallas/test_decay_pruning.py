@@ -71,9 +71,11 @@ def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
   # against the unpruned result: within 2 max|v| sum_skipped w_ij, each skipped weight at
   # most e^{l_ij - l_ii} (the diagonal's decay is 0: D_i >= e^{l_ii}), the decay of
   # l_ij below the threshold
-  full = attention.dot_product_attention(q, k, v, is_causal=True, decay_bias=(cq, ck),
-                                         implementation="xla")
-  logits = attention.dense_logits(q, k, scale=1 / np.sqrt(H), decay_bias=(cq, ck))
+  full, logits = jax.jit(lambda q, k, v, cq, ck: (  # one compilation, not one per op
+      attention.dot_product_attention(q, k, v, is_causal=True, decay_bias=(cq, ck),
+                                      implementation="xla"),
+      attention.dense_logits(q, k, scale=1 / np.sqrt(H), decay_bias=(cq, ck))))(
+          q, k, v, cq, ck)
   diag = jnp.diagonal(logits, axis1=-2, axis2=-1)[..., None]
   terms = jnp.where(causal & ~kept, jnp.exp(logits - diag), 0.0)
   bound = 2 * float(jnp.max(jnp.abs(v))) * jnp.sum(terms, axis=-1)  # [B, N, T]
@@ -170,10 +172,11 @@ def test_classes_t_and_r_prune_inside_the_tiles(monkeypatch, backend, normalizer
   kept = _kept_mask(cq, ck, backend)
   params = {"k": 24} if normalizer == "top_k_softmax" else None
   kw = dict(normalizer=normalizer, normalizer_params=params, is_causal=True)
-  unpruned = attention.dot_product_attention(q, k, v, decay_bias=(cq, ck),
-                                             implementation="xla", **kw)
-  oracle = attention.dot_product_attention(q, k, v, mask=kept, decay_bias=(cq, ck),
-                                           implementation="xla", **kw)
+  unpruned, oracle = jax.jit(lambda q, k, v, cq, ck: (  # one compilation, not one per op
+      attention.dot_product_attention(q, k, v, decay_bias=(cq, ck), implementation="xla",
+                                      **kw),
+      attention.dot_product_attention(q, k, v, mask=kept, decay_bias=(cq, ck),
+                                      implementation="xla", **kw)))(q, k, v, cq, ck)
   assert float(jnp.max(jnp.abs(unpruned - oracle))) > 1e-3  # pruning changes the answer
   out, grads = assert_matches(
       lambda q, k, v, cq, ck: kp.attention(
@@ -184,9 +187,9 @@ def test_classes_t_and_r_prune_inside_the_tiles(monkeypatch, backend, normalizer
       (q, k, v, cq, ck), ct)
   assert bool(jnp.any(grads[3] != 0))
   if backend == "triton":  # the dispatcher reaches the pruned kernel (its default tiles)
-    got = attention.dot_product_attention(q, k, v, decay_bias=(cq, ck),
-                                          decay_prune_threshold=THRESHOLD,
-                                          implementation="pallas", **kw)
+    got = jax.jit(lambda q, k, v, cq, ck: attention.dot_product_attention(
+        q, k, v, decay_bias=(cq, ck), decay_prune_threshold=THRESHOLD,
+        implementation="pallas", **kw))(q, k, v, cq, ck)
     assert bool(jnp.all(jnp.isfinite(got))) and float(jnp.max(jnp.abs(got - unpruned))) > 0
 
 
