@@ -512,7 +512,7 @@ def _dense_counts(call, acc: str):
   if call.mask is not None:
     vis = jnp.logical_and(vis, call.mask)
   if call.bias is not None:
-    vis = jnp.logical_and(vis, jax.lax.stop_gradient(call.bias) > -jnp.inf)
+    vis = jnp.logical_and(vis, jax.lax.stop_gradient(call.bias) != -jnp.inf)
   cnt = jnp.sum(vis, axis=-1, dtype=acc)  # [B|1, N|1, T]
   b, t = call.q.shape[0], call.q.shape[1]
   if cnt.shape[1] == 1:

@@ -429,7 +429,7 @@ def prune_mask(cfg: Config, mask, decay, q_start, k_start, bq: int, bk: int):
 
 def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False):
   """``(x, visible)`` of a tile with a dense bias and mask: ``x = s + bias`` (added after
-  the soft cap, as the dense path does) and ``visible = mask & keep & (x > -inf)``.
+  the soft cap, as the dense path does) and ``visible = mask & keep & (x != -inf)``.
 
   ``s`` [bq, bk] the (capped) logits, ``mask`` the structure's visibility (or None),
   ``bias`` the float bias tile and ``keep`` the mask tile (nonzero = attend), each
@@ -442,7 +442,7 @@ def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False)
     mask = k if mask is None else jnp.logical_and(mask, k)
   if bias is not None:
     x = s + (bias.astype(s.dtype) * LOG2E if log2 else bias.astype(s.dtype))
-    finite = x > -jnp.inf
+    finite = x != -jnp.inf  # a NaN logit stays visible (its row NaN, as dense)
     mask = finite if mask is None else jnp.logical_and(mask, finite)
   return x, mask
 

@@ -454,7 +454,11 @@ def threshold_forward(cfg: E.Config, q, k, v, m, tau, idx, cnt, dyn, aux: E.Aux)
 
     init = (jnp.zeros((bq, 1), cfg.acc_dtype), jnp.zeros((bq, hv), cfg.acc_dtype))
     lsum, acc = jax.lax.fori_loop(start, stop, body, init)
-    o_ref[...] = (acc * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
+    # A NaN logit makes the row max NaN and no block live (no z >= NaN): the row would come
+    # out 0. It is NaN, as on the dense path (jax.nn's rule).
+    nan_row = mt != mt
+    lsum = jnp.where(nan_row, jnp.nan, lsum)
+    o_ref[...] = jnp.where(nan_row, jnp.nan, acc * E.tile.safe_inverse(lsum)).astype(o_ref.dtype)
     d_ref[...] = lsum
 
   return _call(cfg, kernel, "tfwd", (cfg.t_pad // bq, b, n), bq, sp, (idx, cnt),

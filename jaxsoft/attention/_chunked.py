@@ -310,7 +310,7 @@ def _visibility(plan: _Plan, aux: _Aux, qb: _QueryBlock, ks, x=None):
   if qb.mask is not None:
     vis = vis & _slice(qb.mask, ks, plan.bk, 4)
   if x is not None:
-    vis = vis & (x > -jnp.inf)
+    vis = vis & (x != -jnp.inf)  # a NaN logit stays visible: its row is NaN, as dense
   return vis
 
 
