@@ -40,6 +40,11 @@ def _xla(**kw):
   return lambda q, k, v: attention.dot_product_attention(q, k, v, implementation="xla", **kw)
 
 
+def _jit(f, *args):
+  """``f(*args)`` jitted: one compilation, not one per eager op."""
+  return jax.jit(f)(*args)
+
+
 @pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
 def test_distance_matches_xla_with_gqa_causal_cap_and_empty_rows(backend):
   """idw_softmax (inverse-distance weights, the normalizer distance scores are for), causal,
@@ -80,15 +85,16 @@ def test_distance_bfloat16_and_exp2():
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=55)
   kw = dict(normalizer="softmax", score="distance", is_causal=True)
   qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-  out = _kernel("triton", **kw)(qb, kb, vb)
-  ref = _xla(**kw)(*(x.astype(jnp.float32) for x in (qb, kb, vb)))
+  out = _jit(_kernel("triton", **kw), qb, kb, vb)
+  ref = _jit(_xla(**kw), *(x.astype(jnp.float32) for x in (qb, kb, vb)))
   assert out.dtype == jnp.bfloat16
   chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
-  plain, fast = _kernel("triton", **kw)(q, k, v), _kernel("triton", exp2=True, **kw)(q, k, v)
+  plain, fast = (_jit(_kernel("triton", **kw), q, k, v),
+                 _jit(_kernel("triton", exp2=True, **kw), q, k, v))
   chex.assert_trees_all_close(fast, plain, atol=2e-6, rtol=1e-5)
   decay = _decay(n=N)  # with a decay too (the two-term operands, float32 in the kernel)
-  out = _kernel("triton", decay_bias=decay, **kw)(qb, kb, vb)
-  ref = _xla(decay_bias=decay, **kw)(*(x.astype(jnp.float32) for x in (qb, kb, vb)))
+  out = _jit(_kernel("triton", decay_bias=decay, **kw), qb, kb, vb)
+  ref = _jit(_xla(decay_bias=decay, **kw), *(x.astype(jnp.float32) for x in (qb, kb, vb)))
   assert out.dtype == jnp.bfloat16
   chex.assert_trees_all_close(out.astype(jnp.float32), ref, atol=2e-2, rtol=2e-2)
 
@@ -98,7 +104,7 @@ def test_distance_gradient_is_finite_where_a_key_equals_its_query():
   rounded square is <= 0 (safe_distance) and finite elsewhere."""
   q, _, v, ct = inputs(b=1, t=T, n=2, kh=2, h=H, seed=56)
   f = _kernel("triton", normalizer="idw_softmax", score="distance")
-  dq, dk = jax.grad(lambda q, k: jnp.sum(f(q, k, v) * ct), argnums=(0, 1))(q, q)
+  dq, dk = jax.jit(jax.grad(lambda q, k: jnp.sum(f(q, k, v) * ct), argnums=(0, 1)))(q, q)
   assert bool(jnp.all(jnp.isfinite(dq))) and bool(jnp.all(jnp.isfinite(dk)))
 
 
@@ -141,12 +147,15 @@ def test_distance_with_a_decay_through_the_dispatcher_and_fp8_is_refused(monkeyp
   monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
   q, k, v, _ = inputs(b=B, t=64, n=N, kh=KH, h=H, seed=61)
   cq = jnp.cumsum(jnp.full((B, 64, N), -0.5), axis=1)  # strong decay: far tiles prunable
-  kw = dict(score="distance", decay_bias=(cq, cq), is_causal=True)
-  want = attention.dot_product_attention(q, k, v, implementation="xla", **kw)
-  got = attention.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  kw = dict(score="distance", is_causal=True)  # the decay an argument: no constant folding
+  want = _jit(lambda q, k, v, c: attention.dot_product_attention(
+      q, k, v, implementation="xla", decay_bias=(c, c), **kw), q, k, v, cq)
+  got = _jit(lambda q, k, v, c: attention.dot_product_attention(
+      q, k, v, implementation="pallas", decay_bias=(c, c), **kw), q, k, v, cq)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
-  pruned = kp.attention(q, k, v, interpret=True, block_sizes=TRITON_SMALL,
-                        decay_prune_threshold=-12.0, **kw)
+  pruned = _jit(lambda q, k, v, c: kp.attention(
+      q, k, v, interpret=True, block_sizes=TRITON_SMALL, decay_prune_threshold=-12.0,
+      decay_bias=(c, c), **kw), q, k, v, cq)
   chex.assert_trees_all_close(pruned, want, atol=1e-3)
   with pytest.raises(ValueError, match="fp8"):
     kp.attention(q, k, v, score="distance", fp8="e4m3", interpret=True)

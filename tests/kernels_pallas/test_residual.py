@@ -44,11 +44,12 @@ def test_residual_matches_xla_per_class(case):
   q, k, v, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=58)
   kw = dict(normalizer=name, normalizer_params=params, is_causal=True,
             key_value_seq_lengths=KV_LEN)
-  out, res = _kernel(backend, return_residual=True, **kw)(q, k, v)
-  ref, ref_res = _xla(return_residual=True, **kw)(q, k, v)
+  # every call jitted: one compilation each, not one per eager op
+  out, res = jax.jit(_kernel(backend, return_residual=True, **kw))(q, k, v)
+  ref, ref_res = jax.jit(_xla(return_residual=True, **kw))(q, k, v)
   assert res.shape == (B, T, N) and res.dtype == q.dtype
   chex.assert_trees_all_close(out, ref, atol=1e-5, rtol=1e-5)
-  chex.assert_trees_all_close(out, _kernel(backend, **kw)(q, k, v))
+  chex.assert_trees_all_close(out, jax.jit(_kernel(backend, **kw))(q, k, v))
   finite = np.isfinite(np.asarray(ref_res))
   np.testing.assert_array_equal(np.isfinite(np.asarray(res)), finite)
   np.testing.assert_allclose(np.asarray(res)[finite], np.asarray(ref_res)[finite], atol=2e-5,
@@ -59,8 +60,8 @@ def test_residual_matches_xla_per_class(case):
     np.testing.assert_allclose(np.asarray(res[1]), params["sink_logit"], rtol=1e-6)
   else:
     assert not finite[1].any() and finite[0].all()
-  grad = jax.grad(lambda q: jnp.sum(jnp.where(
-      finite, _kernel(backend, return_residual=True, **kw)(q, k, v)[1], 0.0)))(q)
+  grad = jax.jit(jax.grad(lambda q: jnp.sum(jnp.where(
+      finite, _kernel(backend, return_residual=True, **kw)(q, k, v)[1], 0.0))))(q)
   np.testing.assert_array_equal(np.asarray(grad), 0.0)
 
 
@@ -70,12 +71,15 @@ def test_residual_unbatched_and_through_the_dispatcher(monkeypatch):
   jax.nn's log-sum-exp."""
   monkeypatch.setenv(kp._api.INTERPRET_ENV, "1")
   q, k, v, _ = inputs(b=1, t=T, n=N, kh=N, h=H, seed=59)
-  out, res = kp.attention(q[0], k[0], v[0], is_causal=True, return_residual=True,
-                          interpret=True, block_sizes=TRITON_SMALL)
+  # every call jitted: one compilation each, not one per eager op
+  out, res = jax.jit(lambda q, k, v: kp.attention(
+      q, k, v, is_causal=True, return_residual=True, interpret=True,
+      block_sizes=TRITON_SMALL))(q[0], k[0], v[0])
   assert out.shape == (T, N, H) and res.shape == (T, N)
-  got = attention.dot_product_attention(q, k, v, is_causal=True, implementation="pallas",
-                                        return_residual=True)
-  want = jax.nn.dot_product_attention(q, k, v, is_causal=True, return_residual=True)
+  got = jax.jit(lambda q, k, v: attention.dot_product_attention(
+      q, k, v, is_causal=True, implementation="pallas", return_residual=True))(q, k, v)
+  want = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, return_residual=True))(q, k, v)
   chex.assert_trees_all_close(got, want, atol=1e-5, rtol=1e-5)
   chex.assert_trees_all_close(res, want[1][0], atol=1e-5, rtol=1e-5)
 
