@@ -313,7 +313,7 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
                      f"{z.shape}, got {w.shape}")
   if b.shape != (k,):
     raise ValueError(f"{fn}: `bias` must have shape [K] = {(k,)}, got {b.shape}")
-  return jax.nn.log_softmax(z, axis=-1) @ w.T + b
+  return jax.nn.log_softmax(z, axis=-1) @ w.T + b.reshape((1,) * (z.ndim - 1) + b.shape)
 
 
 def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
@@ -367,7 +367,7 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
 
   def objective(params):
     w, b = params
-    q = log_p @ w.T + b
+    q = log_p @ w.T + b[None]
     nll = jax.nn.logsumexp(q, axis=-1) - jnp.take_along_axis(q, labels[:, None], axis=1)[:, 0]
     reg = lam * jnp.sum(jnp.square(w * off)) / (k * (k - 1)) + mu * jnp.sum(jnp.square(b)) / k
     return jnp.sum(weights * nll) / n + reg

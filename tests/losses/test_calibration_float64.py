@@ -62,3 +62,15 @@ def test_odin_is_float64_and_promotes_integer_inputs(x64):
   z = np.asarray(x, np.float64) @ np.asarray(w) / 2.0
   p = np.exp(z - z.max(-1, keepdims=True))
   np.testing.assert_allclose(np.asarray(got), (p / p.sum(-1, keepdims=True)).max(-1), rtol=1e-13)
+
+
+def test_dirichlet_maps_need_no_implicit_rank_promotion():
+  """``W ln p + b`` added a [K] bias to [..., K] rows: a ValueError under
+  ``jax_numpy_rank_promotion="raise"``."""
+  z = jnp.array([[[2.0, 0.0, -1.0]], [[0.5, 0.1, 0.0]]])  # [2, 1, K]
+  with jax.numpy_rank_promotion("raise"):
+    cal = js.losses.dirichlet_calibrate(z, jnp.eye(3) / 2.0, jnp.array([0.1, 0.0, -0.1]))
+    w, b = js.losses.fit_dirichlet_calibration(z[:, 0], jnp.array([0, 1]), num_steps=1)
+  want = np.asarray(jax.nn.log_softmax(z, axis=-1)) @ (np.eye(3) / 2.0) + np.array([0.1, 0.0, -0.1])
+  np.testing.assert_allclose(np.asarray(cal), want, rtol=1e-6)
+  assert w.shape == (3, 3) and b.shape == (3,)
