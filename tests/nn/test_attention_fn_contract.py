@@ -24,9 +24,11 @@ def _linen(attention_fn, force, dropout_rate=0.0, deterministic=True):
   kw = {} if attention_fn is None else {"attention_fn": attention_fn}
   m = nn.MultiHeadDotProductAttention(num_heads=2, dtype=jnp.bfloat16, dropout_rate=dropout_rate,
                                       force_fp32_for_softmax=force, **kw)
-  params = m.init(jax.random.key(1), X, X, deterministic=True)
-  out, state = m.apply(params, X, X, sow_weights=True, deterministic=deterministic,
-                       mutable=["intermediates"], rngs={"dropout": jax.random.key(2)})
+  # jitted: one compilation per call instead of one per eager operation
+  params = jax.jit(lambda key: m.init(key, X, X, deterministic=True))(jax.random.key(1))
+  out, state = jax.jit(lambda params: m.apply(
+      params, X, X, sow_weights=True, deterministic=deterministic, mutable=["intermediates"],
+      rngs={"dropout": jax.random.key(2)}))(params)
   return out, state["intermediates"]["attention_weights"][0]
 
 
@@ -49,16 +51,18 @@ def test_force_fp32_for_softmax_fast_path_returns_float32_as_flax():
   q, k, v = (normal(s, (2, 4, 2, 8), dtype=jnp.bfloat16) for s in (3, 4, 5))
   fn = js.nn.attention_fn()
   for force in (False, True):
-    ref = nn.dot_product_attention(q, k, v, force_fp32_for_softmax=force)
-    out = fn(q, k, v, force_fp32_for_softmax=force, deterministic=True)
+    # both in one compilation instead of one per eager operation
+    ref, out = jax.jit(lambda q, k, v, force=force: (
+        nn.dot_product_attention(q, k, v, force_fp32_for_softmax=force),
+        fn(q, k, v, force_fp32_for_softmax=force, deterministic=True)))(q, k, v)
     assert out.dtype == ref.dtype, (force, out.dtype, ref.dtype)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                                atol=2e-2)  # bf16 values, bf16 logits in Flax
   # float32 weights are honoured for a float64 caller by never narrowing below it
   q64 = np.asarray(q, np.float64)
   with jax.enable_x64(True):
-    out = fn(jnp.asarray(q64), jnp.asarray(q64), jnp.asarray(q64), force_fp32_for_softmax=True,
-             deterministic=True)
+    out = jax.eval_shape(lambda q: fn(q, q, q, force_fp32_for_softmax=True, deterministic=True),
+                         jnp.asarray(q64))  # the dtype alone: traced, not compiled
     assert out.dtype == jnp.float64
 
 
@@ -94,11 +98,16 @@ def test_attention_fn_exports_with_a_symbolic_batch():
 
   exp = export.export(jax.jit(f))(_spec(b, 3, 2, 4), _spec(b, 5, 2, 4), _spec(b, 5, 2, 4),
                                   _spec(b, 1, 3, 5, dtype=jnp.bool_))
+  rng = np.random.default_rng(13)
   for batch in (1, 3):
     q, k, v = normal(10, (batch, 3, 2, 4)), normal(11, (batch, 5, 2, 4)), normal(12,
                                                                                 (batch, 5, 2, 4))
-    mask = jax.random.bernoulli(jax.random.key(13), 0.7, (batch, 1, 3, 5)).at[..., 0].set(True)
-    np.testing.assert_allclose(exp.call(q, k, v, mask), f(q, k, v, mask), rtol=1e-6, atol=1e-6)
+    mask = rng.random((batch, 1, 3, 5)) < 0.7
+    mask[..., 0] = True
+    mask = jnp.asarray(mask)
+    # the reference jitted: one compilation per batch instead of one per eager operation
+    np.testing.assert_allclose(exp.call(q, k, v, mask), jax.jit(f)(q, k, v, mask), rtol=1e-6,
+                               atol=1e-6)
 
 
 def test_learned_normalizer_exports_with_a_symbolic_batch():
@@ -111,5 +120,7 @@ def test_learned_normalizer_exports_with_a_symbolic_batch():
   exp = export.export(jax.jit(f))(_spec(b, 2, 3, 4), _spec(b, 1, 3, 1))
   for batch in (1, 2):
     q = normal(14, (batch, 2, 3, 4))
-    n = jnp.broadcast_to(jnp.arange(1.0, 4.0)[None, None, :, None], (batch, 1, 3, 1))
-    np.testing.assert_allclose(exp.call(q, n), f(q, n), rtol=1e-6, atol=1e-6)
+    n = jnp.asarray(np.broadcast_to(np.arange(1.0, 4.0, dtype=np.float32)[None, None, :, None],
+                                    (batch, 1, 3, 1)))
+    # the reference jitted: one compilation per batch instead of one per eager operation
+    np.testing.assert_allclose(exp.call(q, n), jax.jit(f)(q, n), rtol=1e-6, atol=1e-6)

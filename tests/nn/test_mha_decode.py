@@ -36,19 +36,30 @@ def _x(seed=0, shape=(B, T, D), scale=1.5, dtype=jnp.float32):
   return normal(seed, shape, scale, dtype)
 
 
-def _decode(layer, x, chunks=CHUNKS, max_length=None, **cache_kw):
-  """init_cache, then the chunks of ``x [batch..., T, D]`` in order; outputs concatenated."""
+# Jitted layer calls: one compilation per call form instead of one per eager operation (the
+# eager path, with its max_length check, is exercised by the tests that call the layer below).
+_step = nnx.jit(lambda m, xt: m(xt, decode=True))
+
+
+def _forward(layer, x, **call_kw):
+  """``layer(x, **call_kw)`` jitted."""
+  return nnx.jit(lambda m, x: m(x, **call_kw))(layer, x)
+
+
+def _decode(layer, x, chunks=CHUNKS, max_length=None, step=_step, **cache_kw):
+  """init_cache, then the chunks of ``x [batch..., T, D]`` in order (by default jitted
+  steps); outputs concatenated."""
   layer.init_cache(x.shape[:-2], max_length or x.shape[-2], **cache_kw)
   outs, t = [], 0
   for c in chunks:
-    outs.append(layer(x[..., t:t + c, :], decode=True))
+    outs.append(step(layer, x[..., t:t + c, :]))
     t += c
   assert t == x.shape[-2]
   return jnp.concatenate(outs, axis=-2)
 
 
 def _check_decode_equals_forward(layer, x, chunks=CHUNKS, tol=FWD, window=None, **call_kw):
-  full = layer(x, is_causal=True, local_window_size=window, **call_kw)
+  full = _forward(layer, x, is_causal=True, local_window_size=window, **call_kw)
   steps = _decode(layer, x, chunks, local_window_size=window)
   chex.assert_trees_all_close(steps, full, **tol)
   assert bool(jnp.isfinite(steps).all())
@@ -199,7 +210,7 @@ def test_jitted_decode_step_and_overflow_under_jit():
 def test_batch_dims_and_reset():
   layer = MultiHeadAttention(N, D, normalizer="softplus_l1", rngs=nnx.Rngs(9))
   x = _x(8, (1, B, T, D))
-  full = layer(x, is_causal=True)
+  full = _forward(layer, x, is_causal=True)
   steps = _decode(layer, x)
   chex.assert_trees_all_close(steps, full, **FWD)
   assert layer.cached_key.shape == (B, T, N, D // N)
@@ -216,8 +227,8 @@ def test_bf16_decode(name):
   x = _x(9, dtype=jnp.bfloat16)
   steps = _check_decode_equals_forward(layer, x, tol=dict(rtol=2e-2, atol=2e-2))
   assert steps.dtype == jnp.bfloat16 and layer.cached_key.dtype == jnp.bfloat16
-  ref = MultiHeadAttention(N, D, normalizer=name, rngs=nnx.Rngs(10))(
-      x.astype(jnp.float32), is_causal=True)
+  ref = _forward(MultiHeadAttention(N, D, normalizer=name, rngs=nnx.Rngs(10)),
+                 x.astype(jnp.float32), is_causal=True)
   chex.assert_trees_all_close(steps.astype(jnp.float32), ref, rtol=5e-2, atol=5e-2)
 
 
@@ -225,7 +236,8 @@ def test_extreme_inputs_stay_finite():
   for name in ("softmax", "ssmax", "sigmoid"):
     layer = MultiHeadAttention(N, D, normalizer=name, rngs=nnx.Rngs(11))
     x = _x(10, scale=1e4)
-    steps = _decode(layer, x)
+    # eager: three normalizers share most of their eagerly compiled operations
+    steps = _decode(layer, x, step=lambda m, xt: m(xt, decode=True))
     assert bool(jnp.isfinite(steps).all()), name
     chex.assert_trees_all_close(steps, layer(x, is_causal=True), rtol=1e-4, atol=1e-2)
 

@@ -82,7 +82,8 @@ def test_pallas_decode_equals_forward_and_xla_decode(case, spy):
   options, window, prefill, t_total, call_kw = CASES[case]
   pallas, xla = _pair(**options)
   x = normal(1, (B, t_total, D), 1.5)
-  full = xla(x, is_causal=True, local_window_size=window, **call_kw)
+  full = nnx.jit(lambda m, x: m(x, is_causal=True, local_window_size=window, **call_kw))(
+      xla, x)  # jitted: one compilation instead of one per eager operation
   steps_xla = _decode(xla, x, window, prefill, **call_kw)
   assert not spy  # the XLA layer never calls the kernel
   steps = _decode(pallas, x, window, prefill, **call_kw)
@@ -123,7 +124,8 @@ def test_sink_window_steps_and_gradient_equal_the_dense_path(spy):
     results[name] = loss(layer, x[:, 3:])
   assert spy and set(spy) == {"softmax_sink"}
   chex.assert_trees_all_close(steps["pallas"], steps["xla"], **FWD)
-  full = xla(x, is_causal=True, local_window_size=2)
+  # jitted: one compilation instead of one per eager operation
+  full = nnx.jit(lambda m, x: m(x, is_causal=True, local_window_size=2))(xla, x)
   chex.assert_trees_all_close(steps["pallas"], full[:, :3], **FWD)
   chex.assert_trees_all_close(results["pallas"], results["xla"], **BWD)
   sink_grad = results["pallas"][1]["normalizer_free"]["sink_logit"][...]
