@@ -22,7 +22,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kernels_pallas._api import attention, attention_from_call, is_static, rows
+# The module, not its names: jaxsoft.attention imports this module while kernels_pallas._api
+# is still loading (kernels_pallas._api -> jaxsoft.attention.call -> jaxsoft -> here).
+from kernels_pallas import _api
 from kernels_pallas.backends import pick_backend
 
 __all__ = ["sharded_attention", "sharded_attention_from_call", "call_layout",
@@ -80,9 +82,9 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
   qkv = P(batch_axis, None, head_axis, None)
   row = P(batch_axis, head_axis, None, None)
   params = dict(normalizer_params or {})
-  static = {name: x for name, x in params.items() if is_static(x)}
+  static = {name: x for name, x in params.items() if _api.is_static(x)}
   dyn_names = sorted(set(params) - set(static))
-  dyn = [rows(params[name], b, n, t) for name in dyn_names]
+  dyn = [_api.rows(params[name], b, n, t) for name in dyn_names]
   seg = segment_ids
   seg_spec = None
   if seg is not None:
@@ -106,7 +108,7 @@ def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = 
   def local(q_, k_, v_, dyn_, seg_, ql_, kl_, bias_, mask_, decay_):
     hp = dict(static)
     hp.update(zip(dyn_names, dyn_, strict=True))
-    return attention(q_, k_, v_, bias_, mask_, normalizer_params=hp, segment_ids=seg_,
+    return _api.attention(q_, k_, v_, bias_, mask_, normalizer_params=hp, segment_ids=seg_,
                      query_seq_lengths=ql_, key_value_seq_lengths=kl_, decay_bias=decay_,
                      **kwargs)
 
@@ -246,7 +248,7 @@ def sharded_attention_from_call(call, mesh, batch_axis: Any = None, head_axis: A
   b, t, n, _ = call.q.shape
   qkv = P(batch_axis, None, head_axis, None)
   row = P(batch_axis, head_axis, None, None)
-  static = {name: x for name, x in call.params.items() if is_static(x)}
+  static = {name: x for name, x in call.params.items() if _api.is_static(x)}
   dyn_names = sorted(set(call.params) - set(static))
 
   def dense(x):  # [B|1, N|1, T|1, S|1]: split the batch / head axes it holds in full
@@ -257,13 +259,13 @@ def sharded_attention_from_call(call, mesh, batch_axis: Any = None, head_axis: A
                 query_seq_lengths=call.query_seq_lengths,
                 key_value_seq_lengths=call.key_value_seq_lengths,
                 segment_ids=call.segment_ids, decay_bias=call.decay_bias,
-                scale=None if is_static(call.scale) else call.scale)
+                scale=None if _api.is_static(call.scale) else call.scale)
   specs = dict(q=qkv, k=qkv, v=qkv, bias=dense(call.bias), mask=dense(call.mask),
                query_seq_lengths=P(batch_axis), key_value_seq_lengths=P(batch_axis),
                segment_ids=(P(batch_axis, None),) * 2,
                decay_bias=(P(batch_axis, None, head_axis),) * 2, scale=P())
   specs = {name: (None if fields[name] is None else sp) for name, sp in specs.items()}
-  fields["params"] = [rows(call.params[name], b, n, t) for name in dyn_names]
+  fields["params"] = [_api.rows(call.params[name], b, n, t) for name in dyn_names]
   specs["params"] = [row] * len(dyn_names)
   fields = jax.tree_util.tree_map(lambda x, sp: _put(mesh, x, sp), fields, specs,
                                   is_leaf=lambda x: x is None)
@@ -273,7 +275,7 @@ def sharded_attention_from_call(call, mesh, batch_axis: Any = None, head_axis: A
     params = {**static, **dict(zip(dyn_names, f.pop("params"), strict=True))}
     if f["scale"] is None:
       f["scale"] = call.scale
-    return attention_from_call(dataclasses.replace(call, params=params, **f), **kwargs)
+    return _api.attention_from_call(dataclasses.replace(call, params=params, **f), **kwargs)
 
   out_specs: P | tuple[P, P] = qkv
   if call.return_residual:  # (out, residual [B, T, N])

@@ -15,12 +15,18 @@ ones inside functions, which is where cycles used to hide.
   a leading underscore from ``jaxsoft`` (the project-shared modules such as
   ``jaxsoft.normalizers.tile`` and ``jaxsoft.attention.call``).
 * No ``importlib``: every dependency is a plain import that a reader and mypy can follow.
+
+One check runs Python: each top-level package imports on its own (the graph does not see
+the parent packages' ``__init__`` that an import runs first).
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import pathlib
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PACKAGES = ("jaxsoft", "kernels_pallas", "train")
@@ -166,3 +172,13 @@ def test_no_importlib():
       if any(n.split(".")[0] == "importlib" for n in names):
         bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
   assert not bad, "importlib used (import the module plainly): " + ", ".join(bad)
+
+
+def test_kernels_pallas_imports_before_jaxsoft():
+  """The module graph above cannot see package ``__init__`` edges: importing kernels_pallas
+  first (kernels_pallas._api -> jaxsoft.attention.call -> jaxsoft -> jaxsoft.attention._api
+  -> kernels_pallas.sharding) once met a partially initialised kernels_pallas._api."""
+  done = subprocess.run([sys.executable, "-c", "import kernels_pallas, jaxsoft"], cwd=ROOT,
+                        capture_output=True, text=True, check=False,
+                        env={**os.environ, "PYTHONPATH": str(ROOT)})
+  assert done.returncode == 0, done.stderr[-2000:]
