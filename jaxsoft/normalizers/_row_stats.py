@@ -104,15 +104,17 @@ def _polyval(coefficients, h):
 def _limit_z_scores(posinf, visible, axis):
   """The z-scores of a row whose k visible ``+inf`` entries grow together: sqrt((n-k)/k)
   on them, -sqrt(k/(n-k)) on the other visible entries, 0 on all when k = n."""
-  n = jnp.sum(visible, axis=axis, keepdims=True).astype(jnp.float32)
-  k = jnp.sum(posinf, axis=axis, keepdims=True).astype(jnp.float32)
+  dt = jnp.result_type(float)  # float64 under x64 (the caller casts to the output dtype)
+  n = jnp.sum(visible, axis=axis, keepdims=True).astype(dt)
+  k = jnp.sum(posinf, axis=axis, keepdims=True).astype(dt)
   hi = jnp.sqrt(c.safe_divide(n - k, k))
   lo = -jnp.sqrt(c.safe_divide(k, n - k))
   return jnp.where(visible, jnp.where(posinf, hi, lo), 0.0)
 
 
 def _standardized_inf_limit(posinf, axis, hparams, visible):
-  t = c.row_param(hparams.get("tau", 1.0), posinf.shape, axis, "tau", "standardized_softmax")
+  t = c.row_param(hparams.get("tau", 1.0), posinf.shape, axis, "tau", "standardized_softmax",
+                  dtype=jnp.result_type(float))
   return c.exp_normalize(_limit_z_scores(posinf, visible, axis) / t, visible, axis)
 
 
