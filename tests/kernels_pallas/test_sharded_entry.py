@@ -80,6 +80,27 @@ AUTO = textwrap.dedent("""
     print("AUTO_OK")
 """)
 
+# padding split with the batch: lengths 0 (every row of batch entry 0 fully masked) give
+# zeros with zero, finite gradients, as on the dense path
+MASKED = textwrap.dedent("""
+    mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+    lens = jnp.array([0, 16, 5, 9], jnp.int32)
+    def masked(implementation):
+      return lambda q, k, v: js.attention.dot_product_attention(
+          q, k, v, key_value_seq_lengths=lens, implementation=implementation)
+    xla_o, xla_g = out_and_grads(masked("xla"), q0, k0, v0)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q0, k0, v0))
+    with jax.set_mesh(mesh):
+      out, grads = out_and_grads(masked("pallas"), q, k, v)
+    assert not np.asarray(out)[0].any() and not np.asarray(grads[0])[0].any()
+    for g in grads:
+      assert np.isfinite(np.asarray(g)).all()
+    close(out, xla_o, 1e-5)
+    for g, x in zip(grads, xla_g):
+      close(g, x, 1e-4)
+    print("MASKED_OK")
+""")
+
 # inside shard_map (check_vma=True): a class T normalizer in the interpreter is refused by name
 SHARD_MAP = textwrap.dedent("""
     mesh = jax.make_mesh((2, 2), ("data", "model"))
@@ -122,7 +143,7 @@ def _run(sections):
 def run_on_4_devices():
   return _run([("explicit_softmax", EXPLICIT_SOFTMAX),
                ("explicit_sparsemax", EXPLICIT_SPARSEMAX), ("auto", AUTO),
-               ("shard_map", SHARD_MAP)])
+               ("masked", MASKED), ("shard_map", SHARD_MAP)])
 
 
 def _check(proc, marker):
@@ -149,3 +170,7 @@ def test_pallas_on_auto_sharded_arrays_keeps_their_sharding(run_on_4_devices):
 
 def test_pallas_threshold_in_shard_map_with_check_vma_is_refused_by_name(run_on_4_devices):
   _check(run_on_4_devices, "SHARD_MAP_OK")
+
+
+def test_pallas_on_sharded_padding_gives_zero_rows_with_zero_gradient(run_on_4_devices):
+  _check(run_on_4_devices, "MASKED_OK")
