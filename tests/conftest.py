@@ -109,7 +109,8 @@ def _is_kernels(value):
 
 
 def _is_subprocess(value):
-  return value is subprocess or _module_of(value) == "subprocess"
+  return (value is subprocess or _module_of(value) == "subprocess"
+          or getattr(value, "starts_subprocess", False) is True)
 
 
 def _default_sample():

@@ -15,8 +15,11 @@
 
 import collections.abc
 import importlib.util
+import os
 import pathlib
+import subprocess
 import sys
+import textwrap
 
 import chex
 import jax
@@ -350,3 +353,42 @@ def registry_sample(names):
   """pytest params over normalizer ``names``: :data:`REGISTRY_DEFAULT` by default, all with
   ``-m slow``."""
   return sampled(list(names), REGISTRY_DEFAULT)
+
+
+_REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def run_on_cpu_devices(script: str, devices: int, *, env=None, timeout: int = 900):
+  """Runs ``script`` in a fresh Python on ``devices`` fake CPU devices (the count is fixed
+  at start-up, hence the process), the repository on its path and ``env`` added to the
+  environment; asserts it exits 0 and returns the ``CompletedProcess``."""
+  full = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+              JAX_PLATFORMS="cpu", **(env or {}))
+  full["PYTHONPATH"] = str(_REPO) + os.pathsep + full.get("PYTHONPATH", "")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=_REPO, env=full,
+                        capture_output=True, text=True, timeout=timeout, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  return proc
+
+
+_SECTIONS_RUNNER = textwrap.dedent("""
+    import traceback
+    for name, code in SECTIONS:
+      try:
+        exec(compile(PRELUDE + code, name, "exec"), {"__name__": name})
+      except Exception:
+        traceback.print_exc()
+""")
+
+
+def run_sections_on_cpu_devices(sections, devices: int, *, prelude: str = "", env=None):
+  """Runs the ``(name, code)`` sections, each after ``prelude``, in one process of
+  :func:`run_on_cpu_devices` (one start-up and import of JAX). Each section prints its
+  marker or its traceback, so tests that look for their own marker fail independently."""
+  script = f"PRELUDE = {prelude!r}\nSECTIONS = {list(sections)!r}\n" + _SECTIONS_RUNNER
+  return run_on_cpu_devices(script, devices, env=env)
+
+
+# tests/conftest.py marks a test that reaches these as ``subprocess``
+run_on_cpu_devices.starts_subprocess = True  # type: ignore[attr-defined]
+run_sections_on_cpu_devices.starts_subprocess = True  # type: ignore[attr-defined]

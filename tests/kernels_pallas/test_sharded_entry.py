@@ -9,12 +9,11 @@ normalizer inside ``jax.shard_map`` with its default ``check_vma`` is refused by
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import run_sections_on_cpu_devices
 
 PRELUDE = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -114,29 +113,10 @@ SHARD_MAP = textwrap.dedent("""
       print("SHARD_MAP_OK")
 """)
 
-RUNNER = textwrap.dedent("""
-    import traceback
-    for name, code in SECTIONS:
-      try:
-        exec(compile(PRELUDE + code, name, "exec"), {"__name__": name})
-      except Exception:
-        traceback.print_exc()
-""")
-
-
 def _run(sections):
   """Runs the named sections in one process on 4 fake CPU devices (interpret mode)."""
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
-  env["JAX_PLATFORMS"] = "cpu"
-  env["JAXSOFT_PALLAS_INTERPRET"] = "1"
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  script = f"PRELUDE = {PRELUDE!r}\nSECTIONS = {sections!r}\n" + RUNNER
-  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return proc
+  return run_sections_on_cpu_devices(sections, 4, prelude=PRELUDE,
+                                     env={"JAXSOFT_PALLAS_INTERPRET": "1"})
 
 
 @pytest.fixture(scope="module")

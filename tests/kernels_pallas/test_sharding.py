@@ -6,12 +6,11 @@ against the unsharded kernel and the dense XLA path."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
+
+from tests.helpers import run_sections_on_cpu_devices
 
 
 def _prelude(t: int, seed: int) -> str:
@@ -116,28 +115,9 @@ SCRIPT_DENSE = _prelude(16, 1) + textwrap.dedent("""
 
 # Both scripts run in one process (one start-up and import of JAX); each prints its marker
 # or its traceback, so the two tests fail independently.
-RUNNER = textwrap.dedent("""
-    import traceback
-    for name, code in SECTIONS:
-      try:
-        exec(compile(code, name, "exec"), {"__name__": name})
-      except Exception:
-        traceback.print_exc()
-""")
-
-
 @pytest.fixture(scope="module")
 def run_on_8_devices():
-  env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
-  env["JAX_PLATFORMS"] = "cpu"
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  script = f"SECTIONS = {[('sharded', SCRIPT), ('sharded_dense', SCRIPT_DENSE)]!r}\n" + RUNNER
-  proc = subprocess.run([sys.executable, "-c", script], cwd=root, env=env, capture_output=True,
-                        text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return proc
+  return run_sections_on_cpu_devices([("sharded", SCRIPT), ("sharded_dense", SCRIPT_DENSE)], 8)
 
 
 def test_sharded_attention_on_8_devices(run_on_8_devices):

@@ -12,9 +12,6 @@ jax.export (issue 37, defects 13, 14 and 16).
 - Integer hidden states and weights promote as jax.nn's inputs do.
 """
 
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -24,6 +21,7 @@ import pytest
 from jax import export
 
 import jaxsoft as js
+from tests.helpers import run_on_cpu_devices
 
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -77,13 +75,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_linear_cross_entropy_sharded_batch_gives_the_unsharded_results():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                        env=env, cwd=root, timeout=600)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  proc = run_on_cpu_devices(_SCRIPT, 2)
   assert proc.stdout.split()[-1:] == ["ok"]
 
 

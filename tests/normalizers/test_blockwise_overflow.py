@@ -9,10 +9,6 @@ carries M2 scaled by a power of two. References: numpy float64 formulas on the f
 inputs, and the dense functions' gradients.
 """
 
-import os
-import subprocess
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -24,6 +20,7 @@ from jaxsoft import testing
 from jaxsoft.attention import _chunked
 from jaxsoft.normalizers import common as c
 from tests import helpers
+from tests.helpers import run_on_cpu_devices
 
 S = 12
 BLOCKS = (5, 3, 4)
@@ -226,13 +223,7 @@ def test_blockwise_nap_and_standardized_inside_shard_map_on_huge_logits():
   chunked and the Pallas (interpret) class-R paths run with the statistic's carries typed
   by the drivers, are finite on logits of order 1e20, equal the dense forward and equal
   the unsharded forward and gradients."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-             JAX_PLATFORMS="cpu")
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,
-                        env=env, cwd=root, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  proc = run_on_cpu_devices(_SCRIPT, 2)
   assert proc.stdout.split().count("ok") == 4, proc.stdout
 
 
