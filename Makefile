@@ -62,6 +62,7 @@ bench: $(VENV)/.bench
 	$(PY) bench/normalizers.py
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/train_tokens.py
+	$(PY) bench/residuals.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
