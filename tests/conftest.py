@@ -109,8 +109,12 @@ def _is_kernels(value):
 
 
 def _is_subprocess(value):
-  return (value is subprocess or _module_of(value) == "subprocess"
-          or getattr(value, "starts_subprocess", False) is True)
+  if value is subprocess or _module_of(value) == "subprocess":
+    return True
+  try:  # tests.helpers' runners say so (they live outside the test's module)
+    return getattr(value, "starts_subprocess", False) is True
+  except Exception:  # pylint: disable=broad-except  (a lazy object's own getattr)
+    return False
 
 
 def _default_sample():
