@@ -24,9 +24,10 @@ def _stretch(p, zeta, gamma):
 
 def _inf_limit(posinf, axis, hparams, visible=None):
   """The limit as the k visible ``+inf`` logits grow together: softmax gives them 1/k."""
-  zeta = c.row_param(hparams.get("zeta", 1.0), posinf.shape, axis, "zeta", "clipped_softmax")
+  dt = jnp.result_type(float)  # float64 under x64 (the caller casts to the output dtype)
+  zeta = c.row_param(hparams.get("zeta", 1.0), posinf.shape, axis, "zeta", "clipped_softmax", dt)
   gamma = c.row_param(hparams.get("gamma", -0.03), posinf.shape, axis, "gamma",
-                      "clipped_softmax")
+                      "clipped_softmax", dt)
   k = jnp.sum(posinf, axis=axis, keepdims=True)
   return _stretch(posinf / jnp.maximum(k, 1), zeta, gamma)
 
