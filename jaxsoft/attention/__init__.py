@@ -41,6 +41,7 @@ from jaxsoft.attention._multiscreen import multiscreen_attention
 from jaxsoft.attention._nonlocal import nonlocal_block
 from jaxsoft.attention._parameters import per_head, softplus_from_range, softplus_to_range
 from jaxsoft.attention._polar import polar_attention
+from jaxsoft.attention._pooling_mixer import ponet_mix
 from jaxsoft.attention._shortcuts import entmax_attention, sparsemax_attention, ssmax_attention
 from jaxsoft.attention._soft import gaussian_kernel, newton_schulz_pinv, soft_attention
 from jaxsoft.attention._tensor import tensor_attention
@@ -62,4 +63,5 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
            "nonlocal_block",
            "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention",
-           "polar_attention"]
+           "polar_attention",
+           "ponet_mix"]
