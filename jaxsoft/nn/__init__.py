@@ -16,6 +16,8 @@ The only jaxsoft package that imports flax.
   :class:`ProductKeyMemory` (A47; :func:`product_key_topk`).
 * :class:`UniAttnCompensation` (A22, UniAttn's W_c) and :class:`InfSA` (A25, a learned
   per-head discount).
+* :class:`PoNetMixer` (A51): PoNet's pooling token mixer with its projections
+  (:func:`jaxsoft.attention.ponet_mix`).
 * the linear family as layers with the papers' projections, short causal convolution, gates
   and output gate, each with a one-token decoding ``step``: :class:`GatedDeltaNet`,
   :class:`DeltaNet`, :class:`GLA`, :class:`SimpleGLA`, :class:`LightningAttention`,
@@ -55,6 +57,7 @@ from jaxsoft.nn._linear import (
     causal_conv_step,
 )
 from jaxsoft.nn._mha import MultiHeadAttention, param_transform
+from jaxsoft.nn._ponet import PoNetMixer
 from jaxsoft.nn._product_key_memory import ProductKeyMemory, product_key_topk
 from jaxsoft.nn._soft_moe import SoftMoE, soft_moe, soft_moe_weights
 from jaxsoft.nn._uniattn import UniAttnCompensation
@@ -65,4 +68,5 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "PolarSink", "MoEGate", "LearnedNormalizer", "LinearMixer", "GatedDeltaNet",
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
-           "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA"]
+           "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA",
+           "PoNetMixer"]

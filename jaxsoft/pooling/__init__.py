@@ -14,14 +14,18 @@ to be finite (a NaN or ``+inf`` there gives NaN or inf); masked entries may hold
   :func:`power_mean_pool`;
 * sets of vectors ``[..., N, d]`` over a token axis (default -2), ``where`` a token
   mask: :func:`ggem`, :func:`attention_pool` (SimPool), :func:`entropic_ot_pool` and
-  :func:`entropic_ot_weights`.
+  :func:`entropic_ot_weights`;
+* a random draw: :func:`stochastic_softmax_pool` (N41, STAR), one entry drawn with
+  probability softmax(x) from an explicit key in training, :func:`soft_pool` at evaluation.
 """
 
 from jaxsoft.pooling._power import gem, ggem, power_mean_pool
 from jaxsoft.pooling._sets import attention_pool, entropic_ot_pool, entropic_ot_weights
 from jaxsoft.pooling._smooth import ada_pool, linear_softmax_pool, log_mean_exp, soft_pool
+from jaxsoft.pooling._stochastic import stochastic_softmax_pool
 
 __all__ = [
     "soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool", "gem", "ggem",
     "power_mean_pool", "attention_pool", "entropic_ot_weights", "entropic_ot_pool",
+    "stochastic_softmax_pool",
 ]
