@@ -52,6 +52,7 @@ from jaxsoft.losses._distillation import (
     squared_error_logit_loss,
 )
 from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_loss
+from jaxsoft.losses._energy_scores import marginalized_energy, spilled_energy
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._large_output import (
@@ -125,6 +126,7 @@ __all__ = [
     "l2_svm_loss",
     "linear_cross_entropy",
     "logit_standardized_kd_loss",
+    "marginalized_energy",
     "midam_auc_loss",
     "msp",
     "nbc_softmax_loss",
@@ -152,6 +154,7 @@ __all__ = [
     "softmax_cross_entropy_with_integer_labels",
     "softmax_loss_at_k",
     "spherical_z_loss",
+    "spilled_energy",
     "squared_error_logit_loss",
     "stablemax_cross_entropy",
     "top_k_cross_entropy",
