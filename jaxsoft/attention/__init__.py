@@ -65,3 +65,17 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention",
            "polar_attention",
            "ponet_mix"]
+
+# monotonic attention (A52, ``_monotonic``): expected / hard monotonic, chunkwise (MoChA),
+# local-window and segmental attention around a monotonic position
+from jaxsoft.attention._monotonic import (  # noqa: E402
+    chunkwise_attention,
+    hard_monotonic_attention,
+    local_window_attention,
+    monotonic_attention,
+    monotonic_attention_probs,
+    segmental_attention,
+)
+
+__all__ += ["monotonic_attention_probs", "monotonic_attention", "hard_monotonic_attention",
+            "chunkwise_attention", "local_window_attention", "segmental_attention"]
