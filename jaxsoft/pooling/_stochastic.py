@@ -108,8 +108,9 @@ def stochastic_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | Non
     drawn = jnp.take_along_axis(xs, idx, axis=ax)
     if straight_through:
       mean = jnp.sum(c.exp_normalize(z, mask, ax) * xs, axis=ax, keepdims=True)
-      # Parenthesised so the forward value is exactly the drawn entry.
-      drawn = drawn + (mean - jax.lax.stop_gradient(mean))
+      # Parenthesised so the forward value is exactly the drawn entry; the drawn value
+      # itself carries no gradient here.
+      drawn = jax.lax.stop_gradient(drawn) + (mean - jax.lax.stop_gradient(mean))
     return drawn
 
   return u.pool(reduce, x, axis, where, keepdims, name)
