@@ -22,6 +22,7 @@ Each family lives in its own private module; this package re-exports exactly the
 public names.
 """
 
+from jaxsoft.losses._acol import acol_gar, acol_loss, acol_probabilities
 from jaxsoft.losses._auc import midam_auc_loss
 from jaxsoft.losses._calibration import (
     dirichlet_calibrate,
@@ -99,6 +100,9 @@ from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
 from jaxsoft.normalizers import fourier_head_cross_entropy
 
 __all__ = [
+    "acol_gar",
+    "acol_loss",
+    "acol_probabilities",
     "adacos_scale",
     "adpo_loss",
     "arcface_loss",
