@@ -28,6 +28,7 @@ import optax
 
 import jaxsoft as js
 from jaxsoft.attention import dot_product_attention, multiscreen_attention
+from tests.properties.knowledge_transfer import fit_tabular_student, teacher
 
 # ---------------------------------------------------------------- #72 key shift invariance
 
@@ -182,51 +183,11 @@ def test_trained_max_retrieval_disperses_with_n_and_adaptive_temperature_sharpen
 _S, _A = 4, 6
 
 
-def _teacher():
-  rng = np.random.default_rng(5)
-  p = rng.dirichlet(np.full(_A, 4.0), size=_S) + 0.05  # every probability >= 0.05 / 1.3
-  return p / p.sum(-1, keepdims=True)
-
-
-def _fit(counts, pi, protocol, steps=200):
-  """Trains a tabular student [R, S, A] (logits from 0) on the sample summarised by its
-  counts [R, S, A] with one jaxsoft loss, Adam with a decaying step; each loss is the sum
-  over the sampled (s, a) pairs divided by n."""
-  labels = jnp.broadcast_to(jnp.arange(_A), counts.shape)
-  log_pi = jnp.broadcast_to(jnp.log(pi), counts.shape)
-  n = counts.sum((-1, -2), keepdims=True)
-
-  def pair_losses(z):  # the loss of label a at state s: [R, S, A]
-    zz = jnp.broadcast_to(z[..., None, :], counts.shape + (_A,))  # [R, S, A(label), A]
-    if protocol == "hard":
-      return js.losses.softmax_cross_entropy_with_integer_labels(zz, labels)
-    if protocol == "naive":  # the teacher's probability as a weight on the cross-entropy
-      return jnp.exp(log_pi) * js.losses.softmax_cross_entropy_with_integer_labels(zz, labels)
-    if protocol == "se_logit":
-      return js.losses.squared_error_logit_loss(zz, labels, log_pi)
-    # soft: the full teacher distribution at each sampled state (KL, the same per label)
-    kd = js.losses.averaged_teacher_kd_loss(z, jnp.log(pi)[None] + 0 * z[None])
-    return jnp.broadcast_to(kd[..., None], counts.shape)
-
-  def loss(z):
-    return jnp.sum(counts * pair_losses(z) / n)
-
-  opt = optax.adam(optax.exponential_decay(0.2, steps, 0.01))
-  z0 = jnp.zeros(counts.shape)
-
-  def step(carry, _):
-    z, state = carry
-    updates, state = opt.update(jax.grad(loss)(z), state)
-    return (optax.apply_updates(z, updates), state), None
-
-  return jax.nn.softmax(jax.lax.scan(step, (z0, opt.init(z0)), None, length=steps)[0][0])
-
-
 def test_knowledge_transfer_rates_by_level_of_teacher_information():
   sizes = np.array([128, 512, 2048, 8192])
   trials = 16
   with jax.enable_x64(True):
-    pi = _teacher()
+    pi = teacher(_S, _A)
     rng = np.random.default_rng(6)
     counts = np.zeros((sizes.size, trials, _S, _A))
     for i, n in enumerate(sizes):  # states uniform, labels from the teacher
@@ -235,10 +196,9 @@ def test_knowledge_transfer_rates_by_level_of_teacher_information():
         a = (rng.uniform(size=n)[:, None] > np.cumsum(pi[s], -1)).sum(-1)
         np.add.at(counts[i, r], (s, a), 1.0)
     flat = jnp.asarray(counts.reshape(-1, _S, _A))
-    fit = jax.jit(_fit, static_argnames="protocol")
     err = {}
     for protocol in ("hard", "naive", "se_logit", "soft"):
-      q = np.asarray(fit(flat, jnp.asarray(pi), protocol=protocol)).reshape(counts.shape)
+      q = np.asarray(fit_tabular_student(flat, jnp.asarray(pi), protocol)).reshape(counts.shape)
       # expected TV error over the (uniform) state distribution, averaged over trials
       err[protocol] = 0.5 * np.abs(q - pi).sum(-1).mean((-1, -2))
   slope = lambda e: np.polyfit(np.log(sizes), np.log(e), 1)[0]  # noqa: E731
