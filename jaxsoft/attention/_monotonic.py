@@ -435,19 +435,20 @@ def _normalize(call: AttentionCall, x, where, extra_axes: int = 0):
   return spec(x, axis=-1, where=where, **params)
 
 
-def _soft_logits(fn: str, call: AttentionCall, chunk_query, chunk_key, chunk_bias):
+def _soft_logits(fn: str, call: AttentionCall, chunk_query, chunk_key, chunk_bias, scale):
   """The logits of the soft part (MoChA's chunk energies u): from (chunk_query, chunk_key,
   chunk_bias), each defaulting to the monotonic energies' own."""
   if chunk_query is None and chunk_key is None and chunk_bias is None:
     return dense_logits(call.q, call.k, scale=call.scale, bias=call.bias)
-  cq = call.q if chunk_query is None else chunk_query
-  ck = call.k if chunk_key is None else chunk_key
+  cq = call.q if chunk_query is None else jnp.asarray(chunk_query)
+  ck = call.k if chunk_key is None else jnp.asarray(chunk_key)
   cb = call.bias if chunk_bias is None else chunk_bias
-  c2 = _call(fn, cq, ck, call.v, cb, None, call.scale, None)
-  if c2.q.shape[:3] != call.q.shape[:3] or c2.k.shape[:3] != call.k.shape[:3]:
+  if (cq.ndim != 4 or ck.ndim != 4 or cq.shape[:3] != call.q.shape[:3]
+      or ck.shape[:3] != call.k.shape[:3] or cq.shape[3] != ck.shape[3]):
     raise ValueError(
-        f"{fn}: `chunk_query` {c2.q.shape} / `chunk_key` {c2.k.shape} must match `query` "
-        f"{call.q.shape} / `key` {call.k.shape} in [B, L, heads]")
+        f"{fn}: `chunk_query` {cq.shape} / `chunk_key` {ck.shape} must match `query` "
+        f"{call.q.shape} / `key` {call.k.shape} in [B, L, heads] and share a head dimension")
+  c2 = _call(fn, cq, ck, ck, cb, None, scale, None)  # default scale 1/sqrt(H')
   return dense_logits(c2.q, c2.k, scale=c2.scale, bias=c2.bias)
 
 
@@ -480,7 +481,7 @@ def _windowed(fn: str, query, key, value, bias, mask, *, left, right, segment, c
                normalizer_params)
   vis = _visible(call)
   p = _p_choose(call, vis)
-  u = _soft_logits(fn, call, chunk_query, chunk_key, chunk_bias)
+  u = _soft_logits(fn, call, chunk_query, chunk_key, chunk_bias, scale)
   B, N, T, S = p.shape
   j = jnp.arange(S, dtype=jnp.int32)
   if hard:
@@ -546,7 +547,8 @@ def chunkwise_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       and lengths also hide keys from the chunks).
     chunk_size: w, an int >= 1.
     chunk_query: [B, T, N, H'] and chunk_key: [B, S, K, H']: the chunk energies' inputs
-      (default query and key); chunk_bias: added to them (default ``bias``).
+      (default query and key; ``scale`` applies to them too, default 1/sqrt(H'));
+      chunk_bias: added to them (default ``bias``).
     hard: inference (positions) instead of the expectation.
     threshold: as in :func:`hard_monotonic_attention` (``hard=True`` only).
     initial_state: the alignment [B, N, S] (expected) or position [B, N] (hard) before
