@@ -3,9 +3,11 @@
 The threshold is found without sorting: a Michelot/Newton iteration on the piecewise-linear
 ``f(tau) = sum_j [x_j - tau]_+ - 1`` from the lower bound ``max(x) - 1``, each step two
 passes over the row (the sum at tau, the count above the next tau), stopping as soon as
-the support it holds is self-consistent. The last tau is computed exactly from that support, so the result is the
-exact projection. Rows are solved in cache-sized blocks (:func:`threshold_by_blocks`),
-which entmax15 shares; they read ``x`` itself and a per-row shift, no mask array."""
+the support it holds is self-consistent. The last tau is computed exactly from that support
+(once more from the settled point, as two floats: see :func:`sparsemax_threshold`), so the
+result is the exact projection to rounding. Rows are solved in cache-sized blocks
+(:func:`threshold_by_blocks`), which entmax15 shares; they read ``x`` itself and a per-row
+shift, no mask array."""
 
 from __future__ import annotations
 
@@ -33,6 +35,27 @@ def relu_sum(ym, t):
   block). A NaN ``y_j`` (or ``t``) makes the sum NaN: that is how the solves find the rows
   with a visible NaN, whose row max XLA:CPU can miss (see ``common.nan_max``)."""
   return jnp.sum(jnp.where(ym <= t, 0.0, ym - t), axis=-1, keepdims=True)
+
+
+ACCURATE_SUM_LANES = 128
+
+
+def accurate_row_sum(a):
+  """``sum(a, axis=-1, keepdims=True)`` to ``(n / L + L) eps sum|a|`` (L = 128 lanes).
+
+  Summed as the column sums of ``[n / L, L]`` and then the L lanes (and the remainder):
+  each partial sum then runs over at most ``max(n / L, L)`` terms, where a running sum of
+  n terms errs by up to ``n eps sum|a|`` (1e-3 of it at n = 8192)."""
+  n = a.shape[-1]
+  lanes = ACCURATE_SUM_LANES
+  if n <= 2 * lanes:
+    return jnp.sum(a, axis=-1, keepdims=True)
+  q = n // lanes
+  head = a[..., : q * lanes].reshape(a.shape[:-1] + (q, lanes))
+  s = jnp.sum(jnp.sum(head, axis=-2), axis=-1, keepdims=True)
+  if q * lanes < n:
+    s = s + jnp.sum(a[..., q * lanes:], axis=-1, keepdims=True)
+  return s
 
 
 # Rows are solved in blocks of about this many entries (128 KiB of float32), so the passes
@@ -90,7 +113,7 @@ def threshold_by_blocks(solve, x, where, shift, scale: float = 1.0):
   return c.map_blocks_of_rows(block_solve, parts, FUSED_BLOCK_ENTRIES)
 
 
-def sparsemax_threshold(ym):
+def sparsemax_threshold(ym, split: bool = False):
   """tau with ``sum_j [y_j - tau]_+ = 1`` over the last axis, for rows with ``max y = 0``.
 
   ``ym`` holds the visible scores minus their row max and ``-inf`` at masked entries, so
@@ -103,9 +126,22 @@ def sparsemax_threshold(ym):
   ``t' = (sum_S y - 1) / |S|`` is exact. Most rows settle in 3-6 passes; the loop runs
   until every row has (at most n + 2 passes, Michelot's worst case).
 
+  That last step is taken from the previous point t, up to 1 below tau: its sum
+  ``sum_S (y - t) = 1 + |S| (tau - t)`` is up to |S| (8192 on a near-uniform row of 8192),
+  and ``- 1`` then cancels ~log2|S| bits of it, so the row summed to ``1 +- 1e-4``. One
+  more step from the settled t sums terms that add up to ~1 (:func:`accurate_row_sum`):
+  tau = t + lo with ``lo = (sum_S (y - t) - 1) / |S|`` to a few ulps. A float tau alone
+  is still rounded by up to half an ulp of |tau|, which shifts all |S| weights alike (a row
+  sum off by ``|S| ulp(tau) / 2``: 1e-4 for |tau| = 0.5 and |S| = 5000), so ``split``
+  returns the pair ``(t, lo)`` for :func:`from_threshold` to subtract one after the other.
+
+  Args:
+    ym: scores minus their visible row max, ``-inf`` masked, normalized axis last.
+    split: return ``(t, lo)`` (tau = t + lo, ``|lo|`` a few ulps of t) instead of tau.
+
   Returns:
     tau of shape ``ym.shape[:-1] + (1,)`` (-1 for rows with no visible entry, NaN for
-    rows with a NaN).
+    rows with a NaN), or the pair.
   """
   def step(t, cnt):
     tot = relu_sum(ym, t)
@@ -117,17 +153,33 @@ def sparsemax_threshold(ym):
     return (t_new, cnt_new), (cnt_new == cnt) | nan  # same support: t_new is exact
 
   minus_one = c.row_full_like(ym, -1.0)
-  return c.passes_until_done(step, (minus_one, count_above(ym, minus_one)),
-                             ym.shape[-1] + 2)[0]
+  t, cnt = c.passes_until_done(step, (minus_one, count_above(ym, minus_one)),
+                               ym.shape[-1] + 2)
+  # one more step, from the settled t itself (cnt is the size of its support)
+  lo = c.safe_divide(accurate_row_sum(jnp.where(ym > t, ym - t, 0.0)) - 1.0, cnt)
+  return (t, lo) if split else t + lo
+
+
+def split_solve(solve):
+  """``solve(ym, split=True) -> (t, lo)`` as a solve for :func:`threshold_by_blocks`, which
+  takes one ``[rows, 1]`` result: the pair travels as the complex ``t + i lo`` (two floats
+  of ``ym``'s dtype; :func:`unsplit` takes it apart)."""
+  return lambda ym: jax.lax.complex(*solve(ym, split=True))
+
+
+def unsplit(tau):
+  """``(t, lo)`` of a :func:`split_solve` result (a real array: ``lo = 0``)."""
+  return jnp.real(tau), jnp.imag(tau)
 
 
 @jax.custom_jvp
-def from_threshold(x, mask, top, tau):
-  """sparsemax over the last axis given its threshold: ``[x - top - tau]_+`` on ``mask``.
+def from_threshold(x, mask, top, tau, tau_lo=0.0):
+  """sparsemax over the last axis given its threshold ``tau + tau_lo``:
+  ``[(x - top - tau) - tau_lo]_+`` on ``mask`` (see :func:`sparsemax_threshold`).
 
-  ``tau`` carries no gradient (the Jacobian below is the derivative of the whole map)."""
-  ym = shifted(x, mask, top)
-  return jnp.where(ym > tau, ym - tau, 0.0)
+  tau carries no gradient (the Jacobian below is the derivative of the whole map)."""
+  d = shifted(x, mask, top) - tau
+  return jnp.where(d > tau_lo, d - tau_lo, 0.0)
 
 
 @from_threshold.defjvp
@@ -144,8 +196,9 @@ def _from_threshold_jvp(primals, tangents):
 def _sparsemax_last(x, mask, top, shift, where):
   """sparsemax over the last axis of float32/64 ``x`` whose visible row max is ``top``."""
   # tau carries no gradient: no tangent enters the solve's loops.
-  tau = threshold_by_blocks(sparsemax_threshold, jax.lax.stop_gradient(x), where, shift)
-  return from_threshold(x, mask, top, tau), tau
+  tau, lo = unsplit(threshold_by_blocks(split_solve(sparsemax_threshold),
+                                        jax.lax.stop_gradient(x), where, shift))
+  return from_threshold(x, mask, top, tau, lo), tau
 
 
 @functools.partial(jax.jit, static_argnames=("axis",))
@@ -161,8 +214,9 @@ def sparsemax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
 
   over the visible entries V of the row. tau is found without a sort (Michelot/Newton
   passes from ``max(x) - 1``, see :func:`sparsemax_threshold`) and is exact: the
-  ``(sum_S x - 1) / |S|`` of the support S found. Shift invariant, not scale invariant;
-  exact zeros wherever ``x_j <= tau``. The Jacobian is the closed form
+  ``(sum_S x - 1) / |S|`` of the support S found (to a few ulps, kept as two floats, so a
+  row of n weights sums to 1 within about ``sqrt(n)`` ulps). Shift invariant, not scale
+  invariant; exact zeros wherever ``x_j <= tau``. The Jacobian is the closed form
   ``J v = s * v - s * (sum(s * v) / |S|)``, s the support indicator ``p > 0`` (a
   ``custom_jvp`` written from the output ``p``: reverse mode keeps only ``p`` and one flag
   per row, as ``jax.nn.softmax`` keeps its output).
