@@ -163,18 +163,18 @@ def test_trained_max_retrieval_disperses_with_n_and_adaptive_temperature_sharpen
   assert np.all(p.max(-1) <= bound * (1 + 1e-12))
   # beta >= 1 only sharpens: the largest weight never drops (1e-12: rounding)
   assert np.all(pa.max(-1) >= p.max(-1) - 1e-12)
-  # in distribution the circuit retrieves the max (mean error 0.02-0.03 of a unit range)
+  # in distribution the circuit retrieves the max (mean error ~0.014 of a unit range)
   retrieved = np.sum(p * x, -1)
   assert np.mean(np.abs(retrieved - x.max(-1))[:rows]) < 0.05
   per_size = lambda a: a.reshape(len(sizes), rows).mean(-1)  # noqa: E731
   max_w, ada_w = per_size(p.max(-1)), per_size(pa.max(-1))
   entropy = per_size(-np.sum(np.where(visible, p * np.log(np.where(visible, p, 1.0)), 0.0), -1))
-  # sharp in distribution (measured 0.5-0.6), dispersed out of it: the max weight falls
-  # (to ~0.02 at n = 1024) and the entropy grows
+  # sharp in distribution (measured 0.67-0.70 over five training seeds), dispersed out of
+  # it: the max weight falls (to 0.023-0.026 at n = 1024) and the entropy grows
   assert max_w[0] > 0.4, max_w
   assert max_w[0] > max_w[1] > max_w[2] and max_w[2] < 0.2 * max_w[0], max_w
   assert entropy[0] < entropy[1] < entropy[2], entropy
-  # adaptive temperature partly recovers: about twice the max weight at n = 1024
+  # adaptive temperature partly recovers: 2.3-2.4 times the max weight at n = 1024
   assert ada_w[2] > 1.5 * max_w[2], (ada_w, max_w)
 
 
@@ -202,12 +202,13 @@ def test_knowledge_transfer_rates_by_level_of_teacher_information():
       # expected TV error over the (uniform) state distribution, averaged over trials
       err[protocol] = 0.5 * np.abs(q - pi).sum(-1).mean((-1, -2))
   slope = lambda e: np.polyfit(np.log(sizes), np.log(e), 1)[0]  # noqa: E731
-  # level 1: the MLE's error falls like n^-1/2 (16 trials: the fitted slope's spread ~0.05; measured -0.51)
-  assert -0.65 < slope(err["hard"]) < -0.35, err["hard"]
+  # level 1: the MLE's error falls like n^-1/2 (16 trials: measured -0.49 to -0.52 over
+  # six sample seeds)
+  assert -0.6 < slope(err["hard"]) < -0.4, err["hard"]
   # level 2: the squared-error logit loss beats hard labels by far at every n (for a fixed
   # teacher its error, the mass of the labels never sampled, falls exponentially; the
   # paper's |S||A|/n is the worst case over teachers) ...
-  assert np.all(err["se_logit"] < 0.25 * err["hard"]), err
+  assert np.all(err["se_logit"] < 0.02 * err["hard"]), err  # measured <= 0.002 x, 6 seeds
   # ... while the naive weighted cross-entropy stalls at its bias TV(pi^2 / Z, pi)
   sq = pi ** 2 / np.sum(pi ** 2, -1, keepdims=True)
   bias = 0.5 * np.abs(sq - pi).sum(-1).mean()
