@@ -8,6 +8,7 @@ engine cannot compute *exactly*, so that the dispatcher falls back to XLA.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoft.attention._posinf import with_posinf_rule
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.differentiation import refuse_unsupported_ad
 from jaxsoft.attention.masks import table_ranges
@@ -157,7 +159,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   ``-2 q.k + |q|^2 + |k|^2`` and the backward chains through it: ``engine.score_tile``,
   ``engine.logits_grad``, ``engine.term_grads``) and
   ``return_residual`` (``m + log D`` from the forward's row statistics for classes E and
-  S, 0 for P, the search's tau for T; no gradient).
+  S, 0 for P, the search's tau for T; no gradient). A row whose bias holds a visible
+  ``+inf`` follows the normalizer's ``+inf`` rule as the dense path does
+  (``jaxsoft.attention._posinf.with_posinf_rule``; its residual is ``+inf``).
 
   Returns:
     ``o`` [B, T, N, Hv] in q's dtype, or ``(o, residual [B, T, N])`` with
@@ -179,6 +183,20 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
     >>> attention_from_call(call, backend="triton", interpret=True).shape
     (1, 16, 2, 16)
   """
+  settings = dict(backend=backend, interpret=interpret, block_sizes=block_sizes, debug=debug,
+                  block_table=block_table, row_blocks=row_blocks, exp2=exp2,
+                  rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
+                  fp8_dot=fp8_dot, approx_sigmoid=approx_sigmoid)
+  return with_posinf_rule(call, functools.partial(_attention_from_call, **settings))
+
+
+def _attention_from_call(call, *, backend: str | None = None, interpret=None,
+                         block_sizes: E.BlockSizes | Mapping[str, int] | None = None,
+                         debug: bool = False, block_table=None, row_blocks=None,
+                         exp2: bool = False, rescale_threshold: float | None = None,
+                         fp8: str | None = None, fp8_rotation: bool = True,
+                         fp8_dot: bool | None = None, approx_sigmoid: bool = False):
+  """The engine for :func:`attention_from_call`, without the ``+inf`` rule."""
   spec = call.spec
   tau = rescale_threshold
   if tau is not None:

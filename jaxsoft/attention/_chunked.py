@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsoft.attention._posinf import with_posinf_rule
 from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 from jaxsoft.attention.masks import MaskStructure
 from jaxsoft.attention.scores import safe_distance
@@ -874,6 +875,10 @@ def _blockwise_rule(spec) -> tuple[str, Any]:
 def chunked_attention(call, block_q: int | None = None, block_k: int | None = None):
   """Blockwise attention for a validated AttentionCall (see the module docstring).
 
+  A row whose bias holds a visible ``+inf`` follows the normalizer's ``+inf`` rule, as the
+  dense path (``jaxsoft.attention._posinf.with_posinf_rule``: the tiles see those entries
+  masked; the rows are recomputed beside the pass only when the bias has a ``+inf``).
+
   Returns ``out`` [B, T, N, Hv], or ``(out, residual [B, T, N])`` when
   ``call.return_residual`` (the row statistic of :func:`_row_statistic`, no gradient).
   Raises NotImplementedError for what the chunked path cannot compute: plain callables,
@@ -881,6 +886,12 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   "xla"), and :class:`UnsupportedDifferentiation` for forward-mode and higher-order
   derivatives (see the module docstring: first-order reverse mode only).
   """
+  return with_posinf_rule(call, functools.partial(_chunked_attention, block_q=block_q,
+                                                  block_k=block_k))
+
+
+def _chunked_attention(call, block_q: int | None = None, block_k: int | None = None):
+  """:func:`chunked_attention` without the ``+inf`` rule (bias entries ``+inf`` give NaN)."""
   spec = call.spec
   kind, rule = _blockwise_rule(spec)
   if kind == "R" and call.return_residual:

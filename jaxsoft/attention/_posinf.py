@@ -1,0 +1,267 @@
+"""The ``+inf`` rule for the blockwise paths (``xla_chunked`` and the Pallas kernels).
+
+The dense path (``implementation="xla"``) applies each normalizer's documented ``+inf``
+rule (``jaxsoft.normalizers.common.dense_rules``): in a row whose visible logits hold k
+``+inf`` entries, a normalizing normalizer (classes E, S, T, R) takes its limit as those
+logits grow together -- ``1/k`` on each of them and 0 elsewhere for softmax and every
+normalizer with the default rule (``share_among_inf``), a normalizer's own limit for the
+others (clipped or affine softmax, the standardising ones) -- and the row's gradient with
+respect to the logits is 0. The per-tile math of the blockwise paths cannot carry that
+limit (softmax's running max becomes ``+inf`` and ``e^{inf - inf}`` is NaN; a threshold
+search has no finite bracket), so :func:`with_posinf_rule` handles those rows beside it:
+
+* the blockwise path runs on the bias with its ``+inf`` entries masked (``-inf``), so every
+  row stays finite; rows without a ``+inf`` are computed exactly as before;
+* only when the bias holds a ``+inf`` at all (one ``jnp.any`` over the bias decides, in a
+  ``lax.cond``: an ordinary call pays one read of its bias), two more blockwise softmax
+  passes with q = 0 give, per row, the mean of the values over the visible ``+inf``
+  entries and over all visible entries, with their counts k and n (the passes' log-sum-exp
+  residual: ``log k``, ``log n``); the limit's weight a on a ``+inf`` entry and b on the
+  other visible entries come from the normalizer's own dense function on a row of k
+  ``+inf`` and n - k zeros (the limits depend on the row only through k, n and the row's
+  hyperparameters), and ``out = a·Σ_{+inf} v + b·Σ_{other visible} v``;
+* rows with a visible ``+inf`` take that output; their gradient reaches only the values
+  (``dv_j = w_j dO``), as the dense path's does (its logits' cotangent there is 0). The
+  hyperparameters get no gradient from those rows (for the default rule the limit does
+  not depend on them; for clipped and affine softmax the dense path's does).
+
+Class P (pointwise) normalizers are not routed: each weight depends on its own score, and
+the tile's numerator at ``+inf`` is already the entry's own limit. A ``+inf`` logit that
+does not come from the bias (a ``q·k`` that overflows) is not detected here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers.common import compute_dtype
+
+__all__ = ["with_posinf_rule"]
+
+# Entries of one chunk of synthetic rows (:func:`_limit_weights`): 16 MiB of float32.
+_CHUNK_ENTRIES = 1 << 22
+
+
+def with_posinf_rule(call, run: Callable[[Any], Any]):
+  """``run(call)`` (a blockwise implementation) with the dense path's ``+inf`` rule.
+
+  Args:
+    call: a validated :class:`~jaxsoft.attention.call.AttentionCall`.
+    run: the implementation, ``run(call) -> out`` (or ``(out, residual)`` with
+      ``call.return_residual``); it must accept the same call with another bias, with
+      q = 0 and the softmax normalizer.
+
+  Returns:
+    what ``run`` returns; rows with a visible ``+inf`` logit from the bias follow the
+    normalizer's ``+inf`` rule (module docstring), their residual is ``+inf`` (the
+    log-sum-exp and the threshold of such a row).
+  """
+  spec = call.spec
+  if (call.bias is None or not isinstance(spec, _spec.NormalizerSpec)
+      or spec.kernel_class == "P" or spec.needs_key):
+    return run(call)
+  bias = jnp.asarray(call.bias)
+  result = run(dataclasses.replace(call, bias=jnp.where(bias == jnp.inf, -jnp.inf, bias)))
+  out, stat = result if call.return_residual else (result, None)
+  arrays = {name: x for name, x in call.params.items()
+            if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)}
+  fixed, has = _fixed_rows(call)(call.v, bias, arrays)
+  out = jnp.where(has[..., None], fixed.astype(out.dtype), out)
+  if stat is None:
+    return out
+  return out, jnp.where(has, jnp.asarray(jnp.inf, stat.dtype), stat)
+
+
+def _fixed_rows(call):
+  """``(v, bias, array hyperparameters) -> (out [B, T, N, Hv], has [B, T, N])``: the
+  ``+inf`` rows' outputs and where a row has a visible ``+inf`` (all False, and nothing
+  computed, when the bias has none). A custom VJP whose residuals are its inputs (no
+  zero-filled branch residuals on the ordinary path); only ``v`` gets a gradient."""
+  B, T, N, _ = call.q.shape
+  Hv = call.v.shape[-1]
+  dtype = compute_dtype(call.q.dtype)
+
+  share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
+           and _shares_among_inf(call.spec, call.params))
+
+  def compute(v, bias, arrays):
+    sum_inf, sum_rest, count_k, count_n = _row_sums(call, v, bias, dtype, rest=not share)
+    if share:  # 1/k on each +inf entry, 0 elsewhere
+      return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0
+    a, b = _limit_weights(call, arrays, count_k, count_n, dtype)
+    out = a[..., None] * sum_inf + jnp.where(count_k < count_n, b, 0.0)[..., None] * sum_rest
+    return out, count_k > 0
+
+  def skip(v, bias, arrays):
+    del v, bias, arrays
+    return jnp.zeros((B, T, N, Hv), dtype), jnp.zeros((B, T, N), bool)
+
+  def branch(v, bias, arrays):
+    return lax.cond(jnp.any(bias == jnp.inf), compute, skip, v, bias, arrays)
+
+  @jax.custom_vjp
+  def fixed(v, bias, arrays):
+    return branch(v, bias, arrays)
+
+  def fixed_fwd(v, bias, arrays):
+    return branch(v, bias, arrays), (v, bias, arrays)
+
+  def fixed_bwd(saved, cotangents):
+    v, bias, arrays = saved
+    d_out = cotangents[0]
+
+    def grad_v(v, bias, arrays):
+      _, vjp = jax.vjp(lambda v_: compute(v_, bias, arrays)[0], v)
+      return vjp(d_out.astype(dtype))[0]
+
+    dv = lax.cond(jnp.any(bias == jnp.inf), grad_v, lambda v, bias, arrays: jnp.zeros_like(v),
+                  v, bias, arrays)
+    return dv, jnp.zeros_like(bias), jax.tree.map(jnp.zeros_like, arrays)
+
+  fixed.defvjp(fixed_fwd, fixed_bwd)
+  return fixed
+
+
+# (k, n) of the probe rows of :func:`_shares_among_inf`: k visible +inf logits out of n.
+_PROBES = ((1, 1), (1, 3), (2, 3), (2, 5), (3, 4))
+
+
+@functools.lru_cache(maxsize=256)
+def _probe_share(spec, params: tuple) -> bool:
+  width = max(n for _, n in _PROBES)
+  cols = np.arange(width)[None, :]
+  k = np.array([[p[0]] for p in _PROBES])
+  n = np.array([[p[1]] for p in _PROBES])
+  x = np.where(cols < k, np.inf, 0.0).astype(np.float32)
+  # One compiled call (op-by-op it takes seconds), concrete even while a caller is being
+  # traced, and outside the caller's mesh.
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())), \
+      jax.ensure_compile_time_eval():
+    fn = jax.jit(lambda x, where: spec.fn(x, axis=-1, where=where, **dict(params)))
+    w = np.asarray(fn(x, cols < n))
+  return bool(np.allclose(w, np.where(cols < k, 1.0 / k, 0.0), rtol=1e-6, atol=1e-7))
+
+
+def _shares_among_inf(spec, params) -> bool:
+  """Whether the normalizer's ``+inf`` limit, with these (Python-valued) hyperparameters,
+  is the default ``1/k`` share: probed once on rows of k ``+inf`` and n - k zeros (the
+  limits depend on a row only through k and n). False when it cannot be probed."""
+  try:
+    return _probe_share(spec, tuple(sorted(params.items())))
+  except Exception:  # noqa: BLE001 (unhashable or untraceable parameters: the general way)
+    return False
+
+
+def _row_sums(call, v, bias, dtype, rest: bool = True):
+  """Per row: the sums of the values over the visible ``+inf`` entries and (with ``rest``,
+  else None) over the other visible ones, [B, T, N, Hv] each, and the counts k and n,
+  [B, T, N]; plain XLA over blocks of query rows (about 2^22 visibility entries at a
+  time)."""
+  B, T, N, _ = call.q.shape
+  S, K = call.k.shape[1], call.k.shape[2]
+  G = N // K
+  st = call.structure
+  bq = max(1, min(T, _CHUNK_ENTRIES // max(1, B * N * S)))
+  nq = -(-T // bq)
+  Tp = nq * bq
+
+  def pad_rows(a, value):
+    if a is None or a.shape[2] == 1 or Tp == T:
+      return a
+    return jnp.pad(a, ((0, 0), (0, 0), (0, Tp - T), (0, 0)), constant_values=value)
+
+  bias_p = pad_rows(bias, -jnp.inf)
+  mask_p = pad_rows(None if call.mask is None else jnp.asarray(call.mask), False)
+  q_seg = kv_seg = None
+  if st.has_segments:
+    q_seg = jnp.pad(st.q_segment_ids, ((0, 0), (0, Tp - T)), mode="edge")
+    kv_seg = st.kv_segment_ids
+  values = v.astype(dtype)
+  k_pos = jnp.arange(S, dtype=jnp.int32)
+
+  def rows(a, start):
+    return a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, start, bq, 2)
+
+  def block(qi):
+    start = qi * bq
+    seg = None if q_seg is None else lax.dynamic_slice_in_dim(q_seg, start, bq, 1)
+    vis = st.tile_visible(start + jnp.arange(bq, dtype=jnp.int32), k_pos, seg, kv_seg)
+    b = rows(bias_p, start)
+    vis = vis & (b != -jnp.inf)
+    if mask_p is not None:
+      vis = vis & rows(mask_p, start)
+    vis = jnp.broadcast_to(vis, (B, N, bq, S))
+    hit = vis & (jnp.broadcast_to(b, (B, N, bq, S)) == jnp.inf)
+
+    def total(w):  # [B, N, bq, S] -> [B, bq, N, Hv]
+      w = w.astype(dtype).reshape(B, K, G, bq, S)
+      return jnp.einsum("bkgts,bskh->btkgh", w, values).reshape(B, bq, N, -1)
+
+    counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)  # [2, B, N, bq]
+    return (total(hit), total(vis & ~hit) if rest else None,
+            jnp.transpose(counts, (0, 1, 3, 2)))
+
+  sum_inf, sum_rest, counts = lax.map(block, jnp.arange(nq, dtype=jnp.int32))
+
+  def unblock(a, axis):  # [nq, ..., bq (at axis), ...] -> [..., Tp, ...][:T]
+    a = jnp.moveaxis(a, 0, axis)
+    shape = a.shape[:axis] + (Tp,) + a.shape[axis + 2:]
+    return lax.slice_in_dim(a.reshape(shape), 0, T, axis=axis)
+
+  counts = unblock(counts, 2)  # [2, B, T, N]
+  return (unblock(sum_inf, 1), None if sum_rest is None else unblock(sum_rest, 1), counts[0],
+          counts[1])
+
+
+def _limit_weights(call, arrays, count_k, count_n, dtype):
+  """Per row ([B, T, N] each): the normalizer's weight on a ``+inf`` entry (a) and on a
+  finite visible entry (b) of a row with k visible ``+inf`` logits out of n, from its
+  dense function on a row of k ``+inf`` and n - k zeros (no gradient)."""
+  B, T, N = count_k.shape
+  S = call.k.shape[1]
+  rows = B * N * T
+  chunk = max(1, min(rows, _CHUNK_ENTRIES // max(S, 1)))
+  n_chunks = -(-rows // chunk)
+
+  def per_row(x):  # [B, T, N] -> [chunks, chunk, 1]
+    x = jnp.transpose(x, (0, 2, 1)).reshape(rows)
+    x = jnp.pad(x, (0, n_chunks * chunk - rows))
+    return x.reshape(n_chunks, chunk, 1)
+
+  def param_rows(x):  # broadcastable to [B, N, T, 1] -> [chunks, chunk, 1]
+    x = jnp.asarray(x)
+    if x.ndim == 0:
+      return jnp.broadcast_to(x, (n_chunks, chunk, 1))
+    x = jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (B, N, T, 1)).reshape(rows)
+    x = jnp.pad(x, (0, n_chunks * chunk - rows), mode="edge")
+    return x.reshape(n_chunks, chunk, 1)
+
+  ints = {name: x for name, x in call.params.items()
+          if name not in arrays and isinstance(x, (jax.Array, np.ndarray))}
+  static = {name: x for name, x in call.params.items() if name not in arrays and name not in ints}
+  fn = call.spec.fn
+  cols = jnp.arange(S, dtype=dtype)[None, :]
+
+  def one(args):
+    k, n, hp = args
+    x = jnp.where(cols < k, jnp.asarray(jnp.inf, dtype), jnp.zeros((), dtype))
+    w = fn(x, axis=-1, where=cols < n, **static, **hp).astype(dtype)
+    first_finite = jnp.clip(k, 0, S - 1).astype(jnp.int32)
+    return w[:, 0], jnp.take_along_axis(w, first_finite, axis=-1)[:, 0]
+
+  hp_rows = {name: param_rows(x) for name, x in {**arrays, **ints}.items()}
+  a, b = lax.map(one, (per_row(count_k), per_row(count_n), hp_rows))
+
+  def back(x):  # [chunks, chunk] -> [B, T, N]
+    return jnp.transpose(x.reshape(-1)[:rows].reshape(B, N, T), (0, 2, 1))
+
+  return lax.stop_gradient(back(a)), lax.stop_gradient(back(b))
