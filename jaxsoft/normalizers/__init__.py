@@ -23,6 +23,7 @@ from jaxsoft.normalizers._logsumexp import *
 from jaxsoft.normalizers._moe_gate import *
 from jaxsoft.normalizers._multimax import *
 from jaxsoft.normalizers._nested import *
+from jaxsoft.normalizers._output_activations import *
 from jaxsoft.normalizers._ovr import *
 from jaxsoft.normalizers._pointwise import *
 from jaxsoft.normalizers._polar import *
