@@ -246,6 +246,26 @@ POINTWISE = ("gumbel_cdf", "multiscreen", "nested_sigmoid", "ovr_sigmoid", "relu
              "relu_n", "sigmoid")
 
 
+# N42 output activations (docstring formulas of _output_activations): pointwise, +inf -> 1
+def _sinusoid(z, levels=None, theta=1.0):
+  u = 0.5 * (1.0 + np.sin(np.clip(z, -np.pi / 2, np.pi / 2)))
+  if levels is None:
+    return u
+  return u - theta * np.sin(2 * np.pi * levels * u) / (2 * np.pi * levels)
+
+
+def _heaviside(z, threshold=0.0):
+  return np.where(z > threshold, 1.0, np.where(z < threshold, 0.0, 0.5))
+
+
+FORMULAS.update({
+    "sinusoid": lambda z, n, levels=None, theta=1.0: _sinusoid(z, levels, theta),
+    "step": lambda z, n, threshold=0.0: _heaviside(z, threshold),
+    "step_straight_through": lambda z, n, threshold=0.0: _heaviside(z, threshold),
+})
+POINTWISE = POINTWISE + ("sinusoid", "step", "step_straight_through")
+
+
 def normalizer(name, x, where=None, axis=-1, **hp):
   """``name``'s weights of ``x`` along ``axis`` in float64, masked by ``where``.
 
