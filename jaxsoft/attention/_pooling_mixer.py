@@ -3,6 +3,7 @@ segment max pooling and local max pooling, fused with an output gate, in O(T·d)
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -35,6 +36,20 @@ def _segmented_cummax(v: jax.Array, start: jax.Array) -> jax.Array:
     (fa, va), (fb, vb) = a, b
     return jnp.logical_or(fa, fb), jnp.where(fb, vb, jnp.maximum(va, vb))
   return lax.associative_scan(combine, (start, v), axis=v.ndim - 3)[1]
+
+
+def _segment_max(v: jax.Array, start: jax.Array) -> jax.Array:
+  """The max of ``v [..., T, N, D]`` over each run that ``start [..., T]`` opens, at each token.
+
+  One scatter-max over the runs numbered across the flattened leading axes, then a gather.
+  """
+  T = v.shape[-3]
+  rows = math.prod(v.shape[:-3])
+  run = jnp.cumsum(start.reshape(rows, T), axis=-1) - 1
+  gid = (jnp.arange(rows)[:, None] * T + run).reshape(-1)
+  flat = v.reshape(rows * T, *v.shape[-2:])
+  top = jax.ops.segment_max(flat, gid, num_segments=rows * T, indices_are_sorted=True)
+  return top[gid].reshape(v.shape)
 
 
 def ponet_mix(query: ArrayLike, key: ArrayLike, gate: ArrayLike, segment_values: ArrayLike,
@@ -145,10 +160,23 @@ def ponet_mix(query: ArrayLike, key: ArrayLike, gate: ArrayLike, segment_values:
                      f"got {w}")
   if (segment_ids is None) == (segment_size is None):
     raise ValueError(f"{fn}: give exactly one of `segment_ids` and `segment_size`")
+  size = None if segment_size is None else positive_int(segment_size, "segment_size", fn)
+  s = 1.0 / math.sqrt(q.shape[-1]) if scale is None else finite_float(scale, "scale", fn)
+  ids = None if segment_ids is None else jnp.asarray(segment_ids)
+  m = None if mask is None else jnp.asarray(mask)
+  return _mix(q, k, v, arrs["gate"], arrs["segment_values"], arrs["local_values"], ids, m,
+              size=size, window=w, causal=causal, scale=s)
+
+
+@functools.partial(jax.jit, static_argnames=("size", "window", "causal", "scale"))
+def _mix(q, k, v, gate, segment_values, local_values, segment_ids, mask, *, size, window,
+         causal, scale):
+  """:func:`ponet_mix` past its static checks, one program (an eager call compiles once)."""
+  fn = "ponet_mix"
+  w, s = window, scale
   tok_shape = q.shape[:-2]
   T = q.shape[-3]
-  if segment_size is not None:
-    size = positive_int(segment_size, "segment_size", fn)
+  if size is not None:
     ids = jnp.broadcast_to(jnp.arange(T) // size, tok_shape)
   else:
     ids = _tokens(segment_ids, tok_shape, "segment_ids", fn)
@@ -156,16 +184,16 @@ def ponet_mix(query: ArrayLike, key: ArrayLike, gate: ArrayLike, segment_values:
       raise ValueError(f"{fn}: `segment_ids` must be integers, got {ids.dtype}")
   m = (jnp.ones(tok_shape, bool) if mask is None
        else _tokens(mask, tok_shape, "mask", fn).astype(bool))
-  dk = q.shape[-1]
-  s = 1.0 / math.sqrt(dk) if scale is None else finite_float(scale, "scale", fn)
-  out_dtype = jnp.result_type(*arrs.values())
+  out_dtype = jnp.result_type(q, k, v, gate, segment_values, local_values)
   cdt = c.compute_dtype(out_dtype)
+  if T == 0:  # no token: nothing to mix
+    return jnp.zeros(v.shape, c.output_dtype(out_dtype))
   mt = m[..., None, None]  # [..., T, 1, 1]
 
   def clean(a):  # masked tokens deleted: 0 in the sums, no NaN from them, no gradient
     return jnp.where(mt, a.astype(cdt), jnp.zeros((), cdt))
 
-  qc, kc, vc, oc = clean(q), clean(k), clean(v), clean(arrs["gate"])
+  qc, kc, vc, oc = clean(q), clean(k), clean(v), clean(gate)
   # -- global aggregation
   if causal:
     count = jnp.cumsum(m, axis=-1).astype(cdt)[..., None, None]  # [..., T, 1, 1]
@@ -183,21 +211,20 @@ def ponet_mix(query: ArrayLike, key: ArrayLike, gate: ArrayLike, segment_values:
     g = jnp.einsum("...nj,...jnd->...nd", a, vc, precision=_HI)[..., None, :, :]
   # -- segment max pooling (runs of equal ids), masked tokens as -inf
   neg = jnp.asarray(-jnp.inf, cdt)
-  sv = jnp.where(mt, arrs["segment_values"].astype(cdt), neg)
+  sv = jnp.where(mt, segment_values.astype(cdt), neg)
   change = ids[..., 1:] != ids[..., :-1]
   edge = jnp.ones(tok_shape[:-1] + (1,), bool)
-  start = jnp.concatenate([edge, change], axis=-1)[..., None, None]
-  seg = _segmented_cummax(sv, start)
-  if not causal:
-    end = jnp.concatenate([change, edge], axis=-1)[..., None, None]
-    back = jnp.flip(_segmented_cummax(jnp.flip(sv, -3), jnp.flip(end, -3)), -3)
-    seg = jnp.maximum(seg, back)
+  start = jnp.concatenate([edge, change], axis=-1)
+  if causal:
+    seg = _segmented_cummax(sv, start[..., None, None])
+  else:
+    seg = _segment_max(sv, start)
   # -- local max pooling over the window
-  lv = jnp.where(mt, arrs["local_values"].astype(cdt), neg)
+  lv = jnp.where(mt, local_values.astype(cdt), neg)
   pad = (w - 1, 0) if causal else (w // 2, w // 2)
   ndim = lv.ndim
-  loc = lax.reduce_window(
-      lv, neg, lax.max, (1,) * (ndim - 3) + (w, 1, 1), (1,) * ndim,
+  loc = lax.reduce_window(  # (a Python -inf init: the differentiable max-pool form)
+      lv, -jnp.inf, lax.max, (1,) * (ndim - 3) + (w, 1, 1), (1,) * ndim,
       ((0, 0),) * (ndim - 3) + (pad, (0, 0), (0, 0)))
   # A visible token's maxima hold the token itself: finite. Masked tokens' are zeroed
   # before the product, so no -inf meets the gate (nor a 0 * inf in the gradient).

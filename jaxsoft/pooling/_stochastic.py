@@ -73,7 +73,7 @@ def stochastic_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | Non
     >>> bool(jnp.any(o == x))  # one of the entries
     True
     >>> keys = jax.random.split(jax.random.key(1), 4000)
-    >>> draws = jax.vmap(lambda k: pooling.stochastic_softmax_pool(x, key=k))(keys)
+    >>> draws = jax.jit(jax.vmap(lambda k: pooling.stochastic_softmax_pool(x, key=k)))(keys)
     >>> bool(abs(draws.mean() - 1.5752) < 0.05)  # the mean of the draws: the eval form
     True
     >>> o = pooling.stochastic_softmax_pool(x, where=jnp.array([False, True, True]),

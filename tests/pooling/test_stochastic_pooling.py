@@ -154,12 +154,12 @@ def test_bf16_draws_a_bf16_entry_and_evaluates_close_to_float32():
 def test_jit_vmap_and_determinism():
   x, mask = jnp.asarray(X[:3]), jnp.asarray(MASK[:3])
   key = jax.random.key(9)
-  first = pool(x, where=mask, key=key)
-  np.testing.assert_array_equal(pool(x, where=mask, key=key), first)  # same key, same draw
+  rows = [pool(x[i], where=mask[i], key=key) for i in range(3)]
+  np.testing.assert_array_equal(pool(x[0], where=mask[0], key=key), rows[0])  # same key, same draw
   # vmap over the pools with one key: each slice as its own call with that key
   mapped = jax.jit(jax.vmap(lambda v, m: pooling.stochastic_softmax_pool(v, where=m, key=key)))(
       x, mask)
-  np.testing.assert_array_equal(mapped, [pool(x[i], where=mask[i], key=key) for i in range(3)])
+  np.testing.assert_array_equal(mapped, rows)
   # (vmap over keys: test_masked_entries_are_never_drawn_and_may_hold_anything)
 
 
