@@ -72,8 +72,8 @@ def test_draw_frequencies_match_softmax_within_a_binomial_bound(t):
   p = np.zeros(6)
   p[keep] = o_softmax(row[keep].astype(np.float64) / t)
   # |f_i - p_i| <= 5 sd of a Binomial(N, p_i) frequency (a false failure has probability
-  # ~6e-7 per entry); the bound is 0.011 at p = 0.5, so a wrong law (e.g. softmax(x/2T),
-  # off by > 0.05 on the largest p) cannot pass.
+  # ~6e-7 per entry); the bound is 0.018 at p = 0.5, so a wrong law cannot pass (at T = 1,
+  # softmax(x/2) moves the largest p by 0.16, a uniform draw by 0.32).
   bound = 5.0 * np.sqrt(p * (1 - p) / n)
   np.testing.assert_array_less(np.abs(counts / n - p), bound + 1e-12)
   # The mean of the draws is the evaluation form, within 5 sd of the sample mean.
