@@ -126,8 +126,6 @@ def acol_gar(logits: ArrayLike, *, where: ArrayLike | None = None) -> tuple[jax.
     >>> one_hot = jnp.array([[[5.0, -1.0]], [[-1.0, 3.0]]])   # 2 examples, C = 1, k = 2
     >>> print(jnp.stack(js.losses.acol_gar(one_hot)))  # no co-activation; activities 25, 9
     [0.     0.6374]
-    >>> print(jnp.stack(js.losses.acol_gar(jnp.ones((4, 2, 3)))))  # all nodes fire equally
-    [1. 1.]
 
   References:
     O. Kilinc & I. Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
@@ -192,11 +190,9 @@ def acol_loss(logits: ArrayLike, labels: ArrayLike, *, affinity_weight: float = 
   Examples:
     >>> z = jnp.array([[[3.0, -2.0], [0.0, -1.0]], [[-1.0, 2.0], [0.0, 0.0]]])
     >>> y = jnp.array([0, 0])       # both examples in class 0, on different nodes
-    >>> loss = js.losses.acol_loss(z, y, frobenius_weight=0.0)
-    >>> p = js.losses.acol_probabilities(z)
-    >>> a, b = js.losses.acol_gar(z)
-    >>> print(jnp.stack([loss, -jnp.log(p[:, 0]).mean() + a + (1 - b)]))
-    [0.9 0.9]
+    >>> print(jnp.round(js.losses.acol_loss(z, y, frobenius_weight=0.0), 4))
+    0.9
+    >>> # = CE 0.1474 + affinity 0 (one node each) + 1 - balance 0.7526 (2 of 4 nodes used)
 
   References:
     O. Kilinc & I. Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
