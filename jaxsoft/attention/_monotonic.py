@@ -223,9 +223,9 @@ def _visible(call: AttentionCall):
 
 
 def _p_choose(call: AttentionCall, vis):
-  """p = sigmoid(monotonic energies) [B, N, T, S], 0 on invisible keys."""
+  """(p = sigmoid(monotonic energies) [B, N, T, S], 0 on invisible keys; the energies)."""
   logits = dense_logits(call.q, call.k, scale=call.scale, bias=call.bias)
-  return jnp.where(vis, jax.nn.sigmoid(logits), 0.0)
+  return jnp.where(vis, jax.nn.sigmoid(logits), 0.0), logits
 
 
 def _attend(weights, v, dtype):
@@ -234,13 +234,14 @@ def _attend(weights, v, dtype):
   K = v.shape[2]
   wg = weights.reshape(B, K, N // K, T, S)
   out = jnp.einsum("bkgts,bskh->btkgh", wg, v.astype(weights.dtype))
-  return out.reshape(B, T, N, -1).astype(dtype)
+  return out.reshape(B, T, N, v.shape[-1]).astype(dtype)
 
 
 def _initial_alignment(initial_state, shape, cdt, fn: str):
   B, N, _, S = shape
   if initial_state is None:
-    return jnp.zeros((B, N, S), cdt).at[..., 0].set(1.0)
+    start = jnp.zeros((B, N, S), cdt)
+    return start.at[..., 0].set(1.0) if S else start
   a0 = jnp.asarray(initial_state)
   if not jnp.issubdtype(a0.dtype, jnp.floating):
     raise ValueError(f"{fn}: `initial_state` of the expected form is an alignment [B, N, S] "
@@ -270,6 +271,8 @@ def _initial_position(initial_state, shape, default: int, fn: str):
 def _hard_positions(p, t0, threshold):
   """t_i = the first j >= max(t_{i-1}, 0) with p_ij >= threshold; S when there is none."""
   S = p.shape[-1]
+  if S == 0:
+    return jnp.zeros(p.shape[:3], jnp.int32)  # no key: off the end (t = S = 0) at once
   j = jnp.arange(S, dtype=jnp.int32)
 
   def step(prev, p_i):
@@ -346,7 +349,7 @@ def monotonic_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   _check_method(method, fn)
   call = _call(fn, query, key, value, bias, mask, scale, key_value_seq_lengths)
   vis = _visible(call)
-  p = _p_choose(call, vis)
+  p, _ = _p_choose(call, vis)
   a0 = _initial_alignment(initial_state, p.shape, p.dtype, fn)
   alpha = _alignment(p, a0, method, 1e-10) if p.shape[2] and p.shape[3] else jnp.zeros_like(p)
   out = _attend(alpha, call.v, call.q.dtype)
@@ -404,7 +407,7 @@ def hard_monotonic_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   thr = _check_threshold(threshold, fn)
   call = _call(fn, query, key, value, bias, mask, scale, key_value_seq_lengths)
   vis = _visible(call)
-  p = _p_choose(call, vis)
+  p, _ = _p_choose(call, vis)
   t0 = _initial_position(initial_state, p.shape, 0, fn)
   t = _hard_positions(p, t0, thr)
   weights = (jnp.arange(p.shape[-1], dtype=jnp.int32) == t[..., None]).astype(p.dtype)
@@ -435,11 +438,12 @@ def _normalize(call: AttentionCall, x, where, extra_axes: int = 0):
   return spec(x, axis=-1, where=where, **params)
 
 
-def _soft_logits(fn: str, call: AttentionCall, chunk_query, chunk_key, chunk_bias, scale):
+def _soft_logits(fn: str, call: AttentionCall, chunk_query, chunk_key, chunk_bias, scale,
+                 energies):
   """The logits of the soft part (MoChA's chunk energies u): from (chunk_query, chunk_key,
   chunk_bias), each defaulting to the monotonic energies' own."""
   if chunk_query is None and chunk_key is None and chunk_bias is None:
-    return dense_logits(call.q, call.k, scale=call.scale, bias=call.bias)
+    return energies
   cq = call.q if chunk_query is None else jnp.asarray(chunk_query)
   ck = call.k if chunk_key is None else jnp.asarray(chunk_key)
   cb = call.bias if chunk_bias is None else chunk_bias
@@ -480,8 +484,8 @@ def _windowed(fn: str, query, key, value, bias, mask, *, left, right, segment, c
   call = _call(fn, query, key, value, bias, mask, scale, key_value_seq_lengths, normalizer,
                normalizer_params)
   vis = _visible(call)
-  p = _p_choose(call, vis)
-  u = _soft_logits(fn, call, chunk_query, chunk_key, chunk_bias, scale)
+  p, e = _p_choose(call, vis)
+  u = _soft_logits(fn, call, chunk_query, chunk_key, chunk_bias, scale, e)
   B, N, T, S = p.shape
   j = jnp.arange(S, dtype=jnp.int32)
   if hard:
