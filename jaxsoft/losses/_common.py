@@ -262,6 +262,13 @@ def _sharded_along(x, axis: int) -> bool:
   return axis < len(spec) and spec[axis] is not None
 
 
+def at_rank(a, ndim: int):
+  """``a`` with leading size-1 axes up to rank ``ndim`` (numpy's right-aligned broadcast made
+  explicit, so that it combines with a rank-``ndim`` array without implicit rank promotion)."""
+  a = jnp.asarray(a)
+  return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
 def one_hot(labels, n: int, axis: int, dtype=jnp.float32):
   """One-hot along ``axis``; labels outside [0, n) give an all-zero row."""
   return jnp.moveaxis(jax.nn.one_hot(labels, n, dtype=dtype), -1, axis)

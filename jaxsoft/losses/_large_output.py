@@ -191,9 +191,10 @@ def sampled_softmax_loss(key: jax.Array | None, h: ArrayLike, w: ArrayLike, labe
   o_s = h @ _gather_columns(w, sampled).T                     # [..., S]
   if b is not None:
     o_y = o_y + b[y]
-    o_s = o_s + b[sampled]
-  o_s = o_s - (jnp.log(float(s_count)) + log_q[sampled])
-  mask = (sampled != y[..., None]) & jnp.isfinite(log_q[sampled])
+    o_s = o_s + lc.at_rank(b[sampled], o_s.ndim)
+  o_s = o_s - lc.at_rank(jnp.log(float(s_count)) + log_q[sampled], o_s.ndim)
+  mask = (lc.at_rank(sampled, o_s.ndim) != y[..., None]) & lc.at_rank(
+      jnp.isfinite(log_q[sampled]), o_s.ndim)
   z = jnp.concatenate([o_y[..., None], o_s], axis=-1)
   zmask = jnp.concatenate([jnp.ones(o_y.shape + (1,), bool), mask], axis=-1)
   lse, _ = lc.masked_logsumexp(jnp.where(zmask, z, 0.0), zmask, -1)
@@ -389,7 +390,8 @@ def _check_tree(paths, codes, n_nodes, fn) -> tuple[jax.Array, jax.Array]:
 
 def _path_log_probs(scores, codes, valid):
   """Σ_j log σ((1 − 2c_j)·score_j) over the valid steps of each path."""
-  sign = 1.0 - 2.0 * codes.astype(scores.dtype)
+  sign = lc.at_rank(1.0 - 2.0 * codes.astype(scores.dtype), scores.ndim)
+  valid = lc.at_rank(valid, scores.ndim)
   return jnp.sum(jnp.where(valid, jax.nn.log_sigmoid(sign * scores), 0.0), axis=-1)
 
 
@@ -561,7 +563,8 @@ def augment_reduce_loss(key: jax.Array, logits: ArrayLike, labels: ArrayLike, nu
   # S_hat = (K-1)/n Σ e^{diff}; B = 1 − μ − e^{−μ}(1 + S_hat), computed in log space.
   log_s_hat = jax.nn.logsumexp(diff, axis=-1) + jnp.log((k - 1) / n)
   if location is None:
-    full = jnp.where(jnp.arange(k) == y[..., None], -jnp.inf, x - psi_y[..., None])
+    full = jnp.where(lc.at_rank(jnp.arange(k), x.ndim) == y[..., None], -jnp.inf,
+                     x - psi_y[..., None])
     mu = jax.lax.stop_gradient(jnp.logaddexp(0.0, jax.nn.logsumexp(full, axis=-1)))
   else:
     mu = jnp.broadcast_to(jnp.asarray(location, x.dtype), labels.shape)

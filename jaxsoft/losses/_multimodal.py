@@ -71,7 +71,7 @@ def pmrl_loss(embeddings: ArrayLike, *, temperature: float = 1.0,
   sigma = jnp.linalg.svd(zc, compute_uv=False)  # descending
   n_vis = jnp.sum(keep, axis=-1, keepdims=True)
   # masked rows add zero singular values: keep only the n_vis largest
-  smask = jnp.arange(sigma.shape[-1]) < n_vis
+  smask = lc.at_rank(jnp.arange(sigma.shape[-1]), n_vis.ndim) < n_vis
   lse, visible = lc.masked_logsumexp(sigma / temperature, smask, -1)
   loss = lse - sigma[..., 0] / temperature if m > 0 else lse
   return lc.finish(loss, visible, z.dtype)

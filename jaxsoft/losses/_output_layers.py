@@ -116,7 +116,7 @@ def vq_logits(h: ArrayLike, codebook: ArrayLike, assignment: ArrayLike, *,
     b = _float(bias, "bias", fn)
     if b.shape != assignment.shape:
       raise ValueError(f"{fn}: `bias` of shape {b.shape} must be [V] = {assignment.shape}")
-    out = out + b.astype(out.dtype)
+    out = out + lc.at_rank(b.astype(out.dtype), out.ndim)
   return out.astype(dtype)
 
 
@@ -166,7 +166,7 @@ def vq_logits_cross_entropy(h: ArrayLike, codebook: ArrayLike, assignment: Array
   counts = jnp.zeros((k,), z.dtype).at[assignment].add(1.0)
   used = counts > 0
   log_n = jnp.where(used, jnp.log(jnp.where(used, counts, 1.0)), 0.0)
-  lse, _ = lc.masked_logsumexp(z + log_n, jnp.broadcast_to(used, z.shape), -1)
+  lse, _ = lc.masked_logsumexp(z + lc.at_rank(log_n, z.ndim), jnp.broadcast_to(used, z.shape), -1)
   code_y = assignment[jnp.where((labels >= 0) & (labels < v), labels, 0)]
   z_y = jnp.take_along_axis(z, code_y[..., None], axis=-1)[..., 0]
   return finish_labels(lse - z_y, labels, v, keep, dtype)
@@ -492,7 +492,7 @@ def softmax_cpr_logits(h: ArrayLike, w: ArrayLike, *, bias: ArrayLike | None = N
     b = _float(bias, "bias", fn)
     if b.shape != (v,):
       raise ValueError(f"{fn}: `bias` of shape {b.shape} must be [{v}]")
-    logits = logits + b.astype(logits.dtype)
+    logits = logits + lc.at_rank(b.astype(logits.dtype), logits.ndim)
   out = logits
 
   def proj(a, name):

@@ -75,9 +75,10 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
   e_max = math.log(a.shape[-1]) if a.shape[-1] > 0 else 0.0
   theta = jnp.asarray(threshold, dtype)
   try:
-    jnp.broadcast_shapes(theta.shape, e_head.shape)
+    shape = jnp.broadcast_shapes(theta.shape, e_head.shape)
   except ValueError:
     raise ValueError(f"{fn}: `threshold` of shape {theta.shape} does not broadcast to the "
                      f"heads {e_head.shape}") from None
+  theta, e_head = jnp.broadcast_to(theta, shape), jnp.broadcast_to(e_head, shape)  # explicit
   delta = jnp.abs(e_head - theta * e_max)
   return jnp.where(delta > gamma * e_max, delta, 0.0)

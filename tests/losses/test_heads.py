@@ -67,7 +67,7 @@ def test_against_optax():
 
 def test_per_class_jacobian_is_diagonal_and_svm_is_flat_beyond_the_margin():
   x = normal(4, (6,), 2.0)
-  moved = x + 0.5 * jnp.eye(6)        # row j: logit j moved
+  moved = x[None] + 0.5 * jnp.eye(6)  # row j: logit j moved
   for fn in (L.ovr_bce_loss, L.gol_loss, L.l2_svm_loss):
     grad = jax.jit(jax.vmap(jax.grad(lambda a, fn=fn: fn(a, jnp.array(2)))))(
         jnp.concatenate([x[None], moved]))

@@ -103,7 +103,7 @@ def test_zero_margin_is_normalized_softmax_and_optax_on_scaled_cosines():
 def test_theta_near_zero_and_pi_is_finite_and_the_threshold_rule_applies():
   _, w, _ = _inputs(2)
   labels = jnp.array([0, 1, 2, 3])
-  wn = w / jnp.linalg.norm(w, axis=0)
+  wn = w / jnp.linalg.norm(w, axis=0, keepdims=True)
   x = jnp.stack([3.0 * w[:, 0],             # theta = 0
                  -w[:, 1],                  # theta = pi
                  w[:, 2] + 1e-4 * w[:, 0],  # theta ~ 0
