@@ -69,16 +69,13 @@ def stochastic_softmax_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | Non
     >>> x = jnp.array([2.0, 1.0, 0.0])
     >>> pooling.stochastic_softmax_pool(x, deterministic=True)  # = soft_pool(x)
     Array(1.5752, dtype=float32)
-    >>> o = pooling.stochastic_softmax_pool(x, key=jax.random.key(0))
-    >>> bool(jnp.any(o == x))  # one of the entries
-    True
     >>> keys = jax.random.split(jax.random.key(1), 4000)
     >>> draws = jax.jit(jax.vmap(lambda k: pooling.stochastic_softmax_pool(x, key=k)))(keys)
     >>> bool(abs(draws.mean() - 1.5752) < 0.05)  # the mean of the draws: the eval form
     True
     >>> o = pooling.stochastic_softmax_pool(x, where=jnp.array([False, True, True]),
     ...                                     key=jax.random.key(0))
-    >>> float(o) in (1.0, 0.0)  # the masked 2.0 is never drawn
+    >>> float(o) in (1.0, 0.0)  # one of the entries; the masked 2.0 is never drawn
     True
 
   References:
