@@ -1,4 +1,4 @@
-"""Softmax-based losses (features L01–L17), optax-compatible: one value per example.
+"""Softmax-based losses (features L01–L19), optax-compatible: one value per example.
 
 The feature ids and the papers behind each loss are listed in docs/feature_ids.md.
 
