@@ -622,7 +622,9 @@ def local_window_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   at inference, and its expectation :math:`\sum_t \alpha_{it}\, c_i(t)` in training. The
   window looks ahead of the position (r > 0), so it is not online beyond r keys. Keys
   outside the window get exactly 0; a window covering every key (l, r >= S - 1) with a
-  position that stays on the keys is global attention with f. From Zeyer et al.'s
+  position that stays on the keys is global attention with f. The expected form gathers
+  every window: memory O(B N T S (l + r + 1)), so a wide window belongs to ``hard=True``
+  (O(B N T S)). From Zeyer et al.'s
   comparison of latent monotonic attention variants ("local windowed soft attention");
   [R] the latent position's model here is Raffel et al.'s scan, and their
   training by marginalising the latent with their own transition model is not
