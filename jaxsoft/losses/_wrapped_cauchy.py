@@ -53,8 +53,10 @@ def wrapped_cauchy_log_density(theta: ArrayLike, concentration: ArrayLike,
   t = jnp.asarray(theta)
   rho = jnp.asarray(concentration)
   dtype = nc.compute_dtype(jnp.result_type(t.dtype, rho.dtype, jnp.float32))
-  return _wc_log_kernel(jnp.cos(t.astype(dtype) - jnp.asarray(loc, dtype)),
-                        rho.astype(dtype)) - math.log(2 * math.pi)
+  mu = jnp.asarray(loc, dtype)
+  shape = jnp.broadcast_shapes(t.shape, rho.shape, mu.shape)  # numpy's broadcast, explicit
+  t, rho, mu = (jnp.broadcast_to(a, shape) for a in (t.astype(dtype), rho.astype(dtype), mu))
+  return _wc_log_kernel(jnp.cos(t - mu), rho) - math.log(2 * math.pi)
 
 
 def _wc_log_kernel(cos, rho):
@@ -129,7 +131,8 @@ def wcdas_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLik
     raise ValueError(f"{fn}: `concentration` must be a scalar or [C] = [{n_cls}], got "
                      f"{rho.shape}")
   rho = jnp.broadcast_to(rho, (n_cls,))[:, None]
-  logits = scale * (jax.nn.logsumexp(_wc_log_kernel(cos, rho), axis=-1) - math.log(n_ker))
+  logits = scale * (jax.nn.logsumexp(_wc_log_kernel(cos, lc.at_rank(rho, cos.ndim)), axis=-1)
+                    - math.log(n_ker))
   labels = lc.check_labels(labels, logits.shape[:-1], fn, what=EMBEDDING_BATCH)
   z, mask, axis = lc.prepare(logits, logits.ndim - 1, where, fn)
   loss, visible, label_visible = lc.integer_cross_entropy(z, mask, labels, axis)

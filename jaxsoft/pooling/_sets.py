@@ -134,6 +134,7 @@ def _masked_lse(z, valid, axis):
 def _sinkhorn_row_mass(xs, mask, protos, mu, epsilon, num_iters):
   """Mass p_i that token i sends to the prototypes; xs ``[..., N, d]``, mask ``[..., N]``."""
   dt = xs.dtype
+  protos = protos.reshape((1,) * (xs.ndim - protos.ndim) + protos.shape)  # explicit over pools
   cost = jnp.sum((xs[..., :, None, :] - protos[..., None, :, :]) ** 2, axis=-1)  # [..., N, M]
   n_proto = cost.shape[-1]
   cost = jnp.concatenate([cost, jnp.zeros(cost.shape[:-1] + (1,), dt)], axis=-1)  # + dustbin
