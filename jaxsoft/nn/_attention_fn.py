@@ -68,6 +68,13 @@ def check_value(key_shape, value_shape, fn_name: str) -> None:
         "length S and heads K)")
 
 
+def _rank4(a):
+  """A mask or bias broadcastable to the ``[B, N, T, S]`` logits with its leading size-1 axes
+  made explicit (numpy's broadcast by rank, without implicit rank promotion)."""
+  a = jnp.asarray(a)
+  return a.reshape((1,) * (4 - a.ndim) + a.shape)
+
+
 def _segment_mask(segment_ids, t: int, s: int):
   """``segment_ids`` ([B, T] for self-attention, or a pair ([B, T], [B, S])) -> [B, 1, T, S]."""
   if isinstance(segment_ids, (tuple, list)):
@@ -167,13 +174,13 @@ def attention_weights(
   if logits_soft_cap is not None:
     logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
   if bias is not None:
-    logits = logits + jnp.asarray(bias).astype(cdt)
+    logits = logits + _rank4(bias).astype(cdt)
 
   visible = jnp.ones((1, 1, t, s), bool)
   if mask is not None:
-    visible = jnp.logical_and(visible, jnp.asarray(mask).astype(bool))
-  row = jnp.arange(t)[:, None]
-  col = jnp.arange(s)[None, :]
+    visible = jnp.logical_and(visible, _rank4(mask).astype(bool))
+  row = jnp.arange(t).reshape(1, 1, t, 1)
+  col = jnp.arange(s).reshape(1, 1, 1, s)
   if is_causal:
     visible = jnp.logical_and(visible, col <= row)
   if local_window_size is not None:
@@ -185,10 +192,10 @@ def attention_weights(
       visible = jnp.logical_and(visible, col <= row + right)
   if query_seq_lengths is not None:
     qlen = jnp.asarray(query_seq_lengths)
-    visible = jnp.logical_and(visible, (row[None] < qlen[:, None, None])[:, None])
+    visible = jnp.logical_and(visible, row < qlen[:, None, None, None])
   if key_value_seq_lengths is not None:
     kvlen = jnp.asarray(key_value_seq_lengths)
-    visible = jnp.logical_and(visible, (col[None] < kvlen[:, None, None])[:, None])
+    visible = jnp.logical_and(visible, col < kvlen[:, None, None, None])
   if segment_ids is not None:
     visible = jnp.logical_and(visible, _segment_mask(segment_ids, t, s))
   visible = jnp.broadcast_to(visible, logits.shape)

@@ -113,7 +113,7 @@ def test_linen_layer_applies_the_normalizer(name, hp):
   mine, _ = _linen_pair(name, hp)
   params = mine.init(jax.random.key(1), x)
   p = params["params"]
-  proj = lambda w, b: jnp.einsum("btf,fnh->btnh", x, w) + b
+  proj = lambda w, b: jnp.einsum("btf,fnh->btnh", x, w) + b[None, None]
   q = proj(p["query"]["kernel"], p["query"]["bias"])
   k = proj(p["key"]["kernel"], p["key"]["bias"])
   v = proj(p["value"]["kernel"], p["value"]["bias"])
@@ -121,7 +121,7 @@ def test_linen_layer_applies_the_normalizer(name, hp):
   causal = jnp.tril(jnp.ones((T, T), bool))
   w = js.normalizers.get(name).fn(logits, where=causal, **hp)
   o = jnp.einsum("bnts,bsnh->btnh", w, v)
-  expected = jnp.einsum("btnh,nhf->btf", o, p["out"]["kernel"]) + p["out"]["bias"]
+  expected = jnp.einsum("btnh,nhf->btf", o, p["out"]["kernel"]) + p["out"]["bias"][None, None]
   chex.assert_trees_all_close(mine.apply(params, x, mask=mask), expected, atol=1e-5, rtol=1e-5)
 
 
