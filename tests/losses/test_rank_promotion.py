@@ -1,11 +1,12 @@
-"""Losses and pooling need no implicit rank promotion (issue 37).
+"""Losses, pooling and nn.attention_weights need no implicit rank promotion (issue 37).
 
 Under ``jax.numpy_rank_promotion("raise")`` (the setting of JAX's own test suite and of many
-users') each function below, given batched inputs next to per-class / per-head / shared
-arrays of lower rank (a bias ``[V]``, a proposal ``[V]``, tree paths ``[V, L]``, a codebook's
-counts, concentrations ``[C]``, thresholds ``[H]``, prototypes ``[M, d]``), gives what it
-gives without the setting. Each once raised (the lower-rank array met the batched one in a
-jnp operation that broadcast it by rank).
+users') each function below traces, forward and backward, as it does without the setting,
+given batched inputs next to lower-rank per-class / per-head / shared arrays (a bias
+``[V]``, a proposal ``[V]``, tree paths ``[V, L]``, a codebook's counts, concentrations
+``[C]``, thresholds ``[H]``, prototypes ``[M, d]``, an attention mask ``[T, S]``). Each once
+raised: the lower-rank array met the batched one in a jnp operation that broadcast it by
+rank.
 """
 
 import jax
@@ -65,6 +66,11 @@ CASES = {
     "entropic_ot_weights": (   # prototypes [M, d] shared by the B pools
         lambda x, pr: js.pooling.entropic_ot_weights(x, prototypes=pr, num_iters=5),
         (X_SETS, _normal((3, D)))),
+    "nn.attention_weights": (   # a [T, S] bias and mask, causal, lengths [B], a window
+        lambda q, bias: js.nn.attention_weights(
+            q, q, bias, bias > 0, is_causal=True, query_seq_lengths=jnp.array([3, 2]),
+            key_value_seq_lengths=jnp.array([2, 3]), local_window_size=1),
+        (_normal((B, T, 2, D)), _normal((T, T)))),
     "entropic_ot_pool": (
         lambda x, pr: js.pooling.entropic_ot_pool(x, prototypes=pr, num_iters=5),
         (X_SETS, _normal((3, D)))),
