@@ -116,7 +116,8 @@ def hedgehog_feature_map(params: dict[str, ArrayLike]) -> Callable[[jax.Array], 
     if x.shape[-2:] != W.shape[:2]:
       raise ValueError(f"hedgehog features: `x` must end in [N, K] = {list(W.shape[:2])}, "
                        f"got {x.shape}")
-    z = jnp.einsum("...nk,nkf->...nf", x.astype(compute_dtype(x.dtype)), W) + b
+    z = jnp.einsum("...nk,nkf->...nf", x.astype(compute_dtype(x.dtype)), W)
+    z = z + b.reshape((1,) * (z.ndim - 2) + b.shape)
     return jnp.concatenate([jax.nn.softmax(z, axis=-1), jax.nn.softmax(-z, axis=-1)], axis=-1)
 
   return phi

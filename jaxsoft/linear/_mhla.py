@@ -214,12 +214,12 @@ def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state
     raise ValueError(f"{fn_name}: `state` must have shape [B, N, M, K', V + 1] = "
                      f"{[B, N, M, F, V + 1]}, got {state.shape}")
   block = jnp.broadcast_to(pos // block_size, (B,))                     # i, per sequence
-  here = (jnp.arange(M) == block[:, None]).astype(cdt)                  # [B, M] one-hot
+  here = (jnp.arange(M)[None] == block[:, None]).astype(cdt)            # [B, M] one-hot
   vv = jnp.concatenate([v.astype(cdt), jnp.ones((B, N, 1), cdt)], axis=-1)
   write = jnp.einsum("bnk,bnv->bnkv", fk.astype(cdt), vv)
   state = state.astype(cdt) + here[:, None, :, None, None] * write[:, :, None]
   row = jnp.moveaxis(jnp.take(C, block, axis=1), 1, 0)                 # [B, N, M]: c_{iβ}
-  row = jnp.where(jnp.arange(M) <= block[:, None, None], row, 0.0)      # β <= i
+  row = jnp.where(jnp.arange(M)[None, None] <= block[:, None, None], row, 0.0)    # β <= i
   out = jnp.einsum("bnk,bnm,bnmkv->bnv", fq.astype(cdt), row, state)
   o = _linear_attention.safe_divide(out[..., :-1], out[..., -1:], eps)
   inside = (jnp.broadcast_to(pos, (B,)) >= 0) & (block < M)             # traced: NaN outside

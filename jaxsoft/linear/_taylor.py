@@ -92,7 +92,7 @@ def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: 
     >>> o = jax.jit(taylor_linear_attention, static_argnames="order")(q, k, v, order=0)
     >>> o.shape
     (1, 8, 2, 4)
-    >>> running_mean = jnp.cumsum(v, axis=1) / jnp.arange(1, 9)[:, None, None]
+    >>> running_mean = jnp.cumsum(v, axis=1) / jnp.arange(1, 9)[None, :, None, None]
     >>> bool(jnp.allclose(o, running_mean, atol=1e-5))
     True
 

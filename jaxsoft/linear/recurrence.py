@@ -223,8 +223,8 @@ def _chunk_parts(qc, kc, vc, gc, bc, rc, run_prev):
   carries = (run_last == run_prev)[:, None]                            # [B, 1, nC]
   same = rc[..., :, None] == rc[..., None, :]                          # [B, nC, C, C]
   i = jnp.arange(C)
-  incl = (same & (i[:, None] >= i[None, :]))[:, None]                  # [B, 1, nC, C, C]
-  strict = (same & (i[:, None] > i[None, :]))[:, None]
+  incl = (same & (i[:, None] >= i[None, :])[None, None])[:, None]      # [B, 1, nC, C, C]
+  strict = (same & (i[:, None] > i[None, :])[None, None])[:, None]
 
   G = jnp.cumsum(gc, axis=3)                                           # from the chunk start
   G_last = G[:, :, :, -1]

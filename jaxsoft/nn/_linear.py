@@ -123,9 +123,9 @@ def causal_conv(u: jax.Array, w: jax.Array) -> jax.Array:
   """
   c, t = w.shape[0], u.shape[1]
   padded = jnp.pad(u, ((0, 0), (c - 1, 0), (0, 0)))
-  out = w[0] * padded[:, :t]
+  out = w[None, 0:1] * padded[:, :t]                                  # [1, 1, C] * [B, t, C]
   for i in range(1, c):
-    out = out + w[i] * padded[:, i:i + t]
+    out = out + w[None, i:i + 1] * padded[:, i:i + t]
   return out
 
 
@@ -168,6 +168,8 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
   and returned in ``x``'s dtype."""
   x32 = x.astype(jnp.float32)
   normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  scale = jnp.asarray(scale)
+  scale = scale.reshape((1,) * (normed.ndim - scale.ndim) + scale.shape)   # [..., D] explicit
   return (normed * scale).astype(x.dtype)
 
 

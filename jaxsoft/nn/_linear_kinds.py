@@ -127,8 +127,10 @@ def _gated_decay_params(layer: Any, rngs: nnx.Rngs) -> dict[str, Any]:
 
 
 def _gated_decay(layer: Any, x: jax.Array) -> dict[str, jax.Array]:
-  rate = jax.nn.softplus(_f32(layer.a, x) + layer.dt_bias[...])
-  return {"g": -jnp.exp(layer.A_log[...]) * rate}
+  pre = _f32(layer.a, x)                                     # [..., N]
+  per_head = lambda p: p.reshape((1,) * (pre.ndim - 1) + p.shape)   # [N] -> [1, ..., N]
+  rate = jax.nn.softplus(pre + per_head(layer.dt_bias[...]))
+  return {"g": -per_head(jnp.exp(layer.A_log[...])) * rate}
 
 
 def _channel_decay(layer: Any, x: jax.Array) -> dict[str, jax.Array]:

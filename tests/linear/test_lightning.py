@@ -61,7 +61,7 @@ def test_lightning_is_the_decay_mask():
   q, k, v, g = args["q"], args["k"], args["v"], args["g"]
   t = jnp.arange(6)
   mask = jnp.where(t[:, None] >= t[None, :],
-                   jnp.exp(g[:, None, None] * (t[:, None] - t[None, :])), 0.0)   # [N, T, T]
+                   jnp.exp(g[:, None, None] * (t[:, None] - t[None, :])[None]), 0.0)   # [N, T, T]
   scores = jnp.einsum("btnk,bsnk->bnts", q, k) * K ** -0.5 * mask
   light = jax.jit(linear.lightning_attention)
   np.testing.assert_allclose(light(q, k, v, g), jnp.einsum("bnts,bsnv->btnv", scores, v),
