@@ -6,11 +6,13 @@ so a row can "attend to nothing": weights sum to ``S / (c + S) < 1`` with ``S = 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.ad_checkpoint import checkpoint_name
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
@@ -28,6 +30,12 @@ _N = Param("n", 1.0, low=0.0, sample=3.0, row_broadcast=True)
 _SINK = Param("sink_logit", 0.0, sample=-1.5, row_broadcast=True)
 
 
+def _exp_capped(z):
+  """``e^z`` with the exponent capped just below float overflow (finite value and gradient)."""
+  cap = float(np.log(np.finfo(np.dtype(z.dtype)).max)) - 1.0
+  return jnp.exp(jnp.minimum(z, cap))
+
+
 def sink_mass(n, s_minus_m):
   """``n e^{s - m}``, the sink's share of the denominator, finite in value and gradient.
 
@@ -36,8 +44,7 @@ def sink_mass(n, s_minus_m):
   (``e^{s - m}``, beyond the float range only when every score is ~88 below the sink)
   saturates instead of making ``0·inf = NaN``.
   """
-  cap = float(np.log(np.finfo(np.dtype(s_minus_m.dtype)).max)) - 1.0
-  return n * jnp.exp(jnp.minimum(s_minus_m, cap))
+  return n * _exp_capped(s_minus_m)
 
 
 def sink_floor(sink_logit, n):
@@ -51,27 +58,121 @@ def sink_floor(sink_logit, n):
   return jax.lax.stop_gradient(sink_logit + log_n)
 
 
-def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
-  """``e^{x_i} / (n * e^{s} + sum_j e^{x_j})`` over visible entries.
+def _stabilised(xs, mask, axis, coef, logit):
+  """``(e^{x - M}, n e^{s - M} + sum_V e^{x - M}, M)`` over the visible entries V.
 
-  This is ``softmax([x, s + log n])`` without the sink's own entry, stabilised with
   ``M = max(max_V x, s + log n)`` (no floor when n = 0: plain softmax), so neither
   ``e^{x - M}`` nor ``n e^{s - M}`` can overflow and the weights do not underflow before
-  the true values do (for softmax_1, ``M = max(max x, 0)``).
-  ``M`` cancels, so it carries no gradient; ``n`` and ``s`` do. Both are row parameters
-  in the compute dtype (float64 stays float64).
+  the true values do (for softmax_1, ``M = max(max x, 0)``). ``M`` cancels, so it carries
+  no gradient; ``n`` and ``s`` do.
   """
-  xs, mask, axis = c.prepare(x, axis, where, fn_name)
-  coef = c.row_param(n, xs.shape, axis, "n", fn_name, xs.dtype)
-  logit = c.row_param(sink_logit, xs.shape, axis, "sink_logit", fn_name, xs.dtype)
   m = jnp.maximum(c.masked_max(xs, mask, axis), sink_floor(logit, coef))
   e = jnp.where(mask, jnp.exp(xs - m), 0.0)
-  den = jnp.sum(e, axis=axis, keepdims=True) + sink_mass(coef, logit - m)
-  w = c.safe_divide(e, den)
-  return c.finish(w, mask, jnp.asarray(x).dtype)
+  return e, jnp.sum(e, axis=axis, keepdims=True) + sink_mass(coef, logit - m), m
 
 
-@c.dense_rules
+def _sink_rows(fn_name):
+  """The forward pass of ``fn_name`` under the shared rules: ``e^{x_i} / (n e^{s} + sum_j
+  e^{x_j})`` over visible entries, ``softmax([x, s + log n])`` without the sink's entry.
+
+  ``n`` and ``s`` are row parameters in the compute dtype (float64 stays float64).
+  """
+  def rows(x, axis=-1, where=None, *, n=1.0, sink_logit=0.0):
+    xs, mask, axis = c.prepare(x, axis, where, fn_name)
+    coef = c.row_param(n, xs.shape, axis, "n", fn_name, xs.dtype)
+    logit = c.row_param(sink_logit, xs.shape, axis, "sink_logit", fn_name, xs.dtype)
+    e, den, _ = _stabilised(xs, mask, axis, coef, logit)
+    return c.finish(c.safe_divide(e, den), mask, jnp.asarray(x).dtype)
+
+  rows.__name__ = fn_name  # the name the shared rules give in their errors
+  return c.dense_rules(rows)
+
+
+_ROWS = {name: _sink_rows(name) for name in __all__}
+
+
+def _log_denominator(x, where, odd, params, static):
+  """``log(n e^s + sum_V e^x)`` per row (keepdims), in the compute dtype, differentiable.
+
+  Rows the shared rules fill in (``odd``) count as fully masked, and a row whose
+  denominator is 0 (nothing visible, n = 0) gets ``M``: both have all-zero weights, so
+  the value only has to be finite (also its derivatives, for the second order).
+  """
+  axis, fn_name = static
+  xs, mask, axis = c.prepare(x, axis, where, fn_name)
+  mask = jnp.logical_and(mask, jnp.logical_not(odd))
+  xs = jnp.where(mask, xs, jnp.zeros((), xs.dtype))  # the odd rows' NaN / +inf leave
+  coef, logit = (c.row_param(v, xs.shape, axis, k, fn_name, xs.dtype)
+                 for v, k in zip(params, ("n", "sink_logit"), strict=True))
+  _, den, m = _stabilised(xs, mask, axis, coef, logit)
+  return m + jnp.log(jnp.where(den > 0, den, jnp.ones((), den.dtype)))
+
+
+def _sink_tangent(y, odd, log_den, dx, params, dparams, static):
+  r"""``dy = y (dx - <y, dx>) - y a (dn + n ds)``, ``a = e^{s - log D}``, from ``y`` (and
+  ``log D`` when ``n`` or ``s`` moves).
+
+  The Jacobian in ``x`` is ``diag(y) - y y^T`` (the sink takes no output entry), as
+  softmax's; the sink's mass ``n e^s`` enters ``D`` only, so ``dy = -y d(n e^s) / D``.
+  Rows the shared rules fill in (a visible NaN or ``+inf``) get a zero tangent.
+  """
+  axis = static[0]
+  cd = c.compute_dtype(y.dtype)
+  zero = jnp.zeros((), cd)
+  parts = []
+  if not c.is_zero_tangent(dx):
+    # the selects on both sides keep the odd rows at 0, also through the transpose
+    p = y.astype(cd)
+    v = jnp.where(odd, zero, dx.astype(cd))
+    parts.append(p * (v - jnp.sum(p * v, axis=axis, keepdims=True)))
+  if log_den is not None:
+    n, s = (c.row_value(v, y.ndim, cd) for v in params)
+    dn, ds = dparams
+    d = sum(term for term in (None if c.is_zero_tangent(dn) else c.row_value(dn, y.ndim, cd),
+                              None if c.is_zero_tangent(ds) else n * c.row_value(ds, y.ndim, cd))
+            if term is not None)
+    p = jnp.where(odd, zero, y.astype(cd))  # finite: the coefficient of dn and ds
+    parts.append(-(p * jnp.where(odd, zero, _exp_capped(s - log_den))) * d)
+  return jnp.where(odd, zero, sum(parts[1:], parts[0])).astype(y.dtype)
+
+
+_OUT, _ODD, _LOG_DEN = "jaxsoft_sink_output", "jaxsoft_sink_rows", "jaxsoft_sink_log_den"
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def _from_output(x, where, params, static):
+  return _ROWS[static[1]](x, static[0], where, n=params[0], sink_logit=params[1])
+
+
+@functools.partial(_from_output.defjvp, symbolic_zeros=True)
+def _from_output_jvp(static, primals, tangents):
+  # common.saving_output's rule, with one more per-row statistic (log D) that the
+  # parameters' term needs: from the output alone it would be 1 - sum y (cancellation
+  # when sum y ~ 1) divided by n (0/0 at n = 0)
+  x, where, params = primals
+  dx, _, dparams = tangents
+  y = checkpoint_name(_from_output(x, where, params, static), _OUT)
+  if c.is_zero_tangent(dx) and all(c.is_zero_tangent(d) for d in dparams):
+    return y, jnp.zeros_like(y)
+  odd = checkpoint_name(c.odd_rows(x, where, static[0]), _ODD)
+  log_den = None
+  if not all(c.is_zero_tangent(d) for d in dparams):
+    log_den = checkpoint_name(_log_denominator(x, where, odd, params, static), _LOG_DEN)
+  return y, _sink_tangent(y, odd, log_den, dx, params, dparams, static)
+
+
+# Reverse mode keeps y, one flag per row, and log D per row when n or s is differentiated.
+_saving = jax.checkpoint(_from_output, policy=c.output_residuals(_OUT, _ODD, _LOG_DEN),
+                         static_argnums=(3,))
+
+
+def _sink_softmax(x, axis, where, n, sink_logit, fn_name):
+  """``e^{x_i} / (n * e^{s} + sum_j e^{x_j})`` over visible entries (see :func:`_sink_rows`),
+  with its derivative written from the output (reverse mode keeps only the output)."""
+  return _saving(jnp.asarray(x), None if where is None else jnp.asarray(where),
+                 (n, sink_logit), (axis, fn_name))
+
+
 def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
               n: ArrayLike = 1.0) -> jax.Array:
   r"""Softmax with ``n`` units of sink mass (feature N03, kernel class E; Hu et al. 2024).
@@ -124,7 +225,6 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   return _sink_softmax(x, axis, where, n, 0.0, "softmax_n")
 
 
-@c.dense_rules
 def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""Softmax_1 = ``e^{x_i} / (1 + sum_j e^{x_j}) = softmax([x, 0])[:-1]`` (N03, class E).
 
@@ -145,10 +245,9 @@ def softmax_1(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> j
     J. Y.-C. Hu et al., 2024, "Outlier-Efficient Hopfield Layers for Large Transformer-Based
     Models".
   """
-  return softmax_n(x, n=1.0, axis=axis, where=where)
+  return _sink_softmax(x, axis, where, 1.0, 0.0, "softmax_1")
 
 
-@c.dense_rules
 def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                  sink_logit: ArrayLike = 0.0) -> jax.Array:
   r"""Softmax with a (learned) sink logit (feature N03, kernel class E; see docs/feature_ids.md).
@@ -192,6 +291,9 @@ def softmax_sink(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *
   return _sink_softmax(x, axis, where, 1.0, sink_logit, "softmax_sink")
 
 
+# the shared rules apply through _ROWS: the registry's mark
+for _fn in (softmax_n, softmax_1, softmax_sink):
+  setattr(_fn, "_jaxsoft_dense_rules", True)  # noqa: B010
 
 def _n_offset(m, length, n=1.0, **_):
   """Sink mass ``n e^{-m}``; with the rule's floor ``m >= log n`` it is at most 1."""
@@ -231,14 +333,16 @@ SPEC_N = register(NormalizerSpec(
     name="softmax_n", fn=softmax_n, params=(_N,),
     # m_floor = log n (the function's max(max x, log n)): n e^{-m} <= 1; none for n = 0.
     tile=TileRule.softmax(identity_score_map, offset=_n_offset, m_floor=_n_floor),
-    description="exp(x) / (n + sum exp(x))", **_COMMON))
+    residuals="output", description="exp(x) / (n + sum exp(x))", **_COMMON))
 
 SPEC_1 = register(NormalizerSpec(
     name="softmax_1", fn=softmax_1,
     tile=TileRule.softmax(identity_score_map, offset=_one_offset, m_floor=0.0),
-    description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]", **_COMMON))
+    residuals="output", description="exp(x) / (1 + sum exp(x)) = softmax([x, 0])[:-1]",
+    **_COMMON))
 
 SPEC_SINK = register(NormalizerSpec(
     name="softmax_sink", fn=softmax_sink, params=(_SINK,),
     tile=TileRule.softmax(identity_score_map, offset=_sink_offset, m_floor=_sink_floor),
-    description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit", **_COMMON))
+    residuals="output", description="exp(x) / (exp(s) + sum exp(x)), s a learned sink logit",
+    **_COMMON))
