@@ -429,11 +429,14 @@ def prune_mask(cfg: Config, mask, decay, q_start, k_start, bq: int, bk: int):
 
 def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False):
   """``(x, visible)`` of a tile with a dense bias and mask: ``x = s + bias`` (added after
-  the soft cap, as the dense path does) and ``visible = mask & keep & (x != -inf)``.
+  the soft cap, as the dense path does) and ``visible = mask & keep & (|x| != inf)``
+  (``x != -inf`` for class P).
 
   ``s`` [bq, bk] the (capped) logits, ``mask`` the structure's visibility (or None),
   ``bias`` the float bias tile and ``keep`` the mask tile (nonzero = attend), each
-  [bq, bk] or None. A ``-inf`` bias entry hides its key exactly like a False mask entry.
+  [bq, bk] or None. A ``-inf`` bias entry hides its key exactly like a False mask entry; so
+  does a ``+inf`` one except for class P, its row being replaced by
+  ``jaxsoft.attention._posinf.with_posinf_rule``.
   ``log2``: ``s`` is in log2 units (:func:`tile_logits`), so is the bias added to it.
   """
   x = s
@@ -442,7 +445,13 @@ def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False)
     mask = k if mask is None else jnp.logical_and(mask, k)
   if bias is not None:
     x = s + (bias.astype(s.dtype) * LOG2E if log2 else bias.astype(s.dtype))
-    finite = x != -jnp.inf  # a NaN logit stays visible (its row NaN, as dense)
+    # A NaN logit stays visible (its row NaN, as dense); but for class P (whose numerator
+    # at +inf is the entry's own limit) a +inf one is hidden too: its row is replaced by
+    # the +inf rule (jaxsoft.attention._posinf), so the tile stays finite.
+    if cfg.spec.kernel_class == "P":
+      finite = x != -jnp.inf
+    else:
+      finite = jnp.abs(x) != jnp.inf
     mask = finite if mask is None else jnp.logical_and(mask, finite)
   return x, mask
 

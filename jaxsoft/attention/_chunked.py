@@ -302,7 +302,7 @@ def _query_block(plan: _Plan, inp: _Inputs, aux: _Aux, qi) -> _QueryBlock:
 
 
 def _visibility(plan: _Plan, aux: _Aux, qb: _QueryBlock, ks, x=None):
-  """Visibility of the tile at key offset ``ks``: structure, dense mask, ``-inf`` logits."""
+  """Visibility of the tile at key offset ``ks``: structure, dense mask, ``±inf`` logits."""
   k_pos = ks + jnp.arange(plan.bk, dtype=jnp.int32)
   kv_seg = None
   if aux.kv_seg is not None:
@@ -311,7 +311,10 @@ def _visibility(plan: _Plan, aux: _Aux, qb: _QueryBlock, ks, x=None):
   if qb.mask is not None:
     vis = vis & _slice(qb.mask, ks, plan.bk, 4)
   if x is not None:
-    vis = vis & (x != -jnp.inf)  # a NaN logit stays visible: its row is NaN, as dense
+    # a NaN logit stays visible: its row is NaN, as dense; but for class P (whose numerator
+    # at +inf is the entry's own limit) a +inf one is hidden like a -inf one (its row is
+    # replaced by the +inf rule, ``with_posinf_rule``), so the tile stays finite
+    vis = vis & ((x != -jnp.inf) if plan.kind == "P" else (jnp.abs(x) != jnp.inf))
   return vis
 
 
@@ -876,8 +879,9 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   """Blockwise attention for a validated AttentionCall (see the module docstring).
 
   A row whose bias holds a visible ``+inf`` follows the normalizer's ``+inf`` rule, as the
-  dense path (``jaxsoft.attention._posinf.with_posinf_rule``: the tiles see those entries
-  masked; the rows are recomputed beside the pass only when the bias has a ``+inf``).
+  dense path (``jaxsoft.attention._posinf.with_posinf_rule``: the tiles hide ``+inf``
+  logits as they hide ``-inf`` ones; the rows are recomputed beside the pass only when the
+  bias has a ``+inf``).
 
   Returns ``out`` [B, T, N, Hv], or ``(out, residual [B, T, N])`` when
   ``call.return_residual`` (the row statistic of :func:`_row_statistic`, no gradient).

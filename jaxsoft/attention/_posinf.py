@@ -10,29 +10,31 @@ respect to the logits is 0. The per-tile math of the blockwise paths cannot carr
 limit (softmax's running max becomes ``+inf`` and ``e^{inf - inf}`` is NaN; a threshold
 search has no finite bracket), so :func:`with_posinf_rule` handles those rows beside it:
 
-* the blockwise path runs on the bias with its ``+inf`` entries masked (``-inf``), so every
-  row stays finite; rows without a ``+inf`` are computed exactly as before;
-* only when the bias holds a ``+inf`` at all (one ``jnp.any`` over the bias decides, in a
-  ``lax.cond``: an ordinary call pays one read of its bias), two more blockwise softmax
-  passes with q = 0 give, per row, the mean of the values over the visible ``+inf``
-  entries and over all visible entries, with their counts k and n (the passes' log-sum-exp
-  residual: ``log k``, ``log n``); the limit's weight a on a ``+inf`` entry and b on the
-  other visible entries come from the normalizer's own dense function on a row of k
-  ``+inf`` and n - k zeros (the limits depend on the row only through k, n and the row's
-  hyperparameters), and ``out = a·Σ_{+inf} v + b·Σ_{other visible} v``;
+* the blockwise path hides ``+inf`` logits as it hides ``-inf`` ones (its tile visibility
+  is ``|x| != inf`` for these classes: one more elementwise op per tile), so every row
+  stays finite; rows without a ``+inf`` are computed exactly as before;
+* only when the bias holds a ``+inf`` at all (the bias's max decides, in a
+  ``lax.cond``: an ordinary call pays one max over its bias), a plain XLA pass over blocks
+  of query rows sums, per row, the values over the visible ``+inf`` entries and over the
+  other visible entries, and counts them (k and n); the limit's weight a on a ``+inf``
+  entry and b on the other visible entries is ``1/k`` and 0 for a normalizer whose rule is
+  the default share (probed once per normalizer and Python-valued hyperparameters, by its
+  dense function on rows of k ``+inf`` and n - k zeros), else comes from its dense function
+  on such a row for each row (the limits depend on a row only through k, n and the row's
+  hyperparameters); ``out = a·Σ_{+inf} v + b·Σ_{other visible} v``;
 * rows with a visible ``+inf`` take that output; their gradient reaches only the values
   (``dv_j = w_j dO``), as the dense path's does (its logits' cotangent there is 0). The
   hyperparameters get no gradient from those rows (for the default rule the limit does
   not depend on them; for clipped and affine softmax the dense path's does).
 
-Class P (pointwise) normalizers are not routed: each weight depends on its own score, and
-the tile's numerator at ``+inf`` is already the entry's own limit. A ``+inf`` logit that
+Class P (pointwise) normalizers are not routed, and their tiles keep ``+inf`` logits
+visible: each weight depends on its own score, and the tile's numerator at ``+inf`` is
+already the entry's own limit (sigmoid 1, relu ``+inf``). A ``+inf`` logit that
 does not come from the bias (a ``q·k`` that overflows) is not detected here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -57,8 +59,8 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
   Args:
     call: a validated :class:`~jaxsoft.attention.call.AttentionCall`.
     run: the implementation, ``run(call) -> out`` (or ``(out, residual)`` with
-      ``call.return_residual``); it must accept the same call with another bias, with
-      q = 0 and the softmax normalizer.
+      ``call.return_residual``); it must hide ``+inf`` logits as it hides ``-inf`` ones
+      (both paths' tile visibility is ``|x| != inf``), so that every row stays finite.
 
   Returns:
     what ``run`` returns; rows with a visible ``+inf`` logit from the bias follow the
@@ -69,31 +71,35 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
   if (call.bias is None or not isinstance(spec, _spec.NormalizerSpec)
       or spec.kernel_class == "P" or spec.needs_key):
     return run(call)
-  bias = jnp.asarray(call.bias)
-  result = run(dataclasses.replace(call, bias=jnp.where(bias == jnp.inf, -jnp.inf, bias)))
+  result = run(call)
   out, stat = result if call.return_residual else (result, None)
   arrays = {name: x for name, x in call.params.items()
             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)}
-  fixed, has = _fixed_rows(call)(call.v, bias, arrays)
-  out = jnp.where(has[..., None], fixed.astype(out.dtype), out)
-  if stat is None:
-    return out
-  return out, jnp.where(has, jnp.asarray(jnp.inf, stat.dtype), stat)
+  out, stat = _override_rows(call)(out, stat, call.v, jnp.asarray(call.bias), arrays)
+  return out if stat is None else (out, stat)
 
 
-def _fixed_rows(call):
-  """``(v, bias, array hyperparameters) -> (out [B, T, N, Hv], has [B, T, N])``: the
-  ``+inf`` rows' outputs and where a row has a visible ``+inf`` (all False, and nothing
-  computed, when the bias has none). A custom VJP whose residuals are its inputs (no
-  zero-filled branch residuals on the ordinary path); only ``v`` gets a gradient."""
-  B, T, N, _ = call.q.shape
-  Hv = call.v.shape[-1]
+def _has_posinf(bias):
+  """Whether the bias holds a ``+inf`` (its max: a float reduction, 3x faster than
+  ``jnp.any`` of a comparison on XLA:CPU; a NaN bias gives False, its rows are NaN)."""
+  return jnp.max(bias) == jnp.inf
+
+
+def _override_rows(call):
+  """``(out, stat, v, bias, array hyperparameters) -> (out, stat)`` with the rows that
+  have a visible ``+inf`` replaced by the ``+inf`` rule (stat: ``+inf``; None stays None).
+
+  Everything happens inside one ``lax.cond`` on :func:`_has_posinf`, whose other branch
+  returns ``out`` and ``stat`` untouched, so an ordinary call pays the bias's max and
+  nothing else; a custom VJP whose residuals are its inputs (no zero-filled residuals of
+  the other branch). Gradients: ``out``'s cotangent passes on the other rows, and ``v``
+  gets the replaced rows' (``w_j dO``); the bias and the hyperparameters get none from
+  them."""
   dtype = compute_dtype(call.q.dtype)
-
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
 
-  def compute(v, bias, arrays):
+  def rows(v, bias, arrays):  # (out of the +inf rows, where a row has a visible +inf)
     sum_inf, sum_rest, count_k, count_n = _row_sums(call, v, bias, dtype, rest=not share)
     if share:  # 1/k on each +inf entry, 0 elsewhere
       return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0
@@ -101,34 +107,49 @@ def _fixed_rows(call):
     out = a[..., None] * sum_inf + jnp.where(count_k < count_n, b, 0.0)[..., None] * sum_rest
     return out, count_k > 0
 
-  def skip(v, bias, arrays):
-    del v, bias, arrays
-    return jnp.zeros((B, T, N, Hv), dtype), jnp.zeros((B, T, N), bool)
+  def replace(out, stat, v, bias, arrays):
+    fixed, has = rows(v, bias, arrays)
+    out = jnp.where(has[..., None], fixed.astype(out.dtype), out)
+    if stat is not None:
+      stat = jnp.where(has, jnp.asarray(jnp.inf, stat.dtype), stat)
+    return out, stat
 
-  def branch(v, bias, arrays):
-    return lax.cond(jnp.any(bias == jnp.inf), compute, skip, v, bias, arrays)
+  def keep(out, stat, v, bias, arrays):
+    del v, bias, arrays
+    return out, stat
+
+  def forward(out, stat, v, bias, arrays):
+    flag = _has_posinf(bias)
+    return lax.cond(flag, replace, keep, out, stat, v, bias, arrays), flag
 
   @jax.custom_vjp
-  def fixed(v, bias, arrays):
-    return branch(v, bias, arrays)
+  def override(out, stat, v, bias, arrays):
+    return forward(out, stat, v, bias, arrays)[0]
 
-  def fixed_fwd(v, bias, arrays):
-    return branch(v, bias, arrays), (v, bias, arrays)
+  def override_fwd(out, stat, v, bias, arrays):
+    result, flag = forward(out, stat, v, bias, arrays)
+    return result, (v, bias, arrays, flag)
 
-  def fixed_bwd(saved, cotangents):
-    v, bias, arrays = saved
-    d_out = cotangents[0]
+  def override_bwd(saved, cotangents):
+    v, bias, arrays, flag = saved
+    d_out, d_stat = cotangents
 
-    def grad_v(v, bias, arrays):
-      _, vjp = jax.vjp(lambda v_: compute(v_, bias, arrays)[0], v)
-      return vjp(d_out.astype(dtype))[0]
+    def replaced(d_out, v, bias, arrays):
+      fixed, vjp = jax.vjp(lambda v_: rows(v_, bias, arrays)[0], v)
+      has = rows(v, bias, arrays)[1]  # (recomputed: cheap beside the vjp, no gradient)
+      d_fixed = jnp.where(has[..., None], d_out, 0.0).astype(fixed.dtype)
+      return jnp.where(has[..., None], 0.0, d_out).astype(d_out.dtype), vjp(d_fixed)[0]
 
-    dv = lax.cond(jnp.any(bias == jnp.inf), grad_v, lambda v, bias, arrays: jnp.zeros_like(v),
-                  v, bias, arrays)
-    return dv, jnp.zeros_like(bias), jax.tree.map(jnp.zeros_like, arrays)
+    def kept(d_out, v, bias, arrays):
+      del bias, arrays
+      return d_out, jnp.zeros_like(v)
 
-  fixed.defvjp(fixed_fwd, fixed_bwd)
-  return fixed
+    d_out, dv = lax.cond(flag, replaced, kept, d_out, v, bias, arrays)
+    d_stat = None if d_stat is None else jnp.zeros_like(d_stat)  # (the callers stop it)
+    return d_out, d_stat, dv, None, jax.tree.map(lambda _: None, arrays)
+
+  override.defvjp(override_fwd, override_bwd)
+  return override
 
 
 # (k, n) of the probe rows of :func:`_shares_among_inf`: k visible +inf logits out of n.
