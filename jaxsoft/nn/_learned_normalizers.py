@@ -99,7 +99,8 @@ def _query_projection(module: Any, q, kernel: str, bias: str, owner: str) -> jax
   q = _head_queries(q, module.num_heads, module.head_dim, owner)
   w = _learned_value(getattr(module, kernel), (module.num_heads, module.head_dim), kernel, owner)
   c = _learned_value(getattr(module, bias), (module.num_heads,), bias, owner)
-  return jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w) + c[:, None]
+  z = jnp.einsum("bnth,nh->bnt", q.astype(jnp.promote_types(q.dtype, w.dtype)), w)
+  return z + c[None, :, None]
 
 
 def _visible(n_visible, q, owner: str) -> jax.Array:

@@ -46,13 +46,13 @@ def test_qassmax_at_init_is_ssmax_with_s_one():
   qa = L.QASSMax(N, H, hidden=8, rngs=nnx.Rngs(2))
   q = helpers.normal(3, (B, T, N, H))
   k = helpers.normal(4, (B, T, N, H))
-  causal = jnp.tril(jnp.ones((T, T), bool))
+  causal = jnp.tril(jnp.ones((T, T), bool))[None, None]  # [1, 1, T, T]
   n = jnp.arange(1, T + 1)  # the keys query i sees
   qt = qa(q, n)
   w = jax.nn.softmax(jnp.einsum("btnh,bsnh->bnts", qt, k) / np.sqrt(H), where=causal)
   # SSMax with s = 1: softmax((log n_i) x_ij) with n_i = i + 1 visible keys
   plain = jnp.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(H)
-  want = jax.nn.softmax(jnp.log(n)[:, None] * plain, where=causal) * causal
+  want = jax.nn.softmax(jnp.log(n)[:, None][None, None] * plain, where=causal) * causal
   np.testing.assert_allclose(w * causal, want, rtol=1e-5, atol=1e-6)
   # training the gate moves it away from 1, within (0, 2)
   qa.gate_out.kernel[...] = jnp.full(qa.gate_out.kernel.shape, 0.3)
