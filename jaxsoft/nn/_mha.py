@@ -389,8 +389,9 @@ class MultiHeadAttention(nnx.Module):
     if not self.forget_gate:
       raise ValueError("MultiHeadAttention.log_forget_gates: the layer has no `forget_gate`")
     x = jnp.asarray(inputs, jnp.float32)
-    logits = x @ self.forget_kernel[...].astype(jnp.float32) + self.forget_bias[...].astype(
-        jnp.float32)
+    logits = x @ self.forget_kernel[...].astype(jnp.float32)
+    bias = self.forget_bias[...].astype(jnp.float32)
+    logits = logits + bias.reshape((1,) * (logits.ndim - 1) + bias.shape)  # [N], explicit
     return jax.nn.log_sigmoid(logits)
 
   def __call__(self, inputs_q: ArrayLike, inputs_k: ArrayLike | None = None,

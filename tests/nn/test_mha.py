@@ -159,7 +159,7 @@ def test_learned_temperature_matches_reference():
   temps = jnp.array([0.5, 1.0, 2.0, 4.0])
   m.normalizer_free["temperature"].value = from_range(temps)
   x = normal(6, (2, T, D))
-  want = m.out(_reference(m, x, lambda z: _softmax(z / temps[:, None, None])))
+  want = m.out(_reference(m, x, lambda z: _softmax(z / temps[None, :, None, None])))
   chex.assert_trees_all_close(m(x, is_causal=True), want, **FWD)
 
 
@@ -172,7 +172,7 @@ def test_gate_scales_head_outputs():
   # gate = sigmoid(x W + b): per head and feature, from the layer input
   w, b = normal(8, (D, N, D // N)), normal(9, (N, D // N))
   gated.gate_kernel.value, gated.gate_bias.value = w, b
-  gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, w) + b)
+  gate = jax.nn.sigmoid(jnp.einsum("btd,dnh->btnh", x, w) + b[None, None])
   chex.assert_trees_all_close(gated(x, is_causal=True), plain.out(y * gate), **FWD)
 
 
@@ -180,7 +180,7 @@ def test_forget_gate_matches_explicit_decay():
   m = MultiHeadAttention(N, D, forget_gate=True, rngs=nnx.Rngs(0))
   m.forget_bias.value = jnp.array([-1.0, 0.0, 1.0, 3.0])
   x = normal(10, (2, T, D))
-  log_f = jax.nn.log_sigmoid(x @ m.forget_kernel.value + m.forget_bias.value)  # [B, T, N]
+  log_f = jax.nn.log_sigmoid(x @ m.forget_kernel.value + m.forget_bias.value[None, None])  # [B, T, N]
   terms = np.zeros((T, T, T), np.float32)  # D_ij = sum_{l=j+1}^{i} log f_l
   for i in range(T):
     for j in range(i + 1):
