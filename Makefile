@@ -22,7 +22,10 @@ $(VENV)/.bench: $(VENV)/.base
 	touch $@
 
 ## The main job: set up, then train the smoke decoder LM on CPU (about a minute).
-demo: $(VENV)/.base
+## It installs the library and the training extra only (not the test tools or the oracles).
+demo:
+	test -x $(PY) || { $(PYTHON) -m venv $(VENV) && $(PIP) install -q --upgrade pip; }
+	$(PIP) install -q -e ".[train]"
 	rm -rf runs/demo
 	$(PY) train/train.py --preset smoke --workdir runs/demo
 
