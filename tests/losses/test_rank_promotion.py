@@ -1,18 +1,19 @@
-"""Losses, pooling and nn.attention_weights need no implicit rank promotion (issue 37).
+"""Losses, pooling and nn attention helpers need no implicit rank promotion (issue 37).
 
 Under ``jax.numpy_rank_promotion("raise")`` (the setting of JAX's own test suite and of many
 users') each function below traces, forward and backward, as it does without the setting,
 given batched inputs next to lower-rank per-class / per-head / shared arrays (a bias
 ``[V]``, a proposal ``[V]``, tree paths ``[V, L]``, a codebook's counts, concentrations
-``[C]``, thresholds ``[H]``, prototypes ``[M, d]``, an attention mask ``[T, S]``). Each once
-raised: the lower-rank array met the batched one in a jnp operation that broadcast it by
-rank.
+``[C]``, thresholds ``[H]``, prototypes ``[M, d]``, an attention mask ``[T, S]``, per-head
+biases ``[N]``). Each once raised: the lower-rank array met the batched one in a jnp
+operation that broadcast it by rank.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import jaxsoft as js
 
@@ -71,6 +72,11 @@ CASES = {
             q, q, bias, bias > 0, is_causal=True, query_seq_lengths=jnp.array([3, 2]),
             key_value_seq_lengths=jnp.array([2, 3]), local_window_size=1),
         (_normal((B, T, 2, D)), _normal((T, T)))),
+    "nn.SSA.token_temperature": (   # per-head projection bias [N]; q [B, N, T, H]
+        lambda q: js.nn.SSA(2, D).token_temperature(q), (_normal((B, 2, T, D)),)),
+    "nn.MultiHeadAttention.log_forget_gates": (   # forget bias [N]; x [B, T, D]
+        lambda x: js.nn.MultiHeadAttention(2, D, forget_gate=True, rngs=nnx.Rngs(0))
+        .log_forget_gates(x), (H,)),
     "entropic_ot_pool": (
         lambda x, pr: js.pooling.entropic_ot_pool(x, prototypes=pr, num_iters=5),
         (X_SETS, _normal((3, D)))),
