@@ -17,7 +17,7 @@ def rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
   """
   half = x.shape[-1] // 2
   freqs = base ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions[:, :, None, None].astype(jnp.float32) * freqs  # [B, T, 1, H/2]
+  angles = positions[:, :, None, None].astype(jnp.float32) * freqs[None, None, None]  # [B, T, 1, H/2]
   cos, sin = jnp.cos(angles), jnp.sin(angles)
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)

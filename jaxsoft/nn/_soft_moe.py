@@ -182,9 +182,10 @@ class SoftMoE(nnx.Module):
   def experts(self, slots: jax.Array) -> jax.Array:
     """``[B, n, p, d] -> [B, n, p, d]``: expert e's MLP on its p slots."""
     dt = slots.dtype
-    h = jnp.einsum("bnpd,ndf->bnpf", slots, self.w1[...].astype(dt)) + self.b1[...].astype(dt)[:, None]
-    h = jax.nn.gelu(h)
-    return jnp.einsum("bnpf,nfd->bnpd", h, self.w2[...].astype(dt)) + self.b2[...].astype(dt)[:, None]
+    h = jnp.einsum("bnpd,ndf->bnpf", slots, self.w1[...].astype(dt))
+    h = jax.nn.gelu(h + self.b1[...].astype(dt)[None, :, None])  # bias [n, f] as [1, n, 1, f]
+    out = jnp.einsum("bnpf,nfd->bnpd", h, self.w2[...].astype(dt))
+    return out + self.b2[...].astype(dt)[None, :, None]
 
   def __call__(self, x: ArrayLike, mask: ArrayLike | None = None) -> jax.Array:
     """x [B, m, d] (mask: optional bool [B, m]) -> [B, m, d]."""
