@@ -62,7 +62,7 @@ def test_lightning_is_the_decay_mask():
   t = jnp.arange(6)
   mask = jnp.where(t[:, None] >= t[None, :],
                    jnp.exp(g[:, None, None] * (t[:, None] - t[None, :])[None]), 0.0)   # [N, T, T]
-  scores = jnp.einsum("btnk,bsnk->bnts", q, k) * K ** -0.5 * mask
+  scores = jnp.einsum("btnk,bsnk->bnts", q, k) * K ** -0.5 * mask[None]   # [B, N, T, T]
   light = jax.jit(linear.lightning_attention)
   np.testing.assert_allclose(light(q, k, v, g), jnp.einsum("bnts,bsnv->btnv", scores, v),
                              rtol=1e-5, atol=1e-5)
