@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 
 import jaxsoft as js
+from train import positions
 
 L = js.losses
 B, T, D, V = 2, 3, 4, 6
@@ -77,6 +78,11 @@ CASES = {
     "nn.MultiHeadAttention.log_forget_gates": (   # forget bias [N]; x [B, T, D]
         lambda x: js.nn.MultiHeadAttention(2, D, forget_gate=True, rngs=nnx.Rngs(0))
         .log_forget_gates(x), (H,)),
+    "nn.SoftMoE": (   # expert biases [n, f]; slots [B, n, p, d]
+        lambda x: js.nn.SoftMoE(D, 2, rngs=nnx.Rngs(0))(x), (H,)),
+    "train.positions.rope": (   # frequencies [H/2]; positions [B, T]
+        lambda x: positions.rope(x, jnp.arange(T)[None].repeat(B, 0), 10000.0),
+        (_normal((B, T, 2, D)),)),
     "entropic_ot_pool": (
         lambda x, pr: js.pooling.entropic_ot_pool(x, prototypes=pr, num_iters=5),
         (X_SETS, _normal((3, D)))),
