@@ -76,14 +76,15 @@ def _gated_delta_reference(layer, x):
   u = x @ p(layer.qkv.kernel)
   w = p(layer.conv)
   padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
-  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
+  u = jax.nn.silu(sum(w[i][None, None] * padded[:, i:i + t] for i in range(w.shape[0])))
   q, k, v = (a.reshape(b, t, n, h) for a in jnp.split(u, 3, axis=-1))
   q = q / jnp.linalg.norm(q, axis=-1, keepdims=True)
   k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
-  alpha = jnp.exp(-jnp.exp(p(layer.A_log)) * jax.nn.softplus(x @ p(layer.a.kernel)
-                                                              + p(layer.dt_bias)))
+  per_head = lambda a: a[None, None]  # noqa: E731  [N] -> [1, 1, N]
+  alpha = jnp.exp(-per_head(jnp.exp(p(layer.A_log))) * jax.nn.softplus(
+      x @ p(layer.a.kernel) + per_head(p(layer.dt_bias))))
   beta = jax.nn.sigmoid(x @ p(layer.beta.kernel))
-  eye = jnp.eye(h)
+  eye = jnp.eye(h)[None, None]
 
   def token(S, inputs):  # one step of the recurrence (a scan: compiled once, not t times)
     qq, kk, vv, a, bb = inputs
@@ -95,7 +96,7 @@ def _gated_delta_reference(layer, x):
   _, outs = jax.lax.scan(token, jnp.zeros((b, n, h, h)),
                          tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, alpha, beta)))
   o = jnp.moveaxis(outs, 0, 1)
-  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * p(layer.o_norm)
+  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * p(layer.o_norm)[None, None, None]
   o = o.reshape(b, t, n * h) * jax.nn.silu(x @ p(layer.gate.kernel))
   return o @ p(layer.o.kernel)
 
