@@ -192,6 +192,15 @@ def softmax_n(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   -88, where softmax is still well defined). ``x = +-1000`` is fine; the chunked and
   Pallas paths use the same floor (the tile rule's ``m_floor``).
 
+  The derivative is written from the output ``y`` (a ``custom_jvp``, as ``jax.nn.softmax``;
+  the sink takes no output entry, so the Jacobian in ``x`` is softmax's),
+
+  .. math::
+    dy = y \odot (dx - \langle y, dx \rangle) - y \, \frac{dn}{n + S},
+
+  so reverse mode keeps ``y`` and one flag per row, and ``\log(n + S)`` per row when ``n``
+  is differentiated (the same holds for :func:`softmax_1` and :func:`softmax_sink`).
+
   Args:
     x: scores.
     n: sink mass n >= 0, a scalar or an array broadcast to the rows (size 1 along
