@@ -24,6 +24,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import os
 import re
 import sys
 import types
@@ -366,5 +367,11 @@ def main(argv=None, out=None, err=None) -> int:
   except UsageError as error:
     print(f"python -m jaxsoft: error: {error}", file=err)
     return 2
-  print(text, file=out)
+  try:
+    print(text, file=out)
+    out.flush()
+  except BrokenPipeError:  # the reader stopped early (`python -m jaxsoft list losses | head`)
+    if out is sys.stdout:  # no second error when the interpreter flushes stdout at exit
+      os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    return 1
   return 0
