@@ -22,13 +22,15 @@ import argparse
 import dataclasses
 import difflib
 import functools
-import importlib
 import inspect
 import os
 import re
 import sys
 import types
 from typing import Any
+
+import kernels_pallas
+from jaxsoft import attention, linear, losses, normalizers, pooling
 
 __all__ = ["CATEGORIES", "gallery", "main"]
 
@@ -40,6 +42,10 @@ CATEGORIES = {
     "losses": "jaxsoft.losses",
     "kernels": "kernels_pallas",
     "pooling": "jaxsoft.pooling",
+}
+_MODULES: dict[str, types.ModuleType] = {
+    "normalizers": normalizers, "attention": attention, "linear": linear, "losses": losses,
+    "kernels": kernels_pallas, "pooling": pooling,
 }
 
 _FEATURE_ID = re.compile(r"\b([NALKE]\d\d)\b")
@@ -141,7 +147,7 @@ def entries(category: str) -> list[Entry]:
   """The public names of one category, in the order its package lists them."""
   if category not in CATEGORIES:
     raise UsageError(_unknown("category", category, list(CATEGORIES)))
-  module = importlib.import_module(CATEGORIES[category])
+  module = _MODULES[category]
   if category == "normalizers":
     out = []
     for name in module.names():
@@ -159,7 +165,7 @@ def _everything() -> list[Entry]:
   for category in CATEGORIES:
     out += entries(category)
   # the normalizers' helper functions (thresholds, log-forms) that are not registry names
-  module = importlib.import_module(CATEGORIES["normalizers"])
+  module = normalizers
   registered = set(module.names())
   out += [Entry(name, "normalizers", getattr(module, name), _catalogue_id(getattr(module, name)),
                 "", _summary(getattr(module, name)))
@@ -243,7 +249,7 @@ def _qualified(entry: Entry) -> str:
   module = CATEGORIES[entry.category]
   if entry.spec is not None:
     fn = _unwrap(entry.spec.fn)
-    package = importlib.import_module(module)
+    package = _MODULES[entry.category]
     fn_name = getattr(fn, "__name__", "")
     if fn_name and _unwrap(getattr(package, fn_name, None)) is fn:
       return f"{module}.{fn_name}"

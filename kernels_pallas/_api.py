@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxsoft.attention._posinf import with_posinf_rule
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.differentiation import refuse_unsupported_ad
 from jaxsoft.attention.masks import table_ranges
+from jaxsoft.attention.posinf import with_posinf_rule
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import autotune, core
 from kernels_pallas import engine as E
@@ -161,7 +161,7 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
   ``return_residual`` (``m + log D`` from the forward's row statistics for classes E and
   S, 0 for P, the search's tau for T; no gradient). A row whose bias holds a visible
   ``+inf`` follows the normalizer's ``+inf`` rule as the dense path does
-  (``jaxsoft.attention._posinf.with_posinf_rule``; its residual is ``+inf``).
+  (``jaxsoft.attention.posinf.with_posinf_rule``; its residual is ``+inf``).
 
   Returns:
     ``o`` [B, T, N, Hv] in q's dtype, or ``(o, residual [B, T, N])`` with

@@ -436,7 +436,7 @@ def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False)
   ``bias`` the float bias tile and ``keep`` the mask tile (nonzero = attend), each
   [bq, bk] or None. A ``-inf`` bias entry hides its key exactly like a False mask entry; so
   does a ``+inf`` one except for class P, its row being replaced by
-  ``jaxsoft.attention._posinf.with_posinf_rule``.
+  ``jaxsoft.attention.posinf.with_posinf_rule``.
   ``log2``: ``s`` is in log2 units (:func:`tile_logits`), so is the bias added to it.
   """
   x = s
@@ -447,7 +447,7 @@ def dense_logits(cfg: Config, s, mask, bias=None, keep=None, log2: bool = False)
     x = s + (bias.astype(s.dtype) * LOG2E if log2 else bias.astype(s.dtype))
     # A NaN logit stays visible (its row NaN, as dense); but for class P (whose numerator
     # at +inf is the entry's own limit) a +inf one is hidden too: its row is replaced by
-    # the +inf rule (jaxsoft.attention._posinf), so the tile stays finite.
+    # the +inf rule (jaxsoft.attention.posinf), so the tile stays finite.
     if cfg.spec.kernel_class == "P":
       finite = x != -jnp.inf
     else:

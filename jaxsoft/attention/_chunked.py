@@ -75,9 +75,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsoft.attention._posinf import with_posinf_rule
 from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.attention.posinf import with_posinf_rule
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import tile
 from jaxsoft.normalizers.common import compute_dtype
@@ -879,7 +879,7 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   """Blockwise attention for a validated AttentionCall (see the module docstring).
 
   A row whose bias holds a visible ``+inf`` follows the normalizer's ``+inf`` rule, as the
-  dense path (``jaxsoft.attention._posinf.with_posinf_rule``: the tiles hide ``+inf``
+  dense path (``jaxsoft.attention.posinf.with_posinf_rule``: the tiles hide ``+inf``
   logits as they hide ``-inf`` ones; the rows are recomputed beside the pass only when the
   bias has a ``+inf``).
 
