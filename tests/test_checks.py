@@ -74,7 +74,7 @@ def test_per_row_alpha_names_the_first_bad_entry_under_vmap_and_grad():
   x = jnp.array([[1.0, 0.5, -1.0], [0.2, 0.1, 0.0]])
 
   def loss(alpha):
-    return jnp.sum(entmax(x, alpha=alpha[:, None]) * jnp.arange(3.0))
+    return jnp.sum(entmax(x, alpha=alpha[:, None]) * jnp.arange(3.0)[None])
 
   error = _checked_jit(jax.grad(loss))
   assert error(jnp.array([1.5, 1.25])) is None
