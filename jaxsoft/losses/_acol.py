@@ -181,7 +181,8 @@ def acol_loss(logits: ArrayLike, labels: ArrayLike, *, affinity_weight: float = 
     balance_weight: :math:`c_\beta \ge 0`.
     frobenius_weight: :math:`c_F \ge 0`, on the sum of the squared node logits.
     where: optional example mask (as in :func:`acol_gar`): masked examples leave the mean
-      and the batch statistics.
+      and the batch statistics; a batch with no visible example gives 0 with zero
+      gradient (the package's rule for masked examples).
 
   Returns:
     The scalar loss of the batch, in ``logits``' dtype (f32 compute for bf16/fp16); a
@@ -218,5 +219,6 @@ def acol_loss(logits: ArrayLike, labels: ArrayLike, *, affinity_weight: float = 
   affinity, balance = _gar_terms(x, mask, keep)
   frob = jnp.sum(jnp.where(mask & keep[..., None, None], x * x, 0.0))
   total = ce_mean + weights[0] * affinity + weights[1] * (1.0 - balance) + weights[2] * frob
-  return total.astype(dtype)
+  # the package convention: a batch with no visible example costs 0 (1 - balance would be 1)
+  return jnp.where(jnp.any(keep), total, 0.0).astype(dtype)
 

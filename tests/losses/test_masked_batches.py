@@ -20,7 +20,8 @@ B, C, D = 3, 5, 4
 LABELS = jnp.array([0, 2, 4])
 KEY = jax.random.PRNGKey(0)
 # Not losses, or fitted/score functions whose `where` selects the data they summarise.
-NOT_PER_EXAMPLE = {"adacos_scale", "attention_entropy_penalty", "ece", "energy_score",
+NOT_PER_EXAMPLE = {"acol_probabilities", "adacos_scale", "attention_entropy_penalty", "ece",
+                   "energy_score", "marginalized_energy", "spilled_energy",
                    "fit_dirichlet_calibration", "fit_temperature", "msp",
                    "softmax_collapse_fraction", "partial_fc_loss"}
 
@@ -36,7 +37,11 @@ def _cases():
   paths, codes = L.huffman_tree(jnp.arange(1, C + 1, dtype=jnp.float32))
   onehot_bool = jnp.eye(B, C, dtype=bool)
   ctx = jnp.array([[1, 2], [3, 0], [4, 4]])
+  acol_nodes = _normal(10, B, C, 2)
   return {
+      # ACOL's loss and GAR terms are batch statistics: a batch with no visible example is 0
+      "acol_gar": (lambda m, z: jnp.stack(L.acol_gar(z, where=m)), (acol_nodes,), (B,)),
+      "acol_loss": (lambda m, z: L.acol_loss(z, LABELS, where=m), (acol_nodes,), (B,)),
       "adpo_loss": (lambda m, x, y: L.adpo_loss(x, y, jax.nn.softmax(other), where=m),
                     (logits, other), (B,)),
       "arcface_loss": (lambda m, e, c: L.arcface_loss(e, c, LABELS, where=m), (emb, w), (B,)),
