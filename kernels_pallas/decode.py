@@ -487,7 +487,7 @@ def decode_attention(q, k_cache, v_cache, lengths, *, normalizer: str = "softmax
 
   starts = jnp.arange(p, dtype=jnp.int32) * bps
   lo = jnp.broadcast_to(starts, (b, p))
-  hi = jnp.maximum(jnp.minimum(starts + bps, (lens[:, None] + cfg.block_k - 1) // cfg.block_k),
+  hi = jnp.maximum(jnp.minimum((starts + bps)[None, :], (lens[:, None] + cfg.block_k - 1) // cfg.block_k),
                    lo)
 
   if mode == "sigmoid":

@@ -517,7 +517,9 @@ def _ut_form(kc, vc, bc, fq, G, rel):
   run), by :func:`jaxsoft.linear.recurrence.unit_lower_inverse`."""
   C = kc.shape[-2]
   i = jnp.arange(C)
-  strict = ((rel[..., :, None] == rel[..., None, :]) & (i[:, None] > i[None, :]))[:, None]
+  same = rel[..., :, None] == rel[..., None, :]
+  below = i[:, None] > i[None, :]
+  strict = (same & below.reshape((1,) * (same.ndim - 2) + below.shape))[:, None]
   b = bc[..., None]
   A = b * jnp.einsum("...ik,...jk->...ij", kc, kc) * _masked_exp(
       strict, G[..., :, None] - G[..., None, :])

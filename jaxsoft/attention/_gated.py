@@ -71,7 +71,7 @@ def gated_attention_output(attn_out: ArrayLike, x: ArrayLike, w_gate: ArrayLike,
     b = jnp.asarray(b_gate)
     if b.shape != w.shape[1:]:
       raise ValueError(f"{fn_name}: `b_gate` must have shape {w.shape[1:]}, got {b.shape}")
-    g = g + b.astype(cdt)
+    g = g + b.astype(cdt).reshape((1,) * (g.ndim - b.ndim) + b.shape)
   g = jax.nn.sigmoid(g)
   if w.ndim == 2:
     g = g[..., None]

@@ -135,6 +135,7 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
         raise ValueError(f"{fn}: `gamma` must satisfy |gamma| * rho(A) < 1 for convergence; "
                          f"rho(A) per head = {np.round(rho, 4).tolist()}, got gamma = {gamma!r}")
   g = g.astype(a.dtype)
+  g = g.reshape((1,) * (4 - g.ndim) + g.shape)  # [N, 1, 1] -> [1, N, 1, 1], explicitly
   K = v.shape[2]
   cdt = a.dtype
   vn = jnp.repeat(v.astype(cdt), N // K, axis=2)  # query head n reads value head n // G
@@ -145,7 +146,7 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
   first = apply(vn)
   if terms is None:  # sum_{t>=1} gamma^(t-1) A^t V = (I - gamma A)^-1 A V
-    base = jnp.linalg.solve(jnp.eye(T, dtype=cdt) - g * a, first)
+    base = jnp.linalg.solve(jnp.eye(T, dtype=cdt)[None, None] - g * a, first)
   else:
     def step(_, carry):
       total, power = carry

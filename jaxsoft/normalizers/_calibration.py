@@ -171,7 +171,7 @@ def dirichlet_logits(log_probs: ArrayLike, weights: ArrayLike, bias: ArrayLike |
     b = jnp.asarray(bias)
     if b.shape != (k,):
       raise ValueError(f"{fn}: `bias` must have shape [K] = {(k,)}, got {b.shape}")
-    z = z + b.astype(cdt)
+    z = z + b.astype(cdt).reshape((1,) * (z.ndim - 1) + (k,))
   return z
 
 

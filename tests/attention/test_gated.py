@@ -23,7 +23,7 @@ def test_gated_output_matches_formula():
   b = normal(3, (3, 4))
 
   def ref(y, x, w, b):
-    gate = 1.0 / (1.0 + jnp.exp(-(jnp.einsum("btd,dnh->btnh", x, w) + b)))
+    gate = 1.0 / (1.0 + jnp.exp(-(jnp.einsum("btd,dnh->btnh", x, w) + b[None, None])))
     return y * gate
 
   assert_fn_close(gated_attention_output, ref, (y, x, w, b))

@@ -1,4 +1,4 @@
-"""Losses, pooling and nn attention helpers need no implicit rank promotion (issue 37).
+"""Losses, pooling, nn attention helpers and a few attention / normalizer functions need no implicit rank promotion (issue 37).
 
 Under ``jax.numpy_rank_promotion("raise")`` (the setting of JAX's own test suite and of many
 users') each function below traces, forward and backward, as it does without the setting,
@@ -86,6 +86,15 @@ CASES = {
     "entropic_ot_pool": (
         lambda x, pr: js.pooling.entropic_ot_pool(x, prototypes=pr, num_iters=5),
         (X_SETS, _normal((3, D)))),
+    "attention.gated_attention_output": (   # gate bias [N, H]; x [B, T, D]
+        js.attention.gated_attention_output,
+        (_normal((B, T, 2, D)), H, _normal((D, 2, D)), _normal((2, D)))),
+    "attention.infsa_attention": (   # per-head gamma [N]; the solve's identity [T, T]
+        lambda q: js.attention.infsa_attention(q, q, q, gamma=jnp.array([0.3, 0.5])),
+        (_normal((B, T, 2, D)),)),
+    "normalizers.dirichlet_logits": (   # bias [K] on log-probabilities [B, T, K]
+        lambda lp, w, b: js.normalizers.dirichlet_logits(lp, w, b),
+        (_normal((B, T, V)), _normal((V, V)), BIAS)),
 }
 
 

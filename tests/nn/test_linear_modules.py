@@ -98,7 +98,7 @@ def _qkv_by_hand(layer, x):
   u = x @ _value(layer.qkv.kernel)
   w = _value(layer.conv)
   padded = jnp.pad(u, ((0, 0), (w.shape[0] - 1, 0), (0, 0)))
-  u = jax.nn.silu(sum(w[i] * padded[:, i:i + t] for i in range(w.shape[0])))
+  u = jax.nn.silu(sum(w[None, i:i + 1] * padded[:, i:i + t] for i in range(w.shape[0])))
   return tuple(a.reshape(b, t, N, H) for a in jnp.split(u, 3, axis=-1))
 
 
