@@ -110,7 +110,7 @@ _D = 4  # key width of the max-retrieval circuit
 def _logits(params, x):
   """One head: key k_j = W [x_j, 1], a learned query q; logits q . k_j (q and the key
   weights are learned, so this is a general affine score a x_j + b)."""
-  keys = x[..., None] * params["w"][0] + params["w"][1]  # [batch, n, D]
+  keys = x[..., None] * params["w"][0][None, None] + params["w"][1][None, None]  # [batch, n, D]
   return keys @ params["q"]
 
 

@@ -33,10 +33,10 @@ def test_plain_gate_is_degree_zero_homogeneous_and_the_activation_gate_is_not():
     h, tau = rng.normal(size=(n, d)), 0.7
 
     def plain(W, b, tau):
-      return js.normalizers.softmax(h @ W.T + b, temperature=tau)
+      return js.normalizers.softmax(h @ W.T + b[None], temperature=tau)
 
     def activation(W, b, tau):
-      return js.normalizers.moe_gate(h @ W.T + b, tau=tau)
+      return js.normalizers.moe_gate(h @ W.T + b[None], tau=tau)
 
     @jax.jit
     def euler(W, b, tau):  # sum_i beta_i dG/dbeta_i + tau dG/dtau: the jvp along (W, b, tau)
