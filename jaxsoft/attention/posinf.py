@@ -35,6 +35,7 @@ does not come from the bias (a ``q·k`` that overflows) is not detected here.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,14 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
   out, stat = result if call.return_residual else (result, None)
   arrays = {name: x for name, x in call.params.items()
             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)}
-  out, stat = _override_rows(call)(out, stat, call.v, jnp.asarray(call.bias), arrays)
+  # Every other array the rows read goes in as an argument too: the custom VJP must not
+  # close over a tracer (inside shard_map the mask would leak out of the trace).
+  context = {"mask": call.mask, "query_seq_lengths": call.query_seq_lengths,
+             "key_value_seq_lengths": call.key_value_seq_lengths,
+             "segment_ids": call.segment_ids,
+             "params": {name: x for name, x in call.params.items()
+                        if name not in arrays and isinstance(x, (jax.Array, np.ndarray))}}
+  out, stat = _override_rows(call)(out, stat, call.v, jnp.asarray(call.bias), arrays, context)
   return out if stat is None else (out, stat)
 
 
@@ -99,54 +107,62 @@ def _override_rows(call):
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
 
-  def rows(v, bias, arrays):  # (out of the +inf rows, where a row has a visible +inf)
-    sum_inf, sum_rest, count_k, count_n = _row_sums(call, v, bias, dtype, rest=not share)
+  def with_context(context):  # the call, its arrays taken from the arguments
+    return dataclasses.replace(
+        call, mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
+        key_value_seq_lengths=context["key_value_seq_lengths"],
+        segment_ids=context["segment_ids"], params={**call.params, **context["params"]})
+
+  def rows(v, bias, arrays, context):  # (out of the +inf rows, where a row has a visible +inf)
+    call_ = with_context(context)
+    sum_inf, sum_rest, count_k, count_n = _row_sums(call_, v, bias, dtype, rest=not share)
     if share:  # 1/k on each +inf entry, 0 elsewhere
       return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0
-    a, b = _limit_weights(call, arrays, count_k, count_n, dtype)
+    a, b = _limit_weights(call_, arrays, count_k, count_n, dtype)
     out = a[..., None] * sum_inf + jnp.where(count_k < count_n, b, 0.0)[..., None] * sum_rest
     return out, count_k > 0
 
-  def replace(out, stat, v, bias, arrays):
-    fixed, has = rows(v, bias, arrays)
+  def replace(out, stat, v, bias, arrays, context):
+    fixed, has = rows(v, bias, arrays, context)
     out = jnp.where(has[..., None], fixed.astype(out.dtype), out)
     if stat is not None:
       stat = jnp.where(has, jnp.asarray(jnp.inf, stat.dtype), stat)
     return out, stat
 
-  def keep(out, stat, v, bias, arrays):
-    del v, bias, arrays
+  def keep(out, stat, v, bias, arrays, context):
+    del v, bias, arrays, context
     return out, stat
 
-  def forward(out, stat, v, bias, arrays):
+  def forward(out, stat, v, bias, arrays, context):
     flag = _has_posinf(bias)
-    return lax.cond(flag, replace, keep, out, stat, v, bias, arrays), flag
+    return lax.cond(flag, replace, keep, out, stat, v, bias, arrays, context), flag
 
   @jax.custom_vjp
-  def override(out, stat, v, bias, arrays):
-    return forward(out, stat, v, bias, arrays)[0]
+  def override(out, stat, v, bias, arrays, context):
+    return forward(out, stat, v, bias, arrays, context)[0]
 
-  def override_fwd(out, stat, v, bias, arrays):
-    result, flag = forward(out, stat, v, bias, arrays)
-    return result, (v, bias, arrays, flag)
+  def override_fwd(out, stat, v, bias, arrays, context):
+    result, flag = forward(out, stat, v, bias, arrays, context)
+    return result, (v, bias, arrays, context, flag)
 
   def override_bwd(saved, cotangents):
-    v, bias, arrays, flag = saved
+    v, bias, arrays, context, flag = saved
     d_out, d_stat = cotangents
 
-    def replaced(d_out, v, bias, arrays):
-      fixed, vjp = jax.vjp(lambda v_: rows(v_, bias, arrays)[0], v)
-      has = rows(v, bias, arrays)[1]  # (recomputed: cheap beside the vjp, no gradient)
+    def replaced(d_out, v, bias, arrays, context):
+      fixed, vjp = jax.vjp(lambda v_: rows(v_, bias, arrays, context)[0], v)
+      has = rows(v, bias, arrays, context)[1]  # (recomputed: cheap beside the vjp)
       d_fixed = jnp.where(has[..., None], d_out, 0.0).astype(fixed.dtype)
       return jnp.where(has[..., None], 0.0, d_out).astype(d_out.dtype), vjp(d_fixed)[0]
 
-    def kept(d_out, v, bias, arrays):
-      del bias, arrays
+    def kept(d_out, v, bias, arrays, context):
+      del bias, arrays, context
       return d_out, jnp.zeros_like(v)
 
-    d_out, dv = lax.cond(flag, replaced, kept, d_out, v, bias, arrays)
+    d_out, dv = lax.cond(flag, replaced, kept, d_out, v, bias, arrays, context)
     d_stat = None if d_stat is None else jnp.zeros_like(d_stat)  # (the callers stop it)
-    return d_out, d_stat, dv, None, jax.tree.map(lambda _: None, arrays)
+    return (d_out, d_stat, dv, None, jax.tree.map(lambda _: None, arrays),
+            jax.tree.map(lambda _: None, context))
 
   override.defvjp(override_fwd, override_bwd)
   return override
