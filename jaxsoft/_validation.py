@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import numpy as np
 
-__all__ = ["concrete", "positive_int", "check_positive", "finite_float"]
+__all__ = ["concrete", "positive_int", "head_layout", "check_positive", "finite_float"]
 
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
@@ -56,6 +56,25 @@ def positive_int(value: Any, name: str, owner: str) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
     raise ValueError(f"{owner}: `{name}` must be a positive int, got {value!r}")
   return int(value)
+
+
+def head_layout(d_model: Any, num_heads: Any, head_dim: Any, owner: str) -> tuple[int, int, int]:
+  """``(d_model, num_heads, head_dim)`` of a layer, each a positive int; ``head_dim=None``
+  is ``d_model // num_heads``, which ``num_heads`` must divide.
+
+  Examples:
+    >>> from jaxsoft._validation import head_layout
+    >>> head_layout(64, 4, None, "PoNetMixer")
+    (64, 4, 16)
+  """
+  d = positive_int(d_model, "d_model", owner)
+  n = positive_int(num_heads, "num_heads", owner)
+  if head_dim is None:
+    if d % n:
+      raise ValueError(f"{owner}: `num_heads` ({n}) must divide `d_model` ({d}) when "
+                       "`head_dim` is not given")
+    head_dim = d // n
+  return d, n, positive_int(head_dim, "head_dim", owner)
 
 
 def check_positive(value: Any, name: str, owner: str) -> Any:

@@ -78,7 +78,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft import linear as js_linear
-from jaxsoft._validation import positive_int
+from jaxsoft._validation import head_layout, positive_int
 from jaxsoft.nn._linear_kinds import (
     GLA_GATE_NORMALIZER,
     GLA_GATE_RANK,
@@ -339,14 +339,7 @@ class LinearMixer(nnx.Module):
     if kind not in LINEAR_MIXER_KINDS:
       raise ValueError(f"{name}: `kind` must be one of {LINEAR_MIXER_KINDS}, got {kind!r}")
     row = LINEAR_MIXER_TABLE[kind]
-    d = positive_int(d_model, "d_model", name)
-    n = positive_int(num_heads, "num_heads", name)
-    if head_dim is None:
-      if d % n:
-        raise ValueError(f"{name}: `num_heads` ({n}) must divide `d_model` ({d}) when "
-                         "`head_dim` is not given")
-      head_dim = d // n
-    h = positive_int(head_dim, "head_dim", name)
+    d, n, h = head_layout(d_model, num_heads, head_dim, name)
     c = positive_int(conv_size, "conv_size", name)
     if implementation is not None and implementation not in js_linear.IMPLEMENTATIONS:
       raise ValueError(f"{name}: `implementation` must be None or one of "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.typing import ArrayLike
 
-from jaxsoft._validation import positive_int
+from jaxsoft._validation import head_layout, positive_int
 from jaxsoft.attention import ponet_mix
 
 __all__ = ["PoNetMixer"]
@@ -73,14 +73,7 @@ class PoNetMixer(nnx.Module):
                use_bias: bool = True, dtype: Any = jnp.float32,
                param_dtype: Any = jnp.float32, rngs: nnx.Rngs) -> None:
     name = type(self).__name__
-    d = positive_int(d_model, "d_model", name)
-    n = positive_int(num_heads, "num_heads", name)
-    if head_dim is None:
-      if d % n:
-        raise ValueError(f"{name}: `num_heads` ({n}) must divide `d_model` ({d}) when "
-                         "`head_dim` is not given")
-      head_dim = d // n
-    h = positive_int(head_dim, "head_dim", name)
+    d, n, h = head_layout(d_model, num_heads, head_dim, name)
     w = positive_int(window, "window", name)
     if not isinstance(causal, bool):
       raise ValueError(f"{name}: `causal` must be a bool, got {causal!r}")
