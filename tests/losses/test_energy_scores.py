@@ -155,3 +155,22 @@ def test_bad_inputs_name_the_argument():
       ("`logits`", lambda: E.spilled_energy(z[:, :0], y[:, :0])),
       ("`logits`", lambda: E.marginalized_energy(z.astype(jnp.complex64))),
   )
+
+
+def test_fully_masked_rows_give_zero_with_zero_gradient():
+  """A step with no visible token and a masked transition score 0, never NaN or inf."""
+  z = jnp.asarray(np.random.default_rng(3).normal(size=(1, 3, 4)), jnp.float32)
+  tokens = jnp.zeros((1, 3), jnp.int32)
+  vocab_none = jnp.zeros((1, 3, 4), bool)
+  steps_none = jnp.zeros((1, 3), bool)
+
+  @jax.jit
+  def run(z):
+    e, ge = jax.value_and_grad(lambda z: L.marginalized_energy(z, where=vocab_none).sum())(z)
+    s, gs = jax.value_and_grad(
+        lambda z: L.spilled_energy(z, tokens, where=steps_none).sum())(z)
+    return (L.marginalized_energy(z, where=vocab_none),
+            L.spilled_energy(z, tokens, where=steps_none), ge, gs, e, s)
+
+  for a in run(z):
+    np.testing.assert_array_equal(np.asarray(a), 0.0)
