@@ -79,3 +79,13 @@ from jaxsoft.attention._monotonic import (  # noqa: E402
 
 __all__ += ["monotonic_attention_probs", "monotonic_attention", "hard_monotonic_attention",
             "chunkwise_attention", "local_window_attention", "segmental_attention"]
+
+# attention controls (A49, ``_controls``): no token mixing, fixed sequence-independent maps,
+# queries and keys from embeddings that do not depend on the tokens
+from jaxsoft.attention._controls import (  # noqa: E402
+    embedding_qk_attention,
+    fixed_map_attention,
+    no_mixing_attention,
+)
+
+__all__ += ["no_mixing_attention", "fixed_map_attention", "embedding_qk_attention"]

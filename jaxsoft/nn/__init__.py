@@ -16,6 +16,8 @@ The only jaxsoft package that imports flax.
   :class:`ProductKeyMemory` (A47; :func:`product_key_topk`).
 * :class:`UniAttnCompensation` (A22, UniAttn's W_c) and :class:`InfSA` (A25, a learned
   per-head discount).
+* :class:`AttentionControl` (A49): attention controls (no token mixing, fixed or learned
+  sequence-independent maps, Q/K from position embeddings) and their hybrids with real heads.
 * :class:`PoNetMixer` (A51): PoNet's pooling token mixer with its projections
   (:func:`jaxsoft.attention.ponet_mix`).
 * the linear family as layers with the papers' projections, short causal convolution, gates
@@ -28,6 +30,7 @@ The only jaxsoft package that imports flax.
   :func:`causal_conv_step`.
 """
 
+from jaxsoft.nn._attention_controls import ATTENTION_CONTROLS, AttentionControl
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
 from jaxsoft.nn._infinite import InfSA
 from jaxsoft.nn._learned_normalizers import (
@@ -69,4 +72,4 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
            "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA",
-           "PoNetMixer"]
+           "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS"]
