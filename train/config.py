@@ -35,6 +35,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "PRESETS",
+    "GROUPS",
     "MODEL_FIELDS",
     "SCHEDULE_FIELDS",
     "ATTENTION_VARIANTS",
@@ -73,9 +74,33 @@ class ConfigError(ValueError):
   """A bad configuration; raised before any work is done. The message names the problem."""
 
 
-def _f(default: Any, help_: str, choices: tuple[Any, ...] | None = None) -> Any:
-  """A Config field: its default, its --help text and, optionally, the values it may take."""
-  return dataclasses.field(default=default, metadata={"help": help_, "choices": choices})
+# The topics of ``train.py --help``: (key, title, description), in the order shown. Each Config
+# field names its topic once, in its metadata (``_f``'s first argument); --preset, --set and
+# --compare are in RUN.
+DATA, MODEL, ATTENTION, OPTIMIZER, EVALUATION, RUN, DISTRIBUTION, LOGGING, TESTING = (
+    "data", "model", "attention", "optimizer", "evaluation", "run", "distribution", "logging",
+    "testing")
+GROUPS: tuple[tuple[str, str, str], ...] = (
+    (DATA, "data", "what the model is trained on"),
+    (MODEL, "model", "the decoder's size, loss and compute dtype"),
+    (ATTENTION, "attention / normalizer",
+     "the attention normalizer, its hyperparameters (fixed or learned) and the layer kinds"),
+    (OPTIMIZER, "optimizer", "AdamW, the learning-rate schedule and the batch it sees"),
+    (EVALUATION, "evaluation", "the held-out loss"),
+    (RUN, "checkpointing / run",
+     "presets, the workdir, seeds and checkpoints; re-running a command resumes it"),
+    (DISTRIBUTION, "distribution", "devices, hosts and parameter sharding"),
+    (LOGGING, "logging / monitoring",
+     "log lines, the progress bar, TensorBoard and the numerics checks"),
+    (TESTING, "testing hooks", "drive the real signal paths in tests (not for normal runs)"),
+)
+
+
+def _f(group: str, default: Any, help_: str, choices: tuple[Any, ...] | None = None) -> Any:
+  """A Config field: its --help topic (a key of GROUPS), its default, its --help text and,
+  optionally, the values it may take."""
+  return dataclasses.field(default=default,
+                           metadata={"group": group, "help": help_, "choices": choices})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,89 +108,118 @@ class Config:
   """Everything a run depends on. Field names are the command-line flags."""
 
   # Data.
-  dataset: str = _f("text", f"one of {DATASETS}: the pydoc_data corpus or a synthetic probe",
-                    DATASETS)
-  seq_len: int = _f(64, "tokens per training sequence")
-  batch_size: int = _f(16, "global batch (sequences per optimizer step, all devices)")
+  dataset: str = _f(DATA, "text", f"one of {DATASETS}: the pydoc_data corpus (character "
+                                  "level) or a synthetic probe", DATASETS)
+  seq_len: int = _f(DATA, 64, "tokens per training sequence")
+  batch_size: int = _f(DATA, 16, "global batch (sequences per optimizer step, all devices)")
   # Model.
-  d_model: int = _f(64, "width of the residual stream")
-  num_layers: int = _f(2, "decoder blocks")
-  num_heads: int = _f(4, "query heads")
-  num_kv_heads: int = _f(0, "key/value heads (GQA); 0 means num_heads")
-  mlp_dim: int = _f(256, "hidden width of the MLP")
-  rope_base: float = _f(10000.0, "RoPE base frequency")
-  normalizer: str = _f("softmax", "attention normalizer, a name from jaxsoft.normalizers.names()")
-  normalizer_params: str = _f("{}", "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
-  attention: str = _f("full", "the layer kind of every block: a variant of the normalizer block "
-                              f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS} or a "
-                              f"sparse/structured attention {SPARSE_KINDS}")
-  layers: str = _f("", "hybrid stack: comma-separated layer kinds (any --attention value, or "
-                       "'softmax' for the normalizer block with --attention's variant, 'full' "
-                       "when that is not one), repeated to --num_layers; '' = --attention "
-                       "everywhere")
-  conv_size: int = _f(4, "width of the short causal depthwise convolution of the linear layers "
-                         "(1 = none)")
-  top_k: int = _f(8, "keys kept per query (topk_attention); key blocks kept per query block "
-                     "(block_sparse_attention: moba, prism; the cap for bfla)")
-  block_size: int = _f(16, "positions per block of block_sparse_attention and of mhla")
-  skip_threshold: float = _f(8.0, "BLASST's skip threshold tau (block_sparse_attention:blasst)")
-  favor_features: int = _f(64, "random features of linear:favor (Performer's FAVOR+)")
-  tie_embeddings: bool = _f(True, "the output matrix is the transposed input embedding")
-  implementation: str = _f("", "attention implementation ('' = jaxsoft's choice, xla, xla_chunked, "
-                               "pallas, ...)", tuple(i or "" for i in IMPLEMENTATIONS))
-  window: int = _f(32, "left window size for --attention window")
-  softcap: float = _f(30.0, "logit soft cap for --attention softcap")
-  learned: str = _f("", "normalizer hyperparameters learned per head, comma-separated: names the "
-                        "normalizer takes (alpha for entmax, s or bias for ssmax, temperature for "
-                        "softmax, sink_logit for softmax_sink), or 'sink' (a learned sink logit; "
-                        "softmax becomes softmax_sink). Output gates: --attention gated")
-  loss: str = _f("linear_ce", "the LM loss: linear_ce (cross-entropy from the final hidden "
-                               "states and the output matrix, never materialising the "
-                               "[tokens, vocab] logits) or dense (materialised logits)", LOSSES)
-  dtype: str = _f("float32", "compute dtype (float32 or bfloat16); parameters stay float32",
-                  DTYPES)
+  d_model: int = _f(MODEL, 64, "width of the residual stream")
+  num_layers: int = _f(MODEL, 2, "decoder blocks")
+  num_heads: int = _f(MODEL, 4, "query heads")
+  num_kv_heads: int = _f(MODEL, 0, "key/value heads (GQA); 0 means num_heads")
+  mlp_dim: int = _f(MODEL, 256, "hidden width of the MLP")
+  rope_base: float = _f(MODEL, 10000.0, "RoPE base frequency")
+  # Attention / normalizer.
+  normalizer: str = _f(ATTENTION, "softmax",
+                       "attention normalizer, a name from jaxsoft.normalizers.names()")
+  normalizer_params: str = _f(ATTENTION, "{}",
+                              "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
+  attention: str = _f(ATTENTION, "full",
+                      "the layer kind of every block: a variant of the normalizer block "
+                      f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS} or a "
+                      f"sparse/structured attention {SPARSE_KINDS}")
+  layers: str = _f(ATTENTION, "",
+                   "hybrid stack: comma-separated layer kinds (any --attention value, or "
+                   "'softmax' for the normalizer block with --attention's variant, 'full' "
+                   "when that is not one), repeated to --num_layers; '' = --attention "
+                   "everywhere")
+  conv_size: int = _f(ATTENTION, 4, "width of the short causal depthwise convolution of the "
+                                    "linear layers (1 = none)")
+  top_k: int = _f(ATTENTION, 8, "keys kept per query (topk_attention); key blocks kept per query "
+                                "block (block_sparse_attention: moba, prism; the cap for bfla)")
+  block_size: int = _f(ATTENTION, 16, "positions per block of block_sparse_attention and of mhla")
+  skip_threshold: float = _f(ATTENTION, 8.0,
+                             "BLASST's skip threshold tau (block_sparse_attention:blasst)")
+  favor_features: int = _f(ATTENTION, 64, "random features of linear:favor (Performer's FAVOR+)")
+  # Model.
+  tie_embeddings: bool = _f(MODEL, True, "the output matrix is the transposed input embedding")
+  # Attention / normalizer.
+  implementation: str = _f(ATTENTION, "", "attention implementation ('' = jaxsoft's choice, xla, "
+                                          "xla_chunked, pallas, ...)",
+                           tuple(i or "" for i in IMPLEMENTATIONS))
+  window: int = _f(ATTENTION, 32, "left window size for --attention window")
+  softcap: float = _f(ATTENTION, 30.0, "logit soft cap for --attention softcap")
+  learned: str = _f(ATTENTION, "",
+                    "normalizer hyperparameters learned per head, comma-separated: names the "
+                    "normalizer takes (alpha for entmax, s or bias for ssmax, temperature for "
+                    "softmax, sink_logit for softmax_sink), or 'sink' (a learned sink logit; "
+                    "softmax becomes softmax_sink). Output gates: --attention gated. Their "
+                    "values per layer and head go to metrics.jsonl at each log step and to "
+                    "learned.png")
+  # Model.
+  loss: str = _f(MODEL, "linear_ce",
+                 "the LM loss: linear_ce (cross-entropy from the final hidden states and the "
+                 "output matrix, never materialising the [tokens, vocab] logits) or dense "
+                 "(materialised logits)", LOSSES)
+  dtype: str = _f(MODEL, "float32", "compute dtype (float32 or bfloat16); parameters stay "
+                                    "float32", DTYPES)
   # Optimizer.
-  steps: int = _f(200, "optimizer steps in total")
-  learning_rate: float = _f(3e-3, "peak learning rate")
-  warmup_steps: int = _f(20, "linear warm-up steps before the cosine decay (capped at --steps)")
-  min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak")
-  weight_decay: float = _f(0.1, "AdamW weight decay (matrices only)")
-  b1: float = _f(0.9, "Adam beta1")
-  b2: float = _f(0.95, "Adam beta2")
-  clip_norm: float = _f(1.0, "global gradient-norm clip (0 = off)")
-  grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
-  reschedule: bool = _f(False, "on resume, accept a different --steps, --learning_rate, "
-                               "--warmup_steps or --min_lr_ratio: the learning-rate schedule is "
-                               "recomputed for the new values and the run continues on it from "
-                               "the resumed step (without this flag such a resume is refused)")
+  steps: int = _f(OPTIMIZER, 200, "optimizer steps in total")
+  learning_rate: float = _f(OPTIMIZER, 3e-3, "peak learning rate")
+  warmup_steps: int = _f(OPTIMIZER, 20, "linear warm-up steps before the cosine decay (capped at "
+                                        "--steps)")
+  min_lr_ratio: float = _f(OPTIMIZER, 0.1, "final learning rate as a fraction of the peak")
+  weight_decay: float = _f(OPTIMIZER, 0.1, "AdamW weight decay (matrices only)")
+  b1: float = _f(OPTIMIZER, 0.9, "Adam beta1")
+  b2: float = _f(OPTIMIZER, 0.95, "Adam beta2")
+  clip_norm: float = _f(OPTIMIZER, 1.0, "global gradient-norm clip (0 = off)")
+  grad_accum: int = _f(OPTIMIZER, 1, "micro-batches accumulated per optimizer step")
+  reschedule: bool = _f(OPTIMIZER, False,
+                        "on resume, accept a different --steps, --learning_rate, --warmup_steps "
+                        "or --min_lr_ratio: the learning-rate schedule is recomputed for the new "
+                        "values and the run continues on it from the resumed step (without this "
+                        "flag such a resume is refused)")
   # Evaluation.
-  eval_every: int = _f(100, "steps between held-out evaluations (0 = only at the last step)")
-  eval_batches: int = _f(4, "held-out batches per evaluation (always the same batches)")
-  # Run.
-  seed: int = _f(0, "seed of the parameters, the data order and the step RNG")
-  workdir: str = _f("", "where config.json, metrics.jsonl and checkpoints go (auto-resume)")
-  init_from: str = _f("", "a workdir (or checkpoint step dir) to take the parameters from")
-  log_every: int = _f(20, "steps between log lines with attention statistics (metrics.jsonl "
-                           "records every step)")
-  save_every: int = _f(100, "steps between checkpoints (the last step is always saved)")
-  max_to_keep: int = _f(3, "checkpoints kept")
-  distributed: str = _f("auto", "call jax.distributed.initialize(): auto (when the environment "
-                                 "names several processes), on (TPU pods), off", _SWITCH)
-  fsdp: bool = _f(False, "shard the parameters and optimizer state over the data axis (FSDP)")
-  num_cpu_devices: int = _f(0, "fake CPU devices (0 = what the platform has)")
-  progress: str = _f("auto", "tqdm progress bar: auto (on a terminal), on, off", _SWITCH)
-  tensorboard: bool = _f(False, "also write TensorBoard events (needs tensorboardX)")
-  check_numerics: bool = _f(False, "checkify the train step: each learned normalizer "
-                                    "hyperparameter in its declared range (jaxsoft.checks), "
-                                    "the loss and every gradient finite; a failed check stops "
-                                    "the run with a message naming it, saving nothing of that "
-                                    "step. Without it a traced out-of-range hyperparameter is "
-                                    "computed as given and only a non-finite loss or gradient "
-                                    "norm stops the run")
+  eval_every: int = _f(EVALUATION, 100, "steps between held-out evaluations (0 = only at the "
+                                        "last step)")
+  eval_batches: int = _f(EVALUATION, 4, "held-out batches per evaluation (always the same "
+                                        "batches)")
+  # Checkpointing / run.
+  seed: int = _f(RUN, 0, "seed of the parameters, the data order and the step RNG")
+  workdir: str = _f(RUN, "", "where config.json, metrics.jsonl and checkpoints go (re-running "
+                             "with the same workdir resumes)")
+  init_from: str = _f(RUN, "", "a workdir (or checkpoint step dir) to take the parameters from")
+  # Logging / monitoring.
+  log_every: int = _f(LOGGING, 20, "steps between log lines with attention statistics and the "
+                                   "learned hyperparameters (metrics.jsonl records the loss of "
+                                   "every step)")
+  # Checkpointing / run.
+  save_every: int = _f(RUN, 100, "steps between checkpoints (the last step is always saved)")
+  max_to_keep: int = _f(RUN, 3, "checkpoints kept")
+  # Distribution.
+  distributed: str = _f(DISTRIBUTION, "auto",
+                        "call jax.distributed.initialize(): auto (when the environment names "
+                        "several processes), on (TPU pods), off", _SWITCH)
+  fsdp: bool = _f(DISTRIBUTION, False, "shard the parameters and optimizer state over the data "
+                                       "axis (FSDP)")
+  num_cpu_devices: int = _f(DISTRIBUTION, 0, "fake CPU devices (0 = what the platform has)")
+  # Logging / monitoring.
+  progress: str = _f(LOGGING, "auto", "tqdm progress bar with the step, loss, tokens/s and time "
+                                      "left: auto (on a terminal), on, off", _SWITCH)
+  tensorboard: bool = _f(LOGGING, False, "also write TensorBoard event files to WORKDIR/tb at "
+                                         "each log step (needs tensorboardX: pip install "
+                                         "tensorboardX)")
+  check_numerics: bool = _f(LOGGING, False,
+                            "checkify the train step: each learned normalizer hyperparameter in "
+                            "its declared range (jaxsoft.checks), the loss and every gradient "
+                            "finite; a failed check stops the run with a message naming it, "
+                            "saving nothing of that step. Without it a traced out-of-range "
+                            "hyperparameter is computed as given and only a non-finite loss or "
+                            "gradient norm stops the run")
   # Testing hooks: they drive the real signal paths so tests need no timing games.
-  preempt_at_step: int = _f(-1, "testing: send SIGTERM to this process after this step")
-  kill_after_save_at_step: int = _f(-1, "testing: SIGKILL this process right after starting the "
-                                        "async save of this step")
+  preempt_at_step: int = _f(TESTING, -1, "testing: send SIGTERM to this process after this step")
+  kill_after_save_at_step: int = _f(TESTING, -1, "testing: SIGKILL this process right after "
+                                                 "starting the async save of this step")
 
   @property
   def kv_heads(self) -> int:
@@ -234,22 +288,42 @@ def _converter(field: dataclasses.Field):
 
 
 def make_parser() -> argparse.ArgumentParser:
-  """An argparse parser with one ``--flag`` per Config field, plus --preset, --set, --compare."""
+  """An argparse parser with one ``--flag`` per Config field, plus --preset, --set, --compare.
+
+  The flags are shown by topic (GROUPS, each field's ``group``), each with its help and default.
+  """
   parser = argparse.ArgumentParser(
-      prog="train.py", description="Train a small decoder LM with a jaxsoft attention normalizer.")
-  parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                      help="a named starting point; other flags override it")
-  parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                      help="override any config field (repeatable)")
-  parser.add_argument("--compare", default="",
-                      help="comma-separated normalizers trained on identical data and seeds; "
-                           "writes compare.md and compare.png in --workdir")
+      prog="train.py",
+      description="Train a small decoder LM with a jaxsoft attention normalizer.\n\n"
+                  "Every flag below is a field of train.config.Config. A --preset sets a group "
+                  "of them,\n--set KEY=VALUE pairs override the preset, and explicit flags "
+                  "override both.\nA bare boolean flag means true (--fsdp); --fsdp false also "
+                  "works.",
+      epilog="examples (from the repository root, after `make demo` made .venv):\n"
+             "  .venv/bin/python train/train.py --preset smoke --workdir runs/smoke\n"
+             "  .venv/bin/python train/train.py --preset smoke --workdir runs/ent "
+             "--normalizer entmax --learned alpha\n"
+             "  .venv/bin/python train/train.py --preset smoke --workdir runs/cmp "
+             "--compare softmax,sigmoid,ssmax",
+      formatter_class=argparse.RawDescriptionHelpFormatter)
+  groups = {key: parser.add_argument_group(title, description)
+            for key, title, description in GROUPS}
+  run = groups[RUN]
+  run.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named starting point, one of %(choices)s; other flags override it "
+                        "(default: none)")
+  run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override any config field (repeatable) (default: none)")
+  run.add_argument("--compare", default="", metavar="NORMALIZERS",
+                   help="comma-separated normalizers trained on identical data and seeds; "
+                        "writes compare.md and compare.png in --workdir (default: '', one run)")
   for field in dataclasses.fields(Config):
     # A bare boolean flag (``--check_numerics``) means true; ``--flag false`` still works.
     bare = _field_type(field) is bool
-    parser.add_argument(f"--{field.name}", type=_converter(field), default=None,
-                        nargs="?" if bare else None, const=True if bare else None,
-                        help=f"{field.metadata['help']} (default: {field.default!r})")
+    help_ = f"{field.metadata['help']} (default: {field.default!r})".replace("%", "%%")
+    groups[field.metadata["group"]].add_argument(
+        f"--{field.name}", type=_converter(field), default=None, nargs="?" if bare else None,
+        const=True if bare else None, metavar="BOOL" if bare else None, help=help_)
   return parser
 
 

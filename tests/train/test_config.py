@@ -174,3 +174,64 @@ def test_compare_without_workdir_is_named(tmp_path):
 def test_bare_boolean_flag_means_true():
   cfg, _ = config.from_argv(TINY + ["--workdir", "w", "--check_numerics", "--fsdp", "false"])
   assert cfg.check_numerics is True and cfg.fsdp is False
+
+
+def test_bare_fsdp_flag_means_true():
+  assert config.from_argv(TINY + ["--workdir", "w", "--fsdp"])[0].fsdp is True
+  assert config.from_argv(TINY + ["--workdir", "w", "--fsdp", "false"])[0].fsdp is False
+  assert config.from_argv(TINY + ["--workdir", "w"])[0].fsdp is False
+
+
+def _group_actions():
+  """{group title: [flags]} of train.py's parser, in the order --help shows them."""
+  parser = config.make_parser()
+  return {group.title: [a for a in group._group_actions]  # pylint: disable=protected-access
+          for group in parser._action_groups}  # pylint: disable=protected-access
+
+
+def test_every_field_is_in_exactly_one_help_topic():
+  keys = [key for key, _, _ in config.GROUPS]
+  assert len(set(keys)) == len(keys)
+  for field in dataclasses.fields(config.Config):
+    assert field.metadata["group"] in keys, field.name
+  titles = {key: title for key, title, _ in config.GROUPS}
+  where: dict[str, list[str]] = {}
+  for title, actions in _group_actions().items():
+    for action in actions:
+      where.setdefault(action.dest, []).append(title)
+  for field in dataclasses.fields(config.Config):
+    assert where[field.name] == [titles[field.metadata["group"]]], (field.name, where[field.name])
+  for flag in ("preset", "set", "compare"):
+    assert where[flag] == [titles[config.RUN]]
+  # Every topic has flags; the topics of the issue are all there, in this order; argparse's own
+  # groups hold only --help.
+  builtin = ("positional arguments", "options")
+  assert [a.dest for t in builtin for a in _group_actions()[t]] == ["help"]
+  shown = [title for title in _group_actions() if title not in builtin]
+  assert shown == ["data", "model", "attention / normalizer", "optimizer", "evaluation",
+                   "checkpointing / run", "distribution", "logging / monitoring",
+                   "testing hooks"]
+  assert all(_group_actions()[title] for title in shown)
+
+
+def test_every_flag_has_help_with_its_default(capsys):
+  for title, actions in _group_actions().items():
+    for action in actions:
+      assert action.help and action.help.strip(), (title, action.dest)
+      if action.dest != "help":
+        assert "(default: " in action.help, action.dest
+  with pytest.raises(SystemExit) as info:
+    config.from_argv(["--help"])
+  assert info.value.code == 0
+  out = capsys.readouterr().out
+  # Each field's flag is printed in its topic's section (between its title and the next one).
+  titles = [title for _, title, _ in config.GROUPS] + ["examples (from"]
+  for (key, title, _), after in zip(config.GROUPS, titles[1:], strict=True):
+    section = out.split(f"\n{title}:\n", 1)[1].split(f"\n{after}", 1)[0]
+    for field in dataclasses.fields(config.Config):
+      assert (f"--{field.name} " in section) == (field.metadata["group"] == key), (key, field.name)
+  words = " ".join(out.split())
+  for field in dataclasses.fields(config.Config):
+    help_ = " ".join(field.metadata["help"].split())
+    assert help_[:30] in words, field.name
+    assert f"(default: {field.default!r})" in words, field.name
