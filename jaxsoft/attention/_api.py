@@ -12,6 +12,7 @@ from jax.typing import ArrayLike
 
 import kernels_pallas
 from jaxsoft.attention import _chunked, _dense
+from jaxsoft.attention import scores as _scores
 from jaxsoft.attention.call import IMPLEMENTATIONS, AttentionCall, implementation_order
 from jaxsoft.attention.differentiation import UnsupportedDifferentiation
 from jaxsoft.normalizers import spec as _spec
@@ -271,6 +272,15 @@ def dot_product_attention(
       at 0, which keeps the gradient finite when a query equals a key). Implementations
       "xla", "xla_chunked" and the Pallas ones (also together with a ``decay_bias``,
       added to the distance before the soft cap); cuDNN raises NotImplementedError.
+      ``"neg_sq_distance"`` (feature A50, norm-aware distance attention): the logit is
+      ``-(s/2)||q_i - k_j||^2 = s q_i·k_j - (s/2)||q_i||^2 - (s/2)||k_j||^2`` (s =
+      ``scale``, default 1/sqrt(H)), the dot product with the key-norm penalty it lacks
+      (K. R. Balasubramanian, 2026, "All Routes Lead to Collapse"); any normalizer, every
+      argument above. The norm terms ride on the row and column terms of ``decay_bias``
+      (summed with a caller's; no ``decay_prune_threshold``), computed in float32 (float64
+      for float64 inputs) by :func:`jaxsoft.attention.scores.neg_sq_distance_terms`
+      (its error bound there), so "xla", "xla_chunked" and the Pallas kernels run it
+      unchanged; cuDNN refuses a decay.
 
   Returns:
     [B, T, N, Hv] (or [T, N, Hv]) in the dtype query, key and value promote to as jnp
@@ -299,6 +309,9 @@ def dot_product_attention(
     >>> js.attention.dot_product_attention(  # a masked key gets exactly 0
     ...     q, k, v, scale=1.0, mask=jnp.array([True, True, False]))[0, 0]
     Array([0.6225, 0.3775, 0.    ], dtype=float32)
+    >>> js.attention.dot_product_attention(  # logits -||q - k||^2 / 2 = 0, -0.125, -2
+    ...     q, k, v, scale=1.0, score="neg_sq_distance")[0, 0]
+    Array([0.4956, 0.4373, 0.0671], dtype=float32)
 
     With softmax it matches :func:`jax.nn.dot_product_attention` (and so does
     ``implementation="xla_chunked"``, blockwise, for long sequences):
@@ -320,7 +333,9 @@ def dot_product_attention(
       logits_soft_cap=logits_soft_cap, normalizer=normalizer,
       normalizer_params=normalizer_params, decay_bias=decay_bias,
       decay_prune_threshold=decay_prune_threshold, return_residual=return_residual,
-      score=score)
+      score=_scores.base_score(score))
+  if score == "neg_sq_distance":  # A50: dot products plus the norm terms, on every path
+    call = _scores.with_neg_sq_distance(call)
 
   def unbatch(result):
     if not unbatched:
