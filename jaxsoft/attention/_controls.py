@@ -170,8 +170,8 @@ def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike 
                      f"{jnp.shape(mask)}")
   t = s_.shape[-2]
   dtype = jnp.result_type(s_, v)
-  zq = jnp.zeros((t, n, 1), v.dtype)
-  zk = jnp.zeros((v.shape[-3], kv, 1), v.dtype)
+  zq = jnp.zeros((t, n, 1), dtype)  # (in the output's dtype: a float32 map keeps float32)
+  zk = jnp.zeros((v.shape[-3], kv, 1), dtype)
   return _shared_weights_attention(
       zq, zk, v, s_, mask, dtype, scale=1.0, is_causal=is_causal, normalizer=normalizer,
       normalizer_params=normalizer_params, implementation=implementation)
