@@ -224,9 +224,10 @@ def test_bf16_computes_in_float32():
                              atol=1e-2)
 
 
-@pytest.mark.slow  # interpret mode: ~20 s on a loaded CPU (the device check runs it on a GPU)
-def test_pallas_kernels_and_dispatch(monkeypatch):
-  """The Pallas kernel (interpret mode) gives the xla path's output and cotangents (the
+@pytest.mark.slow  # interpret mode: ~15 s each on a loaded CPU
+@pytest.mark.parametrize("impl", ["pallas_triton", "pallas_mosaic_tpu"])
+def test_pallas_kernels_and_dispatch(impl, monkeypatch):
+  """Each Pallas driver (interpret mode) gives the xla path's output and cotangents (the
   norms ride on its decay operands); the automatic order computes; cuDNN refuses (a decay)."""
   q, k, v = make_qkv(8, 2, 8, N=4, K=2, H=4)
   ct = jax.random.normal(jax.random.key(9), q.shape)
@@ -238,7 +239,7 @@ def test_pallas_kernels_and_dispatch(monkeypatch):
 
   xla_out, xla_vjp = run("xla")
   monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
-  pl_out, pl_vjp = run("pallas")
+  pl_out, pl_vjp = run(impl)
   np.testing.assert_allclose(pl_out, xla_out, rtol=1e-5, atol=1e-6)
   for a, b in zip(pl_vjp(ct), xla_vjp(ct), strict=True):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
