@@ -18,9 +18,11 @@ from kernels_pallas.autotune import (
 from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
+from kernels_pallas.polykv import polykv_decode_attention, polykv_quantize
 from kernels_pallas.sharding import sharded_attention
 
 __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "default_block_sizes", "sharded_attention", "decode_attention",
            "autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache",
-           "resolve_block_sizes", "pick_backend", "BACKENDS", "INTERPRET_ENV"]
+           "resolve_block_sizes", "pick_backend", "BACKENDS", "INTERPRET_ENV",
+           "polykv_decode_attention", "polykv_quantize"]
