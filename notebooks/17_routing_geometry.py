@@ -241,7 +241,7 @@ print("the identity is exact; equal key norms make the two scores equal; the mea
 #
 # | the paper's claim | this run (full size) |
 # |---|---|
-# | q·k = −½‖q − k‖² + ½‖q‖² + ½‖k‖² (exact) | holds to float64 rounding (9e-15 on values up to 18); the library's float32 distance logits stay within a tenth of the bound (D + 4)·u·s·(‖q‖² + ‖k‖²) |
+# | q·k = −½‖q − k‖² + ½‖q‖² + ½‖k‖² (exact) | holds to float64 rounding (9e-15 on values up to 18); the library's float32 distance logits reach 0.11 of the bound (D + 4)·u·s·(‖q‖² + ‖k‖²) |
 # | softmax attention is distance weighting only with equal key norms | equal norms: the weights agree to 6e-8 (float32 rounding); unequal norms: they differ by up to 0.12; dot = distance + (s/2)‖k‖² passed as a bias, for any norms, to 6e-8 |
 # | a norm-blind metric seeds sinks: mass grows with key norm | averaged over 8192 queries and 8 key draws, the dot-product weight on key 0 grows monotonically with its norm scale c, from 0.044 (c = ¼) through 0.060 (c = 1) to 0.22 (c = 4, 3.5× the uniform 1/16) and 0.33 (c = 8); under the distance score it falls from 0.21 to 4e-6 (c = 4) and 8e-19 (c = 8). Not for every query: from c = 1 to 4 half of the queries lose dot-product weight, every one of them with a negative cosine to the key (the paper says to test the average) |
 # | the direction does not hinge on softmax | sparsemax (0.001 → 0.41 under dot; 0.47 → exactly 0 from c = 2.8 under distance) and sigmoid with bias −log n (0.06 → 0.37; 0.009 → 0) show the same two directions |
