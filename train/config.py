@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import typing
@@ -268,9 +269,13 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+@functools.cache
+def _hints() -> dict[str, type]:
+  return typing.get_type_hints(Config)
+
+
 def _field_type(field: dataclasses.Field) -> type:
-  hints = typing.get_type_hints(Config)
-  return hints[field.name]
+  return _hints()[field.name]
 
 
 def _parse_bool(text: str) -> bool:

@@ -1,20 +1,32 @@
 r"""Train a small decoder LM with a jaxsoft attention normalizer.
 
-    python train/train.py --preset smoke --workdir /tmp/run       # about a minute on 2 CPU cores
-    python train/train.py --preset charlm --workdir /tmp/lm --normalizer sparsemax
-    python train/train.py --preset smoke --workdir /tmp/cmp --compare softmax,sigmoid,ssmax
-    python train/train.py --preset smoke --workdir /tmp/dp --num_cpu_devices 8
-    python train/train.py --preset smoke --workdir /tmp/ent --normalizer entmax --learned alpha
-    python train/train.py --preset smoke --workdir /tmp/gdn --num_layers 4 \
+From the repository root (``make demo`` makes ``.venv`` with the library and its ``train`` extra):
+
+    .venv/bin/python train/train.py --help                 # every flag, by topic, with its default
+    .venv/bin/python train/train.py --preset smoke --workdir runs/smoke   # ~1 min on 2 CPU cores
+    .venv/bin/python train/train.py --preset charlm --workdir runs/lm --normalizer sparsemax
+    .venv/bin/python train/train.py --preset smoke --workdir runs/cmp \
+        --compare softmax,sigmoid,ssmax
+    .venv/bin/python train/train.py --preset smoke --workdir runs/dp --num_cpu_devices 8
+    .venv/bin/python train/train.py --preset smoke --workdir runs/ent --normalizer entmax \
+        --learned alpha                          # alpha per layer and head: learned.png
+    .venv/bin/python train/train.py --preset smoke --workdir runs/gdn --num_layers 4 \
         --layers gated_delta_rule,gated_delta_rule,gated_delta_rule,softmax   # a 3:1 hybrid
-    python train/sample.py --workdir /tmp/gdn --prompt "def " --length 200   # generate
-    python train/train.py --preset tpu_pod --workdir gs://BUCKET/run   # pip install .[tpu]
+    .venv/bin/python train/sample.py --workdir runs/gdn --prompt "def " --length 200  # generate
+    .venv/bin/python train/train.py --preset tpu_pod --workdir gs://BUCKET/run  # pip install .[tpu]
 
 ``main`` only wires config -> mesh -> data -> state -> loop; ``train_step(state, batch) -> (state,
 metrics)`` is one pure jitted function; checkpoints and logging happen at the edges. Re-running a
 command with the same --workdir resumes from its newest checkpoint that restores, bit for bit (a
 damaged newer one is moved to checkpoints_damaged/ and named in the log). The held-out loss is
 evaluated every --eval_every steps and at the end (``eval_loss`` in metrics.jsonl).
+
+Progress: a run estimated (from its FLOPs against the device class, :func:`estimate_seconds`)
+to take more than ten minutes says so before it starts, and the log says the measured time left
+after the first steps; the tqdm bar shows the step, loss, tokens/s and time left. At each log
+step the learned hyperparameters (``--learned``) and the A07 output gates go to metrics.jsonl
+per layer and head (``learned/alpha/layer0/head3``, ``gate/layer1/head0``), to TensorBoard with
+``--tensorboard``, and at the end to ``learned.png``.
 
 Exit status: 0 when every step is done; 2 for a bad command line or configuration (nothing
 written; an --init_from checkpoint of another architecture is one, naming the parameter);
@@ -55,7 +67,9 @@ from train import checkpoint, config, data, metrics, model, sharding  # noqa: E4
 from train.config import Config, ConfigError  # noqa: E402
 
 __all__ = ["main", "run", "make_optimizer", "make_train_step", "make_eval_step", "init_state",
-           "check_learned", "EXIT_NONFINITE", "EXIT_USAGE", "EXIT_PREEMPTED"]
+           "check_learned", "learned_stats", "per_head", "flops_per_step", "estimate_seconds",
+           "long_run_warning", "LONG_RUN_SECONDS", "EXIT_NONFINITE", "EXIT_USAGE",
+           "EXIT_PREEMPTED"]
 
 EXIT_NONFINITE = 3  # a non-finite loss or gradient norm, or a failed --check_numerics check
 EXIT_USAGE = 2  # a bad command line or configuration, as argparse exits
@@ -121,6 +135,39 @@ def check_learned(graphdef, params) -> None:
     if learned is not None:
       checks.check_hparams(block.attn.normalizer, learned(),
                            context=f" (learned, layer {i}: params blocks/{i}/attn/learned)")
+
+
+def learned_stats(graphdef, params, tokens: jax.Array) -> dict[str, jax.Array]:
+  """The learned hyperparameters of every normalizer block, ``{key: [num_heads]}``.
+
+  ``learned/NAME/layerI``: the values the forward pass uses (``Attention.learned_values``: alpha,
+  s, sink_logit, temperature, ... as ``--learned`` names them), one per head. ``gate/layerI``:
+  for ``--attention gated`` (A07), the mean over ``tokens [B, T]`` of each head's output gate
+  sigma(x W_theta), which depends on the input (so it is measured on a slice of a batch, like
+  ``attention_stats``). Blocks past the last gated one are not run.
+  """
+  net = nnx.merge(graphdef, params)
+  out: dict[str, jax.Array] = {}
+  gated = [i for i, block in enumerate(net.blocks)
+           if block.kind in config.ATTENTION_VARIANTS and block.attn.gate is not None]
+  positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+  x = net.embed(tokens) if gated else None
+  for i, block in enumerate(net.blocks):
+    if block.kind in config.ATTENTION_VARIANTS:
+      for name, values in block.attn.learned_values().items():
+        out[f"learned/{name}/layer{i}"] = values
+    if gated and i <= gated[-1]:
+      if i in gated:
+        gate = jax.nn.sigmoid(block.attn.gate(block.attn_norm(x)).astype(jnp.float32))
+        out[f"gate/layer{i}"] = jnp.mean(gate, axis=(0, 1))
+      x = block(x, positions)
+  return out
+
+
+def per_head(stats: dict[str, Any]) -> dict[str, float]:
+  """``{key: [num_heads]}`` -> ``{key/headH: value}`` floats, the flat records of metrics.jsonl."""
+  return {f"{key}/head{h}": float(v) for key, values in stats.items()
+          for h, v in enumerate(list(values))}
 
 
 def make_train_step(graphdef, optimizer: optax.GradientTransformation, schedule: optax.Schedule,
@@ -194,6 +241,97 @@ def init_state(cfg: Config, graphdef, params, optimizer) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# How long a run will take: a rough estimate from its size, said before a long run starts.
+
+LONG_RUN_SECONDS = metrics.LONG_RUN_SECONDS  # a run estimated longer says so first
+
+# Matmul FLOP/s a train step achieves, by device class: measured on CPU (the smoke and charlm
+# presets reach 14-15 GFLOP/s per core by the count of flops_per_step on a 2-core machine, 44k
+# and 1.3k tokens/s), else 30% of the dense bf16 peak of the device's data sheet (GPUs run float32
+# matmuls as TF32, half that peak). The first match of a substring of jax's device_kind wins.
+CPU_FLOPS_PER_CORE = 15e9
+_PEAK_FLOPS = (("h200", 989e12), ("h100", 989e12), ("b200", 2250e12), ("a100", 312e12),
+               ("l4", 121e12), ("a10", 125e12), ("v100", 125e12), ("t4", 65e12),
+               ("v6", 918e12), ("v5p", 459e12), ("v5", 197e12), ("v4", 275e12), ("v3", 123e12),
+               ("v2", 45e12))
+_DEFAULT_PEAK = {"gpu": 100e12, "tpu": 197e12}
+_ACCELERATOR_MFU = 0.3
+# Time a step costs whatever its size (dispatch, the host-side batch, the metrics fetch).
+_STEP_OVERHEAD_S = {"cpu": 1e-3, "gpu": 3e-3, "tpu": 3e-3}
+
+
+def flops_per_step(cfg: Config, vocab_size: int) -> float:
+  """Matmul FLOPs of one optimizer step: 3x the forward pass (forward + backward) of every token.
+
+  The forward pass of a token costs 2 FLOPs per multiply-add of: the q, k, v, o projections
+  (and the A07 gate) of each block, its attention scores and weighted values against all
+  ``seq_len`` keys (the dense computation; linear and sparse layers are counted as if they were
+  dense attention, an upper bound), the MLP, and the output layer. Element-wise work is not
+  counted.
+  """
+  d, t, hd = cfg.d_model, cfg.seq_len, cfg.head_dim
+  per_token = 2.0 * d * vocab_size  # the output layer
+  for kind in config.layer_kinds(cfg):
+    projections = d * (2 * cfg.num_heads + 2 * cfg.kv_heads) * hd
+    gate = d * cfg.num_heads if kind == "gated" else 0
+    mixing = 2 * t * cfg.num_heads * hd  # q k^T and weights @ v
+    per_token += 2.0 * (projections + gate + mixing + 2 * d * cfg.mlp_dim)
+  return 3.0 * per_token * cfg.batch_size * cfg.seq_len
+
+
+def _evaluations(cfg: Config) -> int:
+  return (cfg.steps // cfg.eval_every if cfg.eval_every > 0 else 0) + (
+      0 if cfg.eval_every > 0 and cfg.steps % cfg.eval_every == 0 else 1)
+
+
+def estimate_seconds(cfg: Config, vocab_size: int, *, platform: str, device_kind: str = "",
+                     devices: int = 1, cpu_cores: int = 1) -> tuple[float, str]:
+  """A rough wall time of training ``cfg`` from step 0 (compilation not included), and the
+  assumption it rests on: FLOPs (:func:`flops_per_step` x steps, plus the held-out evaluations
+  at a third of a step's per batch of ``grad_accum`` micro-batches) against the FLOP/s of the
+  device class (``CPU_FLOPS_PER_CORE`` x ``cpu_cores`` on CPU however many fake devices share
+  them; 30% of the bf16 peak of each accelerator), plus a fixed overhead per step.
+  """
+  step_flops = flops_per_step(cfg, vocab_size)
+  total = step_flops * (cfg.steps + _evaluations(cfg) * cfg.eval_batches / 3.0)
+  if platform == "cpu":
+    rate = CPU_FLOPS_PER_CORE * cpu_cores
+    where = f"{cpu_cores} CPU core{'s' if cpu_cores > 1 else ''}"
+  else:
+    kind = device_kind.lower()
+    peak = next((p for name, p in _PEAK_FLOPS if name in kind),
+                _DEFAULT_PEAK.get(platform, 100e12))
+    tf32 = platform == "gpu" and cfg.dtype == "float32"
+    rate = peak * _ACCELERATOR_MFU * (0.5 if tf32 else 1.0) * devices
+    where = f"{devices} x {device_kind or platform}"
+  seconds = total / rate + cfg.steps * _STEP_OVERHEAD_S.get(platform, 3e-3)
+  return seconds, (f"{step_flops:.2g} FLOPs per step x {cfg.steps} steps on {where} at an "
+                   f"assumed {rate:.2g} FLOP/s")
+
+
+def long_run_warning(cfgs: Sequence[Config], vocab_size: int, **device) -> str | None:
+  """The line a run (or a --compare of several) estimated past ``LONG_RUN_SECONDS`` prints
+  before it starts; None when it is shorter. ``device``: :func:`estimate_seconds`'s keywords."""
+  estimates = [estimate_seconds(cfg, vocab_size, **device) for cfg in cfgs]
+  seconds = sum(s for s, _ in estimates)
+  if seconds <= LONG_RUN_SECONDS:
+    return None
+  runs = f" for the {len(cfgs)} --compare runs" if len(cfgs) > 1 else ""
+  return (f"note: training {cfgs[0].steps} steps takes about {metrics.format_duration(seconds)}"
+          f"{runs} on this machine "
+          f"(estimated from the model's size: {estimates[0][1]}; a rough figure, compilation "
+          "not included); the log shows the measured time left after the first steps.")
+
+
+def _device_estimate() -> dict[str, Any]:
+  """:func:`estimate_seconds`'s device keywords for the devices this process sees."""
+  first = jax.devices()[0]
+  cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+  return dict(platform=first.platform, device_kind=getattr(first, "device_kind", ""),
+              devices=jax.device_count(), cpu_cores=cores or 1)
+
+
+# ---------------------------------------------------------------------------------------------
 # The edges: signals, checkpoints, logging, the loop.
 
 
@@ -264,8 +402,11 @@ def run(cfg: Config, mesh) -> int:
     step_fn, out_shardings = checkify.checkify(step_fn), (None, out_shardings)
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=out_shardings, donate_argnums=0)
-  stats_fn = jax.jit(lambda params, tokens: model.attention_stats(
-      nnx.merge(graphdef, params), tokens, cfg))
+  # At each log step: the attention statistics, and the learned hyperparameters and output
+  # gates per layer and head (one program).
+  stats_fn = jax.jit(lambda params, tokens: (
+      model.attention_stats(nnx.merge(graphdef, params), tokens, cfg),
+      learned_stats(graphdef, params, tokens)))
   eval_step = jax.jit(make_eval_step(graphdef))
   held_out = dataset.held_out()
   eval_batches = [sharding.global_batch(held_out, i, cfg, batch_sharding)
@@ -314,15 +455,16 @@ def run(cfg: Config, mesh) -> int:
         code = EXIT_NONFINITE
         break
       state, step, position = new_state, step + 1, position + 1
-      log.step_done(step)
+      log.step_done(step, loss=float(step_metrics["loss"]))
       # Every step goes to metrics.jsonl; every log_every-th also to the console with the
       # attention statistics (one layer, one sequence: cheap).
       final = step == cfg.steps
       evaluated = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
       echo = step % cfg.log_every == 0 or evaluated
       if echo:
-        stats = jax.device_get(stats_fn(state["params"], batch["inputs"][0, :1]))
-        step_metrics = {**step_metrics, **stats}
+        tokens = batch["inputs"][0, :1]
+        stats, learned = jax.device_get(stats_fn(state["params"], tokens))
+        step_metrics = {**step_metrics, **stats, **per_head(learned)}
       if evaluated:  # the held-out loss: the same batches every time
         step_metrics = {**step_metrics,
                         "eval_loss": evaluate(eval_step, state["params"], eval_batches)}
@@ -351,9 +493,12 @@ def run(cfg: Config, mesh) -> int:
     if handler_installed:
       _install(signal.SIGTERM, previous_handler)
   if code == 0 and step == cfg.steps and is_main:
-    plot = metrics.plot_run(cfg.workdir, f"{cfg.dataset}, normalizer={cfg.normalizer}")
+    title = f"{cfg.dataset}, normalizer={cfg.normalizer}"
+    plot = metrics.plot_run(cfg.workdir, title)
+    learned_plot = metrics.plot_learned(cfg.workdir, title)
     log.message(f"done: {step} steps.\n  metrics:     {workdir / 'metrics.jsonl'}\n"
-                f"  checkpoints: {ckpt.directory}\n  loss plot:   {plot}")
+                f"  checkpoints: {ckpt.directory}\n  loss plot:   {plot}"
+                + (f"\n  learned:     {learned_plot}" if learned_plot else ""))
   return code
 
 
@@ -448,6 +593,11 @@ def main(argv: Sequence[str] | None = None) -> int:
   except ConfigError as e:
     print(f"train.py: error: {e}", file=sys.stderr, flush=True)
     raise SystemExit(EXIT_USAGE) from None
+  if jax.process_index() == 0:  # a long run says so before it starts (resumed: the whole run)
+    vocab = data.make_dataset(cfg.dataset, cfg.seq_len, cfg.batch_size, cfg.seed).vocab_size
+    warning = long_run_warning(_runs(cfg, names), vocab, **_device_estimate())
+    if warning:
+      print(warning, flush=True)
   if names:
     return compare(cfg, mesh, names)
   return run(cfg, mesh)
