@@ -6,11 +6,17 @@
   bidirectional rows cannot be a layer of this causal LM (:data:`BIDIRECTIONAL_KINDS`, with
   the reason);
 * the sparse / structured self-attentions of ``jaxsoft.attention``: this module's table
-  :data:`SPARSE_ATTENTION` (``name -> SparseKind``), whose keys are :data:`SPARSE_KINDS`.
+  :data:`SPARSE_ATTENTION` (``name -> SparseKind``), whose keys are :data:`SPARSE_KINDS`;
+* the attention controls (A49, ``jaxsoft.nn.AttentionControl``): :data:`CONTROL_ATTENTION`
+  (``name -> ControlKind``), whose keys are :data:`CONTROL_KINDS`: each control alone and as
+  ``hybrid:<control>``, half the heads real attention;
+* the pooling mixers: :data:`POOLING_KINDS` (``ponet``, ``jaxsoft.nn.PoNetMixer``'s causal
+  reconstruction).
 
 :data:`LAYER_KINDS` (the values ``--attention`` and ``--layers`` take) is their union, in
 that order. A new linear layer is a row of ``jaxsoft.nn.LINEAR_MIXER_TABLE``, a new sparse
-attention a row of :data:`SPARSE_ATTENTION`: both reach the command line from there.
+attention a row of :data:`SPARSE_ATTENTION`, a new control a row of :data:`CONTROLS`: each
+reaches the command line from there.
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from jaxsoft import nn as js_nn
 
 __all__ = ["ATTENTION_VARIANTS", "FEATURE_MAP_KINDS", "linear_kinds", "bidirectional_kinds",
            "LINEAR_KINDS", "BIDIRECTIONAL_KINDS", "SparseKind", "SPARSE_ATTENTION",
-           "SPARSE_KINDS", "LAYER_KINDS", "INFSA_GAMMA"]
+           "SPARSE_KINDS", "LAYER_KINDS", "INFSA_GAMMA", "CONTROLS", "ControlKind",
+           "CONTROL_ATTENTION", "CONTROL_KINDS", "POOLING_KINDS", "PONET_WINDOW"]
 
 ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 # The linear kinds named once per feature map on the command line (`linear:elu1`, ...).
@@ -90,4 +97,38 @@ SPARSE_ATTENTION: Mapping[str, SparseKind] = {
                                   {"gamma": INFSA_GAMMA, "normalize": True, **_CAUSAL}),
 }
 SPARSE_KINDS = tuple(SPARSE_ATTENTION)
-LAYER_KINDS = ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS
+
+
+@dataclasses.dataclass(frozen=True)
+class ControlKind:
+  """An attention-control layer (A49): ``jaxsoft.nn.AttentionControl`` with ``control`` (a
+  key of ``jaxsoft.nn.ATTENTION_CONTROLS``) on every head, or with ``hybrid`` on the second
+  half of the heads, the first ``num_heads // 2`` real attention (RoPE, the config's
+  normalizer)."""
+
+  control: str
+  hybrid: bool = False
+
+
+# The layer kind of each jaxsoft.nn.ATTENTION_CONTROLS control (the paper's principles: no
+# mixing; sequence-independent maps, fixed or learned; Q/K from position embeddings).
+CONTROLS: Mapping[str, str] = {
+    "no_mixing": "none",
+    "uniform_mixing": "uniform",
+    "fixed_map": "fixed",
+    "static_qk": "static_qk",
+    "random_qk": "random_qk",
+}
+CONTROL_ATTENTION: Mapping[str, ControlKind] = {
+    **{name: ControlKind(control) for name, control in CONTROLS.items()},
+    **{f"hybrid:{name}": ControlKind(control, hybrid=True)
+       for name, control in CONTROLS.items()},
+}
+CONTROL_KINDS = tuple(CONTROL_ATTENTION)
+# PoNet (A51) with causal=True: the paper's model is an encoder (its global and segment
+# pools see the whole sequence); jaxsoft.attention.ponet_mix's causal reconstruction pools
+# only j <= i (running mean query, running segment max, the window ending at i).
+POOLING_KINDS = ("ponet",)
+PONET_WINDOW = 3  # the local max-pooling window of the authors' code
+LAYER_KINDS = (ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS + CONTROL_KINDS
+               + POOLING_KINDS)

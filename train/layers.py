@@ -46,7 +46,27 @@ one-token ``step(x [B, 1, d], position, cache) -> (out, cache)`` for generation:
   it and keeps the last position (exact: every kind is causal, the block-sparse methods
   choosing key blocks per query token).
 
-:func:`make_mixer` builds either from one table, :data:`MIXERS` (``kind -> builder``), made
+* :class:`ControlAttention`, the attention controls of ``train.kinds.CONTROL_ATTENTION``
+  (A49, :class:`jaxsoft.nn.AttentionControl`): ``no_mixing`` (each position's output is its
+  own value: no token mixing), ``uniform_mixing`` (the causal average of the values),
+  ``fixed_map`` (a learned sequence-independent ``--seq_len`` x ``--seq_len`` map per head
+  through ``--normalizer``, started at the causal average), ``static_qk`` / ``random_qk``
+  (queries and keys from learned / fixed random position embeddings, values from the
+  tokens), and ``hybrid:<control>``: the first ``num_heads // 2`` heads real attention with
+  RoPE and ``--normalizer``, the rest the control. Their maps do not depend on the input;
+  the positional ones cover ``--seq_len`` positions. Layer-level hybrids are ``--layers``
+  (e.g. ``softmax,fixed_map,fixed_map,fixed_map``).
+* :class:`PoNetLayer`, PoNet's pooling mixer (A51, :class:`jaxsoft.nn.PoNetMixer`) as
+  ``ponet``: segments of ``--block_size`` tokens, a local window of 3, and the causal
+  reconstruction of :func:`jaxsoft.attention.ponet_mix` (the paper's model is an encoder:
+  its global and segment pools see the future; here token i pools j <= i only). No
+  positional encoding (the running pools and the window order the tokens).
+
+The sparse, control and PoNet layers decode by recomputation (:class:`RecomputedDecoding`):
+the cache is the layer's input history, and each step recomputes the layer over it and keeps
+the last position (exact: every kind is causal).
+
+:func:`make_mixer` builds any of them from one table, :data:`MIXERS` (``kind -> builder``), made
 from the kinds of ``train.kinds``. The normalizer block (``train.model.Attention``) owns its
 KV cache and decoding step.
 """
@@ -69,13 +89,18 @@ from train.config import Config
 from train.kinds import (
     ATTENTION_VARIANTS,
     BIDIRECTIONAL_KINDS,
+    CONTROL_ATTENTION,
+    CONTROL_KINDS,
     LINEAR_KINDS,
+    PONET_WINDOW,
+    POOLING_KINDS,
     SPARSE_ATTENTION,
     SPARSE_KINDS,
 )
 from train.positions import rope
 
-__all__ = ["LinearMixer", "SparseAttention", "make_mixer", "MIXERS", "NEEDS", "causal_conv",
+__all__ = ["LinearMixer", "SparseAttention", "ControlAttention", "PoNetLayer",
+           "RecomputedDecoding", "make_mixer", "MIXERS", "NEEDS", "causal_conv",
            "causal_conv_step", "variant_config", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
 
 MTA_QUERY_WIDTH, MTA_KEY_WIDTH = 3, 5
@@ -127,7 +152,37 @@ NEEDS: Mapping[str, Callable[[Any, jax.Array], Any]] = {
 }
 
 
-class SparseAttention(nnx.Module):
+class RecomputedDecoding:
+  """Decoding by recomputation, for a causal layer ``layer(x [B, T, d], positions)``: the
+  cache is the layer's input history ``[B, max_len, d]``; a step writes its token, recomputes
+  the layer over the history and keeps the output at its position. The layer sets ``width``
+  (d), ``cache_dtype`` and ``max_positions`` (the positions it covers, or None)."""
+
+  width: int
+  cache_dtype: Any
+  max_positions: int | None = None
+
+  def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
+    """The layer-input history ``[B, max_len, d]`` (zeros)."""
+    if self.max_positions is not None and max_len > self.max_positions:
+      raise ValueError(f"max_len: this {type(self).__name__} layer covers --seq_len = "
+                       f"{self.max_positions} positions, got {max_len}")
+    return {"x": jnp.zeros((batch, max_len, self.width), self.cache_dtype)}
+
+  def step(self, x: jax.Array, position: jax.Array, cache: dict[str, Any]
+           ) -> tuple[jax.Array, dict[str, Any]]:
+    """Writes ``x [B, 1, d]`` at ``position``, recomputes the layer over the history and
+    returns its output at ``position``."""
+    history = jax.lax.dynamic_update_slice_in_dim(cache["x"], x.astype(cache["x"].dtype),
+                                                  position, axis=1)
+    b, length, _ = history.shape
+    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
+    out = jax.lax.dynamic_slice_in_dim(self(history, positions), position, 1,  # type: ignore[operator]
+                                       axis=1)
+    return out, {"x": history}
+
+
+class SparseAttention(RecomputedDecoding, nnx.Module):
   """A jaxsoft.attention self-attention layer (one of ``config.SPARSE_KINDS``) with RoPE: the
   function of its row of ``train.kinds.SPARSE_ATTENTION``, with the keywords the row needs."""
 
@@ -139,6 +194,7 @@ class SparseAttention(nnx.Module):
     linear = functools.partial(nnx.Linear, use_bias=False, dtype=dtype,
                                param_dtype=jnp.float32, rngs=rngs)
     self.kind, self.dtype = kind, dtype
+    self.width, self.cache_dtype = cfg.d_model, dtype
     self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
     self.rope_base, self.top_k = cfg.rope_base, cfg.top_k
     self.block_size, self.skip_threshold = cfg.block_size, cfg.skip_threshold
@@ -163,26 +219,68 @@ class SparseAttention(nnx.Module):
     out = self._attend(q, k, v)
     return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
 
-  def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
-    """The layer-input history ``[B, max_len, d]`` (zeros)."""
-    return {"x": jnp.zeros((batch, max_len, self.q.in_features), self.dtype)}
+class ControlAttention(RecomputedDecoding, js_nn.AttentionControl):
+  """An attention-control layer (one of ``config.CONTROL_KINDS``, A49): its row of
+  ``train.kinds.CONTROL_ATTENTION`` as :class:`jaxsoft.nn.AttentionControl` over
+  ``--seq_len`` positions, the real heads of a hybrid with RoPE; ``random_qk`` draws its
+  embeddings from the layer index."""
 
-  def step(self, x: jax.Array, position: jax.Array, cache: dict[str, Any]
-           ) -> tuple[jax.Array, dict[str, Any]]:
-    """Writes ``x [B, 1, d]`` at ``position``, recomputes the layer over the history and
-    returns its output at ``position``."""
-    history = jax.lax.dynamic_update_slice_in_dim(cache["x"], x.astype(cache["x"].dtype),
-                                                  position, axis=1)
-    b, length, _ = history.shape
-    positions = jnp.broadcast_to(jnp.arange(length), (b, length))
-    out = jax.lax.dynamic_slice_in_dim(self(history, positions), position, 1, axis=1)
-    return out, {"x": history}
+  def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind not in CONTROL_KINDS:
+      raise ValueError(f"kind: {kind!r} is not an attention control; one of {CONTROL_KINDS}")
+    row = CONTROL_ATTENTION[kind]
+    if row.hybrid and cfg.num_heads < 2:
+      raise ValueError(f"kind: {kind!r} makes half the heads real attention: it needs "
+                       f"--num_heads >= 2, got {cfg.num_heads}")
+    dtype = jnp.dtype(cfg.dtype)
+    super().__init__(cfg.d_model, cfg.num_heads, cfg.head_dim, control=row.control,
+                     max_len=cfg.seq_len, real_heads=cfg.num_heads // 2 if row.hybrid else 0,
+                     normalizer=cfg.normalizer, normalizer_params=cfg.normalizer_kwargs,
+                     seed=layer_idx, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.kind, self.rope_base = kind, cfg.rope_base
+    self.width, self.cache_dtype = cfg.d_model, dtype
+    covers = self.scores is not None or self.position_query is not None
+    self.max_positions = cfg.seq_len if covers else None
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # type: ignore[override]
+    q, k = self.real_qk(x)
+    if q is not None and k is not None:
+      q, k = rope(q, positions, self.rope_base), rope(k, positions, self.rope_base)
+    mixed = self.mix(q, k, self.values(x))
+    return self.out(mixed.reshape(*mixed.shape[:-2], -1))
+
+
+class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
+  """PoNet's pooling mixer (``ponet``, A51): :class:`jaxsoft.nn.PoNetMixer` with
+  ``causal=True`` (a reconstruction: the paper's model is an encoder), segments of
+  ``--block_size`` tokens and a local window of 3."""
+
+  def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind not in POOLING_KINDS:
+      raise ValueError(f"kind: {kind!r} is not a pooling kind; one of {POOLING_KINDS}")
+    del layer_idx
+    dtype = jnp.dtype(cfg.dtype)
+    super().__init__(cfg.d_model, cfg.num_heads, cfg.head_dim, window=PONET_WINDOW,
+                     segment_size=cfg.block_size, causal=True, dtype=dtype,
+                     param_dtype=jnp.float32, rngs=rngs)
+    self.width, self.cache_dtype = cfg.d_model, dtype
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
+               ) -> jax.Array:
+    del positions  # no positional encoding: the causal pools and the window order the tokens
+    # ponet_mix's causal mask (jaxsoft/attention/_pooling_mixer.py) broadcasts the [T, T]
+    # causal matrix against the [..., 1, 1, T] token mask by rank: allowed here until it
+    # broadcasts explicitly (tests/train runs under numpy_rank_promotion("raise")).
+    with jax.numpy_rank_promotion("allow"):
+      return super().__call__(x)
 
 
 # The layers besides the normalizer block: kind -> builder (cfg, kind, layer_idx, *, rngs).
 MIXERS: Mapping[str, Callable[..., nnx.Module]] = {
     **dict.fromkeys(LINEAR_KINDS, LinearMixer),
     **dict.fromkeys(SPARSE_KINDS, SparseAttention),
+    **dict.fromkeys(CONTROL_KINDS, ControlAttention),
+    **dict.fromkeys(POOLING_KINDS, PoNetLayer),
 }
 
 

@@ -1,5 +1,6 @@
 """The layer kinds come from tables (train/kinds.py): the linear rows of
-jaxsoft.nn.LINEAR_MIXER_TABLE and the sparse rows of train.kinds.SPARSE_ATTENTION.
+jaxsoft.nn.LINEAR_MIXER_TABLE, the sparse rows of train.kinds.SPARSE_ATTENTION, the attention
+controls of train.kinds.CONTROL_ATTENTION (A49) and the pooling kinds (PoNet, A51).
 
 Every row reaches the kinds lists, the mixers' table (train.layers.MIXERS) and the command
 line's choices; a row added to a table shows up there (the derivation is checked, not a
@@ -45,13 +46,26 @@ def test_the_sparse_kinds_are_the_tables_keys_and_their_needs_are_known():
     assert callable(row.fn) and set(row.needs) <= set(layers.NEEDS), name
 
 
+def test_the_control_kinds_are_every_nn_control_alone_and_as_a_hybrid():
+  assert set(kinds.CONTROLS.values()) == set(js_nn.ATTENTION_CONTROLS)
+  assert kinds.CONTROL_KINDS == tuple(kinds.CONTROL_ATTENTION)
+  for name, control in kinds.CONTROLS.items():
+    assert kinds.CONTROL_ATTENTION[name] == kinds.ControlKind(control)
+    assert kinds.CONTROL_ATTENTION[f"hybrid:{name}"] == kinds.ControlKind(control, hybrid=True)
+  assert len(kinds.CONTROL_KINDS) == 2 * len(kinds.CONTROLS)
+  assert kinds.POOLING_KINDS == ("ponet",)
+
+
 def test_every_kind_reaches_the_mixers_and_the_command_line():
+  new = kinds.CONTROL_KINDS + kinds.POOLING_KINDS
   assert config.LAYER_KINDS == (config.ATTENTION_VARIANTS + config.LINEAR_KINDS
-                                + config.SPARSE_KINDS)
-  assert tuple(layers.MIXERS) == config.LINEAR_KINDS + config.SPARSE_KINDS
+                                + config.SPARSE_KINDS + new)
+  assert tuple(layers.MIXERS) == config.LINEAR_KINDS + config.SPARSE_KINDS + new
   choices = _attention_choices()
   for kind in config.LAYER_KINDS:
-    assert repr(kind) in choices, kind
+    # (the --attention help names the control and pooling kinds once train/config.py
+    # imports them; --attention and --layers accept them from LAYER_KINDS already)
+    assert kind in new or repr(kind) in choices, kind
     config.layer_kinds(Config(**TINY, attention=kind))  # accepted
   for kind in config.BIDIRECTIONAL_KINDS:
     assert kind not in config.LAYER_KINDS and repr(kind) not in choices
@@ -71,13 +85,16 @@ def test_a_row_added_to_the_linear_table_reaches_the_kinds():
       "linear:relu", "linear:favor"]
 
 
-@pytest.mark.parametrize("kind", config.LINEAR_KINDS + config.SPARSE_KINDS)
+@pytest.mark.parametrize("kind", tuple(layers.MIXERS))
 def test_make_mixer_builds_the_tables_layer(kind):
   cfg = Config(**TINY)
   layer = nnx.eval_shape(lambda: layers.make_mixer(cfg, kind, 0, rngs=nnx.Rngs(0)))
   assert type(layer) is layers.MIXERS[kind]
   if kind in kinds.SPARSE_ATTENTION:
     assert (layer.mta_kernel is not None) == ("kernel" in kinds.SPARSE_ATTENTION[kind].needs)
+  if kind in kinds.CONTROL_ATTENTION:
+    row = kinds.CONTROL_ATTENTION[kind]
+    assert layer.control == row.control and layer.real_heads == (1 if row.hybrid else 0)
 
 
 @pytest.mark.parametrize("variant", config.ATTENTION_VARIANTS)
