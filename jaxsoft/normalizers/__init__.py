@@ -44,6 +44,7 @@ from jaxsoft.normalizers._stablemax import *
 from jaxsoft.normalizers._taylor import *
 from jaxsoft.normalizers._topk import *
 from jaxsoft.normalizers._tropical import *
+from jaxsoft.normalizers.single_pass import single_pass_softmax
 from jaxsoft.normalizers.spec import (
     REGISTRY,
     NormalizerSpec,
