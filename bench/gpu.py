@@ -66,6 +66,20 @@ Two more sections (``--sections``), each checked before it is timed:
   output error printed; fails above 0.25 max abs), then forward ms of each / bf16 at
   H = 128, T in {4k, 16k}, full and causal.
 
+* ``polykv`` (K11): ``kp.polykv_decode_attention`` (split-K decode through a PolyKV cache:
+  q8_0 int8 keys, Hadamard-rotated 3-bit Lloyd-Max value codes) against
+  ``kp.decode_attention`` on the same cache unquantised in bf16 (the baseline), B = 8,
+  N = 32 query heads on K = 8 KV heads, H = 128, S_max of 32k and 128k with ragged
+  lengths, ms; checked first against ``polykv_reference`` (attention on the dequantised
+  cache, float32; fails above 1e-4) and its error against the exact bf16 decode printed;
+  each row prints the bytes per cached token of both caches.
+* ``single_pass`` (K12): ``kp.single_pass_softmax`` (Edge-MoE's streamed running max / sum,
+  ap_fixed<32, 10> emulated, and the float32 form) against ``jax.nn.softmax`` (XLA, the
+  baseline), forward and ``jax.grad`` of a weighted sum, float32, rows x entries of
+  65536 x 197 (ViT-S/16 attention rows) and 8192 x 1024, ms; checked first against
+  ``js.normalizers.single_pass_softmax`` (fails beyond 4 grid steps + 1e-6) and softmax's
+  gradient.
+
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
 Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16.
@@ -73,6 +87,7 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
     python bench/gpu.py                      # on a GPU, under 5 minutes
     python bench/gpu.py --interpret --tiny   # on CPU: interpret mode, tiny shapes (a test)
     python bench/gpu.py --sections extras    # only the K06 / block-sparse / decode rows
+    python bench/gpu.py --sections polykv,single_pass   # the K11 / K12 rows
 """
 
 from __future__ import annotations
@@ -93,7 +108,8 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
-SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox")
+SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox",
+            "polykv", "single_pass")
 
 
 @dataclasses.dataclass
@@ -253,6 +269,10 @@ def main(argv=None):
     ok &= autotune_section(args)
   if "fp8" in sections:
     ok &= fp8_section(args)
+  if "polykv" in sections:
+    ok &= polykv_section(args)
+  if "single_pass" in sections:
+    ok &= single_pass_section(args)
   return 0 if ok else 1
 
 
@@ -828,6 +848,130 @@ def fp8_section(args) -> bool:
             f"{ms['dequantised']:.3g} | {ms['native'] / ms['bf16']:.2f} | "
             f"{ms['dequantised'] / ms['bf16']:.2f} | ok |", flush=True)
   return ok
+
+
+# -------------------------------------------------------------------- PolyKV decode (K11)
+
+
+def polykv_section(args) -> bool:
+  """K11: split-K decode through a PolyKV cache against kp.decode_attention on the bf16
+  cache (the baseline); checked against polykv_reference first."""
+  from kernels_pallas import polykv
+
+  interpret = bool(args.interpret)
+  if args.tiny:
+    shapes, check_shape, reps = [(2, 64)], (2, 64), args.reps or 2  # (B, S_max)
+    n, kh, h, block_k = 4, 2, 32, 16
+  else:
+    shapes, check_shape, reps = [(8, 32768), (8, 131072)], (4, 4096), args.reps or 10
+    n, kh, h, block_k = 32, 8, 128, None
+
+  def inputs(b, s, seed=0):
+    kq, kk, kv, kl = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(kq, (b, n, h), jnp.float32).astype(jnp.bfloat16)
+    k, v = (jax.random.normal(x, (b, s, kh, h), jnp.float32).astype(jnp.bfloat16)
+            for x in (kk, kv))
+    lengths = jax.random.randint(kl, (b,), s // 2, s + 1).at[0].set(s)  # ragged, one full
+    return q, k, v, lengths
+
+  def baseline(q, k, v, lengths):
+    return kp.decode_attention(q, k, v, lengths, backend="triton", interpret=interpret,
+                               block_k=block_k)
+
+  def ours(q, cache, lengths):
+    return kp.polykv_decode_attention(q, cache, lengths, backend="triton",
+                                      interpret=interpret, block_k=block_k)
+
+  quantize = jax.jit(polykv.polykv_quantize)
+  q, k, v, lengths = inputs(*check_shape, seed=1)
+  q = q.astype(jnp.float32)  # the check in float32 (a bf16 q gives a bf16 output)
+  try:
+    cache = quantize(k, v)
+    got = jax.jit(ours)(q, cache, lengths)
+    err = float(jnp.max(jnp.abs(got - jax.jit(polykv.polykv_reference)(q, cache, lengths))))
+    exact = float(jnp.max(jnp.abs(got - jax.jit(baseline)(q, k, v, lengths).astype(
+        jnp.float32))))
+    print(f"# K11 PolyKV vs polykv_reference: max abs {err:.2g}; vs the exact bf16 decode "
+          f"(the quantisation): max abs {exact:.3g}")
+  except Exception as e:  # an op that cannot run is reported, never timed
+    print(f"# K11 PolyKV: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
+    err = float("inf")
+  passed = err <= 1e-4  # float32 kernel vs float32 jnp on the same dequantised cache
+  print(f"\n| K11 decode, N={n} K={kh} H={h} | B x S_max | ms | vs bf16 decode | status |\n"
+        "|---|---|---|---|---|")
+  for b, s in shapes:
+    shape = f"{b} x {s}"
+    q, k, v, lengths = inputs(b, s)
+    base = timeit(jax.jit(baseline), (q, k, v, lengths), reps) * 1e3
+    print(_ms_row(f"kp.decode_attention bf16 ({4 * h} B/token/head)", shape, [base], [base],
+                  "ok"))
+    if not passed:
+      print(f"| kp.polykv_decode_attention | {shape} | - | - | FAIL (err {err:.2g}) |")
+      continue
+    cache = quantize(k, v)
+    del k, v
+    per_token = sum(x.dtype.itemsize * x[0, 0, 0].size for x in (
+        cache.k_codes, cache.k_scales, cache.v_codes, cache.v_rho))
+    ms = timeit(jax.jit(ours), (q, cache, lengths), reps) * 1e3
+    print(_ms_row(f"kp.polykv_decode_attention ({per_token} B/token/head)", shape, [ms],
+                  [base], f"ok (check err {err:.1e})"), flush=True)
+  return passed
+
+
+# ---------------------------------------------------------------- single-pass softmax (K12)
+
+
+def single_pass_section(args) -> bool:
+  """K12: the single-pass softmax kernel (fixed point and float32) against jax.nn.softmax
+  (the baseline), forward and gradient; each checked against the jnp reference first."""
+  interpret = bool(args.interpret)
+  if args.tiny:
+    shapes, check_shape, reps = [(64, 40)], (48, 37), args.reps or 2  # (rows, entries)
+  else:
+    shapes, check_shape, reps = [(65536, 197), (8192, 1024)], (1024, 197), args.reps or 10
+  runs = {"ap_fixed<32, 10>": (32, 10), "float32": None}
+
+  def ours(fmt):
+    return lambda x: kp.single_pass_softmax(x, fixed_point=fmt, backend="triton",
+                                            interpret=interpret)
+
+  def grad_of(fn):
+    return jax.jit(jax.grad(lambda x, g: jnp.sum(fn(x) * g)))
+
+  x = jax.random.normal(jax.random.key(1), check_shape) * 3.0
+  g = jax.random.normal(jax.random.key(2), check_shape)
+  want_grad = grad_of(jax.nn.softmax)(x, g)
+  errs = {}
+  for name, fmt in runs.items():
+    step = 2.0 ** -(fmt[0] - fmt[1]) if fmt else 0.0
+    try:
+      got = jax.jit(ours(fmt))(x)
+      ref = jax.jit(lambda x, fmt=fmt: jn.single_pass_softmax(x, fixed_point=fmt))(x)
+      err = float(jnp.max(jnp.abs(got - ref)))
+      gerr = float(jnp.max(jnp.abs(grad_of(ours(fmt))(x, g) - want_grad)))
+      errs[name] = err if (err <= 4 * step + 1e-6 and gerr <= 1e-5) else float("inf")
+      print(f"# K12 {name}: vs the jnp reference max abs {err:.2g} (grid step {step:.2g}); "
+            f"gradient vs softmax's {gerr:.2g}")
+    except Exception as e:
+      print(f"# K12 {name}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
+      errs[name] = float("inf")
+  print("\n| K12 single-pass softmax | rows x entries | fwd ms | grad ms | vs jax.nn.softmax fwd "
+        "| vs jax.nn.softmax grad | status |\n|---|---|---|---|---|---|---|")
+  for r, s in shapes:
+    shape = f"{r} x {s}"
+    x = jax.random.normal(jax.random.key(0), (r, s)) * 3.0
+    g = jax.random.normal(jax.random.key(3), (r, s))
+    base = [timeit(jax.jit(jax.nn.softmax), (x,), reps) * 1e3,
+            timeit(grad_of(jax.nn.softmax), (x, g), reps) * 1e3]
+    print(_ms_row("jax.nn.softmax", shape, base, base, "ok"))
+    for name, fmt in runs.items():
+      if errs[name] == float("inf"):
+        print(f"| {name} | {shape} | - | - | - | - | FAIL |")
+        continue
+      ms = [timeit(jax.jit(ours(fmt)), (x,), reps) * 1e3,
+            timeit(grad_of(ours(fmt)), (x, g), reps) * 1e3]
+      print(_ms_row(name, shape, ms, base, f"ok (check err {errs[name]:.1e})"), flush=True)
+  return all(e != float("inf") for e in errs.values())
 
 
 # ----------------------------------------------------------------------------- autotune (K06)

@@ -138,3 +138,42 @@ def test_speed_flag_sections_run_and_check_first(section, label, capsys):
   assert rc == 0, out
   rows = [line for line in out.splitlines() if line.startswith(label)]
   assert len(rows) == 2 and all(line.rstrip().endswith("| ok |") for line in rows), out
+
+
+@pytest.mark.slow
+def test_polykv_and_single_pass_sections_check_then_time(capsys):
+  """K11 and K12 in interpret mode: each kernel checked against its jnp reference (ok),
+  then timed against its baseline (kp.decode_attention on the bf16 cache; jax.nn.softmax)."""
+  rc = _load_bench().main(["--interpret", "--tiny", "--sections", "polykv,single_pass",
+                           "--reps", "1"])
+  out = capsys.readouterr().out
+  assert rc == 0, out
+  rows = [line for line in out.splitlines() if line.startswith("| ") and " ms |" not in line]
+  assert {line.split("|")[1].strip() for line in rows} == {
+      "kp.decode_attention bf16 (128 B/token/head)",
+      "kp.polykv_decode_attention (72 B/token/head)",  # 32 + 4 + 32 + 4 bytes
+      "jax.nn.softmax", "ap_fixed<32, 10>", "float32"}, out
+  assert all("x | ok" in line for line in rows), rows
+
+
+def test_a_polykv_or_single_pass_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
+  bench = _load_bench()
+  from kernels_pallas import polykv
+
+  # stand-ins, so that no kernel compiles: the baselines right, the two kernels 1.5x off
+  monkeypatch.setattr(bench.kp, "decode_attention", lambda q, k, v, n, **kw: polykv.polykv_reference(
+      q, polykv.polykv_quantize(k, v), n))
+  monkeypatch.setattr(bench.kp, "polykv_decode_attention",
+                      lambda q, cache, n, **kw: polykv.polykv_reference(q, cache, n) * 1.5)
+  monkeypatch.setattr(bench.kp, "single_pass_softmax",
+                      lambda x, **kw: bench.jax.nn.softmax(x) * 1.5)
+  timed = []
+  monkeypatch.setattr(bench, "timeit", lambda f, args, reps: timed.append(f) or 1.0)
+  args = bench.argparse.Namespace(tiny=True, reps=1, interpret=True)
+  assert not bench.polykv_section(args)
+  assert not bench.single_pass_section(args)
+  out = capsys.readouterr().out
+  assert "| kp.polykv_decode_attention | 2 x 64 | - | - | FAIL" in out
+  assert "| ap_fixed<32, 10> | 64 x 40 | - | - | - | - | FAIL |" in out
+  assert "| float32 | 64 x 40 | - | - | - | - | FAIL |" in out
+  assert len(timed) == 1 + 2  # only the baselines: the bf16 decode, softmax fwd and grad
