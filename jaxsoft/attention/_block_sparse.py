@@ -45,6 +45,7 @@ from jax.typing import ArrayLike
 import kernels_pallas
 from jaxsoft.attention._checks import check_int
 from jaxsoft.attention.call import AttentionCall
+from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 
 __all__ = ["block_sparse_attention", "BLOCK_SPARSE_METHODS"]
 
@@ -291,6 +292,15 @@ def _blasst_head_backward(q, k, v, kvalid, out, lse, plan, dout, causal: bool, T
   return dq.reshape(G, Tp, H), dk, dv
 
 
+_BLASST_WHERE = "block_sparse_attention(method='blasst')"
+# BLASST has no dense twin under the same name: its skips depend on the running max. The
+# same values and first derivatives come from the dense path under the kept-block mask.
+_BLASST_ADVICE = ("For these derivatives take the kept key blocks (return_stats=True) and "
+                  "call dot_product_attention(..., implementation='xla') with them as the "
+                  "mask: the same output, and every derivative of the dense path (the block "
+                  "choice is piecewise constant).")
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
 def _blasst_core(qs, k, v, kvalid, tau, causal, T, C):
   return _blasst_core_fwd(qs, k, v, kvalid, tau, causal, T, C)[0]
@@ -311,10 +321,16 @@ def _blasst_core_bwd(tau, causal, T, C, res, cts):
   D = rowsum(dO ∘ O), dQ = dS K, dK = dSᵀ Q. The block choice is piecewise constant."""
   qs, k, v, kvalid, out, lse, plan = res
   dout = cts[0].astype(out.dtype)
-  dq, dk, dv = lax.map(
-      lambda a: _blasst_head_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7], causal,
-                                      T),
-      (qs, k, v, kvalid, out, lse, plan, dout))
+
+  def backward(*args):
+    return lax.map(
+        lambda a: _blasst_head_backward(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7],
+                                        causal, T), args)
+
+  # Differentiating this backward again (a Hessian) would drop the terms of the kept
+  # blocks' running statistics: refused by name instead.
+  dq, dk, dv = first_order_only(backward, _BLASST_WHERE, _BLASST_ADVICE)(
+      qs, k, v, kvalid, out, lse, plan, dout)
   return dq, dk, dv, jnp.zeros_like(kvalid)
 
 
@@ -327,6 +343,7 @@ def _blasst(lay: _Layout, tau: float):
   FlashAttention backward over the kept pairs (no differentiation of the loop)."""
   B, K, G, bs, nq, nk = lay.B, lay.K, lay.G, lay.bs, lay.nq, lay.nk
   Hv, Tp = lay.v.shape[-1], nq * bs
+  refuse_unsupported_ad((lay.q, lay.k, lay.v), _BLASST_WHERE, _BLASST_ADVICE)
   kpos = jnp.broadcast_to(jnp.arange(nk * bs), (B, nk * bs))
   kvalid = jnp.repeat(lay.key_valid(kpos).astype(lay.cdt).reshape(B, nk, bs), K, axis=0)
   qs = lay.q.reshape(B * K, G, Tp, lay.H) * lay.scale

@@ -26,13 +26,16 @@ _SECOND_ORDER = ("a second- or higher-order derivative (jax.hessian, jax.grad of
                  "jax.jvp of jax.grad)")
 
 
-def _ad_message(where: str, what: str) -> str:
+_DENSE_ADVICE = ("Use implementation='xla' (the dense path), which supports jax.jvp, jax.jacfwd, "
+                 "jax.hessian and any nesting; note that implementation=None picks "
+                 "'xla_chunked' on CPU once T*S >= 1024*1024.")
+
+
+def _ad_message(where: str, what: str, advice: str | None = None) -> str:
   return (
       f"{where}: {what} is not supported: the blockwise path computes its gradient with a "
       "custom VJP (a recomputing backward pass), which gives first-order reverse mode "
-      "(jax.grad, jax.vjp, jax.jacrev) only. Use implementation='xla' (the dense path), "
-      "which supports jax.jvp, jax.jacfwd, jax.hessian and any nesting; note that "
-      "implementation=None picks 'xla_chunked' on CPU once T*S >= 1024*1024.")
+      f"(jax.grad, jax.vjp, jax.jacrev) only. {advice or _DENSE_ADVICE}")
 
 
 class UnsupportedDifferentiation(NotImplementedError, TypeError):
@@ -73,7 +76,7 @@ def _ad_levels(x) -> tuple[bool, int]:
   return bool(forward), depth
 
 
-def refuse_unsupported_ad(tree, where: str) -> None:
+def refuse_unsupported_ad(tree, where: str, advice: str | None = None) -> None:
   """:class:`UnsupportedDifferentiation` naming ``where`` when ``tree`` (the
   differentiable inputs) is differentiated in forward mode (``jax.jvp``, ``jax.jacfwd``)
   or twice (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of ``jax.grad``).
@@ -81,17 +84,18 @@ def refuse_unsupported_ad(tree, where: str) -> None:
   Seen here only when the derivative retraces the call; one taken of a ``jax.jit``-compiled
   function holding the call is caught later: the second order by
   :func:`first_order_only` (a TypeError with this message), forward mode by JAX's own
-  "can't apply forward-mode autodiff (jvp) to a custom_vjp function".
+  "can't apply forward-mode autodiff (jvp) to a custom_vjp function". ``advice`` replaces
+  the message's pointer to the dense path where that is not the way out.
   """
   levels = [_ad_levels(x) for x in jax.tree.leaves(tree)]
   if any(depth >= 2 for _, depth in levels):
-    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
+    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER, advice))
   if any(forward for forward, _ in levels):
     raise UnsupportedDifferentiation(
-        _ad_message(where, "forward-mode differentiation (jax.jvp, jax.jacfwd)"))
+        _ad_message(where, "forward-mode differentiation (jax.jvp, jax.jacfwd)", advice))
 
 
-def first_order_only(fn: Callable, where: str) -> Callable:
+def first_order_only(fn: Callable, where: str, advice: str | None = None) -> Callable:
   """``fn`` (a custom VJP's forward or backward computation) made to raise
   :class:`UnsupportedDifferentiation` naming ``where`` when it is itself differentiated, i.e. under a second- or
   higher-order derivative (``jax.hessian``, ``jax.grad`` of ``jax.grad``, ``jax.jvp`` of
@@ -105,7 +109,7 @@ def first_order_only(fn: Callable, where: str) -> Callable:
 
   @guarded.defjvp
   def _refuse(primals, tangents):
-    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER))
+    raise UnsupportedDifferentiation(_ad_message(where, _SECOND_ORDER, advice))
 
   return guarded
 

@@ -323,3 +323,26 @@ def test_errors_name_the_argument():
       ("`implementation`", lambda: f(method="blasst", skip_threshold=1.0,
                                      implementation="pallas")),
   )
+
+
+def test_blasst_refuses_second_order_and_forward_mode_by_name():
+  """BLASST's custom VJP gives first-order reverse mode; a Hessian, grad of grad (also of a
+  jitted call) and forward mode raise UnsupportedDifferentiation naming the method and the
+  way out (the dense path under the kept-block mask), not JAX's bare loop error."""
+  from jaxsoft.attention import UnsupportedDifferentiation
+  q, k, v = (x[:1, :8, :2, :4] for x in _inputs(5))
+  f = functools.partial(block_sparse_attention, method="blasst", block_size=BS,
+                        skip_threshold=1.0, is_causal=True)
+  loss = lambda q: jnp.sum(f(q, k, v) ** 2)
+  t = jnp.ones_like(q)
+  attempts = {
+      "hessian": lambda: jax.hessian(loss)(q),
+      "grad of grad, jitted": lambda: jax.grad(
+          lambda q: jnp.vdot(jax.grad(jax.jit(loss))(q), t))(q),
+      "jvp": lambda: jax.jvp(loss, (q,), (t,)),
+  }
+  for name, attempt in attempts.items():
+    with pytest.raises(UnsupportedDifferentiation, match=r"method='blasst'.*return_stats"):
+      attempt()
+    del name
+  assert jnp.all(jnp.isfinite(jax.grad(loss)(q)))  # first order still works
