@@ -5,16 +5,22 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 # pytest workers: one per core by default.
 JOBS   ?= auto
+# sphinx-build workers for `make docs`.
+DOCS_JOBS ?= auto
 # What `.venv/.base` installs: the test, training and notebook tools, and the outside oracles
 # (PyTorch, flash-linear-attention) the tests compare against.
 EXTRAS ?= test,train,notebooks,oracles
 
-.PHONY: demo test test-unit test-notebooks test-slow test-quick lint typecheck bench gallery notebooks clean
+.PHONY: demo test test-unit test-notebooks test-slow test-quick lint typecheck bench gallery notebooks docs docs-test clean
 
 $(VENV)/.base: setup.cfg pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e ".[$(EXTRAS)]"
+	touch $@
+
+$(VENV)/.docs: $(VENV)/.base
+	$(PIP) install -q -e ".[docs]"
 	touch $@
 
 $(VENV)/.bench: $(VENV)/.base
@@ -47,7 +53,7 @@ test-slow: $(VENV)/.base
 
 ## The quick inner loop: unit tests without Pallas interpret-mode kernels, subprocesses or slow sweeps.
 test-quick: $(VENV)/.base
-	$(PY) -m pytest -n $(JOBS) -q -m "not kernels and not subprocess and not slow"
+	$(PY) -m pytest -n $(JOBS) -q -m "not kernels and not subprocess and not slow and not browser"
 
 lint: $(VENV)/.base
 	$(PY) -m ruff check jaxsoft kernels_pallas tests bench train
@@ -66,6 +72,15 @@ bench: $(VENV)/.bench
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/train_tokens.py
 	$(PY) bench/residuals.py
+
+## The documentation site in docs/_build/html (Sphinx + MyST-NB + sphinx-book-theme; docs/conf.py):
+## warnings are errors (-W), cross-references nitpicky (-n); notebooks render their committed outputs.
+docs: $(VENV)/.docs
+	$(PY) -m sphinx -b html -W --keep-going -n -q -j $(DOCS_JOBS) docs docs/_build/html
+
+## The built site in headless Chromium (tests/docs/test_browser.py): fails, not skips, without a browser.
+docs-test: docs
+	JAXSOFT_REQUIRE_BROWSER=1 $(PY) -m pytest -q -m browser tests/docs
 
 clean:
 	rm -rf $(VENV) build *.egg-info runs
