@@ -262,12 +262,14 @@ def single_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = 
     visible entry is all zeros.
 
   Examples:
+    ``ap_fixed<32, 10>`` (the default) agrees with softmax to about ``1e-6``; with 8
+    fraction bits the truncation shows:
+
     >>> x = jnp.array([1.0, 3.0, 2.0, -1.5])
-    >>> w = js.normalizers.single_pass_softmax(x)                   # ap_fixed<32, 10>
-    >>> w, float(jnp.max(jnp.abs(w - js.normalizers.softmax(x)))) < 1e-6
-    (Array([0.0894, 0.6604, 0.2429, 0.0073], dtype=float32), True)
-    >>> js.normalizers.single_pass_softmax(x, fixed_point=(12, 4))  # 8 fraction bits
+    >>> js.normalizers.single_pass_softmax(x, fixed_point=(12, 4))
     Array([0.0859, 0.6602, 0.2422, 0.0039], dtype=float32)
+    >>> js.normalizers.softmax(x)
+    Array([0.0894, 0.6604, 0.2429, 0.0073], dtype=float32)
 
   References:
     R. Sarkar, H. Liang, Z. Fan, Z. Wang & C. Hao, 2023, "Edge-MoE: Memory-Efficient

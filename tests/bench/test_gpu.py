@@ -156,6 +156,7 @@ def test_polykv_and_single_pass_sections_check_then_time(capsys):
   assert all("x | ok" in line for line in rows), rows
 
 
+@pytest.mark.slow
 def test_a_polykv_or_single_pass_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   bench = _load_bench()
   from kernels_pallas import polykv

@@ -93,6 +93,7 @@ def test_lloyd_max_constants_are_the_gaussian_fixed_point():
   np.testing.assert_allclose(c[4:], [0.2451, 0.7560, 1.3440, 2.1520], atol=1.1e-4)
 
 
+@pytest.mark.slow
 def test_lloyd_max_centroids_minimise_the_mse_of_gaussian_samples():
   x = np.random.default_rng(0).standard_normal(100_000)
   c = np.asarray(polykv.LLOYD_MAX_3BIT)
@@ -162,6 +163,7 @@ def _three_bit(x):
   return polykv.dequantize_values(codes, rho, x.shape[-1]), rho
 
 
+@pytest.mark.slow
 def test_rotated_3bit_distortion_is_the_lloyd_max_mse_and_outliers_are_spread():
   # Gaussian values: y / rho is ~ N(0, 1) per coordinate, MSE ~ 0.0345 rho^2. Two channels
   # 20x larger: unrotated, they would sit at ~5.4 rms, far past the outer centroid 2.15
@@ -188,6 +190,7 @@ def test_rotated_3bit_distortion_is_the_lloyd_max_mse_and_outliers_are_spread():
   assert plain_mse.mean() > 3 * mse["outlier"].mean(), (plain_mse.mean(), mse["outlier"].mean())
 
 
+@pytest.mark.slow
 def test_keys_are_more_sensitive_than_values():
   # The asymmetry PolyKV rests on: the same 3-bit quantiser applied to the keys (rotated
   # with q, so q . k is kept up to the quantisation) moves the output more than applied

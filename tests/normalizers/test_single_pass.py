@@ -72,7 +72,7 @@ MASK = np.random.default_rng(1).uniform(size=(4, 1, 40)) > 0.3
 MASK[0, 0] = False  # a fully masked row
 
 
-@pytest.mark.parametrize("fmt", [(32, 10), (16, 6)])
+@pytest.mark.parametrize("fmt", [pytest.param((32, 10), marks=pytest.mark.slow), (16, 6)])
 def test_matches_the_float64_fixed_point_recurrence_and_the_bound(fmt):
   w = np.asarray(js.normalizers.single_pass_softmax(X, where=MASK, fixed_point=fmt), np.float64)
   want = _reference(X, fmt, MASK)
@@ -89,6 +89,7 @@ def test_matches_the_float64_fixed_point_recurrence_and_the_bound(fmt):
     assert np.max(err) > 10 * 2.0 ** -24
 
 
+@pytest.mark.slow
 def test_floating_point_mode_is_softmax_and_streams():
   x = jnp.asarray(X, jnp.float32)
   w = js.normalizers.single_pass_softmax(x, where=MASK, fixed_point=None)
@@ -111,6 +112,7 @@ def test_floating_point_mode_is_softmax_and_streams():
     np.testing.assert_allclose(s[t - 1], np.exp(row[:t] - m).sum(), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradient_is_softmax_and_dtypes():
   x = jnp.asarray(X[1], jnp.float32)
   g = jnp.asarray(np.random.default_rng(2).standard_normal(x.shape), jnp.float32)
