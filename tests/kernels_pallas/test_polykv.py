@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from kernels_pallas import fp8, polykv
+from tests.kernels_pallas.test_decode import _reference as _attention_np  # float64 decode
 
 TRITON_CALL = jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
 U_F32 = 2.0 ** -24
@@ -59,24 +60,6 @@ def _dequant_np(cache):
   y = c[np.asarray(cache.v_codes)] * np.asarray(cache.v_rho, np.float64)[..., None]
   v = y @ _hadamard_np(y.shape[-1]).T
   return k, v[..., :cache.value_dim]
-
-
-def _attention_np(q, k, v, lengths, scale=None):
-  """Dense float64 softmax decode: [B, N, H] queries, [B, S, K, .] caches, GQA."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  b, n, h = q.shape
-  g = n // k.shape[2]
-  scale = 1 / np.sqrt(h) if scale is None else scale
-  out = np.zeros((b, n, v.shape[-1]))
-  for bi in range(b):
-    ln = int(lengths[bi])
-    for ni in range(n):
-      if ln == 0:
-        continue
-      x = scale * k[bi, :ln, ni // g] @ q[bi, ni]
-      e = np.exp(x - x.max())
-      out[bi, ni] = (e / e.sum()) @ v[bi, :ln, ni // g]
-  return out
 
 
 # ------------------------------------------------------------------------- the codebook
