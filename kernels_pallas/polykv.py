@@ -488,15 +488,18 @@ def _tile(cfg: _Cfg, q, kc, ks, vc, rho, start, n, state):
   matmul), values ``rho_j c[code_j]`` in the rotated basis, rows past the length zeroed,
   folded into the online-softmax state of :mod:`kernels_pallas.decode`."""
   bk = kc.shape[0]
-  scales = jax.lax.dot_general(ks, _expand(ks.shape[1], kc.shape[1]), (((1,), (0,)), ((), ())),
-                               preferred_element_type=jnp.float32)
-  k = kc.astype(jnp.float32) * scales
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32) * cfg.scale
-  valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < n
-  rows = start + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
-  vt = jnp.where(rows, _centroids(vc) * rho, 0.0)
-  return _decode._tile("online", s, valid, vt, state, None)
+  # float32 dots at full precision (IEEE on Triton, not TF32): the kernel computes what
+  # polykv_reference does, so the quantisation is the only error
+  with jax.default_matmul_precision("highest"):
+    scales = jax.lax.dot_general(ks, _expand(ks.shape[1], kc.shape[1]),
+                                 (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    k = kc.astype(jnp.float32) * scales
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * cfg.scale
+    valid = start + jax.lax.broadcasted_iota(jnp.int32, (1, bk), 1) < n
+    rows = start + jax.lax.broadcasted_iota(jnp.int32, (bk, 1), 0) < n
+    vt = jnp.where(rows, _centroids(vc) * rho, 0.0)
+    return _decode._tile("online", s, valid, vt, state, None)
 
 
 def _triton_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):
