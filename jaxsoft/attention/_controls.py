@@ -52,10 +52,13 @@ def _heads(num_heads: int, kv_heads: int, what: str, fn: str) -> None:
 
 def _shared_weights_attention(query: jax.Array, key: jax.Array, value: jax.Array,
                               bias: jax.Array | None, mask: ArrayLike | None,
-                              dtype: Any, **kwargs: Any) -> jax.Array:
+                              dtype: Any, fn: str, **kwargs: Any) -> jax.Array:
   """``dot_product_attention`` of batch-free ``query [T, N, H]`` and ``key [S, K, H]``
   against ``value [..., S, K, Hv]``: the weights are the same for every batch row, so the
   batch rides along in the values' feature axis and the normalizer runs once."""
+  if mask is not None and jnp.ndim(mask) > 3:
+    raise ValueError(f"{fn}: `mask` must broadcast to [N, T, S] (no batch axis), got shape "
+                     f"{jnp.shape(mask)}")
   lead, (s, k, hv) = value.shape[:-3], value.shape[-3:]
   folded = jnp.moveaxis(value.reshape(-1, s, k, hv), 0, -2).reshape(s, k, -1)  # [S, K, B·Hv]
   out = dot_product_attention(query, key, folded, bias, mask, **kwargs)      # [T, N, B·Hv]
@@ -165,15 +168,12 @@ def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike 
   kv = v.shape[-2]
   n = kv if s_.ndim == 2 else s_.shape[0]
   _heads(n, kv, "`scores`", fn)
-  if mask is not None and jnp.ndim(mask) > 3:
-    raise ValueError(f"{fn}: `mask` must broadcast to [N, T, S] (no batch axis), got shape "
-                     f"{jnp.shape(mask)}")
   t = s_.shape[-2]
   dtype = jnp.result_type(s_, v)
   zq = jnp.zeros((t, n, 1), dtype)  # (in the output's dtype: a float32 map keeps float32)
   zk = jnp.zeros((v.shape[-3], kv, 1), dtype)
   return _shared_weights_attention(
-      zq, zk, v, s_, mask, dtype, scale=1.0, is_causal=is_causal, normalizer=normalizer,
+      zq, zk, v, s_, mask, dtype, fn, scale=1.0, is_causal=is_causal, normalizer=normalizer,
       normalizer_params=normalizer_params, implementation=implementation)
 
 
@@ -238,10 +238,7 @@ def embedding_qk_attention(query_embeddings: ArrayLike, key_embeddings: ArrayLik
     raise ValueError(f"{fn}: `query_embeddings` and `key_embeddings` must have one width H, "
                      f"got {q.shape[-1]} and {k.shape[-1]}")
   _heads(q.shape[1], k.shape[1], "`query_embeddings`", fn)
-  if mask is not None and jnp.ndim(mask) > 3:
-    raise ValueError(f"{fn}: `mask` must broadcast to [N, T, S] (no batch axis), got shape "
-                     f"{jnp.shape(mask)}")
   return _shared_weights_attention(
-      q, k, v, None, mask, jnp.result_type(q, k, v), scale=scale, is_causal=is_causal,
+      q, k, v, None, mask, jnp.result_type(q, k, v), fn, scale=scale, is_causal=is_causal,
       normalizer=normalizer, normalizer_params=normalizer_params,
       implementation=implementation)

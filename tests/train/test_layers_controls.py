@@ -11,13 +11,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from train import kinds, layers, sharding
-from train import train as train_lib
+from tests.train.test_train_step import TINY as STEP_TINY
+from tests.train.test_train_step import _setup
+from train import kinds, layers
 from train.config import Config
 
-TINY = dict(dataset="text", seq_len=8, batch_size=4, d_model=16, num_layers=1, num_heads=2,
-            mlp_dim=32, block_size=4, steps=3, warmup_steps=1, learning_rate=1e-2,
-            workdir="unused", seed=0)
+# the tiny config of tests/train/test_train_step.py, with PoNet segments of 4 tokens and a
+# learning rate that fits one batch in 3 steps
+TINY = dict(block_size=4, learning_rate=1e-2)
 # one stack with every new family: no mixing, a hybrid of real heads and Q/K from learned
 # position embeddings, PoNet (one compile for the default run)
 STACK = dict(num_layers=3, layers="no_mixing,hybrid:static_qk,ponet")
@@ -27,12 +28,7 @@ NEW_KINDS = kinds.CONTROL_KINDS + kinds.POOLING_KINDS
 @functools.cache
 def _trained(overrides):
   """Losses of 3 train steps on one batch, and the model before and after."""
-  cfg = Config(**{**TINY, **dict(overrides)})
-  mesh = sharding.make_mesh(cfg)
-  dataset, graphdef, optimizer, init_fn, _, _, _ = train_lib.build(cfg, mesh)
-  state = init_fn()
-  batch = sharding.global_batch(dataset, 0, cfg, sharding.batch_sharding(mesh))
-  step = jax.jit(train_lib.make_train_step(graphdef, optimizer, train_lib.make_schedule(cfg)))
+  cfg, graphdef, state, batch, step = _setup(**TINY, **dict(overrides))
   first = state
   losses = []
   for _ in range(3):
@@ -92,17 +88,17 @@ def test_layer_hybrids_with_softmax_train(kind):
 
 
 def test_refusals_name_the_problem():
-  one_head = Config(**{**TINY, "num_heads": 1, "attention": "hybrid:fixed_map"})
+  one_head = Config(**{**STEP_TINY, **TINY, "num_heads": 1, "attention": "hybrid:fixed_map"})
   with pytest.raises(ValueError, match=r"'hybrid:fixed_map' makes half the heads real "
                                        r"attention: it needs --num_heads >= 2, got 1"):
     layers.make_mixer(one_head, "hybrid:fixed_map", 0, rngs=nnx.Rngs(0))
-  cfg = Config(**TINY)
+  cfg = Config(**STEP_TINY, **TINY)
   fixed = nnx.eval_shape(lambda: layers.make_mixer(cfg, "fixed_map", 0, rngs=nnx.Rngs(0)))
-  with pytest.raises(ValueError, match=r"covers --seq_len = 8 positions, got 9"):
-    fixed.init_cache(1, 9)
+  with pytest.raises(ValueError, match=r"covers --seq_len = 16 positions, got 17"):
+    fixed.init_cache(1, 17)
   no_mixing = nnx.eval_shape(lambda: layers.make_mixer(cfg, "no_mixing", 0,
                                                        rngs=nnx.Rngs(0)))
-  assert no_mixing.init_cache(1, 9)["x"].shape == (1, 9, 16)  # no map: any length
+  assert no_mixing.init_cache(1, 17)["x"].shape == (1, 17, 16)  # no map: any length
   with pytest.raises(ValueError, match=r"'ponet' is not an attention control"):
     layers.ControlAttention(cfg, "ponet", 0, rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"'fixed_map' is not a pooling kind"):
@@ -110,7 +106,7 @@ def test_refusals_name_the_problem():
 
 
 def test_the_control_layers_use_the_configs_normalizer_and_random_qk_the_layer_index():
-  cfg = Config(**{**TINY, "normalizer": "sparsemax"})
+  cfg = Config(**{**STEP_TINY, **TINY, "normalizer": "sparsemax"})
   layer = nnx.eval_shape(lambda: layers.make_mixer(cfg, "hybrid:random_qk", 3,
                                                    rngs=nnx.Rngs(0)))
   assert layer.normalizer == "sparsemax" and layer.seed == 3 and layer.real_heads == 1
