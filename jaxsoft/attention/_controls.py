@@ -112,7 +112,7 @@ def no_mixing_attention(value: ArrayLike, *, num_heads: int | None = None) -> ja
 def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike | None = None,
                         is_causal: bool = True, normalizer: Normalizer = "softmax",
                         normalizer_params: Mapping[str, Any] | None = None,
-                        implementation: Any = None) -> jax.Array:
+                        implementation: Any = "xla") -> jax.Array:
   r"""Attention through a fixed, sequence-independent map: the A49 control of input dependence.
 
   .. math::
@@ -137,7 +137,10 @@ def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike 
     normalizer: a registered name, a NormalizerSpec or a callable (as
       :func:`~jaxsoft.attention.dot_product_attention`).
     normalizer_params: the normalizer's hyperparameters (a per-head array is ``[N, 1, 1]``).
-    implementation: as :func:`~jaxsoft.attention.dot_product_attention`.
+    implementation: as :func:`~jaxsoft.attention.dot_product_attention`; default ``"xla"``,
+      the dense map computed once for the batch (O(N·T·S) memory; ``"xla_chunked"`` for
+      long sequences). The batch rides in the values' width, a layout the GPU kernels were
+      not measured on: pass them explicitly.
 
   Returns:
     ``[..., T, N, Hv]`` in the dtype ``scores`` and ``value`` promote to (bf16 computed in
@@ -182,7 +185,7 @@ def embedding_qk_attention(query_embeddings: ArrayLike, key_embeddings: ArrayLik
                            scale: float | None = None, is_causal: bool = True,
                            normalizer: Normalizer = "softmax",
                            normalizer_params: Mapping[str, Any] | None = None,
-                           implementation: Any = None) -> jax.Array:
+                           implementation: Any = "xla") -> jax.Array:
   r"""Attention whose queries and keys do not come from the tokens: the A49 control of Q/K.
 
   .. math::
@@ -206,7 +209,10 @@ def embedding_qk_attention(query_embeddings: ArrayLike, key_embeddings: ArrayLik
     is_causal: query i sees keys j <= i.
     normalizer: a registered name, a NormalizerSpec or a callable.
     normalizer_params: the normalizer's hyperparameters.
-    implementation: as :func:`~jaxsoft.attention.dot_product_attention`.
+    implementation: as :func:`~jaxsoft.attention.dot_product_attention`; default ``"xla"``,
+      the dense map computed once for the batch (O(N·T·S) memory; ``"xla_chunked"`` for
+      long sequences). The batch rides in the values' width, a layout the GPU kernels were
+      not measured on: pass them explicitly.
 
   Returns:
     ``[..., T, N, Hv]`` in the dtype of the three inputs (as jnp promotes; bf16 computed in

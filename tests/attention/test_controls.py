@@ -229,3 +229,12 @@ def test_float64_stays_float64():
 def test_bad_input_raises_naming_the_argument(call, match):
   with pytest.raises((ValueError, TypeError), match=match):
     call()
+
+
+@pytest.mark.slow
+def test_the_chunked_implementation_gives_the_same_maps():
+  out = js.attention.fixed_map_attention(SCORES, VALUE, implementation="xla_chunked")
+  np.testing.assert_allclose(out, o_apply(o_weights(SCORES, True), VALUE), **TOL)
+  out = js.attention.embedding_qk_attention(QE, KE, VALUE, implementation="xla_chunked")
+  want = o_apply(o_weights(o_embedding_scores(QE, KE, H ** -0.5), True), VALUE)
+  np.testing.assert_allclose(out, want, **TOL)
