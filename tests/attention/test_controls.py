@@ -171,7 +171,8 @@ def test_embedding_qk_gradient_through_the_embeddings():
 # --------------------------------------------------------------------- causality and dtypes
 
 
-@pytest.mark.parametrize("fn", ["fixed", "embedded", "none"])
+@pytest.mark.parametrize("fn", ["fixed", pytest.param("embedded", marks=pytest.mark.slow),
+                                "none"])
 def test_a_future_value_never_reaches_an_earlier_output(fn):
   call = {"fixed": lambda v: fixed(SCORES, v, is_causal=True),
           "embedded": lambda v: embedded(QE, KE, v, is_causal=True, scale=1.0),
