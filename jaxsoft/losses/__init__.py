@@ -53,6 +53,7 @@ from jaxsoft.losses._distillation import (
     squared_error_logit_loss,
 )
 from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_loss
+from jaxsoft.losses._energy_bounded import energy_bounded_loss
 from jaxsoft.losses._energy_scores import marginalized_energy, spilled_energy
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
@@ -117,6 +118,7 @@ __all__ = [
     "discretized_logistic_mixture_loss",
     "dual_softmax_loss",
     "ece",
+    "energy_bounded_loss",
     "energy_score",
     "fenchel_young_loss",
     "fit_dirichlet_calibration",

@@ -122,6 +122,8 @@ def _class_axis_losses():
       "msp": lambda ax, m: L.msp(m(x), axis=ax),
       "energy_score": lambda ax, m: L.energy_score(m(x), axis=ax),
       "marginalized_energy": lambda ax, m: L.marginalized_energy(m(x), axis=ax),
+      "energy_bounded_loss":
+          lambda ax, m: L.energy_bounded_loss(m(x), ints, m(t), margin_in=-3.0, axis=ax),
       "ece": lambda ax, m: L.ece(m(x), ints, num_bins=4, axis=ax),
       "continual_cross_entropy":
           lambda ax, m: L.continual_cross_entropy(m(x), ints, m(cur), axis=ax),

@@ -66,6 +66,9 @@ def _cases():
           (_normal(5, B, 2), _normal(6, B, 2), _normal(7, B, 2)), (B,)),
       "dual_softmax_loss": (lambda m, c, f: L.dual_softmax_loss(c, f, LABELS, where=m),
                             (logits, other), (B,)),
+      "energy_bounded_loss": (
+          lambda m, x, o: L.energy_bounded_loss(x, LABELS, o, where=m, outlier_where=m),
+          (logits, other), (B,)),
       "fenchel_young_loss": (lambda m, x: L.fenchel_young_loss(x, LABELS, where=m),
                              (logits,), (B,)),
       "gol_loss": (lambda m, x: L.gol_loss(x, LABELS, where=m), (logits,), (B,)),
