@@ -268,11 +268,7 @@ class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
   def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
                ) -> jax.Array:
     del positions  # no positional encoding: the causal pools and the window order the tokens
-    # ponet_mix's causal mask (jaxsoft/attention/_pooling_mixer.py) broadcasts the [T, T]
-    # causal matrix against the [..., 1, 1, T] token mask by rank: allowed here until it
-    # broadcasts explicitly (tests/train runs under numpy_rank_promotion("raise")).
-    with jax.numpy_rank_promotion("allow"):
-      return super().__call__(x)
+    return super().__call__(x)
 
 
 # The layers besides the normalizer block: kind -> builder (cfg, kind, layer_idx, *, rngs).

@@ -200,7 +200,8 @@ def _mix(q, k, v, gate, segment_values, local_values, segment_ids, mask, *, size
     qbar = c.safe_divide(jnp.cumsum(qc, axis=-3), count)          # running mean
     logits = s * jnp.einsum("...ind,...jnd->...nij", qbar, kc, precision=_HI)
     pos = jnp.arange(T)
-    allowed = jnp.logical_and(pos[None, :] <= pos[:, None], m[..., None, None, :])
+    causal_tt = (pos[None, :] <= pos[:, None]).reshape((1,) * (m.ndim - 1) + (1, T, T))
+    allowed = jnp.logical_and(causal_tt, m[..., None, None, :])  # [..., 1, T, T]
     a = c.exp_normalize(logits, allowed, -1)
     g = jnp.einsum("...nij,...jnd->...ind", a, vc, precision=_HI)
   else:

@@ -212,3 +212,13 @@ def test_oracle_sweep(causal, window, segment_size):
             causal=causal)
   ids = np.broadcast_to(np.arange(t) // segment_size, (3, t))
   np.testing.assert_allclose(out, o_ponet(q, k, v, o, s, l, ids, mask, window, causal), **TOL)
+
+
+def test_causal_mixer_needs_no_implicit_rank_promotion():
+  """The causal [T, T] matrix and the [..., T] token mask broadcast explicitly: the causal
+  mixer runs under numpy_rank_promotion("raise") (it raised there before)."""
+  layer = js.nn.PoNetMixer(8, 2, segment_size=4, causal=True, window=2, rngs=nnx.Rngs(0))
+  x = jnp.ones((2, 6, 8))
+  with jax.numpy_rank_promotion("raise"):
+    out = layer(x)
+  assert out.shape == (2, 6, 8)
