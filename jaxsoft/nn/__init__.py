@@ -18,6 +18,8 @@ The only jaxsoft package that imports flax.
   per-head discount).
 * :class:`AttentionControl` (A49): attention controls (no token mixing, fixed or learned
   sequence-independent maps, Q/K from position embeddings) and their hybrids with real heads.
+* :class:`AdaptiveAttentionPool` (A53): a set pooled by one learned query, any normalizer
+  (:func:`jaxsoft.pooling.adaptive_attention_pool`).
 * :class:`PoNetMixer` (A51): PoNet's pooling token mixer with its projections
   (:func:`jaxsoft.attention.ponet_mix`).
 * the linear family as layers with the papers' projections, short causal convolution, gates
@@ -30,6 +32,7 @@ The only jaxsoft package that imports flax.
   :func:`causal_conv_step`.
 """
 
+from jaxsoft.nn._adaptive_pool import AdaptiveAttentionPool
 from jaxsoft.nn._attention_controls import ATTENTION_CONTROLS, AttentionControl
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
 from jaxsoft.nn._infinite import InfSA
@@ -72,4 +75,4 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
            "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA",
-           "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS"]
+           "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS", "AdaptiveAttentionPool"]

@@ -15,10 +15,20 @@ to be finite (a NaN or ``+inf`` there gives NaN or inf); masked entries may hold
 * sets of vectors ``[..., N, d]`` over a token axis (default -2), ``where`` a token
   mask: :func:`ggem`, :func:`attention_pool` (SimPool), :func:`entropic_ot_pool` and
   :func:`entropic_ot_weights`;
+* signal against distractors (A53): :func:`adaptive_attention_pool` (one query, any
+  normalizer), the signal-optimal quantiser :func:`signal_optimal_pool`, :func:`signal_loss`,
+  softmax pooling's :func:`adaptive_pool_error_bound` and :func:`snr_oracle_query`;
 * a random draw: :func:`stochastic_softmax_pool` (N41, STAR), one entry drawn with
   probability softmax(x) from an explicit key in training, :func:`soft_pool` at evaluation.
 """
 
+from jaxsoft.pooling._adaptive import (
+    adaptive_attention_pool,
+    adaptive_pool_error_bound,
+    signal_loss,
+    signal_optimal_pool,
+    snr_oracle_query,
+)
 from jaxsoft.pooling._power import gem, ggem, power_mean_pool
 from jaxsoft.pooling._sets import attention_pool, entropic_ot_pool, entropic_ot_weights
 from jaxsoft.pooling._smooth import ada_pool, linear_softmax_pool, log_mean_exp, soft_pool
@@ -28,4 +38,6 @@ __all__ = [
     "soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool", "gem", "ggem",
     "power_mean_pool", "attention_pool", "entropic_ot_weights", "entropic_ot_pool",
     "stochastic_softmax_pool",
+    "adaptive_attention_pool", "signal_optimal_pool", "signal_loss", "adaptive_pool_error_bound",
+    "snr_oracle_query",
 ]
