@@ -27,8 +27,10 @@ from train import checkpoint
 from train.kinds import (
     ATTENTION_VARIANTS,
     BIDIRECTIONAL_KINDS,
+    CONTROL_KINDS,
     LAYER_KINDS,
     LINEAR_KINDS,
+    POOLING_KINDS,
     SPARSE_KINDS,
 )
 
@@ -127,8 +129,9 @@ class Config:
                               "normalizer hyperparameters as JSON, e.g. '{\"n\": 1.0}'")
   attention: str = _f(ATTENTION, "full",
                       "the layer kind of every block: a variant of the normalizer block "
-                      f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS} or a "
-                      f"sparse/structured attention {SPARSE_KINDS}")
+                      f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS}, a "
+                      f"sparse/structured attention {SPARSE_KINDS}, an attention control "
+                      f"{CONTROL_KINDS} or a pooling mixer {POOLING_KINDS}")
   layers: str = _f(ATTENTION, "",
                    "hybrid stack: comma-separated layer kinds (any --attention value, or "
                    "'softmax' for the normalizer block with --attention's variant, 'full' "
@@ -138,7 +141,8 @@ class Config:
                                     "linear layers (1 = none)")
   top_k: int = _f(ATTENTION, 8, "keys kept per query (topk_attention); key blocks kept per query "
                                 "block (block_sparse_attention: moba, prism; the cap for bfla)")
-  block_size: int = _f(ATTENTION, 16, "positions per block of block_sparse_attention and of mhla")
+  block_size: int = _f(ATTENTION, 16, "positions per block of block_sparse_attention and of "
+                                      "mhla, and PoNet's segments (ponet)")
   skip_threshold: float = _f(ATTENTION, 8.0,
                              "BLASST's skip threshold tau (block_sparse_attention:blasst)")
   favor_features: int = _f(ATTENTION, 64, "random features of linear:favor (Performer's FAVOR+)")

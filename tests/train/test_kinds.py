@@ -63,9 +63,7 @@ def test_every_kind_reaches_the_mixers_and_the_command_line():
   assert tuple(layers.MIXERS) == config.LINEAR_KINDS + config.SPARSE_KINDS + new
   choices = _attention_choices()
   for kind in config.LAYER_KINDS:
-    # (the --attention help names the control and pooling kinds once train/config.py
-    # imports them; --attention and --layers accept them from LAYER_KINDS already)
-    assert kind in new or repr(kind) in choices, kind
+    assert repr(kind) in choices, kind
     config.layer_kinds(Config(**TINY, attention=kind))  # accepted
   for kind in config.BIDIRECTIONAL_KINDS:
     assert kind not in config.LAYER_KINDS and repr(kind) not in choices
