@@ -154,6 +154,14 @@ class LearnedNormalizer(nnx.Module):
     del n_visible
     return jnp.asarray(q)
 
+  changes_values: bool = False
+  """Whether :meth:`attention_values` changes the values (the layer must then apply it)."""
+
+  def attention_values(self, v: ArrayLike) -> jax.Array:
+    """The values ``[B, K, S, H]`` (K key/value heads) the weights average (``v``
+    unchanged)."""
+    return jnp.asarray(v)
+
 
 class _PerHeadNormalizer(LearnedNormalizer):
   """A learned normalizer whose hyperparameters are one value per head, whatever the query
@@ -436,14 +444,33 @@ class SSA(LearnedNormalizer):
   existing projections, its exact form is not recorded), so ``tau > 0`` by construction
   (``tau >= sigma(alpha) log n`` where float32's tanh saturates at -1).
   ``w`` and ``c`` start at 0: at init SSA is ``ssa_softmax(alpha=alpha_init)``; as
-  ``alpha -> -inf`` it is softmax. The paper's value temperature is not part of the
-  weights and is not modelled here.
+  ``alpha -> -inf`` it is softmax.
+
+  **Value temperature** (``value_temperature=True``, the second half of SSA): each value
+  is rescaled by a temperature of its own token before the weights average it,
+
+  .. math::
+    o_i = \sum_j w_{ij}\, \tau_v(v_j)\, v_j, \qquad
+    \tau_v(v_j) = 1 + \tanh(u_k \cdot v_j + d_k) \in (0, 2),
+
+  [R] one vector ``u_k`` and bias ``d_k`` per key/value head k (``H + 1`` parameters a
+  head, a projection of the value itself, as the token temperature projects the query;
+  the paper names a value temperature ``v_j <- tau_v(x_j) v_j`` of the token and shares
+  weights with the existing projections, its exact form is not recorded). ``u`` and
+  ``d`` start at 0, so ``tau_v = 1``: at init the outputs are those of SSA without it.
+  A token whose ``tau_v`` falls towards 0 is silenced in every query's average (the
+  paper's motivation: suppress irrelevant tokens), one whose ``tau_v`` nears 2 is
+  amplified; the weights themselves are unchanged. :meth:`attention_values` applies it,
+  :meth:`attend` computes the whole SSA attention.
 
   Args:
     num_heads: N.
-    head_dim: H, the size of each head's query.
+    head_dim: H, the size of each head's query (and value).
     alpha_init: the initial position logit (default 0, ``sigma = 1/2``; the normalizer's
       default), a float or one per head ``[N]``.
+    value_temperature: learn the value temperature ``tau_v`` (default False).
+    num_kv_heads: K, the key/value heads of the values (default N; N % K == 0), used
+      with ``value_temperature``.
     rngs: unused (the init is deterministic); accepted for a uniform constructor.
 
   Examples:
@@ -453,6 +480,17 @@ class SSA(LearnedNormalizer):
     >>> bool(jnp.allclose(ssa(scores, q), js.normalizers.ssa_softmax(scores)))  # at init
     True
 
+    The value temperature: ``1 + tanh(u . v_j + d)`` per token (here d = -1 on both heads):
+
+    >>> ssa = js.nn.SSA(2, 4, value_temperature=True)
+    >>> ssa.value_bias[...] = jnp.array([-1.0, -1.0])
+    >>> v = jnp.ones((1, 2, 3, 4))                                   # [B, K, S, H]
+    >>> print(ssa.value_temperatures(v)[0, 0, :, 0])                 # 1 + tanh(-1)
+    [0.2384 0.2384 0.2384]
+    >>> o = ssa.attend(scores, q, v)                                 # [B, N, T, H]
+    >>> print(o[0, 0, 0])                                            # weights sum to 1
+    [0.2384 0.2384 0.2384 0.2384]
+
   References:
     X. Zhang, X. Chang, M. Li, A. Roy-Chowdhury, J. Chen & S. Oymak, 2024, "Selective
     Attention: Enhancing Transformer through Principled Context Control".
@@ -461,14 +499,26 @@ class SSA(LearnedNormalizer):
   normalizer = "ssa_softmax"
 
   def __init__(self, num_heads: int, head_dim: int, *, alpha_init: ArrayLike = 0.0,
+               value_temperature: bool = False, num_kv_heads: int | None = None,
                rngs: nnx.Rngs | None = None):
     del rngs
     positive_int(num_heads, "num_heads", "SSA")
     positive_int(head_dim, "head_dim", "SSA")
-    self.num_heads, self.head_dim = num_heads, head_dim
+    if not isinstance(value_temperature, (bool, np.bool_)):
+      raise ValueError(f"SSA: `value_temperature` must be a bool, got {value_temperature!r}")
+    kv = num_heads if num_kv_heads is None else positive_int(num_kv_heads, "num_kv_heads",
+                                                             "SSA")
+    if num_heads % kv:
+      raise ValueError(f"SSA: `num_heads` ({num_heads}) must be a multiple of `num_kv_heads` "
+                       f"({kv})")
+    self.num_heads, self.head_dim, self.num_kv_heads = num_heads, head_dim, kv
     self.alpha = nnx.Param(_per_head(alpha_init, num_heads, "alpha_init", "SSA"))
     self.token_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
     self.token_bias = nnx.Param(jnp.zeros((num_heads,), jnp.float32))
+    self.changes_values = bool(value_temperature)
+    if self.changes_values:
+      self.value_kernel = nnx.Param(jnp.zeros((kv, head_dim), jnp.float32))
+      self.value_bias = nnx.Param(jnp.zeros((kv,), jnp.float32))
 
   def token_temperature(self, q: ArrayLike) -> jax.Array:
     """``tau_tok = tanh(w_h . q + c_h)`` in (-1, 1), ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
@@ -487,6 +537,58 @@ class SSA(LearnedNormalizer):
     """``ssa_softmax`` of ``scores [B, N, T, S]`` over the last axis, for queries
     ``q [B, N, T, H]``."""
     return nz.ssa_softmax(scores, -1, where, **self.attention_hyperparams(q, None))
+
+  def _values(self, v: ArrayLike) -> jax.Array:
+    v = jnp.asarray(v)
+    if not jnp.issubdtype(v.dtype, jnp.floating):
+      raise ValueError(f"SSA: `v` must have a floating dtype, got {v.dtype}")
+    if not (v.ndim == 4 and v.shape[1] == self.num_kv_heads and v.shape[3] == self.head_dim):
+      raise ValueError(f"SSA: `v` must have shape [B, {self.num_kv_heads}, S, "
+                       f"{self.head_dim}] (values per key/value head), got {v.shape}")
+    return v
+
+  def value_temperatures(self, v: ArrayLike) -> jax.Array:
+    """``tau_v = 1 + tanh(u_k . v_j + d_k)`` in (0, 2), ``[B, K, S, 1]`` for values
+    ``v [B, K, S, H]`` (float32 at least); ones without ``value_temperature``."""
+    v = self._values(v)
+    dtype = jnp.promote_types(v.dtype, jnp.float32)
+    if not self.changes_values:
+      return jnp.ones(v.shape[:3] + (1,), dtype)
+    kv = self.num_kv_heads
+    u = _learned_value(self.value_kernel, (kv, self.head_dim), "value_kernel", "SSA")
+    d = _learned_value(self.value_bias, (kv,), "value_bias", "SSA")
+    z = jnp.einsum("bksh,kh->bks", v.astype(dtype), u) + d[None, :, None]
+    return (1.0 + jnp.tanh(z))[..., None]
+
+  def attention_values(self, v: ArrayLike) -> jax.Array:
+    """``tau_v(v_j) v_j``: the values ``v [B, K, S, H]`` rescaled per token, in ``v``'s
+    dtype (``v`` itself without ``value_temperature``)."""
+    v = self._values(v)
+    if not self.changes_values:
+      return v
+    return (self.value_temperatures(v) * v).astype(v.dtype)
+
+  def attend(self, scores: ArrayLike, q: ArrayLike, v: ArrayLike,
+             where: ArrayLike | None = None) -> jax.Array:
+    """The SSA attention output ``o_i = sum_j w_ij tau_v(v_j) v_j``, ``[B, N, T, H]``, for
+    ``scores [B, N, T, S]``, queries ``q [B, N, T, H]`` and values ``v [B, K, S, H]``
+    (query head n reads key/value head ``n // (N / K)``); ``where`` masks keys as in
+    ``__call__`` (a query with no visible key gets 0). bf16/fp16 compute in float32 and
+    come back in the promoted dtype of ``scores`` and ``v``."""
+    scores = jnp.asarray(scores)
+    v = self._values(v)
+    if not (scores.ndim == 4 and scores.shape[1] == self.num_heads
+            and scores.shape[0] == v.shape[0] and scores.shape[3] == v.shape[2]):
+      raise ValueError(f"SSA: `scores` must have shape [B, {self.num_heads}, T, S] with B and "
+                       f"S of `v` {v.shape}, got {scores.shape}")
+    out_dtype = jnp.promote_types(scores.dtype, v.dtype)
+    dtype = jnp.promote_types(out_dtype, jnp.float32)
+    w = self(scores.astype(dtype), q, where).astype(dtype)
+    vt = self.attention_values(v.astype(dtype))
+    b, n, t, s = w.shape
+    k = self.num_kv_heads
+    o = jnp.einsum("bkgts,bksh->bkgth", w.reshape(b, k, n // k, t, s), vt)
+    return o.reshape(b, n, t, self.head_dim).astype(out_dtype)
 
 
 class ASEntmax(LearnedNormalizer):
@@ -765,10 +867,18 @@ class DirichletCalibration(nnx.Module):
 
 
 def check_attention_modules(modules: Sequence[Any], spec: Any, num_heads: int,
-                            owner: str = "MultiHeadAttention") -> None:
+                            owner: str = "MultiHeadAttention", *,
+                            applies_values: bool = False) -> None:
   """Raises ValueError naming ``learned`` unless every module fits the layer: it has the
-  attention protocol, belongs to the layer's normalizer ``spec`` and has its head count."""
+  attention protocol, belongs to the layer's normalizer ``spec`` and has its head count;
+  a module that changes the values (``changes_values``) needs a layer that
+  ``applies_values`` (:func:`apply_attention_values`)."""
   for mod in modules:
+    if getattr(mod, "changes_values", False) and not applies_values:
+      raise ValueError(
+          f"{owner}: `learned` module {type(mod).__name__} changes the values (a value "
+          f"temperature), which this layer does not apply; compute the attention with its "
+          f"`attend`, or leave `value_temperature` off")
     if not (hasattr(mod, "attention_hyperparams") and isinstance(
         getattr(mod, "normalizer", None), str)):
       raise ValueError(
@@ -832,3 +942,14 @@ def apply_attention_modules(modules: Sequence[Any], q: jax.Array, params: Mappin
                          f"{type(mod).__name__} and by `learned` or `normalizer_params`)")
       out[name] = value
   return jnp.swapaxes(qh, 1, 2).astype(q.dtype), out
+
+
+def apply_attention_values(modules: Sequence[Any], v: jax.Array) -> jax.Array:
+  """The layer's values ``v [B, S, K, H]`` after its learned modules' ``attention_values``
+  (the SSA value temperature), in ``v``'s dtype."""
+  if not any(getattr(mod, "changes_values", False) for mod in modules):
+    return v
+  vh = jnp.swapaxes(v, 1, 2)  # [B, K, S, H], the modules' layout
+  for mod in modules:
+    vh = mod.attention_values(vh)
+  return jnp.swapaxes(vh, 1, 2).astype(v.dtype)

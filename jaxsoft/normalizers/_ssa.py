@@ -38,7 +38,8 @@ def ssa_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   counts padding correctly. The token (query-dependent) part ``tau_tok`` is computed in
   the paper from the query token by a bounded map of a projection; here it is a per-row
   parameter (an array broadcast to the rows), default 0. The paper's value temperature
-  rescales the values, not the weights, and is left to the attention layer. The exact
+  rescales the values, not the weights: :class:`jaxsoft.nn.SSA` with
+  ``value_temperature=True`` learns it and computes the whole attention. The exact
   parametrisation is reconstructed from the paper's description. ``tau = 1`` (alpha ->
   -inf, ``tau_tok = 0``) is softmax; a larger tau lowers the entropy. Shift invariant.
 
