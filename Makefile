@@ -75,8 +75,9 @@ bench: $(VENV)/.bench
 
 ## The documentation site in docs/_build/html (Sphinx + MyST-NB + sphinx-book-theme; docs/conf.py):
 ## warnings are errors (-W), cross-references nitpicky (-n); notebooks render their committed outputs.
+## Every page is read afresh (-E: an incremental build would not repeat an earlier build's warnings).
 docs: $(VENV)/.docs
-	$(PY) -m sphinx -b html -W --keep-going -n -q -j $(DOCS_JOBS) docs docs/_build/html
+	$(PY) -m sphinx -b html -E -W --keep-going -n -q -j $(DOCS_JOBS) docs docs/_build/html
 
 ## The built site in headless Chromium (tests/docs/test_browser.py): fails, not skips, without a browser.
 docs-test: docs

@@ -25,7 +25,10 @@ Outside references: CI has no network (only package registries), so intersphinx 
 fetch the inventories of Python, NumPy, JAX, Flax or optax. Instead ``nitpick_ignore_regex``
 lists the outside namespaces whose names appear in signatures and docstrings (``jax.Array``,
 ``flax.nnx.Module``, ``optax.GradientTransformation``, builtins such as ``int``); every
-reference to a jaxsoft, kernels_pallas or train name must resolve. To link the outside
+reference to a jaxsoft, kernels_pallas or train name must resolve: to its page, to the one
+documented object of that short name, or, for a name of the code without a page (a
+private helper), to plain text (``_resolve_own_names``); a name the code does not have is
+an error. To link the outside
 names instead, set ``JAXSOFT_DOCS_INTERSPHINX=1`` where the inventories are reachable
 (Read the Docs): intersphinx is then enabled for them.
 """
@@ -33,6 +36,7 @@ names instead, set ``JAXSOFT_DOCS_INTERSPHINX=1`` where the inventories are reac
 from __future__ import annotations
 
 import datetime
+import functools
 import importlib.util
 import inspect
 import os
@@ -101,26 +105,6 @@ nitpick_ignore_regex = [
                r"PyTree|KeyArray|Self|TypeVar|ClassVar|Protocol|NamedTuple|Exception|ValueError|"
                r"TypeError|NotImplementedError|RuntimeError|Path|Generator|Hashable|PartialState)"),
 ]
-# Names the docstrings mention that have no page of their own: private helpers and methods
-# of private classes, described in the text around the reference.
-nitpick_ignore = [
-    ("py:func", "sparsemax_threshold"),
-    ("py:func", "entmax15_threshold"),
-    ("py:func", "cosine_logits"),
-    ("py:func", "check_signature"),
-    ("py:func", "floor_value"),
-    ("py:class", "RowStatsRule"),
-    ("py:class", "jaxsoft.normalizers.spec.RowStatsRule"),
-    ("py:class", "Part"),
-    ("py:class", "jaxsoft.nn._linear_kinds.Part"),
-    ("py:func", "safe_distance"),
-    ("py:func", "jaxsoft.attention.scores.neg_sq_distance_terms"),
-    ("py:class", "jaxsoft.attention.call.AttentionCall"),
-    ("py:func", "kernels_pallas.backends.pick_backend"),
-    ("py:meth", "Checkpointer.restore_newest"),
-    ("py:meth", "resolved"),
-    ("py:func", "exp_numerator"),
-]
 # ``|x|`` in running text means an absolute value or a size, not a reST substitution.
 rst_prolog = "\n".join(
     f".. |{name}| replace:: \\|{name}\\|" for name in ("x", "V", "V_i", "gamma", "error")) + "\n"
@@ -143,6 +127,9 @@ html_theme_options = {
     "repository_url": REPOSITORY,
     "use_repository_button": True,
     "show_toc_level": 2,
+    # the sidebar shows the open branch only: with ~400 API pages, the whole tree on every
+    # page would make each page (and the build) several times larger
+    "collapse_navbar": True,
     "navigation_with_keys": False,
 }
 # MathJax 3 from the sphinx-mathjax-offline package, copied into the site as
@@ -302,14 +289,38 @@ def _drop_inherited_data_docstrings(app, what, name, obj, options, lines) -> Non
         return
 
 
-def _resolve_by_short_name(app, env, node, contnode):
-  """Resolves ``:func:`name``` to the one documented jaxsoft object called ``name``.
+_OURS = ("jaxsoft", "kernels_pallas", "train")
 
-  A docstring refers to its neighbours by their short name (``:func:`fourier_head_logits```
-  in ``jaxsoft.losses.fourier_head_cross_entropy``, whose neighbour is documented as
-  ``jaxsoft.normalizers.fourier_head_logits``), or by the private module that defines
-  them. When exactly one documented object has that last name component, the reference
-  goes there; otherwise it stays unresolved, and nitpicky mode reports it.
+
+@functools.cache
+def _names_in_the_code() -> frozenset[str]:
+  """Every module-level and class-level name of the imported jaxsoft / kernels_pallas / train
+  modules, short (``single_pass_update``) and qualified (``kernels_pallas.polykv.PolyKVCache``,
+  ``Checkpointer.restore_newest``)."""
+  names: set[str] = set()
+  for modname, module in list(sys.modules.items()):
+    if module is None or modname.split(".")[0] not in _OURS:
+      continue
+    for attr, value in list(vars(module).items()):
+      names.update((attr, f"{modname}.{attr}"))
+      if inspect.isclass(value):
+        for member in vars(value):
+          names.update((member, f"{attr}.{member}", f"{modname}.{attr}.{member}"))
+  return frozenset(names)
+
+
+def _resolve_own_names(app, env, node, contnode):
+  """References to jaxsoft's own names that are not written in full.
+
+  * A docstring refers to its neighbours by their short name (``:func:`fourier_head_logits```
+    in ``jaxsoft.losses.fourier_head_cross_entropy``, whose neighbour is documented as
+    ``jaxsoft.normalizers.fourier_head_logits``), or through the private module that defines
+    them. When exactly one documented object has that last name component, the reference
+    links to it.
+  * A reference to a name of the code that has no page (a private helper, a method of a
+    private class) is shown as written, without a link.
+  * Anything else (a typo, a name that no longer exists) stays unresolved, and nitpicky
+    mode makes it an error.
   """
   if node.get("refdomain") != "py":
     return None
@@ -320,11 +331,43 @@ def _resolve_by_short_name(app, env, node, contnode):
   # private module that defines it: only the public name counts)
   matches = [name for name, entry in domain.objects.items()
              if name.rsplit(".", 1)[-1] == short and not entry.aliased
-             and name.split(".", 1)[0] in ("jaxsoft", "kernels_pallas", "train")]
-  if len(matches) != 1:
-    return None
-  return domain.resolve_xref(env, node.get("refdoc", ""), app.builder, node["reftype"],
-                             matches[0], node, contnode)
+             and name.split(".", 1)[0] in _OURS]
+  if len(matches) == 1:
+    return domain.resolve_xref(env, node.get("refdoc", ""), app.builder, node["reftype"],
+                               matches[0], node, contnode)
+  if target in _names_in_the_code():
+    return contnode
+  return None
+
+
+def _alias_spellings() -> list[tuple[str, str]]:
+  import jax  # noqa: PLC0415
+  from sphinx.util.typing import stringify_annotation  # noqa: PLC0415
+
+  pairs = []
+  for alias, name in ((jax.typing.ArrayLike, "jax.typing.ArrayLike"),
+                      (jax.typing.DTypeLike, "jax.typing.DTypeLike")):
+    pairs.append((stringify_annotation(alias, "smart"), "~" + name))
+    pairs.append((stringify_annotation(alias, "fully-qualified-except-typing"), name))
+  return pairs
+
+
+_ALIASES = _alias_spellings()
+
+
+def _shorten_aliases(app, what, name, obj, options, signature, return_annotation):
+  """Writes ``ArrayLike`` where autodoc would expand it into its eight-member union.
+
+  (``autodoc_type_aliases`` would do it, but Sphinx 9 then prints ``ArrayLike | None`` as
+  ``TypeAliasForwardRef('ArrayLike') | None``.)
+  """
+  del app, what, name, obj, options
+  for expanded, short in _ALIASES:
+    if signature:
+      signature = signature.replace(expanded, short)
+    if return_annotation:
+      return_annotation = return_annotation.replace(expanded, short)
+  return signature, return_annotation
 
 
 def _skip_held_functions(app, what, name, obj, skip, options):
@@ -340,7 +383,8 @@ def _skip_held_functions(app, what, name, obj, skip, options):
 
 def setup(app):
   app.connect("autodoc-skip-member", _skip_held_functions)
-  app.connect("missing-reference", _resolve_by_short_name)
+  app.connect("autodoc-process-signature", _shorten_aliases)
+  app.connect("missing-reference", _resolve_own_names)
   app.connect("source-read", _rewrite_outside_links)
   app.connect("autodoc-process-docstring", _drop_inherited_data_docstrings, priority=400)
   app.connect("autodoc-process-docstring", _join_name_lists, priority=400)
