@@ -228,20 +228,24 @@ def adaptive_pool_error_bound(scores: ArrayLike, x: ArrayLike, signal: ArrayLike
   :math:`C^* = \frac1k\sum_S x_i` satisfy
 
   .. math::
-    \lVert z - C^*\rVert \le (e^{\delta} - 1)\,\frac1k\sum_{i\in S}\lVert x_i - C^*\rVert
+    \lVert z - C^*\rVert \le \min\Big((e^{\delta} - 1)\,\frac1k\sum_{i\in S}\lVert x_i - C^*\rVert,
+      \ \max_{i\in S}\lVert x_i - C^*\rVert\Big)
       + \frac{m}{m + k\,e^{\Delta}}\,\max_{j\in\eta}\lVert x_j - C^*\rVert
 
   with :math:`\delta = \max_S s - \min_S s` (the spread of the signal scores) and
   :math:`\Delta = \min_S s - \max_\eta s` (the margin of signal over distractors). The
   second factor bounds the attention mass on the distractors at any SNR = k/(k + m):
   the bound goes to 0 as the margin grows and the signal scores agree, which a query
-  aligned with :math:`\mu_s - \mu_n` (:func:`snr_oracle_query`) achieves.
+  aligned with :math:`\mu_s - \mu_n` (:func:`snr_oracle_query`) achieves. The first term
+  is the price of a sharp query on noisy signal vectors: the weights tilt towards the
+  signal vectors that score highest.
 
   [R] The paper derives error bounds of this kind for softmax attention pooling; its exact
   statement is not reproduced here. This one follows from
   :math:`z - C^* = (1-\varepsilon)\sum_S (p_i - \tfrac1k)(x_i - C^*) + \sum_\eta a_j (x_j - C^*)`,
   with :math:`\varepsilon` the distractor mass, :math:`p` the softmax over S alone
-  (:math:`|p_i - 1/k| \le (e^\delta - 1)/k`) and
+  (:math:`|p_i - 1/k| \le (e^\delta - 1)/k`; and since :math:`\sum_S (x_i - C^*) = 0` the
+  first sum is :math:`\sum_S p_i (x_i - C^*)`, at most the largest distance) and
   :math:`\varepsilon \le m e^{\max_\eta s}/(m e^{\max_\eta s} + k e^{\min_S s})`.
 
   Args:
@@ -285,7 +289,8 @@ def adaptive_pool_error_bound(scores: ArrayLike, x: ArrayLike, signal: ArrayLike
   n_max = jnp.max(jnp.where(noise, s, neg), -1)
   has_sig, has_noise = k > 0, m > 0
   spread = jnp.where(has_sig, s_max - s_min, 0.0)
-  within = jnp.expm1(spread) * c.safe_divide(jnp.sum(jnp.where(sig, dist, 0.0), -1), k)
+  mean_sig = c.safe_divide(jnp.sum(jnp.where(sig, dist, 0.0), -1), k)
+  within = jnp.minimum(jnp.expm1(spread) * mean_sig, jnp.max(jnp.where(sig, dist, 0.0), -1))
   # the distractor-mass bound m e^{max_eta} / (m e^{max_eta} + k e^{min_S}) as a sigmoid
   logit = (jnp.log(jnp.where(has_noise, m, 1.0)) - jnp.log(jnp.where(has_sig, k, 1.0))
            + jnp.where(has_noise & has_sig, n_max - s_min, 0.0))
