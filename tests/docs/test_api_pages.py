@@ -6,7 +6,8 @@ user-facing package (as in tests/test_docstrings.py; ``jaxsoft.normalizers`` has
 its names without a leading underscore that are not modules), of ``jaxsoft.checks``, and of
 each module of the training loop (``train.config``, ``train.model``, ...). Constants count
 too (each gets a page). The reverse holds as well: a listed name must exist, and each page
-must be in the reference's table of contents.
+must be in the reference's table of contents. ``docs/api/generate.py`` rewrites the lists
+from the ``__all__`` lists.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def test_every_public_name_has_an_api_page(package):
   missing = sorted(set(public_names(package)) - listed)
   assert not missing, (
       f"{package}: public names without an API page; add them to an autosummary list in "
-      f"docs/api/{PAGES[package]}: {missing}")
+      f"docs/api/{PAGES[package]} (or run docs/api/generate.py): {missing}")
   stale = sorted(n for n in listed if n.startswith(package + ".")
                  and n not in set(public_names(package)))
   assert not stale, f"docs/api/{PAGES[package]} lists names that are not public: {stale}"
