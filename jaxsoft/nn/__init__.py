@@ -38,6 +38,7 @@ from jaxsoft.nn._attention_fn import attention_fn, attention_weights
 from jaxsoft.nn._infinite import InfSA
 from jaxsoft.nn._learned_normalizers import (
     SSA,
+    AffineScaled,
     ASEntmax,
     DirichletCalibration,
     LearnedNormalizer,
@@ -71,6 +72,7 @@ from jaxsoft.nn._uniattn import UniAttnCompensation
 __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_transform",
            "SoftMoE", "soft_moe", "soft_moe_weights", "ProductKeyMemory", "product_key_topk",
            "DirichletCalibration", "MultiMax", "QASSMax", "TempNet", "SSA", "ASEntmax",
+           "AffineScaled",
            "PolarSink", "MoEGate", "LearnedNormalizer", "LinearMixer", "GatedDeltaNet",
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",

@@ -10,6 +10,8 @@ baseline:
 * :class:`QASSMax` (N06): at init (zero last layers) it is SSMax with ``s = 1``;
 * :class:`SSA` (N07): at init (zero token projection) it is ``ssa_softmax`` at
   ``alpha_init``; ``alpha -> -inf`` is softmax;
+* :class:`AffineScaled` (A15, N27): at init (zero projections) it is ``affine_softmax``
+  with ``alpha = alpha_init`` (default 1: softmax) and no bias mass;
 * :class:`ASEntmax` (N18): at init (zero projection) it is ``asentmax`` with
   ``beta = beta_init``; ``beta = 0, delta = 1`` is alpha-entmax;
 * :class:`PolarSink` (N12): at init it is ``polar_softmax`` at its defaults; a null bias
@@ -49,8 +51,8 @@ from jaxsoft._validation import finite_float, positive_int
 from jaxsoft.attention import masks as _masks
 from jaxsoft.attention import softplus_from_range, softplus_to_range
 
-__all__ = ["MultiMax", "QASSMax", "SSA", "ASEntmax", "PolarSink", "TempNet", "MoEGate",
-           "DirichletCalibration"]
+__all__ = ["MultiMax", "QASSMax", "SSA", "AffineScaled", "ASEntmax", "PolarSink", "TempNet",
+           "MoEGate", "DirichletCalibration"]
 
 # Open lower bounds at 0 kept open in float32 (softplus underflows to exactly 0).
 _GAMMA_MARGIN = 1e-3
@@ -589,6 +591,114 @@ class SSA(LearnedNormalizer):
     k = self.num_kv_heads
     o = jnp.einsum("bkgts,bksh->bkgth", w.reshape(b, k, n // k, t, s), vt)
     return o.reshape(b, n, t, self.head_dim).astype(out_dtype)
+
+
+class AffineScaled(LearnedNormalizer):
+  r"""Affine-scaled attention's input-dependent scale and bias (A15, normalizer N27).
+
+  From J. Bae et al., "Affine-Scaled Attention: Towards Flexible and Stable Transformer
+  Attention" (2026): the weights are :func:`jaxsoft.normalizers.affine_softmax` with a
+  scale and a bias computed from each query token,
+
+  .. math::
+    w_{ij} = \alpha(q_i)\,\mathrm{softmax}(x_i)_j + \beta(q_i), \qquad
+    \alpha(q) = \mathrm{softplus}(a_h \cdot q + c_h) > 0,
+
+  with, by default, the tied bias :math:`\beta = (1 - \alpha)/n_i` (rows sum to 1,
+  interpolating between softmax and uniform), or with ``free_bias=True`` a learned bias
+  mass :math:`b(q) = e_h \cdot q + f_h` spread over the row's n visible keys,
+  :math:`\beta = b(q)/n_i`, so that rows sum to :math:`\alpha + b` (the relaxed
+  normalisation). [R] The abstract says only that an input-dependent scale and a
+  corresponding bias are applied to the softmax weights; the softplus scale from a
+  per-head projection of the query (``H + 1`` parameters a head) and the bias read as a
+  mass per row are this library's reconstruction. The projections start at 0 and the
+  scale's bias at ``softplus^{-1}(alpha_init)``: at init ``alpha = alpha_init`` (default
+  1) and ``b = 0``, so with the default ``alpha_init`` the module is softmax, tied bias or
+  free.
+
+  Args:
+    num_heads: N.
+    head_dim: H, the size of each head's query.
+    alpha_init: the initial scale ``alpha > 0`` (default 1: softmax), a float or one per
+      head ``[N]``.
+    free_bias: learn the bias mass ``b(q)`` instead of tying ``beta = (1 - alpha) / n``.
+    rngs: unused (the init is deterministic); accepted for a uniform constructor.
+
+  Examples:
+    >>> aff = js.nn.AffineScaled(2, 4)                # N = 2 heads of H = 4
+    >>> scores = jnp.linspace(-1.0, 1.0, 18).reshape(1, 2, 3, 3)    # [B, N, T, S]
+    >>> q = jnp.ones((1, 2, 3, 4))                                   # [B, N, T, H]
+    >>> bool(jnp.allclose(aff(scores, q), jax.nn.softmax(scores)))  # at init: softmax
+    True
+    >>> aff.alpha_kernel[...] = jnp.full((2, 4), -0.25)   # alpha = softplus(-1 + 0.5413)
+    >>> print(aff.alpha(q)[0, 0, :1, 0], aff(scores, q)[0, 0, 0])    # towards uniform
+    [0.4899] [0.3145 0.3326 0.3529]
+    >>> layer = js.nn.MultiHeadAttention(2, 8, normalizer="affine_softmax",
+    ...                                  learned=(aff,), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 3, 8))).shape
+    (1, 3, 8)
+
+  References:
+    J. Bae et al., 2026, "Affine-Scaled Attention: Towards Flexible and Stable Transformer
+    Attention" (arXiv 2602.23057).
+  """
+
+  normalizer = "affine_softmax"
+
+  def __init__(self, num_heads: int, head_dim: int, *, alpha_init: ArrayLike = 1.0,
+               free_bias: bool = False, rngs: nnx.Rngs | None = None):
+    del rngs
+    owner = "AffineScaled"
+    positive_int(num_heads, "num_heads", owner)
+    positive_int(head_dim, "head_dim", owner)
+    if not isinstance(free_bias, (bool, np.bool_)):
+      raise ValueError(f"{owner}: `free_bias` must be a bool, got {free_bias!r}")
+    alpha0 = _per_head(alpha_init, num_heads, "alpha_init", owner)
+    if not bool(jnp.all(alpha0 > 0.0)):
+      raise ValueError(f"{owner}: `alpha_init` must be > 0, got {alpha_init!r}")
+    self.num_heads, self.head_dim = num_heads, head_dim
+    self.free_bias = bool(free_bias)
+    self.alpha_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
+    self.alpha_bias = nnx.Param(softplus_from_range(alpha0).astype(jnp.float32))
+    if self.free_bias:
+      self.bias_kernel = nnx.Param(jnp.zeros((num_heads, head_dim), jnp.float32))
+      self.bias_bias = nnx.Param(jnp.zeros((num_heads,), jnp.float32))
+
+  def alpha(self, q: ArrayLike) -> jax.Array:
+    """``alpha(q) = softplus(a_h . q + c_h) > 0``, ``[B, N, T, 1]`` for ``q [B, N, T, H]``."""
+    z = _query_projection(self, q, "alpha_kernel", "alpha_bias", "AffineScaled")
+    return jax.nn.softplus(z)[..., None]
+
+  def bias_mass(self, q: ArrayLike) -> jax.Array:
+    """``b(q) = e_h . q + f_h``, ``[B, N, T, 1]`` (``free_bias`` only)."""
+    if not self.free_bias:
+      raise ValueError("AffineScaled: `bias_mass` needs `free_bias=True` (the tied bias is "
+                       "(1 - alpha) / n)")
+    return _query_projection(self, q, "bias_kernel", "bias_bias", "AffineScaled")[..., None]
+
+  def attention_hyperparams(self, q: ArrayLike,
+                            n_visible: ArrayLike | None) -> dict[str, Any]:
+    """``alpha`` per query ``[B, N, T, 1]``; with ``free_bias`` also ``beta = b(q) / n``
+    (``n_visible`` the keys each query sees, needed then; 0 where n = 0)."""
+    out = {"alpha": self.alpha(q)}
+    if self.free_bias:
+      if n_visible is None:
+        raise ValueError("AffineScaled: `n_visible` is needed with `free_bias=True`")
+      q = _head_queries(q, self.num_heads, self.head_dim, "AffineScaled")
+      n = _visible(n_visible, q, "AffineScaled")
+      out["beta"] = self.bias_mass(q) / jnp.maximum(n, 1.0)
+    return out
+
+  def __call__(self, scores: ArrayLike, q: ArrayLike, where: ArrayLike | None = None) -> jax.Array:
+    """``affine_softmax`` of ``scores [B, N, T, S]`` over the last axis, for queries
+    ``q [B, N, T, H]`` (n counted from ``where``)."""
+    scores = jnp.asarray(scores)
+    if where is None:
+      n: Any = float(scores.shape[-1])
+    else:
+      n = jnp.sum(jnp.broadcast_to(jnp.asarray(where, bool), scores.shape), axis=-1,
+                  keepdims=True)
+    return nz.affine_softmax(scores, -1, where, **self.attention_hyperparams(q, n))
 
 
 class ASEntmax(LearnedNormalizer):

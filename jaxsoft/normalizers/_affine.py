@@ -51,7 +51,8 @@ def affine_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None,
 
   over the visible entries of the row (n of them). In the paper alpha and beta are
   input-dependent (computed from the query token): pass them as arrays broadcast to the
-  rows. The exact parametrisation is not known from the abstract (a reconstruction): the
+  rows, or learn them with :class:`jaxsoft.nn.AffineScaled` (a projection of the query per
+  head, in :class:`jaxsoft.nn.MultiHeadAttention` through ``learned=``). The exact parametrisation is not known from the abstract (a reconstruction): the
   default *tied* bias ``(1 - alpha) / n`` keeps rows summing to 1 while interpolating
   between softmax (alpha = 1) and uniform (alpha = 0); a given ``beta`` relaxes the
   normalisation (rows sum to ``alpha + n beta``). alpha = 1 with the tied bias (the
