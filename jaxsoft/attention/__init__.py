@@ -89,3 +89,8 @@ from jaxsoft.attention._controls import (  # noqa: E402
 )
 
 __all__ += ["no_mixing_attention", "fixed_map_attention", "embedding_qk_attention"]
+
+# tropical attention (A16, ``_tropical``): max-plus scores and max-plus aggregation
+from jaxsoft.attention._tropical import tropical_attention  # noqa: E402
+
+__all__ += ["tropical_attention"]
