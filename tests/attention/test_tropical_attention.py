@@ -7,6 +7,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises, normal
@@ -113,7 +114,8 @@ def test_gradients_against_float64_finite_differences():
     np.testing.assert_array_equal(gi, 0.0)
 
 
-def test_properties_dtypes_and_errors():
+@pytest.mark.slow  # properties and dtypes (~3 s); values and gradients run by default
+def test_properties_and_dtypes():
   q, k, v = _inputs(20)
   # translation equivariance in the values and in the queries' projective class; appended
   # dominated keys (far from every query in d_H, small values) change nothing; eps -> 0
@@ -144,6 +146,10 @@ def test_properties_dtypes_and_errors():
     assert out64.dtype == jnp.float64
   np.testing.assert_allclose(out64, _reference(q, k, v, _visible(), eps=0.2), rtol=1e-12,
                              atol=1e-12)
+
+
+def test_errors_name_the_function_and_argument():
+  q, k, v = _inputs(20)
   check_raises(
       (r"tropical_attention: `query` must have shape \[B, T, N, H\]", lambda: attn(q[0], k, v)),
       (r"tropical_attention: `key` must be \[B, S, K, H\]", lambda: attn(q, k[..., :2], v)),

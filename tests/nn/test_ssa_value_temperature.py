@@ -5,6 +5,7 @@ grouped key/value heads, masks, gradients, bf16 and errors."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 import jaxsoft as js
@@ -108,6 +109,7 @@ def test_attend_matches_the_float64_formula_with_masks_and_gradients():
   np.testing.assert_allclose(np.asarray(out_bf16, np.float32), want_bf16, atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.slow  # ~1.5 s; the formula test covers the default run
 def test_baselines_layer_guard_and_errors():
   scores, q, v = _case(10)
   causal = np.tril(np.ones((T, T), bool))
