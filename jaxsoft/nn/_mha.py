@@ -274,7 +274,8 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError(
           f"{name}: `learned` needs a registered normalizer (a name or NormalizerSpec) to "
           f"know the parameters' ranges, got {normalizer!r}")
-    _learned_normalizers.check_attention_modules(modules, spec, num_heads, name)
+    _learned_normalizers.check_attention_modules(modules, spec, num_heads, name,
+                                                 applies_values=True)
     if forget_prune_threshold is not None:
       if not forget_gate:
         raise ValueError(f"{name}: `forget_prune_threshold` needs `forget_gate=True`")
@@ -496,6 +497,9 @@ class MultiHeadAttention(nnx.Module):
           **{a: kw[a] for a in ("local_window_size", "query_seq_lengths",
                                 "key_value_seq_lengths", "segment_ids") if a in kw})
       q, params = _learned_normalizers.apply_attention_modules(self.learned_modules, q, params, n_visible)
+      # SSA's value temperature scales each value by its own tau_v(v_j) (the cache holds
+      # the raw values)
+      v = _learned_normalizers.apply_attention_values(self.learned_modules, v)
     y = None
     if (step is not None and dropout_rng is None and not sow_weights
         and not len(self.learned_modules) and not self.forget_gate):

@@ -135,9 +135,6 @@ def test_baselines_layer_guard_and_errors():
   assert apply_attention_values([plain], vl) is vl
   np.testing.assert_array_equal(applied, jnp.swapaxes(direct, 1, 2))
   helpers.check_raises(
-      (r"MultiHeadAttention: `learned` module SSA changes the values",
-       lambda: js.nn.MultiHeadAttention(N, 8, normalizer="ssa_softmax", learned=(mod,),
-                                        rngs=nnx.Rngs(0))),
       (r"SSA: `num_heads` \(4\) must be a multiple of `num_kv_heads` \(3\)",
        lambda: js.nn.SSA(N, H, num_kv_heads=3)),
       (r"SSA: `value_temperature` must be a bool", lambda: js.nn.SSA(N, H, value_temperature=1)),
@@ -146,3 +143,32 @@ def test_baselines_layer_guard_and_errors():
       (r"SSA: `scores` must have shape \[B, 4, T, S\]",
        lambda: mod.attend(scores[..., :3], q, v)),
   )
+
+
+def test_multi_head_attention_applies_the_value_temperature():
+  """Inside MultiHeadAttention (grouped key/value heads, causal): the layer's output equals
+  the module's whole SSA attention on the layer's own projections, by hand; the value
+  temperature changes the output."""
+  D = N * H
+  x = helpers.normal(31, (B, T, D))
+  layer = js.nn.MultiHeadAttention(N, D, num_kv_heads=K, normalizer="ssa_softmax",
+                                   learned=(_module(),), rngs=nnx.Rngs(5))
+  plain = js.nn.SSA(N, H, num_kv_heads=K)
+  plain.token_kernel[...] = layer.learned_modules[0].token_kernel[...]
+  plain.token_bias[...] = layer.learned_modules[0].token_bias[...]
+  plain.alpha[...] = layer.learned_modules[0].alpha[...]
+  no_vt = js.nn.MultiHeadAttention(N, D, num_kv_heads=K, normalizer="ssa_softmax",
+                                   learned=(plain,), rngs=nnx.Rngs(5))
+
+  @nnx.jit  # one compilation instead of one per eager operation
+  def run(layer, no_vt, x):
+    qh, kh, vh = layer.query(x), layer.key(x), layer.value(x)  # [B, T, N or K, H]
+    qn, kn, vn = (jnp.swapaxes(a, 1, 2) for a in (qh, kh, vh))
+    scores = jnp.einsum("bnth,bnsh->bnts", qn, jnp.repeat(kn, N // K, 1)) / np.sqrt(H)
+    o = layer.learned_modules[0].attend(scores, qn, vn, jnp.tril(jnp.ones((T, T), bool)))
+    by_hand = layer.out(jnp.swapaxes(o, 1, 2))
+    return layer(x, is_causal=True), no_vt(x, is_causal=True), by_hand
+
+  out, without, by_hand = run(layer, no_vt, x)
+  np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(out - without).max()) > 1e-3
