@@ -1,4 +1,4 @@
-"""jaxsoft's training loop: ``python train/train.py --preset smoke --workdir DIR``.
+"""jaxsoft's training loop: ``.venv/bin/python train/train.py --preset smoke --workdir DIR``.
 
 Modules: config (dataclass, presets, CLI), model (decoder LM with jaxsoft attention), layers
 (the linear and sparse attention layers of hybrid stacks), sample (generation from a checkpoint

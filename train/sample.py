@@ -1,7 +1,7 @@
 r"""Generate text from a trained char-LM checkpoint.
 
-    python train/sample.py --workdir /tmp/run --prompt "def " --length 200
-    python train/sample.py --workdir /tmp/run --temperature 0 --length 80      # greedy
+    .venv/bin/python train/sample.py --workdir /tmp/run --prompt "def " --length 200
+    .venv/bin/python train/sample.py --workdir /tmp/run --temperature 0 --length 80      # greedy
 
 The model is rebuilt from the workdir's ``config.json`` and its parameters restored from the
 newest checkpoint (``train.checkpoint.restore_params``). Tokens are generated one at a time by
