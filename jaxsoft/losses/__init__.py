@@ -94,6 +94,7 @@ from jaxsoft.losses._ranking import (
 )
 from jaxsoft.losses._regularizers import attention_entropy_penalty
 from jaxsoft.losses._segmentation import dice_semimetric_loss
+from jaxsoft.losses._soft_top_k import soft_top_k_loss
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
 from jaxsoft.losses._time_series import soft_msm
 from jaxsoft.losses._wrapped_cauchy import wcdas_loss, wrapped_cauchy_log_density
@@ -154,6 +155,7 @@ __all__ = [
     "soft_info_nce",
     "soft_info_nce_weights",
     "soft_msm",
+    "soft_top_k_loss",
     "softmax_collapse_fraction",
     "softmax_cpr_logits",
     "softmax_cross_entropy",

@@ -110,6 +110,8 @@ def _cases():
                          (_normal(16, B, B), _normal(17, B, B)), (B,)),
       "soft_info_nce": (lambda m, s: L.soft_info_nce(s, jnp.ones((B, B)), where=m),
                         (_normal(18, B, B),), (B,)),
+      "soft_top_k_loss": (lambda m, s: L.soft_top_k_loss(s, onehot_bool, k=2, where=m),
+                          (logits,), (B,)),
       "softmax_cross_entropy": (
           lambda m, x: L.softmax_cross_entropy(x, jax.nn.one_hot(LABELS, C), where=m),
           (logits,), (B,)),
