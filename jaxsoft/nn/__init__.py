@@ -35,6 +35,7 @@ The only jaxsoft package that imports flax.
 from jaxsoft.nn._adaptive_pool import AdaptiveAttentionPool
 from jaxsoft.nn._attention_controls import ATTENTION_CONTROLS, AttentionControl
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
+from jaxsoft.nn._fox_pro import FoXProAttention
 from jaxsoft.nn._infinite import InfSA
 from jaxsoft.nn._learned_normalizers import (
     SSA,
@@ -73,6 +74,7 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "SoftMoE", "soft_moe", "soft_moe_weights", "ProductKeyMemory", "product_key_topk",
            "DirichletCalibration", "MultiMax", "QASSMax", "TempNet", "SSA", "ASEntmax",
            "AffineScaled",
+           "FoXProAttention",
            "PolarSink", "MoEGate", "LearnedNormalizer", "LinearMixer", "GatedDeltaNet",
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
