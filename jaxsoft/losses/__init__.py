@@ -67,6 +67,7 @@ from jaxsoft.losses._large_output import (
     unigram_proposal,
 )
 from jaxsoft.losses._linear_ce import linear_cross_entropy
+from jaxsoft.losses._madacos import madacos_loss, madacos_scale_margin
 from jaxsoft.losses._margin import (
     adacos_scale,
     arcface_loss,
@@ -133,6 +134,8 @@ __all__ = [
     "l2_svm_loss",
     "linear_cross_entropy",
     "logit_standardized_kd_loss",
+    "madacos_loss",
+    "madacos_scale_margin",
     "marginalized_energy",
     "midam_auc_loss",
     "msp",

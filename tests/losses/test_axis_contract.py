@@ -259,6 +259,7 @@ def _int_cases():
                                   ints(14, (4, 2))), (0, 1, 2, 3)),
       "midam_auc_loss": (L.midam_auc_loss, (ints(15, (4, 3)), jnp.array([0, 1, 1, 0])), (0,)),
       "soft_msm": (L.soft_msm, (ints(16, (2, 5)), ints(17, (2, 5))), (0, 1)),
+      "madacos_loss": (L.madacos_loss, (ints(24, (4, 6)), ints(25, (6, 5)), y), (0, 1)),
       "soft_top_k_loss": (lambda s, p: L.soft_top_k_loss(s, p, k=2),
                           (ints(23, (4, 5)), jnp.eye(4, 5, dtype=bool)), (0,)),
       "softmax_cross_entropy_with_integer_labels":

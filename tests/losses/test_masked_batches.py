@@ -23,7 +23,7 @@ KEY = jax.random.PRNGKey(0)
 NOT_PER_EXAMPLE = {"acol_probabilities", "adacos_scale", "attention_entropy_penalty", "ece",
                    "energy_score", "marginalized_energy", "spilled_energy",
                    "fit_dirichlet_calibration", "fit_temperature", "msp",
-                   "softmax_collapse_fraction", "partial_fc_loss"}
+                   "softmax_collapse_fraction", "partial_fc_loss", "madacos_scale_margin"}
 
 
 def _normal(seed, *shape):
@@ -98,6 +98,7 @@ def _cases():
       "ovr_bce_loss": (lambda m, x: L.ovr_bce_loss(x, LABELS, where=m), (logits,), (B,)),
       "pairwise_softmax_loss": (lambda m, s: L.pairwise_softmax_loss(s, LABELS, where=m),
                                 (logits,), (B,)),
+      "madacos_loss": (lambda m, e, c: L.madacos_loss(e, c, LABELS, where=m), (emb, w), (B,)),
       "pmrl_loss": (lambda m, e: L.pmrl_loss(e, where=m), (emb,), (B,)),
       "pointer_sentinel_loss": (
           lambda m, v, p, s: L.pointer_sentinel_loss(v, p, s, ctx, LABELS, where=m),
