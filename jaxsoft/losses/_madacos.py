@@ -75,10 +75,11 @@ def madacos_scale_margin(embeddings: ArrayLike, class_weights: ArrayLike, labels
     Learning Compact Discriminative Representation for Single-Stage Image Retrieval" (ICCV).
   """
   fn = "madacos_scale_margin"
+  hp = _hyperparameters(alpha, ratio, min_scale, statistic, fn)
   cos = cosine_logits(embeddings, class_weights, fn)
   labels = lc.check_labels(labels, cos.shape[:-1], fn, what=EMBEDDING_BATCH)
   keep = lc.example_keep(where, labels, None, fn)
-  return _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic, fn)
+  return _scale_margin(cos, labels, keep, *hp)
 
 
 def madacos_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayLike, *,
@@ -113,18 +114,20 @@ def madacos_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     Learning Compact Discriminative Representation for Single-Stage Image Retrieval" (ICCV).
   """
   fn = "madacos_loss"
+  hp = _hyperparameters(alpha, ratio, min_scale, statistic, fn)
   ignore_index = lc.check_ignore_index(ignore_index, fn)
   out_dtype = jnp.result_type(embeddings)
   cos = cosine_logits(embeddings, class_weights, fn)
   labels = lc.check_labels(labels, cos.shape[:-1], fn, what=EMBEDDING_BATCH)
   keep = lc.example_keep(where, labels, ignore_index, fn)
-  s, m = _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic, fn)
+  s, m = _scale_margin(cos, labels, keep, *hp)
   loss, visible, label_visible = margin_cross_entropy(cos, labels, s, lambda c: c - m, where, fn)
   return lc.integer_finish(loss, labels, visible, label_visible, ignore_index,
                            nc.output_dtype(out_dtype))
 
 
-def _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic, fn):
+def _hyperparameters(alpha, ratio, min_scale, statistic, fn):
+  """Checked (alpha, ratio, min_scale, statistic), before any array work."""
   alpha = float(alpha)
   if not 0.0 < alpha < 1.0:
     raise ValueError(f"{fn}: `alpha` must be in (0, 1), got {alpha!r}")
@@ -134,6 +137,10 @@ def _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic, fn):
   min_scale = lc.nonnegative_float(min_scale, "min_scale", fn)
   if statistic not in _STATISTICS:
     raise ValueError(f"{fn}: `statistic` must be one of {_STATISTICS}, got {statistic!r}")
+  return alpha, ratio, min_scale, statistic
+
+
+def _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic):
   c_all = jax.lax.stop_gradient(cos).reshape(-1, cos.shape[-1])
   y, keep = labels.reshape(-1), keep.reshape(-1)
   n_classes = c_all.shape[-1]
