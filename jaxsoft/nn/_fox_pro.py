@@ -235,14 +235,14 @@ class FoXProAttention(nnx.Module):
                        "`init_cache(batch, max_length)` first")
     batch = tuple(x.shape[:-2])
     a: Any = self.attn  # with a cache: the variables _kv_cache.init_cache set on it
+    if decode and batch != a.cache_batch_shape:
+      raise ValueError(f"{_NAME}: `inputs` has batch shape {batch} but the cache was made "
+                       f"for batch {a.cache_batch_shape}: call init_cache again")
     x = x.reshape((math.prod(batch),) + x.shape[-2:])
     q, k, v = a.query(x), a.key(x), a.value(x)
     raw_k, raw_v = k, v
     prev_k = prev_v = None
     if decode:
-      if batch != a.cache_batch_shape:
-        raise ValueError(f"{_NAME}: `inputs` has batch shape {batch} but the cache was made "
-                         f"for batch {a.cache_batch_shape}: call init_cache again")
       prev_k, prev_v = self.shift_key[...], self.shift_value[...]
     if self.k_shift:
       k = _token_shift(k, x, self.k_shift_kernel[...], prev_k)

@@ -26,20 +26,22 @@ SWITCHES = ("forget_gate", "k_shift", "v_shift", "qk_norm", "output_norm", "outp
 
 
 def _flat(layer) -> dict[tuple[str, ...], jax.Array]:
-  return {tuple(map(str, p)): v[...] for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
+  return {tuple(map(str, p)): v.get_value()
+          for p, v in nnx.to_flat_state(nnx.state(layer, nnx.Param))}
 
 
 def _set(layer, path: tuple[str, ...], value) -> None:
   obj = layer
   for name in path[:-1]:
     obj = getattr(obj, name)
-  getattr(obj, path[-1])[...] = value
+  getattr(obj, path[-1]).set_value(value)
 
 
 def _make(flags: dict, dtype=jnp.float32, seed: int = 0, like=None):
-  """A layer with ``flags``; parameters randomised (or copied from ``like``: the shared ones)."""
-  layer = js.nn.FoXProAttention(N, D, num_kv_heads=K, norm_eps=EPS, param_dtype=dtype,
-                                rngs=nnx.Rngs(seed), **flags)
+  """A layer with ``flags``, its parameters random (or the shared ones copied from ``like``);
+  built abstractly (nnx.eval_shape), since its own random initialisation is not used."""
+  layer = nnx.eval_shape(lambda: js.nn.FoXProAttention(
+      N, D, num_kv_heads=K, norm_eps=EPS, param_dtype=dtype, rngs=nnx.Rngs(seed), **flags))
   rng = np.random.default_rng(seed + 100)
   src = None if like is None else _flat(like)
   for path, val in _flat(layer).items():
@@ -123,39 +125,55 @@ def _forward(layers, xs=None):
   return lambda x: run(states, [x] * len(layers))
 
 
-def test_pro_block_float64_oracle_switches_causality_and_mha_equivalence():
-  """One float64 program: the full block and each switch off against the oracle; each
-  switch alone moves the output; everything off but the forget gate is
-  MultiHeadAttention(forget_gate=True); a perturbed future never moves an earlier row."""
+def test_pro_block_float64_oracle_switches_causality_and_bf16():
+  """One program: the full block and each switch off against the float64 oracle; each
+  switch alone moves the output; a perturbed future never moves an earlier row; bf16
+  inputs compute in float32."""
   with jax.enable_x64(True):
     full = _make({}, jnp.float64)
     configs = [{}] + [{s: False} for s in SWITCHES]
     layers = [full] + [_make(flags, jnp.float64, like=full) for flags in configs[1:]]
-    bare = _make(dict.fromkeys(SWITCHES[1:], False), jnp.float64, like=full)
-    mha = js.nn.MultiHeadAttention(N, D, num_kv_heads=K, forget_gate=True,
-                                   param_dtype=jnp.float64, rngs=nnx.Rngs(5))
-    for path, val in _flat(bare).items():
-      _set(mha, path[1:], val)
+    full32 = _make({}, jnp.float32, like=full)
     x = _x(dtype=np.float64)
     x2 = x.copy()
     x2[:, 3:] += 5.0 * np.random.default_rng(7).standard_normal((B, T - 3, D))
-    outs = _forward(layers + [bare, mha, full], [x] * (len(layers) + 2) + [x2])
-    outs = [np.asarray(o) for o in outs]
+    x16 = jnp.asarray(x, jnp.bfloat16)
+    both = np.concatenate([x, x2])                   # the full layer sees x and x2 at once
+    outs = _forward(layers + [full32], [both] + [x] * (len(layers) - 1) + [x16])
+    y16 = outs.pop()
+    y, y2 = np.split(np.asarray(outs[0]), 2)
+    outs = [y] + [np.asarray(o) for o in outs[1:]]
     assert all(o.dtype == np.float64 for o in outs)
     p = _flat(full)
-    for flags, y in zip(configs, outs, strict=False):
+    for flags, out in zip(configs, outs, strict=True):
       # float64 throughout: ~1e-16 relative per op over a few hundred ops on O(1) values
-      np.testing.assert_allclose(y, oracle(p, x, flags), rtol=0, atol=1e-11,
+      np.testing.assert_allclose(out, oracle(p, x, flags), rtol=0, atol=1e-11,
                                  err_msg=str(flags))
       if flags:  # the switch alone moves the output by far more than rounding
-        assert np.abs(y - outs[0]).max() > 1e-2, flags
+        assert np.abs(out - y).max() > 1e-2, flags
+    np.testing.assert_array_equal(y[:, :3], y2[:, :3])   # masked weights are exactly 0
+    assert np.abs(y[:, 3:] - y2[:, 3:]).min() > 0          # the perturbed rows do move
+    # bf16 inputs compute in float32 (float32 params): the oracle on the bf16 values, to
+    # float32 rounding (~6e-8 relative per op over ~20 chained ops, O(1) outputs -> 2e-5)
+    assert y16.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y16), oracle(p, np.asarray(x16, np.float64), {}),
+                               rtol=0, atol=2e-5)
+
+
+@pytest.mark.slow
+def test_everything_off_but_the_forget_gate_is_multi_head_attention():
+  with jax.enable_x64(True):
+    bare = _make(dict.fromkeys(SWITCHES[1:], False), jnp.float64)
+    mha = nnx.eval_shape(lambda: js.nn.MultiHeadAttention(
+        N, D, num_kv_heads=K, forget_gate=True, param_dtype=jnp.float64, rngs=nnx.Rngs(5)))
+    for path, val in _flat(bare).items():
+      _set(mha, path[1:], val)
+    x = _x(dtype=np.float64)
+    y_pro, y_mha = _forward([bare, mha], [x, x])
     # the same formulas, but MultiHeadAttention.log_forget_gates is float32 even for float64
     # input (the Pro block's gates are float64): log f rounded at ~6e-8 relative, |c_t| of a
     # few units -> ~1e-7 on the outputs; 1e-6 allows it
-    np.testing.assert_allclose(outs[-3], outs[-2], rtol=0, atol=1e-6)
-    y, y2 = outs[0], outs[-1]
-    np.testing.assert_array_equal(y[:, :3], y2[:, :3])   # masked weights are exactly 0
-    assert np.abs(y[:, 3:] - y2[:, 3:]).min() > 0          # the perturbed rows do move
+    np.testing.assert_allclose(np.asarray(y_pro), np.asarray(y_mha), rtol=0, atol=1e-6)
 
 
 @pytest.mark.slow
@@ -194,8 +212,10 @@ def test_gradients_match_finite_differences_in_float64():
 
 
 @pytest.mark.slow
-def test_decode_equals_the_full_forward():
-  layer = _make({})
+@pytest.mark.parametrize("flags", [{}, {"forget_gate": False},
+                                   {"k_shift": False, "qk_norm": False, "output_gate": False}])
+def test_decode_equals_the_full_forward(flags):
+  layer = _make(flags)
   x = jnp.asarray(_x())
   (y,) = _forward([layer])(x)
   layer.init_cache(B, T)
@@ -210,17 +230,9 @@ def test_decode_equals_the_full_forward():
     layer(x[:, :1], decode=True)                             # eagerly: an error
 
 
-def test_bf16_inputs_compute_in_float32():
-  layer = _make({})
-  x = jnp.asarray(_x()).astype(jnp.bfloat16)
-  run = _forward([layer])
-  y16, y32 = run(x)[0], run(x.astype(jnp.float32))[0]
-  assert y16.dtype == jnp.float32
-  np.testing.assert_allclose(np.asarray(y16), np.asarray(y32), rtol=0, atol=1e-6)
-
-
 def test_errors_name_the_argument():
-  layer = js.nn.FoXProAttention(2, 8, rngs=nnx.Rngs(0))
+  # abstract parameters (nnx.eval_shape): every error comes before any computation
+  layer = nnx.eval_shape(lambda: js.nn.FoXProAttention(2, 8, rngs=nnx.Rngs(0)))
   with pytest.raises(ValueError, match="`inputs` must have shape"):
     layer(jnp.ones((1, 3, 7)))
   with pytest.raises(ValueError, match="`inputs` must be floating"):
