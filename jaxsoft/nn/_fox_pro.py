@@ -97,9 +97,9 @@ class FoXProAttention(nnx.Module):
   The shift gate is one scalar per key/value head and token; it is applied to the raw
   projections, before the QK-norm. Every part is a flag: ``k_shift``, ``v_shift``,
   ``qk_norm``, ``output_norm``, ``output_gate``, and ``forget_gate`` itself (off: the
-  paper's "Transformer (Pro)", plain causal softmax). All off gives
-  ``MultiHeadAttention(forget_gate=True)(x)`` with the same parameters. The block is
-  causal: output ``t`` reads tokens ``<= t`` only.
+  paper's "Transformer (Pro)", plain causal softmax). With the five add-ons off (the forget
+  gate kept) the block is ``MultiHeadAttention(forget_gate=True)`` with the same
+  parameters. The block is causal: output ``t`` reads tokens ``<= t`` only.
 
   The paper names the four parts; their exact form (a sigmoid shift gate without a bias
   on the raw projections, zero before the first token, the norm before the gate, per-head
@@ -108,7 +108,8 @@ class FoXProAttention(nnx.Module):
   :class:`MultiHeadAttention`'s bias (zero at the start).
 
   Decoding: after :meth:`init_cache`, ``layer(x, decode=True)`` takes ``L >= 1`` new tokens
-  and equals the rows of the full forward; the cache is :class:`MultiHeadAttention`'s
+  and equals the rows of the full forward (to rounding: the cache keeps the cumulative
+  forget gates in float32, as :class:`MultiHeadAttention`'s does); the cache is that layer's
   (the shifted, normed keys and the values, the cumulative forget gates) plus each
   sequence's last raw key and value projections for the shift.
 
