@@ -197,7 +197,6 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   heads-first on TPU). The last key block may be partial (masked). A paged cache (the
   pool as ``[1, pages * block, K, H]``, ``pages [B, width]`` scalar-prefetched too): the
   index maps fetch logical block j of row b from page ``pages[b, j]``."""
-  from jax.experimental.pallas import tpu as pltpu
 
   b, kh, gp, h = q4.shape
   hv, p, bk = v.shape[-1], cfg.num_splits, cfg.block_k
@@ -254,15 +253,37 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
       l_ref[...] = l_sc[...]
       acc_ref[...] = acc_sc[...]
 
-  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))
-  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
   scalars = [lo.reshape(-1), hi.reshape(-1), lens] + ([pages.reshape(-1)] if paged else [])
+  call = _mosaic_split_call(kernel, cfg, grid=(b, kh, p, bps), gp=gp, h=h, hv=hv,
+                            in_specs=[k_spec, v_spec, _row_spec(gp)],
+                            num_scalar_prefetch=len(scalars),
+                            name=f"jaxsoft_decode_{cfg.mode}")
+  return call(*scalars, q4, k_in, v_in, c)
+
+
+def _row_spec(gp: int):
+  """The block of one split's per-row numbers ``[B, K, P, G, 1]`` on the split-K grid."""
+  return pl.BlockSpec((None, None, None, gp, 1), lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))
+
+
+def _mosaic_split_call(kernel, cfg, *, grid, gp: int, h: int, hv: int, in_specs,
+                       num_scalar_prefetch: int, name: str):
+  """The Mosaic ``pallas_call`` of a split-K decode kernel on ``grid = (B, K, P, blocks per
+  split)``: the query block ``[G, h]`` of (batch, KV head) first, then ``in_specs``; the
+  outputs are the partials (m, l ``[B, K, P, G, 1]``, acc ``[B, K, P, G, hv]``) with their
+  VMEM scratch; the last grid axis is "arbitrary" (the state lives across it). Shared by
+  :func:`_mosaic_partials` and the PolyKV kernel (kernels_pallas/polykv.py)."""
+  from jax.experimental.pallas import tpu as pltpu
+
+  b, kh, p, _ = grid
+  row = _row_spec(gp)
+  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(scalars), grid=(b, kh, p, bps),
+          num_scalar_prefetch=num_scalar_prefetch, grid=grid,
           in_specs=[pl.BlockSpec((None, None, gp, h), lambda bi, hh, si, t, *_: (bi, hh, 0, 0)),
-                    k_spec, v_spec, row],
+                    *in_specs],
           out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
                                             lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))],
           scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
@@ -271,8 +292,8 @@ def _mosaic_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=cfg.interpret if cfg.interpret is not None else False,
-      name=f"jaxsoft_decode_{cfg.mode}",
-  )(*scalars, q4, k_in, v_in, c)
+      name=name,
+  )
 
 
 def _partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):

@@ -548,7 +548,6 @@ def _mosaic_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):
   :func:`kernels_pallas.decode._mosaic_partials`; the four cache arrays are read
   heads-first (``[B, K, S, .]``: a transposed copy of each, whose last dim is the whole
   array's, so any width is a legal block)."""
-  from jax.experimental.pallas import tpu as pltpu
 
   b, kh, gp, hp = q4.shape
   mp, p, bk = vc.shape[-1], cfg.num_splits, cfg.block_k
@@ -585,24 +584,11 @@ def _mosaic_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):
       acc_ref[...] = acc_sc[...]
 
   heads_first = [jnp.swapaxes(x, 1, 2) for x in (kc, ks, vc, rho)]
-  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))
-  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
-  return pl.pallas_call(
-      kernel,
-      grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=3, grid=(b, kh, p, bps),
-          in_specs=[pl.BlockSpec((None, None, gp, hp), lambda bi, hh, si, t, *_: (bi, hh, 0, 0)),
-                    spec(hp), spec(ks.shape[-1]), spec(mp), spec(1)],
-          out_specs=[row, row, pl.BlockSpec((None, None, None, gp, mp),
-                                            lambda bi, hh, si, t, *_: (bi, hh, si, 0, 0))],
-          scratch_shapes=[pltpu.VMEM((gp, 1), jnp.float32), pltpu.VMEM((gp, 1), jnp.float32),
-                          pltpu.VMEM((gp, mp), jnp.float32)]),
-      out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, mp), jnp.float32)],
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      interpret=cfg.interpret if cfg.interpret is not None else False,
-      name="jaxsoft_polykv_decode",
-  )(lo.reshape(-1), hi.reshape(-1), lens, q4, *heads_first)
+  call = _decode._mosaic_split_call(
+      kernel, cfg, grid=(b, kh, p, bps), gp=gp, h=hp, hv=mp,
+      in_specs=[spec(hp), spec(ks.shape[-1]), spec(mp), spec(1)], num_scalar_prefetch=3,
+      name="jaxsoft_polykv_decode")
+  return call(lo.reshape(-1), hi.reshape(-1), lens, q4, *heads_first)
 
 
 # ----------------------------------------------------------------------------------- API
