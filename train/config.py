@@ -28,6 +28,7 @@ from train.kinds import (
     ATTENTION_VARIANTS,
     BIDIRECTIONAL_KINDS,
     CONTROL_KINDS,
+    FOX_KINDS,
     LAYER_KINDS,
     LINEAR_KINDS,
     POOLING_KINDS,
@@ -131,7 +132,8 @@ class Config:
                       "the layer kind of every block: a variant of the normalizer block "
                       f"{ATTENTION_VARIANTS}, a linear mixer {LINEAR_KINDS}, a "
                       f"sparse/structured attention {SPARSE_KINDS}, an attention control "
-                      f"{CONTROL_KINDS} or a pooling mixer {POOLING_KINDS}")
+                      f"{CONTROL_KINDS}, a pooling mixer {POOLING_KINDS} or the FoX Pro "
+                      f"block {FOX_KINDS}")
   layers: str = _f(ATTENTION, "",
                    "hybrid stack: comma-separated layer kinds (any --attention value, or "
                    "'softmax' for the normalizer block with --attention's variant, 'full' "

@@ -31,7 +31,7 @@ from jaxsoft import nn as js_nn
 __all__ = ["ATTENTION_VARIANTS", "FEATURE_MAP_KINDS", "linear_kinds", "bidirectional_kinds",
            "LINEAR_KINDS", "BIDIRECTIONAL_KINDS", "SparseKind", "SPARSE_ATTENTION",
            "SPARSE_KINDS", "LAYER_KINDS", "INFSA_GAMMA", "CONTROLS", "ControlKind",
-           "CONTROL_ATTENTION", "CONTROL_KINDS", "POOLING_KINDS", "PONET_WINDOW"]
+           "CONTROL_ATTENTION", "CONTROL_KINDS", "POOLING_KINDS", "PONET_WINDOW", "FOX_KINDS"]
 
 ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 # The linear kinds named once per feature map on the command line (`linear:elu1`, ...).
@@ -130,5 +130,8 @@ CONTROL_KINDS = tuple(CONTROL_ATTENTION)
 # only j <= i (running mean query, running segment max, the window ending at i).
 POOLING_KINDS = ("ponet",)
 PONET_WINDOW = 3  # the local max-pooling window of the authors' code
+# The Forgetting Transformer's Pro block (A08, jaxsoft.nn.FoXProAttention): forgetting
+# attention with the KV shift, QK-norm, output norm and output gate (no position encoding).
+FOX_KINDS = ("fox_pro",)
 LAYER_KINDS = (ATTENTION_VARIANTS + LINEAR_KINDS + SPARSE_KINDS + CONTROL_KINDS
-               + POOLING_KINDS)
+               + POOLING_KINDS + FOX_KINDS)

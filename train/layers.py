@@ -91,6 +91,7 @@ from train.kinds import (
     BIDIRECTIONAL_KINDS,
     CONTROL_ATTENTION,
     CONTROL_KINDS,
+    FOX_KINDS,
     LINEAR_KINDS,
     PONET_WINDOW,
     POOLING_KINDS,
@@ -99,7 +100,7 @@ from train.kinds import (
 )
 from train.positions import rope
 
-__all__ = ["LinearMixer", "SparseAttention", "ControlAttention", "PoNetLayer",
+__all__ = ["LinearMixer", "SparseAttention", "ControlAttention", "PoNetLayer", "FoXProLayer",
            "RecomputedDecoding", "make_mixer", "MIXERS", "NEEDS", "causal_conv",
            "causal_conv_step", "variant_config", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
 
@@ -271,12 +272,35 @@ class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
     return super().__call__(x)
 
 
+class FoXProLayer(RecomputedDecoding, js_nn.FoXProAttention):  # type: ignore[misc]
+  """The Forgetting Transformer's Pro block (``fox_pro``, A08):
+  :class:`jaxsoft.nn.FoXProAttention` with every part on (forget gate, KV shift, QK-norm,
+  output norm, output gate) and no position encoding, as in the paper; decoding by
+  recomputation (the mixin's cache)."""
+
+  def __init__(self, cfg: Config, kind: str, layer_idx: int, *, rngs: nnx.Rngs):
+    if kind not in FOX_KINDS:
+      raise ValueError(f"kind: {kind!r} is not a FoX kind; one of {FOX_KINDS}")
+    del layer_idx
+    dtype = jnp.dtype(cfg.dtype)
+    super().__init__(cfg.num_heads, cfg.d_model, cfg.num_heads * cfg.head_dim, cfg.d_model,
+                     num_kv_heads=cfg.kv_heads, use_bias=False, dtype=dtype,
+                     param_dtype=jnp.float32, rngs=rngs)
+    self.width, self.cache_dtype = cfg.d_model, dtype
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
+               ) -> jax.Array:
+    del positions  # FoX needs no position encoding: the forget gate orders the tokens
+    return super().__call__(x)
+
+
 # The layers besides the normalizer block: kind -> builder (cfg, kind, layer_idx, *, rngs).
 MIXERS: Mapping[str, Callable[..., nnx.Module]] = {
     **dict.fromkeys(LINEAR_KINDS, LinearMixer),
     **dict.fromkeys(SPARSE_KINDS, SparseAttention),
     **dict.fromkeys(CONTROL_KINDS, ControlAttention),
     **dict.fromkeys(POOLING_KINDS, PoNetLayer),
+    **dict.fromkeys(FOX_KINDS, FoXProLayer),
 }
 
 

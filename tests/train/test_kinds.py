@@ -57,7 +57,7 @@ def test_the_control_kinds_are_every_nn_control_alone_and_as_a_hybrid():
 
 
 def test_every_kind_reaches_the_mixers_and_the_command_line():
-  new = kinds.CONTROL_KINDS + kinds.POOLING_KINDS
+  new = kinds.CONTROL_KINDS + kinds.POOLING_KINDS + kinds.FOX_KINDS
   assert config.LAYER_KINDS == (config.ATTENTION_VARIANTS + config.LINEAR_KINDS
                                 + config.SPARSE_KINDS + new)
   assert tuple(layers.MIXERS) == config.LINEAR_KINDS + config.SPARSE_KINDS + new

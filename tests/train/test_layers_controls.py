@@ -23,7 +23,7 @@ TINY = dict(block_size=4, learning_rate=1e-2)
 # one stack of both new families: a hybrid of real heads and Q/K from learned position
 # embeddings, and PoNet (one compile for the default run; each kind alone under slow)
 STACK = dict(num_layers=2, layers="hybrid:static_qk,ponet")
-NEW_KINDS = kinds.CONTROL_KINDS + kinds.POOLING_KINDS
+NEW_KINDS = kinds.CONTROL_KINDS + kinds.POOLING_KINDS + kinds.FOX_KINDS
 
 
 @functools.cache
