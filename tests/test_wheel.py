@@ -10,6 +10,7 @@ was made from, which does not hold them). Nothing is downloaded.
 """
 
 import json
+import os
 import pathlib
 import shutil
 import site
@@ -39,7 +40,10 @@ CHECK = textwrap.dedent("""
 
 
 def _run(*args, cwd):
-  result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300, check=False)
+  # without PYTHONPATH: a checkout named there (a test run from a clone) would shadow the wheel
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+  result = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300,
+                          check=False, env=env)
   assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
   return result.stdout
 

@@ -353,7 +353,7 @@ def _blasst(lay: _Layout, tau: float):
                            min(_BLASST_CHUNK, G * Tp))
   out = jnp.moveaxis(out.reshape(B, lay.N, nq, bs, Hv), 2, 0)
   kept = kept.reshape(B, lay.N, Tp, nk)
-  return lay.unblock(out), kept & (jnp.arange(Tp) < lay.T)[:, None]
+  return lay.unblock(out), kept & (jnp.arange(Tp) < lay.T)[None, None, :, None]
 
 
 # --------------------------------------------------------------------------- gather loop
@@ -402,7 +402,7 @@ def _token_attend(lay: _Layout, idx, valid):
   ngroup = -(-chunks // g)
   nchunk = ngroup * g
   Ppad = nchunk * C
-  valid = lax.stop_gradient(valid & (jnp.arange(Tp) < lay.T)[:, None])
+  valid = lax.stop_gradient(valid & (jnp.arange(Tp) < lay.T)[None, None, :, None])
   idx = lax.stop_gradient(jnp.clip(idx, 0, nk - 1)).astype(jnp.int32)
   q = lay.q.reshape(B, K, G, Tp, H) * lay.scale
   klen = jnp.full((B,), lay.S) if lay.kv_len is None else jnp.minimum(lay.kv_len, lay.S)
@@ -427,7 +427,7 @@ def _token_attend(lay: _Layout, idx, valid):
     def group(gi):
       ct = lax.dynamic_slice(slot_tok, (gi * g * C,), (g * C,)).reshape(g, C)
       cb = lax.dynamic_slice(chunk_blk, (gi * g,), (g,))
-      kpos = cb[:, None] * bs + jnp.arange(bs)  # [g, bs]
+      kpos = cb[:, None] * bs + jnp.arange(bs)[None, :]  # [g, bs]
       vis = (ct >= 0)[:, :, None] & (kpos < klen)[:, None, :]
       if causal:
         vis = vis & (kpos[:, None, :] <= ct[:, :, None])
@@ -477,8 +477,9 @@ def _row_masks(lay: _Layout, per_token: bool):
     allowed = jnp.broadcast_to(nonempty, (lay.B, 1, R, lay.nk))
     return allowed, jnp.zeros_like(allowed)
   assert per_token, "a causal selection is made per query token"
-  own = (jnp.arange(R) // lay.bs)[:, None]
-  return nonempty & (kb < own), nonempty & (kb == own)
+  own = (jnp.arange(R) // lay.bs)[None, None, :, None]  # [1, 1, R, 1]
+  kb4 = kb[None, None, None, :]                          # [1, 1, 1, nk]
+  return nonempty & (kb4 < own), nonempty & (kb4 == own)
 
 
 def _top_blocks(score, allowed, forced, kb: int):
@@ -499,7 +500,7 @@ def _bfla_select(lay: _Layout, qf, kbar, allowed, forced, kb: int, mass: float):
   fewest blocks reaching cumulative mass ``mass`` (at most kb), plus the rescued own
   (causal) and first (sink) blocks."""
   est = _masked_softmax(lay.scale * jnp.einsum("bnih,bnjh->bnij", qf, kbar), allowed)
-  rescued = forced | (allowed & (jnp.arange(lay.nk) == 0))
+  rescued = forced | (allowed & (jnp.arange(lay.nk) == 0)[None, None, None, :])
   any_ok = allowed | forced
   key = jnp.where(rescued, 2.0 + est, est)  # rescued blocks sort first
   order = jnp.argsort(-jnp.where(any_ok, key, -1.0), axis=-1)
@@ -763,9 +764,9 @@ def block_sparse_attention(
     rows = jnp.any(jax.nn.one_hot(idx, lay.nk, dtype=bool) & valid[..., None], axis=-2)
     rows = rows & (allowed | forced)
     if per_token:
-      kept_tokens = rows & (jnp.arange(Tp) < lay.T)[:, None]
+      kept_tokens = rows & (jnp.arange(Tp) < lay.T)[None, None, :, None]
     else:
-      kept_tokens = jnp.repeat(rows, bs, axis=2) & (jnp.arange(Tp) < lay.T)[:, None]
+      kept_tokens = jnp.repeat(rows, bs, axis=2) & (jnp.arange(Tp) < lay.T)[None, None, :, None]
     if pallas is not None:
       # per-token selections: each token's own list (exactly the pairs the token loop
       # computes), their union over the query block as its table row

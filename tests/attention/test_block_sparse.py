@@ -346,3 +346,16 @@ def test_blasst_refuses_second_order_and_forward_mode_by_name():
       attempt()
     del name
   assert jnp.all(jnp.isfinite(jax.grad(loss)(q)))  # first order still works
+
+
+def test_every_method_needs_no_implicit_rank_promotion():
+  """Causal selection masks, the BFLA sink rescue and the padded-row masks broadcast
+  explicitly: every method runs under numpy_rank_promotion("raise") (moba, bfla, prism
+  and blasst raised there before)."""
+  q, k, v = (x[:, :12] for x in _inputs(6))
+  with jax.numpy_rank_promotion("raise"):
+    for method in ("blasst", "moba", "bfla", "prism"):
+      out = jax.eval_shape(functools.partial(
+          block_sparse_attention, method=method, block_size=BS, is_causal=True,
+          key_value_seq_lengths=jnp.asarray([12, 9]), **SETTINGS[method]), q, k, v)
+      assert out.shape == q.shape, method
