@@ -4,11 +4,11 @@
 needs no flax import.
 """
 
-from jaxsoft import attention, checks, linear, losses, normalizers, pooling, testing
+from jaxsoft import attention, checks, linear, losses, normalizers, optim, pooling, testing
 
 __version__ = "0.1.0"
 
-__all__ = ["attention", "checks", "linear", "losses", "nn", "normalizers", "pooling", "testing", "__version__"]
+__all__ = ["attention", "checks", "linear", "losses", "nn", "normalizers", "optim", "pooling", "testing", "__version__"]
 
 
 def __getattr__(name):
