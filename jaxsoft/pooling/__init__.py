@@ -31,11 +31,17 @@ from jaxsoft.pooling._adaptive import (
 )
 from jaxsoft.pooling._power import gem, ggem, power_mean_pool
 from jaxsoft.pooling._sets import attention_pool, entropic_ot_pool, entropic_ot_weights
-from jaxsoft.pooling._smooth import ada_pool, linear_softmax_pool, log_mean_exp, soft_pool
+from jaxsoft.pooling._smooth import (
+    ada_pool,
+    ada_unpool,
+    linear_softmax_pool,
+    log_mean_exp,
+    soft_pool,
+)
 from jaxsoft.pooling._stochastic import stochastic_softmax_pool
 
 __all__ = [
-    "soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool", "gem", "ggem",
+    "soft_pool", "ada_pool", "ada_unpool", "log_mean_exp", "linear_softmax_pool", "gem", "ggem",
     "power_mean_pool", "attention_pool", "entropic_ot_weights", "entropic_ot_pool",
     "stochastic_softmax_pool",
     "adaptive_attention_pool", "signal_optimal_pool", "signal_loss", "adaptive_pool_error_bound",

@@ -1,4 +1,5 @@
-"""N35 softmax-weighted pooling of scalars: SoftPool, adaPool, log-mean-exp, linear softmax."""
+"""N35 softmax-weighted pooling of scalars: SoftPool, adaPool (and adaUnPool), log-mean-exp,
+linear softmax."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from jax.typing import ArrayLike
 from jaxsoft.normalizers import common as c
 from jaxsoft.pooling import _contract as u
 
-__all__ = ["soft_pool", "ada_pool", "log_mean_exp", "linear_softmax_pool"]
+__all__ = ["soft_pool", "ada_pool", "ada_unpool", "log_mean_exp", "linear_softmax_pool"]
 
 
 def weighted_log_mean_exp(z, w, mask, axis: int):
@@ -106,7 +107,7 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   :math:`x_i = \bar x`. β is one value per pool in the paper (a learned map over output
   locations); its initial value is not known, 0.5 here. Clamping means a β outside
   [0, 1] acts as 0 or 1 with zero gradient. The upsampling counterpart (adaUnPool) is
-  not implemented.
+  :func:`ada_unpool`.
 
   β = 0 is exactly :func:`soft_pool`; the result is a convex combination, so it lies in
   [min, max] of the pool.
@@ -144,16 +145,95 @@ def ada_pool(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   u.check_range(beta, "beta", name)  # NaN check only: beta is clamped
 
   def reduce(xs, mask, ax):
-    b = jnp.clip(c.row_param(beta, xs.shape, ax, "beta", name, xs.dtype), 0.0, 1.0)
-    mean = jnp.sum(u.mean_weights(mask, ax, xs.dtype) * xs, axis=ax, keepdims=True)
-    den = mean * mean + xs * xs
-    ok = den > 0
-    dsc = jnp.where(ok, 2.0 * mean * xs / jnp.where(ok, den, 1.0), 1.0)
-    out_d = jnp.sum(c.exp_normalize(dsc, mask, ax) * xs, axis=ax, keepdims=True)
-    out_m = jnp.sum(c.exp_normalize(xs, mask, ax) * xs, axis=ax, keepdims=True)
+    b, w_d, w_m = _ada_weights(xs, mask, ax, beta, name)
+    out_d = jnp.sum(w_d * xs, axis=ax, keepdims=True)
+    out_m = jnp.sum(w_m * xs, axis=ax, keepdims=True)
     return b * out_d + (1.0 - b) * out_m
 
   return u.pool(reduce, x, axis, where, keepdims, name)
+
+
+def _ada_weights(xs, mask, ax: int, beta, name: str):
+  """adaPool's blend ``b`` (clamped) and its eDSCW and eM (SoftPool) weights over ``ax``."""
+  b = jnp.clip(c.row_param(beta, xs.shape, ax, "beta", name, xs.dtype), 0.0, 1.0)
+  mean = jnp.sum(u.mean_weights(mask, ax, xs.dtype) * xs, axis=ax, keepdims=True)
+  den = mean * mean + xs * xs
+  ok = den > 0
+  dsc = jnp.where(ok, 2.0 * mean * xs / jnp.where(ok, den, 1.0), 1.0)
+  return b, c.exp_normalize(dsc, mask, ax), c.exp_normalize(xs, mask, ax)
+
+
+def ada_unpool(y: ArrayLike, x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+               beta: ArrayLike = 0.5) -> jax.Array:
+  r"""adaUnPool: a pooled value spread back over its pool by adaPool's weights (feature N35) [R].
+
+  With :math:`\omega_i = \beta\, \mathrm{softmax}(\mathrm{DSC})_i + (1 - \beta)\,
+  \mathrm{softmax}(x)_i` the weights by which :func:`ada_pool` averages the visible
+  entries V of the pool of ``x`` (so that ``ada_pool(x) = sum_i omega_i x_i``),
+
+  .. math::
+    \mathrm{adaUnPool}(y; x)_i = \omega_i\, y \quad (i \in V), \qquad 0 \text{ elsewhere}
+
+  The AdaPool paper (A. Stergiou & R. Poppe 2023) states that adaPool is bidirectional:
+  the weights it learned for a region are reused to upsample (adaUnPool, used for super
+  resolution and frame interpolation). Reconstructed [R]: the weights are recomputed from
+  the guide ``x`` (the values that were pooled) and the pooled value ``y`` is
+  distributed in proportion to them, which makes adaUnPool the adjoint of adaPool with
+  its weights held fixed: ``sum_i unpool(y; x)_i z_i = y sum_i omega_i z_i`` for any z,
+  and it conserves mass, ``sum_i unpool(y; x)_i = y``. Pooling a region and unpooling
+  puts ``omega_i ada_pool(x)`` at each entry: the region's sum is kept, not its values.
+
+  Args:
+    y: the pooled values, of ``x``'s shape without ``axis`` (or with size 1 there).
+    x: the guide, the values whose pools gave ``y`` (as passed to :func:`ada_pool`).
+    axis: the pooled axis of ``x``.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are left out of the weights, as in :func:`ada_pool`.
+    beta: the blend β (clamped to [0, 1]), as in :func:`ada_pool`.
+
+  Returns:
+    An array of ``x``'s shape in the result dtype of ``x`` and ``y`` (float32 for integer
+    inputs; computed in float32 for low precision); an empty pool gives zeros with zero
+    gradient. Differentiable in ``y``, ``x`` (through the weights) and β inside [0, 1].
+
+  Examples:
+    >>> from jaxsoft import pooling
+    >>> x = jnp.array([2.0, 1.0, 0.5])
+    >>> up = pooling.ada_unpool(jnp.array(3.0), x, beta=0.0)  # 3 softmax(x)
+    >>> up
+    Array([1.8856, 0.6937, 0.4207], dtype=float32)
+    >>> up.sum()  # the pooled value is conserved
+    Array(3., dtype=float32)
+    >>> bool(jnp.allclose(jnp.vdot(pooling.ada_unpool(1.0, x), x), pooling.ada_pool(x)))
+    True
+
+  References:
+    A. Stergiou & R. Poppe, 2023, "AdaPool: Exponential Adaptive Pooling for
+    Information-Retaining Downsampling".
+  """
+  name = "ada_unpool"
+  u.check_range(beta, "beta", name)  # NaN check only: beta is clamped
+  xa, ya = jnp.asarray(x), jnp.asarray(y)
+  c.check_real(ya, name)
+  if xa.ndim == 0:
+    raise ValueError(f"{name}: `x` must have the pooled axis (rank >= 1), got a scalar")
+  ax = c.canonical_axis(axis, xa.ndim, name)
+  reduced = xa.shape[:ax] + xa.shape[ax + 1:]
+  if ya.ndim == xa.ndim - 1 and ya.shape == reduced:
+    ya = jnp.expand_dims(ya, ax)
+  elif not (ya.ndim == xa.ndim and ya.shape[ax] == 1 and ya.shape[:ax] == xa.shape[:ax]
+            and ya.shape[ax + 1:] == xa.shape[ax + 1:]):
+    raise ValueError(f"{name}: `y` of shape {ya.shape} is not a pooled value of `x` of shape "
+                     f"{xa.shape} along axis {axis} (expected {reduced} or the same with "
+                     "size 1 along the axis)")
+  dtype = c.output_dtype(jnp.result_type(xa.dtype, ya.dtype))
+  if xa.shape[ax] == 0:
+    return jnp.zeros(xa.shape, dtype)
+  xs, mask, ax = c.prepare(xa, ax, where, name)
+  b, w_d, w_m = _ada_weights(xs, mask, ax, beta, name)
+  omega = b * w_d + (1.0 - b) * w_m
+  up = jnp.where(mask, omega * ya.astype(xs.dtype), 0.0)
+  return up.astype(dtype)
 
 
 def log_mean_exp(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
