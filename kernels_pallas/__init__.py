@@ -18,6 +18,7 @@ from kernels_pallas.autotune import (
 from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
+from kernels_pallas.fused_top_k import softmax_top_k
 from kernels_pallas.polykv import polykv_decode_attention, polykv_quantize
 from kernels_pallas.sharding import sharded_attention
 from kernels_pallas.single_pass import single_pass_softmax
@@ -27,3 +28,4 @@ __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache",
            "resolve_block_sizes", "pick_backend", "BACKENDS", "INTERPRET_ENV",
            "polykv_decode_attention", "polykv_quantize", "single_pass_softmax"]
+__all__ += ["softmax_top_k"]
