@@ -11,13 +11,16 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
   with Performer's FAVOR+ random features from :func:`favor_feature_map`.
 * A31 :func:`cosformer`: ReLU features re-weighted by ``cos(π/2 · (i - j)/M)`` (Qin et al. 2022).
 * A32 :func:`mala`: magnitude-aware linear attention, normalised additively (Fan et al. 2025).
-* A33 :func:`lightning_attention`: a fixed decay per head (TransNormerLLM, Lightning Attention).
+* A33 :func:`lightning_attention`: a fixed decay per head (TransNormerLLM, Lightning Attention);
+  TransNormerLLM's :func:`lrpe` (with :func:`lrpe_theta`), :func:`srms_norm` and the LRPE-d
+  :func:`transnormer_attention`.
 * A38 :func:`simple_gla` (a decay per head: RetNet, Lightning Attention) and :func:`gla`
   (a decay per key channel: Gated Linear Attention, Yang et al. 2024).
 * A39 :func:`delta_rule` (DeltaNet, Schlag et al. 2021; Yang et al. 2024) and
   :func:`gated_delta_rule` (Gated DeltaNet, Yang, Kautz & Hatamizadeh 2025).
 * A39 :func:`ttt_linear`: TTT-Linear, a linear fast-weight model trained by mini-batch
-  gradient descent at test time (Sun et al. 2024).
+  gradient descent at test time (Sun et al. 2024); the softmax-to-TTT conversion aids
+  :func:`key_instance_norm` and :func:`locality_enhance` (SD3.5-T^5, 2025).
 * A34 :func:`softmax_linear_attention`: a softmax over heads gates the read and the write
   (Xu et al. 2026) [R].
 * A35 :func:`ccq`: the query contracted by the running key covariance (Le et al. 2026) [R].
@@ -69,7 +72,15 @@ from jaxsoft.linear._softmax_linear import (
     softmax_linear_attention_step,
 )
 from jaxsoft.linear._taylor import taylor_linear_attention, taylor_linear_attention_step
+from jaxsoft.linear._transnormer import (
+    lrpe,
+    lrpe_theta,
+    srms_norm,
+    transnormer_attention,
+    transnormer_attention_step,
+)
 from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
+from jaxsoft.linear._ttt_conversion import key_instance_norm, locality_enhance
 
 __all__ = [
     "linear_attention",
@@ -96,6 +107,13 @@ __all__ = [
     "mala_step",
     "ttt_linear",
     "ttt_linear_step",
+    "key_instance_norm",
+    "locality_enhance",
+    "transnormer_attention",
+    "transnormer_attention_step",
+    "lrpe",
+    "lrpe_theta",
+    "srms_norm",
     "softmax_linear_attention",
     "softmax_linear_attention_step",
     "head_gates",
