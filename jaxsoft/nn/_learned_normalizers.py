@@ -262,6 +262,9 @@ class QASSMax(LearnedNormalizer):
   and a zero last layer, so at init ``q~ = q log n`` and ``softmax(q~ k^T / sqrt d)`` is
   SSMax with ``s = 1`` (the paper's own ``MLP_base(log n)`` without the ``l`` factor is
   not pinned down by the note). Both factors stay in ``(0, 2)`` times their baseline.
+  The scale is computed in the queries' dtype, at least float32: float64 queries (under
+  ``JAX_ENABLE_X64``) get a float64 ``log n``; bfloat16 queries are rescaled in float32 and
+  returned in bfloat16.
 
   Args:
     num_heads: N.
@@ -300,8 +303,10 @@ class QASSMax(LearnedNormalizer):
     self.gate_out = nnx.Linear(hidden, head_dim, kernel_init=zeros, rngs=rngs)
 
   def base(self, log_n: ArrayLike) -> jax.Array:
-    """``base(l) = l (1 + tanh(MLP_base(l)))``, ``[..., N, d_h]`` for ``l`` of shape ``[...]``."""
-    ell = jnp.asarray(log_n, jnp.float32)[..., None]
+    """``base(l) = l (1 + tanh(MLP_base(l)))``, ``[..., N, d_h]`` for ``l`` of shape ``[...]``
+    (computed in ``l``'s float dtype, at least float32)."""
+    ell = jnp.asarray(log_n)
+    ell = ell.astype(jnp.promote_types(ell.dtype, jnp.float32))[..., None]
     h = self.base_out(jax.nn.gelu(self.base_in(ell)))
     scale = ell * (1.0 + jnp.tanh(h))
     return scale.reshape(scale.shape[:-1] + (self.num_heads, self.head_dim))
@@ -317,7 +322,7 @@ class QASSMax(LearnedNormalizer):
     if q.ndim != 4 or q.shape[-2:] != (self.num_heads, self.head_dim):
       raise ValueError(f"QASSMax: `q` must have shape [B, T, {self.num_heads}, "
                        f"{self.head_dim}], got {q.shape}")
-    n = jnp.asarray(n, jnp.float32)
+    n = jnp.asarray(n).astype(jnp.promote_types(q.dtype, jnp.float32))
     try:
       n = jnp.broadcast_to(n, q.shape[:2])
     except ValueError:
@@ -336,7 +341,9 @@ class QASSMax(LearnedNormalizer):
   def attention_queries(self, q: ArrayLike, n_visible: ArrayLike) -> jax.Array:
     """``q~`` of ``q [B, N, T, d_h]``, head h rescaled with its own row's count n."""
     q = _head_queries(q, self.num_heads, self.head_dim, "QASSMax")
-    n = _visible(n_visible, q, "QASSMax")[..., 0]  # [B', N', T']
+    shape = _visible(n_visible, q, "QASSMax").shape  # checks n_visible (float32 there)
+    dtype = jnp.promote_types(q.dtype, jnp.float32)  # float64 queries: float64 log n
+    n = jnp.asarray(n_visible).astype(dtype).reshape(shape)[..., 0]  # [B', N', T']
     log_n = jnp.log(jnp.maximum(n, 1.0))
     if n.shape[1] == 1:  # one count for every head: base(l) is [B', 1, T', N, d_h]
       base = jnp.moveaxis(self.base(log_n[:, 0]), 2, 1)
