@@ -1,4 +1,4 @@
-"""N15 truncated softmax: top-k, top-p (nucleus), epsilon- and eta-truncation.
+"""N15 truncated softmax: top-k, top-p (nucleus), epsilon-, eta- and basis-aware truncation.
 
 Each keeps a set K of the visible entries of a row and renormalises the softmax over it:
 
@@ -37,7 +37,8 @@ from jaxsoft.normalizers.spec import (
   register,
 )
 
-__all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax"]
+__all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax",
+           "basis_aware_softmax"]
 
 DEFAULT_K = 8
 _K = Param("k", DEFAULT_K, low=1, sample=3)
@@ -285,6 +286,166 @@ def eta_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
   """
   _ETA.validate(eta, "eta_softmax")
   return _truncated_softmax(x, where, eta, axis=axis, fn_name="eta_softmax")
+
+
+def _constraint_basis(basis):
+  """An orthonormal basis (columns) of span([W, 1]): the same equality constraints, well
+  conditioned (float64, host side)."""
+  a = np.concatenate([basis, np.ones((basis.shape[0], 1))], axis=1)
+  u_, sv, _ = np.linalg.svd(a, full_matrices=False)
+  rank = int(np.sum(sv > sv[0] * max(a.shape) * np.finfo(np.float64).eps))
+  return u_[:, :rank]
+
+
+def basis_aware_keep(logits, mask, basis, tau: float, tol: float):
+  """The kept set of :func:`basis_aware_softmax` for rows ``logits [R, V]`` (numpy, host).
+
+  Returns ``(keep [R, V] bool, lp_min [R, V])``: ``lp_min[r, i]`` the LP bound on
+  ``min p_i`` that decided token i (``p_hat_i - tau`` where that is positive and no LP
+  ran; NaN for masked tokens and for tokens ruled out by another LP's solution).
+  """
+  from scipy.optimize import linprog  # type: ignore[import-untyped]  # noqa: PLC0415
+
+  logits = np.asarray(logits, np.float64)
+  mask = np.asarray(mask, bool)
+  q = _constraint_basis(np.asarray(basis, np.float64))
+  keep = np.zeros(logits.shape, bool)
+  lp_min = np.full(logits.shape, np.nan)
+  for r in range(logits.shape[0]):
+    vis = mask[r]
+    if not vis.any():
+      continue
+    z = np.where(vis, logits[r], -np.inf)
+    e = np.exp(z - z[vis].max())
+    p_hat = e / e.sum()
+    keep[r] = vis & ((p_hat > tau) | (p_hat >= p_hat.max()))
+    lp_min[r] = np.where(vis & (p_hat > tau), p_hat - tau, np.nan)
+    lower = np.where(vis, np.maximum(p_hat - tau, 0.0), 0.0)
+    bounds = list(zip(lower, np.where(vis, 1.0, 0.0), strict=True))
+    a_eq, b_eq = q.T, q.T @ p_hat
+    undecided = vis & ~keep[r]
+    for i in np.flatnonzero(undecided):
+      if not undecided[i]:
+        continue  # ruled out by an earlier LP's solution
+      cost = np.zeros(p_hat.shape)
+      cost[i] = 1.0
+      res = linprog(cost, A_eq=a_eq, b_eq=b_eq, bounds=bounds, method="highs")
+      if res.status != 0:  # no certificate: the token stays truncated, as by the threshold
+        undecided[i] = False
+        continue
+      lp_min[r, i] = res.fun
+      keep[r, i] = res.fun > tol
+      undecided[i] = False
+      undecided &= ~(res.x <= tol)  # tokens this witness p sets to 0 are truncated too
+  return keep, lp_min
+
+
+def basis_aware_softmax(x: ArrayLike, basis: ArrayLike, axis: int = -1,
+                        where: ArrayLike | None = None, *, tau: float = 3e-4,
+                        tol: float = 1e-8) -> jax.Array:
+  r"""Basis-aware threshold (BAT) truncated softmax (feature N15) [R].
+
+  From M. Finlayson, J. Hewitt, A. Koller, S. Swayamdipta & A. Sabharwal, 2024, "Closing
+  the Curious Case of Neural Text Degeneration" (ICLR 2024): a model's output
+  :math:`\hat p = \mathrm{softmax}(W h)` with an unembedding :math:`W \in \mathbb{R}^{V
+  \times d}`, ``d << V`` (the softmax bottleneck), is taken to be the best rank-d fit of
+  the true distribution p, so that ``W^T p = W^T p_hat`` (the cross-entropy's stationarity
+  in h); and, as the threshold argument assumes, the model overestimates no token by more
+  than tau, ``p_j >= p_hat_j - tau``. A token is kept when no p consistent with both can
+  give it zero probability:
+
+  .. math::
+    K = \Big\{ i : \min_{p \in P} p_i > \mathrm{tol} \Big\}, \quad
+    P = \{ p \ge 0,\ \textstyle\sum_j p_j = 1,\ W^\top p = W^\top \hat p,\
+    p \ge \hat p - \tau \}, \qquad w_i = \hat p_i / \textstyle\sum_{j \in K} \hat p_j
+
+  Every token with ``p_hat_i > tau`` is kept (``min p_i >= p_hat_i - tau > 0``: these
+  are epsilon-sampling's, so K contains the epsilon set at ``epsilon = tau``); the
+  basis constraint can prove a token below the threshold nonzero as well, which the
+  threshold alone cannot. With a full-rank basis (``d >= V``) P is ``{p_hat}`` and every
+  token is kept; with no basis (``W`` a column of ones) K is the epsilon set. The
+  argmax is always kept. Reconstructed [R]: the constraint set (the paper's exact form of
+  the bound and its LP are not in this project's sources); ``tol`` absorbs the LP
+  solver's feasibility tolerance.
+
+  The kept set is decided on the host by one linear program per token below the
+  threshold (``scipy.optimize.linprog``, HiGHS, float64; a solution that sets other
+  tokens to 0 rules them out too), through ``jax.pure_callback``: it works under ``jit``
+  and ``vmap`` but costs up to V LPs in V variables per row, meant for sampling with
+  small or pre-filtered vocabularies, not for training. K carries no gradient; the
+  weights are differentiable in ``x`` inside K.
+
+  Args:
+    x: logits, ``V`` entries along ``axis`` (ideally ``W h``: the guarantee assumes it).
+    basis: ``W [V, d]``, the unembedding whose column span holds the logits.
+    axis: the axis to normalize over.
+    where: optional boolean mask broadcastable to ``x``; False entries get exactly 0 and
+      are not in the vocabulary (``p_j = 0`` in P).
+    tau: the threshold, the most the model overestimates a token, in (0, 1); default
+      3e-4 (a Python float).
+    tol: an LP minimum above ``tol`` proves a token nonzero (``>= 0``; default 1e-8).
+
+  Returns:
+    Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
+
+  Examples:
+    Logits ``W h`` of a rank-2 basis over V = 4 tokens. Token 0 falls below tau = 0.05,
+    but ``W^T p = W^T p_hat`` and ``sum p = 1`` pin ``p_0 = p_hat_0`` (the one direction
+    left free, ``(0, -2, 1, 1)``, does not move it), so the basis proves it nonzero:
+
+    >>> W = jnp.array([[1.0, 1.0], [-1.0, 1.0], [-2.0, 0.0], [0.0, 2.0]])
+    >>> x = W @ jnp.array([-2.0, 3.0])
+    >>> js.normalizers.softmax(x)
+    Array([0.0045, 0.2436, 0.0896, 0.6623], dtype=float32)
+    >>> js.normalizers.epsilon_softmax(x, epsilon=0.05)
+    Array([0.    , 0.2447, 0.09  , 0.6652], dtype=float32)
+    >>> js.normalizers.basis_aware_softmax(x, W, tau=0.05)
+    Array([0.0045, 0.2436, 0.0896, 0.6623], dtype=float32)
+
+  References:
+    M. Finlayson, J. Hewitt, A. Koller, S. Swayamdipta & A. Sabharwal, 2024, "Closing the
+    Curious Case of Neural Text Degeneration".
+
+    J. Hewitt, C. D. Manning & P. Liang, 2022, "Truncation Sampling as Language Model
+    Desmoothing".
+  """
+  name = "basis_aware_softmax"
+  tau_v = concrete(tau, np.float64)
+  if tau_v is None or tau_v.size != 1 or not 0.0 < float(tau_v.reshape(())) < 1.0:
+    raise ValueError(f"{name}: `tau` must be a static float in (0, 1), got {tau!r}")
+  tol_v = concrete(tol, np.float64)
+  if tol_v is None or tol_v.size != 1 or not float(tol_v.reshape(())) >= 0.0:
+    raise ValueError(f"{name}: `tol` must be a static float >= 0, got {tol!r}")
+  w = jnp.asarray(basis)
+  c.check_real(w, name)
+  x_shape = jnp.shape(x)
+  if not x_shape:
+    raise ValueError(f"{name}: `x` must have the vocabulary axis (rank >= 1), got a scalar")
+  ax0 = c.canonical_axis(axis, len(x_shape), name)
+  if w.ndim != 2 or w.shape[0] != x_shape[ax0]:
+    raise ValueError(f"{name}: `basis` must be [V, d] with V = {x_shape[ax0]} (the length of "
+                     f"`x` along axis {axis}), got shape {w.shape}")
+  return _basis_aware_softmax(x, w, where, float(tau_v.reshape(())),
+                              float(tol_v.reshape(())), axis=ax0)
+
+
+@functools.partial(jax.jit, static_argnames=("tau", "tol", "axis"))
+def _basis_aware_softmax(x, basis, where, tau, tol, axis):
+  name = "basis_aware_softmax"
+  xs, mask, axis = c.prepare(x, axis, where, name)
+  xl = jax.lax.stop_gradient(c.to_last(xs, axis))
+  ml = c.to_last(mask, axis)
+
+  def host(logits, visible, w):
+    logits, visible = np.asarray(logits), np.asarray(visible)
+    v = logits.shape[-1]
+    keep, _ = basis_aware_keep(logits.reshape(-1, v), visible.reshape(-1, v), w, tau, tol)
+    return keep.reshape(logits.shape)
+
+  keep = jax.pure_callback(host, jax.ShapeDtypeStruct(xl.shape, jnp.bool_), xl, ml,
+                           jax.lax.stop_gradient(basis), vmap_method="sequential")
+  keep = jnp.logical_and(mask, c.from_last(keep, axis))
+  return c.finish(_softmax_over(xs, keep, axis), mask, jnp.asarray(x).dtype)
 
 
 # --- class-T rule for top-k (the example of the ThresholdRule docstring) ------------------
