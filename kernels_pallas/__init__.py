@@ -20,8 +20,10 @@ from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.fused_top_k import softmax_top_k
 from kernels_pallas.polykv import polykv_decode_attention, polykv_quantize
+from kernels_pallas.quantized import lut_softmax, quantized_softmax
 from kernels_pallas.sharding import sharded_attention
 from kernels_pallas.single_pass import single_pass_softmax
+from kernels_pallas.two_pass import exp2_poly, two_pass_softmax
 
 __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "default_block_sizes", "sharded_attention", "decode_attention",
@@ -29,3 +31,4 @@ __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "resolve_block_sizes", "pick_backend", "BACKENDS", "INTERPRET_ENV",
            "polykv_decode_attention", "polykv_quantize", "single_pass_softmax"]
 __all__ += ["softmax_top_k"]
+__all__ += ["two_pass_softmax", "exp2_poly", "quantized_softmax", "lut_softmax"]
