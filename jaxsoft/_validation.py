@@ -14,9 +14,11 @@ import numbers
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["concrete", "positive_int", "head_layout", "check_positive", "finite_float"]
+__all__ = ["concrete", "positive_int", "head_layout", "check_positive", "finite_float",
+           "boolean_mask"]
 
 _TRACED = (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError)
 
@@ -109,3 +111,19 @@ def finite_float(value: Any, name: str, owner: str) -> float:
   if not math.isfinite(v):
     raise ValueError(f"{owner}: `{name}` must be finite, got {value!r}")
   return v
+
+
+def boolean_mask(value: Any, shape: tuple[int, ...], name: str, owner: str,
+                 target: str) -> jax.Array:
+  """``value`` as a boolean array broadcast to ``shape``; ValueError naming it otherwise.
+
+  ``target`` names what the mask must fit (e.g. ```logits```), for the message.
+  """
+  m = jnp.asarray(value)
+  if m.dtype != jnp.bool_:
+    raise ValueError(f"{owner}: `{name}` must be boolean, got {m.dtype}")
+  try:
+    return jnp.broadcast_to(m, shape)
+  except (ValueError, TypeError):
+    raise ValueError(f"{owner}: `{name}` of shape {m.shape} does not broadcast to {target} "
+                     f"{tuple(shape)}") from None

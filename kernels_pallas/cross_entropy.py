@@ -521,36 +521,58 @@ _DRIVERS = {"triton": (_triton_forward, _triton_dh, _triton_dw),
 # ------------------------------------------------------------------------- custom VJP
 
 
+def token_loss(lse, z_y, s, *, eps: float, lam: float, vocab: int):
+  r"""The per-token loss from the row statistics (``lse``, the label's logit ``z_y`` and the
+  logits' sum ``s``): :math:`\mathrm{lse} - (1 - \epsilon) z_y - \epsilon s / V
+  + \lambda\,\mathrm{lse}^2` (label smoothing ``eps``, z-loss ``lam``)."""
+  loss = lse - (1.0 - eps) * z_y
+  if eps:
+    loss = loss - eps * s / vocab
+  if lam:
+    loss = loss + lam * jnp.square(lse)
+  return loss
+
+
+def chunked_loss_vjp(forward, backward):
+  """The custom-VJP loss ``f(cfg, h, w, y, keep)`` of a chunked linear cross-entropy.
+
+  ``forward(cfg, h, w, y, keep) -> (loss, lse)`` (the loss 0 where ``keep`` is False);
+  ``backward(cfg, h, w, y, lse, g, coef) -> (dh, dw)`` with ``g`` the cotangent (0 where
+  not kept, in ``cfg.dtype``) and ``coef = g (1 + 2 lam lse)`` the softmax term's weight
+  (the z-loss ``cfg.lam`` adds its gradient there). The residuals are the inputs and the
+  per-token ``lse``, never the logits.
+  """
+
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+  def loss(cfg, h, w, y, keep):
+    return forward(cfg, h, w, y, keep)[0]
+
+  def loss_fwd(cfg, h, w, y, keep):
+    out, lse = forward(cfg, h, w, y, keep)
+    return out, (h, w, y, keep, lse)
+
+  def loss_bwd(cfg, res, ct):
+    h, w, y, keep, lse = res
+    g = jnp.where(keep, ct.astype(cfg.dtype), 0.0)
+    coef = g * (1.0 + 2.0 * cfg.lam * lse) if cfg.lam else g
+    dh, dw = backward(cfg, h, w, y, lse, g, coef)
+    return dh.astype(h.dtype), dw.astype(w.dtype), None, None
+
+  loss.defvjp(loss_fwd, loss_bwd)
+  return loss
+
+
 def _forward(cfg: Config, h, w, y, keep):
   lse, zy, s = _DRIVERS[cfg.backend][0](cfg, h, w, y)
-  loss = lse - (1.0 - cfg.eps) * zy
-  if cfg.eps:
-    loss = loss - cfg.eps * s / cfg.vocab
-  if cfg.lam:
-    loss = loss + cfg.lam * jnp.square(lse)
+  loss = token_loss(lse, zy, s, eps=cfg.eps, lam=cfg.lam, vocab=cfg.vocab)
   return jnp.where(keep, loss, 0.0), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg: Config, h, w, y, keep):
-  """Padded inputs: h [n_pad, d_pad], w [d_pad, v_pad], y and keep [n_pad, 1]."""
-  return _forward(cfg, h, w, y, keep)[0]
-
-
-def _core_fwd(cfg, h, w, y, keep):
-  loss, lse = _forward(cfg, h, w, y, keep)
-  return loss, (h, w, y, keep, lse)
-
-
-def _core_bwd(cfg, res, ct):
-  h, w, y, keep, lse = res
-  g = jnp.where(keep, ct.astype(cfg.dtype), 0.0)
-  coef = g * (1.0 + 2.0 * cfg.lam * lse) if cfg.lam else g
+def _backward(cfg: Config, h, w, y, lse, g, coef):
   _, dh_fn, dw_fn = _DRIVERS[cfg.backend]
-  dh = dh_fn(cfg, h, w, y, lse, g, coef)
-  dw = dw_fn(cfg, h, w, y, lse, g, coef)
-  return dh.astype(h.dtype), dw.astype(w.dtype), None, None
+  return dh_fn(cfg, h, w, y, lse, g, coef), dw_fn(cfg, h, w, y, lse, g, coef)
 
 
-_core.defvjp(_core_fwd, _core_bwd)
+# Padded inputs: h [n_pad, d_pad], w [d_pad, v_pad], y and keep [n_pad, 1].
+_core = chunked_loss_vjp(_forward, _backward)
 

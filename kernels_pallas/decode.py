@@ -133,6 +133,45 @@ def _init(gp: int, hv: int):
 # ---------------------------------------------------------------------------------- Triton
 
 
+def _split_row_spec(gp: int):
+  """The Triton split grid's block of one partial row ``[B, K, P, gp, 1]``: (m, l, or c)."""
+  return pl.BlockSpec((None, None, None, gp, 1), lambda bi, h, si: (bi, h, si, 0, 0))
+
+
+def _fold_split(lo_ref, hi_ref, body, init, out_refs) -> None:
+  """Fold the split's key blocks ``[lo, hi)`` with ``body(j, state)`` from ``init`` and
+  write the final ``(m, l, acc)`` to ``out_refs``."""
+  for ref, x in zip(out_refs, jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, init),
+                    strict=True):
+    ref[...] = x
+
+
+def _triton_split_call(kernel, cache_specs, args, *, q4, lo, hi, lens, num_splits: int,
+                      width: int, interpret: bool, name: str):
+  """The Triton grid (batch, KV head, split) of a split-KV decode: the kernel takes
+  ``lo, hi`` (the split's key blocks), the row lengths and ``q4 [B, K, gp, Hp]``, then
+  ``args`` under ``cache_specs``, and writes each split's ``m, l [.., gp, 1]`` and
+  ``acc [.., gp, width]`` (float32)."""
+  from jax.experimental.pallas import triton as plgpu
+
+  b, kh, gp, hp = q4.shape
+  p = num_splits
+  scalar = pl.BlockSpec((None, None), lambda bi, h, si: (bi, si))
+  row, row_shape = _split_row_spec(gp), jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
+  return pl.pallas_call(
+      kernel, grid=(b, kh, p),
+      in_specs=[scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
+                pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
+                *cache_specs],
+      out_specs=[row, row, pl.BlockSpec((None, None, None, gp, width),
+                                        lambda bi, h, si: (bi, h, si, 0, 0))],
+      out_shape=[row_shape, row_shape,
+                 jax.ShapeDtypeStruct((b, kh, p, gp, width), jnp.float32)],
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+      interpret=interpret, name=name,
+  )(lo, hi, lens[:, None], q4, *args)
+
+
 def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   """Grid (batch, KV head, split); the split's key blocks ``[lo, hi)`` are the loop bounds
   of the kernel. q4 ``[B, K, gp, Hp]``, caches ``[B, S_pad, K, Hp]`` (S_pad a multiple of
@@ -140,15 +179,12 @@ def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
   cache: ``k``/``v`` are the page pool as ``[1, pages * block, K, Hp]`` and ``pages``
   ``[B, width]`` maps logical key block j of a row to its page (the block the loop loads;
   the positions, hence the lengths' masks, stay logical)."""
-  from jax.experimental.pallas import triton as plgpu
-
-  b, kh, gp, hp = q4.shape
-  s_pad, hv, p, bk = k.shape[1], v.shape[-1], cfg.num_splits, cfg.block_k
+  gp, hp = q4.shape[2:]
+  s_pad, hv, bk = k.shape[1], v.shape[-1], cfg.block_k
   paged = pages is not None
 
   def kernel(lo_ref, hi_ref, len_ref, q_ref, k_ref, v_ref, c_ref, *refs):
     pg_ref = refs[0] if paged else None
-    m_ref, l_ref, acc_ref = refs[-3:]
     q, n, cr = q_ref[...], len_ref[...], c_ref[...]
 
     def body(j, state):
@@ -156,32 +192,19 @@ def _triton_partials(cfg: _Cfg, q4, k, v, lo, hi, lens, c, pages=None):
       s, valid, vt = _logits(cfg, q, k_ref[sl, :], v_ref[sl, :], j * bk, n)
       return _tile(cfg.mode, s, valid, vt, state, cr)
 
-    m, l, acc = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, _init(gp, hv))
-    m_ref[...] = m
-    l_ref[...] = l
-    acc_ref[...] = acc
+    _fold_split(lo_ref, hi_ref, body, _init(gp, hv), refs[-3:])
 
-  scalar = pl.BlockSpec((None, None), lambda bi, h, si: (bi, si))
-  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, h, si: (bi, h, si, 0, 0))
-  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
   cache_row = (lambda bi: 0) if paged else (lambda bi: bi)  # the page pool has one "row"
-  in_specs = [scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
-              pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
-              pl.BlockSpec((None, s_pad, None, hp), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
-              pl.BlockSpec((None, s_pad, None, hv), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
-              row]
-  args = [lo, hi, lens[:, None], q4, k, v, c]
+  specs = [pl.BlockSpec((None, s_pad, None, hp), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
+           pl.BlockSpec((None, s_pad, None, hv), lambda bi, h, si: (cache_row(bi), 0, h, 0)),
+           _split_row_spec(gp)]
+  args = [k, v, c]
   if paged:
-    in_specs.append(pl.BlockSpec((None, pages.shape[1]), lambda bi, h, si: (bi, 0)))
+    specs.append(pl.BlockSpec((None, pages.shape[1]), lambda bi, h, si: (bi, 0)))
     args.append(pages)
-  return pl.pallas_call(
-      kernel, grid=(b, kh, p), in_specs=in_specs,
-      out_specs=[row, row, pl.BlockSpec((None, None, None, gp, hv),
-                                        lambda bi, h, si: (bi, h, si, 0, 0))],
-      out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, hv), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=bool(cfg.interpret), name=f"jaxsoft_decode_{cfg.mode}",
-  )(*args)
+  return _triton_split_call(kernel, specs, args, q4=q4, lo=lo, hi=hi, lens=lens,
+                           num_splits=cfg.num_splits, width=hv,
+                           interpret=bool(cfg.interpret), name=f"jaxsoft_decode_{cfg.mode}")
 
 
 # ------------------------------------------------------------------------------ Mosaic TPU

@@ -503,14 +503,12 @@ def _tile(cfg: _Cfg, q, kc, ks, vc, rho, start, n, state):
 
 
 def _triton_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):
-  """Grid (batch, KV head, split); loop over the split's key blocks ``[lo, hi)``."""
-  from jax.experimental.pallas import triton as plgpu
+  """Grid (batch, KV head, split); loop over the split's key blocks ``[lo, hi)``
+  (``decode._triton_split_call``)."""
+  gp = q4.shape[2]
+  s_pad, mp, bk = kc.shape[1], vc.shape[-1], cfg.block_k
 
-  b, kh, gp, hp = q4.shape
-  s_pad, mp, nbp, p, bk = kc.shape[1], vc.shape[-1], ks.shape[-1], cfg.num_splits, cfg.block_k
-
-  def kernel(lo_ref, hi_ref, len_ref, q_ref, kc_ref, ks_ref, vc_ref, rho_ref,
-             m_ref, l_ref, acc_ref):
+  def kernel(lo_ref, hi_ref, len_ref, q_ref, kc_ref, ks_ref, vc_ref, rho_ref, *out_refs):
     q, n = q_ref[...], len_ref[...]
 
     def body(j, state):
@@ -518,29 +516,14 @@ def _triton_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):
       return _tile(cfg, q, kc_ref[sl, :], ks_ref[sl, :], vc_ref[sl, :], rho_ref[sl, :],
                    j * bk, n, state)
 
-    m, l, acc = jax.lax.fori_loop(lo_ref[...], hi_ref[...], body, _decode._init(gp, mp))
-    m_ref[...] = m
-    l_ref[...] = l
-    acc_ref[...] = acc
+    _decode._fold_split(lo_ref, hi_ref, body, _decode._init(gp, mp), out_refs)
 
-  scalar = pl.BlockSpec((None, None), lambda bi, h, si: (bi, si))
-  row = pl.BlockSpec((None, None, None, gp, 1), lambda bi, h, si: (bi, h, si, 0, 0))
-  row_shape = jax.ShapeDtypeStruct((b, kh, p, gp, 1), jnp.float32)
-
-  def cache(width):
-    return pl.BlockSpec((None, s_pad, None, width), lambda bi, h, si: (bi, 0, h, 0))
-
-  return pl.pallas_call(
-      kernel, grid=(b, kh, p),
-      in_specs=[scalar, scalar, pl.BlockSpec((None, None), lambda bi, h, si: (bi, 0)),
-                pl.BlockSpec((None, None, gp, hp), lambda bi, h, si: (bi, h, 0, 0)),
-                cache(hp), cache(nbp), cache(mp), cache(1)],
-      out_specs=[row, row, pl.BlockSpec((None, None, None, gp, mp),
-                                        lambda bi, h, si: (bi, h, si, 0, 0))],
-      out_shape=[row_shape, row_shape, jax.ShapeDtypeStruct((b, kh, p, gp, mp), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
-      interpret=bool(cfg.interpret), name="jaxsoft_polykv_decode",
-  )(lo, hi, lens[:, None], q4, kc, ks, vc, rho)
+  caches = (kc, ks, vc, rho)
+  specs = [pl.BlockSpec((None, s_pad, None, a.shape[-1]), lambda bi, h, si: (bi, 0, h, 0))
+           for a in caches]
+  return _decode._triton_split_call(kernel, specs, caches, q4=q4, lo=lo, hi=hi, lens=lens,
+                                   num_splits=cfg.num_splits, width=mp,
+                                   interpret=bool(cfg.interpret), name="jaxsoft_polykv_decode")
 
 
 def _mosaic_partials(cfg: _Cfg, q4, kc, ks, vc, rho, lo, hi, lens):

@@ -15,6 +15,9 @@ ones inside functions, which is where cycles used to hide.
   a leading underscore from ``jaxsoft`` (the project-shared modules such as
   ``jaxsoft.normalizers.tile`` and ``jaxsoft.attention.call``).
 * No ``importlib``: every dependency is a plain import that a reader and mypy can follow.
+* Concept names: no module, test file or notebook is named for the project's planning (a
+  tier, a phase, a round) or a catalogue id (N01, A12, L06, K05, E15...): the ids live in
+  docstrings and ``docs/feature_ids.md``.
 
 One check runs Python: each top-level package imports on its own (the graph does not see
 the parent packages' ``__init__`` that an import runs first).
@@ -25,6 +28,7 @@ from __future__ import annotations
 import ast
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -182,3 +186,31 @@ def test_kernels_pallas_imports_before_jaxsoft():
                         capture_output=True, text=True, check=False,
                         env={**os.environ, "PYTHONPATH": str(ROOT)})
   assert done.returncode == 0, done.stderr[-2000:]
+
+
+# A catalogue id (a letter N, A, L, K or E and two digits) or a planning word standing as a
+# word of a file name (between the start or an underscore and an underscore, a dot or the end).
+_PLANNING_NAME = re.compile(r"(?:^|_)(?:[nalke]\d{2}|tier\d*|phase\d*|round\d*)(?=_|\.|$)",
+                            re.IGNORECASE)
+
+
+def _planning_names(paths) -> list[str]:
+  return [p for p in paths if _PLANNING_NAME.search(pathlib.PurePath(p).name)]
+
+
+def test_planning_name_rule_examples():
+  assert _planning_names(["tests/properties/test_e15_icl.py", "jaxsoft/attention/_tier3.py",
+                          "tests/linear/test_phase2.py", "tests/linear/test_k06_flags.py",
+                          "notebooks/a12.ipynb"]) == [
+      "tests/properties/test_e15_icl.py", "jaxsoft/attention/_tier3.py",
+      "tests/linear/test_phase2.py", "tests/linear/test_k06_flags.py", "notebooks/a12.ipynb"]
+  assert not _planning_names(["jaxsoft/normalizers/_entmax.py", "tests/test_e2e.py",
+                              "notebooks/12_linear_attention.ipynb", "jaxsoft/linear/_rala.py"])
+
+
+def test_no_planning_names():
+  """Every module, test file and notebook is named for what it holds (issue: the house)."""
+  files = [str(p.relative_to(ROOT)) for top in (*PACKAGES, "tests", "notebooks", "bench")
+           for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".ipynb")]
+  bad = _planning_names(files)
+  assert not bad, "files named for a tier, phase or catalogue id: " + ", ".join(sorted(bad))

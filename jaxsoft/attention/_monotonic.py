@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.typing import ArrayLike
 
-from jaxsoft._validation import concrete
+from jaxsoft._validation import boolean_mask, concrete
 from jaxsoft.attention._checks import check_int
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention.call import AttentionCall
@@ -174,14 +174,7 @@ def monotonic_attention_probs(p_choose: ArrayLike, previous_alignment: ArrayLike
   cdt = compute_dtype(p.dtype)
   p = p.astype(cdt)
   if where is not None:
-    w = jnp.asarray(where)
-    if w.dtype != jnp.bool_:
-      raise ValueError(f"{fn}: `where` must be boolean, got {w.dtype}")
-    try:
-      w = jnp.broadcast_to(w, p.shape)
-    except ValueError:
-      raise ValueError(f"{fn}: `where` {w.shape} must broadcast to `p_choose` {p.shape}") from None
-    p = jnp.where(w, p, 0.0)
+    p = jnp.where(boolean_mask(where, p.shape, "where", fn, "`p_choose`"), p, 0.0)
   row = p.shape[:-2] + p.shape[-1:]
   if previous_alignment is None:
     a0 = jnp.zeros(row, cdt).at[..., 0].set(1.0) if p.shape[-1] else jnp.zeros(row, cdt)
@@ -473,6 +466,17 @@ def _expected_window(call, alpha, u, vis, left: int, right: int):
   return jnp.zeros_like(u).at[..., idxc.reshape(-1)].add(contrib)
 
 
+# The keyword options the three windowed variants pass through to ``_windowed`` unchanged.
+_OPTIONS = ("chunk_query", "chunk_key", "chunk_bias", "scale", "key_value_seq_lengths", "hard",
+            "threshold", "initial_state", "method", "normalizer", "normalizer_params",
+            "return_state")
+
+
+def _options(scope: Mapping[str, Any]) -> dict[str, Any]:
+  """The pass-through options a windowed variant's call scope defines (``_OPTIONS``)."""
+  return {name: scope[name] for name in _OPTIONS if name in scope}
+
+
 def _windowed(fn: str, query, key, value, bias, mask, *, left, right, segment, chunk_query,
               chunk_key, chunk_bias, scale, key_value_seq_lengths, hard, threshold,
               initial_state, method, normalizer, normalizer_params, return_state):
@@ -593,12 +597,7 @@ def chunkwise_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   w = check_int(chunk_size, "chunk_size", 1, fn)
   S = jnp.shape(key)[1] if jnp.ndim(key) == 4 else 1
   return _windowed(fn, query, key, value, bias, mask, left=min(w - 1, max(S - 1, 0)), right=0,
-                   segment=False, chunk_query=chunk_query, chunk_key=chunk_key,
-                   chunk_bias=chunk_bias, scale=scale,
-                   key_value_seq_lengths=key_value_seq_lengths, hard=hard,
-                   threshold=threshold, initial_state=initial_state, method=method,
-                   normalizer=normalizer, normalizer_params=normalizer_params,
-                   return_state=return_state)
+                   segment=False, **_options(locals()))
 
 
 def local_window_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -667,12 +666,7 @@ def local_window_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   S = jnp.shape(key)[1] if jnp.ndim(key) == 4 else 1
   cap = max(S - 1, 0)
   return _windowed(fn, query, key, value, bias, mask, left=min(left, cap),
-                   right=min(right, cap), segment=False, chunk_query=chunk_query,
-                   chunk_key=chunk_key, chunk_bias=chunk_bias, scale=scale,
-                   key_value_seq_lengths=key_value_seq_lengths, hard=hard,
-                   threshold=threshold, initial_state=initial_state, method=method,
-                   normalizer=normalizer, normalizer_params=normalizer_params,
-                   return_state=return_state)
+                   right=min(right, cap), segment=False, **_options(locals()))
 
 
 def segmental_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -729,10 +723,5 @@ def segmental_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Linear-Time Attention by Enforcing Monotonic Alignments" (ICML 2017).
   """
   return _windowed("segmental_attention", query, key, value, bias, mask, left=0, right=0,
-                   segment=True, chunk_query=chunk_query, chunk_key=chunk_key,
-                   chunk_bias=chunk_bias, scale=scale,
-                   key_value_seq_lengths=key_value_seq_lengths, hard=True,
-                   threshold=threshold, initial_state=initial_state, method="parallel",
-                   normalizer=normalizer, normalizer_params=normalizer_params,
-                   return_state=return_state)
+                   segment=True, hard=True, method="parallel", **_options(locals()))
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import boolean_mask
 from jaxsoft.attention import masks as _masks
 from jaxsoft.attention._checks import check_rank
 from jaxsoft.normalizers import tropical_hilbert_scores, tropical_max_plus
@@ -132,15 +133,7 @@ def tropical_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     scores = jnp.max(qg[..., :, None, :] + kg[..., None, :, :], axis=-1)
   visible = jnp.ones((1, 1, 1, 1), bool)
   if mask is not None:
-    m = jnp.asarray(mask)
-    if m.dtype != jnp.bool_:
-      raise ValueError(f"{fn}: `mask` must be boolean, got {m.dtype}")
-    try:
-      m = jnp.broadcast_to(m.reshape((1,) * (4 - m.ndim) + m.shape), (b, n, t, s))
-    except (ValueError, TypeError):
-      raise ValueError(f"{fn}: `mask` of shape {m.shape} does not broadcast to [B, N, T, S] "
-                       f"= {(b, n, t, s)}") from None
-    visible = visible & m
+    visible = visible & boolean_mask(mask, (b, n, t, s), "mask", fn, "[B, N, T, S] =")
   rows = jnp.arange(t, dtype=jnp.int32)[:, None]
   cols = jnp.arange(s, dtype=jnp.int32)[None, :]
   pos = _masks.positions_visible(

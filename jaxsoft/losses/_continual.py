@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from jaxsoft._validation import boolean_mask
 from jaxsoft.losses import _common as lc
 from jaxsoft.losses._classification import softmax_cross_entropy_with_integer_labels
 from jaxsoft.normalizers import common as nc
@@ -64,14 +65,7 @@ def continual_cross_entropy(logits: ArrayLike, labels: ArrayLike, current_classe
   if mode not in _CL_MODES:
     raise ValueError(f"{fn}: `mode` must be one of {_CL_MODES}, got {mode!r}")
   z = lc.check_logits(logits, fn)
-  cur = jnp.asarray(current_classes)
-  if cur.dtype != jnp.bool_:
-    raise ValueError(f"{fn}: `current_classes` must be a boolean mask, got {cur.dtype}")
-  try:
-    cur = jnp.broadcast_to(cur, z.shape)
-  except ValueError:
-    raise ValueError(f"{fn}: `current_classes` of shape {cur.shape} does not broadcast to "
-                     f"`logits` {z.shape}") from None
+  cur = boolean_mask(current_classes, z.shape, "current_classes", fn, "`logits`")
   z, where, axis, (cur,) = lc.class_rows(z, axis, where, fn, current_classes=cur)
   if mode == "mask":
     ex = lc.example_where(where, z.ndim, nc.canonical_axis(axis, z.ndim, fn))

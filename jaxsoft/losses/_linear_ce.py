@@ -3,7 +3,6 @@ without ever materialising the ``[tokens, vocab]`` logits."""
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any, NamedTuple
 
@@ -255,15 +254,6 @@ def _chunk_forward(cfg, w, hc, yc):
   return m + jnp.log(l), z_y, s
 
 
-def _per_token_loss(cfg, lse, z_y, s, vocab):
-  loss = lse - (1.0 - cfg.eps) * z_y
-  if cfg.eps:
-    loss = loss - cfg.eps * s / vocab
-  if cfg.lam:
-    loss = loss + cfg.lam * jnp.square(lse)
-  return loss
-
-
 def _forward(cfg, h, w, y, keep):
   def chunk(args):
     hc, yc = args
@@ -271,26 +261,13 @@ def _forward(cfg, h, w, y, keep):
 
   lse, z_y, s = jax.lax.map(chunk, (_token_chunks(h, cfg.tc), _token_chunks(y, cfg.tc)))
   lse, z_y, s = (_from_token_chunks(a) for a in (lse, z_y, s))
-  loss = _per_token_loss(cfg, lse, z_y, s, w.shape[1])
+  loss = cross_entropy.token_loss(lse, z_y, s, eps=cfg.eps, lam=cfg.lam, vocab=w.shape[1])
   return jnp.where(keep, loss, 0.0), lse
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _lce(cfg, h, w, y, keep):
-  return _forward(cfg, h, w, y, keep)[0]
-
-
-def _lce_fwd(cfg, h, w, y, keep):
-  loss, lse = _forward(cfg, h, w, y, keep)
-  return loss, (h, w, y, keep, lse)
-
-
-def _lce_bwd(cfg, res, g):
-  h, w, y, keep, lse = res
+def _backward(cfg, h, w, y, lse, g, coef_p):
   vocab = w.shape[1]
   n_vc = -(-vocab // cfg.vc)
-  g = jnp.where(keep, g.astype(cfg.dtype), 0.0)
-  coef_p = g * (1.0 + 2.0 * cfg.lam * lse) if cfg.lam else g
 
   def token_chunk(dw, args):
     hc, yc, gc, cc, lc_ = args
@@ -325,7 +302,7 @@ def _lce_bwd(cfg, res, g):
   dw, dh = jax.lax.scan(token_chunk, dw0, chunks)
   dh = _from_token_chunks(dh)
   # a weight shared by every shard gets the sum of their gradients, as autodiff gives it
-  return sum_like(dh, h).astype(h.dtype), sum_like(dw, w).astype(w.dtype), None, None
+  return sum_like(dh, h), sum_like(dw, w)
 
 
-_lce.defvjp(_lce_fwd, _lce_bwd)
+_lce = cross_entropy.chunked_loss_vjp(_forward, _backward)

@@ -25,35 +25,13 @@ from jax.typing import ArrayLike
 
 from jaxsoft.attention import dot_product_attention, forget_gate_decay, gated_attention_output
 from jaxsoft.nn import _kv_cache
+from jaxsoft.nn._linear import rms_norm
 from jaxsoft.nn._mha import MultiHeadAttention
 from jaxsoft.normalizers import common as c
 
 __all__ = ["FoXProAttention"]
 
 _NAME = "FoXProAttention"
-
-
-def _head_rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """RMSNorm over the last (head_dim) axis with a ``[heads, head_dim]`` scale, computed in
-  float32 (float64 for float64 input) and returned in ``x``'s dtype.
-
-  (``jaxsoft.nn._linear.rms_norm`` computes in float32 always, which would round a float64
-  block to float32.)"""
-  cdt = c.compute_dtype(jnp.result_type(x.dtype, scale.dtype))
-  x32 = x.astype(cdt)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  s = scale.astype(cdt).reshape((1,) * (x.ndim - scale.ndim) + scale.shape)  # explicit rank
-  return (normed * s).astype(x.dtype)
-
-
-def _log_forget_gates(attn: MultiHeadAttention, x: jax.Array) -> jax.Array:
-  """``log sigmoid(x w_f + b_f)`` ``[B, T, N]`` from ``attn``'s forget-gate parameters, in
-  float32 (float64 for float64 input; ``MultiHeadAttention.log_forget_gates`` is float32
-  always, which would round a float64 block's decay to float32)."""
-  w, b = attn.forget_kernel[...], attn.forget_bias[...]
-  cdt = c.compute_dtype(jnp.result_type(x.dtype, w.dtype))
-  logits = jnp.tensordot(x.astype(cdt), w.astype(cdt), axes=1)
-  return jax.nn.log_sigmoid(logits + b.astype(cdt).reshape((1, 1) + b.shape))
 
 
 def _token_shift(u: jax.Array, x: jax.Array, kernel: jax.Array,
@@ -250,8 +228,8 @@ class FoXProAttention(nnx.Module):
     if self.v_shift:
       v = _token_shift(v, x, self.v_shift_kernel[...], prev_v)
     if self.qk_norm:
-      q = _head_rms_norm(q, self.q_norm_scale[...], self.norm_eps)
-      k = _head_rms_norm(k, self.k_norm_scale[...], self.norm_eps)
+      q = rms_norm(q, self.q_norm_scale[...], self.norm_eps)
+      k = rms_norm(k, self.k_norm_scale[...], self.norm_eps)
 
     overflow = None
     if decode:
@@ -262,11 +240,11 @@ class FoXProAttention(nnx.Module):
                                 decay_bias=step.decay_bias, implementation=a.implementation)
       overflow = step.overflow
     else:
-      decay = forget_gate_decay(_log_forget_gates(a, x)) if self.forget_gate else None
+      decay = forget_gate_decay(a.log_forget_gates(x)) if self.forget_gate else None
       y = dot_product_attention(q, k, v, is_causal=True, decay_bias=decay,
                                 implementation=a.implementation)
     if self.output_norm:
-      y = _head_rms_norm(y, self.out_norm_scale[...], self.norm_eps)
+      y = rms_norm(y, self.out_norm_scale[...], self.norm_eps)
     if self.output_gate:
       y = gated_attention_output(y, x, a.gate_kernel[...], a.gate_bias[...])
     out = a.out(y)

@@ -80,12 +80,13 @@ from jax.typing import ArrayLike
 from jaxsoft import linear as js_linear
 from jaxsoft._validation import head_layout, positive_int
 from jaxsoft.nn._linear_kinds import (
-    GLA_GATE_NORMALIZER,
-    GLA_GATE_RANK,
-    LINEAR_MIXER_TABLE,
-    TTT_ETA_BASE,
-    LinearKind,
+  GLA_GATE_NORMALIZER,
+  GLA_GATE_RANK,
+  LINEAR_MIXER_TABLE,
+  TTT_ETA_BASE,
+  LinearKind,
 )
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["LinearMixer", "GatedDeltaNet", "DeltaNet", "GLA", "SimpleGLA",
            "LightningAttention", "LinearAttention", "HedgehogFeatureMap", "causal_conv",
@@ -165,11 +166,13 @@ def causal_conv_step(u: jax.Array, w: jax.Array, window: jax.Array
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-6) -> jax.Array:
   """RMSNorm over the last axis, ``x / sqrt(mean(x^2) + eps) * scale``, computed in float32
-  and returned in ``x``'s dtype."""
-  x32 = x.astype(jnp.float32)
-  normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  (float64 for float64 input) and returned in ``x``'s dtype; ``scale`` broadcasts against
+  the trailing axes (``[D]``, or ``[heads, D]`` for a per-head norm)."""
   scale = jnp.asarray(scale)
-  scale = scale.reshape((1,) * (normed.ndim - scale.ndim) + scale.shape)   # [..., D] explicit
+  cdt = compute_dtype(jnp.result_type(x.dtype, scale.dtype))
+  xc = x.astype(cdt)
+  normed = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+  scale = scale.astype(cdt).reshape((1,) * (normed.ndim - scale.ndim) + scale.shape)  # explicit
   return (normed * scale).astype(x.dtype)
 
 

@@ -41,6 +41,7 @@ from jaxsoft.attention import (
 from jaxsoft.nn import _kv_cache, _learned_normalizers
 from jaxsoft.nn._attention_fn import attend, flatten_logit_array
 from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["MultiHeadAttention", "param_transform"]
 
@@ -386,12 +387,14 @@ class MultiHeadAttention(nnx.Module):
     return out
 
   def log_forget_gates(self, inputs: ArrayLike) -> jax.Array:
-    """``log f = log sigmoid(x w + b)``, ``[batch..., T, N]`` in float32 (forget_gate only)."""
+    """``log f = log sigmoid(x w + b)``, ``[batch..., T, N]`` in float32 (float64 for
+    float64 inputs and parameters; forget_gate only)."""
     if not self.forget_gate:
       raise ValueError("MultiHeadAttention.log_forget_gates: the layer has no `forget_gate`")
-    x = jnp.asarray(inputs, jnp.float32)
-    logits = x @ self.forget_kernel[...].astype(jnp.float32)
-    bias = self.forget_bias[...].astype(jnp.float32)
+    x, w = jnp.asarray(inputs), self.forget_kernel[...]
+    cdt = compute_dtype(jnp.result_type(x.dtype, w.dtype))
+    logits = x.astype(cdt) @ w.astype(cdt)
+    bias = self.forget_bias[...].astype(cdt)
     logits = logits + bias.reshape((1,) * (logits.ndim - 1) + bias.shape)  # [N], explicit
     return jax.nn.log_sigmoid(logits)
 

@@ -49,7 +49,7 @@ def _run(x, sig):
   return err, bound, jax.grad(excess)(jnp.zeros(D, jnp.float32))
 
 
-def test_e19_attention_pooling_is_robust_to_snr_where_avg_and_max_pooling_are_not():
+def test_attention_pooling_is_robust_to_snr_where_avg_and_max_pooling_are_not():
   x, sig = _sets()
   err, bound, g = (np.asarray(a, np.float64) for a in _run(x, sig))
   rms = np.sqrt(np.mean(err ** 2, -1))                          # [3, L]
