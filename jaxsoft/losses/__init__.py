@@ -52,6 +52,7 @@ from jaxsoft.losses._distillation import (
     logit_standardized_kd_loss,
     squared_error_logit_loss,
 )
+from jaxsoft.losses._dro_temperature import tempnet_dro_loss
 from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_loss
 from jaxsoft.losses._energy_bounded import energy_bounded_loss
 from jaxsoft.losses._energy_scores import marginalized_energy, spilled_energy
@@ -95,8 +96,11 @@ from jaxsoft.losses._ranking import (
 )
 from jaxsoft.losses._regularizers import attention_entropy_penalty
 from jaxsoft.losses._segmentation import dice_semimetric_loss
+from jaxsoft.losses._sigmoid_head import sigmoid_head_loss, sigmoid_head_negatives
+from jaxsoft.losses._singular_vector_contrast import pmrl_contrastive_regularizer
 from jaxsoft.losses._soft_top_k import soft_top_k_loss
 from jaxsoft.losses._stablemax import softmax_collapse_fraction, stablemax_cross_entropy
+from jaxsoft.losses._stochastic_pooling import MidamPoolState, midam_pool_init, midam_pool_update
 from jaxsoft.losses._time_series import soft_msm
 from jaxsoft.losses._wrapped_cauchy import wcdas_loss, wrapped_cauchy_log_density
 from jaxsoft.losses._z_loss import spherical_z_loss, z_loss
@@ -138,6 +142,9 @@ __all__ = [
     "madacos_scale_margin",
     "marginalized_energy",
     "midam_auc_loss",
+    "midam_pool_init",
+    "midam_pool_update",
+    "MidamPoolState",
     "msp",
     "nbc_softmax_loss",
     "negative_sampling_loss",
@@ -149,11 +156,14 @@ __all__ = [
     "ovr_bce_loss",
     "pairwise_softmax_loss",
     "partial_fc_loss",
+    "pmrl_contrastive_regularizer",
     "pmrl_loss",
     "pointer_sentinel_log_probs",
     "pointer_sentinel_loss",
     "sampled_softmax_loss",
     "sdpo_loss",
+    "sigmoid_head_loss",
+    "sigmoid_head_negatives",
     "soft_clip_loss",
     "soft_info_nce",
     "soft_info_nce_weights",
@@ -168,6 +178,7 @@ __all__ = [
     "spilled_energy",
     "squared_error_logit_loss",
     "stablemax_cross_entropy",
+    "tempnet_dro_loss",
     "top_k_cross_entropy",
     "top_k_multi_positive_loss",
     "top_k_threshold_loss",

@@ -23,7 +23,8 @@ KEY = jax.random.PRNGKey(0)
 NOT_PER_EXAMPLE = {"acol_probabilities", "adacos_scale", "attention_entropy_penalty", "ece",
                    "energy_score", "marginalized_energy", "spilled_energy",
                    "fit_dirichlet_calibration", "fit_temperature", "msp",
-                   "softmax_collapse_fraction", "partial_fc_loss", "madacos_scale_margin"}
+                   "softmax_collapse_fraction", "partial_fc_loss", "madacos_scale_margin",
+                   "sigmoid_head_negatives"}
 
 
 def _normal(seed, *shape):
@@ -82,6 +83,9 @@ def _cases():
                                (emb, w), (B,)),
       "logit_standardized_kd_loss": (
           lambda m, s, t: L.logit_standardized_kd_loss(s, t, where=m), (logits, other), (B,)),
+      "midam_pool_update": (
+          lambda m, s: L.midam_pool_update(L.midam_pool_init(B), s, jnp.arange(B), where=m)[0],
+          (logits,), (B,)),
       "midam_auc_loss": (lambda m, s: L.midam_auc_loss(s, jnp.array([1, 0, 1]), where=m),
                          (logits,), (B, C)),
       "nbc_softmax_loss": (lambda m, e, c: L.nbc_softmax_loss(e, c, LABELS, where=m),
@@ -99,6 +103,8 @@ def _cases():
       "pairwise_softmax_loss": (lambda m, s: L.pairwise_softmax_loss(s, LABELS, where=m),
                                 (logits,), (B,)),
       "madacos_loss": (lambda m, e, c: L.madacos_loss(e, c, LABELS, where=m), (emb, w), (B,)),
+      "pmrl_contrastive_regularizer": (
+          lambda m, e: L.pmrl_contrastive_regularizer(e, where=m), (_normal(21, B, 2, D),), (B,)),
       "pmrl_loss": (lambda m, e: L.pmrl_loss(e, where=m), (emb,), (B,)),
       "pointer_sentinel_loss": (
           lambda m, v, p, s: L.pointer_sentinel_loss(v, p, s, ctx, LABELS, where=m),
@@ -107,6 +113,9 @@ def _cases():
           lambda m, h, c: L.sampled_softmax_loss(KEY, h, c, LABELS, 3, where=m), (emb, w), (B,)),
       "sdpo_loss": (lambda m, a, b, c, d: L.sdpo_loss(a, b, c, d, where=m),
                     (_normal(12, B), _normal(13, B, 2), _normal(14, B), _normal(15, B, 2)), (B,)),
+      "sigmoid_head_loss": (
+          lambda m, x: L.sigmoid_head_loss(KEY, x, LABELS, other, 2, num_filtered=1, where=m),
+          (logits,), (B,)),
       "soft_clip_loss": (lambda m, s, q: L.soft_clip_loss(s, q, where=m),
                          (_normal(16, B, B), _normal(17, B, B)), (B,)),
       "soft_info_nce": (lambda m, s: L.soft_info_nce(s, jnp.ones((B, B)), where=m),
@@ -129,6 +138,9 @@ def _cases():
           (logits, other), (B,)),
       "stablemax_cross_entropy": (lambda m, x: L.stablemax_cross_entropy(x, LABELS, where=m),
                                   (logits,), (B,)),
+      "tempnet_dro_loss": (
+          lambda m, x, t: L.tempnet_dro_loss(x, LABELS, jnp.exp(t), rho=0.5, where=m),
+          (logits, _normal(22, B)), (B,)),
       "top_k_cross_entropy": (lambda m, x: L.top_k_cross_entropy(x, LABELS, 2, where=m),
                               (logits,), (B,)),
       "top_k_multi_positive_loss": (
