@@ -22,8 +22,8 @@ selecting methods compute the same selection and run the attention in the Pallas
 (``kernels_pallas``) through a block table: the kept key blocks of each (batch, head,
 query block), and for per-token selections each token's own list, which hides in a
 tile the rows that did not select its key block; forward and backward visit only the
-listed blocks (BLASST's decisions depend on the running max inside the key loop, so it
-runs in the skip loop only).
+listed blocks. BLASST runs its decision pass (the cumulative max of the block maxima
+below, in XLA) and then the engine over each row's kept key blocks, as a per-row list.
 
 Causality: under ``is_causal`` no decision about token i uses a query, key or pooled key
 later than i, so a token's output (and gradient) never depends on later tokens, and
@@ -337,23 +337,51 @@ def _blasst_core_bwd(tau, causal, T, C, res, cts):
 _blasst_core.defvjp(_blasst_core_fwd, _blasst_core_bwd)
 
 
+def _blasst_heads(lay: _Layout):
+  """Per key/value head: (qs [BK, G, Tp, H] scaled, k [BK, nk, bs, H], v [BK, nk, bs, Hv],
+  kvalid [BK, nk, bs])."""
+  B, K, G, bs, nq, nk = lay.B, lay.K, lay.G, lay.bs, lay.nq, lay.nk
+  kpos = jnp.broadcast_to(jnp.arange(nk * bs), (B, nk * bs))
+  kvalid = jnp.repeat(lay.key_valid(kpos).astype(lay.cdt).reshape(B, nk, bs), K, axis=0)
+  qs = lay.q.reshape(B * K, G, nq * bs, lay.H) * lay.scale
+  return (qs, lay.k.reshape(B * K, nk, bs, lay.H), lay.v.reshape(B * K, nk, bs, -1), kvalid)
+
+
+def _blasst_rows(lay: _Layout, kept):
+  """kept bool [BK, G, Tp, nk] -> [B, N, Tp, nk], padded query rows False."""
+  Tp = lay.nq * lay.bs
+  kept = kept.reshape(lay.B, lay.N, Tp, lay.nk)
+  return kept & (jnp.arange(Tp) < lay.T)[None, None, :, None]
+
+
 def _blasst(lay: _Layout, tau: float):
   """BLASST's skip-softmax, decided per query row; returns (out [B, T, N, Hv], kept bool
   [B, N, Tp, nk]: the key blocks each query row attended to). The backward pass is a custom
   FlashAttention backward over the kept pairs (no differentiation of the loop)."""
-  B, K, G, bs, nq, nk = lay.B, lay.K, lay.G, lay.bs, lay.nq, lay.nk
+  G, bs, nq = lay.G, lay.bs, lay.nq
   Hv, Tp = lay.v.shape[-1], nq * bs
   refuse_unsupported_ad((lay.q, lay.k, lay.v), _BLASST_WHERE, _BLASST_ADVICE)
-  kpos = jnp.broadcast_to(jnp.arange(nk * bs), (B, nk * bs))
-  kvalid = jnp.repeat(lay.key_valid(kpos).astype(lay.cdt).reshape(B, nk, bs), K, axis=0)
-  qs = lay.q.reshape(B * K, G, Tp, lay.H) * lay.scale
-  k = lay.k.reshape(B * K, nk, bs, lay.H)
-  v = lay.v.reshape(B * K, nk, bs, Hv)
+  qs, k, v, kvalid = _blasst_heads(lay)
   out, kept = _blasst_core(qs, k, v, kvalid, float(tau), bool(lay.causal), lay.T,
                            min(_BLASST_CHUNK, G * Tp))
-  out = jnp.moveaxis(out.reshape(B, lay.N, nq, bs, Hv), 2, 0)
-  kept = kept.reshape(B, lay.N, Tp, nk)
-  return lay.unblock(out), kept & (jnp.arange(Tp) < lay.T)[None, None, :, None]
+  out = jnp.moveaxis(out.reshape(lay.B, lay.N, nq, bs, Hv), 2, 0)
+  return lay.unblock(out), _blasst_rows(lay, kept)
+
+
+def _blasst_pallas(call, lay: _Layout, tau: float, pallas):
+  """BLASST with the attention in the Pallas engine: the skip loop's decision pass (the
+  same function, so the same decisions), then softmax attention over each query row's
+  kept key blocks (``row_blocks``; the block table their union per query block), forward
+  and backward, so a skipped (row, block) pair costs no exp, no P V and no backward work,
+  and a key block that no row of a query block kept is never read. Returns (out, kept
+  [B, N, Tp, nk])."""
+  refuse_unsupported_ad((lay.q, lay.k, lay.v), _BLASST_WHERE, _BLASST_ADVICE)
+  qs, k, _, kvalid = _blasst_heads(lay)
+  qs, k = lax.stop_gradient(qs), lax.stop_gradient(k)  # the block choice: piecewise constant
+  kept = _blasst_rows(lay, lax.map(
+      lambda a: _blasst_decide(a[0], a[1], a[2], tau, bool(lay.causal), lay.T), (qs, k, kvalid)))
+  sel = jnp.where(kept, jnp.arange(lay.nk, dtype=jnp.int32), -1)[:, :, :lay.T]
+  return _pallas_attend(call, lay, _union_blocks(lay, kept), sel, pallas), kept
 
 
 # --------------------------------------------------------------------------- gather loop
@@ -647,9 +675,10 @@ def block_sparse_attention(
   No T x S array is built: BLASST scans the key blocks per query block for the block maxima
   ([T, nk]) and then loops over its kept pairs only; the other
   methods score blocks on the pooled [T or nq, nk] grid and visit only the kept blocks.
-  With a Pallas ``implementation`` (moba, bfla, prism) the same selection drives the
-  Pallas engine's block tables (kernels_pallas/README.md, "Block tables"): the kernel's
-  key loops visit only the kept blocks, forward and backward.
+  With a Pallas ``implementation`` the same selection (for BLASST the same decision
+  pass) drives the Pallas engine's block tables (kernels_pallas/README.md, "Block
+  tables"): the kernel's key loops visit only the kept blocks, forward and backward, and
+  a tile hides the rows that did not keep its block.
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, Hv] (GQA: N % K == 0).
@@ -668,7 +697,7 @@ def block_sparse_attention(
     implementation: ``"xla_chunked"`` (default: the blockwise XLA loops above),
       ``"pallas"`` (the platform's Pallas backend; in interpret mode on CPU with
       ``JAXSOFT_PALLAS_INTERPRET=1``), ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``; the
-      Pallas ones run moba, bfla and prism, with ``block_size`` as the kernel's block
+      Pallas ones run every method, with ``block_size`` as the kernel's block
       (Triton: a power of two >= 16; Mosaic: a multiple of 8, of 128 with
       ``key_value_seq_lengths``).
 
@@ -718,10 +747,6 @@ def block_sparse_attention(
   if implementation not in BLOCK_SPARSE_IMPLEMENTATIONS:
     raise ValueError(f"{fn}: `implementation` must be one of {BLOCK_SPARSE_IMPLEMENTATIONS}, "
                      f"got {implementation!r}")
-  if method == "blasst" and implementation != "xla_chunked":
-    raise ValueError(f"{fn}: `implementation` {implementation!r} does not run method "
-                     "'blasst' (its skips depend on the running max inside the key loop); "
-                     "use 'xla_chunked'")
   call = AttentionCall.create(query, key, value, scale=scale, is_causal=is_causal,
                               key_value_seq_lengths=key_value_seq_lengths)
   lay = _Layout(call, bs)
@@ -733,7 +758,10 @@ def block_sparse_attention(
     tau = float(skip_threshold)
     if not tau >= 0:
       raise ValueError(f"{fn}: `skip_threshold` must be >= 0, got {skip_threshold!r}")
-    out, kept_tokens = _blasst(lay, tau)
+    if pallas is None:
+      out, kept_tokens = _blasst(lay, tau)
+    else:
+      out, kept_tokens = _blasst_pallas(call, lay, tau, pallas)
   else:
     if method == "bfla":
       kb = lay.nk if top_k_blocks is None else check_int(top_k_blocks, "top_k_blocks", 1, fn)
