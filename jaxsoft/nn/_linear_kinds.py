@@ -11,7 +11,8 @@ here and its tests.
 The parts build their parameters in the order of the table (the random draws of
 ``nnx.Rngs`` follow it), and their names are the layer's attribute names: ``a``, ``A_log``,
 ``dt_bias`` (Gated DeltaNet's decay), ``beta``, ``gk`` / ``gk2`` (GLA's decays), ``eta``,
-``head_gate``, ``slots``, ``basis`` / ``basis_log_rate`` and ``mixing`` (MHLA's ``C``).
+``head_gate``, ``slots``, ``basis`` / ``basis_log_rate``, ``mixing`` (MHLA's ``C``) and
+``lrpe_theta`` (TransNormerLLM's LRPE angles).
 """
 
 from __future__ import annotations
@@ -203,6 +204,11 @@ SLOTS = Part(lambda layer, rngs: {"slots": _dense(layer, rngs, layer.d_model,
 BASIS = Part(_basis_params, _basis)
 # MHLA's learned block mixing C (no value from x).
 MIXING = Part(_mixing_params)
+# TransNormerLLM's learned LRPE angles θ [N, K], started at lrpe_theta (no value from x).
+LRPE_THETA = Part(
+    lambda layer, rngs: {"lrpe_theta": nnx.Param(js_linear.lrpe_theta(layer.num_heads,
+                                                                      layer.head_dim))},
+    lambda layer, x: {"theta": layer.lrpe_theta[...]})
 
 
 # ---------------------------------------------------------------------- the kinds' calls
@@ -256,6 +262,15 @@ _TABLE: dict[str, LinearKind] = {
             q, k, v, layer_idx=m.layer_idx, num_layers=m.num_layers, **_impl(m)),
         lambda m, q, k, v, g, position, state: js_linear.lightning_attention_step(
             q, k, v, state, layer_idx=m.layer_idx, num_layers=m.num_layers)),
+    "transnormer": LinearKind(
+        "TransNormerLLM (LRPE-d attention, gate U = W_u x)",
+        lambda m, q, k, v, g: js_linear.transnormer_attention(
+            q, k, v, theta=g["theta"], layer_idx=m.layer_idx, num_layers=m.num_layers,
+            **_impl(m)),
+        lambda m, q, k, v, g, position, state: js_linear.transnormer_attention_step(
+            q, k, v, state, position=position, theta=g["theta"], layer_idx=m.layer_idx,
+            num_layers=m.num_layers),
+        parts=(LRPE_THETA,), output_gate=lambda gate: gate),
     "linear": LinearKind(
         "linear attention",
         lambda m, q, k, v, g: js_linear.linear_attention(
