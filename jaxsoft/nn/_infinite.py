@@ -1,7 +1,8 @@
 r"""Infinite Self-Attention's learned per-head discount (feature A25) as a Flax NNX module.
 
-The computation is ``jaxsoft.attention``'s :func:`~jaxsoft.attention.infsa_attention`;
-this module holds its discount :math:`\gamma` per head.
+The computation is ``jaxsoft.attention``'s :func:`~jaxsoft.attention.infsa_attention`
+(or, with ``linear=True``, :func:`~jaxsoft.attention.linear_infsa_attention`); this module
+holds its discount :math:`\gamma` per head.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from flax import nnx
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import positive_int
-from jaxsoft.attention import infsa_attention
+from jaxsoft.attention import infsa_attention, linear_infsa_attention
 
 __all__ = ["InfSA"]
 
@@ -31,15 +32,21 @@ class InfSA(nnx.Module):
   A the attention map of head n: :func:`jaxsoft.attention.infsa_attention` with that
   gamma. The sigmoid is a safe parameterisation: the series converges for every z with a
   normalizer whose rows sum to at most 1 (e.g. the default softmax). As in the paper,
-  gamma is a learnable per-head scalar under a sigmoid.
+  gamma is a learnable per-head scalar under a sigmoid. With ``linear=True`` it is
+  Linear-InfSA instead, :func:`jaxsoft.attention.linear_infsa_attention` with that gamma
+  (every token gets :math:`\gamma_n` times the values pooled by the linearised principal
+  eigenvector of :math:`\mathrm{ReLU}(Q K^\top / H)`; linear time, not causal).
 
   Args:
     num_heads: N.
     gamma_init: the initial discount, in (0, 1).
     terms: the number of powers of A summed, or None for the exact solve.
     normalize: the row-stochastic kernel :math:`(1 - \gamma)(I - \gamma A)^{-1} A`.
+    linear: Linear-InfSA (``terms`` and ``normalize`` must then keep their defaults).
+    iterations: Linear-InfSA's number of linearised power steps (``linear=True`` only).
     **attention_kwargs: further fixed arguments of ``infsa_attention`` (``is_causal``,
-      ``normalizer``, ...).
+      ``normalizer``, ...) or of ``linear_infsa_attention`` (``key_value_seq_lengths``,
+      ``scale``, ``eps``).
 
   Examples:
     >>> mod = js.nn.InfSA(2, gamma_init=0.25, terms=4, is_causal=True)
@@ -48,6 +55,9 @@ class InfSA(nnx.Module):
     >>> q = k = v = jnp.ones((1, 3, 2, 4))                 # [B, T, N, H]
     >>> mod(q, k, v).shape
     (1, 3, 2, 4)
+    >>> lin = js.nn.InfSA(2, gamma_init=0.25, linear=True)
+    >>> bool(jnp.allclose(lin(q, k, v), 0.25))           # 0.25 x the pooled value (1)
+    True
 
   References:
     G. Roffo et al., 2026, "Self-Attention And Beyond the Infinite: Towards Linear
@@ -55,8 +65,19 @@ class InfSA(nnx.Module):
   """
 
   def __init__(self, num_heads: int, *, gamma_init: float = 0.5, terms: int | None = None,
-               normalize: bool = False, **attention_kwargs: Any) -> None:
+               normalize: bool = False, linear: bool = False, iterations: int | None = None,
+               **attention_kwargs: Any) -> None:
     positive_int(num_heads, "num_heads", "InfSA")
+    if not isinstance(linear, bool):
+      raise ValueError(f"InfSA: `linear` must be a bool, got {linear!r}")
+    if linear and (terms is not None or normalize):
+      raise ValueError("InfSA: `terms` and `normalize` are for the Neumann form; with "
+                       f"linear=True leave them unset, got terms={terms!r}, "
+                       f"normalize={normalize!r}")
+    if iterations is not None:
+      if not linear:
+        raise ValueError(f"InfSA: `iterations` is for linear=True only, got {iterations!r}")
+      positive_int(iterations, "iterations", "InfSA")
     if not 0.0 < float(gamma_init) < 1.0:
       raise ValueError(f"InfSA: `gamma_init` must be in (0, 1), got {gamma_init!r}")
     if "gamma" in attention_kwargs:
@@ -65,6 +86,8 @@ class InfSA(nnx.Module):
     self.gamma_logit = nnx.Param(jnp.full((num_heads,), math.log(g / (1.0 - g)), jnp.float32))
     self.terms = terms
     self.normalize = normalize
+    self.linear = linear
+    self.iterations = 1 if iterations is None else iterations
     self.attention_kwargs = attention_kwargs
 
   @property
@@ -75,6 +98,14 @@ class InfSA(nnx.Module):
   def __call__(self, query: ArrayLike, key: ArrayLike, value: ArrayLike,
                bias: ArrayLike | None = None, mask: ArrayLike | None = None,
                **kwargs: Any) -> jax.Array:
-    """q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] -> [B, T, N, Hv]."""
+    """q [B, T, N, H], k [B, T, K, H], v [B, T, K, Hv] -> [B, T, N, Hv] (``bias`` and
+    ``mask`` are for the Neumann form)."""
+    if self.linear:
+      if bias is not None or mask is not None:
+        raise ValueError("InfSA: `bias` and `mask` are not used by linear=True (pad with "
+                         "`key_value_seq_lengths`)")
+      return linear_infsa_attention(query, key, value, gamma=self.gamma,
+                                    iterations=self.iterations, **self.attention_kwargs,
+                                    **kwargs)
     return infsa_attention(query, key, value, bias, mask, gamma=self.gamma, terms=self.terms,
                            normalize=self.normalize, **self.attention_kwargs, **kwargs)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsoft.attention import infsa_attention
+from jaxsoft.attention import infsa_attention, linear_infsa_attention
 from jaxsoft.nn import InfSA
 from tests.helpers import check_raises, make_qkv
 
@@ -50,3 +50,21 @@ def test_infsa_errors_name_the_argument():
   check_raises(("`gamma_init`", lambda: InfSA(N, gamma_init=1.0)),
                ("`num_heads`", lambda: InfSA(0)),
                ("`gamma`", lambda: InfSA(N, gamma=0.5)))
+
+
+def test_infsa_linear_mode_is_linear_infsa_at_the_learned_gamma():
+  q, k, v = make_qkv(5, B=B, T=T, N=N, K=K, H=H, Hv=HV)
+  lengths = jnp.array([5, 2])
+  mod = InfSA(N, gamma_init=0.3, linear=True, iterations=2)
+  out = mod(q, k, v, key_value_seq_lengths=lengths)
+  want = linear_infsa_attention(q, k, v, gamma=jnp.full((N,), 0.3), iterations=2,
+                                key_value_seq_lengths=lengths)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+  g = nnx.grad(lambda m: jnp.sum(m(q, k, v) ** 2))(mod)
+  assert np.all(np.isfinite(np.asarray(g.gamma_logit[...])))
+  assert np.all(np.asarray(g.gamma_logit[...]) != 0)
+  check_raises(("`terms`", lambda: InfSA(N, linear=True, terms=3)),
+               ("`iterations`", lambda: InfSA(N, iterations=2)),
+               ("`iterations`", lambda: InfSA(N, linear=True, iterations=0)),
+               ("`linear`", lambda: InfSA(N, linear=1)),
+               ("`mask`", lambda: mod(q, k, v, None, jnp.ones((1, 1, T, T), bool))))
