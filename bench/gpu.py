@@ -79,6 +79,19 @@ Two more sections (``--sections``), each checked before it is timed:
   65536 x 197 (ViT-S/16 attention rows) and 8192 x 1024, ms; checked first against
   ``js.normalizers.single_pass_softmax`` (fails beyond 4 grid steps + 1e-6) and softmax's
   gradient.
+* ``two_pass`` (K05, K06): ``kp.two_pass_softmax`` (Dukhan & Ablavatski's (mantissa,
+  exponent) softmax, no max pass), with ``exp="native"`` and ``exp="poly"`` (the software
+  exp2), against its jnp reference ``js.normalizers.two_pass_softmax`` under jit (the
+  baseline), forward and ``jax.grad`` of a weighted sum, float32 and bf16, rows x n of
+  4096 x 4096 and 16384 x 1024, ms; checked first against the reference (fails beyond
+  1e-6 in float32, 2^-8 in bf16, and a gradient beyond 1e-5 / 2^-6).
+* ``quantized`` (K09): ``kp.quantized_softmax`` (8-bit uniform, 4-bit log2) and
+  ``kp.lut_softmax`` (256 entries down to -16) against ``js.normalizers.quantized_softmax``
+  / ``lut_softmax`` under jit (the baselines), same shapes, dtypes and columns as
+  ``two_pass``; checked first against the reference (in bf16: the reference on x's float32
+  values, rounded once, as the kernels compute; a quantised weight may move one
+  level where the sum, added in another order, moves it across a boundary: fails beyond
+  one level + 1e-6 or on more than 0.1% of the entries; the LUT softmax beyond 1e-6).
 
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
@@ -88,12 +101,14 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
     python bench/gpu.py --interpret --tiny   # on CPU: interpret mode, tiny shapes (a test)
     python bench/gpu.py --sections extras    # only the K06 / block-sparse / decode rows
     python bench/gpu.py --sections polykv,single_pass   # the K11 / K12 rows
+    python bench/gpu.py --sections two_pass,quantized   # the K05 / K06 / K09 row kernels
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -109,7 +124,7 @@ import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
 SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox",
-            "polykv", "single_pass")
+            "polykv", "single_pass", "two_pass", "quantized")
 
 
 @dataclasses.dataclass
@@ -273,6 +288,10 @@ def main(argv=None):
     ok &= polykv_section(args)
   if "single_pass" in sections:
     ok &= single_pass_section(args)
+  if "two_pass" in sections:
+    ok &= two_pass_section(args)
+  if "quantized" in sections:
+    ok &= quantized_section(args)
   return 0 if ok else 1
 
 
@@ -972,6 +991,113 @@ def single_pass_section(args) -> bool:
             timeit(grad_of(ours(fmt)), (x, g), reps) * 1e3]
       print(_ms_row(name, shape, ms, base, f"ok (check err {errs[name]:.1e})"), flush=True)
   return all(e != float("inf") for e in errs.values())
+
+
+# ------------------------------------------- row kernels: two-pass (K05, K06), quantised (K09)
+
+
+def _row_shapes(args):
+  """(timed shapes, check shape, reps) of the row-kernel sections."""
+  if args.tiny:
+    return [(32, 40)], (24, 37), args.reps or 2
+  return [(4096, 4096), (16384, 1024)], (512, 1000), args.reps or 10
+
+
+def _row_grad(fn):
+  return jax.jit(jax.grad(lambda x, g: jnp.sum(fn(x).astype(jnp.float32) * g)))
+
+
+def _row_section(args, title: str, runs: dict, check) -> bool:
+  """Each run ``name -> (kernel fn(x, interpret), reference fn(x))``: checked by
+  ``check(name, got, ref, dtype)`` (an error or inf), then timed against its reference under
+  jit (the baseline), forward and gradient, float32 and bf16."""
+  interpret = bool(args.interpret)
+  shapes, check_shape, reps = _row_shapes(args)
+  dtypes = {"float32": jnp.float32, "bf16": jnp.bfloat16}
+  errs = {}
+  x0 = jax.random.normal(jax.random.key(1), check_shape) * 3.0
+  g0 = jax.random.normal(jax.random.key(2), check_shape)
+  for name, (ours, ref) in runs.items():
+    for dname, dt in dtypes.items():
+      key = (name, dname)
+      try:
+        x = x0.astype(dt)
+        got = jax.jit(lambda x, ours=ours: ours(x, interpret))(x)
+        # the kernels compute in float32 and round once on output: the reference on the
+        # float32 values of x, rounded to x's dtype (a bf16 reference rounds p first)
+        ref32 = (lambda x, ref=ref: ref(x.astype(jnp.float32)).astype(x.dtype))
+        want = jax.jit(ref32)(x)
+        gerr = float(jnp.max(jnp.abs(_row_grad(lambda x, ours=ours: ours(x, interpret))(x, g0)
+                                     - _row_grad(ref32)(x, g0))))
+        err = check(name, np.asarray(got, np.float32), np.asarray(want, np.float32), dname)
+        gtol = 1e-5 if dname == "float32" else 2.0 ** -6
+        errs[key] = err if gerr <= gtol else float("inf")
+        print(f"# {title} {name} {dname}: vs the jnp reference {err:.2g}; gradient {gerr:.2g}")
+      except Exception as e:
+        print(f"# {title} {name} {dname}: {type(e).__name__}: {str(e)[:1500]}", file=sys.stderr)
+        errs[key] = float("inf")
+  print(f"\n| {title} | rows x n | fwd ms | grad ms | vs reference fwd | vs reference grad "
+        "| status |\n|---|---|---|---|---|---|---|")
+  for r, n in shapes:
+    for dname, dt in dtypes.items():
+      shape = f"{r} x {n} {dname}"
+      x = (jax.random.normal(jax.random.key(0), (r, n)) * 3.0).astype(dt)
+      g = jax.random.normal(jax.random.key(3), (r, n))
+      bases: dict = {}  # one baseline per reference (the two-pass runs share theirs)
+      for name, (ours, ref) in runs.items():
+        if ref not in bases:
+          bases[ref] = [timeit(jax.jit(ref), (x,), reps) * 1e3,
+                        timeit(_row_grad(ref), (x, g), reps) * 1e3]
+          print(_ms_row(f"{name}: jnp reference", shape, bases[ref], bases[ref], "ok"))
+        base = bases[ref]
+        if errs[(name, dname)] == float("inf"):
+          print(f"| {name} | {shape} | - | - | - | - | FAIL |")
+          continue
+        fn = functools.partial(ours, interpret=interpret)
+        ms = [timeit(jax.jit(fn), (x,), reps) * 1e3, timeit(_row_grad(fn), (x, g), reps) * 1e3]
+        print(_ms_row(name, shape, ms, base, f"ok (check err {errs[(name, dname)]:.1e})"),
+              flush=True)
+  return all(e != float("inf") for e in errs.values())
+
+
+def two_pass_section(args) -> bool:
+  """K05 / K06: the two-pass softmax kernel (native exp, software exp2) against its jnp
+  reference under jit; each checked against the reference first."""
+  ref = jn.two_pass_softmax
+  runs = {f"kp.two_pass_softmax exp={e}": (
+      lambda x, interpret, e=e: kp.two_pass_softmax(x, exp=e, backend="triton",
+                                                    interpret=interpret), ref)
+          for e in ("native", "poly")}
+
+  def check(name, got, want, dname):
+    err = float(np.max(np.abs(got - want)))
+    return err if err <= (1e-6 if dname == "float32" else 2.0 ** -8) else float("inf")
+  return _row_section(args, "K05 two-pass softmax", runs, check)
+
+
+def quantized_section(args) -> bool:
+  """K09: the quantised-softmax and LUT-softmax kernels against their jnp references under
+  jit; each checked against the reference first."""
+  quant = {"uniform 8-bit": (8, "uniform"), "log2 4-bit": (4, "log2")}
+  runs = {}
+  for label, (bits, method) in quant.items():
+    runs[f"kp.quantized_softmax {label}"] = (
+        lambda x, interpret, b=bits, m=method: kp.quantized_softmax(
+            x, b, method=m, backend="triton", interpret=interpret),
+        lambda x, b=bits, m=method: jn.quantized_softmax(x, b, method=m))
+  runs["kp.lut_softmax 256 to -16"] = (
+      lambda x, interpret: kp.lut_softmax(x, backend="triton", interpret=interpret),
+      jn.lut_softmax)
+
+  def check(name, got, want, dname):
+    diff = np.abs(got - want)
+    low = 1e-6 if dname == "float32" else 2.0 ** -8
+    if "lut" in name:
+      return float(diff.max()) if diff.max() <= low else float("inf")
+    step = (1.0 / 255) if "uniform" in name else 0.5  # one level (log2: up to 1/2 - 1/4)
+    moved = float(np.mean(diff > low))
+    return float(diff.max()) if (diff.max() <= step + low and moved <= 1e-3) else float("inf")
+  return _row_section(args, "K09 quantised softmax", runs, check)
 
 
 # ----------------------------------------------------------------------------- autotune (K06)
