@@ -40,7 +40,7 @@ from jaxsoft.attention._multi_token import mta_identity_kernel, multi_token_atte
 from jaxsoft.attention._multiscreen import multiscreen_attention
 from jaxsoft.attention._nonlocal import nonlocal_block
 from jaxsoft.attention._parameters import per_head, softplus_from_range, softplus_to_range
-from jaxsoft.attention._polar import polar_attention
+from jaxsoft.attention._polar import polar_attention, polar_memory, polar_sink_attention
 from jaxsoft.attention._pooling_mixer import ponet_mix
 from jaxsoft.attention._shortcuts import entmax_attention, sparsemax_attention, ssmax_attention
 from jaxsoft.attention._soft import gaussian_kernel, newton_schulz_pinv, soft_attention
@@ -64,6 +64,7 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "nonlocal_block",
            "multiscreen_attention", "uniattn", "uniattn_shared_map", "infsa_attention",
            "linear_infsa_attention", "polar_attention",
+           "polar_sink_attention", "polar_memory",
            "ponet_mix"]
 
 # monotonic attention (A52, ``_monotonic``): expected / hard monotonic, chunkwise (MoChA),

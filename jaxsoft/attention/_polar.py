@@ -1,10 +1,15 @@
-"""A20 Polar attention (ATMA): a unit direction times a bounded magnitude [R].
+"""A20 Polar attention (ATMA): a unit direction times a bounded magnitude, with the
+extreme-value null sink and the gated-delta memory channel.
 
-From the ATMA paper (Polar attention with a gated-delta memory; reference code by
-kreasof-ai; authors and year not established). It splits attention into a count-blind
-unit-vector *direction* channel and a *magnitude* channel in [0, 1] driven by the
-participation ratio of the matches against a null expectation. Its exact definitions are
-not established; this module is a reconstruction of the two attention channels (the memory branch is not part of it).
+From the ATMA paper (Polar attention with a gated-delta memory; reference code
+kreasof-ai/atma). :func:`polar_attention` is this library's first reconstruction [R] of
+the two attention channels (a sigmoid magnitude against ``PR_null = n``);
+:func:`polar_sink_attention` is the checked form of the reference code: the weights of
+:func:`jaxsoft.normalizers.polar_softmax`, whose virtual null logit tracks the
+extreme-value scale of n unrelated scores, the null value, and a tanh magnitude of the
+sink-corrected participation ratio; :func:`polar_memory` is the memory channel (the
+gated delta rule of :func:`jaxsoft.linear.gated_delta_rule`, RMS-normalised and gated).
+``jaxsoft.nn.PolarMemoryAttention`` combines the three with their projections.
 """
 
 from __future__ import annotations
@@ -16,12 +21,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxsoft import linear as _linear
 from jaxsoft._validation import concrete as _concrete
 from jaxsoft.attention._dense import dense_weights
 from jaxsoft.attention._parameters import per_head
 from jaxsoft.attention.scores import safe_distance
 
-__all__ = ["polar_attention"]
+__all__ = ["polar_attention", "polar_sink_attention", "polar_memory"]
+
+# ATMA's retention bias: gamma_t = sigmoid(W x + b + 3.9), about 0.98 at W x + b = 0.
+RETENTION_BIAS = 3.9
 
 _ALLOWED = frozenset({
     "scale", "is_causal", "query_seq_lengths", "key_value_seq_lengths", "local_window_size",
@@ -38,7 +47,7 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
                     bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
                     magnitude_slope: ArrayLike = 1.0, magnitude_bias: ArrayLike = 0.0,
                     eps: float = 1e-6, return_parts: bool = False, **kwargs: Any) -> Any:
-  r"""Polar attention: a unit direction times a bounded magnitude (feature A20) [R].
+  r"""Polar attention: a unit direction times a bounded magnitude, reconstructed (feature A20) [R].
 
   From the ATMA paper ("Polar attention" with a gated-delta memory; reference code by
   kreasof-ai; authors and year not established):
@@ -59,8 +68,8 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
   PR is the effective number of matched keys (n for uniform weights, 1 for one-hot); the
   null expectation is taken as n, the participation ratio when no key stands out (the
-  ATMA paper corrects it with an extreme-value null sink; that correction is not
-  reconstructed here). So ``m`` is ``sigma(b)`` for uniform weights (no match) and
+  ATMA reference code corrects it with an extreme-value null sink instead: that form is
+  :func:`polar_sink_attention`, and its memory channel :func:`polar_memory`). So ``m`` is ``sigma(b)`` for uniform weights (no match) and
   rises towards 1 as the weights concentrate; at the defaults ``a = 1, b = 0``,
   ``m = n / (n + PR)``. Pass a negative ``magnitude_bias`` for a magnitude near 0 on a
   null context; ``a`` and ``b`` are differentiable (learn them per head).
@@ -153,3 +162,253 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   if unbatched:
     parts = [p[0] for p in parts]
   return tuple(parts) if return_parts else parts[0]
+
+
+def _null_value(null_value, heads: int, hv: int, dtype, fn: str):
+  """``v_null`` as ``[N, Hv]`` (zeros by default; a ``[Hv]`` vector is shared by the heads)."""
+  if null_value is None:
+    return jnp.zeros((heads, hv), dtype)
+  v = jnp.asarray(null_value)
+  if v.shape == (hv,):
+    v = jnp.broadcast_to(v, (heads, hv))
+  if v.shape != (heads, hv):
+    raise ValueError(f"{fn}: `null_value` must be [Hv] = ({hv},) or [N, Hv] = ({heads}, {hv}), "
+                     f"got shape {v.shape}")
+  return v.astype(dtype)
+
+
+def polar_sink_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                         bias: ArrayLike | None = None, mask: ArrayLike | None = None, *,
+                         alpha: ArrayLike = 0.0, null_bias: ArrayLike = 0.0,
+                         gamma: ArrayLike = 0.0, magnitude_gain: ArrayLike = 0.0,
+                         null_value: ArrayLike | None = None, eps: float = 1e-6,
+                         return_parts: bool = False, **kwargs: Any) -> Any:
+  r"""Polar attention with ATMA's extreme-value null sink: direction and magnitude (feature A20).
+
+  The two attention channels of ATMA as the reference code computes them (the checked form;
+  kreasof-ai/atma). With :math:`\sigma_{ij}` the scaled scores of query i over its
+  :math:`n_i` visible keys and per-head parameters :math:`\alpha, b, \gamma, \beta`:
+
+  .. math::
+    t_i = 1 + \mathrm{softplus}(\alpha) \log n_i, \qquad
+    \nu_i = b + \mathrm{softplus}(\gamma) \sqrt{\log(n_i + 1)}, \qquad
+    [w_{i\bullet}, w_{iN}] = \mathrm{softmax}\big(t_i \cdot [\sigma_{i\bullet}, \nu_i]\big)
+
+  .. math::
+    s_i = \sum_j w_{ij} v_j + w_{iN} v_{\mathrm{null}}, \qquad
+    c_i = \frac{s_i}{\max(\|s_i\|, \epsilon)}, \qquad
+    n_{\mathrm{eff},i} = \frac{(\sum_j w_{ij})^2}{\sum_j w_{ij}^2}, \qquad
+    \mu_i = \tanh\big(\mathrm{softplus}(\beta) \log(1 + n_{\mathrm{eff},i} (1 - w_{iN}))\big)
+
+  The null sink is the extreme-value correction: the largest of n unrelated scores grows
+  like :math:`\sqrt{2 \log n}` (for standard normal scores), so a null logit
+  :math:`\nu` growing like :math:`\sqrt{\log n}` keeps up with what chance alone reaches
+  at every context length, and a query with no real match puts its mass on the sink
+  (``w_N`` near 1, ``mu`` near 0) however long the context. The weights ``w`` are exactly
+  :func:`jaxsoft.normalizers.polar_softmax`'s (``w_N = 1 - sum_j w_j``); ``n_eff`` is
+  the participation ratio of the normalised real weights (n for uniform, 1 for one-hot)
+  and ``n_eff (1 - w_N)`` the effective number of matches. ATMA's layer output is
+  ``W_o (c ⊙ sigmoid(W_gate c)) + W_mu mu`` plus the memory channel
+  (:func:`polar_memory`); those projections are the layer's
+  (``jaxsoft.nn.PolarMemoryAttention``), so this returns the channels.
+
+  Properties: ``||c|| <= 1`` (1 unless ``s = 0``); ``mu`` in [0, 1); duplicating every
+  key/value pair leaves ``n_eff / n`` unchanged at fixed ``t`` and ``nu`` (count-blind
+  direction up to the length terms). A row with no visible key has ``c = 0``, ``mu = 0``
+  and ``w_N = 0`` (no sink: there is no context to refuse), with zero gradient.
+
+  Args:
+    query: [B, T, N, H] (or [T, N, H]); key: [B, S, K, H]; value: [B, S, K, Hv] (GQA
+      when N % K == 0).
+    bias, mask: as :func:`dot_product_attention`.
+    alpha, null_bias, gamma: :func:`jaxsoft.normalizers.polar_softmax`'s parameters, each
+      a scalar or per head ``[N]``; differentiable.
+    magnitude_gain: ``beta`` of ``mu``, a scalar or per head ``[N]``; differentiable.
+    null_value: ``v_null`` ``[Hv]`` or per head ``[N, Hv]`` (default zeros, as at ATMA's
+      initialisation); differentiable.
+    eps: the floor of ``||s_i||`` (> 0).
+    return_parts: also return ``n_eff`` and ``w_N``.
+    **kwargs: ``scale``, ``is_causal``, the sequence lengths, ``local_window_size``,
+      ``segment_ids``, ``logits_soft_cap``, ``decay_bias`` and ``score``, as
+      :func:`dot_product_attention` (dense computation, O(T·S) memory per head).
+
+  Returns:
+    ``(c [B, T, N, Hv] in query's dtype, mu [B, T, N])``, with ``return_parts``
+    ``(c, mu, n_eff [B, T, N], w_null [B, T, N])`` (mu, n_eff and w_null in the compute
+    dtype, float32 or float64). Unbatched inputs give unbatched results.
+
+  Examples:
+    Query 0 matches one key of four; query 1 matches none (all scores 0, below the null
+    logit ``nu = 3 + log(2) sqrt(log 5) = 3.88``), so its weight goes to the sink:
+
+    >>> q = jnp.array([[10.0, 0.0], [0.0, 0.0]]).reshape(1, 2, 1, 2)   # [B, T, N, H]
+    >>> k = jnp.array([[1.0, 0.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)
+    >>> v = jnp.array([[3.0, 4.0], [0.0, 1.0], [0.0, 1.0], [0.0, 1.0]]).reshape(1, 4, 1, 2)
+    >>> c, mu, n_eff, w_null = js.attention.polar_sink_attention(
+    ...     q, k, v, scale=1.0, null_bias=3.0, magnitude_gain=1.0, return_parts=True)
+    >>> w_null[0, :, 0].round(3)
+    Array([0.   , 0.998], dtype=float32)
+    >>> mu[0, :, 0]   # one match: tanh(softplus(1) log 2); none: near 0
+    Array([0.7213, 0.0104], dtype=float32)
+    >>> c[0, 0, 0]    # the unit direction of the matched value
+    Array([0.6, 0.8], dtype=float32)
+
+  References:
+    ATMA / Polar attention (reference code kreasof-ai/atma; authors and year not
+    established in this project's sources).
+  """
+  fn = "polar_sink_attention"
+  if not isinstance(return_parts, (bool, np.bool_)):
+    raise ValueError(f"{fn}: `return_parts` must be a bool, got {return_parts!r}")
+  for name in ("normalizer", "normalizer_params"):
+    if name in kwargs:
+      raise ValueError(f"{fn}: `{name}` is fixed (the weights are polar_softmax's)")
+  try:
+    eps_f = float(eps)
+  except TypeError:
+    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
+  if not eps_f > 0:
+    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  for name, val in (("alpha", alpha), ("null_bias", null_bias), ("gamma", gamma),
+                    ("magnitude_gain", magnitude_gain)):
+    v0 = _concrete(val)
+    if v0 is not None and np.any(~np.isfinite(v0)):
+      raise ValueError(f"{fn}: `{name}` must be finite, got {val!r}")
+  unbatched = jnp.ndim(query) == 3
+  heads = jnp.shape(query)[-2] if jnp.ndim(query) >= 2 else 1
+  params = {name: per_head(val, heads, name, fn) for name, val in
+            (("alpha", alpha), ("null_bias", null_bias), ("gamma", gamma))}
+  gain = _per_head_rows(magnitude_gain, heads, "magnitude_gain", fn)
+  hv = jnp.shape(value)[-1] if jnp.ndim(value) >= 1 else 0
+  vnull = _null_value(null_value, heads, hv, jnp.float32, fn)  # checked before the work
+  call, w, visible = dense_weights(fn, query, key, value, bias, mask,
+                                   {**kwargs, "normalizer": "polar_softmax",
+                                    "normalizer_params": params}, _ALLOWED)
+  B, T, N, _ = call.q.shape
+  K = call.k.shape[2]
+  cdt = w.dtype
+  gain = gain.astype(cdt)
+  vnull = _null_value(null_value, N, hv, cdt, fn)
+
+  has = jnp.any(visible, axis=-1)  # [B, N, T]
+  sw = jnp.sum(w, axis=-1)
+  sw2 = jnp.sum(w * w, axis=-1)
+  pos = sw2 > 0
+  n_eff = jnp.where(pos, sw * sw / jnp.where(pos, sw2, 1.0), 0.0)
+  w_null = jnp.where(has, 1.0 - sw, 0.0)
+  m_eff = n_eff * sw  # n_eff (1 - w_null) on rows with keys, 0 elsewhere
+  mu = jnp.tanh(jax.nn.softplus(gain) * jnp.log1p(m_eff))
+
+  wg = w.reshape(B, K, N // K, T, -1)
+  s = jnp.einsum("bkgts,bskh->btkgh", wg, call.v.astype(cdt)).reshape(B, T, N, hv)
+  s = s + jnp.transpose(w_null, (0, 2, 1))[..., None] * vnull
+  norm = safe_distance(jnp.sum(s * s, axis=-1, keepdims=True))
+  c = (s / jnp.maximum(norm, eps_f)).astype(call.q.dtype)
+  parts = [c] + [jnp.transpose(a, (0, 2, 1)) for a in (mu, n_eff, w_null)]
+  if unbatched:
+    parts = [p[0] for p in parts]
+  return tuple(parts) if return_parts else tuple(parts[:2])
+
+
+def polar_memory(query: ArrayLike, key: ArrayLike, value: ArrayLike,
+                 retention_logit: ArrayLike, write_strength: ArrayLike,
+                 gate_logit: ArrayLike | None = None, *,
+                 retention_bias: float = RETENTION_BIAS, eps: float = 1e-6,
+                 initial_state: ArrayLike | None = None, output_final_state: bool = False,
+                 implementation: str | None = None, chunk_size: int = 64) -> Any:
+  r"""ATMA's memory channel: a gated-delta fast-weight memory, RMS-normalised and gated (feature A20).
+
+  The long-term recurrent compression memory of ATMA (reference code kreasof-ai/atma), with
+  unit-norm queries and keys:
+
+  .. math::
+    M_t = \gamma_t M_{t-1} (I - \beta_t k_t k_t^\top) + \beta_t v_t k_t^\top, \qquad
+    r_t = M_t q_t, \qquad
+    \gamma_t = \mathrm{sigmoid}(\rho_t + 3.9)
+
+  .. math::
+    \mathrm{out}_t = \frac{r_t}{\sqrt{\mathrm{mean}(r_t^2) + \epsilon}} \odot
+    \mathrm{sigmoid}(g_t)
+
+  with :math:`\rho_t` the retention logit (ATMA: ``W_gamma x_t + b_gamma``; the 3.9 makes
+  the initial retention about 0.98) and :math:`g_t` the output gate's logit (ATMA:
+  ``W_g x_t + b_g``). This is :func:`jaxsoft.linear.gated_delta_rule` with
+  ``g = log gamma``, ``scale = 1`` and ``qk_l2norm=True`` (its ``S`` is ``M^T``), so its
+  chunked, recurrent and Pallas implementations all apply. In ATMA the result is
+  projected by a zero-initialised ``W_mem`` and added to the attention output
+  (``jaxsoft.nn.PolarMemoryAttention``). The RMS normalisation has no learned scale here
+  (ATMA's is not recorded) [R].
+
+  Properties: with ``gamma = beta = 1`` the write stores ``v_t`` exactly
+  (``M_t k_t = v_t``); with ``gamma <= gamma_max < 1`` and ``beta`` in [0, 1] the state
+  stays bounded, ``||M_t|| <= max_s ||v_s|| / (1 - gamma_max)``.
+
+  Args:
+    query, key: ``[B, T, N, K]``; value: ``[B, T, N, V]`` (L2-normalised inside).
+    retention_logit: ``rho [B, T, N]``; ``gamma = sigmoid(rho + retention_bias)``.
+    write_strength: ``beta [B, T, N]`` in [0, 1] (ATMA: a sigmoid of a projection).
+    gate_logit: ``g [B, T, N, V]`` (or broadcastable), or None for no gate.
+    retention_bias: added to ``rho`` (default 3.9, ATMA's).
+    eps: added to the mean square of ``r_t`` (> 0).
+    initial_state, output_final_state, implementation, chunk_size: as
+      :func:`jaxsoft.linear.gated_delta_rule` (the state is ``M^T``, ``[B, N, K, V]``).
+
+  Returns:
+    ``out [B, T, N, V]`` in the inputs' dtype, or ``(out, final_state)``.
+
+  Examples:
+    Retention and write strength near 1: the key written at step 0 reads its value back
+    at step 1 (RMS-normalised: ``(3, 4) / sqrt(12.5)``):
+
+    >>> k = jnp.array([[1.0, 0.0], [0.0, 1.0]]).reshape(1, 2, 1, 2)
+    >>> v = jnp.array([[3.0, 4.0], [0.0, 0.0]]).reshape(1, 2, 1, 2)
+    >>> q = jnp.array([[1.0, 0.0], [1.0, 0.0]]).reshape(1, 2, 1, 2)
+    >>> out = js.attention.polar_memory(q, k, v, jnp.full((1, 2, 1), 30.0),
+    ...                                 jnp.array([[[1.0], [0.0]]]))
+    >>> out[0, 1, 0]
+    Array([0.8485, 1.1314], dtype=float32)
+
+  References:
+    ATMA / Polar attention (reference code kreasof-ai/atma; authors and year not
+    established in this project's sources).
+
+    S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
+    Delta Rule".
+  """
+  fn = "polar_memory"
+  try:
+    eps_f = float(eps)
+  except TypeError:
+    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
+  if not eps_f > 0:
+    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  rb = _concrete(retention_bias)
+  if rb is None or rb.size != 1 or not np.isfinite(rb).all():
+    raise ValueError(f"{fn}: `retention_bias` must be a finite float, got {retention_bias!r}")
+  if gate_logit is not None:
+    g = jnp.asarray(gate_logit)
+    out_shape = tuple(jnp.shape(query)[:-1]) + tuple(jnp.shape(value)[-1:])
+    if g.ndim != len(out_shape):
+      raise ValueError(f"{fn}: `gate_logit` must have rank {len(out_shape)} (no implicit rank "
+                       f"promotion), got shape {g.shape}")
+    try:
+      jnp.broadcast_shapes(g.shape, out_shape)
+    except ValueError:
+      raise ValueError(f"{fn}: `gate_logit` of shape {g.shape} does not broadcast to the "
+                       f"output's {out_shape}") from None
+  rho = jnp.asarray(retention_logit)
+  log_gamma = jax.nn.log_sigmoid(rho.astype(jnp.promote_types(rho.dtype, jnp.float32))
+                                 + float(rb.reshape(())))
+  res = _linear.gated_delta_rule(query, key, value, log_gamma, write_strength, scale=1.0,
+                                 initial_state=initial_state,
+                                 output_final_state=output_final_state,
+                                 implementation=implementation, chunk_size=chunk_size,
+                                 qk_l2norm=True)
+  r, state = (res if output_final_state else (res, None))
+  dtype = r.dtype
+  rc = r.astype(jnp.promote_types(dtype, jnp.float32))
+  out = rc * jax.lax.rsqrt(jnp.mean(rc * rc, axis=-1, keepdims=True) + eps_f)
+  if gate_logit is not None:
+    out = out * jax.nn.sigmoid(jnp.asarray(gate_logit).astype(out.dtype))
+  out = out.astype(dtype)
+  return (out, state) if output_final_state else out
