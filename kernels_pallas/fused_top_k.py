@@ -160,14 +160,17 @@ def _forward(x2, k: int, backend: str, interpret: Any, block_rows, block_cols):
     # the lowest indices among all its zero-probability entries (hidden ones, and visible
     # ones whose probability underflows), not with the next largest logits; one dense
     # pass over such batches only
+    # (zero as this pass computes it, for the selected entries too: a subnormal the
+    # kernel kept and XLA flushes is then one zero entry, never listed twice)
     vals, idx = vi
     n = x2.shape[1]
-    zero = _probs(x2, m, d, cdt) == 0
+    p = _probs(x2, m, d, cdt)
+    zero = p == 0
     lowest = jax.lax.top_k(jnp.where(zero, -jnp.arange(n, dtype=jnp.int32), -n), k)[0]
-    nz = jnp.sum(vals > 0, axis=1, keepdims=True)
+    nz = jnp.sum(jnp.take_along_axis(p, idx, axis=1) > 0, axis=1, keepdims=True)
     pos = jnp.arange(k, dtype=jnp.int32)[None, :]
     fill = jnp.take_along_axis(-lowest, jnp.clip(pos - nz, 0, k - 1), axis=1)
-    return vals, jnp.where(pos < nz, idx, fill)
+    return jnp.where(pos < nz, vals, 0.0).astype(vals.dtype), jnp.where(pos < nz, idx, fill)
 
   vals, idx = jax.lax.cond(jnp.any(vals[:, -1] == 0), zero_fill, lambda vi: vi, (vals, idx))
   return vals, idx, m, d

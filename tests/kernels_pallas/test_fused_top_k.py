@@ -22,9 +22,10 @@ K = 6
 X = np.random.default_rng(0).standard_normal((2, 5, 300)).astype(np.float32) * 3.0
 X[0, 0, 150:300] = X[0, 0, 0:150]  # every logit twice, in different column blocks: ties
 X[0, 1] *= 1e4  # |x| up to ~4e4: exp without the running max overflows
-X[0, 2, 7] = 60.0  # one dominant logit: the rest underflow to probability 0 in float32
+X[0, 2, 7] = 120.0  # one dominant logit: e^(x - 120) < 2^-149, the rest are 0 in float32
 MASK = np.random.default_rng(1).uniform(size=X.shape) > 0.25
 MASK[0, 0] = True  # every duplicate visible
+MASK[0, 2, 7] = True
 MASK[1, 0] = False  # a fully hidden row: values 0, indices 0..k-1
 MASK[1, 1] = False
 MASK[1, 1, [250, 40, 99]] = True  # fewer visible entries than k: zero slots by lowest index
@@ -74,7 +75,11 @@ def test_kernel_matches_top_k_of_softmax_and_its_gradient(backend, dtype, blocks
   # bf16 rounds the output: a relative 2^-8
   want = np.take_along_axis(p, np.asarray(i), axis=-1)
   rtol = 2e-5 if dtype == jnp.float32 else 2.0 ** -8
-  np.testing.assert_allclose(np.asarray(v, np.float64), want, rtol=rtol, atol=0)
+  # a probability below the format's smallest subnormal is 0 there (float32 2^-149,
+  # bf16 2^-133)
+  tiny = 2.0 ** -149 if dtype == jnp.float32 else 2.0 ** -133
+  np.testing.assert_allclose(np.asarray(v, np.float64), want, rtol=rtol, atol=tiny)
+  assert np.all(np.asarray(v[0, 2, 1:]) == 0) and np.asarray(i[0, 2, 0]) == 7
   np.testing.assert_allclose(np.asarray(v, np.float64), np.asarray(rv, np.float64),
                              rtol=rtol, atol=0)
   # gradient: dL/dx_j = sum_i g_i p_i (delta_ij - p_j) over the selected i, in float64
