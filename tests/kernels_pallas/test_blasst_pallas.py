@@ -17,10 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernels_pallas
 from jaxsoft.attention import UnsupportedDifferentiation, block_sparse_attention
 from kernels_pallas import _api
 from tests.kernels_pallas.test_block_sparse_pallas import BS, KV_LEN, B, N, T, _inputs
 from tests.kernels_pallas.test_engine import value_and_cotangents
+from tests.kernels_pallas.test_lowering import export_fwd_bwd
 
 
 @pytest.fixture(autouse=True)
@@ -103,3 +105,19 @@ def test_pallas_blasst_refuses_forward_mode_by_name():
   f = _blasst("pallas", is_causal=True, kv_len=None)
   with pytest.raises(UnsupportedDifferentiation, match=r"method='blasst'.*return_stats"):
     jax.jvp(lambda q: f(q, k, v), (q,), (jnp.ones_like(q),))
+
+
+@pytest.mark.slow  # the engine's own lowering is default-tested with MoBA's tables
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+def test_pallas_blasst_lowers_for_cuda_and_tpu(backend, monkeypatch):
+  # pick_backend (which the dispatch calls) answers as that platform would: no interpreter
+  monkeypatch.setattr(kernels_pallas, "pick_backend", lambda b: (b, False))
+  t = 256
+  q = jax.ShapeDtypeStruct((B, t, N, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((B, t, 2, 64), jnp.bfloat16)
+  impl = {"triton": "pallas_triton", "mosaic_tpu": "pallas_mosaic_tpu"}[backend]
+  kv_len = jnp.array([256, 200]) if backend == "triton" else None  # Mosaic: 32-row blocks
+  text = export_fwd_bwd(_blasst(impl, is_causal=True, block_size=32, kv_len=kv_len),
+                        backend, q, k)
+  call = "__gpu$xla.gpu.triton" if backend == "triton" else "tpu_custom_call"
+  assert call in text and text.count("jaxsoft_attention_") >= 3  # forward, dK/dV, dQ

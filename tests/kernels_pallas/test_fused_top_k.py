@@ -94,7 +94,9 @@ def test_kernel_matches_top_k_of_softmax_and_its_gradient(backend, dtype, blocks
 
 def _abstract_gpu():
   device = jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=device)
+  # an Auto axis, as tests/kernels_pallas/test_lowering.py explains (JAX 0.12)
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
   return jax.sharding.use_abstract_mesh(mesh)
 
 
