@@ -5,6 +5,7 @@ the optimal-temperature condition, limits, masks, bf16 and bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises, rows
@@ -24,33 +25,48 @@ def _np_dro(z, y, tau, rho, cls=None):
   return np.array(out)
 
 
-def test_against_reference_with_masks_and_gradients():
+def _case():
   z = np.asarray(rows(0, (4, 6), 2.0), np.float64)
   y = np.array([0, 3, 5, 1])
   tau = np.array([0.3, 1.0, 2.5, 0.7])
   cls = np.ones((4, 6), bool)
   cls[1, 4:] = False
   cls[2, 0] = False
-  got = dro(jnp.asarray(z, jnp.float32), y, jnp.asarray(tau, jnp.float32), rho=0.2, where=cls)
+  return z, y, tau, cls
+
+
+def test_against_reference_temperature_gradient_and_masks():
+  z, y, tau, cls = _case()
+  hid = np.ones((4, 6), bool)
+  hid[0, 0] = False  # row 0's label hidden
+
+  @jax.jit
+  def run(z, tau):
+    f = lambda t, w: js.losses.tempnet_dro_loss(z, y, t, rho=0.2, where=w)
+    g = jax.grad(lambda t: jnp.sum(f(t, None)))(tau)
+    return (f(tau, cls), g, f(tau, jnp.array([True, False, True, True])), f(tau, hid))
+
+  got, g, ex_masked, label_hidden = run(jnp.asarray(z, jnp.float32), jnp.asarray(tau, jnp.float32))
   # float32 logits over 6 classes: a few ulps of |loss| ~ 5 -> rtol 1e-5
   np.testing.assert_allclose(got, _np_dro(z, y, tau, 0.2, cls), rtol=1e-5, atol=1e-6)
-  grads64(lambda a, t: dro(a, y, t, rho=0.2, where=cls), z, tau)
   # the tau-derivative is rho - KL(softmax(l / tau) || uniform)
-  g = jax.jit(jax.grad(lambda t: jnp.sum(dro(jnp.asarray(z, jnp.float32), y, t, rho=0.2))))(
-      jnp.asarray(tau, jnp.float32))
   ell = (z - z[np.arange(4), y][:, None]) / tau[:, None]
   p = np.exp(ell - ell.max(-1, keepdims=True))
   p /= p.sum(-1, keepdims=True)
   kl = np.sum(p * np.log(p * 6), -1)
   np.testing.assert_allclose(g, 0.2 - kl, rtol=1e-4, atol=1e-5)  # float32 log/exp: ~1e-6 abs
   # masked example: 0; label on a masked class: +inf
-  out = dro(z, y, tau, rho=0.2, where=np.array([True, False, True, True]))
-  assert float(out[1]) == 0.0
-  hid = np.ones((4, 6), bool)
-  hid[0, 0] = False
-  assert np.isinf(float(dro(z, y, tau, rho=0.2, where=hid)[0]))
+  assert float(ex_masked[1]) == 0.0 and np.all(np.asarray(ex_masked)[[0, 2, 3]] != 0)
+  assert np.isinf(float(label_hidden[0])) and np.all(np.isfinite(np.asarray(label_hidden)[1:]))
 
 
+@pytest.mark.slow
+def test_gradients_float64():
+  z, y, tau, cls = _case()
+  grads64(lambda a, t: dro(a, y, t, rho=0.2, where=cls), z, tau)
+
+
+@pytest.mark.slow
 def test_limits_monotonicity_and_constant_temperature():
   z = jnp.asarray(rows(1, (3, 5), 2.0))
   y = jnp.array([2, 0, 4])
@@ -71,6 +87,7 @@ def test_limits_monotonicity_and_constant_temperature():
   np.testing.assert_allclose(dro(z, y, 0.5, rho=0.3), 0.5 * (ce - np.log(5) + 0.3), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_and_errors():
   z = jnp.asarray(rows(2, (2, 4), 3.0))
   y = jnp.array([1, 2])

@@ -6,6 +6,7 @@ and bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises, rows
@@ -35,25 +36,48 @@ def _np_reg(e, tau, keep=None):
   return out
 
 
-def test_against_reference_gradients_and_masks():
+def _case():
   e = np.asarray(rows(0, (5, 3, 4), 1.0), np.float64)
-  got = reg(jnp.asarray(e, jnp.float32), temperature=0.3)
-  # float32 SVD/eigh of 3x3 Gram matrices: ~1e-6 relative in v, scaled by 1/tau -> 1e-5
-  np.testing.assert_allclose(got, _np_reg(e, 0.3), rtol=2e-5, atol=2e-5)
-  grads64(lambda a: reg(a, temperature=0.3), e)
   keep = np.ones((5, 3), bool)
   keep[1, 2] = False
   keep[3] = False
-  got = reg(jnp.asarray(e, jnp.float32), temperature=0.3, where=keep)
-  np.testing.assert_allclose(got, _np_reg(e, 0.3, keep), rtol=2e-5, atol=2e-5)
-  assert float(got[3]) == 0.0
-  grads64(lambda a: reg(a, temperature=0.3, where=keep), e)
-  # an instance mask [N] equals the modality mask of its rows
+  return e, keep
+
+
+def test_against_reference_and_masks():
+  e, keep = _case()
   inst = np.array([True, True, False, True, True])
-  np.testing.assert_allclose(reg(e, temperature=0.3, where=inst),
-                             reg(e, temperature=0.3, where=np.repeat(inst[:, None], 3, 1)))
+
+  @jax.jit
+  def run(e):
+    f = lambda w: js.losses.pmrl_contrastive_regularizer(e, temperature=0.3, where=w)
+    g = jax.grad(lambda x: jnp.sum(js.losses.pmrl_contrastive_regularizer(
+        x, temperature=0.3, where=keep)))(e)
+    return f(None), f(keep), f(inst), f(np.repeat(inst[:, None], 3, 1)), g
+
+  full, masked, by_instance, by_modality, _ = run(jnp.asarray(e, jnp.float32))
+  # float32 eigh of 3x3 Gram matrices: ~1e-6 relative in v, scaled by 1/tau -> 2e-5
+  np.testing.assert_allclose(full, _np_reg(e, 0.3), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(masked, _np_reg(e, 0.3, keep), rtol=2e-5, atol=2e-5)
+  assert float(masked[3]) == 0.0
+  # an instance mask [N] equals the modality mask of its rows
+  np.testing.assert_allclose(by_instance, by_modality, rtol=1e-6)
+  # identical modalities (sigma = (sqrt 3, 0, 0): repeated zeros) and one scaled: finite
+  same = np.repeat(e[:, :1], 3, axis=1)
+  same[0, 1] *= 2.0
+  full, masked, _, _, g = run(jnp.asarray(same, jnp.float32))
+  np.testing.assert_allclose(full, _np_reg(same, 0.3), rtol=2e-5, atol=2e-5)
+  assert np.all(np.isfinite(np.asarray(g))) and np.all(np.isfinite(np.asarray(masked)))
 
 
+@pytest.mark.slow
+def test_gradients_float64():
+  e, keep = _case()
+  grads64(lambda a: reg(a, temperature=0.3), e)
+  grads64(lambda a: reg(a, temperature=0.3, where=keep), e)
+
+
+@pytest.mark.slow
 def test_repeated_singular_values_rotation_and_bf16():
   base = np.asarray(rows(1, (4, 1, 5), 1.0), np.float64)
   same = np.repeat(base, 3, axis=1)  # identical modalities: sigma = (sqrt 3, 0, 0)

@@ -5,6 +5,7 @@ pooled value, its gradient is the variance-reduced estimator, masks, bf16 and ba
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises, rows
@@ -84,6 +85,7 @@ def test_gradient_is_the_variance_reduced_estimator_and_masks():
   np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_feeds_midam_auc_loss_bf16_and_errors():
   h = jnp.asarray(rows(3, (4, 6), 1.0))
   labels = jnp.array([1, 0, 1, 0])

@@ -5,6 +5,7 @@ definitions: masks, the cap, no gradient, bf16 and bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises
@@ -52,7 +53,9 @@ def _estimate(test, pred, train, y_tr, pred_tr, keep, cal, cal_y, cal_keep):
   dist = N.sdm_nearest_distance(test, train, where=keep)
   cal_d = N.sdm_nearest_distance(cal, train, where=keep)
   d = N.sdm_distance_quantile(dist, cal_d, cal_y, 2, where=cal_keep)
-  return q, q3, dist, cal_d, d
+  dq = N.sdm_distance_quantile(jnp.linspace(0.0, 3.0, 31), cal_d, cal_y, 2)
+  w = N.sdm(jnp.ones((test.shape[0], 2)) * jnp.arange(2.0), q=q[:, None], d=d[:, None])
+  return q, q3, dist, cal_d, d, dq, w
 
 
 def test_q_and_d_against_references_with_masks():
@@ -63,7 +66,8 @@ def test_q_and_d_against_references_with_masks():
   keep[::7] = False
   cal_keep = np.ones(20, bool)
   cal_keep[:3] = False
-  q, q3, dist, cal_d, d = _estimate(test, pred, train, y_tr, pred_tr, keep, cal, cal_y, cal_keep)
+  q, q3, dist, cal_d, d, dq, w = _estimate(test, pred, train, y_tr, pred_tr, keep, cal, cal_y,
+                                            cal_keep)
   want_q = _np_q(test, pred, train, y_tr, pred_tr, keep)
   np.testing.assert_array_equal(q, want_q)
   assert want_q.max() >= 2  # the runs are not all trivially 0 on this data
@@ -75,13 +79,12 @@ def test_q_and_d_against_references_with_masks():
   np.testing.assert_allclose(d, want_d, rtol=0, atol=1e-7)
   assert want_d.min() > 0 and len(np.unique(want_d)) >= 4  # informative quantiles here
   # d is non-increasing in the distance; ready for sdm as per-row q and d
-  ts = jnp.linspace(0.0, 3.0, 31)
-  dq = np.asarray(N.sdm_distance_quantile(ts, cal_d, cal_y, 2))
+  dq = np.asarray(dq)
   assert np.all(np.diff(dq) <= 0) and dq[0] == 1.0 and dq[-1] == 0.0
-  w = N.sdm(jnp.ones((8, 2)) * jnp.arange(2.0), q=q[:, None], d=d[:, None])
   np.testing.assert_allclose(np.sum(w, -1), 1.0, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_no_gradient_bf16_empty_and_errors():
   train, y_tr, pred_tr, test, pred = _data(2)
 
