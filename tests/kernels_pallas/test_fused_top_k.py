@@ -123,3 +123,16 @@ def test_bad_input():
       st.softmax_top_k(x, **{"k": 2, "interpret": True, **kw})
   with pytest.raises(ValueError, match="float"):
     st.softmax_top_k(jnp.ones((2, 8), jnp.int32), 2, interpret=True)
+
+
+@pytest.mark.slow
+def test_float64_stays_float64():
+  with jax.enable_x64(True):
+    x = np.random.default_rng(3).standard_normal((3, 200)) * 3.0
+    v, i = jax.jit(lambda x: st.softmax_top_k(x, 4, interpret=True, block_cols=64))(x)
+    assert v.dtype == jnp.float64
+    p = _softmax64(x, np.ones(x.shape, bool))
+    order = np.argsort(-p, axis=-1, kind="stable")[:, :4]  # distinct values: no ties
+    np.testing.assert_array_equal(np.asarray(i), order)
+    # float64 sums of 200 terms: a relative n 2^-53 ~ 2e-14
+    np.testing.assert_allclose(np.asarray(v), np.take_along_axis(p, order, -1), rtol=1e-13)
