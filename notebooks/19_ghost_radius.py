@@ -63,6 +63,7 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 
 import jaxsoft as js
 
@@ -258,7 +259,7 @@ def train(kind, steps, lr=0.5, seed=0):
 def onsets(params, logits, n_dirs, seed):
   """(r onset, τ onset) for the gradient and n_dirs − 1 random downhill unit directions."""
   loss = make_loss(logits)
-  flat, unravel = jax.flatten_util.ravel_pytree(params)
+  flat, unravel = ravel_pytree(params)
   g = jax.grad(lambda f: loss(unravel(f), X, Y))(flat)
   down = -g / jnp.linalg.norm(g)
   dirs = [down]
