@@ -85,14 +85,17 @@ def midam_pool_update(state: MidamPoolState, instance_scores: ArrayLike, bag_ids
     state: the :class:`MidamPoolState` from :func:`midam_pool_init` or the last update.
     instance_scores: ``[b, k]`` scores h of k sampled instances for each of b bags.
     bag_ids: ``int [b]`` the bags' indices into the state, distinct within a batch.
-    temperature: τ > 0.
+    temperature: τ > 0, a scalar (keep it fixed along a run: u estimates a mean of
+      :math:`e^{h/\tau}`).
     gamma: the moving-average rate γ in (0, 1] (1: no averaging, plain stochastic pooling).
     where: optional ``[b, k]`` instance mask, or a ``[b]`` bag mask: a row with no visible
       instance leaves its bag's state unchanged and gets ``pooled`` 0 with zero gradient.
 
   Returns:
-    ``(pooled [b], new_state)``: :math:`\hat s` in ``instance_scores``' dtype (float32 compute
-    for bf16/fp16) and the updated state.
+    ``(pooled [b], new_state)``: :math:`\hat s` in ``instance_scores``' dtype and the updated
+    state. The arithmetic runs in the state's dtype (float32 by default: pass
+    ``dtype=jnp.float64`` to :func:`midam_pool_init` for float64 under x64), so that the state
+    keeps one dtype along a ``lax.scan``.
 
   Examples:
     >>> state = js.losses.midam_pool_init(2)
@@ -125,6 +128,8 @@ def midam_pool_update(state: MidamPoolState, instance_scores: ArrayLike, bag_ids
                                            or np.unique(known).size != known.size):
     raise ValueError(f"{fn}: `bag_ids` must be distinct ids in [0, {n_bags})")
   check_positive(temperature, "temperature", fn)
+  if jnp.ndim(temperature) != 0:
+    raise ValueError(f"{fn}: `temperature` must be a scalar, got shape {jnp.shape(temperature)}")
   g = lc.nonnegative_float(gamma, "gamma", fn)
   if not 0.0 < g <= 1.0:
     raise ValueError(f"{fn}: `gamma` must be in (0, 1], got {gamma!r}")

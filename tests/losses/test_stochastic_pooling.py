@@ -116,5 +116,6 @@ def test_feeds_midam_auc_loss_bf16_and_errors():
       ("bag_ids", lambda: f(s, h, jnp.arange(3))),
       ("gamma", lambda: f(s, h, jnp.arange(4), gamma=0.0)),
       ("temperature", lambda: f(s, h, jnp.arange(4), temperature=-1.0)),
+      ("temperature", lambda: f(s, h, jnp.arange(4), temperature=jnp.ones(4))),
       ("instance_scores", lambda: f(s, h[0], jnp.arange(4))),
       ("where", lambda: f(s, h, jnp.arange(4), where=jnp.ones((4, 5), bool))))
