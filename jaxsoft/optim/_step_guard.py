@@ -156,15 +156,17 @@ def softmax_step_guard(logits_fn: Callable[..., Any], *,
   .. math::
     u' = u \cdot \min\!\left(1, \frac{r_{\max}}{r}\right).
 
-  Guarantee: the JVP is linear in ``u``, so the guarded step has ``r' ≤ r_max``: with the
-  default ``r_max = 1`` no example's ``F(τ) = Σ_k e^{z_k + a'_k τ}`` vanishes for
-  ``|τ| < 1``, and the Taylor series of each example's linearised loss converges at the
-  step taken; and since ``|dℓ/dτ| = |Σ_k p_k a_k − a_y| ≤ Δ_a``, each example's loss
-  changes by at most ``π r_max`` when the logits are linear in the parameters (a linear
-  head on fixed features), whatever the learning rate. An update that is already safe
-  passes unchanged. Unlike gradient clipping
-  the bound is on the change of the logits, not on the norm of the update: the step is
-  shrunk only when it would move some logits too far apart relative to the others.
+  Guarantee: the JVP is linear in ``u``, so the guarded step has ``r' ≤ r_max``: no
+  example's ``F(τ) = Σ_k e^{z_k + a'_k τ}`` vanishes for ``|τ| < 1 / r_max``. With
+  ``r_max < 1`` the step taken (``τ = 1``) lies strictly inside the disk where the Taylor
+  series of each example's linearised loss converges; with the default ``r_max = 1`` it
+  lies on the disk's edge at worst (the bound is tight only in special cases, such as two
+  classes with equal logits). And since ``|dℓ/dτ| = |Σ_k p_k a_k − a_y| ≤ Δ_a``, each
+  example's loss changes by at most ``π r_max`` when the logits are linear in the
+  parameters (a linear head on fixed features), whatever the learning rate. An update that
+  is already safe passes unchanged. Unlike gradient clipping, the bound is on the change of
+  the logits, not on the norm of the update: the step is shrunk only when it would move
+  some logits too far apart relative to the others.
   Classes whose logit is −inf (masked) are left out of the spread.
 
   Args:
