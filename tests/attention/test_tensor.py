@@ -130,6 +130,7 @@ def test_polynomial_within_the_bound_and_error_falls_with_degree():
       assert errs[-1] < 1e-5
 
 
+@pytest.mark.slow  # ~2 s of CPU (compiles): out of the default run's budget
 def test_polynomial_bf16_and_the_standard_attention_reduction():
   q, k1, k2, v1, v2 = (0.7 * normal(i, (B, T, N, H)) for i in range(5))
   ones = jnp.ones_like(k1)
@@ -149,6 +150,7 @@ def test_polynomial_bf16_and_the_standard_attention_reduction():
       atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.slow  # ~2 s of CPU (compiles): out of the default run's budget
 def test_polynomial_gradients_finite_differences():
   @jax.jit
   def both(*args):  # one program checks the non-causal and the causal (prefix-sum) paths
