@@ -65,6 +65,7 @@ from jaxsoft.nn._linear import (
     causal_conv_step,
 )
 from jaxsoft.nn._mha import MultiHeadAttention, param_transform
+from jaxsoft.nn._polar_memory import PolarMemoryAttention
 from jaxsoft.nn._ponet import PoNetMixer
 from jaxsoft.nn._product_key_memory import ProductKeyMemory, product_key_topk
 from jaxsoft.nn._soft_moe import SoftMoE, soft_moe, soft_moe_weights
@@ -79,4 +80,5 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "DeltaNet", "GLA", "SimpleGLA", "LightningAttention", "LinearAttention",
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
            "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA",
-           "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS", "AdaptiveAttentionPool"]
+           "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS", "AdaptiveAttentionPool",
+           "PolarMemoryAttention"]

@@ -112,6 +112,7 @@ def test_gradients_in_y_x_and_beta():
   assert np.all(np.asarray(grads[1])[~m] == 0.0)  # masked entries get no gradient
 
 
+@pytest.mark.slow
 def test_low_precision_computes_in_float32():
   up = UNPOOL(jnp.asarray(Y, jnp.bfloat16), jnp.asarray(X, jnp.bfloat16))
   assert up.dtype == jnp.bfloat16
