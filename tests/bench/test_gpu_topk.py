@@ -31,6 +31,7 @@ def test_section_checks_then_times_in_interpret_mode(capsys):
                                                           "kp.softmax_top_k"}
 
 
+@pytest.mark.slow  # ~2.6 CPU s of small compiles: beyond the default run's budget
 def test_a_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   bench = _load()
   # a stand-in (nothing compiles): the right indices, values 1.5x off
