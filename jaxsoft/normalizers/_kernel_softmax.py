@@ -163,8 +163,44 @@ def _two_pass_last_jvp(primals, tangents):
   return y, y * (dx - jnp.sum(y * dx, axis=-1, keepdims=True))
 
 
+IMPLEMENTATIONS = (None, "xla", "pallas", "pallas_triton", "pallas_mosaic_tpu")
+
+
+def pallas_backend(implementation, fn_name: str) -> tuple[str, bool] | None:
+  """None for the jnp path; ``(backend, interpret)`` for a ``"pallas*"`` implementation.
+
+  ``"pallas"`` picks the platform's driver (:func:`kernels_pallas.backends.pick_backend`:
+  Triton on GPU, Mosaic on TPU, the interpreter on CPU with ``JAXSOFT_PALLAS_INTERPRET=1``).
+  """
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"{fn_name}: `implementation` must be one of {IMPLEMENTATIONS}, "
+                     f"got {implementation!r}")
+  if implementation in (None, "xla"):
+    return None
+  from kernels_pallas import backends  # here: kernels_pallas imports jaxsoft.normalizers
+
+  return backends.pick_backend({"pallas": None, "pallas_triton": "triton",
+                                "pallas_mosaic_tpu": "mosaic_tpu"}[implementation])
+
+
+def rows_kernel(kernel, x, axis, where, fn_name: str):
+  """``kernel(rows, mask) -> weights`` over ``axis`` of ``x``, inside the shared rules'
+  wrapper (``x`` finite there): the rows moved last, hidden entries exact zeros."""
+  xs, mask, axis = c.prepare(x, axis, where, fn_name)
+  y = c.from_last(kernel(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
+  return c.finish(y, mask, jnp.asarray(x).dtype)
+
+
 @c.dense_rules
-def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
+def _two_pass_pallas(x, axis=-1, where=None, *, backend, interpret):
+  from kernels_pallas import two_pass  # here: kernels_pallas imports jaxsoft.normalizers
+
+  return rows_kernel(lambda r, m: two_pass.two_pass_softmax(
+      r, m, backend=backend, interpret=interpret), x, axis, where, "two_pass_softmax")
+
+
+def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
+                     implementation: str | None = None) -> jax.Array:
   r"""Softmax by the two-pass (mantissa, exponent) algorithm, without a max pass (K05).
 
   From Dukhan & Ablavatski, "The Two-Pass Softmax Algorithm" (2020). Each ``e^{x}`` is
@@ -191,6 +227,10 @@ def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
     x: scores (float32 or float64; low-precision inputs are computed in float32).
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
+    implementation: None or ``"xla"`` (this jnp form), ``"pallas"`` (the kernel
+      :func:`kernels_pallas.two_pass_softmax` on the platform's driver; computed in
+      float32, accurate for ``|x| < 2^22``; reverse-mode gradient only),
+      ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``.
 
   Returns:
     ``softmax(x)`` of ``x``'s shape and dtype; a row with no visible entry is all zeros.
@@ -204,9 +244,18 @@ def two_pass_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = Non
   References:
     M. Dukhan & A. Ablavatski, 2020, "The Two-Pass Softmax Algorithm".
   """
-  xs, mask, axis = c.prepare(x, axis, where, "two_pass_softmax")
-  y = c.from_last(_two_pass_last(c.to_last(xs, axis), c.to_last(mask, axis)), axis)
-  return c.finish(y, mask, jnp.asarray(x).dtype)
+  kernel = pallas_backend(implementation, "two_pass_softmax")
+  if kernel is not None:
+    return _two_pass_pallas(x, axis, where, backend=kernel[0], interpret=kernel[1])
+  return _two_pass_xla(x, axis, where)
+
+
+@c.dense_rules
+def _two_pass_xla(x, axis=-1, where=None):
+  return rows_kernel(_two_pass_last, x, axis, where, "two_pass_softmax")
+
+
+_two_pass_xla.__name__ = _two_pass_pallas.__name__ = "two_pass_softmax"  # (errors)
 
 
 # --- K05: unified-max softmax ---------------------------------------------------------------

@@ -19,6 +19,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft.normalizers import common as c
+from jaxsoft.normalizers._kernel_softmax import pallas_backend, rows_kernel
 from jaxsoft.normalizers._softmax import softmax
 
 __all__ = [
@@ -266,7 +267,8 @@ def softmax_quantization_bias(x: ArrayLike, bits: int = 8, axis: int = -1,
 def quantized_softmax(x: ArrayLike, bits: int = 8, axis: int = -1,
                       where: ArrayLike | None = None, *, method: str = "uniform",
                       bias_correction: bool = False, bias: ArrayLike | None = None,
-                      key: jax.Array | None = None) -> jax.Array:
+                      key: jax.Array | None = None,
+                      implementation: str | None = None) -> jax.Array:
   r"""Softmax followed by a b-bit quantiser, with optional bias correction (K09).
 
   .. math::
@@ -291,6 +293,11 @@ def quantized_softmax(x: ArrayLike, bits: int = 8, axis: int = -1,
     bias: a calibrated beta (scalar, or broadcastable to the rows); needs
       ``bias_correction=True``.
     key: PRNG key: stochastic rounding (method "uniform" only).
+    implementation: None or ``"xla"`` (this jnp form), ``"pallas"`` (the kernel
+      :func:`kernels_pallas.quantized_softmax` on the platform's driver: methods
+      "uniform" and "log2", no ``key``; beta, when asked for, is added after it; a row
+      with a visible ``+inf`` is NaN there; reverse-mode gradient only),
+      ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``.
 
   Returns:
     The quantised weights, ``x``'s shape and dtype; masked entries exactly 0.
@@ -309,10 +316,17 @@ def quantized_softmax(x: ArrayLike, bits: int = 8, axis: int = -1,
   if bias is not None and not bias_correction:
     raise ValueError("quantized_softmax: `bias` was given but `bias_correction` is False")
   x = jnp.asarray(x)
-  p = softmax(x, axis=axis, where=where)
-  cd = c.compute_dtype(p.dtype)
-  pc = p.astype(cd)
-  q = _quantize(pc, bits, method, key, "quantized_softmax").astype(cd)
+  if implementation not in (None, "xla") and (method not in ("uniform", "log2")
+                                              or key is not None):
+    raise ValueError("quantized_softmax: implementation='pallas*' supports method 'uniform' "
+                     f"or 'log2' without `key`, got method={method!r}, key={key!r}")
+  kernel = pallas_backend(implementation, "quantized_softmax")
+  if kernel is None:
+    p = softmax(x, axis=axis, where=where)
+    cd = c.compute_dtype(p.dtype)
+    q = _quantize(p.astype(cd), bits, method, key, "quantized_softmax").astype(cd)
+  else:
+    q, cd, p = _quantized_pallas(x, bits, axis, where, method, key, kernel)
   mask = x != -jnp.inf
   if where is not None:
     mask = mask & jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
@@ -323,6 +337,21 @@ def quantized_softmax(x: ArrayLike, bits: int = 8, axis: int = -1,
       beta = jnp.asarray(bias, cd)
     q = q + beta
   return jnp.where(mask, q, 0.0).astype(p.dtype)
+
+
+def _quantized_pallas(x, bits, axis, where, method, key, kernel):
+  """The kernel's weights (bias not added), their compute dtype, an array of the output dtype."""
+  del key
+  _check_bits(bits, "quantized_softmax")
+  from kernels_pallas import quantized  # here: kernels_pallas imports jaxsoft.normalizers
+
+  dtype = c.output_dtype(x.dtype)
+  _, mask, ax = c.prepare(x, axis, where, "quantized_softmax")
+  q = c.from_last(quantized.quantized_softmax(
+      c.to_last(x.astype(dtype), ax), bits, c.to_last(mask, ax), method=method,
+      backend=kernel[0], interpret=kernel[1]), ax)
+  cd = c.compute_dtype(dtype)
+  return q.astype(cd), cd, q
 
 
 # --- K09: table-lookup exp --------------------------------------------------------------------
@@ -412,9 +441,21 @@ def _lut_softmax(x, axis=-1, where=None, *, table_size, x_min, frac_bits):
   return c.finish(w, mask, jnp.asarray(x).dtype)
 
 
+@c.dense_rules
+def _lut_pallas(x, axis=-1, where=None, *, table_size, x_min, frac_bits, backend, interpret):
+  from kernels_pallas import quantized  # here: kernels_pallas imports jaxsoft.normalizers
+
+  return rows_kernel(lambda r, m: quantized.lut_softmax(
+      r, m, table_size=table_size, x_min=x_min, frac_bits=frac_bits, backend=backend,
+      interpret=interpret), x, axis, where, "lut_softmax")
+
+
+_lut_pallas.__name__ = "lut_softmax"  # (errors)
+
+
 def lut_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
                 table_size: int = 256, x_min: float = -16.0,
-                frac_bits: int | None = None) -> jax.Array:
+                frac_bits: int | None = None, implementation: str | None = None) -> jax.Array:
   r"""Softmax with ``exp(x - max)`` read from a table (:func:`lut_exp`), then normalized.
 
   With :math:`\rho = e^{\Delta/2} - 1` the table's relative error and
@@ -432,6 +473,9 @@ def lut_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     axis: the axis to normalize over.
     where: optional boolean mask broadcastable to ``x``; False entries get exactly 0.
     table_size, x_min, frac_bits: as in :func:`lut_exp`.
+    implementation: None or ``"xla"`` (this jnp form), ``"pallas"`` (the kernel
+      :func:`kernels_pallas.lut_softmax` on the platform's driver; reverse-mode gradient
+      only), ``"pallas_triton"`` or ``"pallas_mosaic_tpu"``.
 
   Returns:
     Weights of ``x``'s shape and dtype; a row with no visible entry is all zeros.
@@ -448,6 +492,10 @@ def lut_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     recorded in docs/feature_ids.md).
   """
   _lut_args(table_size, x_min, frac_bits, "lut_softmax")
+  kernel = pallas_backend(implementation, "lut_softmax")
+  if kernel is not None:
+    return _lut_pallas(x, axis, where, table_size=table_size, x_min=x_min,
+                       frac_bits=frac_bits, backend=kernel[0], interpret=kernel[1])
   return _lut_softmax(x, axis, where, table_size=table_size, x_min=x_min, frac_bits=frac_bits)
 
 

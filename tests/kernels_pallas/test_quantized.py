@@ -142,3 +142,36 @@ def test_reference_log2_levels_are_exact_powers_of_two():
   p = (2.0 ** -k * 1.01).astype(np.float32)  # nearest level 2^-k, no tie
   q = np.asarray(jax.jit(lambda p: js.normalizers.log2_quantize(p, 4))(p))
   np.testing.assert_array_equal(q, (2.0 ** -k).astype(np.float32))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fn,kw", [
+    ("quantized_softmax", dict(bits=4)),
+    ("quantized_softmax", dict(bits=5, method="log2", bias_correction=True)),  # beta from x
+    ("quantized_softmax", dict(bits=3, bias_correction=True, bias=0.01)),
+    ("lut_softmax", dict(table_size=32, x_min=-6.0))])
+def test_jnp_functions_run_the_kernels_with_implementation_pallas(monkeypatch, fn, kw):
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
+  f = getattr(js.normalizers, fn)
+  x, mask, g = X[0].T, MASK[0].T, G[0].T  # over axis 0
+
+  @jax.jit
+  def run(x):
+    outs = []
+    for impl in (None, "pallas_mosaic_tpu"):
+      y, vjp = jax.vjp(lambda x, impl=impl: f(x, axis=0, where=mask, implementation=impl, **kw), x)
+      outs += [y, vjp(g)[0]]
+    return outs
+  y, dy, yk, dyk = (np.asarray(a, np.float64) for a in run(x))
+  # the same codes; the LUT softmax's sum in another order (37 terms): 40 ulps
+  np.testing.assert_allclose(yk, y, rtol=40 * ULP, atol=0)
+  np.testing.assert_allclose(dyk, dy, atol=1e-6)  # both softmax-form gradients in float32
+
+
+def test_implementation_pallas_refuses_what_the_kernel_lacks():
+  with pytest.raises(ValueError, match="method"):
+    js.normalizers.quantized_softmax(X, 4, method="tan", implementation="pallas_triton")
+  with pytest.raises(ValueError, match="key"):
+    js.normalizers.quantized_softmax(X, 4, key=jax.random.key(0), implementation="pallas_triton")
+  with pytest.raises(ValueError, match="implementation"):
+    js.normalizers.lut_softmax(X, implementation="triton")

@@ -144,3 +144,23 @@ def test_bad_input():
       two_pass.two_pass_softmax(x, **{"interpret": True, **kw})
   with pytest.raises(ValueError, match="float"):
     two_pass.two_pass_softmax(jnp.ones((2, 8), jnp.int32), interpret=True)
+
+
+@pytest.mark.slow
+def test_jnp_function_runs_the_kernel_with_implementation_pallas(monkeypatch):
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")  # CPU: the interpreter
+  x, mask = X[1].T, MASK[1].T  # softmax over axis 0, the rows with offsets +1e4 / -3000
+  y = jax.jit(lambda x, m: js.normalizers.two_pass_softmax(
+      x, axis=0, where=m, implementation="pallas"))(x, mask)
+  want = _softmax64(x.T, mask.T).T
+  np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=48 * ULP, atol=1e-30)
+
+
+def test_implementation_errors(monkeypatch):
+  x = X[1]
+  with pytest.raises(ValueError, match="implementation"):
+    js.normalizers.two_pass_softmax(x, implementation="cuda")
+  monkeypatch.delenv("JAXSOFT_PALLAS_INTERPRET", raising=False)
+  if jax.default_backend() == "cpu":  # no driver and no interpreter asked for
+    with pytest.raises(NotImplementedError, match="JAXSOFT_PALLAS_INTERPRET"):
+      js.normalizers.two_pass_softmax(x, implementation="pallas")
