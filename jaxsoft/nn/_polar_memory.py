@@ -95,8 +95,10 @@ class PolarMemoryAttention(nnx.Module):
     self.attention_kwargs = {"is_causal": True, **attention_kwargs}
 
     def linear(i, o, *, bias=False, zero=False):
-      kw = {"kernel_init": nnx.initializers.zeros_init()} if zero else {}
-      return nnx.Linear(i, o, use_bias=bias, param_dtype=param_dtype, rngs=rngs, **kw)
+      if zero:
+        return nnx.Linear(i, o, use_bias=bias, param_dtype=param_dtype, rngs=rngs,
+                          kernel_init=nnx.initializers.zeros_init())
+      return nnx.Linear(i, o, use_bias=bias, param_dtype=param_dtype, rngs=rngs)
 
     self.wq, self.wk, self.wv = linear(d, n * h), linear(d, n * h), linear(d, n * h)
     self.alpha = nnx.Param(jnp.zeros((n,), param_dtype))
