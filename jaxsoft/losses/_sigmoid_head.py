@@ -37,8 +37,8 @@ def sigmoid_head_negatives(key: jax.Array, lm_logits: ArrayLike, labels: ArrayLi
                            where: ArrayLike | None = None) -> jax.Array:
   r"""Negatives for the Sigmoid Head, drawn away from plausible alternatives (feature N33).
 
-  From the Sigmoid Head of "Sigmoid Head for Quality Estimation of Language Models" (2025,
-  authors not recorded in the catalogue): the negatives for an output position must avoid
+  From the Sigmoid Head of T. A. Dinh & J. Niehues, "Sigmoid Head for Quality Estimation
+  under Language Ambiguity" (2026): the negatives for an output position must avoid
   "potentially alternative correct tokens". [R] The heuristic is not in the abstract; this
   reading filters out the ``num_filtered`` tokens that the frozen LM's own (softmax) head
   ranks highest, and the label, and draws ``num_negatives`` distinct negatives uniformly
@@ -67,7 +67,8 @@ def sigmoid_head_negatives(key: jax.Array, lm_logits: ArrayLike, labels: ArrayLi
     [2, 3, 4]
 
   References:
-    "Sigmoid Head for Quality Estimation of Language Models", 2025 (authors not recorded).
+    T. A. Dinh & J. Niehues, 2026, "Sigmoid Head for Quality Estimation under Language
+    Ambiguity".
   """
   fn = "sigmoid_head_negatives"
   k = positive_int(num_negatives, "num_negatives", fn)
@@ -88,8 +89,8 @@ def sigmoid_head_loss(key: jax.Array | None, logits: ArrayLike, labels: ArrayLik
                       axis: int = -1, where: ArrayLike | None = None) -> jax.Array:
   r"""The Sigmoid Head's binary cross-entropy with filtered negative sampling (feature N33).
 
-  From "Sigmoid Head for Quality Estimation of Language Models" (2025, authors not recorded
-  in the catalogue): an extra unembedding head with a sigmoid,
+  From T. A. Dinh & J. Niehues, "Sigmoid Head for Quality Estimation under Language
+  Ambiguity" (2026): an extra unembedding head with a sigmoid,
   :math:`p(w) = \sigma(o_w)` (:func:`jaxsoft.normalizers.ovr_sigmoid`), trained on the frozen
   LM with the reference token y as positive and negatives :math:`n_i` drawn by
   :func:`sigmoid_head_negatives` (never y, never a token the LM's softmax head ranks among
@@ -127,7 +128,8 @@ def sigmoid_head_loss(key: jax.Array | None, logits: ArrayLike, labels: ArrayLik
     [0.5671]
 
   References:
-    "Sigmoid Head for Quality Estimation of Language Models", 2025 (authors not recorded).
+    T. A. Dinh & J. Niehues, 2026, "Sigmoid Head for Quality Estimation under Language
+    Ambiguity".
   """
   fn = "sigmoid_head_loss"
   x, mask, ax, dtype = lc.prepare_logits(logits, axis, where, fn)

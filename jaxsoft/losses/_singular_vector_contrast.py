@@ -48,32 +48,35 @@ def pmrl_contrastive_regularizer(embeddings: ArrayLike, *, temperature: float = 
                                  where: ArrayLike | None = None) -> jax.Array:
   r"""PMRL's instance-wise contrastive regulariser on the leading singular vectors (L17).
 
-  From X. Liu et al., "Principled Multimodal Representation Learning" (2025): the alignment
-  loss (:func:`jaxsoft.losses.pmrl_loss`) pulls each instance's modality embeddings onto one
-  leading direction; this regulariser keeps the directions of different instances apart so
-  that the representations do not collapse. For instance i, the L2-normalised modality
-  embeddings are the rows :math:`z_i^m` of :math:`Z_i \in \mathbb{R}^{M\times d}`, and
-  :math:`v_i` is the leading right singular vector of :math:`Z_i` (unit, its sign chosen so
-  that it points along the modalities, :math:`\sum_m z_i^m\cdot v_i \ge 0`). [R] The
-  regulariser is an InfoNCE over the batch in which each modality embedding has its own
-  instance's direction as positive and the other instances' directions as negatives:
+  From X. Liu, X. Xia, S.-K. Ng & T.-S. Chua, "Principled Multimodal Representation
+  Learning" (2025): the alignment loss (:func:`jaxsoft.losses.pmrl_loss`) pulls each
+  instance's modality embeddings onto one leading direction; this regulariser keeps the
+  directions of different instances apart so that the representations do not collapse.
+  For instance i, the L2-normalised modality embeddings are the rows :math:`z_i^m` of
+  :math:`Z_i \in \mathbb{R}^{M\times d}`, and :math:`v_i` is the leading right singular
+  vector of :math:`Z_i` (unit). The regulariser is an InfoNCE over the batch with each
+  instance's direction as its own positive, as in the authors' reference code:
 
   .. math::
-    \ell_i = \frac{1}{M}\sum_{m} -\log \frac{e^{z_i^m\cdot v_i/\tau}}
-      {\sum_{j} e^{z_i^m\cdot v_j/\tau}}.
+    \ell_i = -\log \frac{e^{v_i\cdot v_i/\tau}}{\sum_{j} e^{v_i\cdot v_j/\tau}}
+    = \log \sum_j e^{(v_i\cdot v_j - 1)/\tau}.
 
-  Invariant to a rotation applied to every embedding. :math:`v_i` is computed from the top
-  eigenvector :math:`u_i` of the Gram matrix :math:`Z_iZ_i^\top` as
-  :math:`Z_i^\top u_i / \lVert Z_i^\top u_i\rVert`; its gradient is the exact one (first-order
-  perturbation theory) where :math:`\sigma_1` is simple, and stays finite (no NaN) when
-  singular values repeat.
+  A singular vector's sign is arbitrary, and :math:`v_i\cdot v_j` depends on it: [R] the
+  sign is fixed so that :math:`v_i` points along the modalities,
+  :math:`\sum_m z_i^m\cdot v_i \ge 0` (the reference code keeps whatever sign its SVD
+  routine returns). Invariant to a rotation applied to every embedding; :math:`\ell_i \ge 0`,
+  near 0 when the directions are far apart. :math:`v_i` is computed from the top eigenvector
+  :math:`u_i` of the Gram matrix :math:`Z_iZ_i^\top` as
+  :math:`Z_i^\top u_i / \lVert Z_i^\top u_i\rVert`; its gradient is the exact one
+  (first-order perturbation theory) where :math:`\sigma_1` is simple, and stays finite (no
+  NaN) when singular values repeat.
 
   Args:
     embeddings: ``[N, M, d]``: M modality embeddings for each of N instances (any scale).
     temperature: τ > 0.
     where: optional ``[N]`` instance mask or ``[N, M]`` modality mask: a False modality is
-      left out of its instance (its direction and its average); an instance with no visible
-      modality is neither an anchor nor a negative and gets 0 with zero gradient.
+      left out of its instance's direction; an instance with no visible modality is neither
+      an anchor nor a negative and gets 0 with zero gradient.
 
   Returns:
     ``[N]`` losses in ``embeddings``' dtype (float32 compute for bf16/fp16).
@@ -81,10 +84,11 @@ def pmrl_contrastive_regularizer(embeddings: ArrayLike, *, temperature: float = 
   Examples:
     >>> z = jnp.array([[[1.0, 0.0], [1.0, 0.1]], [[0.0, 1.0], [0.1, 1.0]]])
     >>> js.losses.pmrl_contrastive_regularizer(z, temperature=0.5)
-    Array([0.1538, 0.1538], dtype=float32)
+    Array([0.1528, 0.1528], dtype=float32)
 
   References:
-    X. Liu et al., 2025, "Principled Multimodal Representation Learning".
+    X. Liu, X. Xia, S.-K. Ng & T.-S. Chua, 2025, "Principled Multimodal Representation
+    Learning".
   """
   fn = "pmrl_contrastive_regularizer"
   check_positive(temperature, "temperature", fn)
@@ -115,11 +119,8 @@ def pmrl_contrastive_regularizer(embeddings: ArrayLike, *, temperature: float = 
   norm = jnp.sqrt(jnp.sum(jnp.square(v), axis=-1, keepdims=True))
   ok = norm > 0
   v = jnp.where(ok, v / jnp.where(ok, norm, 1.0), 0.0)
-  logits = jnp.einsum("nmd,jd->nmj", zc, v) / temperature  # [N, M, N]
-  cols = jnp.broadcast_to(inst[None, None, :], logits.shape)
+  logits = jnp.einsum("nd,jd->nj", v, v) / temperature  # [N, N]
+  cols = jnp.broadcast_to(inst[None, :], logits.shape)
   lse, _ = lc.masked_logsumexp(logits, cols, -1)
-  pos = jnp.diagonal(logits, axis1=0, axis2=2).T  # [N, M]: z_i^m . v_i / tau
-  per = jnp.where(keep, lse - pos, 0.0)
-  cnt = jnp.sum(keep, axis=-1)
-  loss = jnp.sum(per, axis=-1) / jnp.maximum(cnt, 1).astype(per.dtype)
+  loss = lse - jnp.diagonal(logits)
   return lc.finish(loss, inst, z.dtype)

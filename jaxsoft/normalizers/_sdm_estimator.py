@@ -61,7 +61,7 @@ def sdm_nearest_distance(test_embeddings: ArrayLike, train_embeddings: ArrayLike
                          where: ArrayLike | None = None) -> jax.Array:
   r"""SDM's raw distance: the L2 distance to the nearest training exemplar (feature N10).
 
-  From A. Schmaltz, "Similarity-Distance-Magnitude Universal Verification" (2025):
+  From A. Schmaltz, "Similarity-Distance-Magnitude Activations" (2025):
   :math:`d_{\mathrm{nearest}}(x) = \min_{r \in \mathcal{D}_{tr}} \lVert h(x) - h(r)\rVert_2`
   over the exemplar vectors h (the representation the SDM layer matches in). Its
   quantile under the calibration set, :func:`sdm_distance_quantile`, is the activation's d.
@@ -81,7 +81,9 @@ def sdm_nearest_distance(test_embeddings: ArrayLike, train_embeddings: ArrayLike
     Array([1., 1.], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
+    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
+    Verification").
   """
   fn = "sdm_nearest_distance"
   x, t = _pair(test_embeddings, train_embeddings, fn)
@@ -97,7 +99,7 @@ def sdm_similarity(test_embeddings: ArrayLike, test_predictions: ArrayLike,
                    where: ArrayLike | None = None) -> jax.Array:
   r"""SDM's Similarity q: the run of correct, agreeing nearest training matches (N10).
 
-  From A. Schmaltz, "Similarity-Distance-Magnitude Universal Verification" (2025). With the
+  From A. Schmaltz, "Similarity-Distance-Magnitude Activations" (2025). With the
   training exemplars :math:`r_1, r_2, \dots` ranked by L2 distance to h(x) (nearest first;
   ties by their index), :math:`\hat y` the prediction for x, :math:`\hat y_r` and
   :math:`y_r` a training point's prediction and label,
@@ -132,7 +134,9 @@ def sdm_similarity(test_embeddings: ArrayLike, test_predictions: ArrayLike,
     Array([2., 1.], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
+    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
+    Verification").
   """
   fn = "sdm_similarity"
   x, t = _pair(test_embeddings, train_embeddings, fn)
@@ -158,7 +162,7 @@ def sdm_distance_quantile(distances: ArrayLike, calibration_distances: ArrayLike
                           where: ArrayLike | None = None) -> jax.Array:
   r"""SDM's Distance d: the most conservative class-wise CDF quantile of a distance (N10).
 
-  From A. Schmaltz, "Similarity-Distance-Magnitude Universal Verification" (2025): the
+  From A. Schmaltz, "Similarity-Distance-Magnitude Activations" (2025): the
   class-conditional empirical CDFs of the nearest-training distances
   (:func:`sdm_nearest_distance`) over a held-out calibration set partition the distances,
   and a point's Distance is its quantile under the least favourable class,
@@ -192,7 +196,9 @@ def sdm_distance_quantile(distances: ArrayLike, calibration_distances: ArrayLike
     Array([1. , 0.5, 0. ], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
+    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
+    Verification").
   """
   fn = "sdm_distance_quantile"
   t = jnp.asarray(distances)

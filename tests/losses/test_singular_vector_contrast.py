@@ -16,8 +16,8 @@ reg = jax.jit(js.losses.pmrl_contrastive_regularizer, static_argnames=("temperat
 
 
 def _np_reg(e, tau, keep=None):
-  """InfoNCE of each visible modality embedding against the instances' leading right singular
-  vectors (sign: sum_m z_m . v >= 0), averaged over the instance's modalities; float64."""
+  """InfoNCE among the instances' leading right singular vectors (numpy SVD of the visible
+  rows; sign: sum_m z_m . v >= 0), each its own positive; float64."""
   e = np.asarray(e, np.float64)
   n, m, _ = e.shape
   keep = np.ones((n, m), bool) if keep is None else keep
@@ -29,10 +29,8 @@ def _np_reg(e, tau, keep=None):
     v[i] = vi if np.sum(z[i][keep[i]] @ vi) >= 0 else -vi
   out = np.zeros(n)
   for i in np.flatnonzero(inst):
-    logits = z[i][keep[i]] @ v[inst].T / tau
-    pos = z[i][keep[i]] @ v[i] / tau
-    lse = np.log(np.exp(logits).sum(-1))
-    out[i] = np.mean(lse - pos)
+    logits = v[inst] @ v[i] / tau
+    out[i] = np.log(np.exp(logits).sum()) - 1.0 / tau
   return out
 
 
