@@ -118,7 +118,8 @@ def _abstract_gpu():
   return jax.sharding.use_abstract_mesh(mesh)
 
 
-@pytest.mark.parametrize("backend,exp", [("triton", "poly"), ("mosaic_tpu", "poly"),
+@pytest.mark.parametrize("backend,exp", [("triton", "poly"),
+                                         pytest.param("mosaic_tpu", "poly", marks=pytest.mark.slow),
                                          pytest.param("triton", "native", marks=pytest.mark.slow),
                                          pytest.param("mosaic_tpu", "native",
                                                       marks=pytest.mark.slow)])
