@@ -36,8 +36,9 @@ def tempnet_dro_loss(logits: ArrayLike, labels: ArrayLike, temperature: ArrayLik
   :math:`p = \mathrm{softmax}(\ell/\tau)`, so the optimal temperature makes the KL equal
   ρ, and the robust part (without :math:`\tau\rho`) is non-increasing in τ. For a constant τ
   it is :math:`\tau\,\mathrm{CE}(z/\tau, y) - \tau\log m + \tau\rho`: the temperature-scaled
-  cross-entropy, rescaled and shifted. [R] The sum runs over every visible class, the
-  label's own :math:`\ell_y = 0` included (as in the softmax the loss generalises).
+  cross-entropy, rescaled and shifted. The sum runs over every visible class, the label's
+  own :math:`\ell_y = 0` included: the form :math:`\tau\,\mathrm{CE}(z/\tau, y) +
+  (\rho - \log V)\,\tau` of the authors' LLM code (its batch mean is left to the caller).
 
   Args:
     logits: ``[..., K]`` logits (LLM next-token logits, or a row of similarities).
