@@ -226,9 +226,6 @@ def test_block_size_the_backend_cannot_use_is_named(monkeypatch):
     impl = {"triton": "pallas_triton", "mosaic_tpu": "pallas_mosaic_tpu"}[backend]
     with pytest.raises(ValueError, match="`block_size`"):
       _sparse("moba", impl, is_causal=True, block_size=bs, kv_len=kv_len)(q, k, v)
-  with pytest.raises(ValueError, match="`implementation`"):
-    block_sparse_attention(q, k, v, method="blasst", skip_threshold=1.0,
-                           implementation="pallas")
 
 
 def test_block_table_arguments_are_checked():
