@@ -37,6 +37,17 @@ _ALLOWED = frozenset({
     "segment_ids", "logits_soft_cap", "normalizer", "normalizer_params", "decay_bias", "score"})
 
 
+def _positive_eps(eps, fn: str) -> float:
+  """``eps`` as a float > 0; ValueError naming ``fn`` otherwise."""
+  try:
+    eps_f = float(eps)
+  except TypeError:
+    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
+  if not eps_f > 0:
+    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  return eps_f
+
+
 def _per_head_rows(value, num_heads: int, name: str, fn: str):
   """A scalar or per-head ``[N]`` -> broadcastable against per-row arrays [B, N, T]."""
   v = per_head(value, num_heads, name, fn)
@@ -120,12 +131,7 @@ def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   fn = "polar_attention"
   if not isinstance(return_parts, (bool, np.bool_)):
     raise ValueError(f"{fn}: `return_parts` must be a bool, got {return_parts!r}")
-  try:
-    eps_f = float(eps)
-  except TypeError:
-    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
-  if not eps_f > 0:
-    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  eps_f = _positive_eps(eps, fn)
   slope = _concrete(magnitude_slope)
   if slope is not None and (np.any(~np.isfinite(slope)) or np.any(slope <= 0)):
     raise ValueError(f"{fn}: `magnitude_slope` must be finite and > 0, got {magnitude_slope!r}")
@@ -263,12 +269,7 @@ def polar_sink_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   for name in ("normalizer", "normalizer_params"):
     if name in kwargs:
       raise ValueError(f"{fn}: `{name}` is fixed (the weights are polar_softmax's)")
-  try:
-    eps_f = float(eps)
-  except TypeError:
-    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
-  if not eps_f > 0:
-    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  eps_f = _positive_eps(eps, fn)
   for name, val in (("alpha", alpha), ("null_bias", null_bias), ("gamma", gamma),
                     ("magnitude_gain", magnitude_gain)):
     v0 = _concrete(val)
@@ -376,12 +377,7 @@ def polar_memory(query: ArrayLike, key: ArrayLike, value: ArrayLike,
     Delta Rule".
   """
   fn = "polar_memory"
-  try:
-    eps_f = float(eps)
-  except TypeError:
-    raise ValueError(f"{fn}: `eps` must be a float > 0, got {eps!r}") from None
-  if not eps_f > 0:
-    raise ValueError(f"{fn}: `eps` must be > 0, got {eps!r}")
+  eps_f = _positive_eps(eps, fn)
   rb = _concrete(retention_bias)
   if rb is None or rb.size != 1 or not np.isfinite(rb).all():
     raise ValueError(f"{fn}: `retention_bias` must be a finite float, got {retention_bias!r}")

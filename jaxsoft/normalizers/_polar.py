@@ -68,8 +68,10 @@ def polar_softmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, 
   nothing. ``nu`` grows like ``sqrt(log n)``, the extreme-value scale of n unrelated
   scores (``E max`` of n standard normals is about ``sqrt(2 log n)``), and the temperature
   ``t`` like ``log n`` (as SSMax's). Only the weights: ATMA's direction/magnitude split of
-  the output and its memory branch are attention-layer parts, not the normalizer. Not
-  shift invariant (the null logit is fixed).
+  the output (with the null value and the sink-corrected magnitude) is
+  :func:`jaxsoft.attention.polar_sink_attention`, its memory branch
+  :func:`jaxsoft.attention.polar_memory`, the whole layer ``jaxsoft.nn.PolarMemoryAttention``.
+  Not shift invariant (the null logit is fixed).
 
   Args:
     x: scores.
