@@ -38,8 +38,8 @@ def _row_max(x_ref, n_chunks, chunk):
   br = x_ref.shape[0]
   init = jnp.full((br, chunk), -jnp.inf, jnp.float32)
   lanes = tp.row_reduce(lambda xc, acc: jnp.maximum(acc, xc), init, x_ref, n_chunks, chunk)
-  top = jnp.max(lanes, axis=1, keepdims=True)
-  return jnp.where(jnp.isfinite(top), top, 0.0)  # a row with nothing visible: e = 0
+  top = jnp.max(lanes, axis=1, keepdims=True)  # NaN if the row has one: it propagates
+  return jnp.where(top == -jnp.inf, 0.0, top)  # a row with nothing visible: e = 0
 
 
 def _row_sum(x_ref, n_chunks, chunk, expf):
@@ -69,7 +69,7 @@ def _quantized_kernel(x_ref, o_ref, *, n_chunks: int, chunk: int, bits: int, met
   top = _row_max(x_ref, n_chunks, chunk)
 
   def expf(xc):
-    return jnp.where(xc > -jnp.inf, jnp.exp(xc - top), 0.0)
+    return jnp.where(xc != -jnp.inf, jnp.exp(xc - top), 0.0)
 
   d = _row_sum(x_ref, n_chunks, chunk, expf)
   d = jnp.where(d > 0, d, 1.0)
@@ -78,7 +78,7 @@ def _quantized_kernel(x_ref, o_ref, *, n_chunks: int, chunk: int, bits: int, met
     q = _quantize(expf(xc) / d, bits, method)
     if bias is not None:
       q = q + jnp.float32(bias)
-    return jnp.where(xc > -jnp.inf, q, 0.0)
+    return jnp.where(xc != -jnp.inf, q, 0.0)
 
   tp.row_write(write, x_ref, o_ref, n_chunks, chunk)
 
@@ -100,7 +100,7 @@ def _lut_kernel(x_ref, o_ref, *, n_chunks: int, chunk: int, table_size: int, x_m
   top = _row_max(x_ref, n_chunks, chunk)
 
   def expf(xc):
-    return jnp.where(xc > -jnp.inf, _lut_value(xc - top, table_size, x_min, frac_bits), 0.0)
+    return jnp.where(xc != -jnp.inf, _lut_value(xc - top, table_size, x_min, frac_bits), 0.0)
 
   d = _row_sum(x_ref, n_chunks, chunk, expf)
   inv_ok = d != 0
@@ -178,7 +178,8 @@ def quantized_softmax(x, bits: int = 8, where=None, *, method: str = "uniform",
   division, the quantiser's ``p/s``, round, clip, ``s * code``): the output equals the
   reference's except where a float rounding of the sum, summed in another order, moves a
   weight across a level boundary (one level; on CPU in interpret mode, none in the
-  tests). Hidden entries (``where`` False, ``-inf``) get 0.
+  tests). Hidden entries (``where`` False, ``-inf``) get 0; a NaN makes its row NaN
+  (NaN in the quantiser's clip: the codes there are unspecified), a ``+inf`` too.
 
   Gradient: straight-through, softmax's (``dx = p (g - <p, g>)``, ``p`` recomputed in XLA).
 

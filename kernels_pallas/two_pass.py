@@ -175,7 +175,8 @@ def row_call(body, x2, *, backend: str, interpret: Any, block_rows: int | None, 
   ``block_rows`` whole rows, padded with -inf (rows and columns) where needed.
 
   Triton: ``block_rows`` a power of two (default 8), ``n`` padded to a power of two, chunks
-  of ``min(n_pad, chunk)`` columns. Mosaic: ``block_rows`` a multiple of 8 (default 8),
+  of ``min(n_pad, chunk)`` columns. Mosaic: ``block_rows`` a multiple of 8 (default 8, 16
+  for 16-bit dtypes),
   ``n`` padded to a multiple of the chunk (a multiple of 128). Returns ``[R, n]`` in x2's
   dtype.
   """
@@ -184,8 +185,8 @@ def row_call(body, x2, *, backend: str, interpret: Any, block_rows: int | None, 
     br = _pow2(block_rows or 8)
     n_pad = _pow2(max(n, 16))
     ch = min(n_pad, chunk)
-  else:
-    br = block_rows or 8
+  else:  # 16-bit dtypes tile by 16 sublanes
+    br = block_rows or (8 if x2.dtype.itemsize >= 4 else 16)
     if br % 8:
       raise _err(name, f"`block_rows` must be a multiple of 8 for Mosaic TPU, got {block_rows!r}")
     ch = min(-(-n // 128) * 128, chunk)
@@ -252,7 +253,7 @@ _LOW = -(2.0 ** 100)  # the exponent of a hidden entry (its mantissa is 0)
 
 def _pairs(x, exp: str):
   """``e^x = m 2^k`` per entry: ``(m, k)``, ``m = 0`` and ``k = _LOW`` where x = -inf."""
-  visible = x > -jnp.inf
+  visible = x != -jnp.inf  # (NaN is visible: it propagates to its row)
   big = jnp.abs(x) >= _BIG
   xs = jnp.where(visible, jnp.clip(x, -1e38, 1e38), 0.0)  # (x log2 e stays finite)
   k = jnp.floor(xs * _LOG2E + 0.5)
@@ -283,7 +284,7 @@ def _two_pass_kernel(x_ref, o_ref, *, n_chunks: int, chunk: int, exp: str):
   acc_m, acc_k = row_reduce(accumulate, init, x_ref, n_chunks, chunk)
   top = jnp.max(acc_k, axis=1, keepdims=True)  # the lanes merge once per row
   total = jnp.sum(acc_m * pow2_int(acc_k - top), axis=1, keepdims=True)
-  inv = jnp.where(total > 0, 1.0 / jnp.where(total > 0, total, 1.0), 0.0)
+  inv = jnp.where(total == 0, 0.0, 1.0 / jnp.where(total == 0, 1.0, total))  # (NaN stays)
 
   def normalise(xc):  # pass 2: y = (m / M) 2^(k - K)
     m, k = _pairs(xc, exp)
@@ -352,7 +353,7 @@ def two_pass_softmax(x, where=None, *, exp: str = "native", backend: str = "trit
     backend: "triton" (GPU) or "mosaic_tpu".
     interpret: run in the Pallas interpreter (CPU).
     block_rows: rows per program (Triton: a power of two; Mosaic: a multiple of 8;
-      default 8). A program's tile is ``[block_rows, n_pad]`` (n padded to a power of two
+      default 8, on Mosaic 16 for 16-bit dtypes). A program's tile is ``[block_rows, n_pad]`` (n padded to a power of two
       on Triton, to a multiple of 128 on Mosaic, where the tile is in VMEM twice).
 
   Returns:

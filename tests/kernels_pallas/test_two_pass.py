@@ -165,3 +165,17 @@ def test_implementation_errors(monkeypatch):
   if jax.default_backend() == "cpu":  # no driver and no interpreter asked for
     with pytest.raises(NotImplementedError, match="JAXSOFT_PALLAS_INTERPRET"):
       js.normalizers.two_pass_softmax(x, implementation="pallas")
+
+
+@pytest.mark.slow
+def test_nan_propagates_to_its_row_and_nothing_visible_is_zero():
+  from kernels_pallas import quantized
+
+  x = np.array([[1.0, np.nan, 2.0, 0.0], [1.0, 2.0, -np.inf, 0.5], [-np.inf] * 4], np.float32)
+  want = _softmax64(x[1:2], np.isfinite(x[1:2]))[0]
+  for fn in (lambda x: two_pass.two_pass_softmax(x, interpret=True),
+             lambda x: quantized.quantized_softmax(x, 16, interpret=True),
+             lambda x: quantized.lut_softmax(x, table_size=4096, interpret=True)):
+    y = np.asarray(jax.jit(fn)(x), np.float64)
+    assert np.all(np.isnan(y[0])) and not np.any(y[2])
+    np.testing.assert_allclose(y[1], want, atol=1e-3)  # (16-bit levels, a 4096-entry table)
