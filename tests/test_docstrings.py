@@ -16,7 +16,7 @@ import inspect
 import pytest
 
 PACKAGES = ("jaxsoft.normalizers", "jaxsoft.attention", "jaxsoft.linear", "jaxsoft.losses",
-            "jaxsoft.nn", "jaxsoft.pooling", "jaxsoft.testing", "kernels_pallas")
+            "jaxsoft.nn", "jaxsoft.pooling", "jaxsoft.testing", "jaxsoft.optim", "kernels_pallas")
 
 
 def _public():

@@ -31,6 +31,7 @@ PACKAGES = {
     "pooling": ("jaxsoft.pooling", "Pooling"),
     "testing": ("jaxsoft.testing", "Testing"),
     "checks": ("jaxsoft.checks", "Runtime checks"),
+    "optim": ("jaxsoft.optim", "Optimizer transformations"),
     "kernels_pallas": ("kernels_pallas", "Pallas kernels"),
 }
 TRAIN_MODULES = ("config", "model", "layers", "kinds", "positions", "data", "sharding",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pathlib
+import pkgutil
 import re
 
 import pytest
@@ -31,6 +32,7 @@ PAGES = {
     "jaxsoft.pooling": "pooling.rst",
     "jaxsoft.testing": "testing.rst",
     "jaxsoft.checks": "checks.rst",
+    "jaxsoft.optim": "optim.rst",
     "kernels_pallas": "kernels_pallas.rst",
 }
 TRAIN_MODULES = ("config", "model", "layers", "kinds", "positions", "data", "sharding",
@@ -110,3 +112,12 @@ def test_every_api_page_is_in_the_table_of_contents():
              if line.strip() and not line.strip().startswith(":")}
   pages = {p.stem for p in API.glob("*.rst")} - {"index"}
   assert pages == entries, f"docs/api/index.rst toctree {sorted(entries)} != pages {sorted(pages)}"
+
+
+def test_every_public_subpackage_has_a_page():
+  """A new public subpackage of jaxsoft (``jaxsoft.optim`` was one) needs its page here, in
+  docs/api/generate.py and in tests/test_docstrings.py."""
+  import jaxsoft
+  subpackages = {f"jaxsoft.{m.name}" for m in pkgutil.iter_modules(jaxsoft.__path__)
+                 if not m.name.startswith("_") and m.ispkg}
+  assert subpackages <= set(PAGES), sorted(subpackages - set(PAGES))
