@@ -113,7 +113,20 @@ def test_lrpe_theta_schedule():
 # ----------------------------------------------------------------------------- SRMSNorm
 
 
-def test_srms_norm_matches_float64_is_scale_invariant_and_its_gradient_is_orthogonal_to_x():
+def test_srms_norm_matches_float64_and_is_scale_invariant():
+  x = jax.random.normal(jax.random.key(3), (4, 6)) * 3.0
+  y, y_scaled, y0 = jax.jit(lambda x: (linear.srms_norm(x), linear.srms_norm(7.5 * x),
+                                       linear.srms_norm(x, axis=0, eps=0.5)))(x)
+  x64 = np.asarray(x, np.float64)
+  want = x64 / np.sqrt(np.mean(x64 ** 2, -1, keepdims=True) + 1e-6)
+  np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)      # float32 rounding, |y| < 3
+  np.testing.assert_allclose(y_scaled, want, rtol=1e-6, atol=1e-6)   # eps/mean(x²) ~ 1e-7
+  np.testing.assert_allclose(y0, x64 / np.sqrt(np.mean(x64 ** 2, 0, keepdims=True) + 0.5),
+                             rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_srms_norm_in_full_its_gradient_is_orthogonal_to_x():
   """Against ``x / sqrt(mean x² + ε)`` in float64 (any axis, bf16 computed in float32);
   ``SRMSNorm(c x) = SRMSNorm(x)``; the gradient kills the direction of x (ε -> 0):
   ``(w - y ⟨w, y⟩ / d) / rms`` in float64, ``⟨∇, x⟩ = 0``."""
@@ -144,6 +157,24 @@ def test_srms_norm_matches_float64_is_scale_invariant_and_its_gradient_is_orthog
 # ---------------------------------------------------------------------- LRPE-d attention
 
 
+def test_transnormer_attention_matches_float64_loop():
+  """The chunked form with segments against the dense float64 loop; θ = 0 is
+  :func:`lightning_attention`."""
+  a = _inputs(t=8)
+  seg = cases.segments(B, 8)
+  chunked, plain, light = jax.jit(lambda a: (
+      linear.transnormer_attention(a["q"], a["k"], a["v"], a["g"], a["theta"],
+                                   implementation="chunked", chunk_size=3, segment_ids=seg),
+      linear.transnormer_attention(a["q"], a["k"], a["v"], a["g"], jnp.zeros((N, K))),
+      linear.lightning_attention(a["q"], a["k"], a["v"], a["g"])))(a)
+  want = _attention_np(a["q"], a["k"], a["v"], a["g"], a["theta"], scale=K ** -0.5,
+                       segment_ids=seg)
+  # float32 sums of <= 8 terms of size <= ~20: 1e-5 relative; angles to 1.5 * 7 rad
+  np.testing.assert_allclose(chunked, want, rtol=1e-4, atol=1e-4)
+  np.testing.assert_allclose(plain, light, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_transnormer_attention_matches_float64_loop_and_its_properties():
   """The chunked form with segments, and the parallel one at positions offset by 100,
   against the dense float64 loop; packed segments equal each segment alone from position 0
@@ -179,6 +210,7 @@ def test_transnormer_attention_matches_float64_loop_and_its_properties():
   np.testing.assert_allclose(np.asarray(o16, np.float32), o32, rtol=5e-2, atol=5e-2)
 
 
+@pytest.mark.slow
 def test_gradients_match_the_dense_formula():
   """The gradients of q, k, v, g and θ against those of the dense formula written in jnp."""
   a = _inputs()

@@ -53,6 +53,29 @@ def _inputs():
   return k, seg, mask
 
 
+def test_key_instance_norm_matches_float64_and_is_shift_invariant():
+  """Segments and a mask against the float64 loop; a shift shared by an instance's tokens
+  (a different one per segment) changes nothing; zero mean and unit variance per instance
+  and channel (ε small)."""
+  k, seg, mask = _inputs()
+  shift = jax.random.normal(jax.random.key(1), (B, 1, N, K)) * 5.0
+  per_segment = jnp.where((seg == 1)[:, :, None, None], 2.0 * shift, -shift)
+  both, shifted, tight = jax.jit(lambda k: (
+      linear.key_instance_norm(k, segment_ids=seg, mask=mask),
+      linear.key_instance_norm(k + per_segment, segment_ids=seg, mask=mask),
+      linear.key_instance_norm(k, eps=1e-12)))(k)
+  want = _key_norm_np(k, 1e-5, seg, mask)
+  # float32 mean / variance of <= 9 values ~ 3 ± 6: ~1e-6 relative to a unit output
+  np.testing.assert_allclose(both, want, rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(both)[~np.asarray(mask)] == 0.0)
+  # the shifts (|c| <~ 20) cost float32 cancellation: 20 * 2^-24 / std(~2)
+  np.testing.assert_allclose(shifted, want, rtol=1e-4, atol=1e-4)
+  tight = np.asarray(tight, np.float64)
+  np.testing.assert_allclose(tight.mean(1), 0.0, atol=1e-6)
+  np.testing.assert_allclose(tight.var(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_key_instance_norm_matches_float64_and_its_properties():
   """Against the float64 loop (no mask; mask; segments and mask); per instance and channel
   zero mean and unit variance (ε small); a shift shared by an instance's tokens (a different
@@ -93,6 +116,29 @@ def test_key_instance_norm_matches_float64_and_its_properties():
       np.asarray(k.astype(jnp.bfloat16), np.float64), 1e-5), rtol=2e-2, atol=2e-2)
 
 
+def test_key_shift_invariance_softmax_has_linear_lacks_and_the_norm_restores():
+  """``softmax_j(q·(k_j + c)) = softmax_j(q·k_j)``; (bidirectional, unnormalised) linear
+  attention ``o_i = Σ_j (q_i·k_j) v_j`` -- one full-batch TTT step from W = 0 -- changes
+  under the shift, and does not on normalised keys."""
+  q, v = jax.random.normal(jax.random.key(4), (2, 1, T, N, K))
+  k = _inputs()[0][:1]
+  c = 3.0 * jnp.ones((1, 1, N, K))
+
+  @jax.jit
+  def run(q, k, v):
+    scores = lambda k: jnp.einsum("bink,bjnk->bnij", q, k)
+    lin = lambda k: jnp.einsum("bnij,bjnv->binv", scores(k), v)
+    kin = linear.key_instance_norm
+    return (jax.nn.softmax(scores(k)), jax.nn.softmax(scores(k + c)), lin(k), lin(k + c),
+            lin(kin(k)), lin(kin(k + c)))
+
+  s, s_c, o, o_c, o_n, o_nc = run(q, k, v)
+  np.testing.assert_allclose(s_c, s, rtol=1e-4, atol=1e-6)   # float32 logits ~ 30 shifted
+  assert float(jnp.max(jnp.abs(o_c - o))) > 1.0
+  np.testing.assert_allclose(o_nc, o_n, rtol=1e-4, atol=1e-4)   # sums of 9 terms ~ 3
+
+
+@pytest.mark.slow
 def test_key_shift_invariance_softmax_has_ttt_lacks_and_the_norm_restores():
   """``softmax_j(q·(k_j + c)) = softmax_j(q·k_j)``; TTT-Linear (one mini-batch from W = 0:
   unnormalised linear attention) changes under the shift, and does not on normalised keys."""
@@ -134,6 +180,19 @@ def _conv_np(x, kernel, bias, grid):
   return out.reshape(x.shape)
 
 
+def test_locality_enhance_matches_float64_neighbour_sums_1d_and_on_a_grid():
+  ks = jax.random.split(jax.random.key(6), 4)
+  x = jax.random.normal(ks[0], (B, 12, N, K))
+  k3, k33 = jax.random.normal(ks[1], (3, N, K)), jax.random.normal(ks[2], (3, 3, N, K))
+  bias = jax.random.normal(ks[3], (N, K))
+  y3, y33 = jax.jit(lambda x: (linear.locality_enhance(x, k3, bias),
+                               linear.locality_enhance(x, k33, bias, grid=(3, 4))))(x)
+  # float32 sums of <= 11 products of size ~1 (HIGHEST precision)
+  np.testing.assert_allclose(y3, _conv_np(x, k3, bias, None), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(y33, _conv_np(x, k33, bias, (3, 4)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
 def test_locality_enhance_matches_float64_neighbour_sums():
   """1-D (kernel 3 and 5, with a bias) and a 3 x 4 grid (3 x 3, the paper's), against the
   float64 sums; the kernel's gradient against the float64 correlation of x with the
