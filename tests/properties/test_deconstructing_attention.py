@@ -84,7 +84,7 @@ def _bigram_loss():
   return float(-np.mean(np.log(p[x, y])))
 
 
-@pytest.mark.slow  # five 300-step training runs (~2-3 min on 2 cores)
+@pytest.mark.slow  # five 300-step training runs (~2 min of CPU; 4.5 min wall on 2 shared cores)
 def test_no_mixing_collapses_and_hybrids_recover_most_of_the_gap():
   loss = {label: _held_out_loss(*args) for label, args in (
       ("softmax", ("full",)), ("no_mixing", ("no_mixing",)), ("fixed_map", ("fixed_map",)),
