@@ -102,6 +102,7 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
     python bench/gpu.py --sections extras    # only the K06 / block-sparse / decode rows
     python bench/gpu.py --sections polykv,single_pass   # the K11 / K12 rows
     python bench/gpu.py --sections two_pass,quantized   # the K05 / K06 / K09 row kernels
+    python bench/gpu.py --sections topk                 # K01, fused softmax + top-k
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
 SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox",
-            "polykv", "single_pass", "two_pass", "quantized")
+            "polykv", "single_pass", "two_pass", "quantized", "topk")
 
 
 @dataclasses.dataclass
@@ -292,6 +293,10 @@ def main(argv=None):
     ok &= two_pass_section(args)
   if "quantized" in sections:
     ok &= quantized_section(args)
+  if "topk" in sections:  # K01: the section lives in bench/gpu_topk.py, beside this script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_topk
+    ok &= gpu_topk.section(args)
   return 0 if ok else 1
 
 
