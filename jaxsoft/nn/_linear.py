@@ -53,6 +53,11 @@ the kind's recurrence ``o = mix(q, k, v, gates)`` from :mod:`jaxsoft.linear`, th
   sequence and the paper's linear output gate: :math:`\mathrm{RMSNorm}(o_t) \odot W_r x_t`
   (no SiLU). The mean query makes it bidirectional: it needs ``causal=False`` (its default)
   and cannot decode. The short convolution stays causal in every kind.
+* ``kind="transnormer"``: TransNormerLLM's LRPE-d attention (learned angles ``lrpe_theta
+  [N, K]`` started at :func:`jaxsoft.linear.lrpe_theta`, the depth's Lightning decay) and its
+  linear gate :math:`U = W_u x` (Qin et al. 2023, "TransNormerLLM"; the output norm is the
+  mixers' per-head RMSNorm with a scale, where the paper's SRMSNorm spans the width without
+  one).
 
 Decoding: :meth:`LinearMixer.init_state` gives the zero state (the convolution's last
 ``c - 1`` inputs, the recurrent state of the kind's ``*_step`` function, the position) and

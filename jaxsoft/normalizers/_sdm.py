@@ -26,7 +26,9 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
         q: ArrayLike = 0.0, d: ArrayLike = 1.0) -> jax.Array:
   r"""SDM (Similarity-Distance-Magnitude) activation (feature N10, kernel class E; A. Schmaltz 2025).
 
-  From "Similarity-Distance-Magnitude Universal Verification" (A. Schmaltz, 2025):
+  From "Similarity-Distance-Magnitude Activations" and "Similarity-Distance-Magnitude Universal
+  Verification" (A. Schmaltz, 2025); q and d can be estimated from data with
+  :func:`sdm_similarity` and :func:`sdm_distance_quantile`:
 
   .. math::
     \mathrm{sdm}(x)_i = \frac{(2 + q)^{d\,x_i}}{\sum_{j \in V} (2 + q)^{d\,x_j}}
@@ -64,6 +66,8 @@ def sdm(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
     Array([0.3333, 0.3333, 0.3333], dtype=float32)
 
   References:
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (arXiv 2509.12760).
+
     A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal Verification".
   """
   xs, mask, ax, top, hp = c.prepare_params(x, axis, where, "sdm", (_Q, q), (_D, d),
