@@ -18,6 +18,8 @@ def _load_bench():
   return load_script("bench/gpu.py", "bench_gpu")
 
 
+# a subprocess run of the whole script (~15 s): the slow suite; the default run keeps the refusal tests
+@pytest.mark.slow
 def test_bench_interpret_tiny_runs():
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   proc = subprocess.run(
@@ -113,6 +115,7 @@ def test_a_decode_kernel_that_fails_its_check_is_not_timed(monkeypatch, capsys):
   assert "| kp.decode_attention, paged (16) | 2 x 64 | - | - | FAIL" in out
 
 
+@pytest.mark.slow  # ~13 s each in interpret mode; the refusal tests stay in the default run
 @pytest.mark.parametrize("section,names", [
     ("sigmoid", {"softmax", "sigmoid", "sigmoid approx_sigmoid"}),
     pytest.param("fox", {"decay", "decay, pruned at -10", "distance + decay (idw_softmax)"},

@@ -5,9 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import ROOT, load_script
 
 
+# a subprocess run of the whole script (~15 s): the slow suite; the default run keeps the refusal tests
+@pytest.mark.slow
 def test_quick_benchmark_runs():
   proc = subprocess.run(
       [sys.executable, str(ROOT / "bench" / "linear_cpu.py"), "--quick"],
