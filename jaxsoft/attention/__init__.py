@@ -95,3 +95,13 @@ __all__ += ["no_mixing_attention", "fixed_map_attention", "embedding_qk_attentio
 from jaxsoft.attention._tropical import tropical_attention  # noqa: E402
 
 __all__ += ["tropical_attention"]
+
+# reusing top-k selections (A11, ``_topk_reuse``): TokenSelect's Selection Cache, Kascade's anchor layers
+from jaxsoft.attention._topk_reuse import (  # noqa: E402, E501
+    anchor_layer_scores,
+    init_selection_cache,
+    select_anchor_layers,
+    selection_cache_step,
+)
+
+__all__ += ["init_selection_cache", "selection_cache_step", "anchor_layer_scores", "select_anchor_layers"]
