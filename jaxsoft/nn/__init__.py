@@ -13,7 +13,8 @@ The only jaxsoft package that imports flax.
   :class:`DirichletCalibration`): modules that own a normalizer's parameters and return its
   hyperparameters or apply it; all but the last plug into ``MultiHeadAttention(learned=...)``.
 * :class:`SoftMoE` (A21; :func:`soft_moe`, :func:`soft_moe_weights`) and
-  :class:`ProductKeyMemory` (A47; :func:`product_key_topk`).
+  :class:`ProductKeyMemory` (A47; :func:`product_key_topk`; FwPKM fast weights:
+  :func:`fast_weight_pkm`, :func:`fast_weight_pkm_update`).
 * :class:`UniAttnCompensation` (A22, UniAttn's W_c) and :class:`InfSA` (A25, a learned
   per-head discount).
 * :class:`AttentionControl` (A49): attention controls (no token mixing, fixed or learned
@@ -35,6 +36,7 @@ The only jaxsoft package that imports flax.
 from jaxsoft.nn._adaptive_pool import AdaptiveAttentionPool
 from jaxsoft.nn._attention_controls import ATTENTION_CONTROLS, AttentionControl
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
+from jaxsoft.nn._fast_weight_product_key_memory import fast_weight_pkm, fast_weight_pkm_update
 from jaxsoft.nn._fox_pro import FoXProAttention
 from jaxsoft.nn._infinite import InfSA
 from jaxsoft.nn._learned_normalizers import (
@@ -73,6 +75,7 @@ from jaxsoft.nn._uniattn import UniAttnCompensation
 
 __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_transform",
            "SoftMoE", "soft_moe", "soft_moe_weights", "ProductKeyMemory", "product_key_topk",
+           "fast_weight_pkm", "fast_weight_pkm_update",
            "DirichletCalibration", "MultiMax", "QASSMax", "TempNet", "SSA", "ASEntmax",
            "AffineScaled",
            "FoXProAttention",

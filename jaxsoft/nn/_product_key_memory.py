@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -9,7 +11,8 @@ from flax.nnx.nn import initializers
 from flax.typing import Dtype
 from jax.typing import ArrayLike
 
-from jaxsoft._validation import positive_int
+from jaxsoft._validation import finite_float, positive_int
+from jaxsoft.nn._fast_weight_product_key_memory import fast_weight_pkm
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["ProductKeyMemory", "product_key_topk"]
@@ -77,14 +80,21 @@ class ProductKeyMemory(nnx.Module):
   gradient (a sparse update).
 
   From G. Lample, A. Sablayrolles, M. Ranzato, L. Denoyer, H. Jégou, "Large Memory Layers
-  with Product Keys" (NeurIPS 2019); FwPKM (fast-weight product-key memory, 2025) updates
-  the same memory by test-time gradient steps on a reconstruction loss, which is the
-  caller's training loop here ([R]: not part of this layer).
+  with Product Keys" (NeurIPS 2019).
+
+  ``fast_weights=True`` is FwPKM (fast-weight product-key memory, 2025): inputs are
+  sequences ``[..., T, d_in]``, ``value_table`` is the initial state of a fast-weight table
+  that is rewritten chunk by chunk (:func:`fast_weight_pkm`) toward write targets
+  :math:`v_t = x_t W_v` (``w_target``): chunk c reads the table written by chunks < c.
+  [R]: the reconstruction loss and the single SGD step per chunk are reconstructed (see
+  :func:`fast_weight_pkm_update`).
 
   Args:
     in_features: d_in; key_dim: d (even; split into two halves of d/2);
     num_sub_keys: n (the memory has n^2 slots); value_dim: d_v (default d_in);
     top_k: k <= n; num_heads: heads (their outputs are summed);
+    fast_weights: the FwPKM mode (needs ``chunk_size``); chunk_size: tokens per write;
+    inner_learning_rate: the fast-weight step size (>= 0; default 1.0);
     param_dtype: parameter dtype; rngs: nnx.Rngs.
 
   Examples:
@@ -98,6 +108,10 @@ class ProductKeyMemory(nnx.Module):
     >>> weights.sum(-1)
     Array([[1.],
            [1.]], dtype=float32)
+    >>> fw = js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2, fast_weights=True,
+    ...                             chunk_size=2, rngs=nnx.Rngs(0))
+    >>> fw(jnp.ones((3, 6, 8))).shape                # [batch, T, d_in], T a multiple of 2
+    (3, 6, 8)
 
   References:
     G. Lample, A. Sablayrolles, M. Ranzato, L. Denoyer & H. Jégou, 2019, "Large Memory
@@ -105,7 +119,8 @@ class ProductKeyMemory(nnx.Module):
   """
 
   def __init__(self, in_features: int, *, key_dim: int, num_sub_keys: int, top_k: int,
-               value_dim: int | None = None, num_heads: int = 1,
+               value_dim: int | None = None, num_heads: int = 1, fast_weights: bool = False,
+               chunk_size: int | None = None, inner_learning_rate: float = 1.0,
                param_dtype: Dtype = jnp.float32, rngs: nnx.Rngs) -> None:
     value_dim = in_features if value_dim is None else value_dim
     for arg, val in (("in_features", in_features), ("key_dim", key_dim),
@@ -118,6 +133,19 @@ class ProductKeyMemory(nnx.Module):
       raise ValueError(
           f"ProductKeyMemory: `top_k` ({top_k}) must be <= `num_sub_keys` ({num_sub_keys})")
     self.top_k = top_k
+    if not isinstance(fast_weights, bool):
+      raise ValueError(f"ProductKeyMemory: `fast_weights` must be a bool, got {fast_weights!r}")
+    self.fast_weights = fast_weights
+    self.chunk_size = chunk_size
+    self.inner_learning_rate = finite_float(inner_learning_rate, "inner_learning_rate",
+                                            "ProductKeyMemory")
+    if self.inner_learning_rate < 0:
+      raise ValueError("ProductKeyMemory: `inner_learning_rate` must be >= 0, got "
+                       f"{inner_learning_rate!r}")
+    if fast_weights:
+      positive_int(chunk_size, "chunk_size", "ProductKeyMemory")
+    elif chunk_size is not None:
+      raise ValueError("ProductKeyMemory: `chunk_size` is for `fast_weights=True` only")
     init = initializers.lecun_normal()
     self.w_query = nnx.Param(init(rngs.params(), (in_features, num_heads * key_dim), param_dtype))
     self.num_heads, self.key_dim = num_heads, key_dim
@@ -129,6 +157,8 @@ class ProductKeyMemory(nnx.Module):
     self.value_table = nnx.Param(jax.random.normal(
         rngs.params(), (num_sub_keys * num_sub_keys, value_dim), param_dtype)
         / jnp.sqrt(value_dim).astype(param_dtype))
+    if fast_weights:
+      self.w_target = nnx.Param(init(rngs.params(), (in_features, value_dim), param_dtype))
 
   def lookup(self, x: ArrayLike) -> tuple[jax.Array, jax.Array]:
     """``(weights [..., heads, k], indices [..., heads, k])`` for inputs ``x [..., d_in]``."""
@@ -140,8 +170,20 @@ class ProductKeyMemory(nnx.Module):
     return jax.nn.softmax(scores, axis=-1), idx
 
   def __call__(self, x: ArrayLike) -> jax.Array:
-    """``x [..., d_in] -> [..., d_v]`` in x's dtype."""
+    """``x [..., d_in] -> [..., d_v]`` in x's dtype (``[..., T, d_in]`` with fast weights)."""
     x = jnp.asarray(x)
+    if self.fast_weights and x.ndim < 2:
+      raise ValueError(
+          f"ProductKeyMemory: with `fast_weights` `x` must be [..., T, d_in], got {x.shape}")
     w, idx = self.lookup(x)
+    if self.fast_weights:
+      cdt = w.dtype
+      tgt = x.astype(cdt) @ self.w_target[...].astype(cdt)
+      lead, (T, h, k) = x.shape[:-2], w.shape[-3:]
+      run = jax.vmap(lambda w_, i_, t_: fast_weight_pkm(
+          self.value_table[...], w_, i_, t_, chunk_size=cast(int, self.chunk_size),
+          learning_rate=self.inner_learning_rate)[0])
+      out = run(w.reshape(-1, T, h, k), idx.reshape(-1, T, h, k), tgt.reshape(-1, T, tgt.shape[-1]))
+      return out.reshape(*lead, T, -1).astype(x.dtype)
     vals = jnp.take(self.value_table[...].astype(w.dtype), idx, axis=0)  # [..., heads, k, d_v]
     return jnp.einsum("...hk,...hkv->...v", w, vals).astype(x.dtype)
