@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -62,7 +62,7 @@ QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
 print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 VOCAB, BOS, TRIGGER, NOTHING = 16, 16, 17, 18
 L, D, HEADS, LAYERS = 24, 32, 2, 2
-STEPS = 150 if QUICK else 1200
+STEPS = 30 if QUICK else 1200
 
 
 def make_batch(key, batch=64):

@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -111,7 +111,7 @@ print({f"{n}/{i}": (f"{e:.1e}" if e is not None else "n/a") for (n, i), e in err
 # blocks.
 
 # %%
-lengths = [256, 512, 1024] if QUICK else [256, 512, 1024, 2048, 4096, 8192]
+lengths = [256, 512] if QUICK else [256, 512, 1024, 2048, 4096, 8192]
 
 
 def temp_bytes(implementation, t):

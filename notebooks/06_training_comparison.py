@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -58,7 +58,7 @@ QUICK = os.environ.get("JAXSOFT_NOTEBOOK_QUICK") == "1"
 print("sizes:", "small (JAXSOFT_NOTEBOOK_QUICK=1, as CI runs it)" if QUICK else "full")
 NORMALIZERS = ["softmax", "softmax_1", "sigmoid", "ssmax"] if QUICK else [
     "softmax", "softmax_1", "ssmax", "sigmoid", "softpick", "stablemax", "sparsemax", "entmax15"]
-STEPS = 30 if QUICK else 200
+STEPS = 12 if QUICK else 200
 workdir = pathlib.Path(tempfile.mkdtemp(prefix="jaxsoft_compare_"))
 
 # %%
