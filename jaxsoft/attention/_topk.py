@@ -29,13 +29,13 @@ BLOCK_K = 512
 
 def _gqa_take(x, idx, K: int, G: int):
   """``x`` [B, S, K, H] gathered at ``idx`` [B, N, T, k] -> [B, N, T, k, H] (head n reads
-  key/value head n // G, as jax.nn's GQA)."""
-  B, S, _, H = x.shape
-  _, N, T, kk = idx.shape
-  xt = jnp.transpose(x, (0, 2, 1, 3))[:, :, None]  # [B, K, 1, S, H]
-  i = idx.reshape(B, K, G, T * kk, 1)
-  out = jnp.take_along_axis(xt, i, axis=3)  # [B, K, G, T·k, H]
-  return out.reshape(B, N, T, kk, H)
+  key/value head n // G, as jax.nn's GQA). One gather in place: no transposed copy of the
+  [B, S, K, H] cache (a decode step over a long cache reads only the k rows it keeps)."""
+  B = x.shape[0]
+  N = idx.shape[1]
+  b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+  h = (jnp.arange(N, dtype=jnp.int32) // G)[None, :, None, None]
+  return x[b, idx, h]
 
 
 def _take_pairs(a, idx):
