@@ -38,6 +38,10 @@ from jaxsoft.losses._classification import (
     softmax_cross_entropy_with_integer_labels,
     top_k_cross_entropy,
 )
+from jaxsoft.losses._constrained_normalized_softmax import (
+    class_separation_penalty,
+    constrained_normalized_softmax_loss,
+)
 from jaxsoft.losses._continual import continual_cross_entropy
 from jaxsoft.losses._contrastive import (
     decoupled_softmax_loss,
@@ -68,7 +72,7 @@ from jaxsoft.losses._large_output import (
     unigram_proposal,
 )
 from jaxsoft.losses._linear_ce import linear_cross_entropy
-from jaxsoft.losses._madacos import madacos_loss, madacos_scale_margin
+from jaxsoft.losses._madacos import madacos_alpha_schedule, madacos_loss, madacos_scale_margin
 from jaxsoft.losses._margin import (
     adacos_scale,
     arcface_loss,
@@ -116,6 +120,8 @@ __all__ = [
     "attention_entropy_penalty",
     "augment_reduce_loss",
     "averaged_teacher_kd_loss",
+    "class_separation_penalty",
+    "constrained_normalized_softmax_loss",
     "continual_cross_entropy",
     "cosface_loss",
     "decoupled_softmax_loss",
@@ -138,6 +144,7 @@ __all__ = [
     "l2_svm_loss",
     "linear_cross_entropy",
     "logit_standardized_kd_loss",
+    "madacos_alpha_schedule",
     "madacos_loss",
     "madacos_scale_margin",
     "marginalized_energy",

@@ -55,6 +55,9 @@ def _cases():
           lambda m, x: L.continual_cross_entropy(
               x, LABELS, jnp.array([True, False, True, False, True]), where=m),
           (logits,), (B,)),
+      "constrained_normalized_softmax_loss": (
+          lambda m, e, c: L.constrained_normalized_softmax_loss(e, c, LABELS, where=m),
+          (emb, w), (B,)),
       "cosface_loss": (lambda m, e, c: L.cosface_loss(e, c, LABELS, where=m), (emb, w), (B,)),
       "decoupled_softmax_loss": (
           lambda m, s: L.decoupled_softmax_loss(s, onehot_bool, where=m), (logits,), (B,)),
