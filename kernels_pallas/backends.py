@@ -8,10 +8,11 @@ On CPU the kernels run only in the Pallas interpreter, which the environment var
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import jax
 
-__all__ = ["BACKENDS", "INTERPRET_ENV", "pick_backend", "check_backend"]
+__all__ = ["BACKENDS", "INTERPRET_ENV", "pick_backend", "check_backend", "row_grid_params"]
 
 BACKENDS = ("triton", "mosaic_tpu")
 INTERPRET_ENV = "JAXSOFT_PALLAS_INTERPRET"
@@ -52,3 +53,19 @@ def pick_backend(backend: str | None) -> tuple[str, bool]:
   raise NotImplementedError(
       f"no Pallas {backend or 'backend'} on platform {platform!r} (set {INTERPRET_ENV}=1 to "
       "run the Pallas kernels in interpret mode)")
+
+
+def row_grid_params(backend: str, interpret: Any) -> tuple[Any, Any]:
+  """``(compiler_params, interpret)`` for a row kernel: a 1-D grid of independent programs,
+  each owning whole rows (``single_pass``, ``two_pass``, ``quantized``, ``fused_top_k``).
+
+  Triton: 4 warps, no software pipelining (a program loops over its own columns); Mosaic
+  TPU: the grid axis is "parallel" (megacore may split it). ``interpret`` as the caller
+  got it, in the form ``pl.pallas_call`` takes for that backend.
+  """
+  if backend == "triton":
+    from jax.experimental.pallas import triton as plgpu
+    return plgpu.CompilerParams(num_warps=4, num_stages=1), bool(interpret)
+  from jax.experimental.pallas import tpu as pltpu
+  return (pltpu.CompilerParams(dimension_semantics=("parallel",)),
+          interpret if interpret is not None else False)

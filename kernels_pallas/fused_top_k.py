@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.backends import BACKENDS, row_grid_params
 
 __all__ = ["softmax_top_k"]
 
@@ -121,14 +121,7 @@ def _kernel_call(x2, k: int, backend: str, interpret: Any, block_rows, block_col
   if (r_pad, n_pad) != (r, n):
     x2 = jnp.pad(x2, ((0, r_pad - r), (0, n_pad - n)), constant_values=-jnp.inf)
   kernel = functools.partial(_kernel, bc=bc, n=n, cdt=cdt)
-  if backend == "triton":
-    from jax.experimental.pallas import triton as plgpu
-    params: Any = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    interp: Any = bool(interpret)
-  else:
-    from jax.experimental.pallas import tpu as pltpu
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",))
-    interp = interpret if interpret is not None else False
+  params, interp = row_grid_params(backend, interpret)
   row = lambda i: (i, 0)  # noqa: E731
   vals, idx, m, d = pl.pallas_call(
       kernel, grid=(r_pad // br,), in_specs=[pl.BlockSpec((br, n_pad), row)],

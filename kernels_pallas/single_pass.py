@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxsoft.normalizers import single_pass as sp
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.backends import BACKENDS, row_grid_params
 
 __all__ = ["single_pass_softmax"]
 
@@ -97,14 +97,7 @@ def _forward(x2, fmt, backend: str, interpret: Any, block_rows: int | None):
   xt = jnp.pad(x2.T, ((0, s_pad - s_len), (0, r_pad - r)), constant_values=-jnp.inf)
   kernel = functools.partial(_kernel, fmt=fmt, chunk=chunk, s_len=s_len, unroll=unroll)
   spec = pl.BlockSpec((s_pad, br), lambda i: (0, i))
-  if backend == "triton":
-    from jax.experimental.pallas import triton as plgpu
-    params: Any = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    interp: Any = bool(interpret)
-  else:
-    from jax.experimental.pallas import tpu as pltpu
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",))
-    interp = interpret if interpret is not None else False
+  params, interp = row_grid_params(backend, interpret)
   out = pl.pallas_call(
       kernel, grid=(r_pad // br,), in_specs=[spec], out_specs=spec,
       out_shape=jax.ShapeDtypeStruct((s_pad, r_pad), x2.dtype), compiler_params=params,

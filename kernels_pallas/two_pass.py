@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels_pallas.backends import BACKENDS
+from kernels_pallas.backends import BACKENDS, row_grid_params
 
 __all__ = ["two_pass_softmax", "exp2_poly", "EXP2_POLY_COEFFS", "EXP2_POLY_MAX_REL_ERR",
            "row_call", "round_half_even", "pow2_int"]
@@ -197,14 +197,7 @@ def row_call(body, x2, *, backend: str, interpret: Any, block_rows: int | None, 
     xp = jnp.pad(x2, ((0, r_pad - r), (0, n_pad - n)), constant_values=-jnp.inf)
   kernel = functools.partial(body, n_chunks=n_pad // ch, chunk=ch)
   spec = pl.BlockSpec((br, n_pad), lambda i: (i, 0))
-  if backend == "triton":
-    from jax.experimental.pallas import triton as plgpu
-    params: Any = plgpu.CompilerParams(num_warps=4, num_stages=1)
-    interp: Any = bool(interpret)
-  else:
-    from jax.experimental.pallas import tpu as pltpu
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",))
-    interp = interpret if interpret is not None else False
+  params, interp = row_grid_params(backend, interpret)
   out = pl.pallas_call(
       kernel, grid=(r_pad // br,), in_specs=[spec], out_specs=spec,
       out_shape=jax.ShapeDtypeStruct((r_pad, n_pad), x2.dtype), compiler_params=params,
