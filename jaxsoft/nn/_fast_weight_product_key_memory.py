@@ -88,7 +88,7 @@ def fast_weight_pkm_update(values: ArrayLike, weights: ArrayLike, indices: Array
     >>> V = jnp.zeros((4, 2))
     >>> w = jnp.array([[[0.75, 0.25]]])                  # T=1 token, 1 head, k=2 slots
     >>> idx = jnp.array([[[1, 3]]])
-    >>> js.nn.fast_weight_pkm_update(V, w, idx, jnp.array([[4.0, -8.0]]), 1.0)
+    >>> jax.jit(js.nn.fast_weight_pkm_update)(V, w, idx, jnp.array([[4.0, -8.0]]), 1.0)
     Array([[ 0.,  0.],
            [ 3., -6.],
            [ 0.,  0.],
@@ -140,8 +140,8 @@ def fast_weight_pkm(values: ArrayLike, weights: ArrayLike, indices: ArrayLike,
     >>> V = jnp.zeros((4, 1))
     >>> w = jnp.ones((4, 1, 1))                           # every token reads one slot
     >>> idx = jnp.array([0, 0, 1, 0]).reshape(4, 1, 1)
-    >>> out, V2 = js.nn.fast_weight_pkm(V, w, idx, jnp.ones((4, 1)), chunk_size=2,
-    ...                                 learning_rate=1.0)
+    >>> fwpkm = jax.jit(js.nn.fast_weight_pkm, static_argnames="chunk_size")
+    >>> out, V2 = fwpkm(V, w, idx, jnp.ones((4, 1)), chunk_size=2, learning_rate=1.0)
     >>> out[:, 0]                      # chunk 1 reads slot 0 after chunk 0 wrote it
     Array([0., 0., 0., 1.], dtype=float32)
     >>> V2[:, 0]

@@ -108,9 +108,9 @@ class ProductKeyMemory(nnx.Module):
     >>> weights.sum(-1)
     Array([[1.],
            [1.]], dtype=float32)
-    >>> fw = js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2, fast_weights=True,
-    ...                             chunk_size=2, rngs=nnx.Rngs(0))
-    >>> fw(jnp.ones((3, 6, 8))).shape                # [batch, T, d_in], T a multiple of 2
+    >>> fw = lambda x: js.nn.ProductKeyMemory(8, key_dim=4, num_sub_keys=3, top_k=2,
+    ...     fast_weights=True, chunk_size=2, rngs=nnx.Rngs(0))(x)   # FwPKM: x is [..., T, d_in]
+    >>> jax.eval_shape(fw, jnp.ones((3, 6, 8))).shape              # T a multiple of chunk_size
     (3, 6, 8)
 
   References:
