@@ -283,7 +283,7 @@ def select_anchor_layers(scores: ArrayLike, num_anchors: int) -> tuple[jax.Array
     mi = best_m - i  # F_{mi+1}
     a = args[jnp.maximum(mi, 0), b]
     active = mi >= 0
-    anchors = jnp.where(active, anchors.at[a].set(True), anchors)
+    anchors = anchors | (active & (jnp.arange(L) == a))
     return jnp.where(active, a, b), anchors
 
   _, anchors = lax.fori_loop(0, M, back, (jnp.asarray(L), jnp.zeros((L,), bool)))
