@@ -230,3 +230,18 @@ def test_benchmark_runs_at_a_tiny_size():
                        capture_output=True, text=True, timeout=600, cwd=ROOT)
   assert out.returncode == 0, out.stderr
   assert "check passed" in out.stdout and "full / cached" in out.stdout, out.stdout
+
+
+@pytest.mark.slow
+def test_slow_drift_reselects_against_the_cached_query():
+  # q_t rotates by 10 degrees a step; theta = cos 25 degrees: every consecutive pair is similar
+  # (cos 10 degrees), but the query is 30 degrees from the cached one at steps 3, 6, 9
+  ang = np.deg2rad(10.0 * np.arange(10))
+  qs = np.stack([np.cos(ang), np.sin(ang)], -1).astype(np.float32)[:, None, None, None, :]
+  k = np.random.default_rng(0).normal(size=(1, 8, 1, 2)).astype(np.float32)
+  c = init_selection_cache(1, 1, 2, 3)
+  flags = []
+  for q in qs:
+    _, c, re = selection_cache_step(q, k, k, c, top_k=3, threshold=float(np.cos(np.deg2rad(25))))
+    flags.append(bool(re[0]))
+  assert flags == [t % 3 == 0 for t in range(10)]
