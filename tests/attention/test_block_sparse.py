@@ -319,9 +319,8 @@ def test_errors_name_the_argument():
                                            high_frequency_pairs=5)),
       ("`query`", lambda: block_sparse_attention(q[0], k[0], v[0], method="moba", top_k_blocks=1)),
       ("`implementation`", lambda: f(method="moba", top_k_blocks=1, implementation="xla")),
-      # BLASST decides inside the key loop: no block table (Pallas path) for it
       ("`implementation`", lambda: f(method="blasst", skip_threshold=1.0,
-                                     implementation="pallas")),
+                                     implementation="cudnn")),
   )
 
 
