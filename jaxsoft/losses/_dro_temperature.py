@@ -14,7 +14,7 @@ __all__ = ["tempnet_dro_loss"]
 
 
 def tempnet_dro_loss(logits: ArrayLike, labels: ArrayLike, temperature: ArrayLike, *,
-                     rho: float, axis: int = -1,
+                     rho: float, axis: lc.Axis = -1,
                      where: ArrayLike | None = None) -> jax.Array:
   r"""TempNet's KL-constrained DRO robust loss with a per-example temperature (N31).
 
@@ -46,7 +46,7 @@ def tempnet_dro_loss(logits: ArrayLike, labels: ArrayLike, temperature: ArrayLik
     temperature: τ > 0 per example, broadcastable to ``labels``' shape (e.g.
       ``js.nn.TempNet.temperature(x)[..., 0]``); differentiable.
     rho: the DRO radius ρ >= 0 (keyword; the paper tunes it per task).
-    axis: the class axis.
+    axis: the class axis (a tuple of axes or None: merged into one, as optax reads it).
     where: optional class mask broadcastable to ``logits`` or an example mask of
       ``labels``' shape (the package convention; masked classes leave the sum and m).
 
@@ -64,6 +64,7 @@ def tempnet_dro_loss(logits: ArrayLike, labels: ArrayLike, temperature: ArrayLik
     Temperature Network Meets Large Foundation Models via DRO" (ICML).
   """
   fn = "tempnet_dro_loss"
+  logits, where, axis, _ = lc.class_rows(logits, axis, where, fn)
   x, mask, ax, dtype = lc.prepare_logits(logits, axis, where, fn)
   y = lc.check_integer_labels(labels, x.shape, ax, fn)
   r = lc.nonnegative_float(rho, "rho", fn)

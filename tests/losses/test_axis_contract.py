@@ -133,6 +133,8 @@ def _class_axis_losses():
           m(x), jnp.stack([m(t), m(2 * t)]), axis=ax),
       "squared_error_logit_loss": lambda ax, m: L.squared_error_logit_loss(
           m(x), ints, -jnp.ones((2, 4)), axis=ax),
+      "tempnet_dro_loss": lambda ax, m: L.tempnet_dro_loss(
+          m(x), ints, jnp.full((2, 4), 0.7), rho=0.1, axis=ax),
   }
 
 
@@ -153,7 +155,9 @@ def test_tuple_axis_is_the_merged_class_axis(name):
 def test_every_class_axis_loss_is_covered():
   """A loss gaining an ``axis`` must join CLASS_AXIS_LOSSES (or its owner's own tests)."""
   others = {"dice_semimetric_loss",  # axis = the axes summed over, tuples tested in its file
-            "fenchel_young_loss"}    # jaxsoft/losses/_fenchel_young.py, tested there
+            "fenchel_young_loss",    # jaxsoft/losses/_fenchel_young.py, tested there
+            # an int axis only: the sampled negatives are indices along one class axis
+            "sigmoid_head_loss", "sigmoid_head_negatives"}
   with_axis = {n for n in dir(L) if not n.startswith("_") and callable(getattr(L, n))
                and "axis" in _params(getattr(L, n))}
   assert with_axis - others == set(CLASS_AXIS_LOSSES)
