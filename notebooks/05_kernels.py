@@ -77,6 +77,8 @@ def value_and_grads(normalizer, implementation):
 
 
 names = ["softmax", "softmax_1", "softpick", "stablemax", "sigmoid", "sparsemax"]
+if QUICK:  # CI's smoke run: one normalizer of each kernel class (E, P, T)
+  names = ["softmax", "sigmoid", "sparsemax"]
 impls = ["xla_chunked", "pallas"]
 errors = {}
 for name in names:

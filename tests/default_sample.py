@@ -4,7 +4,8 @@ The default suite must stay within its time budget (30 minutes on 2 cores for un
 notebooks and the newest-JAX subset) however many rows the catalogue gains, so parametrized
 tests are sampled: every test function keeps its cheapest case in the default run, and the
 most expensive of its other cases move to ``-m slow`` (which runs the full matrix) until the
-measured saving reaches the target. The chosen node ids are written to
+measured saving reaches the target. Docstring examples: a module's examples that take
+``DOCTEST_SLOW_SECONDS`` or more move to ``-m slow`` (``slow_doctests``). The chosen node ids are written to
 ``tests/default_sample.txt``; ``tests/conftest.py`` marks them ``slow``.
 
 Usage (durations from ``tests/timing_plugin.py`` over a default run)::
@@ -22,8 +23,20 @@ import subprocess
 
 HERE = pathlib.Path(__file__).resolve().parent
 SAMPLE_FILE = HERE / "default_sample.txt"
-# Never sampled: every docstring example runs in the default suite (and under the newest JAX).
+# Docstring examples are not sampled like the other cases (one test function over every
+# module: "keep the cheapest case" would drop nearly all of them). A module's examples stay
+# in the default suite unless they take DOCTEST_SLOW_SECONDS or more (a handful of modules
+# whose examples run whole attention layers eagerly): those run under -m slow.
 EXEMPT = ("tests/test_doctests.py::",)
+DOCTEST_SLOW_SECONDS = 4.0
+# The entry point's examples run in every default run, whatever they cost.
+DOCTEST_ALWAYS = ("tests/test_doctests.py::test_docstring_examples[jaxsoft.attention._api]",)
+
+
+def slow_doctests(seconds: dict[str, float]) -> list[str]:
+  """The doctest cases (one per module) measured at ``DOCTEST_SLOW_SECONDS`` or more."""
+  return [n for n, s in seconds.items() if n.startswith(EXEMPT) and s >= DOCTEST_SLOW_SECONDS
+          and n not in DOCTEST_ALWAYS]
 
 
 def read_sample(path=SAMPLE_FILE):
@@ -76,7 +89,7 @@ def main(argv=None):
   args = parser.parse_args(argv)
   seconds = test_seconds(args.durations)
   keep = set() if args.reset else read_sample()
-  chosen = sorted(keep | set(choose(seconds, args.save, keep)))
+  chosen = sorted(keep | set(choose(seconds, args.save, keep)) | set(slow_doctests(seconds)))
   total = sum(seconds.values())
   moved = sum(seconds.get(n, 0.0) for n in chosen)
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
