@@ -28,7 +28,7 @@ SAMPLE_FILE = HERE / "default_sample.txt"
 # in the default suite unless they take DOCTEST_SLOW_SECONDS or more (a handful of modules
 # whose examples run whole attention layers eagerly): those run under -m slow.
 EXEMPT = ("tests/test_doctests.py::",)
-DOCTEST_SLOW_SECONDS = 4.0
+DOCTEST_SLOW_SECONDS = 3.0
 # The entry point's examples run in every default run, whatever they cost.
 DOCTEST_ALWAYS = ("tests/test_doctests.py::test_docstring_examples[jaxsoft.attention._api]",)
 

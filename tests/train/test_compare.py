@@ -12,6 +12,7 @@ from train import train as train_lib
 TINY = helpers.train_argv("--log_every", helpers.TRAIN_STEPS)
 
 
+# ~12 s: notebooks/06_training_comparison runs `train.py --compare` in every default run\[email protected]
 def test_compare_writes_a_table_and_a_plot(tmp_path, capsys):
   assert train_lib.main(TINY + ["--workdir", str(tmp_path), "--compare", "softmax,sigmoid"]) == 0
   table = (tmp_path / "compare.md").read_text().splitlines()
