@@ -284,7 +284,8 @@ def _drop_inherited_data_docstrings(app, what, name, obj, options, lines) -> Non
   if what in ("data", "attribute") and lines:
     text = "\n".join(lines).strip()
     for inherited in (type(obj).__doc__, getattr(obj, "__doc__", None)):
-      if inherited and text == inspect.cleandoc(inherited).strip():
+      # (a __slots__ class's __doc__ seen on an instance field can be a member descriptor)
+      if isinstance(inherited, str) and text == inspect.cleandoc(inherited).strip():
         lines[:] = []
         return
 
