@@ -128,10 +128,9 @@ def binary_ghost_radius(logits: ArrayLike, logit_tangent: ArrayLike,
 class SoftmaxStepGuardState(NamedTuple):
   """The state of :func:`softmax_step_guard`: what the last update looked like.
 
-  Attributes:
-    step_ratio: ``r = Δ_a / π`` of the proposed update (the step ``τ = 1`` over the radius
-      ``ρ_a``), before the guard; the largest over the batch.
-    scale: the factor the guard applied to that update (1 when ``r`` was within bounds).
+  ``step_ratio`` is ``r = Δ_a / π`` of the proposed update (the step ``τ = 1`` over the
+  radius ``ρ_a``), before the guard, the largest over the batch; ``scale`` is the factor the
+  guard applied to that update (1 when ``r`` was within bounds).
 
   Examples:
     >>> js.optim.SoftmaxStepGuardState(step_ratio=jnp.zeros(()), scale=jnp.ones(()))
