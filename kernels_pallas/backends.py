@@ -12,7 +12,8 @@ from typing import Any
 
 import jax
 
-__all__ = ["BACKENDS", "INTERPRET_ENV", "pick_backend", "check_backend", "row_grid_params"]
+__all__ = ["BACKENDS", "INTERPRET_ENV", "pick_backend", "check_backend", "row_grid_params",
+           "hide_masked"]
 
 BACKENDS = ("triton", "mosaic_tpu")
 INTERPRET_ENV = "JAXSOFT_PALLAS_INTERPRET"
@@ -69,3 +70,17 @@ def row_grid_params(backend: str, interpret: Any) -> tuple[Any, Any]:
   from jax.experimental.pallas import tpu as pltpu
   return (pltpu.CompilerParams(dimension_semantics=("parallel",)),
           interpret if interpret is not None else False)
+
+
+def hide_masked(x: Any, where: Any, err: Any) -> Any:
+  """``x`` with the entries ``where`` hides set to -inf (a row kernel's input; ``where``
+  None: ``x`` unchanged). ``err(message)`` builds the error raised when ``where`` does not
+  broadcast to ``x``, so the message names the caller."""
+  if where is None:
+    return x
+  import jax.numpy as jnp
+  try:
+    w = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
+  except ValueError:
+    raise err(f"`where` {jnp.shape(where)} must broadcast to x {x.shape}") from None
+  return jnp.where(w, x, -jnp.inf)

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels_pallas.backends import BACKENDS, row_grid_params
+from kernels_pallas.backends import BACKENDS, hide_masked, row_grid_params
 
 __all__ = ["softmax_top_k"]
 
@@ -269,12 +269,7 @@ def softmax_top_k(x, k: int, where=None, *, backend: str = "triton", interpret: 
       raise _err(f"`{name}` must be a positive int or None, got {v!r}")
   if backend == "mosaic_tpu" and x.dtype == jnp.float64:
     raise _err("Mosaic TPU has no float64: pass float32 (or bf16)")
-  if where is not None:
-    try:
-      where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-    except ValueError:
-      raise _err(f"`where` {jnp.shape(where)} must broadcast to x {x.shape}") from None
-    x = jnp.where(where, x, -jnp.inf)
+  x = hide_masked(x, where, _err)
   x2 = x.reshape(-1, n)
   vals, idx = _call(x2, int(k), backend, interpret, block_rows, block_cols)
   return vals.reshape(*x.shape[:-1], k).astype(x.dtype), idx.reshape(*x.shape[:-1], k)

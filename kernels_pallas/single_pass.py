@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from jaxsoft.normalizers import single_pass as sp
-from kernels_pallas.backends import BACKENDS, row_grid_params
+from kernels_pallas.backends import BACKENDS, hide_masked, row_grid_params
 
 __all__ = ["single_pass_softmax"]
 
@@ -188,12 +188,7 @@ def single_pass_softmax(x, where=None, *, fixed_point=sp.EDGE_MOE_FIXED_POINT,
   if block_rows is not None and (isinstance(block_rows, bool) or not isinstance(
       block_rows, (int, np.integer)) or block_rows < 1):
     raise _err(f"`block_rows` must be a positive int or None, got {block_rows!r}")
-  if where is not None:
-    try:
-      where = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-    except ValueError:
-      raise _err(f"`where` {jnp.shape(where)} must broadcast to x {x.shape}") from None
-    x = jnp.where(where, x, -jnp.inf)
+  x = hide_masked(x, where, _err)
   x2 = x.reshape(-1, x.shape[-1]).astype(jnp.float32)
   out = _call(x2, fmt, backend, interpret, block_rows)
   return out.reshape(x.shape).astype(x.dtype)

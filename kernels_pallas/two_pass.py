@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
-from kernels_pallas.backends import BACKENDS, row_grid_params
+from kernels_pallas.backends import BACKENDS, hide_masked, row_grid_params
 
 __all__ = ["two_pass_softmax", "exp2_poly", "EXP2_POLY_COEFFS", "EXP2_POLY_MAX_REL_ERR",
            "row_call", "round_half_even", "pow2_int"]
@@ -157,15 +157,8 @@ def prepare_rows(x, where, name: str):
   x = jnp.asarray(x)
   if x.ndim < 1 or x.shape[-1] < 1 or not jnp.issubdtype(x.dtype, jnp.floating):
     raise _err(name, f"`x` must be a float array [..., n] with n >= 1, got {x.dtype}{list(x.shape)}")
-  x2 = x.reshape(-1, x.shape[-1])
-  if x2.dtype == jnp.float64:
-    x2 = x2.astype(jnp.float32)
-  if where is not None:
-    try:
-      w = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-    except ValueError:
-      raise _err(name, f"`where` {jnp.shape(where)} must broadcast to x {x.shape}") from None
-    x2 = jnp.where(w.reshape(x2.shape), x2, -jnp.inf)
+  x2 = hide_masked(x.astype(jnp.float32) if x.dtype == jnp.float64 else x, where,
+                   lambda message: _err(name, message)).reshape(-1, x.shape[-1])
   return x, x2
 
 
