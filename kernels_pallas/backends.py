@@ -74,13 +74,19 @@ def row_grid_params(backend: str, interpret: Any) -> tuple[Any, Any]:
 
 def hide_masked(x: Any, where: Any, err: Any) -> Any:
   """``x`` with the entries ``where`` hides set to -inf (a row kernel's input; ``where``
-  None: ``x`` unchanged). ``err(message)`` builds the error raised when ``where`` does not
-  broadcast to ``x``, so the message names the caller."""
+  None: ``x`` unchanged). ``where`` must be boolean (the rule of
+  ``jaxsoft._validation.boolean_mask``: a float or integer mask is refused, never cast, so
+  a 0/1 float mask cannot silently mean something else). ``err(message)`` builds the error
+  raised when ``where`` is not boolean or does not broadcast to ``x``, so the message
+  names the caller."""
   if where is None:
     return x
   import jax.numpy as jnp
+  w = jnp.asarray(where)
+  if w.dtype != jnp.bool_:
+    raise err(f"`where` must be boolean, got {w.dtype}")
   try:
-    w = jnp.broadcast_to(jnp.asarray(where, bool), x.shape)
-  except ValueError:
+    w = jnp.broadcast_to(w, x.shape)
+  except (ValueError, TypeError):
     raise err(f"`where` {jnp.shape(where)} must broadcast to x {x.shape}") from None
   return jnp.where(w, x, -jnp.inf)
