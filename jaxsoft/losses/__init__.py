@@ -60,6 +60,7 @@ from jaxsoft.losses._dro_temperature import tempnet_dro_loss
 from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_loss
 from jaxsoft.losses._energy_bounded import energy_bounded_loss
 from jaxsoft.losses._energy_scores import marginalized_energy, spilled_energy
+from jaxsoft.losses._expectation_alignment import expectation_alignment, geometry_consistency_loss
 from jaxsoft.losses._fenchel_young import fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._large_output import (
@@ -132,10 +133,12 @@ __all__ = [
     "ece",
     "energy_bounded_loss",
     "energy_score",
+    "expectation_alignment",
     "fenchel_young_loss",
     "fit_dirichlet_calibration",
     "fit_temperature",
     "fourier_head_cross_entropy",
+    "geometry_consistency_loss",
     "gol_loss",
     "hierarchical_softmax_log_probs",
     "hierarchical_softmax_loss",

@@ -135,6 +135,9 @@ def _class_axis_losses():
           m(x), ints, -jnp.ones((2, 4)), axis=ax),
       "tempnet_dro_loss": lambda ax, m: L.tempnet_dro_loss(
           m(x), ints, jnp.full((2, 4), 0.7), rho=0.1, axis=ax),
+      "expectation_alignment": lambda ax, m: L.expectation_alignment(m(x), axis=ax),
+      "geometry_consistency_loss":
+          lambda ax, m: L.geometry_consistency_loss(m(x), m(p), axis=ax),
   }
 
 

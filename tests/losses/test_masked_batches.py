@@ -146,6 +146,11 @@ def _cases():
           (logits, _normal(22, B)), (B,)),
       "top_k_cross_entropy": (lambda m, x: L.top_k_cross_entropy(x, LABELS, 2, where=m),
                               (logits,), (B,)),
+      "expectation_alignment": (lambda m, s: L.expectation_alignment(s, where=m), (logits,),
+                                (B,)),
+      "geometry_consistency_loss": (
+          lambda m, s, g: L.geometry_consistency_loss(s, jnp.exp(g), where=m), (logits, other),
+          (B,)),
       "top_k_multi_positive_loss": (
           lambda m, s: L.top_k_multi_positive_loss(s, onehot_bool, k=2, where=m), (logits,),
           (B,)),
