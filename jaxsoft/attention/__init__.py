@@ -24,6 +24,7 @@ normalizer="idw_softmax")``.
 """
 
 from jaxsoft.attention._api import IMPLEMENTATIONS, dot_product_attention
+from jaxsoft.attention._blasst_calibration import blasst_calibrate, blasst_skip_threshold
 from jaxsoft.attention._block_sparse import BLOCK_SPARSE_METHODS, block_sparse_attention
 from jaxsoft.attention._dense import dense_logits
 from jaxsoft.attention._forgetting import (
@@ -57,7 +58,8 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "ssmax_attention", "entmax_attention", "sparsemax_attention",
            "per_head", "softplus_to_range", "softplus_from_range",
            "merge_kv", "alternating_matching", "topk_attention",
-           "block_sparse_attention", "BLOCK_SPARSE_METHODS",
+           "block_sparse_attention", "BLOCK_SPARSE_METHODS", "blasst_calibrate",
+           "blasst_skip_threshold",
            "lucid_attention", "lucid_preconditioned_values",
            "multi_token_attention", "mta_identity_kernel",
            "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
@@ -105,3 +107,11 @@ from jaxsoft.attention._topk_reuse import (  # noqa: E402, E501
 )
 
 __all__ += ["init_selection_cache", "selection_cache_step", "anchor_layer_scores", "select_anchor_layers"]
+
+# context parallelism (issue 34, ``context_parallel``): the sequence sharded along a mesh axis
+from jaxsoft.attention.context_parallel import (  # noqa: E402
+    context_parallel_attention,
+    load_balance_order,
+)
+
+__all__ += ["context_parallel_attention", "load_balance_order"]

@@ -43,6 +43,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 import kernels_pallas
+from jaxsoft.attention._blasst_calibration import blasst_skip_threshold
 from jaxsoft.attention._checks import check_int
 from jaxsoft.attention.call import AttentionCall
 from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
@@ -619,7 +620,7 @@ def _pallas_attend(call, lay: _Layout, table, sel, pallas):
 def block_sparse_attention(
     query: ArrayLike, key: ArrayLike, value: ArrayLike, *, method: str, block_size: int = 64,
     top_k_blocks: int | None = None, skip_threshold: float | None = None,
-    mass_threshold: float = 0.9, high_frequency_pairs: int | None = None,
+    skip_calibration: float | None = None, mass_threshold: float = 0.9, high_frequency_pairs: int | None = None,
     scale: float | None = None, is_causal: bool = False,
     key_value_seq_lengths: ArrayLike | None = None, return_stats: bool = False,
     implementation: str = "xla_chunked") -> Any:
@@ -686,7 +687,10 @@ def block_sparse_attention(
     block_size: positions per query and key block (an int >= 1).
     top_k_blocks: key blocks kept per query token or block (moba, prism: required; bfla:
       the cap, default all); an int >= 1, more than the number of key blocks keeps them all.
-    skip_threshold: BLASST's tau >= 0 (required for blasst).
+    skip_threshold: BLASST's tau >= 0 (blasst: this or ``skip_calibration``).
+    skip_calibration: BLASST's constant c > 0 of :math:`\lambda = c / L`: the call
+      uses :math:`\tau = \max(0, \ln(S / c))` for its S keys
+      (:func:`blasst_skip_threshold`; c from :func:`blasst_calibrate`).
     mass_threshold: BFLA's target mass in (0, 1].
     high_frequency_pairs: Prism's high band, in rotary pairs (default H // 8, at least 1).
     scale: logit scale (None = 1/sqrt(H)); is_causal: query i sees keys j <= i;
@@ -753,9 +757,11 @@ def block_sparse_attention(
   Tp = lay.nq * bs
   pallas = None if implementation == "xla_chunked" else _pallas_backend(implementation, lay, fn)
   if method == "blasst":
-    if skip_threshold is None:
-      raise ValueError(f"{fn}: method 'blasst' needs `skip_threshold` (tau >= 0)")
-    tau = float(skip_threshold)
+    if (skip_threshold is None) == (skip_calibration is None):
+      raise ValueError(f"{fn}: method 'blasst' needs exactly one of `skip_threshold` (tau >= 0) "
+                       "and `skip_calibration` (c > 0, lambda = c / L)")
+    tau = (blasst_skip_threshold(lay.S, skip_calibration) if skip_calibration is not None
+           else float(skip_threshold))  # type: ignore[arg-type]
     if not tau >= 0:
       raise ValueError(f"{fn}: `skip_threshold` must be >= 0, got {skip_threshold!r}")
     if pallas is None:

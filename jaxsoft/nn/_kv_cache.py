@@ -51,6 +51,7 @@ from jaxsoft._validation import positive_int
 from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention.call import implementation_order
 from jaxsoft.attention.masks import normalize_window
+from jaxsoft.nn import _quantized_cache
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import decode as decode_kernel
 
@@ -86,14 +87,17 @@ def has_cache(module: Any) -> bool:
 
 def init_cache(module: Any, batch: int | Sequence[int], max_length: int, *,
                local_window_size: int | tuple[int, int] | None = None,
-               dtype: Any = None) -> None:
+               dtype: Any = None, quantization: str | None = None) -> None:
   """Creates (or resets) ``module``'s cache as ``nnx.Cache`` variables; see the module doc.
 
   ``batch``: the batch size or the batch shape of the inputs ``[batch..., L, D]``;
   ``max_length``: the most positions the cache will hold; ``local_window_size``: int
   ``w`` (= ``(w, w)``) or ``(left, right)``: a ring buffer of ``max(left, 1)`` slots for
   a sliding window; ``dtype``: of the stored keys and values (default the module's
-  ``dtype``, else its ``param_dtype``).
+  ``dtype``, else its ``param_dtype``; with ``quantization``, of the dequantised keys and
+  values a step attends with); ``quantization``: None (float keys and values) or
+  ``"polykv"`` (:mod:`jaxsoft.nn._quantized_cache`: int8 q8_0 keys, bit-packed 3-bit
+  Hadamard-rotated values).
   """
   owner = f"{_NAME}.init_cache"
   batch_shape = (batch,) if isinstance(batch, (int, np.integer)) else batch
@@ -118,8 +122,20 @@ def init_cache(module: Any, batch: int | Sequence[int], max_length: int, *,
   dtype = jnp.dtype(dtype)
   bsz = math.prod(batch_shape)
   shape = (bsz, capacity, module.num_kv_heads, module.head_dim)
-  module.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
-  module.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+  if quantization is not None and quantization not in _quantized_cache.QUANTIZATIONS:
+    raise ValueError(f"{owner}: `quantization` must be None or one of "
+                     f"{_quantized_cache.QUANTIZATIONS}, got {quantization!r}")
+  module.cache_quantization = quantization
+  module.cache_dtype = dtype
+  for name in ("cached_key", "cached_value", "cached_key_codes", "cached_key_scales",
+               "cached_value_codes", "cached_value_rho"):
+    if hasattr(module, name):  # a reset may switch between float and quantised caches
+      delattr(module, name)
+  if quantization is None:
+    module.cached_key = nnx.Cache(jnp.zeros(shape, dtype))
+    module.cached_value = nnx.Cache(jnp.zeros(shape, dtype))
+  else:
+    _quantized_cache.init(module, shape)
   module.cached_positions = nnx.Cache(jnp.full((capacity,), -1, jnp.int32))
   module.cache_index = nnx.Cache(jnp.zeros((), jnp.int32))
   if module.forget_gate:
@@ -169,7 +185,12 @@ def update_cache(module: Any, batch: tuple[int, ...], xq: jax.Array, k: jax.Arra
   ``batch``) and returns what the new tokens attend with (:class:`DecodeStep`) under
   ``window`` (or none)."""
   length = k.shape[1]
-  cached_k = module.cached_key[...]
+  quantized = getattr(module, "cache_quantization", None) is not None
+  if quantized:  # attend with what is stored: the dequantised cache and new tokens
+    stored, (k, v) = _quantized_cache.quantize(k, v)
+    cached_k, cached_v = (x.astype(module.cache_dtype) for x in _quantized_cache.read(module))
+  else:
+    cached_k, cached_v = module.cached_key[...], module.cached_value[...]
   if tuple(batch) != module.cache_batch_shape:
     raise ValueError(
         f"{_NAME}: `inputs_q` has batch shape {tuple(batch)} but the cache was made for "
@@ -196,7 +217,7 @@ def update_cache(module: Any, batch: tuple[int, ...], xq: jax.Array, k: jax.Arra
     if right < 0:
       visible = visible & (pos_k[None, :] <= pos_q[:, None] + right)
   keys = jnp.concatenate([cached_k, k.astype(cached_k.dtype)], axis=1)
-  values = jnp.concatenate([module.cached_value[...], v.astype(cached_k.dtype)], axis=1)
+  values = jnp.concatenate([cached_v, v.astype(cached_k.dtype)], axis=1)
 
   decay = None
   n_new = min(length, capacity)  # only the last `capacity` new tokens can be kept
@@ -208,9 +229,11 @@ def update_cache(module: Any, batch: tuple[int, ...], xq: jax.Array, k: jax.Arra
     module.cached_decay[...] = module.cached_decay[...].at[:, slots].set(c_new[:, length - n_new:])
     module.decay_total[...] = c_new[:, -1]
 
-  module.cached_key[...] = cached_k.at[:, slots].set(keys[:, capacity + length - n_new:])
-  module.cached_value[...] = module.cached_value[...].at[:, slots].set(
-      values[:, capacity + length - n_new:])
+  if quantized:
+    _quantized_cache.write(module, slots, stored, length - n_new)
+  else:
+    module.cached_key[...] = cached_k.at[:, slots].set(keys[:, capacity + length - n_new:])
+    module.cached_value[...] = cached_v.at[:, slots].set(values[:, capacity + length - n_new:])
   module.cached_positions[...] = module.cached_positions[...].at[slots].set(
       pos_q[length - n_new:])
   module.cache_index[...] = index + length
@@ -370,6 +393,8 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
   Returns:
     ``[B, 1, N, H]`` in q's dtype, or None.
   """
+  if getattr(module, "cache_quantization", None) is not None:
+    return _quantized_cache.polykv_decode(module, step, window, q, params, kwargs)
   asked, backend = _pallas_request(module.implementation)
   if not asked or q.shape[1] != 1:
     return None

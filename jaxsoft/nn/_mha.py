@@ -347,7 +347,7 @@ class MultiHeadAttention(nnx.Module):
 
   def init_cache(self, batch: int | Sequence[int], max_length: int, *,
                  local_window_size: int | tuple[int, int] | None = None,
-                 dtype: Dtype | None = None) -> None:
+                 dtype: Dtype | None = None, quantization: str | None = None) -> None:
     """Creates (or resets) the key/value cache for autoregressive decoding.
 
     Afterwards ``layer(x, decode=True)`` (or every call, with ``decode=True`` in the
@@ -371,10 +371,18 @@ class MultiHeadAttention(nnx.Module):
         with causal decoding only ``left`` and a negative ``right`` matter): a sliding-
         window cache, a ring buffer of ``max(left, 1)`` slots; every decode call uses
         this window.
-      dtype: dtype of the stored keys/values (default ``dtype``, else ``param_dtype``).
+      dtype: dtype of the stored keys/values (default ``dtype``, else ``param_dtype``;
+        with ``quantization``: of the dequantised keys/values a step attends with).
+      quantization: None (float keys and values) or ``"polykv"``: PolyKV's asymmetric
+        cache (``cached_key_codes`` int8 q8_0 keys with float16 scales per 32 channels,
+        ``cached_value_codes`` Hadamard-rotated 3-bit Lloyd-Max values bit-packed 8 per
+        3 bytes, ``cached_value_rho``); a step attends with the dequantised cache, and a
+        one-token step with a Pallas ``implementation`` decodes through
+        ``kernels_pallas.polykv.polykv_decode_attention`` (see
+        ``jaxsoft.nn._quantized_cache``).
     """
     _kv_cache.init_cache(self, batch, max_length, local_window_size=local_window_size,
-                         dtype=dtype)
+                         dtype=dtype, quantization=quantization)
 
   def normalizer_values(self) -> dict[str, jax.Array]:
     """The learned hyperparameters in their valid range, ``{name: [num_heads]}`` (float32)."""
