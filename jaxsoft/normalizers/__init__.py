@@ -33,6 +33,7 @@ from jaxsoft.normalizers._sa import *
 from jaxsoft.normalizers._screen import *
 from jaxsoft.normalizers._sdm import *
 from jaxsoft.normalizers._sdm_estimator import *
+from jaxsoft.normalizers._sdm_partition import *
 from jaxsoft.normalizers._sink import *
 from jaxsoft.normalizers._softmax import *
 from jaxsoft.normalizers._softpick import *
