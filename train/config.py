@@ -207,8 +207,26 @@ class Config:
   distributed: str = _f(DISTRIBUTION, "auto",
                         "call jax.distributed.initialize(): auto (when the environment names "
                         "several processes), on (TPU pods), off", _SWITCH)
-  fsdp: bool = _f(DISTRIBUTION, False, "shard the parameters and optimizer state over the data "
-                                       "axis (FSDP)")
+  fsdp: bool = _f(DISTRIBUTION, False, "shard the parameters and optimizer state over every "
+                                       "device (FSDP): shorthand for --mesh fsdp=-1 (or adds "
+                                       "fsdp=-1 to the axes --mesh names)")
+  mesh: str = _f(DISTRIBUTION, "",
+                 "the device mesh, outermost first: data=N,fsdp=N,context=N,tensor=N. data: "
+                 "batch rows (across hosts); fsdp: batch rows and the parameters / optimizer "
+                 "state; context: the sequence (attention stays exact); tensor: heads and MLP "
+                 "units (Megatron). Omitted axes are 1; -1 (one axis) takes the devices left; "
+                 "with no -1 and no data, data takes them. '' = data=-1 (all devices)")
+  dcn_mesh: str = _f(DISTRIBUTION, "",
+                     "several slices (TPU multislice, or one slice per host elsewhere): the axes' "
+                     "sizes across slices, e.g. data=2; --mesh then gives them within a slice "
+                     "(jax.experimental.mesh_utils.create_hybrid_device_mesh). '' = one slice")
+  coordinator_address: str = _f(DISTRIBUTION, "",
+                                "multi-host: HOST:PORT of process 0's coordinator ('' = "
+                                "$JAX_COORDINATOR_ADDRESS, or detected on TPU pods / SLURM)")
+  num_processes: int = _f(DISTRIBUTION, 0, "multi-host: the number of processes (0 = "
+                                           "$JAX_NUM_PROCESSES, or detected)")
+  process_id: int = _f(DISTRIBUTION, -1, "multi-host: this process's index (-1 = "
+                                         "$JAX_PROCESS_ID, or detected)")
   num_cpu_devices: int = _f(DISTRIBUTION, 0, "fake CPU devices (0 = what the platform has)")
   # Logging / monitoring.
   progress: str = _f(LOGGING, "auto", "tqdm progress bar with the step, loss, tokens/s and time "
@@ -421,6 +439,7 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   for name in ("warmup_steps", "eval_every"):
     if getattr(cfg, name) < 0:
       raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
+  _validate_distribution(cfg)
   if not cfg.workdir:
     raise ConfigError("--workdir is required")
   if cfg.init_from:
@@ -430,6 +449,22 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
       raise ConfigError(f"--init_from: {e}") from None
   if check_workdir:
     prepare_workdir(cfg.workdir)
+
+
+def _validate_distribution(cfg: Config) -> None:
+  """The mesh flags' syntax (their sizes are checked against the devices in train.sharding)."""
+  from train import sharding  # pylint: disable=import-outside-toplevel  (it imports this module)
+  sizes = sharding.parse_mesh(cfg.mesh)
+  if cfg.fsdp and sharding.FSDP not in sizes and -1 in sizes.values():
+    axis = next(k for k, v in sizes.items() if v == -1)
+    raise ConfigError(f"--fsdp true means fsdp=-1, but --mesh already gives -1 to {axis!r} "
+                      "(-1 twice); name the fsdp size in --mesh instead")
+  sharding.parse_mesh(cfg.dcn_mesh, "--dcn_mesh")
+  if cfg.num_processes < 0:
+    raise ConfigError(f"--num_processes must be >= 0, got {cfg.num_processes}")
+  if cfg.process_id < -1 or (cfg.num_processes and cfg.process_id >= cfg.num_processes):
+    raise ConfigError(f"--process_id must be -1 or in [0, --num_processes), got "
+                      f"{cfg.process_id}")
 
 
 def _kind_error(flag: str, name: str) -> ConfigError:

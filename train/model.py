@@ -28,6 +28,7 @@ from jaxsoft import normalizers
 from jaxsoft.nn import param_transform
 from jaxsoft.normalizers.common import safe_divide
 from train import layers
+from train import sharding as tsharding
 from train.config import ATTENTION_VARIANTS, Config, attention_normalizer, layer_kinds
 from train.positions import rope
 
@@ -36,6 +37,22 @@ __all__ = ["Transformer", "make_model", "attention_stats", "rope", "attention_kw
 # Set by train.sharding when the attention implementation is a Pallas kernel: Pallas calls are not
 # auto-partitioned, so they run under jax.shard_map over the batch axis.
 AttentionWrapper = Callable[[Callable[..., jax.Array]], Callable[..., jax.Array]]
+
+
+def _named(init, *names: str | None):
+  """``init`` with the Flax NNX logical axis names of its array's dimensions (mapped to mesh
+  axes by ``train.sharding.LOGICAL_AXIS_RULES``); not sharded at creation (the train state is
+  laid out by its jitted initialiser's out_shardings, and sampling has no mesh)."""
+  return nnx.with_partitioning(init, names, eager_sharding=False)
+
+
+_KERNEL = nnx.initializers.lecun_normal()  # nnx.Linear's default
+_ZEROS, _ONES = nnx.initializers.zeros_init(), nnx.initializers.ones_init()
+
+
+def _rms_norm(cfg: Config, rngs: nnx.Rngs) -> nnx.RMSNorm:
+  return nnx.RMSNorm(cfg.d_model, dtype=_dtype(cfg), param_dtype=jnp.float32,
+                     scale_init=_named(_ONES, "norm"), rngs=rngs)
 
 
 def attention_kwargs(cfg: Config) -> dict[str, Any]:
@@ -95,10 +112,15 @@ class Attention(nnx.Module):
                                param_dtype=jnp.float32, rngs=rngs)
     self.num_heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.kv_heads, cfg.head_dim
     self.rope_base = cfg.rope_base
-    self.q = linear(cfg.d_model, cfg.num_heads * cfg.head_dim)
-    self.k = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
-    self.v = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim)
-    self.o = linear(cfg.num_heads * cfg.head_dim, cfg.d_model)
+    # Megatron layout: Q, K, V column-parallel (split by head), O row-parallel.
+    self.q = linear(cfg.d_model, cfg.num_heads * cfg.head_dim,
+                    kernel_init=_named(_KERNEL, "embed", "heads"))
+    self.k = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim,
+                    kernel_init=_named(_KERNEL, "embed", "kv_heads"))
+    self.v = linear(cfg.d_model, cfg.kv_heads * cfg.head_dim,
+                    kernel_init=_named(_KERNEL, "embed", "kv_heads"))
+    self.o = linear(cfg.num_heads * cfg.head_dim, cfg.d_model,
+                    kernel_init=_named(_KERNEL, "heads", "embed"))
     # A07 gated attention: each head's output is scaled by sigma(x W_theta).
     self.gate = linear(cfg.d_model, cfg.num_heads) if cfg.attention == "gated" else None
     self.normalizer, _ = attention_normalizer(cfg)
@@ -135,7 +157,12 @@ class Attention(nnx.Module):
     b, t, _ = x.shape
     q, k = self.qk(x, positions)
     v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
+    # Exact under context parallelism: the queries keep their positions' shard, the keys and
+    # values are gathered over the sequence (GSPMD all-gathers them along ``context``).
+    q = tsharding.constrain(q, ("act_batch", "act_length", "act_heads", None))
+    k, v = (tsharding.constrain(a, ("act_batch", None, "act_kv_heads", None)) for a in (k, v))
     out = self.attend(q, k, v, self.hparams())
+    out = tsharding.constrain(out, ("act_batch", "act_length", "act_heads", None))
     return self._output(out, x)
 
   def _output(self, out: jax.Array, x: jax.Array) -> jax.Array:
@@ -179,20 +206,25 @@ class Block(nnx.Module):
                attention_factory=None, kind: str | None = None, layer_idx: int = 0):
     dtype = _dtype(cfg)
     self.kind = kind = kind or cfg.attention
-    self.attn_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.attn_norm = _rms_norm(cfg, rngs)
     self.attn: Any
     if kind in ATTENTION_VARIANTS:
       self.attn = (attention_factory or Attention)(layers.variant_config(cfg, kind), rngs=rngs,
                                                    wrap=wrap)
     else:
       self.attn = layers.make_mixer(cfg, kind, layer_idx, rngs=rngs)
-    self.mlp_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.mlp_norm = _rms_norm(cfg, rngs)
     linear = functools.partial(nnx.Linear, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-    self.up = linear(cfg.d_model, cfg.mlp_dim)
-    self.down = linear(cfg.mlp_dim, cfg.d_model)
+    # Megatron layout: up column-parallel (its bias split with it), down row-parallel.
+    self.up = linear(cfg.d_model, cfg.mlp_dim, kernel_init=_named(_KERNEL, "embed", "mlp"),
+                     bias_init=_named(_ZEROS, "mlp"))
+    self.down = linear(cfg.mlp_dim, cfg.d_model, kernel_init=_named(_KERNEL, "mlp", "embed"),
+                       bias_init=_named(_ZEROS, None))
 
   def _mlp(self, x: jax.Array) -> jax.Array:
-    return x + self.down(jax.nn.gelu(self.up(self.mlp_norm(x))))
+    hidden = jax.nn.gelu(self.up(self.mlp_norm(x)))
+    hidden = tsharding.constrain(hidden, ("act_batch", "act_length", "act_mlp"))
+    return x + self.down(hidden)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     return self._mlp(x + self.attn(self.attn_norm(x), positions))
@@ -224,14 +256,15 @@ class Transformer(nnx.Module):
     self.cfg = cfg  # static (a frozen dataclass)
     # std 1/sqrt(d): the tied output layer then starts with unit-scale logits (loss ≈ log vocab).
     self.embed = nnx.Embed(vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
-                           embedding_init=nnx.initializers.normal(cfg.d_model ** -0.5), rngs=rngs)
+                           embedding_init=_named(nnx.initializers.normal(cfg.d_model ** -0.5),
+                                                 "vocab", "embed"), rngs=rngs)
     self.blocks = nnx.List([Block(cfg, rngs=rngs, wrap=wrap, attention_factory=attention_factory,
                                   kind=kind, layer_idx=i)
                             for i, kind in enumerate(layer_kinds(cfg))])
-    self.final_norm = nnx.RMSNorm(cfg.d_model, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+    self.final_norm = _rms_norm(cfg, rngs)
     self.unembed = None if cfg.tie_embeddings else nnx.Param(
-        nnx.initializers.normal(cfg.d_model ** -0.5)(rngs.params(), (cfg.d_model, vocab_size),
-                                                     jnp.float32))
+        _named(nnx.initializers.normal(cfg.d_model ** -0.5), "embed", "vocab")(
+            rngs.params(), (cfg.d_model, vocab_size), jnp.float32))
     self.chunked_loss = cfg.loss == "linear_ce"
 
   def hidden(self, tokens: jax.Array) -> jax.Array:
@@ -239,6 +272,7 @@ class Transformer(nnx.Module):
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self.embed(tokens)
     for block in self.blocks:
+      x = tsharding.constrain(x, ("act_batch", "act_length", "act_embed"))
       x = block(x, positions)
     return self.final_norm(x)
 

@@ -8,6 +8,8 @@ From the repository root (``make demo`` makes ``.venv`` with the library and its
     .venv/bin/python train/train.py --preset smoke --workdir runs/cmp \
         --compare softmax,sigmoid,ssmax
     .venv/bin/python train/train.py --preset smoke --workdir runs/dp --num_cpu_devices 8
+    .venv/bin/python train/train.py --preset smoke --workdir runs/4d --num_cpu_devices 8 \
+        --mesh data=2,fsdp=2,context=2           # tensor=N too; see docs/training.md
     .venv/bin/python train/train.py --preset smoke --workdir runs/ent --normalizer entmax \
         --learned alpha                          # alpha per layer and head: learned.png
     .venv/bin/python train/train.py --preset smoke --workdir runs/gdn --num_layers 4 \
@@ -355,6 +357,7 @@ def build(cfg: Config, mesh):
   abstract_model = nnx.eval_shape(
       lambda: model.make_model(cfg, dataset.vocab_size, cfg.seed, wrap=wrap))
   graphdef, abstract_params = nnx.split(abstract_model)
+  axes = sharding.logical_axes(abstract_params)  # the parameters' logical axis names
   abstract_params = nnx.to_pure_dict(abstract_params)
   optimizer = make_optimizer(cfg)
 
@@ -364,7 +367,7 @@ def build(cfg: Config, mesh):
     return init_state(cfg, graphdef, params, optimizer)
 
   abstract_state = jax.eval_shape(init)
-  state_sharding = sharding.param_sharding(mesh, abstract_state, cfg.fsdp)
+  state_sharding = sharding.state_sharding(mesh, abstract_state, axes)
   abstract_state = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_state,
       state_sharding)
@@ -400,6 +403,7 @@ def run(cfg: Config, mesh) -> int:
   out_shardings: Any = (state_sharding, None)
   if cfg.check_numerics:  # (error, (state, metrics)): the error is a small replicated pytree
     step_fn, out_shardings = checkify.checkify(step_fn), (None, out_shardings)
+  step_fn = sharding.in_mesh(mesh, step_fn)  # activation constraints while it is traced
   train_step = jax.jit(step_fn, in_shardings=(state_sharding, batch_sharding),
                        out_shardings=out_shardings, donate_argnums=0)
   # At each log step: the attention statistics, and the learned hyperparameters and output
@@ -407,7 +411,7 @@ def run(cfg: Config, mesh) -> int:
   stats_fn = jax.jit(lambda params, tokens: (
       model.attention_stats(nnx.merge(graphdef, params), tokens, cfg),
       learned_stats(graphdef, params, tokens)))
-  eval_step = jax.jit(make_eval_step(graphdef))
+  eval_step = jax.jit(sharding.in_mesh(mesh, make_eval_step(graphdef)))
   held_out = dataset.held_out()
   eval_batches = [sharding.global_batch(held_out, i, cfg, batch_sharding)
                   for i in range(cfg.eval_batches)]
@@ -420,8 +424,9 @@ def run(cfg: Config, mesh) -> int:
   n_params = sum(x.size for x in jax.tree.leaves(abstract_state["params"]))
   for skip in skipped:
     log.message(skip.describe())
+  mesh_text = ",".join(f"{k}={v}" for k, v in mesh.shape.items())
   log.message(f"{start}; {n_params:,} parameters; {jax.device_count()} device(s) "
-              f"({jax.devices()[0].platform}); normalizer={cfg.normalizer} "
+              f"({jax.devices()[0].platform}, mesh {mesh_text}); normalizer={cfg.normalizer} "
               f"attention={cfg.attention}"
               + (f" layers={','.join(config.layer_kinds(cfg))}" if cfg.layers else ""))
 

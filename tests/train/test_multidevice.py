@@ -1,4 +1,6 @@
-"""8 fake CPU devices (own process) train like 1 device; FSDP checkpoints restore on 1 device."""
+"""8 fake CPU devices (own process) train like 1 device, on a data-parallel mesh and on the 4-axis
+meshes (data, fsdp, context, tensor); a checkpoint written under one mesh restores under another
+and on 1 device."""
 
 import os
 import subprocess
@@ -28,16 +30,29 @@ SCRIPT = textwrap.dedent("""
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jaxsoft.attention import dot_product_attention
     from train import sharding
-    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, P("data"))) for x in
-               jax.random.normal(jax.random.key(0), (3, 8, 16, 2, 8)))
+    # (q, k, v split over the batch axes and the heads over tensor: the wrapper gathers heads)
+    mesh = jax.make_mesh((2, 2, 1, 2), sharding.MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    q, k, v = (jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp"), None, "tensor"))) for x
+               in jax.random.normal(jax.random.key(0), (3, 8, 16, 2, 8)))
     attend = lambda q, k, v: dot_product_attention(q, k, v, is_causal=True, implementation="xla")
     wrapped = jax.jit(sharding.shard_map_attention(mesh)(attend))(q, k, v)
     # (the unwrapped reference jitted too: eager, every op would compile for the 8 devices)
     np.testing.assert_allclose(wrapped, jax.jit(attend)(q, k, v), rtol=1e-5, atol=1e-6)
     print("SHARD_MAP_OK")
-    assert T.main(tiny + ["--workdir", root + "/fsdp8", "--fsdp", "true",
-                          "--preempt_at_step", "3"]) == T.EXIT_PREEMPTED
+    # The layout the state gets on (fsdp=2, tensor=2, context=2): Megatron + FSDP.
+    from train import config as C
+    cfg, _ = C.from_argv(tiny + ["--workdir", root + "/x", "--mesh", "fsdp=2,tensor=2,context=2"])
+    layout = T.build(cfg, sharding.make_mesh(cfg))[5]["params"]["blocks"][0]
+    print("LAYOUT", layout["attn"]["q"]["kernel"].spec, layout["down"]["kernel"].spec)
+    # Steps 1-2 on (data=2, fsdp=2, context=2) (--fsdp true is fsdp=-1), steps 3-4 resumed on
+    # (fsdp=2, tensor=2, context=2); the parent finishes on 1 device.
+    quiet = ["--log_every", "100"]
+    assert T.main(tiny + quiet + ["--workdir", root + "/mesh", "--mesh", "data=2,context=2",
+                                  "--fsdp", "true", "--preempt_at_step", "2"]) == T.EXIT_PREEMPTED
+    assert T.main(tiny + quiet + ["--workdir", root + "/mesh", "--mesh",
+                                  "fsdp=2,tensor=2,context=2",
+                                  "--preempt_at_step", "4"]) == T.EXIT_PREEMPTED
 """)
 
 
@@ -56,6 +71,7 @@ def test_eight_devices_match_one_device(tmp_path):
       "number of devices (8)" in out, out
   assert not (tmp_path / "bad" / "config.json").exists()
   assert "8 device(s)" in out and "SHARD_MAP_OK" in out, out
+  assert "LAYOUT PartitionSpec('fsdp', 'tensor') PartitionSpec('tensor', 'fsdp')" in out, out
 
   one = str(tmp_path / "one")
   assert train_lib.main(TINY + ["--workdir", one]) == 0
@@ -67,11 +83,15 @@ def test_eight_devices_match_one_device(tmp_path):
   np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
   np.testing.assert_allclose(norm8, norm1, rtol=1e-4)
 
-  # FSDP over 8 devices for 3 steps, then resumed from its checkpoint on this 1-device process.
-  fsdp = str(tmp_path / "fsdp8")
-  assert _run(fsdp)[0] == [1, 2, 3]
-  assert train_lib.main(TINY + ["--workdir", fsdp]) == 0
-  steps_f, loss_f, norm_f = _run(fsdp)
-  assert steps_f == steps
-  np.testing.assert_allclose(loss_f, loss1, rtol=1e-5)
-  np.testing.assert_allclose(norm_f, norm1, rtol=1e-4)
+  # Two steps on each 4-axis mesh (the checkpoint of the first restored under the second), then
+  # resumed on this 1-device process: every step as the 1-device run's. The batch split over
+  # (data, fsdp) and the sequence over context (attention over the gathered keys), the
+  # parameters over fsdp and tensor: the same sums in another order, float32 round-off.
+  chain = str(tmp_path / "mesh")
+  assert "resumed from step 2" in out
+  assert _run(chain)[0] == [1, 2, 3, 4]
+  assert train_lib.main(TINY + ["--workdir", chain]) == 0
+  steps_m, loss_m, norm_m = _run(chain)
+  assert steps_m == steps
+  np.testing.assert_allclose(loss_m, loss1, rtol=1e-5)
+  np.testing.assert_allclose(norm_m, norm1, rtol=1e-4)
