@@ -82,16 +82,6 @@ def _decode(layer, x, prefill, quantization):
   return jnp.concatenate(outs, axis=1)
 
 
-def test_decode_equals_attention_on_the_dequantised_cache():
-  x = jax.random.normal(jax.random.key(0), (2, 7, D))
-  layer = MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(1))
-  got = _decode(layer, x, 3, "polykv")
-  k_hat, v_hat = polykv.polykv_dequantize(polykv.polykv_quantize(layer.key(x), layer.value(x)))
-  y = js.attention.dot_product_attention(layer.query(x), k_hat, v_hat, is_causal=True)
-  np.testing.assert_allclose(got, layer.out(y), rtol=1e-5, atol=2e-5)
-  assert int(layer.cache_index[...]) == 7
-
-
 def _bound(layer, x):
   """PolyKV's bound on each head's attention output, per (batch, position, head), for
   self-attention over the prefix, from the layer's own projections (float64)."""
@@ -127,6 +117,11 @@ def test_greedy_decode_logits_within_polykv_bound():
     h = layer(jnp.asarray(emb[nxt]), decode=True)[:, -1]
   x = jnp.asarray(emb[toks[:, :-1]])
   y_q = _decode(layer, x, prompt.shape[1], "polykv")
+  # the quantised decode is attention on the dequantised cache (float32 rounding)
+  k_hat, v_hat = polykv.polykv_dequantize(polykv.polykv_quantize(layer.key(x), layer.value(x)))
+  y = js.attention.dot_product_attention(layer.query(x), k_hat, v_hat, is_causal=True)
+  np.testing.assert_allclose(y_q, layer.out(y), rtol=1e-5, atol=2e-5)
+  assert int(layer.cache_index[...]) == x.shape[1]
   logits_q = np.asarray(y_q)[:, prompt.shape[1] - 1:] @ emb.T  # the same steps' logits
   logits_f = np.stack(logits, 1)
   # |d out_d| <= sum_{n,h} |W_out[n, h, d]| delta_n; |d logit_v| <= sum_d |E_vd| |d out_d|
@@ -143,6 +138,7 @@ def test_greedy_decode_logits_within_polykv_bound():
   np.testing.assert_array_equal(np.argmax(logits_q, -1)[sure], np.argmax(logits_f, -1)[sure])
 
 
+@pytest.mark.slow  # the Pallas interpreter
 def test_pallas_steps_run_the_polykv_kernel(monkeypatch):
   monkeypatch.setenv(kernels_api.INTERPRET_ENV, "1")
   calls = []
