@@ -45,6 +45,7 @@ from jaxsoft.attention._polar import polar_attention, polar_memory, polar_sink_a
 from jaxsoft.attention._pooling_mixer import ponet_mix
 from jaxsoft.attention._shortcuts import entmax_attention, sparsemax_attention, ssmax_attention
 from jaxsoft.attention._soft import gaussian_kernel, newton_schulz_pinv, soft_attention
+from jaxsoft.attention._sparse_state_expansion import sparse_state_expansion, sse_gates
 from jaxsoft.attention._tensor import tensor_attention
 from jaxsoft.attention._topk import topk_attention
 from jaxsoft.attention._uniattn import uniattn, uniattn_shared_map
@@ -59,7 +60,7 @@ __all__ = ["dot_product_attention", "IMPLEMENTATIONS", "MaskStructure", "dense_l
            "per_head", "softplus_to_range", "softplus_from_range",
            "merge_kv", "alternating_matching", "topk_attention",
            "block_sparse_attention", "BLOCK_SPARSE_METHODS", "blasst_calibrate",
-           "blasst_skip_threshold",
+           "blasst_skip_threshold", "sparse_state_expansion", "sse_gates",
            "lucid_attention", "lucid_preconditioned_values",
            "multi_token_attention", "mta_identity_kernel",
            "tensor_attention", "soft_attention", "gaussian_kernel", "newton_schulz_pinv",
