@@ -25,13 +25,17 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+
 from jaxsoft import attention as js_attention
 from jaxsoft import nn as js_nn
 
 __all__ = ["ATTENTION_VARIANTS", "FEATURE_MAP_KINDS", "linear_kinds", "bidirectional_kinds",
            "LINEAR_KINDS", "BIDIRECTIONAL_KINDS", "SparseKind", "SPARSE_ATTENTION",
            "SPARSE_KINDS", "LAYER_KINDS", "INFSA_GAMMA", "CONTROLS", "ControlKind",
-           "CONTROL_ATTENTION", "CONTROL_KINDS", "POOLING_KINDS", "PONET_WINDOW", "FOX_KINDS"]
+           "CONTROL_ATTENTION", "CONTROL_KINDS", "POOLING_KINDS", "PONET_WINDOW", "FOX_KINDS",
+           "HYBRID_GATE_CHANNELS", "token_hybrid", "hybrid_layers"]
 
 ATTENTION_VARIANTS = ("full", "window", "softcap", "gated")
 # The linear kinds named once per feature map on the command line (`linear:elu1`, ...).
@@ -78,6 +82,54 @@ class SparseKind:
 
 
 _CAUSAL = {"is_causal": True}
+# The value channels a token-level hybrid layer reads its route, write strength and decay from.
+HYBRID_GATE_CHANNELS = 3
+
+
+def token_hybrid(fn: Callable[..., Any], q: Any, k: Any, v: Any) -> Any:
+  r"""A token-level hybrid (``jaxsoft.attention.nats_attention`` or ``oryx_attention``) as a
+  self-attention layer ``(q, k, v) -> o`` with no parameters of its own.
+
+  The last :data:`HYBRID_GATE_CHANNELS` channels of each value head are the per-token
+  route logit z, write logit b and decay logit a, linear maps of the token as a separate
+  router would be (the value projection has no RoPE); the other channels are the values:
+
+  .. math::
+    r = \mathrm{ST}(z), \quad \beta = \sigma(b), \quad g = \log\sigma(a) / 16
+
+  (the straight-through route of ``jaxsoft.attention.straight_through_route``, GLA's slow
+  decay at initialisation). Grouped keys and values are repeated to the query heads, and the
+  output is padded back to the head width with zeros.
+  """
+  c = HYBRID_GATE_CHANNELS
+  if v.shape[-1] <= c:
+    raise ValueError(f"a token-level hybrid layer reads {c} gates from each value head: it "
+                     f"needs a head width > {c}, got {v.shape[-1]}")
+  rep = q.shape[2] // k.shape[2]
+  if rep > 1:
+    k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
+  gates = v[..., -c:].astype(jnp.float32)
+  out = fn(q, k, v[..., :-c], jax.nn.log_sigmoid(gates[..., 2]) / 16.0,
+           jax.nn.sigmoid(gates[..., 1]), js_attention.straight_through_route(gates[..., 0]))
+  return jnp.pad(out, [(0, 0)] * 3 + [(0, c)])
+
+
+def hybrid_layers(linear: str = "gla", anchor: str = "gated", ratio: int = 3) -> str:
+  """The ``--layers`` value of a linear:softmax hybrid: ``ratio`` layers of ``linear`` then
+  one gated-softmax anchor (``anchor``), e.g. SANA-Video 2.0's 3:1 stack of GLA layers and
+  softmax layers with a sigmoid output gate (``--attention gated``); repeated to
+  ``--num_layers``.
+
+  Examples:
+    >>> hybrid_layers()
+    'gla,gla,gla,gated'
+  """
+  if ratio < 0:
+    raise ValueError(f"hybrid_layers: `ratio` must be >= 0, got {ratio}")
+  for name, kind in (("linear", linear), ("anchor", anchor)):
+    if kind not in LAYER_KINDS:
+      raise ValueError(f"hybrid_layers: `{name}` {kind!r} is not a layer kind")
+  return ",".join([linear] * ratio + [anchor])
 
 SPARSE_ATTENTION: Mapping[str, SparseKind] = {
     "topk_attention": SparseKind(js_attention.topk_attention, ("top_k",), _CAUSAL),
@@ -95,6 +147,12 @@ SPARSE_ATTENTION: Mapping[str, SparseKind] = {
     # A25: the normalised Neumann kernel, gamma = 1/2
     "infsa_attention": SparseKind(js_attention.infsa_attention, (),
                                   {"gamma": INFSA_GAMMA, "normalize": True, **_CAUSAL}),
+    # A46: token-level hybrids of softmax attention and Gated DeltaNet in one layer, their
+    # route, write strength and decay read from the value projection (token_hybrid)
+    "nats_attention": SparseKind(lambda q, k, v: token_hybrid(js_attention.nats_attention,
+                                                              q, k, v)),
+    "oryx_attention": SparseKind(lambda q, k, v: token_hybrid(js_attention.oryx_attention,
+                                                              q, k, v)),
 }
 SPARSE_KINDS = tuple(SPARSE_ATTENTION)
 

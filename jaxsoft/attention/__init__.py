@@ -116,3 +116,12 @@ from jaxsoft.attention.context_parallel import (  # noqa: E402
 )
 
 __all__ += ["context_parallel_attention", "load_balance_order"]
+
+# token-level hybrids of softmax attention and Gated DeltaNet (A46, ``_token_hybrid``): NAtS-L, Oryx
+from jaxsoft.attention._token_hybrid import (  # noqa: E402
+    nats_attention,
+    oryx_attention,
+    straight_through_route,
+)
+
+__all__ += ["nats_attention", "oryx_attention", "straight_through_route"]

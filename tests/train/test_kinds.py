@@ -10,6 +10,7 @@ list written out twice).
 import dataclasses
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -107,3 +108,38 @@ def test_the_normalizer_block_owns_its_cache_and_step(variant):
                               cache)
   assert out.shape == (2, 1, 16) and jax.tree.map(lambda a: a.shape, after) == {
       "k": (2, 8, 1, 8), "v": (2, 8, 1, 8)}
+
+
+# A46: the token-level hybrids (NAtS-L routing, Oryx's switch) and the 3:1 linear:softmax stack
+# with gated-softmax anchors train a few steps on the tiny model with a falling, finite loss.
+def _trains(tmp_path, *extra):
+  from tests import helpers
+  from train import train as train_lib
+  workdir = str(tmp_path / "run")
+  assert train_lib.main(helpers.train_argv("--workdir", workdir, "--learning_rate", "1e-2",
+                                           *extra)) == 0
+  _, losses, grads = helpers.train_records(workdir)
+  assert np.all(np.isfinite(losses)) and np.all(np.isfinite(grads))
+  assert losses[-1] < losses[0], losses
+
+
+def test_nats_attention_layer_trains(tmp_path):
+  _trains(tmp_path, "--attention", "nats_attention")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [
+    ("--attention", "oryx_attention"),
+    ("--num_layers", "4", "--layers", kinds.hybrid_layers()),
+    ("--num_layers", "2", "--layers", "oryx_attention,nats_attention")], ids=str)
+def test_token_hybrid_and_anchor_stacks_train(tmp_path, extra):
+  _trains(tmp_path, *extra)
+
+
+def test_hybrid_layers_gives_the_three_to_one_pattern():
+  assert kinds.hybrid_layers() == "gla,gla,gla,gated"
+  cfg = Config(**{**TINY, "num_layers": 8}, layers=kinds.hybrid_layers("gated_delta_rule"))
+  assert config.layer_kinds(cfg) == ("gated_delta_rule",) * 3 + ("gated",) + (
+      "gated_delta_rule",) * 3 + ("gated",)
+  with pytest.raises(ValueError, match="`anchor` 'nope' is not a layer kind"):
+    kinds.hybrid_layers(anchor="nope")
