@@ -35,6 +35,9 @@ decoding one token from a state. ``segment_ids`` reset the state between packed 
 * K07: the chunked forms' backward pass recomputes each chunk (a custom VJP keeping the
   inputs and the chunk-start states; the delta rules also keep the UT inverse and the WY
   factors).
+* :func:`context_parallel`: a recurrent family with its sequence split over a mesh axis
+  (each shard's state map, one ``all_gather``, a fold in sequence order);
+  :func:`context_parallel_mixer` and :func:`short_conv_halo` for the layers.
 * A40 :func:`taylor_linear_attention`: ``exp`` replaced by its order-m Taylor polynomial, as
   linear attention on :func:`taylor_features` (Mongaras & Larson 2025; TaylorShift).
 
@@ -81,6 +84,13 @@ from jaxsoft.linear._transnormer import (
 )
 from jaxsoft.linear._ttt import ttt_linear, ttt_linear_step
 from jaxsoft.linear._ttt_conversion import key_instance_norm, locality_enhance
+from jaxsoft.linear.context_parallel import (
+    CONTEXT_PARALLEL_FAMILIES,
+    CONTEXT_PARALLEL_UNSUPPORTED,
+    context_parallel,
+    context_parallel_mixer,
+    short_conv_halo,
+)
 
 __all__ = [
     "linear_attention",
@@ -133,4 +143,9 @@ __all__ = [
     "hedgehog_distillation_loss",
     "FEATURE_MAPS",
     "IMPLEMENTATIONS",
+    "context_parallel",
+    "context_parallel_mixer",
+    "short_conv_halo",
+    "CONTEXT_PARALLEL_FAMILIES",
+    "CONTEXT_PARALLEL_UNSUPPORTED",
 ]

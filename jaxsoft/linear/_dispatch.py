@@ -10,6 +10,8 @@ import jax.numpy as jnp
 
 from jaxsoft.linear import _checks, recurrence
 from jaxsoft.linear import chunk as _chunk
+from jaxsoft.linear.context_parallel import active as _cp_active
+from jaxsoft.linear.context_parallel import states as _cp_states
 from kernels_pallas import backends
 from kernels_pallas import linear as pallas_linear
 
@@ -59,6 +61,10 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   cdt = call.q.dtype
   to_bn = lambda x: None if x is None else jnp.moveaxis(x.astype(cdt), 1, 2)
   run = _chunk.run_ids(call.segment_ids, B, T, like=q)
+  cp = _cp_active()
+  if cp is not None:   # context parallel: start from this shard's incoming state
+    S0, S_final = _cp_states(call, to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0,
+                             cp)
   if S0 is None:   # zeros built from the inputs: the batch sharding of an explicit mesh
     S0 = jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k[:, 0], v[:, 0]), dtype=cdt)
   # the scans over time carry the state: it varies over every shard_map axis the inputs do
@@ -72,6 +78,8 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
     o, S_T = recurrence.chunked(*args, chunk=min(call.chunk_size, T))
   else:  # parallel: one chunk holding the whole sequence
     o, S_T = recurrence.chunked(*args, chunk=T, recompute=False)
+  if cp is not None:   # the last shard's end state, which every shard has from the fold
+    S_T = S_final
   return jnp.moveaxis(o, 2, 1), S_T
 
 
