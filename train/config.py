@@ -72,6 +72,8 @@ DATASETS = ("text", "recall", "copy", "sort", "needle")
 IMPLEMENTATIONS = (None, "xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu")
 DTYPES = ("float32", "bfloat16")
 _SWITCH = ("auto", "on", "off")
+# "gspmd", then jaxsoft.attention.context_parallel's strategies (checked against its STRATEGIES).
+CONTEXT_STRATEGIES = ("gspmd", "all_gather", "ulysses", "ring")
 
 
 class ConfigError(ValueError):
@@ -220,6 +222,11 @@ class Config:
                      "several slices (TPU multislice, or one slice per host elsewhere): the axes' "
                      "sizes across slices, e.g. data=2; --mesh then gives them within a slice "
                      "(jax.experimental.mesh_utils.create_hybrid_device_mesh). '' = one slice")
+  context_strategy: str = _f(DISTRIBUTION, "gspmd",
+                             "attention with the sequence split over the context axis: gspmd "
+                             "(keys and values gathered by sharding constraints) or a strategy "
+                             "of jaxsoft.attention.context_parallel_attention (all_gather, "
+                             "ulysses, ...), run under shard_map", CONTEXT_STRATEGIES)
   coordinator_address: str = _f(DISTRIBUTION, "",
                                 "multi-host: HOST:PORT of process 0's coordinator ('' = "
                                 "$JAX_COORDINATOR_ADDRESS, or detected on TPU pods / SLURM)")
@@ -460,6 +467,11 @@ def _validate_distribution(cfg: Config) -> None:
     raise ConfigError(f"--fsdp true means fsdp=-1, but --mesh already gives -1 to {axis!r} "
                       "(-1 twice); name the fsdp size in --mesh instead")
   sharding.parse_mesh(cfg.dcn_mesh, "--dcn_mesh")
+  if cfg.context_strategy != "gspmd":
+    strategies = sharding.context_strategies()
+    if cfg.context_strategy not in strategies:
+      raise ConfigError(f"--context_strategy: {cfg.context_strategy!r} is not available here; "
+                        f"one of {', '.join(('gspmd', *strategies))}")
   if cfg.num_processes < 0:
     raise ConfigError(f"--num_processes must be >= 0, got {cfg.num_processes}")
   if cfg.process_id < -1 or (cfg.num_processes and cfg.process_id >= cfg.num_processes):

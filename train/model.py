@@ -66,8 +66,10 @@ def attention_kwargs(cfg: Config) -> dict[str, Any]:
   return kwargs
 
 
-def _attend(q, k, v, hparams, *, kwargs):
-  return js_attention.dot_product_attention(q, k, v, normalizer_params=hparams or None, **kwargs)
+def _attend(q, k, v, hparams, *, kwargs, call=js_attention.dot_product_attention):
+  """``call`` (dot_product_attention, or train.sharding's context-parallel attention) with the
+  block's hyperparameters."""
+  return call(q, k, v, normalizer_params=hparams or None, **kwargs)
 
 
 def _attend_cached(q, keys, values, position, hparams, *, kwargs):
@@ -132,6 +134,8 @@ class Attention(nnx.Module):
     kwargs = attention_kwargs(cfg)
     attend = functools.partial(_attend, kwargs=kwargs)
     self.attend = wrap(attend) if wrap is not None else attend
+    # K/V gathered over context by constraints, unless a context-parallel attention does it.
+    self.kv_length = "act_length" if getattr(wrap, "context_parallel", False) else None
     self.attend_cached = functools.partial(_attend_cached, kwargs=kwargs)
 
   def learned_values(self) -> dict[str, jax.Array]:
@@ -158,9 +162,11 @@ class Attention(nnx.Module):
     q, k = self.qk(x, positions)
     v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
     # Exact under context parallelism: the queries keep their positions' shard, the keys and
-    # values are gathered over the sequence (GSPMD all-gathers them along ``context``).
+    # values are gathered over the sequence (GSPMD all-gathers them along ``context``; or
+    # they stay sharded for jaxsoft's context_parallel_attention, which gathers them itself).
     q = tsharding.constrain(q, ("act_batch", "act_length", "act_heads", None))
-    k, v = (tsharding.constrain(a, ("act_batch", None, "act_kv_heads", None)) for a in (k, v))
+    k, v = (tsharding.constrain(a, ("act_batch", self.kv_length, "act_kv_heads", None))
+            for a in (k, v))
     out = self.attend(q, k, v, self.hparams())
     out = tsharding.constrain(out, ("act_batch", "act_length", "act_heads", None))
     return self._output(out, x)

@@ -34,6 +34,7 @@ Pallas kernels are not auto-partitioned, so a Pallas attention call runs under
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -50,7 +51,8 @@ __all__ = ["setup_devices", "make_mesh", "check_batch", "batch_sharding", "state
            "param_sharding", "state_specs", "global_batch", "needs_shard_map", "shard_map_attention", "DATA",
            "FSDP", "CONTEXT", "TENSOR", "MESH_AXES", "BATCH_AXES", "LOGICAL_AXIS_RULES",
            "parse_mesh", "resolve_mesh", "mesh_shape", "hybrid_mesh_shapes", "logical_spec",
-           "logical_axes", "activate", "in_mesh", "constrain"]
+           "logical_axes", "activate", "in_mesh", "constrain", "context_strategies",
+           "context_parallel_wrap"]
 
 DATA, FSDP, CONTEXT, TENSOR = "data", "fsdp", "context", "tensor"
 MESH_AXES = (DATA, FSDP, CONTEXT, TENSOR)  # outermost first
@@ -480,6 +482,38 @@ def global_batch(dataset, position: int, cfg: Config,
     value = value.reshape(cfg.grad_accum, len(local), cfg.seq_len)[:, :, cols[0]:cols[-1] + 1]
     out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
   return out
+
+
+def context_strategies() -> tuple[str, ...]:
+  """The strategies of ``jaxsoft.attention.context_parallel_attention`` (none when this jaxsoft
+  has no such module)."""
+  try:
+    from jaxsoft.attention import context_parallel  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return ()
+  return tuple(context_parallel.STRATEGIES)
+
+
+def context_parallel_wrap(mesh, strategy: str) -> Callable[..., Callable[..., jax.Array]]:
+  """Wraps the model's attention ``f(q, k, v, hparams, *, kwargs, call)`` to call
+  ``jaxsoft.attention.context_parallel_attention`` with ``strategy`` over the ``context`` axis
+  (and the batch over ``('data', 'fsdp')`` when they divide it) instead of
+  ``dot_product_attention``."""
+  from jaxsoft.attention import context_parallel  # pylint: disable=import-outside-toplevel
+
+  batch_size = mesh.shape[DATA] * mesh.shape[FSDP]
+
+  def call(q, k, v, **kwargs):
+    batch_axes = BATCH_AXES if q.shape[0] % batch_size == 0 else None
+    return context_parallel.context_parallel_attention(
+        q, k, v, mesh=mesh, axis_name=CONTEXT, strategy=strategy, batch_axes=batch_axes,
+        **kwargs)
+
+  def wrap(fn):
+    return functools.partial(fn, call=call)
+
+  wrap.context_parallel = True  # type: ignore[attr-defined]  (the model keeps K/V sharded)
+  return wrap
 
 
 def needs_shard_map(cfg: Config) -> bool:

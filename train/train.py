@@ -354,6 +354,9 @@ def build(cfg: Config, mesh):
   """Model, optimizer, sharded initial state and its abstract twin (shapes + shardings)."""
   dataset = data.make_dataset(cfg.dataset, cfg.seq_len, cfg.batch_size, cfg.seed)
   wrap = sharding.shard_map_attention(mesh) if sharding.needs_shard_map(cfg) else None
+  if cfg.context_strategy != "gspmd" and mesh.shape[sharding.CONTEXT] > 1:
+    # (each device runs --implementation on its shards inside the strategy's shard_map)
+    wrap = sharding.context_parallel_wrap(mesh, cfg.context_strategy)
   abstract_model = nnx.eval_shape(
       lambda: model.make_model(cfg, dataset.vocab_size, cfg.seed, wrap=wrap))
   graphdef, abstract_params = nnx.split(abstract_model)

@@ -187,3 +187,12 @@ def test_the_worked_example_of_docs_training():
   assert block["up"]["kernel"] == P("fsdp", "tensor") and block["up"]["bias"] == P("tensor")
   assert block["down"]["kernel"] == P("tensor", "fsdp") and block["down"]["bias"] == P()
   assert block["mlp_norm"]["scale"] == P()
+
+
+def test_context_strategy_is_checked():
+  # The strategies the flag takes are jaxsoft.attention.context_parallel's, plus gspmd.
+  from jaxsoft.attention import context_parallel
+  assert set(config.CONTEXT_STRATEGIES) == {"gspmd", *context_parallel.STRATEGIES}
+  assert sharding.context_strategies() == tuple(context_parallel.STRATEGIES)
+  with pytest.raises(SystemExit):  # argparse's choices
+    config.from_argv(helpers.train_argv("--workdir", "/unused", "--context_strategy", "rings"))
