@@ -70,6 +70,7 @@ from jaxsoft.attention.differentiation import first_order_only, refuse_unsupport
 from jaxsoft.attention.masks import normalize_window
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
+from jaxsoft.normalizers._topk import TOP_K_RULE
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["ring_attention"]
@@ -322,6 +323,67 @@ def _threshold_forward(plan: _Plan, q5, k4, v4, meta: _Meta):
 
   m = lax.pmax(_chunks(plan, rows, k4, max_step, (n, theta)), plan.axis)
   m, state, target = tile.search_start(rule, m, n, params(theta))
+  if _merges_candidates(rule, hp):
+    tau = _top_k_threshold(plan, rows, k4, m, n, state[0])
+  else:
+    tau = _search(plan, rows, k4, m, n, theta, state, target)
+  if tile.jumps_at_threshold(rule, hp):  # top-k / top-p: tau into the gap below it
+    def below_step(vis, s, x, qc, mc, nc, tc, th):
+      z = tile.scores(rule, x, vis, mc, nc, params(th))
+      return tile.max_below(z, vis, tc, jnp.full(mc.shape, -jnp.inf, plan.dtype))
+
+    below = lax.pmax(_chunks(plan, rows, k4, below_step, (m, n, tau, theta)), plan.axis)
+    tau = tile.gap_threshold(tau, below)
+  m = tile.weight_stabiliser(m)
+
+  def weight_step(vis, s, x, qc, mc, nc, tc, th):
+    w, _ = tile.threshold_maps(rule, x, vis, tc, mc, nc, params(th))
+    pv = jnp.einsum("bkgqs,bksh->bkgqh", w, v4, preferred_element_type=plan.dtype)
+    return jnp.sum(w, axis=-1, keepdims=True), pv
+
+  l, acc = _chunks(plan, rows, k4, weight_step, (m, n, tau, theta))
+  d = lax.psum(l, plan.axis)
+  acc = lax.psum_scatter(acc, plan.axis, scatter_dimension=0, tiled=False)
+  own = lax.dynamic_index_in_dim(d, lax.axis_index(plan.axis), 0, False)
+  return acc * tile.safe_inverse(own), m, d, (tau, n, theta)
+
+
+def _merges_candidates(rule, hp) -> bool:
+  """Top-k with a Python int k: its threshold is the k-th largest score, found by merging
+  each shard's k largest instead of a search."""
+  return rule is TOP_K_RULE and isinstance(hp.get("k"), (int, np.integer)) and hp["k"] >= 1
+
+
+def _top_k_threshold(plan: _Plan, rows: _Rows, k4, m, n, lo):
+  """Top-k's tau: ``max(z_(min(k, n)), lo)``, the min(k, n)-th largest visible score of
+  the row (``lo``, the search's lower bracket, where that is lower or the row is empty,
+  as the search would end). Each shard takes the ``min(k, Sl)`` largest of its keys per
+  row (``lax.top_k``), one all-gather merges them (cp·min(k, Sl) floats per row, against
+  up to ``iterations / 2`` psums of 3 floats per row for the search) and the k-th largest
+  of the merged candidates is the global k-th largest score."""
+  k = int(plan.params["k"])
+  kk = min(k, k4.shape[2])
+
+  def local(vis, s, x, qc, mc, nc):
+    z = tile.scores(plan.rule, x, vis, mc, nc, plan.params)
+    return lax.top_k(jnp.where(vis, z, -jnp.inf), kk)[0]
+
+  top = lax.all_gather(_chunks(plan, rows, k4, local, (m, n)), plan.axis, axis=0, tiled=False)
+  top = jnp.moveaxis(top, 0, -2)
+  top = lax.top_k(top.reshape(top.shape[:-2] + (-1,)), min(k, top.shape[-2] * kk))[0]
+  index = jnp.minimum(jnp.minimum(n, k), top.shape[-1]).astype(jnp.int32) - 1
+  kth = jnp.take_along_axis(top, index, axis=-1)
+  return lax.stop_gradient(jnp.maximum(kth, lo))
+
+
+def _search(plan: _Plan, rows: _Rows, k4, m, n, theta, state, target):
+  """The threshold search of ``_chunked._threshold_search`` over the key shards: each step
+  sums the masses at the candidates over the local keys and psums them."""
+  rule, hp = plan.rule, plan.params
+
+  def params(th):
+    return {**hp, **th}
+
   count_, steps, newton = tile.search_schedule(rule, rule.iterations, early_exit=True)
 
   def search_step(carry):
@@ -345,26 +407,7 @@ def _threshold_forward(plan: _Plan, q5, k4, v4, meta: _Meta):
 
   done = jnp.all(tile.search_done(state))
   _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
-  tau = lax.stop_gradient(tile.search_threshold(state, newton))
-  if tile.jumps_at_threshold(rule, hp):  # top-k / top-p: tau into the gap below it
-    def below_step(vis, s, x, qc, mc, nc, tc, th):
-      z = tile.scores(rule, x, vis, mc, nc, params(th))
-      return tile.max_below(z, vis, tc, jnp.full(mc.shape, -jnp.inf, plan.dtype))
-
-    below = lax.pmax(_chunks(plan, rows, k4, below_step, (m, n, tau, theta)), plan.axis)
-    tau = tile.gap_threshold(tau, below)
-  m = tile.weight_stabiliser(m)
-
-  def weight_step(vis, s, x, qc, mc, nc, tc, th):
-    w, _ = tile.threshold_maps(rule, x, vis, tc, mc, nc, params(th))
-    pv = jnp.einsum("bkgqs,bksh->bkgqh", w, v4, preferred_element_type=plan.dtype)
-    return jnp.sum(w, axis=-1, keepdims=True), pv
-
-  l, acc = _chunks(plan, rows, k4, weight_step, (m, n, tau, theta))
-  d = lax.psum(l, plan.axis)
-  acc = lax.psum_scatter(acc, plan.axis, scatter_dimension=0, tiled=False)
-  own = lax.dynamic_index_in_dim(d, lax.axis_index(plan.axis), 0, False)
-  return acc * tile.safe_inverse(own), m, d, (tau, n, theta)
+  return lax.stop_gradient(tile.search_threshold(state, newton))
 
 
 def _threshold_backward(plan: _Plan, q5, k4, v4, meta: _Meta, res, dout):
@@ -377,6 +420,7 @@ def _threshold_backward(plan: _Plan, q5, k4, v4, meta: _Meta, res, dout):
                          tiled=False)
   do_all = lax.all_gather(dout, plan.axis, axis=0, tiled=False)
   inv_w = tile.safe_inverse(d)
+
   def params(th):
     return {**hp, **th}
 
