@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxsoft._validation import concrete
 from jaxsoft.attention._api import dot_product_attention
+from jaxsoft.attention._ring import ring_attention
 from jaxsoft.attention.masks import normalize_segment_ids, normalize_window, positions_visible
 
 __all__ = ["context_parallel_attention", "STRATEGIES", "load_balance_order"]
@@ -201,10 +202,12 @@ def _ulysses_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segme
 
 
 # The strategies by name (every one runs inside shard_map on local shards, with the
-# signature of the module docstring).
+# signature of the module docstring). "ring" (jaxsoft.attention._ring, Liu et al. 2023)
+# passes K/V shards around the ring: kernel classes E, S, P and T, not R.
 STRATEGIES: dict[str, Callable[..., jax.Array]] = {
     "all_gather": _all_gather_attention,
     "ulysses": _ulysses_attention,
+    "ring": ring_attention,
 }
 
 
@@ -267,6 +270,11 @@ def context_parallel_attention(
     attends, and a second all-to-all turns the result back. N must be divisible by cp;
     key/value heads are repeated when K is not (GQA), which needs N divisible by the
     repeated count.
+  * ``"ring"`` (ring attention): the key/value shards travel around the ring of devices,
+    cp - 1 hops, each device folding every shard into its rows' running state
+    (:func:`jaxsoft.attention._ring.ring_attention`): memory per device O((S/cp)·K·H);
+    kernel classes E, S, P and T (class R raises NotImplementedError); ``implementation``
+    is not used (each hop is plain jnp on one tile).
 
   With ``load_balance`` (the default when ``is_causal``), the sequence is reordered
   before sharding so that device i holds chunks i and 2cp-1-i of 2·cp equal chunks
@@ -287,7 +295,7 @@ def context_parallel_attention(
     mesh: the :class:`jax.sharding.Mesh` to run on.
     axis_name: the mesh axis the sequence is split over (size cp); T and S must be
       divisible by cp (by 2·cp with ``load_balance``).
-    strategy: a name in :data:`STRATEGIES` (``"all_gather"``, ``"ulysses"``, ...).
+    strategy: a name in :data:`STRATEGIES` (``"all_gather"``, ``"ulysses"``, ``"ring"``).
     load_balance: reorder the sequence into dual chunks (see above); None = ``is_causal``.
       Causal self-attention with T != S is top-left aligned (as the single-device call);
       q and kv are then reordered each with their own length.

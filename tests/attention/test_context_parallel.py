@@ -14,7 +14,9 @@ missing key changes O(1) weights).
 The masked case crosses every shard boundary: T = 32 in 8 load-balanced chunks of 4, with
 segments [0..5), [5..19), [19..32) in batch 0 and [0..20), [20..32) in batch 1, query
 lengths 30 and 9 and key lengths 27 and 13; the GQA layout has N = 4 query heads and K = 2
-key heads (ulysses repeats the key heads to 4).
+key heads (ulysses repeats the key heads to 4). The strategies: all_gather (every class),
+ulysses (softmax and sparsemax by default), ring (``jaxsoft.attention._ring``: classes E,
+S and P by default; it refuses R).
 """
 
 import pytest
@@ -82,6 +84,7 @@ OTHER_KEYS = [("softmax", "causal_window_unbalanced"), ("softmax", "plain")]
 want = reference(MASKED_KEYS + OTHER_KEYS)
 compare("all_gather", MASKED_KEYS + OTHER_KEYS, want, hlo="all-gather")
 compare("ulysses", [MASKED_KEYS[0], MASKED_KEYS[-1]], want, hlo="all-to-all")
+compare("ring", MASKED_KEYS[:3], want, hlo="collective-permute")
 
 def refused(match, **kw):
   try:
@@ -91,7 +94,7 @@ def refused(match, **kw):
   else:
     raise AssertionError(f"no ValueError for {{kw}}")
 
-refused(["strategy", "all_gather", "ulysses", "'nope'"], strategy="nope")
+refused(["strategy", "all_gather", "ring", "ulysses", "'nope'"], strategy="nope")
 refused(["axis_name", "'seq'", "('data', 'context')"], axis_name="seq")
 refused(["batch_axes", "'model'"], batch_axes="model")
 k3 = jnp.ones((B, 24, 1, H))  # S = 24: divisible by cp = 4 but not by 2·cp = 8
@@ -118,7 +121,7 @@ def test_context_parallel_equals_single_device():
   the collectives in the compiled HLO, and the refusals."""
   proc = run_on_cpu_devices(_DEFAULT, 8)
   assert proc.stdout.split("\n")[:-1] == [
-      "ok all_gather None", "ok ulysses None", "ok errors"], proc.stdout
+      "ok all_gather None", "ok ulysses None", "ok ring None", "ok errors"], proc.stdout
 
 
 _REGISTRY = ("softmax", "softmax_sink", "ssmax", "softpick", "sigmoid", "stablemax",
@@ -129,11 +132,17 @@ _REGISTRY = ("softmax", "softmax_sink", "ssmax", "softpick", "sigmoid", "stablem
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked", "pallas"])
 def test_context_parallel_full_matrix(implementation):
   """Every default-registry normalizer (classes E, S, P, R, T, with the length-dependent
-  ssmax) x both strategies x the three mask cases, on one implementation."""
+  ssmax) x the strategies x the three mask cases, on one implementation (pallas: the
+  interpreter on CPU). The ring strategy ignores ``implementation``, so it runs once (with
+  "xla"), for every class but R, which it refuses."""
   cases = ("masked_causal_balanced", "causal_window_unbalanced", "plain")
   script = _PRELUDE + f"keys = [(n, c) for n in {_REGISTRY!r} for c in {cases!r}]\n"
   script += "want = reference(keys)\n" + "".join(
       f"compare({s!r}, keys, want, impl={implementation!r})\n" for s in ("all_gather", "ulysses"))
+  expected = [f"ok {s} {implementation}" for s in ("all_gather", "ulysses")]
+  if implementation == "xla":
+    script += ("compare('ring', [(n, c) for n, c in keys if n != 'standardized_softmax'], want, "
+               "impl='xla')\n")
+    expected.append("ok ring xla")
   proc = run_on_cpu_devices(script, 8)
-  assert proc.stdout.split("\n")[:-1] == [
-      f"ok {s} {implementation}" for s in ("all_gather", "ulysses")], proc.stdout
+  assert proc.stdout.split("\n")[:-1] == expected, proc.stdout
