@@ -22,10 +22,11 @@ search has no finite bracket), so :func:`with_posinf_rule` handles those rows be
   dense function on rows of k ``+inf`` and n - k zeros), else comes from its dense function
   on such a row for each row (the limits depend on a row only through k, n and the row's
   hyperparameters); ``out = a·Σ_{+inf} v + b·Σ_{other visible} v``;
-* rows with a visible ``+inf`` take that output; their gradient reaches only the values
-  (``dv_j = w_j dO``), as the dense path's does (its logits' cotangent there is 0). The
-  hyperparameters get no gradient from those rows (for the default rule the limit does
-  not depend on them; for clipped and affine softmax the dense path's does).
+* rows with a visible ``+inf`` take that output; their gradient reaches the values
+  (``dv_j = w_j dO``) and the array hyperparameters (through the limit weights a and b:
+  nothing for the default rule, whose limit does not depend on them; the derivative of
+  the limit for clipped and affine softmax, e.g. ``d(α/k + β)/dα = 1/k``), as the dense
+  path's does (its logits' cotangent there is 0).
 
 Class P (pointwise) normalizers are not routed, and their tiles keep ``+inf`` logits
 visible: each weight depends on its own score, and the tile's numerator at ``+inf`` is
@@ -101,8 +102,8 @@ def _override_rows(call):
   returns ``out`` and ``stat`` untouched, so an ordinary call pays the bias's max and
   nothing else; a custom VJP whose residuals are its inputs (no zero-filled residuals of
   the other branch). Gradients: ``out``'s cotangent passes on the other rows, and ``v``
-  gets the replaced rows' (``w_j dO``); the bias and the hyperparameters get none from
-  them."""
+  and the array hyperparameters get the replaced rows' (``w_j dO``, and the derivative of
+  the limit weights, as the dense path); the bias gets none from them."""
   dtype = compute_dtype(call.q.dtype)
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
@@ -150,19 +151,19 @@ def _override_rows(call):
     d_out, d_stat = cotangents
 
     def replaced(d_out, v, bias, arrays, context):
-      fixed, vjp = jax.vjp(lambda v_: rows(v_, bias, arrays, context)[0], v)
+      fixed, vjp = jax.vjp(lambda v_, arrays_: rows(v_, bias, arrays_, context)[0], v, arrays)
       has = rows(v, bias, arrays, context)[1]  # (recomputed: cheap beside the vjp)
       d_fixed = jnp.where(has[..., None], d_out, 0.0).astype(fixed.dtype)
-      return jnp.where(has[..., None], 0.0, d_out).astype(d_out.dtype), vjp(d_fixed)[0]
+      dv, d_arrays = vjp(d_fixed)
+      return jnp.where(has[..., None], 0.0, d_out).astype(d_out.dtype), dv, d_arrays
 
     def kept(d_out, v, bias, arrays, context):
-      del bias, arrays, context
-      return d_out, jnp.zeros_like(v)
+      del bias, context
+      return d_out, jnp.zeros_like(v), jax.tree.map(jnp.zeros_like, arrays)
 
-    d_out, dv = lax.cond(flag, replaced, kept, d_out, v, bias, arrays, context)
+    d_out, dv, d_arrays = lax.cond(flag, replaced, kept, d_out, v, bias, arrays, context)
     d_stat = None if d_stat is None else jnp.zeros_like(d_stat)  # (the callers stop it)
-    return (d_out, d_stat, dv, None, jax.tree.map(lambda _: None, arrays),
-            jax.tree.map(lambda _: None, context))
+    return (d_out, d_stat, dv, None, d_arrays, jax.tree.map(lambda _: None, context))
 
   override.defvjp(override_fwd, override_bwd)
   return override
@@ -262,7 +263,8 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
 def _limit_weights(call, arrays, count_k, count_n, dtype):
   """Per row ([B, T, N] each): the normalizer's weight on a ``+inf`` entry (a) and on a
   finite visible entry (b) of a row with k visible ``+inf`` logits out of n, from its
-  dense function on a row of k ``+inf`` and n - k zeros (no gradient)."""
+  dense function on a row of k ``+inf`` and n - k zeros (differentiable in the array
+  hyperparameters ``arrays``, as the dense path's limit is; the counts carry none)."""
   B, T, N = count_k.shape
   S = call.k.shape[1]
   rows = B * N * T
@@ -301,4 +303,4 @@ def _limit_weights(call, arrays, count_k, count_n, dtype):
   def back(x):  # [chunks, chunk] -> [B, T, N]
     return jnp.transpose(x.reshape(-1)[:rows].reshape(B, N, T), (0, 2, 1))
 
-  return lax.stop_gradient(back(a)), lax.stop_gradient(back(b))
+  return back(a), back(b)
