@@ -150,7 +150,7 @@ def pytest_collection_modifyitems(config, items):
 # the list directory by directory once it runs clean (tests/nn, the attention and normalizer
 # docstring examples still broadcast by rank in a few places).
 _RANK_PROMOTION_RAISE = tuple(_TESTS / d for d in ("linear", "losses", "pooling", "train",
-                                                   "properties"))
+                                                   "properties", "optim"))
 
 
 @pytest.fixture(autouse=True)

@@ -99,7 +99,7 @@ def _linear_problem(seed=3, n=16, d=5, k=4):
 
 
 def _logits(p, x):
-  return x @ p["W"] + p["b"]
+  return x @ p["W"] + p["b"][None, :]
 
 
 def _loss(p, x, y):
