@@ -270,9 +270,9 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
 
   Examples:
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> q = k = v = jnp.ones((1, 4, 1, 2)); g = jnp.full((1, 4, 1), jnp.log(0.5))
-    >>> cp_gla = context_parallel(simple_gla, axis_name="cp")
+    >>> cp_gla = context_parallel(js.linear.simple_gla, axis_name="cp")
     >>> f = jax.shard_map(lambda q, k, v, g: cp_gla(q, k, v, g, scale=1.0), mesh=mesh,
     ...                   in_specs=(P(None, "cp"),) * 4, out_specs=P(None, "cp"))
     >>> f(q, k, v, g)[0, :, 0, 0]
@@ -330,7 +330,7 @@ def short_conv_halo(x: jax.Array, conv_size: int, *, axis_name: Any) -> jax.Arra
 
   Examples:
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> halo = jax.shard_map(lambda x: short_conv_halo(x, 3, axis_name="cp"), mesh=mesh,
     ...                      in_specs=P(None, "cp"), out_specs=P(None, "cp"))
     >>> halo(jnp.ones((1, 4, 1))).shape   # the first shard's halo: zeros
@@ -379,7 +379,7 @@ def context_parallel_mixer(layer: Any, x: jax.Array, *, axis_name: Any) -> jax.A
     >>> from flax import nnx
     >>> from jax.sharding import PartitionSpec as P
     >>> layer = js.nn.LinearMixer("gla", d_model=8, num_heads=2, rngs=nnx.Rngs(0))
-    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> f = jax.shard_map(lambda x: context_parallel_mixer(layer, x, axis_name="cp"),
     ...                   mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
     >>> x = jnp.ones((1, 4, 8))
