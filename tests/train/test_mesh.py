@@ -189,10 +189,21 @@ def test_the_worked_example_of_docs_training():
   assert block["mlp_norm"]["scale"] == P()
 
 
-def test_context_strategy_is_checked():
+def test_context_strategy_is_checked(monkeypatch):
   # The strategies the flag takes are jaxsoft.attention.context_parallel's, plus gspmd.
   from jaxsoft.attention import context_parallel
   assert set(config.CONTEXT_STRATEGIES) == {"gspmd", *context_parallel.STRATEGIES}
   assert sharding.context_strategies() == tuple(context_parallel.STRATEGIES)
-  with pytest.raises(SystemExit):  # argparse's choices
-    config.from_argv(helpers.train_argv("--workdir", "/unused", "--context_strategy", "rings"))
+
+  def check(strategy):
+    cfg, _ = config.from_argv(helpers.train_argv("--workdir", "/unused", "--context_strategy",
+                                                 strategy))
+    config.validate(cfg, check_workdir=False)
+
+  check("ring")
+  with pytest.raises(ConfigError, match="--context_strategy: unknown value 'rings'"):
+    check("rings")
+  # A jaxsoft without a strategy (or without the module): refused, naming what there is.
+  monkeypatch.setattr(sharding, "context_strategies", lambda: ("all_gather",))
+  with pytest.raises(ConfigError, match="'ring' is not available here; one of gspmd, all_gather"):
+    check("ring")
