@@ -158,7 +158,7 @@ def blasst_calibrate(query: ArrayLike | Sequence[ArrayLike], key: ArrayLike | Se
     ...     return_stats=True)
     >>> vis = np.tril(np.ones((12, 12), bool)).repeat(16, 0)  # [T, nk] causal pairs
     >>> kept = np.asarray(st["kept_tokens"][0, 0])
-    >>> round(1 - kept.sum() / vis.sum(), 1)
+    >>> float(round(1 - kept.sum() / vis.sum(), 1))
     0.5
 
   References:

@@ -54,6 +54,7 @@ from jaxsoft.attention.masks import normalize_window
 from jaxsoft.nn import _quantized_cache
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import decode as decode_kernel
+from kernels_pallas import polykv as _polykv
 
 __all__ = ["DecodeStep", "init_cache", "check_decode_call", "update_cache", "has_cache",
            "pallas_decode", "KERNEL_NORMALIZERS"]
@@ -394,7 +395,7 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
     ``[B, 1, N, H]`` in q's dtype, or None.
   """
   if getattr(module, "cache_quantization", None) is not None:
-    return _quantized_cache.polykv_decode(module, step, window, q, params, kwargs)
+    return polykv_decode(module, step, window, q, params, kwargs)
   asked, backend = _pallas_request(module.implementation)
   if not asked or q.shape[1] != 1:
     return None
@@ -436,3 +437,76 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
 
   out = _decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, hp)
   return out[:, None]
+
+
+def polykv_decode(module: Any, step: Any, window: tuple[int, int] | None, q: jax.Array,
+                  params: Mapping[str, Any], kwargs: Mapping[str, Any]) -> jax.Array | None:
+  r"""A one-token decode step through :func:`kernels_pallas.polykv.polykv_decode_attention`,
+  or None to take the dense path (over the dequantised cache).
+
+  .. math::
+    o_{bn} = \sum_{j < n} \operatorname{softmax}_j(s\, q_{bn} \cdot \hat k_{bj})\, \hat v_{bj}
+
+  over the ``n = p + 1`` stored keys of a step at position p (the cache just written with
+  the new token), with :math:`\hat k` the q8_0 keys and :math:`\hat v` the 3-bit values the
+  kernel reads without a dequantised copy. Taken when the layer's ``implementation`` asks
+  for Pallas first, one new token, the registered softmax normalizer with no
+  hyperparameter, keywords ``scale`` (a static number) only, no float64, a cache without a
+  sliding window and a window (if any) of left >= the capacity. The kernel is forward
+  only; a gradient through the step is the dense path's on the dequantised cache.
+
+  Examples:
+    A layer with the default implementation always takes the dense path over the
+    dequantised cache (``implementation="pallas"`` runs the kernel for one-token steps):
+
+    >>> layer = js.nn.MultiHeadAttention(2, 32, rngs=nnx.Rngs(0))
+    >>> layer.init_cache(1, 8, quantization="polykv")
+    >>> x = jnp.ones((1, 3, 32))
+    >>> layer(x, decode=True).shape       # a prefill
+    (1, 3, 32)
+    >>> layer.cached_key_codes[...].dtype, layer.cached_value_codes[...].shape
+    (dtype('int8'), (1, 8, 2, 6))
+
+  References:
+    PolyKV, 2025 (int8 q8_0 keys, Hadamard-rotated 3-bit Lloyd-Max values).
+
+    T. Dao, D. Haziza, F. Massa & G. Sizov, 2023, "Flash-Decoding for long-context
+    inference".
+  """
+  asked, backend = _pallas_request(module.implementation)
+  if not asked or q.shape[1] != 1 or step.positions is None:
+    return None
+  spec = _spec.resolve(module.normalizer)
+  if not (isinstance(spec, _spec.NormalizerSpec) and spec.name == "softmax"
+          and spec is _spec.get("softmax")) or any(x is not None for x in params.values()):
+    return None
+  if set(kwargs) - {"scale"}:
+    return None
+  scale = kwargs.get("scale")
+  if not (scale is None or _static_number(scale)):
+    return None
+  if jnp.dtype(q.dtype) == jnp.float64 or module.cache_window is not None:
+    return None
+  capacity = module.cached_key_codes[...].shape[1]
+  if window is not None and (window[1] < 0 or window[0] < capacity):
+    return None
+  try:
+    driver, interpret = kernels_pallas.pick_backend(backend)
+  except NotImplementedError:
+    return None
+  b = q.shape[0]
+  stored = _quantized_cache.stored(module)
+  count = jnp.minimum(step.positions[0], capacity - 1) + 1
+  lengths = jnp.broadcast_to(count.astype(jnp.int32), (b,))
+  keys, values = _polykv.polykv_dequantize(stored)
+
+  def kernel(q_, k_, v_, lengths_, hp_):
+    return _polykv.polykv_decode_attention(q_, stored, lengths_, scale=scale, backend=driver,
+                                          interpret=interpret)
+
+  def dense(q_, k_, v_, lengths_, hp_):
+    return _dense_decode(q_, k_, v_, lengths_, hp_, normalizer="softmax",
+                                   scale=scale, cap=None)
+
+  out = _decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, {})
+  return out[:, None].astype(q.dtype)

@@ -35,7 +35,6 @@ dequantised arrays. The error against the float cache is PolyKV's
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -43,7 +42,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import kernels_pallas
 from kernels_pallas import polykv
 
 __all__ = ["QUANTIZATIONS", "pack_3bit", "unpack_3bit", "polykv_cache_bytes"]
@@ -130,7 +128,7 @@ def init(module: Any, shape: tuple[int, int, int, int]) -> None:
   module.cached_value_rho = nnx.Cache(jnp.zeros((b, c, kh), jnp.float32))
 
 
-def _stored(module: Any) -> polykv.PolyKVCache:
+def stored(module: Any) -> polykv.PolyKVCache:
   """The cache as a :class:`kernels_pallas.polykv.PolyKVCache` (value codes unpacked)."""
   h = module.head_dim
   m, _ = _value_dims(h)
@@ -142,7 +140,7 @@ def _stored(module: Any) -> polykv.PolyKVCache:
 
 def read(module: Any) -> tuple[jax.Array, jax.Array]:
   """The dequantised cached keys and values ``[B, C, K, H]`` float32."""
-  return polykv.polykv_dequantize(_stored(module))
+  return polykv.polykv_dequantize(stored(module))
 
 
 def quantize(k: jax.Array, v: jax.Array) -> tuple[Any, tuple[jax.Array, jax.Array]]:
@@ -158,77 +156,6 @@ def write(module: Any, slots: jax.Array, stored: Any, first: int) -> None:
   for name, x in zip(names, stored, strict=True):
     var = getattr(module, name)
     var[...] = var[...].at[:, slots].set(x[:, first:].astype(var[...].dtype))
-
-
-def polykv_decode(module: Any, step: Any, window: tuple[int, int] | None, q: jax.Array,
-                  params: Mapping[str, Any], kwargs: Mapping[str, Any]) -> jax.Array | None:
-  r"""A one-token decode step through :func:`kernels_pallas.polykv.polykv_decode_attention`,
-  or None to take the dense path (over the dequantised cache).
-
-  .. math::
-    o_{bn} = \sum_{j < n} \operatorname{softmax}_j(s\, q_{bn} \cdot \hat k_{bj})\, \hat v_{bj}
-
-  over the ``n = p + 1`` stored keys of a step at position p (the cache just written with
-  the new token), with :math:`\hat k` the q8_0 keys and :math:`\hat v` the 3-bit values the
-  kernel reads without a dequantised copy. Taken when the layer's ``implementation`` asks
-  for Pallas first, one new token, the registered softmax normalizer with no
-  hyperparameter, keywords ``scale`` (a static number) only, no float64, a cache without a
-  sliding window and a window (if any) of left >= the capacity. The kernel is forward
-  only; a gradient through the step is the dense path's on the dequantised cache.
-
-  Examples:
-    >>> from flax import nnx
-    >>> layer = js.nn.MultiHeadAttention(2, 32, rngs=nnx.Rngs(0), implementation="pallas")
-    >>> layer.init_cache(1, 8, quantization="polykv")
-    >>> x = jnp.ones((1, 3, 32))
-    >>> layer(x, decode=True).shape       # a prefill: the dense path, dequantised cache
-    (1, 3, 32)
-
-  References:
-    PolyKV, 2025 (int8 q8_0 keys, Hadamard-rotated 3-bit Lloyd-Max values).
-
-    T. Dao, D. Haziza, F. Massa & G. Sizov, 2023, "Flash-Decoding for long-context
-    inference".
-  """
-  from jaxsoft.nn import _kv_cache
-  from jaxsoft.normalizers import spec as _spec
-  asked, backend = _kv_cache._pallas_request(module.implementation)
-  if not asked or q.shape[1] != 1 or step.positions is None:
-    return None
-  spec = _spec.resolve(module.normalizer)
-  if not (isinstance(spec, _spec.NormalizerSpec) and spec.name == "softmax"
-          and spec is _spec.get("softmax")) or any(x is not None for x in params.values()):
-    return None
-  if set(kwargs) - {"scale"}:
-    return None
-  scale = kwargs.get("scale")
-  if not (scale is None or _kv_cache._static_number(scale)):
-    return None
-  if jnp.dtype(q.dtype) == jnp.float64 or module.cache_window is not None:
-    return None
-  capacity = module.cached_key_codes[...].shape[1]
-  if window is not None and (window[1] < 0 or window[0] < capacity):
-    return None
-  try:
-    driver, interpret = kernels_pallas.pick_backend(backend)
-  except NotImplementedError:
-    return None
-  b = q.shape[0]
-  stored = _stored(module)
-  count = jnp.minimum(step.positions[0], capacity - 1) + 1
-  lengths = jnp.broadcast_to(count.astype(jnp.int32), (b,))
-  keys, values = polykv.polykv_dequantize(stored)
-
-  def kernel(q_, k_, v_, lengths_, hp_):
-    return polykv.polykv_decode_attention(q_, stored, lengths_, scale=scale, backend=driver,
-                                          interpret=interpret)
-
-  def dense(q_, k_, v_, lengths_, hp_):
-    return _kv_cache._dense_decode(q_, k_, v_, lengths_, hp_, normalizer="softmax",
-                                   scale=scale, cap=None)
-
-  out = _kv_cache._decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, {})
-  return out[:, None].astype(q.dtype)
 
 
 def _np_bytes(module: Any) -> int:
