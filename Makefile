@@ -73,6 +73,18 @@ bench: $(VENV)/.bench
 	$(PY) bench/train_tokens.py
 	$(PY) bench/residuals.py
 
+## The zoo (train/zoo.py): every entrant on every task, 3-point sweep + 2 more seeds, appended to
+## bench/zoo/results.jsonl (resumable; ZOO_ARGS="--parts 2/6" runs one part), then the report.
+.PHONY: zoo zoo-tiny
+zoo: $(VENV)/.base
+	$(PY) -m train.zoo run $(ZOO_ARGS)
+	$(PY) -m train.zoo report
+
+## The zoo's plumbing at CI sizes (two entrants, one task) into runs/zoo-tiny.
+zoo-tiny: $(VENV)/.base
+	$(PY) -m train.zoo run --tiny --out runs/zoo-tiny --only task=lm entrant=normalizer:softmax,normalizer:relu
+	$(PY) -m train.zoo report --tiny --out runs/zoo-tiny
+
 ## The documentation site in docs/_build/html (Sphinx + MyST-NB + sphinx-book-theme; docs/conf.py):
 ## warnings are errors (-W), cross-references nitpicky (-n); notebooks render their committed outputs.
 ## Every page is read afresh (-E: an incremental build would not repeat an earlier build's warnings).

@@ -1,0 +1,125 @@
+"""The zoo's machinery (train.zoo): its entrants agree with the registries, a tiny zoo runs end
+to end, resumes without rerunning a finished record, and the report is written."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsoft import losses as js_losses
+from jaxsoft import normalizers
+from train import config, kinds, model, zoo, zoo_tasks
+
+
+def test_entrants_agree_with_the_registries():
+  # Computed from the registries now: a new normalizer or layer kind must show up as an
+  # entrant or as a listed exclusion, never silently go missing.
+  names = {e.name for e in zoo.entrants()}
+  excluded = zoo.exclusions()
+  expected = ({f"normalizer:{n}" for n in normalizers.names()}
+              | {f"attention:{k}" for k in kinds.LAYER_KINDS}
+              | {f"attention:{k}" for k in kinds.BIDIRECTIONAL_KINDS})
+  attention_excluded = {n for n in excluded if not n.startswith("loss:")}
+  assert expected == (names - {n for n in names if n.startswith("hybrid:")}) | attention_excluded
+  assert not names & set(excluded)
+  for n in normalizers.names():  # excluded only by a declared property: needs_key
+    assert (f"normalizer:{n}" in excluded) == normalizers.get(n).needs_key
+  assert [n for n in names if n.startswith("hybrid:")] == ["hybrid:gated_delta_rulex3+softmax"]
+  hybrid = next(e for e in zoo.entrants() if e.name.startswith("hybrid:"))
+  cfg = config.Config(**{**zoo_tasks.TASKS["lm"].config, **hybrid.fields}, workdir="x")
+  assert config.layer_kinds(cfg).count("full") == 1 and len(config.layer_kinds(cfg)) == 4
+  # every entrant's config is valid at every attention task's size
+  for task in zoo_tasks.TASKS.values():
+    for entrant in zoo.entrants(task.name):
+      zoo._task_config(task, entrant, 0, task.lrs[0], tiny=False)
+  # the loss task: softmax CE, StableMax CE, the orthogonal gradient, the Fenchel-Young losses
+  # of jaxsoft.losses.fenchel_young_loss except softmax's (= CE) and the free-alpha entmax
+  losses = {e.name for e in zoo.entrants("grok")}
+  assert {"loss:softmax_ce", "loss:stablemax_ce", "loss:softmax_ce_orthogonal_gradient",
+          "loss:fy_sparsemax", "loss:fy_entmax15"} == losses
+  fy = {f"loss:fy_{n}" for n in js_losses._fenchel_young._ALPHA}
+  assert fy <= losses | set(excluded)
+
+
+def test_first_token_mass_and_stats_match_a_dense_reference():
+  cfg = config.Config(d_model=16, num_layers=2, num_heads=2, mlp_dim=16, workdir="x",
+                      normalizer="sparsemax")
+  net = model.make_model(cfg, 32, 0)
+  tokens = jnp.arange(12, dtype=jnp.int32)[None] % 32
+  stats = jax.device_get(jax.jit(lambda t: zoo.attention_weight_stats(net, t, cfg))(tokens))
+  # the reference: the layer's weights rebuilt in numpy float64 from q, k
+  positions = jnp.arange(12)[None]
+  block = net.blocks[0]
+  q, k = block.attn.qk(block.attn_norm(net.embed(tokens)), positions)
+  s = np.einsum("btnh,bsnh->bnts", np.float64(q), np.float64(k)) / np.sqrt(8.0)
+  w = np.zeros_like(s)
+  for h in range(2):
+    for i in range(12):  # sparsemax of row i over keys 0..i (sort-based, Martins & Astudillo)
+      z = np.sort(s[0, h, i, :i + 1])[::-1]
+      cs = np.cumsum(z)
+      kk = np.arange(1, i + 2)
+      support = kk[1 + kk * z > cs].max()
+      tau = (cs[support - 1] - 1) / support
+      w[0, h, i, :i + 1] = np.maximum(s[0, h, i, :i + 1] - tau, 0)
+  np.testing.assert_allclose(stats["attn_first_token"], w[0, :, 1:, 0].mean(), atol=1e-5)
+  visible = np.tril(np.ones((12, 12), bool))
+  zeros = ((w[0] < 1e-7) & visible).sum() / (2 * visible.sum())
+  np.testing.assert_allclose(stats["attn_sparsity"], zeros, atol=2.0 / (2 * visible.sum()))
+
+
+def test_task_generators():
+  rng = np.random.default_rng(0)
+  b = zoo_tasks.mqar_batch(rng, 3, 4, 24)
+  for r in range(3):  # each weighted target is the value that followed the query key
+    pairs = dict(zip(b["inputs"][r, :8:2], b["inputs"][r, 1:8:2], strict=True))
+    for t in np.flatnonzero(b["weights"][r]):
+      assert b["targets"][r, t] == pairs[b["inputs"][r, t]]
+  assert zoo_tasks.listops_value(("SM", [9, ("MAX", [3, 7]), 5])) == 1
+  assert zoo_tasks.listops_value(("MED", [4, 1, 9, 2])) == 2
+  lb = zoo_tasks.listops_batch(rng, 2, 24, depth=2)
+  assert lb["weights"].sum() == 2 and lb["inputs"][:, -1].tolist() == [2, 2]  # QUERY last
+  train, held = zoo_tasks.grok_split(7)
+  assert len(train["inputs"]) + len(held["inputs"]) == 49
+  np.testing.assert_array_equal(train["targets"][:, -1],
+                                (train["inputs"][:, 0] + train["inputs"][:, 1]) % 7)
+  assert (train["inputs"][:, 2] == 7).all()  # the "=" token
+
+
+def test_tiny_zoo_runs_resumes_and_reports(tmp_path):
+  out = str(tmp_path)
+  only = ["task=lm", "entrant=normalizer:softmax,normalizer:relu"]
+  assert zoo.run_zoo(out, only, limit=1, tiny=True, log=lambda _: None) == 1  # stopped
+  path = os.path.join(out, "results.jsonl")
+  first = zoo.read_results(path)
+  assert len(first) == 1 and first[0]["status"] == "ok", first
+  assert first[0]["seed"] == 0 and first[0]["lr"] == zoo_tasks.TASKS["lm"].lrs[0]
+  # resumed: the finished record is not rerun; the rest of both entrants' five runs are done
+  assert zoo.run_zoo(out, only, tiny=True, log=lambda _: None) == 9
+  records = zoo.read_results(path)
+  assert records[0] == first[0]
+  keys = [zoo.record_key(r) for r in records]
+  assert len(set(keys)) == 10
+  for name in ("normalizer:softmax", "normalizer:relu"):
+    mine = [r for r in records if r["entrant"] == name]
+    lr = zoo.chosen_lr(zoo_tasks.TASKS["lm"], [r for r in mine if r["seed"] == 0])
+    assert sorted((r["seed"], r["lr"]) for r in mine if r["seed"] > 0) == [(1, lr), (2, lr)]
+  softmax = next(r for r in records if r["entrant"] == "normalizer:softmax")
+  assert 0.0 < softmax["attn_first_token"] <= 1.0 and softmax["attn_sparsity"] == 0.0
+  assert softmax["tokens_per_s"] > 0 and softmax["params"] > 0
+  assert {"date", "commit", "jax", "machine"} <= set(softmax)
+  assert zoo.run_zoo(out, only, tiny=True, log=lambda _: None) == 0  # nothing left
+  readme = open(zoo.write_report(out, tiny=True)).read()
+  assert "| normalizer:softmax |" in readme and "| normalizer:relu |" in readme
+  assert "| normalizer:sparsemax | — |" in readme  # missing cells are marked
+  assert os.path.exists(os.path.join(out, "lm_loss.png"))
+  json.dumps(records)
+
+
+def test_bad_selection_is_refused(tmp_path):
+  with pytest.raises(SystemExit, match="not an entrant"):
+    zoo.run_zoo(str(tmp_path), ["entrant=normalizer:nope"], tiny=True)
+  with pytest.raises(SystemExit, match="i/n"):
+    zoo.run_zoo(str(tmp_path), [], parts="x", tiny=True)
