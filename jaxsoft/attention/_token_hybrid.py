@@ -58,7 +58,7 @@ def _scale(scale, q):
 
 
 def straight_through_route(logits: ArrayLike) -> jax.Array:
-  r"""A hard 0/1 route with the sigmoid's gradient (the straight-through estimator).
+  r"""A hard 0/1 route with the sigmoid's gradient, the straight-through estimator (A46).
 
   .. math::
     r = \mathbf{1}[\sigma(z) > 1/2] + \sigma(z) - \mathrm{sg}(\sigma(z)),
@@ -89,8 +89,7 @@ def straight_through_route(logits: ArrayLike) -> jax.Array:
 def nats_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayLike,
                    beta: ArrayLike, keep: ArrayLike, *, scale: float | None = None,
                    implementation: str | None = None) -> jax.Array:
-  r"""NAtS-L token routing: softmax attention over the kept tokens plus Gated DeltaNet over
-  the others, in one causal layer (A46).
+  r"""NAtS-L token routing in one causal layer: softmax over kept tokens + Gated DeltaNet (A46).
 
   A per-token route :math:`r_j \in [0, 1]` (``keep``; 0/1 from
   :func:`straight_through_route` in training) sends token j to the softmax KV cache
@@ -149,12 +148,11 @@ def nats_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayL
 def oryx_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayLike,
                    beta: ArrayLike, mode: ArrayLike, *, scale: float | None = None,
                    implementation: str | None = None) -> jax.Array:
-  r"""Oryx's hybrid mixer: each position reads by softmax attention or from the recurrent
-  state, with the projections shared (A46).
+  r"""Oryx's hybrid mixer: each position reads by softmax attention or the recurrence (A46).
 
-  The Gated DeltaNet state is written at every token; a position in attention mode
-  (:math:`m_i = 1`) reads softmax attention over the cached K/V of every token so far, one
-  in recurrent mode (:math:`m_i = 0`) reads the state:
+  The projections are shared by the two modes. The Gated DeltaNet state is written at every
+  token; a position in attention mode (:math:`m_i = 1`) reads softmax attention over the
+  cached K/V of every token so far, one in recurrent mode (:math:`m_i = 0`) reads the state:
 
   .. math::
     o_i = m_i \sum_{j \le i} \mathrm{softmax}_j(l_{ij})\, v_j + (1 - m_i)\, S_i^\top \hat q_i,

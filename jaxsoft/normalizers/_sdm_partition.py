@@ -121,11 +121,11 @@ def sdm_selective_thresholds(scores: ArrayLike, predictions: ArrayLike, labels: 
 
 def sdm_selective_accept(scores: ArrayLike, predictions: ArrayLike,
                          thresholds: ArrayLike) -> jax.Array:
-  r"""The SDM estimator's selective-classification rule: keep x iff
-  :math:`s(x) \ge \psi_{\hat y(x)}` (N10).
+  r"""The SDM estimator's selective-classification rule, a score cut per class (N10).
 
-  With :math:`\psi` from :func:`sdm_selective_thresholds`, the kept predictions of each
-  class reach the calibration accuracy :math:`\alpha`; the others are rejected (abstain).
+  Keep x iff :math:`s(x) \ge \psi_{\hat y(x)}`. With :math:`\psi` from
+  :func:`sdm_selective_thresholds`, the kept predictions of each class reach the calibration
+  accuracy :math:`\alpha`; the others are rejected (abstain).
   A NaN score is rejected.
 
   Args:
