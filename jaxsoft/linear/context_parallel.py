@@ -40,8 +40,10 @@ the functions return as ``final_state``). The shard's outputs are then its forwa
 call's own form: parallel, chunked, recurrent or Pallas) started from ``S_{in, p}``; that is
 exact, and costs the chunk terms twice (once for the map, once in the pass) plus
 ``log2 P`` compositions of ``[K, K]`` (delta rules) or ``[K]`` maps on every shard; the
-communication is one ``all_gather`` of ``P · B·N·K·(V + K)`` numbers (``V + 1`` or ``2V``-ish
-for the diagonal families) and, with ``segment_ids``, one ``ppermute`` of ``B`` ids.
+communication is one ``all_gather`` of the maps, ``P·B·N·K·(V + K)`` numbers for the delta
+rules and ``P·B·N·(K·V + K)`` (per-channel decays) or ``P·B·N·(K·V + 1)`` (one decay per
+head) for the diagonal families, one ``psum`` of the final state ``[B, N, K, V]`` and, with
+``segment_ids``, one ``ppermute`` of ``B`` ids.
 
 Packed sequences: a reset inside a shard zeroes the map from the reset on (the chunk terms
 already mask the decays where the run changes, so ``\mathcal A_p`` comes out 0 and
@@ -290,17 +292,16 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
   if name in CONTEXT_PARALLEL_UNSUPPORTED:
     raise NotImplementedError(f"{fn_name}: {name} has no context-parallel form: "
                               f"{CONTEXT_PARALLEL_UNSUPPORTED[name]}")
-  from jaxsoft import linear as _linear  # the package imports this module
-  if name not in CONTEXT_PARALLEL_FAMILIES or getattr(_linear, name) is not fn:
+  if name not in CONTEXT_PARALLEL_FAMILIES or not getattr(fn, "__module__", "").startswith(
+      "jaxsoft.linear."):
     raise ValueError(f"{fn_name}: `fn` must be one of the jaxsoft.linear functions "
                      f"{CONTEXT_PARALLEL_FAMILIES}, got {fn!r}")
 
   def sharded(*args: Any, **kwargs: Any) -> Any:
-    P = _axis_size(axis_name, fn_name)
+    _axis_size(axis_name, fn_name)   # a clear error outside shard_map
     if name == "transnormer_attention" and kwargs.get("positions") is None:
       T = jnp.shape(args[0] if args else kwargs["q"])[1]
       kwargs["positions"] = jax.lax.axis_index(axis_name) * T + jnp.arange(T)
-    del P
     with _activated(axis_name) as plan:
       out = fn(*args, **kwargs)
     if plan.uses == 0:   # never reached: every family listed runs the shared recurrence
@@ -395,16 +396,15 @@ def context_parallel_mixer(layer: Any, x: jax.Array, *, axis_name: Any) -> jax.A
   if kind not in _MIXER_FUNCTIONS:
     raise NotImplementedError(f"{fn_name}: a LinearMixer of kind {kind!r} has no "
                               f"context-parallel form (supported kinds: {tuple(_MIXER_FUNCTIONS)})")
-  from jaxsoft.nn import causal_conv  # jaxsoft.nn imports jaxsoft.linear
   x = layer._check_x(x, 3, "[B, T, d]")
   w = layer.conv[...].astype(layer.dtype)
-  c = w.shape[0]
+  c, t = w.shape[0], x.shape[1]
   u = layer.qkv(x)
-  if c > 1:
-    halo = short_conv_halo(u, c, axis_name=axis_name)
-    y = causal_conv(jnp.concatenate([halo, u], axis=1), w)[:, c - 1:]
-  else:
-    y = causal_conv(u, w)
+  # jaxsoft.nn.causal_conv with the halo in place of its zero padding
+  padded = jnp.concatenate([short_conv_halo(u, c, axis_name=axis_name), u], axis=1)
+  y = w[None, 0:1] * padded[:, :t]
+  for i in range(1, c):
+    y = y + w[None, i:i + 1] * padded[:, i:i + t]
   q, k, v = (layer._heads(part) for part in jnp.split(jax.nn.silu(y), 3, axis=-1))
   _axis_size(axis_name, fn_name)
   with _activated(axis_name) as plan:

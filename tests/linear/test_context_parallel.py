@@ -74,11 +74,11 @@ _PRELUDE = textwrap.dedent("""
       o, S = out
       return jnp.sum(jnp.sin(o)) + sum(jnp.sum(jnp.cos(s)) for s in jax.tree.leaves(S))
 
-    def close(a, b, what):
+    def close(a, b, what, tol=1e-9):
       for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         x, y = np.asarray(x), np.asarray(y)
         assert x.shape == y.shape and x.dtype == np.float64, (what, x.shape, y.shape, x.dtype)
-        err = np.max(np.abs(x - y) / (1e-9 + 1e-9 * np.abs(y)))
+        err = np.max(np.abs(x - y) / (tol + tol * np.abs(y)))
         assert err <= 1.0, (what, float(np.max(np.abs(x - y))))
 
     def check(name, hlo=False, control=False, implementation="chunked"):
@@ -202,9 +202,13 @@ def test_hybrid_three_linear_one_attention_matches_unsharded():
       x = normal(B, T, d)
       f = jax.shard_map(model_cp, mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
       xs = put(x)
-      close(jax.jit(f)(xs), model(x), "hybrid forward")
+      # the layers compute their gates in float32 (jaxsoft.nn's gate parts cast to it): the
+      # two paths' float64 values, equal to ~1e-15, can round to float32 values one ulp
+      # (6e-8 relative) apart there, and the gradients pass through those casts: 1e-5
+      tol = 1e-5
+      close(jax.jit(f)(xs), model(x), "hybrid forward", tol)
       gx = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(f(x)))))(xs)
-      close(gx, jax.grad(lambda x: jnp.sum(jnp.sin(model(x))))(x), "hybrid gradient")
+      close(gx, jax.grad(lambda x: jnp.sum(jnp.sin(model(x))))(x), "hybrid gradient", tol)
       print("ok hybrid")
   """)
   out = run_on_cpu_devices(script, 8).stdout
