@@ -81,7 +81,6 @@ from jaxsoft.attention.differentiation import first_order_only, refuse_unsupport
 from jaxsoft.attention.masks import normalize_window
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
-from jaxsoft.normalizers._topk import TOP_K_RULE
 from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["ring_attention"]
@@ -362,7 +361,9 @@ def _threshold_forward(plan: _Plan, q5, k4, v4, meta: _Meta):
 def _merges_candidates(rule, hp) -> bool:
   """Top-k with a Python int k: its threshold is the k-th largest score, found by merging
   each shard's k largest instead of a search."""
-  return rule is TOP_K_RULE and isinstance(hp.get("k"), (int, np.integer)) and hp["k"] >= 1
+  top_k = _spec.REGISTRY.get("top_k_softmax")
+  return (top_k is not None and rule is top_k.threshold
+          and isinstance(hp.get("k"), (int, np.integer)) and hp["k"] >= 1)
 
 
 def _top_k_threshold(plan: _Plan, rows: _Rows, k4, m, n, lo):
@@ -410,14 +411,19 @@ def _search(plan: _Plan, rows: _Rows, k4, m, n, theta, state, target):
 
     sums = lax.psum(_chunks(plan, rows, k4, sums_step, (m, n, theta, *taus)), plan.axis)
     state = tile.search_update(rule, state, taus, list(sums), target, params(theta), newton)
-    return i + 1, jnp.all(tile.search_done(state)), state
+    return i + 1, varying(jnp.all(tile.search_done(state))), varying(state)
 
   def more(carry):
     i, done, _ = carry
     return jnp.logical_and(i < steps, jnp.logical_not(done))
 
-  done = jnp.all(tile.search_done(state))
-  _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, state))
+  # every device holds the same state (its sums are psums), typed as varying along the axis
+  # (a derived hyperparameter gathered from the shards is): one type for the loop carry
+  def varying(tree):
+    return jax.tree.map(lambda a: _like(a, k4), tree)
+
+  done = varying(jnp.all(tile.search_done(state)))
+  _, _, state = lax.while_loop(more, search_step, (jnp.int32(0), done, varying(state)))
   return lax.stop_gradient(tile.search_threshold(state, newton))
 
 
