@@ -54,6 +54,7 @@ def test_skip_threshold_formula_and_errors():
                                         skip_threshold=1.0, skip_calibration=1.0)
 
 
+@pytest.mark.slow  # three skip-loop compiles (~10 s of CPU)
 def test_calibrated_sparsity_on_sample_and_held_out_lengths():
   target = 0.5
   sample = [_sample(1, 64), _sample(2, 128)]
@@ -71,6 +72,7 @@ def test_calibrated_sparsity_on_sample_and_held_out_lengths():
     assert abs(_sparsity(_sample(seed, n), c) - target) < 0.08, n
 
 
+@pytest.mark.slow  # the skip loop's custom backward compiled (~10 s of CPU)
 def test_training_with_the_skip_active_lowers_the_loss():
   """A few plain gradient steps (SGD; optax is not a dependency) on projections feeding
   BLASST with lambda = c / L: the loss falls while a good share of the pairs is skipped."""

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import jaxsoft as js
+from tests.helpers import sampled
 
 B, T, N, H, Hv, P = 2, 11, 2, 4, 3, 5
 
@@ -43,8 +44,9 @@ def _reference(q, k, v, r, top_k, scale=1.0, lens=None):
   return out
 
 
-@pytest.mark.parametrize("top_k,chunk", [(2, 4), (5, 64), (1, 3)])
-def test_matches_partition_recurrence(top_k, chunk):
+@pytest.mark.parametrize("case", sampled([(2, 4), (5, 64), (1, 3)], ("2-4",), ["2-4", "5-64", "1-3"]))
+def test_matches_partition_recurrence(case):
+  top_k, chunk = case
   q, k, v, r = _inputs()
   got = js.attention.sparse_state_expansion(q, k, v, r, top_k=top_k, scale=0.7, chunk_size=chunk)
   want = _reference(q, k, v, r, top_k, 0.7)
@@ -72,6 +74,7 @@ def test_padding_gates_and_errors():
     js.attention.sparse_state_expansion(q, k[:, :3], v, r, top_k=1)
 
 
+@pytest.mark.slow  # check_grads in float64 and a bfloat16 run (~6 s of CPU)
 def test_gradients_float64_and_bfloat16():
   with jax.enable_x64(True):
     q, k, v, r = (jnp.asarray(a) for a in _inputs(2, np.float64))
