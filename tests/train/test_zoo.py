@@ -1,17 +1,21 @@
 """The zoo's machinery (train.zoo): its entrants agree with the registries, a tiny zoo runs end
 to end, resumes without rerunning a finished record, and the report is written."""
 
+import dataclasses
 import json
 import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from flax import nnx
 
 from jaxsoft import losses as js_losses
 from jaxsoft import normalizers
 from train import config, kinds, model, zoo, zoo_tasks
+from train import train as train_lib
 
 
 def test_entrants_agree_with_the_registries():
@@ -45,7 +49,7 @@ def test_entrants_agree_with_the_registries():
 
 
 def test_first_token_mass_and_stats_match_a_dense_reference():
-  cfg = config.Config(d_model=16, num_layers=2, num_heads=2, mlp_dim=16, workdir="x",
+  cfg = config.Config(d_model=16, num_layers=1, num_heads=2, mlp_dim=16, workdir="x",
                       normalizer="sparsemax")
   net = model.make_model(cfg, 32, 0)
   tokens = jnp.arange(12, dtype=jnp.int32)[None] % 32
@@ -111,6 +115,12 @@ def test_tiny_zoo_runs_resumes_and_reports(tmp_path):
   assert softmax["tokens_per_s"] > 0 and softmax["params"] > 0
   assert {"date", "commit", "jax", "machine"} <= set(softmax)
   assert zoo.run_zoo(out, only, tiny=True, log=lambda _: None) == 0  # nothing left
+  # one compiled program per unit: the initial parameters are train.model.make_model's
+  task, relu = zoo_tasks.TASKS["lm"], zoo.Entrant("normalizer:relu", {"normalizer": "relu"})
+  programs, compiled_now = zoo._programs(task, relu, tiny=True)
+  assert not compiled_now
+  want = nnx.to_pure_dict(nnx.state(model.make_model(programs.cfg, task.vocab_size, 2)))
+  jax.tree.map(np.testing.assert_array_equal, programs.init(jnp.int32(2)), want)
   readme = open(zoo.write_report(out, tiny=True)).read()
   assert "| normalizer:softmax |" in readme and "| normalizer:relu |" in readme
   assert "| normalizer:sparsemax | — |" in readme  # missing cells are marked
@@ -123,3 +133,23 @@ def test_bad_selection_is_refused(tmp_path):
     zoo.run_zoo(str(tmp_path), ["entrant=normalizer:nope"], tiny=True)
   with pytest.raises(SystemExit, match="i/n"):
     zoo.run_zoo(str(tmp_path), [], parts="x", tiny=True)
+
+
+def test_learning_rate_in_the_state_is_adamw_at_that_rate():
+  # make_optimizer at peak 1, then the rate from the state, against make_optimizer at the
+  # rate itself: the same updates up to float32 rounding (a product of two factors instead of
+  # one), over warm-up, decay, clipping and weight decay.
+  cfg = config.Config(workdir="x", steps=6, warmup_steps=2, learning_rate=3e-3)
+  params = {"kernel": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "bias": jnp.ones(4)}
+  ours = optax.chain(train_lib.make_optimizer(dataclasses.replace(cfg, learning_rate=1.0)),
+                     zoo.scale_by_lr_state(3e-3))
+  ref = train_lib.make_optimizer(cfg)
+  s_ours, s_ref, p_ours, p_ref = ours.init(params), ref.init(params), params, params
+  for step in range(6):
+    grads = jax.tree.map(lambda x, k=step + 1: jnp.sin(x * k) * 5.0, p_ref)
+    u_ours, s_ours = ours.update(grads, s_ours, p_ours)
+    u_ref, s_ref = ref.update(grads, s_ref, p_ref)
+    p_ours, p_ref = optax.apply_updates(p_ours, u_ours), optax.apply_updates(p_ref, u_ref)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               p_ours, p_ref)
+  assert float(jnp.max(jnp.abs(p_ref["kernel"] - params["kernel"]))) > 1e-3  # it moved
