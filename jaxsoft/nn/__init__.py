@@ -36,6 +36,7 @@ The only jaxsoft package that imports flax.
 from jaxsoft.nn._adaptive_pool import AdaptiveAttentionPool
 from jaxsoft.nn._attention_controls import ATTENTION_CONTROLS, AttentionControl
 from jaxsoft.nn._attention_fn import attention_fn, attention_weights
+from jaxsoft.nn._attention_residuals import block_attention_residual
 from jaxsoft.nn._fast_weight_product_key_memory import fast_weight_pkm, fast_weight_pkm_update
 from jaxsoft.nn._fox_pro import FoXProAttention
 from jaxsoft.nn._infinite import InfSA
@@ -84,4 +85,4 @@ __all__ = ["MultiHeadAttention", "attention_fn", "attention_weights", "param_tra
            "HedgehogFeatureMap", "LinearKind", "LINEAR_MIXER_TABLE", "LINEAR_MIXER_KINDS",
            "causal_conv", "causal_conv_step", "UniAttnCompensation", "InfSA",
            "PoNetMixer", "AttentionControl", "ATTENTION_CONTROLS", "AdaptiveAttentionPool",
-           "PolarMemoryAttention"]
+           "PolarMemoryAttention", "block_attention_residual"]
