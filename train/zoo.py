@@ -647,9 +647,9 @@ def _task_table(task: Task, summary: dict[str, dict[str, Any]]) -> list[str]:
     best = pick(complete, key=lambda k: complete[k]["mean"])
   extra = sorted({k for s in summary.values() for r in s["records"]
                   for k in r.get("results", {}) if k != task.metric and "/" in k})
-  lines += ["| entrant | lr | " + task.metric + " | " + " | ".join(extra)
-            + " | eval loss | tokens/s | peak MiB | entropy | sparsity | first token |",
-            "|---|---|---|" + "---|" * len(extra) + "---|---|---|---|---|---|"]
+  columns = ["entrant", "lr", task.metric, *extra, "eval loss", "tokens/s", "peak MiB",
+             "entropy", "sparsity", "first token"]
+  lines += ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
   order = sorted(summary, key=lambda k: (summary[k]["mean"] is None,
                                          -(summary[k]["mean"] or 0) if task.higher_is_better
                                          else (summary[k]["mean"] or 0)))
@@ -761,10 +761,13 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
       unit, source = measured, "recorded units"
     elif timing:
       # CPU seconds: what the work costs an unshared machine (the wall time of a shared one
-      # counts the other tenants' share too)
-      unit = timing.get("compile_cpu_s", timing["compile_s"]) + per_unit * timing.get(
+      # counts the other tenants' share too); a run measured at another step budget is
+      # scaled to the task's (the evaluation's share is small)
+      scale = TASKS[t].config["steps"] / timing.get("steps", TASKS[t].config["steps"])
+      unit = timing.get("compile_cpu_s", timing["compile_s"]) + per_unit * scale * timing.get(
           "run_cpu_s", timing["run_s"])
-      source = "cost.json (CPU s)"
+      source = "cost.json (CPU s)" + (f", runs scaled x{scale:.2f} to {TASKS[t].config['steps']} "
+                                      "steps" if scale != 1 else "")
     else:
       unit, source = None, "not measured"
     hours = unit * counts[t] / 3600 if unit is not None else None
@@ -805,6 +808,7 @@ def measure_cost(out: str = DEFAULT_OUT, note: str = "") -> dict[str, Any]:
       times.append((time.perf_counter() - began, time.process_time() - cpu))
     (first, first_cpu), (run_s, run_cpu) = times
     timings[name] = {"compile_s": max(first - run_s, 0.0), "run_s": run_s,
+                     "steps": task.config["steps"],
                      "compile_cpu_s": max(first_cpu - run_cpu, 0.0), "run_cpu_s": run_cpu}
     print(f"{name}: {timings[name]}", flush=True)
   cost = {"tasks": timings, "machine": _machine(), "commit": _commit(), "jax": jax.__version__,
