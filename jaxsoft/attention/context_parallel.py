@@ -296,7 +296,8 @@ def context_parallel_attention(
     axis_name: the mesh axis the sequence is split over (size cp); T and S must be
       divisible by cp (by 2·cp with ``load_balance``).
     strategy: a name in :data:`STRATEGIES` (``"all_gather"``, ``"ulysses"``, ``"ring"``).
-    load_balance: reorder the sequence into dual chunks (see above); None = ``is_causal``.
+    load_balance: reorder the sequence into dual chunks (see above); None = ``is_causal``;
+      nothing to do (and no divisibility by 2) when cp = 1.
       Causal self-attention with T != S is top-left aligned (as the single-device call);
       q and kv are then reordered each with their own length.
     batch_axes: optional mesh axis name(s) the batch B is split over (B divisible by
@@ -362,7 +363,8 @@ def context_parallel_attention(
   B, T, N, _ = q.shape
   S, K = k.shape[1], k.shape[2]
   cp = int(mesh.shape[axis_name])
-  balance = bool(is_causal) if load_balance is None else bool(load_balance)
+  # one device along the axis has nothing to balance
+  balance = (bool(is_causal) if load_balance is None else bool(load_balance)) and cp > 1
   unit = 2 * cp if balance else cp
   for L, name in ((T, "query"), (S, "key")):
     if L % unit:

@@ -13,7 +13,8 @@ missing key changes O(1) weights).
 
 The masked case crosses every shard boundary: T = 32 in 8 load-balanced chunks of 4, with
 segments [0..5), [5..19), [19..32) in batch 0 and [0..20), [20..32) in batch 1, query
-lengths 30 and 9 and key lengths 27 and 13; the GQA layout has N = 4 query heads and K = 2
+lengths 30 and 24 and key lengths 27 and 13 (so batch 1's query rows 20..23 see no key:
+zeros, as on one device); the GQA layout has N = 4 query heads and K = 2
 key heads (ulysses repeats the key heads to 4). The strategies: all_gather (every class),
 ulysses (softmax and sparsemax by default), ring (``jaxsoft.attention._ring``: classes E,
 S and P by default; it refuses R).
@@ -38,7 +39,8 @@ q = jax.random.normal(kq, (B, T, N, H), jnp.float64)
 k = jax.random.normal(kk, (B, T, K, H), jnp.float64)
 v = jax.random.normal(kv, (B, T, K, H), jnp.float64)
 seg = jnp.asarray([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [3] * 12], jnp.int32)
-MASKED = dict(is_causal=True, query_seq_lengths=jnp.array([30, 9]),
+# batch 1's queries 20..23 (segment 3, all of whose keys lie past length 13) see no key
+MASKED = dict(is_causal=True, query_seq_lengths=jnp.array([30, 24]),
               key_value_seq_lengths=jnp.array([27, 13]), segment_ids=seg)
 # name -> (dot_product_attention keywords, context-parallel-only keywords)
 CASES = {
@@ -128,21 +130,42 @@ _REGISTRY = ("softmax", "softmax_sink", "ssmax", "softpick", "sigmoid", "stablem
              "sparsemax", "entmax15", "top_k_softmax", "standardized_softmax")
 
 
+# a per-head array hyperparameter (ssmax's s, [N, 1, 1]) enters shard_map replicated (ulysses
+# slices it to each device's head group); its gradient is the sum over the devices'
+_PER_HEAD = r"""
+s_heads = jnp.asarray([0.3, 0.5, 0.7, 0.9], jnp.float64).reshape(N, 1, 1)
+def per_head(attend, **kw):
+  def f(q, s):
+    return attend(q, k, v, normalizer="ssmax", normalizer_params={"s": s}, **MASKED, **kw)
+  out, vjp = jax.vjp(f, q, s_heads)
+  return (out, *vjp(jnp.cos(out)))
+want_ph = jax.jit(lambda: per_head(dot_product_attention))()
+for strategy in ("all_gather", "ulysses"):
+  got_ph = jax.jit(lambda: per_head(context_parallel_attention, mesh=mesh, batch_axes="data",
+                                    strategy=strategy))()
+  for a, b in zip(got_ph, want_ph, strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-10, atol=1e-12, err_msg=strategy)
+  print("ok per-head", strategy, flush=True)
+"""
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring"])
 @pytest.mark.parametrize("implementation", ["xla", "xla_chunked", "pallas"])
-def test_context_parallel_full_matrix(implementation):
+def test_context_parallel_full_matrix(implementation, strategy):
   """Every default-registry normalizer (classes E, S, P, R, T, with the length-dependent
-  ssmax) x the strategies x the three mask cases, on one implementation (pallas: the
-  interpreter on CPU). The ring strategy ignores ``implementation``, so it runs once (with
-  "xla"), for every class but R, which it refuses."""
+  ssmax) x the three mask cases, for one strategy on one implementation (pallas: the
+  interpreter on CPU). The ring strategy ignores ``implementation`` (it runs with "xla"
+  only) and refuses class R; with "xla", the per-head hyperparameter case too."""
+  if strategy == "ring" and implementation != "xla":
+    return  # one run of ring covers it: each hop is plain jnp whatever the implementation
   cases = ("masked_causal_balanced", "causal_window_unbalanced", "plain")
-  script = _PRELUDE + f"keys = [(n, c) for n in {_REGISTRY!r} for c in {cases!r}]\n"
-  script += "want = reference(keys)\n" + "".join(
-      f"compare({s!r}, keys, want, impl={implementation!r})\n" for s in ("all_gather", "ulysses"))
-  expected = [f"ok {s} {implementation}" for s in ("all_gather", "ulysses")]
-  if implementation == "xla":
-    script += ("compare('ring', [(n, c) for n, c in keys if n != 'standardized_softmax'], want, "
-               "impl='xla')\n")
-    expected.append("ok ring xla")
+  names = [n for n in _REGISTRY if not (strategy == "ring" and n == "standardized_softmax")]
+  script = _PRELUDE + f"keys = [(n, c) for n in {names!r} for c in {cases!r}]\n"
+  script += f"compare({strategy!r}, keys, reference(keys), impl={implementation!r})\n"
+  expected = [f"ok {strategy} {implementation}"]
+  if implementation == "xla" and strategy == "all_gather":
+    script += _PER_HEAD
+    expected += ["ok per-head all_gather", "ok per-head ulysses"]
   proc = run_on_cpu_devices(script, 8)
   assert proc.stdout.split("\n")[:-1] == expected, proc.stdout
