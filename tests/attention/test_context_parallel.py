@@ -150,15 +150,14 @@ for strategy in ("all_gather", "ulysses"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["all_gather", "ulysses", "ring"])
-@pytest.mark.parametrize("implementation", ["xla", "xla_chunked", "pallas"])
+@pytest.mark.parametrize("implementation,strategy", [
+    (impl, s) for impl in ("xla", "xla_chunked", "pallas") for s in ("all_gather", "ulysses")]
+    + [("xla", "ring")])
 def test_context_parallel_full_matrix(implementation, strategy):
   """Every default-registry normalizer (classes E, S, P, R, T, with the length-dependent
   ssmax) x the three mask cases, for one strategy on one implementation (pallas: the
   interpreter on CPU). The ring strategy ignores ``implementation`` (it runs with "xla"
   only) and refuses class R; with "xla", the per-head hyperparameter case too."""
-  if strategy == "ring" and implementation != "xla":
-    return  # one run of ring covers it: each hop is plain jnp whatever the implementation
   cases = ("masked_causal_balanced", "causal_window_unbalanced", "plain")
   names = [n for n in _REGISTRY if not (strategy == "ring" and n == "standardized_softmax")]
   script = _PRELUDE + f"keys = [(n, c) for n in {names!r} for c in {cases!r}]\n"
