@@ -22,7 +22,7 @@ The 8 "devices" are threads of one CPU process sharing the same cores, so the ti
 how the work and the collectives scale, not the speed of real accelerators (a
 context-parallel call cannot be faster here than one device: the cores are the same).
 
-  python bench/context_parallel_cpu.py                 # T = 512, 1024, 2048 (< 2 min idle)
+  python bench/context_parallel_cpu.py                 # T = 512, 1024, 2048
   python bench/context_parallel_cpu.py --lengths 512 --reps 2   # quick (used by the tests)
 """
 
