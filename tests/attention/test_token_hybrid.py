@@ -77,6 +77,7 @@ def test_forward_matches_the_float64_loop_and_the_limits(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.slow
 def test_causal_and_gradients_finite(kind):
   q, k, v, g, beta, route = (jnp.asarray(a, jnp.float32) for a in _inputs(1))
   fn = FNS[kind]

@@ -65,6 +65,7 @@ def test_expectation_alignment_limits_mean_and_max():
   np.testing.assert_allclose(cold, s.max(-1), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_expectation_alignment_mask_axis_and_gradient():
   s = normal(2, (2, 3, 5), 2.0)
   mask = jax.random.bernoulli(jax.random.key(3), 0.6, s.shape).at[0, 0].set(False)

@@ -5,6 +5,7 @@ gradient."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises
@@ -50,6 +51,7 @@ def test_matches_reference_mean_limit_order_and_gradient():
   assert np.all(out <= v.max(0) + 1e-5) and np.all(out >= v.min(0) - 1e-5)
 
 
+@pytest.mark.slow
 def test_bf16_and_bad_input():
   v = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 4)), jnp.float32)
   w = jnp.ones(4)

@@ -5,6 +5,7 @@ data, masks, ties and bad input."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import jaxsoft as js
 from tests.helpers import check_raises
@@ -53,6 +54,7 @@ def test_thresholds_equal_the_brute_force_search():
     np.testing.assert_array_equal(got, _brute(s, pred, y, 3, a, keep))
 
 
+@pytest.mark.slow
 def test_selective_risk_on_calibration_and_fresh_data():
   alpha = 0.85
   s, pred, y = _calibration(2, 20000)
