@@ -30,8 +30,15 @@ search has no finite bracket), so :func:`with_posinf_rule` handles those rows be
 
 Class P (pointwise) normalizers are not routed, and their tiles keep ``+inf`` logits
 visible: each weight depends on its own score, and the tile's numerator at ``+inf`` is
-already the entry's own limit (sigmoid 1, relu ``+inf``). A ``+inf`` logit that
-does not come from the bias (a ``q·k`` that overflows) is not detected here.
+already the entry's own limit (sigmoid 1, relu ``+inf``).
+
+A ``+inf`` logit that comes from the scores (a float32 ``q·k`` that overflows, e.g.
+``|q|, |k| ~ 1e20``) is found the same way: the rows are recomputed when the bias holds a
+``+inf`` or a bound on the scores (``H max|q| max|k| |scale|`` plus the bias's max) comes
+within a quarter of the dtype's largest value, and the rows take the dense path's logits.
+Without a bias the tiles do not look for ``±inf`` logits (their fast path): an overflowing
+``q·k`` there makes its row NaN on the blockwise paths, never a plausible number; pass a
+bias (zeros) or use ``implementation="xla"`` for such inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxsoft.attention._dense import dense_logits
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers.common import compute_dtype
 
@@ -65,9 +73,9 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
       (both paths' tile visibility is ``|x| != inf``), so that every row stays finite.
 
   Returns:
-    what ``run`` returns; rows with a visible ``+inf`` logit from the bias follow the
-    normalizer's ``+inf`` rule (module docstring), their residual is ``+inf`` (the
-    log-sum-exp and the threshold of such a row).
+    what ``run`` returns; rows with a visible ``+inf`` logit (from the bias or the
+    scores) follow the normalizer's ``+inf`` rule (module docstring), their residual is
+    ``+inf`` (the log-sum-exp and the threshold of such a row).
   """
   spec = call.spec
   if (call.bias is None or not isinstance(spec, _spec.NormalizerSpec)
@@ -79,7 +87,9 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)}
   # Every other array the rows read goes in as an argument too: the custom VJP must not
   # close over a tracer (inside shard_map the mask would leak out of the trace).
-  context = {"mask": call.mask, "query_seq_lengths": call.query_seq_lengths,
+  context = {"q": call.q, "k": call.k, "scale": jnp.asarray(call.scale),
+             "decay_bias": call.decay_bias,
+             "mask": call.mask, "query_seq_lengths": call.query_seq_lengths,
              "key_value_seq_lengths": call.key_value_seq_lengths,
              "segment_ids": call.segment_ids,
              "params": {name: x for name, x in call.params.items()
@@ -94,13 +104,37 @@ def _has_posinf(bias):
   return jnp.max(bias) == jnp.inf
 
 
+def _may_have_posinf(call, bias, context):
+  """Whether a logit can be ``+inf``: the bias holds one (:func:`_has_posinf`), or the
+  scores plus the bias may overflow. The bound is per call, O((T + S) H):
+  ``|s q·k| <= H max|q| max|k| |s|`` (the distance score: ``H (max|q| + max|k|)^2``, its
+  squared terms), plus the decay terms' largest magnitudes and the bias's max; a soft cap
+  bounds the scores by itself. A NaN anywhere also takes the careful branch (its rows
+  stay NaN there)."""
+  bmax = jnp.max(bias)
+  dtype = compute_dtype(call.q.dtype)
+  big = jnp.asarray(jnp.finfo(dtype).max / 4, dtype)
+  bound = jnp.maximum(bmax.astype(dtype), 0)
+  if call.logits_soft_cap is None:
+    q_max = jnp.max(jnp.abs(context["q"].astype(dtype)))
+    k_max = jnp.max(jnp.abs(context["k"].astype(dtype)))
+    h = call.q.shape[-1]
+    if call.score == "distance":
+      bound = bound + h * (q_max + k_max) ** 2
+    else:
+      bound = bound + h * q_max * k_max * jnp.abs(context["scale"].astype(dtype))
+  if context["decay_bias"] is not None:
+    bound = bound + sum(jnp.max(jnp.abs(jnp.asarray(c, dtype))) for c in context["decay_bias"])
+  return (bmax == jnp.inf) | ~(bound <= big)
+
+
 def _override_rows(call):
   """``(out, stat, v, bias, array hyperparameters) -> (out, stat)`` with the rows that
   have a visible ``+inf`` replaced by the ``+inf`` rule (stat: ``+inf``; None stays None).
 
-  Everything happens inside one ``lax.cond`` on :func:`_has_posinf`, whose other branch
-  returns ``out`` and ``stat`` untouched, so an ordinary call pays the bias's max and
-  nothing else; a custom VJP whose residuals are its inputs (no zero-filled residuals of
+  Everything happens inside one ``lax.cond`` on :func:`_may_have_posinf`, whose other
+  branch returns ``out`` and ``stat`` untouched, so an ordinary call pays the bias's max
+  and the bound on its scores (max |q|, max |k|) and nothing else; a custom VJP whose residuals are its inputs (no zero-filled residuals of
   the other branch). Gradients: ``out``'s cotangent passes on the other rows, and ``v``
   and the array hyperparameters get the replaced rows' (``w_j dO``, and the derivative of
   the limit weights, as the dense path); the bias gets none from them."""
@@ -110,7 +144,9 @@ def _override_rows(call):
 
   def with_context(context):  # the call, its arrays taken from the arguments
     return dataclasses.replace(
-        call, mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
+        call, q=context["q"], k=context["k"], scale=context["scale"],
+        decay_bias=context["decay_bias"],
+        mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
         key_value_seq_lengths=context["key_value_seq_lengths"],
         segment_ids=context["segment_ids"], params={**call.params, **context["params"]})
 
@@ -135,7 +171,7 @@ def _override_rows(call):
     return out, stat
 
   def forward(out, stat, v, bias, arrays, context):
-    flag = _has_posinf(bias)
+    flag = _may_have_posinf(call, bias, context)
     return lax.cond(flag, replace, keep, out, stat, v, bias, arrays, context), flag
 
   @jax.custom_vjp
@@ -203,7 +239,9 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
   """Per row: the sums of the values over the visible ``+inf`` entries and (with ``rest``,
   else None) over the other visible ones, [B, T, N, Hv] each, and the counts k and n,
   [B, T, N]; plain XLA over blocks of query rows (about 2^22 visibility entries at a
-  time)."""
+  time). The logits are the dense path's (:func:`~jaxsoft.attention.dense_logits`:
+  scores, decay, soft cap, bias), so a ``q·k`` that overflows to ``+inf`` counts as the
+  bias's ``+inf`` does (the tiles hide it as they hide the bias's)."""
   B, T, N, _ = call.q.shape
   S, K = call.k.shape[1], call.k.shape[2]
   G = N // K
@@ -219,6 +257,11 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
 
   bias_p = pad_rows(bias, -jnp.inf)
   mask_p = pad_rows(None if call.mask is None else jnp.asarray(call.mask), False)
+  q_p = call.q if Tp == T else jnp.pad(call.q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
+  cq_p = None
+  if call.decay_bias is not None:
+    cq_p = jnp.asarray(call.decay_bias[0])
+    cq_p = cq_p if Tp == T else jnp.pad(cq_p, ((0, 0), (0, Tp - T), (0, 0)))
   q_seg = kv_seg = None
   if st.has_segments:
     q_seg = jnp.pad(st.q_segment_ids, ((0, 0), (0, Tp - T)), mode="edge")
@@ -233,12 +276,16 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
     start = qi * bq
     seg = None if q_seg is None else lax.dynamic_slice_in_dim(q_seg, start, bq, 1)
     vis = st.tile_visible(start + jnp.arange(bq, dtype=jnp.int32), k_pos, seg, kv_seg)
-    b = rows(bias_p, start)
-    vis = vis & (b != -jnp.inf)
+    decay = None if cq_p is None else (lax.dynamic_slice_in_dim(cq_p, start, bq, 1),
+                                       call.decay_bias[1])
+    x = dense_logits(lax.dynamic_slice_in_dim(q_p, start, bq, 1), call.k, scale=call.scale,
+                     decay_bias=decay, logits_soft_cap=call.logits_soft_cap,
+                     bias=rows(bias_p, start), score=call.score)  # [B, N, bq, S]
+    vis = vis & (x != -jnp.inf)
     if mask_p is not None:
       vis = vis & rows(mask_p, start)
     vis = jnp.broadcast_to(vis, (B, N, bq, S))
-    hit = vis & (jnp.broadcast_to(b, (B, N, bq, S)) == jnp.inf)
+    hit = vis & (x == jnp.inf)
 
     def total(w):  # [B, N, bq, S] -> [B, bq, N, Hv]
       w = w.astype(dtype).reshape(B, K, G, bq, S)

@@ -1,0 +1,87 @@
+"""A float32 ``q·k`` that overflows to ``+inf`` follows the ``+inf`` rule on the blockwise
+paths, as it does on the dense path (issue 37).
+
+With ``|q|, |k| ~ 1e20`` some scores are ``+inf`` (and some ``-inf``) in float32. The
+dense path gives such a row its normalizer's ``+inf`` limit (1/k on the ``+inf`` keys for
+softmax) with a zero logit cotangent. With a bias, ``xla_chunked`` and the Pallas kernels
+hid those keys like ``-inf`` ones and, looking for ``+inf`` only in the bias, computed the
+row from the remaining keys: a finite, wrong answer (17.3 where the limit gives 2.0).
+Compared with the dense path (which the posinf tests check against float64 numpy): values
+and the gradients in q, k, v and the bias.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxsoft.attention import _chunked
+from jaxsoft.attention import dot_product_attention as dpa
+from kernels_pallas.backends import INTERPRET_ENV
+from tests.attention.test_posinf_bias import SWEEP
+
+T = S = 6
+N, K, H = 2, 1, 4
+
+
+def _inputs():
+  """Queries 1 and 4 overflow against every key (q_0 = 1e20, |k_0| in [1e20, 2e20]): +inf
+  on the even keys (k_0 > 0), -inf on the odd ones. The other rows have q_0 = 0, so their
+  scores are ordinary (a small q_0 would make them saturated one-hot rows whose gradients
+  are rounding noise times 1e20)."""
+  rng = np.random.default_rng(2)
+  q = rng.normal(size=(1, T, N, H))
+  k = rng.normal(size=(1, S, K, H))
+  v = rng.normal(size=(1, S, K, H))
+  q[0, :, :, 0] = 0.0
+  q[0, [1, 4], :, 0] = 1e20
+  k[0, :, 0, 0] = 1e20 * np.where(np.arange(S) % 2 == 0, 1.0, -1.0) * (1 + rng.random(S))
+  bias = rng.normal(size=(1, 1, T, S))
+  cot = rng.normal(size=(1, T, N, H))
+  return q, k, v, bias, cot
+
+
+def _run(impl, normalizer, params=None):
+  q, k, v, bias, cot = _inputs()
+
+  def loss(q, k, v, bias):
+    out = dpa(q, k, v, bias=bias, normalizer=normalizer, normalizer_params=params,
+              implementation=impl)
+    return jnp.sum(out * cot), out
+
+  (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+      *(jnp.asarray(a, jnp.float32) for a in (q, k, v, bias)))
+  return out, grads
+
+
+def _check(impl, normalizer, params=None):
+  ref_out, ref_grads = _run("xla", normalizer, params)
+  out, grads = _run(impl, normalizer, params)
+  assert np.all(np.isfinite(np.asarray(ref_out)))
+  # float32 paths that differ in summation order and blocking: 1e-4 relative (the k
+  # gradient carries q ~ 1e20 from the ordinary rows' products, hence relative); a row
+  # computed without its +inf keys differs by O(1).
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
+  for g, r in zip(grads, ref_grads, strict=True):
+    assert np.all(np.isfinite(np.asarray(g)))
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+  """Blocks of 4 x 4: T = S = 6 spans two query and two key blocks (with padding)."""
+  monkeypatch.setattr(_chunked, "BLOCK_Q", 4)
+  monkeypatch.setattr(_chunked, "BLOCK_K", 4)
+
+
+def test_chunked_softmax_overflowing_scores(small_blocks):
+  _check("xla_chunked", "softmax")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["xla_chunked", "pallas"])
+@pytest.mark.parametrize("normalizer,params", SWEEP, ids=[s[0] for s in SWEEP])
+def test_blockwise_overflowing_scores_match_dense(impl, normalizer, params, small_blocks,
+                                                  monkeypatch):
+  monkeypatch.setenv(INTERPRET_ENV, "1")
+  _check(impl, normalizer, params)
