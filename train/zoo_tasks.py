@@ -153,12 +153,13 @@ def _length_train(seed: int, position: int, tiny: bool) -> Batch:
 
 def _length_eval(tiny: bool) -> dict[str, list[Batch]]:
   lengths = (32, 64) if tiny else LENGTHS
-  # one row per batch at the longest lengths: the dense [T, T] weights of every head
-  rows = {256: 32, 1024: 4, 4096: 1}
+  # (rows per batch, batches): one row at a time at 4096 (the dense [T, T] weights of every
+  # head); fewer rows at the longer lengths, whose evaluation dominates the task's cost
+  rows = {256: (32, 1), 1024: (4, 4), 4096: (1, 8)}
   out = {}
   for t in lengths:
-    n_rows = 4 if tiny else rows[t]
-    out[f"len{t}"] = [_needle(t, n_rows, _EVAL, i) for i in range(1 if tiny else 32 // n_rows)]
+    n_rows, n_batches = (4, 1) if tiny else rows[t]
+    out[f"len{t}"] = [_needle(t, n_rows, _EVAL, i) for i in range(n_batches)]
   return out
 
 
@@ -279,20 +280,20 @@ _SWEEP = (1e-3, 3e-3, 1e-2)
 
 TASKS: dict[str, Task] = {
     "lm": Task("lm", "character LM, held-out loss (nats/char)",
-               dict(_MODEL, **_LM, steps=300, warmup_steps=30), _SWEEP, "heldout/loss", False,
+               dict(_MODEL, **_LM, steps=200, warmup_steps=20), _SWEEP, "heldout/loss", False,
                256, _lm_train, _lm_eval, _TINY),
     "mqar": Task("mqar", "multi-query associative recall, accuracy (mean over 2/4/8 pairs)",
-                 dict(_MODEL, **_PROBE, seq_len=_MQAR_T, batch_size=32, steps=400,
-                      warmup_steps=40), _SWEEP, "accuracy", True, data.PROBE_VOCAB,
+                 dict(_MODEL, **_PROBE, seq_len=_MQAR_T, batch_size=32, steps=250,
+                      warmup_steps=25), _SWEEP, "accuracy", True, data.PROBE_VOCAB,
                  _mqar_train, _mqar_eval, dict(_TINY, seq_len=24)),
     "length": Task("length", "needle at T = 256 / 1024 / 4096 after training at 256, "
                              "accuracy at 4096",
-                   dict(_MODEL, **_PROBE, seq_len=LENGTHS[0], batch_size=8, steps=200,
-                        warmup_steps=20), _SWEEP, "len4096/accuracy", True, data.PROBE_VOCAB,
+                   dict(_MODEL, **_PROBE, seq_len=LENGTHS[0], batch_size=8, steps=120,
+                        warmup_steps=12), _SWEEP, "len4096/accuracy", True, data.PROBE_VOCAB,
                    _length_train, _length_eval, dict(_TINY, seq_len=32)),
     "listops": Task("listops", "ListOps-style nested expressions, answer accuracy",
-                    dict(_MODEL, **_PROBE, seq_len=_LISTOPS_T, batch_size=32, steps=300,
-                         warmup_steps=30), _SWEEP, "heldout/accuracy", True, data.PROBE_VOCAB,
+                    dict(_MODEL, **_PROBE, seq_len=_LISTOPS_T, batch_size=32, steps=200,
+                         warmup_steps=20), _SWEEP, "heldout/accuracy", True, data.PROBE_VOCAB,
                     _listops_train, _listops_eval, dict(_TINY, seq_len=24)),
     "grok": Task("grok", f"(a + b) mod {GROK_P} from {GROK_TRAIN_FRACTION:.0%} of the pairs, "
                          "held-out accuracy",
