@@ -297,8 +297,8 @@ def linear_infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *
     return a / (jnp.sum(a, axis=-1, keepdims=True) + eps)
 
   x = lax.fori_loop(0, iterations, step, x)
-  g = g.astype(cdt).reshape(g.shape[:1])  # [] or [N]
-  pooled = g[..., None] * jnp.einsum("bnj,bnjh->bnh", x, vn, precision=_HI)  # [B, N, Hv]
+  g = g.astype(cdt).reshape((1, -1, 1) if g.ndim else ())  # [] or [1, N, 1]
+  pooled = g * jnp.einsum("bnj,bnjh->bnh", x, vn, precision=_HI)  # [B, N, Hv]
   out = jnp.broadcast_to(pooled[:, None], (B, T, N, vn.shape[-1]))
   out_dtype = q.dtype if jnp.issubdtype(q.dtype, jnp.floating) else jnp.float32
   return out.astype(out_dtype)
