@@ -147,10 +147,11 @@ def pytest_collection_modifyitems(config, items):
 # Issue 37's guard: library code never relies on implicit rank promotion. The tests of these
 # directories run under jax.numpy_rank_promotion("raise") (the setting of JAX's own suite);
 # each was run whole under JAX_NUMPY_RANK_PROMOTION=raise first. The rest of the suite joins
-# the list directory by directory once it runs clean (tests/nn, the attention and normalizer
-# docstring examples still broadcast by rank in a few places).
+# the list directory by directory once it runs clean (tests/optim and tests/nn: their default
+# selection was run; tests/normalizers, attention, kernels_pallas and the docstring examples
+# are still to be run).
 _RANK_PROMOTION_RAISE = tuple(_TESTS / d for d in ("linear", "losses", "pooling", "train",
-                                                   "properties", "optim"))
+                                                   "properties", "optim", "nn"))
 
 
 @pytest.fixture(autouse=True)

@@ -60,9 +60,9 @@ def _mhla_by_hand(layer, x):
   m = -(-t // BLOCK)
   C = _value(layer.mixing)[:, :m, :m]
   coef = jnp.repeat(jnp.repeat(C, BLOCK, axis=1), BLOCK, axis=2)[:, :t, :t]   # [N, T, T]
-  w = jnp.einsum("btnk,bsnk->bnts", fq, fk) * coef
+  w = jnp.einsum("btnk,bsnk->bnts", fq, fk) * coef[None]
   if layer.causal:
-    w = w * np.tril(np.ones((t, t)))
+    w = w * np.tril(np.ones((t, t)))[None, None]
   o = jnp.einsum("bnts,bsnv->btnv", w, v) / jnp.moveaxis(jnp.sum(w, -1), 1, 2)[..., None]
   return _finish_by_hand(layer, o, x)
 
@@ -78,7 +78,8 @@ def _rala_by_hand(layer, x):
   fq, fk = _phi(q), alpha[..., None] * _phi(k)
   o = (jnp.einsum("btnk,bsnk,bsnv->btnv", fq, fk, v)
        / jnp.einsum("btnk,bsnk->btn", fq, fk)[..., None])
-  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * _value(layer.o_norm)
+  o = (o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6)
+       * _value(layer.o_norm)[None, None, None, :])
   o = o.reshape(b, t, N * H) * (x @ _value(layer.gate.kernel))
   return o @ _value(layer.o.kernel)
 

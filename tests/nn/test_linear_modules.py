@@ -105,7 +105,8 @@ def _qkv_by_hand(layer, x):
 def _finish_by_hand(layer, o, x):
   """Per-head RMSNorm, the SiLU output gate and the output projection, in plain jnp."""
   b, t, _ = x.shape
-  o = o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6) * _value(layer.o_norm)
+  o = (o / jnp.sqrt(jnp.mean(o * o, axis=-1, keepdims=True) + 1e-6)
+       * _value(layer.o_norm)[None, None, None, :])
   o = o.reshape(b, t, N * H) * jax.nn.silu(x @ _value(layer.gate.kernel))
   return o @ _value(layer.o.kernel)
 
@@ -117,7 +118,7 @@ def _written_out(layer, x):
   b, t, _ = x.shape
   q, k, v = _qkv_by_hand(layer, x)
   if layer.kind == "simple_gla":
-    alpha = jax.nn.sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)) ** (1 / 16)
+    alpha = jax.nn.sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)[None, None, :]) ** (1 / 16)
   else:
     alpha = jnp.ones((b, t, N))
     q, k = jax.nn.elu(q) + 1, jax.nn.elu(k) + 1
@@ -164,7 +165,7 @@ def _by_hand(layer, x):
   q, k, v = _qkv_by_hand(layer, x)
   rec = dict(implementation="recurrent")
   if layer.kind in ("ccq", "softmax_linear_attention"):
-    g = jax.nn.log_sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)) / 16
+    g = jax.nn.log_sigmoid(x @ p(layer.gk.kernel) + p(layer.gk.bias)[None, None, :]) / 16
   if layer.kind == "ttt_linear":
     eta = jax.nn.sigmoid(x @ p(layer.eta.kernel))
     o = js_linear.ttt_linear(q, k, v, eta, mini_batch_size=layer.mini_batch_size, **rec)

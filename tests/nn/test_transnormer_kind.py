@@ -32,7 +32,8 @@ def _by_hand(layer, x):
   p = lambda v: v[...]
   u = x @ p(layer.qkv.kernel)
   w = p(layer.conv)
-  u = w[1] * u + w[0] * jnp.pad(u, ((0, 0), (1, 0), (0, 0)))[:, :-1]   # width-2 causal conv
+  u = (w[1][None, None, :] * u                                 # width-2 causal conv
+       + w[0][None, None, :] * jnp.pad(u, ((0, 0), (1, 0), (0, 0)))[:, :-1])
   q, k, v = (a.reshape(B, T, N, H) for a in jnp.split(jax.nn.silu(u), 3, axis=-1))
   theta = p(layer.lrpe_theta)                                              # [N, H]
   g = js_linear.lightning_decay(N, 1, 3)                                   # [N]
@@ -42,7 +43,7 @@ def _by_hand(layer, x):
   decay = jnp.where(i >= j, jnp.exp(g[:, None, None] * jnp.maximum(d, 0.0)[None]), 0.0)
   s = jnp.einsum("bink,bjnk,nijk->bnij", q, k, cos) * decay[None] / jnp.sqrt(H)
   o = jnp.einsum("bnij,bjnv->binv", s, v)
-  o = o / jnp.sqrt(jnp.mean(o * o, -1, keepdims=True) + 1e-6) * p(layer.o_norm)
+  o = o / jnp.sqrt(jnp.mean(o * o, -1, keepdims=True) + 1e-6) * p(layer.o_norm)[None, None, None]
   return (o.reshape(B, T, N * H) * (x @ p(layer.gate.kernel))) @ p(layer.o.kernel)
 
 
