@@ -1,8 +1,9 @@
 """Helpers shared by the test modules (no tests here): `from tests import helpers`.
 
-* inputs: ``normal`` (jax.random), ``rows`` / ``rows_and_mask`` (numpy, no JAX work at
-  import time), ``random_cotangent``, ``make_qkv``; ``LazyCases`` builds named parameter
-  cases on first use instead of at collection; ``ROOT`` and ``load_script`` (bench/);
+* inputs (all from numpy's generator, no ``jax.random`` compilations): ``normal``,
+  ``rows`` / ``rows_and_mask`` (no JAX work at import time), ``random_cotangent``,
+  ``make_qkv``; ``LazyCases`` builds named parameter cases on first use instead of at
+  collection; ``ROOT`` and ``load_script`` (bench/);
   ``train_argv`` / ``train_records`` (the tiny model the train/ tests run);
 * comparisons: ``vjp_close``, ``value_and_vjp``, ``value_and_grads``, ``assert_same``;
 * the normalizer checks shared by the N02-N24 files (``tile_eval``, ``check_tile_rule``,
@@ -37,9 +38,18 @@ LOW_PRECISION = [jnp.bfloat16, pytest.param(jnp.float16, marks=pytest.mark.slow)
 # ---------------------------------------------------------------------------------- inputs
 
 
+def _standard_normal(seed, shape):
+  """float32 standard normals from numpy's ``default_rng(seed)``.
+
+  Test data comes from numpy, not ``jax.random``: each new shape of a threefry draw is a
+  separate XLA compilation of several CPU-seconds on this suite's 2-core machine (measured
+  4-7 s with JAX 0.10.2), paid again by every pytest worker that collects the module."""
+  return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
 def normal(seed, shape, scale=1.0, dtype=jnp.float32):
-  """``scale`` times standard normals drawn (in float32) from ``jax.random.key(seed)``."""
-  return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
+  """``scale`` times float32 standard normals from numpy's ``default_rng(seed)``."""
+  return jnp.asarray(scale * _standard_normal(seed, shape), jnp.float32).astype(dtype)
 
 
 def rows(seed, shape, scale=1.0):
@@ -77,10 +87,9 @@ def make_qkv(seed=0, B=2, T=11, S=None, N=4, K=2, H=8, Hv=None, dtype=jnp.float3
   """Attention inputs q [B, T, N, H], k [B, S, K, H], v [B, S, K, Hv]."""
   S = T if S is None else S
   Hv = H if Hv is None else Hv
-  kq, kk, kv = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(kq, (B, T, N, H), jnp.float32).astype(dtype)
-  k = jax.random.normal(kk, (B, S, K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(kv, (B, S, K, Hv), jnp.float32).astype(dtype)
+  rng = np.random.default_rng(seed)  # numpy, not jax.random: see _standard_normal
+  q, k, v = (jnp.asarray(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+             for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, Hv)))
   return q, k, v
 
 
@@ -165,20 +174,22 @@ def value_and_vjp(f, *args, seed=99):
   """``(f(*args), cotangents of every argument, ct)`` for a random output cotangent ``ct``
   (all ones when ``seed`` is None), in one jitted call."""
 
+  shape = jax.eval_shape(f, *args)
+  ct = (jnp.ones(shape.shape, shape.dtype) if seed is None
+        else jnp.asarray(_standard_normal(seed, shape.shape)).astype(shape.dtype))
+
   @jax.jit
-  def run(*a):
+  def run(ct, *a):
     out, vjp = jax.vjp(f, *a)
-    ct = (jnp.ones(out.shape, out.dtype) if seed is None
-          else jax.random.normal(jax.random.key(seed), out.shape, out.dtype))
     return out, vjp(ct), ct
 
-  return run(*args)
+  return run(ct, *args)
 
 
 def value_and_grads(fn, args, seed=7):
   """fn(*args) and the gradients of <fn(*args), ct> for a random cotangent ct."""
   out = fn(*args)
-  ct = jax.random.normal(jax.random.PRNGKey(seed), out.shape, jnp.float32).astype(out.dtype)
+  ct = jnp.asarray(_standard_normal(seed, out.shape)).astype(out.dtype)
   grads = jax.grad(lambda *a: jnp.sum((fn(*a) * ct).astype(jnp.float32)),
                    argnums=tuple(range(len(args))))(*args)
   return out, grads

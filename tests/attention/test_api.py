@@ -14,7 +14,7 @@ import kernels_pallas
 from jaxsoft.attention import _api
 from jaxsoft.attention import dot_product_attention as dpa
 from jaxsoft.attention.call import AttentionCall
-from tests.helpers import make_qkv
+from tests.helpers import make_qkv, normal
 
 q, k, v = make_qkv(0, 2, 5, N=4, K=2, H=8)
 
@@ -137,7 +137,7 @@ def test_pallas_receives_the_canonical_call(monkeypatch):
 
 def test_unbatched_inputs_and_value_head_dim():
   qq, kk, _ = make_qkv(1, 1, 6, N=2, K=2, H=8)
-  vv = jax.random.normal(jax.random.PRNGKey(3), (1, 6, 2, 3))
+  vv = normal(3, (1, 6, 2, 3))
   for impl in ("xla", "xla_chunked"):
     # jitted: one program instead of op-by-op dispatch
     out = jax.jit(functools.partial(dpa, is_causal=True, implementation=impl))(
