@@ -129,9 +129,7 @@ def test_check_grads_float64():
   with jax.enable_x64(True):
     x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 6)))
     check_grads(jax.jit(N.softmax_1), (x,), order=2, modes=["rev", "fwd"])
-    check_grads(jax.jit(lambda x, n: N.softmax_n(x, n=n)), (x, jnp.float64(2.0)), order=2)
     sink = jnp.asarray([[0.1], [-0.7], [1.2]])
-    check_grads(jax.jit(lambda x, s: N.softmax_sink(x, sink_logit=s)), (x, sink), order=2)
     assert N.softmax_1(x).dtype == jnp.float64
     # float64 end to end, per-row parameters included (no float32 round trip).
     chex.assert_trees_all_close(N.softmax_sink(x, sink_logit=sink), _sink_oracle(x, sink),
@@ -139,6 +137,15 @@ def test_check_grads_float64():
     n = jnp.asarray([[0.5], [2.0], [7.0]])
     chex.assert_trees_all_close(N.softmax_n(x, n=n), _sink_oracle(x, jnp.log(n)),
                                 atol=1e-13, rtol=1e-12)
+
+
+@pytest.mark.slow  # order-2 checks compile ~10 programs each: one stays in the default run
+def test_check_grads_float64_order_two_with_hyperparameters():
+  with jax.enable_x64(True):
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((3, 6)))
+    check_grads(jax.jit(lambda x, n: N.softmax_n(x, n=n)), (x, jnp.float64(2.0)), order=2)
+    sink = jnp.asarray([[0.1], [-0.7], [1.2]])
+    check_grads(jax.jit(lambda x, s: N.softmax_sink(x, sink_logit=s)), (x, sink), order=2)
 
 
 @pytest.mark.parametrize("name", ["softmax_1", "softmax_n", "softmax_sink"])
