@@ -23,16 +23,17 @@ from typing import Any
 
 from jaxsoft import normalizers
 from kernels_pallas import pick_backend
-from train import checkpoint
+from train import checkpoint, mesh_flags
+from train.errors import ConfigError
 from train.kinds import (
-    ATTENTION_VARIANTS,
-    BIDIRECTIONAL_KINDS,
-    CONTROL_KINDS,
-    FOX_KINDS,
-    LAYER_KINDS,
-    LINEAR_KINDS,
-    POOLING_KINDS,
-    SPARSE_KINDS,
+  ATTENTION_VARIANTS,
+  BIDIRECTIONAL_KINDS,
+  CONTROL_KINDS,
+  FOX_KINDS,
+  LAYER_KINDS,
+  LINEAR_KINDS,
+  POOLING_KINDS,
+  SPARSE_KINDS,
 )
 
 __all__ = [
@@ -74,10 +75,6 @@ DTYPES = ("float32", "bfloat16")
 _SWITCH = ("auto", "on", "off")
 # "gspmd", then jaxsoft.attention.context_parallel's strategies (checked against its STRATEGIES).
 CONTEXT_STRATEGIES = ("gspmd", "all_gather", "ulysses", "ring")
-
-
-class ConfigError(ValueError):
-  """A bad configuration; raised before any work is done. The message names the problem."""
 
 
 # The topics of ``train.py --help``: (key, title, description), in the order shown. Each Config
@@ -460,15 +457,14 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
 
 def _validate_distribution(cfg: Config) -> None:
   """The mesh flags' syntax (their sizes are checked against the devices in train.sharding)."""
-  from train import sharding  # pylint: disable=import-outside-toplevel  (it imports this module)
-  sizes = sharding.parse_mesh(cfg.mesh)
-  if cfg.fsdp and sharding.FSDP not in sizes and -1 in sizes.values():
+  sizes = mesh_flags.parse_mesh(cfg.mesh)
+  if cfg.fsdp and mesh_flags.FSDP not in sizes and -1 in sizes.values():
     axis = next(k for k, v in sizes.items() if v == -1)
     raise ConfigError(f"--fsdp true means fsdp=-1, but --mesh already gives -1 to {axis!r} "
                       "(-1 twice); name the fsdp size in --mesh instead")
-  sharding.parse_mesh(cfg.dcn_mesh, "--dcn_mesh")
+  mesh_flags.parse_mesh(cfg.dcn_mesh, "--dcn_mesh")
   if cfg.context_strategy != "gspmd":
-    strategies = sharding.context_strategies()
+    strategies = mesh_flags.context_strategies()
     if cfg.context_strategy not in strategies:
       raise ConfigError(f"--context_strategy: {cfg.context_strategy!r} is not available here; "
                         f"one of {', '.join(('gspmd', *strategies))}")

@@ -46,6 +46,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from train.config import Config, ConfigError
+from train.mesh_flags import CONTEXT, DATA, FSDP, MESH_AXES, TENSOR, context_strategies, parse_mesh
 
 __all__ = ["setup_devices", "make_mesh", "check_batch", "batch_sharding", "state_sharding",
            "param_sharding", "state_specs", "global_batch", "needs_shard_map", "shard_map_attention", "DATA",
@@ -54,8 +55,6 @@ __all__ = ["setup_devices", "make_mesh", "check_batch", "batch_sharding", "state
            "logical_axes", "activate", "in_mesh", "constrain", "context_strategies",
            "context_parallel_wrap"]
 
-DATA, FSDP, CONTEXT, TENSOR = "data", "fsdp", "context", "tensor"
-MESH_AXES = (DATA, FSDP, CONTEXT, TENSOR)  # outermost first
 BATCH_AXES = (DATA, FSDP)  # the batch rows are split over both
 
 # The one table: logical axis name -> mesh axis (or axes, or None = replicated). Parameter names
@@ -149,36 +148,6 @@ def _distributed_args(cfg: Config) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------
 # The mesh flags.
-
-
-def parse_mesh(text: str, flag: str = "--mesh") -> dict[str, int]:
-  """``"data=2,fsdp=-1"`` -> ``{"data": 2, "fsdp": -1}``; raises ConfigError naming ``flag``.
-
-  Each axis (one of :data:`MESH_AXES`) at most once, a positive size or ``-1`` (at most one
-  ``-1``: it takes the devices the others leave). ``""`` is ``{}``.
-  """
-  sizes: dict[str, int] = {}
-  for item in (part.strip() for part in text.split(",")):
-    if not item:
-      continue
-    name, eq, value = item.partition("=")
-    name = name.strip()
-    if not eq:
-      raise ConfigError(f"{flag}: expected AXIS=SIZE pairs, got {item!r}")
-    if name not in MESH_AXES:
-      raise ConfigError(f"{flag}: unknown mesh axis {name!r}; axes: {', '.join(MESH_AXES)}")
-    if name in sizes:
-      raise ConfigError(f"{flag}: axis {name!r} given twice")
-    try:
-      size = int(value)
-    except ValueError:
-      raise ConfigError(f"{flag}: size of {name!r} must be an integer, got {value!r}") from None
-    if size == 0 or size < -1:
-      raise ConfigError(f"{flag}: size of {name!r} must be positive or -1, got {size}")
-    sizes[name] = size
-  if sum(size == -1 for size in sizes.values()) > 1:
-    raise ConfigError(f"{flag}: -1 (fill the rest) may be given for one axis only, got {text!r}")
-  return sizes
 
 
 def resolve_mesh(sizes: Mapping[str, int], num_devices: int, flag: str = "--mesh",
@@ -482,16 +451,6 @@ def global_batch(dataset, position: int, cfg: Config,
     value = value.reshape(cfg.grad_accum, len(local), cfg.seq_len)[:, :, cols[0]:cols[-1] + 1]
     out[key] = jax.make_array_from_process_local_data(sharding, value, shape)
   return out
-
-
-def context_strategies() -> tuple[str, ...]:
-  """The strategies of ``jaxsoft.attention.context_parallel_attention`` (none when this jaxsoft
-  has no such module)."""
-  try:
-    from jaxsoft.attention import context_parallel  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return ()
-  return tuple(context_parallel.STRATEGIES)
 
 
 def context_parallel_wrap(mesh, strategy: str) -> Callable[..., Callable[..., jax.Array]]:

@@ -12,7 +12,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import PartitionSpec as P
 
 from tests import helpers
-from train import config, model, sharding
+from train import config, mesh_flags, model, sharding
 from train import train as train_lib
 from train.config import ConfigError
 
@@ -204,6 +204,6 @@ def test_context_strategy_is_checked(monkeypatch):
   with pytest.raises(ConfigError, match="--context_strategy: unknown value 'rings'"):
     check("rings")
   # A jaxsoft without a strategy (or without the module): refused, naming what there is.
-  monkeypatch.setattr(sharding, "context_strategies", lambda: ("all_gather",))
+  monkeypatch.setattr(mesh_flags, "context_strategies", lambda: ("all_gather",))
   with pytest.raises(ConfigError, match="'ring' is not available here; one of gspmd, all_gather"):
     check("ring")
