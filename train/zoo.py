@@ -58,7 +58,6 @@ from flax import nnx  # noqa: E402
 
 from jaxsoft import losses as js_losses  # noqa: E402
 from jaxsoft import normalizers  # noqa: E402
-from jaxsoft.losses import _fenchel_young  # noqa: E402
 from train import config, kinds, model  # noqa: E402
 from train import train as train_lib  # noqa: E402
 from train.zoo_tasks import TASKS, Task  # noqa: E402
@@ -105,10 +104,10 @@ def exclusions() -> dict[str, str]:
                            "(the same config)")
   for kind, why in kinds.BIDIRECTIONAL_KINDS.items():
     out[f"attention:{kind}"] = why
-  for name in _fenchel_young._ALPHA:
+  for name in js_losses.FENCHEL_YOUNG_NORMALIZERS:
     if name == "softmax":
       out["loss:fy_softmax"] = "the softmax Fenchel-Young loss is softmax CE (loss:softmax_ce)"
-    elif _fenchel_young._ALPHA[name] is None:
+    elif js_losses.FENCHEL_YOUNG_NORMALIZERS[name] is None:
       out[f"loss:fy_{name}"] = ("alpha-entmax with a free alpha: its alpha = 1.5 point is "
                                 "loss:fy_entmax15")
   return out
@@ -125,7 +124,7 @@ LOSSES: dict[str, tuple[Callable[..., jax.Array], Callable[[], Any] | None]] = {
     "stablemax_ce": (js_losses.stablemax_cross_entropy, None),
     "softmax_ce_orthogonal_gradient": (js_losses.softmax_cross_entropy_with_integer_labels,
                                        js_losses.orthogonal_gradient),
-    **{f"fy_{name}": (_fy(name), None) for name, alpha in _fenchel_young._ALPHA.items()
+    **{f"fy_{name}": (_fy(name), None) for name, alpha in js_losses.FENCHEL_YOUNG_NORMALIZERS.items()
        if name != "softmax" and alpha is not None},
 }
 

@@ -61,7 +61,7 @@ from jaxsoft.losses._embedding import nbc_softmax_loss, orthogonal_projection_lo
 from jaxsoft.losses._energy_bounded import energy_bounded_loss
 from jaxsoft.losses._energy_scores import marginalized_energy, spilled_energy
 from jaxsoft.losses._expectation_alignment import expectation_alignment, geometry_consistency_loss
-from jaxsoft.losses._fenchel_young import fenchel_young_loss
+from jaxsoft.losses._fenchel_young import FENCHEL_YOUNG_NORMALIZERS, fenchel_young_loss
 from jaxsoft.losses._heads import gol_loss, l2_svm_loss, ovr_bce_loss
 from jaxsoft.losses._large_output import (
     augment_reduce_loss,
@@ -135,6 +135,7 @@ __all__ = [
     "energy_score",
     "expectation_alignment",
     "fenchel_young_loss",
+    "FENCHEL_YOUNG_NORMALIZERS",
     "fit_dirichlet_calibration",
     "fit_temperature",
     "fourier_head_cross_entropy",

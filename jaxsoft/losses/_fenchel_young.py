@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import types
 from typing import Any
 
 import jax
@@ -16,11 +17,14 @@ from jaxsoft.linear.chunk import sum_like
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
-__all__ = ["fenchel_young_loss"]
+__all__ = ["fenchel_young_loss", "FENCHEL_YOUNG_NORMALIZERS"]
 
 # alpha of the Tsallis entropy each normalizer is the regularised argmax of; None = a
 # hyperparameter (entmax's `alpha`).
 _ALPHA = {"softmax": 1.0, "entmax15": 1.5, "sparsemax": 2.0, "entmax": None}
+#: The ``normalizer`` values :func:`fenchel_young_loss` takes, each with the α of the Tsallis
+#: entropy it is the regularised argmax of (``None``: entmax's ``alpha`` is a hyperparameter).
+FENCHEL_YOUNG_NORMALIZERS = types.MappingProxyType(_ALPHA)
 
 
 def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,

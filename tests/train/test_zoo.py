@@ -48,6 +48,7 @@ def test_entrants_agree_with_the_registries():
   assert fy <= losses | set(excluded)
 
 
+@pytest.mark.slow  # ~7-10 s of compilation; the tiny zoo keeps the plumbing in the default run
 def test_first_token_mass_and_stats_match_a_dense_reference():
   cfg = config.Config(d_model=16, num_layers=1, num_heads=2, mlp_dim=16, workdir="x",
                       normalizer="sparsemax")
@@ -139,6 +140,7 @@ def test_bad_selection_is_refused(tmp_path):
     zoo.run_zoo(str(tmp_path), [], parts="x", tiny=True)
 
 
+@pytest.mark.slow  # ~7-10 s of compilation; the tiny zoo keeps the plumbing in the default run
 def test_learning_rate_in_the_state_is_adamw_at_that_rate():
   # make_optimizer at peak 1, then the rate from the state, against make_optimizer at the
   # rate itself: the same updates up to float32 rounding (a product of two factors instead of
