@@ -47,6 +47,12 @@ def _standard_normal(seed, shape):
   return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+def standard_normal(seed, shape):
+  """Standard normals from numpy's ``default_rng(seed)`` in JAX's default float dtype
+  (float32, float64 under ``JAX_ENABLE_X64``), like ``jax.random.normal(key, shape)``."""
+  return jnp.asarray(_standard_normal(seed, shape), jax.dtypes.canonicalize_dtype(jnp.float64))
+
+
 def normal(seed, shape, scale=1.0, dtype=jnp.float32):
   """``scale`` times float32 standard normals from numpy's ``default_rng(seed)``."""
   return jnp.asarray(scale * _standard_normal(seed, shape), jnp.float32).astype(dtype)

@@ -11,6 +11,7 @@ from jax.experimental import checkify
 
 import jaxsoft as js
 from jaxsoft.normalizers import spec as spec_lib
+from tests import helpers
 
 
 def _checked_jit(fn):
@@ -85,7 +86,7 @@ def test_per_row_alpha_names_the_first_bad_entry_under_vmap_and_grad():
 
 
 def test_negative_temperature_reaches_attention_through_check_hparams():
-  q = jax.random.normal(jax.random.key(0), (1, 4, 2, 8))
+  q = helpers.standard_normal(0, (1, 4, 2, 8))
 
   def attend(t):
     params = {"temperature": t}

@@ -18,6 +18,7 @@ import pytest
 
 from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention._block_sparse import block_sparse_attention
+from tests import helpers
 from tests.attention.test_topk import largest_intermediate
 from tests.helpers import BWD, FWD, check_raises, make_qkv, value_and_vjp
 
@@ -217,7 +218,7 @@ def test_causal_later_tokens_never_change_earlier_outputs_or_gradients(method):
   block-level choice (pooled queries, a shared skip) would leak into tokens 12 and 13."""
   q, k, v = _inputs(7)
   t = 3 * BS + 2
-  ct = jax.random.normal(jax.random.PRNGKey(3), (B, T, N, H))
+  ct = helpers.standard_normal(3, (B, T, N, H))
 
   @jax.jit
   def out_and_grads(q, k, v):

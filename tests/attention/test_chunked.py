@@ -13,6 +13,7 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
+from tests import helpers
 from tests.attention.reference import assert_same_jit as assert_same
 from tests.attention.test_dense import MASK_CASES, B, H, K, N, T
 from tests.helpers import make_qkv, sampled, segment_mask
@@ -51,7 +52,7 @@ def test_heads_and_cross_attention(shape, blocks):
   blocks(4, 8)
   b, t, s, n, kh = shape
   q, k, v = make_qkv(1, b, t, S=s, N=n, K=kh, H=H)
-  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(2), (b, n, t, s))
+  bias = 0.5 * helpers.standard_normal(2, (b, n, t, s))
   kw = {"is_causal": True, "local_window_size": (5, 1)}
   assert_same(functools.partial(chunked, **kw),
               functools.partial(jax.nn.dot_product_attention, **kw), (q, k, v, bias))
@@ -138,7 +139,7 @@ def _fox(seed, b, t, n):
 
 def test_decay_bias_soft_cap_and_bias_match_dense(blocks):
   q, k, v = make_qkv(8, B, T, N=N, K=K, H=H)
-  bias = 0.3 * jax.random.normal(jax.random.PRNGKey(9), (B, N, T, T))
+  bias = 0.3 * helpers.standard_normal(9, (B, N, T, T))
   c = _fox(10, B, T, N)
   ck = c + 0.1 * jax.random.normal(jax.random.PRNGKey(11), c.shape)
 

@@ -12,6 +12,7 @@ import pytest
 import jaxsoft.normalizers as nz
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
+from tests import helpers
 from tests.attention.reference import assert_same_jit
 from tests.helpers import LazyCases, make_qkv, registry_sample
 
@@ -71,7 +72,7 @@ def _compare(name, kw, params, q, k, v, bias):
 def test_chunked_matches_dense(name):
   """Causal + padding + GQA + bias, sampled hyperparameters as per-head arrays."""
   q, k, v = make_qkv(0, B, T, N=N, K=K, H=H)
-  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(1), (1, N, T, T))
+  bias = 0.5 * helpers.standard_normal(1, (1, N, T, T))
   kw = {"is_causal": True, "key_value_seq_lengths": jnp.array([8, 11], jnp.int32)}
   _compare(name, kw, _params(nz.get(name)), q, k, v, bias)
 
@@ -91,7 +92,7 @@ SLOW_CASES = LazyCases(  # arrays built on first use, not at import
 @pytest.mark.parametrize("name", NAMES)
 def test_chunked_matches_dense_sweep(name, case):
   q, k, v = make_qkv(3, B, T, N=N, K=K, H=H)
-  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(4), (B, N, T, T))
+  bias = 0.5 * helpers.standard_normal(4, (B, N, T, T))
   _compare(name, SLOW_CASES[case], _params(nz.get(name), per_row=True), q, k, v, bias)
 
 

@@ -21,6 +21,7 @@ import pytest
 
 from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
+from tests import helpers
 from tests.helpers import check_raises, make_qkv
 
 NSD = dict(score="neg_sq_distance")
@@ -108,8 +109,8 @@ def test_sigmoid_sees_the_query_norm_and_a_decay_adds_on():
   """Sigmoid (no normalisation: not shift-invariant) gets the distances themselves, so the
   -(s/2)|q|^2 row term must be there; a caller's decay_bias adds to the distance logits."""
   q, k, v, _, _ = case(1)
-  cq = jax.random.normal(jax.random.key(2), (2, 5, 4))
-  ck = jax.random.normal(jax.random.key(3), (2, 7, 4))
+  cq = helpers.standard_normal(2, (2, 5, 4))
+  ck = helpers.standard_normal(3, (2, 7, 4))
   f = jax.jit(functools.partial(dpa, normalizer="sigmoid", normalizer_params={"bias": 0.0},
                                 implementation="xla", **NSD))
   out = f(q, k, v, decay_bias=(cq, ck))

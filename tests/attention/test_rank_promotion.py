@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxsoft as js
+from tests import helpers
 
-Q = jax.random.normal(jax.random.key(0), (2, 8, 2, 4))
+Q = helpers.standard_normal(0, (2, 8, 2, 4))
 LENS = jnp.array([5, 8])
 SEGMENTS = jnp.array([[0, 0, 0, 1, 1, 1, 1, 1]] * 2)
 

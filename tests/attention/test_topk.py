@@ -16,6 +16,7 @@ import pytest
 
 from jaxsoft.attention import dot_product_attention
 from jaxsoft.attention._topk import topk_attention
+from tests import helpers
 from tests.helpers import BWD, FWD, check_raises, make_qkv, value_and_vjp
 
 B, T, N, K, H = 2, 13, 4, 2, 8
@@ -97,7 +98,7 @@ def test_matches_reference_and_masked_dense_gradients(impl, selection):
 
 def test_all_keys_is_dense_attention_and_chunked_equals_dense():
   q, k, v = make_qkv(2, B=B, T=T, S=10, N=N, K=K, H=H)
-  bias = jax.random.normal(jax.random.key(3), (B, 1, T, 10))
+  bias = helpers.standard_normal(3, (B, 1, T, 10))
   out = _fn(top_k=10)(q, k, v, bias)
   chex.assert_trees_all_close(out, attend(q, k, v, bias), **FWD)
   a = _fn(top_k=3, implementation="xla", selection="soft_vote")(q, k, v, bias)

@@ -23,6 +23,7 @@ import kernels_pallas as kp
 from jaxsoft import attention
 from jaxsoft import normalizers as jn
 from kernels_pallas import _api
+from tests import helpers
 from tests.helpers import registry_sample
 from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
 
@@ -83,8 +84,8 @@ def test_dot_product_attention_takes_the_whole_contract(monkeypatch):
   this runs the kernel."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   q, k, _, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=33)
-  v = jax.random.normal(jax.random.key(34), (B, T, KH, 8)).astype(jnp.bfloat16)
-  ct = jax.random.normal(jax.random.key(35), (B, T, N, 8))
+  v = helpers.standard_normal(34, (B, T, KH, 8)).astype(jnp.bfloat16)
+  ct = helpers.standard_normal(35, (B, T, N, 8))
   bias, mask = _bias((T, T)), _mask((B, 1, T, T))
 
   # v (bfloat16) is closed over: a bfloat16 cotangent would differ from the reference's
@@ -175,8 +176,8 @@ def test_value_head_dim_scale_and_dtypes(backend, normalizer):
   rounding noise)."""
   q, k, _, _ = inputs(b=B, t=40, n=4, kh=2, h=H, seed=51)
   k = k.astype(jnp.bfloat16)  # closed over (a bfloat16 cotangent differs by its rounding)
-  v = jax.random.normal(jax.random.key(52), (B, 40, 2, 24))
-  ct = jax.random.normal(jax.random.key(53), (B, 40, 4, 24))
+  v = helpers.standard_normal(52, (B, 40, 2, 24))
+  ct = helpers.standard_normal(53, (B, 40, 4, 24))
   kw = dict(is_causal=True)
   out, grads = assert_matches(
       lambda q, v, sc: kp.attention(q, k, v, scale=sc, normalizer=normalizer,
@@ -249,7 +250,7 @@ def test_every_kernel_normalizer_takes_every_argument(monkeypatch, name, score):
   per class."""
   monkeypatch.setenv(_api.INTERPRET_ENV, "1")
   q, k, _, _ = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=39)
-  v = jax.random.normal(jax.random.key(40), (B, T, KH, 8))
+  v = helpers.standard_normal(40, (B, T, KH, 8))
   residual = jn.get(name).kernel_class != "R"
   kw = dict(normalizer=name, is_causal=True, logits_soft_cap=20.0, score=score,
             key_value_seq_lengths=jnp.array([T, T - 5], jnp.int32), decay_bias=_decay(),

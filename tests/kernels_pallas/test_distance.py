@@ -19,6 +19,7 @@ import pytest
 
 import kernels_pallas as kp
 from jaxsoft import attention
+from tests import helpers
 from tests.kernels_pallas.test_contract import MOSAIC_SMALL, _decay
 from tests.kernels_pallas.test_engine import TRITON_SMALL, assert_matches, inputs
 from tests.kernels_pallas.test_lowering import export_fwd_bwd
@@ -70,7 +71,7 @@ def test_distance_runs_every_class(backend, normalizer):
   (added after the distance) and a mask."""
   q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=52)
   q, k = 0.3 * q, 0.3 * k  # distances of about 2: sparsemax keeps several keys
-  bias = 0.5 * jax.random.normal(jax.random.key(53), (T, T))
+  bias = 0.5 * helpers.standard_normal(53, (T, T))
   mask = jax.random.bernoulli(jax.random.key(54), 0.8, (B, 1, T, T))
   kw = dict(normalizer=normalizer, score="distance", bias=bias, mask=mask)
   assert_matches(_kernel(backend, **kw), _xla(**kw), (q, k, v), ct)

@@ -16,6 +16,7 @@ import pytest
 
 from jaxsoft import attention
 from kernels_pallas import _api
+from tests import helpers
 from tests.kernels_pallas.test_engine import TRITON_SMALL, reference, value_and_cotangents
 
 T, N, H = 40, 2, 16
@@ -28,8 +29,8 @@ def _inputs():
   q = jnp.zeros((1, T, N, H)).at[..., 0].set(100.0).at[..., 1].set(1.0)
   k = jnp.zeros((1, T, 1, H)).at[0, :, 0, 0].set(np.where(far, -100.0, 100.0))
   k = k.at[0, :, 0, 1].set(r)
-  v = jax.random.normal(jax.random.key(0), (1, T, 1, H))
-  ct = jax.random.normal(jax.random.key(1), (1, T, N, H))
+  v = helpers.standard_normal(0, (1, T, 1, H))
+  ct = helpers.standard_normal(1, (1, T, N, H))
   return q, k, v, ct
 
 

@@ -11,6 +11,7 @@ import pytest
 
 import jaxsoft as js
 import kernels_pallas as kp
+from tests import helpers
 
 H = 64
 
@@ -19,8 +20,8 @@ def _inputs():
   q = jnp.zeros((1, 16, 1, H)).at[..., 0].set(1.0)
   # first key block: every logit -300; second block: logits near 1.
   k = jnp.zeros((1, 128, 1, H)).at[:, :64, :, 0].set(-300.0).at[:, 64:, :, 0].set(1.0)
-  k = k.at[:, 64:, :, 1].set(jax.random.normal(jax.random.key(0), (1, 64, 1)))
-  v = jax.random.normal(jax.random.key(2), (1, 128, 1, H))
+  k = k.at[:, 64:, :, 1].set(helpers.standard_normal(0, (1, 64, 1)))
+  v = helpers.standard_normal(2, (1, 128, 1, H))
   return q, k, v
 
 

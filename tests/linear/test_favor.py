@@ -12,6 +12,7 @@ import pytest
 
 from jaxsoft import linear
 from jaxsoft.linear import _features
+from tests import helpers
 from tests.linear import cases
 
 B, T, N, K, V = 2, 11, 2, 3, 2
@@ -27,7 +28,7 @@ def test_favor_rows_are_orthogonal_gaussians_and_features_positive():
   for block in (W[:3], W[3:]):
     gram = block @ block.T
     np.testing.assert_allclose(gram - jnp.diag(jnp.diag(gram)), 0.0, atol=1e-5)
-  x = jax.random.normal(jax.random.key(2), (5, 3))
+  x = helpers.standard_normal(2, (5, 3))
   phi = linear.favor_feature_map(jax.random.key(3), 3, 8)
   np.testing.assert_array_equal(phi(x), linear.favor_feature_map(jax.random.key(3), 3, 8)(x))
   assert not np.allclose(phi(x), linear.favor_feature_map(jax.random.key(4), 3, 8)(x))
@@ -37,7 +38,7 @@ def test_favor_rows_are_orthogonal_gaussians_and_features_positive():
 def test_favor_kernel_is_unbiased():
   """The mean of φ(q)·φ(k) over 64 independent draws of 64 features is exp(scale q·k)
   within 4 standard errors (the estimator's own spread across the draws)."""
-  q, k = 0.5 * jax.random.normal(jax.random.key(5), (2, 4))
+  q, k = 0.5 * helpers.standard_normal(5, (2, 4))
   def draw(key):
     phi = linear.favor_feature_map(key, 4, 64)
     return phi(q) @ phi(k)

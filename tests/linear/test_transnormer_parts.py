@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from jaxsoft import linear
+from tests import helpers
 from tests.helpers import check_raises
 from tests.linear import cases
 
@@ -114,7 +115,7 @@ def test_lrpe_theta_schedule():
 
 
 def test_srms_norm_matches_float64_and_is_scale_invariant():
-  x = jax.random.normal(jax.random.key(3), (4, 6)) * 3.0
+  x = helpers.standard_normal(3, (4, 6)) * 3.0
   y, y_scaled, y0 = jax.jit(lambda x: (linear.srms_norm(x), linear.srms_norm(7.5 * x),
                                        linear.srms_norm(x, axis=0, eps=0.5)))(x)
   x64 = np.asarray(x, np.float64)
@@ -130,8 +131,8 @@ def test_srms_norm_in_full_its_gradient_is_orthogonal_to_x():
   """Against ``x / sqrt(mean x² + ε)`` in float64 (any axis, bf16 computed in float32);
   ``SRMSNorm(c x) = SRMSNorm(x)``; the gradient kills the direction of x (ε -> 0):
   ``(w - y ⟨w, y⟩ / d) / rms`` in float64, ``⟨∇, x⟩ = 0``."""
-  x = jax.random.normal(jax.random.key(3), (4, 6)) * 3.0
-  w = jax.random.normal(jax.random.key(5), (6,))
+  x = helpers.standard_normal(3, (4, 6)) * 3.0
+  w = helpers.standard_normal(5, (6,))
   f = jax.jit(lambda x: (linear.srms_norm(x), linear.srms_norm(7.5 * x),
                          linear.srms_norm(x, axis=0, eps=0.5),
                          linear.srms_norm(x.astype(jnp.bfloat16)),
@@ -214,7 +215,7 @@ def test_transnormer_attention_matches_float64_loop_and_its_properties():
 def test_gradients_match_the_dense_formula():
   """The gradients of q, k, v, g and θ against those of the dense formula written in jnp."""
   a = _inputs()
-  w = jax.random.normal(jax.random.key(9), (B, T, N, V))
+  w = helpers.standard_normal(9, (B, T, N, V))
 
   def dense(a):
     i, j = jnp.arange(T)[:, None], jnp.arange(T)[None, :]
@@ -301,7 +302,7 @@ def test_forms_agree_with_every_gradient(implementation):
   """Each form against the recurrent one with segments and an initial state: the value and
   the gradients of q, k, v, g, θ and the initial state."""
   a = _inputs(t=11)
-  a["initial_state"] = 0.5 * jax.random.normal(jax.random.key(11), (B, N, 2 * K, V))
+  a["initial_state"] = 0.5 * helpers.standard_normal(11, (B, N, 2 * K, V))
 
   def call(args, **kw):
     args = dict(args)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from jaxsoft import linear
+from tests import helpers
 from tests.helpers import check_raises
 
 B, T, N, K = 2, 9, 2, 3
@@ -47,7 +48,7 @@ def _key_norm_np(k, eps, seg=None, mask=None):
 
 
 def _inputs():
-  k = 2.0 * jax.random.normal(jax.random.key(0), (B, T, N, K)) + 3.0
+  k = 2.0 * helpers.standard_normal(0, (B, T, N, K)) + 3.0
   seg = jnp.asarray([[0, 0, 0, 0, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 0, 0, 0, 0]])
   mask = jnp.asarray([[True] * 8 + [False], [True, False] + [True] * 7])
   return k, seg, mask
@@ -58,7 +59,7 @@ def test_key_instance_norm_matches_float64_and_is_shift_invariant():
   (a different one per segment) changes nothing; zero mean and unit variance per instance
   and channel (ε small)."""
   k, seg, mask = _inputs()
-  shift = jax.random.normal(jax.random.key(1), (B, 1, N, K)) * 5.0
+  shift = helpers.standard_normal(1, (B, 1, N, K)) * 5.0
   per_segment = jnp.where((seg == 1)[:, :, None, None], 2.0 * shift, -shift)
   both, shifted, tight = jax.jit(lambda k: (
       linear.key_instance_norm(k, segment_ids=seg, mask=mask),
@@ -82,9 +83,9 @@ def test_key_instance_norm_matches_float64_and_its_properties():
   one per segment) and a positive per-channel scale change nothing; the gradient along a
   shared shift is zero; bf16 computes in float32."""
   k, seg, mask = _inputs()
-  shift = jax.random.normal(jax.random.key(1), (B, 1, N, K)) * 5.0
+  shift = helpers.standard_normal(1, (B, 1, N, K)) * 5.0
   per_segment = jnp.where((seg == 1)[:, :, None, None], 2.0 * shift, -shift)
-  scale = jnp.exp(jax.random.normal(jax.random.key(2), (1, 1, N, K)))
+  scale = jnp.exp(helpers.standard_normal(2, (1, 1, N, K)))
   w = jax.random.normal(jax.random.key(3), k.shape)
 
   @jax.jit
@@ -120,7 +121,7 @@ def test_key_shift_invariance_softmax_has_linear_lacks_and_the_norm_restores():
   """``softmax_j(q·(k_j + c)) = softmax_j(q·k_j)``; (bidirectional, unnormalised) linear
   attention ``o_i = Σ_j (q_i·k_j) v_j`` -- one full-batch TTT step from W = 0 -- changes
   under the shift, and does not on normalised keys."""
-  q, v = jax.random.normal(jax.random.key(4), (2, 1, T, N, K))
+  q, v = helpers.standard_normal(4, (2, 1, T, N, K))
   k = _inputs()[0][:1]
   c = 3.0 * jnp.ones((1, 1, N, K))
 
@@ -142,7 +143,7 @@ def test_key_shift_invariance_softmax_has_linear_lacks_and_the_norm_restores():
 def test_key_shift_invariance_softmax_has_ttt_lacks_and_the_norm_restores():
   """``softmax_j(q·(k_j + c)) = softmax_j(q·k_j)``; TTT-Linear (one mini-batch from W = 0:
   unnormalised linear attention) changes under the shift, and does not on normalised keys."""
-  q, v = jax.random.normal(jax.random.key(4), (2, 1, T, N, K))
+  q, v = helpers.standard_normal(4, (2, 1, T, N, K))
   k, _, _ = _inputs()
   k = k[:1]
   c = 3.0 * jnp.ones((1, 1, N, K))

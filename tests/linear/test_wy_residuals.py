@@ -14,6 +14,7 @@ import pytest
 
 from jaxsoft.linear import chunk as _chunk
 from jaxsoft.linear import recurrence
+from tests import helpers
 from tests.linear import cases
 
 
@@ -43,8 +44,8 @@ def test_kept_wy_factors_solve_the_ut_system():
 
 def test_gram_rule_equals_einsum_autodiff():
   """``_gram``'s backward ``(D + D^T) x`` equals autodiff of ``einsum(x, x)``."""
-  x = jax.random.normal(jax.random.key(0), (3, 7, 5))
-  D = jax.random.normal(jax.random.key(1), (3, 7, 7))
+  x = helpers.standard_normal(0, (3, 7, 5))
+  D = helpers.standard_normal(1, (3, 7, 7))
   got = jax.vjp(recurrence._gram, x)[1](D)[0]
   want = jax.vjp(lambda x: jnp.einsum("...ik,...jk->...ij", x, x), x)[1](D)[0]
   np.testing.assert_allclose(recurrence._gram(x), jnp.einsum("...ik,...jk->...ij", x, x),

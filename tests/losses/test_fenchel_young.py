@@ -14,6 +14,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft as js
+from tests import helpers
 from tests.helpers import LOW_PRECISION, normal, value_and_vjp
 
 fy = js.losses.fenchel_young_loss
@@ -82,7 +83,7 @@ NAMES = [("softmax", {}, 1.0), ("sparsemax", {}, 2.0), ("entmax15", {}, 1.5),
 def test_matches_definition_and_gradient_is_p_minus_y(name, hp, alpha):
   x = _logits(0, (6, 7))
   labels = jax.random.randint(jax.random.key(1), (6,), 0, 7)
-  targets = jax.nn.softmax(2 * jax.random.normal(jax.random.key(2), (6, 7)))
+  targets = jax.nn.softmax(2 * helpers.standard_normal(2, (6, 7)))
   targets = targets.at[0].set(jnp.array([0.5, 0.5, 0, 0, 0, 0, 0]))  # zeros in the target
   for y_arg, y_dense in ((labels, jax.nn.one_hot(labels, 7)), (targets, targets)):
     out, (dx,), ct = value_and_vjp(lambda a, y=y_arg: fy(a, y, name, **hp), x)
@@ -107,7 +108,7 @@ def _matches_optax(name, optax_loss, seed, shape):
 def test_softmax_is_cross_entropy_and_kl():
   x, _, _, _ = _matches_optax("softmax", optax.losses.softmax_cross_entropy_with_integer_labels,
                               3, (5, 6))
-  y = jax.nn.softmax(jax.random.normal(jax.random.key(5), (5, 6)))
+  y = jax.nn.softmax(helpers.standard_normal(5, (5, 6)))
   # one compilation instead of one per eager operation
   ours, kl = jax.jit(lambda x, y: (fy(x, y, "softmax"), optax.losses.softmax_cross_entropy(x, y)
                                    + jnp.sum(y * jnp.log(y), -1)))(x, y)
@@ -160,7 +161,7 @@ def test_alpha_limits_and_per_row_alpha():
 
 
 def test_gradient_in_alpha_matches_finite_differences():
-  y = jax.nn.softmax(jax.random.normal(jax.random.key(9), (3, 5)))
+  y = jax.nn.softmax(helpers.standard_normal(9, (3, 5)))
   x = _logits(10, (3, 5))
 
   def f(alpha):

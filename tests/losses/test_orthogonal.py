@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import jaxsoft as js
+from tests import helpers
 
 
 def _reference(g, theta):
@@ -91,8 +92,8 @@ def test_removes_the_weight_growth_direction():
   """On separable data the softmax-CE gradient of a linear model has a component along W
   (naive loss minimisation: scaling W up lowers the loss). ⊥Grad's step has none, so it
   does not change the loss to first order along W, and a small step barely grows |W|."""
-  feats = jax.random.normal(jax.random.key(3), (32, 5))
-  w_true = jax.random.normal(jax.random.key(4), (5, 3))
+  feats = helpers.standard_normal(3, (32, 5))
+  w_true = helpers.standard_normal(4, (5, 3))
   y = jnp.argmax(feats @ w_true, -1)
   w = 3.0 * w_true
   loss = lambda w: js.losses.softmax_cross_entropy_with_integer_labels(feats @ w, y).mean()

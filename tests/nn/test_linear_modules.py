@@ -16,6 +16,7 @@ from flax import nnx
 
 from jaxsoft import linear as js_linear
 from jaxsoft import nn as js_nn
+from tests import helpers
 from tests.helpers import check_raises
 
 D, N, H, T, B = 8, 2, 4, 6, 2
@@ -283,7 +284,7 @@ def _np_attention_kl(W, b, q, k):
 
 def test_hedgehog_module_features_match_numpy():
   fmap = _jit_init(lambda: js_nn.HedgehogFeatureMap(N, H, 3, noise=0.3, rngs=nnx.Rngs(0)))
-  x = np.asarray(jax.random.normal(jax.random.key(0), (B, T, N, H)), np.float64)
+  x = np.asarray(helpers.standard_normal(0, (B, T, N, H)), np.float64)
   W, b = np.asarray(fmap.W[...], np.float64), np.asarray(fmap.b[...], np.float64)
   assert W.shape == (N, H, 3) and float(np.abs(W - np.eye(H, 3)).max()) > 0  # noised
   call = nnx.jit(lambda m, x: m(x))
@@ -295,8 +296,8 @@ def test_hedgehog_module_features_match_numpy():
 
 
 def test_a_few_distillation_steps_lower_the_attention_map_kl():
-  q = jax.random.normal(jax.random.key(4), (2, 8, N, H)) * 2.0
-  k = jax.random.normal(jax.random.key(5), (2, 8, N, H)) * 2.0
+  q = helpers.standard_normal(4, (2, 8, N, H)) * 2.0
+  k = helpers.standard_normal(5, (2, 8, N, H)) * 2.0
   fmap = js_nn.HedgehogFeatureMap(N, H, rngs=nnx.Rngs(0))
   graphdef, params = nnx.split(fmap)
   opt = optax.adam(0.05)

@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxsoft import nn as jnn
+from tests import helpers
 from tests.helpers import check_raises
 
 D, N, H, T = 6, 2, 3, 5
@@ -39,13 +40,13 @@ def _run(layer, x):
 @pytest.mark.slow  # the layer's forward runs in the default suite as its doctest
 def test_combination_and_zero_memory_at_init():
   layer = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0))
-  x = jax.random.normal(jax.random.key(1), (2, T, D))
+  x = helpers.standard_normal(1, (2, T, D))
   y, (c, mu, mem) = _run(layer, x)
   assert y.shape == (2, T, D) and c.shape == (2, T, N, H) and mem.shape == (2, T, N, H)
   # W_mem = 0 at init: the attention channels alone (float32 products of width 6: 1e-5)
   np.testing.assert_allclose(y, _compose(layer, c, mu, None), rtol=1e-5, atol=1e-5)
   # with a trained (nonzero) W_mem the memory channel is added
-  layer.w_mem.kernel[...] = jax.random.normal(jax.random.key(2), (N * H, D))
+  layer.w_mem.kernel[...] = helpers.standard_normal(2, (N * H, D))
   y, (c, mu, mem) = _run(layer, x)
   assert np.abs(np.asarray(mem)).max() > 0.1
   np.testing.assert_allclose(y, _compose(layer, c, mu, mem), rtol=1e-5, atol=1e-5)
@@ -54,8 +55,8 @@ def test_combination_and_zero_memory_at_init():
 @pytest.mark.slow
 def test_causal():
   layer = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0))
-  layer.w_mem.kernel[...] = jax.random.normal(jax.random.key(2), (N * H, D))
-  x = jax.random.normal(jax.random.key(1), (2, T, D))
+  layer.w_mem.kernel[...] = helpers.standard_normal(2, (N * H, D))
+  x = helpers.standard_normal(1, (2, T, D))
   y, _ = _run(layer, x)
   y2, _ = _run(layer, x.at[:, 3].add(5.0))  # a change at step 3
   np.testing.assert_array_equal(np.asarray(y2)[:, :3], np.asarray(y)[:, :3])
@@ -65,7 +66,7 @@ def test_causal():
 @pytest.mark.slow
 def test_gradients_reach_every_parameter():
   layer = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(3))
-  x = jax.random.normal(jax.random.key(4), (1, T, D))
+  x = helpers.standard_normal(4, (1, T, D))
   grads = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2)))(layer, x)
   leaves = jax.tree_util.tree_leaves_with_path(nnx.state(grads, nnx.Param))
   assert leaves

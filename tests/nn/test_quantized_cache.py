@@ -12,7 +12,6 @@ with absolute values; the Pallas path against the dense one, with a spy on the k
 
 import math
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,6 +22,7 @@ from jaxsoft.nn import MultiHeadAttention
 from jaxsoft.nn import _quantized_cache as qc
 from kernels_pallas import _api as kernels_api
 from kernels_pallas import polykv
+from tests import helpers
 from tests.helpers import sampled
 
 D, N, K, V = 32, 2, 1, 12  # model width, query heads, KV heads (GQA), vocabulary
@@ -103,7 +103,7 @@ def _bound(layer, x):
 
 @pytest.mark.slow  # eager float and quantised decodes, a jitted step (~14 s of CPU)
 def test_greedy_decode_logits_within_polykv_bound():
-  emb = np.asarray(jax.random.normal(jax.random.key(2), (V, D)))
+  emb = np.asarray(helpers.standard_normal(2, (V, D)))
   layer = MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(3))
   prompt = np.array([[1, 5, 2], [7, 0, 3]])
   steps = 3
@@ -151,7 +151,7 @@ def test_pallas_steps_run_the_polykv_kernel(monkeypatch):
     return real(*args, **kwargs)
 
   monkeypatch.setattr(polykv, "polykv_decode_attention", spy)
-  x = jax.random.normal(jax.random.key(4), (2, 5, D))
+  x = helpers.standard_normal(4, (2, 5, D))
   pallas = MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(5), implementation="pallas")
   xla = MultiHeadAttention(N, D, num_kv_heads=K, rngs=nnx.Rngs(5), implementation="xla")
   got, want = _decode(pallas, x, 3, "polykv"), _decode(xla, x, 3, "polykv")

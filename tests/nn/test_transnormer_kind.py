@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxsoft import linear as js_linear
 from jaxsoft import nn as js_nn
+from tests import helpers
 
 D, N, H, T, B = 8, 2, 4, 5, 2
 
@@ -49,7 +50,7 @@ def _by_hand(layer, x):
 
 def test_layer_matches_its_formula_and_decodes():
   layer = _layer()
-  x = jax.random.normal(jax.random.key(1), (B, T, D))
+  x = helpers.standard_normal(1, (B, T, D))
   graphdef, params = nnx.split(layer)
 
   @jax.jit
@@ -77,7 +78,7 @@ def test_layer_matches_its_formula_and_decodes():
 @pytest.mark.slow
 def test_the_angles_are_learned():
   layer = _layer()
-  x = jax.random.normal(jax.random.key(1), (B, T, D))
+  x = helpers.standard_normal(1, (B, T, D))
   graphdef, params = nnx.split(layer)
   grads = jax.jit(jax.grad(lambda p: jnp.sum(nnx.merge(graphdef, p)(x) ** 2)))(params)
   for path, g in jax.tree_util.tree_leaves_with_path(grads):

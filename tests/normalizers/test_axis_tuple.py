@@ -11,7 +11,7 @@ import pytest
 import jaxsoft as js
 from tests import helpers
 
-X = jax.random.normal(jax.random.key(0), (2, 3, 4, 5))
+X = helpers.standard_normal(0, (2, 3, 4, 5))
 MASK = jax.random.bernoulli(jax.random.key(1), 0.7, X.shape)
 
 

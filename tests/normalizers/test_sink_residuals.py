@@ -18,6 +18,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxsoft.normalizers as N
+from tests import helpers
 
 # the output plus per-row statistics (a bool flag, log D): 1.25x leaves a quarter of the
 # input for them (each is 1/96 of the input's elements here), as test_residuals.py's BOUND
@@ -32,7 +33,7 @@ def residual_bytes(f, *args):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_sink_family_keeps_only_its_output(dtype):
-  x = jax.random.normal(jax.random.key(0), (64, 96)).astype(dtype)
+  x = helpers.standard_normal(0, (64, 96)).astype(dtype)
   where = jax.random.bernoulli(jax.random.key(1), 0.8, x.shape)
   p = jnp.full((64, 1), 0.7)
   cases = {

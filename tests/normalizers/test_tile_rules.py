@@ -18,6 +18,7 @@ import pytest
 
 from jaxsoft import normalizers, testing
 from jaxsoft.normalizers import ThresholdRule, TileRule
+from tests import helpers
 from tests.helpers import REGISTRY_DEFAULT
 
 TILE_SPECS = sorted(n for n, s in normalizers.REGISTRY.items() if s.tile is not None)
@@ -98,7 +99,7 @@ def test_online_evaluator_matches_softmax_attention_with_offset():
                   denominator=lambda z, m: jnp.exp(z - m), offset=lambda m, n: jnp.exp(-m),
                   kernel_class="E")
   x, mask = _rows(jax.random.key(2))
-  v = jax.random.normal(jax.random.key(3), (13, 4))
+  v = helpers.standard_normal(3, (13, 4))
   xe = jnp.concatenate([jnp.where(mask, x, -jnp.inf), jnp.zeros((6, 1))], -1)
   want = jax.nn.softmax(xe, axis=-1)[:, :-1] @ v
   rng = np.random.default_rng(0)
@@ -120,7 +121,7 @@ def test_threshold_evaluator_matches_optax_sparsemax():
       score_map=lambda x, n: x, mass=lambda z, t: jnp.maximum(z - t, 0.0),
       target=lambda n: jnp.ones_like(n), bracket=lambda m, n: (m - 1.0, m),
       weight=lambda z, t, m: jnp.maximum(z - t, 0.0), iterations=40)
-  x = 2.0 * jax.random.normal(jax.random.key(4), (5, 9))
+  x = 2.0 * helpers.standard_normal(4, (5, 9))
   want = jax.vmap(optax.projections.projection_simplex)(x)
   chex.assert_trees_all_close(testing.evaluate_threshold_rule(rule, x), want, atol=1e-6)
   mask = jnp.arange(9) < 6
@@ -136,7 +137,7 @@ def test_threshold_evaluator_top_k_closed_form():
       score_map=lambda x, n: x, mass=lambda z, t: (z >= t).astype(z.dtype),
       target=lambda n: jnp.minimum(float(k), n), bracket=lambda m, n: (m - 20.0, m + 1.0),
       weight=lambda z, t, m: jnp.where(z >= t, jnp.exp(z - m), 0.0), iterations=40)
-  x = jax.random.normal(jax.random.key(5), (4, 8))
+  x = helpers.standard_normal(5, (4, 8))
   kth = jnp.sort(x, axis=-1)[:, -k][:, None]
   want = jax.nn.softmax(jnp.where(x >= kth, x, -jnp.inf), axis=-1)
   chex.assert_trees_all_close(testing.evaluate_threshold_rule(rule, x), want, **FWD)
@@ -167,8 +168,8 @@ def test_dense_tile_rule_equals_fn(name, hparams):
 def _check_online(name, hparams, splits):
   spec = normalizers.get(name)
   x, mask = _rows(jax.random.key(8))
-  v = jax.random.normal(jax.random.key(9), (x.shape[-1], 5))
-  cot = jax.random.normal(jax.random.key(10), (x.shape[0], 5))
+  v = helpers.standard_normal(9, (x.shape[-1], 5))
+  cot = helpers.standard_normal(10, (x.shape[0], 5))
   # jitted (hyperparameters bound as constants): one program per split, not op by op
   want, vjp_want = jax.vjp(jax.jit(lambda x, v: spec.fn(x, where=mask, **hparams) @ v), x, v)
   g_want = vjp_want(cot)
@@ -205,7 +206,7 @@ def test_online_tile_rule_extreme_logits(name, hparams):
   spec = normalizers.get(name)
   x, mask = _rows(jax.random.key(11))
   x = x * 300.0  # entries up to ~ +-1500 (x * 300 keeps -inf)
-  v = jax.random.normal(jax.random.key(12), (x.shape[-1], 3))
+  v = helpers.standard_normal(12, (x.shape[-1], 3))
   want = spec.fn(x, where=mask, **hparams) @ v
   got = testing.evaluate_tile_rule_online(spec, x, v, [3, 4, 6], where=mask, **hparams)
   assert np.all(np.isfinite(np.asarray(want)))

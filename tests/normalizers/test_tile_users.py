@@ -24,6 +24,7 @@ from jaxsoft.attention import _chunked
 from jaxsoft.attention import dot_product_attention as dpa
 from jaxsoft.normalizers import REGISTRY, NormalizerSpec, TileRule
 from jaxsoft.normalizers import common as c
+from tests import helpers
 from tests.helpers import assert_same, make_qkv
 
 FWD = dict(rtol=1e-5, atol=1e-6)
@@ -97,8 +98,8 @@ def test_evaluators_equal_the_closed_form(name):
   x, mask = _rows()
   want = spec.fn(x, where=mask)
   chex.assert_trees_all_close(testing.evaluate_tile_rule(spec, x, where=mask), want, **FWD)
-  v = jax.random.normal(jax.random.key(1), (x.shape[-1], 3))
-  cot = jax.random.normal(jax.random.key(2), (x.shape[0], 3))
+  v = helpers.standard_normal(1, (x.shape[-1], 3))
+  cot = helpers.standard_normal(2, (x.shape[0], 3))
   # jitted: one program per evaluator and block split rather than op by op
   want_o, vjp_want = jax.vjp(jax.jit(lambda x, v: spec.fn(x, where=mask) @ v), x, v)
   for blocks in ([12], [5, 7], [3, 1, 4, 4]):

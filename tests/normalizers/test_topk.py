@@ -260,7 +260,7 @@ def test_blockwise_top_k_top_p_match_dense(name, hp, impls, monkeypatch):
   monkeypatch.setattr(_chunked, "BLOCK_K", 4)
   b, t, n = 2, 11, 4
   q, k, v = helpers.make_qkv(3, b, t, N=n, K=2, H=8)
-  bias = 0.5 * jax.random.normal(jax.random.PRNGKey(4), (b, n, t, t))
+  bias = 0.5 * helpers.standard_normal(4, (b, n, t, t))
   mask = jax.random.bernoulli(jax.random.PRNGKey(2), 0.7, (b, 1, t, t))
   kw = dict(mask=mask, logits_soft_cap=2.0, normalizer=name, normalizer_params=hp)
 
