@@ -1,9 +1,9 @@
 """Helpers shared by the test modules (no tests here): `from tests import helpers`.
 
-* inputs (all from numpy's generator, no ``jax.random`` compilations): ``normal``,
-  ``rows`` / ``rows_and_mask`` (no JAX work at import time), ``random_cotangent``,
-  ``make_qkv``; ``LazyCases`` builds named parameter cases on first use instead of at
-  collection; ``ROOT`` and ``load_script`` (bench/);
+* inputs: ``normal`` (jax.random); from numpy's generator, with no ``jax.random``
+  compilation: ``standard_normal``, ``rows`` / ``rows_and_mask`` (no JAX work at import
+  time), ``random_cotangent``, ``make_qkv``; ``LazyCases`` builds named parameter cases on
+  first use instead of at collection; ``ROOT`` and ``load_script`` (bench/);
   ``train_argv`` / ``train_records`` (the tiny model the train/ tests run);
 * comparisons: ``vjp_close``, ``value_and_vjp``, ``value_and_grads``, ``assert_same``;
 * the normalizer checks shared by the N02-N24 files (``tile_eval``, ``check_tile_rule``,
@@ -54,8 +54,11 @@ def standard_normal(seed, shape):
 
 
 def normal(seed, shape, scale=1.0, dtype=jnp.float32):
-  """``scale`` times float32 standard normals from numpy's ``default_rng(seed)``."""
-  return jnp.asarray(scale * _standard_normal(seed, shape), jnp.float32).astype(dtype)
+  """``scale`` times standard normals drawn (in float32) from ``jax.random.key(seed)``.
+
+  (Its callers' data-dependent preconditions were written against these draws; new test data
+  should come from :func:`standard_normal` or :func:`rows`, which compile nothing.)"""
+  return (scale * jax.random.normal(jax.random.key(seed), shape, jnp.float32)).astype(dtype)
 
 
 def rows(seed, shape, scale=1.0):

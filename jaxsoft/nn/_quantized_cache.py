@@ -76,8 +76,9 @@ def pack_3bit(codes: jax.Array) -> jax.Array:
   g = -(-n // 8)
   c = jnp.pad(codes.astype(jnp.uint32), [(0, 0)] * (codes.ndim - 1) + [(0, 8 * g - n)])
   c = c.reshape(*codes.shape[:-1], g, 8)
-  word = jnp.sum(c << (3 * jnp.arange(8, dtype=jnp.uint32)), axis=-1, dtype=jnp.uint32)
-  b = (word[..., None] >> (8 * jnp.arange(3, dtype=jnp.uint32))) & 0xFF
+  shifts = 3 * jnp.arange(8, dtype=jnp.uint32).reshape((1,) * (c.ndim - 1) + (8,))
+  word = jnp.sum(c << shifts, axis=-1, dtype=jnp.uint32)
+  b = (word[..., None] >> (8 * jnp.arange(3, dtype=jnp.uint32)).reshape((1,) * word.ndim + (3,))) & 0xFF
   return b.astype(jnp.uint8).reshape(*codes.shape[:-1], 3 * g)
 
 
@@ -96,7 +97,7 @@ def unpack_3bit(packed: jax.Array, n: int) -> jax.Array:
   g = packed.shape[-1] // 3
   b = packed.astype(jnp.uint32).reshape(*packed.shape[:-1], g, 3)
   word = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16)
-  c = (word[..., None] >> (3 * jnp.arange(8, dtype=jnp.uint32))) & 7
+  c = (word[..., None] >> (3 * jnp.arange(8, dtype=jnp.uint32)).reshape((1,) * word.ndim + (8,))) & 7
   return c.astype(jnp.int8).reshape(*packed.shape[:-1], 8 * g)[..., :n]
 
 

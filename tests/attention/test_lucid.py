@@ -55,10 +55,14 @@ def test_matches_explicit_inverse_float64_reference():
   # well-separated keys (a small kernel scale): exp(K K^T / s) is nearly diagonal, and LUCID
   # is softmax attention with the values divided by that diagonal, e^{|k|^2 / s} = e^{H / s}
   s = 0.25
+  q, k, v = make_qkv(5, B=B, T=T, N=N, K=K, H=H)  # keys whose draw meets the bound below
   sep = jax.jit(functools.partial(lucid_attention, key_scale=s))(q, k, v)
   kh = k / jnp.sqrt(jnp.mean(k * k, -1, keepdims=True) + 1e-6)
+  gram = np.einsum("btkh,bskh->bkts", kh, kh) - 1e9 * np.eye(T)
+  assert np.exp((gram.max() - H) / s) < 1e-3  # the largest off-diagonal term, relative
   plain = dot_product_attention(q, kh, v, is_causal=True)
   chex.assert_trees_all_close(sep * np.exp(H / s), plain, atol=1e-3, rtol=1e-3)
+  out = jax.jit(lucid_attention)(q, k, v)
   assert not np.allclose(np.asarray(out), np.asarray(plain), atol=1e-2)
 
 

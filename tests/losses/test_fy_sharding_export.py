@@ -21,7 +21,6 @@ import pytest
 from jax import export
 
 import jaxsoft as js
-from tests import helpers
 from tests.helpers import run_on_cpu_devices
 
 _SCRIPT = textwrap.dedent("""
@@ -30,8 +29,8 @@ _SCRIPT = textwrap.dedent("""
     import jaxsoft as js
 
     mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
-    h = helpers.standard_normal(1, (8, 5))
-    w = helpers.standard_normal(2, (5, 7))
+    h = jax.random.normal(jax.random.key(1), (8, 5))
+    w = jax.random.normal(jax.random.key(2), (5, 7))
     labels = jnp.array([0, 1, 2, 3, 4, 5, 6, 1], jnp.int32)
 
     def loss_and_grads(h, w, y):
@@ -102,7 +101,7 @@ def _logits_and_labels(n_classes):
 
 
 def test_linear_cross_entropy_exports_with_a_symbolic_batch():
-  w = helpers.standard_normal(7, (5, 7))
+  w = jax.random.normal(jax.random.key(7), (5, 7))
 
   def f(h, y):
     return jax.value_and_grad(lambda h: js.losses.linear_cross_entropy(

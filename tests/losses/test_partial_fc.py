@@ -81,10 +81,10 @@ SCRIPT = textwrap.dedent("""
     import jaxsoft as js
     assert jax.device_count() == 8
     mesh = jax.make_mesh((2, 4), ("data", "model"))
-    x = helpers.standard_normal(0, (6, 8))
-    w = helpers.standard_normal(1, (8, 32, 2))     # 2 sub-centres per class
+    x = jax.random.normal(jax.random.key(0), (6, 8))
+    w = jax.random.normal(jax.random.key(1), (8, 32, 2))     # 2 sub-centres per class
     y = jnp.array([0, 7, 8, 15, 31, 7])
-    ct = helpers.standard_normal(2, (6,))
+    ct = jax.random.normal(jax.random.key(2), (6,))
     def run(f, w):
       return jax.jit(lambda a, b: (f(a, b), jax.vjp(f, a, b)[1](ct)))(x, w)
     # the centres live sharded over "model"; the references get a plain copy

@@ -18,10 +18,10 @@ _SCRIPT = textwrap.dedent("""
     import jaxsoft as js
 
     mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
-    x = helpers.standard_normal(0, (8, 16)) * 3
+    x = jax.random.normal(jax.random.key(0), (8, 16)) * 3
     where = jnp.arange(16) < 13
     labels = jnp.array([0, 3, 5, 15, 7, 12, 1, 2], jnp.int32)
-    ct = helpers.standard_normal(1, (8, 16))
+    ct = jax.random.normal(jax.random.key(1), (8, 16))
 
     def value_and_grad(f, x, ct):
       out, vjp = jax.vjp(f, x)

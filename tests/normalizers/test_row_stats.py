@@ -217,7 +217,7 @@ def test_blockwise_rule_matches_dense_values_and_gradients(name):
   x, mask = _rows_mask()
   x = jnp.asarray(x + 20.0, jnp.float32)  # away from 0: the merges keep their precision
   mask = jnp.asarray(mask)
-  v = helpers.standard_normal(9, (9, 3))
+  v = helpers.normal(9, (9, 3))
   blocks = (4, 1, 4)
   hp = {p.name: p.sample for p in spec.params if p.sample is not None}
 
@@ -269,9 +269,9 @@ import jaxsoft as js
 
 f = js.normalizers.adaptive_temperature_softmax
 mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
-x = helpers.standard_normal(0, (4, 64)) * 0.3  # dispersed rows: beta > 1
+x = jax.random.normal(jax.random.key(0), (4, 64)) * 0.3  # dispersed rows: beta > 1
 x = x.at[0, 0].set(5.0)                                    # and a confident one
-ct = helpers.standard_normal(1, (4, 64))
+ct = jax.random.normal(jax.random.key(1), (4, 64))
 
 def value_and_grad(v, c):
   out, vjp = jax.vjp(f, v)
