@@ -55,15 +55,7 @@ cp, its score tiles stay [Tl, Sl] (the query rows are visited in cp chunks).
 Differentiation: first-order reverse mode (``jax.grad``, ``jax.vjp``); forward mode and
 second order raise :class:`jaxsoft.attention.UnsupportedDifferentiation`.
 
-References:
-  H. Liu, M. Zaharia & P. Abbeel, 2023, "Ring Attention with Blockwise Transformers for
-  Near-Infinite Context", arXiv:2310.01889.
-
-  W. Brandon, A. Nrusimha, K. Qian, Z. Ankner, T. Jin, Z. Song & J. Ragan-Kelley, 2023,
-  "Striped Attention: Faster Ring Attention for Causal Transformers", arXiv:2311.09431.
-
-  T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
-  Partitioning", arXiv:2307.08691.
+The papers are listed under :func:`ring_attention`'s References.
 """
 
 from __future__ import annotations
