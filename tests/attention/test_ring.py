@@ -172,3 +172,46 @@ MATRIX = PRELUDE + textwrap.dedent("""
 def test_ring_matches_dense_for_every_normalizer():
   proc = run_on_cpu_devices(MATRIX, 8, timeout=3000)
   assert "MATRIX-OK" in proc.stdout, proc.stdout[-3000:]
+
+
+# Class T's gradients on a 2-D (data, context) mesh, through context_parallel_attention with
+# lengths, segment ids and causality: the batch split over "data" changes the varying axes of
+# the threshold search's cotangents (a (2, 4) mesh of the 8 devices).
+TWO_AXES = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_enable_x64", True)
+    from jaxsoft.attention import context_parallel_attention, dot_product_attention
+
+    mesh = jax.make_mesh((2, 4), ("data", "context"))
+    B, T, N, K, H = 2, 32, 4, 2, 8
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((B, T, N, H)))
+    k = jnp.asarray(rng.standard_normal((B, T, K, H)))
+    v = jnp.asarray(rng.standard_normal((B, T, K, H)))
+    seg = jnp.asarray([[0] * 5 + [1] * 14 + [2] * 13, [0] * 20 + [3] * 12], jnp.int32)
+    masks = dict(is_causal=True, query_seq_lengths=jnp.array([30, 24]),
+                 key_value_seq_lengths=jnp.array([27, 13]), segment_ids=seg)
+
+    def grads(attend, name, params):
+      loss = lambda q, k, v: jnp.sum(jnp.cos(attend(q, k, v, normalizer=name,
+                                                     normalizer_params=params, **masks)))
+      return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+    ring = lambda *a, **kw: context_parallel_attention(*a, mesh=mesh, batch_axes="data",
+                                                       strategy="ring", **kw)
+    dense = lambda *a, **kw: dot_product_attention(*a, implementation="xla", **kw)
+    for name, params in [("sparsemax", None), ("entmax", {"alpha": 1.3}),
+                         ("top_k_softmax", {"k": 4})]:
+      err = max(float(jnp.max(jnp.abs(a - b)))
+                for a, b in zip(grads(ring, name, params), grads(dense, name, params)))
+      assert err < 1e-9, (name, err)
+    print("TWO-AXES-OK")
+""")
+
+
+@pytest.mark.slow
+def test_ring_class_t_gradients_on_a_two_axis_mesh():
+  proc = run_on_cpu_devices(TWO_AXES, 8)
+  assert "TWO-AXES-OK" in proc.stdout, proc.stdout[-3000:]
