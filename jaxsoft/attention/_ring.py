@@ -43,12 +43,9 @@ shard takes the min(k, Sl) largest of its scores per row, one all-gather merges 
 tau, the k-th largest score of the whole row (against up to 24 psums of 3 floats per row
 for top-k's multisection). Class R (two passes) is not run on the ring.
 
-Memory per device (``compile().memory_analysis()``, temporaries, float32, B=1, N=K=4,
-H=64, Tl=Sl=512 per device, causal): softmax forward 14.5 / 15.5 / 15.6 MiB at cp = 2 / 4
-/ 8 (T = 1024 / 2048 / 4096), forward and backward 23.0 / 24.1 / 24.1 MiB: flat in T, the
-[Tl, Sl] tiles of one hop; sparsemax forward 30.7 / 33.0 / 37.4 MiB, with backward 32.8 /
-37.0 / 45.5 MiB: the all-gathered Q and the per-row search state of all T rows grow with
-cp, its score tiles stay [Tl, Sl] (the query rows are visited in cp chunks).
+Memory per device: the [Tl, Sl] tiles of one hop, so flat in T at a fixed shard length for
+E/S/P; class T also holds the all-gathered Q and the per-row search state of all T rows,
+which grow with cp (``bench/context_parallel_cpu.py`` measures it).
 
 ``implementation`` is accepted and ignored: every hop is jnp on one [Tl, Sl] tile.
 
