@@ -46,3 +46,14 @@ def test_polar_sink_attention_with_no_visible_key():
   assert np.all(np.isfinite(c)) and np.all(np.isfinite(mu))
   g = jax.grad(lambda q: jnp.sum(js.attention.polar_sink_attention(q, k, v, mask=mask)[0]))(q)
   assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_sparse_state_expansion_with_no_visible_key():
+  rng = np.random.default_rng(4)
+  q, k, v = (jnp.asarray(rng.normal(size=(2, 6, 2, 4)), jnp.float32) for _ in range(3))
+  r = jnp.asarray(rng.normal(size=(2, 6, 2, 3)), jnp.float32)
+  lens = jnp.array([0, 6])                                     # batch 0 has no key
+  f = lambda q: js.attention.sparse_state_expansion(q, k, v, r, top_k=2,
+                                                    key_value_seq_lengths=lens, chunk_size=4)
+  _zero_row_rest_finite(f(q), row=0)
+  assert np.all(np.isfinite(np.asarray(jax.grad(lambda q: jnp.sum(f(q)))(q))))
