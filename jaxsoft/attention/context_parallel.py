@@ -34,9 +34,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxsoft._validation import concrete
 from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.attention._ring import ring_attention
+from jaxsoft.attention.call import _check_lengths
 from jaxsoft.attention.masks import normalize_segment_ids, normalize_window, positions_visible
 
 __all__ = ["context_parallel_attention", "STRATEGIES", "load_balance_order"]
@@ -214,19 +214,6 @@ STRATEGIES: dict[str, Callable[..., jax.Array]] = {
 # ------------------------------------------------------------------------ entry point
 
 
-def _lengths(lengths, B: int, L: int, name: str):
-  if lengths is None:
-    return None
-  lengths = jnp.asarray(lengths)
-  if lengths.shape != (B,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-    raise ValueError(f"`{name}` must be an integer array [B] = [{B}], got shape "
-                     f"{tuple(lengths.shape)} and dtype {lengths.dtype}")
-  value = concrete(lengths)
-  if value is not None and (np.any(value < 0) or np.any(value > L)):
-    raise ValueError(f"`{name}` must lie in [0, {L}], got {value.tolist()}")
-  return lengths.astype(jnp.int32)
-
-
 def _axes(batch_axes, mesh, axis_name):
   if batch_axes is None:
     return ()
@@ -381,8 +368,8 @@ def context_parallel_attention(
   normalize_window(local_window_size)  # a ValueError naming it before the trace
 
   segs = normalize_segment_ids(segment_ids, B, T, S)
-  q_len = _lengths(query_seq_lengths, B, T, "query_seq_lengths")
-  kv_len = _lengths(key_value_seq_lengths, B, S, "key_value_seq_lengths")
+  q_len = _check_lengths(query_seq_lengths, "query_seq_lengths", B, T)
+  kv_len = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
   q_order = load_balance_order(T, cp) if balance else np.arange(T, dtype=np.int32)
   kv_order = load_balance_order(S, cp) if balance else np.arange(S, dtype=np.int32)
 
