@@ -14,12 +14,17 @@ from jaxsoft.normalizers import common as c
 __all__ = ["sdm_distance_quantile", "sdm_nearest_distance", "sdm_similarity"]
 
 
-def _embeddings(a, name, fn):
+def _real(a, name, fn, ndim: int, shape: str):
+  """``a`` as a real array of rank ``ndim`` in the compute dtype; ValueError naming ``name``."""
   a = jnp.asarray(a)
-  if a.ndim != 2 or not (jnp.issubdtype(a.dtype, jnp.floating)
-                         or jnp.issubdtype(a.dtype, jnp.integer)):
-    raise ValueError(f"{fn}: `{name}` must be a real [n, e] array, got {a.shape} {a.dtype}")
+  if a.ndim != ndim or not (jnp.issubdtype(a.dtype, jnp.floating)
+                            or jnp.issubdtype(a.dtype, jnp.integer)):
+    raise ValueError(f"{fn}: `{name}` must be a real {shape} array, got {a.shape} {a.dtype}")
   return a.astype(c.compute_dtype(c.output_dtype(a.dtype)))
+
+
+def _embeddings(a, name, fn):
+  return _real(a, name, fn, 2, "[n, e]")
 
 
 def _ints(a, n, name, fn):

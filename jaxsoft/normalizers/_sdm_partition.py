@@ -10,18 +10,13 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete, positive_int
-from jaxsoft.normalizers import common as c
-from jaxsoft.normalizers._sdm_estimator import _ints, _row_mask
+from jaxsoft.normalizers._sdm_estimator import _ints, _real, _row_mask
 
 __all__ = ["sdm_selective_thresholds", "sdm_selective_accept"]
 
 
 def _scores(a, name, fn):
-  a = jnp.asarray(a)
-  if a.ndim != 1 or not (jnp.issubdtype(a.dtype, jnp.floating)
-                         or jnp.issubdtype(a.dtype, jnp.integer)):
-    raise ValueError(f"{fn}: `{name}` must be a real 1-D array, got {a.shape} {a.dtype}")
-  return a.astype(c.compute_dtype(c.output_dtype(a.dtype)))
+  return _real(a, name, fn, 1, "1-D")
 
 
 def _classes(a, n, n_cls, name, fn):
