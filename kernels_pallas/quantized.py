@@ -116,15 +116,24 @@ def _softmax_vjp(p, g):
   return p * (gf - jnp.sum(p * gf, axis=-1, keepdims=True))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _quantized_call(x2, static, backend, interpret, block_rows):
-  body = functools.partial(_quantized_kernel, **dict(static))
-  return tp.row_call(body, x2, backend=backend, interpret=interpret, block_rows=block_rows,
-                     name="quantized_softmax")
+def _row_kernel_call(kernel, name: str, residual, bwd):
+  """``kernel`` over the rows of ``x2`` as ``f(x2, static, backend, interpret, block_rows)``
+  (:func:`kernels_pallas.two_pass.row_call`, ``static`` the kernel's keyword arguments as
+  pairs), with the gradient ``bwd(static, backend, interpret, block_rows, r, g)`` from the
+  residual ``r = residual(x2, y)``."""
 
+  @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+  def call(x2, static, backend, interpret, block_rows):
+    body = functools.partial(kernel, **dict(static))
+    return tp.row_call(body, x2, backend=backend, interpret=interpret, block_rows=block_rows,
+                       name=name)
 
-def _quantized_fwd(x2, static, backend, interpret, block_rows):
-  return _quantized_call(x2, static, backend, interpret, block_rows), x2
+  def fwd(x2, static, backend, interpret, block_rows):
+    y = call(x2, static, backend, interpret, block_rows)
+    return y, residual(x2, y)
+
+  call.defvjp(fwd, bwd)
+  return call
 
 
 def _quantized_bwd(static, backend, interpret, block_rows, x2, g):
@@ -133,26 +142,13 @@ def _quantized_bwd(static, backend, interpret, block_rows, x2, g):
   return (_softmax_vjp(p, g).astype(x2.dtype),)
 
 
-_quantized_call.defvjp(_quantized_fwd, _quantized_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _lut_call(x2, static, backend, interpret, block_rows):
-  body = functools.partial(_lut_kernel, **dict(static))
-  return tp.row_call(body, x2, backend=backend, interpret=interpret, block_rows=block_rows,
-                     name="lut_softmax")
-
-
-def _lut_fwd(x2, static, backend, interpret, block_rows):
-  y = _lut_call(x2, static, backend, interpret, block_rows)
-  return y, y
-
-
 def _lut_bwd(static, backend, interpret, block_rows, y, g):
   return (_softmax_vjp(y.astype(jnp.float32), g).astype(y.dtype),)
 
 
-_lut_call.defvjp(_lut_fwd, _lut_bwd)
+_quantized_call = _row_kernel_call(_quantized_kernel, "quantized_softmax",
+                                   lambda x2, y: x2, _quantized_bwd)
+_lut_call = _row_kernel_call(_lut_kernel, "lut_softmax", lambda x2, y: y, _lut_bwd)
 
 
 def _check_common(name, backend, block_rows):
@@ -248,9 +244,7 @@ def lut_softmax(x, where=None, *, table_size: int = 256, x_min: float = -16.0,
     x: ``[..., n]`` scores (read in their dtype, computed in float32).
     where: optional boolean mask broadcastable to x.
     table_size, x_min, frac_bits: as in :func:`jaxsoft.normalizers.lut_exp`.
-    backend: "triton" (GPU) or "mosaic_tpu".
-    interpret: run in the Pallas interpreter (CPU).
-    block_rows: rows per program, as :func:`kernels_pallas.two_pass_softmax`.
+    backend, interpret, block_rows: as in :func:`quantized_softmax`.
 
   Returns:
     x's shape and dtype.

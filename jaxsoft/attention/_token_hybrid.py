@@ -166,16 +166,11 @@ def oryx_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayL
   a decoder computes the one its mode asks for.
 
   Args:
-    query, key: ``[B, T, N, K]``.
-    value: ``[B, T, N, V]``.
-    g: ``[B, T, N]`` log decays ``<= 0``.
-    beta: ``[B, T, N]`` write strengths in [0, 1].
-    mode: ``[B, T, N]`` in [0, 1] (1 = attention read).
-    scale: the logit scale, default :math:`K^{-1/2}` (also the state's read scale).
-    implementation: Gated DeltaNet's (``jaxsoft.linear.IMPLEMENTATIONS``).
+    query, key, value, g, beta, scale, implementation: as in :func:`nats_attention`.
+    mode: ``[B, T, N]`` in [0, 1] (1 = attention read), in place of its ``keep``.
 
   Returns:
-    ``[B, T, N, V]`` in ``value``'s dtype.
+    As :func:`nats_attention`: ``[B, T, N, V]`` in ``value``'s dtype.
 
   Examples:
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
