@@ -204,15 +204,9 @@ def embedding_qk_attention(query_embeddings: ArrayLike, key_embeddings: ArrayLik
     key_embeddings: :math:`\tilde K` ``[S, K, H]``, K the heads of ``value`` (N a multiple
       of K).
     value: V ``[..., S, K, Hv]``.
-    mask: optional boolean, broadcastable to ``[N, T, S]``; True = visible.
     scale: the logit scale (default ``1/sqrt(H)``).
-    is_causal: query i sees keys j <= i.
-    normalizer: a registered name, a NormalizerSpec or a callable.
-    normalizer_params: the normalizer's hyperparameters.
-    implementation: as :func:`~jaxsoft.attention.dot_product_attention`; default ``"xla"``,
-      the dense map computed once for the batch (O(N·T·S) memory; ``"xla_chunked"`` for
-      long sequences). The batch rides in the values' width, a layout the GPU kernels were
-      not measured on: pass them explicitly.
+    mask, is_causal, normalizer, normalizer_params, implementation: as in
+      :func:`fixed_map_attention`.
 
   Returns:
     ``[..., T, N, Hv]`` in the dtype of the three inputs (as jnp promotes; bf16 computed in

@@ -120,7 +120,7 @@ def adaptive_attention_pool(
 
 
 def _signal_masks(x, signal, axis, where, name):
-  """(xs [..., N, d], visible [..., N], signal-and-visible [..., N], ax)."""
+  """(x as an array, xs [..., N, d], visible [..., N], signal-and-visible [..., N], ax)."""
   x = jnp.asarray(x)
   xs, mask, ax = u.prepare_sets(x, axis, where, name)
   sig = jnp.asarray(signal)
@@ -130,7 +130,22 @@ def _signal_masks(x, signal, axis, where, name):
     raise ValueError(f"{name}: `signal` of shape {sig.shape} does not broadcast to the token "
                      f"shape {tuple(x.shape[:-1])} of `x`") from None
   sig = jnp.logical_and(jnp.moveaxis(sig, ax, -1), mask)
-  return xs, mask, sig, ax
+  return x, xs, mask, sig, ax
+
+
+def _signal_centroid(xs, sig):
+  r""":math:`C^* = \frac1k \sum_{i \in S} x_i` of ``xs [..., N, d]`` over the signal mask
+  ``sig [..., N]`` (0 for no signal vector)."""
+  return jnp.einsum("...n,...nd->...d", u.mean_weights(sig, -1, xs.dtype), xs)
+
+
+def _without_axis(a, want, arg: str, axis_name: str, name: str):
+  """``a`` as an array, checked to have the shape ``want`` of ``x`` without one axis."""
+  a = jnp.asarray(a)
+  if a.shape != tuple(want):
+    raise ValueError(f"{name}: `{arg}` of shape {a.shape} must be {tuple(want)} (the shape of "
+                     f"`x` without the {axis_name} axis)")
+  return a
 
 
 def signal_optimal_pool(x: ArrayLike, signal: ArrayLike, axis: int = -2,
@@ -164,11 +179,8 @@ def signal_optimal_pool(x: ArrayLike, signal: ArrayLike, axis: int = -2,
   """
   name = "signal_optimal_pool"
   u.check_bool(keepdims, "keepdims", name)
-  x = jnp.asarray(x)
-  xs, _, sig, ax = _signal_masks(x, signal, axis, where, name)
-  w = u.mean_weights(sig, -1, xs.dtype)
-  out = jnp.einsum("...n,...nd->...d", w, xs)
-  return u.sets_out(out, ax, x.ndim, keepdims, x.dtype)
+  x, xs, _, sig, ax = _signal_masks(x, signal, axis, where, name)
+  return u.sets_out(_signal_centroid(xs, sig), ax, x.ndim, keepdims, x.dtype)
 
 
 def signal_loss(z: ArrayLike, x: ArrayLike, signal: ArrayLike, axis: int = -2,
@@ -207,13 +219,8 @@ def signal_loss(z: ArrayLike, x: ArrayLike, signal: ArrayLike, axis: int = -2,
     Outputs".
   """
   name = "signal_loss"
-  x = jnp.asarray(x)
-  xs, _, sig, _ = _signal_masks(x, signal, axis, where, name)
-  zz = jnp.asarray(z)
-  want = xs.shape[:-2] + xs.shape[-1:]
-  if zz.shape != want:
-    raise ValueError(f"{name}: `z` of shape {zz.shape} must be {want} (the shape of `x` "
-                     "without the token axis)")
+  _, xs, _, sig, _ = _signal_masks(x, signal, axis, where, name)
+  zz = _without_axis(z, xs.shape[:-2] + xs.shape[-1:], "z", "token", name)
   d2 = jnp.sum(jnp.square(xs - zz.astype(xs.dtype)[..., None, :]), -1)
   w = u.mean_weights(sig, -1, xs.dtype)
   return jnp.sum(w * d2, -1)
@@ -271,17 +278,13 @@ def adaptive_pool_error_bound(scores: ArrayLike, x: ArrayLike, signal: ArrayLike
     Outputs".
   """
   name = "adaptive_pool_error_bound"
-  x = jnp.asarray(x)
-  xs, mask, sig, ax = _signal_masks(x, signal, axis, where, name)
-  s = jnp.asarray(scores)
-  if s.shape != x.shape[:-1]:
-    raise ValueError(f"{name}: `scores` of shape {s.shape} must be {tuple(x.shape[:-1])} "
-                     "(the shape of `x` without the feature axis)")
+  x, xs, mask, sig, ax = _signal_masks(x, signal, axis, where, name)
+  s = _without_axis(scores, x.shape[:-1], "scores", "feature", name)
   s = jnp.moveaxis(s.astype(xs.dtype), ax, -1)
   noise = jnp.logical_and(mask, jnp.logical_not(sig))
   k = jnp.sum(sig, -1).astype(xs.dtype)
   m = jnp.sum(noise, -1).astype(xs.dtype)
-  cen = jnp.einsum("...n,...nd->...d", u.mean_weights(sig, -1, xs.dtype), xs)
+  cen = _signal_centroid(xs, sig)
   dist = jnp.sqrt(jnp.sum(jnp.square(xs - cen[..., None, :]), -1))
   neg, pos = -jnp.inf, jnp.inf
   s_max = jnp.max(jnp.where(sig, s, neg), -1)
