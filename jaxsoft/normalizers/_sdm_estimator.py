@@ -44,13 +44,14 @@ def _row_mask(where, n, name, fn):
   return w.astype(bool)
 
 
-def _sq_distances(x, t):
-  """Squared L2 distances ``[n, m]`` between the rows of ``x [n, e]`` and ``t [m, e]``."""
+def _sq_distances(x, t, keep):
+  """Squared L2 distances ``[n, m]`` between the rows of ``x [n, e]`` and ``t [m, e]``,
+  ``+inf`` in the columns of the training rows that ``keep [m]`` leaves out."""
   dt = jnp.result_type(x.dtype, t.dtype)
   x, t = x.astype(dt), t.astype(dt)
   d2 = (jnp.sum(x * x, -1)[:, None] + jnp.sum(t * t, -1)[None, :]
         - 2.0 * jnp.einsum("ne,me->nm", x, t, precision=jax.lax.Precision.HIGHEST))
-  return jnp.maximum(d2, 0.0)
+  return jnp.where(keep[None, :], jnp.maximum(d2, 0.0), jnp.inf)
 
 
 def _pair(test_embeddings, train_embeddings, fn):
@@ -93,7 +94,7 @@ def sdm_nearest_distance(test_embeddings: ArrayLike, train_embeddings: ArrayLike
   fn = "sdm_nearest_distance"
   x, t = _pair(test_embeddings, train_embeddings, fn)
   keep = _row_mask(where, t.shape[0], "where", fn)
-  d2 = jnp.where(keep[None, :], _sq_distances(x, t), jnp.inf)
+  d2 = _sq_distances(x, t, keep)
   near = jnp.min(d2, axis=-1, initial=jnp.inf)
   return jax.lax.stop_gradient(jnp.sqrt(near))
 
@@ -155,7 +156,7 @@ def sdm_similarity(test_embeddings: ArrayLike, test_predictions: ArrayLike,
   if m == 0 or n == 0:
     return jnp.zeros((n,), x.dtype)
   k = m if max_q is None else min(max_q, m)
-  d2 = jnp.where(keep[None, :], _sq_distances(x, t), jnp.inf)
+  d2 = _sq_distances(x, t, keep)
   _, idx = jax.lax.top_k(-d2, k)  # nearest first; equal distances: the lower index first
   ok = (keep[idx] & (yhat_tr[idx] == yhat[:, None]) & (yhat_tr[idx] == y_tr[idx]))
   q = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=-1), axis=-1)
