@@ -9,8 +9,8 @@ task           data                                                        metri
 =============  ==========================================================  ===============
 ``lm``         character LM on the pydoc_data corpus (``train.data``)     held-out loss
 ``mqar``       multi-query associative recall, 2 / 4 / 8 key-value pairs   answer accuracy
-``length``     needle in a haystack, trained at T = 256, evaluated at      accuracy at
-               256, 1024 and 4096                                          4096
+``length``     4 needles (key-value pairs) in a haystack, trained at        accuracy at
+               T = 256, evaluated at 256, 1024 and 4096                    4096
 ``listops``    nested MAX / MIN / MED / SM(sum mod 10) expressions         answer accuracy
 ``grok``       (a + b) mod p from 40 % of the pairs, for the loss variants held-out acc.
 =============  ==========================================================  ===============
@@ -37,7 +37,7 @@ import numpy as np
 
 from train import data
 
-__all__ = ["Task", "TASKS", "mqar_batch", "listops_batch", "listops_value", "grok_split",
+__all__ = ["Task", "TASKS", "mqar_batch", "needles_batch", "listops_batch", "listops_value", "grok_split",
            "task_names"]
 
 Batch = dict[str, np.ndarray]
@@ -138,28 +138,59 @@ def _mqar_eval(tiny: bool) -> dict[str, list[Batch]]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. Length generalisation: the needle probe of train.data.
+# 3. Length generalisation: multi-needle retrieval in a haystack.
 
 LENGTHS = (256, 1024, 4096)
+NEEDLES = 4  # key-value pairs hidden in each row, and queries at its end
 
 
-def _needle(length: int, rows: int, rng_seed: int, position: int) -> Batch:
-  return data.make_dataset("needle", length, rows, rng_seed).batch(position)
+def needles_batch(rng: np.random.Generator, rows: int, length: int, pairs: int = NEEDLES,
+                  queries: int = NEEDLES) -> Batch:
+  """Multi-needle retrieval: ``pairs`` key-value pairs ``k v`` at random places in a haystack of
+  filler tokens, then ``queries`` queries ``q a`` at the end of the row (``length`` tokens).
+
+  The keys of a row are distinct and appear nowhere else (the filler is drawn from the value
+  tokens); each query is one of them and the target after it is its value (weight 1 there, 0
+  elsewhere). The number of pairs does not grow with ``length``: a longer row only moves the
+  needles farther apart, the dispersion that length-dependent normalizers address.
+  """
+  region = length + 1 - 2 * queries  # where the pairs may sit
+  if region < 2 * pairs:
+    raise ValueError(f"length: {length} tokens cannot hold {pairs} pairs and {queries} queries")
+  seq = rng.integers(*_VALUES, size=(rows, length + 1))
+  keys = np.argsort(rng.random((rows, _KEYS[1] - _KEYS[0])), axis=1)[:, :pairs] + _KEYS[0]
+  values = rng.integers(*_VALUES, size=(rows, pairs))
+  slots = np.argsort(rng.random((rows, region // 2)), axis=1)[:, :pairs] * 2  # disjoint pairs
+  idx = np.arange(rows)[:, None]
+  seq[idx, slots] = keys
+  seq[idx, slots + 1] = values
+  which = rng.integers(0, pairs, size=(rows, queries))
+  seq[:, region::2] = keys[idx, which]
+  seq[:, region + 1::2] = values[idx, which]
+  weights = np.zeros(seq.shape, np.float32)
+  weights[:, region + 1::2] = 1.0
+  return {"inputs": seq[:, :-1].astype(np.int32), "targets": seq[:, 1:].astype(np.int32),
+          "weights": weights[:, 1:]}
 
 
 def _length_train(seed: int, position: int, tiny: bool) -> Batch:
-  return _needle(32 if tiny else LENGTHS[0], 4 if tiny else 8, seed, position)
+  return needles_batch(_rng(seed, position, 3), 4, 32 if tiny else LENGTHS[0],
+                       2 if tiny else NEEDLES, 2 if tiny else NEEDLES)
+
+
+# (rows per batch, batches) at each evaluation length: NEEDLES answers per row, so 64 / 32 / 16
+# answers; one row at a time at 4096 (the dense [T, T] weights of every head), whose
+# evaluation dominates the task's cost
+_LENGTH_EVAL_ROWS = {256: (16, 1), 1024: (4, 2), 4096: (1, 4)}
 
 
 def _length_eval(tiny: bool) -> dict[str, list[Batch]]:
   lengths = (32, 64) if tiny else LENGTHS
-  # (rows per batch, batches): one row at a time at 4096 (the dense [T, T] weights of every
-  # head); fewer rows at the longer lengths, whose evaluation dominates the task's cost
-  rows = {256: (32, 1), 1024: (4, 4), 4096: (1, 8)}
   out = {}
   for t in lengths:
-    n_rows, n_batches = (4, 1) if tiny else rows[t]
-    out[f"len{t}"] = [_needle(t, n_rows, _EVAL, i) for i in range(n_batches)]
+    n_rows, n_batches = (4, 1) if tiny else _LENGTH_EVAL_ROWS[t]
+    out[f"len{t}"] = [needles_batch(_rng(0, i, _EVAL + t), n_rows, t, 2 if tiny else NEEDLES,
+                                    2 if tiny else NEEDLES) for i in range(n_batches)]
   return out
 
 
@@ -170,7 +201,8 @@ _OPS = ("MAX", "MIN", "MED", "SM")
 _DIGIT0 = data._FIRST  # digits 0..9 are tokens 4..13
 _OPEN = {op: data._FIRST + 10 + i for i, op in enumerate(_OPS)}  # "[MAX", ...
 _CLOSE = data._FIRST + 14  # "]"
-_LISTOPS_T = 96
+_LISTOPS_T = 64
+_LISTOPS_DEPTH = 3
 
 
 def listops_value(tree: Any) -> int:
@@ -222,13 +254,13 @@ def listops_batch(rng: np.random.Generator, rows: int, length: int, depth: int =
 
 
 def _listops_train(seed: int, position: int, tiny: bool) -> Batch:
-  return listops_batch(_rng(seed, position, 4), 4 if tiny else 32,
-                       24 if tiny else _LISTOPS_T, 2 if tiny else 4)
+  return listops_batch(_rng(seed, position, 4), 4 if tiny else 16,
+                       24 if tiny else _LISTOPS_T, 2 if tiny else _LISTOPS_DEPTH)
 
 
 def _listops_eval(tiny: bool) -> dict[str, list[Batch]]:
   return {"heldout": [listops_batch(_rng(0, i, _EVAL + 4), 4 if tiny else 64,
-                                    24 if tiny else _LISTOPS_T, 2 if tiny else 4)
+                                    24 if tiny else _LISTOPS_T, 2 if tiny else _LISTOPS_DEPTH)
                       for i in range(1 if tiny else 4)]}
 
 
@@ -283,16 +315,16 @@ TASKS: dict[str, Task] = {
                dict(_MODEL, **_LM, steps=200, warmup_steps=20), _SWEEP, "heldout/loss", False,
                256, _lm_train, _lm_eval, _TINY),
     "mqar": Task("mqar", "multi-query associative recall, accuracy (mean over 2/4/8 pairs)",
-                 dict(_MODEL, **_PROBE, seq_len=_MQAR_T, batch_size=32, steps=250,
-                      warmup_steps=25), _SWEEP, "accuracy", True, data.PROBE_VOCAB,
+                 dict(_MODEL, **_PROBE, seq_len=_MQAR_T, batch_size=32, steps=200,
+                      warmup_steps=20), _SWEEP, "accuracy", True, data.PROBE_VOCAB,
                  _mqar_train, _mqar_eval, dict(_TINY, seq_len=24)),
-    "length": Task("length", "needle at T = 256 / 1024 / 4096 after training at 256, "
-                             "accuracy at 4096",
-                   dict(_MODEL, **_PROBE, seq_len=LENGTHS[0], batch_size=8, steps=120,
-                        warmup_steps=12), _SWEEP, "len4096/accuracy", True, data.PROBE_VOCAB,
+    "length": Task("length", f"{NEEDLES} needles at T = 256 / 1024 / 4096 after training at "
+                             "256, accuracy at 4096",
+                   dict(_MODEL, **_PROBE, seq_len=LENGTHS[0], batch_size=4, steps=100,
+                        warmup_steps=10), _SWEEP, "len4096/accuracy", True, data.PROBE_VOCAB,
                    _length_train, _length_eval, dict(_TINY, seq_len=32)),
     "listops": Task("listops", "ListOps-style nested expressions, answer accuracy",
-                    dict(_MODEL, **_PROBE, seq_len=_LISTOPS_T, batch_size=32, steps=200,
+                    dict(_MODEL, **_PROBE, seq_len=_LISTOPS_T, batch_size=16, steps=200,
                          warmup_steps=20), _SWEEP, "heldout/accuracy", True, data.PROBE_VOCAB,
                     _listops_train, _listops_eval, dict(_TINY, seq_len=24)),
     "grok": Task("grok", f"(a + b) mod {GROK_P} from {GROK_TRAIN_FRACTION:.0%} of the pairs, "

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxsoft import losses as js_losses
 from jaxsoft import normalizers
-from train import config, kinds, model, zoo, zoo_tasks
+from train import config, data, kinds, model, zoo, zoo_tasks
 from train import train as train_lib
 
 
@@ -82,6 +82,13 @@ def test_task_generators():
     pairs = dict(zip(b["inputs"][r, :8:2], b["inputs"][r, 1:8:2], strict=True))
     for t in np.flatnonzero(b["weights"][r]):
       assert b["targets"][r, t] == pairs[b["inputs"][r, t]]
+  nb = zoo_tasks.needles_batch(rng, 5, 40, pairs=3, queries=3)
+  for r in range(5):  # the answer is the token after the key's only earlier occurrence
+    row = np.concatenate([nb["inputs"][r], nb["targets"][r, -1:]])
+    for t in np.flatnonzero(nb["weights"][r]):
+      where = np.flatnonzero(row[:35] == row[t])  # the pairs' region: 41 - 2 * 3 tokens
+      assert len(where) == 1 and nb["targets"][r, t] == row[where[0] + 1]
+  assert nb["weights"].sum() == 15 and (nb["inputs"] < data.PROBE_VOCAB).all()
   assert zoo_tasks.listops_value(("SM", [9, ("MAX", [3, 7]), 5])) == 1
   assert zoo_tasks.listops_value(("MED", [4, 1, 9, 2])) == 2
   lb = zoo_tasks.listops_batch(rng, 2, 24, depth=2)
