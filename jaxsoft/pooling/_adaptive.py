@@ -119,7 +119,8 @@ def adaptive_attention_pool(
   return u.sets_out(out, ax, x.ndim, keepdims, x.dtype)
 
 
-def _signal_masks(x, signal, axis, where, name):
+def _signal_masks(x, signal, axis, where,
+                  name) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, int]:
   """(x as an array, xs [..., N, d], visible [..., N], signal-and-visible [..., N], ax)."""
   x = jnp.asarray(x)
   xs, mask, ax = u.prepare_sets(x, axis, where, name)
