@@ -19,6 +19,7 @@ from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.fused_top_k import softmax_top_k
+from kernels_pallas.mosaic_gpu import mosaic_gpu_attention
 from kernels_pallas.polykv import polykv_decode_attention, polykv_quantize
 from kernels_pallas.quantized import lut_softmax, quantized_softmax
 from kernels_pallas.sharding import sharded_attention
@@ -32,3 +33,4 @@ __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "polykv_decode_attention", "polykv_quantize", "single_pass_softmax"]
 __all__ += ["softmax_top_k"]
 __all__ += ["two_pass_softmax", "exp2_poly", "quantized_softmax", "lut_softmax"]
+__all__ += ["mosaic_gpu_attention"]  # unverified on hardware: not in the dispatch

@@ -1,0 +1,666 @@
+"""A Mosaic-GPU (Hopper, sm_90a) attention forward with FlashAttention-3 structure.
+
+UNVERIFIED ON HARDWARE: this kernel has been lowered for CUDA (``jax.export`` assumes
+sm_90a and 227 KiB of shared memory when no GPU is present) and run in Pallas's GPU
+interpret mode on a CPU, never on an H100/H200. It is therefore not wired into
+``implementation="pallas"``; ``bench/gpu.py --sections mosaic_gpu`` checks it against the
+XLA path and times it on the next GPU session.
+
+One CTA computes ``2 * block_q`` query rows of one (batch, head): a producer warpgroup
+streams key and value tiles into a ``num_stages``-deep shared-memory ring with the TMA
+unit (one barrier per slot for "loaded", one for "consumed"), and two consumer
+warpgroups of ``block_q`` rows each run both matmuls on the tensor cores (``wgmma``),
+ping-ponged by a schedule barrier so one warpgroup's softmax overlaps the other's
+matmul. Between the two matmuls sits the normalizer's tile rule
+(``jaxsoft.normalizers.TileRule``, the same per-class math the Triton/Mosaic-TPU engine
+runs through ``kernels_pallas.engine``). For a query row with scaled logits ``s_j``::
+
+    z_j = score_map(s_j, n)                        n the row's visible count
+    m   = running max of z (class E), 0 (S, P)
+    O   = sum_j numerator(z_j, m) v_j / D,   D = sum_j denominator(z_j, m) + offset(m, n)
+
+Class E carries ``(m, l, acc)`` and rescales by ``alpha = e^{m - m'}`` when the max
+grows; for softmax-like rules (``e^{z - m}`` numerator and denominator, a linear score
+map: softmax, softmax_1, softmax_n, softmax_sink, temperature) ``log2(e)`` is folded into
+the logits' scale and the tile is ``2^{z2 - m2}`` (one ``ex2`` per score). Class S carries
+``(l, acc)``; class P carries ``acc`` only, and sigmoid's numerator is
+``0.5 + 0.5 tanh(z / 2)`` (one ``tanh.approx`` per score, ``approx_math``).
+
+Causal masking (top-left aligned, as ``jax.nn.dot_product_attention``) splits each
+warpgroup's key loop into blocks wholly visible (no mask work), the diagonal blocks
+(masked) and an epilogue that releases the pipeline slots it skipped. Odd lengths are
+padded (queries to ``2 * block_q``, keys to ``block_k``) and the padded keys masked in
+the last key block.
+
+Not done yet: the backward pass (``jax.grad`` raises), classes T and R, bias / segment /
+window masks and per-row hyperparameter arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import spec as _spec
+from kernels_pallas.engine import LN2, LOG2E, UnsupportedError
+
+__all__ = ["mosaic_gpu_attention", "gpu_interpret_params", "interpreter_runs_kernel",
+           "smem_bytes", "SMEM_LIMIT", "SMEM_SLACK"]
+
+# Hopper's per-CTA dynamic shared memory (227 KiB), what the export assumes without a GPU.
+SMEM_LIMIT = 227 * 1024
+# What the lowering allocates beyond the tiles of smem_bytes: barriers and alignment
+# (2168 bytes measured at 3 ring slots); the wrapper keeps this much free.
+SMEM_SLACK = 4096
+
+# What the kernel needs from jax.experimental.pallas.mosaic_gpu (checked on first use).
+_NEEDED = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem",
+           "commit_smem", "barrier_wait", "barrier_arrive", "layout_cast", "Layout", "SMEM",
+           "Barrier", "ACC", "TilingTransform", "SwizzleTransform", "set_max_registers",
+           "broadcasted_iota", "CompilerParams")
+
+
+def _plgpu():
+  """The Pallas Mosaic-GPU module, or UnsupportedError naming what the installed JAX lacks."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+  except ImportError as e:  # pragma: no cover - every supported JAX has it
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: jax {jax.__version__} has no "
+        f"jax.experimental.pallas.mosaic_gpu ({e})") from e
+  missing = [n for n in _NEEDED if not hasattr(plgpu, n)]
+  if missing:
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: jax {jax.__version__}'s pallas.mosaic_gpu lacks "
+        f"{', '.join(missing)}")
+  return plgpu
+
+
+def _transposed(plgpu, ref):
+  """``ref`` viewed transposed: ``plgpu.transpose_ref`` (JAX <= 0.11) or ``ref.transpose``
+  (JAX >= 0.11.2, where transpose_ref was deprecated, then removed in 0.12.1)."""
+  transpose_ref = getattr(plgpu, "transpose_ref", None)
+  if transpose_ref is not None:
+    return transpose_ref(ref, (1, 0))
+  return ref.transpose((1, 0))
+
+
+def gpu_interpret_params(**kwargs):
+  """Pallas's GPU interpret-mode parameters (``InterpretGPUParams``) for the installed JAX.
+
+  The GPU interpreter runs a Mosaic-GPU kernel on a CPU, simulating shared memory,
+  warpgroups, TMA copies and barriers; ``detect_races=True`` reports a data race. It is
+  public as ``jax.pallas.mosaic_gpu.InterpretGPUParams`` from JAX 0.12 and private
+  (``jax._src.pallas.mosaic_gpu.interpret.params``) in 0.10 and 0.11.
+
+  Args:
+    **kwargs: fields of ``InterpretGPUParams`` (e.g. ``detect_races=True``).
+
+  Returns:
+    An ``InterpretGPUParams``; UnsupportedError when the installed JAX has none.
+
+  Examples:
+    >>> from kernels_pallas.mosaic_gpu import gpu_interpret_params
+    >>> type(gpu_interpret_params()).__name__
+    'InterpretGPUParams'
+
+  References:
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608 (the warp-specialised pipeline the interpreter simulates).
+  """
+  cls = None
+  for path in ("jax.pallas.mosaic_gpu", "jax.experimental.pallas.mosaic_gpu",
+               "jax._src.pallas.mosaic_gpu.interpret.params"):
+    try:
+      module = __import__(path, fromlist=["InterpretGPUParams"])
+    except ImportError:
+      continue
+    cls = getattr(module, "InterpretGPUParams", None)
+    if cls is not None:
+      break
+  if cls is None:
+    raise UnsupportedError(
+        f"jax {jax.__version__} has no Pallas GPU interpret mode (InterpretGPUParams)")
+  return cls(**kwargs)
+
+
+def interpreter_runs_kernel() -> bool:
+  """Whether the installed JAX's GPU interpreter can run this kernel: it needs a rule for
+  ``pl.run_state`` (the accumulator handed to the second wgmma), which JAX 0.12.1's
+  interpreter has and JAX 0.10.2's lacks. Read from the interpreter's class (private
+  module; False when it is absent)."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
+  except ImportError:
+    return False
+  return any(hasattr(c, "_interpret_run_state_p") for c in vars(jaxpr_interpret).values()
+             if isinstance(c, type))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg:
+  spec: Any
+  hp: tuple[tuple[str, Any], ...]
+  scale: float
+  causal: bool
+  t: int  # query length (unpadded)
+  s: int  # key length (unpadded)
+  block_q: int
+  block_k: int
+  num_stages: int
+  exp2: bool  # the class-E rule runs as 2^(z2 - m2)
+  approx_sigmoid: bool  # class P sigmoid as 0.5 + 0.5 tanh(z / 2)
+
+  @property
+  def rule(self) -> _spec.TileRule:
+    return self.spec.tile
+
+  @property
+  def hp_dict(self) -> dict[str, Any]:
+    return dict(self.hp)
+
+
+def smem_bytes(head_dim: int, dtype, block_q: int = 64, block_k: int = 128,
+               num_stages: int = 2) -> int:
+  """Shared memory one CTA of the forward kernel allocates, in bytes.
+
+  ``2 block_q H`` query/output tiles (one per consumer warpgroup) plus ``2 num_stages
+  block_k H`` key and value ring slots, at the input's item size; barriers are not
+  counted (a few hundred bytes). Hopper allows 227 KiB (:data:`SMEM_LIMIT`).
+
+  Args:
+    head_dim: the head dimension H.
+    dtype: the input dtype (float16 or bfloat16).
+    block_q: rows per consumer warpgroup.
+    block_k: keys per ring slot.
+    num_stages: ring slots.
+
+  Returns:
+    The byte count.
+
+  Examples:
+    >>> from kernels_pallas.mosaic_gpu import smem_bytes, SMEM_LIMIT
+    >>> smem_bytes(256, jnp.bfloat16, 64, 64, 2) <= SMEM_LIMIT
+    True
+    >>> smem_bytes(256, jnp.bfloat16, 64, 128, 2) <= SMEM_LIMIT
+    False
+
+  References:
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608.
+  """
+  item = jnp.dtype(dtype).itemsize
+  return item * head_dim * (2 * block_q + 2 * num_stages * block_k)
+
+
+def _default_blocks(head_dim: int, dtype) -> tuple[int, int, int]:
+  """(block_q, block_k, num_stages): JAX's FlashAttention-3 example's tuned 64 x 128 x 2,
+  64-key slots for H = 256 so the ring fits 227 KiB."""
+  bk = 128 if head_dim <= 128 else 64
+  return 64, bk, 2
+
+
+def _round_up(x: int, m: int) -> int:
+  return -(-x // m) * m
+
+
+def _exp2_rule(rule: _spec.TileRule) -> bool:
+  """Class E with ``e^{z - m}`` numerator and denominator and a linear score map: exact in
+  the log2 domain (``kernels_pallas.engine.exp2_exact``'s condition)."""
+  return (rule.uses_max and rule.numerator is _spec.exp_numerator
+          and rule.denominator is _spec.exp_numerator
+          and rule.score_map in (_spec.identity_score_map, _spec.temperature_score_map))
+
+
+def _uses_length(rule: _spec.TileRule) -> bool:
+  return rule.score_map not in (_spec.identity_score_map, _spec.temperature_score_map)
+
+
+def _forward(cfg: _Cfg, q, k, v, interpret):
+  """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H]; returns [B, Tp, N, H]."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq, bk = cfg.block_q, cfg.block_k
+  n_kv = sp // bk  # key blocks (the last may hold padding)
+  s_full = cfg.s // bk  # key blocks with no padding
+  stages = min(cfg.num_stages, n_kv)
+  dtype = q.dtype
+  rule = cfg.rule
+  hp = cfg.hp_dict
+  kind = cfg.spec.kernel_class
+  uses_length = _uses_length(rule)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = wgmma_layout.reduce(1)
+  # the logits' factor: scale, times log2(e) in the exp2 domain
+  c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
+
+  def row_floor(length_row):
+    if not rule.uses_max:
+      return None
+    floor = rule.floor_value(length_row, hp)
+    if floor is None:
+      return None
+    return floor * LOG2E if cfg.exp2 else floor
+
+  def bcast(row, shape):
+    return lax.broadcast_in_dim(row, shape, [0])
+
+  def kernel(q_ref, k_ref, v_ref, out_ref, scoped):
+    bi = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    smem, loaded, consumed, schedule_barrier = scoped
+    wg = lax.axis_index("wg")
+    qo_smem2, k_smem, v_smem = smem
+    k_loaded, v_loaded, q_loaded = loaded
+    k_consumed, v_consumed = consumed
+
+    def schedule():
+      plgpu.barrier_arrive(schedule_barrier)
+      plgpu.barrier_wait(schedule_barrier)
+
+    q_tile = lax.axis_index("q_seq")
+    cta_steps: Any
+    if cfg.causal:
+      cta_end = (q_tile + 1) * (2 * bq)
+      cta_steps = jnp.minimum(pl.cdiv(cta_end, jnp.array(bk, jnp.int32)), n_kv)
+    else:
+      cta_steps = n_kv
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg]
+      q_base = q_tile * (2 * bq) + wg * bq
+      kv_steps: Any
+      full_steps: Any
+      if cfg.causal:
+        kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), n_kv)
+        full_steps = jnp.minimum(lax.div(q_base, jnp.array(bk, jnp.int32)), s_full)
+      else:
+        kv_steps = n_kv
+        full_steps = s_full
+
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], qo_smem,
+                              q_loaded.at[wg])
+      plgpu.barrier_wait(q_loaded.at[wg])
+
+      def iota(axis):  # built where used: a [bq, bk] array held across the loop costs
+        # registers the accumulator needs
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=wgmma_layout)
+
+      def lengths():
+        """The rows' visible counts n as a [bq, bk] tile: min(i + 1, S) with the
+        (top-left aligned) causal mask, else S."""
+        if not cfg.causal:
+          return float(cfg.s)
+        return jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+
+      length_row: Any = float(cfg.s) if not cfg.causal else lengths().max(axis=1)
+      floor = row_floor(length_row)
+
+      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf if rule.uses_max else 0.0,
+                                       jnp.float32), row_layout)
+      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+      acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), wgmma_layout)
+
+      @pl.when(kv_steps > 0)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[0])
+
+      pl.when(wg == 1)(schedule)
+
+      def tile_rule(x, mask, m_i, l_i):
+        """(p [bq, bk] numerators, m', l', alpha or None) of one block of logits x."""
+        if mask is not None:
+          x = jnp.where(mask, x, 0.0)
+        length_tile = lengths() if uses_length else float(cfg.s)  # (unused then)
+        alpha: Any
+        if cfg.exp2:
+          z = rule.score_map(x, length_tile, **hp)
+          zm = z if mask is None else jnp.where(mask, z, -jnp.inf)
+          m_new = jnp.maximum(m_i, zm.max(axis=1))
+          if floor is not None:
+            m_new = jnp.maximum(m_new, floor)
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(zm - bcast(m_new, zm.shape))
+          return p, m_new, l_i * alpha, alpha
+        z = rule.score_map(x, length_tile, **hp)
+        alpha = None
+        if kind == "E":
+          zm = z if mask is None else jnp.where(mask, z, -jnp.inf)
+          m_new = jnp.maximum(m_i, zm.max(axis=1))
+          if floor is not None:
+            m_new = jnp.maximum(m_new, floor)
+          alpha = jnp.exp(m_i - m_new)
+          l_i = l_i * alpha
+          m_b = bcast(m_new, z.shape)
+        else:
+          m_new = m_i
+          m_b = 0.0
+        if cfg.approx_sigmoid:
+          num = 0.5 + 0.5 * jnp.tanh(0.5 * z)
+        else:
+          num = rule.numerator(z, m_b, **hp)
+        if mask is not None:
+          num = jnp.where(mask, num, 0.0)
+        return num, m_new, l_i, alpha
+
+      def kv_loop(kv_step, carry, masked: bool = False):
+        acc, m_i, l_i = carry
+        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, _transposed(plgpu, k_smem.at[slot]))
+          schedule()
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        x = qk * c
+        mask = None
+        if masked:
+          k_pos = iota(1) + kv_step * bk
+          mask = k_pos < cfg.s
+          if cfg.causal:
+            mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
+        p, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
+        if alpha is not None:
+          acc = acc * bcast(alpha, acc.shape)
+        p16 = p.astype(dtype)
+        sums = kind != "P"
+        if sums and rule.denominator is not None and rule.denominator is not rule.numerator \
+            and not cfg.exp2:
+          z = rule.score_map(x if mask is None else jnp.where(mask, x, 0.0),
+                             lengths() if uses_length else float(cfg.s), **hp)
+          den = rule.denominator(z, bcast(m_i, z.shape) if kind == "E" else 0.0, **hp)
+          if mask is not None:
+            den = jnp.where(mask, den, 0.0)
+        else:
+          den = p
+
+        def end_softmax():
+          plgpu.barrier_arrive(schedule_barrier)  # done with the tile rule
+          plgpu.barrier_wait(v_loaded.at[slot])
+          plgpu.barrier_wait(schedule_barrier)  # the tensor cores are free
+
+        # the order of the row sum and the barriers is the example's (head dim <= 128: sum
+        # first, fenced by an optimization barrier)
+        if h <= 128:
+          if sums:
+            l_i = l_i + den.sum(axis=1)
+          acc, l_i, m_i, p16 = lax.optimization_barrier((acc, l_i, m_i, p16))
+          end_softmax()
+        else:
+          end_softmax()
+          if sums:
+            l_i = l_i + den.sum(axis=1)
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+          wait_step = kv_step + 1
+          wait_slot = lax.rem(wait_step, jnp.array(stages, kv_step.dtype))
+
+          @pl.when(wait_step < kv_steps)
+          def _wait():
+            plgpu.barrier_wait(k_loaded.at[wait_slot])
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_i, l_i
+
+      carry = (acc, m_i, l_i)
+      carry = lax.fori_loop(0, full_steps, kv_loop, carry)
+      carry = lax.fori_loop(full_steps, kv_steps,
+                            functools.partial(kv_loop, masked=True), carry)
+      acc, m_i, l_i = carry
+      if cfg.causal:
+        def flush(kv_step, _):
+          # release the slots the producer filled for the other warpgroup's longer loop
+          slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+          plgpu.barrier_arrive(k_consumed.at[slot])
+          plgpu.barrier_arrive(v_consumed.at[slot])
+          schedule()
+          schedule()
+
+        lax.fori_loop(kv_steps, cta_steps, flush, None)
+      pl.when(wg == 0)(schedule)
+
+      if kind != "P":
+        m_nat = m_i * LN2 if cfg.exp2 else m_i
+        d = l_i
+        if rule.offset is not None:
+          d = d + rule.offset(m_nat, length_row, **hp)
+        inv = jnp.where(d > 0.0, 1.0 / jnp.where(d > 0.0, d, 1.0), 0.0)
+        acc = acc * bcast(inv, acc.shape)
+      qo_smem[...] = acc.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, bq), q_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+      for i in range(stages):
+        sl = (bi, pl.ds(i * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_loaded.at[i])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_loaded.at[i])
+
+      @pl.loop(0, cta_steps - stages)
+      def _ring(kv_step):
+        step = kv_step + stages
+        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        sl = (bi, pl.ds(step * bk, bk), kv_head)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
+
+  def entry(q_ref, k_ref, v_ref, out_ref):
+    # 128-byte swizzled (8, 64) tiles of 16-bit elements, as wgmma reads them (every
+    # head dim here is at least 64 elements = 128 bytes wide)
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = [plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
+               plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+               plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)]
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, args),
+        scratch,
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=2),
+        collective_axes="wg",
+    )
+
+  kwargs: dict[str, Any] = {}
+  if interpret is not None:
+    kwargs["interpret"] = interpret
+  return plgpu.kernel(
+      entry,
+      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+      grid=(n, tp // (2 * bq), b),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
+def _attention(cfg: _Cfg, q, k, v, interpret):
+  bq2 = 2 * cfg.block_q
+  tp, sp = _round_up(cfg.t, bq2), _round_up(cfg.s, cfg.block_k)
+  qp = jnp.pad(q, ((0, 0), (0, tp - cfg.t), (0, 0), (0, 0)))
+  kp = jnp.pad(k, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  vp = jnp.pad(v, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  return _forward(cfg, qp, kp, vp, interpret)[:, :cfg.t]
+
+
+def _attention_fwd(cfg, q, k, v, interpret):
+  return _attention(cfg, q, k, v, interpret), None
+
+
+def _attention_bwd(cfg, interpret, res, g):
+  raise NotImplementedError(
+      "mosaic_gpu_attention has no backward pass yet (forward only); use "
+      "kernels_pallas.attention or jaxsoft.attention.dot_product_attention for gradients")
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
+                         normalizer_params: Mapping[str, Any] | None = None,
+                         scale: float | None = None, is_causal: bool = False,
+                         block_q: int | None = None, block_k: int | None = None,
+                         num_stages: int | None = None, interpret: Any = False,
+                         approx_sigmoid: bool = True):
+  r"""Attention forward on Hopper with a Mosaic-GPU kernel (FlashAttention-3 structure).
+
+  .. math::
+    O_i = \frac{\sum_{j \in V_i} \mathrm{num}(z_{ij}, m_i)\, v_j}{D_i},\quad
+    z_{ij} = \mathrm{score\_map}(\mathrm{scale}\; q_i \cdot k_j, |V_i|),\quad
+    D_i = \sum_{j \in V_i} \mathrm{den}(z_{ij}, m_i) + \mathrm{offset}(m_i, |V_i|)
+
+  with the normalizer's tile rule (class E: ``m_i`` the row max of ``z``; S: ``m = 0``;
+  P: ``D = 1``), ``V_i`` all keys or (``is_causal``) keys ``j <= i``. Softmax-like rules
+  run as ``2^{z2 - m2}`` with ``log2(e)`` folded into the scale. A TMA producer
+  warpgroup feeds two ``wgmma`` consumer warpgroups through a shared-memory ring
+  (module docstring).
+
+  **Unverified on hardware**: lowered for CUDA and checked in Pallas's GPU interpreter
+  only; not used by ``implementation="pallas"``. Forward only: ``jax.grad`` raises.
+
+  Args:
+    query: ``[B, T, N, H]`` float16 or bfloat16, H in {64, 128, 256}.
+    key, value: ``[B, S, K, H]`` of the query's dtype, ``N % K == 0`` (GQA / MQA).
+    normalizer: a registered name or NormalizerSpec of kernel class E, S or P with a tile
+      rule (softmax, softmax_1, softmax_n, softmax_sink, sigmoid, relu, stablemax, ...).
+    normalizer_params: the normalizer's hyperparameters as Python numbers (compiled in).
+    scale: the logits' scale (None: ``1 / sqrt(H)``).
+    is_causal: top-left aligned causal mask (query i sees keys j <= i).
+    block_q: query rows per consumer warpgroup (64; two warpgroups per CTA).
+    block_k: keys per ring slot (None: 128 for H <= 128, else 64), a multiple of 64.
+    num_stages: ring slots (None: 2), at least 2.
+    interpret: False for the GPU; True (or an ``InterpretGPUParams``, see
+      :func:`gpu_interpret_params`) runs Pallas's GPU interpreter on a CPU.
+    approx_sigmoid: sigmoid's numerator as ``0.5 + 0.5 tanh(z / 2)`` (``tanh.approx`` on
+      the GPU, FlashSigmoid); False uses the rule's own ``jax.nn.sigmoid``.
+
+  Returns:
+    ``[B, T, N, H]`` of the query's dtype.
+
+  Examples:
+    >>> import kernels_pallas as kp
+    >>> q = jnp.ones((1, 128, 1, 64), jnp.float16)
+    >>> f = lambda q: kp.mosaic_gpu_attention(q, q, q, is_causal=True)
+    >>> exp = jax.export.export(jax.jit(f), platforms=["cuda"])(q)  # lowers on a CPU
+    >>> "mosaic_gpu" in exp.mlir_module()
+    True
+
+  References:
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608.
+
+    T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+    Partitioning", arXiv:2307.08691.
+
+    J. Ramapuram, F. Danieli, E. Dhekane, F. Weers, D. Busbridge, P. Ablin, T. Likhomanenko,
+    J. Digani, Z. Gu, A. Shidani & R. Webb, 2024, "Theory, Analysis, and Best Practices for
+    Sigmoid Self-Attention", arXiv:2409.04431.
+  """
+  spec = _spec.resolve(normalizer)
+  if not isinstance(spec, _spec.NormalizerSpec) or spec.kernel_class not in ("E", "S", "P") \
+      or spec.tile is None:
+    name = getattr(spec, "name", spec)
+    kc = getattr(spec, "kernel_class", None)
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: `normalizer` {name!r} (kernel class {kc}) is not of class "
+        "E, S or P with a tile rule; classes T and R run in kernels_pallas.attention")
+  hp = dict(normalizer_params or {})
+  for name, val in hp.items():
+    if not isinstance(val, (int, float)) or isinstance(val, bool):
+      raise UnsupportedError(
+          f"mosaic_gpu_attention: `normalizer_params[{name!r}]` must be a Python number "
+          f"(per-row arrays are not supported yet), got {type(val).__name__}")
+  for arg, x in (("query", query), ("key", key), ("value", value)):
+    if jnp.ndim(x) != 4:
+      raise ValueError(f"mosaic_gpu_attention: `{arg}` must be [B, T, N, H], got shape "
+                       f"{jnp.shape(x)}")
+  b, t, n, h = query.shape
+  if key.shape[0] != b or key.shape[3] != h or value.shape != key.shape:
+    raise ValueError(f"mosaic_gpu_attention: `key` and `value` must be [B, S, K, H] = "
+                     f"[{b}, S, K, {h}] alike, got {key.shape} and {value.shape}")
+  s, kh = key.shape[1], key.shape[2]
+  if n % kh:
+    raise ValueError(f"mosaic_gpu_attention: the query heads ({n}) must be a multiple of "
+                     f"the key heads ({kh}) of `key`")
+  dtype = jnp.dtype(query.dtype)
+  if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"mosaic_gpu_attention: `query` must be float16 or bfloat16, got {dtype}")
+  if key.dtype != dtype or value.dtype != dtype:
+    raise ValueError(f"mosaic_gpu_attention: `key` and `value` must have the query's dtype "
+                     f"{dtype}, got {key.dtype} and {value.dtype}")
+  if h not in (64, 128, 256):
+    raise ValueError(f"mosaic_gpu_attention: the head dim of `query` must be 64, 128 or 256, "
+                     f"got {h}")
+  dq, dk, dst = _default_blocks(h, dtype)
+  block_q = dq if block_q is None else block_q
+  block_k = dk if block_k is None else block_k
+  num_stages = dst if num_stages is None else num_stages
+  if block_q != 64:
+    raise ValueError(f"mosaic_gpu_attention: `block_q` must be 64 (one warpgroup's wgmma "
+                     f"tile), got {block_q}")
+  if block_k % 64 or block_k <= 0:
+    raise ValueError(f"mosaic_gpu_attention: `block_k` must be a positive multiple of 64, "
+                     f"got {block_k}")
+  if num_stages < 2:
+    raise ValueError(f"mosaic_gpu_attention: `num_stages` must be at least 2, got {num_stages}")
+  need = smem_bytes(h, dtype, block_q, block_k, min(num_stages, -(-s // block_k)))
+  if need + SMEM_SLACK > SMEM_LIMIT:
+    raise ValueError(
+        f"mosaic_gpu_attention: `block_k`={block_k} x `num_stages`={num_stages} at head dim "
+        f"{h} needs {need} bytes of shared memory, over Hopper's {SMEM_LIMIT}")
+  if scale is None:
+    scale = 1.0 / math.sqrt(h)
+  if interpret is True:
+    interpret = gpu_interpret_params()
+  elif interpret is False:
+    interpret = None
+  if interpret is not None and not interpreter_runs_kernel():
+    raise UnsupportedError(
+        f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
+        "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
+  rule = spec.tile
+  cfg = _Cfg(spec=spec, hp=tuple(sorted(hp.items())), scale=float(scale),
+             causal=bool(is_causal), t=t, s=s, block_q=block_q, block_k=block_k,
+             num_stages=num_stages, exp2=_exp2_rule(rule),
+             approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator)
+  if interpret is None:
+    return _attention(cfg, query, key, value, interpret)
+  try:
+    return _attention(cfg, query, key, value, interpret)
+  except NotImplementedError as e:
+    # JAX 0.10's GPU interpreter has no rule for pl.run_state (the accumulator handed to
+    # the second wgmma); JAX 0.12's has. Said plainly instead of a stack of interpreter frames.
+    if "run_state" not in str(e) or isinstance(e, UnsupportedError):
+      raise
+    raise UnsupportedError(
+        f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
+        f"cannot run this kernel ({e}); JAX 0.12.1 runs it") from e

@@ -1,0 +1,191 @@
+"""The Mosaic-GPU (Hopper) attention forward, verified without a GPU.
+
+Two checks need no accelerator:
+
+* ``jax.export(..., platforms=["cuda"])`` runs the whole Mosaic-GPU lowering for sm_90a
+  with Hopper's 227 KiB of shared memory: layouts, wgmma shapes, TMA transforms, dtype
+  and shared-memory overflow errors surface there. Every class x dtype x causal x head
+  dim (under ``-m slow``; a sample covering each value by default).
+* Pallas's GPU interpreter runs the kernel on a CPU (warpgroups, TMA ring and barriers
+  simulated) and is compared with an independent float64 numpy reference
+  (``tests/reference_f64.py``). JAX 0.10's interpreter has no rule for ``pl.run_state``
+  (the accumulator handed to the second wgmma): there the test asserts the kernel's clear
+  UnsupportedError instead; JAX 0.12.1 (the newest-JAX CI subset) runs the numerics.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from jaxsoft.normalizers import get as get_spec
+from kernels_pallas import mosaic_gpu as mga
+from tests import reference_f64
+
+
+def _export(normalizer, dtype, causal, h, *, b=1, t=200, s=None, n=4, kh=2, **kw):
+  s = t if s is None else s
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  k = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+  f = lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer,
+                                              is_causal=causal, **kw)
+  return jax.export.export(jax.jit(f), platforms=["cuda"])(q, k, k).mlir_module()
+
+
+NORMALIZERS = ["softmax", "softmax_1", "sigmoid", "relu", "stablemax"]  # E, E, P, P, S
+MATRIX = [(nm, dt, c, h) for nm in NORMALIZERS for dt in ("bfloat16", "float16")
+          for c in (False, True) for h in (64, 128, 256)]
+# the default sample: every class, dtype, causal flag and head dim at least once
+SAMPLE = [("softmax", "bfloat16", True, 256), ("sigmoid", "float16", False, 64),
+          ("stablemax", "bfloat16", True, 128)]
+
+
+def _lowers(normalizer, dtype, causal, h):
+  mlir = _export(normalizer, jnp.dtype(dtype), causal, h)
+  # one Mosaic-GPU custom call, no fallback to anything else
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 1, mlir[:2000]
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=["-".join(map(str, c)) for c in SAMPLE])
+def test_lowers_for_cuda(case):
+  _lowers(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
+def test_lowers_for_cuda_full_matrix(case):
+  _lowers(*case)
+
+
+def test_shared_memory_overflow_is_caught_by_the_export_and_the_wrapper():
+  """A ring too deep for 227 KiB: the wrapper refuses it naming the arguments, and the
+  export itself (the wrapper's check bypassed) fails with the byte count that
+  ``smem_bytes`` predicts (plus barriers and alignment, about 2 KiB)."""
+  h, bk, stages = 256, 128, 3
+  need = mga.smem_bytes(h, jnp.bfloat16, 64, bk, stages)
+  assert need > mga.SMEM_LIMIT
+  with pytest.raises(ValueError, match="`block_k`=128 x `num_stages`=3"):
+    _export("softmax", jnp.bfloat16, False, h, t=256, s=512, block_k=bk, num_stages=stages)
+  cfg = mga._Cfg(spec=get_spec("softmax"), hp=(), scale=0.1, causal=False, t=256, s=512,
+                 block_q=64, block_k=bk, num_stages=stages, exp2=True,
+                 approx_sigmoid=False)
+  q = jax.ShapeDtypeStruct((1, 256, 1, h), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 512, 1, h), jnp.bfloat16)
+  with pytest.raises(ValueError, match="exceeds available shared memory") as err:
+    jax.export.export(jax.jit(lambda q, k, v: mga._forward(cfg, q, k, v, None)),
+                      platforms=["cuda"])(q, k, k)
+  found = int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+  assert need <= found <= need + mga.SMEM_SLACK, (need, found)
+  # and the largest ring the wrapper accepts at H = 256 lowers
+  assert mga.smem_bytes(h, jnp.bfloat16, 64, 64, 2) <= mga.SMEM_LIMIT
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(normalizer="sparsemax"), "not of class E, S or P"),
+    (dict(h=96), "must be 64, 128 or 256"),
+    (dict(dtype=jnp.float32), "float16 or bfloat16"),
+    (dict(block_k=96), "multiple of 64"),
+    (dict(block_q=128), "`block_q` must be 64"),
+    (dict(num_stages=1), "at least 2"),
+    (dict(kh=3), "multiple of the key heads"),
+    (dict(normalizer_params={"temperature": jnp.ones(())}), "Python number"),
+])
+def test_errors_name_the_argument(kw, match):
+  kw = dict(kw)
+  dtype, h, kh = kw.pop("dtype", jnp.bfloat16), kw.pop("h", 64), kw.pop("kh", 1)
+  q = jnp.zeros((1, 128, 3 if kh == 3 else 2, h), dtype)
+  k = jnp.zeros((1, 128, 2 if kh == 3 else kh, h), dtype)
+  with pytest.raises((ValueError, kp.UnsupportedError), match=match):
+    kp.mosaic_gpu_attention(q, k, k, **kw)
+
+
+def test_gradient_raises_rather_than_returning_something():
+  q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+  f = lambda q: kp.mosaic_gpu_attention(q, q, q).astype(jnp.float32).sum()
+  with pytest.raises(NotImplementedError, match="no backward pass"):
+    jax.export.export(jax.jit(jax.grad(f)), platforms=["cuda"])(q)
+
+
+def _inputs(seed, b, t, s, n, kh, h, dtype):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
+               for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
+
+
+def _reference(normalizer, q, k, v, causal, scale, hp):
+  """Dense attention in float64 from the rounded inputs: weights by reference_f64."""
+  q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+  g = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  logits = scale * np.einsum("bthd,bshd->bhts", q, k)
+  t, s = logits.shape[-2:]
+  where = np.tril(np.ones((t, s), bool)) if causal else None
+  w = reference_f64.normalizer(normalizer, logits, where=where, **hp)
+  out = np.einsum("bhts,bshd->bthd", w, v)
+  bound = np.einsum("bhts,bshd->bthd", np.abs(w), np.abs(v))
+  return out, bound
+
+
+def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
+                    interpret=True):
+  hp = dict(hp or {})
+  q, k, v = _inputs(0, 1, t, s, n, kh, h, dtype)
+  call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                         normalizer_params=hp, block_k=block_k,
+                                         interpret=interpret)
+  if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      call()
+    return
+  out = np.asarray(call().astype(jnp.float32), np.float64)
+  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp)
+  # The kernel rounds the weights to the input dtype before the second matmul and the
+  # output once more (unit roundoff u each; float32 sums are far below that), so
+  # |O - O_ref| <= 2u sum_j |w_j| |v_j|; 10% slack for the float32 statistics.
+  u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
+  err = np.abs(out - ref)
+  assert np.all(err <= 2.2 * u * bound + 1e-6), (err.max(), (err / (bound + 1e-30)).max())
+  # not vacuous: the output is not ~0 and the bound is not loose by orders of magnitude
+  assert np.abs(ref).max() > 0.1
+
+
+def test_interpret_matches_float64_reference():
+  """Causal class E with an offset (softmax_1), GQA, odd lengths (padded query rows, a
+  masked padded key block), fp16, under the GPU interpreter."""
+  _check_numerics("softmax_1", True, jnp.float16, t=100, s=100, n=2, kh=1, h=64)
+
+
+INTERPRET = [
+    ("softmax", True, "bfloat16", 200, 200, 2, 1, 64, {}),
+    ("softmax", False, "float16", 128, 256, 2, 2, 64, {"temperature": 2.0}),
+    ("sigmoid", True, "float16", 128, 300, 2, 1, 64, {}),
+    ("relu", False, "float16", 128, 128, 1, 1, 64, {}),
+    ("stablemax", False, "bfloat16", 130, 70, 2, 1, 128, {}),
+    ("softmax_n", True, "bfloat16", 128, 128, 1, 1, 64, {"n": 2.0}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", INTERPRET, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in INTERPRET])
+def test_interpret_matrix(case):
+  normalizer, causal, dtype, t, s, n, kh, h, hp = case
+  _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+
+
+@pytest.mark.slow
+def test_pipeline_has_no_data_race():
+  """The GPU interpreter's happens-before race detector over the TMA ring, the consumed
+  barriers and the causal epilogue (several key blocks per warpgroup, 2 ring slots)."""
+  if not mga.interpreter_runs_kernel():
+    _check_numerics("softmax", True, jnp.float16, 256, 256, 1, 1, 64)  # asserts the error
+    return
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  _check_numerics("softmax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
+  assert not ipc.get_races().races_found
