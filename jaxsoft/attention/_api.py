@@ -7,7 +7,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 import kernels_pallas
@@ -323,8 +322,6 @@ def dot_product_attention(
     ((2, 8, 2, 4), True)
   """
   order = implementation_order(implementation)
-  if not isinstance(return_residual, (bool, np.bool_)):
-    raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
   unbatched = jnp.ndim(query) == 3
   call = AttentionCall.create(
       query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,

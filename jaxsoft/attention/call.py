@@ -161,6 +161,8 @@ class AttentionCall:
         raise ValueError(f"`scale` must be a scalar, got shape {scale.shape}")
     if not isinstance(is_causal, (bool, np.bool_)):
       raise ValueError(f"`is_causal` must be a bool, got {is_causal!r}")
+    if not isinstance(return_residual, (bool, np.bool_)):
+      raise ValueError(f"`return_residual` must be a bool, got {return_residual!r}")
     query_seq_lengths = _check_lengths(query_seq_lengths, "query_seq_lengths", B, T)
     key_value_seq_lengths = _check_lengths(key_value_seq_lengths, "key_value_seq_lengths", B, S)
     window = normalize_window(local_window_size)
