@@ -125,7 +125,7 @@ def nats_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayL
   Examples:
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
     >>> g, beta = jnp.full((1, 6, 2), -0.1), jnp.full((1, 6, 2), 0.5)
-    >>> o = js.attention.nats_attention(q, k, v, g, beta, jnp.ones((1, 6, 2)))
+    >>> o = jax.jit(js.attention.nats_attention)(q, k, v, g, beta, jnp.ones((1, 6, 2)))
     >>> dense = js.attention.dot_product_attention(q, k, v, is_causal=True)
     >>> bool(jnp.allclose(o, dense, atol=1e-5))
     True
@@ -175,8 +175,9 @@ def oryx_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayL
   Examples:
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 6, 2, 4))
     >>> g, beta = jnp.full((1, 6, 2), -0.1), jnp.full((1, 6, 2), 0.5)
-    >>> o = js.attention.oryx_attention(q, k, v, g, beta, jnp.zeros((1, 6, 2)))
-    >>> gdn = js.linear.gated_delta_rule(q, k, v, g, beta, qk_l2norm=True)
+    >>> o = jax.jit(js.attention.oryx_attention)(q, k, v, g, beta, jnp.zeros((1, 6, 2)))
+    >>> gdn = jax.jit(js.linear.gated_delta_rule, static_argnames='qk_l2norm')(
+    ...     q, k, v, g, beta, qk_l2norm=True)
     >>> bool(jnp.allclose(o, gdn, atol=1e-5))
     True
 

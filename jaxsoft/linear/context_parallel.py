@@ -275,8 +275,8 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
     >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> q = k = v = jnp.ones((1, 4, 1, 2)); g = jnp.full((1, 4, 1), jnp.log(0.5))
     >>> cp_gla = context_parallel(js.linear.simple_gla, axis_name="cp")
-    >>> f = jax.shard_map(lambda q, k, v, g: cp_gla(q, k, v, g, scale=1.0), mesh=mesh,
-    ...                   in_specs=(P(None, "cp"),) * 4, out_specs=P(None, "cp"))
+    >>> f = jax.jit(jax.shard_map(lambda q, k, v, g: cp_gla(q, k, v, g, scale=1.0), mesh=mesh,
+    ...                           in_specs=(P(None, "cp"),) * 4, out_specs=P(None, "cp")))
     >>> f(q, k, v, g)[0, :, 0, 0]
     Array([2.  , 3.  , 3.5 , 3.75], dtype=float32)
 
@@ -381,10 +381,11 @@ def context_parallel_mixer(layer: Any, x: jax.Array, *, axis_name: Any) -> jax.A
     >>> from jax.sharding import PartitionSpec as P
     >>> layer = js.nn.LinearMixer("gla", d_model=8, num_heads=2, rngs=nnx.Rngs(0))
     >>> mesh = jax.make_mesh((1,), ("cp",), axis_types=(jax.sharding.AxisType.Auto,))
-    >>> f = jax.shard_map(lambda x: context_parallel_mixer(layer, x, axis_name="cp"),
-    ...                   mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp"))
+    >>> f = jax.jit(jax.shard_map(lambda x: context_parallel_mixer(layer, x, axis_name="cp"),
+    ...                           mesh=mesh, in_specs=P(None, "cp"), out_specs=P(None, "cp")))
     >>> x = jnp.ones((1, 4, 8))
-    >>> bool(jnp.allclose(f(x), layer(x), atol=1e-6))
+    >>> unsharded = jax.jit(lambda x: layer(x))
+    >>> bool(jnp.allclose(f(x), unsharded(x), atol=1e-6))
     True
 
   References:
