@@ -320,12 +320,14 @@ def context_parallel_attention(
 
     >>> mesh = jax.make_mesh((1,), ("context",))
     >>> x = jnp.sin(jnp.arange(128.0)).reshape(2, 8, 2, 4)  # [B, T, N, H]
-    >>> out = js.attention.context_parallel_attention(x, x, x, mesh=mesh, is_causal=True)
-    >>> ref = js.attention.dot_product_attention(x, x, x, is_causal=True)
+    >>> causal = jax.jit(lambda x: js.attention.context_parallel_attention(
+    ...     x, x, x, mesh=mesh, is_causal=True))
+    >>> out, ref = causal(x), js.attention.dot_product_attention(x, x, x, is_causal=True)
     >>> out.shape, bool(jnp.allclose(out, ref, atol=1e-6))
     ((2, 8, 2, 4), True)
-    >>> out = js.attention.context_parallel_attention(
-    ...     x, x, x, mesh=mesh, strategy="ulysses", normalizer="sparsemax")
+    >>> ulysses = jax.jit(lambda x: js.attention.context_parallel_attention(
+    ...     x, x, x, mesh=mesh, strategy="ulysses", normalizer="sparsemax"))
+    >>> out = ulysses(x)
     >>> ref = js.attention.dot_product_attention(x, x, x, normalizer="sparsemax")
     >>> bool(jnp.allclose(out, ref, atol=1e-6))
     True
