@@ -36,9 +36,18 @@ A ``+inf`` logit that comes from the scores (a float32 ``q·k`` that overflows, 
 ``|q|, |k| ~ 1e20``) is found the same way: the rows are recomputed when the bias holds a
 ``+inf`` or a bound on the scores (``H max|q| max|k| |scale|`` plus the bias's max) comes
 within a quarter of the dtype's largest value, and the rows take the dense path's logits.
-Without a bias the tiles do not look for ``±inf`` logits (their fast path): an overflowing
-``q·k`` there makes its row NaN on the blockwise paths, never a plausible number; pass a
-bias (zeros) or use ``implementation="xla"`` for such inputs.
+Without a bias the tiles do not look for ``±inf`` logits (their fast path: no visibility
+test on a tile the structure leaves whole), so the rows are taken out of the blockwise
+pass instead: only when the bound is reached (a second ``lax.cond``; an ordinary call pays
+max |q| and max |k|), a plain XLA pass finds the rows with a visible ``+inf`` score and
+their queries enter the pass as zeros (finite logits; the pass's output and gradient for
+those rows are discarded: the query's cotangent there is 0, as the dense path's), and the
+rows take the ``+inf`` rule as above. Left as the dense path does not: a ``+inf`` that a
+query of zeros still gives (a distance score ``|k|`` or a decay term ``-ck`` that
+overflows by itself) keeps its row NaN without a bias, never a plausible number; and a
+score that overflows to ``-inf`` is hidden by the dense path but stays visible to the
+blockwise length count n (length-dependent normalizers) and to a class-R moment without
+a bias (NaN).
 """
 
 from __future__ import annotations
@@ -78,11 +87,9 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
     ``+inf`` (the log-sum-exp and the threshold of such a row).
   """
   spec = call.spec
-  if (call.bias is None or not isinstance(spec, _spec.NormalizerSpec)
-      or spec.kernel_class == "P" or spec.needs_key):
-    return run(call)
-  result = run(call)
-  out, stat = result if call.return_residual else (result, None)
+  if (not isinstance(spec, _spec.NormalizerSpec) or spec.kernel_class == "P"
+      or spec.needs_key or (call.bias is None and call.logits_soft_cap is not None)):
+    return run(call)  # (a soft cap keeps the scores finite: |c tanh(s / c)| <= c)
   arrays = {name: x for name, x in call.params.items()
             if isinstance(x, (jax.Array, np.ndarray)) and jnp.issubdtype(x.dtype, jnp.floating)}
   # Every other array the rows read goes in as an argument too: the custom VJP must not
@@ -94,26 +101,57 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
              "segment_ids": call.segment_ids,
              "params": {name: x for name, x in call.params.items()
                         if name not in arrays and isinstance(x, (jax.Array, np.ndarray))}}
-  out, stat = _override_rows(call)(out, stat, call.v, jnp.asarray(call.bias), arrays, context)
+  bias = None if call.bias is None else jnp.asarray(call.bias)
+  # without a bias the tiles keep +inf scores visible: those rows' queries go in as zeros
+  run_call = call if bias is not None else dataclasses.replace(
+      call, q=_without_posinf_rows(call, context))
+  result = run(run_call)
+  out, stat = result if call.return_residual else (result, None)
+  out, stat = _override_rows(call)(out, stat, call.v, bias, arrays, context)
   return out if stat is None else (out, stat)
 
 
-def _has_posinf(bias):
-  """Whether the bias holds a ``+inf`` (its max: a float reduction, 3x faster than
-  ``jnp.any`` of a comparison on XLA:CPU; a NaN bias gives False, its rows are NaN)."""
-  return jnp.max(bias) == jnp.inf
+def _with_context(call, context):
+  """The call with its arrays taken from ``context`` (:func:`with_posinf_rule`'s)."""
+  return dataclasses.replace(
+      call, q=context["q"], k=context["k"], scale=context["scale"],
+      decay_bias=context["decay_bias"],
+      mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
+      key_value_seq_lengths=context["key_value_seq_lengths"],
+      segment_ids=context["segment_ids"], params={**call.params, **context["params"]})
+
+
+def _without_posinf_rows(call, context):
+  """The queries for a blockwise pass without a bias: ``q`` with the rows that have a
+  visible ``+inf`` score set to 0 (those rows' logits are then finite, and their output
+  is replaced by the ``+inf`` rule), in a ``lax.cond`` on :func:`_may_have_posinf`
+  whose other branch returns ``q`` (an ordinary call pays the bound only). The rows are
+  found on stopped values (a boolean has no tangent); ``q``'s cotangent on them is 0."""
+  dtype = compute_dtype(call.q.dtype)
+
+  def careful(q, context):
+    context = jax.tree.map(lax.stop_gradient, context)
+    count_k = _row_sums(_with_context(call, context), None, None, dtype)[2]  # [B, T, N]
+    return jnp.where((count_k > 0)[..., None], jnp.zeros((), q.dtype), q)
+
+  def plain(q, context):
+    del context
+    return q
+
+  return lax.cond(_may_have_posinf(call, None, context), careful, plain, call.q, context)
 
 
 def _may_have_posinf(call, bias, context):
-  """Whether a logit can be ``+inf``: the bias holds one (:func:`_has_posinf`), or the
+  """Whether a logit can be ``+inf``: the bias holds one, or the
   scores plus the bias may overflow. The bound is per call, O((T + S) H):
   ``|s q·k| <= H max|q| max|k| |s|`` (the distance score: ``H (max|q| + max|k|)^2``, its
-  squared terms), plus the decay terms' largest magnitudes and the bias's max; a soft cap
-  bounds the scores by itself. A NaN anywhere also takes the careful branch (its rows
-  stay NaN there)."""
-  bmax = jnp.max(bias)
+  squared terms), plus the decay terms' largest magnitudes and the bias's max (its max:
+  a float reduction, 3x faster than ``jnp.any`` of a comparison on XLA:CPU; ``bias``
+  None: no bias); a soft cap bounds the scores by itself. A NaN anywhere also takes the
+  careful branch (its rows stay NaN there)."""
   dtype = compute_dtype(call.q.dtype)
   big = jnp.asarray(jnp.finfo(dtype).max / 4, dtype)
+  bmax = jnp.asarray(-jnp.inf, dtype) if bias is None else jnp.max(bias)
   bound = jnp.maximum(bmax.astype(dtype), 0)
   if call.logits_soft_cap is None:
     q_max = jnp.max(jnp.abs(context["q"].astype(dtype)))
@@ -142,16 +180,8 @@ def _override_rows(call):
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
 
-  def with_context(context):  # the call, its arrays taken from the arguments
-    return dataclasses.replace(
-        call, q=context["q"], k=context["k"], scale=context["scale"],
-        decay_bias=context["decay_bias"],
-        mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
-        key_value_seq_lengths=context["key_value_seq_lengths"],
-        segment_ids=context["segment_ids"], params={**call.params, **context["params"]})
-
   def rows(v, bias, arrays, context):  # (out of the +inf rows, where a row has a visible +inf)
-    call_ = with_context(context)
+    call_ = _with_context(call, context)
     sum_inf, sum_rest, count_k, count_n = _row_sums(call_, v, bias, dtype, rest=not share)
     if share:  # 1/k on each +inf entry, 0 elsewhere
       return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0
@@ -237,9 +267,9 @@ def _shares_among_inf(spec, params) -> bool:
 
 def _row_sums(call, v, bias, dtype, rest: bool = True):
   """Per row: the sums of the values over the visible ``+inf`` entries and (with ``rest``,
-  else None) over the other visible ones, [B, T, N, Hv] each, and the counts k and n,
-  [B, T, N]; plain XLA over blocks of query rows (about 2^22 visibility entries at a
-  time). The logits are the dense path's (:func:`~jaxsoft.attention.dense_logits`:
+  else None) over the other visible ones, [B, T, N, Hv] each (both None when ``v`` is
+  None), and the counts k and n, [B, T, N]; plain XLA over blocks of query rows (about
+  2^22 visibility entries at a time). The logits are the dense path's (:func:`~jaxsoft.attention.dense_logits`:
   scores, decay, soft cap, bias), so a ``q·k`` that overflows to ``+inf`` counts as the
   bias's ``+inf`` does (the tiles hide it as they hide the bias's)."""
   B, T, N, _ = call.q.shape
@@ -266,11 +296,12 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
   if st.has_segments:
     q_seg = jnp.pad(st.q_segment_ids, ((0, 0), (0, Tp - T)), mode="edge")
     kv_seg = st.kv_segment_ids
-  values = v.astype(dtype)
+  values = None if v is None else v.astype(dtype)
+  rest = rest and v is not None
   k_pos = jnp.arange(S, dtype=jnp.int32)
 
   def rows(a, start):
-    return a if a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, start, bq, 2)
+    return a if a is None or a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, start, bq, 2)
 
   def block(qi):
     start = qi * bq
@@ -292,7 +323,7 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
       return jnp.einsum("bkgts,bskh->btkgh", w, values).reshape(B, bq, N, -1)
 
     counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)  # [2, B, N, bq]
-    return (total(hit), total(vis & ~hit) if rest else None,
+    return (None if values is None else total(hit), total(vis & ~hit) if rest else None,
             jnp.transpose(counts, (0, 1, 3, 2)))
 
   sum_inf, sum_rest, counts = lax.map(block, jnp.arange(nq, dtype=jnp.int32))
@@ -303,8 +334,8 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
     return lax.slice_in_dim(a.reshape(shape), 0, T, axis=axis)
 
   counts = unblock(counts, 2)  # [2, B, T, N]
-  return (unblock(sum_inf, 1), None if sum_rest is None else unblock(sum_rest, 1), counts[0],
-          counts[1])
+  return (None if sum_inf is None else unblock(sum_inf, 1),
+          None if sum_rest is None else unblock(sum_rest, 1), counts[0], counts[1])
 
 
 def _limit_weights(call, arrays, count_k, count_n, dtype):

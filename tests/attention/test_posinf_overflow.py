@@ -6,8 +6,9 @@ dense path gives such a row its normalizer's ``+inf`` limit (1/k on the ``+inf``
 softmax) with a zero logit cotangent. With a bias, ``xla_chunked`` and the Pallas kernels
 hid those keys like ``-inf`` ones and, looking for ``+inf`` only in the bias, computed the
 row from the remaining keys: a finite, wrong answer (17.3 where the limit gives 2.0).
-Compared with the dense path (which the posinf tests check against float64 numpy): values
-and the gradients in q, k, v and the bias.
+Without a bias the tiles keep such scores visible and the rows came out NaN (value and
+gradient). Compared with the dense path (which the posinf tests check against float64
+numpy): values and the gradients in q, k, v and the bias.
 """
 
 import jax
@@ -41,28 +42,33 @@ def _inputs():
   return q, k, v, bias, cot
 
 
-def _run(impl, normalizer, params=None):
+def _run(impl, normalizer, params=None, with_bias=True, is_causal=False):
   q, k, v, bias, cot = _inputs()
+  if not with_bias:
+    bias = None
 
   def loss(q, k, v, bias):
-    out = dpa(q, k, v, bias=bias, normalizer=normalizer, normalizer_params=params,
-              implementation=impl)
+    out = dpa(q, k, v, bias=bias, is_causal=is_causal, normalizer=normalizer,
+              normalizer_params=params, implementation=impl)
     return jnp.sum(out * cot), out
 
   (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
-      *(jnp.asarray(a, jnp.float32) for a in (q, k, v, bias)))
+      *(None if a is None else jnp.asarray(a, jnp.float32) for a in (q, k, v, bias)))
   return out, grads
 
 
-def _check(impl, normalizer, params=None):
-  ref_out, ref_grads = _run("xla", normalizer, params)
-  out, grads = _run(impl, normalizer, params)
+def _check(impl, normalizer, params=None, **kw):
+  ref_out, ref_grads = _run("xla", normalizer, params, **kw)
+  out, grads = _run(impl, normalizer, params, **kw)
   assert np.all(np.isfinite(np.asarray(ref_out)))
   # float32 paths that differ in summation order and blocking: 1e-4 relative (the k
   # gradient carries q ~ 1e20 from the ordinary rows' products, hence relative); a row
   # computed without its +inf keys differs by O(1).
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
   for g, r in zip(grads, ref_grads, strict=True):
+    if r is None:  # no bias
+      assert g is None
+      continue
     assert np.all(np.isfinite(np.asarray(g)))
     np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
 
@@ -91,3 +97,22 @@ def test_blockwise_overflowing_scores_match_dense(impl, normalizer, params, smal
                                                   monkeypatch):
   monkeypatch.setenv(INTERPRET_ENV, "1")
   _check(impl, normalizer, params)
+
+
+def test_chunked_overflowing_scores_without_bias(small_blocks):
+  """No bias (the tiles' fast path): the +inf rows were NaN in value and in every gradient;
+  the rows are now found beside the pass (the queries enter it as zeros there). Causal:
+  rows 1 and 4 see their +inf keys 0 and 2, and row 4's +inf key 4 too; values and the
+  gradients in q, k and v against the dense path."""
+  _check("xla_chunked", "softmax", is_causal=True, with_bias=False)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["xla_chunked", "pallas"])
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("normalizer,params", SWEEP, ids=[s[0] for s in SWEEP])
+def test_blockwise_overflowing_scores_without_bias_match_dense(impl, normalizer, params,
+                                                               is_causal, small_blocks,
+                                                               monkeypatch):
+  monkeypatch.setenv(INTERPRET_ENV, "1")
+  _check(impl, normalizer, params, with_bias=False, is_causal=is_causal)
