@@ -92,6 +92,10 @@ Two more sections (``--sections``), each checked before it is timed:
   values, rounded once, as the kernels compute; a quantised weight may move one
   level where the sum, added in another order, moves it across a boundary: fails beyond
   one level + 1e-6 or on more than 0.1% of the entries; the LUT softmax beyond 1e-6).
+* ``mosaic_gpu`` (bench/gpu_mosaic_gpu.py): ``kp.mosaic_gpu_attention``, the Mosaic-GPU
+  (Hopper) forward, unverified on hardware until this section runs, against cuDNN softmax
+  and the Triton kernel, bf16, H = 128, T in {4k, 16k}, full and causal, CUPTI device
+  time; each normalizer checked first against a float64 dense reference.
 
 FLOPs: 4·B·N·T·S·H for the forward pass (halved for causal); forward+backward counts 3.5x
 the forward FLOPs (the backward recomputes QK^T and does four more matmuls: 2.5x).
@@ -103,6 +107,7 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
     python bench/gpu.py --sections polykv,single_pass   # the K11 / K12 rows
     python bench/gpu.py --sections two_pass,quantized   # the K05 / K06 / K09 row kernels
     python bench/gpu.py --sections topk                 # K01, fused softmax + top-k
+    python bench/gpu.py --sections mosaic_gpu           # the Mosaic-GPU (Hopper) forward
 """
 
 from __future__ import annotations
@@ -125,7 +130,7 @@ import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
 SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox",
-            "polykv", "single_pass", "two_pass", "quantized", "topk")
+            "polykv", "single_pass", "two_pass", "quantized", "topk", "mosaic_gpu")
 
 
 @dataclasses.dataclass
@@ -297,6 +302,10 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_topk
     ok &= gpu_topk.section(args)
+  if "mosaic_gpu" in sections:  # bench/gpu_mosaic_gpu.py, beside this script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_mosaic_gpu
+    ok &= gpu_mosaic_gpu.section(args)
   return 0 if ok else 1
 
 

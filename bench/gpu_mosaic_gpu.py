@@ -1,0 +1,158 @@
+"""The ``mosaic_gpu`` section of bench/gpu.py: ``kp.mosaic_gpu_attention`` (the Mosaic-GPU
+Hopper forward, FlashAttention-3 structure, never run on a GPU before this section)
+against cuDNN softmax (``jax.nn.dot_product_attention(implementation="cudnn")``) and
+this library's Triton kernel (``kp.attention(backend="triton")``) for the same
+normalizer: forward only (the Mosaic kernel has no backward yet), bf16, H = 128,
+B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal, for softmax, softmax_1,
+sigmoid, relu and stablemax (classes E, E, P, P, S).
+
+Correctness first: every (normalizer, causal) is compared at T = 512 (``--tiny``: 128)
+with a dense float64 attention of the same rounded inputs; the kernel rounds the weights
+and the output to bf16 once each, so ``|O - O_ref| <= 2u sum_j |w_j| |v_j|`` (u = 2^-8)
+plus ``ex2.approx`` / ``tanh.approx``'s relative 2^-22 / 2^-11 on the GPU: a case beyond
+``3u sum_j |w_j||v_j|`` is reported as FAIL and never timed.
+
+Times are the GPU's own (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median
+of ``--reps`` runs of the kernels alone), or wall clock around a call off a GPU (the
+``clock`` column says which). TFLOP/s counts 4·B·N·T²·H (halved for causal); ``x cuDNN``
+is cuDNN softmax's time over the row's (above 1: faster than cuDNN softmax).
+
+    python bench/gpu.py --sections mosaic_gpu                       # on an H100 / H200
+    python bench/gpu.py --sections mosaic_gpu --interpret --tiny    # CPU, JAX >= 0.12.1
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxsoft.normalizers as jn
+import kernels_pallas as kp
+
+NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax")
+
+
+def _inputs(b, t, n, h, dtype, seed=0):
+  rng = np.random.default_rng(seed)
+  return tuple(jnp.asarray(rng.standard_normal((b, t, n, h), np.float32), dtype)
+               for _ in range(3))
+
+
+def _reference(q, k, v, normalizer, causal):
+  """(dense attention of the rounded inputs, sum_j |w_j| |v_j|) in float64, numpy."""
+  q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+  t, s, h = q.shape[1], k.shape[1], q.shape[-1]
+  logits = np.einsum("btnh,bsnh->bnts", q, k) / np.sqrt(h)
+  mask = np.tril(np.ones((t, s), bool)) if causal else np.ones((t, s), bool)
+  # the weights in float32 (a relative 1e-7, far below bf16's 2^-8), the rest float64
+  fn = jax.jit(lambda x: jn.get(normalizer).fn(x, where=mask[None, None]))  # one compile
+  w = np.asarray(fn(jnp.asarray(logits, jnp.float32)), np.float64)
+  return (np.einsum("bnts,bsnh->btnh", w, v),
+          np.einsum("bnts,bsnh->btnh", np.abs(w), np.abs(v)))
+
+
+def _mosaic(normalizer: str, causal: bool, interpret: bool):
+  return lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer,
+                                                 is_causal=causal, interpret=interpret)
+
+
+def _triton(normalizer: str, causal: bool, interpret: bool):
+  return lambda q, k, v: kp.attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                      backend="triton", interpret=interpret)
+
+
+def _cudnn(causal: bool):
+  return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                      implementation="cudnn")
+
+
+def check(normalizer: str, causal: bool, t: int, interpret: bool) -> tuple[bool, str]:
+  """(ok, what was measured): the Mosaic kernel against the float64 reference."""
+  q, k, v = _inputs(1, t, 2, 128, jnp.bfloat16, seed=1)
+  try:
+    out = np.asarray(jax.jit(_mosaic(normalizer, causal, interpret))(q, k, v)
+                     .astype(jnp.float32), np.float64)
+  except Exception as e:  # a kernel that does not compile or run is a FAIL row, not a crash
+    return False, f"{type(e).__name__}: {str(e)[:300]}"
+  ref, bound = _reference(q, k, v, normalizer, causal)
+  ratio = float(np.max(np.abs(out - ref) / (3 * 2.0 ** -8 * bound + 1e-6)))
+  ok = bool(np.all(np.isfinite(out))) and ratio <= 1.0
+  return ok, f"error / tolerance {ratio:.3g} (tolerance 3u sum|w||v|, u = 2^-8)"
+
+
+def _device_ms(f, args, reps: int) -> tuple[float, str]:
+  """Median milliseconds of ``f(*args)``: CUPTI's kernel time on a GPU, else wall clock."""
+  jax.block_until_ready(f(*args))  # compile and warm up
+  if jax.default_backend() == "gpu":
+    try:
+      from jax.experimental.mosaic.gpu import profiler
+      _, times = profiler.measure(f, iterations=reps)(*args)
+      if times:
+        return statistics.median(times), "cupti"
+    except Exception as e:  # noqa: BLE001 - reported, then the wall clock
+      print(f"# CUPTI measure failed ({type(e).__name__}: {e}); wall clock instead",
+            file=sys.stderr)
+  ts = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return statistics.median(ts) * 1e3, "wall"
+
+
+def _row(kernel, normalizer, shape, causal, ms, clock, flops, base_ms, status):
+  if ms is None:
+    print(f"| {kernel} | {normalizer} | {shape} | {causal} | - | - | - | - | {status} |")
+    return
+  ratio = f"{base_ms / ms:.2f}" if base_ms else "-"
+  print(f"| {kernel} | {normalizer} | {shape} | {causal} | {ms:.3f} | {clock} | "
+        f"{flops / ms / 1e9:.1f} | {ratio} | {status} |")
+
+
+def section(args) -> bool:
+  """The Mosaic-GPU forward against cuDNN softmax and the Triton kernel, each case
+  checked first; False when any check failed."""
+  interpret = bool(args.interpret)
+  on_gpu = jax.default_backend() == "gpu"
+  if args.tiny:
+    shapes, check_t, reps = [(1, 128, 2)], 128, args.reps or 1  # (B, T, N)
+  else:
+    shapes, check_t, reps = [(4, 4096, 16), (1, 16384, 16)], 512, args.reps or 20
+  h = 128
+  names = NORMALIZERS
+  ok_all = True
+  print("\n## Mosaic-GPU forward (kp.mosaic_gpu_attention), bf16, H = 128\n")
+  print("| kernel | normalizer | B x T x N | causal | ms | clock | TFLOP/s | x cuDNN | status |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for causal in (False, True):
+    checked = {}
+    for name in names:
+      ok, what = check(name, causal, check_t, interpret)
+      print(f"# mosaic_gpu {name} causal={causal}: {what}", file=sys.stderr)
+      checked[name] = ok
+      ok_all &= ok
+    for b, t, n in shapes:
+      q, k, v = _inputs(b, t, n, h, jnp.bfloat16)
+      flops = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
+      shape = f"{b} x {t} x {n}"
+      base = None
+      if on_gpu:
+        base, clock = _device_ms(jax.jit(_cudnn(causal)), (q, k, v), reps)
+        _row("cudnn", "softmax", shape, causal, base, clock, flops, base, "ok")
+      for name in names:
+        if not checked[name]:
+          _row("mosaic_gpu", name, shape, causal, None, None, flops, base, "FAIL")
+          continue
+        ms, clock = _device_ms(jax.jit(_mosaic(name, causal, interpret)), (q, k, v), reps)
+        _row("mosaic_gpu", name, shape, causal, ms, clock, flops, base, "ok")
+        try:
+          ms, clock = _device_ms(jax.jit(_triton(name, causal, interpret)), (q, k, v), reps)
+          _row("triton", name, shape, causal, ms, clock, flops, base, "ok")
+        except Exception as e:  # noqa: BLE001 - the Triton row is context, not the subject
+          print(f"# triton {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+  return ok_all

@@ -1,0 +1,65 @@
+"""bench/gpu_mosaic_gpu.py (the ``mosaic_gpu`` section of bench/gpu.py): every case is
+checked against a float64 dense reference before it is timed, a wrong kernel is never
+timed, and (JAX 0.12.1, whose GPU interpreter runs the kernel) the whole section runs on
+CPU in interpret mode with tiny shapes."""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from kernels_pallas import mosaic_gpu as mga
+from tests.helpers import load_script
+
+
+def _load():
+  return load_script("bench/gpu_mosaic_gpu.py", "bench_gpu_mosaic_gpu")
+
+
+def _rows(out: str):
+  return [line for line in out.splitlines() if line.startswith("| ") and " ms |" not in line
+          and not line.startswith("|---")]
+
+
+def _stand_in(q, k, v, normalizer, is_causal, interpret):
+  """Dense softmax attention (nothing Pallas): exact without the causal mask, 2% too large
+  with it (beyond the check's 3u of bf16 output)."""
+  assert normalizer == "softmax"
+  out = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                     v.astype(jnp.float32), is_causal=is_causal)
+  return (out * (1.02 if is_causal else 1.0)).astype(q.dtype)
+
+
+def test_checked_before_timed(monkeypatch, capsys):
+  """The exact case passes its check and is timed (the timer stubbed); the wrong one is a
+  FAIL row and never timed."""
+  bench = _load()
+  monkeypatch.setattr(bench, "NORMALIZERS", ("softmax",))
+  monkeypatch.setattr(bench.kp, "mosaic_gpu_attention", _stand_in)
+  timed = []
+  monkeypatch.setattr(bench, "_device_ms",
+                      lambda f, args, reps: timed.append(f) or (1.0, "stub"))
+  monkeypatch.setattr(bench, "_triton", lambda *a: _stand_in)
+  assert bench.section(argparse.Namespace(interpret=True, tiny=True, reps=1)) is False
+  rows = _rows(capsys.readouterr().out)
+  assert [(r.split("|")[1].strip(), r.split("|")[4].strip(), r.split("|")[-2].strip())
+          for r in rows] == [("mosaic_gpu", "False", "ok"), ("triton", "False", "ok"),
+                             ("mosaic_gpu", "True", "FAIL")], rows
+  assert len(timed) == 2  # the full case's two rows only
+
+
+@pytest.mark.slow
+def test_section_runs_in_interpret_mode(capsys):
+  bench = load_script("bench/gpu.py", "bench_gpu")
+  assert "mosaic_gpu" in bench.SECTIONS and "--sections mosaic_gpu" in bench.__doc__
+  rc = bench.main(["--interpret", "--tiny", "--sections", "mosaic_gpu", "--reps", "1"])
+  rows = _rows(capsys.readouterr().out)
+  mosaic = [r for r in rows if r.startswith("| mosaic_gpu |")]
+  assert len(mosaic) == 2 * 5, rows  # full and causal x five normalizers
+  if mga.interpreter_runs_kernel():
+    assert rc == 0 and all(r.rstrip().endswith("| ok |") for r in mosaic), rows
+  else:  # JAX 0.10: the interpreter cannot run the kernel, so nothing is timed
+    assert rc == 1 and all(r.rstrip().endswith("| FAIL |") for r in mosaic), rows
