@@ -16,6 +16,7 @@ from kernels_pallas.autotune import (
     clear_autotune_cache,
 )
 from kernels_pallas.backends import BACKENDS, INTERPRET_ENV, pick_backend
+from kernels_pallas.blasst import blasst_attention
 from kernels_pallas.decode import decode_attention
 from kernels_pallas.engine import UnsupportedError, default_block_sizes
 from kernels_pallas.fused_top_k import softmax_top_k
@@ -33,4 +34,5 @@ __all__ = ["attention", "attention_from_call", "BlockSizes", "UnsupportedError",
            "polykv_decode_attention", "polykv_quantize", "single_pass_softmax"]
 __all__ += ["softmax_top_k"]
 __all__ += ["two_pass_softmax", "exp2_poly", "quantized_softmax", "lut_softmax"]
+__all__ += ["blasst_attention"]
 __all__ += ["mosaic_gpu_attention"]  # unverified on hardware: not in the dispatch

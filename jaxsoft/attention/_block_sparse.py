@@ -22,8 +22,9 @@ selecting methods compute the same selection and run the attention in the Pallas
 (``kernels_pallas``) through a block table: the kept key blocks of each (batch, head,
 query block), and for per-token selections each token's own list, which hides in a
 tile the rows that did not select its key block; forward and backward visit only the
-listed blocks. BLASST runs its decision pass (the cumulative max of the block maxima
-below, in XLA) and then the engine over each row's kept key blocks, as a per-row list.
+listed blocks. BLASST runs its own kernel (``kernels_pallas.blasst``), which decides
+each skip inside the key loop on the running max, then the engine's backward over each
+row's kept key blocks.
 
 Causality: under ``is_causal`` no decision about token i uses a query, key or pooled key
 later than i, so a token's output (and gradient) never depends on later tokens, and
@@ -370,19 +371,18 @@ def _blasst(lay: _Layout, tau: float):
 
 
 def _blasst_pallas(call, lay: _Layout, tau: float, pallas):
-  """BLASST with the attention in the Pallas engine: the skip loop's decision pass (the
-  same function, so the same decisions), then softmax attention over each query row's
-  kept key blocks (``row_blocks``; the block table their union per query block), forward
-  and backward, so a skipped (row, block) pair costs no exp, no P V and no backward work,
-  and a key block that no row of a query block kept is never read. Returns (out, kept
-  [B, N, Tp, nk])."""
+  """BLASST in the Pallas kernel :func:`kernels_pallas.blasst_attention`: the skip is
+  decided inside the kernel's key loop on its running max (the same decisions as the
+  skip loop's decision pass), a tile whose rows all skip a key block costs no exp and no
+  P V; the backward is the engine's over the kept pairs. Returns (out, kept [B, N, Tp,
+  nk])."""
   refuse_unsupported_ad((lay.q, lay.k, lay.v), _BLASST_WHERE, _BLASST_ADVICE)
-  qs, k, _, kvalid = _blasst_heads(lay)
-  qs, k = lax.stop_gradient(qs), lax.stop_gradient(k)  # the block choice: piecewise constant
-  kept = _blasst_rows(lay, lax.map(
-      lambda a: _blasst_decide(a[0], a[1], a[2], tau, bool(lay.causal), lay.T), (qs, k, kvalid)))
-  sel = jnp.where(kept, jnp.arange(lay.nk, dtype=jnp.int32), -1)[:, :, :lay.T]
-  return _pallas_attend(call, lay, _union_blocks(lay, kept), sel, pallas), kept
+  backend, interpret = pallas
+  out, kept = kernels_pallas.blasst_attention(
+      call.q, call.k, call.v, skip_threshold=tau, block_size=lay.bs, scale=call.scale,
+      is_causal=lay.causal, key_value_seq_lengths=lay.kv_len, backend=backend,
+      interpret=interpret, return_kept=True)
+  return out, jnp.pad(kept, ((0, 0), (0, 0), (0, lay.nq * lay.bs - lay.T), (0, 0)))
 
 
 # --------------------------------------------------------------------------- gather loop
@@ -676,10 +676,12 @@ def block_sparse_attention(
   No T x S array is built: BLASST scans the key blocks per query block for the block maxima
   ([T, nk]) and then loops over its kept pairs only; the other
   methods score blocks on the pooled [T or nq, nk] grid and visit only the kept blocks.
-  With a Pallas ``implementation`` the same selection (for BLASST the same decision
-  pass) drives the Pallas engine's block tables (kernels_pallas/README.md, "Block
-  tables"): the kernel's key loops visit only the kept blocks, forward and backward, and
-  a tile hides the rows that did not keep its block.
+  With a Pallas ``implementation`` the same selection drives the Pallas engine's block
+  tables (kernels_pallas/README.md, "Block tables"): the kernel's key loops visit only
+  the kept blocks, forward and backward, and a tile hides the rows that did not keep its
+  block. BLASST's Pallas forward (:func:`kernels_pallas.blasst_attention`) decides each
+  skip inside its key loop, on its running max, with the same decisions; its backward is
+  the engine's over the kept pairs.
 
   Args:
     query: [B, T, N, H]; key: [B, S, K, H]; value: [B, S, K, Hv] (GQA: N % K == 0).
