@@ -72,7 +72,8 @@ from train.zoo_tasks import TASKS, Task  # noqa: E402
 
 __all__ = ["PROTOCOL", "Entrant", "entrants", "exclusions", "loss_entrants", "units",
            "run_zoo", "read_results", "record_key", "attention_weight_stats", "write_report",
-           "main", "DEFAULT_OUT", "HYBRID_KIND"]
+           "main", "DEFAULT_OUT", "HYBRID_KIND", "GUIDE_ROWS", "GuideRow", "guide_rows",
+           "guide_markdown", "write_guide", "task_summaries", "task_table"]
 
 PROTOCOL = "zoo-1"
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
@@ -591,6 +592,155 @@ def run_zoo(out: str = DEFAULT_OUT, only: Sequence[str] = (), parts: str = "1/1"
 # --------------------------------------------------------------------------------------------
 # The report.
 
+DOCS_GUIDE = os.path.join(os.path.dirname(DEFAULT_OUT), os.pardir, "docs", "choosing.md")
+GUIDE_BEGIN = "<!-- zoo-guide:begin (written by `python -m train.zoo report`; do not edit) -->"
+GUIDE_END = "<!-- zoo-guide:end -->"
+REFERENCE = {"loss": "loss:softmax_ce"}  # the entrant each guide row is compared with
+_SOFTMAX = "normalizer:softmax"
+
+
+@dataclasses.dataclass(frozen=True)
+class GuideRow:
+  """One need of the guide: which task answers it, which entrants compete (``candidates``:
+  ``"all"``, ``"sparse"`` the normalizers that declare exact zeros, ``"as_good"`` those whose
+  task metric ties or beats softmax's) and the key ranked (``"value"``: the task metric)."""
+
+  need: str
+  task: str
+  candidates: str
+  key: str
+  higher_is_better: bool
+  quote: tuple[str, ...] = ()  # further keys quoted with the answer
+
+
+GUIDE_ROWS = (
+    GuideRow("exact sparsity (weights exactly 0)", "lm", "sparse", "value", False,
+             ("attn_sparsity",)),
+    GuideRow("no attention sink (little mass on the first token)", "lm", "as_good",
+             "attn_first_token", False, ("value",)),
+    GuideRow("length robustness (trained at 256, evaluated at 4096)", "length", "all", "value",
+             False, ("results.len256/loss",)),
+    GuideRow("associative recall", "mqar", "all", "value", True),
+    GuideRow("nested long-range structure (ListOps)", "listops", "all", "value", True),
+    GuideRow("a loss that generalises (grokking; stable in float32)", "grok", "all", "value",
+             True),
+    GuideRow("speed at softmax's quality", "lm", "as_good", "tokens_per_s", True, ("value",)),
+)
+
+
+def _key_mean(summary: dict[str, Any], key: str) -> float | None:
+  rs = [r for r in summary["records"] if r.get("status") == "ok"]
+  if key.startswith("results."):
+    return _mean_of([r.get("results", {}) for r in rs], key[len("results."):])
+  return summary["mean"] if key == "value" else _mean_of(rs, key)
+
+
+def _figures(complete: dict[str, dict[str, Any]], name: str | None, g: GuideRow
+             ) -> dict[str, Any] | None:
+  if name is None or name not in complete:
+    return None
+  s = complete[name]
+  return {"entrant": name, "lr": s["lr"], "mean": s["mean"], "std": s["std"],
+          **{k: _key_mean(s, k) for k in (g.key, *g.quote) if k != "value"}}
+
+
+def guide_rows(records: Sequence[dict[str, Any]], protocol: str = PROTOCOL
+               ) -> list[dict[str, Any]]:
+  """The numbers the guide quotes, from ``results.jsonl``'s records: per :data:`GUIDE_ROWS`
+  need, the best candidate among the entrants with all three seeds recorded, its figures
+  (mean over the seeds at its chosen rate), the reference entrant's (softmax, or softmax CE on
+  the loss task), and ``status``: ``"complete"`` (every entrant of the task has its three
+  seeds), ``"provisional"`` (some have: the answer may change) or ``"waiting"`` (none yet: no
+  number)."""
+  rows = []
+  for g in GUIDE_ROWS:
+    task = TASKS[g.task]
+    summary = _summaries(records, task, protocol)
+    complete = {k: s for k, s in summary.items() if s["n"] == len(SEEDS) and s["mean"] is not None}
+    reference = REFERENCE["loss"] if task.loss_task else _SOFTMAX
+    pool = dict(complete)
+    if g.candidates == "sparse":
+      pool = {k: s for k, s in pool.items() if k.startswith("normalizer:")
+              and normalizers.get(k.split(":", 1)[1]).can_be_sparse}
+    elif g.candidates == "as_good":
+      ref = complete.get(reference)
+      pool = {} if ref is None else {
+          k: s for k, s in pool.items()
+          if not _better(task, ref["mean"], s["mean"])
+          or abs(s["mean"] - ref["mean"]) <= s["std"] + ref["std"]}
+    scored = {k: v for k, s in pool.items() if (v := _key_mean(s, g.key)) is not None}
+    best = None
+    if scored:
+      pick = max if g.higher_is_better else min
+      best = pick(scored, key=lambda k: scored[k])
+
+    status = ("complete" if len(complete) == len(summary) else
+              "provisional" if complete else "waiting")
+    rows.append({"need": g.need, "task": g.task, "metric": task.metric, "key": g.key,
+                 "status": status, "complete": len(complete), "entrants": len(summary),
+                 "best": _figures(complete, best, g), "reference": _figures(complete, reference, g)})
+  return rows
+
+
+def _anchor(task: Task) -> str:
+  """GitHub's anchor of the task's section in bench/zoo/README.md."""
+  heading = f"{task.name}: {task.title}".lower()
+  return "".join(c for c in heading if c.isalnum() or c in " -_").replace(" ", "-")
+
+
+def _describe(row: dict[str, Any], which: str) -> str:
+  f = row[which]
+  if f is None:
+    return "—"
+  text = f"`{f['entrant']}`: {row['metric']} {f['mean']:.3f} ± {f['std']:.3f}"
+  extra = {k: v for k, v in f.items() if k not in ("entrant", "lr", "mean", "std")}
+  names = {"attn_sparsity": "exact zeros", "attn_first_token": "first-token mass",
+           "tokens_per_s": "tokens/s", "results.len256/loss": "loss at 256"}
+  for k, v in extra.items():
+    if v is not None:
+      text += f", {names.get(k, k)} {v:.0f}" if k == "tokens_per_s" else (
+          f", {names.get(k, k)} {v:.3f}")
+  return text
+
+
+def guide_markdown(records: Sequence[dict[str, Any]], protocol: str = PROTOCOL) -> str:
+  """The guide's table (:func:`guide_rows`) as Markdown, for docs/choosing.md."""
+  rows = guide_rows(records, protocol)
+  lines = ["| need | the zoo's answer (mean ± std over 3 seeds) | reference | status |",
+           "|---|---|---|---|"]
+  for row in rows:
+    task = TASKS[row["task"]]
+    link = f"[{row['task']}](../bench/zoo/README.md#{_anchor(task)})"
+    if row["status"] == "waiting":
+      status = f"waits for the zoo's runs ({link}: 0 of {row['entrants']} entrants)"
+    elif row["status"] == "provisional":
+      status = (f"provisional ({link}: {row['complete']} of {row['entrants']} entrants "
+                "complete; the answer may change)")
+    else:
+      status = f"complete ({link})"
+    lines.append(f"| {row['need']} | {_describe(row, 'best')} | {_describe(row, 'reference')} "
+                 f"| {status} |")
+  backed = sum(r["status"] == "complete" for r in rows)
+  lines += ["", f"{backed} of {len(rows)} rows backed by complete zoo results; "
+                f"{sum(r['status'] == 'provisional' for r in rows)} provisional; "
+                f"{sum(r['status'] == 'waiting' for r in rows)} waiting for runs "
+                f"({len(records)} records in bench/zoo/results.jsonl)."]
+  return "\n".join(lines)
+
+
+def write_guide(records: Sequence[dict[str, Any]], path: str = DOCS_GUIDE,
+                protocol: str = PROTOCOL) -> None:
+  """Replaces the block between :data:`GUIDE_BEGIN` and :data:`GUIDE_END` of ``path``."""
+  with open(path) as f:
+    text = f.read()
+  start, end = text.find(GUIDE_BEGIN), text.find(GUIDE_END)
+  if start < 0 or end < start:
+    raise ValueError(f"path: {path} has no {GUIDE_BEGIN!r} ... {GUIDE_END!r} block")
+  text = (text[:start] + GUIDE_BEGIN + "\n\n" + guide_markdown(records, protocol) + "\n\n"
+          + text[end:])
+  with open(path, "w") as f:
+    f.write(text)
+
 
 def _summaries(records: Sequence[dict[str, Any]], task: Task, protocol: str
                ) -> dict[str, dict[str, Any]]:
@@ -614,6 +764,18 @@ def _summaries(records: Sequence[dict[str, Any]], task: Task, protocol: str
   return out
 
 
+def task_summaries(records: Sequence[dict[str, Any]], task: str, protocol: str = PROTOCOL
+                   ) -> dict[str, dict[str, Any]]:
+  """Per entrant of ``task``: its chosen rate, its records at that rate, ``n`` (seeds so far),
+  ``mean`` and ``std`` (ddof 1) of the task metric over the seeds (the report's cells)."""
+  return _summaries(records, TASKS[task], protocol)
+
+
+def task_table(records: Sequence[dict[str, Any]], task: str, protocol: str = PROTOCOL) -> str:
+  """The report's Markdown table of ``task`` (ties with the best marked, missing cells —)."""
+  return "\n".join(_task_table(TASKS[task], _summaries(records, TASKS[task], protocol)))
+
+
 def _mean_of(records: Sequence[dict[str, Any]], key: str) -> float | None:
   values = [r[key] for r in records if r.get(key) is not None]
   return float(np.mean(values)) if values else None
@@ -623,9 +785,10 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
   return "—" if x is None else format(x, spec)
 
 
-def write_report(out: str = DEFAULT_OUT, tiny: bool = False) -> str:
+def write_report(out: str = DEFAULT_OUT, tiny: bool = False, guide: str | None = None) -> str:
   """Writes ``out/README.md`` (a table per task, ties with the best marked, missing cells
-  marked) and its plots from ``out/results.jsonl``; returns the README's path."""
+  marked) and its plots from ``out/results.jsonl``, and the guide's table into ``guide``
+  (docs/choosing.md; None: not written); returns the README's path."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -650,6 +813,8 @@ def write_report(out: str = DEFAULT_OUT, tiny: bool = False) -> str:
   path = os.path.join(out, "README.md")
   with open(path, "w") as f:
     f.write("\n".join(lines) + "\n")
+  if guide is not None:
+    write_guide(records, guide, protocol)
   return path
 
 
@@ -665,6 +830,8 @@ def _task_table(task: Task, summary: dict[str, dict[str, Any]]) -> list[str]:
            f"Model: {size}; parameters: "
            f"{', '.join(f'{p:,}' for p in params) if params else 'not yet measured'} "
            f"(layer kinds differ). Metric `{task.metric}` ({arrow} is better).", ""]
+  if task.why:
+    lines += [f"Why these sizes: {task.why}", ""]
   complete = {k: s for k, s in summary.items() if s["mean"] is not None}
   best = None
   if complete:
@@ -736,16 +903,17 @@ def _plots(out: str, task: Task, summary: dict[str, dict[str, Any]], plt) -> lis
   lengths = sorted({int(k[3:].split("/")[0]) for s in done.values() for r in s["records"]
                     for k in r.get("results", {}) if k.startswith("len")})
   if lengths:
+    kind = task.metric.split("/")[-1]  # loss or accuracy
     fig, ax = plt.subplots(figsize=(8, 5))
     for name, s in done.items():
       rs = [r["results"] for r in s["records"] if r.get("status") == "ok"]
-      ys = [_mean_of(rs, f"len{t}/accuracy") for t in lengths]
+      ys = [_mean_of(rs, f"len{t}/{kind}") for t in lengths]
       ax.plot(lengths, ys, marker="o", lw=0.8, label=name)
-    ax.set(xscale="log", xlabel="evaluation length T", ylabel="accuracy",
-           title="accuracy against evaluation length (trained at the first)")
+    ax.set(xscale="log", xlabel="evaluation length T", ylabel=f"held-out {kind}",
+           title=f"held-out {kind} against evaluation length (trained at the first)")
     if len(done) <= 12:
       ax.legend(fontsize=6)
-    names.append(_save(fig, out, f"{task.name}_accuracy_vs_length.png", plt))
+    names.append(_save(fig, out, f"{task.name}_{kind}_vs_length.png", plt))
   return names
 
 
@@ -792,8 +960,10 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
       scale = TASKS[t].config["steps"] / timing.get("steps", TASKS[t].config["steps"])
       unit = timing.get("compile_cpu_s", timing["compile_s"]) + per_unit * scale * timing.get(
           "run_cpu_s", timing["run_s"])
-      source = "cost.json (CPU s)" + (f", runs scaled x{scale:.2f} to {TASKS[t].config['steps']} "
-                                      "steps" if scale != 1 else "")
+      source = "cost.json (CPU s" + (f", commit {timing['commit'][:7]}" if "commit" in timing
+                                     else "") + ")" + (
+          f", runs scaled x{scale:.2f} from {timing.get('steps')} to "
+          f"{TASKS[t].config['steps']} steps" if scale != 1 else "")
     else:
       unit, source = None, "not measured"
     hours = unit * counts[t] / 3600 if unit is not None else None
@@ -806,9 +976,13 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
   lines += ["", f"Total: about **{total:.1f} hours**. A unit (one entrant on one task: five "
                 "runs) compiles its step once (the learning rate lives in the optimizer state, "
                 "`train.zoo.scale_by_lr_state`). `cost.json`: `python -m train.zoo cost`, the "
-                "softmax entrant"
-                + (f", measured {cost.get('date', '?')} on {cost.get('machine', '?')} "
-                   f"(commit {cost.get('commit', '?')[:10]}): {cost.get('note', '')}"
+                "softmax entrant, two runs per task"
+                + (f", on {cost.get('machine', '?')}: "
+                   + " ".join(dict.fromkeys(
+                       f"{v.get('date', cost.get('date', '?'))} (commit "
+                       f"{v.get('commit', cost.get('commit', '?'))[:7]}): "
+                       f"{v.get('note', cost.get('note', ''))}"
+                       for v in cost.get("tasks", {}).values()))
                    if cost else "") + "; once units are recorded their mean replaces it.", "",
             "Run it all with `make zoo` (resumable: a finished record is never rerun), or in "
             "parts across sessions: `python -m train.zoo run --parts i/n` for i = 1 .. n "
@@ -819,12 +993,19 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
   return lines
 
 
-def measure_cost(out: str = DEFAULT_OUT, note: str = "") -> dict[str, Any]:
+def measure_cost(out: str = DEFAULT_OUT, note: str = "", tasks: Sequence[str] = ()
+                 ) -> dict[str, Any]:
   """Times two runs per task of the softmax entrant (the loss task: softmax CE) at seed 0 and
   the sweep's middle rate: the first compiles (``compile_s`` = its extra time), the second is
-  a unit's other runs (``run_s``); writes ``out/cost.json``. Nothing goes to results.jsonl."""
+  a unit's other runs (``run_s``); writes ``out/cost.json`` (``tasks``: only these, the other
+  tasks' entries kept; each entry carries its commit and date). Nothing goes to
+  results.jsonl."""
   timings = {}
+  stamp = {"commit": _commit(), "date": datetime.datetime.now(datetime.UTC).isoformat(
+      timespec="seconds"), "note": note, "xla_flags": os.environ.get("XLA_FLAGS", "")}
   for name, task in TASKS.items():
+    if tasks and name not in tasks:
+      continue
     entrant = entrants(name)[0] if task.loss_task else Entrant("normalizer:softmax",
                                                                {"normalizer": "softmax"})
     times, values = [], []
@@ -837,12 +1018,18 @@ def measure_cost(out: str = DEFAULT_OUT, note: str = "") -> dict[str, Any]:
                      "steps": task.config["steps"],
                      "compile_cpu_s": max(first_cpu - run_cpu, 0.0), "run_cpu_s": run_cpu,
                      "entrant": entrant.name, "lr": task.lrs[1],
-                     "results_seed0_seed1": values}
+                     "results_seed0_seed1": values, **stamp}
     print(f"{name}: {timings[name]}", flush=True)
-  cost = {"tasks": timings, "machine": _machine(), "commit": _commit(), "jax": jax.__version__,
-          "xla_flags": os.environ.get("XLA_FLAGS", ""),
-          "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-          "note": note}
+  path = os.path.join(out, "cost.json")
+  previous: dict[str, Any] = {}
+  if tasks and os.path.exists(path):
+    with open(path) as f:
+      old = json.load(f)
+    # (entries of a whole-zoo measurement carry its stamp at the top level)
+    previous = {t: {**{k: old[k] for k in stamp if k in old}, **v}
+                for t, v in old.get("tasks", {}).items()}
+  cost = {"tasks": {**previous, **timings}, "machine": _machine(), "jax": jax.__version__,
+          **stamp}
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "cost.json"), "w") as f:
     json.dump(cost, f, indent=2, sort_keys=True)
@@ -870,9 +1057,10 @@ def main(argv: Sequence[str] | None = None) -> int:
   elif args.command == "run":
     run_zoo(args.out, args.only, args.parts, args.limit, args.tiny)
   elif args.command == "cost":
-    measure_cost(args.out, args.note)
+    measure_cost(args.out, args.note, sorted(_parse_only(args.only).get("task", ())))
   else:
-    print(write_report(args.out, args.tiny))
+    guide = DOCS_GUIDE if not args.tiny and os.path.abspath(args.out) == DEFAULT_OUT else None
+    print(write_report(args.out, args.tiny, guide))
   return 0
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from jaxsoft import losses as js_losses
 from jaxsoft import normalizers
-from train import config, data, kinds, model, zoo, zoo_tasks
+from train import config, kinds, model, zoo, zoo_tasks
 from train import train as train_lib
 
 
@@ -82,13 +82,9 @@ def test_task_generators():
     pairs = dict(zip(b["inputs"][r, :8:2], b["inputs"][r, 1:8:2], strict=True))
     for t in np.flatnonzero(b["weights"][r]):
       assert b["targets"][r, t] == pairs[b["inputs"][r, t]]
-  nb = zoo_tasks.needles_batch(rng, 5, 40, pairs=3, queries=3)
-  for r in range(5):  # the answer is the token after the key's only earlier occurrence
-    row = np.concatenate([nb["inputs"][r], nb["targets"][r, -1:]])
-    for t in np.flatnonzero(nb["weights"][r]):
-      where = np.flatnonzero(row[:35] == row[t])  # the pairs' region: 41 - 2 * 3 tokens
-      assert len(where) == 1 and nb["targets"][r, t] == row[where[0] + 1]
-  assert nb["weights"].sum() == 15 and (nb["inputs"] < data.PROBE_VOCAB).all()
+  evals = zoo_tasks.TASKS["length"].eval_sets(False)  # held-out text at the three lengths
+  assert [b["inputs"].shape[1] for b in (evals[f"len{t}"][0] for t in zoo_tasks.LENGTHS)] == [
+      256, 1024, 4096]
   assert zoo_tasks.listops_value(("SM", [9, ("MAX", [3, 7]), 5])) == 1
   assert zoo_tasks.listops_value(("MED", [4, 1, 9, 2])) == 2
   lb = zoo_tasks.listops_batch(rng, 2, 24, depth=2)
@@ -166,3 +162,53 @@ def test_learning_rate_in_the_state_is_adamw_at_that_rate():
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                p_ours, p_ref)
   assert float(jnp.max(jnp.abs(p_ref["kernel"] - params["kernel"]))) > 1e-3  # it moved
+
+
+def _fake_unit(entrant, task, values, lrs=None, **stats):
+  """Five records of a finished unit: the sweep on seed 0 (the middle rate best), then seeds 1
+  and 2 at it; ``values`` the metric of seeds 0, 1, 2 at the chosen rate."""
+  t = zoo_tasks.TASKS[task]
+  lrs = lrs or t.lrs
+  worse = -1.0 if t.higher_is_better else 99.0
+  out = []
+  for lr in lrs:
+    v = values[0] if lr == lrs[1] else worse
+    out.append(dict(protocol=zoo.PROTOCOL, entrant=entrant, task=task, seed=0, lr=lr,
+                    status="ok", value=v, results={}, **stats))
+  for seed, v in ((1, values[1]), (2, values[2])):
+    out.append(dict(protocol=zoo.PROTOCOL, entrant=entrant, task=task, seed=seed, lr=lrs[1],
+                    status="ok", value=v, results={}, **stats))
+  return out
+
+
+def test_guide_rows_quote_the_records_and_say_what_is_missing(tmp_path):
+  records = (_fake_unit("normalizer:softmax", "lm", [2.0, 2.2, 2.1], attn_sparsity=0.0,
+                        attn_first_token=0.6, tokens_per_s=1000.0)
+             + _fake_unit("normalizer:sparsemax", "lm", [2.1, 2.2, 2.3], attn_sparsity=0.7,
+                          attn_first_token=0.2, tokens_per_s=900.0)
+             + _fake_unit("normalizer:entmax15", "lm", [2.6, 2.6, 2.6], attn_sparsity=0.5,
+                          attn_first_token=0.1, tokens_per_s=800.0))
+  rows = {r["need"].split(" (")[0]: r for r in zoo.guide_rows(records)}
+  sparse = rows["exact sparsity"]
+  # the sparse normalizers only (softmax is not), ranked by held-out loss: sparsemax, mean 2.2
+  assert sparse["best"]["entrant"] == "normalizer:sparsemax" and sparse["status"] == "provisional"
+  np.testing.assert_allclose([sparse["best"]["mean"], sparse["best"]["std"]],
+                             [2.2, np.std([2.1, 2.2, 2.3], ddof=1)])
+  # (means of three float64 values: a few ulps)
+  assert sparse["best"]["attn_sparsity"] == pytest.approx(0.7, rel=1e-12)
+  assert sparse["reference"]["mean"] == pytest.approx(2.1, rel=1e-12)
+  # no sink among those as good as softmax (2.1 ± 0.1): sparsemax ties (2.2 - 2.1 <= 0.1 +
+  # 0.1); entmax15 (2.6 ± 0) does not, so its 0.1 is out and sparsemax's 0.2 beats softmax's 0.6
+  assert rows["no attention sink"]["best"]["entrant"] == "normalizer:sparsemax"
+  assert rows["speed at softmax's quality"]["best"]["entrant"] == "normalizer:softmax"
+  assert rows["length robustness"]["status"] == "waiting"
+  assert rows["length robustness"]["best"] is None
+  text = zoo.guide_markdown(records)
+  assert "waits for the zoo's runs" in text and "`normalizer:sparsemax`" in text
+  assert "0 of 7 rows backed by complete zoo results" in text
+  doc = tmp_path / "guide.md"
+  doc.write_text(f"intro\n{zoo.GUIDE_BEGIN}\nold\n{zoo.GUIDE_END}\nafter\n")
+  zoo.write_guide(records, str(doc))
+  written = doc.read_text()
+  assert written.startswith("intro\n") and written.endswith(f"{zoo.GUIDE_END}\nafter\n")
+  assert "old" not in written and text in written
