@@ -144,6 +144,61 @@ def interpreter_runs_kernel() -> bool:
              if isinstance(c, type))
 
 
+# Primitives whose body is inlined before the kernel is lowered: the Mosaic-GPU lowering
+# has no rule for a custom derivative (jax.nn.relu, jnp.logaddexp are custom_jvp) and the
+# forward pass needs only the primal computation.
+_INLINE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+           "custom_vjp_call_jaxpr": "fun_jaxpr", "pjit": "jaxpr", "jit": "jaxpr",
+           "closed_call": "call_jaxpr"}
+
+
+def _eval_inlined(jaxpr, consts, args):
+  """Evaluates ``jaxpr`` with every primitive of :data:`_INLINE` replaced by its body."""
+  from jax.extend import core as jex_core
+
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    field = _INLINE.get(eqn.primitive.name)
+    inner = eqn.params.get(field) if field else None
+    if inner is not None:
+      if hasattr(inner, "jaxpr"):  # a ClosedJaxpr
+        outs = _eval_inlined(inner.jaxpr, inner.consts, invals)
+      else:
+        outs = _eval_inlined(inner, (), invals)
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _primal(fn):
+  """``fn`` (of arrays and Python values) with its custom derivatives and nested jits
+  inlined, so that the Mosaic-GPU lowering sees plain primitives: its array arguments are
+  traced to a jaxpr (the others closed over), which is then evaluated on them."""
+  def call(*args, **kwargs):
+    is_array = [isinstance(a, jax.Array) or hasattr(a, "aval") for a in args]
+    arrays = [a for a, x in zip(args, is_array, strict=True) if x]
+
+    def flat(*arrs):
+      it = iter(arrs)
+      return fn(*(next(it) if x else a for a, x in zip(args, is_array, strict=True)),
+                **kwargs)
+
+    closed, shape = jax.make_jaxpr(flat, return_shape=True)(*arrays)
+    outs = _eval_inlined(closed.jaxpr, closed.consts, arrays)
+    return jax.tree.unflatten(jax.tree.structure(shape), outs)
+  return call
+
+
 @dataclasses.dataclass(frozen=True)
 class _Cfg:
   spec: Any
@@ -239,6 +294,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
   stages = min(cfg.num_stages, n_kv)
   dtype = q.dtype
   rule = cfg.rule
+  score_map, numerator = _primal(rule.score_map), _primal(rule.numerator)
+  denominator = None if rule.denominator is None else _primal(rule.denominator)
+  offset = None if rule.offset is None else _primal(rule.offset)
   hp = cfg.hp_dict
   kind = cfg.spec.kernel_class
   uses_length = _uses_length(rule)
@@ -323,21 +381,23 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
       pl.when(wg == 1)(schedule)
 
       def tile_rule(x, mask, m_i, l_i):
-        """(p [bq, bk] numerators, m', l', alpha or None) of one block of logits x."""
+        """(numerators [bq, bk], denominators (the same array when the rule's two maps
+        are one function; None for class P), m', alpha·l, alpha or None) of one block of
+        logits x."""
         if mask is not None:
           x = jnp.where(mask, x, 0.0)
         length_tile = lengths() if uses_length else float(cfg.s)  # (unused then)
         alpha: Any
         if cfg.exp2:
-          z = rule.score_map(x, length_tile, **hp)
+          z = score_map(x, length_tile, **hp)
           zm = z if mask is None else jnp.where(mask, z, -jnp.inf)
           m_new = jnp.maximum(m_i, zm.max(axis=1))
           if floor is not None:
             m_new = jnp.maximum(m_new, floor)
           alpha = jnp.exp2(m_i - m_new)
           p = jnp.exp2(zm - bcast(m_new, zm.shape))
-          return p, m_new, l_i * alpha, alpha
-        z = rule.score_map(x, length_tile, **hp)
+          return p, p, m_new, l_i * alpha, alpha
+        z = score_map(x, length_tile, **hp)
         alpha = None
         if kind == "E":
           zm = z if mask is None else jnp.where(mask, z, -jnp.inf)
@@ -353,10 +413,17 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
         if cfg.approx_sigmoid:
           num = 0.5 + 0.5 * jnp.tanh(0.5 * z)
         else:
-          num = rule.numerator(z, m_b, **hp)
+          num = numerator(z, m_b, **hp)
         if mask is not None:
           num = jnp.where(mask, num, 0.0)
-        return num, m_new, l_i, alpha
+        den = None
+        if kind != "P":
+          den = num
+          if denominator is not None and rule.denominator is not rule.numerator:
+            den = denominator(z, m_b, **hp)
+            if mask is not None:
+              den = jnp.where(mask, den, 0.0)
+        return num, den, m_new, l_i, alpha
 
       def kv_loop(kv_step, carry, masked: bool = False):
         acc, m_i, l_i = carry
@@ -376,20 +443,11 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
           mask = k_pos < cfg.s
           if cfg.causal:
             mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
-        p, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
+        p, den, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
         if alpha is not None:
           acc = acc * bcast(alpha, acc.shape)
         p16 = p.astype(dtype)
-        sums = kind != "P"
-        if sums and rule.denominator is not None and rule.denominator is not rule.numerator \
-            and not cfg.exp2:
-          z = rule.score_map(x if mask is None else jnp.where(mask, x, 0.0),
-                             lengths() if uses_length else float(cfg.s), **hp)
-          den = rule.denominator(z, bcast(m_i, z.shape) if kind == "E" else 0.0, **hp)
-          if mask is not None:
-            den = jnp.where(mask, den, 0.0)
-        else:
-          den = p
+        sums = den is not None
 
         def end_softmax():
           plgpu.barrier_arrive(schedule_barrier)  # done with the tile rule
@@ -441,8 +499,8 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
       if kind != "P":
         m_nat = m_i * LN2 if cfg.exp2 else m_i
         d = l_i
-        if rule.offset is not None:
-          d = d + rule.offset(m_nat, length_row, **hp)
+        if offset is not None:
+          d = d + offset(m_nat, length_row, **hp)
         inv = jnp.where(d > 0.0, 1.0 / jnp.where(d > 0.0, d, 1.0), 0.0)
         acc = acc * bcast(inv, acc.shape)
       qo_smem[...] = acc.astype(dtype)
@@ -550,7 +608,9 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     query: ``[B, T, N, H]`` float16 or bfloat16, H in {64, 128, 256}.
     key, value: ``[B, S, K, H]`` of the query's dtype, ``N % K == 0`` (GQA / MQA).
     normalizer: a registered name or NormalizerSpec of kernel class E, S or P with a tile
-      rule (softmax, softmax_1, softmax_n, softmax_sink, sigmoid, relu, stablemax, ...).
+      rule whose maps lower for Mosaic GPU (tested: softmax, softmax_1, softmax_n, softpick,
+      ssmax, sigmoid, relu, stablemax, spherical_softmax; softplus-based rules need a
+      ``log1p`` the lowering lacks).
     normalizer_params: the normalizer's hyperparameters as Python numbers (compiled in).
     scale: the logits' scale (None: ``1 / sqrt(H)``).
     is_causal: top-left aligned causal mask (query i sees keys j <= i).

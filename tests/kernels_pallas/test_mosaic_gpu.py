@@ -38,7 +38,9 @@ def _export(normalizer, dtype, causal, h, *, b=1, t=200, s=None, n=4, kh=2, **kw
   return jax.export.export(jax.jit(f), platforms=["cuda"])(q, k, k).mlir_module()
 
 
-NORMALIZERS = ["softmax", "softmax_1", "sigmoid", "relu", "stablemax"]  # E, E, P, P, S
+# E (exp2 path; with an offset and floor), E (generic path: numerator != denominator, a
+# floor; a length-dependent score map), P (tanh sigmoid; relu, a custom_jvp inlined), S
+NORMALIZERS = ["softmax", "softmax_1", "softpick", "ssmax", "sigmoid", "relu", "stablemax"]
 MATRIX = [(nm, dt, c, h) for nm in NORMALIZERS for dt in ("bfloat16", "float16")
           for c in (False, True) for h in (64, 128, 256)]
 # the default sample: every class, dtype, causal flag and head dim at least once
@@ -168,6 +170,9 @@ INTERPRET = [
     ("relu", False, "float16", 128, 128, 1, 1, 64, {}),
     ("stablemax", False, "bfloat16", 130, 70, 2, 1, 128, {}),
     ("softmax_n", True, "bfloat16", 128, 128, 1, 1, 64, {"n": 2.0}),
+    ("softpick", True, "bfloat16", 130, 130, 2, 1, 64, {}),
+    ("ssmax", True, "float16", 128, 128, 1, 1, 64, {}),
+    ("spherical_softmax", False, "bfloat16", 128, 128, 1, 1, 64, {}),
 ]
 
 
