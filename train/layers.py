@@ -67,7 +67,11 @@ the cache is the layer's input history, and each step recomputes the layer over 
 the last position (exact: every kind is causal).
 
 :func:`make_mixer` builds any of them from one table, :data:`MIXERS` (``kind -> builder``), made
-from the kinds of ``train.kinds``. The normalizer block (``train.model.Attention``) owns its
+from the kinds of ``train.kinds``. Their parameters carry Flax NNX logical axis names
+(:data:`PARAMETER_NAMES`, written by :func:`name_parameters`), which
+``train.sharding.LOGICAL_AXIS_RULES`` maps to the mesh: the Megatron layout over ``tensor``
+(projections into the heads column-parallel, out of them row-parallel) and the model width over
+``fsdp``, as the normalizer block's. The normalizer block (``train.model.Attention``) owns its
 KV cache and decoding step.
 """
 
@@ -85,6 +89,7 @@ from flax import nnx
 from jaxsoft import attention as js_attention
 from jaxsoft import nn as js_nn
 from jaxsoft.nn import causal_conv, causal_conv_step
+from train import sharding as tsharding
 from train.config import Config
 from train.kinds import (
     ATTENTION_VARIANTS,
@@ -102,9 +107,79 @@ from train.positions import rope
 
 __all__ = ["LinearMixer", "SparseAttention", "ControlAttention", "PoNetLayer", "FoXProLayer",
            "RecomputedDecoding", "make_mixer", "MIXERS", "NEEDS", "causal_conv",
-           "causal_conv_step", "variant_config", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH"]
+           "causal_conv_step", "variant_config", "MTA_QUERY_WIDTH", "MTA_KEY_WIDTH",
+           "PARAMETER_NAMES", "name_parameters"]
 
 MTA_QUERY_WIDTH, MTA_KEY_WIDTH = 3, 5
+
+Names = tuple[str | None, ...]
+
+# The Flax NNX logical axis names of every mixer's parameters, ``{class name: {parameter path:
+# names}}`` (paths ``/``-joined as ``nnx.iter_graph`` gives them); train.sharding's
+# LOGICAL_AXIS_RULES maps the names to mesh axes, as for train.model's normalizer block. The
+# Megatron layout: projections into the heads are column-parallel (``("embed", "heads")``: rows
+# over ``fsdp``, head columns over ``tensor``), those out of them row-parallel
+# (``("heads", "embed")``), per-head vectors split with their heads, RMSNorm scales replicated.
+# The fused ``[W_q; W_k; W_v]`` columns of the linear mixers (and their convolution) split in
+# contiguous blocks that follow the heads only within each of q, k, v, so GSPMD moves the
+# straddling block when it splits the three; the fused ``[q; k]`` head gates and the
+# ``[in; out]`` basis of the interdomain kind stay whole over ``tensor`` (small).
+_SHARED_LINEAR: dict[str, Names] = {
+    "qkv/kernel": ("embed", "heads"), "conv": (None, "heads"), "gate/kernel": ("embed", "heads"),
+    "o/kernel": ("heads", "embed"), "o_norm": ("norm",),
+    # the kinds' gates and parameters (jaxsoft.nn's linear-kind parts)
+    "a/kernel": ("embed", "heads"), "A_log": ("heads",), "dt_bias": ("heads",),
+    "beta/kernel": ("embed", "heads"), "eta/kernel": ("embed", "heads"),
+    "gk/kernel": ("embed", "heads"), "gk/bias": ("heads",),    # one decay per head
+    "gk2/kernel": (None, "heads"), "gk2/bias": ("heads",),      # GLA: W^2 of the rank-16 gate
+    "head_gate/kernel": ("embed", None), "slots/kernel": ("embed", "heads"),
+    "slots/bias": ("heads",), "basis/kernel": ("embed", None), "basis_log_rate": ("heads", None),
+    "lrpe_theta": ("heads", None), "mixing": ("heads", None, None),
+}
+PARAMETER_NAMES: Mapping[str, Mapping[str, Names]] = {
+    "LinearMixer": _SHARED_LINEAR,
+    "SparseAttention": {
+        "q/kernel": ("embed", "heads"), "k/kernel": ("embed", "kv_heads"),
+        "v/kernel": ("embed", "kv_heads"), "o/kernel": ("heads", "embed"),
+        "mta_kernel": ("heads", None, None)},
+    "ControlAttention": {
+        "value/kernel": ("embed", "heads"), "value/bias": ("heads",),
+        "out/kernel": ("heads", "embed"), "out/bias": (None,),
+        "query/kernel": ("embed", "heads"), "query/bias": ("heads",),
+        "key/kernel": ("embed", "heads"), "key/bias": ("heads",),
+        "scores": ("heads", None, None), "positions": (None, "embed"),
+        "position_query/kernel": ("embed", "heads"), "position_query/bias": ("heads",),
+        "position_key/kernel": ("embed", "heads"), "position_key/bias": ("heads",)},
+    "PoNetLayer": {
+        **{f"{name}/{part}": names for name in ("query", "key", "gate", "segment", "local")
+           for part, names in (("kernel", ("embed", "heads")), ("bias", ("heads",)))},
+        "out/kernel": ("heads", "embed"), "out/bias": (None,)},
+    "FoXProLayer": {
+        "attn/query/kernel": ("embed", "heads", None), "attn/query/bias": ("heads", None),
+        "attn/key/kernel": ("embed", "kv_heads", None), "attn/key/bias": ("kv_heads", None),
+        "attn/value/kernel": ("embed", "kv_heads", None),
+        "attn/value/bias": ("kv_heads", None),
+        "attn/out/kernel": ("heads", None, "embed"), "attn/out/bias": (None,),
+        "attn/gate_kernel": ("embed", "heads", None), "attn/gate_bias": ("heads", None),
+        "attn/forget_kernel": ("embed", "heads"), "attn/forget_bias": ("heads",),
+        "k_shift_kernel": ("embed", "kv_heads"), "v_shift_kernel": ("embed", "kv_heads"),
+        "q_norm_scale": ("heads", None), "k_norm_scale": ("kv_heads", None),
+        "out_norm_scale": ("heads", None)},
+}
+
+
+def name_parameters(module: nnx.Module, names: Mapping[str, Names]) -> None:
+  """Gives each ``nnx.Param`` of ``module`` whose ``/``-joined path is in ``names`` those
+  logical axis names (the metadata ``nnx.with_partitioning`` writes, not applied at creation);
+  train.sharding lays a named parameter out by ``LOGICAL_AXIS_RULES`` and an unnamed one by the
+  FSDP rule. Raises ValueError when a name list's length is not the parameter's rank."""
+  for path, node in nnx.iter_graph(module):
+    key = "/".join(str(p) for p in path)
+    if isinstance(node, nnx.Param) and key in names:
+      if len(names[key]) != node.ndim:
+        raise ValueError(f"names: {len(names[key])} logical names for {key!r} of shape "
+                         f"{tuple(node.shape)}")
+      node.set_metadata(out_sharding=names[key], eager_sharding=False)
 
 
 class LinearMixer(js_nn.LinearMixer):
@@ -124,6 +199,9 @@ class LinearMixer(js_nn.LinearMixer):
                      layer_idx=layer_idx, num_layers=cfg.num_layers,
                      max_len=float(cfg.seq_len), block_size=cfg.block_size, dtype=cfg.dtype,
                      rngs=rngs)
+    name_parameters(self, PARAMETER_NAMES["LinearMixer"])
+    if hasattr(self, "gk2"):  # GLA: ``gk`` is W^1, the bottleneck's first half
+      name_parameters(self, {"gk/kernel": ("embed", None)})
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     del positions  # no positional encoding: the convolution and the decays order the tokens
@@ -206,6 +284,7 @@ class SparseAttention(RecomputedDecoding, nnx.Module):
     self.mta_kernel = (nnx.Param(js_attention.mta_identity_kernel(
         cfg.num_heads, MTA_QUERY_WIDTH, MTA_KEY_WIDTH))
         if "kernel" in SPARSE_ATTENTION[kind].needs else None)
+    name_parameters(self, PARAMETER_NAMES["SparseAttention"])
 
   def _attend(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
     row = SPARSE_ATTENTION[self.kind]
@@ -217,7 +296,12 @@ class SparseAttention(RecomputedDecoding, nnx.Module):
     q = rope(self.q(x).reshape(b, t, self.num_heads, self.head_dim), positions, self.rope_base)
     k = rope(self.k(x).reshape(b, t, self.kv_heads, self.head_dim), positions, self.rope_base)
     v = self.v(x).reshape(b, t, self.kv_heads, self.head_dim)
+    # As the normalizer block: the queries keep their shard of the sequence, the keys and
+    # values are gathered over it, the heads split over ``tensor`` (no-ops without a mesh).
+    q = tsharding.constrain(q, ("act_batch", "act_length", "act_heads", None))
+    k, v = (tsharding.constrain(a, ("act_batch", None, "act_kv_heads", None)) for a in (k, v))
     out = self._attend(q, k, v)
+    out = tsharding.constrain(out, ("act_batch", "act_length", "act_heads", None))
     return self.o(out.reshape(b, t, self.num_heads * self.head_dim))
 
 class ControlAttention(RecomputedDecoding, js_nn.AttentionControl):
@@ -242,6 +326,7 @@ class ControlAttention(RecomputedDecoding, js_nn.AttentionControl):
     self.width, self.cache_dtype = cfg.d_model, dtype
     covers = self.scores is not None or self.position_query is not None
     self.max_positions = cfg.seq_len if covers else None
+    name_parameters(self, PARAMETER_NAMES["ControlAttention"])
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:  # type: ignore[override]
     q, k = self.real_qk(x)
@@ -265,6 +350,7 @@ class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
                      segment_size=cfg.block_size, causal=True, dtype=dtype,
                      param_dtype=jnp.float32, rngs=rngs)
     self.width, self.cache_dtype = cfg.d_model, dtype
+    name_parameters(self, PARAMETER_NAMES["PoNetLayer"])
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
                ) -> jax.Array:
@@ -287,6 +373,7 @@ class FoXProLayer(RecomputedDecoding, js_nn.FoXProAttention):  # type: ignore[mi
                      num_kv_heads=cfg.kv_heads, use_bias=False, dtype=dtype,
                      param_dtype=jnp.float32, rngs=rngs)
     self.width, self.cache_dtype = cfg.d_model, dtype
+    name_parameters(self, PARAMETER_NAMES["FoXProLayer"])
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
                ) -> jax.Array:

@@ -302,7 +302,9 @@ class Transformer(nnx.Module):
     h = self.hidden(inputs)
     if self.chunked_loss:
       return js_losses.linear_cross_entropy(h.astype(jnp.float32), self.output_matrix(), targets)
-    return optax.softmax_cross_entropy_with_integer_labels(self.logits(h), targets)
+    # (vocab-parallel under a mesh: the logits split over ``tensor`` by vocabulary entry)
+    logits = tsharding.constrain(self.logits(h), ("act_batch", "act_length", "act_vocab"))
+    return optax.softmax_cross_entropy_with_integer_labels(logits, targets)
 
   def init_cache(self, batch: int, max_len: int) -> list[Any]:
     """Every block's empty decoding cache for sequences of up to ``max_len`` tokens."""

@@ -11,14 +11,20 @@ The mesh has four named axes, outermost first (``--mesh data=N,fsdp=N,context=N,
   keys and values are gathered over ``context`` by sharding constraints (GSPMD); the linear
   mixers are left to GSPMD too.
 * ``tensor``: Megatron-style tensor parallelism: the Q/K/V and MLP-up projections are split by
-  output column (heads, MLP units), the attention output and MLP-down projections by input row.
+  output column (heads, MLP units), the attention output and MLP-down projections by input row,
+  and the embedding and output matrices by vocabulary entry (vocab-parallel: with ``--loss
+  dense`` the logits stay split over ``tensor`` and the softmax cross-entropy's max and sum
+  are all-reduced across it, as Megatron-LM's vocab-parallel cross-entropy; with the default
+  ``--loss linear_ce`` GSPMD partitions its chunked scan over the vocabulary as it can, and may
+  gather the output matrix for the step, as it gathers every ``fsdp``-split matrix).
 
 A batch ``[grad_accum, micro_batch, seq_len]`` is laid out ``P(None, ('data', 'fsdp'),
 'context')``. Parameters carry Flax NNX logical axis names (``nnx.with_partitioning`` in
 train.model, e.g. a query projection ``('embed', 'heads')``); :data:`LOGICAL_AXIS_RULES`, the one
 table of this module, maps each logical name to a mesh axis. A dimension the mapped axes do not
-divide is left unsplit (replicated) rather than refused, and parameters without names (the mixers
-of train.layers) get the FSDP rule: their largest dimension ``fsdp`` divides. Every mesh axis is
+divide is left unsplit (replicated) rather than refused, and parameters without names get the
+FSDP rule: their largest dimension ``fsdp`` divides (the mixers of train.layers are named by
+``train.layers.PARAMETER_NAMES``). Every mesh axis is
 ``AxisType.Auto`` (the train step is written for the compiler's sharding propagation, and the
 default axis type of ``jax.make_mesh`` differs between JAX releases, so it is always passed).
 
@@ -66,7 +72,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("heads", TENSOR),      # query heads x head_dim: Q column-parallel, O row-parallel
     ("kv_heads", TENSOR),   # key/value heads x head_dim: K, V column-parallel
     ("mlp", TENSOR),        # MLP units: up column-parallel, down row-parallel
-    ("vocab", None),        # the embedding rows / output columns
+    ("vocab", TENSOR),      # the embedding rows / output columns: vocab-parallel (Megatron)
     ("norm", None),         # RMSNorm scales: small, replicated
     # Activations.
     ("act_batch", BATCH_AXES),
@@ -75,6 +81,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("act_heads", TENSOR),
     ("act_kv_heads", TENSOR),
     ("act_mlp", TENSOR),
+    ("act_vocab", TENSOR),  # the logits of --loss dense: a vocab-parallel softmax
 )
 _RULES = dict(LOGICAL_AXIS_RULES)
 

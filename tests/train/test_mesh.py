@@ -134,7 +134,7 @@ def test_rule_table_gives_the_megatron_fsdp_layout():
   # The tiny model: d_model 16, 2 heads of 8, MLP 32, vocab 256.
   specs = _specs({"data": 2, "fsdp": 2, "context": 2, "tensor": 2})
   block = specs["params"]["blocks"][0]
-  assert specs["params"]["embed"]["embedding"] == P(None, "fsdp")   # (vocab, embed)
+  assert specs["params"]["embed"]["embedding"] == P("tensor", "fsdp")   # (vocab, embed)
   assert block["attn"]["q"]["kernel"] == P("fsdp", "tensor")         # column-parallel
   assert block["attn"]["k"]["kernel"] == P("fsdp", "tensor")
   assert block["attn"]["v"]["kernel"] == P("fsdp", "tensor")
@@ -147,17 +147,17 @@ def test_rule_table_gives_the_megatron_fsdp_layout():
   # Adam's moments are laid out as their parameters; counters, step and RNG replicated.
   adam = specs["opt_state"][1][0]
   assert adam.mu["blocks"][0]["attn"]["o"]["kernel"] == P("tensor", "fsdp")
-  assert adam.nu["embed"]["embedding"] == P(None, "fsdp")
+  assert adam.nu["embed"]["embedding"] == P("tensor", "fsdp")
   assert adam.count == P() and specs["step"] == P() and specs["rng"] == P()
 
 
 def test_unnamed_parameters_get_the_fsdp_rule():
   # The A07 gate [16, 2] has no logical names: its largest dimension goes to fsdp; with fsdp
-  # of size 1 it is replicated. The untied output matrix is (embed, vocab).
+  # of size 1 it is replicated. The untied output matrix is (embed, vocab): vocab-parallel.
   specs = _specs({"data": 1, "fsdp": 4, "context": 1, "tensor": 2}, "--attention", "gated",
                  "--tie_embeddings", "false")
   assert specs["params"]["blocks"][0]["attn"]["gate"]["kernel"] == P("fsdp")
-  assert specs["params"]["unembed"] == P("fsdp")
+  assert specs["params"]["unembed"] == P("fsdp", "tensor")
   specs = _specs({"data": 8, "fsdp": 1, "context": 1, "tensor": 1}, "--attention", "gated")
   assert specs["params"]["blocks"][0]["attn"]["gate"]["kernel"] == P()
   assert specs["params"]["blocks"][0]["attn"]["q"]["kernel"] == P()
@@ -181,7 +181,7 @@ def test_the_worked_example_of_docs_training():
   specs = _specs({"data": 2, "fsdp": 4, "context": 1, "tensor": 2}, "--d_model", "1024",
                  "--num_heads", "16", "--mlp_dim", "4096")["params"]
   block = specs["blocks"][0]
-  assert specs["embed"]["embedding"] == P(None, "fsdp")
+  assert specs["embed"]["embedding"] == P("tensor", "fsdp")
   assert block["attn"]["q"]["kernel"] == block["attn"]["k"]["kernel"] == P("fsdp", "tensor")
   assert block["attn"]["o"]["kernel"] == P("tensor", "fsdp")
   assert block["up"]["kernel"] == P("fsdp", "tensor") and block["up"]["bias"] == P("tensor")
@@ -207,3 +207,46 @@ def test_context_strategy_is_checked(monkeypatch):
   monkeypatch.setattr(mesh_flags, "context_strategies", lambda: ("all_gather",))
   with pytest.raises(ConfigError, match="'ring' is not available here; one of gspmd, all_gather"):
     check("ring")
+
+
+def test_every_mixer_parameter_has_logical_names():
+  # Every parameter of every train.layers kind is named (none falls back to the FSDP rule),
+  # with one name per dimension, each a row of LOGICAL_AXIS_RULES.
+  from train import layers
+  cfg, _ = config.from_argv(helpers.train_argv("--workdir", "/unused"))
+  rules = dict(sharding.LOGICAL_AXIS_RULES)
+  for kind in layers.MIXERS:
+    state = nnx.state(nnx.eval_shape(lambda kind=kind: layers.make_mixer(
+        cfg, kind, 1, rngs=nnx.Rngs(0))), nnx.Param)
+    shapes = {tuple(map(str, path)): v.shape for path, v in nnx.to_flat_state(state)}
+    for path, names in sharding.logical_axes(state).items():
+      assert names is not None, (kind, path)
+      assert len(names) == len(shapes[path]) and all(n is None or n in rules for n in names), \
+          (kind, path, names)
+  with pytest.raises(ValueError, match=r"1 logical names for 'kernel' of shape \(4, 6\)"):
+    layers.name_parameters(nnx.Linear(4, 6, rngs=nnx.Rngs(0)), {"kernel": ("embed",)})
+
+
+def test_mixers_get_the_megatron_fsdp_layout():
+  # Tiny model (d 16, 2 heads of 8, kv_heads 2): in-projections (embed, heads) column-parallel,
+  # out-projections (heads, embed) row-parallel, per-head vectors with their heads, norms whole.
+  specs = _specs({"data": 2, "fsdp": 2, "context": 1, "tensor": 2}, "--num_layers", "6",
+                 "--layers", "gated_delta_rule,gla,topk_attention,hybrid:static_qk,ponet,fox_pro"
+                 )["params"]["blocks"]
+  gdn, gla, sparse, control, ponet, fox = (specs[i]["attn"] for i in range(6))
+  assert gdn["qkv"]["kernel"] == gdn["gate"]["kernel"] == P("fsdp", "tensor")
+  assert gdn["conv"] == P(None, "tensor") and gdn["o"]["kernel"] == P("tensor", "fsdp")
+  assert gdn["a"]["kernel"] == gdn["beta"]["kernel"] == P("fsdp", "tensor")
+  assert gdn["A_log"] == gdn["dt_bias"] == P("tensor") and gdn["o_norm"] == P()
+  # GLA's rank-16 gate: W^1 (embed, 16) over fsdp only, W^2 (16, heads) over tensor.
+  assert gla["gk"]["kernel"] == P("fsdp") and gla["gk2"]["kernel"] == P(None, "tensor")
+  assert sparse["q"]["kernel"] == sparse["k"]["kernel"] == P("fsdp", "tensor")
+  assert sparse["o"]["kernel"] == P("tensor", "fsdp")
+  assert control["query"]["kernel"] == control["value"]["kernel"] == P("fsdp", "tensor")
+  assert control["out"]["kernel"] == P("tensor", "fsdp") and control["positions"] == P(None, "fsdp")
+  assert ponet["segment"]["kernel"] == P("fsdp", "tensor") and ponet["segment"]["bias"] == \
+      P("tensor")
+  assert ponet["out"]["kernel"] == P("tensor", "fsdp") and ponet["out"]["bias"] == P()
+  assert fox["attn"]["query"]["kernel"] == fox["attn"]["key"]["kernel"] == P("fsdp", "tensor")
+  assert fox["attn"]["out"]["kernel"] == P("tensor", None, "fsdp")
+  assert fox["q_norm_scale"] == P("tensor") and fox["attn"]["forget_bias"] == P("tensor")

@@ -8,6 +8,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
 from tests import helpers
 from train import train as train_lib
@@ -43,8 +44,31 @@ SCRIPT = textwrap.dedent("""
     # The layout the state gets on (fsdp=2, tensor=2, context=2): Megatron + FSDP.
     from train import config as C
     cfg, _ = C.from_argv(tiny + ["--workdir", root + "/x", "--mesh", "fsdp=2,tensor=2,context=2"])
-    layout = T.build(cfg, sharding.make_mesh(cfg))[5]["params"]["blocks"][0]
-    print("LAYOUT", tuple(layout["attn"]["q"]["kernel"].spec), tuple(layout["down"]["kernel"].spec))
+    layout = T.build(cfg, sharding.make_mesh(cfg))[5]["params"]
+    print("LAYOUT", tuple(layout["blocks"][0]["attn"]["q"]["kernel"].spec),
+          tuple(layout["blocks"][0]["down"]["kernel"].spec), tuple(layout["embed"]["embedding"].spec))
+    # A mixer of train.layers (simple GLA: the linear kinds' fused [W_q; W_k; W_v], convolution,
+    # output gate and projection, and a per-head decay gate) laid out by its logical names on
+    # (data=2, fsdp=2, tensor=2): its loss and gradients are the one-device ones.
+    from flax import nnx
+    from train import layers
+    graphdef, state = nnx.split(layers.make_mixer(cfg, "simple_gla", 1, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(state)
+    mesh = jax.make_mesh((2, 2, 1, 2), sharding.MESH_AXES,
+                         axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    specs = sharding.state_specs(dict(mesh.shape), params, sharding.logical_axes(state))
+    placed = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                                                 is_leaf=lambda s: isinstance(s, P)))
+    print("MIXER_LAYOUT", *(f"{k}={tuple(placed[k]['kernel'].sharding.spec)}"
+                            for k in ("qkv", "gk", "o")))
+    x = jax.random.normal(jax.random.key(1), (4, 16, 16))
+    loss = lambda p, x: jnp.sum(jnp.sin(nnx.merge(graphdef, p)(x)))
+    sharded = jax.jit(sharding.in_mesh(mesh, jax.value_and_grad(loss)))(
+        placed, jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp")))))
+    # (float32 sums in another order: round-off of a few ulps of the terms)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), sharded,
+                 jax.jit(jax.value_and_grad(loss))(params, x))
+    print("MIXER_OK")
     # Steps 1-2 on (data=2, fsdp=2, context=2) (--fsdp true is fsdp=-1) with jaxsoft's
     # context_parallel_attention, steps 3-4 resumed on (fsdp=2, tensor=2, context=2) with the
     # keys and values gathered by GSPMD; the parent finishes on 1 device.
@@ -73,7 +97,11 @@ def test_eight_devices_match_one_device(tmp_path):
       "number of devices (8)" in out, out
   assert not (tmp_path / "bad" / "config.json").exists()
   assert "8 device(s)" in out and "SHARD_MAP_OK" in out, out
-  assert "LAYOUT ('fsdp', 'tensor') ('tensor', 'fsdp')" in out, out
+  # (the embedding split by vocabulary entry over tensor: vocab-parallel)
+  assert "LAYOUT ('fsdp', 'tensor') ('tensor', 'fsdp') ('tensor', 'fsdp')" in out, out
+  # train.layers' mixers by train.layers.PARAMETER_NAMES: column-parallel in, row-parallel out.
+  assert "MIXER_LAYOUT qkv=('fsdp', 'tensor') gk=('fsdp', 'tensor') o=('tensor', 'fsdp')" in out
+  assert "MIXER_OK" in out, out
 
   one = str(tmp_path / "one")
   assert train_lib.main(TINY + ["--workdir", one]) == 0
@@ -88,7 +116,8 @@ def test_eight_devices_match_one_device(tmp_path):
   # Two steps on each 4-axis mesh (the checkpoint of the first restored under the second), then
   # resumed on this 1-device process: every step as the 1-device run's. The batch split over
   # (data, fsdp) and the sequence over context (attention over the gathered keys), the
-  # parameters over fsdp and tensor: the same sums in another order, float32 round-off.
+  # parameters over fsdp and tensor (the embedding by vocabulary entry): the same sums in
+  # another order, float32 round-off.
   chain = str(tmp_path / "mesh")
   assert "resumed from step 2" in out
   assert _run(chain)[0] == [1, 2, 3, 4]
@@ -97,3 +126,30 @@ def test_eight_devices_match_one_device(tmp_path):
   assert steps_m == steps
   np.testing.assert_allclose(loss_m, loss1, rtol=1e-5)
   np.testing.assert_allclose(norm_m, norm1, rtol=1e-4)
+
+
+# One layer of each mixer class of train.layers: linear, sparse attention, attention control
+# (half the heads real attention), pooling, FoX.
+MIXER_STACK = "gated_delta_rule,topk_attention,hybrid:static_qk,ponet,fox_pro"
+
+
+@pytest.mark.slow
+def test_mixers_on_fsdp_and_tensor_match_one_device(tmp_path):
+  # The mixers' parameters laid out by their logical names (Megatron over tensor, rows over
+  # fsdp), the untied output matrix and the dense logits split by vocabulary entry over tensor
+  # (a vocab-parallel softmax cross-entropy) and the batch over (data, fsdp): the same losses
+  # as one device, float32 round-off.
+  argv = helpers.train_argv("--num_layers", "5", "--layers", MIXER_STACK, "--steps", "3",
+                            "--tie_embeddings", "false", "--loss", "dense")
+  mesh = str(tmp_path / "mesh")
+  helpers.run_on_cpu_devices(
+      "from train import train as T\n"
+      f"assert T.main({argv!r} + ['--workdir', {mesh!r}, '--mesh', 'fsdp=2,tensor=2']) == 0\n",
+      8)
+  one = str(tmp_path / "one")
+  assert train_lib.main(argv + ["--workdir", one]) == 0
+  steps, loss1, norm1 = _run(one)
+  steps8, loss8, norm8 = _run(mesh)
+  assert steps8 == steps == [1, 2, 3]
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  np.testing.assert_allclose(norm8, norm1, rtol=1e-4)
