@@ -131,6 +131,25 @@ def gpu_interpret_params(**kwargs):
   return cls(**kwargs)
 
 
+def _check_cuda_for_causal() -> None:
+  """UnsupportedError on a CUDA runtime in [12.8.0, 12.9.1): JAX's own Mosaic-GPU
+  FlashAttention refuses causal masking there (a ptxas miscompilation), and so does this
+  kernel rather than risk a wrong answer. Nothing to check without the CUDA plugin (an
+  export on a CPU runs nothing)."""
+  try:
+    from jax._src.lib import cuda_versions
+  except ImportError:
+    return
+  if cuda_versions is None:
+    return
+  version = cuda_versions.cuda_runtime_get_version()
+  if 12080 <= version < 12091:
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: `is_causal=True` is not supported with CUDA runtime {version} "
+        "(12.8.0 to 12.9.0 miscompile the causal kernel in ptxas, as JAX's own Mosaic-GPU "
+        "attention says); use kernels_pallas.attention")
+
+
 def interpreter_runs_kernel() -> bool:
   """Whether the installed JAX's GPU interpreter can run this kernel: it needs a rule for
   ``pl.run_state`` (the accumulator handed to the second wgmma), which JAX 0.12.1's
@@ -703,6 +722,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     interpret = gpu_interpret_params()
   elif interpret is False:
     interpret = None
+  if is_causal and interpret is None:
+    _check_cuda_for_causal()
   if interpret is not None and not interpreter_runs_kernel():
     raise UnsupportedError(
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "

@@ -107,6 +107,27 @@ def test_errors_name_the_argument(kw, match):
     kp.mosaic_gpu_attention(q, k, k, **kw)
 
 
+@pytest.mark.parametrize("version, refused", [(12080, True), (12090, True), (12091, False),
+                                              (12060, False)])
+def test_causal_refused_on_the_cuda_versions_that_miscompile_it(monkeypatch, version, refused):
+  """CUDA 12.8.0 to 12.9.0 (JAX's own Mosaic-GPU attention refuses causal there): an
+  UnsupportedError, not a possibly wrong answer; other versions pass the check."""
+  from jax._src import lib
+
+  class FakeCuda:
+    @staticmethod
+    def cuda_runtime_get_version():
+      return version
+
+  monkeypatch.setattr(lib, "cuda_versions", FakeCuda)
+  if refused:
+    q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+    with pytest.raises(kp.UnsupportedError, match=f"CUDA runtime {version}"):
+      kp.mosaic_gpu_attention(q, q, q, is_causal=True)
+  else:
+    assert mga._check_cuda_for_causal() is None
+
+
 def test_gradient_raises_rather_than_returning_something():
   q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
   f = lambda q: kp.mosaic_gpu_attention(q, q, q).astype(jnp.float32).sum()
@@ -135,9 +156,9 @@ def _reference(normalizer, q, k, v, causal, scale, hp):
 
 
 def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                    interpret=True):
+                    interpret=True, b=1):
   hp = dict(hp or {})
-  q, k, v = _inputs(0, 1, t, s, n, kh, h, dtype)
+  q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
   call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                          normalizer_params=hp, block_k=block_k,
                                          interpret=interpret)
@@ -181,6 +202,12 @@ INTERPRET = [
 def test_interpret_matrix(case):
   normalizer, causal, dtype, t, s, n, kh, h, hp = case
   _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+
+
+@pytest.mark.slow
+def test_interpret_batch_and_default_key_block():
+  """Two batch entries (the grid's batch axis) and the default 128-key ring slots."""
+  _check_numerics("softmax", True, jnp.bfloat16, 256, 256, 2, 1, 128, block_k=128, b=2)
 
 
 @pytest.mark.slow
