@@ -6,7 +6,7 @@
 #       extension: .py
 #       format_name: percent
 #       format_version: '1.3'
-#       jupytext_version: 1.19.6
+#       jupytext_version: 1.19.7
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -14,7 +14,7 @@
 # ---
 
 # %% [markdown]
-# # 04 · Softmax collapse and StableMax (E02), and a short grokking run (E14)
+# # 04 · Softmax collapse and StableMax (E02), and grokking with ⊥Grad (E14)
 #
 # [![Open In Colab](https://colab.research.google.com/assets/colab-badge.svg)](https://colab.research.google.com/github/jaxsoft/jaxsoft/blob/main/notebooks/04_softmax_collapse.ipynb)
 #
@@ -92,93 +92,120 @@ print("stablemax-CE gradient on the correct logit:", float(g_stable[0, 0]))
 assert float(g_softmax[0, 0]) == 0.0 and float(g_stable[0, 0]) < 0.0
 
 # %% [markdown]
-# ## A short grokking run: modular addition
-# (a + b) mod p from 40 % of the pairs, a two-layer MLP on one-hot inputs, Adam without
-# weight decay, full batch. Three runs on identical data and initialisation: softmax CE,
-# StableMax CE, and softmax CE with ⊥Grad. We track train and test accuracy and the
-# fraction of training examples in Softmax Collapse. The paper's claim is that the first
-# run stalls as SC rises while the other two generalise; a run this short may not show all
-# of it, so the verdict below is computed from the curves, not asserted. (For the StableMax
-# run, the SC fraction is that of float32 softmax applied to its logits, which StableMax CE
-# never computes: it shows how large the logits grew, not a stalled gradient.)
+# ## Grokking without regularisation: modular addition
+# **The paper's claim** (Prieto et al., Sections 3–5): on modular addition, an MLP or transformer
+# trained in float32 with softmax cross-entropy and no weight decay fits its training pairs, then
+# keeps scaling its logits ("naive loss minimisation") until the examples fall into Softmax
+# Collapse; held-out accuracy never rises. StableMax CE and ⊥Grad remove the cause and the models
+# generalise without any regularisation: ⊥Grad within a few hundred full-batch steps (their
+# Figures 1 and 6), StableMax over much longer runs (8·10⁴ steps in the authors' script for
+# Figure 1).
+#
+# **This run** follows their MLP setup at a CPU-sized modulus: (a + b) mod p from 40 % of the
+# pairs, one-hot inputs, two hidden layers of 200 ReLU units without biases, PyTorch's default
+# initialisation U(±1/√fan-in), full-batch Adam with their settings (lr 0.01, β₂ = 0.99,
+# ε = 10⁻²⁵, so Adam keeps normalising even tiny gradients), no weight decay, float32. Three runs
+# on identical data and initialisation: softmax CE, StableMax CE, and softmax CE with ⊥Grad
+# (`js.losses.orthogonal_gradient()` before Adam). Every 10 steps we record train and test
+# accuracy and the fraction of training examples in Softmax Collapse (float32 CE exactly 0). For
+# the StableMax run that fraction is that of float32 softmax applied to its logits, which
+# StableMax CE never computes: it shows how large the logits grew, not a stalled gradient. The
+# verdict is computed from the curves. tests/properties/test_grokking.py checks the same claim
+# (a small size by default, this size under `-m slow`).
 
 # %%
-p = 23
-steps = 600 if QUICK else 4000
-pairs = np.array([(a, b) for a in range(p) for b in range(p)])
-labels_all = (pairs[:, 0] + pairs[:, 1]) % p
+if QUICK:  # CI's smoke run; no verdict is drawn from it
+  P, TRAIN_FRACTION, WIDTH, STEPS = 23, 0.4, 128, 200
+else:
+  P, TRAIN_FRACTION, WIDTH, STEPS = 47, 0.4, 200, 1500
+EVERY = 10
+print(f"p = {P}, {TRAIN_FRACTION:.0%} of the {P * P} pairs for training, width {WIDTH}, {STEPS} steps")
+pairs = np.array([(a, b) for a in range(P) for b in range(P)])
+labels_all = (pairs[:, 0] + pairs[:, 1]) % P
 perm = np.random.default_rng(0).permutation(len(pairs))
-n_train = int(0.4 * len(pairs))
-tr, te = perm[:n_train], perm[n_train:]
-inputs = jnp.concatenate([jax.nn.one_hot(pairs[:, 0], p), jax.nn.one_hot(pairs[:, 1], p)], -1)
+n_train = int(TRAIN_FRACTION * len(pairs))
+x_tr, y_tr = jnp.asarray(pairs[perm[:n_train]]), jnp.asarray(labels_all[perm[:n_train]])
+x_te, y_te = jnp.asarray(pairs[perm[n_train:]]), jnp.asarray(labels_all[perm[n_train:]])
 
 
-def init(key, width=256):
+def init(key):
   k1, k2, k3 = jax.random.split(key, 3)
-  he = lambda k, i, o: jax.random.normal(k, (i, o)) * jnp.sqrt(2.0 / i)
-  return {"w1": he(k1, 2 * p, width), "w2": he(k2, width, width), "w3": he(k3, width, p)}
+  uniform = lambda k, i, o: jax.random.uniform(k, (i, o), minval=-1.0, maxval=1.0) / np.sqrt(i)
+  return {"w1": uniform(k1, 2 * P, WIDTH), "w2": uniform(k2, WIDTH, WIDTH), "w3": uniform(k3, WIDTH, P)}
 
 
-def apply(params, x):
-  h = jax.nn.relu(x @ params["w1"])
+def apply(params, ab):
+  """The MLP on one-hot([a, b]); the first layer's product is the sum of two rows of w1."""
+  h = jax.nn.relu(params["w1"][ab[:, 0]] + params["w1"][P + ab[:, 1]])
   h = jax.nn.relu(h @ params["w2"])
   return h @ params["w3"]
 
 
-def run(loss_name, transform):
-  loss_fn = {"softmax": js.losses.softmax_cross_entropy_with_integer_labels,
-             "stablemax": js.losses.stablemax_cross_entropy}[loss_name]
-  opt = optax.chain(transform, optax.adam(3e-3)) if transform is not None else optax.adam(3e-3)
+def run(loss_fn, orthogonal):
+  adam = optax.adam(1e-2, b2=0.99, eps=1e-25)
+  opt = optax.chain(js.losses.orthogonal_gradient(), adam) if orthogonal else adam
   params = init(jax.random.key(0))
-  state = opt.init(params)
-  x_tr, y_tr = inputs[tr], jnp.asarray(labels_all[tr])
-  x_te, y_te = inputs[te], jnp.asarray(labels_all[te])
 
   def step(carry, _):
     params, state = carry
     grads = jax.grad(lambda q: loss_fn(apply(q, x_tr), y_tr).mean())(params)
     updates, state = opt.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
-    logits_tr = apply(params, x_tr)
-    metrics = (jnp.mean(jnp.argmax(logits_tr, -1) == y_tr),
-               jnp.mean(jnp.argmax(apply(params, x_te), -1) == y_te),
-               js.losses.softmax_collapse_fraction(logits_tr, y_tr))
-    return (params, state), metrics
+    return (optax.apply_updates(params, updates), state), None
 
-  _, (train_acc, test_acc, sc) = jax.jit(lambda c: jax.lax.scan(step, c, None, length=steps))((params, state))
-  return np.asarray(train_acc), np.asarray(test_acc), np.asarray(sc)
+  def chunk(carry, _):  # EVERY steps, then the metrics
+    carry, _ = jax.lax.scan(step, carry, None, length=EVERY)
+    logits_tr = apply(carry[0], x_tr)
+    return carry, (jnp.mean(jnp.argmax(logits_tr, -1) == y_tr),
+                   jnp.mean(jnp.argmax(apply(carry[0], x_te), -1) == y_te),
+                   js.losses.softmax_collapse_fraction(logits_tr, y_tr))
+
+  metrics = jax.jit(lambda c: jax.lax.scan(chunk, c, None, length=STEPS // EVERY)[1])((params, opt.init(params)))
+  return tuple(np.asarray(m) for m in metrics)
 
 
-runs = {"softmax CE": run("softmax", None),
-        "StableMax CE": run("stablemax", None),
-        "softmax CE + ⊥Grad": run("softmax", js.losses.orthogonal_gradient())}
+runs = {"softmax CE": run(js.losses.softmax_cross_entropy_with_integer_labels, False),
+        "StableMax CE": run(js.losses.stablemax_cross_entropy, False),
+        "softmax CE + ⊥Grad": run(js.losses.softmax_cross_entropy_with_integer_labels, True)}
+steps_axis = EVERY * np.arange(1, STEPS // EVERY + 1)
 fig, axes = plt.subplots(1, 3, figsize=(14, 3.5), sharex=True)
 for name, (train_acc, test_acc, sc) in runs.items():
-  axes[0].plot(train_acc, label=name)
-  axes[1].plot(test_acc, label=name)
-  axes[2].plot(sc, label=name)
-axes[0].set(title="train accuracy", xlabel="step")
-axes[1].set(title="test accuracy", xlabel="step")
-axes[2].set(title="fraction in Softmax Collapse", xlabel="step")
+  axes[0].plot(steps_axis, train_acc, label=name)
+  axes[1].plot(steps_axis, test_acc, label=name)
+  axes[2].plot(steps_axis, sc, label=name)
+axes[0].set(title="train accuracy", xlabel="full-batch step")
+axes[1].set(title=f"test accuracy (chance 1/{P})", xlabel="full-batch step")
+axes[2].set(title="fraction of training examples in Softmax Collapse", xlabel="full-batch step")
 axes[1].legend(fontsize=8)
 fig.tight_layout()
 plt.show()
 for name, (train_acc, test_acc, sc) in runs.items():
-  print(f"{name:<22} final train acc {train_acc[-1]:.2f}  test acc {test_acc[-1]:.2f}  "
-        f"collapsed {sc[-1]:.0%} (max {sc.max():.0%})")
-base_test, base_sc = runs["softmax CE"][1][-1], runs["softmax CE"][2].max()
-better = [n for n in runs if n != "softmax CE" and runs[n][1][-1] > base_test + 0.05]
+  first = np.argmax(test_acc > 0.5) if (test_acc > 0.5).any() else None
+  print(f"{name:<22} final train acc {train_acc[-1]:.2f}  test acc {test_acc[-1]:.2f} (max {test_acc.max():.2f}"
+        + (f", above 0.5 from step {steps_axis[first]})" if first is not None else ")")
+        + f"  collapsed {sc[-1]:.0%}")
+base_test, base_sc = runs["softmax CE"][1].max(), runs["softmax CE"][2][-1]
+generalise = [n for n in runs if n != "softmax CE" and runs[n][1][-1] > 0.5]
+stall = [n for n in runs if n != "softmax CE" and n not in generalise]
 if QUICK:
-  print(f"quick mode ({steps} steps, as CI runs it): too short to judge generalisation, so no "
+  print(f"quick mode (p = {P}, {STEPS} steps, as CI runs it): too small to judge generalisation, so no "
         "verdict here; the committed notebook shows the full-size run")
+elif base_test > 0.5:
+  print(f"verdict: softmax CE generalised in this run (test accuracy up to {base_test:.2f}): no contrast to show")
 else:
-  print("verdict:", f"{', '.join(better)} generalise(s) better than softmax CE" if better else
-        "in this run no variant generalises clearly better than softmax CE; the paper's "
-        "runs are longer", f"(softmax CE reached {base_sc:.0%} collapsed examples)")
+  print(f"verdict: softmax CE fits the training pairs and stays at test accuracy ≤ {base_test:.2f}, with "
+        f"{base_sc:.0%} of its training examples collapsed at the end; generalise(s) from the same data and "
+        f"steps: {', '.join(generalise) or 'none'}; still at chance or below: {', '.join(stall) or 'none'}")
+for name, (train_acc, test_acc, sc) in runs.items():
+  assert np.isfinite(test_acc).all() and np.isfinite(sc).all(), f"{name} trained without NaN"
 
 # %% [markdown]
-# In the committed full-size run all three fit the training pairs within about 100 steps and
-# none generalises within 4000 steps (test accuracy stays near 0), so this short run does not
-# reproduce the paper's grokking contrast; only the StableMax run's logits grow into the
-# collapse regime. The first two sections (where float32 CE becomes exactly 0, and StableMax's
-# surviving gradient) are the results this notebook establishes.
+# In the committed full-size run (p = 47, 1500 steps) ⊥Grad reproduces the paper: it fits the
+# training pairs within about 100 steps, its test accuracy passes 0.5 at step 160 and ends at
+# 0.98, with no weight decay and no training example ever in Softmax Collapse. Softmax CE fits
+# the same pairs within about 30 steps and its test accuracy stays at 0.00 (below chance, as in
+# the paper's baselines) for all 1500 steps, while its logits keep growing: from step ~800 its
+# training examples enter Softmax Collapse, all of them by step ~1250, after which its float32
+# gradient is exactly zero. StableMax CE also stays at 0 held-out accuracy within this budget,
+# with logits far larger than softmax CE's (all in the collapse regime of float32 softmax by step
+# ~60): the paper's StableMax runs last 8·10⁴ steps, beyond a CPU notebook, so this notebook
+# shows StableMax's surviving gradient (section above) but not its generalisation.
