@@ -32,8 +32,15 @@ warpgroup's key loop into blocks wholly visible (no mask work), the diagonal blo
 padded (queries to ``2 * block_q``, keys to ``block_k``) and the padded keys masked in
 the last key block.
 
+The maps are the rule's own functions, traced with their custom derivatives inlined
+(Mosaic GPU lowers no ``custom_jvp``); the row statistics are 1-D ``[block_q]`` vectors in
+the wgmma row layout, where ``jaxsoft.normalizers.tile.online_update`` carries ``[bq, 1]``
+columns, so that function's steps are written out here (same formulas, same order).
+``approx_math`` is on: ``ex2`` and ``tanh`` are the GPU's approximate instructions.
+
 Not done yet: the backward pass (``jax.grad`` raises), classes T and R, bias / segment /
-window masks and per-row hyperparameter arrays.
+window masks as block lists, lazy (thresholded) rescaling, per-row hyperparameter arrays,
+tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
 from __future__ import annotations
@@ -246,8 +253,9 @@ def smem_bytes(head_dim: int, dtype, block_q: int = 64, block_k: int = 128,
   """Shared memory one CTA of the forward kernel allocates, in bytes.
 
   ``2 block_q H`` query/output tiles (one per consumer warpgroup) plus ``2 num_stages
-  block_k H`` key and value ring slots, at the input's item size; barriers are not
-  counted (a few hundred bytes). Hopper allows 227 KiB (:data:`SMEM_LIMIT`).
+  block_k H`` key and value ring slots, at the input's item size; the lowering adds
+  barriers and alignment (about 2 KiB; the wrapper keeps :data:`SMEM_SLACK` free).
+  Hopper allows 227 KiB (:data:`SMEM_LIMIT`).
 
   Args:
     head_dim: the head dimension H.
