@@ -12,6 +12,10 @@ and the output to bf16 once each, so ``|O - O_ref| <= 2u sum_j |w_j| |v_j|`` (u 
 plus ``ex2.approx`` / ``tanh.approx``'s relative 2^-22 / 2^-11 on the GPU: a case beyond
 ``3u sum_j |w_j||v_j|`` is reported as FAIL and never timed.
 
+On a GPU each causal kernel is also compiled once in a subprocess with
+``MOSAIC_GPU_DUMP_PTXAS=1``; its registers and spill bytes are printed (``-- SPILLS``
+when ptxas spilled).
+
 Times are the GPU's own (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median
 of ``--reps`` runs of the kernels alone), or wall clock around a call off a GPU (the
 ``clock`` column says which). TFLOP/s counts 4·B·N·T²·H (halved for causal); ``x cuDNN``
@@ -23,7 +27,10 @@ is cuDNN softmax's time over the row's (above 1: faster than cuDNN softmax).
 
 from __future__ import annotations
 
+import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -105,6 +112,41 @@ def _device_ms(f, args, reps: int) -> tuple[float, str]:
   return statistics.median(ts) * 1e3, "wall"
 
 
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(text: str) -> tuple[int, int, int] | None:
+  """(most registers of a kernel, spill store bytes, spill load bytes) over the kernels of
+  ptxas's verbose report (``ptxas -v`` lines such as ``0 bytes stack frame, 0 bytes spill
+  stores, 0 bytes spill loads`` and ``Used 168 registers, ...``), or None without one."""
+  spills = [(int(a), int(b)) for a, b in _SPILLS.findall(text)]
+  if not spills:
+    return None
+  regs = [int(r) for r in _REGISTERS.findall(text)]
+  return (max(regs) if regs else -1, sum(a for a, _ in spills), sum(b for _, b in spills))
+
+
+def ptxas_report(normalizer: str, causal: bool, timeout: float = 300.0):
+  """Compiles the kernel (T = 4k, H = 128, bf16) in a fresh process with
+  ``MOSAIC_GPU_DUMP_PTXAS=1`` (Mosaic GPU prints ptxas's verbose report there, from C++:
+  a subprocess captures it) and returns :func:`parse_ptxas` of its output."""
+  code = ("import jax, jax.numpy as jnp, kernels_pallas as kp\n"
+          "q = jnp.zeros((1, 4096, 16, 128), jnp.bfloat16)\n"
+          f"f = jax.jit(lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer={normalizer!r}, "
+          f"is_causal={causal}))\n"
+          "jax.block_until_ready(f(q))\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "MOSAIC_GPU_DUMP_PTXAS": "1",
+         "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+  try:
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=timeout, cwd=root)
+  except subprocess.TimeoutExpired:
+    return None
+  return parse_ptxas(r.stdout + r.stderr)
+
+
 def _row(kernel, normalizer, shape, causal, ms, clock, flops, base_ms, status):
   if ms is None:
     print(f"| {kernel} | {normalizer} | {shape} | {causal} | - | - | - | - | {status} |")
@@ -136,6 +178,12 @@ def section(args) -> bool:
       print(f"# mosaic_gpu {name} causal={causal}: {what}", file=sys.stderr)
       checked[name] = ok
       ok_all &= ok
+      if ok and on_gpu and causal:  # the masked (larger) kernel's registers and spills
+        rep = ptxas_report(name, causal)
+        print(f"# ptxas {name} causal: " + ("no ptxas report in the output (does this "
+              "jaxlib honour MOSAIC_GPU_DUMP_PTXAS?)" if rep is None else
+              f"{rep[0]} registers, {rep[1]} B spill stores, {rep[2]} B spill loads"
+              + (" -- SPILLS" if rep[1] or rep[2] else "")), file=sys.stderr)
     for b, t, n in shapes:
       q, k, v = _inputs(b, t, n, h, jnp.bfloat16)
       flops = 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)

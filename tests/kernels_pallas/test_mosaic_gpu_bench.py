@@ -51,6 +51,18 @@ def test_checked_before_timed(monkeypatch, capsys):
   assert len(timed) == 2  # the full case's two rows only
 
 
+def test_ptxas_report_parsed():
+  """ptxas -v's report (the format CUDA's ptxas prints per kernel) -> (registers, spill
+  store bytes, spill load bytes); None when no report is in the text."""
+  bench = _load()
+  text = ("ptxas info    : Compiling entry function 'mosaic_gpu_kernel' for 'sm_90a'\n"
+          "ptxas info    : Function properties for mosaic_gpu_kernel\n"
+          "    8 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads\n"
+          "ptxas info    : Used 168 registers, used 1 barriers, 528 bytes cmem[0]\n")
+  assert bench.parse_ptxas(text) == (168, 24, 16)
+  assert bench.parse_ptxas("some other output\n") is None
+
+
 @pytest.mark.slow
 def test_section_runs_in_interpret_mode(capsys):
   bench = load_script("bench/gpu.py", "bench_gpu")
