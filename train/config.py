@@ -149,6 +149,10 @@ class Config:
   favor_features: int = _f(ATTENTION, 64, "random features of linear:favor (Performer's FAVOR+)")
   # Model.
   tie_embeddings: bool = _f(MODEL, True, "the output matrix is the transposed input embedding")
+  attention_residual_blocks: int = _f(
+      MODEL, 0, "Block Attention Residuals (train.attn_residuals): decoder blocks per residual "
+      "block; each sublayer's input is a learned softmax mixture of the completed blocks and "
+      "the partial sum (jaxsoft.nn.block_attention_residual); 0 = the plain residual stream")
   # Attention / normalizer.
   implementation: str = _f(ATTENTION, "", "attention implementation ('' = jaxsoft's choice, xla, "
                                           "xla_chunked, pallas, ...)",
@@ -272,7 +276,7 @@ class Config:
 MODEL_FIELDS = ("dataset", "d_model", "num_layers", "num_heads", "num_kv_heads", "mlp_dim",
                 "rope_base", "normalizer", "normalizer_params", "attention", "window", "softcap",
                 "learned", "layers", "conv_size", "top_k", "block_size", "skip_threshold",
-                "favor_features", "tie_embeddings")
+                "favor_features", "tie_embeddings", "attention_residual_blocks")
 # Fields that define the learning-rate schedule: changing them on resume needs --reschedule.
 SCHEDULE_FIELDS = ("steps", "learning_rate", "warmup_steps", "min_lr_ratio")
 
@@ -440,7 +444,7 @@ def validate(cfg: Config, check_workdir: bool = True) -> None:
   if cfg.batch_size % cfg.grad_accum:
     raise ConfigError(f"--batch_size ({cfg.batch_size}) must be divisible by --grad_accum "
                       f"({cfg.grad_accum})")
-  for name in ("warmup_steps", "eval_every"):
+  for name in ("warmup_steps", "eval_every", "attention_residual_blocks"):
     if getattr(cfg, name) < 0:
       raise ConfigError(f"--{name} must be >= 0, got {getattr(cfg, name)}")
   _validate_distribution(cfg)

@@ -29,6 +29,7 @@ from jaxsoft.nn import param_transform
 from jaxsoft.normalizers.common import safe_divide
 from train import layers
 from train import sharding as tsharding
+from train.attn_residuals import AttentionResiduals
 from train.config import ATTENTION_VARIANTS, Config, attention_normalizer, layer_kinds
 from train.positions import rope
 
@@ -228,9 +229,17 @@ class Block(nnx.Module):
                        bias_init=_named(_ZEROS, None))
 
   def _mlp(self, x: jax.Array) -> jax.Array:
+    return x + self.mlp_delta(x)
+
+  def mlp_delta(self, x: jax.Array) -> jax.Array:
+    """The MLP sublayer's output (what it adds to the residual stream)."""
     hidden = jax.nn.gelu(self.up(self.mlp_norm(x)))
     hidden = tsharding.constrain(hidden, ("act_batch", "act_length", "act_mlp"))
-    return x + self.down(hidden)
+    return self.down(hidden)
+
+  def sublayers(self, positions: jax.Array) -> list[Callable[[jax.Array], jax.Array]]:
+    """The attention and MLP sublayers as input -> output (``--attention_residual_blocks``)."""
+    return [lambda h: self.attn(self.attn_norm(h), positions), self.mlp_delta]
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     return self._mlp(x + self.attn(self.attn_norm(x), positions))
@@ -272,15 +281,26 @@ class Transformer(nnx.Module):
         _named(nnx.initializers.normal(cfg.d_model ** -0.5), "embed", "vocab")(
             rngs.params(), (cfg.d_model, vocab_size), jnp.float32))
     self.chunked_loss = cfg.loss == "linear_ce"
+    # Block Attention Residuals (train.attn_residuals): the stream as softmax mixtures
+    self.residuals = AttentionResiduals(
+        cfg.d_model, 2 * len(self.blocks), cfg.attention_residual_blocks,
+        rngs=rngs) if cfg.attention_residual_blocks else None
 
   def hidden(self, tokens: jax.Array) -> jax.Array:
     """The final normalised hidden states ``[B, T, d]`` (compute dtype)."""
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     x = self.embed(tokens)
+    if self.residuals is not None:
+      return self.final_norm(self.residuals(x, self._sublayers(positions)))
     for block in self.blocks:
       x = tsharding.constrain(x, ("act_batch", "act_length", "act_embed"))
       x = block(x, positions)
     return self.final_norm(x)
+
+  def _sublayers(self, positions: jax.Array) -> list[Callable[[jax.Array], jax.Array]]:
+    constrain = functools.partial(tsharding.constrain,
+                                  names=("act_batch", "act_length", "act_embed"))
+    return [lambda h, f=f: f(constrain(h)) for b in self.blocks for f in b.sublayers(positions)]
 
   def output_matrix(self) -> jax.Array:
     """The output layer ``[d, vocab]`` (float32 parameters)."""
@@ -314,6 +334,17 @@ class Transformer(nnx.Module):
                   ) -> tuple[jax.Array, list[Any]]:
     """``tokens [B]`` at ``position`` (a scalar) -> (logits ``[B, vocab]`` float32, cache)."""
     x = self.embed(tokens[:, None])
+    if self.residuals is not None:
+      caches = list(cache)
+
+      def attn_step(h, i):
+        out, caches[i] = self.blocks[i].attn.step(self.blocks[i].attn_norm(h), position,
+                                                  caches[i])
+        return out
+
+      fns = [f for i, b in enumerate(self.blocks)
+             for f in (functools.partial(attn_step, i=i), b.mlp_delta)]
+      return self.logits(self.final_norm(self.residuals(x, fns)))[:, 0], caches
     new_cache = []
     for block, block_cache in zip(self.blocks, cache, strict=True):
       x, block_cache = block.step(x, position, block_cache)
@@ -347,8 +378,11 @@ def attention_stats(model: Transformer, tokens: jax.Array, cfg: Config,
       return {}
   positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
   x = model.embed(tokens)
-  for block in model.blocks[:layer]:
-    x = block(x, positions)
+  if model.residuals is not None:  # the layer's input through the residual mixtures
+    x = model.residuals(x, model._sublayers(positions), stop=2 * layer)
+  else:
+    for block in model.blocks[:layer]:
+      x = block(x, positions)
   block = model.blocks[layer]
   if block.kind not in ATTENTION_VARIANTS:
     raise ValueError(f"layer: block {layer} is a {block.kind!r} layer, not a normalizer block")
