@@ -92,6 +92,10 @@ Two more sections (``--sections``), each checked before it is timed:
   values, rounded once, as the kernels compute; a quantised weight may move one
   level where the sum, added in another order, moves it across a boundary: fails beyond
   one level + 1e-6 or on more than 0.1% of the entries; the LUT softmax beyond 1e-6).
+* ``blasst`` (K04; bench/gpu_blasst.py): ``kp.blasst_attention`` (BLASST's skip decided
+  inside the kernel) against dense causal ``kp.attention``, forward and ``jax.grad`` of a
+  sum, bf16, T in {8k, 16k}; checked first against the xla_chunked skip loop (the same
+  kept pairs; output and cotangents within 3e-2).
 * ``mosaic_gpu`` (bench/gpu_mosaic_gpu.py): ``kp.mosaic_gpu_attention``, the Mosaic-GPU
   (Hopper) forward, unverified on hardware until this section runs, against cuDNN softmax
   and the Triton kernel, bf16, H = 128, T in {4k, 16k}, full and causal, CUPTI device
@@ -107,6 +111,7 @@ Shapes: B·T = 16k tokens, N·H = 2048, H in {64, 128}, T in {1k, 4k, 16k}, bf16
     python bench/gpu.py --sections polykv,single_pass   # the K11 / K12 rows
     python bench/gpu.py --sections two_pass,quantized   # the K05 / K06 / K09 row kernels
     python bench/gpu.py --sections topk                 # K01, fused softmax + top-k
+    python bench/gpu.py --sections blasst               # K04, BLASST's skip in the kernel
     python bench/gpu.py --sections mosaic_gpu           # the Mosaic-GPU (Hopper) forward
 """
 
@@ -130,7 +135,7 @@ import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "softpick", "sparsemax", "entmax15")
 SECTIONS = ("attention", "linear", "ce", "extras", "autotune", "fp8", "sigmoid", "fox",
-            "polykv", "single_pass", "two_pass", "quantized", "topk", "mosaic_gpu")
+            "polykv", "single_pass", "two_pass", "quantized", "topk", "blasst", "mosaic_gpu")
 
 
 @dataclasses.dataclass
@@ -302,6 +307,10 @@ def main(argv=None):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_topk
     ok &= gpu_topk.section(args)
+  if "blasst" in sections:  # K04: bench/gpu_blasst.py, beside this script
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gpu_blasst
+    ok &= gpu_blasst.section(args)
   if "mosaic_gpu" in sections:  # bench/gpu_mosaic_gpu.py, beside this script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_mosaic_gpu
