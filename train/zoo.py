@@ -159,8 +159,15 @@ def entrants(task: str | None = None) -> list[Entrant]:
 
 
 def units(tasks: Iterable[str] | None = None) -> list[tuple[str, Entrant]]:
-  """Every (task, entrant) of the zoo, in a fixed order (the order ``--parts`` splits)."""
-  return [(t, e) for t in (tasks or TASKS) for e in entrants(t)]
+  """Every (task, entrant) of the zoo, in a fixed order (the order ``--parts`` splits): the
+  tasks interleaved (the first entrant of every task, then the second, ...), so that a part
+  started first records every task early; each task's reference entrant (softmax, softmax
+  CE) first, as every comparison needs it."""
+  lists = [sorted(((t, e) for e in entrants(t)),
+                  key=lambda te: te[1].name not in (_SOFTMAX, REFERENCE["loss"]))
+           for t in (tasks or TASKS)]
+  return [lst[k] for k in range(max(map(len, lists), default=0)) for lst in lists
+          if k < len(lst)]
 
 
 # --------------------------------------------------------------------------------------------
@@ -418,15 +425,23 @@ def _programs(task: Task, entrant: Entrant, tiny: bool) -> tuple[_Programs, bool
   return programs, True
 
 
-@functools.lru_cache(maxsize=1024)
-def _train_batch(task_name: str, seed: int, position: int, tiny: bool
-                 ) -> dict[str, np.ndarray]:
-  """A task's training batch (a pure function of its arguments), kept for the next entrant:
-  the units of a task run one after the other and share their batches."""
+@functools.lru_cache(maxsize=4096)
+def _cached_batch(task_name: str, seed: int, position: int, tiny: bool
+                  ) -> dict[str, np.ndarray]:
   return TASKS[task_name].train_batch(seed, position, tiny)
 
 
-@functools.lru_cache(maxsize=2)
+def _train_batch(task_name: str, seed: int, position: int, tiny: bool
+                 ) -> dict[str, np.ndarray]:
+  """A task's training batch (a pure function of its arguments), kept for the next units of
+  the task (the attention tasks' batches, ~12-18 KB each, ~1100 of them in all; the loss
+  task's one full batch is rebuilt)."""
+  if TASKS[task_name].loss_task:
+    return TASKS[task_name].train_batch(seed, position, tiny)
+  return _cached_batch(task_name, seed, position, tiny)
+
+
+@functools.lru_cache(maxsize=8)
 def _eval_sets(task_name: str, tiny: bool) -> dict[str, list[dict[str, np.ndarray]]]:
   return TASKS[task_name].eval_sets(tiny)
 
