@@ -23,18 +23,26 @@ def _inputs(q, k, v, gates, fn):
     raise ValueError(f"{fn}: `query` {q.shape}, `key` {k.shape} and `value` {v.shape} must "
                      "share [B, T, N] (and query/key K)")
   out = []
+  ct = _compute_dtype(q, k, v)
   for name, a in gates.items():
     a = jnp.asarray(a)
     if a.shape != q.shape[:3]:
       raise ValueError(f"{fn}: `{name}` must be [B, T, N] = {q.shape[:3]}, got {a.shape}")
-    out.append(a.astype(jnp.float32))
+    out.append(a.astype(ct))
   return q, k, v, out
+
+
+def _compute_dtype(q, k, v):
+  """float32, or float64 for float64 inputs (under JAX_ENABLE_X64)."""
+  return jnp.promote_types(jnp.result_type(q, k, v), jnp.float32)
 
 
 def _weighted_causal_softmax(q, k, v, weight, scale):
   r""":math:`o_i = \sum_{j \le i} w_j e^{l_{ij}} v_j / \sum_{j \le i} w_j e^{l_{ij}}` (0 when
-  the denominator is 0), :math:`l = \text{scale}\; q k^\top`, in float32."""
-  f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+  the denominator is 0), :math:`l = \text{scale}\; q k^\top`, in float32 (float64 for
+  float64 inputs)."""
+  ct = _compute_dtype(q, k, v)
+  f32 = lambda a: a.astype(ct)  # noqa: E731
   logits = jnp.einsum("btnk,bsnk->bnts", f32(q), f32(k)) * scale
   t = q.shape[1]
   causal = jnp.tril(jnp.ones((t, t), bool))[None, None]
@@ -50,7 +58,7 @@ def _weighted_causal_softmax(q, k, v, weight, scale):
 
 def _gdn(q, k, v, g, beta, scale, implementation):
   return _linear.gated_delta_rule(q, k, v, g, beta, scale=scale, qk_l2norm=True,
-                                  implementation=implementation).astype(jnp.float32)
+                                  implementation=implementation).astype(_compute_dtype(q, k, v))
 
 
 def _scale(scale, q):
