@@ -99,11 +99,14 @@ for t, summary in summaries.items():
 for t in zoo_tasks.TASKS:
   seen = {r["entrant"] for r in records if r["task"] == t}
   table = zoo.task_table(records, t).splitlines()
-  title, model_line, count = table[0], table[2], table[-2]
-  header, rows = table[4:6], [line for line in table[6:] if line.startswith("| ")]
-  rows = [line for line in rows if line.split("|")[1].strip() in seen]
-  display(Markdown("\n".join([title.replace("## ", "### "), "", model_line, ""]
-                             + (header + rows if rows else ["(no records yet)"]) + ["", count])))
+  start = next(i for i, line in enumerate(table) if line.startswith("| entrant"))
+  text = [line for line in table[:start] if line]  # the title, the model, why these sizes
+  rows = [line for line in table[start + 2:]
+          if line.startswith("| ") and line.split("|")[1].strip() in seen]
+  count = next(line for line in table if "entrants complete" in line)
+  display(Markdown("\n\n".join([text[0].replace("## ", "### "), *text[1:]]) + "\n\n"
+                   + ("\n".join(table[start:start + 2] + rows) if rows else "(no records yet)")
+                   + "\n\n" + count))
 
 # %% [markdown]
 # ## Loss curves per task
@@ -172,7 +175,9 @@ if lines:
     ax.legend(fontsize=7)
 else:
   ax.text(0.5, 0.5, "no records yet", ha="center", va="center", transform=ax.transAxes)
-ax.set(xscale="log", xticks=list(lengths), xticklabels=[str(t) for t in lengths],
+ax.set_xscale("log", base=2)
+ax.minorticks_off()
+ax.set(xticks=list(lengths), xticklabels=[str(t) for t in lengths],
        xlabel="evaluation length T", ylabel="held-out loss (nats/char)",
        title="held-out loss against evaluation length (trained at 256)")
 fig.tight_layout()
@@ -201,6 +206,7 @@ for ax, t in zip(axes, attention_tasks, strict=True):
   task = zoo_tasks.TASKS[t]
   ax.set(xscale="log", xlabel="training tokens/s", ylabel=task.metric,
          title=f"{t} ({'higher' if task.higher_is_better else 'lower'} is better)")
+  ax.xaxis.set_minor_formatter(plt.NullFormatter())
 fig.tight_layout()
 plt.show()
 

@@ -962,7 +962,7 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
       cost = json.load(f)
   lines += ["| task | entrants | runs (3 sweep + 2 seeds each) | compile s (wall / CPU) | "
             "s / run (wall / CPU) | hours | source |", "|---|---|---|---|---|---|---|"]
-  total = 0.0
+  total, unmeasured = 0.0, []
   for t in TASKS:
     measured = _unit_seconds(records, t, protocol)
     timing = cost.get("tasks", {}).get(t, {})
@@ -983,12 +983,16 @@ def _cost_section(out: str, records: Sequence[dict[str, Any]], protocol: str) ->
       unit, source = None, "not measured"
     hours = unit * counts[t] / 3600 if unit is not None else None
     total += hours or 0.0
+    if hours is None:
+      unmeasured.append(t)
     lines.append(f"| {t} | {counts[t]} | {counts[t] * per_unit} | "
                  f"{_fmt(timing.get('compile_s'), '.0f')} / "
                  f"{_fmt(timing.get('compile_cpu_s'), '.0f')} | "
                  f"{_fmt(timing.get('run_s'), '.1f')} / {_fmt(timing.get('run_cpu_s'), '.1f')} "
                  f"| {_fmt(hours, '.2f')} | {source} |")
-  lines += ["", f"Total: about **{total:.1f} hours**. A unit (one entrant on one task: five "
+  lines += ["", f"Total: about **{total:.1f} CPU-hours**" + (
+      f" for the measured tasks ({', '.join(unmeasured)} not yet: the first units of the zoo, "
+      "the reference entrants', give their cost)" if unmeasured else "") + ". A unit (one entrant on one task: five "
                 "runs) compiles its step once (the learning rate lives in the optimizer state, "
                 "`train.zoo.scale_by_lr_state`). `cost.json`: `python -m train.zoo cost`, the "
                 "softmax entrant, two runs per task"
