@@ -4,7 +4,8 @@ against cuDNN softmax (``jax.nn.dot_product_attention(implementation="cudnn")``)
 this library's Triton kernel (``kp.attention(backend="triton")``) for the same
 normalizer: forward only (the Mosaic kernel has no backward yet), bf16, H = 128,
 B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal, for softmax, softmax_1,
-sigmoid, relu and stablemax (classes E, E, P, P, S).
+sigmoid, relu and stablemax (classes E, E, P, P, S), and softmax with lazy rescaling
+(``rescale_threshold=8``, a ``mosaic_gpu tau=8`` row).
 
 Correctness first: every (normalizer, causal) is compared at T = 512 (``--tiny``: 128)
 with a dense float64 attention of the same rounded inputs; the kernel rounds the weights
@@ -42,6 +43,7 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax")
+LAZY = {"softmax": 8.0}  # also timed with lazy rescaling at this tau (a "tau=" row)
 
 
 def _inputs(b, t, n, h, dtype, seed=0):
@@ -63,9 +65,9 @@ def _reference(q, k, v, normalizer, causal):
           np.einsum("bnts,bsnh->btnh", np.abs(w), np.abs(v)))
 
 
-def _mosaic(normalizer: str, causal: bool, interpret: bool):
+def _mosaic(normalizer: str, causal: bool, interpret: bool, **kw):
   return lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer,
-                                                 is_causal=causal, interpret=interpret)
+                                                 is_causal=causal, interpret=interpret, **kw)
 
 
 def _triton(normalizer: str, causal: bool, interpret: bool):
@@ -78,11 +80,12 @@ def _cudnn(causal: bool):
                                                       implementation="cudnn")
 
 
-def check(normalizer: str, causal: bool, t: int, interpret: bool) -> tuple[bool, str]:
-  """(ok, what was measured): the Mosaic kernel against the float64 reference."""
+def check(normalizer: str, causal: bool, t: int, interpret: bool, **kw) -> tuple[bool, str]:
+  """(ok, what was measured): the Mosaic kernel (``kw``: its options) against the float64
+  reference."""
   q, k, v = _inputs(1, t, 2, 128, jnp.bfloat16, seed=1)
   try:
-    out = np.asarray(jax.jit(_mosaic(normalizer, causal, interpret))(q, k, v)
+    out = np.asarray(jax.jit(_mosaic(normalizer, causal, interpret, **kw))(q, k, v)
                      .astype(jnp.float32), np.float64)
   except Exception as e:  # a kernel that does not compile or run is a FAIL row, not a crash
     return False, f"{type(e).__name__}: {str(e)[:300]}"
@@ -147,6 +150,10 @@ def ptxas_report(normalizer: str, causal: bool, timeout: float = 300.0):
   return parse_ptxas(r.stdout + r.stderr)
 
 
+def _tau(tau) -> str:
+  return "" if tau is None else f" tau={tau:g}"
+
+
 def _row(kernel, normalizer, shape, causal, ms, clock, flops, base_ms, status):
   if ms is None:
     print(f"| {kernel} | {normalizer} | {shape} | {causal} | - | - | - | - | {status} |")
@@ -171,13 +178,18 @@ def section(args) -> bool:
   print("\n## Mosaic-GPU forward (kp.mosaic_gpu_attention), bf16, H = 128\n")
   print("| kernel | normalizer | B x T x N | causal | ms | clock | TFLOP/s | x cuDNN | status |")
   print("|---|---|---|---|---|---|---|---|---|")
+  variants = [(name, None) for name in names] + [
+      (name, tau) for name, tau in LAZY.items() if name in names]
   for causal in (False, True):
     checked = {}
-    for name in names:
-      ok, what = check(name, causal, check_t, interpret)
-      print(f"# mosaic_gpu {name} causal={causal}: {what}", file=sys.stderr)
-      checked[name] = ok
+    for name, tau in variants:
+      kw = {} if tau is None else {"rescale_threshold": tau}
+      ok, what = check(name, causal, check_t, interpret, **kw)
+      print(f"# mosaic_gpu {name}{_tau(tau)} causal={causal}: {what}", file=sys.stderr)
+      checked[name, tau] = ok
       ok_all &= ok
+      if tau is not None:
+        continue
       if ok and on_gpu and causal:  # the masked (larger) kernel's registers and spills
         rep = ptxas_report(name, causal)
         print(f"# ptxas {name} causal: " + ("no ptxas report in the output (does this "
@@ -192,12 +204,17 @@ def section(args) -> bool:
       if on_gpu:
         base, clock = _device_ms(jax.jit(_cudnn(causal)), (q, k, v), reps)
         _row("cudnn", "softmax", shape, causal, base, clock, flops, base, "ok")
-      for name in names:
-        if not checked[name]:
-          _row("mosaic_gpu", name, shape, causal, None, None, flops, base, "FAIL")
+      for name, tau in variants:
+        label = "mosaic_gpu" + _tau(tau)
+        if not checked[name, tau]:
+          _row(label, name, shape, causal, None, None, flops, base, "FAIL")
           continue
-        ms, clock = _device_ms(jax.jit(_mosaic(name, causal, interpret)), (q, k, v), reps)
-        _row("mosaic_gpu", name, shape, causal, ms, clock, flops, base, "ok")
+        kw = {} if tau is None else {"rescale_threshold": tau}
+        ms, clock = _device_ms(jax.jit(_mosaic(name, causal, interpret, **kw)), (q, k, v),
+                               reps)
+        _row(label, name, shape, causal, ms, clock, flops, base, "ok")
+        if tau is not None:
+          continue
         try:
           ms, clock = _device_ms(jax.jit(_triton(name, causal, interpret)), (q, k, v), reps)
           _row("triton", name, shape, causal, ms, clock, flops, base, "ok")

@@ -38,8 +38,12 @@ the wgmma row layout, where ``jaxsoft.normalizers.tile.online_update`` carries `
 columns, so that function's steps are written out here (same formulas, same order).
 ``approx_math`` is on: ``ex2`` and ``tanh`` are the GPU's approximate instructions.
 
+With ``rescale_threshold`` tau (softmax-like rules), a row's max moves only past
+``m + tau`` and the accumulator is rescaled under a branch taken only when some row of
+the warpgroup moved (FlashAttention-4's conditional rescaling).
+
 Not done yet: the backward pass (``jax.grad`` raises), classes T and R, bias / segment /
-window masks as block lists, lazy (thresholded) rescaling, per-row hyperparameter arrays,
+window masks as block lists, per-row hyperparameter arrays,
 tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
@@ -55,7 +59,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import spec as _spec
-from kernels_pallas.engine import LN2, LOG2E, UnsupportedError
+from kernels_pallas.engine import LN2, LOG2E, MAX_RESCALE_THRESHOLD, UnsupportedError
 
 __all__ = ["mosaic_gpu_attention", "gpu_interpret_params", "interpreter_runs_kernel",
            "smem_bytes", "SMEM_LIMIT", "SMEM_SLACK"]
@@ -238,6 +242,7 @@ class _Cfg:
   num_stages: int
   exp2: bool  # the class-E rule runs as 2^(z2 - m2)
   approx_sigmoid: bool  # class P sigmoid as 0.5 + 0.5 tanh(z / 2)
+  rescale_threshold: float | None = None  # lazy rescaling (exp2 rules), natural units
 
   @property
   def rule(self) -> _spec.TileRule:
@@ -421,7 +426,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
           m_new = jnp.maximum(m_i, zm.max(axis=1))
           if floor is not None:
             m_new = jnp.maximum(m_new, floor)
-          alpha = jnp.exp2(m_i - m_new)
+          if cfg.rescale_threshold is not None:  # move m only past m + tau (log2 units)
+            m_new = jnp.where(m_new > m_i + cfg.rescale_threshold * LOG2E, m_new, m_i)
+          alpha = jnp.exp2(m_i - m_new)  # exactly 1 where m stayed
           p = jnp.exp2(zm - bcast(m_new, zm.shape))
           return p, p, m_new, l_i * alpha, alpha
         z = score_map(x, length_tile, **hp)
@@ -471,7 +478,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
           if cfg.causal:
             mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
         p, den, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
-        if alpha is not None:
+        if alpha is not None and cfg.rescale_threshold is not None:
+          # lazy: the accumulator is rescaled only when some row of the warpgroup moved
+          # its stabiliser (a factor of exactly 1 is skipped: the same result)
+          acc = lax.cond(jnp.min(alpha) < 1.0, lambda a: a * bcast(alpha, a.shape),
+                         lambda a: a, acc)
+        elif alpha is not None:
           acc = acc * bcast(alpha, acc.shape)
         p16 = p.astype(dtype)
         sums = den is not None
@@ -614,7 +626,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
                          scale: float | None = None, is_causal: bool = False,
                          block_q: int | None = None, block_k: int | None = None,
                          num_stages: int | None = None, interpret: Any = False,
-                         approx_sigmoid: bool = True):
+                         approx_sigmoid: bool = True,
+                         rescale_threshold: float | None = None):
   r"""Attention forward on Hopper with a Mosaic-GPU kernel (FlashAttention-3 structure).
 
   .. math::
@@ -648,6 +661,11 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
       :func:`gpu_interpret_params`) runs Pallas's GPU interpreter on a CPU.
     approx_sigmoid: sigmoid's numerator as ``0.5 + 0.5 tanh(z / 2)`` (``tanh.approx`` on
       the GPU, FlashSigmoid); False uses the rule's own ``jax.nn.sigmoid``.
+    rescale_threshold: lazy rescaling tau in [0, 64] (FlashAttention-4's conditional
+      rescaling; softmax-like rules only): a row's stabiliser moves only when a block's
+      max exceeds it by more than tau, so tiles add terms up to ``e^tau``, and the
+      accumulator is rescaled only when some row of the warpgroup moved (the same
+      function; None: rescale at every block).
 
   Returns:
     ``[B, T, N, H]`` of the query's dtype.
@@ -737,10 +755,21 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
         "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
   rule = spec.tile
+  if rescale_threshold is not None:
+    if not _exp2_rule(rule):
+      raise ValueError(
+          f"mosaic_gpu_attention: `rescale_threshold` needs a class-E normalizer with "
+          f"e^(z - m) numerators and a linear score map, not {spec.name!r}")
+    if not (isinstance(rescale_threshold, (int, float)) and not isinstance(rescale_threshold, bool)
+            and 0.0 <= rescale_threshold <= MAX_RESCALE_THRESHOLD):
+      raise ValueError(f"mosaic_gpu_attention: `rescale_threshold` must be None or a number "
+                       f"in [0, {MAX_RESCALE_THRESHOLD}], got {rescale_threshold!r}")
+    rescale_threshold = float(rescale_threshold)
   cfg = _Cfg(spec=spec, hp=tuple(sorted(hp.items())), scale=float(scale),
              causal=bool(is_causal), t=t, s=s, block_q=block_q, block_k=block_k,
              num_stages=num_stages, exp2=_exp2_rule(rule),
-             approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator)
+             approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator,
+             rescale_threshold=rescale_threshold)
   if interpret is None:
     return _attention(cfg, query, key, value, interpret)
   try:

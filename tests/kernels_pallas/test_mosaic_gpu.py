@@ -59,6 +59,13 @@ def test_lowers_for_cuda(case):
   _lowers(*case)
 
 
+def test_lazy_rescaling_lowers():
+  """``rescale_threshold``: the accumulator's rescale under a branch on the warpgroup's
+  smallest factor (a cross-warp reduction to a scalar, then a conditional) lowers."""
+  mlir = _export("softmax_1", jnp.float16, False, 64, t=256, rescale_threshold=8.0)
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("case", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
 def test_lowers_for_cuda_full_matrix(case):
@@ -97,6 +104,8 @@ def test_shared_memory_overflow_is_caught_by_the_export_and_the_wrapper():
     (dict(num_stages=1), "at least 2"),
     (dict(kh=3), "multiple of the key heads"),
     (dict(normalizer_params={"temperature": jnp.ones(())}), "Python number"),
+    (dict(normalizer="sigmoid", rescale_threshold=8.0), "`rescale_threshold` needs a class-E"),
+    (dict(rescale_threshold=-1.0), "`rescale_threshold` must be None or a number"),
 ])
 def test_errors_name_the_argument(kw, match):
   kw = dict(kw)
@@ -202,6 +211,31 @@ INTERPRET = [
 def test_interpret_matrix(case):
   normalizer, causal, dtype, t, s, n, kh, h, hp = case
   _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+
+
+@pytest.mark.slow
+def test_interpret_lazy_rescaling_matches_reference():
+  """Lazy rescaling with logits whose row max grows by far more than tau across the key
+  blocks (keys scaled up along the sequence), so blocks both skip and take the rescale;
+  the result is the eager kernel's up to rounding and the float64 reference's."""
+  if not mga.interpreter_runs_kernel():
+    _check_numerics("softmax", True, jnp.bfloat16, 128, 128, 1, 1, 64)  # asserts the error
+    return
+  t, h = 256, 64
+  q, k, v = _inputs(3, 1, t, t, 2, 1, h, jnp.float32)
+  k = k * jnp.linspace(1.0, 4.0, t)[None, :, None, None]
+  q, k, v = (3.0 * q).astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  outs = [np.asarray(kp.mosaic_gpu_attention(q, k, v, is_causal=True, block_k=64,
+                                             rescale_threshold=tau, interpret=True)
+                     .astype(jnp.float32), np.float64) for tau in (None, 2.0)]
+  ref, bound = _reference("softmax", q, k, v, True, 1.0 / math.sqrt(h), {})
+  u = 2.0 ** -8
+  for out in outs:
+    assert np.all(np.abs(out - ref) <= 2.2 * u * bound + 1e-6)
+  # the logits' row max grows by more than tau = 2 between blocks somewhere
+  logits = np.einsum("bthd,bshd->bhts", *(np.asarray(x.astype(jnp.float32)) for x in (q, k)))
+  block_max = np.stack([logits[..., 64 * i:64 * (i + 1)].max(-1) for i in range(4)], -1)
+  assert np.any(np.diff(block_max, axis=-1) / math.sqrt(h) > 2.0)
 
 
 @pytest.mark.slow

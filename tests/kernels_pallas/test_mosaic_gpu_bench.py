@@ -24,7 +24,7 @@ def _rows(out: str):
           and not line.startswith("|---")]
 
 
-def _stand_in(q, k, v, normalizer, is_causal, interpret):
+def _stand_in(q, k, v, normalizer, is_causal, interpret, rescale_threshold=None):
   """Dense softmax attention (nothing Pallas): exact without the causal mask, 2% too large
   with it (beyond the check's 3u of bf16 output)."""
   assert normalizer == "softmax"
@@ -47,8 +47,10 @@ def test_checked_before_timed(monkeypatch, capsys):
   rows = _rows(capsys.readouterr().out)
   assert [(r.split("|")[1].strip(), r.split("|")[4].strip(), r.split("|")[-2].strip())
           for r in rows] == [("mosaic_gpu", "False", "ok"), ("triton", "False", "ok"),
-                             ("mosaic_gpu", "True", "FAIL")], rows
-  assert len(timed) == 2  # the full case's two rows only
+                             ("mosaic_gpu tau=8", "False", "ok"),
+                             ("mosaic_gpu", "True", "FAIL"),
+                             ("mosaic_gpu tau=8", "True", "FAIL")], rows
+  assert len(timed) == 3  # the full case's three rows only
 
 
 def test_ptxas_report_parsed():
@@ -69,8 +71,9 @@ def test_section_runs_in_interpret_mode(capsys):
   assert "mosaic_gpu" in bench.SECTIONS and "--sections mosaic_gpu" in bench.__doc__
   rc = bench.main(["--interpret", "--tiny", "--sections", "mosaic_gpu", "--reps", "1"])
   rows = _rows(capsys.readouterr().out)
-  mosaic = [r for r in rows if r.startswith("| mosaic_gpu |")]
-  assert len(mosaic) == 2 * 5, rows  # full and causal x five normalizers
+  mosaic = [r for r in rows if r.startswith("| mosaic_gpu")]
+  # full and causal x (five normalizers, softmax with lazy rescaling)
+  assert len(mosaic) == 2 * 6, rows
   if mga.interpreter_runs_kernel():
     assert rc == 0 and all(r.rstrip().endswith("| ok |") for r in mosaic), rows
   else:  # JAX 0.10: the interpreter cannot run the kernel, so nothing is timed
