@@ -36,6 +36,7 @@ def test_float64_gradients_match_central_differences(kind):
                               atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_the_route_gradient_reaches_the_router():
   # the straight-through route: d out / d z = d out / d keep * sigmoid'(z), nonzero
   q, k, v, g, beta, _ = (jnp.asarray(x, jnp.float32) for x in _inputs(4))

@@ -32,7 +32,7 @@ def _tokens(cfg, seed=1):
   return jax.random.randint(jax.random.key(seed), (2, cfg.seq_len), 0, 64)
 
 
-@pytest.mark.parametrize("group", [1, 2])
+@pytest.mark.parametrize("group", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_identity_setting_is_the_plain_model(group):
   # the other parameters are drawn first, so both models hold the same ones; zero queries
   # mix uniformly: each sublayer sees RMSNorm(x / S) = RMSNorm(x) with eps scaled by S^2
@@ -48,6 +48,7 @@ def test_identity_setting_is_the_plain_model(group):
   assert np.abs(np.asarray(_FORWARD(routed, tokens)) - want).max() > 1e-2
 
 
+@pytest.mark.slow  # eager sublayer calls: ~5 s
 def test_each_sublayer_gets_the_formulas_mixture():
   # an independent loop over the sources: completed blocks (the embedding first, then one
   # per decoder block: 2 sublayers) and the partial sum, softmax over w . RMS(v) per token
