@@ -165,7 +165,21 @@ def interpreter_runs_kernel() -> bool:
   """Whether the installed JAX's GPU interpreter can run this kernel: it needs a rule for
   ``pl.run_state`` (the accumulator handed to the second wgmma), which JAX 0.12.1's
   interpreter has and JAX 0.10.2's lacks. Read from the interpreter's class (private
-  module; False when it is absent)."""
+  module; False when it is absent).
+
+  Returns:
+    True when ``mosaic_gpu_attention(..., interpret=True)`` can run here.
+
+  Examples:
+    >>> from kernels_pallas.mosaic_gpu import interpreter_runs_kernel
+    >>> interpreter_runs_kernel() in (True, False)  # True on JAX 0.12.1, False on 0.10.2
+    True
+
+  References:
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608 (the kernel the interpreter runs).
+  """
   try:
     from jax._src.pallas.mosaic_gpu.interpret import jaxpr_interpret
   except ImportError:
