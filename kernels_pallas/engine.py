@@ -1084,7 +1084,17 @@ def t_coef_tile(cfg: Config, s, mask, tau, m, delta, dp, length, dyn):
 
 def t_coef(g_tau, m_tau, d):
   """``coef = g_tau / (W M_tau)`` (0 for an empty row)."""
-  return g_tau * tile.safe_inverse(d) * tile.safe_inverse(m_tau)
+  return g_tau * _row_inverse(d) * _row_inverse(m_tau)
+
+
+def _row_inverse(d):
+  """``1 / d`` where ``d != 0``, else 0 (``tile.safe_inverse``), comparing ``d`` with
+  ``d - d`` rather than a constant 0 (the same test for every d: 0 for a finite d, NaN
+  for ±inf and NaN, where both comparisons are True). A row read from a ref varies over
+  the mesh axes in the Pallas interpreter inside ``jax.shard_map`` (default
+  ``check_vma``), which refuses a comparison with a constant there."""
+  nz = d != d - d
+  return jnp.where(nz, jnp.reciprocal(jnp.where(nz, d, jnp.ones_like(d))), jnp.zeros_like(d))
 
 
 def t_backward_tile(cfg: Config, s, mask, tau, m, d, delta, coef, dp, length, dyn):

@@ -25,10 +25,8 @@ from jax.sharding import PartitionSpec as P
 # The module, not its names: jaxsoft.attention imports this module while kernels_pallas._api
 # is still loading (kernels_pallas._api -> jaxsoft.attention.call -> jaxsoft -> here).
 from kernels_pallas import _api
-from kernels_pallas.backends import pick_backend
 
-__all__ = ["sharded_attention", "sharded_attention_from_call", "call_layout",
-           "refuse_interpreted_threshold_vma"]
+__all__ = ["sharded_attention", "sharded_attention_from_call", "call_layout"]
 
 
 def sharded_attention(mesh, q, k, v, bias=None, mask=None, *, batch_axis: Any = "data",
@@ -294,28 +292,3 @@ def _put(mesh, x, spec):
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     return jax.device_put(x, NamedSharding(mesh, spec))
   return _place(mesh, x, spec)
-
-
-def refuse_interpreted_threshold_vma(call, backend: str | None) -> None:
-  """NotImplementedError for a class T normalizer run by the Pallas interpreter (the
-  platform's choice for ``backend``) inside ``jax.shard_map`` with ``check_vma=True``
-  (q varies over mesh axes); otherwise nothing.
-
-  The threshold passes read their live-block lists at constant and loop indices, and the
-  interpreter evaluates those reads (``dynamic_slice``) and the passes' loop results
-  against mesh-invariant indices and constants, which the default ``check_vma`` refuses at
-  lowering ("requires varying manual axes to match"); compiled kernels are not checked so.
-  """
-  spec = call.spec
-  if getattr(spec, "kernel_class", None) != "T" or getattr(spec, "threshold", None) is None:
-    return
-  axis_type = getattr(jax.typeof(call.q), "manual_axis_type", None)
-  varying = frozenset() if axis_type is None else frozenset(axis_type.varying)
-  if varying and pick_backend(backend)[1]:
-    raise NotImplementedError(
-        f"normalizer {spec.name!r} (kernel class T) in the Pallas interpreter inside "
-        f"jax.shard_map with check_vma=True (q varies over {sorted(varying)}): the "
-        "interpreter refuses the threshold passes' block-list reads; pass check_vma=False "
-        "to jax.shard_map, call dot_product_attention on the sharded arrays outside "
-        "shard_map (or kernels_pallas.sharded_attention), or use "
-        "implementation='xla_chunked' or 'xla'")

@@ -78,9 +78,14 @@ def _key_loop(cfg: E.Config, a_ref, b_ref, head=None):
 def _table_loop(idx_ref, cnt_ref, head=None):
   """``(start, stop, block)`` of a loop over a compacted block list (``head``: of that
   query head of a dK/dV-style pass's group)."""
+  # The loop starts at ``cnt - cnt`` (0) rather than a constant: in the Pallas interpreter
+  # inside ``jax.shard_map`` (default ``check_vma``) the list varies over the mesh axes, and
+  # ``idx_ref[j]`` needs an index that varies over them too.
+  cnt = cnt_ref[...]  # [1], or [G, 1]: read whole (not at a constant index)
+  cnt = cnt.reshape(()) if head is None else cnt[head, 0]
   if head is None:
-    return 0, cnt_ref[0], lambda j: idx_ref[j]
-  return 0, cnt_ref[head, 0], lambda j: idx_ref[head, j]
+    return cnt - cnt, cnt, lambda j: idx_ref[j]
+  return cnt - cnt, cnt, lambda j: idx_ref[j - j + head, j]
 
 
 def _bounds(cfg: E.Config, aux: E.Aux, lo, hi, dkv: bool = False):

@@ -101,12 +101,10 @@ def _run_xla_chunked(call: AttentionCall):
 def _run_pallas(call: AttentionCall, backend):
   """The Pallas kernel; inputs sharded over a mesh (outside ``shard_map``) run it on each
   device's shard of the batch and heads (a pallas_call is not partitioned by XLA: Explicit
-  axes fail, Auto ones are gathered). A class T normalizer in the interpreter inside
-  ``shard_map`` with ``check_vma=True`` is refused (``kernels_pallas.sharding``)."""
+  axes fail, Auto ones are gathered)."""
   layout = _pallas_sharding.call_layout(call) if call.key is None else None
   if layout is not None:
     return _pallas_sharding.sharded_attention_from_call(call, *layout, backend=backend)
-  _pallas_sharding.refuse_interpreted_threshold_vma(call, backend)
   return kernels_pallas.attention_from_call(call, backend=backend)
 
 

@@ -4,8 +4,10 @@ mode: a batch and heads sharded over a 2 x 2 ("data", "model") mesh outside shar
 (Explicit axes under jit and grad, Auto axes eagerly) equals the unsharded kernel and the
 dense XLA path and stays sharded like q (issue 37: a pallas_call is not partitioned by
 XLA, so Explicit axes failed and Auto ones were gathered to one layout); a class T
-normalizer inside ``jax.shard_map`` with its default ``check_vma`` is refused by name
-(the interpreter failed at lowering with "requires varying manual axes to match")."""
+normalizer inside ``jax.shard_map`` with its default ``check_vma`` equals the dense path,
+values and gradients (the interpreter failed at lowering with "requires varying manual
+axes to match": the live-block list read at a constant index and loop counter, and the
+dQ pass's 1/W compared with a constant)."""
 
 from __future__ import annotations
 
@@ -100,17 +102,28 @@ MASKED = textwrap.dedent("""
     print("MASKED_OK")
 """)
 
-# inside shard_map (check_vma=True): a class T normalizer in the interpreter is refused by name
+# inside shard_map (check_vma=True): a class T normalizer in the interpreter, values and
+# gradients against the dense XLA path on the whole arrays
 SHARD_MAP = textwrap.dedent("""
-    mesh = jax.make_mesh((2, 2), ("data", "model"))
-    q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q0, k0, v0))
-    f = jax.shard_map(attn("pallas", "entmax15"), mesh=mesh, in_specs=(spec,) * 3,
-                      out_specs=spec)
-    try:
-      jax.jit(f)(q, k, v)
-    except NotImplementedError as e:
-      assert "check_vma" in str(e) and "entmax15" in str(e), e
-      print("SHARD_MAP_OK")
+    def in_shard_map(normalizer, params=None):
+      def attn_(implementation):
+        return lambda q, k, v: js.attention.dot_product_attention(
+            q, k, v, is_causal=True, normalizer=normalizer, normalizer_params=params,
+            implementation=implementation)
+      mesh = jax.make_mesh((2, 2), ("data", "model"))
+      q, k, v = (jax.device_put(x, NamedSharding(mesh, spec)) for x in (q0, k0, v0))
+      f = jax.shard_map(attn_("pallas"), mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
+      out, grads = out_and_grads(f, q, k, v)
+      xla_o, xla_g = out_and_grads(attn_("xla"), q0, k0, v0)
+      close(out, xla_o, 1e-5)
+      for g, x in zip(grads, xla_g):
+        close(g, x, 1e-4)
+""")
+SHARD_MAP_ENTMAX = SHARD_MAP + 'in_shard_map("entmax15")\nprint("SHARD_MAP_OK")\n'
+SHARD_MAP_SLOW = SHARD_MAP + textwrap.dedent("""
+    in_shard_map("sparsemax")
+    in_shard_map("top_k_softmax", {"k": 3})  # a threshold with a jump (the gap pass)
+    print("SHARD_MAP_SLOW_OK")
 """)
 
 def _run(sections):
@@ -123,7 +136,7 @@ def _run(sections):
 def run_on_4_devices():
   return _run([("explicit_softmax", EXPLICIT_SOFTMAX),
                ("explicit_sparsemax", EXPLICIT_SPARSEMAX), ("auto", AUTO),
-               ("masked", MASKED), ("shard_map", SHARD_MAP)])
+               ("masked", MASKED), ("shard_map", SHARD_MAP_ENTMAX)])
 
 
 def _check(proc, marker):
@@ -148,8 +161,13 @@ def test_pallas_on_auto_sharded_arrays_keeps_their_sharding(run_on_4_devices):
   _check(run_on_4_devices, "AUTO_OK")
 
 
-def test_pallas_threshold_in_shard_map_with_check_vma_is_refused_by_name(run_on_4_devices):
+def test_pallas_threshold_in_shard_map_with_check_vma_equals_dense(run_on_4_devices):
   _check(run_on_4_devices, "SHARD_MAP_OK")
+
+
+@pytest.mark.slow
+def test_pallas_sparsemax_and_top_k_in_shard_map_with_check_vma_equal_dense():
+  _check(_run([("shard_map_slow", SHARD_MAP_SLOW)]), "SHARD_MAP_SLOW_OK")
 
 
 def test_pallas_on_sharded_padding_gives_zero_rows_with_zero_gradient(run_on_4_devices):
