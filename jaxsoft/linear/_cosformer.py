@@ -85,13 +85,13 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
 
   Examples:
     >>> q = k = jnp.ones((1, 2, 1, 1)); v = jnp.array([0.0, 1.0]).reshape(1, 2, 1, 1)
-    >>> cosformer(q, k, v, max_len=2)[0, :, 0, 0]   # weights cos(π/4) and 1 at t = 1
+    >>> cos = jax.jit(cosformer, static_argnames="max_len")
+    >>> cos(q, k, v, max_len=2)[0, :, 0, 0]   # weights cos(π/4) and 1 at t = 1
     Array([0.    , 0.5858], dtype=float32)
 
     The rows are normalised, so scaling ``q`` changes nothing (``[B, T, N, K] = [1, 8, 2, 4]``):
 
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
-    >>> cos = jax.jit(cosformer)
     >>> o = cos(q, k, v)
     >>> o.shape
     (1, 8, 2, 4)

@@ -71,7 +71,8 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
     >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.ones((1, 2, 1, 1))   # φ = elu + 1 = 1
     >>> b = psi = jnp.ones((1, 2, 1, 2))
     >>> a = jnp.log(jnp.array([[1.0, 0.5]]))
-    >>> interdomain_attention(q, k, v, b, psi, a, scale=1.0)[0, :, 0, 0]   # (1 + 1), (2 + 1.5)
+    >>> fn = jax.jit(interdomain_attention, static_argnames=("implementation", "chunk_size"))
+    >>> fn(q, k, v, b, psi, a, scale=1.0)[0, :, 0, 0]   # (1 + 1), (2 + 1.5)
     Array([2. , 3.5], dtype=float32)
 
     The forms agree (``[B, T, N, K] = [1, 8, 2, 4]``, two chunks of 4; the options are
@@ -80,7 +81,6 @@ def interdomain_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, basis_in: Ar
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
     >>> b, psi = jax.random.normal(jax.random.key(1), (2, 1, 8, 2, 3))     # R = 3
     >>> a = jnp.log(jnp.array([[0.5, 0.9, 1.0], [0.7, 0.8, 0.99]]))
-    >>> fn = jax.jit(interdomain_attention, static_argnames=("implementation", "chunk_size"))
     >>> o = fn(q, k, v, b, psi, a, implementation="recurrent")
     >>> o.shape
     (1, 8, 2, 4)

@@ -85,13 +85,14 @@ def mala(q: ArrayLike, k: ArrayLike, v: ArrayLike, *,
 
   Examples:
     >>> q = k = jnp.zeros((1, 2, 1, 1)); v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
-    >>> mala(q, k, v, scale=1.0)[0, :, 0, 0]   # s = 1/n: z = 1, o = 2 mean(v) - mean(v)
+    >>> fn = jax.jit(mala)
+    >>> fn(q, k, v, scale=1.0)[0, :, 0, 0]   # s = 1/n: z = 1, o = 2 mean(v) - mean(v)
     Array([1., 2.], dtype=float32)
 
     The weights sum to 1, so a constant ``v`` comes back (``[B, T, N, K] = [1, 8, 2, 4]``):
 
     >>> q, k = jax.random.normal(jax.random.key(0), (2, 1, 8, 2, 4))
-    >>> o = jax.jit(mala)(q, k, jnp.full((1, 8, 2, 4), 2.5))
+    >>> o = fn(q, k, jnp.full((1, 8, 2, 4), 2.5))
     >>> o.shape
     (1, 8, 2, 4)
     >>> bool(jnp.allclose(o, 2.5, rtol=1e-4))
