@@ -52,8 +52,9 @@ SCRIPT = textwrap.dedent("""
     # (data=2, fsdp=2, tensor=2): its loss and gradients are the one-device ones.
     from flax import nnx
     from train import layers
-    graphdef, state = nnx.split(layers.make_mixer(cfg, "simple_gla", 1, rngs=nnx.Rngs(0)))
-    params = nnx.to_pure_dict(state)
+    make = lambda: layers.make_mixer(cfg, "simple_gla", 1, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(nnx.eval_shape(make))
+    params = nnx.to_pure_dict(jax.jit(lambda: nnx.state(make()))())  # (one program, not eager)
     mesh = jax.make_mesh((2, 2, 1, 2), sharding.MESH_AXES,
                          axis_types=(jax.sharding.AxisType.Auto,) * 4)
     specs = sharding.state_specs(dict(mesh.shape), params, sharding.logical_axes(state))
