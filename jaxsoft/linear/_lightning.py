@@ -132,7 +132,8 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
 
   Examples:
     >>> q = k = jnp.ones((1, 3, 1, 1)); v = jnp.ones((1, 3, 1, 1))
-    >>> lightning_attention(q, k, v, jnp.log(jnp.array([0.5])))[0, :, 0, 0]
+    >>> fn = jax.jit(lightning_attention)
+    >>> fn(q, k, v, jnp.log(jnp.array([0.5])))[0, :, 0, 0]
     Array([1.  , 1.5 , 1.75], dtype=float32)
 
     It is :func:`jaxsoft.linear.simple_gla` with the decay fixed in time (``[B, T, N, K] =
@@ -140,7 +141,7 @@ def lightning_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike |
 
     >>> from jaxsoft.linear import simple_gla
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
-    >>> o = jax.jit(lightning_attention)(q, k, v)
+    >>> o = fn(q, k, v)
     >>> o.shape
     (1, 8, 2, 4)
     >>> g = jnp.broadcast_to(lightning_decay(2), (1, 8, 2))

@@ -105,14 +105,14 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
   Examples:
     >>> q = k = jnp.zeros((1, 4, 1, 1)); v = jnp.arange(4.0).reshape(1, 4, 1, 1)
     >>> C = jnp.array([[1.0, 0.0], [0.0, 1.0]])   # each block reads only itself
-    >>> mhla(q, k, v, C, block_size=2, causal=False)[0, :, 0, 0]
+    >>> fn = jax.jit(mhla, static_argnames=("implementation", "block_size", "causal"))
+    >>> fn(q, k, v, C, block_size=2, causal=False)[0, :, 0, 0]
     Array([0.5, 0.5, 2.5, 2.5], dtype=float32)
 
     The two forms give the same output (``[B, T, N, K] = [1, 8, 2, 4]``, two blocks of 4):
 
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
     >>> C = jnp.array([[1.0, 0.0], [0.5, 1.0]])
-    >>> fn = jax.jit(mhla, static_argnames=("implementation", "block_size"))
     >>> o = fn(q, k, v, C, block_size=4, implementation="parallel")
     >>> o.shape
     (1, 8, 2, 4)

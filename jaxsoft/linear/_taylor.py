@@ -82,14 +82,15 @@ def taylor_linear_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, order: 
   Examples:
     >>> q = jnp.zeros((1, 2, 1, 2)); k = jnp.ones((1, 2, 1, 2))
     >>> v = jnp.array([1.0, 3.0]).reshape(1, 2, 1, 1)
-    >>> taylor_linear_attention(q, k, v)[0, :, 0, 0]   # q = 0: every weight is P(0) = 1
+    >>> fn = jax.jit(taylor_linear_attention, static_argnames="order")
+    >>> fn(q, k, v)[0, :, 0, 0]   # q = 0: every weight is P(0) = 1
     Array([1., 2.], dtype=float32)
 
     Order 0 gives every key the weight 1: the running mean of ``v`` (``[B, T, N, K] =
     [1, 8, 2, 4]``):
 
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
-    >>> o = jax.jit(taylor_linear_attention, static_argnames="order")(q, k, v, order=0)
+    >>> o = fn(q, k, v, order=0)
     >>> o.shape
     (1, 8, 2, 4)
     >>> running_mean = jnp.cumsum(v, axis=1) / jnp.arange(1, 9)[None, :, None, None]

@@ -128,14 +128,14 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   Examples:
     >>> k = jnp.array([1.0, 0.0]).reshape(1, 1, 1, 2).repeat(2, axis=1)
     >>> v = jnp.array([2.0, 2.0]).reshape(1, 2, 1, 1)
-    >>> ttt_linear(k, k, v, jnp.full((1, 2, 1), 0.5), mini_batch_size=2, scale=1.0)[0, :, 0, 0]
+    >>> fn = jax.jit(ttt_linear, static_argnames=("implementation", "mini_batch_size"))
+    >>> fn(k, k, v, jnp.full((1, 2, 1), 0.5), mini_batch_size=2, scale=1.0)[0, :, 0, 0]
     Array([1., 2.], dtype=float32)
 
     The two forms give the same output (``[B, T, N, K] = [1, 8, 2, 4]``, mini-batches of 4):
 
     >>> q, k, v = jax.random.normal(jax.random.key(0), (3, 1, 8, 2, 4))
     >>> eta = jnp.full((1, 8, 2), 0.1)
-    >>> fn = jax.jit(ttt_linear, static_argnames=("implementation", "mini_batch_size"))
     >>> o = fn(q, k, v, eta, mini_batch_size=4, implementation="recurrent")
     >>> o.shape
     (1, 8, 2, 4)
