@@ -5,7 +5,8 @@ r"""The jaxsoft zoo: every normalizer and attention variant trained like for lik
     python -m train.zoo run --parts 2/6            # the second of six parts (one session each)
     python -m train.zoo run --only task=mqar entrant=normalizer:softmax,normalizer:sparsemax
     python -m train.zoo cost                       # seconds of one run per task, here
-    python -m train.zoo report                     # bench/zoo/README.md and its plots
+    python -m train.zoo report                     # bench/zoo/README.md, its plots, and the
+                                                   # guide's table in docs/choosing.md
 
 **Entrants** come from the registries (:func:`entrants`): every deterministic normalizer of
 ``jaxsoft.normalizers`` in the full attention block, every ``--attention`` layer kind of
@@ -942,12 +943,16 @@ def _save(fig, out: str, name: str, plt) -> str:
 def _unit_seconds(records: Sequence[dict[str, Any]], task: str, protocol: str
                   ) -> float | None:
   """The mean CPU seconds of a finished unit (its five runs, the compilation included; the
-  wall time of a shared machine counts the other tenants' share too)."""
+  wall time of a shared machine counts the other tenants' share too). A unit's records at rates
+  outside the task's sweep (a sweep moved after they were recorded) count too: the compilation
+  is in its first record."""
+  summary = _summaries(records, TASKS[task], protocol)
   by_entrant: dict[str, list[float]] = {}
   for r in records:
     if r["task"] == task and r["protocol"] == protocol:
       by_entrant.setdefault(r["entrant"], []).append(r.get("cpu_seconds", r["seconds"]))
-  full = [sum(v) for v in by_entrant.values() if len(v) == len(SEEDS) + 2]
+  full = [sum(v) for name, v in by_entrant.items()
+          if name in summary and summary[name]["n"] == len(SEEDS)]
   return float(np.mean(full)) if full else None
 
 

@@ -276,10 +276,14 @@ _TINY = dict(d_model=8, num_layers=1, num_heads=2, mlp_dim=8, steps=2, warmup_st
              seq_len=16, batch_size=4)
 _PROBE = dict(weight_decay=0.0, min_lr_ratio=0.1)
 _SWEEP = (1e-3, 3e-3, 1e-2)
+# Centred on the reference's best rate: at the lm, length and ListOps budgets softmax's best of
+# the first sweep above was its top, 1e-2 (held-out loss 2.31 against 2.59 at 3e-3, commit
+# 7a86f0b), so those tasks sweep one step higher; MQAR's best was the middle, 3e-3.
+_SWEEP_HIGH = (3e-3, 1e-2, 3e-2)
 
 TASKS: dict[str, Task] = {
     "lm": Task("lm", "character LM, held-out loss (nats/char)",
-               dict(_MODEL, **_LM, steps=120, warmup_steps=12), _SWEEP, "heldout/loss", False,
+               dict(_MODEL, **_LM, steps=120, warmup_steps=12), _SWEEP_HIGH, "heldout/loss", False,
                256, _lm_train, _lm_eval, _TINY,
                why="120 steps of 16 x 64 characters (123k characters, random windows of the "
                    "corpus's first 95 %): a unit costs ~48 CPU s (cost.json), and "
@@ -299,7 +303,7 @@ TASKS: dict[str, Task] = {
     "length": Task("length", "character LM trained at T = 256, held-out loss at 256 / 1024 / "
                              "4096 (nats/char), loss at 4096",
                    dict(_MODEL, seq_len=LENGTHS[0], batch_size=4, steps=70, warmup_steps=7),
-                   _SWEEP, "len4096/loss", False, 256, _length_train, _length_eval,
+                   _SWEEP_HIGH, "len4096/loss", False, 256, _length_train, _length_eval,
                    dict(_TINY, seq_len=32),
                    why="70 steps of 4 x 256 characters: the training length is the issue's "
                        "(T = 256), and its step costs ~3x the lm task's per character (the "
@@ -311,7 +315,7 @@ TASKS: dict[str, Task] = {
                        "task is the character LM, whose every position is a target."),
     "listops": Task("listops", "ListOps-style nested expressions, answer accuracy",
                     dict(_MODEL, **_PROBE, seq_len=_LISTOPS_T, batch_size=16, steps=120,
-                         warmup_steps=12), _SWEEP, "heldout/accuracy", True, data.PROBE_VOCAB,
+                         warmup_steps=12), _SWEEP_HIGH, "heldout/accuracy", True, data.PROBE_VOCAB,
                     _listops_train, _listops_eval, dict(_TINY, seq_len=24),
                     why="T = 64 (was 96), depth <= 3 (was 4), 120 steps of 16 rows: a unit ~43 "
                         "CPU s. At 200 steps softmax's answer accuracy was 0.14-0.16 (held-out "
@@ -324,7 +328,7 @@ TASKS: dict[str, Task] = {
                  dict(d_model=32, num_layers=2, num_heads=4, mlp_dim=64, seq_len=3,
                       batch_size=int(GROK_TRAIN_FRACTION * GROK_P * GROK_P), steps=1000,
                       warmup_steps=10, weight_decay=1.0, b2=0.98, min_lr_ratio=1.0),
-                 (3e-4, 1e-3, 3e-3), "heldout/accuracy", True, GROK_P + 1, _grok_train,
+                 (1e-3, 3e-3, 1e-2), "heldout/accuracy", True, GROK_P + 1, _grok_train,
                  _grok_eval, dict(_TINY, seq_len=3, batch_size=19, steps=3),
                  why="p = 47 (was 59), d_model 32 (was 64), 1000 full-batch steps (was 2000): "
                      "at the earlier size a step of the 1392 training pairs is ~1.7 GFLOP, "
@@ -332,7 +336,9 @@ TASKS: dict[str, Task] = {
                      "~2.8 CPU-hours for the task's 25 runs; the new size is ~6x fewer FLOPs "
                      "per run (883 pairs, a quarter of the width's square). Weight decay 1 and "
                      "a constant rate after warm-up, the grokking recipe; whether held-out "
-                     "accuracy rises within the 1000 steps is what the task records.",
+                     "accuracy rises within the 1000 steps is what the task records. The sweep "
+                     "1e-3 / 3e-3 / 1e-2: softmax CE's best of 3e-4 / 1e-3 / 3e-3 was the top "
+                     "(held-out accuracy 0.29 against 0.13, commit 7a86f0b).",
                  loss_task=True),
 }
 
