@@ -97,11 +97,12 @@ class AttentionControl(nnx.Module):
     >>> layer = js.nn.AttentionControl(8, 2, control="fixed", max_len=6, real_heads=1,
     ...                                rngs=nnx.Rngs(0))
     >>> x = jax.random.normal(jax.random.key(0), (2, 6, 8))
-    >>> y = layer(x)
+    >>> apply = nnx.jit(lambda layer, x: layer(x))
+    >>> y = apply(layer, x)
     >>> y.shape, layer.scores.shape                # one learned 6 x 6 map for the control head
     ((2, 6, 8), (1, 6, 6))
     >>> x2 = x.at[:, 4].set(10.0)                  # causal: the future does not leak
-    >>> bool(jnp.allclose(layer(x2)[:, :4], y[:, :4]))
+    >>> bool(jnp.allclose(apply(layer, x2)[:, :4], y[:, :4]))
     True
 
   References:

@@ -462,7 +462,8 @@ def polykv_decode(module: Any, step: Any, window: tuple[int, int] | None, q: jax
     >>> layer = js.nn.MultiHeadAttention(2, 32, rngs=nnx.Rngs(0))
     >>> layer.init_cache(1, 8, quantization="polykv")
     >>> x = jnp.ones((1, 3, 32))
-    >>> layer(x, decode=True).shape       # a prefill
+    >>> prefill = nnx.jit(lambda layer, x: layer(x, decode=True))
+    >>> prefill(layer, x).shape           # a prefill
     (1, 3, 32)
     >>> layer.cached_key_codes[...].dtype, layer.cached_value_codes[...].shape
     (dtype('int8'), (1, 8, 2, 6))
