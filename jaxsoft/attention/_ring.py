@@ -594,8 +594,8 @@ def ring_attention(q, k, v, *, axis_name: str, q_positions, kv_positions, q_segm
     ...                         kv_valid=None, is_causal=True, local_window_size=None,
     ...                         normalizer="softmax", normalizer_params=None, scale=None,
     ...                         logits_soft_cap=None, implementation=None)
-    >>> ring = jax.shard_map(f, mesh=mesh, in_specs=P(None, "context"),
-    ...                      out_specs=P(None, "context"))
+    >>> ring = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(None, "context"),
+    ...                              out_specs=P(None, "context")))
     >>> dense = js.attention.dot_product_attention(q, q, q, is_causal=True)
     >>> bool(jnp.allclose(ring(q, q, q, pos), dense, atol=1e-6))
     True
