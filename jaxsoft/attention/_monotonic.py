@@ -266,7 +266,7 @@ def _hard_positions(p, t0, threshold):
   S = p.shape[-1]
   if S == 0:
     return jnp.zeros(p.shape[:3], jnp.int32)  # no key: off the end (t = S = 0) at once
-  j = jnp.arange(S, dtype=jnp.int32)
+  j = jnp.arange(S, dtype=jnp.int32)[None, None, :]  # [1, 1, S]: prev is [B, N]
 
   def step(prev, p_i):
     hit = (j >= jnp.maximum(prev, 0)[..., None]) & (p_i >= threshold)
@@ -403,7 +403,8 @@ def hard_monotonic_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   p, _ = _p_choose(call, vis)
   t0 = _initial_position(initial_state, p.shape, 0, fn)
   t = _hard_positions(p, t0, thr)
-  weights = (jnp.arange(p.shape[-1], dtype=jnp.int32) == t[..., None]).astype(p.dtype)
+  weights = (jnp.arange(p.shape[-1], dtype=jnp.int32)[None, None, None, :]
+             == t[..., None]).astype(p.dtype)
   out = _attend(weights, call.v, call.q.dtype)
   return (out, t) if return_state else out
 
@@ -455,11 +456,11 @@ def _expected_window(call, alpha, u, vis, left: int, right: int):
   alpha and scattered back to their keys."""
   S = u.shape[-1]
   offsets = jnp.arange(-left, right + 1, dtype=jnp.int32)
-  idx = jnp.arange(S, dtype=jnp.int32)[:, None] + offsets  # [S (position t), W]
+  idx = jnp.arange(S, dtype=jnp.int32)[:, None] + offsets[None, :]  # [S (position t), W]
   inside = (idx >= 0) & (idx < S)
   idxc = jnp.clip(idx, 0, S - 1)
   u_win = jnp.take(u, idxc, axis=-1)  # [B, N, T, S, W]
-  vis_win = jnp.take(jnp.broadcast_to(vis, u.shape), idxc, axis=-1) & inside
+  vis_win = jnp.take(jnp.broadcast_to(vis, u.shape), idxc, axis=-1) & inside[None, None, None]
   w_win = _normalize(call, jnp.where(vis_win, u_win, 0.0), vis_win, extra_axes=1)
   w_win = jnp.where(vis_win, w_win, 0.0).astype(u.dtype)
   contrib = (alpha[..., None] * w_win).reshape(u.shape[:3] + (-1,))
@@ -491,7 +492,7 @@ def _windowed(fn: str, query, key, value, bias, mask, *, left, right, segment, c
   p, e = _p_choose(call, vis)
   u = _soft_logits(fn, call, chunk_query, chunk_key, chunk_bias, scale, e)
   B, N, T, S = p.shape
-  j = jnp.arange(S, dtype=jnp.int32)
+  j = jnp.arange(S, dtype=jnp.int32)[None, None, None, :]  # [1, 1, 1, S]: t is [B, N, T]
   if hard:
     t0 = _initial_position(initial_state, p.shape, -1 if segment else 0, fn)
     t = _hard_positions(p, t0, thr)

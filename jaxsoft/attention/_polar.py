@@ -49,9 +49,10 @@ def _positive_eps(eps, fn: str) -> float:
 
 
 def _per_head_rows(value, num_heads: int, name: str, fn: str):
-  """A scalar or per-head ``[N]`` -> broadcastable against per-row arrays [B, N, T]."""
+  """A scalar or per-head ``[N]`` -> broadcastable against per-row arrays [B, N, T] (rank 3:
+  no implicit rank promotion)."""
   v = per_head(value, num_heads, name, fn)
-  return v if v.ndim == 0 else v.reshape(num_heads, 1)
+  return v if v.ndim == 0 else v.reshape(1, num_heads, 1)
 
 
 def polar_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
@@ -302,7 +303,7 @@ def polar_sink_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
   wg = w.reshape(B, K, N // K, T, -1)
   s = jnp.einsum("bkgts,bskh->btkgh", wg, call.v.astype(cdt)).reshape(B, T, N, hv)
-  s = s + jnp.transpose(w_null, (0, 2, 1))[..., None] * vnull
+  s = s + jnp.transpose(w_null, (0, 2, 1))[..., None] * vnull[None, None]  # [B, T, N, Hv]
   norm = safe_distance(jnp.sum(s * s, axis=-1, keepdims=True))
   c = (s / jnp.maximum(norm, eps_f)).astype(call.q.dtype)
   parts = [c] + [jnp.transpose(a, (0, 2, 1)) for a in (mu, n_eff, w_null)]

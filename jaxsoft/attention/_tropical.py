@@ -134,8 +134,8 @@ def tropical_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   visible = jnp.ones((1, 1, 1, 1), bool)
   if mask is not None:
     visible = visible & boolean_mask(mask, (b, n, t, s), "mask", fn, "[B, N, T, S] =")
-  rows = jnp.arange(t, dtype=jnp.int32)[:, None]
-  cols = jnp.arange(s, dtype=jnp.int32)[None, :]
+  rows = jnp.arange(t, dtype=jnp.int32)[None, None, :, None]  # rank 4, as the lengths
+  cols = jnp.arange(s, dtype=jnp.int32)[None, None, None, :]   # (no implicit rank promotion)
   pos = _masks.positions_visible(
       rows, cols, is_causal=bool(is_causal),
       q_len=_lengths(query_seq_lengths, b, "query_seq_lengths", fn),

@@ -134,6 +134,8 @@ def test_kernel_segment_ids_with_positions_visible(idx):
   i = jax.lax.broadcasted_iota(jnp.int32, (t_pad, s_pad), 0)
   j = jax.lax.broadcasted_iota(jnp.int32, (t_pad, s_pad), 1)
   q_seg, kv_seg = (None, None) if ids is None else (ids[0][:, :, None], ids[1][:, None, :])
+  if ids is not None:  # the positions at the rank of the ids (no implicit rank promotion)
+    i, j = i[None], j[None]
   vis = _masks.positions_visible(i, j, is_causal=st.is_causal, window=st.window, q_len=st.T,
                                  kv_len=st.S, q_seg=q_seg, kv_seg=kv_seg)
   vis = np.broadcast_to(np.ones((t_pad, s_pad), bool) if vis is None else np.asarray(vis),

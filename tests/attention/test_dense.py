@@ -104,7 +104,7 @@ def test_soft_cap_decay_and_temperature_closed_forms():
     c = jnp.transpose(cq, (0, 2, 1))
     s = s + c[..., :, None] - c[..., None, :]
     s = cap * jnp.tanh(s / cap) + bias
-    w = jax.nn.softmax(s / temp, axis=-1, where=jnp.tril(jnp.ones((T, T), bool)))
+    w = jax.nn.softmax(s / temp[None], axis=-1, where=jnp.tril(jnp.ones((T, T), bool)))
     return jnp.einsum("bnts,bsnh->btnh", w, vv)
 
   assert_same(ours, ref, (q, k, v, bias, cq, temp))
@@ -122,11 +122,11 @@ def test_length_dependent_normalizer_sees_visible_count():
 
   def ref(q, k, v):
     i = jnp.arange(T)
-    n = jnp.minimum(i + 1, kvl[:, None]).astype(jnp.float32)  # [B, T]
+    n = jnp.minimum(i[None, :] + 1, kvl[:, None]).astype(jnp.float32)  # [B, T]
     kk, vv = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
     x = jnp.einsum("btnh,bsnh->bnts", q, kk) / np.sqrt(H)
     x = x * (s_param * jnp.log(n))[:, None, :, None]
-    vis = (i[None, :] <= i[:, None])[None, None] & (i < kvl[:, None])[:, None, None, :]
+    vis = (i[None, :] <= i[:, None])[None, None] & (i[None, :] < kvl[:, None])[:, None, None, :]
     w = jax.nn.softmax(x, axis=-1, where=vis)
     return jnp.einsum("bnts,bsnh->btnh", w, vv)
 

@@ -128,13 +128,13 @@ def test_acp_threshold_bounds_every_pruned_weight():
   d = jnp.transpose(cq, (0, 2, 1))[..., :, None] - jnp.transpose(ck, (0, 2, 1))[..., None, :]
   causal = causal_mask(t, t)
   w = masked_softmax(scaled_logits(q, k) + d, causal)
-  pruned = causal & (d < thr)
+  pruned = causal[None, None] & (d < thr)
   assert int(pruned.sum()) > 0.3 * int(causal.sum()) * 2  # the bound actually prunes
   assert float(jnp.max(jnp.where(pruned, w, 0.0))) < eps
   # The pruned pairs of each row are a prefix of the causal row (contiguous in the past).
   first_kept = jnp.argmin(pruned, axis=-1)
-  j = jnp.arange(t)
-  assert bool(jnp.all(pruned == (causal & (j < first_kept[..., None]))))
+  j = jnp.arange(t)[None, None, None, :]
+  assert bool(jnp.all(pruned == (causal[None, None] & (j < first_kept[..., None]))))
 
 
 def test_forgetting_attention_acp_error_within_bound(small_blocks):

@@ -382,7 +382,7 @@ def test_key_lengths_and_mask_delete_the_keys():
   q, k, v, bias = _inputs(5)
   Lb = 4
   lengths = jnp.array([S, Lb])
-  mask = (jnp.arange(S) < lengths[:, None])[:, None, None, :]
+  mask = (jnp.arange(S)[None, :] < lengths[:, None])[:, None, None, :]
   chunk = functools.partial(chunkwise_attention, chunk_size=3)
   zero_len = jnp.array([0, S])
 
@@ -545,3 +545,26 @@ def test_empty_queries_or_keys_give_zeros(shape):
             functools.partial(local_window_attention, window=1, hard=True)):
     out = f(q, k, v)
     assert out.shape == (1, Tq, 2, 2) and not np.any(np.asarray(out))
+
+
+def test_every_form_needs_no_implicit_rank_promotion():
+  """Issue 37: the positions [S] met the previous positions [B, N, 1] (the hard scan, the
+  hard windows and segments) and the window offsets [W] met the positions [S, 1] (the
+  expected windows) by implicit rank promotion: a ValueError under
+  jax.numpy_rank_promotion("raise"). Every form gives what it gives without the setting."""
+  q, k, v, bias = _inputs(1)
+
+  @jax.jit  # one program per setting (the setting is part of jit's cache key)
+  def run(q, k, v, bias):
+    out = [monotonic_attention(q, k, v, bias), hard_monotonic_attention(q, k, v, bias),
+           segmental_attention(q, k, v, bias)]
+    for hard in (False, True):
+      out += [chunkwise_attention(q, k, v, bias, chunk_size=3, hard=hard),
+              local_window_attention(q, k, v, bias, window=(1, 1), hard=hard)]
+    return out
+
+  want = run(q, k, v, bias)
+  with jax.numpy_rank_promotion("raise"):
+    got = run(q, k, v, bias)
+  for g, w in zip(got, want, strict=True):
+    np.testing.assert_array_equal(g, w)

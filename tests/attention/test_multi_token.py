@@ -51,7 +51,7 @@ def reference(q, k, v, kernel, head_mix=None, position="pre"):
 def _params(seed, dtype=jnp.float32):
   ks = jax.random.split(jax.random.key(seed), 2)
   kernel = mta_identity_kernel(N, CQ, CK, dtype) + 0.3 * jax.random.normal(ks[0], (N, CQ, CK), dtype)
-  mix = jnp.eye(CH, dtype=dtype) + 0.3 * jax.random.normal(ks[1], (N // CH, CH, CH), dtype)
+  mix = jnp.eye(CH, dtype=dtype)[None] + 0.3 * jax.random.normal(ks[1], (N // CH, CH, CH), dtype)
   return kernel, mix
 
 

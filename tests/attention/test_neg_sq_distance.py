@@ -215,7 +215,7 @@ def test_bf16_computes_in_float32():
   float64 on the bf16-rounded inputs; the output is bf16 (rounding 2^-9 relative, |out| < 4:
   atol 1e-2)."""
   q, k, v = make_qkv(7, 1, 6, S=8, N=2, K=1, H=4)
-  centre = 10.0 * jnp.ones((4,))
+  centre = 10.0 * jnp.ones((1, 1, 1, 4))
   qb, kb, vb = ((x + c).astype(jnp.bfloat16) for x, c in ((q, centre), (k, centre), (v, 0.0)))
   out = jax.jit(functools.partial(dpa, implementation="xla", **NSD))(qb, kb, vb)
   assert out.dtype == jnp.bfloat16

@@ -63,6 +63,17 @@ def test_matches_reference_causal_lengths_gqa():
   assert np.all(np.asarray(pr)[0] >= 1 - 1e-5)
 
 
+def test_per_head_magnitude_needs_no_implicit_rank_promotion():
+  """Issue 37: per-head slopes [N, 1] met the rows [B, N, T] by implicit rank promotion, a
+  ValueError under jax.numpy_rank_promotion("raise")."""
+  q, k, v = make_qkv(1, 2, 6, N=4, K=2, H=3, Hv=5)
+  a, b = np.array([0.5, 1.0, 2.0, 1.5]), -0.7
+  with jax.numpy_rank_promotion("raise"):
+    out = polar_attention(q, k, v, is_causal=True, magnitude_slope=a, magnitude_bias=b)
+  ref_out, _ = reference(q, k, v, a=a, b=b, is_causal=True)
+  np.testing.assert_allclose(out, ref_out, rtol=1e-5, atol=1e-6)
+
+
 def test_count_blind_under_duplication():
   q, k, v = make_qkv(1, 1, 5, S=7, N=2, K=1, H=4)
   k2, v2 = jnp.concatenate([k, k], axis=1), jnp.concatenate([v, v], axis=1)

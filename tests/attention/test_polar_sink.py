@@ -83,6 +83,21 @@ def test_matches_reference_causal_lengths_gqa_null_value():
   assert np.all(np.asarray(wnull)[1, 4:] == 0.0)  # no key: no sink either
 
 
+def test_per_head_gain_and_null_value_need_no_implicit_rank_promotion():
+  """Issue 37: the per-head gain [N, 1] met the rows [B, N, T], and the null value [N, Hv]
+  the outputs [B, T, N, Hv], by implicit rank promotion: a ValueError under
+  jax.numpy_rank_promotion("raise")."""
+  q, k, v = make_qkv(1, 2, 6, N=4, K=2, H=3, Hv=5)
+  hp = dict(alpha=0.5, null_bias=1.0, gamma=0.3, gain=np.array([0.0, 1.0, -0.5, 2.0]))
+  v_null = np.linspace(-1.0, 1.0, 20).reshape(4, 5).astype(np.float32)
+  with jax.numpy_rank_promotion("raise"):
+    got = SINK(q, k, v, is_causal=True, alpha=hp["alpha"], null_bias=hp["null_bias"],
+               gamma=hp["gamma"], magnitude_gain=hp["gain"], null_value=v_null)
+  want = reference(q, k, v, **hp, v_null=v_null, is_causal=True)
+  for g, w in zip(got, want[:2], strict=True):  # (c, mu)
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=2e-6)
+
+
 def test_participation_ratio_and_the_null_weight():
   S = 8
   # one head, query 0 all-equal scores (uniform: n_eff = n), query 1 one match (one-hot)

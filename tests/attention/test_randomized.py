@@ -143,7 +143,7 @@ def _sparsemax(x, vis):
   fin = jnp.isfinite(srt)
   srt = jnp.where(fin, srt, 0.0)
   cs = jnp.cumsum(srt, axis=-1)
-  kk = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype)
+  kk = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype).reshape((1,) * (x.ndim - 1) + (-1,))
   size = jnp.sum(fin & (1.0 + kk * srt > cs), axis=-1, keepdims=True)
   tau = (jnp.take_along_axis(cs, jnp.maximum(size - 1, 0), axis=-1) - 1.0) / jnp.maximum(size, 1)
   return jnp.where(vis, jnp.maximum(x - tau, 0.0), 0.0)
@@ -152,6 +152,7 @@ def _sparsemax(x, vis):
 def _weights(name, x, vis, hp):
   n = jnp.sum(vis, axis=-1, keepdims=True).astype(x.dtype)
   xs = jnp.where(vis, x, 0.0)
+  hp = None if hp is None else hp[None]  # [1, N, 1, 1]: the rank of x
   if name == "softmax":
     return _softmax(xs / (1.0 if hp is None else hp), vis)
   if name == "ssmax":

@@ -78,6 +78,18 @@ def test_values_against_float64_with_masks_and_groups():
   np.testing.assert_allclose(got[5], want, rtol=1e-5, atol=1e-5)
 
 
+def test_sequence_lengths_need_no_implicit_rank_promotion():
+  """Issue 37: the positions [T, S] met the lengths [B, 1, 1, 1] by implicit rank promotion,
+  a TypeError under jax.numpy_rank_promotion("raise")."""
+  q, k, v = _inputs(3)
+  lengths = dict(query_seq_lengths=jnp.array([T, 2]), key_value_seq_lengths=jnp.array([S, 3]))
+  with jax.numpy_rank_promotion("raise"):
+    got = attn(q, k, v, is_causal=True, **lengths)
+  want = _reference(q, k, v, _visible(None, True, lengths["key_value_seq_lengths"]))
+  want[1, 2:] = 0                           # queries past their length
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def test_gradients_against_float64_finite_differences():
   q, k, v = _inputs(10)
   mask = jnp.asarray(np.random.default_rng(6).random((B, N, T, S)) < 0.8)
