@@ -355,9 +355,10 @@ def blasst_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
   Examples:
     >>> from kernels_pallas import blasst_attention
     >>> x = jnp.sin(jnp.arange(512.0)).reshape(1, 32, 2, 8)
-    >>> out, kept = blasst_attention(
+    >>> blasst = jax.jit(lambda x: blasst_attention(
     ...     x, x, x, skip_threshold=float("inf"), block_size=16, is_causal=True,
-    ...     backend="triton", interpret=True, return_kept=True)
+    ...     backend="triton", interpret=True, return_kept=True))
+    >>> out, kept = blasst(x)
     >>> out.shape
     (1, 32, 2, 8)
     >>> kept[0, 0, ::16].astype(int)  # rows 0 and 16: their visible key blocks (tau = inf)

@@ -95,7 +95,9 @@ def asentmax(x: ArrayLike, axis: int = -1, where: ArrayLike | None = None, *,
 
   Examples:
     >>> x = jnp.zeros(64).at[0].set(1.0)  # a needle among 63 zeros
-    >>> js.normalizers.entmax15(x)[0], js.normalizers.asentmax(x)[0]  # n = 64: theta = 3.08
+    >>> both = jax.jit(lambda x: (js.normalizers.entmax15(x), js.normalizers.asentmax(x)))
+    >>> p_entmax, p_asentmax = both(x)
+    >>> p_entmax[0], p_asentmax[0]  # n = 64: theta = 3.08
     (Array(0.3609, dtype=float32), Array(1., dtype=float32))
 
   References:
