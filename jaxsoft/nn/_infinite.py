@@ -53,10 +53,11 @@ class InfSA(nnx.Module):
     >>> mod.gamma
     Array([0.25, 0.25], dtype=float32)
     >>> q = k = v = jnp.ones((1, 3, 2, 4))                 # [B, T, N, H]
-    >>> mod(q, k, v).shape
+    >>> apply = nnx.jit(lambda mod, q, k, v: mod(q, k, v))
+    >>> apply(mod, q, k, v).shape
     (1, 3, 2, 4)
     >>> lin = js.nn.InfSA(2, gamma_init=0.25, linear=True)
-    >>> bool(jnp.allclose(lin(q, k, v), 0.25))           # 0.25 x the pooled value (1)
+    >>> bool(jnp.allclose(apply(lin, q, k, v), 0.25))           # 0.25 x the pooled value (1)
     True
 
   References:
