@@ -65,12 +65,18 @@ def _check(impl, normalizer, params=None, **kw):
   # gradient carries q ~ 1e20 from the ordinary rows' products, hence relative); a row
   # computed without its +inf keys differs by O(1).
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
-  for g, r in zip(grads, ref_grads, strict=True):
+  for i, (g, r) in enumerate(zip(grads, ref_grads, strict=True)):
     if r is None:  # no bias
       assert g is None
       continue
-    assert np.all(np.isfinite(np.asarray(g)))
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-5)
+    g, r = np.asarray(g), np.asarray(r)
+    assert np.all(np.isfinite(g))
+    if i == 0 and kw.get("is_causal"):
+      # causal row 0 sees key 0 only: its weight is 1 and its dq is 0, computed on both
+      # paths as a rounding error of the weight (~1e-7) times k_0 ~ 1e20 (finite, checked
+      # above); the other rows and q's other features are compared
+      g, r = g[:, 1:], r[:, 1:]
+    np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5)
 
 
 @pytest.fixture
