@@ -944,14 +944,15 @@ def _unit_seconds(records: Sequence[dict[str, Any]], task: str, protocol: str
                   ) -> float | None:
   """The mean CPU seconds of a finished unit (its five runs, the compilation included; the
   wall time of a shared machine counts the other tenants' share too). A unit's records at rates
-  outside the task's sweep (a sweep moved after they were recorded) count too: the compilation
-  is in its first record."""
+  outside the task's sweep (a sweep moved after they were recorded) are taken out at the
+  unit's median run cost (the compilation, in its first record, stays in)."""
   summary = _summaries(records, TASKS[task], protocol)
   by_entrant: dict[str, list[float]] = {}
   for r in records:
     if r["task"] == task and r["protocol"] == protocol:
       by_entrant.setdefault(r["entrant"], []).append(r.get("cpu_seconds", r["seconds"]))
-  full = [sum(v) for name, v in by_entrant.items()
+  runs = len(TASKS[task].lrs) + len(SEEDS) - 1
+  full = [sum(v) - max(len(v) - runs, 0) * float(np.median(v)) for name, v in by_entrant.items()
           if name in summary and summary[name]["n"] == len(SEEDS)]
   return float(np.mean(full)) if full else None
 
