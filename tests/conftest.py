@@ -146,12 +146,12 @@ def pytest_collection_modifyitems(config, items):
 
 # Issue 37's guard: library code never relies on implicit rank promotion. The tests of these
 # directories run under jax.numpy_rank_promotion("raise") (the setting of JAX's own suite);
-# each was run whole under JAX_NUMPY_RANK_PROMOTION=raise first. The rest of the suite joins
-# the list directory by directory once it runs clean (tests/optim and tests/nn: their default
-# selection was run; tests/normalizers, attention, kernels_pallas and the docstring examples
-# are still to be run).
+# each was run whole under JAX_NUMPY_RANK_PROMOTION=raise first (tests/optim, nn and
+# attention: their default selection). The rest of the suite joins the list directory by
+# directory once it runs clean (tests/normalizers, kernels_pallas, bench, docs and the
+# top-level files, the docstring examples among them, are still to be run).
 _RANK_PROMOTION_RAISE = tuple(_TESTS / d for d in ("linear", "losses", "pooling", "train",
-                                                   "properties", "optim", "nn"))
+                                                   "properties", "optim", "nn", "attention"))
 
 
 @pytest.fixture(autouse=True)

@@ -50,7 +50,8 @@ def _features(x: jax.Array, degree: int, weighted: bool) -> jax.Array:
   for idx, w in _monomials(x.shape[-1], degree):
     f = (jnp.ones(x.shape[:-1] + (1,), x.dtype) if idx.shape[1] == 0
          else jnp.prod(x[..., jnp.asarray(idx)], axis=-1))
-    parts.append(f * jnp.asarray(w, x.dtype) if weighted else f)
+    wf = jnp.asarray(w, x.dtype).reshape((1,) * (f.ndim - 1) + (-1,))  # f's rank: no promotion
+    parts.append(f * wf if weighted else f)
   return jnp.concatenate(parts, axis=-1)
 
 

@@ -35,7 +35,7 @@ from tests.helpers import FWD, normal
 def _ssmax_reference(q, k, v, s):
   t = q.shape[1]
   n = jnp.arange(1, t + 1, dtype=jnp.float32)[:, None]  # causal: query i sees i + 1 keys
-  z = (s[:, None, None] * jnp.log(n)) * scaled_logits(q, k)
+  z = (s[None, :, None, None] * jnp.log(n)[None, None]) * scaled_logits(q, k)
   return apply_weights(masked_softmax(z, causal_mask(t, t)), v)
 
 

@@ -19,11 +19,11 @@ B, T, N, H = 2, 6, 2, 4
 
 def test_newton_schulz_converges_to_pinv():
   a = normal(0, (3, 5, 5))
-  spd = a @ jnp.swapaxes(a, -1, -2) + 0.5 * jnp.eye(5)
+  spd = a @ jnp.swapaxes(a, -1, -2) + 0.5 * jnp.eye(5)[None]
   pinv = jax.jit(newton_schulz_pinv, static_argnums=1)
   z = pinv(spd, 40)
   chex.assert_trees_all_close(z, jnp.linalg.pinv(spd), atol=1e-4, rtol=1e-4)
-  errs = [float(jnp.linalg.norm(spd @ pinv(spd, i) - jnp.eye(5))) for i in (5, 15)]
+  errs = [float(jnp.linalg.norm(spd @ pinv(spd, i) - jnp.eye(5)[None])) for i in (5, 15)]
   assert errs[1] < errs[0]
 
 

@@ -130,6 +130,17 @@ def test_polynomial_within_the_bound_and_error_falls_with_degree():
       assert errs[-1] < 1e-5
 
 
+def test_polynomial_needs_no_implicit_rank_promotion():
+  """Issue 37: the monomial weights [m] met the features [B, T, N, m] by implicit rank
+  promotion, a ValueError under jax.numpy_rank_promotion("raise")."""
+  q, k1, k2, v1, v2 = (normal(i, (1, 4, 1, 2)) for i in range(5))
+  run = functools.partial(tensor_attention, implementation="polynomial", degree=2)
+  want = run(q, k1, k2, v1, v2)
+  with jax.numpy_rank_promotion("raise"):
+    got = run(q, k1, k2, v1, v2)
+  np.testing.assert_array_equal(got, want)
+
+
 @pytest.mark.slow  # ~2 s of CPU (compiles): out of the default run's budget
 def test_polynomial_bf16_and_the_standard_attention_reduction():
   q, k1, k2, v1, v2 = (0.7 * normal(i, (B, T, N, H)) for i in range(5))
