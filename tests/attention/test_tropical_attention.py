@@ -78,6 +78,10 @@ def test_values_against_float64_with_masks_and_groups():
   np.testing.assert_allclose(got[5], want, rtol=1e-5, atol=1e-5)
 
 
+# By default test_values_against_float64_with_masks_and_groups covers this: tests/conftest.py runs
+# tests/attention under numpy_rank_promotion("raise") (it failed there on the old code); this
+# explicit check holds without the guard.
+@pytest.mark.slow
 def test_sequence_lengths_need_no_implicit_rank_promotion():
   """Issue 37: the positions [T, S] met the lengths [B, 1, 1, 1] by implicit rank promotion,
   a TypeError under jax.numpy_rank_promotion("raise")."""
