@@ -12,7 +12,7 @@ carries on); a mesh whose losses disagree reports FAILED with no figures, and th
 exits 1. The figures:
 
 * tokens/s: ``batch_size x seq_len`` over the median wall time of the ``--steps`` timed steps
-  (after ``--warmup`` steps that include the compilation);
+  (after ``--warmup`` steps that include the compilation), the meshes' steps interleaved;
 * vs data-only: that rate over the baseline's, measured in the same run.
 
 The 8 "devices" are threads of one CPU process sharing the same cores, so the figures show
@@ -71,8 +71,8 @@ def row_cells(mesh: str, losses, baseline, tokens_per_s: float, baseline_tokens_
           f"{tokens_per_s / baseline_tokens_per_s:.2f} |")
 
 
-def measure(cfg, warmup: int, steps: int):
-  """(per-step losses of the warm-up and timed steps, tokens/s) of ``cfg.mesh``."""
+def prepare(cfg, warmup: int, steps: int):
+  """``cfg.mesh``'s jitted train step, its initial state and its ``warmup + steps`` batches."""
   import jax
 
   from train import sharding
@@ -84,18 +84,28 @@ def measure(cfg, warmup: int, steps: int):
   step_fn = train_lib.make_train_step(graphdef, optimizer, train_lib.make_schedule(cfg))
   step = jax.jit(sharding.in_mesh(mesh, step_fn), in_shardings=(state_sharding, batch_sharding),
                  out_shardings=(state_sharding, None), donate_argnums=0)
-  state = init_fn()
   batches = [sharding.global_batch(dataset, i, cfg, batch_sharding)
              for i in range(warmup + steps)]
-  losses, times = [], []
-  for i, batch in enumerate(batches):
-    t0 = time.perf_counter()
-    state, metrics = step(state, batch)
-    loss = float(jax.block_until_ready(metrics["loss"]))
-    if i >= warmup:
-      times.append(time.perf_counter() - t0)
-    losses.append(loss)
-  return losses, cfg.batch_size * cfg.seq_len / statistics.median(times)
+  return step, init_fn(), batches
+
+
+def measure(runs, warmup: int, steps: int, tokens: int):
+  """Per run (the ``prepare`` triples): (per-step losses, tokens/s). The steps are interleaved
+  (step i of every mesh, then step i + 1), so a change in the machine's load while the
+  benchmark runs reaches every mesh alike."""
+  import jax
+
+  states = [state for _, state, _ in runs]
+  losses: list[list[float]] = [[] for _ in runs]
+  times: list[list[float]] = [[] for _ in runs]
+  for i in range(warmup + steps):
+    for r, (step, _, batches) in enumerate(runs):
+      t0 = time.perf_counter()
+      states[r], metrics = step(states[r], batches[i])
+      losses[r].append(float(jax.block_until_ready(metrics["loss"])))
+      if i >= warmup:
+        times[r].append(time.perf_counter() - t0)
+  return [(loss, tokens / statistics.median(t)) for loss, t in zip(losses, times, strict=True)]
 
 
 def main(argv=None) -> int:
@@ -122,12 +132,12 @@ def main(argv=None) -> int:
   print("# CPU figures show what each layout's collectives cost, not accelerator speed")
   print("| mesh | max rel. loss diff vs first | tokens/s | vs first |")
   print("|---|---|---|---|")
+  runs = [prepare(dataclasses.replace(base, mesh=text), args.warmup, args.steps)
+          for text in args.meshes]
+  results = measure(runs, args.warmup, args.steps, base.batch_size * base.seq_len)
+  baseline, baseline_rate = results[0]
   failed = False
-  baseline = baseline_rate = None
-  for text in args.meshes:
-    losses, rate = measure(dataclasses.replace(base, mesh=text), args.warmup, args.steps)
-    if baseline is None:
-      baseline, baseline_rate = losses, rate
+  for text, (losses, rate) in zip(args.meshes, results, strict=True):
     failed |= not losses_agree(losses, baseline, args.rtol)
     print(row_cells(text, losses, baseline, rate, baseline_rate, args.rtol), flush=True)
   return 1 if failed else 0
