@@ -417,8 +417,9 @@ def context_parallel_attention(
     specs["scale"] = PartitionSpec()
   run = STRATEGIES[strategy]
   impl_names = [implementation] if isinstance(implementation, str) else list(implementation or [])
-  # The Pallas interpreter's class-T passes fail shard_map's varying-axes check
-  # (kernels_pallas.sharding.refuse_interpreted_threshold_vma): skip the check for Pallas.
+  # Pallas: shard_map's varying-axes check is skipped. Only the batch-sharded entry
+  # (tests/kernels_pallas/test_sharded_entry.py) is tested under it; the strategies'
+  # gathered and permuted blocks are not.
   check_vma = not any(str(name).startswith("pallas") for name in impl_names)
 
   def local(a):
