@@ -150,7 +150,7 @@ def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike 
     >>> v = jnp.array([1.0, 2.0, 3.0, 6.0]).reshape(4, 1, 1)       # [T, K, Hv]
     >>> js.attention.fixed_map_attention(jnp.zeros((4, 4)), v)[:, 0, 0]   # causal average
     Array([1. , 1.5, 2. , 3. ], dtype=float32)
-    >>> near = -0.5 * jnp.abs(jnp.arange(4.0)[:, None] - jnp.arange(4.0))   # a recency map
+    >>> near = -0.5 * jnp.abs(jnp.arange(4.0)[:, None] - jnp.arange(4.0)[None, :])   # a recency map
     >>> js.attention.fixed_map_attention(near, v, normalizer="sparsemax")[:, 0, 0]
     Array([1.  , 1.75, 2.75, 5.25], dtype=float32)
 

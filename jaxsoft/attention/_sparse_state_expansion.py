@@ -112,7 +112,7 @@ def sparse_state_expansion(query: ArrayLike, key: ArrayLike, value: ArrayLike,
 
     >>> x = jnp.sin(jnp.arange(48.0)).reshape(1, 6, 2, 4)  # [B, T, N, H]
     >>> out = js.attention.sparse_state_expansion(x, x, x, jnp.zeros((1, 6, 2, 1)), top_k=1)
-    >>> w = jnp.einsum("btnh,bsnh->bnts", x, x) * jnp.tril(jnp.ones((6, 6)))
+    >>> w = jnp.einsum("btnh,bsnh->bnts", x, x) * jnp.tril(jnp.ones((6, 6)))[None, None]
     >>> bool(jnp.allclose(out, jnp.einsum("bnts,bsnh->btnh", w, x), atol=1e-5))
     True
 
