@@ -81,11 +81,12 @@ def _table_loop(idx_ref, cnt_ref, head=None):
   # The loop starts at ``cnt - cnt`` (0) rather than a constant: in the Pallas interpreter
   # inside ``jax.shard_map`` (default ``check_vma``) the list varies over the mesh axes, and
   # ``idx_ref[j]`` needs an index that varies over them too.
-  cnt = cnt_ref[...]  # [1], or [G, 1]: read whole (not at a constant index)
-  cnt = cnt.reshape(()) if head is None else cnt[head, 0]
-  if head is None:
-    return cnt - cnt, cnt, lambda j: idx_ref[j]
-  return cnt - cnt, cnt, lambda j: idx_ref[j - j + head, j]
+  if head is not None:  # [G, 1] read whole, the head's row picked by a select and a sum
+    cnt = cnt_ref[...]
+    cnt = jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, cnt.shape, 0) == head, cnt, 0))
+    return cnt - cnt, cnt, lambda j: idx_ref[j - j + head, j]
+  cnt = cnt_ref[...].reshape(())  # [1]: read whole (not at a constant index)
+  return cnt - cnt, cnt, lambda j: idx_ref[j]
 
 
 def _bounds(cfg: E.Config, aux: E.Aux, lo, hi, dkv: bool = False):
