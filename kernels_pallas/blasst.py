@@ -237,7 +237,8 @@ def _mosaic_forward(qs, k, v, klen, st: dict[str, Any]):
 def _unpack(bits, nk: int):
   """Kept bits [..., words] -> bool [..., nk]."""
   j = jnp.arange(nk)
-  return (jnp.right_shift(bits[..., j // _WORD], (j % _WORD).astype(jnp.int32)) & 1) == 1
+  shift = (j % _WORD).astype(jnp.int32).reshape((1,) * (bits.ndim - 1) + (nk,))
+  return (jnp.right_shift(bits[..., j // _WORD], shift) & 1) == 1
 
 
 def _heads_first(x, rows: int, lanes: int):

@@ -286,7 +286,7 @@ def _quantize_values(v, seed: int):
   m = y.shape[-1]
   rho = jnp.sqrt(jnp.sum(y * y, axis=-1) / m)
   u = y / jnp.where(rho > 0, rho, 1.0)[..., None]
-  t = jnp.asarray(LLOYD_MAX_3BIT_THRESHOLDS, jnp.float32)
+  t = jnp.asarray(LLOYD_MAX_3BIT_THRESHOLDS, jnp.float32).reshape((1,) * u.ndim + (-1,))
   codes = jnp.sum((u[..., None] > t).astype(jnp.int32), axis=-1).astype(jnp.int8)
   return codes, rho
 

@@ -187,6 +187,6 @@ def fourier_head_cross_entropy(coefficients: ArrayLike, labels: ArrayLike, num_b
   loss = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
   if gamma:
     c = fourier_autocorrelation(coefficients)
-    k = jnp.arange(c.shape[-1], dtype=loss.dtype)
+    k = jnp.arange(c.shape[-1], dtype=loss.dtype).reshape((1,) * (c.ndim - 1) + (-1,))
     loss = loss + gamma * 4 * jnp.pi ** 2 * jnp.sum(k ** 2 * jnp.abs(c) ** 2, axis=-1)
   return loss

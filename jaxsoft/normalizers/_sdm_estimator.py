@@ -224,7 +224,7 @@ def sdm_distance_quantile(distances: ArrayLike, calibration_distances: ArrayLike
   onehot = (y[:, None] == jnp.arange(n_cls)[None, :]) & keep[:, None]  # [c, C]
   n_y = jnp.sum(onehot, axis=0).astype(dt)  # [C]
   below = (dc[None, :] <= t[:, None]).astype(dt)  # [n, c]
-  cdf = (below @ onehot.astype(dt)) / jnp.maximum(n_y, 1.0)  # [n, C]
-  d = jnp.min(jnp.where(n_y > 0, 1.0 - cdf, np.inf), axis=-1, initial=np.inf)
+  cdf = (below @ onehot.astype(dt)) / jnp.maximum(n_y, 1.0)[None, :]  # [n, C]
+  d = jnp.min(jnp.where((n_y > 0)[None, :], 1.0 - cdf, np.inf), axis=-1, initial=np.inf)
   d = jnp.where(jnp.isfinite(d), d, 0.0)
   return jax.lax.stop_gradient(jnp.where(jnp.isnan(t), np.nan, d))
