@@ -89,3 +89,46 @@ def test_bad_input():
   layer = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0), use_memory=False)
   with pytest.raises(ValueError, match=r"\[B, T, D\]"):
     layer(jnp.ones((T, D)))
+
+
+@pytest.mark.slow
+def test_key_value_lengths_equal_the_truncated_sequence():
+  """Without causality, keys past ``key_value_seq_lengths`` are invisible: the first L rows
+  equal the layer on the first L positions alone (the memory is causal either way)."""
+  layer = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0), is_causal=False)
+  layer.w_mem.kernel[...] = helpers.standard_normal(2, (N * H, D))
+  x = helpers.standard_normal(1, (2, T, D))
+  lengths = jnp.array([3, T])
+  y = nnx.jit(lambda m, x: m(x, key_value_seq_lengths=lengths))(layer, x)
+  short = nnx.jit(lambda m, x: m(x))(layer, x[:1, :3])
+  np.testing.assert_allclose(np.asarray(y)[:1, :3], np.asarray(short), rtol=1e-5, atol=1e-6)
+  full = nnx.jit(lambda m, x: m(x))(layer, x)
+  np.testing.assert_allclose(np.asarray(y)[1:], np.asarray(full)[1:], rtol=1e-5, atol=1e-6)
+  # the hidden keys did matter for batch 0 with every key visible
+  assert not np.allclose(np.asarray(full)[0, :3], np.asarray(short)[0], atol=1e-4)
+
+
+@pytest.mark.slow
+def test_bf16_output_and_channels():
+  """bf16 parameters and input: the output is bf16 and equals, within bf16 rounding, the
+  float64 composition of its own channels and weights; the attention channels (computed in
+  float32 inside) equal the float32 layer's on the same rounded values. (The memory channel
+  is RMS-normalised over H = 3 values: at this size it is ill-conditioned in its inputs, so
+  the float32 layer's memory, on projections that differ by one bf16 rounding, is no
+  reference for it.)"""
+  l16 = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0), param_dtype=jnp.bfloat16)
+  l16.w_mem.kernel[...] = helpers.standard_normal(2, (N * H, D)).astype(jnp.bfloat16)
+  l32 = jnn.PolarMemoryAttention(D, N, H, rngs=nnx.Rngs(0))
+  nnx.update(l32, jax.tree.map(lambda a: a.astype(jnp.float32), nnx.state(l16, nnx.Param)))
+  x16 = helpers.standard_normal(1, (2, T, D)).astype(jnp.bfloat16)
+  y16, (c16, mu16, mem16) = _run(l16, x16)
+  _, (c32, mu32, _) = _run(l32, x16.astype(jnp.float32))
+  assert y16.dtype == jnp.bfloat16 and mem16.dtype == jnp.bfloat16
+  y = np.asarray(y16, np.float32)
+  assert np.all(np.isfinite(y))
+  u = 2.0 ** -8  # bf16's unit roundoff; a handful of roundings on each path
+  ref = _compose(l16, c16, mu16, mem16)
+  np.testing.assert_allclose(y, ref, atol=8 * u * np.abs(ref).max())
+  for a, b in ((c16, c32), (mu16, mu32)):
+    b = np.asarray(b, np.float32)
+    np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=8 * u * np.abs(b).max())
