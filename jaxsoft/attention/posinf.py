@@ -68,8 +68,10 @@ from jaxsoft.normalizers.common import compute_dtype
 
 __all__ = ["with_posinf_rule"]
 
-# Entries of one chunk of synthetic rows (:func:`_limit_weights`): 16 MiB of float32.
-_CHUNK_ENTRIES = 1 << 22
+# Query rows and keys of one tile of :func:`_row_sums` (64 x 128 logits per batch and head:
+# its memory is linear in T and S, as on the blockwise paths); :func:`_limit_weights` takes
+# its synthetic rows of length S in chunks of at most as many entries.
+_TILE_Q, _TILE_K = 64, 128
 
 
 def with_posinf_rule(call, run: Callable[[Any], Any]):
@@ -268,62 +270,90 @@ def _shares_among_inf(spec, params) -> bool:
 def _row_sums(call, v, bias, dtype, rest: bool = True):
   """Per row: the sums of the values over the visible ``+inf`` entries and (with ``rest``,
   else None) over the other visible ones, [B, T, N, Hv] each (both None when ``v`` is
-  None), and the counts k and n, [B, T, N]; plain XLA over blocks of query rows (about
-  2^22 visibility entries at a time). The logits are the dense path's (:func:`~jaxsoft.attention.dense_logits`:
-  scores, decay, soft cap, bias), so a ``q·k`` that overflows to ``+inf`` counts as the
-  bias's ``+inf`` does (the tiles hide it as they hide the bias's)."""
+  None), and the counts k and n, [B, T, N]; plain XLA over tiles of ``_TILE_Q`` query rows
+  by ``_TILE_K`` keys (a ``lax.map`` over row blocks, a ``lax.scan`` over key blocks), so
+  its memory is linear in the lengths like the blockwise paths it serves. The logits are
+  the dense path's (:func:`~jaxsoft.attention.dense_logits`: scores, decay, soft cap,
+  bias), so a ``q·k`` that overflows to ``+inf`` counts as the bias's ``+inf`` does (the
+  tiles hide it as they hide the bias's)."""
   B, T, N, _ = call.q.shape
   S, K = call.k.shape[1], call.k.shape[2]
   G = N // K
   st = call.structure
-  bq = max(1, min(T, _CHUNK_ENTRIES // max(1, B * N * S)))
-  nq = -(-T // bq)
-  Tp = nq * bq
+  bq, bk = min(T, _TILE_Q), min(S, _TILE_K)
+  nq, nk = -(-T // bq), -(-S // bk)
+  Tp, Sp = nq * bq, nk * bk
 
-  def pad_rows(a, value):
-    if a is None or a.shape[2] == 1 or Tp == T:
+  def pad(a, axis, size, value, mode="constant"):
+    if a is None or a.shape[axis] == 1 or a.shape[axis] == size:
       return a
-    return jnp.pad(a, ((0, 0), (0, 0), (0, Tp - T), (0, 0)), constant_values=value)
+    widths = [(0, 0)] * a.ndim
+    widths[axis] = (0, size - a.shape[axis])
+    if mode == "edge":
+      return jnp.pad(a, widths, mode="edge")
+    return jnp.pad(a, widths, constant_values=value)
 
-  bias_p = pad_rows(bias, -jnp.inf)
-  mask_p = pad_rows(None if call.mask is None else jnp.asarray(call.mask), False)
-  q_p = call.q if Tp == T else jnp.pad(call.q, ((0, 0), (0, Tp - T), (0, 0), (0, 0)))
-  cq_p = None
+  bias_p = pad(pad(bias, 2, Tp, -jnp.inf), 3, Sp, -jnp.inf)
+  mask = None if call.mask is None else jnp.asarray(call.mask)
+  mask_p = pad(pad(mask, 2, Tp, False), 3, Sp, False)
+  q_p = pad(call.q, 1, Tp, 0)
+  k_p = pad(call.k, 1, Sp, 0)
+  cq_p = ck_p = None
   if call.decay_bias is not None:
-    cq_p = jnp.asarray(call.decay_bias[0])
-    cq_p = cq_p if Tp == T else jnp.pad(cq_p, ((0, 0), (0, Tp - T), (0, 0)))
+    cq_p = pad(jnp.asarray(call.decay_bias[0]), 1, Tp, 0)
+    ck_p = pad(jnp.asarray(call.decay_bias[1]), 1, Sp, 0)
   q_seg = kv_seg = None
   if st.has_segments:
-    q_seg = jnp.pad(st.q_segment_ids, ((0, 0), (0, Tp - T)), mode="edge")
-    kv_seg = st.kv_segment_ids
-  values = None if v is None else v.astype(dtype)
+    q_seg = pad(st.q_segment_ids, 1, Tp, 0, mode="edge")
+    kv_seg = pad(st.kv_segment_ids, 1, Sp, 0, mode="edge")
+  values = None if v is None else pad(v.astype(dtype), 1, Sp, 0)
   rest = rest and v is not None
-  k_pos = jnp.arange(S, dtype=jnp.int32)
+  Hv = 0 if values is None else values.shape[-1]
 
-  def rows(a, start):
-    return a if a is None or a.shape[2] == 1 else lax.dynamic_slice_in_dim(a, start, bq, 2)
+  def tile(a, axis, start, size):  # a block of a (broadcast dimensions stay 1)
+    return a if a is None or a.shape[axis] == 1 else lax.dynamic_slice_in_dim(a, start, size,
+                                                                             axis)
 
+  def total(w, vals):  # [B, N, bq, bk] x [B, bk, K, Hv] -> [B, bq, N, Hv]
+    w = w.astype(dtype).reshape(B, K, G, bq, bk)
+    return jnp.einsum("bkgts,bskh->btkgh", w, vals).reshape(B, bq, N, Hv)
+
+  # (checkpointed: differentiating the sums in v saves each step's carry, not its tile)
+  @jax.checkpoint
   def block(qi):
-    start = qi * bq
-    seg = None if q_seg is None else lax.dynamic_slice_in_dim(q_seg, start, bq, 1)
-    vis = st.tile_visible(start + jnp.arange(bq, dtype=jnp.int32), k_pos, seg, kv_seg)
-    decay = None if cq_p is None else (lax.dynamic_slice_in_dim(cq_p, start, bq, 1),
-                                       call.decay_bias[1])
-    x = dense_logits(lax.dynamic_slice_in_dim(q_p, start, bq, 1), call.k, scale=call.scale,
-                     decay_bias=decay, logits_soft_cap=call.logits_soft_cap,
-                     bias=rows(bias_p, start), score=call.score)  # [B, N, bq, S]
-    vis = vis & (x != -jnp.inf)
-    if mask_p is not None:
-      vis = vis & rows(mask_p, start)
-    vis = jnp.broadcast_to(vis, (B, N, bq, S))
-    hit = vis & (x == jnp.inf)
+    q0 = qi * bq
+    q_pos = q0 + jnp.arange(bq, dtype=jnp.int32)
+    q_blk = lax.dynamic_slice_in_dim(q_p, q0, bq, 1)
+    seg = tile(q_seg, 1, q0, bq)
+    cq = tile(cq_p, 1, q0, bq)
+    bias_rows, mask_rows = tile(bias_p, 2, q0, bq), tile(mask_p, 2, q0, bq)
 
-    def total(w):  # [B, N, bq, S] -> [B, bq, N, Hv]
-      w = w.astype(dtype).reshape(B, K, G, bq, S)
-      return jnp.einsum("bkgts,bskh->btkgh", w, values).reshape(B, bq, N, -1)
+    @jax.checkpoint
+    def key_step(acc, ki):
+      k0 = ki * bk
+      vis = st.tile_visible(q_pos, k0 + jnp.arange(bk, dtype=jnp.int32), seg,
+                            tile(kv_seg, 1, k0, bk))
+      decay = None if cq is None else (cq, tile(ck_p, 1, k0, bk))
+      x = dense_logits(q_blk, lax.dynamic_slice_in_dim(k_p, k0, bk, 1), scale=call.scale,
+                       decay_bias=decay, logits_soft_cap=call.logits_soft_cap,
+                       bias=tile(bias_rows, 3, k0, bk), score=call.score)  # [B, N, bq, bk]
+      vis = vis & (x != -jnp.inf)
+      if mask_rows is not None:
+        vis = vis & tile(mask_rows, 3, k0, bk)
+      vis = jnp.broadcast_to(vis, (B, N, bq, bk))
+      hit = vis & (x == jnp.inf)
+      counts = acc[0] + jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)
+      if values is None:
+        return (counts, acc[1], acc[2]), None
+      vals = lax.dynamic_slice_in_dim(values, k0, bk, 1)
+      return (counts, acc[1] + total(hit, vals),
+              acc[2] + total(vis & ~hit, vals) if rest else acc[2]), None
 
-    counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)  # [2, B, N, bq]
-    return (None if values is None else total(hit), total(vis & ~hit) if rest else None,
+    zeros_v = jnp.zeros((B, bq, N, Hv), dtype)
+    (counts, s_inf, s_rest), _ = lax.scan(
+        key_step, (jnp.zeros((2, B, N, bq), dtype), zeros_v, zeros_v),
+        jnp.arange(nk, dtype=jnp.int32))
+    return (None if values is None else s_inf, s_rest if rest else None,
             jnp.transpose(counts, (0, 1, 3, 2)))
 
   sum_inf, sum_rest, counts = lax.map(block, jnp.arange(nq, dtype=jnp.int32))
@@ -346,7 +376,7 @@ def _limit_weights(call, arrays, count_k, count_n, dtype):
   B, T, N = count_k.shape
   S = call.k.shape[1]
   rows = B * N * T
-  chunk = max(1, min(rows, _CHUNK_ENTRIES // max(S, 1)))
+  chunk = max(1, min(rows, _TILE_Q * _TILE_K // max(S, 1)))  # (a tile's entries at most)
   n_chunks = -(-rows // chunk)
 
   def per_row(x):  # [B, T, N] -> [chunks, chunk, 1]

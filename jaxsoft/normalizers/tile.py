@@ -407,11 +407,15 @@ def search_sums(rule: ThresholdRule, z, mask, taus, sums, hp: Params, newton: bo
   if stacked:
     tau = jnp.stack(taus)  # [C, ..., rows, 1]
     zc = z[None]
+    # array hyperparameters of the tile's rank get the candidates' axis too (explicit
+    # ranks: no implicit rank promotion)
+    hpc = {name: jnp.asarray(x)[None] if jnp.ndim(x) == z.ndim and jnp.ndim(x) > 0
+           else x for name, x in hp.items()}
     if newton:
-      mass, slope = jax.jvp(lambda t: rule.mass(zc, t, **hp), (tau,), (jnp.ones_like(tau),))
+      mass, slope = jax.jvp(lambda t: rule.mass(zc, t, **hpc), (tau,), (jnp.ones_like(tau),))
       both = jnp.concatenate([_where(mask, mass, 0.0), _where(mask, slope, 0.0)])
     else:
-      both = _where(mask, rule.mass(zc, tau, **hp), 0.0)
+      both = _where(mask, rule.mass(zc, tau, **hpc), 0.0)
     total = jnp.sum(both, axis=-1, keepdims=True)  # [C or 2C, ..., rows, 1]
     return [a + total[i] for i, a in enumerate(sums)]
   masses, slopes = [], []
