@@ -217,4 +217,6 @@ plt.show()
 # *provisional* until every entrant of its task is complete.
 
 # %%
-display(Markdown(zoo.guide_markdown(records)))
+# (the guide's links are relative to docs/; here they point to the repository)
+display(Markdown(zoo.guide_markdown(records).replace(
+    "](../", "](https://github.com/jaxsoft/jaxsoft/blob/main/")))
