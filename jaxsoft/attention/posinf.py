@@ -329,8 +329,8 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
     bias_rows, mask_rows = tile(bias_p, 2, q0, bq), tile(mask_p, 2, q0, bq)
 
     @jax.checkpoint
-    def key_step(acc, ki):
-      k0 = ki * bk
+    def key_block(ki):  # one tile's counts and sums (no loop carry: a carry built from zeros
+      k0 = ki * bk      # would lack the inputs' varying mesh axes inside shard_map)
       vis = st.tile_visible(q_pos, k0 + jnp.arange(bk, dtype=jnp.int32), seg,
                             tile(kv_seg, 1, k0, bk))
       decay = None if cq is None else (cq, tile(ck_p, 1, k0, bk))
@@ -342,18 +342,15 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
         vis = vis & tile(mask_rows, 3, k0, bk)
       vis = jnp.broadcast_to(vis, (B, N, bq, bk))
       hit = vis & (x == jnp.inf)
-      counts = acc[0] + jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)
+      counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)  # [2, B, N, bq]
       if values is None:
-        return (counts, acc[1], acc[2]), None
+        return counts, None, None
       vals = lax.dynamic_slice_in_dim(values, k0, bk, 1)
-      return (counts, acc[1] + total(hit, vals),
-              acc[2] + total(vis & ~hit, vals) if rest else acc[2]), None
+      return counts, total(hit, vals), total(vis & ~hit, vals) if rest else None
 
-    zeros_v = jnp.zeros((B, bq, N, Hv), dtype)
-    (counts, s_inf, s_rest), _ = lax.scan(
-        key_step, (jnp.zeros((2, B, N, bq), dtype), zeros_v, zeros_v),
-        jnp.arange(nk, dtype=jnp.int32))
-    return (None if values is None else s_inf, s_rest if rest else None,
+    counts, s_inf, s_rest = jax.tree.map(lambda a: jnp.sum(a, 0),
+                                         lax.map(key_block, jnp.arange(nk, dtype=jnp.int32)))
+    return (s_inf, s_rest,
             jnp.transpose(counts, (0, 1, 3, 2)))
 
   sum_inf, sum_rest, counts = lax.map(block, jnp.arange(nq, dtype=jnp.int32))
