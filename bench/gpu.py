@@ -310,7 +310,7 @@ def main(argv=None):
   if "blasst" in sections:  # K04: bench/gpu_blasst.py, beside this script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_blasst
-    ok &= gpu_blasst.section(args)
+    ok &= gpu_blasst.section(args, sys.modules[__name__])
   if "mosaic_gpu" in sections:  # bench/gpu_mosaic_gpu.py, beside this script
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import gpu_mosaic_gpu

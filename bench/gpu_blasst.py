@@ -19,7 +19,6 @@ reported as FAIL and never timed. Each timed row prints the kept share of the ca
 
 from __future__ import annotations
 
-import os
 import sys
 
 import jax
@@ -38,10 +37,9 @@ def _kept_share(kept, bs: int) -> float:
   return float(jnp.sum(kept)) / visible
 
 
-def section(args) -> bool:
-  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-  import gpu  # bench/gpu.py's helpers: inputs, timing, the row format
-
+def section(args, gpu) -> bool:
+  """Runs the section; ``gpu`` is bench/gpu.py's module (its inputs, timing and row format),
+  passed in by gpu.py, so that this file does not import it back."""
   import jaxsoft.attention as ja
 
   interpret, dtype = bool(args.interpret), jnp.bfloat16

@@ -29,6 +29,7 @@ def test_section_checks_then_times_in_interpret_mode(capsys):
 
 @pytest.mark.slow
 def test_a_wrong_kernel_is_not_timed(monkeypatch, capsys):
+  gpu = load_script("bench/gpu.py", "bench_gpu")
   section = load_script("bench/gpu_blasst.py", "bench_gpu_blasst")
   real = section.kp.blasst_attention
 
@@ -37,6 +38,6 @@ def test_a_wrong_kernel_is_not_timed(monkeypatch, capsys):
     return (out[0] * 1.5, out[1]) if kw.get("return_kept") else out * 1.5
 
   monkeypatch.setattr(section.kp, "blasst_attention", wrong)
-  assert not section.section(argparse.Namespace(interpret=True, tiny=True, reps=1))
+  assert not section.section(argparse.Namespace(interpret=True, tiny=True, reps=1), gpu)
   rows = _rows(capsys.readouterr().out)
   assert rows[-1].startswith("| kp.blasst_attention |") and "FAIL" in rows[-1], rows
