@@ -187,3 +187,19 @@ def test_blasst_kernel_errors_name_the_argument():
   with pytest.raises(ValueError, match="backend"):
     kernels_pallas.blasst_attention(q, k, v, skip_threshold=1.0, block_size=16,
                                     backend="cuda", interpret=True)
+
+
+def test_blasst_kernel_row_with_no_visible_key_is_zero():
+  # key_value_seq_lengths = 0: every row of batch 0 sees no key; zeros out, finite (zero)
+  # gradients, and batch 1 unaffected
+  q, k, v, ct = _inputs(4, t=32)
+  f = jax.jit(_blasst("triton", skip_threshold=1.0, block_size=BS,
+                      key_value_seq_lengths=jnp.array([0, 32])))
+  out, vjp = jax.vjp(f, q, k, v)
+  out = np.asarray(out)
+  assert np.all(out[0] == 0.0) and np.all(np.isfinite(out))
+  want, _ = reference(q[1:], k[1:], v[1:], 1.0, BS, False)
+  np.testing.assert_allclose(out[1:], want, atol=2e-6, rtol=2e-5)
+  grads = [np.asarray(g) for g in vjp(ct)]
+  assert all(np.all(np.isfinite(g)) for g in grads)
+  assert np.all(grads[0][0] == 0.0)  # dq of the rows that see nothing
