@@ -39,14 +39,16 @@ B, N, H = 1, 8, 32
 TOLERANCE = 1e-4
 
 
-def _setup():
+def setup_fake_devices(devices: int = DEVICES):
+  """XLA flags for ``devices`` fake CPU devices (before jax is imported)."""
   flags = os.environ.get("XLA_FLAGS", "")
   if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
+    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _measure(fn, args, reps):
+def measure_compiled(fn, args, reps):
+  """(output, temp MiB of the compiled program or None, median ms over ``reps`` calls)."""
   import jax
   compiled = jax.jit(fn).lower(*args).compile()
   memory = compiled.memory_analysis()
@@ -74,7 +76,7 @@ def main(argv=None) -> int:
   parser.add_argument("--normalizers", nargs="+", default=["softmax", "sparsemax"])
   parser.add_argument("--reps", type=int, default=3)
   args = parser.parse_args(argv)
-  _setup()
+  setup_fake_devices()
   import jax
   import jax.numpy as jnp
 
@@ -97,14 +99,14 @@ def main(argv=None) -> int:
       def single(q, k, v, normalizer=normalizer):
         return dot_product_attention(q, k, v, is_causal=True, normalizer=normalizer,
                                      implementation="xla")
-      ref, temp, ms = _measure(single, (q, k, v), args.reps)
+      ref, temp, ms = measure_compiled(single, (q, k, v), args.reps)
       print(row_cells("1 device", T, normalizer, 0.0, temp, ms), flush=True)
       for strategy in strategies:
         def sharded(q, k, v, normalizer=normalizer, strategy=strategy):
           return cp_module.context_parallel_attention(
               q, k, v, mesh=mesh, strategy=strategy, is_causal=True, normalizer=normalizer,
               implementation="xla")
-        out, temp, ms = _measure(sharded, (q, k, v), args.reps)
+        out, temp, ms = measure_compiled(sharded, (q, k, v), args.reps)
         err = float(jnp.max(jnp.abs(out - ref)))
         failed |= not err <= TOLERANCE
         print(row_cells(f"cp={DEVICES} {strategy}", T, normalizer, err, temp, ms), flush=True)

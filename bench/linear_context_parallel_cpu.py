@@ -28,21 +28,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
-DEVICES = 8
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench scripts beside it
+from context_parallel_cpu import measure_compiled, setup_fake_devices  # noqa: E402
+
+DEVICES = 8  # (setup_fake_devices's default)
 B, N, K = 1, 4, 64
 TOLERANCE = 1e-4
 FAMILIES = ("simple_gla", "gated_delta_rule")
 
 
-def _setup():
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def relative_error(out, ref) -> float:
@@ -63,18 +59,6 @@ def row_cells(T: int, family: str, path: str, err: float, temp: float | None,
   return f"| {T} | {family} | {path} | {err:.1e} | {mib} | {ms:.1f} |"
 
 
-def _measure(fn, args, reps):
-  import jax
-  compiled = jax.jit(fn).lower(*args).compile()
-  memory = compiled.memory_analysis()
-  temp = None if memory is None else memory.temp_size_in_bytes / 2**20
-  out = jax.block_until_ready(compiled(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - t0)
-  return out, temp, 1e3 * statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -84,7 +68,7 @@ def main(argv=None) -> int:
   parser.add_argument("--grad", action="store_true", help="forward and gradient")
   parser.add_argument("--reps", type=int, default=3)
   args = parser.parse_args(argv)
-  _setup()
+  setup_fake_devices()
   import jax
   import jax.numpy as jnp
   from jax.sharding import NamedSharding
@@ -126,10 +110,10 @@ def main(argv=None) -> int:
           return f
         return jax.value_and_grad(lambda *a: jnp.sum(jnp.sin(f(*a))), argnums=tuple(range(n)))
 
-      ref, temp, ms = _measure(measured(call), inputs, args.reps)
+      ref, temp, ms = measure_compiled(measured(call), inputs, args.reps)
       print(row_cells(T, family, "1 device", 0.0, temp, ms), flush=True)
       placed = tuple(jax.device_put(x, NamedSharding(mesh, P(None, "context"))) for x in inputs)
-      out, temp, ms = _measure(measured(sharded_call), placed, args.reps)
+      out, temp, ms = measure_compiled(measured(sharded_call), placed, args.reps)
       err = relative_error(out, ref)
       failed |= not err <= TOLERANCE
       print(row_cells(T, family, f"cp={DEVICES}", err, temp, ms), flush=True)

@@ -33,8 +33,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # the bench scripts beside it
+from context_parallel_cpu import setup_fake_devices  # noqa: E402
 
-DEVICES = 8
+DEVICES = 8  # (setup_fake_devices's default)
 MESHES = ("data=8", "fsdp=8", "data=2,fsdp=2,context=2", "data=4,tensor=2",
           "fsdp=2,tensor=2,context=2", "data=2,context=4")
 MODEL = ("--dataset", "text", "--d_model", "64", "--num_layers", "2", "--num_heads", "4",
@@ -43,11 +45,6 @@ MODEL = ("--dataset", "text", "--d_model", "64", "--num_layers", "2", "--num_hea
 RTOL = 1e-4
 
 
-def _setup():
-  flags = os.environ.get("XLA_FLAGS", "")
-  if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={DEVICES}"
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
 def losses_agree(losses, baseline, rtol: float = RTOL) -> bool:
@@ -120,7 +117,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.warmup < 1 or args.steps < 1:
     parser.error("--warmup and --steps must be >= 1")
-  _setup()
+  setup_fake_devices()
   import jax
 
   from train import config
