@@ -14,6 +14,10 @@ in its abstract):
 
 Their hybrids with real attention (some heads or some layers real) are
 :class:`jaxsoft.nn.AttentionControl` (``real_heads``) and train/'s ``--layers``.
+
+References:
+  H. Xue, N. S. Moosavi & N. Aletras, 2025, "Deconstructing Attention: Investigating Design
+  Principles for Effective Language Modeling" (arXiv 2510.11602).
 """
 
 from __future__ import annotations
@@ -95,8 +99,8 @@ def no_mixing_attention(value: ArrayLike, *, num_heads: int | None = None) -> ja
            [4., 4.]], dtype=float32)
 
   References:
-    H. Xue, N. S. Moosavi & N. Aletras, 2025, "Deconstructing Attention: Investigating
-    Design Principles for Effective Language Modeling" (arXiv 2510.11602).
+    Xue, Moosavi & Aletras, 2025, "Deconstructing Attention" (arXiv 2510.11602):
+    the control without mixing across positions.
   """
   fn = "no_mixing_attention"
   v = _values(value, fn)
@@ -155,8 +159,8 @@ def fixed_map_attention(scores: ArrayLike, value: ArrayLike, *, mask: ArrayLike 
     Array([1.  , 1.75, 2.75, 5.25], dtype=float32)
 
   References:
-    H. Xue, N. S. Moosavi & N. Aletras, 2025, "Deconstructing Attention: Investigating
-    Design Principles for Effective Language Modeling" (arXiv 2510.11602).
+    Xue, Moosavi & Aletras, 2025, "Deconstructing Attention" (arXiv 2510.11602):
+    the control of sequence-dependent weights.
   """
   fn = "fixed_map_attention"
   v = _values(value, fn)
@@ -220,8 +224,8 @@ def embedding_qk_attention(query_embeddings: ArrayLike, key_embeddings: ArrayLik
     Array([1.    , 1.8628, 2.8573, 5.5763], dtype=float32)
 
   References:
-    H. Xue, N. S. Moosavi & N. Aletras, 2025, "Deconstructing Attention: Investigating
-    Design Principles for Effective Language Modeling" (arXiv 2510.11602).
+    Xue, Moosavi & Aletras, 2025, "Deconstructing Attention" (arXiv 2510.11602):
+    the control of queries and keys computed from the hidden states.
   """
   fn = "embedding_qk_attention"
   v = _values(value, fn)

@@ -6,6 +6,13 @@ Logits come as ``[..., C, k]``: C classes (the coarse labels, the paper's parent
 k duplicates each (the paper's layer is one flat ``[..., C*k]`` vector whose node
 ``j*C + c`` belongs to class c: ``z.reshape(..., k, C).swapaxes(-1, -2)`` gives this
 layout).
+
+References:
+  O. Kilinc & I. Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
+  Annotations in Neural Networks" (arXiv 1702.08648).
+
+  O. Kilinc & I. Uysal, 2018, "GAR: An Efficient and Scalable Graph-Based Activity
+  Regularization for Semi-Supervised Learning" (Neurocomputing).
 """
 
 from __future__ import annotations
@@ -128,11 +135,10 @@ def acol_gar(logits: ArrayLike, *, where: ArrayLike | None = None) -> tuple[jax.
     [0.     0.6374]
 
   References:
-    O. Kilinc & I. Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
-    Annotations in Neural Networks" (arXiv 1702.08648).
-
-    O. Kilinc & I. Uysal, 2018, "GAR: An Efficient and Scalable Graph-Based Activity
-    Regularization for Semi-Supervised Learning" (Neurocomputing).
+    Kilinc & Uysal, 2018, "GAR: An Efficient and Scalable Graph-Based Activity
+    Regularization for Semi-Supervised Learning" (Neurocomputing): the regulariser, as
+    ACOL (Kilinc & Uysal, 2017, "Auto-clustering Output Layer", arXiv 1702.08648) applies
+    it to the duplicated softmax nodes.
   """
   fn = "acol_gar"
   z = _nodes(logits, fn)
@@ -196,11 +202,10 @@ def acol_loss(logits: ArrayLike, labels: ArrayLike, *, affinity_weight: float = 
     >>> # = CE 0.1474 + affinity 0 (one node each) + 1 - balance 0.7526 (2 of 4 nodes used)
 
   References:
-    O. Kilinc & I. Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
-    Annotations in Neural Networks" (arXiv 1702.08648).
-
-    O. Kilinc & I. Uysal, 2018, "GAR: An Efficient and Scalable Graph-Based Activity
-    Regularization for Semi-Supervised Learning" (Neurocomputing).
+    Kilinc & Uysal, 2017, "Auto-clustering Output Layer: Automatic Learning of Latent
+    Annotations in Neural Networks" (arXiv 1702.08648): the training objective, with the
+    GAR terms of Kilinc & Uysal, 2018, "GAR: An Efficient and Scalable Graph-Based
+    Activity Regularization for Semi-Supervised Learning".
   """
   fn = "acol_loss"
   weights = [lc.nonnegative_float(w, name, fn) for w, name in (

@@ -1,6 +1,14 @@
 """L06 the open-set latent-space constraints under the normalised softmax loss: a pull of
 each embedding towards its class centre on the hypersphere and a separation penalty on the
-class centres, added to the normalised (cosine) softmax cross-entropy."""
+class centres, added to the normalised (cosine) softmax cross-entropy.
+
+References:
+  R. S. Pereira, A. Joly, P. Valduriez & F. Porto, 2021, "Hyperspherical embedding for novel
+  class classification" (arXiv:2102.03243).
+
+  A. Zhai & H.-Y. Wu, 2019, "Classification is a Strong Baseline for Deep Metric Learning"
+  (BMVC).
+"""
 
 from __future__ import annotations
 
@@ -47,10 +55,8 @@ def class_separation_penalty(class_weights: ArrayLike, *, max_cosine: float = 0.
     0.3333
 
   References:
-    R. S. Pereira, A. Joly, P. Valduriez & F. Porto, 2021, "Hyperspherical embedding for
-    novel class classification" (arXiv:2102.03243).
-    A. Zhai & H.-Y. Wu, 2019, "Classification is a Strong Baseline for Deep Metric Learning"
-    (BMVC).
+    Pereira, Joly, Valduriez & Porto, 2021, "Hyperspherical embedding for novel class
+    classification" (arXiv:2102.03243): the latent-space constraints this reconstructs.
   """
   fn = "class_separation_penalty"
   mu = _max_cosine(max_cosine, fn)
@@ -110,10 +116,11 @@ def constrained_normalized_softmax_loss(
     [ 0.6202 11.0877]
 
   References:
-    R. S. Pereira, A. Joly, P. Valduriez & F. Porto, 2021, "Hyperspherical embedding for
-    novel class classification" (arXiv:2102.03243).
-    A. Zhai & H.-Y. Wu, 2019, "Classification is a Strong Baseline for Deep Metric Learning"
-    (BMVC).
+    Pereira, Joly, Valduriez & Porto, 2021, "Hyperspherical embedding for novel class
+    classification" (arXiv:2102.03243): the open-set use and its constraints.
+
+    Zhai & Wu, 2019, "Classification is a Strong Baseline for Deep Metric Learning" (BMVC):
+    the normalised softmax loss and its temperature.
   """
   fn = "constrained_normalized_softmax_loss"
   temperature = check_positive(temperature, "temperature", fn)

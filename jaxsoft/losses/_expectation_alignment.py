@@ -3,6 +3,10 @@
 The soft multiple-instance-learning expectation of token-region similarities and a
 free-energy consistency loss against a geometry prior (beside
 :func:`~jaxsoft.losses.top_k_multi_positive_loss`, ExpAlign's Top-K multi-positive term).
+
+References:
+  J. Hu, T. Bai, F. Wu, W. Li, Z. Peng & Y. Zhang, 2026, "ExpAlign: Expectation-Guided
+  Vision-Language Alignment for Open-Vocabulary Grounding" (arXiv 2601.22666).
 """
 
 from __future__ import annotations
@@ -65,8 +69,8 @@ def expectation_alignment(similarity: ArrayLike, *, temperature: ArrayLike = 1.0
     [3.6456]
 
   References:
-    J. Hu, T. Bai, F. Wu, W. Li, Z. Peng & Y. Zhang, 2026, "ExpAlign: Expectation-Guided
-    Vision-Language Alignment for Open-Vocabulary Grounding" (arXiv 2601.22666).
+    Hu et al., 2026, "ExpAlign: Expectation-Guided Vision-Language Alignment for
+    Open-Vocabulary Grounding" (arXiv 2601.22666): the Expectation Alignment Head.
   """
   fn = "expectation_alignment"
   tau = check_positive(temperature, "temperature", fn)
@@ -122,8 +126,9 @@ def geometry_consistency_loss(scores: ArrayLike, geometry: ArrayLike, *,
     [0.5698]
 
   References:
-    J. Hu, T. Bai, F. Wu, W. Li, Z. Peng & Y. Zhang, 2026, "ExpAlign: Expectation-Guided
-    Vision-Language Alignment for Open-Vocabulary Grounding" (arXiv 2601.22666).
+    Hu et al., 2026, "ExpAlign: Expectation-Guided Vision-Language Alignment for
+    Open-Vocabulary Grounding" (arXiv 2601.22666): its Geometry-Aware Consistency Objective,
+    in the reading above.
   """
   fn = "geometry_consistency_loss"
   tau = check_positive(temperature, "temperature", fn)

@@ -1,5 +1,11 @@
 """N10 SDM estimator: the Similarity q and Distance quantile d of the SDM activation
-estimated from training and calibration data (dense matching and class-wise empirical CDFs)."""
+estimated from training and calibration data (dense matching and class-wise empirical CDFs).
+
+References:
+  A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
+  activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
+  Verification").
+"""
 
 from __future__ import annotations
 
@@ -87,9 +93,8 @@ def sdm_nearest_distance(test_embeddings: ArrayLike, train_embeddings: ArrayLike
     Array([1., 1.], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
-    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
-    Verification").
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations": the nearest-exemplar
+    distance of the SDM estimator.
   """
   fn = "sdm_nearest_distance"
   x, t = _pair(test_embeddings, train_embeddings, fn)
@@ -140,9 +145,8 @@ def sdm_similarity(test_embeddings: ArrayLike, test_predictions: ArrayLike,
     Array([2., 1.], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
-    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
-    Verification").
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations": the Similarity q of
+    the SDM estimator.
   """
   fn = "sdm_similarity"
   x, t = _pair(test_embeddings, train_embeddings, fn)
@@ -202,9 +206,8 @@ def sdm_distance_quantile(distances: ArrayLike, calibration_distances: ArrayLike
     Array([1. , 0.5, 0. ], dtype=float32)
 
   References:
-    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations" (the SDM estimator; the
-    activation is also the base of A. Schmaltz, 2025, "Similarity-Distance-Magnitude Universal
-    Verification").
+    A. Schmaltz, 2025, "Similarity-Distance-Magnitude Activations": the class-wise
+    Distance quantile of the SDM estimator.
   """
   fn = "sdm_distance_quantile"
   t = jnp.asarray(distances)

@@ -5,6 +5,9 @@ distractors: :func:`adaptive_attention_pool` (one query, any normalizer), the qu
 approximates (:func:`signal_optimal_pool`, the signal centroid), the loss it is judged by
 (:func:`signal_loss`), the error bound of softmax pooling (:func:`adaptive_pool_error_bound`)
 and the oracle query for two-cluster data (:func:`snr_oracle_query`).
+
+References:
+  G. Brothers, 2025, "Robust Noise Attenuation via Adaptive Pooling of Transformer Outputs".
 """
 
 from __future__ import annotations
@@ -176,7 +179,7 @@ def signal_optimal_pool(x: ArrayLike, signal: ArrayLike, axis: int = -2,
 
   References:
     G. Brothers, 2025, "Robust Noise Attenuation via Adaptive Pooling of Transformer
-    Outputs".
+    Outputs": the quantiser adaptive pooling approximates.
   """
   name = "signal_optimal_pool"
   u.check_bool(keepdims, "keepdims", name)
@@ -217,7 +220,7 @@ def signal_loss(z: ArrayLike, x: ArrayLike, signal: ArrayLike, axis: int = -2,
 
   References:
     G. Brothers, 2025, "Robust Noise Attenuation via Adaptive Pooling of Transformer
-    Outputs".
+    Outputs": the loss pooling is judged by.
   """
   name = "signal_loss"
   _, xs, _, sig, _ = _signal_masks(x, signal, axis, where, name)
@@ -276,7 +279,7 @@ def adaptive_pool_error_bound(scores: ArrayLike, x: ArrayLike, signal: ArrayLike
 
   References:
     G. Brothers, 2025, "Robust Noise Attenuation via Adaptive Pooling of Transformer
-    Outputs".
+    Outputs": the paper's bound, in the form reconstructed here.
   """
   name = "adaptive_pool_error_bound"
   x, xs, mask, sig, ax = _signal_masks(x, signal, axis, where, name)
@@ -329,7 +332,7 @@ def snr_oracle_query(mu_signal: ArrayLike, mu_noise: ArrayLike, *,
 
   References:
     G. Brothers, 2025, "Robust Noise Attenuation via Adaptive Pooling of Transformer
-    Outputs".
+    Outputs": the oracle query of its two-cluster analysis.
   """
   name = "snr_oracle_query"
   u.check_range(beta, "beta", name, low=0.0, low_open=True)
