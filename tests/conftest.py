@@ -27,6 +27,11 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # in the last bit (no FMA contraction). JAX_DISABLE_MOST_OPTIMIZATIONS=0 tests optimised code.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
+# XLA's older CPU code generator where the installed XLA has it (tests/compile_settings.py).
+from tests import compile_settings  # noqa: E402
+
+compile_settings.apply()
+
 # One compilation cache for this run's processes (the xdist workers and the subprocesses tests
 # start inherit it): a program compiled by two tests, two workers or a child process is
 # compiled once. Fresh per pytest run and removed at its end, so every run starts cold; an

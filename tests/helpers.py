@@ -378,11 +378,17 @@ def registry_sample(names):
 _REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
+def fake_device_flags(devices: int) -> str:
+  """``XLA_FLAGS`` for a child process on ``devices`` fake CPU devices, keeping this
+  process's flags (the test run's compile settings, tests/conftest.py)."""
+  return f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+
+
 def run_on_cpu_devices(script: str, devices: int, *, env=None, timeout: int = 900):
   """Runs ``script`` in a fresh Python on ``devices`` fake CPU devices (the count is fixed
   at start-up, hence the process), the repository on its path and ``env`` added to the
   environment; asserts it exits 0 and returns the ``CompletedProcess``."""
-  full = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+  full = dict(os.environ, XLA_FLAGS=fake_device_flags(devices),
               JAX_PLATFORMS="cpu", **(env or {}))
   full["PYTHONPATH"] = str(_REPO) + os.pathsep + full.get("PYTHONPATH", "")
   proc = subprocess.run([sys.executable, "-c", script], cwd=_REPO, env=full,

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tests import helpers
+
 _SCRIPT = r"""
 import sys
 import jax, jax.numpy as jnp, numpy as np
@@ -62,7 +64,7 @@ for normalizer in sys.argv[1].split(","):
 
 
 def _run(normalizers, implementation="xla_chunked"):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(2),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

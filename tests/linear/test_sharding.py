@@ -18,6 +18,8 @@ import textwrap
 
 import pytest
 
+from tests import helpers
+
 _SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
@@ -88,7 +90,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run(cases: str) -> str:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(2),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jaxsoft as js
+from tests import helpers
 from tests.helpers import check_raises, normal
 
 L = js.losses
@@ -111,7 +112,7 @@ SCRIPT = textwrap.dedent("""
 
 def test_class_sharded_on_8_devices():
   env = dict(os.environ)
-  env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+  env["XLA_FLAGS"] = helpers.fake_device_flags(8)
   env["JAX_PLATFORMS"] = "cpu"
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")

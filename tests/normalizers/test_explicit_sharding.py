@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 
+from tests import helpers
+
 _SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -50,7 +52,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def test_explicit_sharding_over_the_class_axis_gives_the_unsharded_results():
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(8),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run([sys.executable, "-c", _SCRIPT], capture_output=True, text=True,

@@ -294,7 +294,7 @@ def test_adaptive_temperature_batch_sharded_equals_unsharded():
   """Under an Explicit mesh and inside shard_map (its default checks), the batch sharded
   over 2 CPU devices: the values and the VJP equal the unsharded ones (the polynomial's
   loop carry was built without the input's sharding: "carry types differ")."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(2),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], capture_output=True,

@@ -75,7 +75,7 @@ _SCRIPT = _CASES + textwrap.dedent("""
 
 @pytest.mark.parametrize("matrix", [pytest.param("sample"), pytest.param("full", marks=pytest.mark.slow)])
 def test_threshold_normalizers_on_an_explicit_mesh_and_in_shard_map_equal_unsharded(matrix):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(2),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   proc = subprocess.run([sys.executable, "-c", _SCRIPT, matrix], capture_output=True, text=True,

@@ -88,7 +88,7 @@ _run = helpers.train_records
 
 def test_eight_devices_match_one_device(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8", PYTHONPATH=str(helpers.ROOT))
+             XLA_FLAGS=helpers.fake_device_flags(8), PYTHONPATH=str(helpers.ROOT))
   proc = subprocess.run([sys.executable, "-c", SCRIPT, " ".join(TINY), str(tmp_path)],
                         cwd=helpers.ROOT, env=env, capture_output=True, text=True, timeout=600)
   out = proc.stdout + proc.stderr

@@ -39,7 +39,7 @@ def _free_port() -> int:
 
 def _env(devices: int) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+             XLA_FLAGS=helpers.fake_device_flags(devices))
   env["PYTHONPATH"] = str(helpers.ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   for name in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(name, None)
