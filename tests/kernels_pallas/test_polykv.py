@@ -266,6 +266,31 @@ def test_kernel_matches_reference_and_exact_attention_within_the_bound(backend, 
   assert np.max(err[1:]) > 1e-3  # the quantisation shows: not the exact result
 
 
+def test_bf16_queries_and_cache_inputs_compute_in_float32():
+  """bf16 q, k, v (the serving dtype): the cache is quantised from the bf16 values, the
+  kernel computes in float32 and returns q's dtype, so the output is float64 attention on
+  the bf16 query and the dequantised cache, rounded once to bf16 (bf16's unit roundoff
+  2^-8 relative), plus the float32 kernel's own 1e-5."""
+  q, k, v = (x.astype(jnp.bfloat16) for x in _case(b=2, s=20, kh=1, n=2, h=32, hv=16, seed=3))
+  lengths = jnp.array([20, 9], jnp.int32)
+
+  @jax.jit
+  def run(q, k, v, n):
+    cache = polykv.polykv_quantize(k, v)
+    return cache, polykv.polykv_decode_attention(q, cache, n, block_k=16, interpret=True)
+
+  cache, out = run(q, k, v, lengths)
+  assert out.dtype == jnp.bfloat16 and cache.k_codes.dtype == jnp.int8
+  k_hat, v_hat = _dequant_np(cache)
+  want = _attention_np(np.asarray(q, np.float64), k_hat, v_hat, lengths)
+  got = np.asarray(out, np.float64)
+  np.testing.assert_allclose(got, want, rtol=2.0 ** -8, atol=1e-5)
+  # and the cache holds the bf16 inputs' q8_0 codes exactly (GGML's, in float64)
+  codes, scales = _q8_0_np(np.asarray(k, np.float32))
+  np.testing.assert_array_equal(np.asarray(cache.k_codes), codes)
+  np.testing.assert_array_equal(np.asarray(cache.k_scales, np.float64), scales)
+
+
 @pytest.mark.parametrize("backend,h,hv", [("triton", 128, 128), ("mosaic_tpu", 128, 128),
                                           pytest.param("mosaic_tpu", 64, 80,
                                                        marks=pytest.mark.slow),

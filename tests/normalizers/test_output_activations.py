@@ -139,6 +139,37 @@ def test_tile_rule_and_low_precision(name):
                              rtol=0, atol=4e-3)
 
 
+def test_float64_stays_float64_values_and_gradients():
+  """Under x64, float64 rows are computed in float64: the values against the float64
+  reference and the staircase's derivative u' (1 - theta cos(2 pi a u)) to 1e-14 (float64
+  sin / cos of arguments up to 6 pi, a few ulps each; float32 arithmetic would miss both by
+  ~1e-7)."""
+  x, where = _x()
+  x = np.where(np.isfinite(x), x, 0.5).astype(np.float64)
+  x[0, 2] = 0.1  # off the step's jump
+  with jax.enable_x64(True):
+    x64 = jnp.asarray(x)
+
+    @jax.jit
+    def f(x):
+      outs = [N.get(n).fn(x, where=where, **hp) for n, hp in (
+          ("sinusoid", {"levels": 3, "theta": 0.5}), ("step", {"threshold": 0.5}),
+          ("step_straight_through", {}))]
+      g = jax.grad(lambda v: jnp.sum(N.sinusoid(v, where=where, levels=3, theta=0.5)))(x)
+      return outs, g
+
+    (stair, hard, st), g = f(x64)
+    assert {a.dtype for a in (stair, hard, st, g)} == {jnp.dtype(jnp.float64)}
+  np.testing.assert_allclose(stair, ref64.normalizer("sinusoid", x, where, levels=3, theta=0.5),
+                             rtol=0, atol=1e-14)
+  np.testing.assert_array_equal(hard, ref64.normalizer("step", x, where, threshold=0.5))
+  np.testing.assert_array_equal(st, ref64.normalizer("step_straight_through", x, where))
+  u = 0.5 * (1 + np.sin(np.clip(x, -np.pi / 2, np.pi / 2)))
+  du = np.where(np.abs(x) < np.pi / 2, 0.5 * np.cos(x), 0.0)
+  np.testing.assert_allclose(g, np.where(where, du * (1 - 0.5 * np.cos(6 * np.pi * u)), 0.0),
+                             rtol=0, atol=1e-14)
+
+
 def test_registration_and_bad_inputs():
   for name in NAMES:
     spec = N.get(name)

@@ -128,6 +128,26 @@ def test_gradient_is_softmax_and_dtypes():
   np.testing.assert_allclose(np.asarray(wb, np.float64), want, atol=2.0 ** -9 + 4 * 2.0 ** -10)
 
 
+def test_float64_input_computes_in_float64():
+  """Under x64 a float64 row runs the recurrence in float64 (the module docstring): every
+  value of ap_fixed<32, 10> is exact there, so the result is the float64 numpy recurrence
+  itself, up to an exponential's last bit putting one truncation on the other side of a
+  grid point (that moves a weight by at most 2 grid steps: its own and 1/s's); and the
+  floating-point recurrence is softmax to float64 rounding, which float32 arithmetic (~1e-7)
+  would miss by six orders of magnitude."""
+  with jax.enable_x64(True):
+    x = jnp.asarray(X, jnp.float64)
+    w, w_float = jax.jit(lambda x: (js.normalizers.single_pass_softmax(x, where=MASK),
+                                    js.normalizers.single_pass_softmax(x, where=MASK,
+                                                                       fixed_point=None)))(x)
+    assert w.dtype == w_float.dtype == jnp.float64
+  np.testing.assert_allclose(np.asarray(w), _reference(X, (32, 10), MASK), atol=2 * 2.0 ** -22,
+                             rtol=0)
+  # 40 entries, weights <= 1: a few dozen roundings of 2^-53
+  np.testing.assert_allclose(np.asarray(w_float), _softmax64(X, MASK), atol=1e-14, rtol=0)
+  assert not np.any(np.asarray(w)[0, 0])  # the fully masked row
+
+
 def test_rules_and_errors():
   w = js.normalizers.single_pass_softmax(jnp.array([[1.0, jnp.inf, 2.0], [1.0, jnp.nan, 0.0]]))
   np.testing.assert_array_equal(np.asarray(w[0]), [0.0, 1.0, 0.0])  # +inf takes the row
