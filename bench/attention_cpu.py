@@ -39,7 +39,8 @@ first checked against jaxsoft's dense ``implementation="xla"`` (output and gradi
 T = min(T, 1024) in its own process and is not timed if that check fails. A row named
 ``name:distance`` uses ``score="distance"`` (A18, inverse-distance attention: the logit is
 ``|q_i - k_j|``), e.g. ``idw_softmax:distance``: the cost of the distance scores next to
-the dot product's.
+the dot product's; ``softmax:neg_sq_distance`` likewise runs A50, norm-aware distance
+attention (logits ``-(s/2)||q_i - k_j||^2``, the norm terms on the decay hook's operands).
 
   python bench/attention_cpu.py                 # T in 1k..16k, markdown table on stdout
   python bench/attention_cpu.py --quick         # a tiny run (used by the tests)
@@ -47,6 +48,8 @@ the dot product's.
   python bench/attention_cpu.py --threshold-only --reps 3           # class-T rows only
   python bench/attention_cpu.py --threshold-only --threshold-normalizers \
       idw_softmax:distance,softmax:distance                          # A18 rows
+  python bench/attention_cpu.py --threshold-only --threshold-normalizers \
+      softmax:neg_sq_distance                                        # the A50 row
 """
 
 from __future__ import annotations

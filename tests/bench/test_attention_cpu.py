@@ -65,15 +65,16 @@ def test_a_sparse_row_whose_error_check_fails_is_not_timed(monkeypatch):
 
 
 @pytest.mark.slow
-def test_distance_rows_run_and_are_checked():
-  """A row ``name:distance`` (A18) runs with score="distance", is checked against the dense
-  path and timed next to dot-product softmax."""
+@pytest.mark.parametrize("row", ["idw_softmax:distance", "softmax:neg_sq_distance"])
+def test_distance_rows_run_and_are_checked(row):
+  """A row ``name:distance`` (A18) or ``name:neg_sq_distance`` (A50) runs with that score,
+  is checked against the dense path and timed next to dot-product softmax."""
   proc = subprocess.run(
       [sys.executable, str(ROOT / "bench" / "attention_cpu.py"), "--quick", "--threshold-only",
-       "--threshold-normalizers", "idw_softmax:distance"],
+       "--threshold-normalizers", row],
       capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-2000:]
-  row = next(r for r in proc.stdout.splitlines() if "| idw_softmax:distance |" in r)
+  row = next(r for r in proc.stdout.splitlines() if f"| {row} |" in r)
   cells = [c.strip() for c in row.strip("|").split("|")]
   assert float(cells[2]) > 0 and cells[3].endswith("x") and float(cells[4]) < 1e-3, cells
 
