@@ -249,7 +249,7 @@ class MaskStructure:
 
     q_ids = ids(self.q_segment_ids, self.q_lengths, self.T, t_pad, Q_PAD_SEGMENT)
     kv_ids = ids(self.kv_segment_ids, self.kv_lengths, self.S, s_pad, K_PAD_SEGMENT)
-    b = max(q_ids.shape[0], kv_ids.shape[0])
+    b, = jnp.broadcast_shapes(q_ids.shape[:1], kv_ids.shape[:1])  # a symbolic batch too
     return jnp.broadcast_to(q_ids, (b, t_pad)), jnp.broadcast_to(kv_ids, (b, s_pad))
 
   # ---------------------------------------------------------------- tiles / dense mask
@@ -389,7 +389,8 @@ class MaskStructure:
           f"`num_q_blocks`={nq} x `block_q`={block_q} and `num_k_blocks`={nk} x "
           f"`block_k`={block_k} must cover T={self.T} and S={self.S}")
     lo, hi, count = self.row_ranges() if ranges is None else ranges
-    b = max(lo.shape[0], hi.shape[0], count.shape[0])
+    # jnp's broadcast, not max(): a symbolic batch (jax.export) against 1 has no maximum
+    b, = jnp.broadcast_shapes(lo.shape[:1], hi.shape[:1], count.shape[:1])
     lo, hi, count = (jnp.broadcast_to(a, (b, self.T)) for a in (lo, hi, count))
     # Per row +1 at its first key block, -1 past its last; a running sum over the key
     # blocks of each query block counts the rows reaching each tile.
