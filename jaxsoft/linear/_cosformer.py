@@ -49,8 +49,22 @@ def _check_max_len(max_len: Any, longest: int | None, fn_name: str) -> float:
   return M
 
 
+def _check_start(start_position: Any, max_len: Any, fn_name: str) -> Any:
+  """A Python int ``>= 0``, or a traced integer scalar (a shard's offset under
+  :func:`jaxsoft.linear.context_parallel`), which needs an explicit ``max_len``."""
+  if isinstance(start_position, jax.Array) and concrete(start_position) is None:
+    if start_position.shape != () or not jnp.issubdtype(start_position.dtype, jnp.integer):
+      raise ValueError(f"{fn_name}: `start_position` must be an int >= 0 or a traced integer "
+                       f"scalar, got {start_position.shape} {start_position.dtype}")
+    if max_len is None:
+      raise ValueError(f"{fn_name}: a traced `start_position` needs `max_len` (the largest "
+                       "query-key distance is not known when tracing)")
+    return start_position
+  return _checks.check_int(start_position, "start_position", fn_name)
+
+
 def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None = None,
-              start_position: int = 0, scale: float | None = None, normalize: bool = True,
+              start_position: Any = 0, scale: float | None = None, normalize: bool = True,
               initial_state: Any = None, output_final_state: bool = False,
               segment_ids: ArrayLike | None = None, implementation: str | None = None,
               chunk_size: int = 64, eps: float = 1e-6) -> Any:
@@ -72,7 +86,9 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
     v: ``[B, T, N, V]``.
     max_len: ``M``, at least ``start_position + T - 1``; default ``start_position + T`` (the
       paper's choice, the sequence length). Fix it when decoding.
-    start_position: the position of the first token (when continuing from ``initial_state``).
+    start_position: the position of the first token (when continuing from ``initial_state``):
+      an int, or a traced integer scalar with ``max_len`` given (a shard's offset under
+      :func:`jaxsoft.linear.context_parallel`, which passes it).
     scale: multiplies ``φ(q)``; default ``(2K) ** -0.5`` (it cancels when normalising).
     normalize: divide by the sum of the weights (True), or return the numerator.
     initial_state: ``S [B, N, 2K, V]``, or with ``normalize=True`` the pair ``(S, z [B, N, 2K])``;
@@ -107,8 +123,9 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   T = q.shape[1]
-  start = _checks.check_int(start_position, "start_position", fn_name)
-  M = _check_max_len(start + T if max_len is None else max_len, start + T - 1, fn_name)
+  start = _check_start(start_position, max_len, fn_name)
+  M = _check_max_len(start + T if max_len is None else max_len,
+                     start + T - 1 if isinstance(start, int) else None, fn_name)
   pos = (start + jnp.arange(T))[None, :, None]                      # [1, T, 1]
   cdt = _checks.compute_dtype_of(q, k, v)
   fq, fk = _position_features(q, pos, M, cdt), _position_features(k, pos, M, cdt)

@@ -37,6 +37,9 @@ from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete, positive_int
 from jaxsoft.linear import _checks, _features, _linear_attention, chunk
+from jaxsoft.linear.context_parallel import active as _cp_active
+from jaxsoft.linear.context_parallel import block_summaries as _cp_block_summaries
+from jaxsoft.linear.context_parallel import shard_count as _cp_shard_count
 
 __all__ = ["mhla", "mhla_step"]
 
@@ -53,20 +56,24 @@ def _parallel(fq, fk, v, C, block, causal, eps):
   return _linear_attention.safe_divide(num, den, eps)
 
 
-def _chunked(fq, fk, v, C, block, causal, eps):
+def _chunked(fq, fk, v, C, block, causal, eps, plan=None):
   B, T, N, _ = fq.shape
   pad = (-T) % block
   fq, fk, v = (chunk.pad_time(x, 1, pad) for x in (fq, fk, v))       # padded keys are 0
   vv = jnp.concatenate([v, jnp.ones_like(v[..., :1])], axis=-1)        # the ones: denominators
-  qc, kc, vc = (chunk.to_chunks(x, 1, block) for x in (fq, fk, vv))   # [B, M, b, N, ...]
+  qc, kc, vc = (chunk.to_chunks(x, 1, block) for x in (fq, fk, vv))   # [B, m, b, N, ...]
   S = jnp.einsum("bmcnk,bmcnv->bmnkv", kc, vc)                         # block summaries
+  m, first = S.shape[1], jnp.zeros((), jnp.int32)   # this shard's first block: 0 alone
+  if plan is not None:   # under context_parallel: every shard's summaries, this shard's rows
+    S, first = _cp_block_summaries(S, plan, "mhla")
+    C = jax.lax.dynamic_slice_in_dim(C, first, m, axis=1)             # [N, m, M]
   if causal:
-    M = C.shape[-1]
-    C_inter = jnp.where(jnp.tril(jnp.ones((M, M), bool), -1), C, 0.0)
+    row = first + jnp.arange(m)                                        # global block indices
+    C_inter = jnp.where(row[:, None] > jnp.arange(C.shape[-1])[None], C, 0.0)
     intra = jnp.einsum("bmink,bmjnk->bmnij", qc, kc)
     intra = jnp.where(jnp.tril(jnp.ones((block, block), bool)), intra, 0.0)
-    intra = intra * jnp.moveaxis(jnp.diagonal(C, axis1=-2, axis2=-1), 0, 1)[None, :, :, None,
-                                                                           None]
+    own = jnp.take_along_axis(C, row[None, :, None], axis=-1)[..., 0]   # c_{ii}: [N, m]
+    intra = intra * jnp.moveaxis(own, 0, 1)[None, :, :, None, None]
     out = (jnp.einsum("bmcnk,nmi,binkv->bmcnv", qc, C_inter, S)
            + jnp.einsum("bmnij,bmjnv->bminv", intra, vc))
   else:
@@ -91,7 +98,9 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
 
   Args:
     q, k: ``[B, T, N, K]`` (before the feature map); v: ``[B, T, N, V]``.
-    mixing: ``C``, ``[M, M]`` (shared by the heads) or ``[N, M, M]``, ``M = ⌈T / b⌉``.
+    mixing: ``C``, ``[M, M]`` (shared by the heads) or ``[N, M, M]``, ``M = ⌈T / b⌉`` (the
+      whole sequence's ``T`` under :func:`jaxsoft.linear.context_parallel`, which runs the
+      chunked form from the all-gathered block summaries).
     block_size: ``b``, a positive int.
     feature_map: as in :func:`jaxsoft.linear.linear_attention`.
     causal: causal (the reconstruction above) or bidirectional (the paper's vision model).
@@ -130,7 +139,12 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
   fq, fk, v, dtype = _features.apply(phi, q, k, v, fn_name)
   B, T, N, _ = fq.shape
   block = positive_int(block_size, "block_size", fn_name)
-  M = math.ceil(T / block)
+  plan = _cp_active()
+  if plan is not None and T % block:
+    raise ValueError(f"{fn_name}: under context_parallel each shard's length must be a multiple "
+                     f"of `block_size` = {block} (a block may not straddle two shards), got "
+                     f"T_shard = {T}")
+  M = math.ceil(T * (1 if plan is None else _cp_shard_count(plan, fn_name)) / block)
   C = jnp.asarray(mixing)
   if C.shape not in ((M, M), (N, M, M)):
     raise ValueError(f"{fn_name}: `mixing` must have shape [M, M] or [N, M, M] with "
@@ -140,9 +154,11 @@ def mhla(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, *, block_s
                        (N, M, M))
   implementation = _checks.check_forms(implementation, ("parallel", "chunked"), "chunked",
                                        fn_name)
+  args = (fq.astype(cdt), fk.astype(cdt), v.astype(cdt), C, block, causal, eps)
+  if plan is not None:   # the block summaries of every shard (the parallel form needs all keys)
+    return _chunked(*args, plan=plan).astype(dtype)
   form = _parallel if implementation == "parallel" else _chunked
-  return form(fq.astype(cdt), fk.astype(cdt), v.astype(cdt), C, block, causal,
-              eps).astype(dtype)
+  return form(*args).astype(dtype)
 
 
 def mhla_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, mixing: ArrayLike, state: Any = None, *,

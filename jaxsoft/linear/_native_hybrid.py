@@ -35,6 +35,8 @@ from jax.typing import ArrayLike
 
 from jaxsoft._validation import positive_int
 from jaxsoft.linear import _checks, chunk
+from jaxsoft.linear.context_parallel import active as _cp_active
+from jaxsoft.linear.context_parallel import hybrid_states as _cp_hybrid_states
 
 __all__ = ["native_hybrid_attention", "native_hybrid_attention_step"]
 
@@ -77,22 +79,31 @@ def _joint_softmax(slot_logits, win_logits):
   return ps, pw, den
 
 
-def _parallel(q, k, v, a, run, K0, V0, w):
+def _with_halo(k, v, run, halo):
+  """``k, v, run`` with ``halo = (k_h, v_h, run_h)`` (the previous shard's last ``w - 1``
+  tokens under context parallelism, run id -1 where not visible) in front, or unchanged."""
+  if halo is None:
+    return k, v, run
+  return tuple(jnp.concatenate([h, x], axis=1) for h, x in zip(halo, (k, v, run), strict=True))
+
+
+def _parallel(q, k, v, a, run, K0, V0, w, halo=None):
   B, T, N, _ = q.shape
   keep = _keep(run)
   Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
   slot_logits = jnp.einsum("btnk,btnmk->btnm", q, Ks)
-  t = jnp.arange(T)
-  band = (t[:, None] >= t[None, :]) & (t[:, None] - t[None, :] < w)
-  mask = band[None] & (run[:, :, None] == run[:, None, :])             # [B, T, T]
-  win_logits = jnp.where(mask[:, None], jnp.einsum("btnk,bsnk->bnts", q, k), -jnp.inf)
+  kx, vx, rx = _with_halo(k, v, run, halo)
+  t, s = jnp.arange(T), jnp.arange(T - kx.shape[1], T)                 # halo positions < 0
+  band = (t[:, None] >= s[None, :]) & (t[:, None] - s[None, :] < w)
+  mask = band[None] & (run[:, :, None] == rx[:, None, :])              # [B, T, S]
+  win_logits = jnp.where(mask[:, None], jnp.einsum("btnk,bsnk->bnts", q, kx), -jnp.inf)
   win_logits = jnp.moveaxis(win_logits, 1, 2)                          # [B, T, N, S]
   ps, pw, den = _joint_softmax(slot_logits, win_logits)
-  o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + jnp.einsum("btns,bsnv->btnv", pw, v)
+  o = jnp.einsum("btnm,btnmv->btnv", ps, Vs) + jnp.einsum("btns,bsnv->btnv", pw, vx)
   return o / den, (Ks[:, -1], Vs[:, -1])
 
 
-def _chunked(q, k, v, a, run, K0, V0, w, C):
+def _chunked(q, k, v, a, run, K0, V0, w, C, halo=None):
   B, T, N, K = q.shape
   keep = _keep(run)
   Ks, Vs = _slots_all(a, k, v, keep, K0, V0)
@@ -102,12 +113,16 @@ def _chunked(q, k, v, a, run, K0, V0, w, C):
   rp = chunk.pad_time(run, 1, pad, mode="edge")
   n = (T + pad) // C
   qc = chunk.to_chunks(qp, 1, C)                                      # [B, n, C, N, K]
-  prev = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
   kc, vc, rc = (chunk.to_chunks(x, 1, C) for x in (kp, vp, rp))
-  k2 = jnp.concatenate([prev(kc), kc], axis=2)                         # [B, n, 2C, N, K]
-  v2 = jnp.concatenate([prev(vc), vc], axis=2)
-  # the previous block's run ids; block 0 has none (-1 never matches a run id)
-  r_prev = jnp.concatenate([jnp.full_like(rc[:, :1], -1), rc[:, :-1]], axis=1)
+  # block 0's predecessor: nothing (run id -1 never matches), or the context-parallel halo
+  first: tuple[jax.Array, ...] = (jnp.zeros_like(kc[:, :1]), jnp.zeros_like(vc[:, :1]),
+                                  jnp.full_like(rc[:, :1], -1))
+  if halo is not None:
+    first = tuple(f.at[:, 0, C - h.shape[1]:].set(h) for f, h in zip(first, halo, strict=True))
+  prev = lambda x, f: jnp.concatenate([f, x[:, :-1]], axis=1)
+  k2 = jnp.concatenate([prev(kc, first[0]), kc], axis=2)               # [B, n, 2C, N, K]
+  v2 = jnp.concatenate([prev(vc, first[1]), vc], axis=2)
+  r_prev = prev(rc, first[2])                                         # the previous block's
   r2 = jnp.concatenate([r_prev, rc], axis=2)                          # [B, n, 2C]
   pos_q = jnp.arange(n)[:, None] * C + jnp.arange(C)[None]             # [n, C]
   pos_k = jnp.arange(n)[:, None] * C + jnp.arange(-C, C)[None]         # [n, 2C]
@@ -151,10 +166,14 @@ def _empty_window(k, v, w):
   return ring(k), ring(v), jnp.zeros_like(k[:, :1, 0, 0], dtype=bool).repeat(w, axis=1)
 
 
-def _recurrent(q, k, v, a, run, K0, V0, w):
+def _recurrent(q, k, v, a, run, K0, V0, w, halo=None):
   keep = _keep(run)
   tf = lambda x: jnp.moveaxis(x, 1, 0)
-  carry = (K0, V0, *_empty_window(k, v, w))
+  window = _empty_window(k, v, w)
+  if halo is not None:   # the ring holds the halo's tokens at their slots (t - w + 1 .. -1) % w
+    at = (jnp.arange(halo[0].shape[1]) - halo[0].shape[1]) % w
+    window = tuple(r.at[:, at].set(h) for r, h in zip(window, (*halo[:2], halo[2] >= 0), strict=True))
+  carry = (K0, V0, *window)
   # every part of the carry varies over the shard_map axes the inputs do (check_vma)
   carry = tuple(chunk.vary_like(c, q, k, v, a, run) for c in carry)
   carry = carry + (jnp.zeros((), jnp.int32),)
@@ -251,12 +270,17 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   qs, kf, vf = q.astype(cdt) * scale, k.astype(cdt), v.astype(cdt)
   run = chunk.run_ids(seg, B, T, like=q)
+  halo = final = None
+  plan = _cp_active()
+  if plan is not None:   # under context_parallel: the incoming slots, the previous window
+    (K0, V0), halo, final = _cp_hybrid_states(kf, vf, a, seg, run, K0, V0, window, plan, fn_name)
   if impl == "recurrent":
-    o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window)
+    o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window, halo)
   elif impl == "chunked":
-    o, state = _chunked(qs, kf, vf, a, run, K0, V0, window, max(chunk_size, window))
+    o, state = _chunked(qs, kf, vf, a, run, K0, V0, window, max(chunk_size, window), halo)
   else:
-    o, state = _parallel(qs, kf, vf, a, run, K0, V0, window)
+    o, state = _parallel(qs, kf, vf, a, run, K0, V0, window, halo)
+  state = state if final is None else final
   o = o.astype(dtype)
   return (o, state) if output_final_state else o
 

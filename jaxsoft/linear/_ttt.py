@@ -31,6 +31,8 @@ from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete, positive_int
 from jaxsoft.linear import _checks, chunk
+from jaxsoft.linear.context_parallel import active as _cp_active
+from jaxsoft.linear.context_parallel import ttt_states as _cp_ttt_states
 
 __all__ = ["ttt_linear", "ttt_linear_step"]
 
@@ -161,10 +163,15 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   q, k, v = q.astype(cdt), k.astype(cdt), v.astype(cdt)
   S0 = (_zero_state(k, v) if initial_state is None
         else _checks.check_state(initial_state, (B, N, K, V), fn_name, dtype=cdt))
+  plan = _cp_active()
+  if plan is not None:   # under context_parallel: this shard's incoming weights, the final ones
+    S0, W_final = _cp_ttt_states(k, v, eta, S0, mini_batch_size, plan, fn_name)
   S0 = chunk.vary_like(S0, q, k, v, eta)   # the scans carry it (jax.shard_map's check_vma)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   form = _recurrent if implementation == "recurrent" else _chunked
   o, W_T = form(q * scale, k, v, eta, S0, mini_batch_size)
+  if plan is not None:
+    W_T = W_final
   o = o.astype(dtype)
   return (o, W_T) if output_final_state else o
 

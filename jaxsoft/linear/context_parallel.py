@@ -1,8 +1,8 @@
 r"""Context parallelism for the recurrent linear-attention families: the sequence split over a
 mesh axis, one ``all_gather`` of each shard's state map, a fold in sequence order.
 
-Every family here runs one recurrence (:mod:`jaxsoft.linear.recurrence`) whose state evolves,
-token by token, by a map that is affine in the state,
+The families of the shared front end run one recurrence (:mod:`jaxsoft.linear.recurrence`)
+whose state evolves, token by token, by a map that is affine in the state,
 
 .. math::
   S_t = A_t S_{t-1} + k_t u_t^\top, \qquad
@@ -62,6 +62,38 @@ breaks that order; a hybrid model that reorders for its attention layers undoes 
 around its linear layers (or runs the linear layers on contiguous shards and reorders only
 the attention inputs). There is no ``chunk_order`` argument.
 
+Four families need more than the shared front end (each reads the active context through a
+small hook; the costs are in addition to the family's own forward pass on the shard):
+
+* ``cosformer`` is linear attention on the features ``[relu(x) cos a_i, relu(x) sin a_i]``,
+  ``a_i = π i / 2M``: the incoming state holds the earlier shards' keys at their global
+  positions, so each shard passes its traced offset ``start_position = s + p T/P`` and the
+  GLOBAL ``max_len = M`` (default ``s + T``, the whole sequence's length), then runs the
+  shared recurrence and fold above. Cost: that of ``linear_attention`` on ``2K`` features.
+* ``ttt_linear``: a mini-batch of ``b`` tokens maps the inner weights affinely,
+  ``W_end = (I - K^T \operatorname{diag}(η) K) W_s + K^T \operatorname{diag}(η) V``, so the
+  shard's mini-batches compose to ``(\mathcal A [K, K], \mathcal B [K, V])``, folded like
+  the delta rules' maps (all_gather of ``P·B·N·K·(K + V)`` numbers, ``log2 P`` ``[K, K]``
+  products). Mini-batches are counted from the sequence's start, so ``T/P`` must be a
+  multiple of ``b`` (ValueError otherwise).
+* ``native_hybrid_attention``: the slots ``h_t = α_t h_{t-1} + (1 - α_t) x_t`` are a diagonal
+  map per slot (``\mathcal A_p = \prod_t α_t``, 0 after a reset), folded on ``[K̃ | Ṽ]``
+  (all_gather of ``P·B·N·M·(1 + K + V)`` numbers); the sliding window's first ``w - 1``
+  queries need the previous shard's last ``w - 1`` keys and values, a halo brought by
+  ``ppermute`` (``B·(w - 1)·N·(K + V)`` numbers, and their segment ids): ``T/P >= w - 1``.
+  The halo enters every form (the parallel form's keys, the chunked form's block before
+  block 0, the recurrent form's ring buffer) with the segment rule of the window.
+* ``mhla`` (no recurrent state of fixed size; its decoding state is every block's summary):
+  query ``t`` in block ``i`` reads ``Σ_{β<i} c_{iβ} S_β`` plus its own block causally; the block summaries ``S_β = Σ_{j∈β} φ(k_j)[v_j; 1]^T`` are one ``all_gather`` of
+  ``B·M·N·K'·(V + 1)`` numbers (``M = T/b`` blocks in all, no fold: ``C`` mixes every earlier
+  block, not one state), each shard reads its rows ``c_{i·}`` of the global ``C [M, M]``.
+  ``T/P`` must be a multiple of ``b``; the chunked (block-summary) form runs whatever
+  ``implementation`` says (the parallel form would need every key).
+
+None of the four needs a sequential relay (shard ``p`` waiting for shard ``p - 1``'s final
+state: ``P`` rounds of ``ppermute``, ``O(P)`` latency, exact for any recurrence): every state
+map here is affine and composes associatively in ``log2 P`` steps.
+
 Short convolutions: :func:`short_conv_halo` brings the previous shard's last
 ``conv_size - 1`` inputs (one ``ppermute``), and :func:`context_parallel_mixer` runs a
 :class:`jaxsoft.nn.LinearMixer` with it (no change to the layer).
@@ -95,21 +127,17 @@ __all__ = ["context_parallel", "context_parallel_mixer", "short_conv_halo",
            "CONTEXT_PARALLEL_FAMILIES", "CONTEXT_PARALLEL_UNSUPPORTED"]
 
 # The recurrent families (a ``*_step`` function in jaxsoft.linear) that run exactly under
-# context parallelism: each routes its recurrence(s) through the shared front end.
+# context parallelism: the first twelve route their recurrence(s) through the shared front end;
+# cosformer too, with its global positions; ttt_linear, native_hybrid_attention and mhla
+# through their own hooks (the module docstring has the maps).
 CONTEXT_PARALLEL_FAMILIES: tuple[str, ...] = (
     "linear_attention", "simple_gla", "gla", "delta_rule", "gated_delta_rule",
     "lightning_attention", "taylor_linear_attention", "mala", "ccq",
-    "softmax_linear_attention", "interdomain_attention", "transnormer_attention")
+    "softmax_linear_attention", "interdomain_attention", "transnormer_attention",
+    "cosformer", "ttt_linear", "native_hybrid_attention", "mhla")
 
-# The recurrent families that refuse, and why (each raises NotImplementedError).
-CONTEXT_PARALLEL_UNSUPPORTED: dict[str, str] = {
-    "cosformer": "its position features need the shard's offset as `start_position`, which "
-                 "must be a Python int (the offset is the traced axis index)",
-    "ttt_linear": "its mini-batch scan does not go through the shared recurrence",
-    "native_hybrid_attention": "its softmax over slots and a sliding window needs the "
-                               "previous shard's window tokens (a halo not built here)",
-    "mhla": "its learned mixing of block summaries reads every earlier block, not one state",
-}
+# The recurrent families that refuse, and why (each raises NotImplementedError): none today.
+CONTEXT_PARALLEL_UNSUPPORTED: dict[str, str] = {}
 
 # LinearMixer kinds -> the function each calls (the mixer path accepts the supported ones).
 _MIXER_FUNCTIONS = {
@@ -117,6 +145,7 @@ _MIXER_FUNCTIONS = {
     "simple_gla": "simple_gla", "gla": "gla", "lightning_attention": "lightning_attention",
     "linear": "linear_attention", "mala": "mala", "ccq": "ccq",
     "softmax_linear_attention": "softmax_linear_attention", "interdomain": "interdomain_attention",
+    "ttt_linear": "ttt_linear", "native_hybrid": "native_hybrid_attention",
 }
 
 
@@ -210,6 +239,35 @@ def _compose(earlier, later):
   return A, _apply(A_l, B_e) + B_l
 
 
+def _boundary_keep(seg, axis: Any, P: int, idx, dtype) -> jax.Array:
+  """``[B]``: 0 where this shard's first token starts a new segment (its id differs from the
+  previous shard's last: one ``ppermute`` of ``B`` ids), else 1; shard 0 keeps."""
+  prev_last = jax.lax.ppermute(seg[:, -1], axis, [(i, i + 1) for i in range(P - 1)])
+  return jnp.where(idx == 0, True, seg[:, 0] == prev_last).astype(dtype)
+
+
+def _fold(A, B_map, S0, keep, axis: Any, P: int, idx) -> tuple[jax.Array, jax.Array]:
+  r"""``(S_in, S_final)`` from this shard's affine map ``(\mathcal A, \mathcal B)``: one
+  ``all_gather`` of the maps, their associative scan in sequence order from ``S0`` (the state
+  before the whole sequence), this shard's incoming state (times ``keep [B]``, the reset at
+  its first token, where given) and the last shard's end state (every shard has it)."""
+  if keep is not None:
+    A = A * keep.reshape((-1,) + (1,) * (A.ndim - 1))
+  A_all = jax.lax.all_gather(A, axis)                                          # [P, B, N, ...]
+  B_all = jax.lax.all_gather(B_map, axis)
+  A_pre, B_pre = jax.lax.associative_scan(_compose, (A_all, B_all), axis=0)
+  ends = _apply(A_pre, S0[None]) + B_pre                               # [P, B, N, K, V]
+  starts = jnp.concatenate([S0[None].astype(ends.dtype) + jnp.zeros_like(ends[:1]),
+                            ends[:-1]], axis=0)
+  S_in = jax.lax.dynamic_index_in_dim(starts, idx, axis=0, keepdims=False)
+  if keep is not None:
+    S_in = S_in * keep.reshape((-1,) + (1,) * (S_in.ndim - 1))
+  # every shard folded the same maps; the last shard's copy, summed, is typed invariant over
+  # the axis (``out_specs=P()``), and the final state's cotangent reaches that copy only
+  S_final = jax.lax.psum(jnp.where(idx == P - 1, ends[-1], 0.0), axis)
+  return S_in, S_final
+
+
 def states(call: Any, q, k, v, g, beta, run, S0, plan: _Plan) -> tuple[jax.Array, jax.Array]:
   """``(S_in, S_final)``: this shard's incoming state (the keep at its first token applied)
   and the global final state, for ``_dispatch.forward`` (``[B, N, T, ...]`` layout, ``q``
@@ -221,25 +279,98 @@ def states(call: Any, q, k, v, g, beta, run, S0, plan: _Plan) -> tuple[jax.Array
   A, B_map = _shard_map(q, k, v, g, beta, run, call.chunk_size)
   S0 = jnp.zeros(B_map.shape, B_map.dtype) if S0 is None else S0.astype(B_map.dtype)
   seg = call.segment_ids
-  if seg is None:
-    keep = None
-  else:   # a reset at the shard boundary drops the incoming state
-    prev_last = jax.lax.ppermute(seg[:, -1], axis, [(i, i + 1) for i in range(P - 1)])
-    keep = jnp.where(idx == 0, True, seg[:, 0] == prev_last).astype(B_map.dtype)   # [B]
-    A = A * keep.reshape((-1,) + (1,) * (A.ndim - 1))
-  A_all = jax.lax.all_gather(A, axis)                                          # [P, B, N, ...]
-  B_all = jax.lax.all_gather(B_map, axis)
-  A_pre, B_pre = jax.lax.associative_scan(_compose, (A_all, B_all), axis=0)
-  ends = _apply(A_pre, S0[None]) + B_pre                               # [P, B, N, K, V]
-  starts = jnp.concatenate([S0[None].astype(ends.dtype) + jnp.zeros_like(ends[:1]),
-                            ends[:-1]], axis=0)
-  S_in = jax.lax.dynamic_index_in_dim(starts, idx, axis=0, keepdims=False)
-  if keep is not None:
-    S_in = S_in * keep[:, None, None, None]
-  # every shard folded the same maps; the last shard's copy, summed, is typed invariant over
-  # the axis (``out_specs=P()``), and the final state's cotangent reaches that copy only
-  S_final = jax.lax.psum(jnp.where(idx == P - 1, ends[-1], 0.0), axis)
-  return S_in, S_final
+  keep = None if seg is None else _boundary_keep(seg, axis, P, idx, B_map.dtype)
+  return _fold(A, B_map, S0, keep, axis, P, idx)
+
+
+def ttt_states(k, v, eta, S0, b: int, plan: _Plan,
+               fn_name: str) -> tuple[jax.Array, jax.Array]:
+  r"""``(W_in, W_final)`` for ``ttt_linear`` (``[B, T, N, ...]`` layout, compute dtype).
+
+  One mini-batch of ``b`` tokens maps its start weights affinely,
+  ``W_end = W_s - K^T \operatorname{diag}(η)(K W_s - V) = (I - K^T \operatorname{diag}(η) K)
+  W_s + K^T \operatorname{diag}(η) V``; the shard's mini-batches compose to one
+  ``(\mathcal A [K, K], \mathcal B [K, V])`` (a scan carrying ``[\mathcal B | \mathcal A]``),
+  folded like the delta rules' maps. Needs ``T_shard % b == 0`` (no mini-batch straddles
+  two shards, so the shard's own mini-batches are the global ones)."""
+  axis = plan.axis_name
+  plan.uses += 1
+  P = _axis_size(axis, fn_name)
+  idx = jax.lax.axis_index(axis)
+  B, T, N, K = k.shape
+  V = v.shape[-1]
+  if T % b:
+    raise ValueError(f"{fn_name}: under context_parallel each shard's length must be a multiple "
+                     f"of `mini_batch_size` = {b} (a mini-batch may not straddle two shards), "
+                     f"got T_shard = {T}")
+  kc, vc, ec = (jnp.moveaxis(_chunk.to_chunks(x, 1, b), 1, 0) for x in (k, v, eta))
+  zeros = jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k[:, 0], v[:, 0]))
+  eye = jnp.broadcast_to(jnp.eye(K, dtype=zeros.dtype), (B, N, K, K))
+  X0 = _chunk.vary_like(jnp.concatenate([zeros, eye], axis=-1), k, v, eta)
+
+  def body(X, x):   # X = [B | A] <- (I - K^T diag(η) K) X + [K^T diag(η) V | 0]
+    k_c, v_c, e_c = x                                                  # [B, b, N, ...]
+    ke = k_c * e_c[..., None]
+    X = X - jnp.einsum("bcnk,bcnj,bnjw->bnkw", ke, k_c, X)
+    return X.at[..., :V].add(jnp.einsum("bcnk,bcnv->bnkv", ke, v_c)), None
+
+  X, _ = jax.lax.scan(body, X0, (kc, vc, ec))
+  return _fold(X[..., V:], X[..., :V], S0.astype(X.dtype), None, axis, P, idx)
+
+
+def hybrid_states(k, v, a, seg, run, K0, V0, window: int, plan: _Plan, fn_name: str):
+  r"""``((K̃_in, Ṽ_in), halo, (K̃_T, Ṽ_T))`` for ``native_hybrid_attention`` (``[B, T, N, ...]``
+  layout, compute dtype; ``seg`` the segment ids or None, ``run`` this shard's run ids).
+
+  The slots follow ``h_t = α_t h_{t-1} + (1 - α_t) x_t`` per slot (``α_t := 0`` at a reset):
+  over the shard ``h_out = (\prod_t α_t) h_in + h_out(h_in = 0)``, a diagonal map folded over
+  the shards on ``[K̃ | Ṽ]`` (``[B, N, M, K + V]``). The halo is the previous shard's last
+  ``w - 1`` keys and values (one ``ppermute`` each, and one of their segment ids) with their
+  run ids in this shard's numbering: 0 where the halo token lies in the run of this shard's
+  first token (no segment change between them), else -1 (never visible; all of shard 0's)."""
+  from jaxsoft.linear import _native_hybrid  # imports this module
+
+  axis = plan.axis_name
+  plan.uses += 1
+  P = _axis_size(axis, fn_name)
+  idx = jax.lax.axis_index(axis)
+  T, K = k.shape[1], k.shape[-1]
+  H = window - 1
+  if T < H:
+    raise ValueError(f"{fn_name}: under context_parallel each shard must hold at least "
+                     f"`window` - 1 = {H} tokens (the window reaches into the previous shard "
+                     f"only), got T_shard = {T}")
+  keep = _native_hybrid._keep(run)
+  Ks, Vs = _native_hybrid._slots_all(a, k, v, keep, jnp.zeros_like(K0), jnp.zeros_like(V0))
+  A = jnp.exp(jnp.sum(a, axis=1)) * jnp.all(keep, axis=1)[:, None, None]   # [B, N, M]
+  B_map = jnp.concatenate([Ks[:, -1], Vs[:, -1]], axis=-1)               # [B, N, M, K + V]
+  boundary = None if seg is None else _boundary_keep(seg, axis, P, idx, B_map.dtype)
+  S_in, S_final = _fold(A, B_map, jnp.concatenate([K0, V0], axis=-1).astype(B_map.dtype),
+                        boundary, axis, P, idx)
+  send = lambda x: jax.lax.ppermute(x[:, T - H:], axis, [(i, i + 1) for i in range(P - 1)])
+  visible = jnp.broadcast_to(idx > 0, run[:, :H].shape)
+  if seg is not None:   # the halo's tokens with no segment change up to this shard's first
+    same = (send(seg) == seg[:, :1]).astype(jnp.int32)
+    visible = visible & (jnp.flip(jnp.cumprod(jnp.flip(same, 1), axis=1), 1) == 1)
+  halo = (send(k), send(v), jnp.where(visible, 0, -1).astype(run.dtype))
+  split = lambda S: (S[..., :K], S[..., K:])
+  return split(S_in), halo, split(S_final)
+
+
+def block_summaries(S: jax.Array, plan: _Plan, fn_name: str) -> tuple[jax.Array, jax.Array]:
+  r"""``(S_all, first)`` for ``mhla``: every shard's block summaries ``[B, M, N, K', V + 1]``
+  in sequence order (one ``all_gather`` of this shard's ``[B, m, N, K', V + 1]``) and the
+  global index ``p m`` of this shard's first block."""
+  axis = plan.axis_name
+  plan.uses += 1
+  _axis_size(axis, fn_name)
+  first = jax.lax.axis_index(axis) * S.shape[1]
+  return jax.lax.all_gather(S, axis, axis=1, tiled=True), first
+
+
+def shard_count(plan: _Plan, fn_name: str) -> int:
+  """The number of shards ``P`` of the active plan's axis."""
+  return _axis_size(plan.axis_name, fn_name)
 
 
 def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[..., Any]:
@@ -259,7 +390,11 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
 
   and its forward pass is run from there (the module docstring has the maps, the packed
   sequences' resets and the costs). ``initial_state`` is the state before the whole sequence;
-  ``transnormer_attention`` gets the global positions ``p T/P + t`` when ``positions`` is None.
+  ``transnormer_attention`` gets the global positions ``p T/P + t`` when ``positions`` is None,
+  ``cosformer`` the positions ``s + p T/P + t`` and ``max_len`` of the whole sequence.
+  ``ttt_linear`` and ``mhla`` need ``T/P`` to be a multiple of ``mini_batch_size`` /
+  ``block_size``; ``native_hybrid_attention`` needs ``T/P >= window - 1``; ``mhla`` takes the
+  whole sequence's ``mixing`` ``[M, M]``, ``M = T / block_size``.
 
   Args:
     fn: one of ``CONTEXT_PARALLEL_FAMILIES`` (the function itself, e.g.
@@ -298,10 +433,13 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
                      f"{CONTEXT_PARALLEL_FAMILIES}, got {fn!r}")
 
   def sharded(*args: Any, **kwargs: Any) -> Any:
-    _axis_size(axis_name, fn_name)   # a clear error outside shard_map
+    P = _axis_size(axis_name, fn_name)   # a clear error outside shard_map
     if name == "transnormer_attention" and kwargs.get("positions") is None:
       T = jnp.shape(args[0] if args else kwargs["q"])[1]
       kwargs["positions"] = jax.lax.axis_index(axis_name) * T + jnp.arange(T)
+    if name == "cosformer":
+      kwargs = _cosformer_positions(kwargs, jnp.shape(args[0] if args else kwargs["q"])[1], P,
+                                    axis_name)
     with _activated(axis_name) as plan:
       out = fn(*args, **kwargs)
     if plan.uses == 0:   # never reached: every family listed runs the shared recurrence
@@ -311,6 +449,19 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
   sharded.__name__ = f"context_parallel_{name}"
   sharded.__doc__ = f"{name} with its sequence split over mesh axis {axis_name!r}."
   return sharded
+
+
+def _cosformer_positions(kwargs: dict[str, Any], T: int, P: int, axis_name: Any) -> dict:
+  """cosformer's keywords on shard ``p``: ``start_position = s + p T`` (traced) and ``max_len``
+  the global default ``s + P T`` (or the caller's, checked against ``s + P T - 1``)."""
+  from jaxsoft.linear import _checks, _cosformer  # _cosformer imports the front end
+
+  fn_name = "context_parallel(cosformer)"
+  start = _checks.check_int(kwargs.get("start_position", 0), "start_position", fn_name)
+  max_len = kwargs.get("max_len")
+  M = _cosformer._check_max_len(start + P * T if max_len is None else max_len,
+                                start + P * T - 1, fn_name)
+  return dict(kwargs, max_len=M, start_position=start + jax.lax.axis_index(axis_name) * T)
 
 
 def short_conv_halo(x: jax.Array, conv_size: int, *, axis_name: Any) -> jax.Array:
@@ -368,8 +519,9 @@ def context_parallel_mixer(layer: Any, x: jax.Array, *, axis_name: Any) -> jax.A
 
   Args:
     layer: a ``LinearMixer`` whose kind calls one of ``CONTEXT_PARALLEL_FAMILIES``
-      (``"cosformer"``, ``"transnormer"``, ``"ttt_linear"``, ``"native_hybrid"``,
-      ``"mhla"``, ``"rala"`` raise NotImplementedError).
+      (``"cosformer"``, whose layer starts every call at position 0, ``"transnormer"``,
+      ``"mhla"``, whose layer takes the corner of its mixing matrix for the shard's length,
+      and ``"rala"`` raise NotImplementedError).
     x: ``[B, T_shard, d]``.
     axis_name: the mesh axis the sequence is split over.
 
