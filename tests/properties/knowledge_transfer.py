@@ -1,6 +1,6 @@
 """A tabular student trained by jaxsoft's distillation losses (Zhao & Zhu 2023, "Towards the
-Fundamental Limits of Knowledge Transfer over Finite Domains"), shared by the property
-tests of catalogue entries 000#76 and 004#47."""
+Fundamental Limits of Knowledge Transfer over Finite Domains"), for the property tests of
+``test_knowledge_transfer.py``."""
 
 import functools
 

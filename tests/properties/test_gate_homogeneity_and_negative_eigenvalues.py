@@ -1,11 +1,12 @@
-"""Properties stated by papers of catalogue group 001, tested against jaxsoft (row E21).
+"""The temperature homogeneity of the softmax gate, and the delta rule's negative
+eigenvalues (catalogue row E21).
 
-* #24, H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
+* H. Nguyen, P. Akbarian & N. Ho, 2024, "Is Temperature Sample Efficient for Softmax
   Gaussian Mixture of Experts?" (ICML): the dense-to-sparse gate softmax((W h + b) / tau)
   depends on (W, b, tau) only through (W, b) / tau, so its parameters satisfy the PDE
   sum_i beta_i dG/dbeta_i + tau dG/dtau = 0 (degree-0 homogeneity; the source of the slow
   O(1/log n) rates); the activation gate softmax(sigma(W h + b) / tau) breaks it.
-* #98, Solar Open 2 (2025-26) after R. Grazzi, J. Siems, J. K. H. Franke, A. Zela, F. Hutter
+* Solar Open 2 (2025-26) after R. Grazzi, J. Siems, J. K. H. Franke, A. Zela, F. Hutter
   & M. Pontil, 2025, "Unlocking State-Tracking in Linear RNNs Through Negative
   Eigenvalues": the gated delta rule's transition alpha (I - beta k k^T) has eigenvalue
   alpha (1 - beta) along k, in (-1, 1) for beta in (0, 2); a one-layer delta recurrence
@@ -22,7 +23,7 @@ import pytest
 import jaxsoft as js
 from jaxsoft.linear import gated_delta_rule, gated_delta_rule_step
 
-# ---------------------------------------------------------------- #24 temperature PDE
+# ---------------------------------------------------------------- temperature PDE
 
 
 def test_plain_gate_is_degree_zero_homogeneous_and_the_activation_gate_is_not():
@@ -52,7 +53,7 @@ def test_plain_gate_is_degree_zero_homogeneous_and_the_activation_gate_is_not():
   assert np.max(np.abs(d_act)) > 1e-2
 
 
-# ---------------------------------------------------------------- #98 negative eigenvalues
+# ---------------------------------------------------------------- negative eigenvalues
 
 
 def test_gated_delta_transition_eigenvalues_along_the_key():

@@ -1,21 +1,18 @@
-"""Properties stated by papers of catalogue group 004, tested against jaxsoft (row E21).
+"""RoPE mean pooling as a low-pass filter, LUCID's conditioning, MultiMax's sparse
+multimodality (catalogue row E21).
 
-* #59, Prism (2025-26; a training-free spectral-aware block selection; authors and title
+* Prism (2025-26; a training-free spectral-aware block selection; authors and title
   not recorded in this project's sources): "mean pooling acts as a low-pass filter that
   induces destructive interference in high-frequency dimensions". For a vector rotated by
   RoPE over B positions, the block mean of rotary pair f is the vector times the Dirichlet
   kernel D_B(theta_f) = sin(B theta_f / 2) / (B sin(theta_f / 2)) (up to a phase); Prism's
   energy calibration is |D_B|^2.
-* #102, S. S. Duvvuri, N. Patel, N. Gupta & I. S. Dhillon, 2026, "LUCID: Attention with
+* S. S. Duvvuri, N. Patel, N. Gupta & I. S. Dhillon, 2026, "LUCID: Attention with
   Preconditioned Representations": the preconditioner tril(exp(K K^T / s)) of RMS-normed
   keys grows worse conditioned with the sequence length; its solve cancels a duplicated key.
-* #17, Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
+* Y. Zhou, M. Fritz & M. Keuper, 2024, "MultiMax: Sparse and Multi-Modal Attention
   Learning" (ICML): for x = (2, 1.9, -3) MultiMax can suppress the small entry while the two
   large ones stay comparable (multi-modal and sparse); softmax at any temperature cannot.
-* #47, Q. Zhao & B. Zhu, 2023, "Towards the Fundamental Limits of Knowledge Transfer over
-  Finite Domains": with the teacher's probability of each sampled label, the naive weighted
-  cross-entropy is asymptotically biased (its population minimiser is pi*^2 / Z), the
-  squared-error logit loss and (with full soft labels) the KL are not.
 """
 
 import types
@@ -27,9 +24,8 @@ import numpy as np
 import jaxsoft as js
 from jaxsoft.attention._block_sparse import _Layout, _prism_attenuation, prism_bands
 from jaxsoft.attention._lucid import lucid_preconditioned_values
-from tests.properties.knowledge_transfer import fit_tabular_student, teacher
 
-# ---------------------------------------------------------------- #59 RoPE mean-pool low-pass
+# ---------------------------------------------------------------- RoPE mean-pool low-pass
 
 
 def _rope_half_split(x, pos, base=10000.0):
@@ -81,7 +77,7 @@ def test_mean_pooling_of_rope_keys_is_the_dirichlet_kernel_and_prism_calibrates_
   assert atten[:2].max() < atten[2:].min()
 
 
-# ---------------------------------------------------------------- #102 LUCID conditioning
+# ---------------------------------------------------------------- LUCID conditioning
 
 
 def _rms(k, eps=1e-6):
@@ -123,7 +119,7 @@ def test_lucid_preconditioner_conditioning_grows_with_length_and_duplicates_canc
   assert np.all(np.abs(y2[i]) > 1e-3)  # the first copy keeps its value
 
 
-# ---------------------------------------------------------------- #17 MultiMax multimodality
+# ---------------------------------------------------------------- MultiMax multimodality
 
 
 def test_multimax_is_sparse_and_multimodal_where_no_softmax_temperature_is():
@@ -151,24 +147,3 @@ def test_multimax_is_sparse_and_multimodal_where_no_softmax_temperature_is():
   assert sparse.any() and multimodal.any() and not np.any(sparse & multimodal)
   # the control within MultiMax: t = 0 (the default) is softmax, and is not sparse here
   assert plain[2] > eps * plain[0]
-
-
-# ---------------------------------------------------------------- #47 biased naive CE
-
-
-def test_naive_weighted_cross_entropy_learns_pi_squared_and_the_unbiased_losses_learn_pi():
-  S, A, R = 4, 6, 64  # the shapes of test_papers_000's rates test: its compiled programs
-  with jax.enable_x64(True):
-    pi = teacher(S, A, seed=7)
-    # population objective: counts proportional to rho(s) pi*(a | s), rho uniform
-    counts = jnp.broadcast_to(jnp.asarray(pi) * 1000.0, (R, S, A))
-    q = {p: np.asarray(fit_tabular_student(counts, jnp.asarray(pi), p))[0]
-         for p in ("naive", "se_logit", "soft")}
-  sq = pi ** 2 / np.sum(pi ** 2, -1, keepdims=True)
-  # the naive loss sum_a pi(a)^2 (-log q(a)) is minimised by q = pi^2 / sum pi^2 (Gibbs'
-  # inequality), not by pi; the other two by pi. 200 decaying Adam steps reach ~1e-6.
-  np.testing.assert_allclose(q["naive"], sq, rtol=0, atol=1e-4)
-  np.testing.assert_allclose(q["se_logit"], pi, rtol=0, atol=1e-4)
-  np.testing.assert_allclose(q["soft"], pi, rtol=0, atol=1e-4)
-  # the bias is large: the naive student is far from the teacher (mean TV measured 0.088)
-  assert 0.5 * np.abs(q["naive"] - pi).sum(-1).mean() > 0.05
