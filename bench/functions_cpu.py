@@ -17,8 +17,10 @@ run on the same inputs:
   against ``jax.nn.logsumexp`` over the vocabulary.
 
 Every row except L19's is timed as ``jax.jit(jax.value_and_grad(...))`` with respect to its
-float inputs (a sum of squares of the output, or the loss itself); the figure is the median
-of ``--reps`` runs after one compiling call. Before anything of a row is timed, its output
+float inputs (a sum of squares of the output, or the loss itself). Both the row and its
+baseline are compiled first, then run in ``--reps`` interleaved rounds (each round runs
+each once, so that a machine busy with other work slows them alike): the times are the
+medians, "this / baseline" the median of the per-round ratios. Before anything of a row is timed, its output
 at a small size is checked against a float64 NumPy oracle written in this file from the
 formula (for the training draw: the evaluation form against the oracle and every drawn value
 one of its pool's visible entries); a row whose check fails, or whose timed call gives a
@@ -31,8 +33,9 @@ Usage::
   python bench/functions_cpu.py --quick    # tiny sizes, a smoke test (used by the tests)
   python bench/functions_cpu.py --rows acol_loss,spilled_energy
 
-Columns: ms per call (median), the baseline's ms, this / baseline, the check's max error
-(relative to the oracle's largest magnitude, at least 1) and its limit.
+Columns: ms per call (median), the baseline's ms, this / baseline (the median per-round
+ratio), the check's max error (relative to the oracle's largest magnitude, at least 1) and
+its limit.
 """
 
 from __future__ import annotations
@@ -341,31 +344,39 @@ def _timed(fn, row: Row):
   return jax.jit(jax.value_and_grad(loss, argnums=row.argnums))
 
 
-def median_ms(f, args, reps: int) -> tuple[float, bool]:
-  """(median ms of ``reps`` calls after a compiling one, whether that call's outputs, the
-  value and the gradients, are all finite)."""
-  first = jax.block_until_ready(f(*args))  # compile
-  finite = all(bool(np.all(np.isfinite(np.asarray(a)))) for a in jax.tree.leaves(first))
-  times = []
+def _finite(out) -> bool:
+  return all(bool(np.all(np.isfinite(np.asarray(a)))) for a in jax.tree.leaves(out))
+
+
+def interleaved_ms(f, g, args, reps: int) -> tuple[float, float, float, bool]:
+  """(median ms of ``f``, of ``g``, median of the per-round ratios f / g, whether ``f``'s
+  first outputs, the value and the gradients, are all finite): both compiled first, then
+  ``reps`` rounds each running ``f`` and ``g`` once, so that a machine busy with other work
+  slows them alike."""
+  finite = _finite(jax.block_until_ready(f(*args)))  # compile
+  jax.block_until_ready(g(*args))
+  tf, tg = [], []
   for _ in range(reps):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    times.append(time.perf_counter() - t0)
-  return 1e3 * statistics.median(times), finite
+    for fn, ts in ((f, tf), (g, tg)):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts.append(time.perf_counter() - t0)
+  ratio = statistics.median(a / b for a, b in zip(tf, tg, strict=True))
+  return 1e3 * statistics.median(tf), 1e3 * statistics.median(tg), ratio, finite
 
 
 def measure(row: Row, reps: int, quick: bool) -> dict[str, Any]:
-  """``{"err", "ok"}`` and, only when the check passed, ``{"ms", "base_ms"}``: the check
-  against the oracle first; a timed call whose value or gradients are not finite fails the
-  row too (its times are dropped)."""
+  """``{"err", "ok"}`` and, only when the check passed, ``{"ms", "base_ms", "ratio"}``: the
+  check against the oracle first; a timed call whose value or gradients are not finite
+  fails the row too (its times are dropped)."""
   err = row.check(row.fn, row.inputs(row.check_sizes, 1))
   res: dict[str, Any] = {"err": err, "ok": bool(err <= row.tol)}
   if res["ok"]:
     args = row.inputs(row.quick if quick else row.sizes, 0)
-    ms, finite = median_ms(_timed(row.fn, row), args, reps)
-    base_ms, _ = median_ms(_timed(row.base, row), args, reps)
+    ms, base_ms, ratio, finite = interleaved_ms(_timed(row.fn, row), _timed(row.base, row),
+                                                args, reps)
     if finite:
-      res.update(ms=ms, base_ms=base_ms)
+      res.update(ms=ms, base_ms=base_ms, ratio=ratio)
     else:
       res.update(ok=False, err=float("inf"))
   return res
@@ -387,7 +398,7 @@ def table(results: dict[str, dict[str, Any]], reps: int, quick: bool) -> list[st
                    f"not timed | | | {check} |")
       continue
     lines.append(f"| {row.feature} | {name} | {size} | {row.baseline} | {res['ms']:.2f} | "
-                 f"{res['base_ms']:.2f} | {res['ms'] / res['base_ms']:.2f}x | {check} |")
+                 f"{res['base_ms']:.2f} | {res['ratio']:.2f}x | {check} |")
   return lines
 
 
