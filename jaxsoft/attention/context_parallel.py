@@ -416,11 +416,6 @@ def context_parallel_attention(
     args["scale"] = jnp.asarray(scale)
     specs["scale"] = PartitionSpec()
   run = STRATEGIES[strategy]
-  impl_names = [implementation] if isinstance(implementation, str) else list(implementation or [])
-  # Pallas: shard_map's varying-axes check is skipped. Only the batch-sharded entry
-  # (tests/kernels_pallas/test_sharded_entry.py) is tested under it; the strategies'
-  # gathered and permuted blocks are not.
-  check_vma = not any(str(name).startswith("pallas") for name in impl_names)
 
   def local(a):
     out = run(a["q"], a["k"], a["v"], axis_name=axis_name, q_positions=a["q_positions"],
@@ -439,7 +434,8 @@ def context_parallel_attention(
   # by shard_map itself)
   if explicit:
     args = jax.tree.map(lambda x, s: jax.reshard(x, NamedSharding(mesh, s)), args, specs)
-  out = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=seq_spec,
-                      check_vma=check_vma)(args)
+  # shard_map's default varying-axes check (check_vma) for every strategy and
+  # implementation, the Pallas kernels included
+  out = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=seq_spec)(args)
   out = seq_take(out, np.argsort(q_order).astype(np.int32))
   return out[0] if unbatched else out

@@ -169,5 +169,49 @@ def test_context_parallel_full_matrix(implementation, strategy):
   if implementation == "xla" and strategy == "all_gather":
     script += _PER_HEAD
     expected += ["ok per-head all_gather", "ok per-head ulysses"]
-  proc = run_on_cpu_devices(script, 8)
+  # pallas on CPU: the interpreter, which JAXSOFT_PALLAS_INTERPRET asks for (without it the
+  # call raises NotImplementedError: no Pallas backend on the CPU platform)
+  env = {"JAXSOFT_PALLAS_INTERPRET": "1"} if implementation.startswith("pallas") else None
+  proc = run_on_cpu_devices(script, 8, env=env, timeout=3000)
   assert proc.stdout.split("\n")[:-1] == expected, proc.stdout
+
+
+def test_pallas_runs_inside_shard_map_with_check_vma(monkeypatch):
+  """implementation="pallas" (the interpreter) inside context_parallel_attention's
+  shard_map keeps shard_map's default varying-axes check (``check_vma``, which was turned off
+  for Pallas): the traced shard_map says so, and the interpreter's lowering of the forward
+  and backward kernels (where an invariant constant meeting a varying block fails) passes,
+  with the dense result, values and gradients. One device in this process (a 1 x 1 mesh: the
+  varying-axes types are the same at any axis size; the 8-device runs are the slow matrix's
+  pallas cases). Tolerance: float32 kernels against the float32 dense path over 16 keys,
+  errors ~1e-6; a wrong key would move the output by ~1e-1."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxsoft.attention import context_parallel_attention, dot_product_attention
+
+  monkeypatch.setenv("JAXSOFT_PALLAS_INTERPRET", "1")
+  mesh = jax.make_mesh((1, 1), ("data", "context"))
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32)
+  k, v = (jnp.asarray(rng.standard_normal((2, 16, 1, 8)), jnp.float32) for _ in range(2))
+  masks = dict(is_causal=True, key_value_seq_lengths=jnp.array([16, 9]),
+               normalizer="softmax")
+
+  def loss(attend):
+    def f(q, k, v):
+      out = attend(q, k, v, **masks)
+      return jnp.sum(jnp.cos(out)), out
+    return jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True)
+
+  sharded = loss(lambda *a, **kw: context_parallel_attention(
+      *a, mesh=mesh, batch_axes="data", implementation="pallas", **kw))
+  traced = jax.jit(sharded).trace(q, k, v)
+  flags = [e.params["check_vma"] for e in traced.jaxpr.eqns if e.primitive.name == "shard_map"]
+  assert flags and all(flags), flags  # the forward's shard_map and its transpose
+  (_, got), g_got = traced.lower().compile()(q, k, v)
+  (_, want), g_want = jax.jit(loss(lambda *a, **kw: dot_product_attention(
+      *a, implementation="xla", **kw)))(q, k, v)
+  for a, b in zip((got, *g_got), (want, *g_want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
