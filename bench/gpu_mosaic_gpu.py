@@ -2,10 +2,11 @@
 Hopper forward, FlashAttention-3 structure, never run on a GPU before this section)
 against cuDNN softmax (``jax.nn.dot_product_attention(implementation="cudnn")``) and
 this library's Triton kernel (``kp.attention(backend="triton")``) for the same
-normalizer: forward only (the Mosaic kernel has no backward yet), bf16, H = 128,
-B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal, for softmax, softmax_1,
-sigmoid, relu and stablemax (classes E, E, P, P, S), and softmax with lazy rescaling
-(``rescale_threshold=8``, a ``mosaic_gpu tau=8`` row).
+normalizer: bf16, H = 128, B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal.
+Two tables: the forward for softmax, softmax_1, sigmoid, relu and stablemax (classes E,
+E, P, P, S) and softmax with lazy rescaling (``rescale_threshold=8``, a ``mosaic_gpu
+tau=8`` row); forward+backward (``jax.vjp``: the forward saving its row statistics, then
+the dK/dV and dQ kernels) for softmax, softmax_1, sigmoid and stablemax.
 
 Correctness first: every (normalizer, causal) is compared at T = 512 (``--tiny``: 128)
 with a dense float64 attention of the same rounded inputs; the kernel rounds the weights
@@ -13,14 +14,23 @@ and the output to bf16 once each, so ``|O - O_ref| <= 2u sum_j |w_j| |v_j|`` (u 
 plus ``ex2.approx`` / ``tanh.approx``'s relative 2^-22 / 2^-11 on the GPU: a case beyond
 ``3u sum_j |w_j||v_j|`` is reported as FAIL and never timed.
 
+The gradients are checked the same way first, at the same T, against the float32
+dense gradient (the normalizer's own function, ``jax.vjp``, highest matmul precision: a
+relative 1e-6): each of dQ, dK, dV within ``8u`` in relative Frobenius norm (the kernel's
+elementwise error is at most about 6u of the magnitudes ``sum |dx| |q|`` and ``sum |w|
+|dO|``: rounding dx and w to bf16, Δ from the rounded output, the rounded per-head
+gradients; see tests/kernels_pallas/test_mosaic_gpu.py), else FAIL and not timed.
+
 On a GPU each causal kernel is also compiled once in a subprocess with
 ``MOSAIC_GPU_DUMP_PTXAS=1``; its registers and spill bytes are printed (``-- SPILLS``
 when ptxas spilled).
 
 Times are the GPU's own (CUPTI, ``jax.experimental.mosaic.gpu.profiler.measure``, median
 of ``--reps`` runs of the kernels alone), or wall clock around a call off a GPU (the
-``clock`` column says which). TFLOP/s counts 4·B·N·T²·H (halved for causal); ``x cuDNN``
-is cuDNN softmax's time over the row's (above 1: faster than cuDNN softmax).
+``clock`` column says which). TFLOP/s counts 4·B·N·T²·H for the forward and 3.5 times that
+for forward+backward (the backward's five matmuls, FlashAttention's convention), halved
+for causal; ``x cuDNN`` is cuDNN softmax's time over the row's (above 1: faster than cuDNN
+softmax), forward against forward and forward+backward against forward+backward.
 
     python bench/gpu.py --sections mosaic_gpu                       # on an H100 / H200
     python bench/gpu.py --sections mosaic_gpu --interpret --tiny    # CPU, JAX >= 0.12.1
@@ -44,6 +54,7 @@ import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax")
 LAZY = {"softmax": 8.0}  # also timed with lazy rescaling at this tau (a "tau=" row)
+GRAD_NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "stablemax")  # E (exp2), E, P, S
 
 
 def _inputs(b, t, n, h, dtype, seed=0):
@@ -93,6 +104,49 @@ def check(normalizer: str, causal: bool, t: int, interpret: bool, **kw) -> tuple
   ratio = float(np.max(np.abs(out - ref) / (3 * 2.0 ** -8 * bound + 1e-6)))
   ok = bool(np.all(np.isfinite(out))) and ratio <= 1.0
   return ok, f"error / tolerance {ratio:.3g} (tolerance 3u sum|w||v|, u = 2^-8)"
+
+
+def _fwd_bwd(attn):
+  """``(q, k, v, do) -> (dq, dk, dv)``: the forward (saving what its backward needs) and
+  the backward of ``attn``, as one function (what a training step runs)."""
+  def f(q, k, v, do):
+    _, vjp = jax.vjp(attn, q, k, v)
+    return vjp(do)
+  return f
+
+
+def _reference_grads(q, k, v, do, normalizer, causal):
+  """(dq, dk, dv) of dense attention in float32 at the highest matmul precision."""
+  t, s, h = q.shape[1], k.shape[1], q.shape[-1]
+  mask = jnp.tril(jnp.ones((t, s), bool)) if causal else jnp.ones((t, s), bool)
+  fn = jn.get(normalizer).fn
+  hi = jax.lax.Precision.HIGHEST
+
+  def attn(q, k, v):
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, precision=hi) / np.sqrt(h)
+    w = fn(logits, where=mask[None, None])
+    return jnp.einsum("bnts,bsnh->btnh", w, v, precision=hi)
+
+  args = tuple(x.astype(jnp.float32) for x in (q, k, v, do))
+  return [np.asarray(g, np.float64) for g in jax.jit(_fwd_bwd(attn))(*args)]
+
+
+def check_grad(normalizer: str, causal: bool, t: int, interpret: bool) -> tuple[bool, str]:
+  """(ok, what was measured): the Mosaic kernel's dQ, dK, dV against the float32 dense
+  gradients, each within 8u (u = 2^-8) in relative Frobenius norm."""
+  q, k, v, do = _inputs(1, t, 2, 128, jnp.bfloat16, seed=1) + _inputs(
+      1, t, 2, 128, jnp.bfloat16, seed=2)[:1]
+  try:
+    got = [np.asarray(g.astype(jnp.float32), np.float64) for g in
+           jax.jit(_fwd_bwd(_mosaic(normalizer, causal, interpret)))(q, k, v, do)]
+  except Exception as e:  # a kernel that does not compile or run is a FAIL row, not a crash
+    return False, f"{type(e).__name__}: {str(e)[:300]}"
+  ref = _reference_grads(q, k, v, do, normalizer, causal)
+  rel = [float(np.linalg.norm(a - r) / max(np.linalg.norm(r), 1e-30))
+         for a, r in zip(got, ref, strict=True)]
+  ok = all(bool(np.all(np.isfinite(a))) for a in got) and max(rel) <= 8 * 2.0 ** -8
+  return ok, ("relative errors dq, dk, dv " + ", ".join(f"{r:.3g}" for r in rel)
+              + " (tolerance 8u = 0.031)")
 
 
 def _device_ms(f, args, reps: int) -> tuple[float, str]:
@@ -220,4 +274,48 @@ def section(args) -> bool:
           _row("triton", name, shape, causal, ms, clock, flops, base, "ok")
         except Exception as e:  # noqa: BLE001 - the Triton row is context, not the subject
           print(f"# triton {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+  ok_all &= grad_table(shapes, check_t, reps, interpret, h)
+  return ok_all
+
+
+def grad_table(shapes, check_t: int, reps: int, interpret: bool, h: int = 128) -> bool:
+  """The forward+backward table (each normalizer's gradients checked first); False when
+  any check failed."""
+  on_gpu = jax.default_backend() == "gpu"
+  ok_all = True
+  print("\n## Mosaic-GPU forward+backward (jax.vjp of kp.mosaic_gpu_attention), bf16, "
+        "H = 128\n")
+  print("| kernel | normalizer | B x T x N | causal | ms | clock | TFLOP/s | x cuDNN | status |")
+  print("|---|---|---|---|---|---|---|---|---|")
+  for causal in (False, True):
+    checked = {}
+    for name in GRAD_NORMALIZERS:
+      ok, what = check_grad(name, causal, check_t, interpret)
+      print(f"# mosaic_gpu fwd+bwd {name} causal={causal}: {what}", file=sys.stderr)
+      checked[name] = ok
+      ok_all &= ok
+    for b, t, n in shapes:
+      q, k, v = _inputs(b, t, n, h, jnp.bfloat16)
+      do = _inputs(b, t, n, h, jnp.bfloat16, seed=5)[0]
+      flops = 3.5 * 4.0 * b * n * t * t * h * (0.5 if causal else 1.0)
+      shape = f"{b} x {t} x {n}"
+      args = (q, k, v, do)
+      base = None
+      if on_gpu:
+        base, clock = _device_ms(jax.jit(_fwd_bwd(_cudnn(causal))), args, reps)
+        _row("cudnn fwd+bwd", "softmax", shape, causal, base, clock, flops, base, "ok")
+      for name in GRAD_NORMALIZERS:
+        if not checked[name]:
+          _row("mosaic_gpu fwd+bwd", name, shape, causal, None, None, flops, base, "FAIL")
+          continue
+        ms, clock = _device_ms(jax.jit(_fwd_bwd(_mosaic(name, causal, interpret))), args,
+                               reps)
+        _row("mosaic_gpu fwd+bwd", name, shape, causal, ms, clock, flops, base, "ok")
+        try:
+          ms, clock = _device_ms(jax.jit(_fwd_bwd(_triton(name, causal, interpret))), args,
+                                 reps)
+          _row("triton fwd+bwd", name, shape, causal, ms, clock, flops, base, "ok")
+        except Exception as e:  # noqa: BLE001 - the Triton row is context, not the subject
+          print(f"# triton fwd+bwd {name}: {type(e).__name__}: {str(e)[:200]}",
+                file=sys.stderr)
   return ok_all

@@ -42,9 +42,49 @@ With ``rescale_threshold`` tau (softmax-like rules), a row's max moves only past
 ``m + tau`` and the accumulator is rescaled under a branch taken only when some row of
 the warpgroup moved (FlashAttention-4's conditional rescaling).
 
-Not done yet: the backward pass (``jax.grad`` raises), classes T and R, bias / segment /
-window masks as block lists, per-row hyperparameter arrays,
-tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
+Backward (FlashAttention-2's two passes, Dao 2023, with FlashAttention-3's warp
+specialisation): differentiated, the forward also writes per-row statistics, and the
+backward recomputes each tile's weights from them instead of storing the ``T x S``
+weights. The weights do not depend on the stabiliser ``m`` (numerator, denominator and
+offset scale alike when it moves), so ``m`` is a constant of the backward; with
+``dP_ij = dO_i · v_j`` and ``Δ_i = dO_i · O_i`` (float32, from the rounded output), the tile
+rule gives, per class::
+
+    class E, exp2 rules   saved lse2_i = m2_i + log2 D_i:
+                          w_ij = 2^{z2_ij - lse2_i},       dz_ij = w_ij (dP_ij - Δ_i)
+    class E, other rules  saved m_i and 1 / D_i:
+                          w_ij = num(z_ij, m_i) / D_i,
+                          dz_ij = (num'(z_ij, m_i) dP_ij - den'(z_ij, m_i) Δ_i) / D_i
+    class S               saved 1 / D_i: the same with m = 0
+    class P               nothing saved, no Δ:   w_ij = num(z_ij),  dz_ij = num'(z_ij) dP_ij
+                          (sigmoid: w = 0.5 + 0.5 tanh(z / 2), num' = w (1 - w))
+
+then ``dx_ij = score_map'(x_ij, n_i) dz_ij`` for the natural-unit logits ``x = scale q·k``
+and ``dV_j = sum_i w_ij dO_i``, ``dK_j = scale sum_i dx_ij q_i``, ``dQ_i = scale sum_j
+dx_ij k_j``. (For exp2 rules ``D`` includes the offset, so ``w`` sums to less than 1 where
+the offset has mass, as in the forward.) The derivatives ``num'``, ``den'`` and
+``score_map'`` are the rule's own, taken as forward-mode products ``f'(z)·t`` (every map
+is elementwise in its first argument) with custom derivatives inlined.
+
+Two kernels, each with a TMA producer warpgroup and ``W`` wgmma consumer warpgroups
+(``W = 2`` for H <= 128, 1 for H = 256, where two ``64 x 256`` float32 accumulators take
+all 255 registers a thread has: expect spills there), 64 x 64 tiles and a 2-slot ring:
+
+* dK/dV: a CTA owns ``64 W`` keys of one (batch, query head); each consumer holds its 64
+  keys and values in shared memory and loops over query blocks streamed with their
+  ``dO`` and row statistics, computing in the transposed orientation (keys as rows)
+  ``S^T = K Q^T``, ``dP^T = V dO^T``, then ``dV += W^T dO`` and ``dK += dX^T Q``. Causal:
+  the loop starts at the first query block that sees the keys (the masked diagonal block,
+  then unmasked ones); the CTA's second warpgroup waits on and releases the slots loaded
+  for the first one before its own start. GQA: dK/dV per query head, summed over each key
+  head's query heads in float32 by the caller.
+* dQ: a CTA owns ``64 W`` query rows; keys and values stream through the ring as in the
+  forward, ``dQ += dX K``. Causal: the loop stops at the diagonal (a warpgroup that stops
+  earlier releases the slots loaded for the other).
+
+Not done yet: classes T and R, bias / segment / window masks as block lists, per-row
+hyperparameter arrays, tuned configurations and a register-spill check
+(``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
 from __future__ import annotations
@@ -58,11 +98,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.attention.call import gqa_dims
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas.engine import LN2, LOG2E, MAX_RESCALE_THRESHOLD, UnsupportedError
 
 __all__ = ["mosaic_gpu_attention", "gpu_interpret_params", "interpreter_runs_kernel",
-           "smem_bytes", "SMEM_LIMIT", "SMEM_SLACK"]
+           "smem_bytes", "bwd_smem_bytes", "SMEM_LIMIT", "SMEM_SLACK"]
 
 # Hopper's per-CTA dynamic shared memory (227 KiB), what the export assumes without a GPU.
 SMEM_LIMIT = 227 * 1024
@@ -190,14 +231,16 @@ def interpreter_runs_kernel() -> bool:
 
 # Primitives whose body is inlined before the kernel is lowered: the Mosaic-GPU lowering
 # has no rule for a custom derivative (jax.nn.relu, jnp.logaddexp are custom_jvp) and the
-# forward pass needs only the primal computation.
+# kernels need only the primal computation (the backward's map derivatives are traced
+# forward-mode products, already plain primitives).
 _INLINE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
            "custom_vjp_call_jaxpr": "fun_jaxpr", "pjit": "jaxpr", "jit": "jaxpr",
            "closed_call": "call_jaxpr"}
 
 
 def _eval_inlined(jaxpr, consts, args):
-  """Evaluates ``jaxpr`` with every primitive of :data:`_INLINE` replaced by its body."""
+  """Evaluates ``jaxpr`` with every primitive of :data:`_INLINE` replaced by its body (and
+  a negative integer power by the reciprocal of a positive one, ``add_any`` by ``add``)."""
   from jax.extend import core as jex_core
 
   env: dict[Any, Any] = {}
@@ -216,6 +259,13 @@ def _eval_inlined(jaxpr, consts, args):
         outs = _eval_inlined(inner.jaxpr, inner.consts, invals)
       else:
         outs = _eval_inlined(inner, (), invals)
+    elif eqn.primitive.name == "add_any":  # a sum of tangents, as the lowering knows it
+      outs = [jax.lax.add(*invals)]
+    elif eqn.primitive.name == "integer_pow" and eqn.params["y"] < 0:
+      # x^-p as 1 / x^p (the lowering has integer powers >= 2 and x^-1 only; a
+      # derivative of 1 / (1 - x), stablemax's, is t x^-2)
+      x, p = invals[0], -eqn.params["y"]
+      outs = [1.0 / (x if p == 1 else jax.lax.integer_pow(x, p))]
     else:
       outs = eqn.primitive.bind(*invals, **eqn.params)
       if not eqn.primitive.multiple_results:
@@ -325,8 +375,23 @@ def _uses_length(rule: _spec.TileRule) -> bool:
   return rule.score_map not in (_spec.identity_score_map, _spec.temperature_score_map)
 
 
-def _forward(cfg: _Cfg, q, k, v, interpret):
-  """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H]; returns [B, Tp, N, H]."""
+def _stat_names(cfg: _Cfg) -> tuple[str, ...]:
+  """The per-row statistics the forward saves for the backward (each ``[B, N, Tp]``
+  float32): ``lse2 = m2 + log2 D`` (class E in the exp2 domain), ``m`` and ``1 / D``
+  (other class-E rules), ``1 / D`` (class S), none (class P)."""
+  kind = cfg.spec.kernel_class
+  if kind == "P":
+    return ()
+  if cfg.exp2:
+    return ("lse2",)
+  if kind == "E":
+    return ("m", "inv")
+  return ("inv",)
+
+
+def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
+  """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H]; returns [B, Tp, N, H]
+  (``save_stats``: and the tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -362,10 +427,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
   def bcast(row, shape):
     return lax.broadcast_in_dim(row, shape, [0])
 
-  def kernel(q_ref, k_ref, v_ref, out_ref, scoped):
+  stat_names = _stat_names(cfg) if save_stats else ()
+
+  def kernel(q_ref, k_ref, v_ref, out_ref, st_refs, scoped):
     bi = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
-    smem, loaded, consumed, schedule_barrier = scoped
+    smem, loaded, consumed, schedule_barrier, st_smem2 = scoped
     wg = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem
     k_loaded, v_loaded, q_loaded = loaded
@@ -556,9 +623,20 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
           d = d + offset(m_nat, length_row, **hp)
         inv = jnp.where(d > 0.0, 1.0 / jnp.where(d > 0.0, d, 1.0), 0.0)
         acc = acc * bcast(inv, acc.shape)
+        for name, st_smem in zip(stat_names, st_smem2, strict=True):
+          if name == "lse2":  # +inf where D = 0: the backward's 2^(z2 - lse2) is 0 there
+            val = jnp.where(d > 0.0, m_i + jnp.log(jnp.where(d > 0.0, d, 1.0)) * LOG2E,
+                            jnp.inf)
+          elif name == "m":
+            val = m_i
+          else:
+            val = inv
+          st_smem.at[wg][...] = val
       qo_smem[...] = acc.astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, bq), q_head])
+      for st_smem, st_ref in zip(st_smem2, st_refs, strict=True):
+        plgpu.copy_smem_to_gmem(st_smem.at[wg], st_ref.at[bi, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -580,7 +658,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
         plgpu.barrier_wait(v_consumed.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
-  def entry(q_ref, k_ref, v_ref, out_ref):
+  def entry(q_ref, k_ref, v_ref, out_ref, *st_refs):
     # 128-byte swizzled (8, 64) tiles of 16-bit elements, as wgmma reads them (every
     # head dim here is at least 64 elements = 128 bytes wide)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -588,12 +666,324 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
                plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
                plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, st_refs, args),
         scratch,
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=2),
+        tuple(plgpu.SMEM((2, bq), jnp.float32) for _ in stat_names),
+        collective_axes="wg",
+    )
+
+  kwargs: dict[str, Any] = {}
+  if interpret is not None:
+    kwargs["interpret"] = interpret
+  out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
+  if save_stats:
+    out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
+                             for _ in stat_names]
+  res = plgpu.kernel(
+      entry,
+      out_type=out_type,
+      grid=(n, tp // (2 * bq), b),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v)
+  if save_stats:
+    return res[0], tuple(res[1:])
+  return res
+
+
+# --- backward ------------------------------------------------------------------------------
+
+# The backward kernels' tiles: 64 query rows x 64 keys (one warpgroup's wgmma M = 64 each
+# way), a 2-slot TMA ring, and per CTA two consumer warpgroups at H <= 128, one at H = 256
+# (whose two 64 x 256 float32 accumulators already take 256 registers per thread: ptxas
+# will spill there; the issue keeps H = 256 on the Triton path).
+BWD_BLOCK = 64
+BWD_STAGES = 2
+
+
+def _bwd_wgs(head_dim: int) -> int:
+  return 2 if head_dim <= 128 else 1
+
+
+def bwd_smem_bytes(head_dim: int, dtype, normalizer="softmax") -> tuple[int, int]:
+  """Shared memory one CTA of each backward kernel allocates: ``(dQ kernel, dK/dV kernel)``
+  in bytes.
+
+  With ``W`` consumer warpgroups (2 for H <= 128, else 1), ``b = 64`` rows per tile and a
+  2-slot ring: the dQ kernel holds ``W`` query and output-gradient tiles (``2 W b H``) and
+  the ring of key and value tiles (``2 · 2 b H``), the dK/dV kernel ``W`` key and value
+  tiles and the ring of query and output-gradient tiles, at the input's item size; plus
+  the float32 row statistics (:func:`_stat_names`, and ``Δ``) per query tile. The lowering
+  adds barriers and alignment (:data:`SMEM_SLACK` is kept free).
+
+  Args:
+    head_dim: the head dimension H.
+    dtype: the input dtype (float16 or bfloat16).
+    normalizer: the normalizer (its class sets how many row statistics are streamed).
+
+  Returns:
+    ``(dq_bytes, dkv_bytes)``.
+
+  Examples:
+    >>> from kernels_pallas.mosaic_gpu import bwd_smem_bytes, SMEM_LIMIT, SMEM_SLACK
+    >>> max(bwd_smem_bytes(256, jnp.bfloat16, "softpick")) + SMEM_SLACK <= SMEM_LIMIT
+    True
+
+  References:
+    T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+    Partitioning", arXiv:2307.08691 (the two backward passes).
+  """
+  spec = _spec.resolve(normalizer)
+  kind = getattr(spec, "kernel_class", None)
+  tile = getattr(spec, "tile", None)
+  if kind not in ("E", "S", "P") or tile is None:
+    raise ValueError(f"bwd_smem_bytes: `normalizer` {getattr(spec, 'name', spec)!r} is not "
+                     "of class E, S or P with a tile rule")
+  n_stats = 0 if kind == "P" else (1 if (kind == "S" or _exp2_rule(tile)) else 2) + 1
+  item = jnp.dtype(dtype).itemsize
+  w, b = _bwd_wgs(head_dim), BWD_BLOCK
+  tiles = item * head_dim * (2 * w * b + 2 * BWD_STAGES * b)
+  return tiles + 4 * n_stats * w * b, tiles + 4 * n_stats * BWD_STAGES * b
+
+
+def _when(cond, f):
+  """``f()`` under ``pl.when(cond)``, or at once (or never) for a Python bool."""
+  from jax.experimental import pallas as pl
+  if isinstance(cond, bool):
+    if cond:
+      f()
+    return
+  pl.when(cond)(f)
+
+
+def _load_row(plgpu, ref, layout):
+  """``ref``'s 1-D float32 contents in ``layout`` (``plgpu.load``: an index argument on JAX
+  <= 0.11, none after)."""
+  import inspect
+  if "idx" in inspect.signature(plgpu.load).parameters:
+    return plgpu.load(ref, (), layout=layout)
+  return plgpu.load(ref, layout=layout)
+
+
+def _bwd_tile_fn(cfg: _Cfg):
+  """The tile rule's backward on one recomputed tile: ``tile(x, mask, stats, delta, dp,
+  length) -> (w, dx)`` with ``x`` the scaled logits (log2 domain for exp2 rules),
+  ``stats`` the saved row statistics and ``delta`` Δ broadcast to the tile, ``dp = dO·v``;
+  ``w`` the weights (for dV) and ``dx`` the cotangent of the natural-unit logits
+  ``scale·q·k`` (the caller multiplies the matmul by the scale). Derivatives of the maps
+  are forward-mode products ``jvp(f, z, t) = f'(z)·t`` (every map is elementwise in its
+  first argument), traced with custom derivatives inlined (:func:`_primal`)."""
+  rule = cfg.rule
+  hp = cfg.hp_dict
+  kind = cfg.spec.kernel_class
+  numerator, denominator = rule.numerator, rule.denominator
+  same = denominator is None or denominator is numerator
+  score_map = _primal(rule.score_map)
+
+  def jvp_of(f):
+    return _primal(lambda z, m, t: jax.jvp(lambda z_: f(z_, m, **hp), (z,), (t,)))
+
+  jvp_num = jvp_of(numerator)
+  jvp_den: Any = None if same else jvp_of(denominator)
+  jvp_score = _primal(lambda x, n, t: jax.jvp(lambda x_: rule.score_map(x_, n, **hp),
+                                               (x,), (t,))[1])
+  linear_identity = rule.score_map is _spec.identity_score_map
+
+  def tile(x, mask, stats, delta, dp, length):
+    if mask is not None:
+      x = jnp.where(mask, x, 0.0)
+    if cfg.exp2:  # w = 2^(z2 - lse2), dz = w (dP - Δ)
+      (lse2,) = stats
+      w = jnp.exp2(score_map(x, length, **hp) - lse2)
+      if mask is not None:
+        w = jnp.where(mask, w, 0.0)
+      dz = w * (dp - delta)
+    else:
+      z = score_map(x, length, **hp)
+      m: Any = stats[0] if kind == "E" else 0.0
+      inv: Any = stats[-1] if kind != "P" else None
+      if cfg.approx_sigmoid:  # w = σ(z) = 0.5 + 0.5 tanh(z / 2), σ' = w (1 - w)
+        w = 0.5 + 0.5 * jnp.tanh(0.5 * z)
+        dz = w * (1.0 - w) * dp
+      elif kind == "P":
+        w, dz = jvp_num(z, m, dp)
+      elif same:  # dz = num'(z) (dP - Δ) / D
+        num, dz = jvp_num(z, m, (dp - delta) * inv)
+        w = num * inv
+      else:  # dz = (num'(z) dP - den'(z) Δ) / D
+        num, dz = jvp_num(z, m, dp * inv)
+        dz = dz + jvp_den(z, m, -delta * inv)[1]
+        w = num * inv
+      if mask is not None:
+        w = jnp.where(mask, w, 0.0)
+    dx = dz if linear_identity else jvp_score(x, length, dz)
+    if mask is not None:
+      dx = jnp.where(mask, dx, 0.0)
+    return w, dx
+
+  return tile
+
+
+def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
+  """dQ on padded inputs: one CTA per ``W·64`` query rows of one (batch, head), a producer
+  warpgroup streaming key and value tiles through the ring (causal: only the blocks the
+  rows see), ``W`` consumer warpgroups accumulating ``dQ = scale · sum_j dx_ij k_j``."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq = bk = BWD_BLOCK
+  wgs = _bwd_wgs(h)
+  n_kv = sp // bk
+  s_full = cfg.s // bk
+  stages = min(BWD_STAGES, n_kv)
+  dtype = q.dtype
+  n_rows = len(rows)
+  layout = plgpu.Layout.WGMMA
+  row_layout = layout.reduce(1)
+  c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
+  tile = _bwd_tile_fn(cfg)
+  has_delta = cfg.spec.kernel_class != "P"
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, scoped):
+    (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
+        row_bar, consumed = scoped
+    bi = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    q_tile = lax.axis_index("q_seq")
+    cta_steps: Any = n_kv
+    if cfg.causal:
+      cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * (wgs * bq), jnp.array(bk, jnp.int32)),
+                              n_kv)
+
+    @pl.when(wg < wgs)
+    def _consumer():
+      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+      q_base = q_tile * (wgs * bq) + wg * bq
+      sl = (bi, pl.ds(q_base, bq), q_head)
+      plgpu.copy_gmem_to_smem(q_ref.at[sl], q_smem, q_bar.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[sl], do_smem, do_bar.at[wg])
+      for r_ref, r_smem, r_bar in zip(row_refs, row_smem2, row_bar, strict=True):
+        plgpu.copy_gmem_to_smem(r_ref.at[bi, q_head, pl.ds(q_base, bq)], r_smem.at[wg],
+                                r_bar.at[wg])
+      plgpu.barrier_wait(q_bar.at[wg])
+      plgpu.barrier_wait(do_bar.at[wg])
+      row_vals = []
+      for r_smem, r_bar in zip(row_smem2, row_bar, strict=True):
+        plgpu.barrier_wait(r_bar.at[wg])
+        row_vals.append(_load_row(plgpu, r_smem.at[wg], row_layout))
+
+      kv_steps: Any = n_kv
+      full_steps: Any = s_full
+      if cfg.causal:
+        kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), n_kv)
+        full_steps = jnp.minimum(lax.div(q_base, jnp.array(bk, jnp.int32)), s_full)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
+
+      def step(kv_step, dq_acc, masked: bool = False):
+        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        plgpu.barrier_wait(k_loaded.at[slot])
+
+        def compute_s(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem.at[slot]))
+          return acc_ref[...]
+
+        s = pl.run_scoped(compute_s, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_wait(v_loaded.at[slot])
+
+        def compute_dp(acc_ref):
+          plgpu.wgmma(acc_ref, do_smem, _transposed(plgpu, v_smem.at[slot]))
+          return acc_ref[...]
+
+        dp = pl.run_scoped(compute_dp, plgpu.ACC((bq, bk), jnp.float32))
+        mask = None
+        if masked:
+          k_pos = iota(1) + kv_step * bk
+          mask = k_pos < cfg.s
+          if cfg.causal:
+            mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
+        length: Any = float(cfg.s)
+        if cfg.causal:
+          length = jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+        bc = [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in row_vals]
+        delta = bc.pop() if has_delta else None
+        _, dx = tile(s * c, mask, bc, delta, dp, length)
+
+        def compute_dq(acc_ref):
+          plgpu.wgmma(acc_ref, dx.astype(dtype), k_smem.at[slot])
+
+        dq_acc = pl.run_state(compute_dq)(plgpu.ACC.init(dq_acc))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq_acc
+
+      dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+      dq_acc = lax.fori_loop(0, full_steps, step, dq_acc)
+      dq_acc = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True),
+                             dq_acc)
+
+      def flush(kv_step, _):
+        # the blocks the producer loaded for the other warpgroup's longer causal loop:
+        # waited on (each barrier's phases in order) and released
+        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+
+      if cfg.causal and wgs > 1:
+        lax.fori_loop(kv_steps, cta_steps, flush, None)
+      q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[sl])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+
+      def load(step, slot):
+        sl = (bi, pl.ds(step * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
+
+      for i in range(stages):
+        _when(i < cta_steps, functools.partial(load, i, i))
+
+      @pl.loop(0, cta_steps - stages)
+      def _ring(kv_step):
+        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        plgpu.barrier_wait(consumed.at[slot])
+        load(kv_step + stages, slot)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, *refs):
+    row_refs, dq_ref = refs[:n_rows], refs[n_rows]
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (plgpu.SMEM((wgs, bq, h), dtype, transforms=transforms),
+            plgpu.SMEM((wgs, bq, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+            tuple(plgpu.SMEM((wgs, bq), jnp.float32) for _ in range(n_rows)))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, args),
+        smem,
+        (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        tuple(plgpu.Barrier(num_barriers=wgs) for _ in range(n_rows)),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
         collective_axes="wg",
     )
 
@@ -603,13 +993,228 @@ def _forward(cfg: _Cfg, q, k, v, interpret):
   return plgpu.kernel(
       entry,
       out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(n, tp // (2 * bq), b),
+      grid=(n, tp // (wgs * bq), b),
       grid_names=("heads", "q_seq", "batch"),
-      num_threads=3,
+      num_threads=wgs + 1,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       **kwargs,
-  )(q, k, v)
+  )(q, k, v, do, *rows)
+
+
+def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
+  """dK and dV per query head on padded inputs: one CTA per ``W·64`` keys of one (batch,
+  query head), a producer warpgroup streaming query, output-gradient and row-statistic
+  tiles through the ring (causal: from the first query block that sees the CTA's keys),
+  ``W`` consumer warpgroups accumulating, in the transposed orientation (keys as rows),
+  ``dV = sum_i w_ij dO_i`` and ``dK = scale · sum_i dx_ij q_i``. Returns ``(dK, dV)``,
+  each ``[B, Sp, N, H]`` (the GQA sum over a key head's query heads is the caller's)."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq = bk = BWD_BLOCK
+  wgs = _bwd_wgs(h)
+  n_q = tp // bq
+  dtype = q.dtype
+  n_rows = len(rows)
+  layout = plgpu.Layout.WGMMA
+  col_layout = layout.reduce(0)
+  c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
+  tile = _bwd_tile_fn(cfg)
+  has_delta = cfg.spec.kernel_class != "P"
+  stages = min(BWD_STAGES, n_q)
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, scoped):
+    (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
+        row_loaded, consumed = scoped
+    bi = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    wg = lax.axis_index("wg")
+    kv_tile = lax.axis_index("kv_seq")
+    cta_start: Any = 0
+    if cfg.causal:
+      cta_start = jnp.minimum(lax.div(kv_tile * (wgs * bk), jnp.array(bq, jnp.int32)), n_q)
+
+    def slot_of(step):
+      return lax.rem(step - cta_start, jnp.array(stages, jnp.int32))
+
+    @pl.when(wg < wgs)
+    def _consumer():
+      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+      k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+      kv_base = kv_tile * (wgs * bk) + wg * bk
+      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+      sl = (bi, pl.ds(kv_base, bk), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, k_bar.at[wg])
+      plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, v_bar.at[wg])
+      plgpu.barrier_wait(k_bar.at[wg])
+      plgpu.barrier_wait(v_bar.at[wg])
+      start: Any = 0
+      full: Any = 0
+      if cfg.causal:
+        # query blocks before `start` see none of these keys; from `full` on, all of them
+        start = jnp.minimum(lax.div(kv_base, jnp.array(bq, jnp.int32)), n_q)
+        full = jnp.minimum(pl.cdiv(kv_base + bk - 1, jnp.array(bq, jnp.int32)), n_q)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bk, bq), axis, layout=layout)
+
+      def wait_loaded(slot):
+        plgpu.barrier_wait(q_loaded.at[slot])
+        plgpu.barrier_wait(do_loaded.at[slot])
+        for r_bar in row_loaded:
+          plgpu.barrier_wait(r_bar.at[slot])
+
+      def step(q_step, carry, masked: bool = False):
+        dk_acc, dv_acc = carry
+        slot = slot_of(q_step)
+        wait_loaded(slot)
+
+        def compute_st(acc_ref):
+          plgpu.wgmma(acc_ref, k_smem, _transposed(plgpu, q_smem.at[slot]))
+          return acc_ref[...]
+
+        st = pl.run_scoped(compute_st, plgpu.ACC((bk, bq), jnp.float32))
+
+        def compute_dpt(acc_ref):
+          plgpu.wgmma(acc_ref, v_smem, _transposed(plgpu, do_smem.at[slot]))
+          return acc_ref[...]
+
+        dpt = pl.run_scoped(compute_dpt, plgpu.ACC((bk, bq), jnp.float32))
+        mask = None
+        if masked:
+          mask = iota(1) + q_step * bq >= iota(0) + kv_base
+        length: Any = float(cfg.s)
+        if cfg.causal:
+          length = jnp.minimum(iota(1) + (q_step * bq + 1), cfg.s).astype(jnp.float32)
+        bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
+              for r in row_smem]
+        delta = bc.pop() if has_delta else None
+        w, dx = tile(st * c, mask, bc, delta, dpt, length)
+
+        def compute(refs):
+          dv_ref_, dk_ref_ = refs
+          plgpu.wgmma(dv_ref_, w.astype(dtype), do_smem.at[slot])
+          plgpu.wgmma(dk_ref_, dx.astype(dtype), q_smem.at[slot])
+
+        dv_acc, dk_acc = pl.run_state(compute)((plgpu.ACC.init(dv_acc),
+                                                plgpu.ACC.init(dk_acc)))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dk_acc, dv_acc
+
+      def skip(q_step, _):
+        # blocks the producer loaded for the other warpgroup (whose keys come earlier):
+        # waited on (each barrier's phases in order) and released
+        slot = slot_of(q_step)
+        wait_loaded(slot)
+        plgpu.barrier_arrive(consumed.at[slot])
+
+      zeros = plgpu.layout_cast(jnp.full((bk, h), 0.0, jnp.float32), layout)
+      carry = (zeros, zeros)
+      if cfg.causal:
+        if wgs > 1:
+          lax.fori_loop(cta_start, start, skip, None)
+        carry = lax.fori_loop(start, full, functools.partial(step, masked=True), carry)
+      dk_acc, dv_acc = lax.fori_loop(full, n_q, step, carry)
+      k_smem[...] = (dk_acc * cfg.scale).astype(dtype)
+      v_smem[...] = dv_acc.astype(dtype)
+      plgpu.commit_smem()
+      out = (bi, pl.ds(kv_base, bk), q_head)
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out])
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == wgs)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(step, slot):
+        sl = (bi, pl.ds(step * bq, bq), q_head)
+        plgpu.copy_gmem_to_smem(q_ref.at[sl], q_smem.at[slot], q_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(do_ref.at[sl], do_smem.at[slot], do_loaded.at[slot])
+        for r_ref, r_smem, r_bar in zip(row_refs, row_smem, row_loaded, strict=True):
+          plgpu.copy_gmem_to_smem(r_ref.at[bi, q_head, pl.ds(step * bq, bq)],
+                                  r_smem.at[slot], r_bar.at[slot])
+
+      for i in range(stages):
+        _when(cta_start + i < n_q, functools.partial(load, cta_start + i, i))
+
+      @pl.loop(cta_start, n_q - stages)
+      def _ring(q_step):
+        slot = slot_of(q_step)
+        plgpu.barrier_wait(consumed.at[slot])
+        load(q_step + stages, slot)
+
+  def entry(q_ref, k_ref, v_ref, do_ref, *refs):
+    row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    smem = (plgpu.SMEM((wgs, bk, h), dtype, transforms=transforms),
+            plgpu.SMEM((wgs, bk, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),
+            plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),
+            tuple(plgpu.SMEM((stages, bq), jnp.float32) for _ in range(n_rows)))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, args),
+        smem,
+        (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+        tuple(plgpu.Barrier(num_barriers=stages) for _ in range(n_rows)),
+        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  kwargs: dict[str, Any] = {}
+  if interpret is not None:
+    kwargs["interpret"] = interpret
+  out = jax.ShapeDtypeStruct((b, sp, n, h), dtype)
+  return plgpu.kernel(
+      entry,
+      out_type=[out, out],
+      grid=(n, sp // (wgs * bk), b),
+      grid_names=("heads", "kv_seq", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      **kwargs,
+  )(q, k, v, do, *rows)
+
+
+def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret):
+  """(dq, dk, dv) of the unpadded inputs from the forward's output and row statistics."""
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  dtype = q.dtype
+  need = max(bwd_smem_bytes(h, dtype, cfg.spec))
+  if need + SMEM_SLACK > SMEM_LIMIT:  # (the fixed tiles fit every H accepted; kept honest)
+    raise ValueError(f"mosaic_gpu_attention: the backward at head dim {h} needs {need} bytes "
+                     f"of shared memory, over Hopper's {SMEM_LIMIT}")
+  wgs = _bwd_wgs(h)
+  tp = _round_up(t, 2 * cfg.block_q)  # the forward's padding (its statistics' length)
+  sp = _round_up(s, wgs * BWD_BLOCK)
+  g = g.astype(dtype)
+  pad_t = ((0, 0), (0, tp - t), (0, 0), (0, 0))
+  pad_s = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+  qp, dop = jnp.pad(q, pad_t), jnp.pad(g, pad_t)
+  kp, vp = jnp.pad(k, pad_s), jnp.pad(v, pad_s)
+  rows = tuple(stats)
+  if cfg.spec.kernel_class != "P":
+    # Δ_i = dO_i · O_i (float32), 0 on the padded rows
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), g.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    rows = rows + (jnp.pad(delta, ((0, 0), (0, 0), (0, tp - t))),)
+  dq = _bwd_dq(cfg, qp, kp, vp, dop, rows, interpret)[:, :t]
+  dk, dv = _bwd_dkv(cfg, qp, kp, vp, dop, rows, interpret)
+  groups = n // kh
+
+  def head_sum(x):  # [B, Sp, N, H] -> [B, S, K, H]: each key head's query heads summed
+    x = x[:, :s].reshape(b, s, kh, groups, h)
+    return x.astype(jnp.float32).sum(axis=3).astype(dtype) if groups > 1 else x[:, :, :, 0]
+
+  return dq, head_sum(dk), head_sum(dv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
@@ -623,13 +1228,19 @@ def _attention(cfg: _Cfg, q, k, v, interpret):
 
 
 def _attention_fwd(cfg, q, k, v, interpret):
-  return _attention(cfg, q, k, v, interpret), None
+  bq2 = 2 * cfg.block_q
+  tp, sp = _round_up(cfg.t, bq2), _round_up(cfg.s, cfg.block_k)
+  qp = jnp.pad(q, ((0, 0), (0, tp - cfg.t), (0, 0), (0, 0)))
+  kp = jnp.pad(k, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  vp = jnp.pad(v, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True)
+  out = out[:, :cfg.t]
+  return out, (q, k, v, out, stats)
 
 
 def _attention_bwd(cfg, interpret, res, g):
-  raise NotImplementedError(
-      "mosaic_gpu_attention has no backward pass yet (forward only); use "
-      "kernels_pallas.attention or jaxsoft.attention.dot_product_attention for gradients")
+  q, k, v, out, stats = res
+  return _backward(cfg, q, k, v, out, stats, g, interpret)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -655,8 +1266,11 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
   warpgroup feeds two ``wgmma`` consumer warpgroups through a shared-memory ring
   (module docstring).
 
+  Differentiable: ``jax.grad`` runs two backward kernels (dK/dV, dQ) that recompute the
+  weights from the forward's saved row statistics (module docstring, per-class formulas).
+
   **Unverified on hardware**: lowered for CUDA and checked in Pallas's GPU interpreter
-  only; not used by ``implementation="pallas"``. Forward only: ``jax.grad`` raises.
+  only; not used by ``implementation="pallas"``.
 
   Args:
     query: ``[B, T, N, H]`` float16 or bfloat16, H in {64, 128, 256}.
@@ -722,14 +1336,10 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     if jnp.ndim(x) != 4:
       raise ValueError(f"mosaic_gpu_attention: `{arg}` must be [B, T, N, H], got shape "
                        f"{jnp.shape(x)}")
-  b, t, n, h = query.shape
-  if key.shape[0] != b or key.shape[3] != h or value.shape != key.shape:
-    raise ValueError(f"mosaic_gpu_attention: `key` and `value` must be [B, S, K, H] = "
-                     f"[{b}, S, K, {h}] alike, got {key.shape} and {value.shape}")
-  s, kh = key.shape[1], key.shape[2]
-  if n % kh:
-    raise ValueError(f"mosaic_gpu_attention: the query heads ({n}) must be a multiple of "
-                     f"the key heads ({kh}) of `key`")
+  b, t, n, h, s, kh = gqa_dims(query, key, value, "mosaic_gpu_attention")
+  if value.shape[3] != h:
+    raise ValueError(f"mosaic_gpu_attention: `value` must have the head dim of `key` ({h}), "
+                     f"got {value.shape}")
   dtype = jnp.dtype(query.dtype)
   if dtype not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"mosaic_gpu_attention: `query` must be float16 or bfloat16, got {dtype}")

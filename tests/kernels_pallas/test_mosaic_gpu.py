@@ -1,16 +1,19 @@
-"""The Mosaic-GPU (Hopper) attention forward, verified without a GPU.
+"""The Mosaic-GPU (Hopper) attention forward and backward, verified without a GPU.
 
 Two checks need no accelerator:
 
 * ``jax.export(..., platforms=["cuda"])`` runs the whole Mosaic-GPU lowering for sm_90a
   with Hopper's 227 KiB of shared memory: layouts, wgmma shapes, TMA transforms, dtype
   and shared-memory overflow errors surface there. Every class x dtype x causal x head
-  dim (under ``-m slow``; a sample covering each value by default).
+  dim, for the forward and for ``jax.grad`` (the forward saving its row statistics, the
+  dQ and dK/dV kernels) (under ``-m slow``; a sample covering each value by default).
 * Pallas's GPU interpreter runs the kernel on a CPU (warpgroups, TMA ring and barriers
   simulated) and is compared with an independent float64 numpy reference
   (``tests/reference_f64.py``). JAX 0.10's interpreter has no rule for ``pl.run_state``
   (the accumulator handed to the second wgmma): there the test asserts the kernel's clear
-  UnsupportedError instead; JAX 0.12.1 (the newest-JAX CI subset) runs the numerics.
+  UnsupportedError instead; JAX 0.12.1 (the newest-JAX CI subset) runs the numerics, the
+  gradients against the float64 gradients of the dense path (``jax.vjp`` of the
+  normalizer's own function under ``jax.enable_x64``).
 """
 
 from __future__ import annotations
@@ -102,7 +105,7 @@ def test_shared_memory_overflow_is_caught_by_the_export_and_the_wrapper():
     (dict(block_k=96), "multiple of 64"),
     (dict(block_q=128), "`block_q` must be 64"),
     (dict(num_stages=1), "at least 2"),
-    (dict(kh=3), "multiple of the key heads"),
+    (dict(kh=3), "multiple of the key/value heads"),
     (dict(normalizer_params={"temperature": jnp.ones(())}), "Python number"),
     (dict(normalizer="sigmoid", rescale_threshold=8.0), "`rescale_threshold` needs a class-E"),
     (dict(rescale_threshold=-1.0), "`rescale_threshold` must be None or a number"),
@@ -137,11 +140,61 @@ def test_causal_refused_on_the_cuda_versions_that_miscompile_it(monkeypatch, ver
     assert mga._check_cuda_for_causal() is None
 
 
-def test_gradient_raises_rather_than_returning_something():
-  q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
-  f = lambda q: kp.mosaic_gpu_attention(q, q, q).astype(jnp.float32).sum()
-  with pytest.raises(NotImplementedError, match="no backward pass"):
-    jax.export.export(jax.jit(jax.grad(f)), platforms=["cuda"])(q)
+def _export_grad(normalizer, dtype, causal, h, *, b=1, t=200, s=None, n=4, kh=2, **kw):
+  s = t if s is None else s
+  q = jax.ShapeDtypeStruct((b, t, n, h), dtype)
+  k = jax.ShapeDtypeStruct((b, s, kh, h), dtype)
+
+  def loss(q, k, v):
+    out = kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal, **kw)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  return jax.export.export(jax.jit(grad), platforms=["cuda"])(q, k, k).mlir_module()
+
+
+def _grad_lowers(normalizer, dtype, causal, h):
+  mlir = _export_grad(normalizer, jnp.dtype(dtype), causal, h)
+  # the forward (saving its row statistics), the dQ kernel and the dK/dV kernel; class P
+  # saves nothing and its backward needs no Δ = dO·O, so the forward of a loss that only
+  # differentiates is dead code there
+  calls = 2 if get_spec(normalizer).kernel_class == "P" else 3
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == calls, mlir[:2000]
+
+
+# by default (each export of three kernels takes seconds): class E in the exp2 domain with
+# an offset, causal, bf16; the matrix (every class x dtype x causal x head dim, H = 256
+# with one consumer warpgroup per backward CTA) under -m slow
+GRAD_SAMPLE = [("softmax_1", "bfloat16", True, 64)]
+
+
+@pytest.mark.parametrize("case", GRAD_SAMPLE, ids=["-".join(map(str, c)) for c in GRAD_SAMPLE])
+def test_gradient_lowers_for_cuda(case):
+  _grad_lowers(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
+def test_gradient_lowers_for_cuda_full_matrix(case):
+  _grad_lowers(*case)
+
+
+def test_backward_shared_memory_fits_every_head_dim():
+  """The backward kernels' fixed tiles (two consumer warpgroups at H <= 128, one at 256)
+  fit Hopper's 227 KiB for every class (the export of each H is in the matrix)."""
+  for h in (64, 128, 256):
+    for nm in ("softmax", "softpick", "stablemax", "sigmoid"):
+      assert max(mga.bwd_smem_bytes(h, jnp.bfloat16, nm)) + mga.SMEM_SLACK <= mga.SMEM_LIMIT
+  with pytest.raises(ValueError, match="not of class E, S or P"):
+    mga.bwd_smem_bytes(64, jnp.bfloat16, "sparsemax")
+
+
+@pytest.mark.slow
+def test_backward_shared_memory_count_is_not_an_underestimate():
+  """At H = 256 the class with the most row statistics (softpick: m, 1/D and Δ) lowers:
+  the export (227 KiB assumed) accepts what bwd_smem_bytes counted."""
+  mlir = _export_grad("softpick", jnp.bfloat16, True, 256, t=256, n=1, kh=1)
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 3
 
 
 def _inputs(seed, b, t, s, n, kh, h, dtype):
@@ -254,4 +307,151 @@ def test_pipeline_has_no_data_race():
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
   params = mga.gpu_interpret_params(detect_races=True)
   _check_numerics("softmax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
+  assert not ipc.get_races().races_found
+
+
+def _reference_grads(normalizer, q, k, v, do, causal, scale, hp):
+  """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
+  ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on the
+  kernel's rounding error (docstring of :func:`_check_grads`)."""
+  import jaxsoft.normalizers as jn
+
+  spec = jn.get(normalizer)
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
+    grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, causal, scale, hp))(*args)
+    return [np.asarray(a) for a in grads], [np.asarray(a) for a in bounds]
+
+
+def _grads_and_bounds(spec, q, k, v, do, causal, scale, hp):
+  """The reference gradients and bounds as one traced function (jitted by the caller:
+  eager float64 operations would each compile)."""
+  rule = spec.tile
+  g = q.shape[2] // k.shape[2]
+  t, s = q.shape[1], k.shape[1]
+  where = jnp.tril(jnp.ones((t, s), bool)) if causal else jnp.ones((t, s), bool)
+
+  def attend(q, k, v):
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = scale * jnp.einsum("bthd,bshd->bhts", q, k)
+    w = spec.fn(logits, where=where[None, None], **hp)
+    return jnp.einsum("bhts,bshd->bthd", w, v), w, logits
+
+  (out, w, x), vjp = jax.vjp(attend, q, k, v)
+  grads = vjp((do, jnp.zeros_like(w), jnp.zeros_like(x)))
+  # magnitudes: dz = (num'(z) dP - den'(z) Δ) / D, dx = score_map'(x) dz (fixed m)
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  dp = jnp.einsum("bthd,bshd->bhts", do, vv)
+  bound_o = jnp.einsum("bhts,bshd->bthd", jnp.abs(w), jnp.abs(vv))
+  delta_mag = jnp.einsum("bthd,bthd->bht", jnp.abs(do), bound_o)[..., None]
+  n = jnp.sum(where, axis=-1, keepdims=True).astype(jnp.float64)
+  xs = jnp.where(where, x, 0.0)
+  z = rule.score_map(xs, n, **hp)
+  m = jnp.max(jnp.where(where, z, -jnp.inf), axis=-1, keepdims=True) if rule.uses_max \
+      else jnp.zeros_like(n)
+  ones = jnp.ones_like(z)
+  num = lambda z_: rule.numerator(z_, m, **hp)
+  _, dnum = jax.jvp(num, (z,), (ones,))
+  _, dscore = jax.jvp(lambda x_: rule.score_map(x_, n, **hp), (xs,), (ones,))
+  if rule.normalized:
+    den_fn = rule.denominator
+    den, dden = jax.jvp(lambda z_: den_fn(z_, m, **hp), (z,), (ones,))
+    d = jnp.sum(jnp.where(where, den, 0.0), axis=-1, keepdims=True)
+    if rule.offset is not None:
+      d = d + rule.offset(m, n, **hp)
+    mag = (jnp.abs(dnum) * jnp.abs(dp) + jnp.abs(dden) * delta_mag) / d
+  else:
+    mag = jnp.abs(dnum) * jnp.abs(dp)
+  mag = jnp.where(where, jnp.abs(dscore) * mag, 0.0)
+  bq = scale * jnp.einsum("bhts,bshd->bthd", mag, jnp.abs(kk))
+  bk = scale * jnp.einsum("bhts,bthd->bshd", mag, jnp.abs(q))
+  bv = jnp.einsum("bhts,bthd->bshd", jnp.abs(w), jnp.abs(do))
+  b_, s_, kh, h = k.shape
+  bk = bk.reshape(b_, s_, kh, g, h).sum(3)
+  bv = bv.reshape(b_, s_, kh, g, h).sum(3)
+  return grads, (bq, bk, bv)
+
+
+def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=True, b=1):
+  """Gradients of the GPU-interpreted kernel against the float64 dense gradients.
+
+  Error bounds (u the input dtype's unit roundoff): the kernel rounds ``dx`` (and the
+  weights) to the input dtype before each matmul (u relative), computes Δ from the
+  rounded output (whose error is at most 2.2u sum_j |w_j||v_j|, the forward's test: so Δ
+  is within 3.2u Δmag, Δmag = sum_h |dO_h| sum_j |w_j||v_jh|), and rounds each per-head
+  gradient and the GQA sum once more. With ``M = |score'| (|num'| |dP| + |den'| Δmag) / D``
+  bounding ``|dx|`` and its error by 4.2u M: |dQ - ref| <= 5.2u scale sum_j M|k|,
+  |dK - ref| <= 6.2u scale sum_i M|q|, |dV - ref| <= 3u sum_i |w||dO|; 8u is used for
+  each (float32 sums far below that). Plus 1e-6 absolute: float16 weights below 2^-14
+  are subnormal, with an absolute spacing of 2^-24 (6e-8) instead of a relative u (a
+  key seen by one query with a weight of 5e-6 gets a relative error of 8u in dV)."""
+  hp = dict(hp or {})
+  q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
+  do = _inputs(1, b, t, t, n, n, h, dtype)[0]
+
+  def call(q, k, v):
+    return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                   normalizer_params=hp, interpret=interpret)
+
+  if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      jax.vjp(call, q, k, v)
+    return
+  _, vjp = jax.vjp(call, q, k, v)
+  got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
+  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp)
+  u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
+  for name, a, r, bound in zip("qkv", got, ref, bounds, strict=True):
+    err = np.abs(a - r)
+    ok = err <= 8 * u * bound + 1e-6
+    assert np.all(ok), (name, err.max(), (err / (bound + 1e-30)).max() / u)
+    # not vacuous: a gradient of order one, and a bound not loose by orders of magnitude
+    assert np.abs(r).max() > 0.05, (name, np.abs(r).max())
+
+
+GRADS = [
+    ("softmax_1", True, "float16", 100, 100, 2, 1, 64),  # odd lengths, GQA, causal
+    ("softmax_1", False, "bfloat16", 128, 200, 2, 2, 64),
+    ("stablemax", True, "bfloat16", 130, 130, 2, 1, 64),
+    ("stablemax", False, "float16", 128, 70, 1, 1, 64),
+    ("sigmoid", True, "float16", 128, 128, 2, 1, 64),
+    ("sigmoid", False, "bfloat16", 64, 130, 1, 1, 64),
+]
+
+
+@pytest.mark.parametrize("case", GRADS, ids=[f"{c[0]}-{c[1]}" for c in GRADS])
+def test_interpret_gradients_match_float64_reference(case):
+  """dQ, dK, dV of one normalizer per class (E with an offset in the exp2 domain, S, P's
+  tanh sigmoid), causal and not, under the GPU interpreter."""
+  normalizer, causal, dtype, t, s, n, kh, h = case
+  _check_grads(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h)
+
+
+GRADS_SLOW = [
+    ("softpick", True, "bfloat16", 128, 128, 2, 1, 64, {}),  # E, numerator != denominator
+    ("softmax", False, "float16", 128, 128, 1, 1, 64, {"temperature": 2.0}),
+    ("ssmax", True, "float16", 128, 128, 1, 1, 64, {}),  # length-dependent score map
+    ("relu", True, "bfloat16", 128, 128, 1, 1, 64, {}),  # P, custom_jvp map
+    ("softmax", True, "bfloat16", 128, 128, 2, 1, 256, {}),  # one warpgroup per CTA
+    ("softmax", True, "bfloat16", 256, 256, 2, 1, 128, {}),  # several blocks per loop
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRADS_SLOW, ids=[f"{c[0]}-{c[1]}-{c[7]}" for c in GRADS_SLOW])
+def test_interpret_gradients_matrix(case):
+  normalizer, causal, dtype, t, s, n, kh, h, hp = case
+  _check_grads(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+
+
+@pytest.mark.slow
+def test_backward_pipeline_has_no_data_race():
+  """The race detector over both backward kernels' rings (causal: the dK/dV warpgroups
+  start at different query blocks, the dQ warpgroups stop at different key blocks)."""
+  if not mga.interpreter_runs_kernel():
+    _check_grads("softmax", True, jnp.float16, 256, 256, 1, 1, 64)  # asserts the error
+    return
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  _check_grads("softmax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
   assert not ipc.get_races().races_found
