@@ -182,7 +182,17 @@ def name_parameters(module: nnx.Module, names: Mapping[str, Names]) -> None:
       node.set_metadata(out_sharding=names[key], eager_sharding=False)
 
 
-class LinearMixer(js_nn.LinearMixer):
+class _PositionFree:
+  """A mixer without a position encoding: ``layer(x, positions)`` ignores ``positions`` (the
+  layer's own structure orders the tokens: a causal convolution and decays, causal pools and
+  a window, a forget gate) and applies the ``jaxsoft.nn`` module it extends to ``x``."""
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    del positions
+    return super().__call__(x)  # type: ignore[misc]
+
+
+class LinearMixer(_PositionFree, js_nn.LinearMixer):
   """A linear-attention layer of kind ``kind`` (one of ``config.LINEAR_KINDS``):
   :class:`jaxsoft.nn.LinearMixer` configured from ``cfg``, with the decoding-cache interface
   of the other mixers (``init_cache``, ``step(x, position, cache)``)."""
@@ -202,10 +212,6 @@ class LinearMixer(js_nn.LinearMixer):
     name_parameters(self, PARAMETER_NAMES["LinearMixer"])
     if hasattr(self, "gk2"):  # GLA: ``gk`` is W^1, the bottleneck's first half
       name_parameters(self, {"gk/kernel": ("embed", None)})
-
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    del positions  # no positional encoding: the convolution and the decays order the tokens
-    return super().__call__(x)
 
   def init_cache(self, batch: int, max_len: int) -> dict[str, Any]:
     """Zero convolution window and the zero recurrent state (shaped by the kind's step)."""
@@ -336,7 +342,7 @@ class ControlAttention(RecomputedDecoding, js_nn.AttentionControl):
     return self.out(mixed.reshape(*mixed.shape[:-2], -1))
 
 
-class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
+class PoNetLayer(_PositionFree, RecomputedDecoding, js_nn.PoNetMixer):
   """PoNet's pooling mixer (``ponet``, A51): :class:`jaxsoft.nn.PoNetMixer` with
   ``causal=True`` (a reconstruction: the paper's model is an encoder), segments of
   ``--block_size`` tokens and a local window of 3."""
@@ -352,13 +358,8 @@ class PoNetLayer(RecomputedDecoding, js_nn.PoNetMixer):
     self.width, self.cache_dtype = cfg.d_model, dtype
     name_parameters(self, PARAMETER_NAMES["PoNetLayer"])
 
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
-               ) -> jax.Array:
-    del positions  # no positional encoding: the causal pools and the window order the tokens
-    return super().__call__(x)
 
-
-class FoXProLayer(RecomputedDecoding, js_nn.FoXProAttention):  # type: ignore[misc]
+class FoXProLayer(_PositionFree, RecomputedDecoding, js_nn.FoXProAttention):  # type: ignore[misc]
   """The Forgetting Transformer's Pro block (``fox_pro``, A08):
   :class:`jaxsoft.nn.FoXProAttention` with every part on (forget gate, KV shift, QK-norm,
   output norm, output gate) and no position encoding, as in the paper; decoding by
@@ -374,11 +375,6 @@ class FoXProLayer(RecomputedDecoding, js_nn.FoXProAttention):  # type: ignore[mi
                      param_dtype=jnp.float32, rngs=rngs)
     self.width, self.cache_dtype = cfg.d_model, dtype
     name_parameters(self, PARAMETER_NAMES["FoXProLayer"])
-
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None  # type: ignore[override]
-               ) -> jax.Array:
-    del positions  # FoX needs no position encoding: the forget gate orders the tokens
-    return super().__call__(x)
 
 
 # The layers besides the normalizer block: kind -> builder (cfg, kind, layer_idx, *, rngs).
