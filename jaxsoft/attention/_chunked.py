@@ -76,7 +76,7 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
-from jaxsoft.attention.masks import MaskStructure
+from jaxsoft.attention.masks import MaskStructure, pad_axis
 from jaxsoft.attention.posinf import with_posinf_rule
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import tile
@@ -93,16 +93,6 @@ BLOCK_K = 512
 
 def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
-
-
-def _pad_axis(a, axis: int, new: int, mode="constant", value=0):
-  if a is None or a.shape[axis] == new or a.shape[axis] == 1:
-    return a
-  pad = [(0, 0)] * a.ndim
-  pad[axis] = (0, new - a.shape[axis])
-  if mode == "edge":
-    return jnp.pad(a, pad, mode="edge")
-  return jnp.pad(a, pad, constant_values=value)
 
 
 def _slice(a, start, size: int, axis: int):
@@ -822,7 +812,7 @@ def _params_5d(value, N: int, K: int, G: int, T: int, Tp: int, dtype):
   a = a.reshape((1,) * (4 - a.ndim) + a.shape)
   a = _heads5(a, N, K, G)
   if a.shape[3] == T and T != 1:
-    a = _pad_axis(a, 3, Tp, mode="edge")
+    a = pad_axis(a, 3, Tp, mode="edge")
   return a
 
 
@@ -915,19 +905,19 @@ def _chunked_attention(call, block_q: int | None = None, block_k: int | None = N
   cdt = compute_dtype(q.dtype)  # float32, or float64 for float64 inputs
   # differentiable inputs in the compute dtype, GQA view of q with the scale folded in
   qs = (q.astype(cdt) * call.scale).reshape(B, T, K, G, H)
-  qs = _pad_axis(jnp.transpose(qs, (0, 2, 3, 1, 4)), 3, Tp)
-  k4 = _pad_axis(jnp.transpose(k.astype(cdt), (0, 2, 1, 3)), 2, Sp)
-  v4 = _pad_axis(jnp.transpose(v.astype(cdt), (0, 2, 1, 3)), 2, Sp)
+  qs = pad_axis(jnp.transpose(qs, (0, 2, 3, 1, 4)), 3, Tp)
+  k4 = pad_axis(jnp.transpose(k.astype(cdt), (0, 2, 1, 3)), 2, Sp)
+  v4 = pad_axis(jnp.transpose(v.astype(cdt), (0, 2, 1, 3)), 2, Sp)
   bias = None
   if call.bias is not None:
     bias = _heads5(call.bias.astype(cdt), N, K, G)
-    bias = _pad_axis(_pad_axis(bias, 3, Tp), 4, Sp)
+    bias = pad_axis(pad_axis(bias, 3, Tp), 4, Sp)
   decay = None
   if call.decay_bias is not None:
     cq, ck = call.decay_bias
     decay = _RowColumnBias(
-        cq=_pad_axis(jnp.transpose(cq, (0, 2, 1)).reshape(B, K, G, T), 3, Tp, mode="edge"),
-        ck=_pad_axis(jnp.transpose(ck, (0, 2, 1)).reshape(B, K, G, S), 3, Sp, mode="edge"))
+        cq=pad_axis(jnp.transpose(cq, (0, 2, 1)).reshape(B, K, G, T), 3, Tp, mode="edge"),
+        ck=pad_axis(jnp.transpose(ck, (0, 2, 1)).reshape(B, K, G, S), 3, Sp, mode="edge"))
   static_hp, hp, hp_int = [], {}, {}
   for name, value in {**spec.defaults, **call.params}.items():
     if isinstance(value, (jax.Array, np.ndarray)) and jnp.issubdtype(value.dtype, jnp.floating):
@@ -942,17 +932,17 @@ def _chunked_attention(call, block_q: int | None = None, block_k: int | None = N
   mask = None
   if call.mask is not None:
     mask = _heads5(call.mask, N, K, G)
-    mask = _pad_axis(_pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
+    mask = pad_axis(pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
   ranges = st.row_ranges()  # one search for the block ranges and the counts
   kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk, ranges)
   prune = None
   if call.decay_prune_threshold is not None and decay is not None:
     prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)
-  counts = _pad_axis(st.visible_counts(ranges, cdt), 1, Tp, value=0.0)  # [B|1, Tp]
+  counts = pad_axis(st.visible_counts(ranges, cdt), 1, Tp, value=0.0)  # [B|1, Tp]
   aux = _Aux(
       structure=st, mask=mask,
-      q_seg=_pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,
-      kv_seg=_pad_axis(st.kv_segment_ids, 1, Sp, mode="edge") if st.has_segments else None,
+      q_seg=pad_axis(st.q_segment_ids, 1, Tp, mode="edge") if st.has_segments else None,
+      kv_seg=pad_axis(st.kv_segment_ids, 1, Sp, mode="edge") if st.has_segments else None,
       counts=counts.reshape(counts.shape[0], 1, 1, Tp, 1), kb_lo=kb_lo, kb_hi=kb_hi,
       prune=prune, hp_int=hp_int,
       kt=lax.stop_gradient(jnp.swapaxes(k4, -1, -2)),

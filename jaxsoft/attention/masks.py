@@ -37,6 +37,7 @@ __all__ = [
     "normalize_segment_ids",
     "positions_visible",
     "table_ranges",
+    "pad_axis",
 ]
 
 # Segment ids of query rows / key columns that see nothing (past a sequence length, or
@@ -142,6 +143,30 @@ def table_ranges(table, axis: int):
   lo = jnp.argmax(table, axis=axis).astype(jnp.int32)
   hi = (n - jnp.argmax(jnp.flip(table, axis=axis), axis=axis)).astype(jnp.int32)
   return jnp.where(any_, lo, 0), jnp.where(any_, hi, 0)
+
+
+def pad_axis(a, axis: int, size: int, *, value=0, mode: str = "constant"):
+  """``a`` padded at the end of ``axis`` to ``size`` (a tile multiple), for blockwise loops.
+
+  The new entries are ``value`` (``mode="constant"``: ``-inf`` for a bias, False for a
+  mask, 0 for data) or copies of the last entry (``mode="edge"``: segment ids and decay
+  cumsums, so a padded column carries its row's id and decay). ``a`` comes back unchanged
+  when it is None, already ``size`` long, or of length 1 along ``axis`` (it broadcasts).
+
+  Examples:
+    >>> from jaxsoft.attention.masks import pad_axis
+    >>> pad_axis(jnp.array([[1, 2, 3]]), 1, 5, value=-1)
+    Array([[ 1,  2,  3, -1, -1]], dtype=int32)
+    >>> pad_axis(jnp.array([[7, 8]]), 1, 4, mode="edge")
+    Array([[7, 8, 8, 8]], dtype=int32)
+  """
+  if a is None or a.shape[axis] == size or a.shape[axis] == 1:
+    return a
+  widths = [(0, 0)] * a.ndim
+  widths[axis] = (0, size - a.shape[axis])
+  if mode == "edge":
+    return jnp.pad(a, widths, mode="edge")
+  return jnp.pad(a, widths, constant_values=value)
 
 
 def _bounded_search(sorted_vals, lo, hi, x):

@@ -63,6 +63,7 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention._dense import dense_logits
+from jaxsoft.attention.masks import pad_axis
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers.common import compute_dtype
 
@@ -284,29 +285,20 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
   nq, nk = -(-T // bq), -(-S // bk)
   Tp, Sp = nq * bq, nk * bk
 
-  def pad(a, axis, size, value, mode="constant"):
-    if a is None or a.shape[axis] == 1 or a.shape[axis] == size:
-      return a
-    widths = [(0, 0)] * a.ndim
-    widths[axis] = (0, size - a.shape[axis])
-    if mode == "edge":
-      return jnp.pad(a, widths, mode="edge")
-    return jnp.pad(a, widths, constant_values=value)
-
-  bias_p = pad(pad(bias, 2, Tp, -jnp.inf), 3, Sp, -jnp.inf)
+  bias_p = pad_axis(pad_axis(bias, 2, Tp, value=-jnp.inf), 3, Sp, value=-jnp.inf)
   mask = None if call.mask is None else jnp.asarray(call.mask)
-  mask_p = pad(pad(mask, 2, Tp, False), 3, Sp, False)
-  q_p = pad(call.q, 1, Tp, 0)
-  k_p = pad(call.k, 1, Sp, 0)
+  mask_p = pad_axis(pad_axis(mask, 2, Tp, value=False), 3, Sp, value=False)
+  q_p = pad_axis(call.q, 1, Tp)
+  k_p = pad_axis(call.k, 1, Sp)
   cq_p = ck_p = None
   if call.decay_bias is not None:
-    cq_p = pad(jnp.asarray(call.decay_bias[0]), 1, Tp, 0)
-    ck_p = pad(jnp.asarray(call.decay_bias[1]), 1, Sp, 0)
+    cq_p = pad_axis(jnp.asarray(call.decay_bias[0]), 1, Tp)
+    ck_p = pad_axis(jnp.asarray(call.decay_bias[1]), 1, Sp)
   q_seg = kv_seg = None
   if st.has_segments:
-    q_seg = pad(st.q_segment_ids, 1, Tp, 0, mode="edge")
-    kv_seg = pad(st.kv_segment_ids, 1, Sp, 0, mode="edge")
-  values = None if v is None else pad(v.astype(dtype), 1, Sp, 0)
+    q_seg = pad_axis(st.q_segment_ids, 1, Tp, mode="edge")
+    kv_seg = pad_axis(st.kv_segment_ids, 1, Sp, mode="edge")
+  values = None if v is None else pad_axis(v.astype(dtype), 1, Sp)
   rest = rest and v is not None
   Hv = 0 if values is None else values.shape[-1]
 
