@@ -675,14 +675,7 @@ def attention(q, k, v, bias=None, mask=None, *, normalizer="softmax",
         key_value_seq_lengths=key_value_seq_lengths, decay_bias=decay_bias, exp2=exp2,
         rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
         fp8_dot=fp8_dot, score=score, approx_sigmoid=approx_sigmoid)
-  call = AttentionCall.create(
-      q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, segment_ids=segment_ids,
-      logits_soft_cap=logits_soft_cap, normalizer=normalizer,
-      normalizer_params=normalizer_params, decay_bias=decay_bias,
-      decay_prune_threshold=decay_prune_threshold, return_residual=return_residual,
-      score=score)
+  call = AttentionCall.from_scope(q, k, v, locals())
   out = attention_from_call(call, backend=backend, interpret=interpret,
                             block_sizes=block_sizes, debug=debug, exp2=exp2,
                             rescale_threshold=rescale_threshold, fp8=fp8,

@@ -321,14 +321,7 @@ def dot_product_attention(
   """
   order = implementation_order(implementation)
   unbatched = jnp.ndim(query) == 3
-  call = AttentionCall.create(
-      query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal,
-      query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
-      local_window_size=local_window_size, segment_ids=segment_ids,
-      logits_soft_cap=logits_soft_cap, normalizer=normalizer,
-      normalizer_params=normalizer_params, decay_bias=decay_bias,
-      decay_prune_threshold=decay_prune_threshold, return_residual=return_residual,
-      score=_scores.base_score(score))
+  call = AttentionCall.from_scope(query, key, value, locals(), score=_scores.base_score(score))
   if score == "neg_sq_distance":  # A50: dot products plus the norm terms, on every path
     call = _scores.with_neg_sq_distance(call)
 

@@ -10,6 +10,7 @@ from jax.typing import ArrayLike
 from jaxsoft._validation import boolean_mask
 from jaxsoft.attention import masks as _masks
 from jaxsoft.attention._checks import check_rank
+from jaxsoft.attention.call import gqa_dims
 from jaxsoft.normalizers import tropical_hilbert_scores, tropical_max_plus
 from jaxsoft.normalizers.common import compute_dtype, output_dtype
 
@@ -104,14 +105,7 @@ def tropical_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
   for name, a in (("query", q), ("key", k), ("value", v)):
     if not (jnp.issubdtype(a.dtype, jnp.floating) or jnp.issubdtype(a.dtype, jnp.integer)):
       raise ValueError(f"{fn}: `{name}` must have a real dtype, got {a.dtype}")
-  b, t, n, h = q.shape
-  if k.shape[0] != b or k.shape[3] != h or v.shape[:3] != k.shape[:3]:
-    raise ValueError(f"{fn}: `key` must be [B, S, K, H] = [{b}, S, K, {h}] and `value` "
-                     f"[B, S, K, Hv] with the same B, S, K, got {k.shape} and {v.shape}")
-  s, kh = k.shape[1], k.shape[2]
-  if n % kh:
-    raise ValueError(f"{fn}: the query heads ({n}) must be a multiple of the key/value heads "
-                     f"({kh})")
+  b, t, n, h, s, kh = gqa_dims(q, k, v, fn)
   if score not in _SCORES:
     raise ValueError(f"{fn}: `score` must be one of {_SCORES}, got {score!r}")
   try:

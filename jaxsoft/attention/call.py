@@ -11,6 +11,7 @@ imports the entry point, so the kernels are an ordinary dependency of the entry 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -22,7 +23,8 @@ from jaxsoft.attention.masks import MaskStructure, normalize_segment_ids, normal
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers.common import compute_dtype
 
-__all__ = ["AttentionCall", "SCORES", "IMPLEMENTATIONS", "implementation_order"]
+__all__ = ["AttentionCall", "CALL_OPTIONS", "SCORES", "IMPLEMENTATIONS", "implementation_order",
+           "gqa_dims"]
 
 SCORES = ("dot", "distance")
 
@@ -217,6 +219,40 @@ class AttentionCall:
 
 def _ensure_4d(t):
   t = jnp.asarray(t)
+  @classmethod
+  def from_scope(cls, q: Any, k: Any, v: Any, scope: Mapping[str, Any],
+                 **overrides: Any) -> AttentionCall:
+    """:meth:`create` with its keyword arguments read by name from ``scope``: the
+    ``locals()`` of an entry point whose parameters carry :meth:`create`'s names
+    (``jaxsoft.attention.dot_product_attention``, ``kernels_pallas.attention``), so the
+    list of call arguments is written once. ``overrides`` replace entries of ``scope``;
+    a keyword of :meth:`create` in neither is a TypeError (never a silent default).
+
+    Examples:
+      >>> from jaxsoft.attention.call import AttentionCall, CALL_OPTIONS
+      >>> q = jnp.ones((3, 1, 4))                                  # [T, N, H]
+      >>> scope = dict.fromkeys(CALL_OPTIONS) | dict(              # an entry point's locals()
+      ...     is_causal=True, normalizer="sparsemax", return_residual=False, score="dot")
+      >>> call = AttentionCall.from_scope(q, q, q, scope, normalizer="softmax")
+      >>> call.is_causal, call.spec.name
+      (True, 'softmax')
+      >>> AttentionCall.from_scope(q, q, q, {"is_causal": True})
+      Traceback (most recent call last):
+      ...
+      TypeError: AttentionCall.from_scope: `scope` lacks ['bias', 'mask', 'scale', ...]
+    """
+    missing = [n for n in CALL_OPTIONS if n not in scope and n not in overrides]
+    if missing:
+      raise TypeError(f"AttentionCall.from_scope: `scope` lacks {missing}")
+    options = {name: scope[name] for name in CALL_OPTIONS if name not in overrides}
+    return cls.create(q, k, v, **options, **overrides)
+
+
+# The keyword arguments of AttentionCall.create (:meth:`AttentionCall.from_scope` reads them).
+CALL_OPTIONS: tuple[str, ...] = tuple(
+    name for name, p in inspect.signature(AttentionCall.create).parameters.items()
+    if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
   return t.reshape((1,) * (4 - t.ndim) + t.shape) if t.ndim < 4 else t
 
 
@@ -350,3 +386,28 @@ def implementation_order(implementation: Any) -> list[str] | None:
           f"`implementation`: unknown implementation {name!r}; choose from {IMPLEMENTATIONS} "
           "(or None, or a sequence of them)")
   return names
+
+
+def gqa_dims(query: Any, key: Any, value: Any, fn: str) -> tuple[int, int, int, int, int, int]:
+  """The sizes ``(B, T, N, H, S, K)`` of 4-D ``query [B, T, N, H]``, ``key [B, S, K, H]``
+  and ``value [B, S, K, Hv]`` (grouped-query heads: N a multiple of K, query head n reading
+  key/value head n // (N / K)), for an entry point that checks its inputs itself rather
+  than through :meth:`AttentionCall.create`.
+
+  A ValueError names ``fn`` and the argument: ``key`` whose batch or head dimension is not
+  the query's, ``value`` whose ``[B, S, K]`` is not the key's, or N not a multiple of K.
+
+  Examples:
+    >>> from jaxsoft.attention.call import gqa_dims
+    >>> gqa_dims(jnp.ones((2, 5, 4, 8)), jnp.ones((2, 7, 2, 8)), jnp.ones((2, 7, 2, 3)), "f")
+    (2, 5, 4, 8, 7, 2)
+  """
+  b, t, n, h = query.shape
+  if key.shape[0] != b or key.shape[3] != h or value.shape[:3] != key.shape[:3]:
+    raise ValueError(f"{fn}: `key` must be [B, S, K, H] = [{b}, S, K, {h}] and `value` "
+                     f"[B, S, K, Hv] with the same B, S, K, got {key.shape} and {value.shape}")
+  s, kh = key.shape[1], key.shape[2]
+  if kh == 0 or n % kh:
+    raise ValueError(f"{fn}: the query heads ({n}) must be a multiple of the key/value heads "
+                     f"({kh})")
+  return b, t, n, h, s, kh
