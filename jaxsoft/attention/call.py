@@ -213,12 +213,6 @@ class AttentionCall:
         decay_prune_threshold=decay_prune_threshold, return_residual=bool(return_residual),
         score=score)
 
-
-# ------------------------------------------------------------------------ validation
-
-
-def _ensure_4d(t):
-  t = jnp.asarray(t)
   @classmethod
   def from_scope(cls, q: Any, k: Any, v: Any, scope: Mapping[str, Any],
                  **overrides: Any) -> AttentionCall:
@@ -253,6 +247,12 @@ CALL_OPTIONS: tuple[str, ...] = tuple(
     name for name, p in inspect.signature(AttentionCall.create).parameters.items()
     if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
+
+# ------------------------------------------------------------------------ validation
+
+
+def _ensure_4d(t):
+  t = jnp.asarray(t)
   return t.reshape((1,) * (4 - t.ndim) + t.shape) if t.ndim < 4 else t
 
 
