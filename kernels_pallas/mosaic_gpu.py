@@ -1093,6 +1093,11 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
           length = jnp.minimum(iota(1) + (q_step * bq + 1), cfg.s).astype(jnp.float32)
         bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
               for r in row_smem]
+        if row_smem:
+          # a proxy fence: these plain (generic-proxy) reads of the slot are ordered before
+          # the producer's next TMA (async-proxy) write into it, which the consumed
+          # barrier alone does not order (the GPU interpreter's race detector finds it)
+          plgpu.commit_smem()
         delta = bc.pop() if has_delta else None
         w, dx = tile(st * c, mask, bc, delta, dpt, length)
 
