@@ -72,6 +72,7 @@ bench: $(VENV)/.bench
 	$(PY) bench/attention_cpu.py
 	$(PY) bench/train_tokens.py
 	$(PY) bench/residuals.py
+	$(PY) bench/functions_cpu.py
 
 ## The zoo (train/zoo.py): every entrant on every task, 3-point sweep + 2 more seeds, appended to
 ## bench/zoo/results.jsonl (resumable; ZOO_ARGS="--parts 2/6" runs one part), then the report.
