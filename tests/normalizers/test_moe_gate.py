@@ -42,7 +42,7 @@ def test_activation_breaks_the_temperature_homogeneity():
   b = helpers.normal(3, (5,))
 
   def scaled(gate, c):
-    return gate((h @ (c * w) + c * b), c * 0.7)
+    return gate((h @ (c * w) + c * b[None]), c * 0.7)
 
   plain = lambda x, t: N.softmax(x, temperature=t)  # noqa: E731
   act = lambda x, t: MOE_GATE(x, tau=t)  # noqa: E731

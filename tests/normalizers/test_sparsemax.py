@@ -30,7 +30,7 @@ def reference_sparsemax(x, mask=None):
     mask = jnp.ones(x.shape, bool)
   z = -jnp.sort(-jnp.where(mask, x, -jnp.inf), axis=-1)  # descending, masked last
   visible = jnp.isfinite(z)
-  k = jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype)
+  k = jnp.broadcast_to(jnp.arange(1, x.shape[-1] + 1, dtype=x.dtype), x.shape)
   cumsum = jnp.cumsum(jnp.where(visible, z, 0.0), axis=-1)
   in_support = visible & (1 + k * z > cumsum)
   k_z = jnp.max(jnp.where(in_support, k, 0), axis=-1, keepdims=True).astype(jnp.int32)
@@ -125,7 +125,7 @@ def test_fully_masked_rows_are_zero_with_zero_gradient():
   mask = jnp.array([[True] * 5, [False] * 5, [True, False, True, False, False]])
   p = sparsemax(x, where=mask)
   assert bool(jnp.all(p[1] == 0))
-  g = jax.grad(lambda v: jnp.sum(sparsemax(v, where=mask) * jnp.arange(5.0)))(x)
+  g = jax.grad(lambda v: jnp.sum(sparsemax(v, where=mask) * jnp.arange(5.0)[None]))(x)
   assert bool(jnp.all(jnp.isfinite(g))) and bool(jnp.all(g[1] == 0))
   g_inf = jax.grad(lambda v: jnp.sum(sparsemax(v) ** 2))(jnp.full((2, 4), -jnp.inf))
   assert bool(jnp.all(g_inf == 0))

@@ -160,6 +160,6 @@ def test_visible_nan_in_long_rows(fn, n):
   clean = np.where(np.isnan(x), 0.0, x)
   np.testing.assert_array_equal(p[[5, 7]], np.asarray(f(jnp.asarray(clean)))[[5, 7]])
   g = np.asarray(jax.jit(jax.grad(lambda v: jnp.sum(jnp.where(jnp.isnan(f(v)), 0.0, f(v))
-                                                    * jnp.arange(n))))(jnp.asarray(x)))
+                                                    * jnp.arange(n)[None])))(jnp.asarray(x)))
   assert np.isfinite(g).all()
   np.testing.assert_array_equal(g[nan_rows + [6]], 0.0)
