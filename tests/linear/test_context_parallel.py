@@ -145,23 +145,21 @@ _PRELUDE = textwrap.dedent("""
 
 def test_context_parallel_matches_unsharded():
   """One diagonal-gate family (GLA), one delta-rule family (Gated DeltaNet), plain linear
-  attention and the four with their own state passing (cosFormer's global positions,
-  TTT-Linear's mini-batch maps, Native Hybrid Attention's slots and window halo, MHLA's
-  gathered block summaries): outputs, final state and the gradients of q, k, v, the gates,
-  beta, the slot gates, η, the mixing matrix and the initial state equal the unsharded
-  call's; the compiled program holds an all-gather; the shards run alone (no context
-  parallelism) do not match (the comparison can fail)."""
+  attention and two with their own state passing (Native Hybrid Attention's slots and
+  window halo, MHLA's gathered block summaries; cosFormer and TTT-Linear run in the slow
+  tests, to keep the default suite's time): outputs, final state and the gradients of q, k,
+  v, the gates, beta, the slot gates, the mixing matrix and the initial state equal the
+  unsharded call's; the compiled program holds an all-gather; the shards run alone (no
+  context parallelism) do not match (the comparison can fail)."""
   script = _PRELUDE + textwrap.dedent("""
       check("gla", hlo=True, control=True)
       check("gated_delta_rule", implementation="recurrent")
       check("linear_attention", implementation="recurrent")
-      check("cosformer", implementation="recurrent")
-      check("ttt_linear", control=True)
-      check("native_hybrid_attention", control=True)
+      check("native_hybrid_attention")
       check("mhla")
   """)
   out = run_on_cpu_devices(script, 8).stdout
-  assert out.count("ok ") == 7, out
+  assert out.count("ok ") == 5, out
 
 
 def _recurrent_families():
