@@ -409,7 +409,7 @@ def search_sums(rule: ThresholdRule, z, mask, taus, sums, hp: Params, newton: bo
     zc = z[None]
     # array hyperparameters of the tile's rank get the candidates' axis too (explicit
     # ranks: no implicit rank promotion)
-    hpc = {name: jnp.asarray(x)[None] if jnp.ndim(x) == z.ndim and jnp.ndim(x) > 0
+    hpc = {name: jnp.asarray(x)[None] if x is not None and 0 < jnp.ndim(x) == z.ndim
            else x for name, x in hp.items()}
     if newton:
       mass, slope = jax.jvp(lambda t: rule.mass(zc, t, **hpc), (tau,), (jnp.ones_like(tau),))
