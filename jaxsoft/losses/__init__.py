@@ -8,7 +8,15 @@ class mask broadcastable to ``logits`` (masked classes, like ``-inf`` logits, en
 sum or max) or, with one dimension fewer, an example mask (optax's convention); masked
 or ignored examples and rows with no visible class get loss 0 with zero gradient; a
 label naming no visible class gets ``+inf`` (never NaN); a NaN logit at a visible class
-gives NaN, as optax's losses do (a NaN at a masked class is left out). A tuple ``axis``
+gives NaN, as optax's losses do (a NaN at a masked class is left out), never a finite
+number, and so does a NaN embedding or score. A ``+inf`` logit at a visible class gives the
+formula's value in IEEE arithmetic, never a finite number where the formula's limit is
+infinite: ``+inf`` where the loss grows without bound (a cross-entropy whose ``+inf`` logit
+is not the target's, ``z_loss``, an infinite hinge), the finite limit where the formula
+reaches it without an indeterminate form (a squared hinge whose target logit is ``+inf``:
+0), and NaN where it meets ``inf - inf`` or ``inf / inf`` (the log-sum-exp minus a ``+inf``
+target logit, a probability-target cross-entropy, standardised logits: optax's losses give
+NaN there too); tests/losses/test_nonfinite_walk.py lists each loss's outcome. A tuple ``axis``
 (None: every axis) names axes that form one class axis, as in optax: they are moved last in
 the order given and merged, an integer label is a flat index into that slice, and an
 example ``where`` has the logits' rank minus the number of named axes. ``axis`` is

@@ -143,7 +143,8 @@ def nbc_softmax_loss(embeddings: ArrayLike, class_weights: ArrayLike, labels: Ar
   # other[i, j]: example j counts as a negative of anchor i.
   other = (keep[None, :] & (y[:, None] != y[None, :])).astype(x.dtype)
   counts = other @ in_block  # [B(anchor), nb]
-  sums = jnp.einsum("ij,jb,jd->ibd", other, in_block, xh)
+  # a masked example is left out of the sums (its NaN too: 0 * NaN would reach every anchor)
+  sums = jnp.einsum("ij,jb,jd->ibd", other, in_block, jnp.where(keep[:, None], xh, 0.0))
   means = nc.safe_divide(sums, counts[..., None])
   neg = jnp.einsum("id,ibd->ib", xh, means) / temperature
   logits = jnp.concatenate([(pos / temperature)[:, None], neg], axis=1)

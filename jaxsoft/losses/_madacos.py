@@ -273,6 +273,10 @@ def _scale_margin(cos, labels, keep, alpha, ratio, min_scale, statistic):
     log_b_bar = (jax.nn.logsumexp(jnp.where(keep, log_b, -jnp.inf))
                  - jnp.log(jnp.maximum(n, 1)))
   m = jnp.maximum(0.0, c_med - (log_b_bar - log_odds) / s)
+  # a NaN cosine of a kept example (a NaN embedding) makes both NaN: the median's sort
+  # would put it out of sight and return a finite scale and margin
+  nan = jnp.any(keep[:, None] & jnp.isnan(c_all))
+  s, m = jnp.where(nan, jnp.nan, s), jnp.where(nan, jnp.nan, m)
   empty = n == 0
   return (jnp.where(empty, min_scale, s).astype(c_all.dtype),
           jnp.where(empty, 0.0, m).astype(c_all.dtype))

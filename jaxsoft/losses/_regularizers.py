@@ -67,7 +67,7 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
     w = jnp.broadcast_to(jnp.asarray(where, bool), a.shape)
     ac = jnp.where(w, ac, 0.0)
     rows = jnp.any(w, axis=-1)
-  pos = ac > 0
+  pos = (ac > 0) | jnp.isnan(ac)  # a NaN weight makes its row's entropy NaN (never 0)
   safe = jnp.where(pos, ac, 1.0)
   ent = -jnp.sum(jnp.where(pos, safe * jnp.log(safe), 0.0), axis=-1)  # [..., H, T]
   e_head = nc.safe_divide(jnp.sum(jnp.where(rows, ent, 0.0), axis=-1),
@@ -81,4 +81,4 @@ def attention_entropy_penalty(probs: ArrayLike, threshold: ArrayLike, *,
                      f"heads {e_head.shape}") from None
   theta, e_head = jnp.broadcast_to(theta, shape), jnp.broadcast_to(e_head, shape)  # explicit
   delta = jnp.abs(e_head - theta * e_max)
-  return jnp.where(delta > gamma * e_max, delta, 0.0)
+  return jnp.where((delta > gamma * e_max) | jnp.isnan(delta), delta, 0.0)

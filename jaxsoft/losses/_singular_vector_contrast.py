@@ -117,7 +117,7 @@ def pmrl_contrastive_regularizer(embeddings: ArrayLike, *, temperature: float = 
   u = _top_eigenvector(jnp.einsum("nmd,nkd->nmk", zc, zc))  # [N, M]
   v = jnp.einsum("nmd,nm->nd", zc, u)
   norm = jnp.sqrt(jnp.sum(jnp.square(v), axis=-1, keepdims=True))
-  ok = norm > 0
+  ok = norm != 0  # True for a NaN norm (`norm > 0` would zero a NaN instance: a finite loss)
   v = jnp.where(ok, v / jnp.where(ok, norm, 1.0), 0.0)
   logits = jnp.einsum("nd,jd->nj", v, v) / temperature  # [N, N]
   cols = jnp.broadcast_to(inst[None, :], logits.shape)

@@ -142,5 +142,5 @@ def _standardise(x, mask, axis):
   mu = nc.safe_divide(jnp.sum(jnp.where(mask, xs, 0.0), axis=axis, keepdims=True), n)
   c = jnp.where(mask, xs - mu, 0.0)
   var = nc.safe_divide(jnp.sum(jnp.square(c), axis=axis, keepdims=True), n)
-  ok = var > 0
+  ok = var != 0  # True for a NaN variance (`var > 0` would give a NaN row z = 0, a finite loss)
   return jnp.where(ok & mask, c / jnp.sqrt(jnp.where(ok, var, 1.0)), 0.0)
