@@ -365,7 +365,9 @@ def _limit_weights(call, arrays, count_k, count_n, dtype):
   B, T, N = count_k.shape
   S = call.k.shape[1]
   rows = B * N * T
-  chunk = max(1, min(rows, _TILE_Q * _TILE_K // max(S, 1)))  # (a tile's entries at most)
+  chunk = max(1, _TILE_Q * _TILE_K // max(S, 1))  # (a tile's entries at most)
+  if isinstance(rows, int):  # (a symbolic batch under jax.export: no min with it)
+    chunk = max(1, min(rows, chunk))
   n_chunks = -(-rows // chunk)
 
   def per_row(x):  # [B, T, N] -> [chunks, chunk, 1]
