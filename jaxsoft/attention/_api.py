@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 import kernels_pallas
-from jaxsoft.attention import _chunked, _dense
+from jaxsoft.attention import _chunked, _debug_checks, _dense
 from jaxsoft.attention import scores as _scores
 from jaxsoft.attention.call import IMPLEMENTATIONS, AttentionCall, implementation_order
 from jaxsoft.attention.differentiation import UnsupportedDifferentiation
@@ -108,12 +108,14 @@ def _run_pallas(call: AttentionCall, backend):
   return kernels_pallas.attention_from_call(call, backend=backend)
 
 
+# (the blockwise paths run as one jitted computation under jax.debug_infs / debug_nans:
+# their internal -inf sentinels stay inside it, as the dense path's do; _debug_checks)
 _RUNNERS = {
     "xla": _run_xla,
-    "xla_chunked": _run_xla_chunked,
-    "pallas": lambda call: _run_pallas(call, None),
-    "pallas_triton": lambda call: _run_pallas(call, "triton"),
-    "pallas_mosaic_tpu": lambda call: _run_pallas(call, "mosaic_tpu"),
+    "xla_chunked": _debug_checks.checked(_run_xla_chunked),
+    "pallas": _debug_checks.checked(lambda call: _run_pallas(call, None)),
+    "pallas_triton": _debug_checks.checked(lambda call: _run_pallas(call, "triton")),
+    "pallas_mosaic_tpu": _debug_checks.checked(lambda call: _run_pallas(call, "mosaic_tpu")),
     "cudnn": _run_cudnn,
     "cudnn_auto": _run_cudnn_auto,  # the automatic order's cudnn (never a user's name)
 }
@@ -179,7 +181,13 @@ def dot_product_attention(
   documented difference: **a query row with no visible key returns zeros** (with zero
   gradient, and a residual of ``-inf``), where jax.nn returns the average of the values
   (its masked logits are a large finite negative number, and so is its residual). Rows
-  past ``query_seq_lengths`` are zeros in both. Empty inputs (B, T or S = 0) return zeros
+  past ``query_seq_lengths`` are zeros in both. Keys past ``key_value_seq_lengths`` are
+  padding: what their key and value hold (NaN and inf included) reaches no output and no
+  gradient on any path. A NaN logit at a visible key (from q, k or the bias) makes its row
+  NaN; a NaN bias entry at a hidden logit is ignored (output and gradients). A NaN in
+  ``value`` makes that component NaN in every row that sees its key, and may reach rows
+  that the mask, the causal structure, a window or segments hide it from (a weight of 0
+  times NaN in the weighted sum, as in jax.nn). Empty inputs (B, T or S = 0) return zeros
   of the output's shape (residual ``-inf``), as jax.nn. Integer and bool inputs are
   computed in float32 and the result is float32 (jax.nn casts the weights back to the
   integer dtype and returns zeros).

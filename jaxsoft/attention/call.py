@@ -205,6 +205,12 @@ class AttentionCall:
       if not thr < 0:
         raise ValueError(f"`decay_prune_threshold` must be < 0, got {decay_prune_threshold!r}")
       decay_prune_threshold = thr
+    if key_value_seq_lengths is not None:
+      # Keys past the length are padding: zeroed, so that what they hold (NaN, inf) reaches
+      # no output and no gradient on any path (a masked weight 0 times NaN is NaN).
+      kv_valid = jnp.arange(S, dtype=jnp.int32)[None, :] < key_value_seq_lengths[:, None]
+      k = jnp.where(kv_valid[:, :, None, None], k, 0)
+      v = jnp.where(kv_valid[:, :, None, None], v, 0)
     return cls(
         q=q, k=k, v=v, bias=bias, mask=mask, scale=scale, is_causal=bool(is_causal),
         query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,

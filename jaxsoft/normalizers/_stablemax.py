@@ -28,8 +28,9 @@ def stablemax_map(x: ArrayLike) -> jax.Array:
     Numerical Stability".
   """
   x = jnp.asarray(x)
-  # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0).
-  neg = jnp.where(x < 0, x, 0.0)
+  # where, not minimum: jnp.minimum splits the gradient 1/2-1/2 at a tie (x = 0). A NaN
+  # takes the second branch and stays NaN (`x < 0` would map it to s = 1, a finite weight).
+  neg = jnp.where(x >= 0, 0.0, x)
   return jnp.where(x >= 0, x + 1.0, 1.0 / (1.0 - neg))
 
 
