@@ -38,6 +38,7 @@ class _Static:
 
   def __init__(self, value):
     self.value = value
+    self.key: tuple[Any, ...]
     try:
       hash(value)
       self.key = ("value", type(value), value)

@@ -199,8 +199,7 @@ def _grads(impl, name, args, ct):
 
 @pytest.mark.parametrize("impl,cls", [
     pytest.param(impl, cls, id=f"{impl}-{CLASS_NORMALIZERS[cls]}",
-                 marks=() if (impl, cls) == ("xla", "E")
-                 else pytest.mark.slow)
+                 marks=pytest.mark.slow)
     for impl in IMPLEMENTATIONS for cls in ("E", "T") if impl != "pallas" or cls == "E"])
 def test_hidden_nan_stays_out_of_the_gradients(impl, cls, small_blocks):
   """A NaN the mask hides (a hidden bias entry, a padded key or value) reaches no gradient:
