@@ -389,6 +389,15 @@ def _stat_names(cfg: _Cfg) -> tuple[str, ...]:
   return ("inv",)
 
 
+def _launch(plgpu, entry, out_type, grid, grid_names, num_threads: int, interpret):
+  """``plgpu.kernel`` of ``entry`` with the engine's settings (warpgroup threads named
+  ``"wg"``, approximate math; ``interpret`` passed on only when set)."""
+  kwargs: dict[str, Any] = {} if interpret is None else {"interpret": interpret}
+  return plgpu.kernel(entry, out_type=out_type, grid=grid, grid_names=grid_names,
+                      num_threads=num_threads, thread_name="wg",
+                      compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs)
+
+
 def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
   """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H]; returns [B, Tp, N, H]
   (``save_stats``: and the tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
@@ -676,23 +685,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         collective_axes="wg",
     )
 
-  kwargs: dict[str, Any] = {}
-  if interpret is not None:
-    kwargs["interpret"] = interpret
   out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
   if save_stats:
     out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
                              for _ in stat_names]
-  res = plgpu.kernel(
-      entry,
-      out_type=out_type,
-      grid=(n, tp // (2 * bq), b),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=3,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v)
+  res = _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"), 3,
+                interpret)(q, k, v)
   if save_stats:
     return res[0], tuple(res[1:])
   return res
@@ -829,6 +827,28 @@ def _bwd_tile_fn(cfg: _Cfg):
     return w, dx
 
   return tile
+
+
+def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, resident: int,
+                         streamed: int, n_rows: int, row_slots: int, row_len: int) -> None:
+  """Runs a backward kernel's ``body`` with its shared memory and barriers: two resident
+  ``[wgs, resident, h]`` tiles, two streamed ``[stages, streamed, h]`` ring buffers, ``n_rows``
+  float32 row-statistic buffers ``[row_slots, row_len]``, their barriers, and the ring's
+  consumed barrier (one arrival per consumer warpgroup)."""
+  from jax.experimental import pallas as pl
+
+  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  tile = lambda slots, rows: plgpu.SMEM((slots, rows, h), dtype, transforms=transforms)
+  pl.run_scoped(
+      body,
+      (tile(wgs, resident), tile(wgs, resident), tile(stages, streamed), tile(stages, streamed),
+       tuple(plgpu.SMEM((row_slots, row_len), jnp.float32) for _ in range(n_rows))),
+      (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
+       plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
+      tuple(plgpu.Barrier(num_barriers=row_slots) for _ in range(n_rows)),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      collective_axes="wg",
+  )
 
 
 def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
@@ -971,35 +991,13 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     row_refs, dq_ref = refs[:n_rows], refs[n_rows]
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = (plgpu.SMEM((wgs, bq, h), dtype, transforms=transforms),
-            plgpu.SMEM((wgs, bq, h), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-            tuple(plgpu.SMEM((wgs, bq), jnp.float32) for _ in range(n_rows)))
-    pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, args),
-        smem,
-        (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
-         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-        tuple(plgpu.Barrier(num_barriers=wgs) for _ in range(n_rows)),
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        collective_axes="wg",
-    )
+    _run_backward_scoped(
+        plgpu, lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, args),
+        dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=n_rows, row_slots=wgs,
+        row_len=bq)
 
-  kwargs: dict[str, Any] = {}
-  if interpret is not None:
-    kwargs["interpret"] = interpret
-  return plgpu.kernel(
-      entry,
-      out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-      grid=(n, tp // (wgs * bq), b),
-      grid_names=("heads", "q_seq", "batch"),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, do, *rows)
+  return _launch(plgpu, entry, jax.ShapeDtypeStruct(q.shape, dtype), (n, tp // (wgs * bq), b),
+                 ("heads", "q_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *rows)
 
 
 def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
@@ -1156,36 +1154,14 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    smem = (plgpu.SMEM((wgs, bk, h), dtype, transforms=transforms),
-            plgpu.SMEM((wgs, bk, h), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),
-            plgpu.SMEM((stages, bq, h), dtype, transforms=transforms),
-            tuple(plgpu.SMEM((stages, bq), jnp.float32) for _ in range(n_rows)))
-    pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, args),
-        smem,
-        (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
-         plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
-        tuple(plgpu.Barrier(num_barriers=stages) for _ in range(n_rows)),
-        plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
-        collective_axes="wg",
-    )
+    _run_backward_scoped(
+        plgpu, lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, args),
+        dtype, h, wgs, stages, resident=bk, streamed=bq, n_rows=n_rows, row_slots=stages,
+        row_len=bq)
 
-  kwargs: dict[str, Any] = {}
-  if interpret is not None:
-    kwargs["interpret"] = interpret
   out = jax.ShapeDtypeStruct((b, sp, n, h), dtype)
-  return plgpu.kernel(
-      entry,
-      out_type=[out, out],
-      grid=(n, sp // (wgs * bk), b),
-      grid_names=("heads", "kv_seq", "batch"),
-      num_threads=wgs + 1,
-      thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True),
-      **kwargs,
-  )(q, k, v, do, *rows)
+  return _launch(plgpu, entry, [out, out], (n, sp // (wgs * bk), b), ("heads", "kv_seq", "batch"),
+                 wgs + 1, interpret)(q, k, v, do, *rows)
 
 
 def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret):
