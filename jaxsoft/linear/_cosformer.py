@@ -28,6 +28,8 @@ from jax.typing import ArrayLike
 
 from jaxsoft._validation import concrete
 from jaxsoft.linear import _checks, _linear_attention
+from jaxsoft.linear.context_parallel import active as _cp_active
+from jaxsoft.linear.context_parallel import shard_count as _cp_shard_count
 
 __all__ = ["cosformer", "cosformer_step"]
 
@@ -61,6 +63,17 @@ def _check_start(start_position: Any, max_len: Any, fn_name: str) -> Any:
                        "query-key distance is not known when tracing)")
     return start_position
   return _checks.check_int(start_position, "start_position", fn_name)
+
+
+def _shard_positions(start_position: Any, max_len: Any, T: int, plan: Any,
+                     fn_name: str) -> tuple[Any, float]:
+  """Under :func:`jaxsoft.linear.context_parallel`, shard ``p`` of ``P`` starts at the traced
+  ``s + p T`` and ``M`` is the whole sequence's: default ``s + P T`` (or the caller's, checked
+  against ``s + P T - 1``)."""
+  start = _checks.check_int(start_position, "start_position", fn_name)
+  P = _cp_shard_count(plan, fn_name)
+  M = _check_max_len(start + P * T if max_len is None else max_len, start + P * T - 1, fn_name)
+  return start + jax.lax.axis_index(plan.axis_name) * T, M
 
 
 def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None = None,
@@ -123,9 +136,13 @@ def cosformer(q: ArrayLike, k: ArrayLike, v: ArrayLike, *, max_len: float | None
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   dtype = jnp.result_type(q.dtype, k.dtype, v.dtype)
   T = q.shape[1]
-  start = _check_start(start_position, max_len, fn_name)
-  M = _check_max_len(start + T if max_len is None else max_len,
-                     start + T - 1 if isinstance(start, int) else None, fn_name)
+  plan = _cp_active()
+  if plan is not None:   # under context_parallel: global positions, the whole sequence's M
+    start, M = _shard_positions(start_position, max_len, T, plan, fn_name)
+  else:
+    start = _check_start(start_position, max_len, fn_name)
+    M = _check_max_len(start + T if max_len is None else max_len,
+                       start + T - 1 if isinstance(start, int) else None, fn_name)
   pos = (start + jnp.arange(T))[None, :, None]                      # [1, T, 1]
   cdt = _checks.compute_dtype_of(q, k, v)
   fq, fk = _position_features(q, pos, M, cdt), _position_features(k, pos, M, cdt)

@@ -273,7 +273,10 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   halo = final = None
   plan = _cp_active()
   if plan is not None:   # under context_parallel: the incoming slots, the previous window
-    (K0, V0), halo, final = _cp_hybrid_states(kf, vf, a, seg, run, K0, V0, window, plan, fn_name)
+    keep = _keep(run)
+    Ks, Vs = _slots_all(a, kf, vf, keep, jnp.zeros_like(K0), jnp.zeros_like(V0))
+    (K0, V0), halo, final = _cp_hybrid_states(kf, vf, a, seg, run, K0, V0, window, plan, fn_name,
+                                              zero_start_slots=(keep, Ks[:, -1], Vs[:, -1]))
   if impl == "recurrent":
     o, state = _recurrent(qs, kf, vf, a, run, K0, V0, window, halo)
   elif impl == "chunked":

@@ -318,7 +318,8 @@ def ttt_states(k, v, eta, S0, b: int, plan: _Plan,
   return _fold(X[..., V:], X[..., :V], S0.astype(X.dtype), None, axis, P, idx)
 
 
-def hybrid_states(k, v, a, seg, run, K0, V0, window: int, plan: _Plan, fn_name: str):
+def hybrid_states(k, v, a, seg, run, K0, V0, window: int, plan: _Plan, fn_name: str, *,
+                  zero_start_slots):
   r"""``((K̃_in, Ṽ_in), halo, (K̃_T, Ṽ_T))`` for ``native_hybrid_attention`` (``[B, T, N, ...]``
   layout, compute dtype; ``seg`` the segment ids or None, ``run`` this shard's run ids).
 
@@ -327,8 +328,9 @@ def hybrid_states(k, v, a, seg, run, K0, V0, window: int, plan: _Plan, fn_name: 
   the shards on ``[K̃ | Ṽ]`` (``[B, N, M, K + V]``). The halo is the previous shard's last
   ``w - 1`` keys and values (one ``ppermute`` each, and one of their segment ids) with their
   run ids in this shard's numbering: 0 where the halo token lies in the run of this shard's
-  first token (no segment change between them), else -1 (never visible; all of shard 0's)."""
-  from jaxsoft.linear import _native_hybrid  # imports this module
+  first token (no segment change between them), else -1 (never visible; all of shard 0's).
+  ``zero_start_slots`` is the family's own ``(keep [B, T], K̃_T, Ṽ_T)``: its reset mask and
+  this shard's final slots from zero slots (the map's constant part)."""
 
   axis = plan.axis_name
   plan.uses += 1
@@ -340,10 +342,9 @@ def hybrid_states(k, v, a, seg, run, K0, V0, window: int, plan: _Plan, fn_name: 
     raise ValueError(f"{fn_name}: under context_parallel each shard must hold at least "
                      f"`window` - 1 = {H} tokens (the window reaches into the previous shard "
                      f"only), got T_shard = {T}")
-  keep = _native_hybrid._keep(run)
-  Ks, Vs = _native_hybrid._slots_all(a, k, v, keep, jnp.zeros_like(K0), jnp.zeros_like(V0))
+  keep, K_end, V_end = zero_start_slots
   A = jnp.exp(jnp.sum(a, axis=1)) * jnp.all(keep, axis=1)[:, None, None]   # [B, N, M]
-  B_map = jnp.concatenate([Ks[:, -1], Vs[:, -1]], axis=-1)               # [B, N, M, K + V]
+  B_map = jnp.concatenate([K_end, V_end], axis=-1)                       # [B, N, M, K + V]
   boundary = None if seg is None else _boundary_keep(seg, axis, P, idx, B_map.dtype)
   S_in, S_final = _fold(A, B_map, jnp.concatenate([K0, V0], axis=-1).astype(B_map.dtype),
                         boundary, axis, P, idx)
@@ -433,13 +434,10 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
                      f"{CONTEXT_PARALLEL_FAMILIES}, got {fn!r}")
 
   def sharded(*args: Any, **kwargs: Any) -> Any:
-    P = _axis_size(axis_name, fn_name)   # a clear error outside shard_map
+    _axis_size(axis_name, fn_name)   # a clear error outside shard_map
     if name == "transnormer_attention" and kwargs.get("positions") is None:
       T = jnp.shape(args[0] if args else kwargs["q"])[1]
       kwargs["positions"] = jax.lax.axis_index(axis_name) * T + jnp.arange(T)
-    if name == "cosformer":
-      kwargs = _cosformer_positions(kwargs, jnp.shape(args[0] if args else kwargs["q"])[1], P,
-                                    axis_name)
     with _activated(axis_name) as plan:
       out = fn(*args, **kwargs)
     if plan.uses == 0:   # never reached: every family listed runs the shared recurrence
@@ -449,19 +447,6 @@ def context_parallel(fn: Callable[..., Any], *, axis_name: Any) -> Callable[...,
   sharded.__name__ = f"context_parallel_{name}"
   sharded.__doc__ = f"{name} with its sequence split over mesh axis {axis_name!r}."
   return sharded
-
-
-def _cosformer_positions(kwargs: dict[str, Any], T: int, P: int, axis_name: Any) -> dict:
-  """cosformer's keywords on shard ``p``: ``start_position = s + p T`` (traced) and ``max_len``
-  the global default ``s + P T`` (or the caller's, checked against ``s + P T - 1``)."""
-  from jaxsoft.linear import _checks, _cosformer  # _cosformer imports the front end
-
-  fn_name = "context_parallel(cosformer)"
-  start = _checks.check_int(kwargs.get("start_position", 0), "start_position", fn_name)
-  max_len = kwargs.get("max_len")
-  M = _cosformer._check_max_len(start + P * T if max_len is None else max_len,
-                                start + P * T - 1, fn_name)
-  return dict(kwargs, max_len=M, start_position=start + jax.lax.axis_index(axis_name) * T)
 
 
 def short_conv_halo(x: jax.Array, conv_size: int, *, axis_name: Any) -> jax.Array:
