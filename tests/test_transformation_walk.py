@@ -251,8 +251,10 @@ LOSSES = {
     "energy_bounded_loss": (lambda x, y, o: L.energy_bounded_loss(x, y, o, margin_in=-3.0),
                             lambda r, b: (_labels(r, b), _normal(r, (b, C), 2.0))),
     "ece": (lambda x, y: L.ece(x, y, num_bins=4), lambda r, b: (_labels(r, b),)),
-    "continual_cross_entropy": (lambda x, y: L.continual_cross_entropy(x, y, CURRENT),
-                                lambda r, b: (_labels(r, b),)),
+    # labels among the current classes (one outside them has an infinite loss, documented)
+    "continual_cross_entropy": (
+        lambda x, y: L.continual_cross_entropy(x, y, CURRENT),
+        lambda r, b: (jnp.asarray(r.choice(np.flatnonzero(np.asarray(CURRENT)), b), jnp.int32),)),
     "logit_standardized_kd_loss": (L.logit_standardized_kd_loss,
                                    lambda r, b: (_normal(r, (b, C), 2.0),)),
     # the teachers' axis leads in the loss's signature: [B, 2, C] moved to [2, B, C]
