@@ -554,7 +554,7 @@ def softmax_aware_binarize(p: ArrayLike, axis: int = -1, where: ArrayLike | None
     srt = -jnp.sort(-jnp.where(mask, jax.lax.stop_gradient(pc), low), axis=ax)
     n_vis = jnp.sum(mask, axis=ax, keepdims=True)
     ks = jnp.arange(1, p.shape[ax] + 1, dtype=pc.dtype)
-    ks = ks.reshape((-1,) + (1,) * (p.ndim - 1 - ax))
+    ks = ks.reshape((1,) * ax + (-1,) + (1,) * (p.ndim - 1 - ax))
     s_k = jnp.cumsum(jnp.where(jnp.isfinite(srt), srt, 0.0), axis=ax)
     score = jnp.where(ks <= n_vis, s_k ** 2 / ks, -jnp.inf)
     best = jnp.argmax(score, axis=ax, keepdims=True)

@@ -191,3 +191,14 @@ def test_binarize_two_values_least_squares_and_adaptive_beats_fixed():
   # masks: exact zeros, fully masked row zeros, no NaN gradient
   assert not np.any(bm[0]) and not np.any(bm[1, :3]) and np.any(bm[1])
   assert np.all(np.isfinite(g))
+
+
+def test_binarize_needs_no_implicit_rank_promotion():
+  """The adaptive threshold's candidate counts ``k`` get every axis of the scores explicitly:
+  they were ``[n]`` against ``[..., rows, 1]`` (implicit rank promotion, a ValueError under
+  jax.numpy_rank_promotion("raise")). Traced only (eval_shape): nothing is compiled."""
+  p = jax.ShapeDtypeStruct((3, 16, 24), jnp.float32)
+  for axis in (-1, 1):
+    with jax.numpy_rank_promotion("raise"):
+      out = jax.eval_shape(lambda q, a=axis: N.softmax_aware_binarize(q, axis=a), p)
+    assert out.shape == p.shape
