@@ -89,7 +89,7 @@ def test_quantized_masks_and_extremes(method):
   x = helpers.rows(8, (3, 10), 2.0).at[0, 1].set(-jnp.inf).at[1, 2].set(1e30)
   where = jnp.ones((3, 10), bool).at[2].set(False)
   f = lambda x: N.quantized_softmax(x, 4, where=where, method=method, bias_correction=True)
-  q, g = jax.jit(lambda x: (f(x), jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(10.0)))(x)))(x)
+  q, g = jax.jit(lambda x: (f(x), jax.grad(lambda x: jnp.sum(f(x) * jnp.arange(10.0)[None]))(x)))(x)
   assert np.all(np.isfinite(np.asarray(q))) and np.all(np.isfinite(np.asarray(g)))
   assert float(q[0, 1]) == 0 and not np.any(np.asarray(q[2])) and not np.any(np.asarray(g[2]))
 
@@ -138,7 +138,7 @@ def test_lut_softmax_bound_masks_and_errors():
   @jax.jit
   def run(x, xm):
     f = lambda x, where=None: N.lut_softmax(x, where=where, table_size=table_size, x_min=x_min)
-    ym, dx = jax.value_and_grad(lambda x: jnp.sum(f(x, mask) * weights))(xm)
+    ym, dx = jax.value_and_grad(lambda x: jnp.sum(f(x, mask) * weights[None]))(xm)
     return f(x), f(xm, mask), dx, f(x.at[0, 0].set(1e30).at[1].set(-jnp.inf))
 
   y, ym, dx, big = (np.asarray(a, np.float64) for a in run(x, xm))

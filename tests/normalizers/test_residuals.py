@@ -268,7 +268,7 @@ def test_nonfinite_rows_keep_their_rule_and_a_zero_gradient():
 
     def loss(v, s, fn=fn):
       o = fn(v, where=w, temperature=s)
-      return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * ct)
+      return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * jnp.broadcast_to(ct, o.shape))
 
     gx, gt = jax.jit(jax.grad(loss, (0, 1)))(x, jnp.ones((4, 1)))
     assert (np.asarray(gx)[:3] == 0).all() and (np.asarray(gt)[:3] == 0).all(), fn.__name__

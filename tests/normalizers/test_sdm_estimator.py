@@ -54,7 +54,7 @@ def _estimate(test, pred, train, y_tr, pred_tr, keep, cal, cal_y, cal_keep):
   cal_d = N.sdm_nearest_distance(cal, train, where=keep)
   d = N.sdm_distance_quantile(dist, cal_d, cal_y, 2, where=cal_keep)
   dq = N.sdm_distance_quantile(jnp.linspace(0.0, 3.0, 31), cal_d, cal_y, 2)
-  w = N.sdm(jnp.ones((test.shape[0], 2)) * jnp.arange(2.0), q=q[:, None], d=d[:, None])
+  w = N.sdm(jnp.ones((test.shape[0], 2)) * jnp.arange(2.0)[None], q=q[:, None], d=d[:, None])
   return q, q3, dist, cal_d, d, dq, w
 
 

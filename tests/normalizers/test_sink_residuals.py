@@ -161,7 +161,7 @@ def test_nonfinite_rows_keep_a_zero_finite_gradient():
   def run(v, q):
     def loss(a, b, c):
       o = N.softmax_n(a, n=b) + N.softmax_sink(a, sink_logit=c)
-      return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * ct)
+      return jnp.sum(jnp.where(jnp.isfinite(o), o, 0.0) * jnp.broadcast_to(ct, o.shape))
     g = jax.grad(loss, (0, 1, 2))(v, q, q)
     _, t = jax.jvp(lambda a, b: N.softmax_sink(a, sink_logit=b), (v, q),
                    (jnp.ones_like(v), jnp.ones_like(q)))
