@@ -152,12 +152,11 @@ def pytest_collection_modifyitems(config, items):
 # Issue 37's guard: library code never relies on implicit rank promotion. The tests of these
 # directories and the top-level files run under jax.numpy_rank_promotion("raise") (the setting
 # of JAX's own suite); each was run whole under JAX_NUMPY_RANK_PROMOTION=raise first (their
-# default selection). Still to join: tests/normalizers (half of its files ran clean once their
-# test code broadcast explicitly) and tests/kernels_pallas; then the setting goes into the
+# default selection). Still to join: tests/kernels_pallas; then the setting goes into the
 # environment above so the subprocesses tests start inherit it.
 _RANK_PROMOTION_RAISE = tuple(_TESTS / d for d in ("linear", "losses", "pooling", "train",
                                                    "properties", "optim", "nn", "attention",
-                                                   "bench", "docs"))
+                                                   "bench", "docs", "normalizers"))
 
 
 @pytest.fixture(autouse=True)
