@@ -738,6 +738,10 @@ def bwd_smem_bytes(head_dim: int, dtype, normalizer="softmax") -> tuple[int, int
     T. Dao, 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
     Partitioning", arXiv:2307.08691 (the two backward passes).
   """
+  if isinstance(head_dim, bool) or head_dim not in (64, 128, 256):
+    raise ValueError(f"bwd_smem_bytes: `head_dim` must be 64, 128 or 256, got {head_dim!r}")
+  if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+    raise ValueError(f"bwd_smem_bytes: `dtype` must be bfloat16 or float16, got {dtype!r}")
   spec = _spec.resolve(normalizer)
   kind = getattr(spec, "kernel_class", None)
   tile = getattr(spec, "tile", None)

@@ -455,3 +455,14 @@ def test_backward_pipeline_has_no_data_race():
   params = mga.gpu_interpret_params(detect_races=True)
   _check_grads("softmax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
   assert not ipc.get_races().races_found
+
+
+@pytest.mark.parametrize("kwargs, name", [({"head_dim": 100}, "head_dim"),
+                                          ({"head_dim": 0}, "head_dim"),
+                                          ({"dtype": jnp.int8}, "dtype"),
+                                          ({"normalizer": "sparsemax"}, "normalizer")])
+def test_bwd_smem_bytes_names_a_bad_argument(kwargs, name):
+  """A head dimension, dtype or normalizer the backward cannot run raises, naming it."""
+  args = {"head_dim": 128, "dtype": jnp.bfloat16, "normalizer": "softmax", **kwargs}
+  with pytest.raises(ValueError, match=f"`{name}`"):
+    mga.bwd_smem_bytes(**args)
