@@ -175,6 +175,19 @@ def _source(plan: _Plan, h):
   return (lax.axis_index(plan.axis) - h) % plan.cp
 
 
+def _block_visible(plan: _Plan, meta: _Meta, src):
+  """bool [B, 1, 1, Tl, Sl]: the local queries' view of shard ``src``'s keys."""
+  return _visible(plan, meta.q_pos, meta.q_seg, *meta.block(src))
+
+
+def _fold_visible(plan: _Plan, meta: _Meta, h, fold, carry):
+  """``fold(vis, carry)`` with the visibility ``vis`` [B, 1, 1, Tl, Sl] of the key block
+  held at hop ``h``, or ``carry`` unchanged when no local query sees any of its keys (a
+  ``lax.cond`` on a scalar: a causal block wholly in the future costs no compute)."""
+  vis = _block_visible(plan, meta, _source(plan, h))
+  return lax.cond(jnp.any(vis), lambda c: fold(vis, c), lambda c: c, carry)
+
+
 def _ring_forward(plan: _Plan, q5, k4, v4, meta: _Meta):
   """Returns ``(out, m, D)``, out [B, K, G, Tl, Hv], (m, D) per row."""
   rule, hp, n = plan.rule, plan.params, meta.n
@@ -184,17 +197,14 @@ def _ring_forward(plan: _Plan, q5, k4, v4, meta: _Meta):
            _like(jnp.zeros(row[:-1] + (v4.shape[-1],), plan.dtype), q5))
 
   def compute(h, kb, vb, state):
-    kv_pos, kv_seg, kv_valid = meta.block(_source(plan, h))
-    vis = _visible(plan, meta.q_pos, meta.q_seg, kv_pos, kv_seg, kv_valid)
-
-    def fold(state):
+    def fold(vis, state):
       m, l, acc = state
       _, x = _logits(plan, q5, kb)
       m, l, num, alpha = tile.online_update(rule, x, vis, m, l, n, hp)
       pv = jnp.einsum("bkgqs,bksh->bkgqh", num, vb, preferred_element_type=plan.dtype)
       return m, l, tile.rescale(acc, alpha) + pv
 
-    return lax.cond(jnp.any(vis), fold, lambda s: s, state)
+    return _fold_visible(plan, meta, h, fold, state)
 
   def hop(h, carry):
     kb, vb, state = carry
@@ -214,10 +224,7 @@ def _ring_backward(plan: _Plan, q5, k4, v4, meta: _Meta, res, dout):
   delta = jnp.sum(dout * out, axis=-1, keepdims=True)
 
   def compute(h, kb, vb, grads):
-    kv_pos, kv_seg, kv_valid = meta.block(_source(plan, h))
-    vis = _visible(plan, meta.q_pos, meta.q_seg, kv_pos, kv_seg, kv_valid)
-
-    def fold(grads):
+    def fold(vis, grads):
       dq, dkb, dvb = grads
       s, x = _logits(plan, q5, kb)
       dp = jnp.einsum("bkgqh,bksh->bkgqs", dout, vb, preferred_element_type=plan.dtype)
@@ -227,7 +234,7 @@ def _ring_backward(plan: _Plan, q5, k4, v4, meta: _Meta, res, dout):
               dkb + jnp.einsum("bkgqs,bkgqh->bksh", ds, q5),
               dvb + jnp.einsum("bkgqs,bkgqh->bksh", w, dout))
 
-    return lax.cond(jnp.any(vis), fold, lambda g: g, grads)
+    return _fold_visible(plan, meta, h, fold, grads)
 
   def hop(h, carry):
     kb, vb, dq, dkb, dvb = carry
@@ -659,7 +666,7 @@ def ring_attention(q, k, v, *, axis_name: str, q_positions, kv_positions, q_segm
 def _local_counts(plan: _Plan, meta: _Meta, row):
   """Visible keys of each local row over every shard, [B, 1, 1, Tl, 1], at least 1."""
   def body(src, cnt):
-    vis = _visible(plan, meta.q_pos, meta.q_seg, *meta.block(src))
+    vis = _block_visible(plan, meta, src)
     return cnt + jnp.sum(vis, axis=-1, keepdims=True).astype(plan.dtype)
 
   zero = _like(jnp.zeros((row[0], 1, 1, row[3], 1), plan.dtype), meta.q_pos)
