@@ -1,0 +1,616 @@
+"""Class T (sparsemax, entmax-1.5, top-k) on the Mosaic-GPU (Hopper, sm_90a) engine.
+
+UNVERIFIED ON HARDWARE, like ``kernels_pallas.mosaic_gpu``: lowered for CUDA by
+``jax.export`` (sm_90a, 227 KiB of shared memory assumed) and run in Pallas's GPU
+interpreter on a CPU, never on an H100/H200. ``kp.mosaic_gpu_attention`` routes a class-T
+normalizer here. Forward only: differentiating it raises UnsupportedError (the Triton and
+Mosaic-TPU engines, ``kernels_pallas.attention``, have the backward).
+
+AdaSplash's two kernels (Gonçalves, Treviso & Martins 2025), with the tile math of the
+other engines (``jaxsoft.normalizers.tile``'s search, ``kernels_pallas.engine``'s class-T
+section). Per query row, with the scaled logits ``x_j = scale q·k_j``, the visible keys
+``V`` (all, or ``j <= i`` causal), ``z_j = score_map(x_j)`` and the rule's
+``ThresholdRule``::
+
+    m   = max_{j in V} z_j                                   (the max pass)
+    tau solves  F(tau) = sum_{j in V} mass(z_j, tau) - target(|V|) = 0
+                on the bracket [lo, hi] = bracket(m, |V|)    (the search sweeps)
+    O   = sum_j weight(z_j, tau, m') v_j / W,   W = sum_j weight(z_j, tau, m')
+
+(``m' = m + 2^-21 (1 + |m|)``, ``tile.weight_stabiliser``). Sparsemax:
+``mass = weight = [z - tau]_+``, target 1; entmax-1.5: ``z = x / 2``,
+``mass = weight = [z - tau]_+^2``, target 1; top-k: ``mass = 1[z >= tau]``, target
+``min(k, |V|)``, ``weight = 1[z >= tau] e^{z - m'}``.
+
+1. **Search kernel.** A CTA owns ``2 x 64`` query rows of one (batch, head): a TMA
+   producer warpgroup streams the key tiles through a 2-slot ring, two consumer
+   warpgroups recompute ``Q K^T`` with ``wgmma`` at every pass. Pass 0 takes the row max;
+   then a fixed number of sweeps (the rule's ``iterations`` for a Newton rule, half as
+   many multisection sweeps for top-k; ``tile.search_schedule``) each sum, at 3 candidate
+   thresholds, the mass (and, for a rule with ``newton_power`` p, its slope) and close the
+   bracket (``tile.search_candidates`` / ``search_update``: Newton steps on
+   ``M^p - target^p`` with a bisection companion). A warpgroup whose rows have all settled
+   (bracket within 4 ulps) skips the arithmetic of the remaining sweeps (it still waits on
+   and releases the ring slots: the producer's schedule is fixed). Rules whose weight jumps
+   at tau (top-k) take one more pass that moves tau into the gap below it
+   (``tile.max_below`` / ``gap_threshold``). Every sweep records, per key block, whether
+   some visible ``z >= lo`` (lo the bracket's lower end at the sweep's start, ``<= tau``):
+   a block without one has zero weights. The last sweep's flags are the live flags.
+2. **Block list.** ``engine.live_block_tables`` compacts the flags of the CTA's 128 rows
+   (the two warpgroups' flags OR-ed) into ``idx`` (live key blocks in increasing order)
+   and ``cnt``.
+3. **Attention pass.** The forward kernel's structure (``mosaic_gpu``): a producer
+   warpgroup loads the key and value tiles of ``idx[0 .. cnt)`` only, two consumer
+   warpgroups run ``S = Q K^T``, the weight tile (class P: no running statistics) and
+   ``O += W V`` on the tensor cores, and divide by the row sum of the weights at the end
+   (this removes the finite search's residual error, as on the other engines). A row with
+   a NaN logit comes out NaN (its max is NaN and no block is live).
+
+Every key block is masked (padding, causal) in both kernels: the masks cost a few
+elementwise operations per score; splitting the loops into masked and unmasked blocks,
+as the softmax kernel does, is left for the GPU session that measures it.
+
+The maps are the rules' own functions traced with custom derivatives inlined
+(``mosaic_gpu._primal``). The Newton step's ``(target / M)^p`` is written as ``r`` (p = 1),
+``r rsqrt(r)`` (p = 1/2) or ``exp(p log r)``: the Mosaic-GPU lowering has no ``pow``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import spec as _spec
+from jaxsoft.normalizers import tile
+from kernels_pallas import engine
+from kernels_pallas.engine import UnsupportedError
+from kernels_pallas.mosaic_gpu import _launch, _load_row, _plgpu, _primal, _round_up, _transposed
+
+__all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
+
+# The class-T normalizers whose maps lower for Mosaic GPU and are tested (export and
+# interpreter): entmax with a traced or non-integer power and top-p (a row-statistics
+# pass first) are not.
+SUPPORTED = ("sparsemax", "entmax15", "top_k_softmax")
+
+_BQ = 64  # rows per consumer warpgroup (one wgmma M)
+_STAGES = 2  # search ring slots
+
+
+@dataclasses.dataclass(frozen=True)
+class _TCfg:
+  spec: Any
+  hp: tuple[tuple[str, Any], ...]
+  scale: float
+  causal: bool
+  t: int
+  s: int
+  block_k: int
+  num_stages: int
+
+  @property
+  def rule(self) -> _spec.ThresholdRule:
+    return self.spec.threshold
+
+  @property
+  def hp_dict(self) -> dict[str, Any]:
+    return dict(self.hp)
+
+
+def _schedule(cfg: _TCfg):
+  """(candidates per sweep, sweeps, newton, indicator): ``tile.search_schedule`` with an
+  early exit (per warpgroup) and whether tau moves into the gap below it."""
+  rule = cfg.rule
+  count, steps, newton = tile.search_schedule(rule, int(rule.iterations), True)
+  hp = {**{k: v for k, v in cfg.spec.defaults.items() if v is not None}, **cfg.hp_dict}
+  return count, steps, newton, tile.jumps_at_threshold(rule, hp)
+
+
+def _power(r, p: float):
+  """``r^p`` for ``r > 0`` with the lowering's primitives (no ``pow``)."""
+  if p == 1.0:
+    return r
+  if p == 0.5:
+    return r * jax.lax.rsqrt(r)
+  return jnp.exp(p * jnp.log(r))
+
+
+def _search_update(rule, state, taus, sums, target, hp, newton: bool):
+  """``tile.search_update`` on row vectors, its power written with :func:`_power`."""
+  lo, hi, _ = state
+  count = len(taus)
+  totals = sums[:count]
+  for tau, total in zip(taus, totals, strict=True):
+    ok = total >= target
+    lo = jnp.where(jnp.logical_and(ok, tau >= lo), tau, lo)
+    hi = jnp.where(ok, hi, jnp.minimum(hi, tau))
+  point = jnp.full_like(lo, -jnp.inf)
+  if newton and rule.newton_power is not None:
+    p = float(rule.newton_power(**hp))
+    for tau, total, slope in zip(taus, totals, sums[count:], strict=True):
+      good = jnp.logical_and(total > 0.0, slope < 0.0)
+      safe_total = jnp.where(good, total, 1.0)
+      step = safe_total * (1.0 - _power(target / safe_total, p)) / (
+          p * jnp.where(good, slope, -1.0))
+      root = tau - step
+      inside = jnp.logical_and(good, jnp.logical_and(root >= lo, root <= hi))
+      point = jnp.maximum(point, jnp.where(inside, root, -jnp.inf))
+  return lo, hi, point
+
+
+def _search(cfg: _TCfg, q, k, interpret):
+  """The search kernel on padded q [B, Tp, N, H], k [B, Sp, K, H]: returns ``m``, ``tau``
+  (each [B, N, Tp] float32) and the live flags [B, N, Tp / 128, 2, nkp] int32 (one row
+  per consumer warpgroup, nkp = the key blocks rounded up to 4)."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq, bk = _BQ, cfg.block_k
+  n_kv = sp // bk
+  nkp = _round_up(n_kv, 4)
+  stages = _STAGES
+  dtype = q.dtype
+  rule = cfg.rule
+  hp = cfg.hp_dict
+  count, steps, newton, indicator = _schedule(cfg)
+  passes = 1 + steps + int(indicator)
+  score_map, mass = _primal(rule.score_map), _primal(rule.mass)
+  slope = _primal(lambda z, t: jax.jvp(lambda t_: rule.mass(z, t_, **hp), (t,),
+                                       (jnp.ones_like(t),))[1])
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = wgmma_layout.reduce(1)
+
+  def bcast(row, shape):
+    return lax.broadcast_in_dim(row, shape, [0])
+
+  def as_row(x):  # a loop carry in the wgmma row layout (a constant is a splat otherwise)
+    return plgpu.layout_cast(x, row_layout)
+
+  def kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, scoped):
+    bi = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    q_tile = lax.axis_index("q_seq")
+    (q_smem2, k_smem), (k_loaded, q_loaded), k_consumed, (st_smem, flag_smem) = scoped
+    wg = lax.axis_index("wg")
+    cta_steps: Any = n_kv
+    if cfg.causal:
+      cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * (2 * bq), jnp.array(bk, jnp.int32)), n_kv)
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem = q_smem2.at[wg]
+      q_base = q_tile * (2 * bq) + wg * bq
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem,
+                              q_loaded.at[wg])
+      plgpu.barrier_wait(q_loaded.at[wg])
+      flags = flag_smem.at[wg]
+
+      @pl.loop(0, nkp)
+      def _clear(j):
+        flags[j] = jnp.int32(0)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=wgmma_layout)
+
+      # the rows' visible counts n: min(i + 1, S) causal, else S (a row vector)
+      if cfg.causal:
+        length_tile = jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+        length = length_tile.max(axis=1)
+      else:
+        length = plgpu.layout_cast(jnp.full((bq,), float(cfg.s), jnp.float32), row_layout)
+        length_tile = bcast(length, (bq, bk))
+
+      def logits(g, j):
+        """The block j's scaled logits and visibility (g the global step: its slot)."""
+        slot = lax.rem(g, jnp.array(stages, g.dtype))
+        plgpu.barrier_wait(k_loaded.at[slot])
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem.at[slot]))
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        qpos, k_pos = iota(0) + q_base, iota(1) + j * bk
+        mask = jnp.logical_and(k_pos < cfg.s, qpos < cfg.t)
+        if cfg.causal:
+          mask = jnp.logical_and(mask, qpos >= k_pos)
+        x = jnp.where(mask, qk * cfg.scale, 0.0)
+        return score_map(x, length_tile, **hp), mask
+
+      def sweep(p, body, carry):
+        def step(j, carry):
+          z, mask = logits(p * cta_steps + j, j)
+          return body(j, z, mask, carry)
+        return lax.fori_loop(0, cta_steps, step, carry)
+
+      def drain(p):  # a skipped sweep: the ring's slots are waited on and released
+        def step(j, _):
+          slot = lax.rem(p * cta_steps + j, jnp.array(stages, jnp.int32))
+          plgpu.barrier_wait(k_loaded.at[slot])
+          plgpu.barrier_arrive(k_consumed.at[slot])
+        lax.fori_loop(0, cta_steps, step, None)
+
+      # pass 0: the row max of the visible z
+      m0 = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, jnp.float32), row_layout)
+      m = sweep(0, lambda j, z, mask, m: jnp.maximum(
+          m, jnp.where(mask, z, -jnp.inf).max(axis=1)), m0)
+      nan_row = m != m
+      m, state, target = tile.search_start(rule, m, length, hp)
+      state = tuple(map(as_row, state))
+
+      def real_sweep(p, state):
+        lo = state[0]
+        newton_pt = state[2] if newton else jnp.full_like(lo, -jnp.inf)
+        taus = tile.search_candidates(lo, state[1], newton_pt, count)
+        lo_b = bcast(lo, (bq, bk))
+        taus_b = [bcast(c, (bq, bk)) for c in taus]
+
+        def body(j, z, mask, sums):
+          masses = [jnp.where(mask, mass(z, c, **hp), 0.0).sum(axis=1) for c in taus_b]
+          slopes = ([jnp.where(mask, slope(z, c), 0.0).sum(axis=1) for c in taus_b]
+                    if newton else [])
+          hit = jnp.where(jnp.logical_and(mask, z >= lo_b), 1.0, 0.0).max(axis=1)
+          flags[j] = (jnp.max(hit) > 0.0).astype(jnp.int32)
+          return tuple(a + c for a, c in zip(sums, masses + slopes, strict=True))
+
+        zero = as_row(jnp.zeros((bq,), jnp.float32))
+        sums = sweep(p, body, (zero,) * (count * (1 + int(newton))))
+        return tuple(map(as_row, _search_update(rule, state, taus, list(sums), target, hp,
+                                                newton)))
+
+      def search_step(i, state):
+        p = i + 1
+        done = tile.search_done(state)
+        settled = jnp.min(jnp.where(done, 1.0, 0.0)) > 0.0
+        run = jnp.logical_or(i == 0, jnp.logical_not(settled))
+
+        def skip(state):
+          drain(p)
+          return state
+
+        return lax.cond(run, functools.partial(real_sweep, p), skip, state)
+
+      state = lax.fori_loop(0, steps, search_step, state)
+      tau = tile.search_threshold(state, newton)
+      if indicator:
+        tol = tile.GAP_TOLERANCE * (1.0 + jnp.abs(tau))
+        edge = bcast(tau - tol, (bq, bk))
+
+        def below_body(j, z, mask, below):
+          under = jnp.logical_and(mask, z < edge)
+          return jnp.maximum(below, jnp.where(under, z, -jnp.inf).max(axis=1))
+
+        below = sweep(1 + steps, below_body, as_row(jnp.full((bq,), -jnp.inf, jnp.float32)))
+        tau = tile.gap_threshold(tau, below)
+      m = jnp.where(nan_row, jnp.nan, m)
+      st_smem.at[0, wg][...] = m
+      st_smem.at[1, wg][...] = tau
+      plgpu.commit_smem()
+      for i, ref in enumerate((m_ref, tau_ref)):
+        plgpu.copy_smem_to_gmem(st_smem.at[i, wg], ref.at[bi, q_head, pl.ds(q_base, bq)])
+      plgpu.copy_smem_to_gmem(flags, flag_ref.at[bi, q_head, q_tile, wg])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+      total = passes * cta_steps
+      for i in range(stages):  # total >= 2: a max pass and at least one sweep
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(i * bk, bk), kv_head], k_smem.at[i],
+                                k_loaded.at[i])
+
+      @pl.loop(0, total - stages)
+      def _ring(g):
+        step = g + stages
+        slot = lax.rem(g, jnp.array(stages, g.dtype))
+        block = lax.rem(step, jnp.asarray(cta_steps, step.dtype))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
+                                k_smem.at[slot], k_loaded.at[slot])
+
+  def entry(q_ref, k_ref, m_ref, tau_ref, flag_ref):
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, args),
+        (plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        (plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, nkp), jnp.int32)),
+        collective_axes="wg",
+    )
+
+  nq = tp // (2 * bq)
+  out_type = [jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
+              jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
+              jax.ShapeDtypeStruct((b, n, nq, 2, nkp), jnp.int32)]
+  return _launch(plgpu, entry, out_type, (n, nq, b), ("heads", "q_seq", "batch"), 3,
+                 interpret)(q, k)
+
+
+def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
+  """The attention pass over the live key blocks ``idx[.., :cnt]`` of each CTA: returns
+  [B, Tp, N, H]."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  kh = k.shape[2]
+  groups = n // kh
+  bq, bk = _BQ, cfg.block_k
+  stages = cfg.num_stages
+  dtype = q.dtype
+  rule = cfg.rule
+  hp = cfg.hp_dict
+  score_map, weight = _primal(rule.score_map), _primal(rule.weight)
+  wgmma_layout = plgpu.Layout.WGMMA
+  row_layout = wgmma_layout.reduce(1)
+
+  def bcast(row, shape):
+    return lax.broadcast_in_dim(row, shape, [0])
+
+  def kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, scoped):
+    bi = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    q_tile = lax.axis_index("q_seq")
+    (qo_smem2, k_smem, v_smem, st_smem), loaded, consumed = scoped
+    k_loaded, v_loaded, q_loaded, m_loaded, tau_loaded = loaded
+    k_consumed, v_consumed = consumed
+    wg = lax.axis_index("wg")
+    count = cnt_ref[bi, q_head, q_tile]
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      qo_smem = qo_smem2.at[wg]
+      q_base = q_tile * (2 * bq) + wg * bq
+      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], qo_smem,
+                              q_loaded.at[wg])
+      for i, (ref, bar) in enumerate(((m_ref, m_loaded), (tau_ref, tau_loaded))):
+        plgpu.copy_gmem_to_smem(ref.at[bi, q_head, pl.ds(q_base, bq)], st_smem.at[i, wg],
+                                bar.at[wg])
+      for bar in (q_loaded, m_loaded, tau_loaded):
+        plgpu.barrier_wait(bar.at[wg])
+      m = _load_row(plgpu, st_smem.at[0, wg], row_layout)
+      tau = _load_row(plgpu, st_smem.at[1, wg], row_layout)
+      m_w = tile.weight_stabiliser(m)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=wgmma_layout)
+
+      def step(i, carry):
+        acc, l_i = carry
+        j = idx_ref[bi, q_head, q_tile, i]
+        slot = lax.rem(i, jnp.array(stages, i.dtype))
+        plgpu.barrier_wait(k_loaded.at[slot])
+
+        def compute_qk(acc_ref):
+          plgpu.wgmma(acc_ref, qo_smem, _transposed(plgpu, k_smem.at[slot]))
+          return acc_ref[...]
+
+        qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        q_pos, k_pos = iota(0) + q_base, iota(1) + j * bk
+        mask = k_pos < cfg.s
+        if cfg.causal:
+          mask = jnp.logical_and(mask, q_pos >= k_pos)
+          length = jnp.minimum(q_pos + 1, cfg.s).astype(jnp.float32)
+        else:
+          length = jnp.full((bq, bk), float(cfg.s), jnp.float32)
+        x = jnp.where(mask, qk * cfg.scale, 0.0)
+        z = jnp.where(mask, score_map(x, length, **hp), bcast(m, (bq, bk)))
+        w = weight(z, bcast(tau, (bq, bk)), bcast(m_w, (bq, bk)), **hp)
+        w = jnp.where(mask, w, 0.0)
+        l_i = l_i + w.sum(axis=1)
+        w16 = w.astype(dtype)
+        plgpu.barrier_wait(v_loaded.at[slot])
+
+        def compute_pv(acc_ref):
+          plgpu.wgmma(acc_ref, w16, v_smem.at[slot])
+
+        acc = pl.run_state(compute_pv)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, l_i
+
+      acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), wgmma_layout)
+      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+      acc, l_i = lax.fori_loop(0, count, step, (acc, l_i))
+      inv = jnp.where(l_i > 0.0, 1.0 / jnp.where(l_i > 0.0, l_i, 1.0), 0.0)
+      inv = jnp.where(m != m, jnp.nan, inv)  # a NaN logit: the row is NaN
+      qo_smem[...] = (acc * bcast(inv, acc.shape)).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, bq), q_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+
+      def load(i, slot):
+        j = idx_ref[bi, q_head, q_tile, i]
+        sl = (bi, pl.ds(j * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
+
+      for i in range(stages):
+        pl.when(i < count)(functools.partial(load, i, i))
+
+      @pl.loop(0, count - stages)
+      def _ring(i):
+        slot = lax.rem(i, jnp.array(stages, i.dtype))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(i + stages, slot)
+
+  def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref):
+    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref,
+                             args),
+        (plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
+         plgpu.SMEM((2, 2, bq), jnp.float32)),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
+         plgpu.Barrier(num_barriers=2)),
+        (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+        collective_axes="wg",
+    )
+
+  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+  return _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"),
+                 3, interpret)(q, k, v, m, tau, idx, cnt)
+
+
+def _pad(cfg: _TCfg, q, k, v):
+  tp, sp = _round_up(cfg.t, 2 * _BQ), _round_up(cfg.s, cfg.block_k)
+  qp = jnp.pad(q, ((0, 0), (0, tp - cfg.t), (0, 0), (0, 0)))
+  kp = jnp.pad(k, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  vp = jnp.pad(v, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
+  return qp, kp, vp
+
+
+def _blocks(cfg: _TCfg, q, k, interpret):
+  """(m, tau, idx, cnt) of padded inputs: the search kernel, then the block lists."""
+  m, tau, flags = _search(cfg, q, k, interpret)
+  idx, cnt = engine.live_block_tables(jnp.max(flags, axis=3))
+  return m, tau, idx, cnt
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 4))
+def _attention(cfg: _TCfg, q, k, v, interpret):
+  qp, kp, vp = _pad(cfg, q, k, v)
+  m, tau, idx, cnt = _blocks(cfg, qp, kp, interpret)
+  return _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret)[:, :cfg.t]
+
+
+@_attention.defjvp
+def _attention_jvp(cfg, interpret, primals, tangents):
+  del interpret, primals, tangents
+  raise UnsupportedError(
+      f"mosaic_gpu_attention: class T ({cfg.spec.name!r}) has no Mosaic-GPU backward yet; "
+      "differentiate through kernels_pallas.attention (Triton / Mosaic TPU) instead")
+
+
+def _cfg(spec, hp, scale, causal, t, s, block_k, num_stages) -> _TCfg:
+  name = getattr(spec, "name", spec)
+  if name not in SUPPORTED or getattr(spec, "threshold", None) is None:
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: `normalizer` {name!r} (class T) is not one of the class-T "
+        f"rules the Mosaic-GPU threshold kernels lower: {', '.join(SUPPORTED)}")
+  return _TCfg(spec=spec, hp=tuple(sorted(hp.items())), scale=float(scale),
+               causal=bool(causal), t=int(t), s=int(s), block_k=int(block_k),
+               num_stages=int(num_stages))
+
+
+def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=None,
+                     scale=None, is_causal=False, block_k=128, interpret=None):
+  r"""The threshold search kernel and the block lists it yields (class T, Mosaic GPU).
+
+  Per query row ``i`` (``V_i`` its visible keys, ``z_ij = score_map(scale q_i·k_j)``):
+  the row max ``m_i = max_{j in V_i} z_ij`` and the threshold ``tau_i`` solving
+  ``sum_{j in V_i} mass(z_ij, tau_i) = target(|V_i|)``; per CTA of 128 query rows, the key
+  blocks of ``block_k`` keys holding some visible ``z_ij >= lo_i`` (``lo_i <= tau_i``, the
+  search bracket's lower end: every other block has zero weights), compacted.
+
+  Args:
+    query: ``[B, T, N, H]`` float16 or bfloat16, H in {64, 128, 256}.
+    key: ``[B, S, K, H]`` of the query's dtype, ``N % K == 0``.
+    normalizer: ``"sparsemax"``, ``"entmax15"`` or ``"top_k_softmax"``.
+    normalizer_params: hyperparameters as Python numbers (top-k's ``k``).
+    scale: the logits' scale (None: ``1 / sqrt(H)``).
+    is_causal: top-left aligned causal mask.
+    block_k: keys per block, a multiple of 64.
+    interpret: None for the GPU, else ``InterpretGPUParams`` (``mosaic_gpu.gpu_interpret_params``).
+
+  Returns:
+    ``(m, tau, idx, cnt)``: ``m`` and ``tau`` ``[B, N, Tp]`` float32 (Tp = T rounded up
+    to 128; ``m`` NaN on a row with a NaN logit), ``idx`` ``[B, N, Tp / 128, nkp]`` int32
+    the live key blocks in increasing order (padded with the last), ``cnt``
+    ``[B, N, Tp / 128]`` their number.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp
+    >>> from kernels_pallas.mosaic_gpu_threshold import threshold_blocks
+    >>> q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.bfloat16)
+    >>> f = lambda q: threshold_blocks(q, q, is_causal=True)[3]
+    >>> exp = jax.export.export(jax.jit(f), platforms=["cuda"])(q)  # lowers on a CPU
+    >>> exp.out_avals[0].shape
+    (1, 1, 1)
+
+  References:
+    N. Gonçalves, M. Treviso & A. F. T. Martins, 2025, "AdaSplash: Adaptive Sparse Flash
+    Attention", arXiv:2502.12082.
+
+    C. Michelot, 1986, "A finite algorithm for finding the projection of a point onto the
+    canonical simplex of R^n" (sparsemax's Newton step).
+  """
+  spec = _spec.resolve(normalizer)
+  h = query.shape[-1]
+  scale = 1.0 / h ** 0.5 if scale is None else scale
+  cfg = _cfg(spec, dict(normalizer_params or {}), scale, is_causal, query.shape[1],
+             key.shape[1], block_k, _STAGES)
+  qp, kp, _ = _pad(cfg, query, key, key)
+  return _blocks(cfg, qp, kp, interpret)
+
+
+def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal: bool,
+                        block_k: int, num_stages: int, interpret=None):
+  r"""Class-T attention forward on Hopper: the search kernel, then the attention pass
+  over the live key blocks (module docstring). ``kp.mosaic_gpu_attention`` calls it
+  after validating the arguments.
+
+  .. math::
+    O_i = \frac{\sum_{j \in L_i} w(z_{ij}, \tau_i, m_i)\, v_j}{\sum_{j \in L_i}
+    w(z_{ij}, \tau_i, m_i)},\quad \sum_{j \in V_i} \mathrm{mass}(z_{ij}, \tau_i)
+    = \mathrm{target}(|V_i|)
+
+  with ``L_i`` the keys of the live blocks (a superset of the support).
+
+  Args:
+    query: ``[B, T, N, H]`` float16 or bfloat16.
+    key, value: ``[B, S, K, H]``.
+    spec: the resolved class-T NormalizerSpec (one of :data:`SUPPORTED`).
+    hp: its hyperparameters as Python numbers.
+    scale: the logits' scale.
+    is_causal: top-left aligned causal mask.
+    block_k: keys per block.
+    num_stages: the attention pass's ring slots.
+    interpret: None for the GPU, else ``InterpretGPUParams``.
+
+  Returns:
+    ``[B, T, N, H]`` of the query's dtype; differentiating raises UnsupportedError.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, kernels_pallas as kp
+    >>> q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.float16)
+    >>> f = lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer="sparsemax")
+    >>> mlir = jax.export.export(jax.jit(f), platforms=["cuda"])(q).mlir_module()
+    >>> mlir.count("stablehlo.custom_call @mosaic_gpu")  # the search, the attention pass
+    2
+
+  References:
+    N. Gonçalves, M. Treviso & A. F. T. Martins, 2025, "AdaSplash: Adaptive Sparse Flash
+    Attention", arXiv:2502.12082.
+
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608.
+  """
+  b, t, n, h = query.shape
+  cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages)
+  return _attention(cfg, query, key, value, interpret)
