@@ -1263,7 +1263,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     normalizer: a registered name or NormalizerSpec of kernel class E, S or P with a tile
       rule whose maps lower for Mosaic GPU (tested: softmax, softmax_1, softmax_n, softpick,
       ssmax, sigmoid, relu, stablemax, spherical_softmax; softplus-based rules need a
-      ``log1p`` the lowering lacks).
+      ``log1p`` the lowering lacks). Class T (sparsemax, entmax15, top_k_softmax) runs
+      ``kernels_pallas.mosaic_gpu_threshold`` (forward only).
     normalizer_params: the normalizer's hyperparameters as Python numbers (compiled in).
     scale: the logits' scale (None: ``1 / sqrt(H)``).
     is_causal: top-left aligned causal mask (query i sees keys j <= i).
@@ -1304,13 +1305,16 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     Sigmoid Self-Attention", arXiv:2409.04431.
   """
   spec = _spec.resolve(normalizer)
-  if not isinstance(spec, _spec.NormalizerSpec) or spec.kernel_class not in ("E", "S", "P") \
-      or spec.tile is None:
+  threshold = isinstance(spec, _spec.NormalizerSpec) and spec.kernel_class == "T" \
+      and spec.threshold is not None  # class T: kernels_pallas.mosaic_gpu_threshold
+  if not threshold and (not isinstance(spec, _spec.NormalizerSpec)
+                        or spec.kernel_class not in ("E", "S", "P") or spec.tile is None):
     name = getattr(spec, "name", spec)
     kc = getattr(spec, "kernel_class", None)
     raise UnsupportedError(
         f"mosaic_gpu_attention: `normalizer` {name!r} (kernel class {kc}) is not of class "
-        "E, S or P with a tile rule; classes T and R run in kernels_pallas.attention")
+        "E, S or P with a tile rule (or T with a threshold rule); class R runs in "
+        "kernels_pallas.attention")
   hp = dict(normalizer_params or {})
   for name, val in hp.items():
     if not isinstance(val, (int, float)) or isinstance(val, bool):
@@ -1363,6 +1367,12 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     raise UnsupportedError(
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
         "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
+  if threshold:
+    from kernels_pallas import mosaic_gpu_threshold
+    return mosaic_gpu_threshold.threshold_attention(
+        query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),
+        block_k=block_k, num_stages=num_stages, interpret=interpret,
+        rescale_threshold=rescale_threshold)
   rule = spec.tile
   if rescale_threshold is not None:
     if not _exp2_rule(rule):
