@@ -569,7 +569,9 @@ def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=No
 
 
 def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal: bool,
-                        block_k: int, num_stages: int, interpret=None):
+                        block_k: int, num_stages: int, interpret=None,
+                        rescale_threshold=None, local_window_size=None,
+                        key_value_seq_lengths=None):
   r"""Class-T attention forward on Hopper: the search kernel, then the attention pass
   over the live key blocks (module docstring). ``kp.mosaic_gpu_attention`` calls it
   after validating the arguments.
@@ -591,6 +593,8 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
     block_k: keys per block.
     num_stages: the attention pass's ring slots.
     interpret: None for the GPU, else ``InterpretGPUParams``.
+    rescale_threshold, local_window_size, key_value_seq_lengths: not supported for class
+      T yet (UnsupportedError naming the argument unless None).
 
   Returns:
     ``[B, T, N, H]`` of the query's dtype; differentiating raises UnsupportedError.
@@ -611,6 +615,12 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
     "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
     arXiv:2407.08608.
   """
+  for arg, val in (("rescale_threshold", rescale_threshold),
+                   ("local_window_size", local_window_size),
+                   ("key_value_seq_lengths", key_value_seq_lengths)):
+    if val is not None:
+      raise UnsupportedError(f"mosaic_gpu_attention: `{arg}` is not supported for class T "
+                             f"({spec.name!r}) yet; it must be None")
   b, t, n, h = query.shape
   cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages)
   return _attention(cfg, query, key, value, interpret)
