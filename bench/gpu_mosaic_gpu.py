@@ -4,7 +4,9 @@ against cuDNN softmax (``jax.nn.dot_product_attention(implementation="cudnn")``)
 this library's Triton kernel (``kp.attention(backend="triton")``) for the same
 normalizer: bf16, H = 128, B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal.
 Two tables: the forward for softmax, softmax_1, sigmoid, relu and stablemax (classes E,
-E, P, P, S) and softmax with lazy rescaling (``rescale_threshold=8``, a ``mosaic_gpu
+E, P, P, S), sparsemax, entmax15 and top_k_softmax (class T: the threshold search kernel,
+then the pass over the live key blocks, ``kernels_pallas.mosaic_gpu_threshold``; forward
+only) and softmax with lazy rescaling (``rescale_threshold=8``, a ``mosaic_gpu
 tau=8`` row); forward+backward (``jax.vjp``: the forward saving its row statistics, then
 the dK/dV and dQ kernels) for softmax, softmax_1, sigmoid and stablemax.
 
@@ -52,7 +54,8 @@ import numpy as np
 import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
-NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax")
+NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax",
+               "sparsemax", "entmax15", "top_k_softmax")  # E, E, P, P, S, T, T, T
 LAZY = {"softmax": 8.0}  # also timed with lazy rescaling at this tau (a "tau=" row)
 GRAD_NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "stablemax")  # E (exp2), E, P, S
 
