@@ -155,10 +155,7 @@ def ccq_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, g: ArrayLike | None = Non
     Le et al., 2026, "Don't Read Everything" (in full: :func:`ccq`).
   """
   fn_name = "ccq_step"
-  q0, k0, v0 = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, K = q0.shape
-  V = v0.shape[-1]
-  cdt = _checks.compute_dtype_of(q0, k0, v0)
+  _, _, _, (B, N, K, V), cdt = _checks.check_step_inputs(q, k, v, fn_name)
   if state is None:
     state = (jnp.zeros((B, N, K, V), cdt), jnp.zeros((B, N, K + 1, K + 1), cdt))
   _checks.check_tuple(state, 2, "state", fn_name, "a pair (S, M)")

@@ -27,6 +27,7 @@ __all__ = [
     "compute_dtype_of",
     "check_qkv",
     "check_qkv_step",
+    "check_step_inputs",
     "check_gate",
     "check_beta",
     "check_decay_and_beta",
@@ -91,6 +92,15 @@ def check_qkv(q, k, v, fn_name: str) -> tuple[jax.Array, jax.Array, jax.Array]:
 def check_qkv_step(q, k, v, fn_name: str) -> tuple[jax.Array, jax.Array, jax.Array]:
   """One decoding step: ``q, k [B, N, K]`` and ``v [B, N, V]``."""
   return _check_qkv(q, k, v, fn_name, "B, N")
+
+
+def check_step_inputs(q, k, v, fn_name: str) -> tuple[jax.Array, jax.Array, jax.Array,
+                                                      tuple[int, ...], Any]:
+  """The start of a decoding step: ``q, k [B, N, K]`` and ``v [B, N, V]`` checked
+  (:func:`check_qkv_step`), returned with their sizes ``(B, N, K, V)`` and the compute
+  dtype (:func:`compute_dtype_of` ``q, k, v``)."""
+  q, k, v = check_qkv_step(q, k, v, fn_name)
+  return q, k, v, (*q.shape, v.shape[-1]), compute_dtype_of(q, k, v)
 
 
 def check_gate(g, shape: tuple[int, ...], layout: str, fn_name: str, name: str = "g") -> jax.Array:

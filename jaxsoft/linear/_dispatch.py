@@ -111,10 +111,8 @@ def prepare_step(fn_name: str, q, k, v, state, *, scale, state_name: str = "stat
   """Checks one decoding step: ``q, k [B, N, K]``, ``v [B, N, V]``, ``state [B, N, K, V]``
   or None (zeros). Returns ``(q, k, v, state)`` in the compute dtype
   (:func:`_checks.compute_dtype_of` ``q, k, v``), the output dtype and the scale."""
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, K = q.shape
-  shape = (B, N, K, v.shape[-1])
-  cdt = _checks.compute_dtype_of(q, k, v)
+  q, k, v, shape, cdt = _checks.check_step_inputs(q, k, v, fn_name)
+  K = shape[2]
   state = (jnp.zeros_like(jnp.einsum("bnk,bnv->bnkv", k, v), dtype=cdt) if state is None
            else _checks.check_state(state, shape, fn_name, state_name, dtype=cdt))
   scale = _checks.resolve_scale(scale, K, fn_name)

@@ -182,6 +182,17 @@ def _recurrent(q, k, v, a, run, K0, V0, w, halo=None):
   return jnp.moveaxis(o, 0, 1), (K_T, V_T)
 
 
+def _slot_gates(slot_log_gates, lead: tuple[int, ...], fn_name: str) -> jax.Array:
+  """``slot_log_gates`` checked: ``[*lead, M]`` log forget gates ``<= 0`` of the M slots,
+  ``lead`` ``(B, T, N)`` (a sequence) or ``(B, N)`` (one step)."""
+  layout = "B, T, N" if len(lead) == 3 else "B, N"
+  sg = jnp.asarray(slot_log_gates)
+  if sg.ndim != len(lead) + 1 or sg.shape[:-1] != tuple(lead):
+    raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [{layout}, M] with "
+                     f"[{layout}] = {list(lead)}, got {sg.shape}")
+  return _checks.check_gate(sg, sg.shape, f"[{layout}, M]", fn_name, "slot_log_gates")
+
+
 def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_gates: ArrayLike,
                             *, window: int, scale: float | None = None,
                             initial_state: Any = None, output_final_state: bool = False,
@@ -249,14 +260,9 @@ def native_hybrid_attention(q: ArrayLike, k: ArrayLike, v: ArrayLike, slot_log_g
   window = positive_int(window, "window", fn_name)
   chunk_size = _checks.check_chunk_size(chunk_size, fn_name)
   impl = _checks.check_implementation(implementation, T, chunk_size, fn_name)
-  sg = jnp.asarray(slot_log_gates)
-  if sg.ndim != 4 or sg.shape[:3] != (B, T, N):
-    raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, T, N, M] with "
-                     f"[B, T, N] = {[B, T, N]}, got {sg.shape}")
-  M = sg.shape[-1]
   cdt = _checks.compute_dtype_of(q, k, v)
-  a = _checks.check_gate(sg, (B, T, N, M), "[B, T, N, M]", fn_name,
-                         "slot_log_gates").astype(cdt)
+  a = _slot_gates(slot_log_gates, (B, T, N), fn_name).astype(cdt)
+  M = a.shape[-1]
   seg = _checks.check_segment_ids(segment_ids, (B, T), fn_name)
   scale = _checks.resolve_scale(scale, K, fn_name)
   if initial_state is None:   # zeros built from the inputs: their batch sharding
@@ -316,17 +322,11 @@ def native_hybrid_attention_step(q: ArrayLike, k: ArrayLike, v: ArrayLike,
     Du et al., 2025, "Native Hybrid Attention" (in full: :func:`native_hybrid_attention`).
   """
   fn_name = "native_hybrid_attention_step"
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, K = q.shape
-  V = v.shape[-1]
+  q, k, v, (B, N, K, V), cdt = _checks.check_step_inputs(q, k, v, fn_name)
   window = positive_int(window, "window", fn_name)
-  sg = jnp.asarray(slot_log_gates)
-  if sg.ndim != 3 or sg.shape[:2] != (B, N):
-    raise ValueError(f"{fn_name}: `slot_log_gates` must have shape [B, N, M], got {sg.shape}")
-  M = sg.shape[-1]
-  a = _checks.check_gate(sg, (B, N, M), "[B, N, M]", fn_name, "slot_log_gates")
+  a = _slot_gates(slot_log_gates, (B, N), fn_name)
+  M = a.shape[-1]
   scale = _checks.resolve_scale(scale, K, fn_name)
-  cdt = _checks.compute_dtype_of(q, k, v)
   if state is None:
     state = (jnp.zeros((B, N, M, K), cdt), jnp.zeros((B, N, M, V), cdt),
              *_empty_window(k[:, None], v[:, None], window), jnp.zeros((), jnp.int32))

@@ -37,7 +37,11 @@ from jaxsoft.linear.context_parallel import ttt_states as _cp_ttt_states
 __all__ = ["ttt_linear", "ttt_linear_step"]
 
 
-def _check_eta(eta, shape, fn_name: str, dtype) -> jax.Array:
+def _check_inner(mini_batch_size, eta, shape, fn_name: str, dtype) -> tuple[int, jax.Array]:
+  """The inner learner's settings, as :func:`ttt_linear` and its step take them: the
+  mini-batch size ``b`` (a positive int) and the inner learning rates ``eta`` of ``shape``
+  ([B, T, N], or [B, N] for a step), finite and >= 0, returned in ``dtype``."""
+  mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
   eta = _checks.check_floating(eta, "eta", fn_name)
   if eta.shape != tuple(shape):
     layout = "[B, T, N]" if len(shape) == 3 else "[B, N]"
@@ -45,7 +49,7 @@ def _check_eta(eta, shape, fn_name: str, dtype) -> jax.Array:
   values = concrete(eta, np.float64)
   if values is not None and not np.all(np.isfinite(values) & (values >= 0.0)):
     raise ValueError(f"{fn_name}: `eta` (inner learning rates) must be finite and >= 0")
-  return eta.astype(dtype)
+  return mini_batch_size, eta.astype(dtype)
 
 
 def _zero_state(k, v):
@@ -154,11 +158,10 @@ def ttt_linear(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike, *,
   q, k, v = _checks.check_qkv(q, k, v, fn_name)
   B, T, N, K = q.shape
   V = v.shape[-1]
-  mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
+  cdt = _checks.compute_dtype_of(q, k, v)
+  mini_batch_size, eta = _check_inner(mini_batch_size, eta, (B, T, N), fn_name, cdt)
   implementation = _checks.check_forms(implementation, ("recurrent", "chunked"), "chunked",
                                        fn_name)
-  cdt = _checks.compute_dtype_of(q, k, v)
-  eta = _check_eta(eta, (B, T, N), fn_name, cdt)
   scale = _checks.resolve_scale(scale, K, fn_name)
   q, k, v = q.astype(cdt), k.astype(cdt), v.astype(cdt)
   S0 = (_zero_state(k, v) if initial_state is None
@@ -204,12 +207,8 @@ def ttt_linear_step(q: ArrayLike, k: ArrayLike, v: ArrayLike, eta: ArrayLike,
     Sun et al., 2024, "Learning to (Learn at Test Time)" (in full: :func:`ttt_linear`).
   """
   fn_name = "ttt_linear_step"
-  q, k, v = _checks.check_qkv_step(q, k, v, fn_name)
-  B, N, K = q.shape
-  V = v.shape[-1]
-  mini_batch_size = positive_int(mini_batch_size, "mini_batch_size", fn_name)
-  cdt = _checks.compute_dtype_of(q, k, v)
-  eta = _check_eta(eta, (B, N), fn_name, cdt)
+  q, k, v, (B, N, K, V), cdt = _checks.check_step_inputs(q, k, v, fn_name)
+  mini_batch_size, eta = _check_inner(mini_batch_size, eta, (B, N), fn_name, cdt)
   scale = _checks.resolve_scale(scale, K, fn_name)
   if state is None:
     zeros = jnp.zeros((B, N, K, V), cdt)
