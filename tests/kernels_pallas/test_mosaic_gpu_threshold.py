@@ -1,0 +1,195 @@
+"""Class T (sparsemax, entmax15, top_k_softmax) on the Mosaic-GPU engine, verified without a
+GPU (kernels_pallas/mosaic_gpu_threshold.py).
+
+* ``jax.export(..., platforms=["cuda"])`` of ``kp.mosaic_gpu_attention`` for a class-T
+  normalizer lowers both kernels (the threshold search and the pass over the live key
+  blocks) for sm_90a with 227 KiB of shared memory: a sample by default, every normalizer
+  x dtype x causal x head dim (64, 128) under ``-m slow``.
+* Pallas's GPU interpreter (JAX 0.12.1; on JAX 0.10 the clear UnsupportedError is asserted
+  instead) runs both kernels on a CPU and is compared with the float64 dense reference
+  (``tests/reference_f64.py``), including odd lengths, GQA and a causal case where whole key
+  blocks below the diagonal have zero weights: the block list must skip them (its count
+  is below the causal bound) and the output must still match.
+* The race detector (``gpu_interpret_params(detect_races=True)``) over both rings.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import kernels_pallas as kp
+from kernels_pallas import mosaic_gpu as mga
+from kernels_pallas import mosaic_gpu_threshold as mgt
+from tests import reference_f64
+
+
+def _export(normalizer, dtype, causal, h, *, t=200, n=4, kh=2, **kw):
+  q = jax.ShapeDtypeStruct((1, t, n, h), dtype)
+  k = jax.ShapeDtypeStruct((1, t, kh, h), dtype)
+  f = lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer,
+                                              is_causal=causal, **kw)
+  return jax.export.export(jax.jit(f), platforms=["cuda"])(q, k, k).mlir_module()
+
+
+def _lowers(normalizer, dtype, causal, h):
+  mlir = _export(normalizer, jnp.dtype(dtype), causal, h)
+  # the search kernel and the attention pass, nothing else Mosaic
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 2, mlir[:2000]
+
+
+MATRIX = [(nm, dt, c, h) for nm in mgt.SUPPORTED for dt in ("bfloat16", "float16")
+          for c in (False, True) for h in (64, 128)]
+# every normalizer, dtype, causal flag and head dim at least once
+SAMPLE = [("sparsemax", "bfloat16", True, 64), ("entmax15", "float16", False, 128),
+          ("top_k_softmax", "float16", True, 128)]
+
+
+@pytest.mark.parametrize("case", SAMPLE, ids=["-".join(map(str, c)) for c in SAMPLE])
+def test_lowers_for_cuda(case):
+  _lowers(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MATRIX, ids=["-".join(map(str, c)) for c in MATRIX])
+def test_lowers_for_cuda_full_matrix(case):
+  _lowers(*case)
+
+
+def test_differentiation_is_refused():
+  """No Mosaic-GPU backward for class T yet: jax.grad raises, naming the way out."""
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  f = lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer="sparsemax").astype(
+      jnp.float32).sum()
+  with pytest.raises(kp.UnsupportedError, match="no Mosaic-GPU backward"):
+    jax.grad(f)(q)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(normalizer="top_p_softmax"), "`normalizer` 'top_p_softmax'"),
+    (dict(normalizer="sparsemax", rescale_threshold=8.0), "`rescale_threshold`"),
+])
+def test_errors_name_the_argument(kw, match):
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  with pytest.raises(kp.UnsupportedError, match=match):
+    kp.mosaic_gpu_attention(q, q, q, **kw)
+
+
+def _inputs(seed, t, s, n, kh, h, dtype):
+  rng = np.random.default_rng(seed)
+  # logits of standard deviation ~2 (q scaled by 2): sparse rows with a support of a few
+  # keys to a few dozen
+  q = 2.0 * rng.standard_normal((1, t, n, h), np.float32)
+  k, v = (rng.standard_normal((1, s, kh, h), np.float32) for _ in range(2))
+  return tuple(jnp.asarray(x).astype(dtype) for x in (q, k, v))
+
+
+def _reference(normalizer, q, k, v, causal, scale, hp):
+  """Dense attention in float64 from the rounded inputs (weights by reference_f64) and the
+  bound sum_j |w_j| |v_j|."""
+  q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+  g = q.shape[2] // k.shape[2]
+  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
+  logits = scale * np.einsum("bthd,bshd->bhts", q, k)
+  t, s = logits.shape[-2:]
+  where = np.tril(np.ones((t, s), bool)) if causal else None
+  w = reference_f64.normalizer(normalizer, logits, where=where, **hp)
+  return (np.einsum("bhts,bshd->bthd", w, v), np.einsum("bhts,bshd->bthd", np.abs(w), np.abs(v)),
+          w)
+
+
+def _check(out, ref, bound, dtype):
+  """The kernel rounds the weights to the input dtype before the second matmul and the
+  output once more (unit roundoff u each), so |O - O_ref| <= 2u sum_j |w_j| |v_j|, with
+  10% slack for the float32 logits, threshold (a few ulps of float32) and sums."""
+  u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
+  err = np.abs(np.asarray(out.astype(jnp.float32), np.float64) - ref)
+  assert np.all(err <= 2.2 * u * bound + 1e-6), (err.max(), (err / (bound + 1e-30)).max() / u)
+  assert np.abs(ref).max() > 0.1  # not vacuous
+
+
+def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
+                    interpret=True):
+  hp = dict(hp or {})
+  q, k, v = _inputs(0, t, s, n, kh, h, dtype)
+  call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                         normalizer_params=hp, block_k=block_k,
+                                         interpret=interpret)
+  if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      call()
+    return
+  ref, bound, w = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp)
+  assert 0.3 < np.mean(w == 0) < 1.0  # sparse rows, not all but one entry zero
+  _check(call(), ref, bound, dtype)
+
+
+def test_interpret_matches_float64_reference():
+  """Causal sparsemax, GQA, odd lengths (padded query rows, a padded key block), fp16,
+  under the GPU interpreter."""
+  _check_numerics("sparsemax", True, jnp.float16, t=130, s=130, n=2, kh=1, h=64)
+
+
+INTERPRET = [
+    ("entmax15", False, "bfloat16", 130, 70, 2, 1, 64, {}),
+    ("entmax15", True, "float16", 128, 128, 1, 1, 64, {}),
+    ("top_k_softmax", True, "float16", 130, 130, 2, 1, 64, {}),
+    ("top_k_softmax", False, "bfloat16", 128, 200, 1, 1, 64, {"k": 3}),
+    ("sparsemax", False, "bfloat16", 128, 256, 2, 2, 128, {}),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", INTERPRET, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in INTERPRET])
+def test_interpret_matrix(case):
+  normalizer, causal, dtype, t, s, n, kh, h, hp = case
+  _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+
+
+def test_interpret_skips_empty_key_blocks():
+  """Causal, 4 key blocks of 64: the keys of block 2 align with every query (q·k ~ 256
+  there, ~N(0, 8) elsewhere, scale 1/8), so for the rows 128..255 of the second CTA all
+  of sparsemax's weight is on block 2, and blocks 0, 1 and 3 (structurally visible) have
+  zero weights. The block list holds block 2 only (count 1, where the causal bound is 4),
+  the first CTA keeps both its blocks, and the output matches the float64 reference."""
+  t, h, dtype = 256, 64, jnp.float16
+  rng = np.random.default_rng(4)
+  u = np.ones(h, np.float32)
+  q = 0.5 * rng.standard_normal((1, t, 1, h)).astype(np.float32) + u
+  k = 0.5 * rng.standard_normal((1, t, 1, h)).astype(np.float32)
+  k[:, 128:192] += 4.0 * u
+  v = rng.standard_normal((1, t, 1, h)).astype(np.float32)
+  q, k, v = (jnp.asarray(x).astype(dtype) for x in (q, k, v))
+  call = lambda interpret: kp.mosaic_gpu_attention(q, k, v, normalizer="sparsemax",
+                                                   is_causal=True, block_k=64,
+                                                   interpret=interpret)
+  if not mga.interpreter_runs_kernel():
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      call(True)
+    return
+  ref, bound, w = _reference("sparsemax", q, k, v, True, 1.0 / math.sqrt(h), {})
+  # the premise: rows 128.. put no weight outside keys 128..191
+  assert np.all(w[..., 128:, :128] == 0) and np.all(w[..., 128:, 192:] == 0)
+  _, _, idx, cnt = mgt.threshold_blocks(q, k, normalizer="sparsemax", is_causal=True,
+                                        block_k=64, interpret=mga.gpu_interpret_params())
+  assert cnt.shape == (1, 1, 2) and int(cnt[0, 0, 1]) == 1 and int(idx[0, 0, 1, 0]) == 2
+  assert int(cnt[0, 0, 0]) == 2 and list(np.asarray(idx[0, 0, 0, :2])) == [0, 1]
+  _check(call(True), ref, bound, dtype)
+
+
+@pytest.mark.slow
+def test_pipeline_has_no_data_race():
+  """The GPU interpreter's happens-before race detector over both kernels: the search's
+  key ring reused over every pass (several key blocks, causal: the CTAs' bounds differ),
+  the flags' scalar stores, and the attention pass's ring over the block list."""
+  if not mga.interpreter_runs_kernel():
+    _check_numerics("sparsemax", True, jnp.float16, 256, 256, 1, 1, 64)  # asserts the error
+    return
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  _check_numerics("entmax15", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
+  assert not ipc.get_races().races_found
