@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 import kernels_pallas
-from jaxsoft.attention import _chunked, _debug_checks, _dense
+from jaxsoft.attention import _chunked, _debug_checks, _dense, _tokamax
 from jaxsoft.attention import scores as _scores
 from jaxsoft.attention.call import IMPLEMENTATIONS, AttentionCall, implementation_order
 from jaxsoft.attention.differentiation import UnsupportedDifferentiation
@@ -118,6 +118,8 @@ _RUNNERS = {
     "pallas_mosaic_tpu": _debug_checks.checked(lambda call: _run_pallas(call, "mosaic_tpu")),
     "cudnn": _run_cudnn,
     "cudnn_auto": _run_cudnn_auto,  # the automatic order's cudnn (never a user's name)
+    "tokamax": _tokamax.run_tokamax,
+    "tokamax_auto": _tokamax.run_tokamax_auto,  # after cudnn_auto, where importable
 }
 
 
@@ -134,6 +136,8 @@ def _default_order(call: AttentionCall) -> list[str]:
   order = []
   if jax.default_backend() in ("gpu", "cuda"):
     order.append("cudnn_auto")
+    if _tokamax.tokamax_module() is not None:
+      order.append("tokamax_auto")
   if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu"):
     order.append("pallas")
   T, S = call.q.shape[1], call.k.shape[1]
@@ -221,7 +225,7 @@ def dot_product_attention(
       PRNG key as ``normalizer_params["key"]``. Length-dependent normalizers (ssmax,
       sigmoid with bias -log n, ...) use n = the number of visible keys of each query row.
     implementation: None, "xla", "xla_chunked", "pallas", "pallas_triton",
-      "pallas_mosaic_tpu", "cudnn", or a sequence of these tried in order: an implementation that
+      "pallas_mosaic_tpu", "cudnn", "tokamax", or a sequence of these tried in order: an implementation that
       cannot handle the call raises NotImplementedError and the next one is tried; a single
       explicitly requested implementation that cannot handle it raises. None tries
       "cudnn" on a CUDA GPU (see below), "pallas" on GPU/TPU, then "xla_chunked" when T·S >= 1024·1024 (and the normalizer has
@@ -237,6 +241,12 @@ def dot_product_attention(
       dense ``mask``, no sequence lengths and no ``return_residual`` (so no row is fully
       masked, where cuDNN's convention differs): it was 1.7-3.7x faster than the Pallas
       kernel there (H200, bf16, forward and forward+backward, docs/benchmarks.md).
+      "tokamax" is tokamax's flash-attention kernel (an optional dependency, ``pip install
+      'jaxsoft[tokamax]'``: Python >= 3.12, JAX >= 0.11.1; its Mosaic-GPU kernel on a CUDA
+      GPU, its XLA reference on CPU) for softmax without ``normalizer_params``,
+      ``segment_ids``, ``decay_bias``, ``return_residual`` or a soft cap beside a bias;
+      rows with no visible key are zeros as here. None tries it after "cudnn" on a CUDA
+      GPU where tokamax imports (for the calls cuDNN refuses).
     return_residual: also return the residual, one number per query row, [B, T, N] (or
       [T, N]) in the output's dtype and without gradient (as jax.nn). It is the row
       statistic of the normalizer's kernel class: E and S (softmax family, stablemax,

@@ -28,7 +28,8 @@ __all__ = ["AttentionCall", "CALL_OPTIONS", "SCORES", "IMPLEMENTATIONS", "implem
 
 SCORES = ("dot", "distance")
 
-IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn")
+IMPLEMENTATIONS = ("xla", "xla_chunked", "pallas", "pallas_triton", "pallas_mosaic_tpu", "cudnn",
+                   "tokamax")
 
 
 @dataclasses.dataclass
