@@ -1305,16 +1305,16 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     Sigmoid Self-Attention", arXiv:2409.04431.
   """
   spec = _spec.resolve(normalizer)
-  threshold = isinstance(spec, _spec.NormalizerSpec) and spec.kernel_class == "T" \
-      and spec.threshold is not None  # class T: kernels_pallas.mosaic_gpu_threshold
-  if not threshold and (not isinstance(spec, _spec.NormalizerSpec)
-                        or spec.kernel_class not in ("E", "S", "P") or spec.tile is None):
+  if not isinstance(spec, _spec.NormalizerSpec) or not (
+      (spec.kernel_class in ("E", "S", "P") and spec.tile is not None)
+      or (spec.kernel_class == "T" and spec.threshold is not None)):
     name = getattr(spec, "name", spec)
     kc = getattr(spec, "kernel_class", None)
     raise UnsupportedError(
         f"mosaic_gpu_attention: `normalizer` {name!r} (kernel class {kc}) is not of class "
         "E, S or P with a tile rule (or T with a threshold rule); class R runs in "
         "kernels_pallas.attention")
+  threshold = spec.kernel_class == "T"  # class T: kernels_pallas.mosaic_gpu_threshold
   hp = dict(normalizer_params or {})
   for name, val in hp.items():
     if not isinstance(val, (int, float)) or isinstance(val, bool):
@@ -1374,6 +1374,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         block_k=block_k, num_stages=num_stages, interpret=interpret,
         rescale_threshold=rescale_threshold)
   rule = spec.tile
+  assert rule is not None  # classes E, S, P (checked above)
   if rescale_threshold is not None:
     if not _exp2_rule(rule):
       raise ValueError(
