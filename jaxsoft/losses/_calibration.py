@@ -236,12 +236,20 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
   example is already classified correctly with margin the NLL keeps falling as T → 0 and
   the result is just the last iterate. Divide the logits by the result at test time.
 
+  Non-finite logits follow the losses' rule (``jaxsoft.losses``): a ``-inf`` logit is a
+  class of probability zero, left out of the sums exactly as a class ``where`` False (the
+  limit of a logit going to ``-inf``); an example with no visible class is left out. A NaN
+  or a visible ``+inf`` logit (``inf - inf`` in the log-sum-exp) makes the result NaN, and
+  so does a counted example whose label names a class of probability zero (its likelihood
+  is 0 at every T: the minimum does not exist).
+
   Args:
     logits: ``[n, K]`` held-out logits.
     labels: ``[n]`` integer labels.
     num_steps: L-BFGS iterations.
     init: the starting temperature, > 0.
-    where: optional ``[n]`` example mask (False: left out of the fit).
+    where: optional ``[n]`` example mask (False: left out of the fit) or ``[n, K]`` class
+      mask (False: that class is left out of that example, as a ``-inf`` logit).
 
   Returns:
     The fitted temperature, a scalar: float32, or float64 for float64 logits.
@@ -262,15 +270,17 @@ def fit_temperature(logits: ArrayLike, labels: ArrayLike, *, num_steps: int = 50
   """
   fn = "fit_temperature"
   init = check_positive(init, "init", fn)
-  z, labels, weights, n = _held_out(logits, labels, where, num_steps, 1, fn)
-  z = jax.lax.stop_gradient(z)
-  z_y = jnp.take_along_axis(z, labels[:, None], axis=1)[:, 0]
+  x, mask, labels, weights, n, defined = _held_out(logits, labels, where, num_steps, 1, fn)
+  x = jax.lax.stop_gradient(x)
+  x_y = lc.gather_label(x, mask, labels, 1)[0]
 
   def nll(log_t):
     beta = jnp.exp(-log_t)
-    return jnp.sum(weights * (jax.nn.logsumexp(beta * z, axis=1) - beta * z_y)) / n
+    lse = lc.masked_logsumexp(beta * x, mask, 1)[0]
+    return jnp.sum(weights * (lse - beta * x_y)) / n
 
-  return jnp.exp(_lbfgs(nll, jnp.log(jnp.asarray(init, z.dtype)), num_steps))
+  t = jnp.exp(_lbfgs(nll, jnp.log(jnp.asarray(init, x.dtype)), num_steps))
+  return jnp.where(defined, t, jnp.nan)
 
 
 def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) -> jax.Array:
@@ -282,6 +292,14 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
   :math:`p = \mathrm{softmax}(z)`. :math:`W = I/T, b = 0` is temperature scaling exactly
   (the log-sum-exp shift of :math:`\ln p` cancels in the softmax); a diagonal W is vector
   scaling. Fit W and b with :func:`fit_dirichlet_calibration`.
+
+  A ``-inf`` logit is a class of probability zero (the losses' rule, ``jaxsoft.losses``):
+  it stays at probability zero (calibrated logit ``-inf``) and its :math:`\ln p_j` enters
+  no sum, so the visible classes get the map restricted to them,
+  :math:`q_i = \sum_{j\,\mathrm{visible}} W_{ij} \ln p_j + b_i` with :math:`p` the softmax
+  over the visible classes (the formula itself meets :math:`0 \cdot (-\infty)`, NaN,
+  where :math:`W_{ij} = 0`). A row with no visible class is all ``-inf``; a NaN or ``+inf`` logit makes its row
+  NaN (``inf - inf`` in the log-softmax, as ``jax.nn.log_softmax``).
 
   Args:
     logits: ``[..., K]`` uncalibrated logits (class axis last).
@@ -313,7 +331,9 @@ def dirichlet_calibrate(logits: ArrayLike, weights: ArrayLike, bias: ArrayLike) 
                      f"{z.shape}, got {w.shape}")
   if b.shape != (k,):
     raise ValueError(f"{fn}: `bias` must have shape [K] = {(k,)}, got {b.shape}")
-  return jax.nn.log_softmax(z, axis=-1) @ w.T + b.reshape((1,) * (z.ndim - 1) + b.shape)
+  x, mask, _ = lc.prepare(z, -1, None, fn)
+  q = _log_probs(x, mask) @ w.T + b.reshape((1,) * (z.ndim - 1) + b.shape)
+  return jnp.where(mask, q, -jnp.inf)
 
 
 def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
@@ -332,13 +352,20 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
   ``optax.lbfgs`` from :math:`W = I, b = 0` (the identity map) for ``num_steps``
   iterations inside one ``lax.fori_loop``. Use the result with :func:`dirichlet_calibrate`.
 
+  A ``-inf`` logit is a class of probability zero, as in :func:`dirichlet_calibrate`: in
+  its example the class is left out of the log-sum-exp and its :math:`\ln p` enters no
+  sum (the same fit as a class ``where`` False there). An example with no visible class
+  is left out; a NaN or visible ``+inf`` logit, or a counted example whose label names a
+  class of probability zero, makes W and b NaN (as :func:`fit_temperature`).
+
   Args:
     logits: ``[n, K]`` held-out logits.
     labels: ``[n]`` integer labels.
     off_diagonal_weight: :math:`\lambda \ge 0`.
     bias_weight: :math:`\mu \ge 0`.
     num_steps: L-BFGS iterations.
-    where: optional ``[n]`` example mask.
+    where: optional ``[n]`` example mask or ``[n, K]`` class mask (as
+      :func:`fit_temperature`).
 
   Returns:
     ``(W [K, K], b [K])``: float32, or float64 for float64 logits.
@@ -360,27 +387,33 @@ def fit_dirichlet_calibration(logits: ArrayLike, labels: ArrayLike, *,
   fn = "fit_dirichlet_calibration"
   lam = lc.nonnegative_float(off_diagonal_weight, "off_diagonal_weight", fn)
   mu = lc.nonnegative_float(bias_weight, "bias_weight", fn)
-  z, labels, weights, n = _held_out(logits, labels, where, num_steps, 2, fn)
-  k = z.shape[1]
-  log_p = jax.lax.stop_gradient(jax.nn.log_softmax(z, axis=-1))
-  off = 1.0 - jnp.eye(k)
+  x, mask, labels, weights, n, defined = _held_out(logits, labels, where, num_steps, 2, fn)
+  k = x.shape[1]
+  log_p = jax.lax.stop_gradient(_log_probs(x, mask))
+  off = 1.0 - jnp.eye(k, dtype=x.dtype)
 
   def objective(params):
     w, b = params
     q = log_p @ w.T + b[None]
-    nll = jax.nn.logsumexp(q, axis=-1) - jnp.take_along_axis(q, labels[:, None], axis=1)[:, 0]
+    q_y = lc.gather_label(q, mask, labels, 1)[0]
+    nll = lc.masked_logsumexp(q, mask, 1)[0] - q_y
     reg = lam * jnp.sum(jnp.square(w * off)) / (k * (k - 1)) + mu * jnp.sum(jnp.square(b)) / k
     return jnp.sum(weights * nll) / n + reg
 
-  params = (jnp.eye(k, dtype=z.dtype), jnp.zeros((k,), z.dtype))
-  return _lbfgs(objective, params, num_steps)
+  params = (jnp.eye(k, dtype=x.dtype), jnp.zeros((k,), x.dtype))
+  return jax.tree.map(lambda p: jnp.where(defined, p, jnp.nan), _lbfgs(objective, params,
+                                                                       num_steps))
 
 
-def _held_out(logits, labels, where, num_steps, min_classes,
-              fn) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """The held-out set of a fit, checked: logits ``[n, K]`` (K >= ``min_classes``; float32,
-  or float64 as given), ``[n]`` labels, the ``[n]`` example weights from ``where`` and
-  their sum (at least 1)."""
+def _held_out(logits, labels, where, num_steps, min_classes, fn):
+  """The held-out set of a fit, checked: ``(x, mask, labels, weights, n, defined)``.
+
+  ``x`` ``[n, K]`` (K >= ``min_classes``; float32, or float64 as given) holds 0 at masked
+  classes, ``mask`` is False there (a ``-inf`` logit, a class ``where`` False, every class
+  of an example ``where`` False); ``weights`` ``[n]`` is 1 for an example with a visible
+  class, ``n`` their number (at least 1); ``defined`` is False when a counted example's
+  label names no visible class (no parameter gives it a finite likelihood: the fit is NaN).
+  """
   positive_int(num_steps, "num_steps", fn)
   z = lc.check_logits(logits, fn)
   z = z.astype(nc.compute_dtype(z.dtype))
@@ -388,10 +421,23 @@ def _held_out(logits, labels, where, num_steps, min_classes,
     raise ValueError(f"{fn}: `logits` must be [n, K] with K >= {min_classes}, got shape "
                      f"{z.shape}")
   labels = jnp.asarray(lc.check_integer_labels(labels, z.shape, 1, fn))
-  weights = jnp.ones(z.shape[:1], z.dtype) if where is None else jnp.asarray(where, z.dtype)
-  if weights.shape != z.shape[:1]:
-    raise ValueError(f"{fn}: `where` must be an [n] example mask, got shape {weights.shape}")
-  return z, labels, weights, jnp.maximum(jnp.sum(weights), jnp.ones((), z.dtype))
+  if where is not None and jnp.shape(where) not in (z.shape[:1], z.shape):
+    raise ValueError(f"{fn}: `where` must be an [n] example mask or an [n, K] class mask "
+                     f"for logits of shape {z.shape}, got shape {jnp.shape(where)}")
+  x, mask, _ = lc.prepare(z, 1, where, fn)
+  x = jnp.where(mask, x, jnp.zeros_like(x))
+  counted = jnp.any(mask, axis=1)
+  label_visible = lc.gather_label(x, mask, labels, 1)[1]
+  weights = counted.astype(x.dtype)
+  defined = jnp.all(label_visible | ~counted)
+  return x, mask, labels, weights, jnp.maximum(jnp.sum(weights), jnp.ones((), x.dtype)), defined
+
+
+def _log_probs(x, mask):
+  """``log softmax`` over the visible classes of the last axis, 0 at masked classes (their
+  feature enters no sum: a class of probability zero is left out, as a class mask)."""
+  lse = lc.masked_logsumexp(x, mask, -1)[0]
+  return jnp.where(mask, x - lse[..., None], jnp.zeros_like(x))
 
 
 def _lbfgs(objective, params, num_steps):

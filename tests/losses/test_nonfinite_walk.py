@@ -67,8 +67,9 @@ def _extra_cases():
           lambda a: L.attention_entropy_penalty(jax.nn.softmax(a), jnp.array([0.5, 0.5])),
           (_normal(34, B, 2, 3, 4),)),
       "class_separation_penalty": (lambda c: L.class_separation_penalty(c), (w,)),
-      "dirichlet_calibrate": (
-          lambda z: L.dirichlet_calibrate(z, jnp.eye(C) / 2.0, jnp.zeros(C)), (logits,)),
+      "dirichlet_calibrate": (  # the calibrated probabilities (a -inf class keeps 0)
+          lambda z: jax.nn.softmax(L.dirichlet_calibrate(z, jnp.eye(C) / 2.0, jnp.zeros(C))),
+          (logits,)),
       "ece": (lambda z: L.ece(z, LABELS, num_bins=4), (logits,)),
       "energy_score": (lambda z: L.energy_score(z), (logits,)),
       "fit_dirichlet_calibration": (
@@ -220,12 +221,15 @@ POSINF = {
     "averaged_teacher_kd_loss": LSE,
     "continual_cross_entropy": CE,
     "decoupled_softmax_loss": CE,
+    "dirichlet_calibrate": LSE,  # its log-softmax at the +inf entry: inf - inf
     "dual_softmax_loss": CE,
     "ece": LSE,  # the softmax confidence
     "energy_bounded_loss": CE,
     "energy_score": ("inf", "inf"),  # log-sum-exp alone: its limit
     "expectation_alignment": LSE,
     "fenchel_young_loss": LSE,
+    "fit_dirichlet_calibration": LSE,  # the fit's log-softmax features: inf - inf
+    "fit_temperature": LSE,  # the NLL's log-sum-exp: inf - inf
     "geometry_consistency_loss": LSE,
     "gol_loss": LSE,
     "l2_svm_loss": ("inf", "limit"),  # squared hinges: infinite margin violation, or none
@@ -261,9 +265,13 @@ NOT_CLASS_LOGITS = {
     "soft_msm",                    # time series: ±inf values meet inf - inf in the costs
     "softmax_collapse_fraction",   # a diagnostic of float32 rounding, not a loss
     "wrapped_cauchy_log_density",  # angles: cos(±inf) has no limit
-    # calibration maps on logits: a -inf logit gives NaN (0 · -inf in W log softmax(z), and
-    # in the temperature's gradient -z / T^2): not the masked class of the losses
-    "dirichlet_calibrate", "fit_dirichlet_calibration", "fit_temperature",
+}
+# The fits' class ``where`` (they are not in test_masked_batches' table, whose ``where``
+# is per example): the -inf logit's reference is the fit with that class masked.
+FIT_CLASS_WHERE = {
+    "fit_dirichlet_calibration":
+        lambda m, z: L.fit_dirichlet_calibration(z, LABELS, num_steps=2, where=m)[0],
+    "fit_temperature": lambda m, z: L.fit_temperature(z, LABELS, num_steps=3, where=m),
 }
 # Class-logit losses whose ``where`` is an example mask only (no class mask) or for which a
 # -inf logit is not a removed class: checked against the formula's limit, -1e30.
@@ -290,8 +298,8 @@ def _class_logit_outputs(name):
   outs = jax.jit(lambda vs, rest: {k: call(v, *rest) for k, v in vs.items()})(variants,
                                                                              floats[1:])
   outs = {k: np.asarray(o) for k, o in outs.items()}
-  if name in WHERE_CASES and name not in NO_CLASS_WHERE:
-    where_call, _, _ = WHERE_CASES[name]
+  if (name in WHERE_CASES and name not in NO_CLASS_WHERE) or name in FIT_CLASS_WHERE:
+    where_call = FIT_CLASS_WHERE.get(name) or WHERE_CASES[name][0]
     classes = jnp.ones((B, C), bool).at[other].set(False)
     outs["masked"] = np.asarray(jax.jit(lambda *xs: where_call(classes, *xs))(*floats))
   return outs
