@@ -23,7 +23,7 @@ def _bias(shape, seed=3):
 def _mask(shape, seed=4, p=0.7):
   m = jax.random.bernoulli(jax.random.PRNGKey(seed), p, shape)
   # keep the diagonal so that no row is fully masked (jax.nn averages such rows)
-  return m | jnp.eye(shape[-2], shape[-1], dtype=bool)
+  return m | jnp.broadcast_to(jnp.eye(shape[-2], shape[-1], dtype=bool), shape)
 
 
 # every mask kind jax.nn knows, and combinations (arrays built on first use, not at import)
