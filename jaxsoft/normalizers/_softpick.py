@@ -103,12 +103,14 @@ def _expm1_nonpositive(y):
   return 2.0 * h / (1.0 - h)
 
 
-def _softpick_numerator(z, m, **_):
-  return _positive(z, _abs_exp_minus_one(z, m, _expm1_nonpositive))
-
-
 def _softpick_denominator(z, m, **_):
+  """The tile rule's denominator term ``|e^z - 1| e^{-m}``."""
   return _abs_exp_minus_one(z, m, _expm1_nonpositive)
+
+
+def _softpick_numerator(z, m, **_):
+  """The numerator ``ReLU(e^z - 1) e^{-m}``: the positive part of the denominator's term."""
+  return _positive(z, _softpick_denominator(z, m))
 
 
 SPEC = register(NormalizerSpec(
