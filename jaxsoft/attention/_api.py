@@ -112,10 +112,12 @@ def _run_pallas(call: AttentionCall, backend):
 # their internal -inf sentinels stay inside it, as the dense path's do; _debug_checks)
 _RUNNERS = {
     "xla": _run_xla,
-    "xla_chunked": _debug_checks.checked(_run_xla_chunked),
-    "pallas": _debug_checks.checked(lambda call: _run_pallas(call, None)),
-    "pallas_triton": _debug_checks.checked(lambda call: _run_pallas(call, "triton")),
-    "pallas_mosaic_tpu": _debug_checks.checked(lambda call: _run_pallas(call, "mosaic_tpu")),
+    "xla_chunked": _debug_checks.checked(_run_xla_chunked, "xla_chunked"),
+    "pallas": _debug_checks.checked(lambda call: _run_pallas(call, None), "pallas"),
+    "pallas_triton": _debug_checks.checked(lambda call: _run_pallas(call, "triton"),
+                                           "pallas_triton"),
+    "pallas_mosaic_tpu": _debug_checks.checked(lambda call: _run_pallas(call, "mosaic_tpu"),
+                                               "pallas_mosaic_tpu"),
     "cudnn": _run_cudnn,
     "cudnn_auto": _run_cudnn_auto,  # the automatic order's cudnn (never a user's name)
     "tokamax": _tokamax.run_tokamax,

@@ -12,6 +12,12 @@ computation whose own VJP recomputes the forward inside its backward computation
 only values that leave it are the output (forward) and the inputs' cotangents (backward),
 so the sentinels stay inside, as ``jax.nn``'s do. With the flags off (the default)
 nothing changes.
+
+The derivatives taken are those of the path without the flags: first-order reverse mode.
+Forward mode (``jax.jvp``, ``jax.jacfwd``) and second order raise the same
+:class:`~jaxsoft.attention.UnsupportedDifferentiation` as without them (the wrapper's
+custom VJP would otherwise give JAX's bare "can't apply forward-mode autodiff (jvp) to a
+custom_vjp function"), so ``implementation=None`` still moves on to the dense path.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxsoft.attention.differentiation import refuse_unsupported_ad
 from jaxsoft.normalizers.common import debug_checks_on
 
 __all__ = ["checked"]
@@ -62,14 +69,16 @@ def _differentiable(leaf) -> bool:
   return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
 
 
-def checked(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
+def checked(run: Callable[[Any], Any], name: str) -> Callable[[Any], Any]:
   """``run`` (an implementation: ``run(call) -> out`` or ``(out, residual)``) made to run
   as one jitted computation, with a VJP that recomputes inside one, while
   ``jax.debug_infs`` or ``jax.debug_nans`` is on (module docstring); ``run`` itself
-  otherwise.
+  otherwise. Forward-mode and second-order derivatives raise
+  :class:`~jaxsoft.attention.UnsupportedDifferentiation` naming the implementation.
 
   Args:
     run: the implementation; it reads the call's arrays and static fields only.
+    name: the implementation's name (``implementation=`` of the call), for the errors.
 
   Returns:
     the wrapped implementation.
@@ -84,6 +93,8 @@ def checked(run: Callable[[Any], Any]) -> Callable[[Any], Any]:
                   for x in leaves)
     floats = tuple(x for x, s in zip(leaves, slots, strict=True) if s is _FLOAT)
     others = tuple(x for x, s in zip(leaves, slots, strict=True) if s is _OTHER)
+    # (the custom VJP below takes first-order reverse mode only, as the path itself)
+    refuse_unsupported_ad(floats, f"dot_product_attention(implementation={name!r})")
     return _call(run, type(call), treedef, slots, floats, others)
 
   return wrapped
