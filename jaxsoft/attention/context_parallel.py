@@ -25,7 +25,6 @@ window). The result is the local output [B, Tl, N, H] in ``q.dtype``.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,8 +38,6 @@ from jaxsoft.attention._api import dot_product_attention
 from jaxsoft.attention._ring import ring_attention
 from jaxsoft.attention.call import _check_lengths
 from jaxsoft.attention.masks import normalize_segment_ids, normalize_window, positions_visible
-from jaxsoft.normalizers import spec as _spec
-from kernels_pallas.backends import INTERPRET_ENV
 
 __all__ = ["context_parallel_attention", "STRATEGIES", "load_balance_order"]
 
@@ -114,25 +111,6 @@ def _attend(q, k, v, mask, *, normalizer, normalizer_params, scale, logits_soft_
                               normalizer=normalizer, normalizer_params=normalizer_params,
                               implementation=implementation)
   return out.astype(q.dtype)
-
-
-def _check_vma(implementation, normalizer) -> bool:
-  """shard_map's varying-axes check (``check_vma``): on (JAX's default) for every strategy
-  and implementation, the Pallas kernels included, except the Pallas INTERPRETER with a
-  kernel class T normalizer. The interpreter evaluates the kernel's threshold rules on
-  values read from refs, which vary over the mesh axes; with the strategies' dense mask the
-  row length does too, and rules that combine it with a constant (entmax15's bracket
-  ``max(length, 1)``, top-k's target ``min(k, length)``) fail there with "requires varying
-  manual axes to match" (sparsemax passes). Compiled Pallas (GPU, TPU) traces those rules
-  without the mesh axes and keeps the check (not run on CPU)."""
-  names = [implementation] if isinstance(implementation, str) else list(implementation or [])
-  if not any(str(name).startswith("pallas") for name in names):
-    return True
-  spec = _spec.resolve(normalizer)
-  threshold = getattr(spec, "kernel_class", None) == "T"
-  interpret = jax.default_backend() not in ("gpu", "cuda", "rocm", "tpu") or (
-      os.environ.get(INTERPRET_ENV, "").strip().lower() in ("1", "true", "yes", "on"))
-  return not (threshold and interpret)
 
 
 # -------------------------------------------------------------------------- strategies
@@ -456,7 +434,8 @@ def context_parallel_attention(
   # by shard_map itself)
   if explicit:
     args = jax.tree.map(lambda x, s: jax.reshard(x, NamedSharding(mesh, s)), args, specs)
-  out = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=seq_spec,
-                      check_vma=_check_vma(implementation, normalizer))(args)
+  # shard_map's default varying-axes check (check_vma) stays on for every strategy,
+  # implementation and normalizer, the Pallas interpreter included
+  out = jax.shard_map(local, mesh=mesh, in_specs=(specs,), out_specs=seq_spec)(args)
   out = seq_take(out, np.argsort(q_order).astype(np.int32))
   return out[0] if unbatched else out

@@ -476,7 +476,9 @@ def _sq_relu(z, tau, *_, **__):
 
 
 def _entmax15_bracket(m, length, **_):
-  return m - 1.0, m - jax.lax.rsqrt(jnp.maximum(length, 1.0))
+  # max(length, 1) as jnp.clip, a jitted function (the Pallas interpreter inside
+  # jax.shard_map: see _topk_target in _topk.py)
+  return m - 1.0, m - jax.lax.rsqrt(jnp.clip(length, min=1.0))
 
 
 def _alpha_score_map(x, length, alpha=1.5, **_):
@@ -505,7 +507,8 @@ def _alpha_weight(z, tau, *args, alpha=1.5, **kwargs):
 
 
 def _alpha_bracket(m, length, alpha=1.5, **_):
-  return m - 1.0, m - jnp.power(jnp.maximum(length, 1.0), 1.0 - alpha)
+  # jnp.clip: see _entmax15_bracket
+  return m - 1.0, m - jnp.power(jnp.clip(length, min=1.0), 1.0 - alpha)
 
 
 def _alpha_newton_power(alpha=1.5, **_):

@@ -464,7 +464,12 @@ def _topk_mass(z, tau, *_, **__):
 
 
 def _topk_target(length, k=DEFAULT_K, **_):
-  return jnp.minimum(jnp.asarray(k, length.dtype), length)
+  # min(k, length) written as jnp.clip, a jitted function: the Pallas interpreter inside
+  # jax.shard_map (default check_vma) evaluates a kernel's equations on blocks that vary
+  # over the mesh axes (``length`` is read from a ref) while they were traced without
+  # them, so a bare min of a constant and ``length`` failed there ("requires varying
+  # manual axes to match"); the equations inside a jitted call keep their traced types.
+  return jnp.clip(length, max=jnp.asarray(k, length.dtype))
 
 
 def _topk_bracket(m, length, **_):
@@ -497,8 +502,14 @@ def _top_p_mass(z, tau, *_, row_max=0.0, **__):
   return jnp.where(z >= tau, jnp.exp(jnp.minimum(z - row_max, 0.0)), 0.0)
 
 
-def _top_p_target(length, p=0.9, row_sum=1.0, **_):
+@jax.jit
+def _top_p_share(p, row_sum):
+  # one jitted function, as jnp.clip in _topk_target: row_sum is read from a ref, see there
   return jnp.minimum(p, 1.0) * row_sum
+
+
+def _top_p_target(length, p=0.9, row_sum=1.0, **_):
+  return _top_p_share(p, row_sum)
 
 
 TOP_P_RULE = ThresholdRule(

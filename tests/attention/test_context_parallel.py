@@ -176,15 +176,24 @@ def test_context_parallel_full_matrix(implementation, strategy):
   assert proc.stdout.split("\n")[:-1] == expected, proc.stdout
 
 
-def test_pallas_runs_inside_shard_map_with_check_vma(monkeypatch):
+@pytest.mark.parametrize("normalizer", [
+    "entmax15",
+    pytest.param("sparsemax", marks=pytest.mark.slow),
+    pytest.param("top_k_softmax", marks=pytest.mark.slow),
+    pytest.param("top_p_softmax", marks=pytest.mark.slow),
+    pytest.param("softmax", marks=pytest.mark.slow)])
+def test_pallas_runs_inside_shard_map_with_check_vma(monkeypatch, normalizer):
   """implementation="pallas" (the interpreter) inside context_parallel_attention's
   shard_map keeps shard_map's default varying-axes check (``check_vma``, which was turned off
-  for Pallas): the traced shard_map says so, and the interpreter's lowering of the forward
-  and backward kernels (where an invariant constant meeting a varying block fails) passes,
-  with the dense result, values and gradients. One device in this process (a 1 x 1 mesh: the
-  varying-axes types are the same at any axis size; the 8-device runs are the slow matrix's
-  pallas cases). Tolerance: float32 kernels against the float32 dense path over 16 keys,
-  errors ~1e-6; a wrong key would move the output by ~1e-1."""
+  for Pallas, then for the interpreter with a kernel class T normalizer): the traced
+  shard_map says so, and the interpreter's lowering of the forward and backward kernels
+  (where an invariant constant meeting a varying block fails: entmax15's bracket
+  ``max(length, 1)``, top-k's target ``min(k, length)``, top-p's ``min(p, 1) * row_sum``)
+  passes, with the dense result, values and gradients. Class T by default (entmax15, whose
+  bracket failed); sparsemax, top-k, top-p and softmax in the slow run. One device in this
+  process (a 1 x 1 mesh: the varying-axes types are the same at any axis size; the 8-device
+  runs are the slow matrix's pallas cases). Tolerance: float32 kernels against the float32
+  dense path over 16 keys, errors ~1e-6; a wrong key would move the output by ~1e-1."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -197,7 +206,7 @@ def test_pallas_runs_inside_shard_map_with_check_vma(monkeypatch):
   q = jnp.asarray(rng.standard_normal((2, 16, 2, 8)), jnp.float32)
   k, v = (jnp.asarray(rng.standard_normal((2, 16, 1, 8)), jnp.float32) for _ in range(2))
   masks = dict(is_causal=True, key_value_seq_lengths=jnp.array([16, 9]),
-               normalizer="softmax")
+               normalizer=normalizer)
 
   def loss(attend):
     def f(q, k, v):
