@@ -306,18 +306,19 @@ def _search(cfg: _TCfg, q, k, interpret):
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
       total = passes * cta_steps
+      def load(step, slot):  # the global step's key block: step mod cta_steps
+        block = lax.rem(step, jnp.asarray(cta_steps, jnp.int32))
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
+                                k_smem.at[slot], k_loaded.at[slot])
+
       for i in range(stages):  # total >= 2: a max pass and at least one sweep
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(i * bk, bk), kv_head], k_smem.at[i],
-                                k_loaded.at[i])
+        load(jnp.int32(i), i)
 
       @pl.loop(0, total - stages)
       def _ring(g):
-        step = g + stages
         slot = lax.rem(g, jnp.array(stages, g.dtype))
-        block = lax.rem(step, jnp.asarray(cta_steps, step.dtype))
         plgpu.barrier_wait(k_consumed.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
-                                k_smem.at[slot], k_loaded.at[slot])
+        load(g + stages, slot)
 
   def entry(q_ref, k_ref, m_ref, tau_ref, flag_ref):
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))

@@ -36,16 +36,17 @@ def _export(normalizer, dtype, causal, h, *, t=200, n=4, kh=2, **kw):
   return jax.export.export(jax.jit(f), platforms=["cuda"])(q, k, k).mlir_module()
 
 
-def _lowers(normalizer, dtype, causal, h):
-  mlir = _export(normalizer, jnp.dtype(dtype), causal, h)
+def _lowers(normalizer, dtype, causal, h, t=200):
+  mlir = _export(normalizer, jnp.dtype(dtype), causal, h, t=t)
   # the search kernel and the attention pass, nothing else Mosaic
   assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 2, mlir[:2000]
 
 
 MATRIX = [(nm, dt, c, h) for nm in mgt.SUPPORTED for dt in ("bfloat16", "float16")
           for c in (False, True) for h in (64, 128)]
-# every normalizer, dtype, causal flag and head dim at least once
-SAMPLE = [("sparsemax", "bfloat16", True, 64), ("entmax15", "float16", False, 128),
+# every normalizer, dtype, causal flag and head dim at least once; one key block of 128
+# (T = 100: the search's ring holds the same block in both slots)
+SAMPLE = [("sparsemax", "bfloat16", True, 64), ("entmax15", "float16", False, 128, 100),
           ("top_k_softmax", "float16", True, 128)]
 
 
@@ -140,14 +141,15 @@ INTERPRET = [
     ("top_k_softmax", True, "float16", 130, 130, 2, 1, 64, {}),
     ("top_k_softmax", False, "bfloat16", 128, 200, 1, 1, 64, {"k": 3}),
     ("sparsemax", False, "bfloat16", 128, 256, 2, 2, 128, {}),
+    ("sparsemax", True, "float16", 100, 100, 1, 1, 128, {}, 128),  # one key block
 ]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", INTERPRET, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in INTERPRET])
 def test_interpret_matrix(case):
-  normalizer, causal, dtype, t, s, n, kh, h, hp = case
-  _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp)
+  normalizer, causal, dtype, t, s, n, kh, h, hp, *block_k = case
+  _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp, *block_k)
 
 
 def test_interpret_skips_empty_key_blocks():
