@@ -1,6 +1,9 @@
 """bench/train_mesh_cpu.py: a mesh whose losses disagree with the baseline's reports no
-figures, and (slow) the script runs on 8 CPU devices with a checked row for each mesh."""
+figures; the timed steps run in rounds, interleaved in a rotated order with the garbage
+collector off, and each round's ratio is taken within the round; (slow) the script runs on 8
+CPU devices with a checked row for each mesh."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -10,29 +13,68 @@ import pytest
 from tests.helpers import ROOT, load_script
 
 
+def _bench():
+  return load_script("bench/train_mesh_cpu.py", "bench_train_mesh_cpu")
+
+
 def test_a_mesh_whose_losses_disagree_reports_no_figures():
-  bench = load_script("bench/train_mesh_cpu.py", "bench_train_mesh_cpu")
+  bench = _bench()
   base = [5.5, 5.25, 5.0]
-  ok = bench.row_cells("fsdp=8", [5.5, 5.25 * (1 + 2e-6), 5.0], base, 1234.0, 2468.0)
-  assert ok == "| fsdp=8 | 2.0e-06 | 1,234 | 0.50 |", ok
+  # three rounds: the row's tokens/s is the median rate, its ratio the median of the rounds'
+  # own ratios (1000/2000, 1500/2500, 1200/2000 -> 0.5, 0.6, 0.6), not a ratio of medians
+  rates, base_rates = [1000.0, 1500.0, 1200.0], [2000.0, 2500.0, 2000.0]
+  ok = bench.row_cells("fsdp=8", [5.5, 5.25 * (1 + 2e-6), 5.0], base, rates, base_rates)
+  assert ok == "| fsdp=8 | 2.0e-06 | 1,200 | 0.60 | 0.50-0.60 |", ok
   # One step off by more than the tolerance, a NaN, or a missing step: FAILED, no figures.
   for losses in ([5.5, 5.25, 5.01], [5.5, float("nan"), 5.0], [5.5, 5.25]):
-    row = bench.row_cells("data=2,context=4", losses, base, 1234.0, 2468.0)
-    assert "FAILED" in row and "1,234" not in row and "0.50" not in row, row
+    row = bench.row_cells("data=2,context=4", losses, base, rates, base_rates)
+    assert "FAILED" in row and "1,200" not in row and "0.60" not in row, row
   assert not bench.losses_agree([], [])
+
+
+def test_rounds_rotate_the_mesh_order_with_the_collector_off():
+  bench = _bench()
+  calls = []
+
+  def fake_step(r):
+    def step(state, batch):
+      calls.append((r, batch, gc.isenabled()))
+      return state + 1, {"loss": 5.0 - 0.25 * batch}
+    return step
+
+  runs = [(fake_step(r), 0, list(range(2 + 3 * 2))) for r in range(3)]
+  assert gc.isenabled()
+  results = bench.measure(runs, warmup=2, rounds=3, steps=2, tokens=100)
+  assert gc.isenabled()  # restored
+  assert [r for r, _, _ in calls[:6]] == [0, 1, 2, 0, 1, 2]  # warm-up: every mesh, in order
+  timed = calls[6:]
+  assert [r for r, _, _ in timed] == [0, 1, 2] * 2 + [1, 2, 0] * 2 + [2, 0, 1] * 2
+  assert not any(enabled for _, _, enabled in timed)
+  for r, (losses, rates) in enumerate(results):  # every mesh saw batches 0..7 in order
+    assert [b for m, b, _ in calls if m == r] == list(range(8))
+    assert losses == [5.0 - 0.25 * b for b in range(8)] and len(rates) == 3
+    assert all(rate > 0 for rate in rates)
+
+
+def test_a_busy_host_or_moving_baseline_is_flagged():
+  bench = _bench()
+  assert bench.host_note(1.5, 2, 1.1) is None
+  assert "load average reached 3.5 on 2 cores" in bench.host_note(3.5, 2, 1.1)
+  assert "moved by 1.60x" in bench.host_note(0.5, 2, 1.6)
 
 
 @pytest.mark.slow
 def test_quick_benchmark_runs():
   proc = subprocess.run(
       [sys.executable, str(ROOT / "bench" / "train_mesh_cpu.py"), "--meshes", "data=8",
-       "fsdp=2,tensor=2,context=2", "--warmup", "1", "--steps", "1"],
+       "fsdp=2,tensor=2,context=2", "--warmup", "1", "--rounds", "2", "--steps", "1"],
       capture_output=True, text=True, timeout=900, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   rows = [[c.strip() for c in line.strip("|").split("|")]
           for line in proc.stdout.splitlines() if line.startswith("| data=8 |")
           or line.startswith("| fsdp=2,tensor=2,context=2 |")]
   assert len(rows) == 2, proc.stdout
-  assert rows[0][3] == "1.00" and float(rows[1][1]) <= 1e-4, rows
+  assert rows[0][3] == "1.00" and rows[0][4] == "1.00-1.00" and float(rows[1][1]) <= 1e-4, rows
   for r in rows:
-    assert float(r[2].replace(",", "")) > 0, r
+    low, high = (float(x) for x in r[4].split("-"))
+    assert float(r[2].replace(",", "")) > 0 and 0 < low <= float(r[3]) <= high, r
