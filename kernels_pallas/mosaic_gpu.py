@@ -111,6 +111,11 @@ SMEM_LIMIT = 227 * 1024
 # (2168 bytes measured at 3 ring slots); the wrapper keeps this much free.
 SMEM_SLACK = 4096
 
+# Class T's entry point, registered by kernels_pallas.mosaic_gpu_threshold on import (it
+# builds on this module's helpers; kernels_pallas/__init__ imports it): a registry rather
+# than an import, so that the two modules form no import cycle.
+THRESHOLD_KERNELS: dict[str, Any] = {}
+
 # What the kernel needs from jax.experimental.pallas.mosaic_gpu (checked on first use).
 _NEEDED = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem",
            "commit_smem", "barrier_wait", "barrier_arrive", "layout_cast", "Layout", "SMEM",
@@ -1368,8 +1373,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
         "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
   if threshold:
-    from kernels_pallas import mosaic_gpu_threshold
-    return mosaic_gpu_threshold.threshold_attention(
+    return THRESHOLD_KERNELS["attention"](
         query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),
         block_k=block_k, num_stages=num_stages, interpret=interpret,
         rescale_threshold=rescale_threshold)

@@ -68,7 +68,15 @@ from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from kernels_pallas import engine
 from kernels_pallas.engine import UnsupportedError
-from kernels_pallas.mosaic_gpu import _launch, _load_row, _plgpu, _primal, _round_up, _transposed
+from kernels_pallas.mosaic_gpu import (
+    THRESHOLD_KERNELS,
+    _launch,
+    _load_row,
+    _plgpu,
+    _primal,
+    _round_up,
+    _transposed,
+)
 
 __all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
 
@@ -625,3 +633,7 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
   b, t, n, h = query.shape
   cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages)
   return _attention(cfg, query, key, value, interpret)
+
+
+# kp.mosaic_gpu_attention routes class T here (mosaic_gpu.THRESHOLD_KERNELS: no import cycle)
+THRESHOLD_KERNELS["attention"] = threshold_attention
