@@ -195,3 +195,20 @@ def test_pipeline_has_no_data_race():
   params = mga.gpu_interpret_params(detect_races=True)
   _check_numerics("entmax15", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
   assert not ipc.get_races().races_found
+
+
+@pytest.mark.slow
+def test_interpret_nan_logit_makes_its_row_nan():
+  """A NaN in one query row: that row's output is NaN (as on the dense path), not a
+  plausible 0 from an empty block list; every other row is finite."""
+  q, k, v = _inputs(2, 128, 128, 1, 1, 64, jnp.float16)
+  q = q.at[0, 5, 0, 3].set(jnp.nan)
+  call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer="sparsemax", block_k=64,
+                                         interpret=True)
+  if not mga.interpreter_runs_kernel():
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      call()
+    return
+  out = np.asarray(call().astype(jnp.float32))
+  assert np.isnan(out[0, 5]).all()
+  assert np.isfinite(np.delete(out, 5, axis=1)).all()
