@@ -13,7 +13,8 @@ exits 1. The figures:
 
 * tokens/s: ``batch_size x seq_len`` over the median wall time of a round's steps, the
   median over ``--rounds`` rounds of ``--steps`` steps per mesh (after ``--warmup`` steps of
-  every mesh that include the compilation); within a round the meshes' steps are
+  every mesh that include the compilation; fewer rounds, at least 3, when the next one would
+  end after ``--max-seconds`` from the start); within a round the meshes' steps are
   interleaved, in an order rotated from round to round, with the garbage collector off;
 * vs first: the ratio of that rate to the baseline's within each round, its median and its
   range over the rounds (a ratio is taken between figures measured in the same seconds).
@@ -30,7 +31,7 @@ idle host. By default each device runs its ops on one thread
 (``--xla_cpu_multi_thread_eigen=false``): 8 devices each with a pool as wide as the host
 oversubscribe the cores (``--multi-thread-eigen`` restores XLA's default).
 
-  python bench/train_mesh_cpu.py                    # the default meshes (about N minutes)
+  python bench/train_mesh_cpu.py    # the default meshes, at most about 7 minutes (--max-seconds)
   python bench/train_mesh_cpu.py --meshes data=8 fsdp=8 --rounds 2 --steps 1  # quick
 """
 
@@ -55,6 +56,7 @@ MODEL = ("--dataset", "text", "--d_model", "64", "--num_layers", "2", "--num_hea
          "--mlp_dim", "256", "--seq_len", "128", "--batch_size", "16", "--warmup_steps", "1",
          "--progress", "off")
 RTOL = 1e-4
+MIN_ROUNDS = 3  # rounds run whatever --max-seconds says
 MAX_SPREAD = 1.25  # the baseline's largest over smallest per-round tokens/s before a warning
 
 
@@ -105,14 +107,17 @@ def round_order(n: int, r: int) -> list[int]:
   return [(r + i) % n for i in range(n)]
 
 
-def measure(runs, warmup: int, rounds: int, steps: int, tokens: int):
+def measure(runs, warmup: int, rounds: int, steps: int, tokens: int,
+            deadline: float | None = None):
   """Per run (the ``prepare`` triples): (per-step losses, per-round tokens/s).
 
   ``warmup`` steps of every mesh first (they include the compilation), then ``rounds``
   rounds of ``steps`` steps each; within a round the steps are interleaved (step i of every
   mesh, in the round's rotated order, then step i + 1), so a change in the host's load
   reaches every mesh alike, and a round's figure is tokens over the median of its steps'
-  wall times. The garbage collector is run between rounds and disabled within them."""
+  wall times. The garbage collector is run between rounds and disabled within them. With a
+  ``deadline`` (a ``time.perf_counter()`` value), no round starts after ``MIN_ROUNDS`` rounds
+  that the last round's duration says would end past it."""
   import jax
 
   states = [state for _, state, _ in runs]
@@ -131,7 +136,12 @@ def measure(runs, warmup: int, rounds: int, steps: int, tokens: int):
       step(r, i)
   enabled = gc.isenabled()
   try:
+    last = 0.0
     for rnd in range(rounds):
+      if (deadline is not None and rnd >= MIN_ROUNDS
+          and time.perf_counter() + last > deadline):
+        break
+      start = time.perf_counter()
       gc.collect()
       gc.disable()
       times: list[list[float]] = [[] for _ in runs]
@@ -143,6 +153,7 @@ def measure(runs, warmup: int, rounds: int, steps: int, tokens: int):
         gc.enable()
       for r, t in enumerate(times):
         rates[r].append(tokens / statistics.median(t))
+      last = time.perf_counter() - start
   finally:
     if enabled:
       gc.enable()
@@ -176,8 +187,11 @@ def main(argv=None) -> int:
                       help="mesh shapes (--mesh syntax); the first is the baseline")
   parser.add_argument("--warmup", type=int, default=2,
                       help="untimed steps of every mesh first (they include the compilation)")
-  parser.add_argument("--rounds", type=int, default=5)
-  parser.add_argument("--steps", type=int, default=4, help="timed steps per mesh and round")
+  parser.add_argument("--rounds", type=int, default=8, help="at most this many rounds")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps per mesh and round")
+  parser.add_argument("--max-seconds", type=float, default=420.0,
+                      help="start no round (after the first 3) that would end later than this "
+                      "many seconds after the script started")
   parser.add_argument("--rtol", type=float, default=RTOL)
   parser.add_argument("--model", default=" ".join(MODEL),
                       help="train.py flags of the model and batch")
@@ -187,6 +201,7 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.warmup < 1 or args.steps < 1 or args.rounds < 1:
     parser.error("--warmup, --rounds and --steps must be >= 1")
+  started = time.perf_counter()
   if not args.multi_thread_eigen:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_cpu_multi_thread_eigen" not in flags:
@@ -201,7 +216,7 @@ def main(argv=None) -> int:
   cores = os.cpu_count() or 1
   load = os.getloadavg()[0]
   print(f"# train.py step on {DEVICES} CPU devices ({cores} cores): {args.model}; "
-        f"{args.warmup} warm-up steps, then {args.rounds} rounds of {args.steps} timed steps "
+        f"{args.warmup} warm-up steps, then up to {args.rounds} rounds of {args.steps} timed steps "
         f"per mesh; XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip()}")
   print("# CPU figures show what each layout's collectives cost, not accelerator speed; "
         "tokens/s: median over rounds; vs first: median (and range) over rounds of the ratio "
@@ -209,11 +224,12 @@ def main(argv=None) -> int:
   runs = [prepare(dataclasses.replace(base, mesh=text), args.warmup + args.rounds * args.steps)
           for text in args.meshes]
   t0 = time.perf_counter()
-  results = measure(runs, args.warmup, args.rounds, args.steps, base.batch_size * base.seq_len)
+  results = measure(runs, args.warmup, args.rounds, args.steps, base.batch_size * base.seq_len,
+                    deadline=started + args.max_seconds)
   load = max(load, os.getloadavg()[0])
   baseline, baseline_rates = results[0]
-  print(f"# {time.perf_counter() - t0:.0f} s of steps (compilation included); 1-minute load "
-        f"average up to {load:.1f}")
+  print(f"# {len(baseline_rates)} rounds in {time.perf_counter() - t0:.0f} s of steps "
+        f"(compilation included); 1-minute load average up to {load:.1f}")
   note = host_note(load, cores, max(baseline_rates) / min(baseline_rates))
   if note:
     print(note)

@@ -32,9 +32,11 @@ def test_a_mesh_whose_losses_disagree_reports_no_figures():
   assert not bench.losses_agree([], [])
 
 
-def test_rounds_rotate_the_mesh_order_with_the_collector_off():
+def test_rounds_rotate_the_mesh_order_with_the_collector_off(monkeypatch):
   bench = _bench()
   calls = []
+  collections = []  # (a full collection of the test process's heap takes seconds)
+  monkeypatch.setattr(gc, "collect", lambda: collections.append(len(calls)))
 
   def fake_step(r):
     def step(state, batch):
@@ -46,6 +48,7 @@ def test_rounds_rotate_the_mesh_order_with_the_collector_off():
   assert gc.isenabled()
   results = bench.measure(runs, warmup=2, rounds=3, steps=2, tokens=100)
   assert gc.isenabled()  # restored
+  assert collections == [6, 12, 18]  # before each round
   assert [r for r, _, _ in calls[:6]] == [0, 1, 2, 0, 1, 2]  # warm-up: every mesh, in order
   timed = calls[6:]
   assert [r for r, _, _ in timed] == [0, 1, 2] * 2 + [1, 2, 0] * 2 + [2, 0, 1] * 2
@@ -54,6 +57,15 @@ def test_rounds_rotate_the_mesh_order_with_the_collector_off():
     assert [b for m, b, _ in calls if m == r] == list(range(8))
     assert losses == [5.0 - 0.25 * b for b in range(8)] and len(rates) == 3
     assert all(rate > 0 for rate in rates)
+
+
+def test_a_passed_deadline_stops_after_the_minimum_rounds(monkeypatch):
+  bench = _bench()
+  monkeypatch.setattr(gc, "collect", lambda: None)
+  runs = [(lambda state, batch: (state, {"loss": 1.0}), 0, list(range(1 + 10 * 2)))] * 2
+  results = bench.measure(runs, warmup=1, rounds=10, steps=2, tokens=100, deadline=0.0)
+  for losses, rates in results:
+    assert len(rates) == bench.MIN_ROUNDS and len(losses) == 1 + 2 * bench.MIN_ROUNDS
 
 
 def test_a_busy_host_or_moving_baseline_is_flagged():
