@@ -26,11 +26,21 @@ the logits' scale and the tile is ``2^{z2 - m2}`` (one ``ex2`` per score). Class
 ``(l, acc)``; class P carries ``acc`` only, and sigmoid's numerator is
 ``0.5 + 0.5 tanh(z / 2)`` (one ``tanh.approx`` per score, ``approx_math``).
 
-Causal masking (top-left aligned, as ``jax.nn.dot_product_attention``) splits each
-warpgroup's key loop into blocks wholly visible (no mask work), the diagonal blocks
-(masked) and an epilogue that releases the pipeline slots it skipped. Odd lengths are
-padded (queries to ``2 * block_q``, keys to ``block_k``) and the padded keys masked in
-the last key block.
+Masks as block lists (splash attention's classification of the tiles into empty,
+partial and full): query i sees key j when ``j < L_b`` (``key_value_seq_lengths``, read
+by the kernel as a scalar of its batch entry), ``i - left <= j <= i + right``
+(``local_window_size``) and ``j <= i`` (``is_causal``, top-left aligned as
+``jax.nn.dot_product_attention``: ``right = 0``). Each row's visible keys are one
+interval whose ends grow with i, so the tiles of a band of rows are classified from
+these parameters alone (``_key_block_range``; the dK/dV pass's query blocks per key band,
+``_query_block_range``), with no ``T x S`` or block table in memory: the empty blocks
+form two runs that are never loaded (the producer streams the CTA's visible blocks),
+the full blocks one run with no mask work, and the element mask is applied only on the
+partial blocks at either end. Where the two consumer warpgroups of a CTA see different
+blocks, each waits on and releases the slots loaded for the other only. A row that sees
+no key gets a zero output and zero gradients (its stabiliser stays finite in the tile
+math). Odd lengths are padded (queries to ``2 * block_q``, keys to ``block_k``) and the
+padded keys masked in the last key block. Segment ids are not supported yet.
 
 The maps are the rule's own functions, traced with their custom derivatives inlined
 (Mosaic GPU lowers no ``custom_jvp``); the row statistics are 1-D ``[block_q]`` vectors in
@@ -82,9 +92,9 @@ all 255 registers a thread has: expect spills there), 64 x 64 tiles and a 2-slot
   forward, ``dQ += dX K``. Causal: the loop stops at the diagonal (a warpgroup that stops
   earlier releases the slots loaded for the other).
 
-Not done yet: classes T and R, bias / segment / window masks as block lists, per-row
-hyperparameter arrays, tuned configurations and a register-spill check
-(``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
+Not done yet: classes T and R, segment ids and dense bias, per-row hyperparameter
+arrays, tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on
+a GPU.
 """
 
 from __future__ import annotations
@@ -93,7 +103,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -312,6 +322,25 @@ class _Cfg:
   exp2: bool  # the class-E rule runs as 2^(z2 - m2)
   approx_sigmoid: bool  # class P sigmoid as 0.5 + 0.5 tanh(z / 2)
   rescale_threshold: float | None = None  # lazy rescaling (exp2 rules), natural units
+  window: tuple[int, int] | None = None  # (left, right): query i sees keys i - left .. i + right
+  kv_lengths: bool = False  # a per-batch key length array is the kernels' last input
+
+  @property
+  def left(self) -> int | None:
+    """How far back a query sees (None: unbounded)."""
+    return None if self.window is None else self.window[0]
+
+  @property
+  def right(self) -> int | None:
+    """How far ahead a query sees (None: unbounded; 0 when causal)."""
+    if self.causal:
+      return 0
+    return None if self.window is None else self.window[1]
+
+  @property
+  def masked(self) -> bool:
+    """Whether some (query, key) pair inside the unpadded lengths is invisible."""
+    return self.causal or self.window is not None or self.kv_lengths
 
   @property
   def rule(self) -> _spec.TileRule:
@@ -368,6 +397,85 @@ def _round_up(x: int, m: int) -> int:
   return -(-x // m) * m
 
 
+def _key_block_range(cfg: _Cfg, q0, rows: int, bk: int, end):
+  """The key blocks of query rows ``[q0, q0 + rows)``, splash attention's classification
+  of the tiles computed from the mask's parameters: ``(lo, flo, fhi, hi)``, int32 scalars
+  with ``lo <= flo <= fhi <= hi``; blocks ``[lo, hi)`` hold a key some row sees (the rest
+  are empty and never loaded), blocks ``[flo, fhi)`` are full (every row sees every key:
+  no mask work), the others partial (the element mask is applied).
+
+  Query i sees key j when ``j < end`` (the key length: S, or the batch entry's
+  ``key_value_seq_lengths`` below it), ``j >= i - left`` and ``j <= i + right``
+  (:attr:`_Cfg.left`, :attr:`_Cfg.right`; causal is ``right = 0``). Visibility is an
+  interval per row whose ends grow with i, so the visible blocks of a band of rows are
+  one range: from the first row's first key to the last row's last, full from the last
+  row's first key to the first row's last."""
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  left, right = cfg.left, cfg.right
+  key_lo: Any = 0 if left is None else jnp.maximum(q0 - left, 0)
+  key_hi: Any = end if right is None else jnp.minimum(end, q0 + rows + right)
+  full_lo: Any = 0 if left is None else jnp.maximum(q0 + rows - 1 - left, 0)
+  full_hi: Any = end if right is None else jnp.minimum(end, q0 + right + 1)
+  lo = i32(key_lo) // bk
+  hi = jnp.maximum(-(-i32(key_hi) // bk), lo)
+  flo = jnp.clip(-(-i32(full_lo) // bk), lo, hi)
+  fhi = jnp.clip(i32(full_hi) // bk, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _within(ranges, cta_lo, cta_hi):
+  """A warpgroup's ``(lo, flo, fhi, hi)`` clamped into its CTA's ``[cta_lo, cta_hi)``: the
+  same blocks when it has any (the CTA's range is their union), and an empty range at a
+  place the CTA streams when it has none (an empty range's ``lo`` may lie past the CTA's
+  blocks), so that the steps it skips before ``lo`` and after ``hi`` are exactly the
+  CTA's other blocks."""
+  lo, flo, fhi, hi = (jnp.clip(x, cta_lo, cta_hi) for x in ranges)
+  return lo, flo, fhi, hi
+
+
+def _query_block_range(cfg: _Cfg, k0, rows: int, bq: int, n_q: int, end):
+  """The query blocks that see keys ``[k0, k0 + rows)`` (the dK/dV pass's loop), as
+  :func:`_key_block_range`: ``(lo, flo, fhi, hi)``. ``end``: the key length below which
+  keys exist (None: keys past S are padding whose gradients are dropped, so need no
+  mask); a band with a key at or past ``end`` has no full block."""
+  i32 = lambda x: jnp.asarray(x, jnp.int32)
+  left, right = cfg.left, cfg.right
+  q_lo: Any = 0 if right is None else jnp.maximum(k0 - right, 0)
+  q_hi: Any = n_q * bq if left is None else jnp.minimum(k0 + rows + left, n_q * bq)
+  if end is not None:
+    q_hi = jnp.where(k0 < end, q_hi, q_lo)  # keys past the length: seen by no query
+  full_lo: Any = 0 if right is None else jnp.maximum(k0 + rows - 1 - right, 0)
+  full_hi: Any = n_q * bq if left is None else jnp.minimum(k0 + left + 1, n_q * bq)
+  if end is not None:
+    full_hi = jnp.where(k0 + rows <= end, full_hi, 0)
+  lo = i32(q_lo) // bq
+  hi = jnp.maximum(-(-i32(q_hi) // bq), lo)
+  flo = jnp.clip(-(-i32(full_lo) // bq), lo, hi)
+  fhi = jnp.clip(i32(full_hi) // bq, flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _visible(cfg: _Cfg, i, j, end):
+  """Whether query i sees key j (int32 tiles; ``end`` as in :func:`_key_block_range`,
+  None for no length test)."""
+  vis = None if end is None else j < end
+  for cond in ((None if cfg.left is None else j >= i - cfg.left),
+               (None if cfg.right is None else j <= i + cfg.right)):
+    if cond is not None:
+      vis = cond if vis is None else jnp.logical_and(vis, cond)
+  return vis
+
+
+def _visible_count(cfg: _Cfg, i, end):
+  """Query i's visible key count n (float32, of the shape of ``i``), or ``float(S)``
+  (a Python number) when every query sees every key."""
+  if not cfg.masked:
+    return float(cfg.s)
+  hi = end if cfg.right is None else jnp.minimum(end, i + cfg.right + 1)
+  lo = 0 if cfg.left is None else jnp.maximum(i - cfg.left, 0)
+  return jnp.maximum(hi - lo + 0 * i, 0).astype(jnp.float32)  # (i's shape and layout)
+
+
 def _exp2_rule(rule: _spec.TileRule) -> bool:
   """Class E with ``e^{z - m}`` numerator and denominator and a linear score map: exact in
   the log2 domain (``kernels_pallas.engine.exp2_exact``'s condition)."""
@@ -403,9 +511,10 @@ def _launch(plgpu, entry, out_type, grid, grid_names, num_threads: int, interpre
                       compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs)
 
 
-def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
-  """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H]; returns [B, Tp, N, H]
-  (``save_stats``: and the tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
+def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths=None):
+  """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H] (and the int32 [B]
+  ``kv_lengths`` when ``cfg.kv_lengths``); returns [B, Tp, N, H] (``save_stats``: and the
+  tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -415,7 +524,6 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
   groups = n // kh
   bq, bk = cfg.block_q, cfg.block_k
   n_kv = sp // bk  # key blocks (the last may hold padding)
-  s_full = cfg.s // bk  # key blocks with no padding
   stages = min(cfg.num_stages, n_kv)
   dtype = q.dtype
   rule = cfg.rule
@@ -443,9 +551,10 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
 
   stat_names = _stat_names(cfg) if save_stats else ()
 
-  def kernel(q_ref, k_ref, v_ref, out_ref, st_refs, scoped):
+  def kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, scoped):
     bi = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
+    end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     smem, loaded, consumed, schedule_barrier, st_smem2 = scoped
     wg = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem
@@ -457,26 +566,19 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
       plgpu.barrier_wait(schedule_barrier)
 
     q_tile = lax.axis_index("q_seq")
-    cta_steps: Any
-    if cfg.causal:
-      cta_end = (q_tile + 1) * (2 * bq)
-      cta_steps = jnp.minimum(pl.cdiv(cta_end, jnp.array(bk, jnp.int32)), n_kv)
-    else:
-      cta_steps = n_kv
+    # the key blocks the producer streams: those the CTA's rows see (the empty ones skipped)
+    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+
+    def slot_of(step):
+      return lax.rem(step - cta_lo, jnp.array(stages, jnp.int32))
 
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
       qo_smem = qo_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
-      kv_steps: Any
-      full_steps: Any
-      if cfg.causal:
-        kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), n_kv)
-        full_steps = jnp.minimum(lax.div(q_base, jnp.array(bk, jnp.int32)), s_full)
-      else:
-        kv_steps = n_kv
-        full_steps = s_full
+      # this warpgroup's blocks: [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
+      lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
 
       plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], qo_smem,
                               q_loaded.at[wg])
@@ -487,13 +589,10 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=wgmma_layout)
 
       def lengths():
-        """The rows' visible counts n as a [bq, bk] tile: min(i + 1, S) with the
-        (top-left aligned) causal mask, else S."""
-        if not cfg.causal:
-          return float(cfg.s)
-        return jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+        """The rows' visible counts n as a [bq, bk] tile (S without a mask)."""
+        return _visible_count(cfg, iota(0) + q_base, end)
 
-      length_row: Any = float(cfg.s) if not cfg.causal else lengths().max(axis=1)
+      length_row: Any = float(cfg.s) if not cfg.masked else lengths().max(axis=1)
       floor = row_floor(length_row)
 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf if rule.uses_max else 0.0,
@@ -501,11 +600,33 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
       l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
       acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), wgmma_layout)
 
-      @pl.when(kv_steps > 0)
-      def _():
-        plgpu.barrier_wait(k_loaded.at[0])
-
       pl.when(wg == 1)(schedule)
+
+      def skip(kv_step, _):
+        # a block the producer loaded for the other warpgroup only (its rows see earlier
+        # keys): waited on (each barrier's phases in order) and released, the schedule
+        # barrier passed twice as a step does
+        slot = slot_of(kv_step)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_wait(v_loaded.at[slot])
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        schedule()
+        schedule()
+
+      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+        lax.fori_loop(cta_lo, lo, skip, None)
+
+      @pl.when(lo < hi)
+      def _():
+        plgpu.barrier_wait(k_loaded.at[slot_of(lo)])
+
+      def safe_max(m_new, mask):
+        # a row none of whose keys so far is visible keeps m = -inf; 0 stands in for it
+        # (its terms are 0 and its sums 0, not e^(-inf + inf))
+        if mask is None or floor is not None:
+          return m_new
+        return jnp.where(m_new == -jnp.inf, 0.0, m_new)
 
       def tile_rule(x, mask, m_i, l_i):
         """(numerators [bq, bk], denominators (the same array when the rule's two maps
@@ -523,8 +644,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
             m_new = jnp.maximum(m_new, floor)
           if cfg.rescale_threshold is not None:  # move m only past m + tau (log2 units)
             m_new = jnp.where(m_new > m_i + cfg.rescale_threshold * LOG2E, m_new, m_i)
-          alpha = jnp.exp2(m_i - m_new)  # exactly 1 where m stayed
-          p = jnp.exp2(zm - bcast(m_new, zm.shape))
+          m_use = safe_max(m_new, mask)
+          alpha = jnp.exp2(m_i - m_use)  # exactly 1 where m stayed
+          p = jnp.exp2(zm - bcast(m_use, zm.shape))
           return p, p, m_new, l_i * alpha, alpha
         z = score_map(x, length_tile, **hp)
         alpha = None
@@ -533,9 +655,10 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
           m_new = jnp.maximum(m_i, zm.max(axis=1))
           if floor is not None:
             m_new = jnp.maximum(m_new, floor)
-          alpha = jnp.exp(m_i - m_new)
+          m_use = safe_max(m_new, mask)
+          alpha = jnp.exp(m_i - m_use)
           l_i = l_i * alpha
-          m_b = bcast(m_new, z.shape)
+          m_b = bcast(m_use, z.shape)
         else:
           m_new = m_i
           m_b = 0.0
@@ -556,7 +679,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
 
       def kv_loop(kv_step, carry, masked: bool = False):
         acc, m_i, l_i = carry
-        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        slot = slot_of(kv_step)
 
         def compute_qk(acc_ref):
           plgpu.wgmma(acc_ref, qo_smem, _transposed(plgpu, k_smem.at[slot]))
@@ -568,10 +691,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         x = qk * c
         mask = None
         if masked:
-          k_pos = iota(1) + kv_step * bk
-          mask = k_pos < cfg.s
-          if cfg.causal:
-            mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
+          mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
         p, den, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
         if alpha is not None and cfg.rescale_threshold is not None:
           # lazy: the accumulator is rescaled only when some row of the warpgroup moved
@@ -603,9 +723,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         def compute_pv(acc_ref):
           plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
           wait_step = kv_step + 1
-          wait_slot = lax.rem(wait_step, jnp.array(stages, kv_step.dtype))
+          wait_slot = slot_of(wait_step)
 
-          @pl.when(wait_step < kv_steps)
+          @pl.when(wait_step < hi)
           def _wait():
             plgpu.barrier_wait(k_loaded.at[wait_slot])
 
@@ -613,21 +733,26 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_i, l_i
 
+      masked_loop = functools.partial(kv_loop, masked=True)
       carry = (acc, m_i, l_i)
-      carry = lax.fori_loop(0, full_steps, kv_loop, carry)
-      carry = lax.fori_loop(full_steps, kv_steps,
-                            functools.partial(kv_loop, masked=True), carry)
+      if cfg.masked:
+        carry = lax.fori_loop(lo, flo, masked_loop, carry)
+        carry = lax.fori_loop(flo, fhi, kv_loop, carry)
+        carry = lax.fori_loop(fhi, hi, masked_loop, carry)
+      else:  # the last block may hold padded keys
+        carry = lax.fori_loop(0, cfg.s // bk, kv_loop, carry)
+        carry = lax.fori_loop(cfg.s // bk, n_kv, masked_loop, carry)
       acc, m_i, l_i = carry
-      if cfg.causal:
+      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
         def flush(kv_step, _):
           # release the slots the producer filled for the other warpgroup's longer loop
-          slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+          slot = slot_of(kv_step)
           plgpu.barrier_arrive(k_consumed.at[slot])
           plgpu.barrier_arrive(v_consumed.at[slot])
           schedule()
           schedule()
 
-        lax.fori_loop(kv_steps, cta_steps, flush, None)
+        lax.fori_loop(hi, cta_hi, flush, None)
       pl.when(wg == 0)(schedule)
 
       if kind != "P":
@@ -638,11 +763,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
         inv = jnp.where(d > 0.0, 1.0 / jnp.where(d > 0.0, d, 1.0), 0.0)
         acc = acc * bcast(inv, acc.shape)
         for name, st_smem in zip(stat_names, st_smem2, strict=True):
-          if name == "lse2":  # +inf where D = 0: the backward's 2^(z2 - lse2) is 0 there
-            val = jnp.where(d > 0.0, m_i + jnp.log(jnp.where(d > 0.0, d, 1.0)) * LOG2E,
-                            jnp.inf)
-          elif name == "m":
-            val = m_i
+          if name == "lse2":  # +inf where D = 0 or no key is visible: the backward's
+            # 2^(z2 - lse2) is 0 there
+            seen = jnp.logical_and(d > 0.0, m_i > -jnp.inf)
+            val = jnp.where(seen, m_i + jnp.log(jnp.where(seen, d, 1.0)) * LOG2E, jnp.inf)
+          elif name == "m":  # (0 for a row that sees no key: its 1 / D is 0)
+            val = jnp.where(m_i == -jnp.inf, 0.0, m_i)
           else:
             val = inv
           st_smem.at[wg][...] = val
@@ -657,22 +783,28 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
-      for i in range(stages):
-        sl = (bi, pl.ds(i * bk, bk), kv_head)
-        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[i], k_loaded.at[i])
-        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[i], v_loaded.at[i])
 
-      @pl.loop(0, cta_steps - stages)
+      def load(step, slot):
+        sl = (bi, pl.ds(step * bk, bk), kv_head)
+        plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
+
+      for i in range(stages):
+        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
+
+      @pl.loop(cta_lo, cta_hi - stages)
       def _ring(kv_step):
         step = kv_step + stages
-        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        slot = slot_of(kv_step)
         sl = (bi, pl.ds(step * bk, bk), kv_head)
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
-  def entry(q_ref, k_ref, v_ref, out_ref, *st_refs):
+  def entry(q_ref, k_ref, v_ref, *refs):
+    len_ref = refs[0] if cfg.kv_lengths else None
+    out_ref, *st_refs = refs[int(cfg.kv_lengths):]
     # 128-byte swizzled (8, 64) tiles of 16-bit elements, as wgmma reads them (every
     # head dim here is at least 64 elements = 128 bytes wide)
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -680,7 +812,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
                plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
                plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, out_ref, st_refs, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, args),
         scratch,
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=2)),
@@ -694,8 +826,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False):
   if save_stats:
     out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
                              for _ in stat_names]
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   res = _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"), 3,
-                interpret)(q, k, v)
+                interpret)(q, k, v, *lens)
   if save_stats:
     return res[0], tuple(res[1:])
   return res
@@ -860,41 +993,68 @@ def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, r
   )
 
 
-def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
+class _BwdSetup(NamedTuple):
+  """What both backward kernels derive from their inputs."""
+  b: int
+  tp: int  # padded query length
+  n: int  # query heads
+  h: int
+  sp: int  # padded key length
+  groups: int  # query heads per key head
+  wgs: int  # consumer warpgroups per CTA
+  dtype: Any
+  n_rows: int  # streamed row statistics (and Δ)
+  c: float  # the logits' factor: scale, times log2(e) in the exp2 domain
+  tile: Any  # :func:`_bwd_tile_fn`
+  has_delta: bool
+
+
+def _bwd_setup(cfg: _Cfg, q, k, rows) -> _BwdSetup:
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  return _BwdSetup(b=b, tp=tp, n=n, h=h, sp=sp, groups=n // kh, wgs=_bwd_wgs(h),
+                   dtype=q.dtype, n_rows=len(rows),
+                   c=cfg.scale * (LOG2E if cfg.exp2 else 1.0), tile=_bwd_tile_fn(cfg),
+                   has_delta=cfg.spec.kernel_class != "P")
+
+
+def _split_lengths(cfg: _Cfg, refs):
+  """``(len_ref or None, the other refs)``: the key lengths lead the inputs after q, k, v
+  (and dO) when ``cfg.kv_lengths``."""
+  if cfg.kv_lengths:
+    return refs[0], refs[1:]
+  return None, refs
+
+
+def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
   """dQ on padded inputs: one CTA per ``W·64`` query rows of one (batch, head), a producer
-  warpgroup streaming key and value tiles through the ring (causal: only the blocks the
-  rows see), ``W`` consumer warpgroups accumulating ``dQ = scale · sum_j dx_ij k_j``."""
+  warpgroup streaming key and value tiles through the ring (masked: only the blocks the
+  rows see, :func:`_key_block_range`), ``W`` consumer warpgroups accumulating
+  ``dQ = scale · sum_j dx_ij k_j``."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
-  b, tp, n, h = q.shape
-  sp, kh = k.shape[1], k.shape[2]
-  groups = n // kh
+  st = _bwd_setup(cfg, q, k, rows)
+  b, tp, n, h, wgs, dtype, tile = st.b, st.tp, st.n, st.h, st.wgs, st.dtype, st.tile
   bq = bk = BWD_BLOCK
-  wgs = _bwd_wgs(h)
-  n_kv = sp // bk
-  s_full = cfg.s // bk
+  n_kv = st.sp // bk
   stages = min(BWD_STAGES, n_kv)
-  dtype = q.dtype
-  n_rows = len(rows)
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
-  c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
-  tile = _bwd_tile_fn(cfg)
-  has_delta = cfg.spec.kernel_class != "P"
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
         row_bar, consumed = scoped
     bi = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     q_tile = lax.axis_index("q_seq")
-    cta_steps: Any = n_kv
-    if cfg.causal:
-      cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * (wgs * bq), jnp.array(bk, jnp.int32)),
-                              n_kv)
+    end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
+    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (wgs * bq), wgs * bq, bk, end)
+
+    def slot_of(step):
+      return lax.rem(step - cta_lo, jnp.array(stages, jnp.int32))
 
     @pl.when(wg < wgs)
     def _consumer():
@@ -914,17 +1074,13 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
         plgpu.barrier_wait(r_bar.at[wg])
         row_vals.append(_load_row(plgpu, r_smem.at[wg], row_layout))
 
-      kv_steps: Any = n_kv
-      full_steps: Any = s_full
-      if cfg.causal:
-        kv_steps = jnp.minimum(pl.cdiv(q_base + bq, jnp.array(bk, jnp.int32)), n_kv)
-        full_steps = jnp.minimum(lax.div(q_base, jnp.array(bk, jnp.int32)), s_full)
+      lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
 
       def step(kv_step, dq_acc, masked: bool = False):
-        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def compute_s(acc_ref):
@@ -941,16 +1097,11 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
         dp = pl.run_scoped(compute_dp, plgpu.ACC((bq, bk), jnp.float32))
         mask = None
         if masked:
-          k_pos = iota(1) + kv_step * bk
-          mask = k_pos < cfg.s
-          if cfg.causal:
-            mask = jnp.logical_and(mask, iota(0) + q_base >= k_pos)
-        length: Any = float(cfg.s)
-        if cfg.causal:
-          length = jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+          mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+        length = _visible_count(cfg, iota(0) + q_base, end)
         bc = [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in row_vals]
-        delta = bc.pop() if has_delta else None
-        _, dx = tile(s * c, mask, bc, delta, dp, length)
+        delta = bc.pop() if st.has_delta else None
+        _, dx = tile(s * st.c, mask, bc, delta, dp, length)
 
         def compute_dq(acc_ref):
           plgpu.wgmma(acc_ref, dx.astype(dtype), k_smem.at[slot])
@@ -959,21 +1110,27 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
         plgpu.barrier_arrive(consumed.at[slot])
         return dq_acc
 
-      dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
-      dq_acc = lax.fori_loop(0, full_steps, step, dq_acc)
-      dq_acc = lax.fori_loop(full_steps, kv_steps, functools.partial(step, masked=True),
-                             dq_acc)
-
       def flush(kv_step, _):
-        # the blocks the producer loaded for the other warpgroup's longer causal loop:
-        # waited on (each barrier's phases in order) and released
-        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        # the blocks the producer loaded for the other warpgroup only: waited on (each
+        # barrier's phases in order) and released
+        slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
 
-      if cfg.causal and wgs > 1:
-        lax.fori_loop(kv_steps, cta_steps, flush, None)
+      masked_step = functools.partial(step, masked=True)
+      dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+      if cfg.left is not None and wgs > 1:  # (the rows of warpgroup 1 start later)
+        lax.fori_loop(cta_lo, lo, flush, None)
+      if cfg.masked:
+        dq_acc = lax.fori_loop(lo, flo, masked_step, dq_acc)
+        dq_acc = lax.fori_loop(flo, fhi, step, dq_acc)
+        dq_acc = lax.fori_loop(fhi, hi, masked_step, dq_acc)
+      else:  # the last block may hold padded keys
+        dq_acc = lax.fori_loop(0, cfg.s // bk, step, dq_acc)
+        dq_acc = lax.fori_loop(cfg.s // bk, n_kv, masked_step, dq_acc)
+      if cfg.right is not None and wgs > 1:  # (the rows of warpgroup 0 stop earlier)
+        lax.fori_loop(hi, cta_hi, flush, None)
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[sl])
@@ -982,7 +1139,7 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
     @pl.when(wg == wgs)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+      kv_head = lax.div(q_head, jnp.array(st.groups, q_head.dtype))
 
       def load(step, slot):
         sl = (bi, pl.ds(step * bk, bk), kv_head)
@@ -990,29 +1147,33 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret):
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
       for i in range(stages):
-        _when(i < cta_steps, functools.partial(load, i, i))
+        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
 
-      @pl.loop(0, cta_steps - stages)
+      @pl.loop(cta_lo, cta_hi - stages)
       def _ring(kv_step):
-        slot = lax.rem(kv_step, jnp.array(stages, kv_step.dtype))
+        slot = slot_of(kv_step)
         plgpu.barrier_wait(consumed.at[slot])
         load(kv_step + stages, slot)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
-    row_refs, dq_ref = refs[:n_rows], refs[n_rows]
+    len_ref, refs = _split_lengths(cfg, refs)
+    row_refs, dq_ref = refs[:st.n_rows], refs[st.n_rows]
     _run_backward_scoped(
-        plgpu, lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dq_ref, args),
-        dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=n_rows, row_slots=wgs,
+        plgpu,
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, args),
+        dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=st.n_rows, row_slots=wgs,
         row_len=bq)
 
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   return _launch(plgpu, entry, jax.ShapeDtypeStruct(q.shape, dtype), (n, tp // (wgs * bq), b),
-                 ("heads", "q_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *rows)
+                 ("heads", "q_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, *rows)
 
 
-def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
+def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
   """dK and dV per query head on padded inputs: one CTA per ``W·64`` keys of one (batch,
   query head), a producer warpgroup streaming query, output-gradient and row-statistic
-  tiles through the ring (causal: from the first query block that sees the CTA's keys),
+  tiles through the ring (masked: the query blocks that see the CTA's keys,
+  :func:`_query_block_range`),
   ``W`` consumer warpgroups accumulating, in the transposed orientation (keys as rows),
   ``dV = sum_i w_ij dO_i`` and ``dK = scale · sum_i dx_ij q_i``. Returns ``(dK, dV)``,
   each ``[B, Sp, N, H]`` (the GQA sum over a key head's query heads is the caller's)."""
@@ -1020,31 +1181,26 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
   from jax import lax
   from jax.experimental import pallas as pl
 
-  b, tp, n, h = q.shape
-  sp, kh = k.shape[1], k.shape[2]
-  groups = n // kh
+  su = _bwd_setup(cfg, q, k, rows)
+  b, tp, n, h, wgs, dtype, tile = su.b, su.tp, su.n, su.h, su.wgs, su.dtype, su.tile
   bq = bk = BWD_BLOCK
-  wgs = _bwd_wgs(h)
   n_q = tp // bq
-  dtype = q.dtype
-  n_rows = len(rows)
   layout = plgpu.Layout.WGMMA
   col_layout = layout.reduce(0)
-  c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
-  tile = _bwd_tile_fn(cfg)
-  has_delta = cfg.spec.kernel_class != "P"
   stages = min(BWD_STAGES, n_q)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dk_ref, dv_ref, scoped):
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
         row_loaded, consumed = scoped
     bi = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
     wg = lax.axis_index("wg")
     kv_tile = lax.axis_index("kv_seq")
-    cta_start: Any = 0
-    if cfg.causal:
-      cta_start = jnp.minimum(lax.div(kv_tile * (wgs * bk), jnp.array(bq, jnp.int32)), n_q)
+    # keys past the batch entry's length get zero gradients (seen by no query); keys
+    # past S are padding whose gradients are dropped
+    end: Any = None if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
+    cta_start, _, _, cta_end = _query_block_range(cfg, kv_tile * (wgs * bk), wgs * bk, bq,
+                                                  n_q, end)
 
     def slot_of(step):
       return lax.rem(step - cta_start, jnp.array(stages, jnp.int32))
@@ -1054,18 +1210,15 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
       plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       kv_base = kv_tile * (wgs * bk) + wg * bk
-      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+      kv_head = lax.div(q_head, jnp.array(su.groups, q_head.dtype))
       sl = (bi, pl.ds(kv_base, bk), kv_head)
       plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, k_bar.at[wg])
       plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, v_bar.at[wg])
       plgpu.barrier_wait(k_bar.at[wg])
       plgpu.barrier_wait(v_bar.at[wg])
-      start: Any = 0
-      full: Any = 0
-      if cfg.causal:
-        # query blocks before `start` see none of these keys; from `full` on, all of them
-        start = jnp.minimum(lax.div(kv_base, jnp.array(bq, jnp.int32)), n_q)
-        full = jnp.minimum(pl.cdiv(kv_base + bk - 1, jnp.array(bq, jnp.int32)), n_q)
+      # query blocks [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
+      lo, flo, fhi, hi = _within(_query_block_range(cfg, kv_base, bk, bq, n_q, end),
+                                 cta_start, cta_end)
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bk, bq), axis, layout=layout)
@@ -1093,11 +1246,10 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
 
         dpt = pl.run_scoped(compute_dpt, plgpu.ACC((bk, bq), jnp.float32))
         mask = None
-        if masked:
-          mask = iota(1) + q_step * bq >= iota(0) + kv_base
-        length: Any = float(cfg.s)
-        if cfg.causal:
-          length = jnp.minimum(iota(1) + (q_step * bq + 1), cfg.s).astype(jnp.float32)
+        if masked:  # (keys as rows, queries as columns)
+          mask = _visible(cfg, iota(1) + q_step * bq, iota(0) + kv_base, end)
+        length = _visible_count(cfg, iota(1) + q_step * bq,
+                                cfg.s if end is None else end)
         bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
               for r in row_smem]
         if row_smem:
@@ -1105,8 +1257,8 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
           # the producer's next TMA (async-proxy) write into it, which the consumed
           # barrier alone does not order (the GPU interpreter's race detector finds it)
           plgpu.commit_smem()
-        delta = bc.pop() if has_delta else None
-        w, dx = tile(st * c, mask, bc, delta, dpt, length)
+        delta = bc.pop() if su.has_delta else None
+        w, dx = tile(st * su.c, mask, bc, delta, dpt, length)
 
         def compute(refs):
           dv_ref_, dk_ref_ = refs
@@ -1127,11 +1279,19 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
 
       zeros = plgpu.layout_cast(jnp.full((bk, h), 0.0, jnp.float32), layout)
       carry = (zeros, zeros)
-      if cfg.causal:
-        if wgs > 1:
-          lax.fori_loop(cta_start, start, skip, None)
-        carry = lax.fori_loop(start, full, functools.partial(step, masked=True), carry)
-      dk_acc, dv_acc = lax.fori_loop(full, n_q, step, carry)
+      masked_step = functools.partial(step, masked=True)
+      if cfg.masked:
+        if cfg.right is not None and wgs > 1:  # (warpgroup 1's keys are seen later)
+          lax.fori_loop(cta_start, lo, skip, None)
+        carry = lax.fori_loop(lo, flo, masked_step, carry)
+        carry = lax.fori_loop(flo, fhi, step, carry)
+        carry = lax.fori_loop(fhi, hi, masked_step, carry)
+        if (cfg.left is not None or cfg.kv_lengths) and wgs > 1:
+          # (warpgroup 0's keys are seen by no later query, or warpgroup 1's by none)
+          lax.fori_loop(hi, cta_end, skip, None)
+      else:
+        carry = lax.fori_loop(0, n_q, step, carry)
+      dk_acc, dv_acc = carry
       k_smem[...] = (dk_acc * cfg.scale).astype(dtype)
       v_smem[...] = dv_acc.astype(dtype)
       plgpu.commit_smem()
@@ -1153,27 +1313,32 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret):
                                   r_smem.at[slot], r_bar.at[slot])
 
       for i in range(stages):
-        _when(cta_start + i < n_q, functools.partial(load, cta_start + i, i))
+        _when(cta_start + i < cta_end, functools.partial(load, cta_start + i, i))
 
-      @pl.loop(cta_start, n_q - stages)
+      @pl.loop(cta_start, cta_end - stages)
       def _ring(q_step):
         slot = slot_of(q_step)
         plgpu.barrier_wait(consumed.at[slot])
         load(q_step + stages, slot)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
+    len_ref, refs = _split_lengths(cfg, refs)
+    n_rows = su.n_rows
     row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
     _run_backward_scoped(
-        plgpu, lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, row_refs, dk_ref, dv_ref, args),
+        plgpu,
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dk_ref, dv_ref,
+                             args),
         dtype, h, wgs, stages, resident=bk, streamed=bq, n_rows=n_rows, row_slots=stages,
         row_len=bq)
 
-  out = jax.ShapeDtypeStruct((b, sp, n, h), dtype)
-  return _launch(plgpu, entry, [out, out], (n, sp // (wgs * bk), b), ("heads", "kv_seq", "batch"),
-                 wgs + 1, interpret)(q, k, v, do, *rows)
+  out = jax.ShapeDtypeStruct((b, su.sp, n, h), dtype)
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
+  return _launch(plgpu, entry, [out, out], (n, su.sp // (wgs * bk), b),
+                 ("heads", "kv_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, *rows)
 
 
-def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret):
+def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret, kv_lengths=None):
   """(dq, dk, dv) of the unpadded inputs from the forward's output and row statistics."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
@@ -1196,8 +1361,8 @@ def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret):
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), g.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
     rows = rows + (jnp.pad(delta, ((0, 0), (0, 0), (0, tp - t))),)
-  dq = _bwd_dq(cfg, qp, kp, vp, dop, rows, interpret)[:, :t]
-  dk, dv = _bwd_dkv(cfg, qp, kp, vp, dop, rows, interpret)
+  dq = _bwd_dq(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths)[:, :t]
+  dk, dv = _bwd_dkv(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths)
   groups = n // kh
 
   def head_sum(x):  # [B, Sp, N, H] -> [B, S, K, H]: each key head's query heads summed
@@ -1207,33 +1372,46 @@ def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret):
   return dq, head_sum(dk), head_sum(dv)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
-def _attention(cfg: _Cfg, q, k, v, interpret):
-  bq2 = 2 * cfg.block_q
-  tp, sp = _round_up(cfg.t, bq2), _round_up(cfg.s, cfg.block_k)
-  qp = jnp.pad(q, ((0, 0), (0, tp - cfg.t), (0, 0), (0, 0)))
-  kp = jnp.pad(k, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
-  vp = jnp.pad(v, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
-  return _forward(cfg, qp, kp, vp, interpret)[:, :cfg.t]
+def _padded(cfg: _Cfg, q, k, v):
+  """q padded to whole CTAs (``2 block_q`` rows), k and v to whole key blocks."""
+  tp, sp = _round_up(cfg.t, 2 * cfg.block_q), _round_up(cfg.s, cfg.block_k)
+  pad = lambda x, n: jnp.pad(x, ((0, 0), (0, n - x.shape[1]), (0, 0), (0, 0)))
+  return pad(q, tp), pad(k, sp), pad(v, sp)
 
 
-def _attention_fwd(cfg, q, k, v, interpret):
-  bq2 = 2 * cfg.block_q
-  tp, sp = _round_up(cfg.t, bq2), _round_up(cfg.s, cfg.block_k)
-  qp = jnp.pad(q, ((0, 0), (0, tp - cfg.t), (0, 0), (0, 0)))
-  kp = jnp.pad(k, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
-  vp = jnp.pad(v, ((0, 0), (0, sp - cfg.s), (0, 0), (0, 0)))
-  out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+  qp, kp, vp = _padded(cfg, q, k, v)
+  return _forward(cfg, qp, kp, vp, interpret, kv_lengths=kv_lengths)[:, :cfg.t]
+
+
+def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+  qp, kp, vp = _padded(cfg, q, k, v)
+  out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths)
   out = out[:, :cfg.t]
-  return out, (q, k, v, out, stats)
+  return out, (q, k, v, kv_lengths, out, stats)
 
 
 def _attention_bwd(cfg, interpret, res, g):
-  q, k, v, out, stats = res
-  return _backward(cfg, q, k, v, out, stats, g, interpret)
+  q, k, v, kv_lengths, out, stats = res
+  dq, dk, dv = _backward(cfg, q, k, v, out, stats, g, interpret, kv_lengths)
+  return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _check_window(size) -> tuple[int, int] | None:
+  """``local_window_size`` as ``(left, right)``, or ValueError naming it."""
+  if size is None:
+    return None
+  pair = (size, size) if isinstance(size, int) and not isinstance(size, bool) else size
+  ok = (isinstance(pair, (tuple, list)) and len(pair) == 2
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in pair))
+  if not ok:
+    raise ValueError(f"mosaic_gpu_attention: `local_window_size` must be None, a non-negative "
+                     f"int or a (left, right) pair of them, got {size!r}")
+  return int(pair[0]), int(pair[1])
 
 
 def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
@@ -1242,7 +1420,9 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
                          block_q: int | None = None, block_k: int | None = None,
                          num_stages: int | None = None, interpret: Any = False,
                          approx_sigmoid: bool = True,
-                         rescale_threshold: float | None = None):
+                         rescale_threshold: float | None = None,
+                         key_value_seq_lengths=None,
+                         local_window_size: int | tuple[int, int] | None = None):
   r"""Attention forward on Hopper with a Mosaic-GPU kernel (FlashAttention-3 structure).
 
   .. math::
@@ -1251,7 +1431,11 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     D_i = \sum_{j \in V_i} \mathrm{den}(z_{ij}, m_i) + \mathrm{offset}(m_i, |V_i|)
 
   with the normalizer's tile rule (class E: ``m_i`` the row max of ``z``; S: ``m = 0``;
-  P: ``D = 1``), ``V_i`` all keys or (``is_causal``) keys ``j <= i``. Softmax-like rules
+  P: ``D = 1``), ``V_i`` the keys query i sees: ``j < L_b`` (``key_value_seq_lengths``),
+  ``i - left <= j <= i + right`` (``local_window_size``) and ``j <= i`` (``is_causal``).
+  The mask is applied as a block list: key blocks no row of a warpgroup sees are never
+  loaded, blocks every row sees wholly run without mask work, and only the partial
+  blocks between apply the element mask (forward and backward). Softmax-like rules
   run as ``2^{z2 - m2}`` with ``log2(e)`` folded into the scale. A TMA producer
   warpgroup feeds two ``wgmma`` consumer warpgroups through a shared-memory ring
   (module docstring).
@@ -1285,6 +1469,12 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
       max exceeds it by more than tau, so tiles add terms up to ``e^tau``, and the
       accumulator is rescaled only when some row of the warpgroup moved (the same
       function; None: rescale at every block).
+    key_value_seq_lengths: optional integer ``[B]``: batch entry b's keys ``j >= L_b``
+      are padding (seen by no query; their gradients are 0). A row that sees no key
+      gets a zero output.
+    local_window_size: optional ``w`` or ``(left, right)`` non-negative ints (as
+      ``jax.nn.dot_product_attention``): query i sees keys ``i - left .. i + right``
+      (``w`` means ``(w, w)``; with ``is_causal`` the right side is 0).
 
   Returns:
     ``[B, T, N, H]`` of the query's dtype.
@@ -1360,6 +1550,14 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     raise ValueError(
         f"mosaic_gpu_attention: `block_k`={block_k} x `num_stages`={num_stages} at head dim "
         f"{h} needs {need} bytes of shared memory, over Hopper's {SMEM_LIMIT}")
+  window = _check_window(local_window_size)
+  lengths = None
+  if key_value_seq_lengths is not None:
+    lengths = jnp.asarray(key_value_seq_lengths)
+    if lengths.shape != (b,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+      raise ValueError(f"mosaic_gpu_attention: `key_value_seq_lengths` must be an integer "
+                       f"[B] = [{b}] array, got {lengths.dtype}{list(lengths.shape)}")
+    lengths = lengths.astype(jnp.int32)
   if scale is None:
     scale = 1.0 / math.sqrt(h)
   if interpret is True:
@@ -1376,7 +1574,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     return THRESHOLD_KERNELS["attention"](
         query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),
         block_k=block_k, num_stages=num_stages, interpret=interpret,
-        rescale_threshold=rescale_threshold)
+        rescale_threshold=rescale_threshold, local_window_size=window,
+        key_value_seq_lengths=lengths)
   rule = spec.tile
   assert rule is not None  # classes E, S, P (checked above)
   if rescale_threshold is not None:
@@ -1393,11 +1592,12 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
              causal=bool(is_causal), t=t, s=s, block_q=block_q, block_k=block_k,
              num_stages=num_stages, exp2=_exp2_rule(rule),
              approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator,
-             rescale_threshold=rescale_threshold)
+             rescale_threshold=rescale_threshold, window=window,
+             kv_lengths=lengths is not None)
   if interpret is None:
-    return _attention(cfg, query, key, value, interpret)
+    return _attention(cfg, query, key, value, lengths, interpret)
   try:
-    return _attention(cfg, query, key, value, interpret)
+    return _attention(cfg, query, key, value, lengths, interpret)
   except NotImplementedError as e:
     # JAX 0.10's GPU interpreter has no rule for pl.run_state (the accumulator handed to
     # the second wgmma); JAX 0.12's has. Said plainly instead of a stack of interpreter frames.

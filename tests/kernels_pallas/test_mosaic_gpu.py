@@ -109,6 +109,10 @@ def test_shared_memory_overflow_is_caught_by_the_export_and_the_wrapper():
     (dict(normalizer_params={"temperature": jnp.ones(())}), "Python number"),
     (dict(normalizer="sigmoid", rescale_threshold=8.0), "`rescale_threshold` needs a class-E"),
     (dict(rescale_threshold=-1.0), "`rescale_threshold` must be None or a number"),
+    (dict(local_window_size=-1), "`local_window_size` must be None"),
+    (dict(local_window_size=(1, 2, 3)), "`local_window_size` must be None"),
+    (dict(key_value_seq_lengths=jnp.ones((2,), jnp.int32)), "`key_value_seq_lengths` must be"),
+    (dict(key_value_seq_lengths=jnp.ones((1,), jnp.float32)), "`key_value_seq_lengths` must be"),
 ])
 def test_errors_name_the_argument(kw, match):
   kw = dict(kw)
@@ -203,14 +207,29 @@ def _inputs(seed, b, t, s, n, kh, h, dtype):
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
 
 
-def _reference(normalizer, q, k, v, causal, scale, hp):
+def _dense_visible(b, t, s, causal, window=None, lengths=None):
+  """The mask as a dense bool [B, 1, T, S] from its definition: query i sees key j when
+  j <= i (causal), i - left <= j <= i + right (window) and j < lengths[b]."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  vis = np.ones((b, 1, t, s), bool)
+  if causal:
+    vis &= j <= i
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    vis &= (j >= i - left) & (j <= i + right)
+  if lengths is not None:
+    vis &= j[None, None] < np.asarray(lengths)[:, None, None, None]
+  return vis
+
+
+def _reference(normalizer, q, k, v, causal, scale, hp, window=None, lengths=None):
   """Dense attention in float64 from the rounded inputs: weights by reference_f64."""
   q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
   g = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
   logits = scale * np.einsum("bthd,bshd->bhts", q, k)
   t, s = logits.shape[-2:]
-  where = np.tril(np.ones((t, s), bool)) if causal else None
+  where = _dense_visible(q.shape[0], t, s, causal, window, lengths)
   w = reference_f64.normalizer(normalizer, logits, where=where, **hp)
   out = np.einsum("bhts,bshd->bthd", w, v)
   bound = np.einsum("bhts,bshd->bthd", np.abs(w), np.abs(v))
@@ -218,18 +237,20 @@ def _reference(normalizer, q, k, v, causal, scale, hp):
 
 
 def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                    interpret=True, b=1):
+                    interpret=True, b=1, window=None, lengths=None):
   hp = dict(hp or {})
   q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
+  lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
   call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                          normalizer_params=hp, block_k=block_k,
-                                         interpret=interpret)
+                                         interpret=interpret, local_window_size=window,
+                                         key_value_seq_lengths=lens)
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
       call()
     return
   out = np.asarray(call().astype(jnp.float32), np.float64)
-  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp)
+  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, window, lengths)
   # The kernel rounds the weights to the input dtype before the second matmul and the
   # output once more (unit roundoff u each; float32 sums are far below that), so
   # |O - O_ref| <= 2u sum_j |w_j| |v_j|; 10% slack for the float32 statistics.
@@ -310,31 +331,30 @@ def test_pipeline_has_no_data_race():
   assert not ipc.get_races().races_found
 
 
-def _reference_grads(normalizer, q, k, v, do, causal, scale, hp):
+def _reference_grads(normalizer, q, k, v, do, causal, scale, hp, window=None, lengths=None):
   """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
   ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on the
   kernel's rounding error (docstring of :func:`_check_grads`)."""
   import jaxsoft.normalizers as jn
 
   spec = jn.get(normalizer)
+  where = _dense_visible(q.shape[0], q.shape[1], k.shape[1], causal, window, lengths)
   with jax.enable_x64(True):
     args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
-    grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, causal, scale, hp))(*args)
+    grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, scale, hp))(*args, where)
     return [np.asarray(a) for a in grads], [np.asarray(a) for a in bounds]
 
 
-def _grads_and_bounds(spec, q, k, v, do, causal, scale, hp):
+def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
   """The reference gradients and bounds as one traced function (jitted by the caller:
-  eager float64 operations would each compile)."""
+  eager float64 operations would each compile); ``where`` the dense mask [B, 1, T, S]."""
   rule = spec.tile
   g = q.shape[2] // k.shape[2]
-  t, s = q.shape[1], k.shape[1]
-  where = jnp.tril(jnp.ones((t, s), bool)) if causal else jnp.ones((t, s), bool)
 
   def attend(q, k, v):
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
     logits = scale * jnp.einsum("bthd,bshd->bhts", q, k)
-    w = spec.fn(logits, where=where[None, None], **hp)
+    w = spec.fn(logits, where=where, **hp)
     return jnp.einsum("bhts,bshd->bthd", w, v), w, logits
 
   (out, w, x), vjp = jax.vjp(attend, q, k, v)
@@ -372,7 +392,8 @@ def _grads_and_bounds(spec, q, k, v, do, causal, scale, hp):
   return grads, (bq, bk, bv)
 
 
-def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=True, b=1):
+def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=True, b=1,
+                 window=None, lengths=None):
   """Gradients of the GPU-interpreted kernel against the float64 dense gradients.
 
   Error bounds (u the input dtype's unit roundoff): the kernel rounds ``dx`` (and the
@@ -389,9 +410,12 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=T
   q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
   do = _inputs(1, b, t, t, n, n, h, dtype)[0]
 
+  lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
+
   def call(q, k, v):
     return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
-                                   normalizer_params=hp, interpret=interpret)
+                                   normalizer_params=hp, interpret=interpret,
+                                   local_window_size=window, key_value_seq_lengths=lens)
 
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
@@ -399,7 +423,8 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=T
     return
   _, vjp = jax.vjp(call, q, k, v)
   got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
-  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp)
+  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp,
+                                 window, lengths)
   u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
   for name, a, r, bound in zip("qkv", got, ref, bounds, strict=True):
     err = np.abs(a - r)
@@ -466,3 +491,132 @@ def test_bwd_smem_bytes_names_a_bad_argument(kwargs, name):
   args = {"head_dim": 128, "dtype": jnp.bfloat16, "normalizer": "softmax", **kwargs}
   with pytest.raises(ValueError, match=f"`{name}`"):
     mga.bwd_smem_bytes(**args)
+
+
+# --- masks as block lists --------------------------------------------------------------------
+
+
+def _dense_classes(vis):
+  """Splash attention's classes of the tiles of a dense [rows, cols] band: (the indices
+  of the blocks with a visible entry, those wholly visible)."""
+  return ([i for i, blk in enumerate(vis) if blk.any()],
+          [i for i, blk in enumerate(vis) if blk.all()])
+
+
+# causal, window, key length, whether some band has both partial and full blocks
+@pytest.mark.parametrize("causal, window, length, mixed", [
+    (False, (200, 150), None, True), (True, (200, 5), 150, True), (False, (0, 0), 200, False),
+    (False, (10, 300), 0, False)])
+def test_block_ranges_classify_tiles_as_the_dense_mask(causal, window, length, mixed):
+  """The kernels' empty / partial / full classification of (query band, key block) tiles,
+  computed from the mask's parameters, equals the classification of the dense mask built
+  from its definition: the visible blocks are exactly [lo, hi), the full ones exactly
+  [flo, fhi) (both loops: key blocks per query band, query blocks per key band)."""
+  t = s = 256
+  cfg = mga._Cfg(spec=get_spec("softmax"), hp=(), scale=1.0, causal=causal, t=t, s=s,
+                 block_q=64, block_k=64, num_stages=2, exp2=True, approx_sigmoid=False,
+                 window=window, kv_lengths=length is not None)
+  vis = _dense_visible(1, t, s, causal, window, None if length is None else [length])[0, 0]
+  end = s if length is None else length
+  seen_any = False
+  for rows in (64, 128):  # a warpgroup's band and a CTA's
+    starts = jnp.arange(0, t, rows, dtype=jnp.int32)  # every band at once (elementwise)
+    for bk in (64, 128):
+      got = np.stack(np.broadcast_arrays(*mga._key_block_range(cfg, starts, rows, bk, end)),
+                     axis=-1)
+      for q0, (lo, flo, fhi, hi) in zip(range(0, t, rows), got.tolist(), strict=True):
+        blocks = [vis[q0:q0 + rows, j:j + bk] for j in range(0, s, bk)]
+        want_vis, want_full = _dense_classes(blocks)
+        assert list(range(lo, hi)) == want_vis, (q0, rows, bk, lo, hi)
+        assert list(range(flo, fhi)) == want_full, (q0, rows, bk, flo, fhi)
+        seen_any |= 0 < len(want_full) < len(want_vis)
+    # (keys past the length see no query; no query padding here)
+    got = np.stack(np.broadcast_arrays(*mga._query_block_range(
+        cfg, starts, rows, 64, t // 64, None if length is None else end)), axis=-1)
+    for k0, (lo, flo, fhi, hi) in zip(range(0, s, rows), got.tolist(), strict=True):
+      blocks = [vis[i:i + 64, k0:k0 + rows].T for i in range(0, t, 64)]
+      want_vis, want_full = _dense_classes(blocks)
+      assert list(range(lo, hi)) == want_vis, (k0, rows, lo, hi)
+      assert list(range(flo, fhi)) == want_full, (k0, rows, flo, fhi)
+  assert seen_any == mixed  # (the cases cover bands with both classes)
+
+
+def test_masks_lower_for_cuda():
+  """Key lengths and a two-sided sliding window (their scalar reads, skipped blocks and
+  partial-block masks) lower for sm_90a in the forward and both backward kernels (class
+  S: the forward saves 1 / D; the other classes, dtypes and head dims under -m slow)."""
+  lens = jnp.array([150, 30], jnp.int32)
+  mlir = _export_grad("stablemax", jnp.bfloat16, False, 64, b=2, key_value_seq_lengths=lens,
+                      local_window_size=(50, 30))
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 3
+
+
+MASK_MATRIX = [(nm, dt, c, h, w) for nm in ("softmax_1", "softpick", "sigmoid", "stablemax")
+               for dt in ("bfloat16", "float16") for c in (False, True) for h in (64, 128, 256)
+               for w in ((64, 16), None)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MASK_MATRIX, ids=["-".join(map(str, c)) for c in MASK_MATRIX])
+def test_masks_lower_for_cuda_full_matrix(case):
+  normalizer, dtype, causal, h, window = case
+  lens = jnp.array([150, 30], jnp.int32)
+  mlir = _export_grad(normalizer, jnp.dtype(dtype), causal, h, b=2, key_value_seq_lengths=lens,
+                      local_window_size=window)
+  calls = 2 if get_spec(normalizer).kernel_class == "P" else 3
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == calls
+
+
+# normalizer, causal, dtype, T, S, window, lengths (B = 2): each mask kind alone and joined;
+# bands with no visible key (length 0; a window past the keys); odd lengths
+MASK_INTERPRET = [
+    ("softmax", False, "bfloat16", 200, 200, None, [70, 200]),
+    ("softmax_1", True, "float16", 256, 256, (70, 0), [256, 130]),
+    ("stablemax", False, "bfloat16", 200, 200, (50, 30), [150, 30]),
+    ("sigmoid", False, "float16", 256, 256, (64, 100), None),
+    ("ssmax", True, "float16", 256, 256, (100, 0), [200, 256]),
+    ("softpick", False, "bfloat16", 200, 200, (30, 30), [0, 100]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MASK_INTERPRET,
+                         ids=[f"{c[0]}-{c[1]}-{c[5]}-{c[6]}" for c in MASK_INTERPRET])
+def test_interpret_masks_match_float64_reference(case):
+  normalizer, causal, dtype, t, s, window, lengths = case
+  _check_numerics(normalizer, causal, jnp.dtype(dtype), t, s, 1, 1, 64, b=2, window=window,
+                  lengths=lengths)
+
+
+MASK_GRADS = [
+    ("softmax_1", True, "float16", 200, 200, (70, 0), [200, 130]),
+    ("stablemax", False, "bfloat16", 200, 200, (50, 30), [150, 30]),
+    ("sigmoid", False, "float16", 256, 256, (64, 100), None),
+    ("softpick", False, "bfloat16", 200, 200, None, [0, 100]),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MASK_GRADS,
+                         ids=[f"{c[0]}-{c[1]}-{c[5]}-{c[6]}" for c in MASK_GRADS])
+def test_interpret_mask_gradients_match_float64_reference(case):
+  """dQ, dK, dV with masks (keys past a length get zero gradients), against the float64
+  gradients of the dense path with the same mask."""
+  normalizer, causal, dtype, t, s, window, lengths = case
+  _check_grads(normalizer, causal, jnp.dtype(dtype), t, s, 2, 1, 64, b=2, window=window,
+               lengths=lengths)
+
+
+@pytest.mark.slow
+def test_masked_pipelines_have_no_data_race():
+  """The race detector with a two-sided window and lengths: warpgroups that skip blocks
+  before their range and release blocks after it, in the forward and both backward
+  kernels."""
+  if not mga.interpreter_runs_kernel():
+    _check_grads("softmax", False, jnp.float16, 256, 256, 1, 1, 64, window=(64, 32))
+    return
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  _check_grads("softmax", False, jnp.float16, 256, 256, 1, 1, 64, interpret=params, b=2,
+               window=(64, 32), lengths=[256, 100])
+  assert not ipc.get_races().races_found
