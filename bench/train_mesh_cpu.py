@@ -17,7 +17,11 @@ exits 1. The figures:
   end after ``--max-seconds`` from the start); within a round the meshes' steps are
   interleaved, in an order rotated from round to round, with the garbage collector off;
 * vs first: the ratio of that rate to the baseline's within each round, its median and its
-  range over the rounds (a ratio is taken between figures measured in the same seconds).
+  range over the rounds (a ratio is taken between figures measured in the same seconds);
+* vs first, CPU time: the same ratio with the process's CPU time per step
+  (``time.process_time``, every thread of the process) instead of wall time: the work a
+  layout costs, which other processes on the host change much less than the wall time, but
+  which does not count a device thread's waiting (a stalled collective).
 
 The 8 "devices" are threads of one CPU process sharing the same cores, so the figures show
 what the collectives of each layout cost relative to data parallelism, not the speed of real
@@ -70,17 +74,24 @@ def losses_agree(losses, baseline, rtol: float = RTOL) -> bool:
   return all(abs(a - b) <= rtol * abs(b) for a, b in zip(losses, baseline, strict=True))
 
 
-def row_cells(mesh: str, losses, baseline, rates, baseline_rates, rtol: float = RTOL) -> str:
+def row_cells(mesh: str, losses, baseline, rates, baseline_rates, cpu_rates=None,
+              baseline_cpu_rates=None, rtol: float = RTOL) -> str:
   """One markdown row: the mesh, its losses' largest relative difference from the baseline's,
   the median over rounds of its tokens/s, and the median and range over rounds of the ratio
-  to the baseline (``summary``); FAILED and no figures when the losses disagree."""
+  to the baseline (``summary``); with ``cpu_rates`` (tokens per CPU-second of the process),
+  the same median and range of that ratio. FAILED and no figures when the losses disagree."""
   agree = losses_agree(losses, baseline, rtol)
   diff = max((abs(a - b) / abs(b) for a, b in zip(losses, baseline, strict=False)),
              default=float("nan"))
   if not agree:
-    return f"| {mesh} | FAILED (losses differ by {diff:.1e}) | - | - | - |"
+    return f"| {mesh} | FAILED (losses differ by {diff:.1e}) | - | - | - |" + (
+        "" if cpu_rates is None else " - | - |")
   rate, ratio, low, high = summary(rates, baseline_rates)
-  return f"| {mesh} | {diff:.1e} | {rate:,.0f} | {ratio:.2f} | {low:.2f}-{high:.2f} |"
+  row = f"| {mesh} | {diff:.1e} | {rate:,.0f} | {ratio:.2f} | {low:.2f}-{high:.2f} |"
+  if cpu_rates is not None:
+    _, ratio, low, high = summary(cpu_rates, baseline_cpu_rates)
+    row += f" {ratio:.2f} | {low:.2f}-{high:.2f} |"
+  return row
 
 
 def prepare(cfg, count: int):
@@ -109,7 +120,8 @@ def round_order(n: int, r: int) -> list[int]:
 
 def measure(runs, warmup: int, rounds: int, steps: int, tokens: int,
             deadline: float | None = None):
-  """Per run (the ``prepare`` triples): (per-step losses, per-round tokens/s).
+  """Per run (the ``prepare`` triples): (per-step losses, per-round tokens/s, per-round
+  tokens per CPU-second of this process).
 
   ``warmup`` steps of every mesh first (they include the compilation), then ``rounds``
   rounds of ``steps`` steps each; within a round the steps are interleaved (step i of every
@@ -123,13 +135,14 @@ def measure(runs, warmup: int, rounds: int, steps: int, tokens: int,
   states = [state for _, state, _ in runs]
   losses: list[list[float]] = [[] for _ in runs]
   rates: list[list[float]] = [[] for _ in runs]
+  cpu_rates: list[list[float]] = [[] for _ in runs]
 
-  def step(r: int, i: int) -> float:
+  def step(r: int, i: int) -> tuple[float, float]:
     fn, _, batches = runs[r]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     states[r], metrics = fn(states[r], batches[i])
     losses[r].append(float(jax.block_until_ready(metrics["loss"])))
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
   for i in range(warmup):
     for r in range(len(runs)):
@@ -144,7 +157,7 @@ def measure(runs, warmup: int, rounds: int, steps: int, tokens: int,
       start = time.perf_counter()
       gc.collect()
       gc.disable()
-      times: list[list[float]] = [[] for _ in runs]
+      times: list[list[tuple[float, float]]] = [[] for _ in runs]
       for j in range(steps):
         i = warmup + rnd * steps + j
         for r in round_order(len(runs), rnd):
@@ -152,12 +165,13 @@ def measure(runs, warmup: int, rounds: int, steps: int, tokens: int,
       if enabled:
         gc.enable()
       for r, t in enumerate(times):
-        rates[r].append(tokens / statistics.median(t))
+        rates[r].append(tokens / statistics.median(wall for wall, _ in t))
+        cpu_rates[r].append(tokens / max(statistics.median(cpu for _, cpu in t), 1e-9))
       last = time.perf_counter() - start
   finally:
     if enabled:
       gc.enable()
-  return list(zip(losses, rates, strict=True))
+  return list(zip(losses, rates, cpu_rates, strict=True))
 
 
 def summary(rates, baseline_rates) -> tuple[float, float, float, float]:
@@ -227,18 +241,20 @@ def main(argv=None) -> int:
   results = measure(runs, args.warmup, args.rounds, args.steps, base.batch_size * base.seq_len,
                     deadline=started + args.max_seconds)
   load = max(load, os.getloadavg()[0])
-  baseline, baseline_rates = results[0]
+  baseline, baseline_rates, baseline_cpu = results[0]
   print(f"# {len(baseline_rates)} rounds in {time.perf_counter() - t0:.0f} s of steps "
         f"(compilation included); 1-minute load average up to {load:.1f}")
   note = host_note(load, cores, max(baseline_rates) / min(baseline_rates))
   if note:
     print(note)
-  print("| mesh | max rel. loss diff vs first | tokens/s | vs first | range over rounds |")
-  print("|---|---|---|---|---|")
+  print("| mesh | max rel. loss diff vs first | tokens/s | vs first | range over rounds | "
+        "vs first, CPU time | range over rounds |")
+  print("|---|---|---|---|---|---|---|")
   failed = False
-  for text, (losses, rates) in zip(args.meshes, results, strict=True):
+  for text, (losses, rates, cpu_rates) in zip(args.meshes, results, strict=True):
     failed |= not losses_agree(losses, baseline, args.rtol)
-    print(row_cells(text, losses, baseline, rates, baseline_rates, args.rtol), flush=True)
+    print(row_cells(text, losses, baseline, rates, baseline_rates, cpu_rates, baseline_cpu,
+                    args.rtol), flush=True)
   return 1 if failed else 0
 
 

@@ -25,10 +25,16 @@ def test_a_mesh_whose_losses_disagree_reports_no_figures():
   rates, base_rates = [1000.0, 1500.0, 1200.0], [2000.0, 2500.0, 2000.0]
   ok = bench.row_cells("fsdp=8", [5.5, 5.25 * (1 + 2e-6), 5.0], base, rates, base_rates)
   assert ok == "| fsdp=8 | 2.0e-06 | 1,200 | 0.60 | 0.50-0.60 |", ok
+  cpu = bench.row_cells("fsdp=8", base, base, rates, base_rates, [90.0, 80.0, 70.0],
+                        [100.0, 100.0, 100.0])
+  assert cpu == "| fsdp=8 | 0.0e+00 | 1,200 | 0.60 | 0.50-0.60 | 0.80 | 0.70-0.90 |", cpu
   # One step off by more than the tolerance, a NaN, or a missing step: FAILED, no figures.
   for losses in ([5.5, 5.25, 5.01], [5.5, float("nan"), 5.0], [5.5, 5.25]):
-    row = bench.row_cells("data=2,context=4", losses, base, rates, base_rates)
-    assert "FAILED" in row and "1,200" not in row and "0.60" not in row, row
+    for row in (bench.row_cells("data=2,context=4", losses, base, rates, base_rates),
+                bench.row_cells("data=2,context=4", losses, base, rates, base_rates,
+                                [90.0, 80.0, 70.0], [100.0, 100.0, 100.0])):
+      assert "FAILED" in row and "1,200" not in row and "0.60" not in row, row
+      assert "0.80" not in row, row
   assert not bench.losses_agree([], [])
 
 
@@ -53,10 +59,10 @@ def test_rounds_rotate_the_mesh_order_with_the_collector_off(monkeypatch):
   timed = calls[6:]
   assert [r for r, _, _ in timed] == [0, 1, 2] * 2 + [1, 2, 0] * 2 + [2, 0, 1] * 2
   assert not any(enabled for _, _, enabled in timed)
-  for r, (losses, rates) in enumerate(results):  # every mesh saw batches 0..7 in order
+  for r, (losses, rates, cpu_rates) in enumerate(results):  # every mesh saw batches 0..7 in order
     assert [b for m, b, _ in calls if m == r] == list(range(8))
-    assert losses == [5.0 - 0.25 * b for b in range(8)] and len(rates) == 3
-    assert all(rate > 0 for rate in rates)
+    assert losses == [5.0 - 0.25 * b for b in range(8)] and len(rates) == len(cpu_rates) == 3
+    assert all(rate > 0 for rate in rates + cpu_rates)
 
 
 def test_a_passed_deadline_stops_after_the_minimum_rounds(monkeypatch):
@@ -64,8 +70,8 @@ def test_a_passed_deadline_stops_after_the_minimum_rounds(monkeypatch):
   monkeypatch.setattr(gc, "collect", lambda: None)
   runs = [(lambda state, batch: (state, {"loss": 1.0}), 0, list(range(1 + 10 * 2)))] * 2
   results = bench.measure(runs, warmup=1, rounds=10, steps=2, tokens=100, deadline=0.0)
-  for losses, rates in results:
-    assert len(rates) == bench.MIN_ROUNDS and len(losses) == 1 + 2 * bench.MIN_ROUNDS
+  for losses, rates, cpu_rates in results:
+    assert len(rates) == len(cpu_rates) == bench.MIN_ROUNDS and len(losses) == 1 + 2 * bench.MIN_ROUNDS
 
 
 def test_a_busy_host_or_moving_baseline_is_flagged():
@@ -86,7 +92,9 @@ def test_quick_benchmark_runs():
           for line in proc.stdout.splitlines() if line.startswith("| data=8 |")
           or line.startswith("| fsdp=2,tensor=2,context=2 |")]
   assert len(rows) == 2, proc.stdout
-  assert rows[0][3] == "1.00" and rows[0][4] == "1.00-1.00" and float(rows[1][1]) <= 1e-4, rows
+  assert rows[0][3:] == ["1.00", "1.00-1.00"] * 2 and float(rows[1][1]) <= 1e-4, rows
   for r in rows:
-    low, high = (float(x) for x in r[4].split("-"))
-    assert float(r[2].replace(",", "")) > 0 and 0 < low <= float(r[3]) <= high, r
+    assert float(r[2].replace(",", "")) > 0, r
+    for median, span in ((r[3], r[4]), (r[5], r[6])):
+      low, high = (float(x) for x in span.split("-"))
+      assert 0 < low <= float(median) <= high, r
