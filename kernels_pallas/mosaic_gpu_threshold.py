@@ -25,13 +25,16 @@ section). Per query row, with the scaled logits ``x_j = scale q·k_j``, the visi
 1. **Search kernel.** A CTA owns ``2 x 64`` query rows of one (batch, head): a TMA
    producer warpgroup streams the key tiles through a 2-slot ring, two consumer
    warpgroups recompute ``Q K^T`` with ``wgmma`` at every pass. Pass 0 takes the row max;
-   then a fixed number of sweeps (the rule's ``iterations`` for a Newton rule, half as
-   many multisection sweeps for top-k; ``tile.search_schedule``) each sum, at 3 candidate
+   then at most a fixed number of sweeps (the rule's ``iterations`` for a Newton rule,
+   half as many multisection sweeps for top-k; ``tile.search_schedule``) each sum, at 3 candidate
    thresholds, the mass (and, for a rule with ``newton_power`` p, its slope) and close the
    bracket (``tile.search_candidates`` / ``search_update``: Newton steps on
-   ``M^p - target^p`` with a bisection companion). A warpgroup whose rows have all settled
-   (bracket within 4 ulps) skips the arithmetic of the remaining sweeps (it still waits on
-   and releases the ring slots: the producer's schedule is fixed). Rules whose weight jumps
+   ``M^p - target^p`` with a bisection companion). After each sweep both consumers post a
+   verdict (does any of its rows need another sweep: bracket wider than 4 ulps) in shared
+   memory behind a barrier that all three warpgroups wait on; the producer streams the next
+   sweep's keys only when a verdict asks for it, so the search stops after the sweeps it
+   needs (3-7 for sparsemax and entmax-1.5). A warpgroup that has settled while the other
+   goes on only releases the ring slots. Rules whose weight jumps
    at tau (top-k) take one more pass that moves tau into the gap below it
    (``tile.max_below`` / ``gap_threshold``). Every sweep records, per key block, whether
    some visible ``z >= lo`` (lo the bracket's lower end at the sweep's start, ``<= tau``):
@@ -169,7 +172,6 @@ def _search(cfg: _TCfg, q, k, interpret):
   rule = cfg.rule
   hp = cfg.hp_dict
   count, steps, newton, indicator = _schedule(cfg)
-  passes = 1 + steps + int(indicator)
   score_map, mass = _primal(rule.score_map), _primal(rule.mass)
   slope = _primal(lambda z, t: jax.jvp(lambda t_: rule.mass(z, t_, **hp), (t,),
                                        (jnp.ones_like(t),))[1])
@@ -186,7 +188,8 @@ def _search(cfg: _TCfg, q, k, interpret):
     bi = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
     q_tile = lax.axis_index("q_seq")
-    (q_smem2, k_smem), (k_loaded, q_loaded), k_consumed, (st_smem, flag_smem) = scoped
+    (q_smem2, k_smem), (k_loaded, q_loaded), k_consumed, (st_smem, flag_smem, go_smem), \
+        decided = scoped
     wg = lax.axis_index("wg")
     cta_steps: Any = n_kv
     if cfg.causal:
@@ -276,19 +279,29 @@ def _search(cfg: _TCfg, q, k, interpret):
         return tuple(map(as_row, _search_update(rule, state, taus, list(sums), target, hp,
                                                 newton)))
 
-      def search_step(i, state):
-        p = i + 1
-        done = tile.search_done(state)
-        settled = jnp.min(jnp.where(done, 1.0, 0.0)) > 0.0
-        run = jnp.logical_or(i == 0, jnp.logical_not(settled))
+      def settled(state):  # every row of the warpgroup done
+        return jnp.min(jnp.where(tile.search_done(state), 1.0, 0.0)) > 0.0
 
-        def skip(state):
+      def search_step(carry):
+        p, _, state = carry  # p: the sweep to run (1-based)
+        run = jnp.logical_or(p == 1, jnp.logical_not(settled(state)))
+
+        def skip(state):  # settled while the other warpgroup goes on: release its slots
           drain(p)
           return state
 
-        return lax.cond(run, functools.partial(real_sweep, p), skip, state)
+        state = lax.cond(run, functools.partial(real_sweep, p), skip, state)
+        # the verdicts: another sweep when either warpgroup needs one (the producer reads
+        # them too, and streams the next sweep's keys only then; two slots, by parity)
+        verdict = lax.rem(p, jnp.int32(2))
+        go_smem[verdict, wg] = jnp.where(settled(state), 0, 1).astype(jnp.int32)
+        plgpu.barrier_arrive(decided)
+        plgpu.barrier_wait(decided)
+        more = jnp.logical_and(go_smem[verdict, 0] + go_smem[verdict, 1] > 0, p < steps)
+        return p + 1, more.astype(jnp.int32), state
 
-      state = lax.fori_loop(0, steps, search_step, state)
+      p_end, _, state = lax.while_loop(lambda c: c[1] > 0, search_step,
+                                       (jnp.int32(1), jnp.int32(1), state))
       tau = tile.search_threshold(state, newton)
       if indicator:
         tol = tile.GAP_TOLERANCE * (1.0 + jnp.abs(tau))
@@ -298,7 +311,7 @@ def _search(cfg: _TCfg, q, k, interpret):
           under = jnp.logical_and(mask, z < edge)
           return jnp.maximum(below, jnp.where(under, z, -jnp.inf).max(axis=1))
 
-        below = sweep(1 + steps, below_body, as_row(jnp.full((bq,), -jnp.inf, jnp.float32)))
+        below = sweep(p_end, below_body, as_row(jnp.full((bq,), -jnp.inf, jnp.float32)))
         tau = tile.gap_threshold(tau, below)
       m = jnp.where(nan_row, jnp.nan, m)
       st_smem.at[0, wg][...] = m
@@ -313,20 +326,39 @@ def _search(cfg: _TCfg, q, k, interpret):
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
       kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
-      total = passes * cta_steps
       def load(step, slot):  # the global step's key block: step mod cta_steps
         block = lax.rem(step, jnp.asarray(cta_steps, jnp.int32))
         plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
                                 k_smem.at[slot], k_loaded.at[slot])
 
-      for i in range(stages):  # total >= 2: a max pass and at least one sweep
-        load(jnp.int32(i), i)
+      def load_range(g0, g1):  # global steps [g0, g1) through the ring
+        @pl.loop(g0, g1)
+        def _ring(g):
+          slot = lax.rem(g, jnp.array(stages, g.dtype))
 
-      @pl.loop(0, total - stages)
-      def _ring(g):
-        slot = lax.rem(g, jnp.array(stages, g.dtype))
-        plgpu.barrier_wait(k_consumed.at[slot])
-        load(g + stages, slot)
+          @pl.when(g >= stages)
+          def _():
+            plgpu.barrier_wait(k_consumed.at[slot])
+
+          load(g, slot)
+
+      load_range(0, 2 * cta_steps)  # the max pass and the first sweep (always run)
+
+      def next_sweep(carry):  # after sweep p: the consumers' verdicts
+        p, _ = carry
+        plgpu.barrier_wait(decided)
+        verdict = lax.rem(p, jnp.int32(2))
+        more = jnp.logical_and(go_smem[verdict, 0] + go_smem[verdict, 1] > 0, p < steps)
+
+        @pl.when(more)
+        def _():
+          load_range((p + 1) * cta_steps, (p + 2) * cta_steps)
+
+        return p + 1, more.astype(jnp.int32)
+
+      p_end, _ = lax.while_loop(lambda c: c[1] > 0, next_sweep, (jnp.int32(1), jnp.int32(1)))
+      if indicator:  # the gap pass
+        load_range(p_end * cta_steps, (p_end + 1) * cta_steps)
 
   def entry(q_ref, k_ref, m_ref, tau_ref, flag_ref):
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -336,7 +368,9 @@ def _search(cfg: _TCfg, q, k, interpret):
          plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-        (plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, nkp), jnp.int32)),
+        (plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, nkp), jnp.int32),
+         plgpu.SMEM((2, 2), jnp.int32)),
+        plgpu.Barrier(num_arrivals=2),
         collective_axes="wg",
     )
 
