@@ -3,7 +3,7 @@
 The logits are never materialised for the whole problem: an outer loop runs over query
 blocks and an inner loop over the key blocks that block can see (the range comes from the
 mask structure, so causal, sliding-window, padding and segment structure skip whole
-blocks), carrying per query row only what the normalizer's kernel class needs:
+blocks, narrowed to the key blocks where a dense ``mask`` has a True entry), carrying per query row only what the normalizer's kernel class needs:
 
 * class E (softmax family): the running max m and sum l, merged with the rescaling
   ``l <- l·e^{m - m'} + sum_j den(z_j, m')`` of FlashAttention;
@@ -76,7 +76,7 @@ import numpy as np
 from jax import lax
 
 from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
-from jaxsoft.attention.masks import MaskStructure, pad_axis
+from jaxsoft.attention.masks import MaskStructure, pad_axis, table_ranges
 from jaxsoft.attention.posinf import with_posinf_rule
 from jaxsoft.attention.scores import safe_distance
 from jaxsoft.normalizers import tile
@@ -361,6 +361,21 @@ def _over_key_blocks(plan: _Plan, inp: _Inputs, aux: _Aux, qb: _QueryBlock, qi,
   carry = lax.fori_loop(lo, f_lo, body(True), init)
   carry = lax.fori_loop(f_lo, f_hi, body(False), carry)
   return lax.fori_loop(f_hi, hi, body(True), carry)
+
+
+def _mask_key_ranges(mask, bq: int, nq: int, bk: int, nk: int):
+  """Per query block the key blocks ``[lo, hi)`` that hold a visible entry of the dense
+  ``mask`` (bool [b, k, g, t, s], padded with False to [.., nq·bq, nk·bk] where not 1):
+  a tile of the range's complement has no True entry in any batch or head, so it adds
+  nothing to any row and the loops need not visit it (int32 [nq] each; ``lo = hi = 0``
+  for a query block that sees nothing). One O(mask) reduction per call; the structure's
+  own range (``block_key_ranges``) knows nothing of the mask."""
+  m = jnp.any(mask, axis=(0, 1, 2))  # [t, s] with t in (1, nq·bq), s in (1, nk·bk)
+  if m.shape[0] != 1:
+    m = jnp.any(m.reshape(nq, bq, m.shape[1]), axis=1)
+  if m.shape[1] != 1:
+    m = jnp.any(m.reshape(m.shape[0], nk, bk), axis=2)
+  return table_ranges(jnp.broadcast_to(m, (nq, nk)), axis=-1)
 
 
 def _full_block_runs(structure: MaskStructure, bq: int, nq: int, bk: int, nk: int):
@@ -935,6 +950,11 @@ def _chunked_attention(call, block_q: int | None = None, block_k: int | None = N
     mask = pad_axis(pad_axis(mask, 3, Tp, value=False), 4, Sp, value=False)
   ranges = st.row_ranges()  # one search for the block ranges and the counts
   kb_lo, kb_hi = st.block_key_ranges(bq, nq, bk, ranges)
+  if mask is not None:  # and the key blocks the dense mask can see (e.g. a causal mask of
+    # global positions from context_parallel_attention: about half the tiles)
+    m_lo, m_hi = _mask_key_ranges(mask, bq, nq, bk, Sp // bk)
+    kb_lo = jnp.maximum(kb_lo, m_lo)
+    kb_hi = jnp.maximum(jnp.minimum(kb_hi, m_hi), kb_lo)
   prune = None
   if call.decay_prune_threshold is not None and decay is not None:
     prune = _block_prune_table(decay.cq, decay.ck, bq, bk, call.decay_prune_threshold)

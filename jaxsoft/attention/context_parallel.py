@@ -19,11 +19,15 @@ sequence order (after any load-balancing reorder); segment ids are int32 or None
 ``kv_valid`` is bool [B, Sl] (False past ``key_value_seq_lengths``) or None. Key j is
 visible to query i iff ``kv_valid[j]``, equal segment ids (when given), ``kv_pos[j] <=
 q_pos[i]`` (when causal) and ``q_pos[i] - left <= kv_pos[j] <= q_pos[i] + right`` (with a
-window). The result is the local output [B, Tl, N, H] in ``q.dtype``.
+window). The result is the local output [B, Tl, N, H] in ``q.dtype``. A strategy whose
+signature also has ``load_balanced`` gets it: True when the shards, concatenated in device
+order, are the sequence in :func:`load_balance_order` (False: in sequence order), which
+lets it restore the sequence order of gathered rows with a static reshape and flip.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -83,6 +87,26 @@ def load_balance_order(length: int, cp: int) -> np.ndarray:
                          for i in range(cp)]).astype(np.int32)
 
 
+def _natural_order(x, cp: int):
+  """The rows of ``x`` [B, L, ...], in :func:`load_balance_order` (the device shards
+  concatenated), put back in sequence order: a static reshape and flip. Device i's shard
+  holds chunks i and 2cp-1-i, so the first halves of the shards are chunks 0..cp-1 in
+  order and the second halves, read backwards, chunks cp..2cp-1."""
+  B, L = x.shape[:2]
+  halves = x.reshape(B, cp, 2, L // (2 * cp), *x.shape[2:])
+  first, second = halves[:, :, 0], jnp.flip(halves[:, :, 1], axis=1)
+  return jnp.concatenate([first, second], axis=1).reshape(x.shape)
+
+
+def _balanced_order(x, cp: int):
+  """The inverse of :func:`_natural_order`: rows in sequence order -> the dual-chunk
+  order of :func:`load_balance_order`."""
+  B, L = x.shape[:2]
+  chunks = x.reshape(B, 2 * cp, L // (2 * cp), *x.shape[2:])
+  pairs = jnp.stack([chunks[:, :cp], jnp.flip(chunks[:, cp:], axis=1)], axis=2)
+  return pairs.reshape(x.shape)
+
+
 def _visibility(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid,
                 is_causal, local_window_size):
   """bool [B, 1, T, S] (True = attend) from global positions, or None (all visible)."""
@@ -118,7 +142,8 @@ def _attend(q, k, v, mask, *, normalizer, normalizer_params, scale, logits_soft_
 
 def _all_gather_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segment_ids,
                           kv_segment_ids, kv_valid, is_causal, local_window_size, normalizer,
-                          normalizer_params, scale, logits_soft_cap, implementation):
+                          normalizer_params, scale, logits_soft_cap, implementation,
+                          load_balanced: bool = False):
   r"""The ``"all_gather"`` strategy: queries stay sharded, keys and values are gathered.
 
   Each device gathers K, V and their positions, segment ids and validity along
@@ -129,10 +154,22 @@ def _all_gather_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_se
   S] for :func:`~jaxsoft.attention.dot_product_attention` (so every implementation and
   every normalizer class counts the same visible keys; a row with none gives zeros).
   Memory per device: the gathered K, V (O(S·K·H)) and the mask (O(Tl·S) booleans).
+
+  With ``load_balanced`` the gathered keys are put back in sequence order (a static
+  reshape and flip, :func:`_natural_order`), so that a causal query's visible keys are a
+  prefix: ``implementation="xla_chunked"`` then visits, per query block, only the key
+  blocks its mask can see (its loop bounds narrowed to the mask's, about half the tiles
+  of a causal sequence, as on one device); in dual-chunk order they spread over every
+  block.
   """
   k, v = _gather(k, axis_name), _gather(v, axis_name)
   kv_positions, kv_segment_ids, kv_valid = (
       _gather(x, axis_name) for x in (kv_positions, kv_segment_ids, kv_valid))
+  if load_balanced:
+    cp = lax.psum(1, axis_name)
+    k, v, kv_positions, kv_segment_ids, kv_valid = (
+        None if x is None else _natural_order(x, cp)
+        for x in (k, v, kv_positions, kv_segment_ids, kv_valid))
   mask = _visibility(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid,
                      is_causal, local_window_size)
   return _attend(q, k, v, mask, normalizer=normalizer, normalizer_params=normalizer_params,
@@ -154,7 +191,8 @@ def _kv_repeats(N: int, K: int, cp: int, axis_name: str) -> int:
 
 def _ulysses_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segment_ids,
                        kv_segment_ids, kv_valid, is_causal, local_window_size, normalizer,
-                       normalizer_params, scale, logits_soft_cap, implementation):
+                       normalizer_params, scale, logits_soft_cap, implementation,
+                       load_balanced: bool = False):
   r"""The ``"ulysses"`` strategy: all-to-all from sequence shards to head shards and back.
 
   ``lax.all_to_all`` turns q [B, T/cp, N, H] into [B, T, N/cp, H] (and k, v into [B, S,
@@ -167,11 +205,22 @@ def _ulysses_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segme
   Per-head ``normalizer_params`` (an array with N along its third-to-last axis) are sliced
   to the device's head group.
 
+  After the all-to-all each device holds the whole sequence, in the shards' order: with
+  ``load_balanced`` (the dual-chunk order of :func:`load_balance_order`) it is put back
+  in sequence order by a static reshape and flip (and the output returned to the shards'
+  order), so that the rows' positions are 0..T-1 and the call takes ``is_causal``,
+  ``local_window_size``, the key lengths (the count of ``kv_valid``, a prefix in sequence
+  order) and the segment ids as structure, not as a dense mask: every implementation
+  skips what it skips on one device (``xla_chunked``: the causal half of the tiles), and
+  no T x S mask is built. (``q_positions`` and ``kv_positions`` are the shards' rows of
+  that order, so they are not read here.)
+
   References:
     Jacobs, Tanaka, Zhang, Zhang, Song, Rajbhandari and He (2023), "DeepSpeed Ulysses:
     System Optimizations for Enabling Training of Extreme Long Sequence Transformer
     Models", arXiv:2309.14509.
   """
+  del q_positions, kv_positions  # the gathered rows are the sequence (see above)
   cp = lax.psum(1, axis_name)
   N, K = q.shape[2], k.shape[2]
   repeats = _kv_repeats(N, K, cp, axis_name)
@@ -181,12 +230,14 @@ def _ulysses_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segme
   def to_heads(x):
     return lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
-  q, k, v = to_heads(q), to_heads(k), to_heads(v)
-  q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid = (
-      _gather(x, axis_name) for x in (q_positions, kv_positions, q_segment_ids,
-                                      kv_segment_ids, kv_valid))
-  mask = _visibility(q_positions, kv_positions, q_segment_ids, kv_segment_ids, kv_valid,
-                     is_causal, local_window_size)
+  def in_order(x):
+    return x if x is None or not load_balanced else _natural_order(x, cp)
+
+  q, k, v = (in_order(to_heads(x)) for x in (q, k, v))
+  q_segment_ids, kv_segment_ids, kv_valid = (
+      in_order(_gather(x, axis_name)) for x in (q_segment_ids, kv_segment_ids, kv_valid))
+  kv_lengths = None if kv_valid is None else jnp.sum(kv_valid, axis=1, dtype=jnp.int32)
+  segment_ids = None if q_segment_ids is None else (q_segment_ids, kv_segment_ids)
   group = lax.axis_index(axis_name)
 
   def heads_of_group(x):
@@ -196,8 +247,13 @@ def _ulysses_attention(q, k, v, *, axis_name, q_positions, kv_positions, q_segme
 
   params = None if normalizer_params is None else {
       name: heads_of_group(x) for name, x in normalizer_params.items()}
-  out = _attend(q, k, v, mask, normalizer=normalizer, normalizer_params=params, scale=scale,
-                logits_soft_cap=logits_soft_cap, implementation=implementation)
+  out = dot_product_attention(
+      q, k, v, scale=scale, is_causal=is_causal, local_window_size=local_window_size,
+      key_value_seq_lengths=kv_lengths, segment_ids=segment_ids,
+      logits_soft_cap=logits_soft_cap, normalizer=normalizer, normalizer_params=params,
+      implementation=implementation).astype(q.dtype)
+  if load_balanced:
+    out = _balanced_order(out, cp)
   return lax.all_to_all(out, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
@@ -417,6 +473,10 @@ def context_parallel_attention(
     specs["scale"] = PartitionSpec()
   run = STRATEGIES[strategy]
 
+  # a strategy that takes ``load_balanced`` is told whether the rows are in dual-chunk order
+  order_kw = ({"load_balanced": balance}
+              if "load_balanced" in inspect.signature(run).parameters else {})
+
   def local(a):
     out = run(a["q"], a["k"], a["v"], axis_name=axis_name, q_positions=a["q_positions"],
               kv_positions=a["kv_positions"], q_segment_ids=a.get("q_segment_ids"),
@@ -425,7 +485,7 @@ def context_parallel_attention(
               normalizer=normalizer,
               normalizer_params={**params, **a["params"]} if normalizer_params else None,
               scale=a["scale"] if scale_is_array else scale, logits_soft_cap=logits_soft_cap,
-              implementation=implementation)
+              implementation=implementation, **order_kw)
     if "q_valid" in a:  # rows past query_seq_lengths are zeros (with zero gradient)
       out = jnp.where(a["q_valid"][:, :, None, None], out, jnp.zeros((), out.dtype))
     return out

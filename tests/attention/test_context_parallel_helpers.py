@@ -22,6 +22,20 @@ def test_load_balance_order_is_the_dual_chunk_permutation(length, cp):
     assert shard.tolist() == want
 
 
+def test_natural_order_undoes_the_dual_chunk_order():
+  """The static reshape and flip that all_gather and ulysses use to put gathered rows back
+  in sequence order, and its inverse, against load_balance_order's permutation (rows
+  carrying their position and a trailing feature axis), for cp = 4 (and 1, the identity)."""
+  from jaxsoft.attention.context_parallel import _balanced_order, _natural_order
+
+  for length, cp in ((24, 4), (8, 1)):
+    order = js.attention.load_balance_order(length, cp)
+    x = np.arange(2 * length * 3).reshape(2, length, 3)  # [B, L, F]
+    balanced = x[:, order]
+    np.testing.assert_array_equal(_natural_order(jnp.asarray(balanced), cp), x)
+    np.testing.assert_array_equal(_balanced_order(jnp.asarray(x), cp), balanced)
+
+
 @pytest.mark.parametrize("length,cp", [(10, 4), (8, 0)])
 def test_load_balance_order_names_the_length_and_cp(length, cp):
   with pytest.raises(ValueError, match=rf"sequence length \({length}\).*cp = {cp}"):
