@@ -325,6 +325,9 @@ def context_parallel_attention(
   reorder of q, k, v, lengths and segment ids is a static gather outside ``shard_map``
   (one collective permute or cheap reshuffle under ``jit``), the strategies see the
   GLOBAL positions of their rows, and the output is put back in the original order.
+  ``"all_gather"`` and ``"ulysses"`` put the rows they gather back in sequence order (a
+  static reshape and flip), so that ``implementation="xla_chunked"`` skips the key blocks
+  a causal query block cannot see, as on one device (about half of the tiles).
 
   The inputs may be sharded or not (``shard_map`` reshards them); plain autodiff gives
   the single-device gradients with respect to query, key, value and array
