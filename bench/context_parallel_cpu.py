@@ -39,7 +39,10 @@ one-device output first. Per device, from ``memory_analysis()`` of the compiled 
 
 A strategy whose memory per device does not depend on T at fixed T / cp keeps these
 figures flat down a column (ring); all_gather and ulysses hold all T keys (or all T
-queries of N / cp heads) and grow about linearly with T.
+queries of N / cp heads) and grow about linearly with T. For a threshold normalizer
+(entmax15, sparsemax) the ring also all-gathers the queries (T x N x H floats) and keeps
+the threshold search's per-row state for all T rows, a few MiB at T = 4096 next to the
+tens of MiB of its [T0, T0] tiles.
 
   python bench/context_parallel_cpu.py                 # T = 512, 1024, 2048
   python bench/context_parallel_cpu.py --lengths 512 --reps 2   # quick (used by the tests)

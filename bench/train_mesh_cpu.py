@@ -234,7 +234,7 @@ def main(argv=None) -> int:
         f"per mesh; XLA_FLAGS={os.environ.get('XLA_FLAGS', '').strip()}")
   print("# CPU figures show what each layout's collectives cost, not accelerator speed; "
         "tokens/s: median over rounds; vs first: median (and range) over rounds of the ratio "
-        "measured within the round")
+        "measured within the round, from wall time, then from the process's CPU time")
   runs = [prepare(dataclasses.replace(base, mesh=text), args.warmup + args.rounds * args.steps)
           for text in args.meshes]
   t0 = time.perf_counter()
