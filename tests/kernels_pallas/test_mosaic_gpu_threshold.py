@@ -132,7 +132,7 @@ def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=
 def test_interpret_matches_float64_reference():
   """Causal sparsemax, GQA, odd lengths (padded query rows, a padded key block), fp16,
   under the GPU interpreter."""
-  _check_numerics("sparsemax", True, jnp.float16, t=130, s=130, n=2, kh=1, h=64)
+  _check_numerics("sparsemax", True, jnp.float16, t=100, s=100, n=2, kh=1, h=64)
 
 
 INTERPRET = [
