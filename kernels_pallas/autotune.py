@@ -17,9 +17,12 @@ for d <= 128); too large tiles spill registers (Triton) or VMEM (Mosaic).
 
 Bounds used for the candidates:
 
-* Triton: powers of two >= 16 (Triton's rule), at most the next power of two of T (query
-  blocks) or S (key blocks). Register/shared-memory bound: a forward tile keeps a q tile
-  and an fp32 accumulator (block_q x d) plus a k and a v tile (block_k x d) and the score
+* Triton: the anchors' measured winners first (tokamax's Pallas-Triton autotuning on an
+  H100, bf16, d = 128: forward 128 x 128 with 8 warps and 3 stages, backward 64 x 64 with 4
+  warps and 2 stages; ``kernels_pallas.triton.launch_params`` gives those tiles those
+  warps and stages), then powers of two >= 16 (Triton's rule), at most the next power of
+  two of T (query blocks) or S (key blocks). Register/shared-memory bound: a forward tile
+  keeps a q tile and an fp32 accumulator (block_q x d) plus a k and a v tile (block_k x d) and the score
   tile (block_q x block_k); we require ``(block_q + block_k) * d_pad <= 32768`` elements
   and ``block_q * block_k <= 16384`` (the 128 x 128 tile of FlashAttention-2 at d = 128 is
   the largest), with ``d_pad`` the next power of two of the larger head dim. The backward
@@ -49,6 +52,7 @@ import numpy as np
 from kernels_pallas import engine as E
 from kernels_pallas.backends import BACKENDS, pick_backend
 from kernels_pallas.engine import BlockSizes
+from kernels_pallas.triton import ANCHOR_BACKWARD, ANCHOR_FORWARD
 
 __all__ = ["autotune_block_sizes", "candidate_block_sizes", "clear_autotune_cache",
            "AutotuneResult", "TRITON_TILE_ELEMS", "TRITON_SCORE_ELEMS"]
@@ -144,8 +148,14 @@ def candidate_block_sizes(backend: str, t: int, s: int, head_dim: int,
     fwd = fwd or [(default.block_q, default.block_k)]
     assert default.block_q_dkv is not None and default.block_k_dkv is not None  # resolved
     bwd = bwd or [(default.block_q_dkv, default.block_k_dkv)]
-    # Forward tiles with the default backward, then the default forward with larger
-    # backward tiles, then large forward x large backward (keeps the list short).
+    # The anchors' measured winners first (the starting point: a 128 x 128 forward tile
+    # with 8 warps and 3 stages, 64 x 64 backward tiles with 4 warps and 2 stages, which
+    # the Triton driver gives these tiles by default: triton.launch_params), then forward
+    # tiles with the default backward, the default forward with larger backward tiles,
+    # and large forward x large backward (keeps the list short).
+    af, ab = ANCHOR_FORWARD[:2], ANCHOR_BACKWARD[:2]
+    if af in fwd and ab in bwd:
+      out.append(BlockSizes(*af, *ab, *ab))
     dfb = (default.block_q_dkv, default.block_k_dkv)
     for f in fwd:
       out.append(BlockSizes(*f, *dfb, *dfb))

@@ -337,7 +337,7 @@ def score_tile(cfg: Config, q, k, cq=None, ck=None, log2: bool = False, fp8_scal
     s = s + ((cq * c) - (ck * c) if log2 else cq - ck)
   if cfg.soft_cap is not None:
     cap = cfg.soft_cap * c
-    s = cap * jnp.tanh(s / cap)
+    s = cap * jnp.tanh(s * (1.0 / cap))  # a multiply per score, not a divide
   return s, dist
 
 
@@ -379,7 +379,7 @@ def soft_cap_grad(cfg: Config, s, ds):
   """Chains ds through the soft cap: d(cap tanh(x/cap))/dx = 1 - (s/cap)^2."""
   if cfg.soft_cap is None:
     return ds
-  t = s / cfg.soft_cap
+  t = s * (1.0 / cfg.soft_cap)
   return ds * (1.0 - t * t)
 
 

@@ -21,7 +21,8 @@ from jax.experimental.pallas import triton as plgpu
 from kernels_pallas import engine as E
 
 __all__ = ["forward", "backward_dq", "backward_dkv", "threshold_search", "threshold_forward",
-           "threshold_backward_dq", "threshold_backward_dkv"]
+           "threshold_backward_dq", "threshold_backward_dkv", "launch_params", "ANCHOR_FORWARD",
+           "ANCHOR_BACKWARD"]
 
 
 def _q_major(cfg: E.Config, bq: int):
@@ -54,16 +55,76 @@ def _call(cfg: E.Config, kernel, name: str, grid, rows: int, sp, bounds, operand
     lead = [(bound, x) for x in bounds]
   operands = lead + operands
   extra_specs, extra = E.pass_inputs(cfg, sp, aux, dyn)
-  warps = cfg.blocks.num_warps or (4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8)
+  itemsize = max(jnp.dtype(o[1].dtype).itemsize for o in operands[len(lead):])
+  warps, stages = launch_params(cfg, name, rows, itemsize)
   out_shape = E.varying_like(out_shape, [o[1] for o in operands] + list(extra))
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[*(o[0] for o in operands), *extra_specs],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=plgpu.CompilerParams(num_warps=warps,
-                                           num_stages=cfg.blocks.num_stages or 2),
+      compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
       interpret=bool(cfg.interpret), debug=cfg.debug,
       name=f"jaxsoft_attention_{name}_{cfg.spec.name}",
   )(*(o[1] for o in operands), *extra)
+
+
+# The measured winners of the H100 anchors (tokamax's Pallas-Triton autotuning, bf16,
+# d = 128): (block_q, block_k, warps, stages) of the forward and of the backward passes.
+ANCHOR_FORWARD = (128, 128, 8, 3)
+ANCHOR_BACKWARD = (64, 64, 4, 2)
+_FORWARD_PASSES = ("fwd", "tsearch", "tfwd")
+
+
+def _smem_budget() -> int:
+  """Shared memory per block of the default device, bytes: 227 KiB on sm_90 and newer
+  (and without a GPU: export and the interpreter assume an H100), 163 KiB on sm_80,
+  99 KiB on the other GPUs."""
+  try:
+    device = jax.devices()[0]
+  except RuntimeError:  # pragma: no cover
+    return 227 * 1024
+  cc = getattr(device, "compute_capability", None)
+  if device.platform != "gpu" or cc is None:
+    return 227 * 1024
+  cc = float(cc)
+  return (227 if cc >= 9.0 else 163 if cc == 8.0 else 99) * 1024
+
+
+def launch_params(cfg: E.Config, name: str, rows: int, itemsize: int = 2) -> tuple[int, int]:
+  """``(num_warps, num_stages)`` of the pass ``name`` (``rows``: its tiles' rows;
+  ``itemsize``: bytes per element of its inputs).
+
+  ``BlockSizes.num_warps`` / ``num_stages`` when set, for every pass. Otherwise a pass
+  whose tile is its anchor's (:data:`ANCHOR_FORWARD` for the forward-like passes,
+  :data:`ANCHOR_BACKWARD` for dQ and dK/dV) runs the anchor's warps and stages where the
+  head dims are at most 128 and its pipeline fits the device's shared memory (``stages``
+  buffers of a k and a v tile, ``stages * block_k * (d + dv) * itemsize``, plus the
+  resident q tile); any other tile keeps 4 warps for tiles of at most 64 rows with head
+  dim <= 64, else 8, and 2 stages.
+
+  Examples:
+    >>> import types
+    >>> import kernels_pallas as kp
+    >>> from kernels_pallas import triton
+    >>> cfg = types.SimpleNamespace(blocks=kp.BlockSizes(128, 128, 64, 64, 64, 64),
+    ...                             head_dim_pad=128, hv_pad=128)
+    >>> triton.launch_params(cfg, "fwd", 128), triton.launch_params(cfg, "dkv", 64)
+    ((8, 3), (4, 2))
+  """
+  bl = cfg.blocks
+  forward = name in _FORWARD_PASSES
+  tile: tuple[int | None, int | None] = (bl.block_q, bl.block_k)
+  if name == "dq":
+    tile = (bl.block_q_dq, bl.block_k_dq)
+  elif name == "dkv":
+    tile = (bl.block_q_dkv, bl.block_k_dkv)
+  anchor = ANCHOR_FORWARD if forward else ANCHOR_BACKWARD
+  warps, stages = (4 if cfg.head_dim_pad <= 64 and rows <= 64 else 8), 2
+  if tile == anchor[:2] and max(cfg.head_dim_pad, cfg.hv_pad) <= 128:
+    bq, bk = anchor[:2]
+    smem = (anchor[3] * bk * (cfg.head_dim_pad + cfg.hv_pad) + bq * cfg.head_dim_pad) * itemsize
+    if smem <= _smem_budget():
+      warps, stages = anchor[2:]
+  return bl.num_warps or warps, bl.num_stages or stages
 
 
 def _key_loop(cfg: E.Config, a_ref, b_ref, head=None):
@@ -112,7 +173,7 @@ def forward(cfg: E.Config, q, k, v, dyn, aux: E.Aux):
 
     def body(j, state):
       kb = block(j)
-      # K06 exp2: the forward's logits in log2 units (the backward passes' stay natural);
+      # K06 exp2: the logits in log2 units (the backward passes' too: _grad_tile);
       # K06 fp8: q and k float8, the dot times their scales
       sl, _, t = _key_block(cfg, ins, rows, qt, k_ref, qi, kb, bq, bk, log2=cfg.exp2)
       return E.forward_tile(cfg, t.x, t.mask, state, v_ref[sl, :], length, dyn_v)
@@ -161,11 +222,11 @@ def _key_block(cfg: E.Config, ins: E.InputRefs, rows, qt, k_ref, qi, kb, bq: int
 
 
 def _query_block(cfg: E.Config, ins: E.InputRefs, cols, q_ref, kt, gi: int, qb, ki, bq: int,
-                 bk: int):
+                 bk: int, log2: bool = False):
   """``(slice, queries, tile)`` of query block ``qb`` of query head ``gi`` in a dK/dV-style
   pass: the program's key block ``ki`` (``kt``; ``cols`` = (key segment ids, the head's
   decay column terms), read once) with the block's rows of the whole-length query-side
-  refs."""
+  refs (``log2`` as :func:`_key_block`)."""
   sl = pl.ds(qb * bq, bq)
   qt = q_ref[sl, gi, :]
   dense = (E.dense_tile(cfg.bias_full, ins.bias, bq, bk, gi, sl),
@@ -173,7 +234,7 @@ def _query_block(cfg: E.Config, ins: E.InputRefs, cols, q_ref, kt, gi: int, qb, 
   every = slice(None)
   t = E.masked_logits(cfg, qt, kt, qb, ki, bq, bk, (_read(ins.q_seg, sl, every), cols[0]),
                       (_read(ins.cq, gi, sl, every), cols[1]), dense,
-                      _read(ins.sel, gi, sl, every))
+                      _read(ins.sel, gi, sl, every), log2=log2)
   return sl, qt, t
 
 
@@ -249,6 +310,42 @@ def _over_heads(cfg: E.Config, ins: E.InputRefs, g: int, bk: int, init, loop, bo
   return acc
 
 
+def exp2_backward(cfg: E.Config) -> bool:
+  """Whether the backward passes recompute the weights with exp2 (the forward's K06
+  ``exp2`` flag): class E with ``e^{z - m}`` numerators and a linear score map
+  (:func:`engine.check_flags` has checked that) and no per-row hyperparameter array (whose
+  cotangent the natural-unit rule gives)."""
+  return bool(cfg.exp2) and cfg.kernel_class == "E" and not cfg.dyn_hp
+
+
+def _grad_tile(cfg: E.Config, t: E.Tile, m, d, delta, dp, length, dyn):
+  """``(w, dS, d hyperparameters)`` of a backward tile (:func:`engine.backward_tile`).
+
+  With :func:`exp2_backward` the tile's logits ``t`` are in log2 units (log2 e folded
+  into the scale, as the forward's) and the weights are recomputed as
+
+      w = 2^(z2 - m log2 e) / D,   dS = score_map'(w (dP - Delta))
+
+  (``z2 = score_map(x2) = log2(e) z``: the map is linear, so its vjp is the natural-unit
+  one), the same numbers as ``e^{z - m} / D`` without the multiply by log2 e per score
+  (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and Work
+  Partitioning", arXiv:2307.08691; Shah et al. 2024, "FlashAttention-3",
+  arXiv:2407.08608). The tile that goes on to dQ / dK (the soft cap's derivative reads
+  its logits) is given back in natural units (``t`` itself without a soft cap)."""
+  if not exp2_backward(cfg):
+    return t, E.backward_tile(cfg, t.x, t.mask, m, d, delta, dp, length, dyn)
+  rule, hp = cfg.tile, dict(cfg.static_hp)
+  x2 = E.mask_where(t.mask, t.x, jnp.zeros_like(t.x))
+  z2, score_vjp = jax.vjp(lambda x: rule.score_map(x, length, **hp), x2)
+  m2 = m * E.LOG2E
+  w = E.mask_where(t.mask, jnp.exp2(E.mask_where(t.mask, z2, m2) - m2), 0.0)
+  w = w * E.tile.safe_inverse(d)
+  (ds,) = score_vjp(w * (dp - delta))
+  if cfg.soft_cap is not None:  # soft_cap_grad reads s / cap in natural units
+    t = t._replace(s=t.s * E.LN2)
+  return t, (w, ds, ())
+
+
 def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   """The Triton form of :func:`kernels_pallas.tpu.backward_dq` (same arguments, same
   returns)."""
@@ -258,6 +355,7 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
   has_bias, nk = cfg.bias_full is not None, cfg.s_pad // bk
   sp = _q_major(cfg, bq)
   n_rows = n_dyn + int(cfg.decay)  # the hyperparameters' cotangents, then dcq
+  exp2 = exp2_backward(cfg)
   out_shape, out_specs = E.dq_outputs(cfg, sp, q.shape, n_dyn)
   if has_bias:
     out_shape.append(jax.ShapeDtypeStruct((b, n, cfg.t_pad, cfg.s_pad), cfg.acc_dtype))
@@ -274,9 +372,9 @@ def backward_dq(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
     lo, hi, block = _key_loop(cfg, lo_ref, hi_ref)
 
     def body(j, carry):
-      sl, kt, t = _key_block(cfg, ins, rows, qt, k_ref, qi, block(j), bq, bk)
+      sl, kt, t = _key_block(cfg, ins, rows, qt, k_ref, qi, block(j), bq, bk, log2=exp2)
       dp = E.dot(cfg, dot_, v_ref[sl, :], (1, 1))
-      _, ds, dd = E.backward_tile(cfg, t.x, t.mask, mt, dt, delt, dp, length, dyn_v)
+      t, (_, ds, dd) = _grad_tile(cfg, t, mt, dt, delt, dp, length, dyn_v)
       return _add_dq(cfg, t, ds, kt, ds_ref, sl, carry, dd)
 
     # the key blocks the loop skips have dS = 0 (with a block table: every block, then
@@ -297,22 +395,25 @@ def backward_dkv(cfg: E.Config, q, k, v, do, m, d, delta, dyn, aux: E.Aux):
 
   def grads(t, dp, rows, length, dyn_v):
     mt, dt, delt = rows
-    return E.backward_tile(cfg, t.x, t.mask, mt, dt, delt, dp, length, dyn_v)[:2]
+    t, (w, ds, _) = _grad_tile(cfg, t, mt, dt, delt, dp, length, dyn_v)
+    return t, w, ds
 
   return _dkv_pass(cfg, "dkv", (cfg.blocks.block_q_dkv, cfg.blocks.block_k_dkv), q, k, v, do,
                    (m, d, delta), dyn, aux, _bounds(cfg, aux, aux.dkv_lo, aux.dkv_hi, dkv=True),
-                   cfg.key_table, grads)
+                   cfg.key_table, grads, log2=exp2_backward(cfg))
 
 
 def _dkv_pass(cfg: E.Config, name: str, blocks, q, k, v, do, rows, dyn, aux: E.Aux, bounds,
-              table: bool, grads):
+              table: bool, grads, log2: bool = False):
   """A dK/dV pass: one program per (key block, batch, KV head), which holds its G query
   heads (the q-side blocks span the whole padded length and the group's heads, so GQA
   never copies K/V) and loops over each head's query blocks ``[lo, hi)`` (``bounds`` =
   (lo [B, nk], hi)), or with ``table`` over its compacted list (``bounds`` = (idx [B, N,
-  nk, width], cnt [B, N, nk, 1])). ``grads(tile, dP, rows, length, dyn)`` gives the tile's
-  ``(weights, dS)`` from ``rows``, the tile's values of the per-row arrays [B, N, T_pad,
-  1] (residuals) the pass reads. Returns (dk, dv, dck or None)."""
+  nk, width], cnt [B, N, nk, 1])). ``grads(tile, dP, rows, length, dyn)`` gives ``(tile,
+  weights, dS)`` from ``rows``, the tile's values of the per-row arrays [B, N, T_pad, 1]
+  (residuals) the pass reads (the tile it returns goes on to dK: :func:`_grad_tile`);
+  ``log2``: the tiles' logits in log2 units (:func:`exp2_backward`). Returns (dk, dv, dck
+  or None)."""
   bq, bk = blocks
   b, kvh, hp, hv, g = q.shape[0], cfg.num_kv_heads, cfg.head_dim_pad, cfg.hv_pad, cfg.groups
   sp = E.block_specs(cfg, lambda ki, bi, hi: (bi, hi, hi, 0, ki), cfg.t_pad, bk, q_heads=g)
@@ -331,10 +432,11 @@ def _dkv_pass(cfg: E.Config, name: str, blocks, q, k, v, do, rows, dyn, aux: E.A
     kt, vt = k_ref[...], v_ref[...]
 
     def body(gi, ck, qb, carry):
-      sl, qt, t = _query_block(cfg, ins, (ks, ck), q_ref, kt, gi, qb, ki, bq, bk)
+      sl, qt, t = _query_block(cfg, ins, (ks, ck), q_ref, kt, gi, qb, ki, bq, bk, log2)
       dot_ = do_ref[sl, gi, :]
       dp = E.dot(cfg, dot_, vt, (1, 1))
-      w, ds = grads(t, dp, tuple(r[gi, sl, :] for r in row_refs), *_head_rows(cfg, ins, gi, sl))
+      t, w, ds = grads(t, dp, tuple(r[gi, sl, :] for r in row_refs),
+                       *_head_rows(cfg, ins, gi, sl))
       return _add_dkv(cfg, t, ds, qt, carry, w, dot_)
 
     def loop(gi):
@@ -537,7 +639,8 @@ def threshold_backward_dkv(cfg: E.Config, q, k, v, do, m, tau, d, delta, coef, i
 
   def grads(t, dp, rows, length, dyn_v):
     mt, taut, dt, delt, ct = rows
-    return E.t_backward_tile(cfg, t.x, t.mask, taut, mt, dt, delt, ct, dp, length, dyn_v)[:2]
+    return (t, *E.t_backward_tile(cfg, t.x, t.mask, taut, mt, dt, delt, ct, dp, length,
+                                  dyn_v)[:2])
 
   return _dkv_pass(cfg, "tdkv", (cfg.blocks.block_q, cfg.blocks.block_k), q, k, v, do,
                    (m, tau, d, delta, coef), dyn, aux, (idx_t, cnt_t), True, grads)

@@ -222,8 +222,15 @@ def identity_score_map(x, length, **_):
 
 
 def temperature_score_map(x, length, temperature=1.0, **_):
-  """The score map of softmax with temperature: ``x / T``."""
-  return x / temperature
+  """The score map of softmax with temperature: ``x / T``, computed as ``x (1 / T)`` (one
+  reciprocal per row, not a divide per score in the kernels' loops), and ``x`` itself
+  for a static T = 1 (plain softmax)."""
+  if isinstance(temperature, (int, float)) and not isinstance(temperature, bool):
+    if temperature == 1:
+      return x
+    if temperature == 0:  # (refused by the normalizers' checks; no Python ZeroDivisionError)
+      return x / temperature
+  return x * (1.0 / temperature)
 
 
 def exp_numerator(z, m, **_):
