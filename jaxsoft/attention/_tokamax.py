@@ -66,17 +66,17 @@ def tokamax_module() -> Any:
 
 def tokamax_kernel(platform: str | None = None) -> str:
   """tokamax's ``implementation=`` name that ``implementation="tokamax"`` runs on
-  ``platform`` (default: JAX's default backend): ``"mosaic"`` (its Mosaic-GPU kernel) on
+  ``platform`` (default: JAX's default backend): ``"mosaic_gpu"`` (its Mosaic-GPU kernel) on
   a CUDA GPU, ``"xla"`` (its XLA reference) on a CPU; NotImplementedError elsewhere.
 
   Examples:
     >>> from jaxsoft.attention._tokamax import tokamax_kernel
     >>> tokamax_kernel("gpu"), tokamax_kernel("cpu")
-    ('mosaic', 'xla')
+    ('mosaic_gpu', 'xla')
   """
   platform = jax.default_backend() if platform is None else platform
   if platform in ("gpu", "cuda"):
-    return "mosaic"
+    return "mosaic_gpu"
   if platform == "cpu":
     return "xla"
   raise NotImplementedError(f"tokamax is wired here for CUDA GPUs (and CPU), not {platform!r}")
