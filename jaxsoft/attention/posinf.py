@@ -42,12 +42,26 @@ pass instead: only when the bound is reached (a second ``lax.cond``; an ordinary
 max |q| and max |k|), a plain XLA pass finds the rows with a visible ``+inf`` score and
 their queries enter the pass as zeros (finite logits; the pass's output and gradient for
 those rows are discarded: the query's cotangent there is 0, as the dense path's), and the
-rows take the ``+inf`` rule as above. Left as the dense path does not: a ``+inf`` that a
-query of zeros still gives (a distance score ``|k|`` or a decay term ``-ck`` that
-overflows by itself) keeps its row NaN without a bias, never a plausible number; and a
-score that overflows to ``-inf`` is hidden by the dense path but stays visible to the
-blockwise length count n (length-dependent normalizers) and to a class-R moment without
-a bias (NaN).
+rows take the ``+inf`` rule as above.
+
+A score that overflows to ``-inf`` is a hidden key on the dense path (a ``-inf`` logit's
+rule). The softmax-like tiles hide it too (its weight is 0 either way); for the rest:
+
+* a class-R normalizer (row moments: standardized softmax, NAP, ...) without a bias runs
+  its pass with a zero bias of shape ``[1, 1, 1, 1]`` when the bound above is reached (a
+  ``lax.cond``: an ordinary call pays the bound; both passes are compiled), so its tiles
+  test every logit and the ``-inf`` key leaves the moments, as on the dense path (it was
+  NaN); with a bias the tiles hid it already. The same pass hides a ``+inf`` that a query
+  of zeros still gives, so those rows take the ``+inf`` rule as well;
+* a length-dependent normalizer's length count n is taken from the structure, the mask
+  and the bias only (not the scores): it would count the key, a finite answer of another
+  n. A row with a visible ``-inf`` score (not a ``-inf`` bias entry) and no ``+inf`` one
+  is NaN instead, in value and gradient, never that number
+  (tests/attention/test_neginf_overflow.py).
+
+Left as the dense path does not: for the other normalizers without a bias, a ``+inf`` that
+a query of zeros still gives (a distance score ``|k|`` or a decay term ``-ck`` that
+overflows by itself) may leave its row NaN, never a plausible number.
 """
 
 from __future__ import annotations
@@ -105,10 +119,16 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
              "params": {name: x for name, x in call.params.items()
                         if name not in arrays and isinstance(x, (jax.Array, np.ndarray))}}
   bias = None if call.bias is None else jnp.asarray(call.bias)
-  # without a bias the tiles keep +inf scores visible: those rows' queries go in as zeros
-  run_call = call if bias is not None else dataclasses.replace(
-      call, q=_without_posinf_rows(call, context))
-  result = run(run_call)
+  if bias is not None:
+    result = run(call)
+  elif spec.kernel_class == "R":
+    # a -inf score must be hidden from a row's moments as the dense path hides it: when
+    # the scores may overflow, the pass runs with a zero bias (the tiles then test every
+    # logit)
+    result = _with_zero_bias_when_overflowing(call, context, run)
+  else:
+    # without a bias the tiles keep +inf scores visible: those rows' queries go in as zeros
+    result = run(dataclasses.replace(call, q=_without_posinf_rows(call, context)))
   out, stat = result if call.return_residual else (result, None)
   out, stat = _override_rows(call)(out, stat, call.v, bias, arrays, context)
   return out if stat is None else (out, stat)
@@ -122,6 +142,25 @@ def _with_context(call, context):
       mask=context["mask"], query_seq_lengths=context["query_seq_lengths"],
       key_value_seq_lengths=context["key_value_seq_lengths"],
       segment_ids=context["segment_ids"], params={**call.params, **context["params"]})
+
+
+def _with_zero_bias_when_overflowing(call, context, run):
+  """``run(call)`` for a call without a bias, or, when :func:`_may_have_posinf` says a
+  score may overflow, ``run`` of the call with a zero bias of shape ``[1, 1, 1, 1]`` (in a
+  ``lax.cond``: an ordinary call pays the bound only). With a bias the tiles test every
+  logit (``|x| != inf``): a ``-inf`` score is hidden, from the length count n and a class-R
+  row's moments too, as on the dense path, and a ``+inf`` one (a distance or a decay term
+  that overflows by itself included) is hidden and left to the ``+inf`` rule."""
+  zero = jnp.zeros((1, 1, 1, 1), compute_dtype(call.q.dtype))
+
+  def careful(_):
+    return run(dataclasses.replace(call, bias=zero))
+
+  def plain(_):
+    return run(call)
+
+  flag = _may_have_posinf(call, None, jax.tree.map(lax.stop_gradient, context))
+  return lax.cond(flag, careful, plain, None)
 
 
 def _without_posinf_rows(call, context):
@@ -183,18 +222,27 @@ def _override_rows(call):
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
 
-  def rows(v, bias, arrays, context):  # (out of the +inf rows, where a row has a visible +inf)
+  length_dependent = call.spec.length_dependent
+
+  def rows(v, bias, arrays, context):
+    """(out of the +inf rows, where a row has a visible +inf, where a row's output is NaN:
+    a length-dependent normalizer's row with a visible -inf score and no +inf)"""
     call_ = _with_context(call, context)
-    sum_inf, sum_rest, count_k, count_n = _row_sums(call_, v, bias, dtype, rest=not share)
+    sum_inf, sum_rest, count_k, count_n, count_neg = _row_sums(call_, v, bias, dtype,
+                                                               rest=not share)
+    # (the blockwise length count n is taken without the scores: it would count a key whose
+    # score overflows to -inf, which the dense path hides; such rows are NaN instead)
+    nan_rows = (count_neg > 0) & (count_k == 0) if length_dependent else count_k < 0
     if share:  # 1/k on each +inf entry, 0 elsewhere
-      return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0
+      return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0, nan_rows
     a, b = _limit_weights(call_, arrays, count_k, count_n, dtype)
     out = a[..., None] * sum_inf + jnp.where(count_k < count_n, b, 0.0)[..., None] * sum_rest
-    return out, count_k > 0
+    return out, count_k > 0, nan_rows
 
   def replace(out, stat, v, bias, arrays, context):
-    fixed, has = rows(v, bias, arrays, context)
+    fixed, has, nan_rows = rows(v, bias, arrays, context)
     out = jnp.where(has[..., None], fixed.astype(out.dtype), out)
+    out = jnp.where(nan_rows[..., None], jnp.asarray(jnp.nan, out.dtype), out)
     if stat is not None:
       stat = jnp.where(has, jnp.asarray(jnp.inf, stat.dtype), stat)
     return out, stat
@@ -221,10 +269,13 @@ def _override_rows(call):
 
     def replaced(d_out, v, bias, arrays, context):
       fixed, vjp = jax.vjp(lambda v_, arrays_: rows(v_, bias, arrays_, context)[0], v, arrays)
-      has = rows(v, bias, arrays, context)[1]  # (recomputed: cheap beside the vjp)
+      _, has, nan_rows = rows(v, bias, arrays, context)  # (recomputed: cheap beside the vjp)
       d_fixed = jnp.where(has[..., None], d_out, 0.0).astype(fixed.dtype)
       dv, d_arrays = vjp(d_fixed)
-      return jnp.where(has[..., None], 0.0, d_out).astype(d_out.dtype), dv, d_arrays
+      d_out = jnp.where(has[..., None], 0.0, d_out)
+      # a NaN row's gradient is NaN too (the pass's would be that of the wrong n)
+      d_out = jnp.where(nan_rows[..., None] & (d_out != 0), jnp.nan, d_out)
+      return d_out.astype(d_out.dtype), dv, d_arrays
 
     def kept(d_out, v, bias, arrays, context):
       del bias, context
@@ -329,12 +380,16 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
       x = dense_logits(q_blk, lax.dynamic_slice_in_dim(k_p, k0, bk, 1), scale=call.scale,
                        decay_bias=decay, logits_soft_cap=call.logits_soft_cap,
                        bias=tile(bias_rows, 3, k0, bk), score=call.score)  # [B, N, bq, bk]
-      vis = vis & (x != -jnp.inf)
       if mask_rows is not None:
         vis = vis & tile(mask_rows, 3, k0, bk)
-      vis = jnp.broadcast_to(vis, (B, N, bq, bk))
+      # a -inf score (not a -inf bias entry, which the blockwise paths count as hidden)
+      neg = vis & (x == -jnp.inf)
+      if bias_rows is not None:
+        neg = neg & (tile(bias_rows, 3, k0, bk) != -jnp.inf)
+      vis = jnp.broadcast_to(vis & (x != -jnp.inf), (B, N, bq, bk))
       hit = vis & (x == jnp.inf)
-      counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1)]).astype(dtype)  # [2, B, N, bq]
+      counts = jnp.stack([jnp.sum(hit, -1), jnp.sum(vis, -1),
+                          jnp.sum(jnp.broadcast_to(neg, (B, N, bq, bk)), -1)]).astype(dtype)
       if values is None:
         return counts, None, None
       vals = lax.dynamic_slice_in_dim(values, k0, bk, 1)
@@ -352,9 +407,9 @@ def _row_sums(call, v, bias, dtype, rest: bool = True):
     shape = a.shape[:axis] + (Tp,) + a.shape[axis + 2:]
     return lax.slice_in_dim(a.reshape(shape), 0, T, axis=axis)
 
-  counts = unblock(counts, 2)  # [2, B, T, N]
+  counts = unblock(counts, 2)  # [3, B, T, N]
   return (None if sum_inf is None else unblock(sum_inf, 1),
-          None if sum_rest is None else unblock(sum_rest, 1), counts[0], counts[1])
+          None if sum_rest is None else unblock(sum_rest, 1), counts[0], counts[1], counts[2])
 
 
 def _limit_weights(call, arrays, count_k, count_n, dtype):
