@@ -11,6 +11,7 @@ a label naming a class of probability zero has no finite likelihood: the fits ar
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 import scipy.optimize
 
 import jaxsoft as js
@@ -102,6 +103,7 @@ def test_fit_temperature_leaves_a_neginf_class_out():
   assert np.isnan(fit(jnp.asarray(z, jnp.float32), jnp.asarray(bad)))
 
 
+@pytest.mark.slow  # 2 s
 def test_fit_dirichlet_calibration_leaves_a_neginf_class_out():
   z, labels = _data(240, 3, 4)
   vis = np.isfinite(z)
