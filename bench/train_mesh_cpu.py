@@ -201,8 +201,8 @@ def main(argv=None) -> int:
                       help="mesh shapes (--mesh syntax); the first is the baseline")
   parser.add_argument("--warmup", type=int, default=2,
                       help="untimed steps of every mesh first (they include the compilation)")
-  parser.add_argument("--rounds", type=int, default=8, help="at most this many rounds")
-  parser.add_argument("--steps", type=int, default=5, help="timed steps per mesh and round")
+  parser.add_argument("--rounds", type=int, default=12, help="at most this many rounds")
+  parser.add_argument("--steps", type=int, default=6, help="timed steps per mesh and round")
   parser.add_argument("--max-seconds", type=float, default=420.0,
                       help="start no round (after the first 3) that would end later than this "
                       "many seconds after the script started")
