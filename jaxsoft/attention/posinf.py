@@ -148,9 +148,9 @@ def _with_zero_bias_when_overflowing(call, context, run):
   """``run(call)`` for a call without a bias, or, when :func:`_may_have_posinf` says a
   score may overflow, ``run`` of the call with a zero bias of shape ``[1, 1, 1, 1]`` (in a
   ``lax.cond``: an ordinary call pays the bound only). With a bias the tiles test every
-  logit (``|x| != inf``): a ``-inf`` score is hidden, from the length count n and a class-R
-  row's moments too, as on the dense path, and a ``+inf`` one (a distance or a decay term
-  that overflows by itself included) is hidden and left to the ``+inf`` rule."""
+  logit (``|x| != inf``): a ``-inf`` score is hidden, from a class-R row's moments too, as
+  on the dense path, and a ``+inf`` one (a distance or a decay term that overflows by
+  itself included) is hidden and left to the ``+inf`` rule."""
   zero = jnp.zeros((1, 1, 1, 1), compute_dtype(call.q.dtype))
 
   def careful(_):
