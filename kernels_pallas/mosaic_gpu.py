@@ -739,9 +739,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         carry = lax.fori_loop(lo, flo, masked_loop, carry)
         carry = lax.fori_loop(flo, fhi, kv_loop, carry)
         carry = lax.fori_loop(fhi, hi, masked_loop, carry)
-      else:  # the last block may hold padded keys
+      else:  # the last block may hold padded keys (hi = the blocks the producer streams)
         carry = lax.fori_loop(0, cfg.s // bk, kv_loop, carry)
-        carry = lax.fori_loop(cfg.s // bk, n_kv, masked_loop, carry)
+        carry = lax.fori_loop(cfg.s // bk, hi, masked_loop, carry)
       acc, m_i, l_i = carry
       if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
         def flush(kv_step, _):
@@ -1126,9 +1126,10 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
         dq_acc = lax.fori_loop(lo, flo, masked_step, dq_acc)
         dq_acc = lax.fori_loop(flo, fhi, step, dq_acc)
         dq_acc = lax.fori_loop(fhi, hi, masked_step, dq_acc)
-      else:  # the last block may hold padded keys
+      else:  # the last block may hold padded keys (hi = cdiv(S, bk): the blocks the
+        # producer streams; the backward pads keys to whole CTAs, so n_kv may be larger)
         dq_acc = lax.fori_loop(0, cfg.s // bk, step, dq_acc)
-        dq_acc = lax.fori_loop(cfg.s // bk, n_kv, masked_step, dq_acc)
+        dq_acc = lax.fori_loop(cfg.s // bk, hi, masked_step, dq_acc)
       if cfg.right is not None and wgs > 1:  # (the rows of warpgroup 0 stop earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
