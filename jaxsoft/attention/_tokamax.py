@@ -32,7 +32,6 @@ References:
 from __future__ import annotations
 
 import functools
-import importlib
 from typing import Any
 
 import jax
@@ -58,10 +57,10 @@ def tokamax_module() -> Any:
     True
   """
   try:
-    module = importlib.import_module("tokamax")
+    import tokamax  # optional: imported on first use only
   except Exception:  # noqa: BLE001 - ImportError, or an incompatible JAX failing its import
     return None
-  return module if hasattr(module, "dot_product_attention") else None
+  return tokamax if hasattr(tokamax, "dot_product_attention") else None
 
 
 def tokamax_kernel(platform: str | None = None) -> str:
