@@ -152,6 +152,10 @@ def _with_zero_bias_when_overflowing(call, context, run):
   on the dense path, and a ``+inf`` one (a distance or a decay term that overflows by
   itself included) is hidden and left to the ``+inf`` rule."""
   zero = jnp.zeros((1, 1, 1, 1), compute_dtype(call.q.dtype))
+  # varying like q inside jax.shard_map (default check_vma): its cotangent varies like q
+  axis_type = getattr(jax.typeof(call.q), "manual_axis_type", None)
+  if axis_type is not None and axis_type.varying:
+    zero = lax.pcast(zero, tuple(sorted(axis_type.varying)), to="varying")
 
   def careful(_):
     return run(dataclasses.replace(call, bias=zero))
