@@ -159,7 +159,9 @@ def row_statistic(spec, params, logits, visible):
   if not isinstance(spec, _spec.NormalizerSpec):
     raise NotImplementedError("`return_residual` needs a registered normalizer, not a callable")
   hp = {**spec.defaults, **params}
-  hp = {name: jnp.asarray(a, logits.dtype)
+  # float arrays in the compute dtype, with the logits' rank (a per-head [N, 1, 1] gets its
+  # leading axis explicitly: no implicit rank promotion)
+  hp = {name: jnp.asarray(a, logits.dtype).reshape((1,) * (logits.ndim - a.ndim) + a.shape)
         if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating) else a
         for name, a in hp.items()}
   n = visible_count(visible, -1, logits.dtype)
