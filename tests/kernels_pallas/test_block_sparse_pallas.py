@@ -135,7 +135,7 @@ def _dense_table_reference(q, k, v, row_keep, is_causal):
   z = jnp.einsum("btnh,bsnh->bnts", qf, kf) / np.sqrt(H)
   vis = jnp.asarray(np.repeat(row_keep, BS, axis=-1))
   if is_causal:
-    vis = vis & jnp.tril(jnp.ones((T, T), bool))
+    vis = vis & jnp.tril(jnp.ones((T, T), bool))[None, None]
   z = jnp.where(vis, z, -jnp.inf)
   m = jnp.max(z, axis=-1, keepdims=True)
   e = jnp.where(vis, jnp.exp(z - jnp.where(jnp.isfinite(m), m, 0.0)), 0.0)

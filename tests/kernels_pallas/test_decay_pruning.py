@@ -53,7 +53,7 @@ def test_pruned_kernel_is_dense_attention_over_the_kept_tiles(backend):
   q, k, v, ct = inputs(b=B, t=T, n=N, kh=KH, h=H, seed=72)
   cq, ck = _fox_decay(B, T)
   kept = _kept_mask(cq, ck, backend)
-  causal = np.tril(np.ones((T, T), bool))
+  causal = np.tril(np.ones((T, T), bool))[None, None]  # [1, 1, T, T] against [B, N, T, T]
   skipped = float(1.0 - jnp.sum(kept & causal) / (B * N * causal.sum()))
   assert 0.2 < skipped < 0.9, skipped  # the threshold prunes, and not everything
 

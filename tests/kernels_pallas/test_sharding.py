@@ -80,7 +80,7 @@ SCRIPT = _prelude(32, 0) + textwrap.dedent("""
 SCRIPT_DENSE = _prelude(16, 1) + textwrap.dedent("""
     bias = rnd(b, 1, t, t)                                   # per batch row, all heads
     mask = jnp.asarray(rng.random((1, n, t, t)) < 0.7)       # per head, all batch rows
-    mask = mask | jnp.eye(t, dtype=bool)                     # every row sees its own key
+    mask = mask | jnp.eye(t, dtype=bool)[None, None]         # every row sees its own key
     cq, ck = 0.3 * rnd(2, b, t, n)                           # FoX decay
     kw = dict(is_causal=True, normalizer="softmax_sink",
               normalizer_params={"sink_logit": 0.5})
