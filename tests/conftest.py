@@ -26,6 +26,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # of this size compile in about 30% less CPU time; results can differ from an optimised build
 # in the last bit (no FMA contraction). JAX_DISABLE_MOST_OPTIMIZATIONS=0 tests optimised code.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# Issue 37's guard: library code never relies on implicit rank promotion (the setting of
+# JAX's own suite). Set here so the Python subprocesses tests start inherit it; the tests of
+# this process run under it through the autouse fixture at the end of this file.
+os.environ.setdefault("JAX_NUMPY_RANK_PROMOTION", "raise")
 
 # XLA's older CPU code generator where the installed XLA has it (tests/compile_settings.py).
 from tests import compile_settings  # noqa: E402
@@ -149,22 +153,12 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(pytest.mark.subprocess)
 
 
-# Issue 37's guard: library code never relies on implicit rank promotion. The tests of these
-# directories and the top-level files run under jax.numpy_rank_promotion("raise") (the setting
-# of JAX's own suite); each was run whole under JAX_NUMPY_RANK_PROMOTION=raise first (their
-# default selection). Still to join: tests/kernels_pallas; then the setting goes into the
-# environment above so the subprocesses tests start inherit it.
-_RANK_PROMOTION_RAISE = tuple(_TESTS / d for d in ("linear", "losses", "pooling", "train",
-                                                   "properties", "optim", "nn", "attention",
-                                                   "bench", "docs", "normalizers"))
-
-
+# Issue 37's guard: library code never relies on implicit rank promotion. Every test runs
+# under jax.numpy_rank_promotion("raise") (the setting of JAX's own suite; the environment
+# above gives it to the subprocesses); each directory was run whole under
+# JAX_NUMPY_RANK_PROMOTION=raise first (its default selection) before it joined.
 @pytest.fixture(autouse=True)
-def _no_implicit_rank_promotion(request):
-  path = pathlib.Path(str(request.node.path)).resolve()
-  if path.parent == _TESTS or any(d in path.parents for d in _RANK_PROMOTION_RAISE):
-    import jax  # (conftest imports jax lazily: the environment above is set first)
-    with jax.numpy_rank_promotion("raise"):
-      yield
-  else:
+def _no_implicit_rank_promotion():
+  import jax  # (conftest imports jax lazily: the environment above is set first)
+  with jax.numpy_rank_promotion("raise"):
     yield
