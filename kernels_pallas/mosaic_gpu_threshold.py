@@ -345,7 +345,7 @@ def _search(cfg: _TCfg, q, k, interpret):
       load_range(0, 2 * cta_steps)  # the max pass and the first sweep (always run)
 
       def next_sweep(carry):  # after sweep p: the consumers' verdicts
-        p, _ = carry
+        p = carry[0]
         plgpu.barrier_wait(decided)
         verdict = lax.rem(p, jnp.int32(2))
         more = jnp.logical_and(go_smem[verdict, 0] + go_smem[verdict, 1] > 0, p < steps)
