@@ -893,6 +893,37 @@ def bwd_smem_bytes(head_dim: int, dtype, normalizer="softmax") -> tuple[int, int
   return tiles + 4 * n_stats * w * b, tiles + 4 * n_stats * BWD_STAGES * b
 
 
+def _stream(lo, hi, stages: int, load, wait):
+  """A producer warpgroup's ring over the steps ``[lo, hi)``: the first ``stages`` steps go
+  into slots 0, 1, ... at once, each later step into the slot ``(step - lo) mod stages`` once
+  ``wait(slot)`` has seen its consumers release it. ``load(step, slot)`` issues the copies."""
+  from jax import lax
+  from jax.experimental import pallas as pl
+  for i in range(stages):
+    _when(lo + i < hi, functools.partial(load, lo + i, i))
+
+  @pl.loop(lo, hi - stages)
+  def _ring(step):
+    slot = lax.rem(step - lo, jnp.array(stages, jnp.int32))
+    wait(slot)
+    load(step + stages, slot)
+
+
+def _scores(plgpu, q_smem, k_smem, loaded, consumed, shape):
+  """One float32 tile of q·kᵀ on the tensor cores (wgmma) from a key slot of the ring: wait
+  until ``k_smem`` is ``loaded``, multiply, then release the slot (``consumed``)."""
+  from jax.experimental import pallas as pl
+  plgpu.barrier_wait(loaded)
+
+  def compute(acc_ref):
+    plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem))
+    return acc_ref[...]
+
+  qk = pl.run_scoped(compute, plgpu.ACC(shape, jnp.float32))
+  plgpu.barrier_arrive(consumed)
+  return qk
+
+
 def _when(cond, f):
   """``f()`` under ``pl.when(cond)``, or at once (or never) for a Python bool."""
   from jax.experimental import pallas as pl
@@ -1147,14 +1178,7 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
-      for i in range(stages):
-        _when(cta_lo + i < cta_hi, functools.partial(load, cta_lo + i, i))
-
-      @pl.loop(cta_lo, cta_hi - stages)
-      def _ring(kv_step):
-        slot = slot_of(kv_step)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(kv_step + stages, slot)
+      _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
@@ -1313,14 +1337,8 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
           plgpu.copy_gmem_to_smem(r_ref.at[bi, q_head, pl.ds(step * bq, bq)],
                                   r_smem.at[slot], r_bar.at[slot])
 
-      for i in range(stages):
-        _when(cta_start + i < cta_end, functools.partial(load, cta_start + i, i))
-
-      @pl.loop(cta_start, cta_end - stages)
-      def _ring(q_step):
-        slot = slot_of(q_step)
-        plgpu.barrier_wait(consumed.at[slot])
-        load(q_step + stages, slot)
+      _stream(cta_start, cta_end, stages, load,
+              lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)

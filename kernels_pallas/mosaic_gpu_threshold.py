@@ -78,7 +78,8 @@ from kernels_pallas.mosaic_gpu import (
     _plgpu,
     _primal,
     _round_up,
-    _transposed,
+    _scores,
+    _stream,
 )
 
 __all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
@@ -223,14 +224,8 @@ def _search(cfg: _TCfg, q, k, interpret):
       def logits(g, j):
         """The block j's scaled logits and visibility (g the global step: its slot)."""
         slot = lax.rem(g, jnp.array(stages, g.dtype))
-        plgpu.barrier_wait(k_loaded.at[slot])
-
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem.at[slot]))
-          return acc_ref[...]
-
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
+        qk = _scores(plgpu, q_smem, k_smem.at[slot], k_loaded.at[slot], k_consumed.at[slot],
+                     (bq, bk))
         qpos, k_pos = iota(0) + q_base, iota(1) + j * bk
         mask = jnp.logical_and(k_pos < cfg.s, qpos < cfg.t)
         if cfg.causal:
@@ -437,14 +432,8 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
         acc, l_i = carry
         j = idx_ref[bi, q_head, q_tile, i]
         slot = lax.rem(i, jnp.array(stages, i.dtype))
-        plgpu.barrier_wait(k_loaded.at[slot])
-
-        def compute_qk(acc_ref):
-          plgpu.wgmma(acc_ref, qo_smem, _transposed(plgpu, k_smem.at[slot]))
-          return acc_ref[...]
-
-        qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
-        plgpu.barrier_arrive(k_consumed.at[slot])
+        qk = _scores(plgpu, qo_smem, k_smem.at[slot], k_loaded.at[slot], k_consumed.at[slot],
+                     (bq, bk))
         q_pos, k_pos = iota(0) + q_base, iota(1) + j * bk
         mask = k_pos < cfg.s
         if cfg.causal:
@@ -488,15 +477,11 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
-      for i in range(stages):
-        pl.when(i < count)(functools.partial(load, i, i))
-
-      @pl.loop(0, count - stages)
-      def _ring(i):
-        slot = lax.rem(i, jnp.array(stages, i.dtype))
+      def released(slot):
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
-        load(i + stages, slot)
+
+      _stream(0, count, stages, load, released)
 
   def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref):
     transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
