@@ -13,7 +13,6 @@ from jax.typing import ArrayLike
 
 from jaxsoft import normalizers
 from jaxsoft._validation import concrete
-from jaxsoft.linear.chunk import sum_like
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
 
@@ -56,7 +55,7 @@ def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
 
   Properties: :math:`L \ge 0`, with equality iff :math:`p = y` (e.g. for sparsemax when
   the target logit leads the others by at least 1); the gradient in the logits is
-  exactly :math:`p - y` (a ``custom_vjp`` on :math:`\Omega^*`: no differentiation
+  exactly :math:`p - y` (a ``custom_jvp`` on :math:`\Omega^*`: no differentiation
   through the normalizer's solve), and for ``"entmax"`` the gradient in ``alpha`` is
   :math:`\partial_\alpha \Omega_\alpha(y) - \partial_\alpha \Omega_\alpha(p)` (Danskin).
 
@@ -71,8 +70,9 @@ def fenchel_young_loss(logits: ArrayLike, labels: ArrayLike,
   no visible class are handled as in :func:`softmax_cross_entropy_with_integer_labels`
   (loss 0, resp. ``+inf``). Gradients in probability ``labels`` are exact up to a
   constant along the all-ones direction (which the simplex does not have), taking the
-  entropy's derivative as 0 at zero entries. Reverse-mode only (``custom_vjp``): use
-  ``jax.grad``/``jax.vjp``, not ``jax.jvp``/``jax.jacfwd``.
+  entropy's derivative as 0 at zero entries. Every derivative is taken (``jax.grad``,
+  ``jax.jvp``, ``jax.jacfwd``, ``jax.hessian``): the rule on :math:`\Omega^*` is a
+  ``custom_jvp``, differentiated again through the normalizer's own derivative.
 
   Args:
     logits: ``[..., K, ...]`` float scores (bf16/fp16 computed in float32).
@@ -202,33 +202,37 @@ def _weights(z, mask, alpha, axis: int, name: str):
   return normalizers.entmax(z, alpha=alpha, axis=axis, where=mask)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
 def _conjugate(z, mask, alpha, axis, name):
   r""":math:`\Omega^*(z) = \max_{p \in \Delta} \langle z, p\rangle - \Omega(p)` per row."""
-  return _conjugate_fwd(z, mask, alpha, axis, name)[0]
+  return _conjugate_value(z, mask, alpha, axis, name)[0]
 
 
-def _conjugate_fwd(z, mask, alpha, axis, name):
+def _conjugate_value(z, mask, alpha, axis, name):
+  """``(Omega^*(z), p)`` with p the normalizer at z (the maximiser)."""
   if name == "softmax":
     value, _ = lc.masked_logsumexp(z, mask, axis)
     p = normalizers.softmax(z, axis=axis, where=mask)
   else:
     p = _weights(z, mask, alpha, axis, name).astype(z.dtype)
     value = jnp.sum(z * p, axis=axis) - _omega(p, alpha, axis)
-  return value, (p, alpha)
+  return value, p
 
 
-def _conjugate_bwd(axis, name, residuals, g):
-  p, alpha = residuals
-  dz = jnp.expand_dims(g, axis) * p  # Danskin: the gradient of a max is its argmax
-  if alpha is None:
-    dalpha = None
-  else:
-    _, vjp = jax.vjp(lambda a: -_omega(p, a, axis), alpha)
-    (dalpha,) = vjp(g)
-    # an alpha shared by every shard_map shard gets the sum of their gradients
-    dalpha = sum_like(dalpha, alpha)
-  return dz, None, dalpha
-
-
-_conjugate.defvjp(_conjugate_fwd, _conjugate_bwd)
+@_conjugate.defjvp
+def _conjugate_jvp(axis, name, primals, tangents):
+  r"""Danskin: the derivative of a max is that of its objective at the maximiser p,
+  :math:`d\Omega^* = \langle p, dz\rangle - \partial_\alpha \Omega_\alpha(p)\,d\alpha`, with no
+  differentiation through the normalizer's solve. Linear in ``(dz, dalpha)``: reverse mode
+  transposes it to ``dz = g p`` (and the ``alpha`` term); forward mode (``jax.jvp``,
+  ``jax.jacfwd``) uses it as is; a second derivative differentiates p (the normalizer's own
+  derivative), the Hessian of :math:`\Omega^*`."""
+  z, mask, alpha = primals
+  dz, _, dalpha = tangents
+  value, p = _conjugate_value(z, mask, alpha, axis, name)
+  dvalue = jnp.sum(p * dz, axis=axis)
+  if alpha is not None:
+    # an alpha shared by every shard_map shard: transposing the implicit broadcast of alpha
+    # against the sharded p sums the shards' cotangents, as autodiff does
+    dvalue = dvalue + jax.jvp(lambda a: -_omega(p, a, axis), (alpha,), (dalpha,))[1]
+  return value, dvalue
