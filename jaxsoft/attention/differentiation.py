@@ -19,7 +19,7 @@ from jax._src.interpreters import ad as _ad  # LinearizeTracer (not re-exported)
 from jax._src.interpreters import batching  # BatchTracer (not re-exported)
 from jax.interpreters import ad
 
-__all__ = ["UnsupportedDifferentiation", "refuse_unsupported_ad", "first_order_only"]
+__all__ = ["UnsupportedDifferentiation", "refuse_unsupported_ad", "first_order_only", "forward_mode"]
 
 
 _SECOND_ORDER = ("a second- or higher-order derivative (jax.hessian, jax.grad of jax.grad, "
@@ -93,6 +93,28 @@ def refuse_unsupported_ad(tree, where: str, advice: str | None = None) -> None:
   if any(forward for forward, _ in levels):
     raise UnsupportedDifferentiation(
         _ad_message(where, "forward-mode differentiation (jax.jvp, jax.jacfwd)", advice))
+
+
+def forward_mode(tree) -> bool:
+  """Whether some leaf of ``tree`` (the differentiable inputs) is traced by a forward-mode
+  derivative (``jax.jvp``, ``jax.jacfwd``; a JVP tracer at any level, vmaps looked through).
+
+  A path with a custom VJP dispatches on it to a plain differentiable form of the same
+  arithmetic (or raises :func:`refuse_unsupported_ad`'s error), since JAX cannot push a
+  tangent through a ``custom_vjp``. As for :func:`refuse_unsupported_ad`, seen only when the
+  derivative retraces the call (not for ``jax.jvp`` of a ``jax.jit``-compiled function).
+  """
+  for x in jax.tree.leaves(tree):
+    while isinstance(x, jax.core.Tracer):
+      if isinstance(x, ad.JVPTracer):
+        return True
+      if isinstance(x, batching.BatchTracer):
+        x = x.val
+      elif isinstance(x, _ad.LinearizeTracer):
+        x = x.primal
+      else:
+        break
+  return False
 
 
 def first_order_only(fn: Callable, where: str, advice: str | None = None) -> Callable:

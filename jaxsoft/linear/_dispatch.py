@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.attention.differentiation import forward_mode as _forward_mode
+from jaxsoft.attention.differentiation import refuse_unsupported_ad as _refuse_ad
 from jaxsoft.linear import _checks, recurrence
 from jaxsoft.linear import chunk as _chunk
 from jaxsoft.linear.context_parallel import active as _cp_active
@@ -70,12 +72,19 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   # the scans over time carry the state: it varies over every shard_map axis the inputs do
   S0 = _chunk.vary_like(S0.astype(cdt), q, k, v, g, beta, run)
   args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
+  # forward mode (jax.jvp, jax.jacfwd) cannot pass the chunked form's custom VJP: the same
+  # chunked arithmetic then runs differentiated by autodiff; the Pallas kernels refuse it
+  forward_mode = _forward_mode(args)
   if call.implementation == "pallas":
+    if forward_mode:
+      _refuse_ad(args, f"{call.fn_name}: implementation='pallas'",
+                 "Use implementation='chunked' (the same chunked form in XLA), which "
+                 "supports jax.jvp and jax.jacfwd.")
     o, S_T = _pallas(call, args)
   elif call.implementation == "recurrent":
     o, S_T = recurrence.recurrent(*args)
   elif call.implementation == "chunked":
-    o, S_T = recurrence.chunked(*args, chunk=min(call.chunk_size, T))
+    o, S_T = recurrence.chunked(*args, chunk=min(call.chunk_size, T), recompute=not forward_mode)
   else:  # parallel: one chunk holding the whole sequence
     o, S_T = recurrence.chunked(*args, chunk=T, recompute=False)
   if cp is not None:   # the last shard's end state, which every shard has from the fold

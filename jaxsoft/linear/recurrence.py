@@ -156,15 +156,19 @@ def _unit_lower_inverse_jvp(primals, tangents):
   return X, -(X @ dA @ X)
 
 
-@jax.custom_vjp
+@jax.custom_jvp
 def _gram(x: jax.Array) -> jax.Array:
-  """``x x^T`` over the last axis, differentiated as ``dx = (D + D^T) x`` (one product
-  where autodiff of the einsum does two)."""
+  """``x x^T`` over the last axis, with the tangent ``P + P^T``, ``P = dx x^T``: reverse mode
+  transposes it to ``dx = (D + D^T) x`` (one product where autodiff of the einsum does two),
+  and forward mode (``jax.jvp``, ``jax.jacfwd``) and higher orders work as for any JVP rule."""
   return jnp.einsum("...ik,...jk->...ij", x, x)
 
 
-_gram.defvjp(lambda x: (_gram(x), x),
-             lambda x, D: ((D + jnp.swapaxes(D, -1, -2)) @ x,))
+@_gram.defjvp
+def _gram_jvp(primals, tangents):
+  (x,), (dx,) = primals, tangents
+  P = jnp.einsum("...ik,...jk->...ij", dx, x)
+  return _gram(x), P + jnp.swapaxes(P, -1, -2)
 
 
 def channel_scores(x: jax.Array, y: jax.Array, G: jax.Array, mask: jax.Array) -> jax.Array:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft._validation import check_positive, finite_float, positive_int
+from jaxsoft.attention import differentiation
 from jaxsoft.linear.chunk import sum_like, vary_like
 from jaxsoft.losses import _common as lc
 from jaxsoft.normalizers import common as nc
@@ -51,6 +52,9 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   - (1-\epsilon)[v = y] - \epsilon/V`, then ``dh += dz @ w_chunkᵀ`` and
   ``dw_chunk += h_chunkᵀ @ dz``. Memory is O(tokens·d + d·V) for the inputs and their
   gradients plus one chunk of logits, instead of O(tokens·V).
+  Forward mode (``jax.jvp``, ``jax.jacfwd``; not through the custom VJP) differentiates the
+  same chunked forward pass by autodiff, one chunk of logit tangents at a time; the Pallas
+  implementations raise :class:`jaxsoft.attention.UnsupportedDifferentiation` there.
 
   The chunks need not divide the axes: the last vocabulary chunk is shifted back to end at
   V and its columns already counted are masked; the tokens are padded to a whole chunk.
@@ -130,7 +134,12 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
     return jnp.zeros(batch_shape, out_dtype)
   vocab = w.shape[1]
   dtype = jnp.dtype(nc.compute_dtype(jnp.result_type(h.dtype, w.dtype)))
+  forward_mode = differentiation.forward_mode((h, w))
   if implementation not in (None, "xla"):
+    if forward_mode:
+      differentiation.refuse_unsupported_ad(
+          (h, w), f"{fn}: implementation={implementation!r}",
+          "Use implementation='xla' (or None), which supports jax.jvp and jax.jacfwd.")
     loss = _pallas(implementation, h.reshape(n, d), w, labels.reshape(n), keep.reshape(n),
                    eps, lam, cap, dtype, token_chunk_size, vocab_chunk_size)
     return loss.reshape(batch_shape).astype(out_dtype)
@@ -149,7 +158,10 @@ def linear_cross_entropy(h: ArrayLike, w: ArrayLike, labels: ArrayLike, *,
   keep2 = jnp.pad(keep.reshape(n), (0, n_pad - n))
   in_range = (y2 >= 0) & (y2 < vocab)
   cfg = _Config(tc, vc, eps, lam, cap, dtype)
-  loss = _lce(cfg, h2, w, jnp.where(in_range, y2, 0), keep2 & in_range)
+  # forward mode (jax.jvp, jax.jacfwd) cannot pass the custom VJP: the same chunked forward
+  # pass, differentiated by autodiff (the tangents of one chunk of logits at a time)
+  loss_fn = _forward_loss if forward_mode else _lce
+  loss = loss_fn(cfg, h2, w, jnp.where(in_range, y2, 0), keep2 & in_range)
   loss = jnp.where(keep2 & ~in_range, jnp.inf, loss)[:n]
   return loss.reshape(batch_shape).astype(out_dtype)
 
@@ -306,3 +318,8 @@ def _backward(cfg, h, w, y, lse, g, coef_p):
 
 
 _lce = cross_entropy.chunked_loss_vjp(_forward, _backward)
+
+
+def _forward_loss(cfg, h, w, y, keep):
+  """The loss of :func:`_forward` without the custom VJP (autodiff: every derivative)."""
+  return _forward(cfg, h, w, y, keep)[0]
