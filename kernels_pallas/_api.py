@@ -187,7 +187,9 @@ def attention_from_call(call, *, backend: str | None = None, interpret=None,
                   block_table=block_table, row_blocks=row_blocks, exp2=exp2,
                   rescale_threshold=rescale_threshold, fp8=fp8, fp8_rotation=fp8_rotation,
                   fp8_dot=fp8_dot, approx_sigmoid=approx_sigmoid)
-  return with_posinf_rule(call, functools.partial(_attention_from_call, **settings))
+  # (no zero bias for class-R moments: the kernels' backward would write a T x S dS)
+  return with_posinf_rule(call, functools.partial(_attention_from_call, **settings),
+                          zero_bias_for_moments=False)
 
 
 def _attention_from_call(call, *, backend: str | None = None, interpret=None,

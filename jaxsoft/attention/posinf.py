@@ -48,10 +48,12 @@ A score that overflows to ``-inf`` is a hidden key on the dense path (a ``-inf``
 rule). The softmax-like tiles hide it too (its weight is 0 either way); for the rest:
 
 * a class-R normalizer (row moments: standardized softmax, NAP, ...) without a bias runs
-  its pass with a zero bias of shape ``[1, 1, 1, 1]`` when the bound above is reached (a
+  on ``xla_chunked`` its pass with a zero bias of shape ``[1, 1, 1, 1]`` when the bound above is reached (a
   ``lax.cond``: an ordinary call pays the bound; both passes are compiled), so its tiles
   test every logit and the ``-inf`` key leaves the moments, as on the dense path (it was
-  NaN); with a bias the tiles hid it already. The same pass hides a ``+inf`` that a query
+  NaN); with a bias the tiles hid it already. The Pallas kernels run no such pass (with a
+  bias their backward writes a T x S dS): there a class-R row with a visible overflowing
+  ``-inf`` score is NaN in value and gradient, as a length-dependent row below. The same pass hides a ``+inf`` that a query
   of zeros still gives, so those rows take the ``+inf`` rule as well;
 * a length-dependent normalizer's length count n is taken from the structure, the mask
   and the bias only (not the scores): it would count the key, a finite answer of another
@@ -89,7 +91,7 @@ __all__ = ["with_posinf_rule"]
 _TILE_Q, _TILE_K = 64, 128
 
 
-def with_posinf_rule(call, run: Callable[[Any], Any]):
+def with_posinf_rule(call, run: Callable[[Any], Any], *, zero_bias_for_moments: bool = True):
   """``run(call)`` (a blockwise implementation) with the dense path's ``+inf`` rule.
 
   Args:
@@ -97,6 +99,10 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
     run: the implementation, ``run(call) -> out`` (or ``(out, residual)`` with
       ``call.return_residual``); it must hide ``+inf`` logits as it hides ``-inf`` ones
       (both paths' tile visibility is ``|x| != inf``), so that every row stays finite.
+    zero_bias_for_moments: a class-R call without a bias runs with a zero bias when its
+      scores may overflow (below). The Pallas kernels pass False: with a bias their
+      backward writes dS, a [B, N, T, S] array, so there a class-R row with an overflowing
+      ``-inf`` score stays NaN (never a finite number) and the memory stays O(T·H).
 
   Returns:
     what ``run`` returns; rows with a visible ``+inf`` logit (from the bias or the
@@ -121,7 +127,7 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
   bias = None if call.bias is None else jnp.asarray(call.bias)
   if bias is not None:
     result = run(call)
-  elif spec.kernel_class == "R":
+  elif spec.kernel_class == "R" and zero_bias_for_moments:
     # a -inf score must be hidden from a row's moments as the dense path hides it: when
     # the scores may overflow, the pass runs with a zero bias (the tiles then test every
     # logit)
@@ -130,7 +136,11 @@ def with_posinf_rule(call, run: Callable[[Any], Any]):
     # without a bias the tiles keep +inf scores visible: those rows' queries go in as zeros
     result = run(dataclasses.replace(call, q=_without_posinf_rows(call, context)))
   out, stat = result if call.return_residual else (result, None)
-  out, stat = _override_rows(call)(out, stat, call.v, bias, arrays, context)
+  # (class R without the zero-bias pass: a row whose moments saw an overflowing -inf score
+  # is NaN, as a length-dependent row whose n would be wrong)
+  neg_is_nan = call.spec.length_dependent or (
+      spec.kernel_class == "R" and bias is None and not zero_bias_for_moments)
+  out, stat = _override_rows(call, neg_is_nan)(out, stat, call.v, bias, arrays, context)
   return out if stat is None else (out, stat)
 
 
@@ -212,7 +222,7 @@ def _may_have_posinf(call, bias, context):
   return (bmax == jnp.inf) | ~(bound <= big)
 
 
-def _override_rows(call):
+def _override_rows(call, neg_is_nan: bool):
   """``(out, stat, v, bias, array hyperparameters) -> (out, stat)`` with the rows that
   have a visible ``+inf`` replaced by the ``+inf`` rule (stat: ``+inf``; None stays None).
 
@@ -226,7 +236,6 @@ def _override_rows(call):
   share = (not any(isinstance(x, (jax.Array, np.ndarray)) for x in call.params.values())
            and _shares_among_inf(call.spec, call.params))
 
-  length_dependent = call.spec.length_dependent
 
   def rows(v, bias, arrays, context):
     """(out of the +inf rows, where a row has a visible +inf, where a row's output is NaN:
@@ -236,7 +245,7 @@ def _override_rows(call):
                                                                rest=not share)
     # (the blockwise length count n is taken without the scores: it would count a key whose
     # score overflows to -inf, which the dense path hides; such rows are NaN instead)
-    nan_rows = (count_neg > 0) & (count_k == 0) if length_dependent else count_k < 0
+    nan_rows = (count_neg > 0) & (count_k == 0) if neg_is_nan else count_k < 0
     if share:  # 1/k on each +inf entry, 0 elsewhere
       return sum_inf / jnp.maximum(count_k, 1.0)[..., None], count_k > 0, nan_rows
     a, b = _limit_weights(call_, arrays, count_k, count_n, dtype)

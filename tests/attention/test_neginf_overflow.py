@@ -101,7 +101,12 @@ def test_chunked_length_count_refuses_an_overflowing_neginf_score(small_blocks):
 def test_blockwise_moment_rows_hide_an_overflowing_neginf_score(impl, normalizer, with_bias,
                                                                 small_blocks, monkeypatch):
   monkeypatch.setenv(INTERPRET_ENV, "1")
-  _check_moments(impl, normalizer, with_bias)
+  # the Pallas kernels run no zero-bias pass (its dS would be T x S): the rows whose
+  # moments saw the overflowing -inf score are NaN there, never a finite number
+  if impl == "pallas" and not with_bias:
+    _check_length_dependent(impl, normalizer, with_bias)
+  else:
+    _check_moments(impl, normalizer, with_bias)
 
 
 @pytest.mark.slow
