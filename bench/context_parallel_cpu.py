@@ -121,6 +121,24 @@ def weak_row_cells(cp, T, normalizer, name, err, mib, ms):
   return f"{head} {err:.1e} | {temp} | {io} | {peak} | {time_cell} |"
 
 
+def _inputs(T: int):
+  """q, k, v [B, T, N, H] float32 (seeded by T)."""
+  import jax
+  import jax.numpy as jnp
+  keys = jax.random.split(jax.random.key(T), 3)
+  return tuple(jax.random.normal(key, (B, T, N, H), jnp.float32) for key in keys)
+
+
+def _one_device(normalizer):
+  """The one-device call the sharded ones are checked against: causal, dense (``xla``)."""
+  from jaxsoft.attention import dot_product_attention
+
+  def single(q, k, v):
+    return dot_product_attention(q, k, v, is_causal=True, normalizer=normalizer,
+                                 implementation="xla")
+  return single
+
+
 def weak_scaling(t0: int, cps, normalizers, reps: int) -> bool:
   """Prints the weak-scaling table (T = t0 * cp on cp devices); True when every row passed
   its check."""
@@ -129,7 +147,6 @@ def weak_scaling(t0: int, cps, normalizers, reps: int) -> bool:
   from jax.sharding import NamedSharding, PartitionSpec
 
   from jaxsoft.attention import context_parallel as cp_module
-  from jaxsoft.attention import dot_product_attention
 
   strategies = sorted(cp_module.STRATEGIES)
   print(f"# weak scaling: T = {t0} * cp on cp of {DEVICES} CPU devices, B={B} N=K={N} H={H}, "
@@ -145,12 +162,9 @@ def weak_scaling(t0: int, cps, normalizers, reps: int) -> bool:
     mesh = jax.make_mesh((cp,), ("context",), devices=jax.devices()[:cp])
     seq = NamedSharding(mesh, PartitionSpec(None, "context"))
     one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    keys = jax.random.split(jax.random.key(T), 3)
-    q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.float32) for key in keys)
+    q, k, v = _inputs(T)
     for normalizer in normalizers:
-      def single(q, k, v, normalizer=normalizer):
-        return dot_product_attention(q, k, v, is_causal=True, normalizer=normalizer,
-                                     implementation="xla")
+      single = _one_device(normalizer)
       ref, memory, ms = compile_and_run(single, (q, k, v), reps, in_shardings=(one,) * 3,
                                         out_shardings=one)
       print(weak_row_cells(cp, T, normalizer, "1 device", 0.0, memory_mib(memory), ms),
@@ -193,7 +207,6 @@ def main(argv=None) -> int:
   import jax.numpy as jnp
 
   from jaxsoft.attention import context_parallel as cp_module
-  from jaxsoft.attention import dot_product_attention
 
   assert jax.device_count() == DEVICES, jax.devices()
   if args.weak is not None:
@@ -209,12 +222,9 @@ def main(argv=None) -> int:
   print("|---|---|---|---|---|---|")
   failed = False
   for T in args.lengths:
-    keys = jax.random.split(jax.random.key(T), 3)
-    q, k, v = (jax.random.normal(key, (B, T, N, H), jnp.float32) for key in keys)
+    q, k, v = _inputs(T)
     for normalizer in normalizers:
-      def single(q, k, v, normalizer=normalizer):
-        return dot_product_attention(q, k, v, is_causal=True, normalizer=normalizer,
-                                     implementation="xla")
+      single = _one_device(normalizer)
       ref, temp, ms = measure_compiled(single, (q, k, v), args.reps)
       print(row_cells("1 device", T, normalizer, 0.0, temp, ms), flush=True)
       for strategy in strategies:
