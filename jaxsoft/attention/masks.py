@@ -414,17 +414,25 @@ class MaskStructure:
           f"`num_q_blocks`={nq} x `block_q`={block_q} and `num_k_blocks`={nk} x "
           f"`block_k`={block_k} must cover T={self.T} and S={self.S}")
     lo, hi, count = self.row_ranges() if ranges is None else ranges
-    # jnp's broadcast, not max(): a symbolic batch (jax.export) against 1 has no maximum
-    b, = jnp.broadcast_shapes(lo.shape[:1], hi.shape[:1], count.shape[:1])
-    lo, hi, count = (jnp.broadcast_to(a, (b, self.T)) for a in (lo, hi, count))
+    rows = [jnp.broadcast_to(a, (a.shape[0], self.T))
+            for a in (lo, hi, (count > 0).astype(jnp.int32))]
     # Per row +1 at its first key block, -1 past its last; a running sum over the key
-    # blocks of each query block counts the rows reaching each tile.
-    mark = (count > 0).astype(jnp.int32)
-    bi = jnp.arange(b, dtype=jnp.int32)[:, None]
-    qb = (jnp.arange(self.T, dtype=jnp.int32) // block_q)[None, :]
-    diff = jnp.zeros((b, nq, nk + 1), jnp.int32)
-    diff = diff.at[bi, qb, jnp.where(mark > 0, lo // block_k, 0)].add(mark)
-    diff = diff.at[bi, qb, jnp.where(mark > 0, (hi - 1) // block_k + 1, 0)].add(-mark)
+    # blocks of each query block counts the rows reaching each tile. One batch entry at a
+    # time (vmap), an array of one entry ([1, T]) shared by the batch: the scatter then
+    # keeps a batch sharded on an Explicit mesh (a batch-indexed scatter into a replicated
+    # zeros is a sharding type error there, and so is a mapped axis sharded in one argument
+    # and not in another). ``== 1`` is False for a symbolic batch (jax.export).
+    shared = [a.shape[0] == 1 for a in rows]
+    in_axes = [0] * 3 if all(shared) else [None if s else 0 for s in shared]
+    rows = [a[0] if axis is None else a for a, axis in zip(rows, in_axes, strict=True)]
+    qb = jnp.arange(self.T, dtype=jnp.int32) // block_q
+
+    def row_diff(lo, hi, mark):
+      diff = jnp.zeros((nq, nk + 1), jnp.int32)
+      diff = diff.at[qb, jnp.where(mark > 0, lo // block_k, 0)].add(mark)
+      return diff.at[qb, jnp.where(mark > 0, (hi - 1) // block_k + 1, 0)].add(-mark)
+
+    diff = jax.vmap(row_diff, in_axes=tuple(in_axes))(*rows)
     return jnp.cumsum(diff, axis=-1)[..., :nk] > 0
 
   def block_key_ranges(self, block_q: int, num_q_blocks: int, block_k: int, ranges=None):
