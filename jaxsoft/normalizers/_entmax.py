@@ -26,7 +26,7 @@ from jaxsoft.normalizers.spec import NormalizerSpec, Param, ThresholdRule, regis
 __all__ = ["entmax15", "entmax", "learned_alpha"]
 
 _ALPHA = Param("alpha", 1.5, low=1.0, low_open=True, sample=1.25, row_broadcast=True)
-_N_ITER = Param("n_iter", None, low=1, sample=40)
+_N_ITER = Param("n_iter", None, low=1, sample=40, static=True)
 
 
 # --- 1.5-entmax: exact ----------------------------------------------------------------------

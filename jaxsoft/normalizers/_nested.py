@@ -15,7 +15,7 @@ __all__ = ["nested_sigmoid"]
 _KAPPA = Param("kappa", 1.0, low=0.0, low_open=True, sample=4.0, row_broadcast=True)
 _START = Param("start", -1.0, sample=0.0, row_broadcast=True)
 _STEP = Param("step", 1.0, low=0.0, low_open=True, sample=2.0, row_broadcast=True)
-_LEVELS = Param("levels", 3, low=1, sample=2)
+_LEVELS = Param("levels", 3, low=1, sample=2, static=True)
 
 
 def _check_levels(levels) -> int:

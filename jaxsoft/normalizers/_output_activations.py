@@ -24,7 +24,7 @@ from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_s
 
 __all__ = ["sinusoid", "step"]
 
-_LEVELS = Param("levels", None, low=1, sample=4)
+_LEVELS = Param("levels", None, low=1, sample=4, static=True)
 _THETA = Param("theta", 1.0, low=0.0, high=1.0, sample=0.5, row_broadcast=True)
 _THRESHOLD = Param("threshold", 0.0, sample=0.5, row_broadcast=True)
 

@@ -15,7 +15,7 @@ from jaxsoft.normalizers.spec import NormalizerSpec, Param, TileRule, identity_s
 
 __all__ = ["taylor_softmax", "taylor_exp"]
 
-_ORDER = Param("order", 2, low=2, sample=4)
+_ORDER = Param("order", 2, low=2, sample=4, static=True)
 
 
 def _check_order(order, fn_name: str) -> int:

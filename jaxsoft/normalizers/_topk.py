@@ -41,8 +41,8 @@ __all__ = ["top_k_softmax", "top_p_softmax", "epsilon_softmax", "eta_softmax",
            "basis_aware_softmax"]
 
 DEFAULT_K = 8
-_K = Param("k", DEFAULT_K, low=1, sample=3)
-_P = Param("p", 0.9, low=0.0, high=1.0, low_open=True, sample=0.5)
+_K = Param("k", DEFAULT_K, low=1, sample=3, static=True)
+_P = Param("p", 0.9, low=0.0, high=1.0, low_open=True, sample=0.5, static=True)
 _EPSILON = Param("epsilon", 3e-4, low=0.0, high=1.0, high_open=True, sample=0.05)
 _ETA = Param("eta", 3e-4, low=0.0, high=1.0, high_open=True, sample=0.05)
 

@@ -51,6 +51,10 @@ class Param:
     sample: a valid, non-default value the generated tests also exercise.
     row_broadcast: ``True`` when an array broadcast to the rows is accepted
       (shape broadcastable against ``x`` with size 1 along ``axis``).
+    static: ``True`` when the value must be a Python constant (a count, an order, a cut
+      compiled into the program: top-k's ``k``, top-p's ``p``); a traced value raises
+      ValueError naming it. Every other hyperparameter may be traced (a ``jax.jit``
+      argument, a learned value), with the same result as the constant.
 
   Examples:
     >>> from jaxsoft.normalizers import Param
@@ -75,6 +79,7 @@ class Param:
   high_open: bool = False
   sample: Any = None
   row_broadcast: bool = False
+  static: bool = False
 
   def validate(self, value, fn_name: str) -> None:
     """Raises ValueError naming the argument when a *concrete* value is out of range."""
