@@ -71,7 +71,8 @@ def softplus_from_range(value: ArrayLike, low: float = 0.0, margin: float = 0.0)
     low, margin: as :func:`softplus_to_range`.
 
   Returns:
-    z in float32, of ``value``'s shape. Raises ValueError naming ``value`` when a
+    z of ``value``'s shape, in float32 (float64 for float64 input) as
+    :func:`softplus_to_range`. Raises ValueError naming ``value`` when a
     concrete value is not above ``low + margin`` (a traced one is not checked).
 
   Examples:
@@ -85,7 +86,8 @@ def softplus_from_range(value: ArrayLike, low: float = 0.0, margin: float = 0.0)
     G. M. Correia, V. Niculae & A. F. T. Martins, 2019, "Adaptively Sparse Transformers"
     (EMNLP 2019).
   """
-  v = jnp.asarray(value, dtype=jnp.float32)
+  v = jnp.asarray(value)
+  v = v.astype(c.compute_dtype(v.dtype))
   y = v - low - margin
   known = concrete(y)  # None for a tracer: checked only when concrete
   if known is not None and np.any(known <= 0):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from jaxsoft import linear as _linear
+from jaxsoft.normalizers import common as c
 
 __all__ = ["nats_attention", "oryx_attention", "straight_through_route"]
 
@@ -78,7 +79,8 @@ def straight_through_route(logits: ArrayLike) -> jax.Array:
     logits: the router's scores z (any shape).
 
   Returns:
-    float32 routes of ``logits``' shape, exactly 0 or 1.
+    routes of ``logits``' shape, exactly 0 or 1, in float32 (float64 for float64
+    logits: the gradient is computed in the logits' precision).
 
   Examples:
     >>> js.attention.straight_through_route(jnp.array([-2.0, 0.5]))
@@ -90,8 +92,9 @@ def straight_through_route(logits: ArrayLike) -> jax.Array:
     Y. Bengio, N. Léonard & A. Courville, 2013, "Estimating or Propagating Gradients Through
     Stochastic Neurons for Conditional Computation" (arXiv 1308.3432).
   """
-  p = jax.nn.sigmoid(jnp.asarray(logits, jnp.float32))
-  return (p > 0.5).astype(jnp.float32) + p - jax.lax.stop_gradient(p)
+  z = jnp.asarray(logits)
+  p = jax.nn.sigmoid(z.astype(c.compute_dtype(z.dtype)))
+  return (p > 0.5).astype(p.dtype) + p - jax.lax.stop_gradient(p)
 
 
 def nats_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, g: ArrayLike,
