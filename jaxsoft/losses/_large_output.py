@@ -212,7 +212,8 @@ def unigram_proposal(counts: ArrayLike, power: float = 0.75) -> jax.Array:
     power: the exponent (0.75 in the paper; 1 gives the unigram, 0 the uniform).
 
   Returns:
-    ``[V]`` float32 probabilities summing to 1.
+    ``[V]`` probabilities summing to 1: float32, or float64 for float64 counts (and for
+    64-bit integer counts under x64, as jax.nn promotes them).
 
   Examples:
     >>> print(js.losses.unigram_proposal(jnp.array([16.0, 1.0, 0.0])))  # 16^(3/4) = 8 : 1 : 0
@@ -223,7 +224,8 @@ def unigram_proposal(counts: ArrayLike, power: float = 0.75) -> jax.Array:
     of Words and Phrases and their Compositionality" (NeurIPS).
   """
   fn = "unigram_proposal"
-  c = jnp.asarray(counts, jnp.float32)
+  c = jnp.asarray(counts)
+  c = c.astype(nc.compute_dtype(c.dtype))
   if c.ndim != 1 or c.shape[0] == 0:
     raise ValueError(f"{fn}: `counts` must be a non-empty 1-d array, got shape {c.shape}")
   _check_weights(concrete(counts), "counts", fn)

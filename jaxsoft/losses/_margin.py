@@ -227,7 +227,8 @@ def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
     where: optional ``[B]`` example mask (False: left out of both statistics).
 
   Returns:
-    A float32 scalar.
+    A scalar in the cosines' dtype: float32, or float64 for float64 features or centres
+    under x64 (``previous_scale`` is taken in that dtype).
 
   Examples:
     >>> x, w = jnp.ones((2, 3)), jnp.ones((3, 1001))
@@ -244,11 +245,12 @@ def adacos_scale(embeddings: ArrayLike, class_weights: ArrayLike, labels: ArrayL
   if n_classes < 2:
     raise ValueError(f"{fn}: `class_weights` needs at least 2 classes ([d, C]), got {w.shape}")
   if previous_scale is None:
-    return jnp.asarray(math.sqrt(2.0) * math.log(n_classes - 1), jnp.float32)
+    return jnp.asarray(math.sqrt(2.0) * math.log(n_classes - 1),
+                       nc.compute_dtype(jnp.result_type(jnp.asarray(embeddings), w)))
   cos = jax.lax.stop_gradient(cosine_logits(embeddings, w, fn))
   labels = lc.check_labels(labels, cos.shape[:1], fn, what="[B]")
   keep = lc.example_keep(where, labels, None, fn)
-  s = jax.lax.stop_gradient(jnp.asarray(previous_scale, jnp.float32))
+  s = jax.lax.stop_gradient(jnp.asarray(previous_scale, cos.dtype))
   target = jax.nn.one_hot(labels, n_classes, dtype=bool)
   b_sum = jnp.sum(jnp.where(target, 0.0, jnp.exp(s * cos)), axis=-1)
   b_avg = nc.safe_divide(jnp.sum(jnp.where(keep, b_sum, 0.0)), jnp.sum(keep))
