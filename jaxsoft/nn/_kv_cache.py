@@ -335,26 +335,34 @@ def _dense_decode(q, k, v, lengths, hp, *, normalizer, scale, cap):
   return out[:, 0]
 
 
-def _decode_with_dense_vjp(kernel, dense):
-  """``kernel(q, k, v, lengths, hp)`` with the reverse-mode derivative of ``dense`` (the
-  same function through XLA): the decoding kernel is forward only, so a gradient through
-  a decode step recomputes the step densely in the backward pass instead of
-  differentiating the kernel. Forward-mode (jvp) raises JAX's custom_vjp error."""
+def _decode_with_dense_derivative(kernel, dense):
+  r"""``kernel(q, k, v, lengths, hp)`` differentiated as ``dense`` (the same function
+  through XLA): the decoding kernel is forward only, so every derivative of a decode step
+  is the dense step's. A custom JVP
 
-  @jax.custom_vjp
+  .. math::
+    \dot o = \partial_q o_\text{dense}\,\dot q + \partial_k o_\text{dense}\,\dot k
+      + \partial_v o_\text{dense}\,\dot v + \partial_\theta o_\text{dense}\,\dot\theta
+
+  (``jax.jvp`` of ``dense``; the primal stays the kernel's), which JAX transposes for
+  reverse mode, so ``jax.jvp`` / ``jax.jacfwd`` (also of a ``jax.jit``-compiled step),
+  ``jax.grad`` and any higher order take the dense step's derivative; the primal inside
+  the rule is this function again, so a nested derivative never differentiates the
+  kernel. ``lengths`` (integers) has no tangent."""
+
+  @jax.custom_jvp
   def f(q, k, v, lengths, hp):
     return kernel(q, k, v, lengths, hp)
 
-  def fwd(q, k, v, lengths, hp):
-    return kernel(q, k, v, lengths, hp), (q, k, v, lengths, hp)
+  @f.defjvp
+  def f_jvp(primals, tangents):
+    q, k, v, lengths, hp = primals
+    dq, dk, dv, _, dhp = tangents
+    out = f(q, k, v, lengths, hp)
+    _, dout = jax.jvp(lambda q_, k_, v_, hp_: dense(q_, k_, v_, lengths, hp_),
+                      (q, k, v, hp), (dq, dk, dv, dhp))
+    return out, dout.astype(out.dtype)
 
-  def bwd(res, g):
-    q, k, v, lengths, hp = res
-    _, pull = jax.vjp(lambda q_, k_, v_, hp_: dense(q_, k_, v_, lengths, hp_), q, k, v, hp)
-    dq, dk, dv, dhp = pull(g)
-    return dq, dk, dv, np.zeros(lengths.shape, jax.dtypes.float0), dhp
-
-  f.defvjp(fwd, bwd)
   return f
 
 
@@ -380,8 +388,8 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
   keeps the dense path (``dot_product_attention`` with the layer's ``implementation``).
 
   The kernel is forward only; a gradient through the step is the dense path's
-  (:func:`_decode_with_dense_vjp`: a custom VJP recomputing the step through XLA), never
-  a differentiated kernel.
+  (:func:`_decode_with_dense_derivative`: a custom JVP through the step's XLA form, so
+  forward mode, reverse mode and higher orders all work), never a differentiated kernel.
 
   Args:
     module: the layer (its cache was just written by :func:`update_cache`).
@@ -435,7 +443,7 @@ def pallas_decode(module: Any, step: DecodeStep, window: tuple[int, int] | None,
     return _dense_decode(q_, k_, v_, lengths_, hp_, normalizer=spec.name, scale=scale,
                          cap=cap)
 
-  out = _decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, hp)
+  out = _decode_with_dense_derivative(kernel, dense)(q[:, 0], keys, values, lengths, hp)
   return out[:, None]
 
 
@@ -509,5 +517,5 @@ def polykv_decode(module: Any, step: Any, window: tuple[int, int] | None, q: jax
     return _dense_decode(q_, k_, v_, lengths_, hp_, normalizer="softmax",
                                    scale=scale, cap=None)
 
-  out = _decode_with_dense_vjp(kernel, dense)(q[:, 0], keys, values, lengths, {})
+  out = _decode_with_dense_derivative(kernel, dense)(q[:, 0], keys, values, lengths, {})
   return out[:, None].astype(q.dtype)
