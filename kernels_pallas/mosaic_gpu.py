@@ -309,13 +309,25 @@ def _primal(fn):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Cfg:
+class _Problem:
+  """What every Mosaic-GPU kernel's static configuration holds (this module's and
+  ``kernels_pallas.mosaic_gpu_threshold``'s): the resolved normalizer, its hyperparameters
+  as sorted ``(name, value)`` pairs (hashable), the logits' scale, the causal flag and the
+  unpadded lengths; each engine's configuration adds its tiles."""
   spec: Any
   hp: tuple[tuple[str, Any], ...]
   scale: float
   causal: bool
   t: int  # query length (unpadded)
   s: int  # key length (unpadded)
+
+  @property
+  def hp_dict(self) -> dict[str, Any]:
+    return dict(self.hp)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Cfg(_Problem):
   block_q: int
   block_k: int
   num_stages: int
@@ -345,10 +357,6 @@ class _Cfg:
   @property
   def rule(self) -> _spec.TileRule:
     return self.spec.tile
-
-  @property
-  def hp_dict(self) -> dict[str, Any]:
-    return dict(self.hp)
 
 
 def smem_bytes(head_dim: int, dtype, block_q: int = 64, block_k: int = 128,
@@ -511,6 +519,76 @@ def _launch(plgpu, entry, out_type, grid, grid_names, num_threads: int, interpre
                       compiler_params=plgpu.CompilerParams(approx_math=True), **kwargs)
 
 
+# --- the warp-specialised CTA's scaffolding, shared by every kernel here and by
+# kernels_pallas.mosaic_gpu_threshold (with _stream, the producer's ring, and _scores) ---
+
+def _specialise(plgpu, wg, consumers: int, consumer, producer) -> None:
+  """FlashAttention-3's warp specialisation of a CTA of ``consumers + 1`` warpgroups:
+  warpgroups ``0 .. consumers - 1`` run ``consumer()`` (the wgmma math) with their
+  register budget raised to 232 per thread (240 when there is one consumer), warpgroup
+  ``consumers`` runs ``producer()`` (the TMA copies) with its budget lowered to 40, which
+  frees the registers the consumers' accumulators take."""
+  from jax.experimental import pallas as pl
+
+  @pl.when(wg < consumers)
+  def _consumer():
+    plgpu.set_max_registers(232 if consumers == 2 else 240, action="increase")
+    consumer()
+
+  @pl.when(wg == consumers)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    producer()
+
+
+def _swizzled(plgpu, shape, dtype):
+  """A shared-memory buffer of 16-bit elements laid out as wgmma reads it: 128-byte
+  swizzled (8, 64) tiles (every head dim here is at least 64 elements = 128 bytes wide)."""
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                              plgpu.SwizzleTransform(128)))
+
+
+def _fetch(plgpu, copies) -> None:
+  """A consumer warpgroup's resident tiles brought into shared memory: every copy of
+  ``copies`` (``(gmem_ref, smem_ref, barrier)`` triples) issued on the TMA unit, then
+  each barrier waited on in the same order."""
+  for src, dst, barrier in copies:
+    plgpu.copy_gmem_to_smem(src, dst, barrier)
+  for _, _, barrier in copies:
+    plgpu.barrier_wait(barrier)
+
+
+def _write_back(plgpu, copies) -> None:
+  """A consumer warpgroup's results, already written to shared memory, copied out: the
+  writes committed (ordered before the TMA unit reads them), each ``(smem_ref,
+  gmem_ref)`` of ``copies`` copied to global memory, and the copies waited for (the CTA's
+  shared memory is released at its end)."""
+  plgpu.commit_smem()
+  for src, dst in copies:
+    plgpu.copy_smem_to_gmem(src, dst)
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _kv_head(q_head, groups: int):
+  """The key/value head read by query head ``q_head`` (grouped-query attention:
+  ``groups`` consecutive query heads share one)."""
+  return jax.lax.div(q_head, jnp.array(groups, q_head.dtype))
+
+
+def _cta(seq_axis: str = "q_seq"):
+  """Where the running warpgroup is: ``(batch, query head, sequence tile, warpgroup)``,
+  the indices of the kernels' grid ``("heads", seq_axis, "batch")`` (:func:`_launch`)
+  and of its warpgroup axis ``"wg"``."""
+  index = jax.lax.axis_index
+  return index("batch"), index("heads"), index(seq_axis), index("wg")
+
+
+def _slot(step, lo, stages: int):
+  """The ring slot of ``step`` in a ring of ``stages`` slots that starts at step ``lo``:
+  ``(step - lo) mod stages``."""
+  return jax.lax.rem(step - lo, jnp.array(stages, jnp.int32))
+
+
 def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths=None):
   """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H] (and the int32 [B]
   ``kv_lengths`` when ``cfg.kv_lengths``); returns [B, Tp, N, H] (``save_stats``: and the
@@ -552,11 +630,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
   stat_names = _stat_names(cfg) if save_stats else ()
 
   def kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, scoped):
-    bi = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
+    bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     smem, loaded, consumed, schedule_barrier, st_smem2 = scoped
-    wg = lax.axis_index("wg")
     qo_smem2, k_smem, v_smem = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
@@ -565,24 +641,17 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
       plgpu.barrier_arrive(schedule_barrier)
       plgpu.barrier_wait(schedule_barrier)
 
-    q_tile = lax.axis_index("q_seq")
     # the key blocks the producer streams: those the CTA's rows see (the empty ones skipped)
     cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
-    def slot_of(step):
-      return lax.rem(step - cta_lo, jnp.array(stages, jnp.int32))
-
-    @pl.when(wg < 2)
-    def _consumer():
-      plgpu.set_max_registers(232, action="increase")
+    def consumer():
       qo_smem = qo_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
       # this warpgroup's blocks: [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
       lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
-
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], qo_smem,
-                              q_loaded.at[wg])
-      plgpu.barrier_wait(q_loaded.at[wg])
+      q_rows = (bi, pl.ds(q_base, bq), q_head)
+      _fetch(plgpu, [(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])])
 
       def iota(axis):  # built where used: a [bq, bk] array held across the loop costs
         # registers the accumulator needs
@@ -773,16 +842,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
             val = inv
           st_smem.at[wg][...] = val
       qo_smem[...] = acc.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, bq), q_head])
-      for st_smem, st_ref in zip(st_smem2, st_refs, strict=True):
-        plgpu.copy_smem_to_gmem(st_smem.at[wg], st_ref.at[bi, q_head, pl.ds(q_base, bq)])
-      plgpu.wait_smem_to_gmem(0)
+      _write_back(plgpu, [(qo_smem, out_ref.at[q_rows])]
+                  + [(st_smem.at[wg], st_ref.at[bi, q_head, pl.ds(q_base, bq)])
+                     for st_smem, st_ref in zip(st_smem2, st_refs, strict=True)])
 
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+    def producer():
+      kv_head = _kv_head(q_head, groups)
 
       def load(step, slot):
         sl = (bi, pl.ds(step * bk, bk), kv_head)
@@ -802,15 +867,13 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         plgpu.barrier_wait(v_consumed.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
+    _specialise(plgpu, wg, 2, consumer, producer)
+
   def entry(q_ref, k_ref, v_ref, *refs):
     len_ref = refs[0] if cfg.kv_lengths else None
     out_ref, *st_refs = refs[int(cfg.kv_lengths):]
-    # 128-byte swizzled (8, 64) tiles of 16-bit elements, as wgmma reads them (every
-    # head dim here is at least 64 elements = 128 bytes wide)
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    scratch = [plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
-               plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-               plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)]
+    scratch = [_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
+               _swizzled(plgpu, (stages, bk, h), dtype)]
     pl.run_scoped(
         lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, args),
         scratch,
@@ -897,14 +960,13 @@ def _stream(lo, hi, stages: int, load, wait):
   """A producer warpgroup's ring over the steps ``[lo, hi)``: the first ``stages`` steps go
   into slots 0, 1, ... at once, each later step into the slot ``(step - lo) mod stages`` once
   ``wait(slot)`` has seen its consumers release it. ``load(step, slot)`` issues the copies."""
-  from jax import lax
   from jax.experimental import pallas as pl
   for i in range(stages):
     _when(lo + i < hi, functools.partial(load, lo + i, i))
 
   @pl.loop(lo, hi - stages)
   def _ring(step):
-    slot = lax.rem(step - lo, jnp.array(stages, jnp.int32))
+    slot = _slot(step, lo, stages)
     wait(slot)
     load(step + stages, slot)
 
@@ -1010,8 +1072,7 @@ def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, r
   consumed barrier (one arrival per consumer warpgroup)."""
   from jax.experimental import pallas as pl
 
-  transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  tile = lambda slots, rows: plgpu.SMEM((slots, rows, h), dtype, transforms=transforms)
+  tile = lambda slots, rows: _swizzled(plgpu, (slots, rows, h), dtype)
   pl.run_scoped(
       body,
       (tile(wgs, resident), tile(wgs, resident), tile(stages, streamed), tile(stages, streamed),
@@ -1077,33 +1138,19 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
   def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
         row_bar, consumed = scoped
-    bi = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
-    q_tile = lax.axis_index("q_seq")
+    bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (wgs * bq), wgs * bq, bk, end)
+    slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
-    def slot_of(step):
-      return lax.rem(step - cta_lo, jnp.array(stages, jnp.int32))
-
-    @pl.when(wg < wgs)
-    def _consumer():
-      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    def consumer():
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
       q_base = q_tile * (wgs * bq) + wg * bq
       sl = (bi, pl.ds(q_base, bq), q_head)
-      plgpu.copy_gmem_to_smem(q_ref.at[sl], q_smem, q_bar.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[sl], do_smem, do_bar.at[wg])
-      for r_ref, r_smem, r_bar in zip(row_refs, row_smem2, row_bar, strict=True):
-        plgpu.copy_gmem_to_smem(r_ref.at[bi, q_head, pl.ds(q_base, bq)], r_smem.at[wg],
-                                r_bar.at[wg])
-      plgpu.barrier_wait(q_bar.at[wg])
-      plgpu.barrier_wait(do_bar.at[wg])
-      row_vals = []
-      for r_smem, r_bar in zip(row_smem2, row_bar, strict=True):
-        plgpu.barrier_wait(r_bar.at[wg])
-        row_vals.append(_load_row(plgpu, r_smem.at[wg], row_layout))
+      _fetch(plgpu, [(q_ref.at[sl], q_smem, q_bar.at[wg]), (do_ref.at[sl], do_smem, do_bar.at[wg])]
+             + [(r_ref.at[bi, q_head, pl.ds(q_base, bq)], r_smem.at[wg], r_bar.at[wg])
+                for r_ref, r_smem, r_bar in zip(row_refs, row_smem2, row_bar, strict=True)])
+      row_vals = [_load_row(plgpu, r_smem.at[wg], row_layout) for r_smem in row_smem2]
 
       lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
 
@@ -1164,14 +1211,10 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
       if cfg.right is not None and wgs > 1:  # (the rows of warpgroup 0 stop earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[sl])
-      plgpu.wait_smem_to_gmem(0)
+      _write_back(plgpu, [(q_smem, dq_ref.at[sl])])
 
-    @pl.when(wg == wgs)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(st.groups, q_head.dtype))
+    def producer():
+      kv_head = _kv_head(q_head, st.groups)
 
       def load(step, slot):
         sl = (bi, pl.ds(step * bk, bk), kv_head)
@@ -1179,6 +1222,8 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
       _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+
+    _specialise(plgpu, wg, wgs, consumer, producer)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
@@ -1217,30 +1262,19 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
   def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dk_ref, dv_ref, scoped):
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
         row_loaded, consumed = scoped
-    bi = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
-    wg = lax.axis_index("wg")
-    kv_tile = lax.axis_index("kv_seq")
+    bi, q_head, kv_tile, wg = _cta("kv_seq")
     # keys past the batch entry's length get zero gradients (seen by no query); keys
     # past S are padding whose gradients are dropped
     end: Any = None if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     cta_start, _, _, cta_end = _query_block_range(cfg, kv_tile * (wgs * bk), wgs * bk, bq,
                                                   n_q, end)
+    slot_of = functools.partial(_slot, lo=cta_start, stages=stages)
 
-    def slot_of(step):
-      return lax.rem(step - cta_start, jnp.array(stages, jnp.int32))
-
-    @pl.when(wg < wgs)
-    def _consumer():
-      plgpu.set_max_registers(232 if wgs == 2 else 240, action="increase")
+    def consumer():
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       kv_base = kv_tile * (wgs * bk) + wg * bk
-      kv_head = lax.div(q_head, jnp.array(su.groups, q_head.dtype))
-      sl = (bi, pl.ds(kv_base, bk), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem, k_bar.at[wg])
-      plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem, v_bar.at[wg])
-      plgpu.barrier_wait(k_bar.at[wg])
-      plgpu.barrier_wait(v_bar.at[wg])
+      sl = (bi, pl.ds(kv_base, bk), _kv_head(q_head, su.groups))
+      _fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])])
       # query blocks [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
       lo, flo, fhi, hi = _within(_query_block_range(cfg, kv_base, bk, bq, n_q, end),
                                  cta_start, cta_end)
@@ -1319,16 +1353,10 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
       dk_acc, dv_acc = carry
       k_smem[...] = (dk_acc * cfg.scale).astype(dtype)
       v_smem[...] = dv_acc.astype(dtype)
-      plgpu.commit_smem()
       out = (bi, pl.ds(kv_base, bk), q_head)
-      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out])
-      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out])
-      plgpu.wait_smem_to_gmem(0)
+      _write_back(plgpu, [(k_smem, dk_ref.at[out]), (v_smem, dv_ref.at[out])])
 
-    @pl.when(wg == wgs)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-
+    def producer():
       def load(step, slot):
         sl = (bi, pl.ds(step * bq, bq), q_head)
         plgpu.copy_gmem_to_smem(q_ref.at[sl], q_smem.at[slot], q_loaded.at[slot])
@@ -1339,6 +1367,8 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
 
       _stream(cta_start, cta_end, stages, load,
               lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+
+    _specialise(plgpu, wg, wgs, consumer, producer)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)

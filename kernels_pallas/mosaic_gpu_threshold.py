@@ -73,13 +73,20 @@ from kernels_pallas import engine
 from kernels_pallas.engine import UnsupportedError
 from kernels_pallas.mosaic_gpu import (
     THRESHOLD_KERNELS,
+    _cta,
+    _fetch,
+    _kv_head,
     _launch,
     _load_row,
     _plgpu,
     _primal,
+    _Problem,
     _round_up,
     _scores,
+    _specialise,
     _stream,
+    _swizzled,
+    _write_back,
 )
 
 __all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
@@ -94,23 +101,13 @@ _STAGES = 2  # search ring slots
 
 
 @dataclasses.dataclass(frozen=True)
-class _TCfg:
-  spec: Any
-  hp: tuple[tuple[str, Any], ...]
-  scale: float
-  causal: bool
-  t: int
-  s: int
+class _TCfg(_Problem):
   block_k: int
   num_stages: int
 
   @property
   def rule(self) -> _spec.ThresholdRule:
     return self.spec.threshold
-
-  @property
-  def hp_dict(self) -> dict[str, Any]:
-    return dict(self.hp)
 
 
 def _schedule(cfg: _TCfg):
@@ -186,24 +183,17 @@ def _search(cfg: _TCfg, q, k, interpret):
     return plgpu.layout_cast(x, row_layout)
 
   def kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, scoped):
-    bi = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
-    q_tile = lax.axis_index("q_seq")
+    bi, q_head, q_tile, wg = _cta()
     (q_smem2, k_smem), (k_loaded, q_loaded), k_consumed, (st_smem, flag_smem, go_smem), \
         decided = scoped
-    wg = lax.axis_index("wg")
     cta_steps: Any = n_kv
     if cfg.causal:
       cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * (2 * bq), jnp.array(bk, jnp.int32)), n_kv)
 
-    @pl.when(wg < 2)
-    def _consumer():
-      plgpu.set_max_registers(232, action="increase")
+    def consumer():
       q_smem = q_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem,
-                              q_loaded.at[wg])
-      plgpu.barrier_wait(q_loaded.at[wg])
+      _fetch(plgpu, [(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem, q_loaded.at[wg])])
       flags = flag_smem.at[wg]
 
       @pl.loop(0, nkp)
@@ -311,16 +301,13 @@ def _search(cfg: _TCfg, q, k, interpret):
       m = jnp.where(nan_row, jnp.nan, m)
       st_smem.at[0, wg][...] = m
       st_smem.at[1, wg][...] = tau
-      plgpu.commit_smem()
-      for i, ref in enumerate((m_ref, tau_ref)):
-        plgpu.copy_smem_to_gmem(st_smem.at[i, wg], ref.at[bi, q_head, pl.ds(q_base, bq)])
-      plgpu.copy_smem_to_gmem(flags, flag_ref.at[bi, q_head, q_tile, wg])
-      plgpu.wait_smem_to_gmem(0)
+      _write_back(plgpu, [(st_smem.at[i, wg], ref.at[bi, q_head, pl.ds(q_base, bq)])
+                          for i, ref in enumerate((m_ref, tau_ref))]
+                  + [(flags, flag_ref.at[bi, q_head, q_tile, wg])])
 
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+    def producer():
+      kv_head = _kv_head(q_head, groups)
+
       def load(step, slot):  # the global step's key block: step mod cta_steps
         block = lax.rem(step, jnp.asarray(cta_steps, jnp.int32))
         plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
@@ -355,12 +342,12 @@ def _search(cfg: _TCfg, q, k, interpret):
       if indicator:  # the gap pass
         load_range(p_end * cta_steps, (p_end + 1) * cta_steps)
 
+    _specialise(plgpu, wg, 2, consumer, producer)
+
   def entry(q_ref, k_ref, m_ref, tau_ref, flag_ref):
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
         lambda *args: kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, args),
-        (plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
-         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms)),
+        (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
         (plgpu.SMEM((2, 2, bq), jnp.float32), plgpu.SMEM((2, nkp), jnp.int32),
@@ -400,27 +387,19 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
     return lax.broadcast_in_dim(row, shape, [0])
 
   def kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, scoped):
-    bi = lax.axis_index("batch")
-    q_head = lax.axis_index("heads")
-    q_tile = lax.axis_index("q_seq")
+    bi, q_head, q_tile, wg = _cta()
     (qo_smem2, k_smem, v_smem, st_smem), loaded, consumed = scoped
     k_loaded, v_loaded, q_loaded, m_loaded, tau_loaded = loaded
     k_consumed, v_consumed = consumed
-    wg = lax.axis_index("wg")
     count = cnt_ref[bi, q_head, q_tile]
 
-    @pl.when(wg < 2)
-    def _consumer():
-      plgpu.set_max_registers(232, action="increase")
+    def consumer():
       qo_smem = qo_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
-      plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), q_head], qo_smem,
-                              q_loaded.at[wg])
-      for i, (ref, bar) in enumerate(((m_ref, m_loaded), (tau_ref, tau_loaded))):
-        plgpu.copy_gmem_to_smem(ref.at[bi, q_head, pl.ds(q_base, bq)], st_smem.at[i, wg],
-                                bar.at[wg])
-      for bar in (q_loaded, m_loaded, tau_loaded):
-        plgpu.barrier_wait(bar.at[wg])
+      q_rows = (bi, pl.ds(q_base, bq), q_head)
+      _fetch(plgpu, [(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])]
+             + [(ref.at[bi, q_head, pl.ds(q_base, bq)], st_smem.at[i, wg], bar.at[wg])
+                for i, (ref, bar) in enumerate(((m_ref, m_loaded), (tau_ref, tau_loaded)))])
       m = _load_row(plgpu, st_smem.at[0, wg], row_layout)
       tau = _load_row(plgpu, st_smem.at[1, wg], row_layout)
       m_w = tile.weight_stabiliser(m)
@@ -462,14 +441,10 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
       inv = jnp.where(l_i > 0.0, 1.0 / jnp.where(l_i > 0.0, l_i, 1.0), 0.0)
       inv = jnp.where(m != m, jnp.nan, inv)  # a NaN logit: the row is NaN
       qo_smem[...] = (acc * bcast(inv, acc.shape)).astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[bi, pl.ds(q_base, bq), q_head])
-      plgpu.wait_smem_to_gmem(0)
+      _write_back(plgpu, [(qo_smem, out_ref.at[q_rows])])
 
-    @pl.when(wg == 2)
-    def _producer():
-      plgpu.set_max_registers(40, action="decrease")
-      kv_head = lax.div(q_head, jnp.array(groups, q_head.dtype))
+    def producer():
+      kv_head = _kv_head(q_head, groups)
 
       def load(i, slot):
         j = idx_ref[bi, q_head, q_tile, i]
@@ -483,15 +458,14 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
 
       _stream(0, count, stages, load, released)
 
+    _specialise(plgpu, wg, 2, consumer, producer)
+
   def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref):
-    transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     pl.run_scoped(
         lambda *args: kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref,
                              args),
-        (plgpu.SMEM((2, bq, h), dtype, transforms=transforms),
-         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-         plgpu.SMEM((stages, bk, h), dtype, transforms=transforms),
-         plgpu.SMEM((2, 2, bq), jnp.float32)),
+        (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
+         _swizzled(plgpu, (stages, bk, h), dtype), plgpu.SMEM((2, 2, bq), jnp.float32)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
          plgpu.Barrier(num_barriers=2)),
