@@ -70,9 +70,9 @@ def _cases():
   }
 
 
-# default: one chunked linear form, the loss, blockwise attention; the rest under -m slow
-_NAMES = [pytest.param(n, marks=() if n in ("simple_gla", "linear_cross_entropy",
-                                            "attention_softmax") else pytest.mark.slow)
+# default: one chunked linear form and blockwise attention; the rest under -m slow
+_NAMES = [pytest.param(n, marks=() if n in ("simple_gla", "attention_softmax")
+                       else pytest.mark.slow)
           for n in ("simple_gla", "delta_rule_in_k", "gated_delta_rule", "linear_cross_entropy",
                     "attention_softmax", "attention_sparsemax")]
 
