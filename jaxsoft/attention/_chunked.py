@@ -895,6 +895,10 @@ def chunked_attention(call, block_q: int | None = None, block_k: int | None = No
   "xla"), and :class:`UnsupportedDifferentiation` for forward-mode and higher-order
   derivatives (see the module docstring: first-order reverse mode only).
   """
+  # here, before the +inf rule: class R's zero-bias pass runs in a lax.cond, whose branches
+  # hide the JVP tracers from the check in _chunked_attention (JAX's bare custom_vjp error)
+  refuse_unsupported_ad((call.q, call.k, call.v, call.bias, call.params),
+                        "dot_product_attention(implementation='xla_chunked')")
   return with_posinf_rule(call, functools.partial(_chunked_attention, block_q=block_q,
                                                   block_k=block_k))
 
