@@ -66,7 +66,7 @@ def taylor_features(x: ArrayLike, order: int = 2) -> jax.Array:
   order = _checks.check_int(order, "order", "taylor_features")
   x = jnp.asarray(x)
   x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-  power = jnp.ones(x.shape[:-1] + (1,), x.dtype)
+  power = jnp.ones_like(x[..., :1])  # from x: keeps a batch sharding (Explicit mesh)
   parts = [power]
   for i in range(1, order + 1):
     power = (power[..., :, None] * x[..., None, :]).reshape(x.shape[:-1] + (-1,))
