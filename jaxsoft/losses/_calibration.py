@@ -213,9 +213,13 @@ def ece(logits: ArrayLike, labels: ArrayLike, *, num_bins: int = 15, axis: lc.Ax
   correct = (pred == labels).astype(x.dtype)
   bins = jnp.clip(jnp.ceil(conf * num_bins).astype(jnp.int32) - 1, 0, num_bins - 1)
   w = counted.astype(x.dtype)
-  n_b = jax.ops.segment_sum(w.ravel(), bins.ravel(), num_segments=num_bins)
-  acc_b = jax.ops.segment_sum((w * correct).ravel(), bins.ravel(), num_segments=num_bins)
-  conf_b = jax.ops.segment_sum((w * conf).ravel(), bins.ravel(), num_segments=num_bins)
+  # per-bin sums as masked reductions, not a scatter (segment_sum): a scatter from a batch
+  # sharded on an Explicit mesh into replicated bins is a sharding type error
+  in_bin = bins[..., None] == jnp.arange(num_bins, dtype=bins.dtype).reshape(
+      (1,) * bins.ndim + (num_bins,))
+  lead = tuple(range(bins.ndim))
+  n_b, acc_b, conf_b = (jnp.sum(jnp.where(in_bin, a[..., None], 0), axis=lead)
+                        for a in (w, w * correct, w * conf))
   return nc.safe_divide(jnp.sum(jnp.abs(acc_b - conf_b)), jnp.sum(n_b))
 
 
