@@ -32,6 +32,12 @@ def check_key(key, fn_name: str) -> jax.Array:
   raise ValueError(f"{fn_name}: `key` must be a jax.random key, got {k.dtype}{list(k.shape)}")
 
 
+def _varying(x) -> frozenset:
+  """The mesh axes ``x`` varies over inside ``jax.shard_map`` (empty elsewhere)."""
+  axis_type = getattr(jax.typeof(x), "manual_axis_type", None)
+  return frozenset() if axis_type is None else frozenset(axis_type.varying)
+
+
 @c.dense_rules(keyed=True)
 def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
                        where: ArrayLike | None = None, *, alpha: ArrayLike = 1.0) -> jax.Array:
@@ -85,6 +91,12 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
   p = c.sum_normalize(jnp.exp(xs - m), mask, ax)
   live = mask & (p >= _P_MIN)
   conc = jnp.where(live, hp["alpha"] * p, 1.0)  # 1.0: a harmless value in the dead branch
+  # Inside jax.shard_map (default check_vma) the sampler wants a key that varies like its
+  # concentrations: a key the shards share is marked varying (each shard then draws what
+  # the unsharded call on its rows draws).
+  missing = tuple(sorted(_varying(conc) - _varying(key)))
+  if missing:
+    key = jax.lax.pcast(key, missing, to="varying")
   logg = jax.random.loggamma(key, conc, dtype=xs.dtype)
   logg = jnp.where(live, logg, -jnp.inf)
   mx = jax.lax.stop_gradient(jnp.max(logg, axis=ax, keepdims=True))
