@@ -73,13 +73,13 @@ def forward(call: Call, q, k, v, g, beta, S0) -> tuple[jax.Array, jax.Array]:
   S0 = _chunk.vary_like(S0.astype(cdt), q, k, v, g, beta, run)
   args = (to_bn(q), to_bn(k), to_bn(v), to_bn(g), to_bn(beta), run, S0)
   # forward mode (jax.jvp, jax.jacfwd) cannot pass the chunked form's custom VJP: the same
-  # chunked arithmetic then runs differentiated by autodiff; the Pallas kernels refuse it
+  # chunked arithmetic then runs differentiated by autodiff; the Pallas kernels refuse it,
+  # and a second order (their backward is not differentiable: JAX's "Linearization failed")
   forward_mode = _forward_mode(args)
   if call.implementation == "pallas":
-    if forward_mode:
-      _refuse_ad(args, f"{call.fn_name}: implementation='pallas'",
-                 "Use implementation='chunked' (the same chunked form in XLA), which "
-                 "supports jax.jvp and jax.jacfwd.")
+    _refuse_ad(args, f"{call.fn_name}: implementation='pallas'",
+               "Use implementation='chunked' (the same chunked form in XLA), which "
+               "supports jax.jvp, jax.jacfwd and second order.")
     o, S_T = _pallas(call, args)
   elif call.implementation == "recurrent":
     o, S_T = recurrence.recurrent(*args)
