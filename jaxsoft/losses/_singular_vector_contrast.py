@@ -18,7 +18,13 @@ __all__ = ["pmrl_contrastive_regularizer"]
 def _eig_parts(a):
   w, q = jnp.linalg.eigh(a)  # ascending
   u = q[..., -1]
-  sign = jnp.where(jnp.sum(u, axis=-1, keepdims=True) < 0, -1.0, 1.0).astype(u.dtype)
+  # sign: a non-negative entry sum, and where the sum is 0 up to rounding (two unit
+  # modalities with a negative cosine give u = (1, -1)/sqrt(2) exactly, whose computed sum
+  # is +-1e-17: the sign, and the loss, would jump with the rounding) a non-negative first
+  # entry
+  total = jnp.sum(u, axis=-1, keepdims=True)
+  tie = jnp.abs(total) <= 8 * u.shape[-1] * jnp.finfo(u.dtype).eps
+  sign = jnp.where(jnp.where(tie, u[..., :1], total) < 0, -1.0, 1.0).astype(u.dtype)
   return w, q, u * sign
 
 
@@ -63,9 +69,10 @@ def pmrl_contrastive_regularizer(embeddings: ArrayLike, *, temperature: float = 
 
   A singular vector's sign is arbitrary, and :math:`v_i\cdot v_j` depends on it: [R] the
   sign is fixed so that :math:`v_i` points along the modalities,
-  :math:`\sum_m z_i^m\cdot v_i \ge 0` (the reference code keeps whatever sign its SVD
-  routine returns). Invariant to a rotation applied to every embedding; :math:`\ell_i \ge 0`,
-  near 0 when the directions are far apart. :math:`v_i` is computed from the top eigenvector
+  :math:`\sum_m z_i^m\cdot v_i \ge 0`, and where that sum is 0 (two modalities with a
+  negative cosine) so that :math:`z_i^1\cdot v_i \ge 0` (the reference code keeps
+  whatever sign its SVD routine returns). Invariant to a rotation applied to every
+  embedding; :math:`\ell_i \ge 0`, near 0 when the directions are far apart. :math:`v_i` is computed from the top eigenvector
   :math:`u_i` of the Gram matrix :math:`Z_iZ_i^\top` as
   :math:`Z_i^\top u_i / \lVert Z_i^\top u_i\rVert`; its gradient is the exact one
   (first-order perturbation theory) where :math:`\sigma_1` is simple, and stays finite (no
