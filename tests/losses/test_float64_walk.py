@@ -29,10 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 import jaxsoft.losses as L
 from tests.helpers import sampled
-from tests.losses.test_masked_batches import CASES, LABELS, NOT_PER_EXAMPLE, B, C, D, _normal
+from tests.losses.test_masked_batches import CASES, KEY, LABELS, NOT_PER_EXAMPLE, B, C, D, _normal
 
 EPS = 2.0 ** -30  # a relative change float64 holds and float32 rounds away
 # Documented float32 arithmetic: MIDAM's pool runs in its state's dtype (midam_pool_init's
@@ -135,10 +136,29 @@ def _where_case(name):
   if name == "midam_pool_update":  # the documented float64 state
     call = lambda m, s: L.midam_pool_update(L.midam_pool_init(B, dtype=jnp.float64), s,
                                             jnp.arange(B), where=m)[0]
+  elif name == "augment_reduce_loss":  # a location of its own: None takes log(1 + S) of the
+    # logits without gradient, so the derivative would not be the value's
+    call = lambda m, x, mu: L.augment_reduce_loss(KEY, x, LABELS, 4, location=mu, where=m)
+    floats = (*floats, _normal(50, B))
   elif name == "energy_bounded_loss":  # margin_out 0: the outlier hinge active, so it moves
     call = lambda m, x, o: L.energy_bounded_loss(x, LABELS, o, margin_out=0.0, where=m,
                                                  outlier_where=m)
   return (lambda *xs: call(jnp.ones(where_shape, bool), *xs)), floats
+
+
+# Functions whose outputs carry no gradient (or not in every input), by definition: the
+# gradient check takes the inputs listed (none: only the dtype of the zero gradients).
+GRAD_ARGNUMS = {
+    "adacos_scale": (),  # "No gradient flows through it"
+    "madacos_scale_margin": (),  # "No gradient flows through them"
+    "soft_info_nce_weights": (),  # "No gradient flows (the weights are estimates)"
+    "ece": (),  # "Not differentiable (a binned count)"
+    # the fits take their held-out logits without gradient (an optimisation's result)
+    "fit_temperature": (),
+    "fit_dirichlet_calibration": (),
+    "soft_clip_loss": (0,),  # "The targets carry no gradient"
+    "top_k_threshold_loss": (1,),  # "no gradient flows into scores"
+}
 
 
 def _move(x, seed):
@@ -169,9 +189,21 @@ def _check_float64(name, call, floats):
     after = outputs(*floats[:i], moved, *floats[i + 1:])
     # float32 inside: the moved input rounds to the same float32 values, the same output
     assert all(bool(jnp.any(a != b)) for a, b in zip(after, base, strict=True)), (name, i)
-  grads = jax.jit(jax.grad(lambda *xs: sum(jnp.sum(y) for y in outputs(*xs)),
-                           argnums=tuple(range(len(floats)))))(*floats)
+  # a nonlinear functional: every output entry reaches the gradient with its own weight
+  total = lambda *xs: sum(jnp.sum(jnp.sin(1.3 * y + 0.2)) for y in outputs(*xs))
+  grads = jax.jit(jax.grad(total, argnums=tuple(range(len(floats)))))(*floats)
   assert all(g.dtype == jnp.float64 for g in grads), (name, [g.dtype for g in grads])
+  argnums = GRAD_ARGNUMS.get(name, tuple(range(len(floats))))
+  if argnums:
+    def of_checked(*xs):
+      args = list(floats)
+      for i, x in zip(argnums, xs, strict=True):
+        args[i] = x
+      return total(*args)
+    # central differences of step 1e-6 in float64: truncation ~1e-12, cancellation
+    # ~1e-16 / 1e-6 = 1e-10, so 1e-7; a float32 forward pass is off by ~6e-8 / 1e-6 = 6e-2
+    check_grads(jax.jit(of_checked), tuple(floats[i] for i in argnums), order=1,
+                modes=("rev",), atol=1e-7, rtol=1e-7, eps=1e-6)
 
 
 def test_every_public_name_is_walked():
