@@ -38,6 +38,19 @@ def _varying(x) -> frozenset:
   return frozenset() if axis_type is None else frozenset(axis_type.varying)
 
 
+
+def _loggamma(key, conc, dtype):
+  """``jax.random.loggamma(key, conc)``. On a batch sharded on an Explicit mesh JAX's gamma
+  sampler refuses the sharded axis (it maps over the flattened entries, which it wants
+  replicated): the concentrations are gathered, sampled as the unsharded call samples them
+  (the same draws), and the draws sharded back like ``conc``."""
+  sharding = getattr(jax.typeof(conc), "sharding", None)
+  if sharding is not None and any(part is not None for part in sharding.spec):
+    whole = jax.sharding.reshard(conc, sharding.update(spec=jax.sharding.PartitionSpec()))
+    return jax.sharding.reshard(jax.random.loggamma(key, whole, dtype=dtype), sharding)
+  return jax.random.loggamma(key, conc, dtype=dtype)
+
+
 @c.dense_rules(keyed=True)
 def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
                        where: ArrayLike | None = None, *, alpha: ArrayLike = 1.0) -> jax.Array:
@@ -97,7 +110,7 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
   missing = tuple(sorted(_varying(conc) - _varying(key)))
   if missing:
     key = jax.lax.pcast(key, missing, to="varying")
-  logg = jax.random.loggamma(key, conc, dtype=xs.dtype)
+  logg = _loggamma(key, conc, xs.dtype)
   logg = jnp.where(live, logg, -jnp.inf)
   mx = jax.lax.stop_gradient(jnp.max(logg, axis=ax, keepdims=True))
   mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
