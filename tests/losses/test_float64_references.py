@@ -83,6 +83,13 @@ def _info_nce(s, tau):
   return _lse(z) - np.diag(z)
 
 
+def _linear_ce(h, w, eps, lam, cap):
+  z = cap * np.tanh(h @ w / cap)
+  lse = _lse(z)
+  return ((1 - eps) * (lse - _gather(z, LABELS)) + eps * (lse - z.mean(-1))
+          + lam * lse ** 2)
+
+
 def _top_k_ce(z, labels, k):
   keep = np.zeros(z.shape, bool)
   np.put_along_axis(keep, np.argsort(-z, -1)[:, :k], True, -1)
@@ -172,6 +179,14 @@ CASES = {
     "linear_cross_entropy": (
         lambda h, w: L.linear_cross_entropy(h, w, LABELS), (_normal(12, B, D), _normal(13, D, C)),
         lambda h, w: -_gather(_log_softmax(h @ w), LABELS), True),
+    # the chunked online log-sum-exp (chunks that do not divide the axes), label smoothing,
+    # the log²Z term and the softcap: the docstring's formula on z = c tanh(h w / c)
+    "linear_cross_entropy-chunked": (
+        lambda h, w: L.linear_cross_entropy(h, w, LABELS, label_smoothing=0.1, z_loss=1e-2,
+                                            softcap=3.0, token_chunk_size=3,
+                                            vocab_chunk_size=4),
+        (_normal(39, B, D), _normal(40, D, C)), lambda h, w: _linear_ce(h, w, 0.1, 1e-2, 3.0),
+        True),
     "top_k_cross_entropy": (
         lambda x: L.top_k_cross_entropy(x, LABELS, 2), (_normal(14, B, C, scale=2.0),),
         lambda x: _top_k_ce(x, LABELS, 2), True),

@@ -16,11 +16,12 @@ float32 values and returns the very same output (as ``odin``, the calibration ma
 ``unigram_proposal`` and ``adacos_scale``'s ``previous_scale`` did before they were
 fixed); one in float64 moves every output. So every floating output must be float64 and
 must change when any one input moves (moving one input at a time also catches a function
-that casts only one of its inputs). The gradients of the summed outputs with respect to
-every input are float64 too (not required to move: piecewise-linear losses have locally
-constant ones). The float64 *values* against independent float64 references are the
-business of ``test_float64_references``. Five functions by default, all of them with
-``-m slow``.
+that casts only one of its inputs). The gradients of a nonlinear functional of the outputs
+are float64 too and pass ``jax.test_util.check_grads`` (order 1, reverse mode) at float64
+tolerances, except where a docstring says no gradient flows (:data:`GRAD_ARGNUMS`). The
+float64 *values* against independent float64 references are the business of
+``test_float64_references``. A few functions by default (``tests/default_sample.txt`` may
+leave some of :data:`DEFAULT` to the slow run), all of them with ``-m slow``.
 """
 
 import inspect
