@@ -439,7 +439,7 @@ def _token_attend(lay: _Layout, idx, valid):
 
   def one(q, k, v, idx, valid, klen):  # q [Tp, H]; k, v [nk, bs, ·]; idx, valid [Tp, kb]
     blk = jnp.where(valid, idx, nk).reshape(P)  # invalid pairs sort last (block nk)
-    tok = jnp.repeat(jnp.arange(Tp), kb)
+    tok = jnp.repeat(jnp.arange(Tp, dtype=jnp.int32), kb)
     order = jnp.argsort(blk, stable=True)
     sblk, stok = blk[order], tok[order]
     counts = jnp.zeros(nk + 1, jnp.int32).at[blk].add(1)
@@ -449,7 +449,7 @@ def _token_attend(lay: _Layout, idx, valid):
     rank = jnp.arange(P) - start[sblk]
     dest = jnp.where(sblk < nk, (ends - padded)[jnp.minimum(sblk, nk - 1)] + rank, Ppad)
     slot_tok = jnp.full(Ppad, -1, jnp.int32).at[dest].set(stok, mode="drop")
-    pos = jnp.zeros(P, jnp.int32).at[order].set(dest).reshape(Tp, kb)
+    pos = jnp.zeros(P, jnp.int32).at[order].set(dest.astype(jnp.int32)).reshape(Tp, kb)
     chunk_blk = jnp.minimum(jnp.searchsorted(ends, jnp.arange(nchunk) * C, side="right"),
                             nk - 1)
 
