@@ -708,7 +708,7 @@ def block_sparse_attention(
       ``key_value_seq_lengths``).
 
   Returns:
-    [B, T, N, Hv] in query's dtype (float32 inside), and the stats with ``return_stats``.
+    [B, T, N, Hv] in query's dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays), and the stats with ``return_stats``.
     Differentiable in query, key and value (the block choice is piecewise constant).
 
   Examples:

@@ -76,7 +76,7 @@ def infsa_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       ``decay_bias``, as :func:`dot_product_attention`.
 
   Returns:
-    [B, T, N, Hv] in query's dtype (float32 inside).
+    [B, T, N, Hv] in query's dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays).
 
   Examples:
     The truncated series approaches the exact solve; the normalised kernel at

@@ -127,7 +127,7 @@ def lucid_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     implementation: of the attention step (see :func:`dot_product_attention`).
 
   Returns:
-    [B, T, N, Hv] in query's dtype (float32 inside; the solve always in float32 or
+    [B, T, N, Hv] in query's dtype (computed in float32 at least; the solve always in float32 or
     float64). Differentiable in query, key and value.
 
   Examples:

@@ -569,7 +569,7 @@ def chunkwise_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike,
       int32 [B, N, T] (hard); the last step is the next decode call's ``initial_state``.
 
   Returns:
-    [B, T, N, Hv] in query's dtype (float32 inside), and the state when ``return_state``.
+    [B, T, N, Hv] in query's dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays), and the state when ``return_state``.
     Differentiable in every float input (only through the values and chunk energies when
     ``hard``).
 

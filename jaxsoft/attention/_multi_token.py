@@ -113,7 +113,7 @@ def multi_token_attention(query: ArrayLike, key: ArrayLike, value: ArrayLike, *,
     implementation: ``"xla"`` or ``"xla_chunked"``; block_q: the chunked query block.
 
   Returns:
-    [B, T, N, Hv] in query's dtype (float32 inside). Differentiable in query, key, value,
+    [B, T, N, Hv] in query's dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays). Differentiable in query, key, value,
     kernel and head_mix.
 
   Examples:

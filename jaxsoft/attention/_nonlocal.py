@@ -46,7 +46,7 @@ def nonlocal_block(x: ArrayLike, w_theta: ArrayLike, w_phi: ArrayLike, w_g: Arra
     use_softmax: the softmax (embedded Gaussian) block instead.
 
   Returns:
-    z [B, T, C] in x's dtype (float32 inside).
+    z [B, T, C] in x's dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays).
 
   Examples:
     One head, the same projection for theta, phi and g: the re-associated block equals the

@@ -99,7 +99,7 @@ def uniattn(attn_map: ArrayLike, values: ArrayLike, x: ArrayLike | None = None,
     w_c: optional compensation [L, C, N, Hv] (or [C, N, Hv]); given with ``x``.
 
   Returns:
-    [L, B, T, N, Hv] (or [B, T, N, Hv]) in the values' dtype (float32 inside).
+    [L, B, T, N, Hv] (or [B, T, N, Hv]) in the values' dtype (computed in float32 at least: bf16 and fp16 widen, float64 stays).
 
   Examples:
     Two blocks sharing the first block's map: exact attention for a block with the same
