@@ -69,7 +69,11 @@ def dirichlet_resample(key: jax.Array, x: ArrayLike, axis: int = -1,
   ``Var[p~_i] = p_i (1 - p_i) / (alpha + 1)``: alpha -> inf gives p itself. The gradient is
   the implicit reparameterisation of the gamma sampler (JAX's), an unbiased estimate of
   the gradient of the mean: it is *not* the derivative of one draw at a fixed key, so the
-  spec does not declare ``smooth``. Entries with p < 1e-12 get weight 0 (see the module).
+  spec does not declare ``smooth``. Second derivatives are JAX's derivative of that
+  gradient: ``jax.grad`` of ``jax.grad`` raises (the sampler's ``while_loop``), and forward
+  over reverse (``jax.hessian``) is NaN where a concentration ``alpha p_i`` is below ~3e-3
+  (``jax.random.loggamma``'s second derivative there). Entries with p < 1e-12 get weight 0
+  (see the module).
 
   Args:
     key: a ``jax.random`` key (required; deterministic given the key).
