@@ -74,10 +74,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+from jax.sharding import PartitionSpec
 
 from jaxsoft.linear import chunk as _chunk
 from jaxsoft.linear import recurrence as _recurrence
 from kernels_pallas.backends import check_backend
+from kernels_pallas.engine import varying_like
 
 __all__ = ["chunked", "check_chunk"]
 
@@ -200,6 +202,7 @@ VSPLIT = ("u", "o", "s0", "starts", "do", "dst")   # arrays blocked along V (the
 
 
 def _triton_call(cfg: _Cfg, kernel, name, grid, operands: list, out_specs, out_shape):
+  out_shape = varying_like(out_shape, [o[1] for o in operands])
   return pl.pallas_call(
       kernel, grid=grid, in_specs=[o[0] for o in operands],
       out_specs=out_specs, out_shape=out_shape,
@@ -222,6 +225,16 @@ def _triton_operands(cfg: _Cfg, x: dict, extra: dict) -> tuple[list, list[str]]:
   arrays.update({n: x[n].reshape(x[n].shape[0], 1, -1) for n in _names(cfg, ROWS)})
   arrays.update(extra)
   return ([(_tspec(n, a.shape, cfg.block_v), a) for n, a in arrays.items()], list(arrays))
+
+
+def _chunk_loop(n: int, body, init):
+  """``fori_loop(0, n, body, init)`` from a traced start (0 = ``program_id - program_id``):
+  a ``while`` loop, which Triton still lowers to ``scf.for`` (it matches the fori pattern).
+  With constant bounds the loop is a ``scan``, which the Pallas interpreter inside
+  ``jax.shard_map`` (default ``check_vma``) cannot run: the refs it carries vary over the mesh
+  axes on the way in but not on the way out of the body traced with the kernel."""
+  i = pl.program_id(0)
+  return jax.lax.fori_loop(i - i, n, body, init)
 
 
 def _triton_chunk(refs: dict, names, C: int, c):
@@ -247,7 +260,7 @@ def _triton_forward(cfg: _Cfg, x: dict, S0):
       starts_ref[pl.ds(c * K, K), :] = S
       return S_new
 
-    st_ref[...] = jax.lax.fori_loop(0, nC, body, r["s0"][...])
+    st_ref[...] = _chunk_loop(nC, body, r["s0"][...])
 
   o, S_T, starts = _triton_call(
       cfg, kernel, "fwd", (BN, V // bv), ops,
@@ -294,7 +307,7 @@ def _triton_backward(cfg: _Cfg, x: dict, starts, do, dS_T):
           out[n][sl, :] = grads[n]
       return dS_start
 
-    ds0_ref[...] = jax.lax.fori_loop(0, nC, body, r["dst"][...])
+    ds0_ref[...] = _chunk_loop(nC, body, r["dst"][...])
 
   res = _triton_call(cfg, kernel, "bwd", (BN, nV), ops, out_specs, out_shape)
   grads = {}
@@ -325,6 +338,7 @@ def _tpu_specs(cfg: _Cfg, x: dict, nC: int, reverse: bool) -> tuple[list, list[s
 
 
 def _tpu_call(cfg: _Cfg, kernel, name, grid, ops, out_specs, out_shape, scratch):
+  out_shape = varying_like(out_shape, [o[1] for o in ops])
   return pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -441,16 +455,18 @@ def _core(cfg: _Cfg, x: dict, S0):
 def _core_fwd(cfg, x, S0):
   o, S_T, starts = _forward(cfg, x, S0)
   # Residuals: the chunk inputs and the chunk-start states [BN, T / C, K, V] only.
-  return (o, S_T), (x, starts)
+  return (o, S_T), (x, starts, S0)
 
 
 def _core_bwd(cfg, res, cts):
-  x, starts = res
+  x, starts, _ = res
   do, dS_T = cts
   backward = _triton_backward if cfg.backend == "triton" else _tpu_backward
   grads, dS0 = backward(cfg, x, starts, do.astype(cfg.dt), dS_T.astype(cfg.dt))
-  dx = {n: grads.get(n) for n in x}   # None for the run ids
-  return dx, dS0
+  # None for the run ids; inside shard_map (check_vma) an input the caller left invariant
+  # over a mesh axis (the zero decays without `g`) gets its cotangent summed over that axis
+  dx = {n: None if grads.get(n) is None else _chunk.sum_like(grads[n], a) for n, a in x.items()}
+  return dx, _chunk.sum_like(dS0, res[2])
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -533,7 +549,7 @@ def _pad_last(x, size: int):
 
 def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
             interpret: bool = False, segments: bool = True,
-            block_v: int | None = None) -> tuple[jax.Array, jax.Array]:
+            block_v: int | None = None, layout=None) -> tuple[jax.Array, jax.Array]:
   r"""The chunked scalar-decay linear recurrence (simple GLA, Lightning, delta rule) in Pallas.
 
   Per batch and head, with ``S_0`` the initial state:
@@ -561,6 +577,11 @@ def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
     segments: False when ``run`` is all zeros (the kernels then skip the run masks).
     block_v: Triton only: the value columns per program, a power of two >= 16 (default:
       the padded V up to 64); the grid is (B·N, V_pad / block_v).
+    layout: None, or ``(mesh, batch_axis, head_axis)`` (what
+      :func:`kernels_pallas.sharding.call_layout` finds for inputs sharded on a mesh outside
+      ``jax.shard_map``): XLA does not partition a ``pallas_call``, so the kernels then run
+      under ``jax.shard_map`` on each device's shard of B (``batch_axis``) and N
+      (``head_axis``), each a mesh axis name or None; the result is sharded the same way.
 
   Returns:
     ``(o [B, N, T, V], S_T [B, N, K, V])`` float32.
@@ -598,6 +619,9 @@ def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
     S. Yang, J. Kautz & A. Hatamizadeh, 2025, "Gated Delta Networks: Improving Mamba2 with
     Delta Rule".
   """
+  if layout is not None:
+    return _on_mesh(layout, q, k, v, g, beta, run, S0, chunk=chunk, backend=backend,
+                    interpret=interpret, segments=segments, block_v=block_v)
   B, N, T, K = q.shape
   V = v.shape[-1]
   if g is not None and g.ndim != 3:
@@ -656,3 +680,23 @@ def chunked(q, k, v, g, beta, run, S0, *, chunk: int, backend: str = "triton",
   o, S_T = _core(cfg, x, S0p)
   o = o[:, :T, :V].reshape(B, N, T, V)
   return o, S_T[:, :K, :V].reshape(B, N, K, V)
+
+
+def _on_mesh(layout, q, k, v, g, beta, run, S0, **kwargs):
+  """:func:`chunked` under ``jax.shard_map`` over ``layout = (mesh, batch_axis, head_axis)``:
+  ``[B, N, ...]`` arrays split over both axes, the run ids ``[B, T]`` over the batch axis;
+  the output and final state come back split the same way (as the attention kernels do,
+  :func:`kernels_pallas.sharding.sharded_attention_from_call`)."""
+  from kernels_pallas import sharding  # here: it imports jaxsoft.attention, which loads late
+
+  mesh, batch, head = layout
+  bn = lambda nd: PartitionSpec(batch, head, *([None] * (nd - 2)))
+  args = dict(q=q, k=k, v=v, g=g, beta=beta, run=run, S0=S0)
+  specs = {n: None if a is None else (PartitionSpec(batch, None) if n == "run" else bn(a.ndim))
+           for n, a in args.items()}
+  args = {n: sharding._put(mesh, a, specs[n]) for n, a in args.items()}
+  fn = jax.shard_map(lambda a: chunked(**a, **kwargs), mesh=mesh, in_specs=(specs,),
+                     out_specs=(bn(4), bn(4)), check_vma=False)
+  # eagerly (concrete arrays), one compiled program instead of shard_map's op-by-op run
+  return (fn if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args))
+          else jax.jit(fn))(args)

@@ -16,6 +16,7 @@ from jaxsoft.linear.context_parallel import active as _cp_active
 from jaxsoft.linear.context_parallel import states as _cp_states
 from kernels_pallas import backends
 from kernels_pallas import linear as pallas_linear
+from kernels_pallas import sharding as pallas_sharding
 
 __all__ = ["Call", "prepare", "prepare_step", "forward", "finish"]
 
@@ -106,8 +107,10 @@ def _pallas(call: Call, args) -> tuple[jax.Array, jax.Array]:
     raise ValueError(
         f"{call.fn_name}: implementation='pallas' runs the Mosaic TPU kernels, which have no "
         "float64; `q`, `k`, `v` are float64: use implementation='chunked' (float64 throughout)")
+  # inputs sharded on a mesh (outside shard_map): the kernels run on each device's shard
   return pallas_linear.chunked(*args, chunk=call.chunk_size, backend=backend, interpret=interpret,
-                         segments=call.segment_ids is not None)
+                               segments=call.segment_ids is not None,
+                               layout=pallas_sharding.call_layout(call))
 
 
 def finish(o: jax.Array, state: Any, dtype: Any, output_final_state: bool) -> Any:
