@@ -454,8 +454,9 @@ def _core(cfg: _Cfg, x: dict, S0):
 
 def _core_fwd(cfg, x, S0):
   o, S_T, starts = _forward(cfg, x, S0)
-  # Residuals: the chunk inputs and the chunk-start states [BN, T / C, K, V] only.
-  return (o, S_T), (x, starts, S0)
+  # Residuals: the chunk inputs and the chunk-start states [BN, T / C, K, V] only (and an
+  # empty slice of S0: its type, the mesh axes it varies over inside shard_map).
+  return (o, S_T), (x, starts, S0[:0])
 
 
 def _core_bwd(cfg, res, cts):
