@@ -163,7 +163,9 @@ def _empty_window(k, v, w):
   """The empty ring buffer ``(ring_k [B, w, N, K], ring_v [B, w, N, V], valid [B, w])``,
   built from ``k, v [B, T, N, ...]`` so that it carries their batch sharding."""
   ring = lambda x: jnp.zeros_like(jnp.broadcast_to(x[:, :1], (x.shape[0], w) + x.shape[2:]))
-  return ring(k), ring(v), jnp.zeros_like(k[:, :1, 0, 0], dtype=bool).repeat(w, axis=1)
+  # a reduction over the heads, not head 0: a head axis sharded on an explicit mesh
+  first = jnp.sum(k[:, :1], axis=(2, 3))
+  return ring(k), ring(v), jnp.zeros_like(first, dtype=bool).repeat(w, axis=1)
 
 
 def _recurrent(q, k, v, a, run, K0, V0, w, halo=None):

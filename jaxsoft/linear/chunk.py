@@ -25,7 +25,9 @@ def run_ids(segment_ids: jax.Array | None, B: int, T: int,
   if segment_ids is None:
     if like is None:
       return jnp.zeros((B, T), jnp.int32)
-    return jnp.zeros_like(like[:, :, *(0,) * (like.ndim - 2)], dtype=jnp.int32)
+    # A reduction, not an index: selecting entry 0 of a head axis sharded on an explicit
+    # mesh is refused by JAX's sharding rules; a sum over it is not.
+    return jnp.zeros_like(jnp.sum(like, axis=tuple(range(2, like.ndim))), dtype=jnp.int32)
   change = (segment_ids[:, 1:] != segment_ids[:, :-1]).astype(jnp.int32)
   first = jnp.zeros_like(segment_ids[:, :1], dtype=jnp.int32)
   return jnp.concatenate([first, jnp.cumsum(change, axis=1)], axis=1)

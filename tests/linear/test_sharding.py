@@ -68,8 +68,16 @@ _SCRIPT = textwrap.dedent("""
       cts = jax.tree.map(lambda o: jnp.cos(3.0 * o), out)   # of the output's sharding
       return out, vjp(cts)
 
+    # "heads": batch over data and heads over model on a (2, 2) mesh, no segment ids (the
+    # run ids are then built from q); on an Explicit mesh only
+    heads = sys.argv[2] == "heads"
+    if heads:
+      mesh = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+      seg = None
+    spec = P("data", None, "model") if heads else P("data")
     args = (q, k, v, g, beta, seg)
-    sharded = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in args)
+    sharded = tuple(None if a is None else jax.device_put(a, NamedSharding(mesh, spec))
+                    for a in args)
     cases = [c.split("/") for c in sys.argv[1].split(",")] if sys.argv[1] != "all" else [
         (name, form) for name, (_, forms) in CALLS.items() for form in forms]
     for name, form in cases:
@@ -79,9 +87,11 @@ _SCRIPT = textwrap.dedent("""
       want = jax.jit(f)(*args)
       with jax.set_mesh(mesh):
         explicit = jax.jit(f)(*sharded)
-      shard_map = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"),
-                                        out_specs=P("data")))(*sharded)
-      for mode, got in (("explicit", explicit), ("shard_map", shard_map)):
+      modes = [("explicit", explicit)]
+      if not heads:
+        modes.append(("shard_map", jax.jit(jax.shard_map(
+            f, mesh=mesh, in_specs=P("data"), out_specs=P("data")))(*sharded)))
+      for mode, got in modes:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
           np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
                                      err_msg=f"{name}/{form} {mode}")
@@ -89,12 +99,12 @@ _SCRIPT = textwrap.dedent("""
 """)
 
 
-def _run(cases: str) -> str:
-  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(2),
+def _run(cases: str, layout: str = "batch") -> str:
+  env = dict(os.environ, XLA_FLAGS=helpers.fake_device_flags(4 if layout == "heads" else 2),
              JAX_PLATFORMS="cpu")
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", _SCRIPT, cases], capture_output=True, text=True,
+  proc = subprocess.run([sys.executable, "-c", _SCRIPT, cases, layout], capture_output=True, text=True,
                         env=env, cwd=root, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
   return proc.stdout.split()[-2:]
@@ -109,3 +119,16 @@ def test_sharded_batch_gives_the_unsharded_results_sampled():
 @pytest.mark.slow
 def test_sharded_batch_gives_the_unsharded_results_every_form():
   assert _run("all")[0] == "ok"
+
+
+def test_heads_sharded_without_segment_ids_gives_the_unsharded_results():
+  """Heads sharded over a second Explicit axis and no ``segment_ids``: the run ids are built
+  from q by a reduction (selecting head 0 of a sharded head axis raised ShardingTypeError in
+  every form); the recurrent, parallel and chunked simple GLA."""
+  cases = ",".join(f"simple_gla/{form}" for form in ("recurrent", "parallel", "chunked"))
+  assert _run(cases, "heads") == ["ok", "3"]
+
+
+@pytest.mark.slow
+def test_heads_sharded_without_segment_ids_every_form():
+  assert _run("all", "heads")[0] == "ok"
