@@ -5,10 +5,13 @@ this library's Triton kernel (``kp.attention(backend="triton")``) for the same
 normalizer: bf16, H = 128, B·T = 16k tokens, N = 16, T in {4k, 16k}, full and causal.
 Two tables: the forward for softmax, softmax_1, sigmoid, relu and stablemax (classes E,
 E, P, P, S), sparsemax, entmax15 and top_k_softmax (class T: the threshold search kernel,
-then the pass over the live key blocks, ``kernels_pallas.mosaic_gpu_threshold``; forward
-only) and softmax with lazy rescaling (``rescale_threshold=8``, a ``mosaic_gpu
-tau=8`` row); forward+backward (``jax.vjp``: the forward saving its row statistics, then
-the dK/dV and dQ kernels) for softmax, softmax_1, sigmoid and stablemax.
+then the pass over the live key blocks, ``kernels_pallas.mosaic_gpu_threshold``) and
+softmax with lazy rescaling (``rescale_threshold=8``, a ``mosaic_gpu tau=8`` row);
+forward+backward (``jax.vjp``: the forward saving its row statistics, then the dK/dV and
+dQ kernels) for softmax, softmax_1, sigmoid and stablemax, and for sparsemax, entmax15 and
+top_k_softmax (class T: the forward also saves tau, W and the live flags; the dQ kernel
+sweeps the live key blocks twice, the implicit-function coefficient then dQ, and dK/dV
+runs over each key block's live query blocks, ``kernels_pallas.mosaic_gpu_threshold_backward``).
 
 Correctness first: every (normalizer, causal) is compared at T = 512 (``--tiny``: 128)
 with a dense float64 attention of the same rounded inputs; the kernel rounds the weights
@@ -57,7 +60,8 @@ import kernels_pallas as kp
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax",
                "sparsemax", "entmax15", "top_k_softmax")  # E, E, P, P, S, T, T, T
 LAZY = {"softmax": 8.0}  # also timed with lazy rescaling at this tau (a "tau=" row)
-GRAD_NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "stablemax")  # E (exp2), E, P, S
+GRAD_NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "stablemax",
+                    "sparsemax", "entmax15", "top_k_softmax")  # E (exp2), E, P, S, T, T, T
 
 
 def _inputs(b, t, n, h, dtype, seed=0):

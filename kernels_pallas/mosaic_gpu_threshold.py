@@ -3,8 +3,13 @@
 UNVERIFIED ON HARDWARE, like ``kernels_pallas.mosaic_gpu``: lowered for CUDA by
 ``jax.export`` (sm_90a, 227 KiB of shared memory assumed) and run in Pallas's GPU
 interpreter on a CPU, never on an H100/H200. ``kp.mosaic_gpu_attention`` routes a class-T
-normalizer here. Forward only: differentiating it raises UnsupportedError (the Triton and
-Mosaic-TPU engines, ``kernels_pallas.attention``, have the backward).
+normalizer here. Differentiable in reverse mode (a custom VJP): the forward also saves the
+threshold tau, the row max m, the weight sum W and the search's live flags, and
+``kernels_pallas.mosaic_gpu_threshold_backward`` runs the dQ kernel (two sweeps over the
+live key blocks: the implicit-function coefficient, then dQ) and the dK/dV kernel (over
+each key block's live query blocks). Forward mode (``jax.jvp``) and second order raise
+``UnsupportedDifferentiation`` naming ``kernels_pallas.attention`` (the Triton and
+Mosaic-TPU engines) as the way out.
 
 AdaSplash's two kernels (Gonçalves, Treviso & Martins 2025), with the tile math of the
 other engines (``jaxsoft.normalizers.tile``'s search, ``kernels_pallas.engine``'s class-T
@@ -67,6 +72,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from kernels_pallas import engine
@@ -88,6 +94,7 @@ from kernels_pallas.mosaic_gpu import (
     _swizzled,
     _write_back,
 )
+from kernels_pallas.mosaic_gpu_threshold_backward import threshold_backward
 
 __all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
 
@@ -364,9 +371,9 @@ def _search(cfg: _TCfg, q, k, interpret):
                  interpret)(q, k)
 
 
-def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
+def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = False):
   """The attention pass over the live key blocks ``idx[.., :cnt]`` of each CTA: returns
-  [B, Tp, N, H]."""
+  [B, Tp, N, H] (``save_w``: and the rows' weight sums W, [B, N, Tp] float32)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -386,7 +393,7 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
   def bcast(row, shape):
     return lax.broadcast_in_dim(row, shape, [0])
 
-  def kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, w_ref, scoped):
     bi, q_head, q_tile, wg = _cta()
     (qo_smem2, k_smem, v_smem, st_smem), loaded, consumed = scoped
     k_loaded, v_loaded, q_loaded, m_loaded, tau_loaded = loaded
@@ -441,7 +448,11 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
       inv = jnp.where(l_i > 0.0, 1.0 / jnp.where(l_i > 0.0, l_i, 1.0), 0.0)
       inv = jnp.where(m != m, jnp.nan, inv)  # a NaN logit: the row is NaN
       qo_smem[...] = (acc * bcast(inv, acc.shape)).astype(dtype)
-      _write_back(plgpu, [(qo_smem, out_ref.at[q_rows])])
+      copies = [(qo_smem, out_ref.at[q_rows])]
+      if w_ref is not None:  # W for the backward, in tau's slot (tau is in registers)
+        st_smem.at[1, wg][...] = l_i
+        copies.append((st_smem.at[1, wg], w_ref.at[bi, q_head, pl.ds(q_base, bq)]))
+      _write_back(plgpu, copies)
 
     def producer():
       kv_head = _kv_head(q_head, groups)
@@ -460,10 +471,10 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
 
     _specialise(plgpu, wg, 2, consumer, producer)
 
-  def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref):
+  def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, *w_ref):
     pl.run_scoped(
         lambda *args: kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref,
-                             args),
+                             w_ref[0] if w_ref else None, args),
         (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
          _swizzled(plgpu, (stages, bk, h), dtype), plgpu.SMEM((2, 2, bq), jnp.float32)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -473,7 +484,9 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret):
         collective_axes="wg",
     )
 
-  out_type = jax.ShapeDtypeStruct(q.shape, dtype)
+  out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
+  if save_w:
+    out_type = [out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
   return _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"),
                  3, interpret)(q, k, v, m, tau, idx, cnt)
 
@@ -487,25 +500,51 @@ def _pad(cfg: _TCfg, q, k, v):
 
 
 def _blocks(cfg: _TCfg, q, k, interpret):
-  """(m, tau, idx, cnt) of padded inputs: the search kernel, then the block lists."""
+  """(m, tau, idx, cnt, flags) of padded inputs: the search kernel, then the block lists
+  (the flags per consumer warpgroup are the backward's)."""
   m, tau, flags = _search(cfg, q, k, interpret)
   idx, cnt = engine.live_block_tables(jnp.max(flags, axis=3))
-  return m, tau, idx, cnt
+  return m, tau, idx, cnt, flags
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 4))
+# Where a derivative the custom VJP does not give is refused, and the way out.
+_WHERE = "mosaic_gpu_attention (class T)"
+_ADVICE = ("Use kernels_pallas.attention (the Triton / Mosaic-TPU engine) or "
+           "jaxsoft.attention.dot_product_attention(implementation='xla'), which takes any "
+           "derivative.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
 def _attention(cfg: _TCfg, q, k, v, interpret):
   qp, kp, vp = _pad(cfg, q, k, v)
-  m, tau, idx, cnt = _blocks(cfg, qp, kp, interpret)
+  m, tau, idx, cnt, _ = _blocks(cfg, qp, kp, interpret)
   return _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret)[:, :cfg.t]
 
 
-@_attention.defjvp
-def _attention_jvp(cfg, interpret, primals, tangents):
-  del interpret, primals, tangents
-  raise UnsupportedError(
-      f"mosaic_gpu_attention: class T ({cfg.spec.name!r}) has no Mosaic-GPU backward yet; "
-      "differentiate through kernels_pallas.attention (Triton / Mosaic TPU) instead")
+def _forward_saving(cfg, interpret, q, k, v):
+  """The forward and what the backward needs: ``(out, (q, k, v, out, m, tau, W, flags))``."""
+  qp, kp, vp = _pad(cfg, q, k, v)
+  m, tau, idx, cnt, flags = _blocks(cfg, qp, kp, interpret)
+  out, w_sum = _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret, save_w=True)
+  out = out[:, :cfg.t]
+  return out, (q, k, v, out, m, tau, w_sum, flags)
+
+
+def _attention_fwd(cfg, q, k, v, interpret):
+  return first_order_only(functools.partial(_forward_saving, cfg, interpret), _WHERE,
+                          _ADVICE)(q, k, v)
+
+
+def _backward(cfg, interpret, res, g):
+  q, k, v, out, m, tau, w_sum, flags = res
+  return threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret)
+
+
+def _attention_bwd(cfg, interpret, res, g):
+  return first_order_only(functools.partial(_backward, cfg, interpret), _WHERE, _ADVICE)(res, g)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def _cfg(spec, hp, scale, causal, t, s, block_k, num_stages) -> _TCfg:
@@ -567,7 +606,7 @@ def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=No
   cfg = _cfg(spec, dict(normalizer_params or {}), scale, is_causal, query.shape[1],
              key.shape[1], block_k, _STAGES)
   qp, kp, _ = _pad(cfg, query, key, key)
-  return _blocks(cfg, qp, kp, interpret)
+  return _blocks(cfg, qp, kp, interpret)[:4]
 
 
 def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal: bool,
@@ -599,7 +638,9 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
       T yet (UnsupportedError naming the argument unless None).
 
   Returns:
-    ``[B, T, N, H]`` of the query's dtype; differentiating raises UnsupportedError.
+    ``[B, T, N, H]`` of the query's dtype. ``jax.grad`` / ``jax.vjp`` run the class-T
+    backward kernels (``kernels_pallas.mosaic_gpu_threshold_backward``); forward mode and
+    second order raise ``UnsupportedDifferentiation``.
 
   Examples:
     >>> import jax, jax.numpy as jnp, kernels_pallas as kp
@@ -608,6 +649,10 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
     >>> mlir = jax.export.export(jax.jit(f), platforms=["cuda"])(q).mlir_module()
     >>> mlir.count("stablehlo.custom_call @mosaic_gpu")  # the search, the attention pass
     2
+    >>> g = jax.grad(lambda q: f(q).astype(jnp.float32).sum())
+    >>> jax.export.export(jax.jit(g), platforms=["cuda"])(q).mlir_module().count(
+    ...     "stablehlo.custom_call @mosaic_gpu")  # and the dQ and dK/dV kernels
+    4
 
   References:
     N. Gonçalves, M. Treviso & A. F. T. Martins, 2025, "AdaSplash: Adaptive Sparse Flash
@@ -625,6 +670,7 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
                              f"({spec.name!r}) yet; it must be None")
   b, t, n, h = query.shape
   cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages)
+  refuse_unsupported_ad((query, key, value), _WHERE, _ADVICE)
   return _attention(cfg, query, key, value, interpret)
 
 

@@ -61,13 +61,55 @@ def test_lowers_for_cuda_full_matrix(case):
   _lowers(*case)
 
 
-def test_differentiation_is_refused():
-  """No Mosaic-GPU backward for class T yet: jax.grad raises, naming the way out."""
+def _export_grad(normalizer, dtype, causal, h, *, t=200, n=4, kh=2, **kw):
+  q = jax.ShapeDtypeStruct((1, t, n, h), dtype)
+  k = jax.ShapeDtypeStruct((1, t, kh, h), dtype)
+
+  def loss(q, k, v):
+    out = kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal, **kw)
+    return out.astype(jnp.float32).sum()
+
+  grad = jax.grad(loss, argnums=(0, 1, 2))
+  return jax.export.export(jax.jit(grad), platforms=["cuda"])(q, k, k).mlir_module()
+
+
+def _grad_lowers(normalizer, dtype, causal, h):
+  mlir = _export_grad(normalizer, jnp.dtype(dtype), causal, h)
+  # the search, the attention pass (saving W), the dQ kernel and the dK/dV kernel
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 4, mlir[:2000]
+
+
+# every normalizer, causal and not, both dtypes and H = 64, 128 (two consumer warpgroups
+# per backward CTA); H = 256 (one) and the rest of the matrix under -m slow
+GRAD_SAMPLE = [("sparsemax", "bfloat16", True, 64), ("entmax15", "float16", False, 128),
+               ("top_k_softmax", "float16", True, 64), ("top_k_softmax", "bfloat16", False, 64)]
+GRAD_MATRIX = [(nm, dt, c, h) for nm in mgt.SUPPORTED for dt in ("bfloat16", "float16")
+               for c in (False, True) for h in (64, 128, 256)]
+
+
+@pytest.mark.parametrize("case", GRAD_SAMPLE, ids=["-".join(map(str, c)) for c in GRAD_SAMPLE])
+def test_gradient_lowers_for_cuda(case):
+  _grad_lowers(*case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRAD_MATRIX, ids=["-".join(map(str, c)) for c in GRAD_MATRIX])
+def test_gradient_lowers_for_cuda_full_matrix(case):
+  _grad_lowers(*case)
+
+
+def test_forward_mode_and_second_order_are_refused():
+  """Reverse mode only (a custom VJP): jax.jvp and jax.grad of jax.grad raise
+  UnsupportedDifferentiation naming kernels_pallas.attention, before any kernel runs."""
+  from jaxsoft.attention import UnsupportedDifferentiation
+
   q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
   f = lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer="sparsemax").astype(
       jnp.float32).sum()
-  with pytest.raises(kp.UnsupportedError, match="no Mosaic-GPU backward"):
-    jax.grad(f)(q)
+  with pytest.raises(UnsupportedDifferentiation, match="forward-mode.*kernels_pallas.attention"):
+    jax.jvp(f, (q,), (q,))
+  with pytest.raises(UnsupportedDifferentiation, match="second-.*kernels_pallas.attention"):
+    jax.grad(jax.grad(lambda x: f(q * x)))(1.0)
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -212,3 +254,127 @@ def test_interpret_nan_logit_makes_its_row_nan():
   out = np.asarray(call().astype(jnp.float32))
   assert np.isnan(out[0, 5]).all()
   assert np.isfinite(np.delete(out, 5, axis=1)).all()
+
+
+def _reference_grads(normalizer, q, k, v, do, causal, scale, hp):
+  """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
+  ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on
+  the kernel's rounding error (:func:`_check_grads`)."""
+  import jaxsoft.normalizers as jn
+
+  spec = jn.get(normalizer)
+  t, s = q.shape[1], k.shape[1]
+  where = np.tril(np.ones((t, s), bool)) if causal else np.ones((t, s), bool)
+  with jax.enable_x64(True):
+    args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
+    grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, scale, hp))(
+        *args, jnp.asarray(where))
+    return [np.asarray(a) for a in grads], [np.asarray(a) for a in bounds]
+
+
+def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
+  """The reference gradients and bounds as one traced function. With ``J_i = d p_i / d x_i``
+  the normalizer's Jacobian on row i (``p`` the weights, ``x`` the scaled logits),
+  ``dx_i = J_i^T dP_i``; its magnitude ``M_i = |J_i|^T (|dP_i| + Δmag_i)`` (``Δmag_i =
+  sum_h |dO_ih| sum_j |p_ij| |v_jh|``) bounds ``|dx|`` and the error the rounded output's
+  Δ puts into it."""
+  g = q.shape[2] // k.shape[2]
+  kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+
+  def weights(x):
+    return spec.fn(x, where=where, **hp)
+
+  def attend(q, k, v):
+    k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    logits = scale * jnp.einsum("bthd,bshd->bhts", q, k)
+    return jnp.einsum("bhts,bshd->bthd", weights(logits), v)
+
+  _, vjp = jax.vjp(attend, q, k, v)
+  grads = vjp(do)
+  x = scale * jnp.einsum("bthd,bshd->bhts", q, kk)
+  p = weights(x)
+  # the rows' Jacobians [B, N, T, S(out), S(in)]: each row's weights depend on that row only
+  row = lambda xi, wi: spec.fn(xi, where=wi, **hp)
+  jac = jax.vmap(jax.vmap(jax.vmap(jax.jacrev(row), (0, 0)), (0, None)), (0, None))(x, where)
+  dp = jnp.einsum("bthd,bshd->bhts", do, vv)
+  delta_mag = jnp.einsum("bthd,bthd->bht", jnp.abs(do),
+                         jnp.einsum("bhts,bshd->bthd", jnp.abs(p), jnp.abs(vv)))[..., None]
+  mag = jnp.einsum("bhtkj,bhtk->bhtj", jnp.abs(jac), jnp.abs(dp) + delta_mag)
+  bq = scale * jnp.einsum("bhts,bshd->bthd", mag, jnp.abs(kk))
+  bk = scale * jnp.einsum("bhts,bthd->bshd", mag, jnp.abs(q))
+  bv = jnp.einsum("bhts,bthd->bshd", jnp.abs(p), jnp.abs(do))
+  b_, s_, kh, h = k.shape
+  return grads, (bq, bk.reshape(b_, s_, kh, g, h).sum(3), bv.reshape(b_, s_, kh, g, h).sum(3))
+
+
+def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
+                 interpret=True):
+  """dQ, dK, dV of the GPU-interpreted kernels against the float64 dense gradients.
+
+  As ``test_mosaic_gpu._check_grads``: the kernels round ``dx`` and the normalised
+  weights to the input dtype before each matmul, compute Δ from the rounded output and
+  round each per-head gradient and the GQA sum once more, so (u the unit roundoff)
+  ``|dQ - ref| <= 8u scale sum_j M|k|``, ``|dK - ref| <= 8u scale sum_i M|q|``,
+  ``|dV - ref| <= 8u sum_i |p||dO|`` (:func:`_grads_and_bounds`), plus 1e-6 absolute for
+  float16's subnormal weights. Returns the largest error over its tolerance (<= 1)."""
+  hp = dict(hp or {})
+  q, k, v = _inputs(0, t, s, n, kh, h, dtype)
+  do = _inputs(1, t, t, n, n, h, dtype)[0] / 2.0
+
+  def call(q, k, v):
+    return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                   normalizer_params=hp, block_k=block_k, interpret=interpret)
+
+  if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      jax.vjp(call, q, k, v)
+    return None
+  _, vjp = jax.vjp(call, q, k, v)
+  got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
+  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp)
+  u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
+  worst = 0.0
+  for name, a, r, bound in zip("qkv", got, ref, bounds, strict=True):
+    ratio = np.abs(a - r) / (8 * u * bound + 1e-6)
+    assert np.all(ratio <= 1.0), (name, np.abs(a - r).max(), ratio.max())
+    # not vacuous: a gradient of order one
+    assert np.abs(r).max() > 0.05, (name, np.abs(r).max())
+    worst = max(worst, float(ratio.max()))
+  return worst
+
+
+def test_interpret_gradients_match_float64_reference():
+  """Causal sparsemax, GQA, odd lengths (padded query rows, a padded key block), fp16:
+  dQ, dK, dV under the GPU interpreter against the float64 dense gradients."""
+  _check_grads("sparsemax", True, jnp.float16, t=100, s=100, n=2, kh=1, h=64)
+
+
+GRADS = [
+    ("sparsemax", False, "bfloat16", 128, 200, 2, 2, 64, {}),
+    ("entmax15", True, "float16", 130, 130, 2, 1, 64, {}),
+    ("entmax15", False, "bfloat16", 128, 70, 1, 1, 64, {}),
+    ("top_k_softmax", True, "float16", 128, 128, 2, 1, 64, {}),
+    ("top_k_softmax", False, "bfloat16", 100, 200, 1, 1, 64, {"k": 3}),
+    ("sparsemax", True, "bfloat16", 256, 256, 1, 1, 128, {}, 128),  # 128-key forward blocks
+    ("entmax15", True, "float16", 128, 128, 1, 1, 256, {}),  # one warpgroup per CTA
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", GRADS, ids=[f"{c[0]}-{c[1]}-{c[7]}" for c in GRADS])
+def test_interpret_gradients_matrix(case):
+  normalizer, causal, dtype, t, s, n, kh, h, hp, *block_k = case
+  _check_grads(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp, *block_k)
+
+
+@pytest.mark.slow
+def test_backward_pipeline_has_no_data_race():
+  """The race detector over both backward kernels' rings: dQ's two sweeps over its key
+  list (coef, then dQ) and dK/dV's query list with five streamed row statistics."""
+  if not mga.interpreter_runs_kernel():
+    _check_grads("sparsemax", True, jnp.float16, 256, 256, 1, 1, 64)  # asserts the error
+    return
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  _check_grads("sparsemax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
+  assert not ipc.get_races().races_found
