@@ -92,9 +92,14 @@ all 255 registers a thread has: expect spills there), 64 x 64 tiles and a 2-slot
   forward, ``dQ += dX K``. Causal: the loop stops at the diagonal (a warpgroup that stops
   earlier releases the slots loaded for the other).
 
-Not done yet: classes T and R, segment ids and dense bias, per-row hyperparameter
-arrays, tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on
-a GPU.
+Class T runs in ``kernels_pallas.mosaic_gpu_threshold`` (forward only) and class R in
+``kernels_pallas.mosaic_gpu_row_stats`` (a statistics kernel, then this forward running the
+rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` operands,
+``_Cfg.row_hp``; forward only).
+
+Not done yet: class T's and class R's backward, segment ids and dense bias, per-row
+hyperparameter arrays from the caller, tuned configurations and a register-spill check
+(``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
 from __future__ import annotations
@@ -253,9 +258,19 @@ _INLINE = {"custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
            "closed_call": "call_jaxpr"}
 
 
+def _exp2_exact(p):
+  """``2^p`` exact for an integer ``p`` in [-126, 127] (``jnp.ldexp``'s ``pow(2, e)``, which
+  the Mosaic-GPU lowering lacks): the power of two built from its exponent bits, times
+  ``exp2`` of the fractional part (exactly 1 for an integer ``p``)."""
+  e = jnp.clip(jax.lax.round(p), -126.0, 127.0)
+  bits = jax.lax.shift_left(e.astype(jnp.int32) + 127, jnp.int32(23))
+  return jax.lax.bitcast_convert_type(bits, jnp.float32) * jnp.exp2(p - e)
+
+
 def _eval_inlined(jaxpr, consts, args):
   """Evaluates ``jaxpr`` with every primitive of :data:`_INLINE` replaced by its body (and
-  a negative integer power by the reciprocal of a positive one, ``add_any`` by ``add``)."""
+  a negative integer power by the reciprocal of a positive one, ``add_any`` by ``add``,
+  ``is_finite(x)`` by ``|x| < inf``, ``2^p`` by :func:`_exp2_exact`)."""
   from jax.extend import core as jex_core
 
   env: dict[Any, Any] = {}
@@ -276,6 +291,13 @@ def _eval_inlined(jaxpr, consts, args):
         outs = _eval_inlined(inner, (), invals)
     elif eqn.primitive.name == "add_any":  # a sum of tangents, as the lowering knows it
       outs = [jax.lax.add(*invals)]
+    elif eqn.primitive.name == "is_finite":  # (no lowering rule): |x| < inf, False for NaN
+      outs = [jnp.abs(invals[0]) < jnp.inf]
+    elif (eqn.primitive.name == "pow" and isinstance(eqn.invars[0], jex_core.Literal)
+          and float(eqn.invars[0].val) == 2.0):  # (no lowering rule) 2^p: jnp.ldexp's
+      outs = [_exp2_exact(invals[1])]
+    elif eqn.primitive.name == "stop_gradient":
+      outs = list(invals)
     elif eqn.primitive.name == "integer_pow" and eqn.params["y"] < 0:
       # x^-p as 1 / x^p (the lowering has integer powers >= 2 and x^-1 only; a
       # derivative of 1 / (1 - x), stablemax's, is t x^-2)
@@ -294,13 +316,16 @@ def _primal(fn):
   inlined, so that the Mosaic-GPU lowering sees plain primitives: its array arguments are
   traced to a jaxpr (the others closed over), which is then evaluated on them."""
   def call(*args, **kwargs):
-    is_array = [isinstance(a, jax.Array) or hasattr(a, "aval") for a in args]
-    arrays = [a for a, x in zip(args, is_array, strict=True) if x]
+    # keyword arrays (class R's per-row hyperparameters) are traced arguments too
+    names = tuple(kwargs)
+    allargs = args + tuple(kwargs[nm] for nm in names)
+    is_array = [isinstance(a, jax.Array) or hasattr(a, "aval") for a in allargs]
+    arrays = [a for a, x in zip(allargs, is_array, strict=True) if x]
 
     def flat(*arrs):
       it = iter(arrs)
-      return fn(*(next(it) if x else a for a, x in zip(args, is_array, strict=True)),
-                **kwargs)
+      vals = [next(it) if x else a for a, x in zip(allargs, is_array, strict=True)]
+      return fn(*vals[:len(args)], **dict(zip(names, vals[len(args):], strict=True)))
 
     closed, shape = jax.make_jaxpr(flat, return_shape=True)(*arrays)
     outs = _eval_inlined(closed.jaxpr, closed.consts, arrays)
@@ -336,6 +361,9 @@ class _Cfg(_Problem):
   rescale_threshold: float | None = None  # lazy rescaling (exp2 rules), natural units
   window: tuple[int, int] | None = None  # (left, right): query i sees keys i - left .. i + right
   kv_lengths: bool = False  # a per-batch key length array is the kernels' last input
+  # class R: the derived per-row hyperparameters of the rule's second pass, operands
+  # [B, N, Tp] float32 after the key lengths (kernels_pallas.mosaic_gpu_row_stats)
+  row_hp: tuple[str, ...] = ()
 
   @property
   def left(self) -> int | None:
@@ -356,7 +384,17 @@ class _Cfg(_Problem):
 
   @property
   def rule(self) -> _spec.TileRule:
+    """The tile rule the kernels run: the spec's, or class R's second pass."""
+    if self.spec.kernel_class == "R":
+      return self.spec.row_stats.second
     return self.spec.tile
+
+  @property
+  def kind(self) -> str:
+    """The kernels' class: E, S or P (class R: its second pass's)."""
+    kind = self.rule.kernel_class if self.spec.kernel_class == "R" else self.spec.kernel_class
+    assert kind is not None
+    return kind
 
 
 def smem_bytes(head_dim: int, dtype, block_q: int = 64, block_k: int = 128,
@@ -500,7 +538,7 @@ def _stat_names(cfg: _Cfg) -> tuple[str, ...]:
   """The per-row statistics the forward saves for the backward (each ``[B, N, Tp]``
   float32): ``lse2 = m2 + log2 D`` (class E in the exp2 domain), ``m`` and ``1 / D``
   (other class-E rules), ``1 / D`` (class S), none (class P)."""
-  kind = cfg.spec.kernel_class
+  kind = cfg.kind
   if kind == "P":
     return ()
   if cfg.exp2:
@@ -589,10 +627,12 @@ def _slot(step, lo, stages: int):
   return jax.lax.rem(step - lo, jnp.array(stages, jnp.int32))
 
 
-def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths=None):
+def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths=None,
+             rows=()):
   """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H] (and the int32 [B]
-  ``kv_lengths`` when ``cfg.kv_lengths``); returns [B, Tp, N, H] (``save_stats``: and the
-  tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
+  ``kv_lengths`` when ``cfg.kv_lengths``; class R: ``rows``, the float32 [B, N, Tp] values
+  of the per-row hyperparameters ``cfg.row_hp``); returns [B, Tp, N, H] (``save_stats``:
+  and the tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -609,14 +649,14 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
   denominator = None if rule.denominator is None else _primal(rule.denominator)
   offset = None if rule.offset is None else _primal(rule.offset)
   hp = cfg.hp_dict
-  kind = cfg.spec.kernel_class
+  kind = cfg.kind
   uses_length = _uses_length(rule)
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
   # the logits' factor: scale, times log2(e) in the exp2 domain
   c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
 
-  def row_floor(length_row):
+  def row_floor(length_row, hp):
     if not rule.uses_max:
       return None
     floor = rule.floor_value(length_row, hp)
@@ -629,10 +669,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
 
   stat_names = _stat_names(cfg) if save_stats else ()
 
-  def kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, scoped):
+  def kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, out_ref, st_refs, scoped):
     bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    smem, loaded, consumed, schedule_barrier, st_smem2 = scoped
+    smem, loaded, consumed, schedule_barrier, st_smem2, hp_scoped = scoped
+    hp_smem2: Any = hp_scoped[0] if hp_scoped else None
+    hp_loaded: Any = hp_scoped[1] if hp_scoped else None
     qo_smem2, k_smem, v_smem = smem
     k_loaded, v_loaded, q_loaded = loaded
     k_consumed, v_consumed = consumed
@@ -651,7 +693,17 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
       # this warpgroup's blocks: [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
       lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
       q_rows = (bi, pl.ds(q_base, bq), q_head)
-      _fetch(plgpu, [(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])])
+      rows_at = (bi, q_head, pl.ds(q_base, bq))
+      _fetch(plgpu, [(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])]
+             + [(ref.at[rows_at], hp_smem2.at[i, wg], hp_loaded.at[2 * i + wg])
+                for i, ref in enumerate(hp_refs)])
+      # class R's derived hyperparameters: [bq] rows (offset, floor), broadcast to the
+      # [bq, bk] tile where the tile maps take them (built at each use, not held)
+      hp_rows = {**hp, **{nm: _load_row(plgpu, hp_smem2.at[i, wg], row_layout)
+                          for i, nm in enumerate(cfg.row_hp)}}
+
+      def tile_hp():
+        return {**hp, **{nm: bcast(hp_rows[nm], (bq, bk)) for nm in cfg.row_hp}}
 
       def iota(axis):  # built where used: a [bq, bk] array held across the loop costs
         # registers the accumulator needs
@@ -662,7 +714,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         return _visible_count(cfg, iota(0) + q_base, end)
 
       length_row: Any = float(cfg.s) if not cfg.masked else lengths().max(axis=1)
-      floor = row_floor(length_row)
+      floor = row_floor(length_row, hp_rows)
 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf if rule.uses_max else 0.0,
                                        jnp.float32), row_layout)
@@ -704,6 +756,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         if mask is not None:
           x = jnp.where(mask, x, 0.0)
         length_tile = lengths() if uses_length else float(cfg.s)  # (unused then)
+        hp = tile_hp()
         alpha: Any
         if cfg.exp2:
           z = score_map(x, length_tile, **hp)
@@ -828,7 +881,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         m_nat = m_i * LN2 if cfg.exp2 else m_i
         d = l_i
         if offset is not None:
-          d = d + offset(m_nat, length_row, **hp)
+          d = d + offset(m_nat, length_row, **hp_rows)
         inv = jnp.where(d > 0.0, 1.0 / jnp.where(d > 0.0, d, 1.0), 0.0)
         acc = acc * bcast(inv, acc.shape)
         for name, st_smem in zip(stat_names, st_smem2, strict=True):
@@ -871,27 +924,33 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
 
   def entry(q_ref, k_ref, v_ref, *refs):
     len_ref = refs[0] if cfg.kv_lengths else None
-    out_ref, *st_refs = refs[int(cfg.kv_lengths):]
+    refs = refs[int(cfg.kv_lengths):]
+    n_hp = len(cfg.row_hp)
+    hp_refs, (out_ref, *st_refs) = refs[:n_hp], refs[n_hp:]
     scratch = [_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
                _swizzled(plgpu, (stages, bk, h), dtype)]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, out_ref, st_refs, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, out_ref, st_refs, args),
         scratch,
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=2)),
         (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
         plgpu.Barrier(num_arrivals=2),
         tuple(plgpu.SMEM((2, bq), jnp.float32) for _ in stat_names),
+        ((plgpu.SMEM((n_hp, 2, bq), jnp.float32), plgpu.Barrier(num_barriers=2 * n_hp))
+         if n_hp else ()),
         collective_axes="wg",
     )
 
+  if len(rows) != len(cfg.row_hp):
+    raise ValueError(f"_forward: {len(cfg.row_hp)} per-row hyperparameters, got {len(rows)}")
   out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
   if save_stats:
     out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
                              for _ in stat_names]
   lens = (kv_lengths,) if cfg.kv_lengths else ()
   res = _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"), 3,
-                interpret)(q, k, v, *lens)
+                interpret)(q, k, v, *lens, *rows)
   if save_stats:
     return res[0], tuple(res[1:])
   return res
@@ -1015,7 +1074,7 @@ def _bwd_tile_fn(cfg: _Cfg):
   first argument), traced with custom derivatives inlined (:func:`_primal`)."""
   rule = cfg.rule
   hp = cfg.hp_dict
-  kind = cfg.spec.kernel_class
+  kind = cfg.kind
   numerator, denominator = rule.numerator, rule.denominator
   same = denominator is None or denominator is numerator
   score_map = _primal(rule.score_map)
@@ -1107,7 +1166,7 @@ def _bwd_setup(cfg: _Cfg, q, k, rows) -> _BwdSetup:
   return _BwdSetup(b=b, tp=tp, n=n, h=h, sp=sp, groups=n // kh, wgs=_bwd_wgs(h),
                    dtype=q.dtype, n_rows=len(rows),
                    c=cfg.scale * (LOG2E if cfg.exp2 else 1.0), tile=_bwd_tile_fn(cfg),
-                   has_delta=cfg.spec.kernel_class != "P")
+                   has_delta=cfg.kind != "P")
 
 
 def _split_lengths(cfg: _Cfg, refs):
@@ -1405,7 +1464,7 @@ def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret, kv_lengths=None):
   qp, dop = jnp.pad(q, pad_t), jnp.pad(g, pad_t)
   kp, vp = jnp.pad(k, pad_s), jnp.pad(v, pad_s)
   rows = tuple(stats)
-  if cfg.spec.kernel_class != "P":
+  if cfg.kind != "P":
     # Δ_i = dO_i · O_i (float32), 0 on the padded rows
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), g.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
@@ -1502,7 +1561,10 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
       rule whose maps lower for Mosaic GPU (tested: softmax, softmax_1, softmax_n, softpick,
       ssmax, sigmoid, relu, stablemax, spherical_softmax; softplus-based rules need a
       ``log1p`` the lowering lacks). Class T (sparsemax, entmax15, top_k_softmax) runs
-      ``kernels_pallas.mosaic_gpu_threshold`` (forward only).
+      ``kernels_pallas.mosaic_gpu_threshold`` (forward only); class R (every registered
+      row-statistics rule: standardized_softmax, nap, adaptive_temperature_softmax,
+      affine_softmax, clipped_softmax, sa_softmax_normalized, epsilon_softmax,
+      eta_softmax) runs ``kernels_pallas.mosaic_gpu_row_stats`` (forward only).
     normalizer_params: the normalizer's hyperparameters as Python numbers (compiled in).
     scale: the logits' scale (None: ``1 / sqrt(H)``).
     is_causal: top-left aligned causal mask (query i sees keys j <= i).
@@ -1551,13 +1613,15 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
   spec = _spec.resolve(normalizer)
   if not isinstance(spec, _spec.NormalizerSpec) or not (
       (spec.kernel_class in ("E", "S", "P") and spec.tile is not None)
-      or (spec.kernel_class == "T" and spec.threshold is not None)):
+      or (spec.kernel_class == "T" and spec.threshold is not None)
+      or (spec.kernel_class == "R" and spec.row_stats is not None
+          and spec.row_stats.second is not None)):
     name = getattr(spec, "name", spec)
     kc = getattr(spec, "kernel_class", None)
     raise UnsupportedError(
         f"mosaic_gpu_attention: `normalizer` {name!r} (kernel class {kc}) is not of class "
-        "E, S or P with a tile rule (or T with a threshold rule); class R runs in "
-        "kernels_pallas.attention")
+        "E, S or P with a tile rule (T with a threshold rule, R with a row-statistics "
+        "rule); it runs in kernels_pallas.attention only")
   threshold = spec.kernel_class == "T"  # class T: kernels_pallas.mosaic_gpu_threshold
   hp = dict(normalizer_params or {})
   for name, val in hp.items():
@@ -1625,8 +1689,9 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         block_k=block_k, num_stages=num_stages, interpret=interpret,
         rescale_threshold=rescale_threshold, local_window_size=window,
         key_value_seq_lengths=lengths)
-  rule = spec.tile
-  assert rule is not None  # classes E, S, P (checked above)
+  row_stats = spec.kernel_class == "R"  # class R: kernels_pallas.mosaic_gpu_row_stats
+  rule = spec.row_stats.second if spec.row_stats is not None and row_stats else spec.tile
+  assert rule is not None  # classes E, S, P, R (checked above)
   if rescale_threshold is not None:
     if not _exp2_rule(rule):
       raise ValueError(
@@ -1639,14 +1704,17 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     rescale_threshold = float(rescale_threshold)
   cfg = _Cfg(spec=spec, hp=tuple(sorted(hp.items())), scale=float(scale),
              causal=bool(is_causal), t=t, s=s, block_q=block_q, block_k=block_k,
-             num_stages=num_stages, exp2=_exp2_rule(rule),
+             num_stages=num_stages, exp2=_exp2_rule(rule) and not row_stats,
              approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator,
              rescale_threshold=rescale_threshold, window=window,
              kv_lengths=lengths is not None)
+  run: Any = _attention
+  if row_stats:
+    from kernels_pallas.mosaic_gpu_row_stats import row_stats_attention as run
   if interpret is None:
-    return _attention(cfg, query, key, value, lengths, interpret)
+    return run(cfg, query, key, value, lengths, interpret)
   try:
-    return _attention(cfg, query, key, value, lengths, interpret)
+    return run(cfg, query, key, value, lengths, interpret)
   except NotImplementedError as e:
     # JAX 0.10's GPU interpreter has no rule for pl.run_state (the accumulator handed to
     # the second wgmma); JAX 0.12's has. Said plainly instead of a stack of interpreter frames.

@@ -99,7 +99,7 @@ def test_shared_memory_overflow_is_caught_by_the_export_and_the_wrapper():
 
 
 @pytest.mark.parametrize("kw, match", [
-    (dict(normalizer="epsilon_softmax"), "not of class E, S or P"),  # class R
+    (dict(normalizer="gumbel_softmax"), "not of class E, S or P"),  # class X
     (dict(h=96), "must be 64, 128 or 256"),
     (dict(dtype=jnp.float32), "float16 or bfloat16"),
     (dict(block_k=96), "multiple of 64"),

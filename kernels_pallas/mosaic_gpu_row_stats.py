@@ -1,0 +1,372 @@
+"""Class R (row-statistics normalizers) on the Mosaic-GPU (Hopper, sm_90a) engine.
+
+UNVERIFIED ON HARDWARE, like ``kernels_pallas.mosaic_gpu``: lowered for CUDA by
+``jax.export`` (sm_90a, 227 KiB of shared memory assumed) and run in Pallas's GPU
+interpreter on a CPU, never on an H100/H200. ``kp.mosaic_gpu_attention`` routes a class-R
+normalizer here.
+
+A class-R normalizer (standardised softmax, NAP, adaptive temperature, affine, clipped,
+SA-normalised, epsilon and eta truncation) needs a statistic of its whole row before any
+weight; its spec carries a :class:`~jaxsoft.normalizers.RowStatsRule`. As on the Triton /
+Mosaic-TPU engine (``kernels_pallas.row_stats``), attention is a composition, with no
+``T x S`` buffer anywhere. For a query row i with scaled logits ``x_ij = scale q_i·k_j``
+over its visible keys ``V_i``::
+
+    stats_i = merge over the key blocks B of block(x_iB, visible)     (statistics kernel)
+    theta_i = derive(stats_i, |V_i|, **hp)                            (XLA, per row)
+    O_i     = the E/P tile rule ``second`` with hyperparameters hp + theta_i
+                                                                      (the forward kernel)
+
+1. **Statistics kernel.** A CTA owns ``2 x 64`` query rows of one (batch, head): a TMA
+   producer warpgroup streams the key tiles the rows see (the forward's block list,
+   ``mosaic_gpu._key_block_range``) through a ring, two consumer warpgroups compute
+   ``Q K^T`` with ``wgmma`` and fold ``rule.block`` of each tile into their rows'
+   statistics with ``rule.merge`` (every block masked: the padded keys, the causal
+   diagonal, the window and the key lengths). The rule's functions are written for
+   ``[rows, 1]`` statistics (``keepdims`` sums over the key axis); the kernel holds them
+   as ``[64]`` vectors in the wgmma row layout, so they are traced once and evaluated
+   with every ``[rows, 1]`` value kept as its ``[rows]`` vector (:func:`_rowwise`).
+2. ``derive`` in XLA on the ``[B, N, Tp]`` statistics and the rows' visible counts.
+3. The forward kernel of ``kernels_pallas.mosaic_gpu`` running ``second`` (class E: the
+   running max and row sum; class P: nothing carried), with the derived values as per-row
+   operands (``_Cfg.row_hp``: each a ``[B, N, Tp]`` float32 array whose ``[64]`` slice a
+   consumer warpgroup brings into shared memory next to its query tile and broadcasts to
+   each ``[64, block_k]`` tile of logits).
+
+Both kernels run the same key blocks with the same ``block_k``, so the forward recomputes
+exactly the statistics pass's tiles (the rules that compare logits with a row's extremes,
+``row_blocks.RECOMPUTE_TOLERANCE``, allow a few ulps in any case).
+
+Forward only: differentiating raises UnsupportedError naming ``kernels_pallas.attention``
+(whose Triton / Mosaic-TPU backward recomputes the statistics' tiles for their gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxsoft.normalizers import spec as _spec
+from kernels_pallas.engine import UnsupportedError
+from kernels_pallas.mosaic_gpu import (
+    _INLINE,
+    _Cfg,
+    _cta,
+    _fetch,
+    _forward,
+    _key_block_range,
+    _kv_head,
+    _launch,
+    _plgpu,
+    _round_up,
+    _scores,
+    _slot,
+    _specialise,
+    _stream,
+    _swizzled,
+    _visible,
+    _visible_count,
+    _within,
+    _write_back,
+)
+
+__all__ = ["row_stats_attention", "row_stats"]
+
+
+# --- the rules' [rows, 1] statistics as [rows] vectors -----------------------------------
+
+
+def _as_rows(shape) -> tuple[int, ...]:
+  """The shape a value of the traced shape ``shape`` has in the kernel: ``[r, 1]`` is held
+  as ``[r]`` (the wgmma row layout has no trailing unit axis)."""
+  shape = tuple(shape)
+  return shape[:1] if len(shape) == 2 and shape[1] == 1 else shape
+
+
+def _eval_rowwise(jaxpr, consts, args):
+  """Evaluates ``jaxpr`` (traced on ``[r, c]`` tiles and ``[r, 1]`` statistics) on values
+  of the shapes :func:`_as_rows` gives: a ``keepdims`` reshape or broadcast to ``[r, 1]``
+  is the identity, a broadcast of ``[r, 1]`` to ``[r, c]`` one of ``[r]`` along the rows, a
+  reduction over the unit axis the identity; custom derivatives and nested jits are
+  inlined (``mosaic_gpu._INLINE``), ``is_finite(x)`` is ``|x| < inf`` and
+  ``stop_gradient`` the identity (neither has a Mosaic-GPU lowering rule)."""
+  from jax import lax
+  from jax.extend import core as jex_core
+
+  env: dict[Any, Any] = {}
+
+  def read(v):
+    return v.val if isinstance(v, jex_core.Literal) else env[v]
+
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    name = eqn.primitive.name
+    field = _INLINE.get(name)
+    inner = eqn.params.get(field) if field else None
+    out_shape = _as_rows(eqn.outvars[0].aval.shape) if eqn.outvars else ()
+    x: Any = invals[0] if invals else None
+    if inner is not None:
+      if hasattr(inner, "jaxpr"):
+        outs = _eval_rowwise(inner.jaxpr, inner.consts, invals)
+      else:
+        outs = _eval_rowwise(inner, (), invals)
+    elif name == "broadcast_in_dim":
+      if jnp.shape(x) == out_shape:
+        outs = [x]
+      elif jnp.ndim(x) == 0:
+        outs = [lax.broadcast_in_dim(x, out_shape, ())]
+      else:  # [r] (a [r, 1] or [r] value) along the rows of [r, c]
+        outs = [lax.broadcast_in_dim(x, out_shape, (0,))]
+    elif name in ("reshape", "squeeze", "expand_dims") and jnp.shape(x) == out_shape:
+      outs = [x]
+    elif name.startswith("reduce_") and jnp.shape(x) == out_shape:  # over the unit axis
+      outs = [x]
+    elif name == "is_finite":
+      outs = [jnp.abs(x) < jnp.inf]
+    elif name == "stop_gradient":
+      outs = [x]
+    elif name == "add_any":
+      outs = [lax.add(*invals)]
+    else:
+      if len(out_shape) == 2:  # an elementwise op of [r, c] with [r, 1] (jaxprs broadcast
+        # unit axes implicitly): the [r] vector broadcast along the rows
+        invals = [lax.broadcast_in_dim(a, out_shape, (0,)) if jnp.ndim(a) == 1 else a
+                  for a in invals]
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      if not eqn.primitive.multiple_results:
+        outs = [outs]
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _rowwise(fn, *avals):
+  """``fn`` traced on ``avals`` (``[r, c]`` tiles, ``[r, 1]`` statistics), evaluated on
+  the kernel's values (:func:`_eval_rowwise`): returns a function of those values giving
+  ``fn``'s flat outputs."""
+  closed = jax.make_jaxpr(fn)(*avals)
+
+  def call(*args):
+    return tuple(_eval_rowwise(closed.jaxpr, closed.consts, list(args)))
+  return call
+
+
+# --- the statistics kernel -------------------------------------------------------------------
+
+
+def _rule(cfg: _Cfg) -> _spec.RowStatsRule:
+  return cfg.spec.row_stats
+
+
+def _init_values(rule: _spec.RowStatsRule) -> tuple[float, ...]:
+  """The statistics of an empty row, as Python numbers (one per statistic)."""
+  with jax.ensure_compile_time_eval():
+    return tuple(float(jnp.reshape(a, (-1,))[0]) for a in rule.init((1, 1), jnp.float32))
+
+
+def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
+  """The statistics kernel on padded inputs q [B, Tp, N, H], k [B, Sp, K, H] (Tp a
+  multiple of ``2 cfg.block_q``, Sp of ``cfg.block_k``): the rule's statistics of every
+  query row, each [B, N, Tp] float32 (module docstring, step 1)."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq, bk = cfg.block_q, cfg.block_k
+  stages = min(cfg.num_stages, sp // bk)
+  dtype = q.dtype
+  rule = _rule(cfg)
+  init = _init_values(rule)
+  size = len(init)
+  layout = plgpu.Layout.WGMMA
+  row_layout = layout.reduce(1)
+  tile_aval = jax.ShapeDtypeStruct((bq, bk), jnp.float32)
+  mask_aval = jax.ShapeDtypeStruct((bq, bk), jnp.bool_)
+  row_aval = jax.ShapeDtypeStruct((bq, 1), jnp.float32)
+  block = _rowwise(lambda x, mask: tuple(rule.block(x, mask)), tile_aval, mask_aval)
+  merge = _rowwise(lambda *ab: tuple(rule.merge(tuple(ab[:size]), tuple(ab[size:]))),
+                   *[row_aval] * (2 * size))
+
+  def kernel(q_ref, k_ref, len_ref, st_refs, scoped):
+    (q_smem2, k_smem, st_smem), (q_loaded, k_loaded), consumed = scoped
+    bi, q_head, q_tile, wg = _cta()
+    end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
+    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
+
+    def consumer():
+      q_smem = q_smem2.at[wg]
+      q_base = q_tile * (2 * bq) + wg * bq
+      _fetch(plgpu, [(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem, q_loaded.at[wg])])
+      lo, _, _, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
+
+      def step(kv_step, stats):
+        slot = slot_of(kv_step)
+        qk = _scores(plgpu, q_smem, k_smem.at[slot], k_loaded.at[slot], consumed.at[slot],
+                     (bq, bk))
+        mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+        x = jnp.where(mask, qk * cfg.scale, 0.0)
+        return merge(*stats, *block(x, mask))
+
+      def flush(kv_step, _):
+        # a block the producer loaded for the other warpgroup only: waited on, released
+        slot = slot_of(kv_step)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+
+      stats = tuple(plgpu.layout_cast(jnp.full((bq,), v, jnp.float32), row_layout)
+                    for v in init)
+      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+        lax.fori_loop(cta_lo, lo, flush, None)
+      stats = lax.fori_loop(lo, hi, step, stats)
+      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
+        lax.fori_loop(hi, cta_hi, flush, None)
+      for i, val in enumerate(stats):
+        st_smem.at[i, wg][...] = val
+      _write_back(plgpu, [(st_smem.at[i, wg], st_ref.at[bi, q_head, pl.ds(q_base, bq)])
+                          for i, st_ref in enumerate(st_refs)])
+
+    def producer():
+      kv_head = _kv_head(q_head, groups)
+
+      def load(step, slot):
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(step * bk, bk), kv_head], k_smem.at[slot],
+                                k_loaded.at[slot])
+
+      _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+
+    _specialise(plgpu, wg, 2, consumer, producer)
+
+  def entry(q_ref, k_ref, *refs):
+    len_ref = refs[0] if cfg.kv_lengths else None
+    st_refs = refs[int(cfg.kv_lengths):]
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, len_ref, st_refs, args),
+        (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
+         plgpu.SMEM((size, 2, bq), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  out = [jax.ShapeDtypeStruct((b, n, tp), jnp.float32) for _ in range(size)]
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
+  return tuple(_launch(plgpu, entry, out, (n, tp // (2 * bq), b),
+                       ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens))
+
+
+# --- the composition ---------------------------------------------------------------------------
+
+
+def _row_lengths(cfg: _Cfg, b: int, n: int, tp: int, kv_lengths):
+  """Every query row's visible key count, [B, N, Tp] float32 (what ``derive`` takes)."""
+  i = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, n, tp))
+  end: Any = cfg.s
+  if kv_lengths is not None:
+    end = jnp.clip(kv_lengths, 0, cfg.s).astype(jnp.int32)[:, None, None]
+  return jnp.broadcast_to(jnp.asarray(_visible_count(cfg, i, end), jnp.float32), (b, n, tp))
+
+
+def derived_rows(cfg: _Cfg, stats, lengths) -> tuple[tuple[str, ...], tuple]:
+  """``(names, rows)``: ``derive``'s per-row hyperparameters of the statistics (sorted by
+  name, each [B, N, Tp] float32); ValueError when one shadows a declared hyperparameter."""
+  theta = _rule(cfg).derive(tuple(stats), lengths, **cfg.hp_dict)
+  names = tuple(sorted(theta))
+  clash = set(names) & set(cfg.hp_dict)
+  if clash:
+    raise ValueError(f"mosaic_gpu_attention: normalizer {cfg.spec.name!r}: derived "
+                     f"hyperparameters {sorted(clash)} shadow declared ones")
+  shape = lengths.shape
+  return names, tuple(jnp.broadcast_to(jnp.asarray(theta[nm], jnp.float32), shape)
+                      for nm in names)
+
+
+def _padded(cfg: _Cfg, q, k, v):
+  tp, sp = _round_up(cfg.t, 2 * cfg.block_q), _round_up(cfg.s, cfg.block_k)
+  pad = lambda x, m: jnp.pad(x, ((0, 0), (0, m - x.shape[1]), (0, 0), (0, 0)))
+  return pad(q, tp), pad(k, sp), pad(v, sp)
+
+
+def _run(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+  qp, kp, vp = _padded(cfg, q, k, v)
+  b, tp, n, _ = qp.shape
+  stats = row_stats(cfg, qp, kp, interpret, kv_lengths)
+  names, rows = derived_rows(cfg, stats, _row_lengths(cfg, b, n, tp, kv_lengths))
+  second = dataclasses.replace(cfg, row_hp=names)
+  return _forward(second, qp, kp, vp, interpret, kv_lengths=kv_lengths, rows=rows)[:, :cfg.t]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 5))
+def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+  return _run(cfg, q, k, v, kv_lengths, interpret)
+
+
+@_attention.defjvp
+def _attention_jvp(cfg, interpret, primals, tangents):
+  del interpret, primals, tangents
+  raise UnsupportedError(
+      f"mosaic_gpu_attention: class R ({cfg.spec.name!r}) has no Mosaic-GPU backward yet; "
+      "differentiate through kernels_pallas.attention (Triton / Mosaic TPU) instead")
+
+
+def _check(spec) -> None:
+  rule = getattr(spec, "row_stats", None)
+  if rule is None or rule.second is None or rule.second.kernel_class not in ("E", "P"):
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: `normalizer` {spec.name!r} (class R) has no row-statistics "
+        "rule with an E or P second pass; it runs in kernels_pallas.attention only")
+
+
+def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
+  r"""Class-R attention forward on Hopper: the statistics kernel, ``derive`` in XLA, then
+  the forward kernel of ``kernels_pallas.mosaic_gpu`` running the rule's second pass with
+  the derived per-row hyperparameters (module docstring). ``kp.mosaic_gpu_attention``
+  calls it after validating the arguments.
+
+  .. math::
+    \theta_i = \mathrm{derive}\Big(\mathop{\mathrm{merge}}_{B}\ \mathrm{block}(x_{iB}),
+    |V_i|\Big),\qquad
+    O_i = \frac{\sum_{j \in V_i} \mathrm{num}(z_{ij}, m_i; \theta_i)\, v_j}{D_i}
+
+  with ``z_ij = score_map(x_ij, |V_i|; theta_i)`` and ``D_i`` (class E) the second
+  rule's row sum (1 for class P).
+
+  Args:
+    cfg: the forward's configuration (``mosaic_gpu._Cfg``) of a class-R spec.
+    query: ``[B, T, N, H]`` float16 or bfloat16.
+    key, value: ``[B, S, K, H]``.
+    kv_lengths: optional int32 ``[B]`` key lengths (``cfg.kv_lengths``).
+    interpret: None for the GPU, else ``InterpretGPUParams``.
+
+  Returns:
+    ``[B, T, N, H]`` of the query's dtype; differentiating raises UnsupportedError.
+
+  Examples:
+    >>> import jax, jax.numpy as jnp, kernels_pallas as kp
+    >>> q = jax.ShapeDtypeStruct((1, 128, 1, 64), jnp.float16)
+    >>> f = lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer="standardized_softmax")
+    >>> mlir = jax.export.export(jax.jit(f), platforms=["cuda"])(q).mlir_module()
+    >>> mlir.count("stablehlo.custom_call @mosaic_gpu")  # the statistics, the attention pass
+    2
+
+  References:
+    T. F. Chan, G. H. Golub & R. J. LeVeque, 1979, "Updating formulae and a pairwise
+    algorithm for computing sample variances" (the merged moments).
+
+    J. Shah, G. Bikshandi, Y. Zhang, V. Thakkar, P. Ramani & T. Dao, 2024,
+    "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
+    arXiv:2407.08608.
+  """
+  _check(cfg.spec)
+  return _attention(cfg, query, key, value, kv_lengths, interpret)
