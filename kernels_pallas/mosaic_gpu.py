@@ -93,12 +93,14 @@ all 255 registers a thread has: expect spills there), 64 x 64 tiles and a 2-slot
   earlier releases the slots loaded for the other).
 
 Class T runs in ``kernels_pallas.mosaic_gpu_threshold`` (forward only) and class R in
-``kernels_pallas.mosaic_gpu_row_stats`` (a statistics kernel, then this forward running the
-rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` operands,
-``_Cfg.row_hp``; forward only).
+``kernels_pallas.mosaic_gpu_row_stats``: a statistics kernel, then this forward running the
+rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` operands
+(``_Cfg.row_hp``); its backward runs the dQ kernel (which also sums the derived
+hyperparameters' cotangents), a dQ kernel of the statistics' own gradient and the dK/dV
+kernel with that gradient's tile cotangent added to ``dx``.
 
-Not done yet: class T's and class R's backward, segment ids and dense bias, per-row
-hyperparameter arrays from the caller, tuned configurations and a register-spill check
+Not done yet: class T's backward, segment ids and dense bias, per-row hyperparameter
+arrays from the caller, tuned configurations and a register-spill check
 (``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
@@ -1064,33 +1066,67 @@ def _load_row(plgpu, ref, layout):
   return plgpu.load(ref, layout=layout)
 
 
-def _bwd_tile_fn(cfg: _Cfg):
+def _bwd_tile_fn(cfg: _Cfg, theta_grad: bool = False):
   """The tile rule's backward on one recomputed tile: ``tile(x, mask, stats, delta, dp,
-  length) -> (w, dx)`` with ``x`` the scaled logits (log2 domain for exp2 rules),
-  ``stats`` the saved row statistics and ``delta`` Δ broadcast to the tile, ``dp = dO·v``;
-  ``w`` the weights (for dV) and ``dx`` the cotangent of the natural-unit logits
-  ``scale·q·k`` (the caller multiplies the matmul by the scale). Derivatives of the maps
-  are forward-mode products ``jvp(f, z, t) = f'(z)·t`` (every map is elementwise in its
-  first argument), traced with custom derivatives inlined (:func:`_primal`)."""
+  length, th) -> (w, dx)`` with ``x`` the scaled logits (log2 domain for exp2 rules),
+  ``stats`` the saved row statistics and ``delta`` Δ broadcast to the tile, ``dp = dO·v``,
+  ``th`` the tiles of class R's derived hyperparameters ``cfg.row_hp`` (broadcast rows;
+  empty otherwise); ``w`` the weights (for dV) and ``dx`` the cotangent of the
+  natural-unit logits ``scale·q·k`` (the caller multiplies the matmul by the scale).
+  Derivatives of the maps are forward-mode products ``jvp(f, z, t) = f'(z)·t`` (every map
+  is elementwise in its first argument), traced with custom derivatives inlined
+  (:func:`_primal`).
+
+  ``theta_grad``: also the tiles ``dth`` whose row sums are the cotangents of the derived
+  hyperparameters (the weights do not depend on the stabiliser m, a constant here)::
+
+      class E:  dth_ij = (∂num_ij/∂θ dP_ij - ∂den_ij/∂θ Δ_i) / D_i
+      class P:  dth_ij = ∂num_ij/∂θ dP_ij
+
+  with ``∂/∂θ`` through the score map too (forward-mode, one map per hyperparameter), 0
+  off the mask; returns ``(w, dx, dth)``."""
   rule = cfg.rule
   hp = cfg.hp_dict
+  names = cfg.row_hp
   kind = cfg.kind
   numerator, denominator = rule.numerator, rule.denominator
   same = denominator is None or denominator is numerator
   score_map = _primal(rule.score_map)
 
+  def params(th):
+    return {**hp, **dict(zip(names, th, strict=True))}
+
   def jvp_of(f):
-    return _primal(lambda z, m, t: jax.jvp(lambda z_: f(z_, m, **hp), (z,), (t,)))
+    return _primal(lambda z, m, t, *th: jax.jvp(lambda z_: f(z_, m, **params(th)), (z,), (t,)))
 
   jvp_num = jvp_of(numerator)
   jvp_den: Any = None if same else jvp_of(denominator)
-  jvp_score = _primal(lambda x, n, t: jax.jvp(lambda x_: rule.score_map(x_, n, **hp),
-                                               (x,), (t,))[1])
+  jvp_score = _primal(lambda x, n, t, *th: jax.jvp(
+      lambda x_: rule.score_map(x_, n, **params(th)), (x,), (t,))[1])
   linear_identity = rule.score_map is _spec.identity_score_map
 
-  def tile(x, mask, stats, delta, dp, length):
+  def dtheta_of(i):
+    """``(x, n, m, t_num, t_den, *th) -> ∂num/∂θ_i t_num + ∂den/∂θ_i t_den``."""
+    def f(x, n, m, t_num, t_den, *th):
+      def maps(th_i):
+        p = params(th[:i] + (th_i,) + th[i + 1:])
+        z = rule.score_map(x, n, **p)
+        num = numerator(z, m, **p)
+        if same or kind == "P" or denominator is None:
+          return num, num
+        return num, denominator(z, m, **p)
+      _, (d_num, d_den) = jax.jvp(maps, (th[i],), (jnp.ones_like(th[i]),))
+      return d_num * t_num if kind == "P" else d_num * t_num + d_den * t_den
+    return _primal(f)
+
+  dtheta = [dtheta_of(i) for i in range(len(names))] if theta_grad else []
+
+  def tile(x, mask, stats, delta, dp, length, th=()):
+    th = tuple(th)
     if mask is not None:
       x = jnp.where(mask, x, 0.0)
+    m: Any = 0.0
+    inv: Any = None
     if cfg.exp2:  # w = 2^(z2 - lse2), dz = w (dP - Δ)
       (lse2,) = stats
       w = jnp.exp2(score_map(x, length, **hp) - lse2)
@@ -1098,44 +1134,54 @@ def _bwd_tile_fn(cfg: _Cfg):
         w = jnp.where(mask, w, 0.0)
       dz = w * (dp - delta)
     else:
-      z = score_map(x, length, **hp)
-      m: Any = stats[0] if kind == "E" else 0.0
-      inv: Any = stats[-1] if kind != "P" else None
+      z = score_map(x, length, **params(th))
+      m = stats[0] if kind == "E" else 0.0
+      inv = stats[-1] if kind != "P" else None
       if cfg.approx_sigmoid:  # w = σ(z) = 0.5 + 0.5 tanh(z / 2), σ' = w (1 - w)
         w = 0.5 + 0.5 * jnp.tanh(0.5 * z)
         dz = w * (1.0 - w) * dp
       elif kind == "P":
-        w, dz = jvp_num(z, m, dp)
+        w, dz = jvp_num(z, m, dp, *th)
       elif same:  # dz = num'(z) (dP - Δ) / D
-        num, dz = jvp_num(z, m, (dp - delta) * inv)
+        num, dz = jvp_num(z, m, (dp - delta) * inv, *th)
         w = num * inv
       else:  # dz = (num'(z) dP - den'(z) Δ) / D
-        num, dz = jvp_num(z, m, dp * inv)
-        dz = dz + jvp_den(z, m, -delta * inv)[1]
+        num, dz = jvp_num(z, m, dp * inv, *th)
+        dz = dz + jvp_den(z, m, -delta * inv, *th)[1]
         w = num * inv
       if mask is not None:
         w = jnp.where(mask, w, 0.0)
-    dx = dz if linear_identity else jvp_score(x, length, dz)
+    dx = dz if linear_identity else jvp_score(x, length, dz, *th)
     if mask is not None:
       dx = jnp.where(mask, dx, 0.0)
-    return w, dx
+    if not theta_grad:
+      return w, dx
+    t_num = dp if kind == "P" else dp * inv
+    t_den = 0.0 if kind == "P" else -delta * inv
+    dth = [f(x, length, m, t_num, t_den, *th) for f in dtheta]
+    if mask is not None:
+      dth = [jnp.where(mask, d, 0.0) for d in dth]
+    return w, dx, dth
 
   return tile
 
 
 def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, resident: int,
-                         streamed: int, n_rows: int, row_slots: int, row_len: int) -> None:
+                         streamed: int, n_rows: int, row_slots: int, row_len: int,
+                         out_rows: int = 0) -> None:
   """Runs a backward kernel's ``body`` with its shared memory and barriers: two resident
   ``[wgs, resident, h]`` tiles, two streamed ``[stages, streamed, h]`` ring buffers, ``n_rows``
-  float32 row-statistic buffers ``[row_slots, row_len]``, their barriers, and the ring's
-  consumed barrier (one arrival per consumer warpgroup)."""
+  float32 row-statistic buffers ``[row_slots, row_len]`` (and ``out_rows`` float32 output
+  rows ``[wgs, row_len]``, class R's dθ), their barriers, and the ring's consumed barrier
+  (one arrival per consumer warpgroup)."""
   from jax.experimental import pallas as pl
 
   tile = lambda slots, rows: _swizzled(plgpu, (slots, rows, h), dtype)
   pl.run_scoped(
       body,
       (tile(wgs, resident), tile(wgs, resident), tile(stages, streamed), tile(stages, streamed),
-       tuple(plgpu.SMEM((row_slots, row_len), jnp.float32) for _ in range(n_rows))),
+       tuple(plgpu.SMEM((row_slots, row_len), jnp.float32) for _ in range(n_rows))
+       + tuple(plgpu.SMEM((wgs, row_len), jnp.float32) for _ in range(out_rows))),
       (plgpu.Barrier(num_barriers=wgs), plgpu.Barrier(num_barriers=wgs),
        plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
       tuple(plgpu.Barrier(num_barriers=row_slots) for _ in range(n_rows)),
@@ -1158,15 +1204,28 @@ class _BwdSetup(NamedTuple):
   c: float  # the logits' factor: scale, times log2(e) in the exp2 domain
   tile: Any  # :func:`_bwd_tile_fn`
   has_delta: bool
+  n_base: int  # the saved statistics and Δ (the rows streamed first)
+  n_th: int  # class R: the derived hyperparameters (next), then the tangent's rows
 
 
-def _bwd_setup(cfg: _Cfg, q, k, rows) -> _BwdSetup:
+def _bwd_setup(cfg: _Cfg, q, k, rows, theta_grad: bool = False) -> _BwdSetup:
   b, tp, n, h = q.shape
   sp, kh = k.shape[1], k.shape[2]
+  has_delta = cfg.kind != "P"
   return _BwdSetup(b=b, tp=tp, n=n, h=h, sp=sp, groups=n // kh, wgs=_bwd_wgs(h),
                    dtype=q.dtype, n_rows=len(rows),
-                   c=cfg.scale * (LOG2E if cfg.exp2 else 1.0), tile=_bwd_tile_fn(cfg),
-                   has_delta=cfg.kind != "P")
+                   c=cfg.scale * (LOG2E if cfg.exp2 else 1.0),
+                   tile=_bwd_tile_fn(cfg, theta_grad), has_delta=has_delta,
+                   n_base=len(_stat_names(cfg)) + int(has_delta), n_th=len(cfg.row_hp))
+
+
+def _split_rows(st: _BwdSetup, vals):
+  """The broadcast row tiles ``vals`` (in the kernels' operand order) split into
+  ``(statistics, Δ or None, derived hyperparameters, the rest)``."""
+  base, th, rest = vals[:st.n_base], vals[st.n_base:st.n_base + st.n_th], \
+      vals[st.n_base + st.n_th:]
+  delta = base[-1] if st.has_delta else None
+  return list(base[:len(base) - int(st.has_delta)]), delta, th, rest
 
 
 def _split_lengths(cfg: _Cfg, refs):
@@ -1177,16 +1236,20 @@ def _split_lengths(cfg: _Cfg, refs):
   return None, refs
 
 
-def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
+def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad=False):
   """dQ on padded inputs: one CTA per ``W·64`` query rows of one (batch, head), a producer
   warpgroup streaming key and value tiles through the ring (masked: only the blocks the
   rows see, :func:`_key_block_range`), ``W`` consumer warpgroups accumulating
-  ``dQ = scale · sum_j dx_ij k_j``."""
+  ``dQ = scale · sum_j dx_ij k_j``. ``rows``: the saved statistics, Δ, then class R's
+  derived hyperparameters (``cfg.row_hp``); ``theta_grad``: returns ``(dQ, dθ)`` with the
+  derived hyperparameters' cotangents ``dθ_i = sum_j dth_ij`` (:func:`_bwd_tile_fn`), each
+  [B, N, Tp] float32, accumulated in the same sweep."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
-  st = _bwd_setup(cfg, q, k, rows)
+  st = _bwd_setup(cfg, q, k, rows, theta_grad)
+  n_out = st.n_th if theta_grad else 0
   b, tp, n, h, wgs, dtype, tile = st.b, st.tp, st.n, st.h, st.wgs, st.dtype, st.tile
   bq = bk = BWD_BLOCK
   n_kv = st.sp // bk
@@ -1194,9 +1257,10 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, dth_refs, scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
         row_bar, consumed = scoped
+    row_smem2, dth_smem2 = row_smem2[:st.n_rows], row_smem2[st.n_rows:]
     bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (wgs * bq), wgs * bq, bk, end)
@@ -1216,7 +1280,8 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
 
-      def step(kv_step, dq_acc, masked: bool = False):
+      def step(kv_step, carry, masked: bool = False):
+        dq_acc, dth_acc = carry
         slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
 
@@ -1237,15 +1302,18 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
           mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
         length = _visible_count(cfg, iota(0) + q_base, end)
         bc = [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in row_vals]
-        delta = bc.pop() if st.has_delta else None
-        _, dx = tile(s * st.c, mask, bc, delta, dp, length)
+        stats, delta, th, _ = _split_rows(st, bc)
+        res = tile(s * st.c, mask, stats, delta, dp, length, th)
+        dx = res[1]
+        if n_out:
+          dth_acc = tuple(a + d.sum(axis=1) for a, d in zip(dth_acc, res[2], strict=True))
 
         def compute_dq(acc_ref):
           plgpu.wgmma(acc_ref, dx.astype(dtype), k_smem.at[slot])
 
         dq_acc = pl.run_state(compute_dq)(plgpu.ACC.init(dq_acc))
         plgpu.barrier_arrive(consumed.at[slot])
-        return dq_acc
+        return dq_acc, dth_acc
 
       def flush(kv_step, _):
         # the blocks the producer loaded for the other warpgroup only: waited on (each
@@ -1257,20 +1325,27 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
 
       masked_step = functools.partial(step, masked=True)
       dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+      carry = (dq_acc, tuple(plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
+                             for _ in range(n_out)))
       if cfg.left is not None and wgs > 1:  # (the rows of warpgroup 1 start later)
         lax.fori_loop(cta_lo, lo, flush, None)
       if cfg.masked:
-        dq_acc = lax.fori_loop(lo, flo, masked_step, dq_acc)
-        dq_acc = lax.fori_loop(flo, fhi, step, dq_acc)
-        dq_acc = lax.fori_loop(fhi, hi, masked_step, dq_acc)
+        carry = lax.fori_loop(lo, flo, masked_step, carry)
+        carry = lax.fori_loop(flo, fhi, step, carry)
+        carry = lax.fori_loop(fhi, hi, masked_step, carry)
       else:  # the last block may hold padded keys (hi = cdiv(S, bk): the blocks the
         # producer streams; the backward pads keys to whole CTAs, so n_kv may be larger)
-        dq_acc = lax.fori_loop(0, cfg.s // bk, step, dq_acc)
-        dq_acc = lax.fori_loop(cfg.s // bk, hi, masked_step, dq_acc)
+        carry = lax.fori_loop(0, cfg.s // bk, step, carry)
+        carry = lax.fori_loop(cfg.s // bk, hi, masked_step, carry)
       if cfg.right is not None and wgs > 1:  # (the rows of warpgroup 0 stop earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
+      dq_acc, dth_acc = carry
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
-      _write_back(plgpu, [(q_smem, dq_ref.at[sl])])
+      for d_smem, d in zip(dth_smem2, dth_acc, strict=True):
+        d_smem.at[wg][...] = d
+      _write_back(plgpu, [(q_smem, dq_ref.at[sl])]
+                  + [(d_smem.at[wg], d_ref.at[bi, q_head, pl.ds(q_base, bq)])
+                     for d_smem, d_ref in zip(dth_smem2, dth_refs, strict=True)])
 
     def producer():
       kv_head = _kv_head(q_head, st.groups)
@@ -1286,26 +1361,36 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
-    row_refs, dq_ref = refs[:st.n_rows], refs[st.n_rows]
+    row_refs, dq_ref, dth_refs = refs[:st.n_rows], refs[st.n_rows], refs[st.n_rows + 1:]
     _run_backward_scoped(
         plgpu,
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, dth_refs,
+                             args),
         dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=st.n_rows, row_slots=wgs,
-        row_len=bq)
+        row_len=bq, out_rows=n_out)
 
   lens = (kv_lengths,) if cfg.kv_lengths else ()
-  return _launch(plgpu, entry, jax.ShapeDtypeStruct(q.shape, dtype), (n, tp // (wgs * bq), b),
-                 ("heads", "q_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, *rows)
+  out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
+  if theta_grad:
+    out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)] * n_out
+  res = _launch(plgpu, entry, out_type, (n, tp // (wgs * bq), b),
+                ("heads", "q_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, *rows)
+  if theta_grad:
+    return res[0], tuple(res[1:])
+  return res
 
 
-def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
+def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=None):
   """dK and dV per query head on padded inputs: one CTA per ``W·64`` keys of one (batch,
   query head), a producer warpgroup streaming query, output-gradient and row-statistic
   tiles through the ring (masked: the query blocks that see the CTA's keys,
   :func:`_query_block_range`),
   ``W`` consumer warpgroups accumulating, in the transposed orientation (keys as rows),
   ``dV = sum_i w_ij dO_i`` and ``dK = scale · sum_i dx_ij q_i``. Returns ``(dK, dV)``,
-  each ``[B, Sp, N, H]`` (the GQA sum over a key head's query heads is the caller's)."""
+  each ``[B, Sp, N, H]`` (the GQA sum over a key head's query heads is the caller's).
+  ``rows``: the saved statistics, Δ, class R's derived hyperparameters (``cfg.row_hp``),
+  then any rows ``extra_fn(x, mask, tiles)`` takes (class R: the rule's statistics and
+  their cotangents), whose tile is added to ``dx`` (the statistics' own gradient)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -1375,8 +1460,10 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None):
           # the producer's next TMA (async-proxy) write into it, which the consumed
           # barrier alone does not order (the GPU interpreter's race detector finds it)
           plgpu.commit_smem()
-        delta = bc.pop() if su.has_delta else None
-        w, dx = tile(st * su.c, mask, bc, delta, dpt, length)
+        stats, delta, th, extra = _split_rows(su, bc)
+        w, dx = tile(st * su.c, mask, stats, delta, dpt, length, th)
+        if extra_fn is not None:
+          dx = dx + extra_fn(st * su.c, mask, extra)
 
         def compute(refs):
           dv_ref_, dk_ref_ = refs
@@ -1549,7 +1636,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
   (module docstring).
 
   Differentiable: ``jax.grad`` runs two backward kernels (dK/dV, dQ) that recompute the
-  weights from the forward's saved row statistics (module docstring, per-class formulas).
+  weights from the forward's saved row statistics (module docstring, per-class formulas;
+  class R adds the statistics' own gradient, ``kernels_pallas.mosaic_gpu_row_stats``).
 
   **Unverified on hardware**: lowered for CUDA and checked in Pallas's GPU interpreter
   only; not used by ``implementation="pallas"``.
@@ -1564,7 +1652,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
       ``kernels_pallas.mosaic_gpu_threshold`` (forward only); class R (every registered
       row-statistics rule: standardized_softmax, nap, adaptive_temperature_softmax,
       affine_softmax, clipped_softmax, sa_softmax_normalized, epsilon_softmax,
-      eta_softmax) runs ``kernels_pallas.mosaic_gpu_row_stats`` (forward only).
+      eta_softmax) runs ``kernels_pallas.mosaic_gpu_row_stats`` (forward and backward).
     normalizer_params: the normalizer's hyperparameters as Python numbers (compiled in).
     scale: the logits' scale (None: ``1 / sqrt(H)``).
     is_causal: top-left aligned causal mask (query i sees keys j <= i).

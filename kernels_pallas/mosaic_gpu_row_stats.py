@@ -37,8 +37,28 @@ Both kernels run the same key blocks with the same ``block_k``, so the forward r
 exactly the statistics pass's tiles (the rules that compare logits with a row's extremes,
 ``row_blocks.RECOMPUTE_TOLERANCE``, allow a few ulps in any case).
 
-Forward only: differentiating raises UnsupportedError naming ``kernels_pallas.attention``
-(whose Triton / Mosaic-TPU backward recomputes the statistics' tiles for their gradient).
+Backward (as ``kernels_pallas.row_stats`` on the other engines; the weights depend on x
+directly, at fixed theta, and through the statistics). With ``dP_ij = dO_i·v_j`` and
+``Δ_i = dO_i·O_i``:
+
+4. **dQ sweep of the second pass** (``mosaic_gpu._bwd_dq`` with the derived rows as
+   operands): ``dQ`` at fixed theta, and in the same sweep the cotangents of theta,
+   ``dθ_i = sum_j (∂num_ij/∂θ dP_ij - ∂den_ij/∂θ Δ_i) / D_i`` (class P: ``∂num_ij/∂θ
+   dP_ij``), the partial derivatives through the score map too
+   (``mosaic_gpu._bwd_tile_fn``).
+5. ``g = vjp(derive)(dθ)`` in XLA: the statistics' cotangents (0 on a row that sees no key
+   and on the padded rows).
+6. **The statistics' dQ sweep** (:func:`stats_dq`, the statistics kernel's CTA with a
+   third matmul): ``dQ_i += scale sum_j ds_ij k_j`` with the tile cotangent
+   ``ds = vjp(rule.tangent)(g)`` at the final statistics.
+7. **dK/dV sweep of the second pass** (``mosaic_gpu._bwd_dkv``): the statistics and ``g``
+   stream with each query block next to theta, and ``ds`` is added to each tile's ``dx``
+   before ``dK += dx^T Q``.
+
+``rule.tangent`` is a per-row sum over the key axis of elementwise terms, so its
+derivative at one logit is the same function traced on a single element: the kernels
+evaluate that trace on whole tiles (:func:`_elementwise`), with the statistics broadcast
+along the rows (dQ) or the columns (dK/dV, keys as rows).
 """
 
 from __future__ import annotations
@@ -51,6 +71,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoft.normalizers import spec as _spec
+from kernels_pallas import mosaic_gpu as mga
 from kernels_pallas.engine import UnsupportedError
 from kernels_pallas.mosaic_gpu import (
     _INLINE,
@@ -61,6 +82,7 @@ from kernels_pallas.mosaic_gpu import (
     _key_block_range,
     _kv_head,
     _launch,
+    _load_row,
     _plgpu,
     _round_up,
     _scores,
@@ -68,6 +90,7 @@ from kernels_pallas.mosaic_gpu import (
     _specialise,
     _stream,
     _swizzled,
+    _transposed,
     _visible,
     _visible_count,
     _within,
@@ -87,13 +110,22 @@ def _as_rows(shape) -> tuple[int, ...]:
   return shape[:1] if len(shape) == 2 and shape[1] == 1 else shape
 
 
-def _eval_rowwise(jaxpr, consts, args):
+_SHAPE_OPS = ("broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy",
+              "copy_p")
+
+
+def _eval_rowwise(jaxpr, consts, args, tile=None):
   """Evaluates ``jaxpr`` (traced on ``[r, c]`` tiles and ``[r, 1]`` statistics) on values
   of the shapes :func:`_as_rows` gives: a ``keepdims`` reshape or broadcast to ``[r, 1]``
   is the identity, a broadcast of ``[r, 1]`` to ``[r, c]`` one of ``[r]`` along the rows, a
   reduction over the unit axis the identity; custom derivatives and nested jits are
   inlined (``mosaic_gpu._INLINE``), ``is_finite(x)`` is ``|x| < inf`` and
-  ``stop_gradient`` the identity (neither has a Mosaic-GPU lowering rule)."""
+  ``stop_gradient`` the identity (neither has a Mosaic-GPU lowering rule).
+
+  ``tile``: for a function traced on one element (every value of size 1,
+  :func:`_elementwise`), the shape of the tiles it is evaluated on: every reduction,
+  reshape and broadcast is then the identity (a scalar operand of an elementwise op is
+  broadcast to the tile)."""
   from jax import lax
   from jax.extend import core as jex_core
 
@@ -113,9 +145,11 @@ def _eval_rowwise(jaxpr, consts, args):
     x: Any = invals[0] if invals else None
     if inner is not None:
       if hasattr(inner, "jaxpr"):
-        outs = _eval_rowwise(inner.jaxpr, inner.consts, invals)
+        outs = _eval_rowwise(inner.jaxpr, inner.consts, invals, tile)
       else:
-        outs = _eval_rowwise(inner, (), invals)
+        outs = _eval_rowwise(inner, (), invals, tile)
+    elif tile is not None and (name.startswith("reduce_") or name in _SHAPE_OPS):
+      outs = [x]  # (one element: the same element)
     elif name == "broadcast_in_dim":
       if jnp.shape(x) == out_shape:
         outs = [x]
@@ -123,7 +157,8 @@ def _eval_rowwise(jaxpr, consts, args):
         outs = [lax.broadcast_in_dim(x, out_shape, ())]
       else:  # [r] (a [r, 1] or [r] value) along the rows of [r, c]
         outs = [lax.broadcast_in_dim(x, out_shape, (0,))]
-    elif name in ("reshape", "squeeze", "expand_dims") and jnp.shape(x) == out_shape:
+    elif (name in ("reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p")
+          and jnp.shape(x) == out_shape):
       outs = [x]
     elif name.startswith("reduce_") and jnp.shape(x) == out_shape:  # over the unit axis
       outs = [x]
@@ -134,7 +169,9 @@ def _eval_rowwise(jaxpr, consts, args):
     elif name == "add_any":
       outs = [lax.add(*invals)]
     else:
-      if len(out_shape) == 2:  # an elementwise op of [r, c] with [r, 1] (jaxprs broadcast
+      if tile is not None and any(jnp.ndim(a) for a in invals):
+        invals = [a if jnp.ndim(a) else lax.broadcast_in_dim(a, tile, ()) for a in invals]
+      elif tile is None and len(out_shape) == 2:  # an elementwise op of [r, c] with [r, 1] (jaxprs broadcast
         # unit axes implicitly): the [r] vector broadcast along the rows
         invals = [lax.broadcast_in_dim(a, out_shape, (0,)) if jnp.ndim(a) == 1 else a
                   for a in invals]
@@ -143,6 +180,28 @@ def _eval_rowwise(jaxpr, consts, args):
         outs = [outs]
     env.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in jaxpr.outvars]
+
+
+def _elementwise(fn, n_args: int, masked: bool):
+  """``fn(x, mask, *rows)`` (each argument one element, or for the mask absent when not
+  ``masked``) traced on ``[1, 1]`` values and evaluated on whole tiles: a function of
+  ``rule.tangent``'s kind (per-row sums over the key axis of elementwise terms) is then
+  its per-element term (a row of one key sums nothing), in either tile orientation."""
+  one = jax.ShapeDtypeStruct((1, 1), jnp.float32)
+  if masked:
+    closed = jax.make_jaxpr(fn)(one, jax.ShapeDtypeStruct((1, 1), jnp.bool_),
+                                *[one] * n_args)
+  else:
+    closed = jax.make_jaxpr(lambda x, *rows: fn(x, jnp.ones((1, 1), bool), *rows))(
+        one, *[one] * n_args)
+  consts = [jnp.reshape(c, ()) if jnp.size(c) == 1 else c for c in closed.consts]
+
+  def call(x, mask, *rows):
+    tile = jnp.shape(x)
+    args = [x] + ([mask] if masked else []) + list(rows)
+    out = _eval_rowwise(closed.jaxpr, consts, args, tile)[0]
+    return out if jnp.ndim(out) else jax.lax.broadcast_in_dim(out, tile, ())
+  return call
 
 
 def _rowwise(fn, *avals):
@@ -266,6 +325,134 @@ def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
                        ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens))
 
 
+def _tangent_fn(cfg: _Cfg, masked: bool):
+  """``ds(x, mask, *stats, *g)``: one tile's logit cotangent from the statistics'
+  cotangents ``g`` at the row's final statistics, ``vjp(rule.tangent)(g)`` (as
+  ``kernels_pallas.row_stats.tangent_tile``), evaluated elementwise (:func:`_elementwise`)
+  so that the statistics may be broadcast along either tile axis; 0 off the mask."""
+  rule = _rule(cfg)
+  size = len(_init_values(rule))
+
+  def fn(x, mask, *rows):
+    stats, g = tuple(rows[:size]), tuple(rows[size:])
+    _, vjp = jax.vjp(lambda x_: tuple(rule.tangent(x_, mask, stats)), x)
+    return vjp(g)[0]
+
+  call = _elementwise(fn, 2 * size, masked)
+
+  def ds(x, mask, rows):
+    if mask is not None:
+      x = jnp.where(mask, x, 0.0)
+    out = call(x, mask, *rows)
+    return out if mask is None else jnp.where(mask, out, 0.0)
+  return ds
+
+
+def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
+  """The statistics' own dQ on padded inputs (q [B, Tp, N, H], k [B, Sp, K, H], Sp a
+  multiple of 64): ``dQ_i = scale sum_j ds_ij k_j`` with ``ds`` the tile cotangent of
+  :func:`_tangent_fn` from the statistics and their cotangents ``g`` (each [B, N, Tp]).
+  The statistics kernel's CTA (two consumer warpgroups of 64 rows, key tiles through a
+  TMA ring), with a third matmul ``ds K`` on the tensor cores; [B, Tp, N, H] of q's dtype."""
+  plgpu = _plgpu()
+  from jax import lax
+  from jax.experimental import pallas as pl
+
+  b, tp, n, h = q.shape
+  sp, kh = k.shape[1], k.shape[2]
+  groups = n // kh
+  bq = bk = 64
+  stages = min(2, sp // bk)
+  dtype = q.dtype
+  size = len(stats)
+  layout = plgpu.Layout.WGMMA
+  row_layout = layout.reduce(1)
+  ds_of = _tangent_fn(cfg, masked=True)
+
+  def kernel(q_ref, k_ref, len_ref, row_refs, dq_ref, scoped):
+    (q_smem2, k_smem, row_smem), (q_loaded, row_loaded, k_loaded), consumed = scoped
+    bi, q_head, q_tile, wg = _cta()
+    end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
+    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
+
+    def consumer():
+      q_smem = q_smem2.at[wg]
+      q_base = q_tile * (2 * bq) + wg * bq
+      sl = (bi, pl.ds(q_base, bq), q_head)
+      _fetch(plgpu, [(q_ref.at[sl], q_smem, q_loaded.at[wg])]
+             + [(r.at[bi, q_head, pl.ds(q_base, bq)], row_smem.at[i, wg],
+                 row_loaded.at[2 * i + wg]) for i, r in enumerate(row_refs)])
+      rows = [_load_row(plgpu, row_smem.at[i, wg], row_layout) for i in range(2 * size)]
+      lo, _, _, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+
+      def iota(axis):
+        return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
+
+      def step(kv_step, dq_acc):
+        slot = slot_of(kv_step)
+        plgpu.barrier_wait(k_loaded.at[slot])
+
+        def compute_s(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem.at[slot]))
+          return acc_ref[...]
+
+        s = pl.run_scoped(compute_s, plgpu.ACC((bq, bk), jnp.float32))
+        mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+        ds = ds_of(s * cfg.scale, mask,
+                   [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in rows])
+
+        def compute_dq(acc_ref):
+          plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+        dq_acc = pl.run_state(compute_dq)(plgpu.ACC.init(dq_acc))
+        plgpu.barrier_arrive(consumed.at[slot])
+        return dq_acc
+
+      def flush(kv_step, _):
+        slot = slot_of(kv_step)
+        plgpu.barrier_wait(k_loaded.at[slot])
+        plgpu.barrier_arrive(consumed.at[slot])
+
+      dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
+      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+        lax.fori_loop(cta_lo, lo, flush, None)
+      dq_acc = lax.fori_loop(lo, hi, step, dq_acc)
+      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
+        lax.fori_loop(hi, cta_hi, flush, None)
+      q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
+      _write_back(plgpu, [(q_smem, dq_ref.at[sl])])
+
+    def producer():
+      kv_head = _kv_head(q_head, groups)
+
+      def load(step, slot):
+        plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(step * bk, bk), kv_head], k_smem.at[slot],
+                                k_loaded.at[slot])
+
+      _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+
+    _specialise(plgpu, wg, 2, consumer, producer)
+
+  def entry(q_ref, k_ref, *refs):
+    len_ref = refs[0] if cfg.kv_lengths else None
+    refs = refs[int(cfg.kv_lengths):]
+    row_refs, dq_ref = refs[:2 * size], refs[2 * size]
+    pl.run_scoped(
+        lambda *args: kernel(q_ref, k_ref, len_ref, row_refs, dq_ref, args),
+        (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
+         plgpu.SMEM((2 * size, 2, bq), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 * size),
+         plgpu.Barrier(num_barriers=stages)),
+        plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        collective_axes="wg",
+    )
+
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
+  return _launch(plgpu, entry, jax.ShapeDtypeStruct(q.shape, dtype), (n, tp // (2 * bq), b),
+                 ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens, *stats, *g)
+
+
 # --- the composition ---------------------------------------------------------------------------
 
 
@@ -298,26 +485,108 @@ def _padded(cfg: _Cfg, q, k, v):
   return pad(q, tp), pad(k, sp), pad(v, sp)
 
 
-def _run(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+def _prepare(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+  """The statistics kernel and ``derive``: ``(second pass's cfg, padded q, k, v, stats,
+  lengths, derived rows)``."""
   qp, kp, vp = _padded(cfg, q, k, v)
   b, tp, n, _ = qp.shape
   stats = row_stats(cfg, qp, kp, interpret, kv_lengths)
-  names, rows = derived_rows(cfg, stats, _row_lengths(cfg, b, n, tp, kv_lengths))
-  second = dataclasses.replace(cfg, row_hp=names)
+  lengths = _row_lengths(cfg, b, n, tp, kv_lengths)
+  names, rows = derived_rows(cfg, stats, lengths)
+  return dataclasses.replace(cfg, row_hp=names), qp, kp, vp, stats, lengths, rows
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+  second, qp, kp, vp, _, _, rows = _prepare(cfg, q, k, v, kv_lengths, interpret)
   return _forward(second, qp, kp, vp, interpret, kv_lengths=kv_lengths, rows=rows)[:, :cfg.t]
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 5))
-def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
-  return _run(cfg, q, k, v, kv_lengths, interpret)
+def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+  second, qp, kp, vp, stats, _, rows = _prepare(cfg, q, k, v, kv_lengths, interpret)
+  out, saved = _forward(second, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths,
+                        rows=rows)
+  out = out[:, :cfg.t]
+  return out, (q, k, v, kv_lengths, out, stats, rows, saved)
 
 
-@_attention.defjvp
-def _attention_jvp(cfg, interpret, primals, tangents):
-  del interpret, primals, tangents
-  raise UnsupportedError(
-      f"mosaic_gpu_attention: class R ({cfg.spec.name!r}) has no Mosaic-GPU backward yet; "
-      "differentiate through kernels_pallas.attention (Triton / Mosaic TPU) instead")
+def _tangent(cfg: _Cfg):
+  """``extra(x, mask, rows)`` for ``mosaic_gpu._bwd_dkv``: :func:`_tangent_fn` of a masked
+  or an unmasked (``mask`` None) tile."""
+  fns = {True: _tangent_fn(cfg, True), False: _tangent_fn(cfg, False)}
+  return lambda x, mask, rows: fns[mask is not None](x, mask, rows)
+
+
+def _attention_bwd(cfg, interpret, res, g):
+  """Class R's backward (module docstring): the second pass's dQ sweep, which also sums
+  the derived hyperparameters' cotangents dθ; ``vjp(derive)`` in XLA turns them into the
+  statistics' cotangents; the statistics' dQ sweep (:func:`stats_dq`); the dK/dV sweep of
+  the second pass with the statistics' tile cotangent added to each ``dx``."""
+  q, k, v, kv_lengths, out, stats, rows, saved = res
+  b, t, n, h = q.shape
+  s, kh = k.shape[1], k.shape[2]
+  dtype = q.dtype
+  tp = stats[0].shape[-1]
+  wgs = mga._bwd_wgs(h)
+  sp = _round_up(s, wgs * mga.BWD_BLOCK)
+  lengths = _row_lengths(cfg, b, n, tp, kv_lengths)
+  names, theta_of = _theta_fn(cfg, lengths)
+  second = dataclasses.replace(cfg, row_hp=names)
+  g = g.astype(dtype)
+  pad_t = ((0, 0), (0, tp - t), (0, 0), (0, 0))
+  pad_s = ((0, 0), (0, sp - s), (0, 0), (0, 0))
+  qp, dop = jnp.pad(q, pad_t), jnp.pad(g, pad_t)
+  kp, vp = jnp.pad(k, pad_s), jnp.pad(v, pad_s)
+  base = tuple(saved)
+  if second.kind != "P":  # Δ_i = dO_i · O_i (float32), 0 on the padded rows
+    delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), g.astype(jnp.float32),
+                       precision=jax.lax.Precision.HIGHEST)
+    base = base + (jnp.pad(delta, ((0, 0), (0, 0), (0, tp - t))),)
+  _check_smem(second, h, dtype, len(base) + len(rows), 2 * len(stats))
+  dq2, dtheta = mga._bwd_dq(second, qp, kp, vp, dop, base + rows, interpret, kv_lengths,
+                            theta_grad=True)
+  # the statistics' cotangents, 0 on rows that see no key and on the padded rows
+  _, pull = jax.vjp(theta_of, tuple(stats))
+  (gs,) = pull(tuple(dtheta))
+  live = (lengths > 0) & (jnp.arange(tp) < t)[None, None, :]
+  gs = tuple(jnp.where(live, x, 0.0) for x in gs)
+  dq1 = stats_dq(cfg, qp, kp, tuple(stats), gs, interpret, kv_lengths)
+  dk, dv = mga._bwd_dkv(second, qp, kp, vp, dop, base + rows + tuple(stats) + gs, interpret,
+                        kv_lengths, extra_fn=_tangent(cfg))
+  dq = (dq2.astype(jnp.float32) + dq1.astype(jnp.float32))[:, :t].astype(dtype)
+  groups = n // kh
+
+  def head_sum(x):  # [B, Sp, N, H] -> [B, S, K, H]: each key head's query heads summed
+    x = x[:, :s].reshape(b, s, kh, groups, h)
+    return x.astype(jnp.float32).sum(axis=3).astype(dtype) if groups > 1 else x[:, :, :, 0]
+
+  return dq, head_sum(dk), head_sum(dv), None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def _theta_fn(cfg: _Cfg, lengths):
+  """``(names, theta_of)``: the derived hyperparameters' names and ``stats -> rows``."""
+  with jax.ensure_compile_time_eval():
+    names = tuple(sorted(jax.eval_shape(
+        lambda l: _rule(cfg).derive(tuple(jnp.zeros_like(l) for _ in
+                                          _init_values(_rule(cfg))), l, **cfg.hp_dict),
+        lengths)))
+  return names, lambda stats: derived_rows(cfg, stats, lengths)[1]
+
+
+def _check_smem(second: _Cfg, h: int, dtype, n_rows: int, n_tangent: int) -> None:
+  """ValueError when a backward kernel's shared memory (the tiles and the float32 rows it
+  streams, ``mosaic_gpu.bwd_smem_bytes``'s count) leaves less than ``SMEM_SLACK`` free."""
+  item = jnp.dtype(dtype).itemsize
+  w, blk, stages = mga._bwd_wgs(h), mga.BWD_BLOCK, mga.BWD_STAGES
+  tiles = item * h * (2 * w * blk + 2 * stages * blk)
+  need = max(tiles + 4 * (n_rows + len(second.row_hp)) * w * blk,
+             tiles + 4 * (n_rows + n_tangent) * stages * blk)
+  if need + mga.SMEM_SLACK > mga.SMEM_LIMIT:
+    raise ValueError(f"mosaic_gpu_attention: the class-R backward at head dim {h} needs "
+                     f"{need} bytes of shared memory, over Hopper's {mga.SMEM_LIMIT}")
 
 
 def _check(spec) -> None:
@@ -329,10 +598,10 @@ def _check(spec) -> None:
 
 
 def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
-  r"""Class-R attention forward on Hopper: the statistics kernel, ``derive`` in XLA, then
-  the forward kernel of ``kernels_pallas.mosaic_gpu`` running the rule's second pass with
-  the derived per-row hyperparameters (module docstring). ``kp.mosaic_gpu_attention``
-  calls it after validating the arguments.
+  r"""Class-R attention on Hopper: the statistics kernel, ``derive`` in XLA, then the
+  forward kernel of ``kernels_pallas.mosaic_gpu`` running the rule's second pass with the
+  derived per-row hyperparameters, and a backward of three kernels (module docstring).
+  ``kp.mosaic_gpu_attention`` calls it after validating the arguments.
 
   .. math::
     \theta_i = \mathrm{derive}\Big(\mathop{\mathrm{merge}}_{B}\ \mathrm{block}(x_{iB}),
@@ -350,7 +619,7 @@ def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
     interpret: None for the GPU, else ``InterpretGPUParams``.
 
   Returns:
-    ``[B, T, N, H]`` of the query's dtype; differentiating raises UnsupportedError.
+    ``[B, T, N, H]`` of the query's dtype; differentiable (module docstring, steps 4-7).
 
   Examples:
     >>> import jax, jax.numpy as jnp, kernels_pallas as kp
