@@ -256,6 +256,18 @@ def test_interpret_nan_logit_makes_its_row_nan():
   assert np.isfinite(np.delete(out, 5, axis=1)).all()
 
 
+def _aligned_inputs(t, h, dtype):
+  """:func:`test_interpret_skips_empty_key_blocks`'s inputs: the keys 128..191 align with
+  every query, so rows 128.. put all their weight there."""
+  rng = np.random.default_rng(4)
+  u = np.ones(h, np.float32)
+  q = 0.5 * rng.standard_normal((1, t, 1, h)).astype(np.float32) + u
+  k = 0.5 * rng.standard_normal((1, t, 1, h)).astype(np.float32)
+  k[:, 128:192] += 4.0 * u
+  v = rng.standard_normal((1, t, 1, h)).astype(np.float32)
+  return tuple(jnp.asarray(x).astype(dtype) for x in (q, k, v))
+
+
 def _reference_grads(normalizer, q, k, v, do, causal, scale, hp):
   """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
   ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on
@@ -308,7 +320,7 @@ def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
 
 
 def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                 interpret=True):
+                 interpret=True, inputs=None):
   """dQ, dK, dV of the GPU-interpreted kernels against the float64 dense gradients.
 
   As ``test_mosaic_gpu._check_grads``: the kernels round ``dx`` and the normalised
@@ -318,7 +330,7 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
   ``|dV - ref| <= 8u sum_i |p||dO|`` (:func:`_grads_and_bounds`), plus 1e-6 absolute for
   float16's subnormal weights. Returns the largest error over its tolerance (<= 1)."""
   hp = dict(hp or {})
-  q, k, v = _inputs(0, t, s, n, kh, h, dtype)
+  q, k, v = _inputs(0, t, s, n, kh, h, dtype) if inputs is None else inputs
   do = _inputs(1, t, t, n, n, h, dtype)[0] / 2.0
 
   def call(q, k, v):
@@ -378,3 +390,27 @@ def test_backward_pipeline_has_no_data_race():
   params = mga.gpu_interpret_params(detect_races=True)
   _check_grads("sparsemax", True, jnp.float16, 256, 256, 1, 1, 64, interpret=params)
   assert not ipc.get_races().races_found
+
+
+@pytest.mark.slow
+def test_interpret_gradients_skip_empty_key_blocks():
+  """The backward over the live blocks only: causal sparsemax where the second CTA's rows
+  keep key block 2 alone (:func:`test_interpret_skips_empty_key_blocks`), so the dQ
+  lists and the dK/dV lists (key blocks 0, 1 and 3 are live for the first CTA's rows only)
+  are shorter than the causal ones; dQ, dK, dV still match the float64 gradients."""
+  from jaxsoft.normalizers import spec as _spec
+  from kernels_pallas import mosaic_gpu_threshold_backward as mgtb
+
+  t, h, dtype = 256, 64, jnp.float16
+  inputs = _aligned_inputs(t, h, dtype)
+  _check_grads("sparsemax", True, dtype, t, t, 1, 1, h, inputs=inputs)
+  if not mga.interpreter_runs_kernel():
+    return
+  # the premise: the backward's lists (64-row dQ CTAs x 2, 128-key dK/dV CTAs)
+  cfg = mgt._cfg(_spec.resolve("sparsemax"), {}, 1.0 / math.sqrt(h), True, t, t, 64, 2)
+  qp, kp, _ = mgt._pad(cfg, *inputs)
+  flags = mgt._blocks(cfg, qp, kp, mga.gpu_interpret_params())[4]
+  _, cnt, idx_t, cnt_t = mgtb.backward_tables(flags[..., :4], 64, 2, 4)
+  assert cnt[0, 0].tolist() == [2, 1]  # rows 128..255: key block 2 only (causal: 4)
+  assert cnt_t[0, 0].tolist() == [2, 2]  # keys 0..127: query blocks 0, 1 (causal: 4)
+  assert idx_t[0, 0, 0, :2].tolist() == [0, 1]
