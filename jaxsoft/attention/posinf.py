@@ -432,42 +432,50 @@ def _limit_weights(call, arrays, count_k, count_n, dtype):
   hyperparameters ``arrays``, as the dense path's limit is; the counts carry none)."""
   B, T, N = count_k.shape
   S = call.k.shape[1]
-  rows = B * N * T
+  rows = N * T  # per batch entry
   chunk = max(1, _TILE_Q * _TILE_K // max(S, 1))  # (a tile's entries at most)
-  if isinstance(rows, int):  # (a symbolic batch under jax.export: no min with it)
+  if isinstance(B, int):  # (a symbolic batch under jax.export: the whole chunk per entry)
+    chunk = max(1, chunk // B)
+  if isinstance(rows, int):
     chunk = max(1, min(rows, chunk))
   n_chunks = -(-rows // chunk)
 
-  def per_row(x):  # [B, T, N] -> [chunks, chunk, 1]
-    x = jnp.transpose(x, (0, 2, 1)).reshape(rows)
-    x = jnp.pad(x, (0, n_chunks * chunk - rows))
-    return x.reshape(n_chunks, chunk, 1)
+  # The loop runs over chunks of each batch entry's rows, with the batch a plain axis of
+  # every step: a batch sharded on a mesh stays sharded (lax.map cannot loop over a
+  # sharded axis).
+  def chunked(x):  # [B, rows] -> [chunks, B, chunk, 1]
+    x = x.reshape(B, n_chunks, chunk)
+    return jnp.transpose(x, (1, 0, 2))[..., None]
 
-  def param_rows(x):  # broadcastable to [B, N, T, 1] -> [chunks, chunk, 1]
+  def per_row(x):  # [B, T, N] -> [chunks, B, chunk, 1]
+    x = jnp.transpose(x, (0, 2, 1)).reshape(B, rows)
+    return chunked(jnp.pad(x, ((0, 0), (0, n_chunks * chunk - rows))))
+
+  def param_rows(x):  # broadcastable to [B, N, T, 1] -> [chunks, B or 1, chunk, 1]
     x = jnp.asarray(x)
     if x.ndim == 0:
-      return jnp.broadcast_to(x, (n_chunks, chunk, 1))
-    x = jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (B, N, T, 1)).reshape(rows)
-    x = jnp.pad(x, (0, n_chunks * chunk - rows), mode="edge")
-    return x.reshape(n_chunks, chunk, 1)
+      return jnp.broadcast_to(x, (n_chunks, 1, chunk, 1))
+    x = jnp.broadcast_to(x.reshape((1,) * (4 - x.ndim) + x.shape), (B, N, T, 1)).reshape(B, rows)
+    return chunked(jnp.pad(x, ((0, 0), (0, n_chunks * chunk - rows)), mode="edge"))
 
   ints = {name: x for name, x in call.params.items()
           if name not in arrays and isinstance(x, (jax.Array, np.ndarray))}
   static = {name: x for name, x in call.params.items() if name not in arrays and name not in ints}
   fn = call.spec.fn
-  cols = jnp.arange(S, dtype=dtype)[None, :]
+  cols = jnp.arange(S, dtype=dtype)[None, None, :]
 
-  def one(args):
+  def one(args):  # k, n [B, chunk, 1]; the rows [B, chunk, S]
     k, n, hp = args
     x = jnp.where(cols < k, jnp.asarray(jnp.inf, dtype), jnp.zeros((), dtype))
     w = fn(x, axis=-1, where=cols < n, **static, **hp).astype(dtype)
     first_finite = jnp.clip(k, 0, S - 1).astype(jnp.int32)
-    return w[:, 0], jnp.take_along_axis(w, first_finite, axis=-1)[:, 0]
+    return w[..., 0], jnp.take_along_axis(w, first_finite, axis=-1)[..., 0]
 
   hp_rows = {name: param_rows(x) for name, x in {**arrays, **ints}.items()}
   a, b = lax.map(one, (per_row(count_k), per_row(count_n), hp_rows))
 
-  def back(x):  # [chunks, chunk] -> [B, T, N]
-    return jnp.transpose(x.reshape(-1)[:rows].reshape(B, N, T), (0, 2, 1))
+  def back(x):  # [chunks, B, chunk] -> [B, T, N]
+    x = jnp.transpose(x, (1, 0, 2)).reshape(B, n_chunks * chunk)[:, :rows]
+    return jnp.transpose(x.reshape(B, N, T), (0, 2, 1))
 
   return back(a), back(b)

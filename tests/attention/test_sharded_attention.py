@@ -55,9 +55,12 @@ for normalizer in sys.argv[1].split(","):
       continue
     assert got[0].sharding.spec[0] == "data", (normalizer, mode, got[0].sharding)
     for a, b in zip(got, want, strict=True):
-      # the same float32 program on a half batch; the interpreter's class-R variance of a
-      # two-key row (causal row 1) cancels, so its O(1) gradient is kept to 1e-5 absolute
-      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 if pallas else 1e-6,
+      # the same float32 program on a half batch, to float32 rounding of the array's scale:
+      # the interpreter's class-R variance of a two-key row (causal row 1) cancels, and with
+      # JAX_DISABLE_MOST_OPTIMIZATIONS both Pallas runs of standardized_softmax's dq (max 8.3)
+      # are 2e-5 from float64 (measured; the dense float32 path 4e-6), 2e-5 apart
+      scale = max(1.0, float(np.abs(np.asarray(b)).max()))
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=(1e-5 if pallas else 1e-6) * scale,
                                  err_msg=f"{normalizer} {mode}")
   print("ok", normalizer)
 """
