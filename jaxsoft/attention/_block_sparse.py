@@ -108,9 +108,10 @@ class _Layout:
 
   def visible(self, qpos, kpos):
     """Structure visibility of query positions ``qpos`` [bs] and keys ``kpos`` [..., s]."""
-    vis = self.key_valid(kpos)[..., None, :] & (qpos < self.T)[:, None]
+    qcol = qpos.reshape((1,) * (kpos.ndim - 1) + (-1, 1))  # [1, ..., bs, 1]
+    vis = self.key_valid(kpos)[..., None, :] & (qcol < self.T)
     if self.causal:
-      vis = vis & (kpos[..., None, :] <= qpos[:, None])
+      vis = vis & (kpos[..., None, :] <= qcol)
     return vis
 
   def unblock(self, out):
@@ -402,7 +403,7 @@ def _gather_attend(lay: _Layout, idx, valid):
     ib = idx[:, :, qi].reshape(B, K, G, kb, 1)
     ks = jnp.take_along_axis(kflat, ib, axis=3).reshape(B, lay.N, kb * bs, lay.H)
     vs = jnp.take_along_axis(vflat, ib, axis=3).reshape(B, lay.N, kb * bs, Hv)
-    kpos = (idx[:, :, qi, :, None] * bs + jnp.arange(bs)).reshape(B, lay.N, kb * bs)
+    kpos = (idx[:, :, qi, :, None] * bs + jnp.arange(bs)[None, None, None]).reshape(B, lay.N, kb * bs)
     qpos = qi * bs + jnp.arange(bs)
     vis = lay.visible(qpos, kpos)  # [B, N, bs, kb·bs]
     vis = vis & jnp.repeat(valid[:, :, qi], bs, axis=-1)[:, :, None, :]

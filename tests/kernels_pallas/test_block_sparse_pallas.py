@@ -183,7 +183,7 @@ def test_block_sparse_never_reads_an_unkept_value_block():
   # Its values are NaN (the selection reads q and k only): the output and cotangents
   # equal the clean xla_chunked ones, and its dV is exactly 0.
   q, k, v, ct = _inputs(2)
-  e0 = jnp.zeros(H).at[0].set(1.0)
+  e0 = jnp.zeros((1, 1, 1, H)).at[..., 0].set(1.0)
   q = q + 12.0 * e0  # q_0 = 12 + 2 N(0, 1) > 0 for every token
   k = k.at[:, BS:2 * BS].add(-3.0 * e0)
   kw = dict(is_causal=False)
