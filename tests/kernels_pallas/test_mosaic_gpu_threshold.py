@@ -11,6 +11,13 @@ GPU (kernels_pallas/mosaic_gpu_threshold.py).
   blocks below the diagonal have zero weights: the block list must skip them (its count
   is below the causal bound) and the output must still match.
 * The race detector (``gpu_interpret_params(detect_races=True)``) over both rings.
+* The backward (``kernels_pallas.mosaic_gpu_threshold_backward``): ``jax.export`` of
+  ``jax.grad`` lowers the four kernels (search, attention pass saving W, dQ, dK/dV; a
+  sample by default, every normalizer x dtype x causal x head dim 64/128/256 under
+  ``-m slow``); under the interpreter dQ, dK, dV match ``jax.vjp`` of the dense float64
+  path within 8u of elementwise bounds from the normalizer's row Jacobians (one case by
+  default, the rest, a shortened block list and the race detector under ``-m slow``);
+  forward mode and second order raise UnsupportedDifferentiation.
 """
 
 from __future__ import annotations
