@@ -58,10 +58,12 @@ import jaxsoft.normalizers as jn
 import kernels_pallas as kp
 
 NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "relu", "stablemax",
-               "sparsemax", "entmax15", "top_k_softmax")  # E, E, P, P, S, T, T, T
+               "sparsemax", "entmax15", "top_k_softmax",
+               "standardized_softmax", "nap")  # E, E, P, P, S, T, T, T, R (then E), R (then P)
 LAZY = {"softmax": 8.0}  # also timed with lazy rescaling at this tau (a "tau=" row)
 GRAD_NORMALIZERS = ("softmax", "softmax_1", "sigmoid", "stablemax",
-                    "sparsemax", "entmax15", "top_k_softmax")  # E (exp2), E, P, S, T, T, T
+                    "sparsemax", "entmax15", "top_k_softmax",
+                    "standardized_softmax", "nap")  # E (exp2), E, P, S, T, T, T, R, R
 
 
 def _inputs(b, t, n, h, dtype, seed=0):

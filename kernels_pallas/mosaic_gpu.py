@@ -92,15 +92,16 @@ all 255 registers a thread has: expect spills there), 64 x 64 tiles and a 2-slot
   forward, ``dQ += dX K``. Causal: the loop stops at the diagonal (a warpgroup that stops
   earlier releases the slots loaded for the other).
 
-Class T runs in ``kernels_pallas.mosaic_gpu_threshold`` (forward only) and class R in
+Class T runs in ``kernels_pallas.mosaic_gpu_threshold`` (its backward in
+``kernels_pallas.mosaic_gpu_threshold_backward``) and class R in
 ``kernels_pallas.mosaic_gpu_row_stats``: a statistics kernel, then this forward running the
 rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` operands
 (``_Cfg.row_hp``); its backward runs the dQ kernel (which also sums the derived
 hyperparameters' cotangents), a dQ kernel of the statistics' own gradient and the dK/dV
 kernel with that gradient's tile cotangent added to ``dx``.
 
-Not done yet: class T's backward, segment ids and dense bias, per-row hyperparameter
-arrays from the caller, tuned configurations and a register-spill check
+Not done yet: segment ids and dense bias, class T's key-length and window masks, per-row
+hyperparameter arrays from the caller, tuned configurations and a register-spill check
 (``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
 """
 
@@ -1649,7 +1650,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
       rule whose maps lower for Mosaic GPU (tested: softmax, softmax_1, softmax_n, softpick,
       ssmax, sigmoid, relu, stablemax, spherical_softmax; softplus-based rules need a
       ``log1p`` the lowering lacks). Class T (sparsemax, entmax15, top_k_softmax) runs
-      ``kernels_pallas.mosaic_gpu_threshold`` (forward only); class R (every registered
+      ``kernels_pallas.mosaic_gpu_threshold`` (reverse mode; forward mode and second order
+      raise); class R (every registered
       row-statistics rule: standardized_softmax, nap, adaptive_temperature_softmax,
       affine_softmax, clipped_softmax, sa_softmax_normalized, epsilon_softmax,
       eta_softmax) runs ``kernels_pallas.mosaic_gpu_row_stats`` (forward and backward).
