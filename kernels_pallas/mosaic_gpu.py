@@ -117,6 +117,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxsoft.attention.call import gqa_dims
+from jaxsoft.attention.differentiation import first_order_only, refuse_unsupported_ad
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas.engine import LN2, LOG2E, MAX_RESCALE_THRESHOLD, UnsupportedError
 
@@ -1581,16 +1582,36 @@ def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
   return _forward(cfg, qp, kp, vp, interpret, kv_lengths=kv_lengths)[:, :cfg.t]
 
 
-def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+# Where a derivative the custom VJP does not give is refused, and the way out: the backward
+# holds the keys, values and saved statistics constant, so differentiating it again would
+# silently drop terms.
+DIFFERENTIATION_WHERE = "mosaic_gpu_attention"
+DIFFERENTIATION_ADVICE = (
+    "Use kernels_pallas.attention (the Triton / Mosaic-TPU engine) for other first-order "
+    "paths, or jaxsoft.attention.dot_product_attention(implementation='xla'), which takes "
+    "any derivative.")
+
+
+def _forward_saving(cfg, interpret, q, k, v, kv_lengths):
   qp, kp, vp = _padded(cfg, q, k, v)
   out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths)
   out = out[:, :cfg.t]
   return out, (q, k, v, kv_lengths, out, stats)
 
 
-def _attention_bwd(cfg, interpret, res, g):
+def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+  return first_order_only(functools.partial(_forward_saving, cfg, interpret),
+                          DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)(q, k, v, kv_lengths)
+
+
+def _backward_of(cfg, interpret, res, g):
   q, k, v, kv_lengths, out, stats = res
-  dq, dk, dv = _backward(cfg, q, k, v, out, stats, g, interpret, kv_lengths)
+  return _backward(cfg, q, k, v, out, stats, g, interpret, kv_lengths)
+
+
+def _attention_bwd(cfg, interpret, res, g):
+  dq, dk, dv = first_order_only(functools.partial(_backward_of, cfg, interpret),
+                                DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)(res, g)
   return dq, dk, dv, None
 
 
@@ -1773,6 +1794,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     raise UnsupportedError(
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
         "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
+  refuse_unsupported_ad((query, key, value), DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)
   if threshold:
     return THRESHOLD_KERNELS["attention"](
         query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),

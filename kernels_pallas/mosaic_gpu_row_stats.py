@@ -70,6 +70,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jaxsoft.attention.differentiation import first_order_only
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import mosaic_gpu as mga
 from kernels_pallas.engine import UnsupportedError
@@ -503,6 +504,12 @@ def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
 
 
 def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+  return first_order_only(functools.partial(_forward_saving, cfg, interpret),
+                          mga.DIFFERENTIATION_WHERE, mga.DIFFERENTIATION_ADVICE)(
+                              q, k, v, kv_lengths)
+
+
+def _forward_saving(cfg, interpret, q, k, v, kv_lengths):
   second, qp, kp, vp, stats, _, rows = _prepare(cfg, q, k, v, kv_lengths, interpret)
   out, saved = _forward(second, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths,
                         rows=rows)
@@ -518,6 +525,11 @@ def _tangent(cfg: _Cfg):
 
 
 def _attention_bwd(cfg, interpret, res, g):
+  return first_order_only(functools.partial(_backward, cfg, interpret),
+                          mga.DIFFERENTIATION_WHERE, mga.DIFFERENTIATION_ADVICE)(res, g)
+
+
+def _backward(cfg, interpret, res, g):
   """Class R's backward (module docstring): the second pass's dQ sweep, which also sums
   the derived hyperparameters' cotangents dθ; ``vjp(derive)`` in XLA turns them into the
   statistics' cotangents; the statistics' dQ sweep (:func:`stats_dq`); the dK/dV sweep of

@@ -620,3 +620,21 @@ def test_masked_pipelines_have_no_data_race():
   _check_grads("softmax", False, jnp.float16, 256, 256, 1, 1, 64, interpret=params, b=2,
                window=(64, 32), lengths=[256, 100])
   assert not ipc.get_races().races_found
+
+
+@pytest.mark.parametrize("normalizer", ["softmax", "standardized_softmax"])
+def test_forward_mode_and_second_order_are_refused(normalizer):
+  """Reverse mode only (a custom VJP whose backward holds k, v and the saved statistics
+  constant): jax.jvp and a second derivative raise UnsupportedDifferentiation naming the way
+  out, before any kernel runs, also when the call sits inside jax.jit (class E; class R)."""
+  from jaxsoft.attention import UnsupportedDifferentiation
+
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  f = lambda q: kp.mosaic_gpu_attention(q, q, q, normalizer=normalizer).astype(
+      jnp.float32).sum()
+  with pytest.raises(UnsupportedDifferentiation, match="forward-mode.*kernels_pallas.attention"):
+    jax.jvp(f, (q,), (q,))
+  with pytest.raises(UnsupportedDifferentiation, match="second-.*kernels_pallas.attention"):
+    jax.grad(jax.grad(lambda x: f(q * x)))(1.0)
+  with pytest.raises(UnsupportedDifferentiation, match="second-.*kernels_pallas.attention"):
+    jax.eval_shape(jax.grad(jax.grad(jax.jit(lambda x: f(q * x)))), 1.0)
