@@ -228,7 +228,8 @@ def _dropout(w, rng, rate: float, broadcast: bool, batch_shape):
   full = tuple(batch_shape) + w.shape[1:]
   shape = (1,) * (len(full) - 2) + w.shape[-2:] if broadcast else full
   keep = jax.random.bernoulli(rng, keep_prob, shape)
-  keep = keep.reshape((-1,) + keep.shape[-3:]) if not broadcast else keep.reshape(w.shape[-2:])
+  keep = keep.reshape((-1,) + keep.shape[-3:]) if not broadcast else keep.reshape(
+      (1, 1) + w.shape[-2:])
   return w * (keep.astype(w.dtype) / jnp.asarray(keep_prob, w.dtype))
 
 

@@ -123,7 +123,7 @@ def test_in_multi_head_attention():
     qh, kh, vh = layer2.query(x), layer2.key(x), layer2.value(x)     # [B, T, N, H]
     scores = jnp.einsum("btnh,bsnh->bnts", qh, kh) / np.sqrt(H)
     mask = (jnp.tril(jnp.ones((T, T), bool))[None, None]
-            & (jnp.arange(T) < kvlen[:, None])[:, None, None, :])
+            & (jnp.arange(T)[None, :] < kvlen[:, None])[:, None, None, :])
     w = layer2.learned_modules[0](scores, jnp.swapaxes(qh, 1, 2), mask)
     by_hand = layer2.out(jnp.einsum("bnts,bsnh->btnh", w, vh))
     return layer(x, **kw), ref(x, **kw), layer2(x, **kw), by_hand

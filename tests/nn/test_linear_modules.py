@@ -176,7 +176,7 @@ def _by_hand(layer, x):
     gates = x @ p(layer.head_gate.kernel)
     o = js_linear.softmax_linear_attention(q, k, v, gates[..., :N], gates[..., N:], g=g, **rec)
   elif layer.kind == "native_hybrid":
-    a = jax.nn.log_sigmoid(x @ p(layer.slots.kernel) + p(layer.slots.bias)) / 16
+    a = jax.nn.log_sigmoid(x @ p(layer.slots.kernel) + p(layer.slots.bias)[None, None]) / 16
     o = js_linear.native_hybrid_attention(q, k, v, a.reshape(b, t, N, -1), window=layer.window,
                                           **rec)
   else:
