@@ -13,9 +13,10 @@ Mosaic-TPU engines) as the way out.
 
 AdaSplash's two kernels (Gonçalves, Treviso & Martins 2025), with the tile math of the
 other engines (``jaxsoft.normalizers.tile``'s search, ``kernels_pallas.engine``'s class-T
-section). Per query row, with the scaled logits ``x_j = scale q·k_j``, the visible keys
-``V`` (all, or ``j <= i`` causal), ``z_j = score_map(x_j)`` and the rule's
-``ThresholdRule``::
+section). Per query row i, with the scaled logits ``x_j = scale q·k_j``, the visible keys
+``V`` (``j < L_b`` with ``key_value_seq_lengths``, ``i - left <= j <= i + right`` with
+``local_window_size``, ``j <= i`` causal: one interval, ``mosaic_gpu._visible``),
+``z_j = score_map(x_j, |V|)`` and the rule's ``ThresholdRule``::
 
     m   = max_{j in V} z_j                                   (the max pass)
     tau solves  F(tau) = sum_{j in V} mass(z_j, tau) - target(|V|) = 0
@@ -54,9 +55,16 @@ section). Per query row, with the scaled logits ``x_j = scale q·k_j``, the visi
    (this removes the finite search's residual error, as on the other engines). A row with
    a NaN logit comes out NaN (its max is NaN and no block is live).
 
-Every key block is masked (padding, causal) in both kernels: the masks cost a few
-elementwise operations per score; splitting the loops into masked and unmasked blocks,
-as the softmax kernel does, is left for the GPU session that measures it.
+Masks. The search kernel's CTA sweeps only the key blocks its 128 rows see, computed
+from the mask's parameters (``mosaic_gpu._key_block_range``: the batch entry's key
+length, read by the kernel as a scalar, the window and causal); the other blocks are
+never loaded, and their flags stay 0, so neither the attention pass nor the backward
+loads them. |V| counts the visible keys only (``mosaic_gpu._visible_count``), which sets
+the bracket and top-k's target ``min(k, |V|)``. A row that sees no key has ``m = 0``, an
+empty bracket and no live block: a zero output, ``W = 0`` and zero gradients. Every key
+block is masked elementwise (padding, key length, window, causal) in both kernels: the
+masks cost a few elementwise operations per score; splitting the loops into masked and
+unmasked blocks, as the softmax kernel does, is left for the GPU session that measures it.
 
 The maps are the rules' own functions traced with custom derivatives inlined
 (``mosaic_gpu._primal``). The Newton step's ``(target / M)^p`` is written as ``r`` (p = 1),
@@ -81,6 +89,7 @@ from kernels_pallas.mosaic_gpu import (
     THRESHOLD_KERNELS,
     _cta,
     _fetch,
+    _key_block_range,
     _kv_head,
     _launch,
     _load_row,
@@ -92,9 +101,11 @@ from kernels_pallas.mosaic_gpu import (
     _specialise,
     _stream,
     _swizzled,
+    _visible,
+    _visible_count,
     _write_back,
 )
-from kernels_pallas.mosaic_gpu_threshold_backward import threshold_backward
+from kernels_pallas.mosaic_gpu_threshold_backward import _end, _mask_and_length, threshold_backward
 
 __all__ = ["threshold_attention", "threshold_blocks", "SUPPORTED"]
 
@@ -111,6 +122,25 @@ _STAGES = 2  # search ring slots
 class _TCfg(_Problem):
   block_k: int
   num_stages: int
+  window: tuple[int, int] | None = None  # (left, right): query i sees keys i - left .. i + right
+  kv_lengths: bool = False  # a per-batch key length array follows the kernels' inputs
+
+  @property
+  def left(self) -> int | None:
+    """How far back a query sees (None: unbounded)."""
+    return None if self.window is None else self.window[0]
+
+  @property
+  def right(self) -> int | None:
+    """How far ahead a query sees (None: unbounded; 0 when causal)."""
+    if self.causal:
+      return 0
+    return None if self.window is None else self.window[1]
+
+  @property
+  def masked(self) -> bool:
+    """Whether some (query, key) pair inside the unpadded lengths is invisible."""
+    return self.causal or self.window is not None or self.kv_lengths
 
   @property
   def rule(self) -> _spec.ThresholdRule:
@@ -158,10 +188,12 @@ def _search_update(rule, state, taus, sums, target, hp, newton: bool):
   return lo, hi, point
 
 
-def _search(cfg: _TCfg, q, k, interpret):
-  """The search kernel on padded q [B, Tp, N, H], k [B, Sp, K, H]: returns ``m``, ``tau``
-  (each [B, N, Tp] float32) and the live flags [B, N, Tp / 128, 2, nkp] int32 (one row
-  per consumer warpgroup, nkp = the key blocks rounded up to 4)."""
+def _search(cfg: _TCfg, q, k, interpret, kv_lengths=None):
+  """The search kernel on padded q [B, Tp, N, H], k [B, Sp, K, H] (and the int32 [B]
+  ``kv_lengths`` when ``cfg.kv_lengths``): returns ``m``, ``tau`` (each [B, N, Tp]
+  float32) and the live flags [B, N, Tp / 128, 2, nkp] int32 (one row per consumer
+  warpgroup, nkp = the key blocks rounded up to 4). A CTA sweeps only the key blocks its
+  rows see (``mosaic_gpu._key_block_range``); the others' flags stay 0."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -177,6 +209,7 @@ def _search(cfg: _TCfg, q, k, interpret):
   rule = cfg.rule
   hp = cfg.hp_dict
   count, steps, newton, indicator = _schedule(cfg)
+  mask_cfg: Any = cfg  # (mosaic_gpu's mask helpers read left, right, masked and s: _TCfg's)
   score_map, mass = _primal(rule.score_map), _primal(rule.mass)
   slope = _primal(lambda z, t: jax.jvp(lambda t_: rule.mass(z, t_, **hp), (t,),
                                        (jnp.ones_like(t),))[1])
@@ -189,13 +222,18 @@ def _search(cfg: _TCfg, q, k, interpret):
   def as_row(x):  # a loop carry in the wgmma row layout (a constant is a splat otherwise)
     return plgpu.layout_cast(x, row_layout)
 
-  def kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, scoped):
+  def kernel(q_ref, k_ref, len_ref, m_ref, tau_ref, flag_ref, scoped):
     bi, q_head, q_tile, wg = _cta()
     (q_smem2, k_smem), (k_loaded, q_loaded), k_consumed, (st_smem, flag_smem, go_smem), \
         decided = scoped
+    end = _end(cfg, len_ref, bi)
+    # the key blocks [cta_lo, cta_lo + cta_steps) some row of the CTA sees (all of them
+    # without a mask); every sweep runs them
+    cta_lo: Any = 0
     cta_steps: Any = n_kv
-    if cfg.causal:
-      cta_steps = jnp.minimum(pl.cdiv((q_tile + 1) * (2 * bq), jnp.array(bk, jnp.int32)), n_kv)
+    if cfg.masked:
+      cta_lo, _, _, cta_hi = _key_block_range(mask_cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+      cta_steps = cta_hi - cta_lo
 
     def consumer():
       q_smem = q_smem2.at[wg]
@@ -210,9 +248,10 @@ def _search(cfg: _TCfg, q, k, interpret):
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=wgmma_layout)
 
-      # the rows' visible counts n: min(i + 1, S) causal, else S (a row vector)
-      if cfg.causal:
-        length_tile = jnp.minimum(iota(0) + q_base + 1, cfg.s).astype(jnp.float32)
+      # the rows' visible counts |V| (a row vector): the key interval's length with a
+      # mask (0 for a row that sees no key), else S
+      if cfg.masked:
+        length_tile = _visible_count(mask_cfg, iota(0) + q_base, end)
         length = length_tile.max(axis=1)
       else:
         length = plgpu.layout_cast(jnp.full((bq,), float(cfg.s), jnp.float32), row_layout)
@@ -224,16 +263,14 @@ def _search(cfg: _TCfg, q, k, interpret):
         qk = _scores(plgpu, q_smem, k_smem.at[slot], k_loaded.at[slot], k_consumed.at[slot],
                      (bq, bk))
         qpos, k_pos = iota(0) + q_base, iota(1) + j * bk
-        mask = jnp.logical_and(k_pos < cfg.s, qpos < cfg.t)
-        if cfg.causal:
-          mask = jnp.logical_and(mask, qpos >= k_pos)
+        mask = jnp.logical_and(qpos < cfg.t, _visible(mask_cfg, qpos, k_pos, end))
         x = jnp.where(mask, qk * cfg.scale, 0.0)
         return score_map(x, length_tile, **hp), mask
 
       def sweep(p, body, carry):
         def step(j, carry):
-          z, mask = logits(p * cta_steps + j, j)
-          return body(j, z, mask, carry)
+          z, mask = logits(p * cta_steps + j, cta_lo + j)
+          return body(cta_lo + j, z, mask, carry)
         return lax.fori_loop(0, cta_steps, step, carry)
 
       def drain(p):  # a skipped sweep: the ring's slots are waited on and released
@@ -315,8 +352,8 @@ def _search(cfg: _TCfg, q, k, interpret):
     def producer():
       kv_head = _kv_head(q_head, groups)
 
-      def load(step, slot):  # the global step's key block: step mod cta_steps
-        block = lax.rem(step, jnp.asarray(cta_steps, jnp.int32))
+      def load(step, slot):  # the global step's key block: cta_lo + step mod cta_steps
+        block = cta_lo + lax.rem(step, jnp.maximum(jnp.asarray(cta_steps, jnp.int32), 1))
         plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(block * bk, bk), kv_head],
                                 k_smem.at[slot], k_loaded.at[slot])
 
@@ -351,9 +388,11 @@ def _search(cfg: _TCfg, q, k, interpret):
 
     _specialise(plgpu, wg, 2, consumer, producer)
 
-  def entry(q_ref, k_ref, m_ref, tau_ref, flag_ref):
+  def entry(q_ref, k_ref, *refs):
+    len_ref = refs[0] if cfg.kv_lengths else None
+    m_ref, tau_ref, flag_ref = refs[int(cfg.kv_lengths):]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, m_ref, tau_ref, flag_ref, args),
+        lambda *args: kernel(q_ref, k_ref, len_ref, m_ref, tau_ref, flag_ref, args),
         (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=2)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -367,13 +406,16 @@ def _search(cfg: _TCfg, q, k, interpret):
   out_type = [jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
               jax.ShapeDtypeStruct((b, n, tp), jnp.float32),
               jax.ShapeDtypeStruct((b, n, nq, 2, nkp), jnp.int32)]
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   return _launch(plgpu, entry, out_type, (n, nq, b), ("heads", "q_seq", "batch"), 3,
-                 interpret)(q, k)
+                 interpret)(q, k, *lens)
 
 
-def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = False):
-  """The attention pass over the live key blocks ``idx[.., :cnt]`` of each CTA: returns
-  [B, Tp, N, H] (``save_w``: and the rows' weight sums W, [B, N, Tp] float32)."""
+def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = False,
+              kv_lengths=None):
+  """The attention pass over the live key blocks ``idx[.., :cnt]`` of each CTA (a subset of
+  the blocks its rows see): returns [B, Tp, N, H] (``save_w``: and the rows' weight sums
+  W, [B, N, Tp] float32)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -393,8 +435,10 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = F
   def bcast(row, shape):
     return lax.broadcast_in_dim(row, shape, [0])
 
-  def kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, w_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, len_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, w_ref,
+             scoped):
     bi, q_head, q_tile, wg = _cta()
+    end = _end(cfg, len_ref, bi)
     (qo_smem2, k_smem, v_smem, st_smem), loaded, consumed = scoped
     k_loaded, v_loaded, q_loaded, m_loaded, tau_loaded = loaded
     k_consumed, v_consumed = consumed
@@ -420,13 +464,7 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = F
         slot = lax.rem(i, jnp.array(stages, i.dtype))
         qk = _scores(plgpu, qo_smem, k_smem.at[slot], k_loaded.at[slot], k_consumed.at[slot],
                      (bq, bk))
-        q_pos, k_pos = iota(0) + q_base, iota(1) + j * bk
-        mask = k_pos < cfg.s
-        if cfg.causal:
-          mask = jnp.logical_and(mask, q_pos >= k_pos)
-          length = jnp.minimum(q_pos + 1, cfg.s).astype(jnp.float32)
-        else:
-          length = jnp.full((bq, bk), float(cfg.s), jnp.float32)
+        mask, length = _mask_and_length(cfg, iota(0) + q_base, iota(1) + j * bk, end)
         x = jnp.where(mask, qk * cfg.scale, 0.0)
         z = jnp.where(mask, score_map(x, length, **hp), bcast(m, (bq, bk)))
         w = weight(z, bcast(tau, (bq, bk)), bcast(m_w, (bq, bk)), **hp)
@@ -471,10 +509,12 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = F
 
     _specialise(plgpu, wg, 2, consumer, producer)
 
-  def entry(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref, *w_ref):
+  def entry(q_ref, k_ref, v_ref, *refs):
+    len_ref = refs[0] if cfg.kv_lengths else None
+    m_ref, tau_ref, idx_ref, cnt_ref, out_ref, *w_ref = refs[int(cfg.kv_lengths):]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, m_ref, tau_ref, idx_ref, cnt_ref, out_ref,
-                             w_ref[0] if w_ref else None, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, m_ref, tau_ref, idx_ref, cnt_ref,
+                             out_ref, w_ref[0] if w_ref else None, args),
         (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
          _swizzled(plgpu, (stages, bk, h), dtype), plgpu.SMEM((2, 2, bq), jnp.float32)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
@@ -487,8 +527,9 @@ def _weighted(cfg: _TCfg, q, k, v, m, tau, idx, cnt, interpret, save_w: bool = F
   out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
   if save_w:
     out_type = [out_type, jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   return _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"),
-                 3, interpret)(q, k, v, m, tau, idx, cnt)
+                 3, interpret)(q, k, v, *lens, m, tau, idx, cnt)
 
 
 def _pad(cfg: _TCfg, q, k, v):
@@ -499,10 +540,10 @@ def _pad(cfg: _TCfg, q, k, v):
   return qp, kp, vp
 
 
-def _blocks(cfg: _TCfg, q, k, interpret):
+def _blocks(cfg: _TCfg, q, k, interpret, kv_lengths=None):
   """(m, tau, idx, cnt, flags) of padded inputs: the search kernel, then the block lists
   (the flags per consumer warpgroup are the backward's)."""
-  m, tau, flags = _search(cfg, q, k, interpret)
+  m, tau, flags = _search(cfg, q, k, interpret, kv_lengths)
   idx, cnt = engine.live_block_tables(jnp.max(flags, axis=3))
   return m, tau, idx, cnt, flags
 
@@ -514,40 +555,47 @@ _ADVICE = ("Use kernels_pallas.attention (the Triton / Mosaic-TPU engine) or "
            "derivative.")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 4))
-def _attention(cfg: _TCfg, q, k, v, interpret):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
+def _attention(cfg: _TCfg, q, k, v, kv_lengths, interpret):
   qp, kp, vp = _pad(cfg, q, k, v)
-  m, tau, idx, cnt, _ = _blocks(cfg, qp, kp, interpret)
-  return _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret)[:, :cfg.t]
+  m, tau, idx, cnt, _ = _blocks(cfg, qp, kp, interpret, kv_lengths)
+  return _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret,
+                   kv_lengths=kv_lengths)[:, :cfg.t]
 
 
-def _forward_saving(cfg, interpret, q, k, v):
-  """The forward and what the backward needs: ``(out, (q, k, v, out, m, tau, W, flags))``."""
+def _forward_saving(cfg, interpret, q, k, v, kv_lengths):
+  """The forward and what the backward needs:
+  ``(out, (q, k, v, kv_lengths, out, m, tau, W, flags))``."""
   qp, kp, vp = _pad(cfg, q, k, v)
-  m, tau, idx, cnt, flags = _blocks(cfg, qp, kp, interpret)
-  out, w_sum = _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret, save_w=True)
+  m, tau, idx, cnt, flags = _blocks(cfg, qp, kp, interpret, kv_lengths)
+  out, w_sum = _weighted(cfg, qp, kp, vp, m, tau, idx, cnt, interpret, save_w=True,
+                         kv_lengths=kv_lengths)
   out = out[:, :cfg.t]
-  return out, (q, k, v, out, m, tau, w_sum, flags)
+  return out, (q, k, v, kv_lengths, out, m, tau, w_sum, flags)
 
 
-def _attention_fwd(cfg, q, k, v, interpret):
+def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
   return first_order_only(functools.partial(_forward_saving, cfg, interpret), _WHERE,
-                          _ADVICE)(q, k, v)
+                          _ADVICE)(q, k, v, kv_lengths)
 
 
 def _backward(cfg, interpret, res, g):
-  q, k, v, out, m, tau, w_sum, flags = res
-  return threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret)
+  q, k, v, kv_lengths, out, m, tau, w_sum, flags = res
+  return threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret,
+                            kv_lengths)
 
 
 def _attention_bwd(cfg, interpret, res, g):
-  return first_order_only(functools.partial(_backward, cfg, interpret), _WHERE, _ADVICE)(res, g)
+  dq, dk, dv = first_order_only(functools.partial(_backward, cfg, interpret), _WHERE,
+                                _ADVICE)(res, g)
+  return dq, dk, dv, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def _cfg(spec, hp, scale, causal, t, s, block_k, num_stages) -> _TCfg:
+def _cfg(spec, hp, scale, causal, t, s, block_k, num_stages, window=None,
+         kv_lengths=False) -> _TCfg:
   name = getattr(spec, "name", spec)
   if name not in SUPPORTED or getattr(spec, "threshold", None) is None:
     raise UnsupportedError(
@@ -555,11 +603,12 @@ def _cfg(spec, hp, scale, causal, t, s, block_k, num_stages) -> _TCfg:
         f"rules the Mosaic-GPU threshold kernels lower: {', '.join(SUPPORTED)}")
   return _TCfg(spec=spec, hp=tuple(sorted(hp.items())), scale=float(scale),
                causal=bool(causal), t=int(t), s=int(s), block_k=int(block_k),
-               num_stages=int(num_stages))
+               num_stages=int(num_stages), window=window, kv_lengths=bool(kv_lengths))
 
 
 def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=None,
-                     scale=None, is_causal=False, block_k=128, interpret=None):
+                     scale=None, is_causal=False, block_k=128, interpret=None,
+                     key_value_seq_lengths=None, local_window_size=None):
   r"""The threshold search kernel and the block lists it yields (class T, Mosaic GPU).
 
   Per query row ``i`` (``V_i`` its visible keys, ``z_ij = score_map(scale q_i·k_j)``):
@@ -577,6 +626,8 @@ def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=No
     is_causal: top-left aligned causal mask.
     block_k: keys per block, a multiple of 64.
     interpret: None for the GPU, else ``InterpretGPUParams`` (``mosaic_gpu.gpu_interpret_params``).
+    key_value_seq_lengths: optional int32 ``[B]``: batch entry b's rows see keys ``j < L_b``.
+    local_window_size: optional ``(left, right)``: row i sees keys ``i - left .. i + right``.
 
   Returns:
     ``(m, tau, idx, cnt)``: ``m`` and ``tau`` ``[B, N, Tp]`` float32 (Tp = T rounded up
@@ -603,10 +654,13 @@ def threshold_blocks(query, key, *, normalizer="sparsemax", normalizer_params=No
   spec = _spec.resolve(normalizer)
   h = query.shape[-1]
   scale = 1.0 / h ** 0.5 if scale is None else scale
+  lengths = (None if key_value_seq_lengths is None
+             else jnp.asarray(key_value_seq_lengths).astype(jnp.int32))
+  window = None if local_window_size is None else tuple(map(int, local_window_size))
   cfg = _cfg(spec, dict(normalizer_params or {}), scale, is_causal, query.shape[1],
-             key.shape[1], block_k, _STAGES)
+             key.shape[1], block_k, _STAGES, window, lengths is not None)
   qp, kp, _ = _pad(cfg, query, key, key)
-  return _blocks(cfg, qp, kp, interpret)[:4]
+  return _blocks(cfg, qp, kp, interpret, lengths)[:4]
 
 
 def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal: bool,
@@ -634,8 +688,13 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
     block_k: keys per block.
     num_stages: the attention pass's ring slots.
     interpret: None for the GPU, else ``InterpretGPUParams``.
-    rescale_threshold, local_window_size, key_value_seq_lengths: not supported for class
-      T yet (UnsupportedError naming the argument unless None).
+    rescale_threshold: not supported for class T (UnsupportedError unless None).
+    local_window_size: None or ``(left, right)`` (validated by the caller): query i sees
+      keys ``i - left .. i + right`` (``right = 0`` with ``is_causal``).
+    key_value_seq_lengths: None or int32 ``[B]``: batch entry b's keys ``j >= L_b`` are
+      seen by no query. |V_i| (top-k's ``min(k, |V_i|)``, the bracket) counts the visible
+      keys only; key blocks outside a CTA's visible interval are never loaded; a row that
+      sees no key gets a zero output and zero gradients.
 
   Returns:
     ``[B, T, N, H]`` of the query's dtype. ``jax.grad`` / ``jax.vjp`` run the class-T
@@ -662,16 +721,18 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
     "FlashAttention-3: Fast and Accurate Attention with Asynchrony and Low-precision",
     arXiv:2407.08608.
   """
-  for arg, val in (("rescale_threshold", rescale_threshold),
-                   ("local_window_size", local_window_size),
-                   ("key_value_seq_lengths", key_value_seq_lengths)):
-    if val is not None:
-      raise UnsupportedError(f"mosaic_gpu_attention: `{arg}` is not supported for class T "
-                             f"({spec.name!r}) yet; it must be None")
+  if rescale_threshold is not None:
+    raise UnsupportedError(f"mosaic_gpu_attention: `rescale_threshold` is not supported for "
+                           f"class T ({spec.name!r}); it must be None")
   b, t, n, h = query.shape
-  cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages)
+  window = None if local_window_size is None else (int(local_window_size[0]),
+                                                   int(local_window_size[1]))
+  lengths = (None if key_value_seq_lengths is None
+             else jnp.asarray(key_value_seq_lengths).astype(jnp.int32))
+  cfg = _cfg(spec, dict(hp), scale, is_causal, t, key.shape[1], block_k, num_stages, window,
+             lengths is not None)
   refuse_unsupported_ad((query, key, value), _WHERE, _ADVICE)
-  return _attention(cfg, query, key, value, interpret)
+  return _attention(cfg, query, key, value, lengths, interpret)
 
 
 # kp.mosaic_gpu_attention routes class T here (mosaic_gpu.THRESHOLD_KERNELS: no import cycle)

@@ -42,8 +42,11 @@ warpgroup, ``W`` wgmma consumer warpgroups, ``W = 2`` for H <= 128 else 1, a 2-s
   orientation ``S^T = K Q^T``, ``dP^T = V dO^T``, ``dV += P^T dO``, ``dK += dX^T Q``.
   GQA: per query head, summed over each key head's query heads in float32 here.
 
-Every tile applies the element mask (padded keys and query rows, causal), as the forward
-does; the two warpgroups of a CTA share one list (the union of their rows' or keys'
+Every tile applies the element mask (padded keys and query rows, ``key_value_seq_lengths``
+read as the batch entry's scalar, ``local_window_size``, causal: :func:`_mask_and_length`),
+as the forward does; the lists come from the forward's flags, which are 0 outside each
+CTA's visible key interval, so a key block no row sees is loaded by neither kernel, and
+its keys' dK, dV are 0 (as for a row that sees no key, whose ``1 / W`` is 0); the two warpgroups of a CTA share one list (the union of their rows' or keys'
 blocks: a block live for one only adds zero terms for the other).
 """
 
@@ -74,6 +77,8 @@ from kernels_pallas.mosaic_gpu import (
     _specialise,
     _stream,
     _transposed,
+    _visible,
+    _visible_count,
     _write_back,
 )
 
@@ -166,19 +171,33 @@ def backward_tables(flags, block_k: int, wgs: int, nk64: int):
   return idx, cnt, idx_t, cnt_t
 
 
-def _masks(cfg, q_pos, k_pos):
-  """Whether query ``q_pos`` sees key ``k_pos`` (int32 tiles; padded keys and query rows
-  hidden) and the query's visible count (float32 tile)."""
-  mask = jnp.logical_and(k_pos < cfg.s, q_pos < cfg.t)
-  if cfg.causal:
-    mask = jnp.logical_and(mask, q_pos >= k_pos)
-    length = jnp.minimum(q_pos + 1, cfg.s).astype(jnp.float32)
-  else:
-    length = jnp.full(q_pos.shape, float(cfg.s), jnp.float32)
+def _end(cfg, len_ref, bi):
+  """The batch entry's key length: S, or its ``key_value_seq_lengths`` clipped to [0, S]
+  (a scalar read in the kernel)."""
+  return cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
+
+
+def _mask_and_length(cfg, q_pos, k_pos, end):
+  """Whether query ``q_pos`` sees key ``k_pos`` (int32 tiles: ``k_pos < end``, the window
+  ``q_pos - left <= k_pos <= q_pos + right``, causal ``right = 0``, padded query rows
+  hidden; ``mosaic_gpu._visible``) and the rows' visible counts |V| (a float32 tile, 0 for
+  a row that sees no key; ``mosaic_gpu._visible_count``). Shared by the forward's kernels."""
+  mask = jnp.logical_and(q_pos < cfg.t, _visible(cfg, q_pos, k_pos, end))
+  length = _visible_count(cfg, q_pos, end)
+  if isinstance(length, float):  # no mask: every row sees S keys
+    length = jnp.full(q_pos.shape, length, jnp.float32)
   return mask, length
 
 
-def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret):
+def _split_lengths(cfg, refs):
+  """``(len_ref or None, the other refs)``: the key lengths follow the tensor inputs when
+  ``cfg.kv_lengths``."""
+  if cfg.kv_lengths:
+    return refs[0], refs[1:]
+  return None, refs
+
+
+def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths=None):
   """dQ (and ``coef``) on padded inputs: ``rows = (tau, m', 1 / W, Δ)`` each ``[B, N, Tp]``
   float32, ``idx``/``cnt`` the key-block lists of the ``64 W``-row CTAs. Returns
   ``(dq [B, Tp, N, H], coef [B, N, Tp] float32)`` (``coef`` zeros for a rule with a jump)."""
@@ -197,11 +216,12 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret):
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, row_refs, dq_ref, coef_ref,
-             scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs, dq_ref,
+             coef_ref, scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
-        row_bar, consumed = scoped
+        row_bar, consumed = scoped[:4]  # (a trailing segment buffer: none here)
     bi, q_head, q_tile, wg = _cta()
+    end = _end(cfg, len_ref, bi)
     count = cnt_ref[bi, q_head, q_tile]
 
     def block(step):  # the key block of a global step (each sweep runs the list)
@@ -239,7 +259,7 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret):
           return acc_ref[...]
 
         dp = pl.run_scoped(compute_dp, plgpu.ACC((bq, bk), jnp.float32))
-        mask, length = _masks(cfg, iota(0) + q_base, iota(1) + block(step) * bk)
+        mask, length = _mask_and_length(cfg, iota(0) + q_base, iota(1) + block(step) * bk, end)
         return slot, s * cfg.scale, dp, mask, length
 
       zero_row = plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
@@ -285,20 +305,23 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret):
 
     _specialise(plgpu, wg, wgs, consumer, producer)
 
-  def entry(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, *refs):
+  def entry(q_ref, k_ref, v_ref, do_ref, *refs):
+    len_ref, refs = _split_lengths(cfg, refs)
+    idx_ref, cnt_ref, refs = refs[0], refs[1], refs[2:]
     row_refs, dq_ref, coef_ref = refs[:4], refs[4], refs[5]
     _run_backward_scoped(
         plgpu,
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, row_refs, dq_ref,
-                             coef_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs,
+                             dq_ref, coef_ref, args),
         dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=4, row_slots=wgs, row_len=bq)
 
   out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   return _launch(plgpu, entry, out_type, (n, tp // (wgs * bq), b), ("heads", "q_seq", "batch"),
-                 wgs + 1, interpret)(q, k, v, do, idx, cnt, *rows)
+                 wgs + 1, interpret)(q, k, v, do, *lens, idx, cnt, *rows)
 
 
-def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret):
+def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_lengths=None):
   """dK and dV per query head on padded inputs: ``rows = (tau, m', 1 / W, Δ[, coef])``
   each ``[B, N, Tp]`` float32 (no coef for a rule with a jump), ``idx_t``/``cnt_t`` the
   query-block lists of the ``64 W``-key CTAs. Returns ``(dK, dV)``, each
@@ -319,10 +342,12 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret):
   layout = plgpu.Layout.WGMMA
   col_layout = layout.reduce(0)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, row_refs, dk_ref, dv_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs, dk_ref, dv_ref,
+             scoped):
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
-        row_loaded, consumed = scoped
+        row_loaded, consumed = scoped[:4]  # (a trailing segment buffer: none here)
     bi, q_head, kv_tile, wg = _cta("kv_seq")
+    end = _end(cfg, len_ref, bi)
     count = cnt_ref[bi, q_head, kv_tile]
 
     def consumer():
@@ -355,7 +380,7 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret):
         dpt = pl.run_scoped(compute_dpt, plgpu.ACC((bk, bq), jnp.float32))
         q_block = idx_ref[bi, q_head, kv_tile, i]
         # keys as rows, queries as columns
-        mask, length = _masks(cfg, iota(1) + q_block * bq, iota(0) + kv_base)
+        mask, length = _mask_and_length(cfg, iota(1) + q_block * bq, iota(0) + kv_base, end)
         bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
               for r in row_smem]
         # a proxy fence: these plain reads of the slot are ordered before the producer's
@@ -395,25 +420,30 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret):
 
     _specialise(plgpu, wg, wgs, consumer, producer)
 
-  def entry(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, *refs):
+  def entry(q_ref, k_ref, v_ref, do_ref, *refs):
+    len_ref, refs = _split_lengths(cfg, refs)
+    idx_ref, cnt_ref, refs = refs[0], refs[1], refs[2:]
     row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
     _run_backward_scoped(
         plgpu,
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, idx_ref, cnt_ref, row_refs, dk_ref,
-                             dv_ref, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs,
+                             dk_ref, dv_ref, args),
         dtype, h, wgs, stages, resident=bk, streamed=bq, n_rows=n_rows, row_slots=stages,
         row_len=bq)
 
   out = jax.ShapeDtypeStruct((b, sp, n, h), dtype)
+  lens = (kv_lengths,) if cfg.kv_lengths else ()
   return _launch(plgpu, entry, [out, out], (n, sp // (wgs * bk), b),
-                 ("heads", "kv_seq", "batch"), wgs + 1, interpret)(q, k, v, do, idx_t, cnt_t,
-                                                                  *rows)
+                 ("heads", "kv_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, idx_t,
+                                                                  cnt_t, *rows)
 
 
-def threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret):
+def threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret, kv_lengths=None):
   """``(dq, dk, dv)`` of the unpadded inputs from the forward's output, row max ``m``,
   threshold ``tau``, weight sum ``W`` (each ``[B, N, Tp]`` float32) and the search's live
-  flags ``[B, N, Tp / 128, 2, nkp]``; ``g`` the output's cotangent (module docstring)."""
+  flags ``[B, N, Tp / 128, 2, nkp]`` (0 on every block outside a CTA's visible interval);
+  ``g`` the output's cotangent; ``kv_lengths`` the int32 ``[B]`` key lengths when
+  ``cfg.kv_lengths`` (module docstring)."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   dtype = q.dtype
@@ -439,9 +469,9 @@ def threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret):
   flags = jnp.pad(flags[..., :n_kv], ((0, 0),) * 4 + ((0, sp // cfg.block_k - n_kv),))
   idx, cnt, idx_t, cnt_t = backward_tables(flags, cfg.block_k, wgs, nk64)
   rows: tuple[Any, ...] = (tau, m_w, inv, delta)
-  dq, coef = _dq(cfg, qp, kp, vp, dop, rows, idx, cnt, indicator, interpret)
+  dq, coef = _dq(cfg, qp, kp, vp, dop, rows, idx, cnt, indicator, interpret, kv_lengths)
   rows_t = rows if indicator else rows + (coef,)
-  dk, dv = _dkv(cfg, qp, kp, vp, dop, rows_t, idx_t, cnt_t, indicator, interpret)
+  dk, dv = _dkv(cfg, qp, kp, vp, dop, rows_t, idx_t, cnt_t, indicator, interpret, kv_lengths)
   groups = n // kh
 
   def head_sum(x):  # [B, Sp, N, H] -> [B, S, K, H]: each key head's query heads summed

@@ -129,25 +129,42 @@ def test_errors_name_the_argument(kw, match):
     kp.mosaic_gpu_attention(q, q, q, **kw)
 
 
-def _inputs(seed, t, s, n, kh, h, dtype):
+def _inputs(seed, t, s, n, kh, h, dtype, b=1):
   rng = np.random.default_rng(seed)
   # logits of standard deviation ~2 (q scaled by 2): sparse rows with a support of a few
   # keys to a few dozen
-  q = 2.0 * rng.standard_normal((1, t, n, h), np.float32)
-  k, v = (rng.standard_normal((1, s, kh, h), np.float32) for _ in range(2))
+  q = 2.0 * rng.standard_normal((b, t, n, h), np.float32)
+  k, v = (rng.standard_normal((b, s, kh, h), np.float32) for _ in range(2))
   return tuple(jnp.asarray(x).astype(dtype) for x in (q, k, v))
 
 
-def _reference(normalizer, q, k, v, causal, scale, hp):
+def _where(b, t, s, causal, lengths=None, window=None):
+  """The dense path's visibility ``[B, T, S]``: key j of batch entry b visible to query i
+  when ``j < L_b``, ``i - left <= j <= i + right`` (``window``: an int w is ``(w, w)``)
+  and ``j <= i`` (causal)."""
+  i, j = np.arange(t)[:, None], np.arange(s)[None, :]
+  vis = np.ones((b, t, s), bool)
+  if lengths is not None:
+    vis &= j[None] < np.asarray(lengths).reshape(b, 1, 1)
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    vis &= (j >= i - left) & (j <= i + right)
+  if causal:
+    vis &= j <= i
+  return vis
+
+
+def _reference(normalizer, q, k, v, causal, scale, hp, where=None):
   """Dense attention in float64 from the rounded inputs (weights by reference_f64) and the
-  bound sum_j |w_j| |v_j|."""
+  bound sum_j |w_j| |v_j|; ``where`` ([B, T, S]) the visibility (None: causal or not)."""
   q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
   g = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
   logits = scale * np.einsum("bthd,bshd->bhts", q, k)
   t, s = logits.shape[-2:]
-  where = np.tril(np.ones((t, s), bool)) if causal else None
-  w = reference_f64.normalizer(normalizer, logits, where=where, **hp)
+  if where is None:
+    where = _where(q.shape[0], t, s, causal)
+  w = reference_f64.normalizer(normalizer, logits, where=where[:, None], **hp)
   return (np.einsum("bhts,bshd->bthd", w, v), np.einsum("bhts,bshd->bthd", np.abs(w), np.abs(v)),
           w)
 
@@ -163,19 +180,30 @@ def _check(out, ref, bound, dtype):
 
 
 def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                    interpret=True):
+                    interpret=True, lengths=None, window=None):
+  """``lengths`` (a list: the batch's key lengths) and ``window`` pass as
+  ``key_value_seq_lengths`` and ``local_window_size``; the batch is ``len(lengths)``."""
   hp = dict(hp or {})
-  q, k, v = _inputs(0, t, s, n, kh, h, dtype)
+  b = 1 if lengths is None else len(lengths)
+  q, k, v = _inputs(0, t, s, n, kh, h, dtype, b)
+  lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
   call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                          normalizer_params=hp, block_k=block_k,
-                                         interpret=interpret)
+                                         interpret=interpret, key_value_seq_lengths=lens,
+                                         local_window_size=window)
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
       call()
     return
-  ref, bound, w = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp)
-  assert 0.3 < np.mean(w == 0) < 1.0  # sparse rows, not all but one entry zero
-  _check(call(), ref, bound, dtype)
+  where = _where(b, t, s, causal, lengths, window)
+  ref, bound, w = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, where)
+  # sparse rows, not all but one entry zero (a narrow mask leaves fewer zeros)
+  sparse = np.mean(w[np.broadcast_to(where[:, None], w.shape)] == 0)
+  assert (0.3 if where.all() else 0.1) < sparse < 1.0, sparse
+  out = call()
+  _check(out, ref, bound, dtype)
+  empty = ~where.any(axis=2)  # [B, T]: rows that see no key give exact zeros
+  assert np.all(np.asarray(out.astype(jnp.float32))[empty] == 0)
 
 
 def test_interpret_matches_float64_reference():
@@ -275,15 +303,17 @@ def _aligned_inputs(t, h, dtype):
   return tuple(jnp.asarray(x).astype(dtype) for x in (q, k, v))
 
 
-def _reference_grads(normalizer, q, k, v, do, causal, scale, hp):
+def _reference_grads(normalizer, q, k, v, do, causal, scale, hp, where=None):
   """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
   ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on
-  the kernel's rounding error (:func:`_check_grads`)."""
+  the kernel's rounding error (:func:`_check_grads`); ``where`` ([B, T, S]) the
+  visibility (None: causal or not)."""
   import jaxsoft.normalizers as jn
 
   spec = jn.get(normalizer)
   t, s = q.shape[1], k.shape[1]
-  where = np.tril(np.ones((t, s), bool)) if causal else np.ones((t, s), bool)
+  if where is None:
+    where = _where(q.shape[0], t, s, causal)
   with jax.enable_x64(True):
     args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
     grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, scale, hp))(
@@ -301,7 +331,7 @@ def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
   kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
 
   def weights(x):
-    return spec.fn(x, where=where, **hp)
+    return spec.fn(x, where=where[:, None], **hp)
 
   def attend(q, k, v):
     k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
@@ -314,7 +344,7 @@ def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
   p = weights(x)
   # the rows' Jacobians [B, N, T, S(out), S(in)]: each row's weights depend on that row only
   row = lambda xi, wi: spec.fn(xi, where=wi, **hp)
-  jac = jax.vmap(jax.vmap(jax.vmap(jax.jacrev(row), (0, 0)), (0, None)), (0, None))(x, where)
+  jac = jax.vmap(jax.vmap(jax.vmap(jax.jacrev(row), (0, 0)), (0, None)), (0, 0))(x, where)
   dp = jnp.einsum("bthd,bshd->bhts", do, vv)
   delta_mag = jnp.einsum("bthd,bthd->bht", jnp.abs(do),
                          jnp.einsum("bhts,bshd->bthd", jnp.abs(p), jnp.abs(vv)))[..., None]
@@ -327,7 +357,7 @@ def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
 
 
 def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                 interpret=True, inputs=None):
+                 interpret=True, inputs=None, lengths=None, window=None):
   """dQ, dK, dV of the GPU-interpreted kernels against the float64 dense gradients.
 
   As ``test_mosaic_gpu._check_grads``: the kernels round ``dx`` and the normalised
@@ -335,22 +365,33 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
   round each per-head gradient and the GQA sum once more, so (u the unit roundoff)
   ``|dQ - ref| <= 8u scale sum_j M|k|``, ``|dK - ref| <= 8u scale sum_i M|q|``,
   ``|dV - ref| <= 8u sum_i |p||dO|`` (:func:`_grads_and_bounds`), plus 1e-6 absolute for
-  float16's subnormal weights. Returns the largest error over its tolerance (<= 1)."""
+  float16's subnormal weights. ``lengths`` and ``window`` as in :func:`_check_numerics`
+  (keys past a batch entry's length and rows that see no key: zero gradients). Returns
+  the largest error over its tolerance (<= 1)."""
   hp = dict(hp or {})
-  q, k, v = _inputs(0, t, s, n, kh, h, dtype) if inputs is None else inputs
-  do = _inputs(1, t, t, n, n, h, dtype)[0] / 2.0
+  b = 1 if lengths is None else len(lengths)
+  q, k, v = _inputs(0, t, s, n, kh, h, dtype, b) if inputs is None else inputs
+  do = _inputs(1, t, t, n, n, h, dtype, b)[0] / 2.0
+  lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
 
   def call(q, k, v):
     return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
-                                   normalizer_params=hp, block_k=block_k, interpret=interpret)
+                                   normalizer_params=hp, block_k=block_k, interpret=interpret,
+                                   key_value_seq_lengths=lens, local_window_size=window)
 
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
       jax.vjp(call, q, k, v)
     return None
-  _, vjp = jax.vjp(call, q, k, v)
+  out, vjp = jax.vjp(call, q, k, v)
   got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
-  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp)
+  where = _where(b, t, s, causal, lengths, window)
+  if inputs is None:  # the forward too (its own tests cover the aligned inputs)
+    ref_out, bound, _ = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, where)
+    _check(out, ref_out, bound, dtype)
+    assert np.all(np.asarray(out.astype(jnp.float32))[~where.any(axis=2)] == 0)
+  ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp,
+                                 where)
   u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
   worst = 0.0
   for name, a, r, bound in zip("qkv", got, ref, bounds, strict=True):
@@ -359,6 +400,9 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
     # not vacuous: a gradient of order one
     assert np.abs(r).max() > 0.05, (name, np.abs(r).max())
     worst = max(worst, float(ratio.max()))
+  if not where.all():  # invisible keys and rows that see no key: exact zeros
+    assert np.all(got[0][~where.any(axis=2)] == 0)
+    assert np.all(got[1][~where.any(axis=1)] == 0) and np.all(got[2][~where.any(axis=1)] == 0)
   return worst
 
 
@@ -421,3 +465,120 @@ def test_interpret_gradients_skip_empty_key_blocks():
   assert cnt[0, 0].tolist() == [2, 1]  # rows 128..255: key block 2 only (causal: 4)
   assert cnt_t[0, 0].tolist() == [2, 2]  # keys 0..127: query blocks 0, 1 (causal: 4)
   assert idx_t[0, 0, 0, :2].tolist() == [0, 1]
+
+
+# --- key lengths and local windows ---------------------------------------------------------
+
+# (normalizer, causal, dtype, T, S, N, K, H, hp, key lengths (the batch), window, block_k)
+MASKED = [
+    # a batch entry with no key: its rows give zeros and zero gradients
+    ("entmax15", True, "bfloat16", 130, 130, 2, 1, 64, {}, [90, 0], None, 64),
+    ("sparsemax", False, "float16", 100, 200, 1, 1, 64, {}, [200, 37], None, 64),
+    ("sparsemax", False, "float16", 200, 200, 1, 1, 64, {}, None, (20, 5), 64),
+    ("entmax15", True, "bfloat16", 256, 256, 1, 1, 64, {}, None, 30, 64),  # window + causal
+    ("sparsemax", True, "float16", 256, 256, 1, 1, 128, {}, [256, 150], (40, 0), 128),
+    # top-k with |V| < k: the first rows and the second entry keep every visible key
+    ("top_k_softmax", True, "float16", 128, 128, 2, 1, 64, {"k": 8}, [128, 5], (12, 0), 64),
+    ("top_k_softmax", False, "bfloat16", 130, 130, 1, 1, 64, {}, [130, 6], (50, 3), 64),
+]
+_MASKED_IDS = [f"{c[0]}-{'causal' if c[1] else 'full'}-L{c[9]}-w{c[10]}".replace(" ", "")
+               for c in MASKED]
+
+
+def _export_masked(normalizer, causal, grad, *, lengths=None, window=None, h=64, t=200):
+  """The CUDA export of the forward (or ``jax.grad``) with the key lengths as an argument:
+  the number of Mosaic-GPU kernels in it."""
+  q = jax.ShapeDtypeStruct((2, t, 2, h), jnp.bfloat16)
+  lens = jax.ShapeDtypeStruct((2,), jnp.int32)
+
+  def loss(q, k, v, lens):
+    out = kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
+                                  key_value_seq_lengths=lens if lengths else None,
+                                  local_window_size=window)
+    return out.astype(jnp.float32).sum()
+
+  f = jax.grad(loss, argnums=(0, 1, 2)) if grad else loss
+  mlir = jax.export.export(jax.jit(f), platforms=["cuda"])(q, q, q, lens).mlir_module()
+  return mlir.count("stablehlo.custom_call @mosaic_gpu")
+
+
+EXPORT_MASKED = [(nm, c, lens, w) for nm in mgt.SUPPORTED for c in (False, True)
+                 for lens, w in ((True, None), (False, 24), (False, (30, 7)), (True, (9, 0)))]
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_masked_lowers_for_cuda(grad):
+  """Key lengths and a window, forward and gradient (a sample; the matrix under -m slow)."""
+  assert _export_masked("sparsemax", False, grad, lengths=True,
+                        window=(30, 7)) == (4 if grad else 2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", EXPORT_MASKED, ids=["-".join(map(str, c)) for c in EXPORT_MASKED])
+def test_masked_lowers_for_cuda_full_matrix(case):
+  nm, causal, lengths, window = case
+  assert _export_masked(nm, causal, False, lengths=lengths, window=window) == 2
+  assert _export_masked(nm, causal, True, lengths=lengths, window=window) == 4
+
+
+def _check_masked(case):
+  normalizer, causal, dtype, t, s, n, kh, h, hp, lengths, window, block_k = case
+  return _check_grads(normalizer, causal, jnp.dtype(dtype), t, s, n, kh, h, hp, block_k,
+                      lengths=lengths, window=window)
+
+
+def test_interpret_masked_matches_float64_reference():
+  """Key lengths (one batch entry sees keys 0..36 only), a (20, 5) window and GQA under the
+  GPU interpreter: the forward and dQ, dK, dV against the float64 dense path with the
+  same mask; invisible keys get exact zero gradients."""
+  _check_grads("sparsemax", False, jnp.float16, 100, 200, 2, 1, 64, lengths=[200, 37],
+               window=(20, 5))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", MASKED, ids=_MASKED_IDS)
+def test_interpret_masked_matrix(case):
+  _check_masked(case)
+
+
+@pytest.mark.slow
+def test_interpret_masked_never_loads_invisible_blocks():
+  """NaN keys and values in whole key blocks no row may see, with key lengths [100, 256]
+  and a (10, 10) window (T = 128, S = 256, 64-key blocks): entry 0's keys 128.. (past its
+  length) and entry 1's keys 192.. (past row 127 + 10). The block lists skip them, so the
+  output and the gradients are those of the same inputs with zeros there, bit for bit (a
+  loaded NaN block would poison its rows through the matmuls' 0 x NaN), the invisible
+  keys' dK, dV are 0, and the search's lists hold none of those blocks."""
+  t, s, h, dtype = 128, 256, 64, jnp.float16
+  q, k, v = _inputs(0, t, s, 1, 1, h, dtype, 2)
+  do = _inputs(1, t, t, 1, 1, h, dtype, 2)[0]
+  lens, window = jnp.asarray([100, 256], jnp.int32), (10, 10)
+  poisoned = np.zeros((2, s), bool)
+  poisoned[0, 128:] = True  # blocks 2, 3
+  poisoned[1, 192:] = True  # block 3
+  nan = jnp.asarray(poisoned)[:, :, None, None]
+  k_nan, v_nan = jnp.where(nan, jnp.nan, k), jnp.where(nan, jnp.nan, v)
+  k0, v0 = jnp.where(nan, 0.0, k), jnp.where(nan, 0.0, v)
+  f = lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, normalizer="sparsemax", block_k=64,
+                                              key_value_seq_lengths=lens,
+                                              local_window_size=window, interpret=True)
+  if not mga.interpreter_runs_kernel():
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      f(q, k_nan, v_nan)
+    return
+
+  def run(k, v):
+    out, vjp = jax.vjp(f, q, k, v)
+    return [np.asarray(a.astype(jnp.float32)) for a in (out, *vjp(do))]
+
+  got, clean = run(k_nan, v_nan), run(k0, v0)
+  for a, c in zip(got, clean, strict=True):
+    assert np.all(np.isfinite(a)) and np.array_equal(a, c)
+  assert np.abs(got[0]).max() > 0.1
+  assert np.all(got[2][poisoned] == 0) and np.all(got[3][poisoned] == 0)
+  _, _, idx, cnt = mgt.threshold_blocks(
+      q, k_nan, normalizer="sparsemax", block_k=64, interpret=mga.gpu_interpret_params(),
+      key_value_seq_lengths=lens, local_window_size=window)
+  for entry, dead in ((0, {2, 3}), (1, {3})):
+    live = {int(j) for j in np.asarray(idx[entry, 0, 0, :int(cnt[entry, 0, 0])])}
+    assert live and not live & dead, (entry, live)
