@@ -18,6 +18,13 @@ GPU (kernels_pallas/mosaic_gpu_threshold.py).
   path within 8u of elementwise bounds from the normalizer's row Jacobians (one case by
   default, the rest, a shortened block list and the race detector under ``-m slow``);
   forward mode and second order raise UnsupportedDifferentiation.
+* Key lengths and local windows (with or without causal): the CUDA export of the forward
+  and of ``jax.grad`` (a sample, the matrix under ``-m slow``); under the interpreter the
+  forward and dQ, dK, dV against the float64 dense path with the same mask (one case by
+  default; lengths with an entry of 0, windows, window + causal, top-k with |V| < k under
+  ``-m slow``), rows that see no key and keys no row sees exactly 0; and NaN keys and
+  values in whole key blocks no row may see leave the output and the gradients
+  bit-identical to zeros there (the block lists skip them; ``-m slow``).
 """
 
 from __future__ import annotations
