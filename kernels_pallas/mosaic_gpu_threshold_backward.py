@@ -61,26 +61,7 @@ import jax.numpy as jnp
 from jaxsoft.normalizers import spec as _spec
 from jaxsoft.normalizers import tile
 from kernels_pallas import engine
-from kernels_pallas.mosaic_gpu import (
-    BWD_BLOCK,
-    BWD_STAGES,
-    _bwd_wgs,
-    _cta,
-    _fetch,
-    _kv_head,
-    _launch,
-    _load_row,
-    _plgpu,
-    _primal,
-    _round_up,
-    _run_backward_scoped,
-    _specialise,
-    _stream,
-    _transposed,
-    _visible,
-    _visible_count,
-    _write_back,
-)
+from kernels_pallas import mosaic_gpu as mga
 
 __all__ = ["threshold_backward", "backward_tables"]
 
@@ -102,15 +83,15 @@ def _tile_fns(cfg, indicator: bool):
   weights ``weight / W`` and the cotangent of ``x``, 0 where masked."""
   rule = cfg.rule
   hp = cfg.hp_dict
-  score_map = _primal(rule.score_map)
-  weight_dtau = _primal(lambda z, t, m: jax.jvp(lambda t_: rule.weight(z, t_, m, **hp), (t,),
+  score_map = mga._primal(rule.score_map)
+  weight_dtau = mga._primal(lambda z, t, m: jax.jvp(lambda t_: rule.weight(z, t_, m, **hp), (t,),
                                                 (jnp.ones_like(t),))[1])
-  mass_dtau = _primal(lambda z, t: jax.jvp(lambda t_: rule.mass(z, t_, **hp), (t,),
+  mass_dtau = mga._primal(lambda z, t: jax.jvp(lambda t_: rule.mass(z, t_, **hp), (t,),
                                            (jnp.ones_like(t),))[1])
-  weight_dz = _primal(lambda z, t, m, g: jax.jvp(lambda z_: rule.weight(z_, t, m, **hp), (z,),
+  weight_dz = mga._primal(lambda z, t, m, g: jax.jvp(lambda z_: rule.weight(z_, t, m, **hp), (z,),
                                                  (g,)))
-  mass_dz = _primal(lambda z, t, g: jax.jvp(lambda z_: rule.mass(z_, t, **hp), (z,), (g,))[1])
-  score_dx = _primal(lambda x, n, g: jax.jvp(lambda x_: rule.score_map(x_, n, **hp), (x,),
+  mass_dz = mga._primal(lambda z, t, g: jax.jvp(lambda z_: rule.mass(z_, t, **hp), (z,), (g,))[1])
+  score_dx = mga._primal(lambda x, n, g: jax.jvp(lambda x_: rule.score_map(x_, n, **hp), (x,),
                                              (g,))[1])
   identity = rule.score_map is _spec.identity_score_map
 
@@ -160,9 +141,9 @@ def backward_tables(flags, block_k: int, wgs: int, nk64: int):
     ([[1, 1], [0, 0]], [1, 1])
   """
   b, n, nq, two, _ = flags.shape
-  n_kv = nk64 * BWD_BLOCK // block_k
+  n_kv = nk64 * mga.BWD_BLOCK // block_k
   f = flags[..., :n_kv].reshape(b, n, nq * two, n_kv)
-  f = jnp.repeat(f, block_k // BWD_BLOCK, axis=-1)  # [B, N, Tp / 64, nk64]
+  f = jnp.repeat(f, block_k // mga.BWD_BLOCK, axis=-1)  # [B, N, Tp / 64, nk64]
   nq64 = nq * two
   rows = jnp.max(f.reshape(b, n, nq64 // wgs, wgs, nk64), axis=3)
   idx, cnt = engine.live_block_tables(rows)
@@ -182,8 +163,8 @@ def _mask_and_length(cfg, q_pos, k_pos, end):
   ``q_pos - left <= k_pos <= q_pos + right``, causal ``right = 0``, padded query rows
   hidden; ``mosaic_gpu._visible``) and the rows' visible counts |V| (a float32 tile, 0 for
   a row that sees no key; ``mosaic_gpu._visible_count``). Shared by the forward's kernels."""
-  mask = jnp.logical_and(q_pos < cfg.t, _visible(cfg, q_pos, k_pos, end))
-  length = _visible_count(cfg, q_pos, end)
+  mask = jnp.logical_and(q_pos < cfg.t, mga._visible(cfg, q_pos, k_pos, end))
+  length = mga._visible_count(cfg, q_pos, end)
   if isinstance(length, float):  # no mask: every row sees S keys
     length = jnp.full(q_pos.shape, length, jnp.float32)
   return mask, length
@@ -201,15 +182,15 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
   """dQ (and ``coef``) on padded inputs: ``rows = (tau, m', 1 / W, Δ)`` each ``[B, N, Tp]``
   float32, ``idx``/``cnt`` the key-block lists of the ``64 W``-row CTAs. Returns
   ``(dq [B, Tp, N, H], coef [B, N, Tp] float32)`` (``coef`` zeros for a rule with a jump)."""
-  plgpu = _plgpu()
+  plgpu = mga._plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
   b, tp, n, h = q.shape
   groups = n // k.shape[2]
-  wgs = _bwd_wgs(h)
-  bq = bk = BWD_BLOCK
-  stages = BWD_STAGES
+  wgs = mga._bwd_wgs(h)
+  bq = bk = mga.BWD_BLOCK
+  stages = mga.BWD_STAGES
   dtype = q.dtype
   sweeps = 1 if indicator else 2
   coef_tile, grad_tile = _tile_fns(cfg, indicator)
@@ -220,7 +201,7 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
              coef_ref, scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
         row_bar, consumed = scoped[:4]  # (a trailing segment buffer: none here)
-    bi, q_head, q_tile, wg = _cta()
+    bi, q_head, q_tile, wg = mga._cta()
     end = _end(cfg, len_ref, bi)
     count = cnt_ref[bi, q_head, q_tile]
 
@@ -231,10 +212,10 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
       q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
       q_base = q_tile * (wgs * bq) + wg * bq
       sl = (bi, pl.ds(q_base, bq), q_head)
-      _fetch(plgpu, [(q_ref.at[sl], q_smem, q_bar.at[wg]), (do_ref.at[sl], do_smem, do_bar.at[wg])]
+      mga._fetch(plgpu, [(q_ref.at[sl], q_smem, q_bar.at[wg]), (do_ref.at[sl], do_smem, do_bar.at[wg])]
              + [(r_ref.at[bi, q_head, pl.ds(q_base, bq)], r_smem.at[wg], r_bar.at[wg])
                 for r_ref, r_smem, r_bar in zip(row_refs, row_smem2, row_bar, strict=True)])
-      tau, m_w, inv, delta = (_load_row(plgpu, r_smem.at[wg], row_layout)
+      tau, m_w, inv, delta = (mga._load_row(plgpu, r_smem.at[wg], row_layout)
                               for r_smem in row_smem2)
 
       def bc(row):
@@ -248,14 +229,14 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def compute_s(acc_ref):
-          plgpu.wgmma(acc_ref, q_smem, _transposed(plgpu, k_smem.at[slot]))
+          plgpu.wgmma(acc_ref, q_smem, mga._transposed(plgpu, k_smem.at[slot]))
           return acc_ref[...]
 
         s = pl.run_scoped(compute_s, plgpu.ACC((bq, bk), jnp.float32))
         plgpu.barrier_wait(v_loaded.at[slot])
 
         def compute_dp(acc_ref):
-          plgpu.wgmma(acc_ref, do_smem, _transposed(plgpu, v_smem.at[slot]))
+          plgpu.wgmma(acc_ref, do_smem, mga._transposed(plgpu, v_smem.at[slot]))
           return acc_ref[...]
 
         dp = pl.run_scoped(compute_dp, plgpu.ACC((bq, bk), jnp.float32))
@@ -290,26 +271,26 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
       coef_smem = row_smem2[0].at[wg]  # (tau's slot: tau is in registers)
       coef_smem[...] = coef
-      _write_back(plgpu, [(q_smem, dq_ref.at[sl]),
+      mga._write_back(plgpu, [(q_smem, dq_ref.at[sl]),
                           (coef_smem, coef_ref.at[bi, q_head, pl.ds(q_base, bq)])])
 
     def producer():
-      kv_head = _kv_head(q_head, groups)
+      kv_head = mga._kv_head(q_head, groups)
 
       def load(step, slot):
         src = (bi, pl.ds(block(step) * bk, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[src], k_smem.at[slot], k_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[src], v_smem.at[slot], v_loaded.at[slot])
 
-      _stream(0, sweeps * count, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+      mga._stream(0, sweeps * count, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
-    _specialise(plgpu, wg, wgs, consumer, producer)
+    mga._specialise(plgpu, wg, wgs, consumer, producer)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
     idx_ref, cnt_ref, refs = refs[0], refs[1], refs[2:]
     row_refs, dq_ref, coef_ref = refs[:4], refs[4], refs[5]
-    _run_backward_scoped(
+    mga._run_backward_scoped(
         plgpu,
         lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs,
                              dq_ref, coef_ref, args),
@@ -317,7 +298,7 @@ def _dq(cfg, q, k, v, do, rows, idx, cnt, indicator: bool, interpret, kv_lengths
 
   out_type = [jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, n, tp), jnp.float32)]
   lens = (kv_lengths,) if cfg.kv_lengths else ()
-  return _launch(plgpu, entry, out_type, (n, tp // (wgs * bq), b), ("heads", "q_seq", "batch"),
+  return mga._launch(plgpu, entry, out_type, (n, tp // (wgs * bq), b), ("heads", "q_seq", "batch"),
                  wgs + 1, interpret)(q, k, v, do, *lens, idx, cnt, *rows)
 
 
@@ -326,16 +307,16 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
   each ``[B, N, Tp]`` float32 (no coef for a rule with a jump), ``idx_t``/``cnt_t`` the
   query-block lists of the ``64 W``-key CTAs. Returns ``(dK, dV)``, each
   ``[B, Sp, N, H]``."""
-  plgpu = _plgpu()
+  plgpu = mga._plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
   b, tp, n, h = q.shape
   sp = k.shape[1]
   groups = n // k.shape[2]
-  wgs = _bwd_wgs(h)
-  bq = bk = BWD_BLOCK
-  stages = BWD_STAGES
+  wgs = mga._bwd_wgs(h)
+  bq = bk = mga.BWD_BLOCK
+  stages = mga.BWD_STAGES
   dtype = q.dtype
   n_rows = len(rows)
   _, grad_tile = _tile_fns(cfg, indicator)
@@ -346,15 +327,15 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
              scoped):
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
         row_loaded, consumed = scoped[:4]  # (a trailing segment buffer: none here)
-    bi, q_head, kv_tile, wg = _cta("kv_seq")
+    bi, q_head, kv_tile, wg = mga._cta("kv_seq")
     end = _end(cfg, len_ref, bi)
     count = cnt_ref[bi, q_head, kv_tile]
 
     def consumer():
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       kv_base = kv_tile * (wgs * bk) + wg * bk
-      sl = (bi, pl.ds(kv_base, bk), _kv_head(q_head, groups))
-      _fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])])
+      sl = (bi, pl.ds(kv_base, bk), mga._kv_head(q_head, groups))
+      mga._fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])])
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bk, bq), axis, layout=layout)
@@ -368,20 +349,20 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
           plgpu.barrier_wait(r_bar.at[slot])
 
         def compute_st(acc_ref):
-          plgpu.wgmma(acc_ref, k_smem, _transposed(plgpu, q_smem.at[slot]))
+          plgpu.wgmma(acc_ref, k_smem, mga._transposed(plgpu, q_smem.at[slot]))
           return acc_ref[...]
 
         st = pl.run_scoped(compute_st, plgpu.ACC((bk, bq), jnp.float32))
 
         def compute_dpt(acc_ref):
-          plgpu.wgmma(acc_ref, v_smem, _transposed(plgpu, do_smem.at[slot]))
+          plgpu.wgmma(acc_ref, v_smem, mga._transposed(plgpu, do_smem.at[slot]))
           return acc_ref[...]
 
         dpt = pl.run_scoped(compute_dpt, plgpu.ACC((bk, bq), jnp.float32))
         q_block = idx_ref[bi, q_head, kv_tile, i]
         # keys as rows, queries as columns
         mask, length = _mask_and_length(cfg, iota(1) + q_block * bq, iota(0) + kv_base, end)
-        bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
+        bc = [lax.broadcast_in_dim(mga._load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
               for r in row_smem]
         # a proxy fence: these plain reads of the slot are ordered before the producer's
         # next TMA write into it (as mosaic_gpu's dK/dV kernel)
@@ -404,7 +385,7 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
       k_smem[...] = (dk_acc * cfg.scale).astype(dtype)
       v_smem[...] = dv_acc.astype(dtype)
       out = (bi, pl.ds(kv_base, bk), q_head)
-      _write_back(plgpu, [(k_smem, dk_ref.at[out]), (v_smem, dv_ref.at[out])])
+      mga._write_back(plgpu, [(k_smem, dk_ref.at[out]), (v_smem, dv_ref.at[out])])
 
     def producer():
       def load(i, slot):
@@ -416,15 +397,15 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
           plgpu.copy_gmem_to_smem(r_ref.at[bi, q_head, pl.ds(q_block * bq, bq)],
                                   r_smem.at[slot], r_bar.at[slot])
 
-      _stream(0, count, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
+      mga._stream(0, count, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
-    _specialise(plgpu, wg, wgs, consumer, producer)
+    mga._specialise(plgpu, wg, wgs, consumer, producer)
 
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
     idx_ref, cnt_ref, refs = refs[0], refs[1], refs[2:]
     row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
-    _run_backward_scoped(
+    mga._run_backward_scoped(
         plgpu,
         lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, idx_ref, cnt_ref, row_refs,
                              dk_ref, dv_ref, args),
@@ -433,7 +414,7 @@ def _dkv(cfg, q, k, v, do, rows, idx_t, cnt_t, indicator: bool, interpret, kv_le
 
   out = jax.ShapeDtypeStruct((b, sp, n, h), dtype)
   lens = (kv_lengths,) if cfg.kv_lengths else ()
-  return _launch(plgpu, entry, [out, out], (n, sp // (wgs * bk), b),
+  return mga._launch(plgpu, entry, [out, out], (n, sp // (wgs * bk), b),
                  ("heads", "kv_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, idx_t,
                                                                   cnt_t, *rows)
 
@@ -447,10 +428,10 @@ def threshold_backward(cfg, q, k, v, out, m, tau, w_sum, flags, g, interpret, kv
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   dtype = q.dtype
-  wgs = _bwd_wgs(h)
+  wgs = mga._bwd_wgs(h)
   tp = m.shape[-1]  # the forward's padding (128 rows)
-  sp = _round_up(s, math.lcm(cfg.block_k, wgs * BWD_BLOCK))
-  nk64 = sp // BWD_BLOCK
+  sp = mga._round_up(s, math.lcm(cfg.block_k, wgs * mga.BWD_BLOCK))
+  nk64 = sp // mga.BWD_BLOCK
   indicator = _indicator(cfg)
   g = g.astype(dtype)
   pad_t = ((0, 0), (0, tp - t), (0, 0), (0, 0))
