@@ -780,7 +780,7 @@ def _fox_decay(b, t, n, seed=0):
   """FoX-style decay terms cq = ck = cumulative log forget gates, a per-head mix of short
   and long memories: gate logits around linspace(1, 6) over the heads (log forget of
   -0.31 to -0.0025 per step)."""
-  bias = jnp.linspace(1.0, 6.0, n)
+  bias = jnp.linspace(1.0, 6.0, n)[None, None, :]
   z = bias + 0.5 * jax.random.normal(jax.random.key(seed), (b, t, n))
   c = jnp.cumsum(jax.nn.log_sigmoid(z), axis=1)
   return c, c
