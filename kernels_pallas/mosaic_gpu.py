@@ -368,6 +368,8 @@ class _Cfg(_Problem):
   # class R: the derived per-row hyperparameters of the rule's second pass, operands
   # [B, N, Tp] float32 after the key lengths (kernels_pallas.mosaic_gpu_row_stats)
   row_hp: tuple[str, ...] = ()
+  # segment ids: the kernels take the segment operands (_SegOps) after the other inputs
+  segments: bool = False
 
   @property
   def left(self) -> int | None:
@@ -384,7 +386,7 @@ class _Cfg(_Problem):
   @property
   def masked(self) -> bool:
     """Whether some (query, key) pair inside the unpadded lengths is invisible."""
-    return self.causal or self.window is not None or self.kv_lengths
+    return self.causal or self.window is not None or self.kv_lengths or self.segments
 
   @property
   def rule(self) -> _spec.TileRule:
@@ -526,6 +528,136 @@ def _visible_count(cfg: _Cfg, i, end):
   return jnp.maximum(hi - lo + 0 * i, 0).astype(jnp.float32)  # (i's shape and layout)
 
 
+# --- segment ids as block lists -----------------------------------------------------------
+
+SEG_BAND = 64  # rows (or keys) per band of the segment block lists: one warpgroup's tile
+
+
+class _SegOps(NamedTuple):
+  """The segment operands of one kernel (:func:`_segment_operands`): ``q_row`` the query
+  rows' segment ranks and ``count`` their visible key counts, each ``[B, N, Tp]`` float32
+  (streamed or fetched as the row statistics are), ``k_ids`` the keys' ranks ``[B, Sp]``
+  float32, ``key_bands`` / ``query_bands`` flat int32 ``[B * bands * 4]`` tables read as
+  scalars (:func:`_band`)."""
+  q_row: Any
+  count: Any
+  k_ids: Any
+  key_bands: Any
+  query_bands: Any
+
+
+def _segment_ranks(q_ids, kv_ids):
+  """Segment ids ``[B, T]``, ``[B, S]`` as float32 ranks, equal exactly where the ids are
+  equal: each id's position in the sorted ids of its batch entry (below ``T + S``, exact
+  in float32 up to 2^24), so that the kernels compare ids as they compare row statistics."""
+  both = jnp.concatenate([q_ids, kv_ids], axis=1)
+  srt = jnp.sort(both, axis=1)
+  rank = jax.vmap(lambda a, x: jnp.searchsorted(a, x, side="left"))(srt, both)
+  rank = rank.astype(jnp.float32)
+  return rank[:, :q_ids.shape[1]], rank[:, q_ids.shape[1]:]
+
+
+def _bands(ids_rows, ids_cols, n_cols: int):
+  """Per band of ``SEG_BAND`` rows of ``ids_rows`` ``[B, R]`` (R a multiple of the band),
+  the columns whose id may equal one of the band's, as positions ``(lo, hi, full_lo,
+  full_hi)`` int32 ``[B, R / SEG_BAND, 4]``: ``[lo, hi)`` from the first to the last column
+  ``j < n_cols`` with ``min_band <= id_j <= max_band`` (empty: ``(n_cols, 0)``), and
+  ``[full_lo, full_hi) = [lo, hi)`` when the band holds one id and every column between
+  carries it (else empty). Sorted (packed) ids make ``[lo, hi)`` exactly the visible
+  columns; unsorted ids an interval holding them, whose other blocks are loaded and masked."""
+  b, r = ids_rows.shape
+  bands = ids_rows.reshape(b, r // SEG_BAND, SEG_BAND)
+  bmin, bmax = bands.min(axis=2), bands.max(axis=2)
+  cols = ids_cols[:, :n_cols]
+  hit = (cols[:, None, :] >= bmin[..., None]) & (cols[:, None, :] <= bmax[..., None])
+  any_hit = hit.any(axis=2)
+  pos = jnp.arange(n_cols, dtype=jnp.int32)
+  lo = jnp.where(hit, pos, n_cols).min(axis=2)
+  hi = jnp.where(hit, pos + 1, 0).max(axis=2)
+  lo = jnp.where(any_hit, lo, n_cols)
+  full = (bmin == bmax) & any_hit & (hit.sum(axis=2) == hi - lo)
+  zero = jnp.zeros_like(lo)
+  return jnp.stack([lo, hi, jnp.where(full, lo, zero), jnp.where(full, hi, zero)],
+                   axis=-1).astype(jnp.int32)
+
+
+def _segment_counts(cfg: _Cfg, q_rank, kv_rank, kv_lengths):
+  """Each query row's visible key count under every mask (segments, key lengths, window,
+  causal): float32 ``[B, Tp]`` (``q_rank`` padded), summed band by band of ``SEG_BAND``
+  rows (no ``T x S`` array)."""
+  b, tp = q_rank.shape
+  end = jnp.full((b,), cfg.s, jnp.int32) if kv_lengths is None else \
+      jnp.clip(kv_lengths, 0, cfg.s).astype(jnp.int32)
+  j = jnp.arange(cfg.s, dtype=jnp.int32)[None, None, :]
+
+  def band(args):
+    rows, i0 = args  # [B, SEG_BAND] ranks, the band's first row
+    i = (i0 + jnp.arange(SEG_BAND, dtype=jnp.int32))[None, :, None]
+    vis = _visible(cfg, i, j, end[:, None, None])
+    same = rows[:, :, None] == kv_rank[:, None, :cfg.s]
+    return jnp.logical_and(vis, same).sum(axis=2).astype(jnp.float32)
+
+  nb = tp // SEG_BAND
+  bands = q_rank.reshape(b, nb, SEG_BAND).transpose(1, 0, 2)
+  out = jax.lax.map(band, (bands, jnp.arange(nb, dtype=jnp.int32) * SEG_BAND))
+  return out.transpose(1, 0, 2).reshape(b, tp)
+
+
+def _segment_operands(cfg: _Cfg, segment_ids, n: int, tp: int, sp: int, kv_lengths,
+                      query_bands: bool = True):
+  """The kernels' segment operands (:class:`_SegOps`) for queries padded to ``tp`` rows
+  and keys to ``sp`` (padding repeats the last id, so the bands' ranges are unchanged; the
+  padded keys are masked by the key length, the padded rows' results dropped), or None.
+  ``query_bands``: also the dK/dV pass's table (the forward kernels need none: nothing is
+  computed that no kernel reads, the GPU interpreter's callbacks wait on a small pool)."""
+  if segment_ids is None:
+    return None
+  q_ids, kv_ids = segment_ids
+  q_rank, kv_rank = _segment_ranks(q_ids, kv_ids)
+  q_pad = jnp.pad(q_rank, ((0, 0), (0, tp - cfg.t)), mode="edge")
+  kv_pad = jnp.pad(kv_rank, ((0, 0), (0, sp - cfg.s)), mode="edge")
+  count = _segment_counts(cfg, q_pad, kv_rank, kv_lengths)
+  per_head = lambda x: jnp.broadcast_to(x[:, None, :], (x.shape[0], n, x.shape[1]))
+  return _SegOps(q_row=per_head(q_pad), count=per_head(count), k_ids=kv_pad,
+                 key_bands=_bands(q_pad, kv_rank, cfg.s).reshape(-1),
+                 query_bands=(_bands(kv_pad, q_rank, cfg.t).reshape(-1) if query_bands
+                              else None))
+
+
+def _band(ref, bi, band, n_bands: int):
+  """Band ``band`` of batch entry ``bi`` of a flat band table (:func:`_bands`): its four
+  int32 scalars ``(lo, hi, full_lo, full_hi)``."""
+  base = (bi * n_bands + band) * 4
+  return tuple(ref[base + c] for c in range(4))
+
+
+def _merge_bands(bands):
+  """The union's ``(lo, hi)`` of several bands (a CTA's), no full run."""
+  lo = functools.reduce(jnp.minimum, [x[0] for x in bands])
+  hi = functools.reduce(jnp.maximum, [x[1] for x in bands])
+  return lo, hi, jnp.int32(0), jnp.int32(0)
+
+
+def _clip_to_band(ranges, seg, blk: int):
+  """``(lo, flo, fhi, hi)`` in blocks of ``blk`` intersected with a band's segment ranges
+  ``seg`` (positions): visible blocks in both, full blocks full in both."""
+  if seg is None:
+    return ranges
+  lo, flo, fhi, hi = ranges
+  s_lo, s_hi, s_flo, s_fhi = seg
+  lo = jnp.maximum(lo, s_lo // blk)
+  hi = jnp.maximum(jnp.minimum(hi, -(-s_hi // blk)), lo)
+  flo = jnp.clip(jnp.maximum(flo, -(-s_flo // blk)), lo, hi)
+  fhi = jnp.clip(jnp.minimum(fhi, s_fhi // blk), flo, hi)
+  return lo, flo, fhi, hi
+
+
+def _seg_same(mask, rows, cols):
+  """``mask`` (None: all visible) and the segment test ``rows == cols`` (broadcast tiles)."""
+  same = rows == cols
+  return same if mask is None else jnp.logical_and(mask, same)
+
+
 def _exp2_rule(rule: _spec.TileRule) -> bool:
   """Class E with ``e^{z - m}`` numerator and denominator and a linear score map: exact in
   the log2 domain (``kernels_pallas.engine.exp2_exact``'s condition)."""
@@ -632,11 +764,12 @@ def _slot(step, lo, stages: int):
 
 
 def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths=None,
-             rows=()):
+             rows=(), seg: _SegOps | None = None):
   """The kernel on padded inputs q [B, Tp, N, H], k/v [B, Sp, K, H] (and the int32 [B]
   ``kv_lengths`` when ``cfg.kv_lengths``; class R: ``rows``, the float32 [B, N, Tp] values
-  of the per-row hyperparameters ``cfg.row_hp``); returns [B, Tp, N, H] (``save_stats``:
-  and the tuple of :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
+  of the per-row hyperparameters ``cfg.row_hp``; ``seg``: the segment operands when
+  ``cfg.segments``); returns [B, Tp, N, H] (``save_stats``: and the tuple of
+  :func:`_stat_names`'s ``[B, N, Tp]`` row statistics)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -657,6 +790,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
   uses_length = _uses_length(rule)
   wgmma_layout = plgpu.Layout.WGMMA
   row_layout = wgmma_layout.reduce(1)
+  col_layout = wgmma_layout.reduce(0)
   # the logits' factor: scale, times log2(e) in the exp2 domain
   c = cfg.scale * (LOG2E if cfg.exp2 else 1.0)
 
@@ -673,10 +807,18 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
 
   stat_names = _stat_names(cfg) if save_stats else ()
 
-  def kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, out_ref, st_refs, scoped):
+  n_rh = len(cfg.row_hp)
+  n_bands = tp // SEG_BAND
+
+  def kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, seg_refs, out_ref, st_refs, scoped):
     bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    smem, loaded, consumed, schedule_barrier, st_smem2, hp_scoped = scoped
+    smem, loaded, consumed, schedule_barrier, st_smem2, hp_scoped, ks_scoped = scoped
+    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
+    ks_smem, ks_loaded = ks_scoped if ks_scoped else (None, None)
+
+    def band_of(band):
+      return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
     hp_smem2: Any = hp_scoped[0] if hp_scoped else None
     hp_loaded: Any = hp_scoped[1] if hp_scoped else None
     qo_smem2, k_smem, v_smem = smem
@@ -688,14 +830,18 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
       plgpu.barrier_wait(schedule_barrier)
 
     # the key blocks the producer streams: those the CTA's rows see (the empty ones skipped)
-    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    cta_seg = None if bands_ref is None else \
+        _merge_bands([band_of(2 * q_tile), band_of(2 * q_tile + 1)])
+    cta_lo, _, _, cta_hi = _clip_to_band(
+        _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end), cta_seg, bk)
     slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
     def consumer():
       qo_smem = qo_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
       # this warpgroup's blocks: [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
-      lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+      lo, flo, fhi, hi = _within(_clip_to_band(_key_block_range(cfg, q_base, bq, bk, end),
+                                               band_of(2 * q_tile + wg), bk), cta_lo, cta_hi)
       q_rows = (bi, pl.ds(q_base, bq), q_head)
       rows_at = (bi, q_head, pl.ds(q_base, bq))
       _fetch(plgpu, [(q_ref.at[q_rows], qo_smem, q_loaded.at[wg])]
@@ -705,6 +851,11 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
       # [bq, bk] tile where the tile maps take them (built at each use, not held)
       hp_rows = {**hp, **{nm: _load_row(plgpu, hp_smem2.at[i, wg], row_layout)
                           for i, nm in enumerate(cfg.row_hp)}}
+      # segments: the rows' segment ranks and visible counts (after class R's rows)
+      seg_row = cnt_row = None
+      if cfg.segments:
+        seg_row = _load_row(plgpu, hp_smem2.at[n_rh, wg], row_layout)
+        cnt_row = _load_row(plgpu, hp_smem2.at[n_rh + 1, wg], row_layout)
 
       def tile_hp():
         return {**hp, **{nm: bcast(hp_rows[nm], (bq, bk)) for nm in cfg.row_hp}}
@@ -715,9 +866,12 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
 
       def lengths():
         """The rows' visible counts n as a [bq, bk] tile (S without a mask)."""
+        if cnt_row is not None:
+          return bcast(cnt_row, (bq, bk))
         return _visible_count(cfg, iota(0) + q_base, end)
 
-      length_row: Any = float(cfg.s) if not cfg.masked else lengths().max(axis=1)
+      length_row: Any = float(cfg.s) if not cfg.masked else (
+          cnt_row if cnt_row is not None else lengths().max(axis=1))
       floor = row_floor(length_row, hp_rows)
 
       m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf if rule.uses_max else 0.0,
@@ -734,12 +888,14 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
+        if ks_loaded is not None:
+          plgpu.barrier_wait(ks_loaded.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_arrive(v_consumed.at[slot])
         schedule()
         schedule()
 
-      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+      if cfg.left is not None or cfg.segments:  # (the rows of warpgroup 1 start later)
         lax.fori_loop(cta_lo, lo, skip, None)
 
       @pl.when(lo < hi)
@@ -813,11 +969,20 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
           return acc_ref[...]
 
         qk = pl.run_scoped(compute_qk, plgpu.ACC((bq, bk), jnp.float32))
+        key_seg = None
+        if ks_loaded is not None:  # (waited at every step: the barrier's phases in order)
+          plgpu.barrier_wait(ks_loaded.at[slot])
+          if masked:
+            key_seg = _load_row(plgpu, ks_smem.at[slot], col_layout)
+            plgpu.commit_smem()  # the reads ordered before the slot's next TMA write
         plgpu.barrier_arrive(k_consumed.at[slot])
         x = qk * c
         mask = None
         if masked:
           mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+          if key_seg is not None:
+            mask = _seg_same(mask, bcast(seg_row, (bq, bk)),
+                             lax.broadcast_in_dim(key_seg, (bq, bk), [1]))
         p, den, m_i, l_i, alpha = tile_rule(x, mask, m_i, l_i)
         if alpha is not None and cfg.rescale_threshold is not None:
           # lazy: the accumulator is rescaled only when some row of the warpgroup moved
@@ -869,7 +1034,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         carry = lax.fori_loop(0, cfg.s // bk, kv_loop, carry)
         carry = lax.fori_loop(cfg.s // bk, hi, masked_loop, carry)
       acc, m_i, l_i = carry
-      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
+      if cfg.right is not None or cfg.segments:  # (the rows of warpgroup 0 stop earlier)
         def flush(kv_step, _):
           # release the slots the producer filled for the other warpgroup's longer loop
           slot = slot_of(kv_step)
@@ -906,9 +1071,15 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
     def producer():
       kv_head = _kv_head(q_head, groups)
 
+      def load_ks(step, slot):
+        if kseg_ref is not None:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[bi, pl.ds(step * bk, bk)], ks_smem.at[slot],
+                                  ks_loaded.at[slot])
+
       def load(step, slot):
         sl = (bi, pl.ds(step * bk, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        load_ks(step, slot)
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
       for i in range(stages):
@@ -921,6 +1092,7 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         sl = (bi, pl.ds(step * bk, bk), kv_head)
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        load_ks(step, slot)
         plgpu.barrier_wait(v_consumed.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
@@ -929,12 +1101,15 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
   def entry(q_ref, k_ref, v_ref, *refs):
     len_ref = refs[0] if cfg.kv_lengths else None
     refs = refs[int(cfg.kv_lengths):]
-    n_hp = len(cfg.row_hp)
-    hp_refs, (out_ref, *st_refs) = refs[:n_hp], refs[n_hp:]
+    n_hp = n_rh + 2 * int(cfg.segments)  # (the segment rows fetched as class R's are)
+    hp_refs, refs = refs[:n_hp], refs[n_hp:]
+    n_seg = 2 * int(cfg.segments)
+    seg_refs, (out_ref, *st_refs) = refs[:n_seg], refs[n_seg:]
     scratch = [_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
                _swizzled(plgpu, (stages, bk, h), dtype)]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, out_ref, st_refs, args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, len_ref, hp_refs, seg_refs, out_ref, st_refs,
+                             args),
         scratch,
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=2)),
@@ -943,9 +1118,13 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
         tuple(plgpu.SMEM((2, bq), jnp.float32) for _ in stat_names),
         ((plgpu.SMEM((n_hp, 2, bq), jnp.float32), plgpu.Barrier(num_barriers=2 * n_hp))
          if n_hp else ()),
+        ((plgpu.SMEM((stages, bk), jnp.float32), plgpu.Barrier(num_barriers=stages))
+         if cfg.segments else ()),
         collective_axes="wg",
     )
 
+  if (seg is None) == cfg.segments:
+    raise ValueError("_forward: the segment operands go with `cfg.segments`")
   if len(rows) != len(cfg.row_hp):
     raise ValueError(f"_forward: {len(cfg.row_hp)} per-row hyperparameters, got {len(rows)}")
   out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
@@ -953,8 +1132,9 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
     out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)
                              for _ in stat_names]
   lens = (kv_lengths,) if cfg.kv_lengths else ()
+  segs = () if seg is None else (seg.q_row, seg.count, seg.k_ids, seg.key_bands)
   res = _launch(plgpu, entry, out_type, (n, tp // (2 * bq), b), ("heads", "q_seq", "batch"), 3,
-                interpret)(q, k, v, *lens, *rows)
+                interpret)(q, k, v, *lens, *rows, *segs)
   if save_stats:
     return res[0], tuple(res[1:])
   return res
@@ -1170,15 +1350,20 @@ def _bwd_tile_fn(cfg: _Cfg, theta_grad: bool = False):
 
 def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, resident: int,
                          streamed: int, n_rows: int, row_slots: int, row_len: int,
-                         out_rows: int = 0) -> None:
+                         out_rows: int = 0, seg_slots: int = 0) -> None:
   """Runs a backward kernel's ``body`` with its shared memory and barriers: two resident
   ``[wgs, resident, h]`` tiles, two streamed ``[stages, streamed, h]`` ring buffers, ``n_rows``
   float32 row-statistic buffers ``[row_slots, row_len]`` (and ``out_rows`` float32 output
-  rows ``[wgs, row_len]``, class R's dθ), their barriers, and the ring's consumed barrier
-  (one arrival per consumer warpgroup)."""
+  rows ``[wgs, row_len]``, class R's dθ), their barriers, the ring's consumed barrier
+  (one arrival per consumer warpgroup), and with ``seg_slots`` a float32 ``[seg_slots,
+  64]`` buffer of key segment ranks with one barrier per slot (else ``()``)."""
   from jax.experimental import pallas as pl
 
   tile = lambda slots, rows: _swizzled(plgpu, (slots, rows, h), dtype)
+  # (the segment scratch is a last argument only with segments: class T's kernels unpack
+  # the others)
+  seg = ((plgpu.SMEM((seg_slots, BWD_BLOCK), jnp.float32),
+          plgpu.Barrier(num_barriers=seg_slots)),) if seg_slots else ()
   pl.run_scoped(
       body,
       (tile(wgs, resident), tile(wgs, resident), tile(stages, streamed), tile(stages, streamed),
@@ -1188,6 +1373,7 @@ def _run_backward_scoped(plgpu, body, dtype, h: int, wgs: int, stages: int, *, r
        plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages)),
       tuple(plgpu.Barrier(num_barriers=row_slots) for _ in range(n_rows)),
       plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      *seg,
       collective_axes="wg",
   )
 
@@ -1222,12 +1408,22 @@ def _bwd_setup(cfg: _Cfg, q, k, rows, theta_grad: bool = False) -> _BwdSetup:
 
 
 def _split_rows(st: _BwdSetup, vals):
-  """The broadcast row tiles ``vals`` (in the kernels' operand order) split into
-  ``(statistics, Δ or None, derived hyperparameters, the rest)``."""
+  """The broadcast row tiles ``vals`` (in the kernels' operand order, the segment rows
+  already taken off the end: :func:`_seg_rows`) split into ``(statistics, Δ or None,
+  derived hyperparameters, the rest)``."""
   base, th, rest = vals[:st.n_base], vals[st.n_base:st.n_base + st.n_th], \
       vals[st.n_base + st.n_th:]
   delta = base[-1] if st.has_delta else None
   return list(base[:len(base) - int(st.has_delta)]), delta, th, rest
+
+
+def _seg_rows(cfg: _Cfg, vals):
+  """``(the other rows, (segment ranks, visible counts) or None)``: the segment rows
+  end a backward kernel's streamed rows when ``cfg.segments``."""
+  vals = list(vals)
+  if not cfg.segments:
+    return vals, None
+  return vals[:-2], (vals[-2], vals[-1])
 
 
 def _split_lengths(cfg: _Cfg, refs):
@@ -1238,18 +1434,24 @@ def _split_lengths(cfg: _Cfg, refs):
   return None, refs
 
 
-def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad=False):
+def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad=False,
+            seg: _SegOps | None = None):
   """dQ on padded inputs: one CTA per ``W·64`` query rows of one (batch, head), a producer
   warpgroup streaming key and value tiles through the ring (masked: only the blocks the
   rows see, :func:`_key_block_range`), ``W`` consumer warpgroups accumulating
   ``dQ = scale · sum_j dx_ij k_j``. ``rows``: the saved statistics, Δ, then class R's
   derived hyperparameters (``cfg.row_hp``); ``theta_grad``: returns ``(dQ, dθ)`` with the
   derived hyperparameters' cotangents ``dθ_i = sum_j dth_ij`` (:func:`_bwd_tile_fn`), each
-  [B, N, Tp] float32, accumulated in the same sweep."""
+  [B, N, Tp] float32, accumulated in the same sweep. ``seg``: the segment operands (keys
+  padded as k) when ``cfg.segments``."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
+  if (seg is None) == cfg.segments:
+    raise ValueError("_bwd_dq: the segment operands go with `cfg.segments`")
+  if seg is not None:
+    rows = tuple(rows) + (seg.q_row, seg.count)
   st = _bwd_setup(cfg, q, k, rows, theta_grad)
   n_out = st.n_th if theta_grad else 0
   b, tp, n, h, wgs, dtype, tile = st.b, st.tp, st.n, st.h, st.wgs, st.dtype, st.tile
@@ -1258,14 +1460,27 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
   stages = min(BWD_STAGES, n_kv)
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
+  col_layout = layout.reduce(0)
+  n_bands = tp // SEG_BAND
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, dth_refs, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, seg_refs, dq_ref, dth_refs,
+             scoped):
     (q_smem2, do_smem2, k_smem, v_smem, row_smem2), (q_bar, do_bar, k_loaded, v_loaded), \
-        row_bar, consumed = scoped
+        row_bar, consumed, *ks_scoped = scoped
+    ks_scoped = ks_scoped[0] if ks_scoped else ()
     row_smem2, dth_smem2 = row_smem2[:st.n_rows], row_smem2[st.n_rows:]
+    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
+    ks_smem, ks_loaded = ks_scoped if ks_scoped else (None, None)
     bi, q_head, q_tile, wg = _cta()
+
+    def band_of(band):
+      return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
+
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (wgs * bq), wgs * bq, bk, end)
+    cta_seg = None if bands_ref is None else \
+        _merge_bands([band_of(wgs * q_tile + i) for i in range(wgs)])
+    cta_lo, _, _, cta_hi = _clip_to_band(
+        _key_block_range(cfg, q_tile * (wgs * bq), wgs * bq, bk, end), cta_seg, bk)
     slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
     def consumer():
@@ -1275,9 +1490,12 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
       _fetch(plgpu, [(q_ref.at[sl], q_smem, q_bar.at[wg]), (do_ref.at[sl], do_smem, do_bar.at[wg])]
              + [(r_ref.at[bi, q_head, pl.ds(q_base, bq)], r_smem.at[wg], r_bar.at[wg])
                 for r_ref, r_smem, r_bar in zip(row_refs, row_smem2, row_bar, strict=True)])
-      row_vals = [_load_row(plgpu, r_smem.at[wg], row_layout) for r_smem in row_smem2]
+      row_vals, seg_vals = _seg_rows(
+          cfg, [_load_row(plgpu, r_smem.at[wg], row_layout) for r_smem in row_smem2])
 
-      lo, flo, fhi, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+      lo, flo, fhi, hi = _within(_clip_to_band(_key_block_range(cfg, q_base, bq, bk, end),
+                                               band_of(wgs * q_tile + wg), bk),
+                                 cta_lo, cta_hi)
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
@@ -1299,10 +1517,21 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
           return acc_ref[...]
 
         dp = pl.run_scoped(compute_dp, plgpu.ACC((bq, bk), jnp.float32))
+        key_seg = None
+        if ks_loaded is not None:  # (waited at every step: the barrier's phases in order)
+          plgpu.barrier_wait(ks_loaded.at[slot])
+          if masked:
+            key_seg = _load_row(plgpu, ks_smem.at[slot], col_layout)
         mask = None
         if masked:
           mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
-        length = _visible_count(cfg, iota(0) + q_base, end)
+          if key_seg is not None:
+            mask = _seg_same(mask, lax.broadcast_in_dim(seg_vals[0], (bq, bk), [0]),
+                             lax.broadcast_in_dim(key_seg, (bq, bk), [1]))
+        if seg_vals is not None:
+          length = lax.broadcast_in_dim(seg_vals[1], (bq, bk), [0])
+        else:
+          length = _visible_count(cfg, iota(0) + q_base, end)
         bc = [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in row_vals]
         stats, delta, th, _ = _split_rows(st, bc)
         res = tile(s * st.c, mask, stats, delta, dp, length, th)
@@ -1314,6 +1543,8 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
           plgpu.wgmma(acc_ref, dx.astype(dtype), k_smem.at[slot])
 
         dq_acc = pl.run_state(compute_dq)(plgpu.ACC.init(dq_acc))
+        if key_seg is not None:
+          plgpu.commit_smem()  # the key ids' reads ordered before the slot's next TMA write
         plgpu.barrier_arrive(consumed.at[slot])
         return dq_acc, dth_acc
 
@@ -1323,13 +1554,15 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
         slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
         plgpu.barrier_wait(v_loaded.at[slot])
+        if ks_loaded is not None:
+          plgpu.barrier_wait(ks_loaded.at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
 
       masked_step = functools.partial(step, masked=True)
       dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
       carry = (dq_acc, tuple(plgpu.layout_cast(jnp.full((bq,), 0.0, jnp.float32), row_layout)
                              for _ in range(n_out)))
-      if cfg.left is not None and wgs > 1:  # (the rows of warpgroup 1 start later)
+      if (cfg.left is not None or cfg.segments) and wgs > 1:  # (warpgroup 1 starts later)
         lax.fori_loop(cta_lo, lo, flush, None)
       if cfg.masked:
         carry = lax.fori_loop(lo, flo, masked_step, carry)
@@ -1339,7 +1572,7 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
         # producer streams; the backward pads keys to whole CTAs, so n_kv may be larger)
         carry = lax.fori_loop(0, cfg.s // bk, step, carry)
         carry = lax.fori_loop(cfg.s // bk, hi, masked_step, carry)
-      if cfg.right is not None and wgs > 1:  # (the rows of warpgroup 0 stop earlier)
+      if (cfg.right is not None or cfg.segments) and wgs > 1:  # (warpgroup 0 stops earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
       dq_acc, dth_acc = carry
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
@@ -1355,23 +1588,30 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
       def load(step, slot):
         sl = (bi, pl.ds(step * bk, bk), kv_head)
         plgpu.copy_gmem_to_smem(k_ref.at[sl], k_smem.at[slot], k_loaded.at[slot])
+        if kseg_ref is not None:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[bi, pl.ds(step * bk, bk)], ks_smem.at[slot],
+                                  ks_loaded.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[sl], v_smem.at[slot], v_loaded.at[slot])
 
       _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     _specialise(plgpu, wg, wgs, consumer, producer)
 
+  n_seg = 2 * int(cfg.segments)
+
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
-    row_refs, dq_ref, dth_refs = refs[:st.n_rows], refs[st.n_rows], refs[st.n_rows + 1:]
+    row_refs, refs = refs[:st.n_rows], refs[st.n_rows:]
+    seg_refs, dq_ref, dth_refs = refs[:n_seg], refs[n_seg], refs[n_seg + 1:]
     _run_backward_scoped(
         plgpu,
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dq_ref, dth_refs,
-                             args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, seg_refs, dq_ref,
+                             dth_refs, args),
         dtype, h, wgs, stages, resident=bq, streamed=bk, n_rows=st.n_rows, row_slots=wgs,
-        row_len=bq, out_rows=n_out)
+        row_len=bq, out_rows=n_out, seg_slots=stages if cfg.segments else 0)
 
   lens = (kv_lengths,) if cfg.kv_lengths else ()
+  rows = tuple(rows) + (() if seg is None else (seg.k_ids, seg.key_bands))
   out_type: Any = jax.ShapeDtypeStruct(q.shape, dtype)
   if theta_grad:
     out_type = [out_type] + [jax.ShapeDtypeStruct((b, n, tp), jnp.float32)] * n_out
@@ -1382,7 +1622,8 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
   return res
 
 
-def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=None):
+def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=None,
+             seg: _SegOps | None = None):
   """dK and dV per query head on padded inputs: one CTA per ``W·64`` keys of one (batch,
   query head), a producer warpgroup streaming query, output-gradient and row-statistic
   tiles through the ring (masked: the query blocks that see the CTA's keys,
@@ -1392,37 +1633,58 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
   each ``[B, Sp, N, H]`` (the GQA sum over a key head's query heads is the caller's).
   ``rows``: the saved statistics, Δ, class R's derived hyperparameters (``cfg.row_hp``),
   then any rows ``extra_fn(x, mask, tiles)`` takes (class R: the rule's statistics and
-  their cotangents), whose tile is added to ``dx`` (the statistics' own gradient)."""
+  their cotangents), whose tile is added to ``dx`` (the statistics' own gradient).
+  ``seg``: the segment operands (keys padded as k) when ``cfg.segments``: the query rows'
+  ranks and counts stream after ``rows``, the CTA's key ranks are fetched with its keys."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
 
+  if (seg is None) == cfg.segments:
+    raise ValueError("_bwd_dkv: the segment operands go with `cfg.segments`")
+  if seg is not None:
+    rows = tuple(rows) + (seg.q_row, seg.count)
   su = _bwd_setup(cfg, q, k, rows)
   b, tp, n, h, wgs, dtype, tile = su.b, su.tp, su.n, su.h, su.wgs, su.dtype, su.tile
   bq = bk = BWD_BLOCK
   n_q = tp // bq
   layout = plgpu.Layout.WGMMA
   col_layout = layout.reduce(0)
+  row_layout = layout.reduce(1)
   stages = min(BWD_STAGES, n_q)
+  n_bands = su.sp // SEG_BAND
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dk_ref, dv_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, seg_refs, dk_ref, dv_ref, scoped):
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
-        row_loaded, consumed = scoped
+        row_loaded, consumed, *ks_scoped = scoped
+    ks_scoped = ks_scoped[0] if ks_scoped else ()
+    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
+    ks_smem, ks_bar = ks_scoped if ks_scoped else (None, None)
     bi, q_head, kv_tile, wg = _cta("kv_seq")
+
+    def band_of(band):
+      return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
+
     # keys past the batch entry's length get zero gradients (seen by no query); keys
     # past S are padding whose gradients are dropped
     end: Any = None if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    cta_start, _, _, cta_end = _query_block_range(cfg, kv_tile * (wgs * bk), wgs * bk, bq,
-                                                  n_q, end)
+    cta_seg = None if bands_ref is None else \
+        _merge_bands([band_of(wgs * kv_tile + i) for i in range(wgs)])
+    cta_start, _, _, cta_end = _clip_to_band(
+        _query_block_range(cfg, kv_tile * (wgs * bk), wgs * bk, bq, n_q, end), cta_seg, bq)
     slot_of = functools.partial(_slot, lo=cta_start, stages=stages)
 
     def consumer():
       k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
       kv_base = kv_tile * (wgs * bk) + wg * bk
       sl = (bi, pl.ds(kv_base, bk), _kv_head(q_head, su.groups))
-      _fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])])
+      _fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])]
+             + ([(kseg_ref.at[bi, pl.ds(kv_base, bk)], ks_smem.at[wg], ks_bar.at[wg])]
+                if kseg_ref is not None else []))
+      key_seg = None if kseg_ref is None else _load_row(plgpu, ks_smem.at[wg], row_layout)
       # query blocks [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
-      lo, flo, fhi, hi = _within(_query_block_range(cfg, kv_base, bk, bq, n_q, end),
+      lo, flo, fhi, hi = _within(_clip_to_band(_query_block_range(cfg, kv_base, bk, bq, n_q, end),
+                                               band_of(wgs * kv_tile + wg), bq),
                                  cta_start, cta_end)
 
       def iota(axis):
@@ -1450,11 +1712,6 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
           return acc_ref[...]
 
         dpt = pl.run_scoped(compute_dpt, plgpu.ACC((bk, bq), jnp.float32))
-        mask = None
-        if masked:  # (keys as rows, queries as columns)
-          mask = _visible(cfg, iota(1) + q_step * bq, iota(0) + kv_base, end)
-        length = _visible_count(cfg, iota(1) + q_step * bq,
-                                cfg.s if end is None else end)
         bc = [lax.broadcast_in_dim(_load_row(plgpu, r.at[slot], col_layout), (bk, bq), [1])
               for r in row_smem]
         if row_smem:
@@ -1462,6 +1719,17 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
           # the producer's next TMA (async-proxy) write into it, which the consumed
           # barrier alone does not order (the GPU interpreter's race detector finds it)
           plgpu.commit_smem()
+        bc, seg_vals = _seg_rows(cfg, bc)
+        mask = None
+        if masked:  # (keys as rows, queries as columns)
+          mask = _visible(cfg, iota(1) + q_step * bq, iota(0) + kv_base, end)
+          if seg_vals is not None:
+            mask = _seg_same(mask, lax.broadcast_in_dim(key_seg, (bk, bq), [0]), seg_vals[0])
+        if seg_vals is not None:
+          length = seg_vals[1]
+        else:
+          length = _visible_count(cfg, iota(1) + q_step * bq,
+                                  cfg.s if end is None else end)
         stats, delta, th, extra = _split_rows(su, bc)
         w, dx = tile(st * su.c, mask, stats, delta, dpt, length, th)
         if extra_fn is not None:
@@ -1488,12 +1756,12 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
       carry = (zeros, zeros)
       masked_step = functools.partial(step, masked=True)
       if cfg.masked:
-        if cfg.right is not None and wgs > 1:  # (warpgroup 1's keys are seen later)
+        if (cfg.right is not None or cfg.segments) and wgs > 1:  # (wg 1's keys seen later)
           lax.fori_loop(cta_start, lo, skip, None)
         carry = lax.fori_loop(lo, flo, masked_step, carry)
         carry = lax.fori_loop(flo, fhi, step, carry)
         carry = lax.fori_loop(fhi, hi, masked_step, carry)
-        if (cfg.left is not None or cfg.kv_lengths) and wgs > 1:
+        if (cfg.left is not None or cfg.kv_lengths or cfg.segments) and wgs > 1:
           # (warpgroup 0's keys are seen by no later query, or warpgroup 1's by none)
           lax.fori_loop(hi, cta_end, skip, None)
       else:
@@ -1518,25 +1786,31 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
 
     _specialise(plgpu, wg, wgs, consumer, producer)
 
+  n_seg = 2 * int(cfg.segments)
+
   def entry(q_ref, k_ref, v_ref, do_ref, *refs):
     len_ref, refs = _split_lengths(cfg, refs)
     n_rows = su.n_rows
-    row_refs, dk_ref, dv_ref = refs[:n_rows], refs[n_rows], refs[n_rows + 1]
+    row_refs, refs = refs[:n_rows], refs[n_rows:]
+    seg_refs, dk_ref, dv_ref = refs[:n_seg], refs[n_seg], refs[n_seg + 1]
     _run_backward_scoped(
         plgpu,
-        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, dk_ref, dv_ref,
-                             args),
+        lambda *args: kernel(q_ref, k_ref, v_ref, do_ref, len_ref, row_refs, seg_refs, dk_ref,
+                             dv_ref, args),
         dtype, h, wgs, stages, resident=bk, streamed=bq, n_rows=n_rows, row_slots=stages,
-        row_len=bq)
+        row_len=bq, seg_slots=wgs if cfg.segments else 0)
 
   out = jax.ShapeDtypeStruct((b, su.sp, n, h), dtype)
   lens = (kv_lengths,) if cfg.kv_lengths else ()
+  rows = tuple(rows) + (() if seg is None else (seg.k_ids, seg.query_bands))
   return _launch(plgpu, entry, [out, out], (n, su.sp // (wgs * bk), b),
                  ("heads", "kv_seq", "batch"), wgs + 1, interpret)(q, k, v, do, *lens, *rows)
 
 
-def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret, kv_lengths=None):
-  """(dq, dk, dv) of the unpadded inputs from the forward's output and row statistics."""
+def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret, kv_lengths=None,
+              segment_ids=None):
+  """(dq, dk, dv) of the unpadded inputs from the forward's output and row statistics
+  (``segment_ids``: the ``(q_ids, kv_ids)`` pair when ``cfg.segments``)."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   dtype = q.dtype
@@ -1558,8 +1832,9 @@ def _backward(cfg: _Cfg, q, k, v, out, stats, g, interpret, kv_lengths=None):
     delta = jnp.einsum("btnh,btnh->bnt", out.astype(jnp.float32), g.astype(jnp.float32),
                        precision=jax.lax.Precision.HIGHEST)
     rows = rows + (jnp.pad(delta, ((0, 0), (0, 0), (0, tp - t))),)
-  dq = _bwd_dq(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths)[:, :t]
-  dk, dv = _bwd_dkv(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths)
+  seg = _segment_operands(cfg, segment_ids, n, tp, sp, kv_lengths)
+  dq = _bwd_dq(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths, seg=seg)[:, :t]
+  dk, dv = _bwd_dkv(cfg, qp, kp, vp, dop, rows, interpret, kv_lengths, seg=seg)
   groups = n // kh
 
   def head_sum(x):  # [B, Sp, N, H] -> [B, S, K, H]: each key head's query heads summed
@@ -1576,10 +1851,17 @@ def _padded(cfg: _Cfg, q, k, v):
   return pad(q, tp), pad(k, sp), pad(v, sp)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
-def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+def _fwd_segments(cfg: _Cfg, segment_ids, qp, kp, kv_lengths):
+  """The forward kernel's segment operands for the padded q, k (or None)."""
+  return _segment_operands(cfg, segment_ids, qp.shape[2], qp.shape[1], kp.shape[1],
+                           kv_lengths, query_bands=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _attention(cfg: _Cfg, q, k, v, kv_lengths, segment_ids, interpret):
   qp, kp, vp = _padded(cfg, q, k, v)
-  return _forward(cfg, qp, kp, vp, interpret, kv_lengths=kv_lengths)[:, :cfg.t]
+  seg = _fwd_segments(cfg, segment_ids, qp, kp, kv_lengths)
+  return _forward(cfg, qp, kp, vp, interpret, kv_lengths=kv_lengths, seg=seg)[:, :cfg.t]
 
 
 # Where a derivative the custom VJP does not give is refused, and the way out: the backward
@@ -1592,27 +1874,35 @@ DIFFERENTIATION_ADVICE = (
     "any derivative.")
 
 
-def _forward_saving(cfg, interpret, q, k, v, kv_lengths):
+def _forward_saving(cfg, interpret, q, k, v, kv_lengths, segment_ids):
   qp, kp, vp = _padded(cfg, q, k, v)
-  out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths)
+  seg = _fwd_segments(cfg, segment_ids, qp, kp, kv_lengths)
+  out, stats = _forward(cfg, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths,
+                        seg=seg)
   out = out[:, :cfg.t]
-  return out, (q, k, v, kv_lengths, out, stats)
+  return out, (q, k, v, kv_lengths, segment_ids, out, stats)
 
 
-def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+def _attention_fwd(cfg, q, k, v, kv_lengths, segment_ids, interpret):
   return first_order_only(functools.partial(_forward_saving, cfg, interpret),
-                          DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)(q, k, v, kv_lengths)
+                          DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)(
+                              q, k, v, kv_lengths, segment_ids)
 
 
 def _backward_of(cfg, interpret, res, g):
-  q, k, v, kv_lengths, out, stats = res
-  return _backward(cfg, q, k, v, out, stats, g, interpret, kv_lengths)
+  q, k, v, kv_lengths, segment_ids, out, stats = res
+  return _backward(cfg, q, k, v, out, stats, g, interpret, kv_lengths, segment_ids)
+
+
+def _no_cotangent(segment_ids):
+  """The (absent) cotangents of the integer segment ids."""
+  return None if segment_ids is None else (None, None)
 
 
 def _attention_bwd(cfg, interpret, res, g):
   dq, dk, dv = first_order_only(functools.partial(_backward_of, cfg, interpret),
                                 DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)(res, g)
-  return dq, dk, dv, None
+  return dq, dk, dv, None, _no_cotangent(res[4])
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -1631,6 +1921,35 @@ def _check_window(size) -> tuple[int, int] | None:
   return int(pair[0]), int(pair[1])
 
 
+def _check_segment_ids(segment_ids, b: int, t: int, s: int):
+  """``segment_ids`` as an int32 ``(q_ids [B, T], kv_ids [B, S])`` pair (one ``[B, T]``
+  array: self-attention, T = S), None when absent, or ValueError naming the argument."""
+  if segment_ids is None:
+    return None
+  where = "mosaic_gpu_attention: `segment_ids`"
+  if isinstance(segment_ids, (tuple, list)):
+    if len(segment_ids) != 2 or any(x is None for x in segment_ids):
+      raise ValueError(f"{where} must be one [B, T] array or a pair (q_ids [B, T], kv_ids "
+                       f"[B, S]) of arrays; got {len(segment_ids)} entries with "
+                       f"{sum(x is None for x in segment_ids)} None (give both)")
+    pair = tuple(segment_ids)
+  else:
+    if t != s:
+      raise ValueError(f"{where}: one array is self-attention's (T = S); with T={t} and "
+                       f"S={s} give the pair (q_ids [B, T], kv_ids [B, S])")
+    pair = (segment_ids, segment_ids)
+  out = []
+  for name, ids, n in (("q_ids", pair[0], t), ("kv_ids", pair[1], s)):
+    ids = jnp.asarray(ids)
+    if not jnp.issubdtype(ids.dtype, jnp.integer):
+      raise ValueError(f"{where} ({name}) must be an integer array, got dtype {ids.dtype}")
+    if ids.shape != (b, n):
+      raise ValueError(f"{where} ({name}) must have shape [B, {'T' if n == t else 'S'}] = "
+                       f"{[b, n]}, got {list(ids.shape)}")
+    out.append(ids.astype(jnp.int32))
+  return out[0], out[1]
+
+
 def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
                          normalizer_params: Mapping[str, Any] | None = None,
                          scale: float | None = None, is_causal: bool = False,
@@ -1639,7 +1958,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
                          approx_sigmoid: bool = True,
                          rescale_threshold: float | None = None,
                          key_value_seq_lengths=None,
-                         local_window_size: int | tuple[int, int] | None = None):
+                         local_window_size: int | tuple[int, int] | None = None,
+                         segment_ids=None):
   r"""Attention forward on Hopper with a Mosaic-GPU kernel (FlashAttention-3 structure).
 
   .. math::
@@ -1697,6 +2017,12 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
     local_window_size: optional ``w`` or ``(left, right)`` non-negative ints (as
       ``jax.nn.dot_product_attention``): query i sees keys ``i - left .. i + right``
       (``w`` means ``(w, w)``; with ``is_causal`` the right side is 0).
+    segment_ids: optional integer ``[B, T]`` (self-attention, T = S) or a pair
+      ``(q_ids [B, T], kv_ids [B, S])`` (as ``kernels_pallas.attention`` and
+      ``jaxsoft.attention.dot_product_attention``): query i sees key j only when their ids
+      are equal. Classes E, S, P and R (class T refuses them). Packed (sorted) ids skip
+      every key block of another segment; unsorted ids are correct but load more blocks
+      (module docstring). A row whose segment has no visible key gets zeros.
 
   Returns:
     ``[B, T, N, H]`` of the query's dtype.
@@ -1775,6 +2101,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         f"mosaic_gpu_attention: `block_k`={block_k} x `num_stages`={num_stages} at head dim "
         f"{h} needs {need} bytes of shared memory, over Hopper's {SMEM_LIMIT}")
   window = _check_window(local_window_size)
+  segments = _check_segment_ids(segment_ids, b, t, s)
   lengths = None
   if key_value_seq_lengths is not None:
     lengths = jnp.asarray(key_value_seq_lengths)
@@ -1795,6 +2122,10 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         f"mosaic_gpu_attention(interpret=...): the GPU interpreter of jax {jax.__version__} "
         "cannot run this kernel (no rule for pl.run_state); JAX 0.12.1 runs it")
   refuse_unsupported_ad((query, key, value), DIFFERENTIATION_WHERE, DIFFERENTIATION_ADVICE)
+  if threshold and segments is not None:
+    raise UnsupportedError(
+        f"mosaic_gpu_attention: `segment_ids` are not supported for class T ({spec.name!r}); "
+        "use kernels_pallas.attention or jaxsoft.attention.dot_product_attention")
   if threshold:
     return THRESHOLD_KERNELS["attention"](
         query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),
@@ -1819,14 +2150,14 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
              num_stages=num_stages, exp2=_exp2_rule(rule) and not row_stats,
              approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator,
              rescale_threshold=rescale_threshold, window=window,
-             kv_lengths=lengths is not None)
+             kv_lengths=lengths is not None, segments=segments is not None)
   run: Any = _attention
   if row_stats:
     from kernels_pallas.mosaic_gpu_row_stats import row_stats_attention as run
   if interpret is None:
-    return run(cfg, query, key, value, lengths, interpret)
+    return run(cfg, query, key, value, lengths, segments, interpret)
   try:
-    return run(cfg, query, key, value, lengths, interpret)
+    return run(cfg, query, key, value, lengths, segments, interpret)
   except NotImplementedError as e:
     # JAX 0.10's GPU interpreter has no rule for pl.run_state (the accumulator handed to
     # the second wgmma); JAX 0.12's has. Said plainly instead of a stack of interpreter frames.

@@ -76,7 +76,10 @@ from kernels_pallas import mosaic_gpu as mga
 from kernels_pallas.engine import UnsupportedError
 from kernels_pallas.mosaic_gpu import (
     _INLINE,
+    SEG_BAND,
+    _band,
     _Cfg,
+    _clip_to_band,
     _cta,
     _fetch,
     _forward,
@@ -84,9 +87,13 @@ from kernels_pallas.mosaic_gpu import (
     _kv_head,
     _launch,
     _load_row,
+    _merge_bands,
     _plgpu,
     _round_up,
     _scores,
+    _seg_same,
+    _segment_operands,
+    _SegOps,
     _slot,
     _specialise,
     _stream,
@@ -229,10 +236,43 @@ def _init_values(rule: _spec.RowStatsRule) -> tuple[float, ...]:
     return tuple(float(jnp.reshape(a, (-1,))[0]) for a in rule.init((1, 1), jnp.float32))
 
 
-def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
+def _key_ranks(plgpu, ks_scoped, slot, layout):
+  """A step's key segment ranks (``[bk]`` in ``layout``) from the ring's slot, read and
+  fenced before the slot is released (None without segments); every step waits its
+  barrier, so that the barrier's phases are waited in order."""
+  if not ks_scoped:
+    return None
+  ks_smem, ks_loaded = ks_scoped
+  plgpu.barrier_wait(ks_loaded.at[slot])
+  ranks = _load_row(plgpu, ks_smem.at[slot], layout)
+  plgpu.commit_smem()  # the reads ordered before the slot's next TMA write
+  return ranks
+
+
+def _seg_mask(mask, seg_row, key_ranks, shape):
+  """``mask`` and the segment test of a ``[bq, bk]`` tile (rows: ``seg_row``, keys:
+  ``key_ranks``), or ``mask`` without segments."""
+  if key_ranks is None:
+    return mask
+  from jax import lax
+  return _seg_same(mask, lax.broadcast_in_dim(seg_row, shape, [0]),
+                   lax.broadcast_in_dim(key_ranks, shape, [1]))
+
+
+def _seg_scratch(plgpu, cfg: _Cfg, stages: int, bk: int):
+  """The key ranks' ring (``[stages, bk]`` float32, a barrier per slot) with segments."""
+  if not cfg.segments:
+    return ()
+  return (plgpu.SMEM((stages, bk), jnp.float32), plgpu.Barrier(num_barriers=stages))
+
+
+def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None,
+              seg: _SegOps | None = None) -> tuple:
   """The statistics kernel on padded inputs q [B, Tp, N, H], k [B, Sp, K, H] (Tp a
   multiple of ``2 cfg.block_q``, Sp of ``cfg.block_k``): the rule's statistics of every
-  query row, each [B, N, Tp] float32 (module docstring, step 1)."""
+  query row, each [B, N, Tp] float32 (module docstring, step 1). ``seg``: the segment
+  operands when ``cfg.segments`` (the rows' ranks fetched with the query tile, the keys'
+  streamed with the key tiles, the bands' ranges intersected with the mask's)."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -254,28 +294,44 @@ def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
   block = _rowwise(lambda x, mask: tuple(rule.block(x, mask)), tile_aval, mask_aval)
   merge = _rowwise(lambda *ab: tuple(rule.merge(tuple(ab[:size]), tuple(ab[size:]))),
                    *[row_aval] * (2 * size))
+  col_layout = layout.reduce(0)
+  n_bands = tp // SEG_BAND
 
-  def kernel(q_ref, k_ref, len_ref, st_refs, scoped):
-    (q_smem2, k_smem, st_smem), (q_loaded, k_loaded), consumed = scoped
+  def kernel(q_ref, k_ref, len_ref, seg_refs, st_refs, scoped):
+    (q_smem2, k_smem, st_smem), (q_loaded, k_loaded), consumed, seg_scoped, ks_scoped = scoped
+    qseg_ref, kseg_ref, bands_ref = seg_refs if seg_refs else (None, None, None)
     bi, q_head, q_tile, wg = _cta()
+
+    def band_of(band):
+      return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
+
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    cta_seg = None if bands_ref is None else \
+        _merge_bands([band_of(2 * q_tile), band_of(2 * q_tile + 1)])
+    cta_lo, _, _, cta_hi = _clip_to_band(
+        _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end), cta_seg, bk)
     slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
     def consumer():
       q_smem = q_smem2.at[wg]
       q_base = q_tile * (2 * bq) + wg * bq
-      _fetch(plgpu, [(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem, q_loaded.at[wg])])
-      lo, _, _, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+      _fetch(plgpu, [(q_ref.at[bi, pl.ds(q_base, bq), q_head], q_smem, q_loaded.at[wg])]
+             + ([(qseg_ref.at[bi, q_head, pl.ds(q_base, bq)], seg_scoped[0].at[wg],
+                  seg_scoped[1].at[wg])] if qseg_ref is not None else []))
+      seg_row = None if qseg_ref is None else _load_row(plgpu, seg_scoped[0].at[wg], row_layout)
+      lo, _, _, hi = _within(_clip_to_band(_key_block_range(cfg, q_base, bq, bk, end),
+                                           band_of(2 * q_tile + wg), bk), cta_lo, cta_hi)
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
 
       def step(kv_step, stats):
         slot = slot_of(kv_step)
+        key_ranks = _key_ranks(plgpu, ks_scoped, slot, col_layout)
         qk = _scores(plgpu, q_smem, k_smem.at[slot], k_loaded.at[slot], consumed.at[slot],
                      (bq, bk))
-        mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+        mask = _seg_mask(_visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end),
+                         seg_row, key_ranks, (bq, bk))
         x = jnp.where(mask, qk * cfg.scale, 0.0)
         return merge(*stats, *block(x, mask))
 
@@ -283,14 +339,16 @@ def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
         # a block the producer loaded for the other warpgroup only: waited on, released
         slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
+        if ks_scoped:
+          plgpu.barrier_wait(ks_scoped[1].at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
 
       stats = tuple(plgpu.layout_cast(jnp.full((bq,), v, jnp.float32), row_layout)
                     for v in init)
-      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+      if cfg.left is not None or cfg.segments:  # (the rows of warpgroup 1 start later)
         lax.fori_loop(cta_lo, lo, flush, None)
       stats = lax.fori_loop(lo, hi, step, stats)
-      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
+      if cfg.right is not None or cfg.segments:  # (the rows of warpgroup 0 stop earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
       for i, val in enumerate(stats):
         st_smem.at[i, wg][...] = val
@@ -303,27 +361,39 @@ def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None) -> tuple:
       def load(step, slot):
         plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(step * bk, bk), kv_head], k_smem.at[slot],
                                 k_loaded.at[slot])
+        if ks_scoped:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[bi, pl.ds(step * bk, bk)], ks_scoped[0].at[slot],
+                                  ks_scoped[1].at[slot])
 
       _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     _specialise(plgpu, wg, 2, consumer, producer)
 
+  n_seg = 3 * int(cfg.segments)
+
   def entry(q_ref, k_ref, *refs):
     len_ref = refs[0] if cfg.kv_lengths else None
-    st_refs = refs[int(cfg.kv_lengths):]
+    refs = refs[int(cfg.kv_lengths):]
+    seg_refs, st_refs = refs[:n_seg], refs[n_seg:]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, len_ref, st_refs, args),
+        lambda *args: kernel(q_ref, k_ref, len_ref, seg_refs, st_refs, args),
         (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
          plgpu.SMEM((size, 2, bq), jnp.float32)),
         (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=stages)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        ((plgpu.SMEM((2, bq), jnp.float32), plgpu.Barrier(num_barriers=2))
+         if cfg.segments else ()),
+        _seg_scratch(plgpu, cfg, stages, bk),
         collective_axes="wg",
     )
 
+  if (seg is None) == cfg.segments:
+    raise ValueError("row_stats: the segment operands go with `cfg.segments`")
   out = [jax.ShapeDtypeStruct((b, n, tp), jnp.float32) for _ in range(size)]
   lens = (kv_lengths,) if cfg.kv_lengths else ()
+  segs = () if seg is None else (seg.q_row, seg.k_ids, seg.key_bands)
   return tuple(_launch(plgpu, entry, out, (n, tp // (2 * bq), b),
-                       ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens))
+                       ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens, *segs))
 
 
 def _tangent_fn(cfg: _Cfg, masked: bool):
@@ -349,12 +419,14 @@ def _tangent_fn(cfg: _Cfg, masked: bool):
   return ds
 
 
-def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
+def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None,
+             seg: _SegOps | None = None):
   """The statistics' own dQ on padded inputs (q [B, Tp, N, H], k [B, Sp, K, H], Sp a
   multiple of 64): ``dQ_i = scale sum_j ds_ij k_j`` with ``ds`` the tile cotangent of
   :func:`_tangent_fn` from the statistics and their cotangents ``g`` (each [B, N, Tp]).
   The statistics kernel's CTA (two consumer warpgroups of 64 rows, key tiles through a
-  TMA ring), with a third matmul ``ds K`` on the tensor cores; [B, Tp, N, H] of q's dtype."""
+  TMA ring), with a third matmul ``ds K`` on the tensor cores; [B, Tp, N, H] of q's dtype.
+  ``seg``: the segment operands (keys padded as k) when ``cfg.segments``."""
   plgpu = _plgpu()
   from jax import lax
   from jax.experimental import pallas as pl
@@ -369,12 +441,23 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
   layout = plgpu.Layout.WGMMA
   row_layout = layout.reduce(1)
   ds_of = _tangent_fn(cfg, masked=True)
+  col_layout = layout.reduce(0)
+  n_bands = tp // SEG_BAND
+  n_rows = 2 * size + int(cfg.segments)  # (the rows' segment ranks last)
 
-  def kernel(q_ref, k_ref, len_ref, row_refs, dq_ref, scoped):
-    (q_smem2, k_smem, row_smem), (q_loaded, row_loaded, k_loaded), consumed = scoped
+  def kernel(q_ref, k_ref, len_ref, row_refs, seg_refs, dq_ref, scoped):
+    (q_smem2, k_smem, row_smem), (q_loaded, row_loaded, k_loaded), consumed, ks_scoped = scoped
+    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
     bi, q_head, q_tile, wg = _cta()
+
+    def band_of(band):
+      return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
+
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
-    cta_lo, _, _, cta_hi = _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end)
+    cta_seg = None if bands_ref is None else \
+        _merge_bands([band_of(2 * q_tile), band_of(2 * q_tile + 1)])
+    cta_lo, _, _, cta_hi = _clip_to_band(
+        _key_block_range(cfg, q_tile * (2 * bq), 2 * bq, bk, end), cta_seg, bk)
     slot_of = functools.partial(_slot, lo=cta_lo, stages=stages)
 
     def consumer():
@@ -384,14 +467,18 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
       _fetch(plgpu, [(q_ref.at[sl], q_smem, q_loaded.at[wg])]
              + [(r.at[bi, q_head, pl.ds(q_base, bq)], row_smem.at[i, wg],
                  row_loaded.at[2 * i + wg]) for i, r in enumerate(row_refs)])
-      rows = [_load_row(plgpu, row_smem.at[i, wg], row_layout) for i in range(2 * size)]
-      lo, _, _, hi = _within(_key_block_range(cfg, q_base, bq, bk, end), cta_lo, cta_hi)
+      rows = [_load_row(plgpu, row_smem.at[i, wg], row_layout) for i in range(n_rows)]
+      seg_row = rows[2 * size] if cfg.segments else None
+      rows = rows[:2 * size]
+      lo, _, _, hi = _within(_clip_to_band(_key_block_range(cfg, q_base, bq, bk, end),
+                                           band_of(2 * q_tile + wg), bk), cta_lo, cta_hi)
 
       def iota(axis):
         return plgpu.broadcasted_iota(jnp.int32, (bq, bk), axis, layout=layout)
 
       def step(kv_step, dq_acc):
         slot = slot_of(kv_step)
+        key_ranks = _key_ranks(plgpu, ks_scoped, slot, col_layout)
         plgpu.barrier_wait(k_loaded.at[slot])
 
         def compute_s(acc_ref):
@@ -399,7 +486,8 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
           return acc_ref[...]
 
         s = pl.run_scoped(compute_s, plgpu.ACC((bq, bk), jnp.float32))
-        mask = _visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end)
+        mask = _seg_mask(_visible(cfg, iota(0) + q_base, iota(1) + kv_step * bk, end),
+                         seg_row, key_ranks, (bq, bk))
         ds = ds_of(s * cfg.scale, mask,
                    [lax.broadcast_in_dim(r, (bq, bk), [0]) for r in rows])
 
@@ -413,13 +501,15 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
       def flush(kv_step, _):
         slot = slot_of(kv_step)
         plgpu.barrier_wait(k_loaded.at[slot])
+        if ks_scoped:
+          plgpu.barrier_wait(ks_scoped[1].at[slot])
         plgpu.barrier_arrive(consumed.at[slot])
 
       dq_acc = plgpu.layout_cast(jnp.full((bq, h), 0.0, jnp.float32), layout)
-      if cfg.left is not None:  # (the rows of warpgroup 1 start later)
+      if cfg.left is not None or cfg.segments:  # (the rows of warpgroup 1 start later)
         lax.fori_loop(cta_lo, lo, flush, None)
       dq_acc = lax.fori_loop(lo, hi, step, dq_acc)
-      if cfg.right is not None:  # (the rows of warpgroup 0 stop earlier)
+      if cfg.right is not None or cfg.segments:  # (the rows of warpgroup 0 stop earlier)
         lax.fori_loop(hi, cta_hi, flush, None)
       q_smem[...] = (dq_acc * cfg.scale).astype(dtype)
       _write_back(plgpu, [(q_smem, dq_ref.at[sl])])
@@ -430,35 +520,48 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None):
       def load(step, slot):
         plgpu.copy_gmem_to_smem(k_ref.at[bi, pl.ds(step * bk, bk), kv_head], k_smem.at[slot],
                                 k_loaded.at[slot])
+        if ks_scoped:
+          plgpu.copy_gmem_to_smem(kseg_ref.at[bi, pl.ds(step * bk, bk)], ks_scoped[0].at[slot],
+                                  ks_scoped[1].at[slot])
 
       _stream(cta_lo, cta_hi, stages, load, lambda slot: plgpu.barrier_wait(consumed.at[slot]))
 
     _specialise(plgpu, wg, 2, consumer, producer)
 
+  n_seg = 2 * int(cfg.segments)
+
   def entry(q_ref, k_ref, *refs):
     len_ref = refs[0] if cfg.kv_lengths else None
     refs = refs[int(cfg.kv_lengths):]
-    row_refs, dq_ref = refs[:2 * size], refs[2 * size]
+    row_refs, refs = refs[:n_rows], refs[n_rows:]
+    seg_refs, dq_ref = refs[:n_seg], refs[n_seg]
     pl.run_scoped(
-        lambda *args: kernel(q_ref, k_ref, len_ref, row_refs, dq_ref, args),
+        lambda *args: kernel(q_ref, k_ref, len_ref, row_refs, seg_refs, dq_ref, args),
         (_swizzled(plgpu, (2, bq, h), dtype), _swizzled(plgpu, (stages, bk, h), dtype),
-         plgpu.SMEM((2 * size, 2, bq), jnp.float32)),
-        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=4 * size),
+         plgpu.SMEM((n_rows, 2, bq), jnp.float32)),
+        (plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2 * n_rows),
          plgpu.Barrier(num_barriers=stages)),
         plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+        _seg_scratch(plgpu, cfg, stages, bk),
         collective_axes="wg",
     )
 
+  if (seg is None) == cfg.segments:
+    raise ValueError("stats_dq: the segment operands go with `cfg.segments`")
   lens = (kv_lengths,) if cfg.kv_lengths else ()
+  segs = () if seg is None else (seg.q_row, seg.k_ids, seg.key_bands)
   return _launch(plgpu, entry, jax.ShapeDtypeStruct(q.shape, dtype), (n, tp // (2 * bq), b),
-                 ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens, *stats, *g)
+                 ("heads", "q_seq", "batch"), 3, interpret)(q, k, *lens, *stats, *g, *segs)
 
 
 # --- the composition ---------------------------------------------------------------------------
 
 
-def _row_lengths(cfg: _Cfg, b: int, n: int, tp: int, kv_lengths):
-  """Every query row's visible key count, [B, N, Tp] float32 (what ``derive`` takes)."""
+def _row_lengths(cfg: _Cfg, b: int, n: int, tp: int, kv_lengths, seg: _SegOps | None = None):
+  """Every query row's visible key count, [B, N, Tp] float32 (what ``derive`` takes; with
+  segments the operands' counts)."""
+  if seg is not None:
+    return seg.count
   i = jnp.broadcast_to(jnp.arange(tp, dtype=jnp.int32), (b, n, tp))
   end: Any = cfg.s
   if kv_lengths is not None:
@@ -486,35 +589,39 @@ def _padded(cfg: _Cfg, q, k, v):
   return pad(q, tp), pad(k, sp), pad(v, sp)
 
 
-def _prepare(cfg: _Cfg, q, k, v, kv_lengths, interpret):
+def _prepare(cfg: _Cfg, q, k, v, kv_lengths, segment_ids, interpret):
   """The statistics kernel and ``derive``: ``(second pass's cfg, padded q, k, v, stats,
-  lengths, derived rows)``."""
+  lengths, derived rows, segment operands)``."""
   qp, kp, vp = _padded(cfg, q, k, v)
   b, tp, n, _ = qp.shape
-  stats = row_stats(cfg, qp, kp, interpret, kv_lengths)
-  lengths = _row_lengths(cfg, b, n, tp, kv_lengths)
+  seg = _segment_operands(cfg, segment_ids, n, tp, kp.shape[1], kv_lengths, query_bands=False)
+  stats = row_stats(cfg, qp, kp, interpret, kv_lengths, seg)
+  lengths = _row_lengths(cfg, b, n, tp, kv_lengths, seg)
   names, rows = derived_rows(cfg, stats, lengths)
-  return dataclasses.replace(cfg, row_hp=names), qp, kp, vp, stats, lengths, rows
+  return dataclasses.replace(cfg, row_hp=names), qp, kp, vp, stats, lengths, rows, seg
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 5))
-def _attention(cfg: _Cfg, q, k, v, kv_lengths, interpret):
-  second, qp, kp, vp, _, _, rows = _prepare(cfg, q, k, v, kv_lengths, interpret)
-  return _forward(second, qp, kp, vp, interpret, kv_lengths=kv_lengths, rows=rows)[:, :cfg.t]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 6))
+def _attention(cfg: _Cfg, q, k, v, kv_lengths, segment_ids, interpret):
+  second, qp, kp, vp, _, _, rows, seg = _prepare(cfg, q, k, v, kv_lengths, segment_ids,
+                                                 interpret)
+  return _forward(second, qp, kp, vp, interpret, kv_lengths=kv_lengths, rows=rows,
+                  seg=seg)[:, :cfg.t]
 
 
-def _attention_fwd(cfg, q, k, v, kv_lengths, interpret):
+def _attention_fwd(cfg, q, k, v, kv_lengths, segment_ids, interpret):
   return first_order_only(functools.partial(_forward_saving, cfg, interpret),
                           mga.DIFFERENTIATION_WHERE, mga.DIFFERENTIATION_ADVICE)(
-                              q, k, v, kv_lengths)
+                              q, k, v, kv_lengths, segment_ids)
 
 
-def _forward_saving(cfg, interpret, q, k, v, kv_lengths):
-  second, qp, kp, vp, stats, _, rows = _prepare(cfg, q, k, v, kv_lengths, interpret)
+def _forward_saving(cfg, interpret, q, k, v, kv_lengths, segment_ids):
+  second, qp, kp, vp, stats, _, rows, seg = _prepare(cfg, q, k, v, kv_lengths, segment_ids,
+                                                     interpret)
   out, saved = _forward(second, qp, kp, vp, interpret, save_stats=True, kv_lengths=kv_lengths,
-                        rows=rows)
+                        rows=rows, seg=seg)
   out = out[:, :cfg.t]
-  return out, (q, k, v, kv_lengths, out, stats, rows, saved)
+  return out, (q, k, v, kv_lengths, segment_ids, out, stats, rows, saved)
 
 
 def _tangent(cfg: _Cfg):
@@ -534,14 +641,15 @@ def _backward(cfg, interpret, res, g):
   the derived hyperparameters' cotangents dθ; ``vjp(derive)`` in XLA turns them into the
   statistics' cotangents; the statistics' dQ sweep (:func:`stats_dq`); the dK/dV sweep of
   the second pass with the statistics' tile cotangent added to each ``dx``."""
-  q, k, v, kv_lengths, out, stats, rows, saved = res
+  q, k, v, kv_lengths, segment_ids, out, stats, rows, saved = res
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   dtype = q.dtype
   tp = stats[0].shape[-1]
   wgs = mga._bwd_wgs(h)
   sp = _round_up(s, wgs * mga.BWD_BLOCK)
-  lengths = _row_lengths(cfg, b, n, tp, kv_lengths)
+  seg = _segment_operands(cfg, segment_ids, n, tp, sp, kv_lengths)
+  lengths = _row_lengths(cfg, b, n, tp, kv_lengths, seg)
   names, theta_of = _theta_fn(cfg, lengths)
   second = dataclasses.replace(cfg, row_hp=names)
   g = g.astype(dtype)
@@ -556,15 +664,15 @@ def _backward(cfg, interpret, res, g):
     base = base + (jnp.pad(delta, ((0, 0), (0, 0), (0, tp - t))),)
   _check_smem(second, h, dtype, len(base) + len(rows), 2 * len(stats))
   dq2, dtheta = mga._bwd_dq(second, qp, kp, vp, dop, base + rows, interpret, kv_lengths,
-                            theta_grad=True)
+                            theta_grad=True, seg=seg)
   # the statistics' cotangents, 0 on rows that see no key and on the padded rows
   _, pull = jax.vjp(theta_of, tuple(stats))
   (gs,) = pull(tuple(dtheta))
   live = (lengths > 0) & (jnp.arange(tp) < t)[None, None, :]
   gs = tuple(jnp.where(live, x, 0.0) for x in gs)
-  dq1 = stats_dq(cfg, qp, kp, tuple(stats), gs, interpret, kv_lengths)
+  dq1 = stats_dq(cfg, qp, kp, tuple(stats), gs, interpret, kv_lengths, seg)
   dk, dv = mga._bwd_dkv(second, qp, kp, vp, dop, base + rows + tuple(stats) + gs, interpret,
-                        kv_lengths, extra_fn=_tangent(cfg))
+                        kv_lengths, extra_fn=_tangent(cfg), seg=seg)
   dq = (dq2.astype(jnp.float32) + dq1.astype(jnp.float32))[:, :t].astype(dtype)
   groups = n // kh
 
@@ -572,7 +680,7 @@ def _backward(cfg, interpret, res, g):
     x = x[:, :s].reshape(b, s, kh, groups, h)
     return x.astype(jnp.float32).sum(axis=3).astype(dtype) if groups > 1 else x[:, :, :, 0]
 
-  return dq, head_sum(dk), head_sum(dv), None
+  return dq, head_sum(dk), head_sum(dv), None, mga._no_cotangent(segment_ids)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -609,7 +717,7 @@ def _check(spec) -> None:
         "rule with an E or P second pass; it runs in kernels_pallas.attention only")
 
 
-def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
+def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, segment_ids, interpret):
   r"""Class-R attention on Hopper: the statistics kernel, ``derive`` in XLA, then the
   forward kernel of ``kernels_pallas.mosaic_gpu`` running the rule's second pass with the
   derived per-row hyperparameters, and a backward of three kernels (module docstring).
@@ -628,6 +736,7 @@ def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
     query: ``[B, T, N, H]`` float16 or bfloat16.
     key, value: ``[B, S, K, H]``.
     kv_lengths: optional int32 ``[B]`` key lengths (``cfg.kv_lengths``).
+    segment_ids: optional int32 ``(q_ids [B, T], kv_ids [B, S])`` (``cfg.segments``).
     interpret: None for the GPU, else ``InterpretGPUParams``.
 
   Returns:
@@ -650,4 +759,4 @@ def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, interpret):
     arXiv:2407.08608.
   """
   _check(cfg.spec)
-  return _attention(cfg, query, key, value, kv_lengths, interpret)
+  return _attention(cfg, query, key, value, kv_lengths, segment_ids, interpret)
