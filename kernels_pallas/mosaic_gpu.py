@@ -1939,12 +1939,12 @@ def _check_segment_ids(segment_ids, b: int, t: int, s: int):
                        f"S={s} give the pair (q_ids [B, T], kv_ids [B, S])")
     pair = (segment_ids, segment_ids)
   out = []
-  for name, ids, n in (("q_ids", pair[0], t), ("kv_ids", pair[1], s)):
+  for name, ids, n, dim in (("q_ids", pair[0], t, "T"), ("kv_ids", pair[1], s, "S")):
     ids = jnp.asarray(ids)
     if not jnp.issubdtype(ids.dtype, jnp.integer):
       raise ValueError(f"{where} ({name}) must be an integer array, got dtype {ids.dtype}")
     if ids.shape != (b, n):
-      raise ValueError(f"{where} ({name}) must have shape [B, {'T' if n == t else 'S'}] = "
+      raise ValueError(f"{where} ({name}) must have shape [B, {dim}] = "
                        f"{[b, n]}, got {list(ids.shape)}")
     out.append(ids.astype(jnp.int32))
   return out[0], out[1]

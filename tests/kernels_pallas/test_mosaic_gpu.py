@@ -207,9 +207,10 @@ def _inputs(seed, b, t, s, n, kh, h, dtype):
                for shape in ((b, t, n, h), (b, s, kh, h), (b, s, kh, h)))
 
 
-def _dense_visible(b, t, s, causal, window=None, lengths=None):
+def _dense_visible(b, t, s, causal, window=None, lengths=None, segments=None):
   """The mask as a dense bool [B, 1, T, S] from its definition: query i sees key j when
-  j <= i (causal), i - left <= j <= i + right (window) and j < lengths[b]."""
+  j <= i (causal), i - left <= j <= i + right (window), j < lengths[b] and (``segments``
+  a ``(q_ids [B, T], kv_ids [B, S])`` pair) q_ids[b, i] == kv_ids[b, j]."""
   i, j = np.arange(t)[:, None], np.arange(s)[None, :]
   vis = np.ones((b, 1, t, s), bool)
   if causal:
@@ -219,17 +220,21 @@ def _dense_visible(b, t, s, causal, window=None, lengths=None):
     vis &= (j >= i - left) & (j <= i + right)
   if lengths is not None:
     vis &= j[None, None] < np.asarray(lengths)[:, None, None, None]
+  if segments is not None:
+    q_ids, kv_ids = (np.asarray(x) for x in segments)
+    vis &= q_ids[:, None, :, None] == kv_ids[:, None, None, :]
   return vis
 
 
-def _reference(normalizer, q, k, v, causal, scale, hp, window=None, lengths=None):
+def _reference(normalizer, q, k, v, causal, scale, hp, window=None, lengths=None,
+               segments=None):
   """Dense attention in float64 from the rounded inputs: weights by reference_f64."""
   q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
   g = q.shape[2] // k.shape[2]
   k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
   logits = scale * np.einsum("bthd,bshd->bhts", q, k)
   t, s = logits.shape[-2:]
-  where = _dense_visible(q.shape[0], t, s, causal, window, lengths)
+  where = _dense_visible(q.shape[0], t, s, causal, window, lengths, segments)
   w = reference_f64.normalizer(normalizer, logits, where=where, **hp)
   out = np.einsum("bhts,bshd->bthd", w, v)
   bound = np.einsum("bhts,bshd->bthd", np.abs(w), np.abs(v))
@@ -237,20 +242,22 @@ def _reference(normalizer, q, k, v, causal, scale, hp, window=None, lengths=None
 
 
 def _check_numerics(normalizer, causal, dtype, t, s, n, kh, h, hp=None, block_k=64,
-                    interpret=True, b=1, window=None, lengths=None):
+                    interpret=True, b=1, window=None, lengths=None, segments=None):
   hp = dict(hp or {})
   q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
   lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
   call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                          normalizer_params=hp, block_k=block_k,
                                          interpret=interpret, local_window_size=window,
-                                         key_value_seq_lengths=lens)
+                                         key_value_seq_lengths=lens,
+                                         segment_ids=_ids(segments))
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
       call()
     return
   out = np.asarray(call().astype(jnp.float32), np.float64)
-  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, window, lengths)
+  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, window, lengths,
+                          segments)
   # The kernel rounds the weights to the input dtype before the second matmul and the
   # output once more (unit roundoff u each; float32 sums are far below that), so
   # |O - O_ref| <= 2u sum_j |w_j| |v_j|; 10% slack for the float32 statistics.
@@ -331,14 +338,20 @@ def test_pipeline_has_no_data_race():
   assert not ipc.get_races().races_found
 
 
-def _reference_grads(normalizer, q, k, v, do, causal, scale, hp, window=None, lengths=None):
+def _ids(segments):
+  """A test's segment ids (a numpy pair or None) as the kernel's int32 argument."""
+  return None if segments is None else tuple(jnp.asarray(x, jnp.int32) for x in segments)
+
+
+def _reference_grads(normalizer, q, k, v, do, causal, scale, hp, window=None, lengths=None,
+                     segments=None):
   """Float64 gradients of the dense path (the normalizer's own ``fn`` on the logits,
   ``jax.vjp`` under ``jax.enable_x64``) of the rounded inputs, and elementwise bounds on the
   kernel's rounding error (docstring of :func:`_check_grads`)."""
   import jaxsoft.normalizers as jn
 
   spec = jn.get(normalizer)
-  where = _dense_visible(q.shape[0], q.shape[1], k.shape[1], causal, window, lengths)
+  where = _dense_visible(q.shape[0], q.shape[1], k.shape[1], causal, window, lengths, segments)
   with jax.enable_x64(True):
     args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
     grads, bounds = jax.jit(lambda *a: _grads_and_bounds(spec, *a, scale, hp))(*args, where)
@@ -393,7 +406,7 @@ def _grads_and_bounds(spec, q, k, v, do, where, scale, hp):
 
 
 def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=True, b=1,
-                 window=None, lengths=None):
+                 window=None, lengths=None, segments=None):
   """Gradients of the GPU-interpreted kernel against the float64 dense gradients.
 
   Error bounds (u the input dtype's unit roundoff): the kernel rounds ``dx`` (and the
@@ -415,7 +428,8 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=T
   def call(q, k, v):
     return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                    normalizer_params=hp, interpret=interpret,
-                                   local_window_size=window, key_value_seq_lengths=lens)
+                                   local_window_size=window, key_value_seq_lengths=lens,
+                                   segment_ids=_ids(segments))
 
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
@@ -424,7 +438,7 @@ def _check_grads(normalizer, causal, dtype, t, s, n, kh, h, hp=None, interpret=T
   _, vjp = jax.vjp(call, q, k, v)
   got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
   ref, bounds = _reference_grads(normalizer, q, k, v, do, causal, 1.0 / math.sqrt(h), hp,
-                                 window, lengths)
+                                 window, lengths, segments)
   u = 2.0 ** -8 if jnp.dtype(dtype) == jnp.bfloat16 else 2.0 ** -11
   for name, a, r, bound in zip("qkv", got, ref, bounds, strict=True):
     err = np.abs(a - r)
@@ -638,3 +652,188 @@ def test_forward_mode_and_second_order_are_refused(normalizer):
     jax.grad(jax.grad(lambda x: f(q * x)))(1.0)
   with pytest.raises(UnsupportedDifferentiation, match="second-.*kernels_pallas.attention"):
     jax.eval_shape(jax.grad(jax.grad(jax.jit(lambda x: f(q * x)))), 1.0)
+
+
+# --- segment ids ----------------------------------------------------------------------------
+
+# Named segment-id cases (B = 2, T = S = 200): a (q_ids, kv_ids) pair of int numpy arrays.
+# "sorted": packed segments, one id of batch entry 1 shared by every row; "unsorted": the
+# keys' ids cycle (each band's key interval spans the sequence: every block loaded, masked),
+# batch entry 1's queries carry ids no key has (rows that see no key: zero outputs and
+# gradients).
+_Q_IDS = np.array([[0] * 70 + [1] * 90 + [2] * 40, [3] * 30 + [5] * 170])
+SEGMENTS = {
+    "sorted": (_Q_IDS, _Q_IDS),
+    "unsorted": (_Q_IDS, np.tile(np.array([2, 0, 1, 1] * 50), (2, 1))),
+}
+# the GPU interpreter's warpgroup callbacks wait on each other's barriers; with segment ids
+# XLA's concurrency-optimised CPU scheduler deadlocks them on a 2-core machine (measured
+# with T = 256: two CTAs), so the interpreted segment checks run in a fresh Python with
+# that scheduler off (as tests/kernels_pallas/test_mosaic_gpu_bench.py's bench run)
+INTERPRETER_XLA_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _isolated(call: str) -> None:
+  """Runs ``call`` (an expression of this module's helpers, the module as ``T``) in a fresh
+  Python with :data:`INTERPRETER_XLA_FLAG`; on JAX 0.10 (whose interpreter cannot run the
+  kernels: the helpers assert the clear error) in this process."""
+  if not mga.interpreter_runs_kernel():
+    import sys
+    eval(call, {"T": sys.modules[__name__], "np": np, "jnp": jnp})
+    return
+  import os
+  import pathlib
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[2]
+  env = dict(os.environ)
+  env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {INTERPRETER_XLA_FLAG}".strip()
+  env["PYTHONPATH"] = f"{root}{os.pathsep}{env.get('PYTHONPATH', '')}"
+  code = ("import numpy as np, jax.numpy as jnp\n"
+          "from tests.kernels_pallas import test_mosaic_gpu as T\n" + call)
+  res = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True,
+                       text=True, timeout=1200)
+  assert res.returncode == 0, (res.stdout[-4000:], res.stderr[-4000:])
+
+
+def test_segments_lower_for_cuda():
+  """Segment ids (their band tables read as scalars, the key ranks streamed through the
+  ring, the rows' ranks and counts fetched with the query tiles) lower for sm_90a in the
+  forward and both backward kernels (class E with causal; class P alone)."""
+  ids = jnp.asarray(SEGMENTS["sorted"][0], jnp.int32)
+  mlir = _export_grad("softmax_1", jnp.bfloat16, True, 64, b=2, segment_ids=ids)
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 3
+  mlir = _export("sigmoid", jnp.float16, False, 128, b=2, segment_ids=(ids, ids))
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 1
+
+
+SEG_MATRIX = [(nm, dt, c, h) for nm in ("softmax", "ssmax", "sigmoid", "stablemax")
+              for dt in ("bfloat16", "float16") for c in (False, True) for h in (64, 128, 256)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SEG_MATRIX, ids=["-".join(map(str, c)) for c in SEG_MATRIX])
+def test_segments_lower_for_cuda_full_matrix(case):
+  normalizer, dtype, causal, h = case
+  ids = jnp.asarray(SEGMENTS["sorted"][0], jnp.int32)
+  mlir = _export_grad(normalizer, jnp.dtype(dtype), causal, h, b=2, segment_ids=ids,
+                      key_value_seq_lengths=jnp.array([150, 30], jnp.int32))
+  calls = 2 if get_spec(normalizer).kernel_class == "P" else 3
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == calls
+
+
+@pytest.mark.parametrize("segment_ids, match", [
+    (np.zeros((1, 128), np.float32), "integer array"),
+    (np.zeros((2, 128), np.int32), r"shape \[B, T\] = \[1, 128\]"),
+    ((np.zeros((1, 128), np.int32), None), "give both"),
+    ((None, np.zeros((1, 128), np.int32)), "give both"),
+    ((np.zeros((1, 128), np.int32), np.zeros((1, 64), np.int32)), r"\[B, S\] = \[1, 128\]"),
+])
+def test_segment_id_errors_name_the_argument(segment_ids, match):
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="`segment_ids`.*" + match):
+    kp.mosaic_gpu_attention(q, q, q, segment_ids=segment_ids)
+
+
+def test_segment_ids_need_a_pair_for_cross_attention_and_class_t_refuses_them():
+  q = jnp.zeros((1, 128, 1, 64), jnp.bfloat16)
+  k = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="`segment_ids`.*give the pair"):
+    kp.mosaic_gpu_attention(q, k, k, segment_ids=jnp.zeros((1, 128), jnp.int32))
+  with pytest.raises(kp.UnsupportedError, match="`segment_ids` are not supported for class T"):
+    kp.mosaic_gpu_attention(q, q, q, normalizer="sparsemax",
+                            segment_ids=jnp.zeros((1, 128), jnp.int32))
+
+
+@pytest.mark.parametrize("name", ["sorted", "unsorted"])
+def test_segment_bands_hold_every_visible_key(name):
+  """The band tables against the dense segment mask: every key a row of the band sees lies
+  in ``[lo, hi)``; ``[full_lo, full_hi)``, when not empty, is seen by every row of the band;
+  packed ids give exactly the visible keys' span."""
+  q_ids, kv_ids = (jnp.asarray(x, jnp.int32) for x in SEGMENTS[name])
+  tp = 256
+  q_pad = jnp.pad(q_ids, ((0, 0), (0, tp - 200)), mode="edge")
+  bands = np.asarray(mga._bands(q_pad, kv_ids, 200))
+  same = np.asarray(q_pad)[:, :, None] == np.asarray(kv_ids)[:, None, :]
+  for bi in range(2):
+    for band in range(tp // mga.SEG_BAND):
+      lo, hi, flo, fhi = bands[bi, band]
+      seen = same[bi, band * 64:(band + 1) * 64].any(axis=0)
+      cols = np.nonzero(seen)[0]
+      if cols.size:
+        assert lo <= cols.min() and cols.max() < hi, (bi, band, lo, hi)
+        if name == "sorted":
+          assert (lo, hi) == (cols.min(), cols.max() + 1)
+      else:
+        assert hi <= lo
+      if fhi > flo:
+        assert same[bi, band * 64:(band + 1) * 64, flo:fhi].all()
+
+
+def test_interpret_segments_match_float64_reference():
+  """Packed segment ids with causal masking, GQA and odd lengths against the float64 dense
+  reference with the same mask, under the GPU interpreter."""
+  _isolated('T._check_numerics("softmax_1", True, jnp.float16, 200, 200, 2, 1, 64, b=2, '
+            'segments=T.SEGMENTS["sorted"])')
+
+
+# normalizer, causal, dtype, segments, window, lengths (B = 2, T = S = 200, GQA 2:1)
+SEG_INTERPRET = [
+    ("softmax", False, "bfloat16", "sorted", None, None),
+    ("softpick", True, "bfloat16", "unsorted", None, None),  # rows that see no key
+    ("ssmax", False, "float16", "sorted", (50, 30), [150, 200]),  # counts from XLA
+    ("sigmoid", True, "float16", "unsorted", None, [120, 200]),
+    ("stablemax", False, "bfloat16", "sorted", None, None),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SEG_INTERPRET, ids=["-".join(map(str, c[:4])) for c in SEG_INTERPRET])
+def test_interpret_segments_matrix(case):
+  normalizer, causal, dtype, name, window, lengths = case
+  _isolated(f'T._check_numerics({normalizer!r}, {causal}, jnp.{dtype}, 200, 200, 2, 1, 64, '
+            f'b=2, segments=T.SEGMENTS[{name!r}], window={window!r}, lengths={lengths!r})')
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SEG_INTERPRET, ids=["-".join(map(str, c[:4])) for c in SEG_INTERPRET])
+def test_interpret_segment_gradients_match_float64_reference(case):
+  """dQ, dK, dV with segment ids (rows that see no key get zero gradients), against the
+  float64 gradients of the dense path with the same mask."""
+  normalizer, causal, dtype, name, window, lengths = case
+  _isolated(f'T._check_grads({normalizer!r}, {causal}, jnp.{dtype}, 200, 200, 2, 1, 64, '
+            f'b=2, segments=T.SEGMENTS[{name!r}], window={window!r}, lengths={lengths!r})')
+
+
+def _check_empty_tiles_are_not_loaded():
+  """Queries 0..127 carry id 0, 128..255 id 1; keys 0..63 id 0, 64..127 id 2 (no query's),
+  128..255 id 1. Keys 64..127 (one 64-key block) lie outside every band's key interval:
+  with NaN in their values (and keys) the output and the gradients of q and of the other
+  keys are finite and equal to those of a clean run (a loaded NaN block would poison
+  them: its masked weights are 0, and 0 x NaN is NaN in the P·V matmul)."""
+  q, k, v = _inputs(0, 1, 256, 256, 1, 1, 64, jnp.float16)
+  q_ids = jnp.asarray([[0] * 128 + [1] * 128], jnp.int32)
+  kv_ids = jnp.asarray([[0] * 64 + [2] * 64 + [1] * 128], jnp.int32)
+  f = lambda q, k, v: kp.mosaic_gpu_attention(q, k, v, block_k=64, interpret=True,
+                                              segment_ids=(q_ids, kv_ids))
+  poisoned = lambda x: x.at[:, 64:128].set(jnp.nan)
+  do = _inputs(1, 1, 256, 256, 1, 1, 64, jnp.float16)[0]
+  runs = []
+  for kk, vv in ((k, v), (poisoned(k), poisoned(v))):
+    out, vjp = jax.vjp(f, q, kk, vv)
+    runs.append([np.asarray(x.astype(jnp.float32)) for x in (out, *vjp(do))])
+  keep = np.r_[0:64, 128:256]
+  for name, a, b in zip(["out", "dq", "dk", "dv"], *runs, strict=True):
+    if name in ("dk", "dv"):
+      a, b = a[:, keep], b[:, keep]
+    assert np.all(np.isfinite(b)), name
+    np.testing.assert_array_equal(a, b, err_msg=name)
+  assert np.abs(runs[0][0]).max() > 0.1
+
+
+def test_interpret_empty_tiles_are_not_loaded():
+  if not mga.interpreter_runs_kernel():
+    with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
+      _check_empty_tiles_are_not_loaded()
+    return
+  _isolated("T._check_empty_tiles_are_not_loaded()")
