@@ -22,7 +22,12 @@ import pytest
 import kernels_pallas as kp
 from jaxsoft.normalizers import spec as _spec
 from kernels_pallas import mosaic_gpu as mga
-from tests.kernels_pallas.test_mosaic_gpu import _inputs, _reference
+from tests.kernels_pallas.test_mosaic_gpu import (  # SEGMENTS: read by _isolated calls
+    SEGMENTS,  # noqa: F401
+    _ids,
+    _inputs,
+    _reference,
+)
 
 # every registered class-R normalizer (each has a row-statistics rule)
 CLASS_R = sorted(n for n, s in _spec.REGISTRY.items() if s.kernel_class == "R")
@@ -108,20 +113,22 @@ def test_class_r_lowers_with_masks_and_head_dim_256():
 
 
 def _check(normalizer, causal, dtype, *, b=1, t=100, s=150, n=2, kh=1, h=64, hp=None,
-           window=None, lengths=None, block_k=64):
+           window=None, lengths=None, block_k=64, segments=None):
   hp = dict(hp or {})
   q, k, v = _inputs(0, b, t, s, n, kh, h, dtype)
   lens = None if lengths is None else jnp.asarray(lengths, jnp.int32)
   call = lambda: kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                          normalizer_params=hp, block_k=block_k,
                                          interpret=True, local_window_size=window,
-                                         key_value_seq_lengths=lens)
+                                         key_value_seq_lengths=lens,
+                                         segment_ids=_ids(segments))
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
       call()
     return
   out = np.asarray(call().astype(jnp.float32), np.float64)
-  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, window, lengths)
+  ref, bound = _reference(normalizer, q, k, v, causal, 1.0 / math.sqrt(h), hp, window, lengths,
+                          segments)
   # as test_mosaic_gpu._check_numerics: the weights rounded to the input dtype before the
   # second matmul and the output once more, |O - O_ref| <= 2u sum_j |w_j| |v_j|, with 10%
   # slack for the float32 statistics (measured: at most 1.7u on every spec)
@@ -182,7 +189,7 @@ def test_class_r_refuses_what_it_cannot_run():
 
 
 def _check_grads(normalizer, causal, dtype, *, b=1, t=100, s=150, n=2, kh=1, h=64, hp=None,
-                 window=None, lengths=None, interpret=True):
+                 window=None, lengths=None, interpret=True, segments=None):
   """dQ, dK, dV of the GPU-interpreted kernels against the float64 gradients of the dense
   path (``jax.vjp`` of the normalizer's own function on the logits, under
   ``jax.enable_x64``), as ``max |got - ref| <= 4u max |ref|`` per gradient: measured at
@@ -199,7 +206,8 @@ def _check_grads(normalizer, causal, dtype, *, b=1, t=100, s=150, n=2, kh=1, h=6
   def call(q, k, v):
     return kp.mosaic_gpu_attention(q, k, v, normalizer=normalizer, is_causal=causal,
                                    normalizer_params=hp, block_k=64, interpret=interpret,
-                                   local_window_size=window, key_value_seq_lengths=lens)
+                                   local_window_size=window, key_value_seq_lengths=lens,
+                                   segment_ids=_ids(segments))
 
   if not mga.interpreter_runs_kernel():  # JAX 0.10: the clear error, not a stack trace
     with pytest.raises(kp.UnsupportedError, match="GPU interpreter of jax .* cannot run"):
@@ -208,7 +216,7 @@ def _check_grads(normalizer, causal, dtype, *, b=1, t=100, s=150, n=2, kh=1, h=6
   _, vjp = jax.vjp(call, q, k, v)
   got = [np.asarray(a.astype(jnp.float32), np.float64) for a in vjp(do)]
   spec, scale, g = jn.get(normalizer), 1.0 / math.sqrt(h), n // kh
-  where = _dense_visible(b, t, s, causal, window, lengths)
+  where = _dense_visible(b, t, s, causal, window, lengths, segments)
   with jax.enable_x64(True):
     args = [jnp.asarray(np.asarray(x.astype(jnp.float32), np.float64)) for x in (q, k, v, do)]
 
@@ -268,3 +276,42 @@ def test_class_r_pipelines_have_no_data_race():
   _check_grads("standardized_softmax", True, jnp.bfloat16, t=256, s=256, n=1,
                interpret=params)
   assert not ipc.get_races().races_found
+
+
+# --- segment ids ----------------------------------------------------------------------------
+
+
+def _isolated(call: str) -> None:
+  """``test_mosaic_gpu._isolated`` for this module's helpers (``R``): the interpreted
+  segment checks in a fresh Python with XLA's concurrency-optimised scheduler off."""
+  from tests.kernels_pallas import test_mosaic_gpu as T
+  if not mga.interpreter_runs_kernel():
+    import sys
+    eval(call, {"R": sys.modules[__name__], "np": np, "jnp": jnp})
+    return
+  T._isolated("from tests.kernels_pallas import test_mosaic_gpu_row_stats as R\n" + call)
+
+
+def test_class_r_segments_lower_for_cuda():
+  """Segment ids in the statistics kernel, the second pass saving its statistics, and the
+  backward's three kernels (the statistics' dQ sweep too), for sm_90a."""
+  ids = jnp.zeros((1, 200), jnp.int32).at[:, 90:].set(1)
+  mlir = _export("standardized_softmax", True, grad=True, segment_ids=ids)
+  assert mlir.count("stablehlo.custom_call @mosaic_gpu") == 5
+
+
+# normalizer, causal, segments (B = 2, T = S = 200): the visible counts reach derive
+SEG_CASES = [("standardized_softmax", True, "sorted"), ("nap", False, "unsorted"),
+             ("sa_softmax_normalized", False, "sorted"), ("eta_softmax", True, "unsorted")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", SEG_CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in SEG_CASES])
+def test_interpret_class_r_segments(case):
+  """Forward and gradients with segment ids (rows that see no key: zeros) against the
+  float64 dense path with the same mask."""
+  normalizer, causal, name = case
+  _isolated(f"R._check({normalizer!r}, {causal}, jnp.bfloat16, b=2, t=200, s=200, "
+            f"segments=R.SEGMENTS[{name!r}])")
+  _isolated(f"R._check_grads({normalizer!r}, {causal}, jnp.bfloat16, b=2, t=200, s=200, "
+            f"segments=R.SEGMENTS[{name!r}])")
