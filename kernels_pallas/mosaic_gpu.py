@@ -40,7 +40,26 @@ partial blocks at either end. Where the two consumer warpgroups of a CTA see dif
 blocks, each waits on and releases the slots loaded for the other only. A row that sees
 no key gets a zero output and zero gradients (its stabiliser stays finite in the tile
 math). Odd lengths are padded (queries to ``2 * block_q``, keys to ``block_k``) and the
-padded keys masked in the last key block. Segment ids are not supported yet.
+padded keys masked in the last key block.
+
+Segment ids (``segment_ids``: query i sees key j only when ``q_ids[i] == kv_ids[j]``, and
+the masks above allow it) are block lists too, from tables XLA computes per band of 64
+query rows (``_bands``): from the band's min and max id, the key interval ``[lo, hi)`` from
+the first to the last key whose id lies in ``[min, max]``, and a full run ``[lo, hi)`` when
+the band holds one id and every key between carries it (else none). The kernels read the
+band's four scalars, intersect them with the interval bounds above (``_clip_to_band``;
+a CTA streams the union of its warpgroups' intervals), and mask the partial blocks with
+the ids themselves: the rows' ids (as float32 ranks, equal exactly where the ids are)
+fetched with the query tile, the keys' streamed through the ring with the key tiles.
+Packed (sorted, contiguous) ids make the interval exactly the keys of the band's
+segments: a block of other segments is never loaded. Unsorted ids are correct but not
+compacted: the interval spans every key whose id lies between the band's extremes, and
+its blocks are loaded and masked (slower; class T's ``engine.live_block_tables`` style
+compaction was not chosen: one interval keeps the producer's ring and the warpgroups'
+skip and release loops as they are). The dK/dV pass uses the same tables per 64-key band
+over the query positions. A row's visible count (the length-dependent score maps,
+floors and offsets, class R's ``derive``) comes from XLA as a per-row operand, summed
+band by band (no ``T x S`` array).
 
 The maps are the rule's own functions, traced with their custom derivatives inlined
 (Mosaic GPU lowers no ``custom_jvp``); the row statistics are 1-D ``[block_q]`` vectors in
@@ -100,9 +119,10 @@ rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` op
 hyperparameters' cotangents), a dQ kernel of the statistics' own gradient and the dK/dV
 kernel with that gradient's tile cotangent added to ``dx``.
 
-Not done yet: segment ids and dense bias, class T's key-length and window masks, per-row
-hyperparameter arrays from the caller, tuned configurations and a register-spill check
-(``MOSAIC_GPU_DUMP_PTXAS=1``) on a GPU.
+Not done yet: dense bias, segment ids for class T, class T's key-length and window masks,
+a compacted block list for unsorted segment ids, per-row hyperparameter arrays from the
+caller, tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on
+a GPU.
 """
 
 from __future__ import annotations
@@ -652,6 +672,11 @@ def _clip_to_band(ranges, seg, blk: int):
   return lo, flo, fhi, hi
 
 
+def _or_nones(refs, count: int) -> Any:
+  """``refs`` (a kernel's segment refs or scratch), or ``count`` Nones without segments."""
+  return tuple(refs) if refs else (None,) * count
+
+
 def _seg_same(mask, rows, cols):
   """``mask`` (None: all visible) and the segment test ``rows == cols`` (broadcast tiles)."""
   same = rows == cols
@@ -814,8 +839,8 @@ def _forward(cfg: _Cfg, q, k, v, interpret, save_stats: bool = False, kv_lengths
     bi, q_head, q_tile, wg = _cta()
     end: Any = cfg.s if len_ref is None else jnp.clip(len_ref[bi], 0, cfg.s)
     smem, loaded, consumed, schedule_barrier, st_smem2, hp_scoped, ks_scoped = scoped
-    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
-    ks_smem, ks_loaded = ks_scoped if ks_scoped else (None, None)
+    kseg_ref, bands_ref = _or_nones(seg_refs, 2)
+    ks_smem, ks_loaded = _or_nones(ks_scoped, 2)
 
     def band_of(band):
       return None if bands_ref is None else _band(bands_ref, bi, band, n_bands)
@@ -1469,8 +1494,8 @@ def _bwd_dq(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, theta_grad
         row_bar, consumed, *ks_scoped = scoped
     ks_scoped = ks_scoped[0] if ks_scoped else ()
     row_smem2, dth_smem2 = row_smem2[:st.n_rows], row_smem2[st.n_rows:]
-    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
-    ks_smem, ks_loaded = ks_scoped if ks_scoped else (None, None)
+    kseg_ref, bands_ref = _or_nones(seg_refs, 2)
+    ks_smem, ks_loaded = _or_nones(ks_scoped, 2)
     bi, q_head, q_tile, wg = _cta()
 
     def band_of(band):
@@ -1658,8 +1683,8 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
     (k_smem2, v_smem2, q_smem, do_smem, row_smem), (k_bar, v_bar, q_loaded, do_loaded), \
         row_loaded, consumed, *ks_scoped = scoped
     ks_scoped = ks_scoped[0] if ks_scoped else ()
-    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
-    ks_smem, ks_bar = ks_scoped if ks_scoped else (None, None)
+    kseg_ref, bands_ref = _or_nones(seg_refs, 2)
+    ks_smem, ks_bar = _or_nones(ks_scoped, 2)
     bi, q_head, kv_tile, wg = _cta("kv_seq")
 
     def band_of(band):
@@ -1681,7 +1706,7 @@ def _bwd_dkv(cfg: _Cfg, q, k, v, do, rows, interpret, kv_lengths=None, extra_fn=
       _fetch(plgpu, [(k_ref.at[sl], k_smem, k_bar.at[wg]), (v_ref.at[sl], v_smem, v_bar.at[wg])]
              + ([(kseg_ref.at[bi, pl.ds(kv_base, bk)], ks_smem.at[wg], ks_bar.at[wg])]
                 if kseg_ref is not None else []))
-      key_seg = None if kseg_ref is None else _load_row(plgpu, ks_smem.at[wg], row_layout)
+      key_seg: Any = None if kseg_ref is None else _load_row(plgpu, ks_smem.at[wg], row_layout)
       # query blocks [lo, flo) and [fhi, hi) partial (masked), [flo, fhi) full
       lo, flo, fhi, hi = _within(_clip_to_band(_query_block_range(cfg, kv_base, bk, bq, n_q, end),
                                                band_of(wgs * kv_tile + wg), bq),
@@ -1969,8 +1994,8 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
 
   with the normalizer's tile rule (class E: ``m_i`` the row max of ``z``; S: ``m = 0``;
   P: ``D = 1``), ``V_i`` the keys query i sees: ``j < L_b`` (``key_value_seq_lengths``),
-  ``i - left <= j <= i + right`` (``local_window_size``) and ``j <= i`` (``is_causal``).
-  The mask is applied as a block list: key blocks no row of a warpgroup sees are never
+  ``i - left <= j <= i + right`` (``local_window_size``), ``j <= i`` (``is_causal``) and
+  ``q_ids[i] == kv_ids[j]`` (``segment_ids``). The mask is applied as a block list: key blocks no row of a warpgroup sees are never
   loaded, blocks every row sees wholly run without mask work, and only the partial
   blocks between apply the element mask (forward and backward). Softmax-like rules
   run as ``2^{z2 - m2}`` with ``log2(e)`` folded into the scale. A TMA producer

@@ -22,11 +22,13 @@ over its visible keys ``V_i``::
    ``mosaic_gpu._key_block_range``) through a ring, two consumer warpgroups compute
    ``Q K^T`` with ``wgmma`` and fold ``rule.block`` of each tile into their rows'
    statistics with ``rule.merge`` (every block masked: the padded keys, the causal
-   diagonal, the window and the key lengths). The rule's functions are written for
+   diagonal, the window, the key lengths and the segment ids, whose band tables narrow
+   the streamed blocks as in ``mosaic_gpu``). The rule's functions are written for
    ``[rows, 1]`` statistics (``keepdims`` sums over the key axis); the kernel holds them
    as ``[64]`` vectors in the wgmma row layout, so they are traced once and evaluated
    with every ``[rows, 1]`` value kept as its ``[rows]`` vector (:func:`_rowwise`).
-2. ``derive`` in XLA on the ``[B, N, Tp]`` statistics and the rows' visible counts.
+2. ``derive`` in XLA on the ``[B, N, Tp]`` statistics and the rows' visible counts
+   (with segment ids, the counts ``mosaic_gpu._segment_counts`` sums in XLA).
 3. The forward kernel of ``kernels_pallas.mosaic_gpu`` running ``second`` (class E: the
    running max and row sum; class P: nothing carried), with the derived values as per-row
    operands (``_Cfg.row_hp``: each a ``[B, N, Tp]`` float32 array whose ``[64]`` slice a
@@ -88,6 +90,7 @@ from kernels_pallas.mosaic_gpu import (
     _launch,
     _load_row,
     _merge_bands,
+    _or_nones,
     _plgpu,
     _round_up,
     _scores,
@@ -299,7 +302,7 @@ def row_stats(cfg: _Cfg, q, k, interpret, kv_lengths=None,
 
   def kernel(q_ref, k_ref, len_ref, seg_refs, st_refs, scoped):
     (q_smem2, k_smem, st_smem), (q_loaded, k_loaded), consumed, seg_scoped, ks_scoped = scoped
-    qseg_ref, kseg_ref, bands_ref = seg_refs if seg_refs else (None, None, None)
+    qseg_ref, kseg_ref, bands_ref = _or_nones(seg_refs, 3)
     bi, q_head, q_tile, wg = _cta()
 
     def band_of(band):
@@ -447,7 +450,7 @@ def stats_dq(cfg: _Cfg, q, k, stats, g, interpret, kv_lengths=None,
 
   def kernel(q_ref, k_ref, len_ref, row_refs, seg_refs, dq_ref, scoped):
     (q_smem2, k_smem, row_smem), (q_loaded, row_loaded, k_loaded), consumed, ks_scoped = scoped
-    kseg_ref, bands_ref = seg_refs if seg_refs else (None, None)
+    kseg_ref, bands_ref = _or_nones(seg_refs, 2)
     bi, q_head, q_tile, wg = _cta()
 
     def band_of(band):
