@@ -837,3 +837,23 @@ def test_interpret_empty_tiles_are_not_loaded():
       _check_empty_tiles_are_not_loaded()
     return
   _isolated("T._check_empty_tiles_are_not_loaded()")
+
+
+def _check_segment_pipelines_race_free():
+  """The race detector with segment ids (sorted; unsorted with causal): the key ranks'
+  ring slots, read and fenced before release, and the warpgroups' different ranges."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+  params = mga.gpu_interpret_params(detect_races=True)
+  for causal, name in ((False, "sorted"), (True, "unsorted")):
+    _check_grads("softmax_1", causal, jnp.float16, 200, 200, 1, 1, 64, interpret=params, b=2,
+                 segments=SEGMENTS[name])
+  assert not ipc.get_races().races_found
+
+
+@pytest.mark.slow
+def test_segment_pipelines_have_no_data_race():
+  if not mga.interpreter_runs_kernel():
+    _check_grads("softmax", False, jnp.float16, 200, 200, 1, 1, 64, b=2,
+                 segments=SEGMENTS["sorted"])  # asserts the clear error
+    return
+  _isolated("T._check_segment_pipelines_race_free()")
