@@ -119,7 +119,7 @@ rule's second pass with the derived per-row hyperparameters as ``[B, N, Tp]`` op
 hyperparameters' cotangents), a dQ kernel of the statistics' own gradient and the dK/dV
 kernel with that gradient's tile cotangent added to ``dx``.
 
-Not done yet: dense bias, segment ids for class T, class T's key-length and window masks,
+Not done yet: dense bias, segment ids for class T,
 a compacted block list for unsorted segment ids, per-row hyperparameter arrays from the
 caller, tuned configurations and a register-spill check (``MOSAIC_GPU_DUMP_PTXAS=1``) on
 a GPU.
