@@ -9,7 +9,10 @@ docs/feature_ids.md. ``attention_from_call`` is the adapter
 ``jaxsoft.attention.dot_product_attention`` calls.
 """
 
-from kernels_pallas import mosaic_gpu_threshold  # noqa: F401 (class T for mosaic_gpu_attention)
+from kernels_pallas import (
+    mosaic_gpu_row_stats,  # noqa: F401 (class R for mosaic_gpu_attention)
+    mosaic_gpu_threshold,  # noqa: F401 (class T for mosaic_gpu_attention)
+)
 from kernels_pallas._api import BlockSizes, attention, attention_from_call, resolve_block_sizes
 from kernels_pallas.autotune import (
     autotune_block_sizes,

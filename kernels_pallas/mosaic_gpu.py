@@ -150,10 +150,11 @@ SMEM_LIMIT = 227 * 1024
 # (2168 bytes measured at 3 ring slots); the wrapper keeps this much free.
 SMEM_SLACK = 4096
 
-# Class T's entry point, registered by kernels_pallas.mosaic_gpu_threshold on import (it
-# builds on this module's helpers; kernels_pallas/__init__ imports it): a registry rather
-# than an import, so that the two modules form no import cycle.
-THRESHOLD_KERNELS: dict[str, Any] = {}
+# The entry points of the kernel classes built on this module's helpers, by class: "T"
+# registered by kernels_pallas.mosaic_gpu_threshold, "R" by kernels_pallas.mosaic_gpu_row_stats
+# on import (kernels_pallas/__init__ imports both): a registry rather than an import, so that
+# the modules form no import cycle.
+CLASS_KERNELS: dict[str, Any] = {}
 
 # What the kernel needs from jax.experimental.pallas.mosaic_gpu (checked on first use).
 _NEEDED = ("kernel", "wgmma", "copy_gmem_to_smem", "copy_smem_to_gmem", "wait_smem_to_gmem",
@@ -2152,7 +2153,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
         f"mosaic_gpu_attention: `segment_ids` are not supported for class T ({spec.name!r}); "
         "use kernels_pallas.attention or jaxsoft.attention.dot_product_attention")
   if threshold:
-    return THRESHOLD_KERNELS["attention"](
+    return CLASS_KERNELS["T"](
         query, key, value, spec=spec, hp=hp, scale=float(scale), is_causal=bool(is_causal),
         block_k=block_k, num_stages=num_stages, interpret=interpret,
         rescale_threshold=rescale_threshold, local_window_size=window,
@@ -2176,9 +2177,7 @@ def mosaic_gpu_attention(query, key, value, *, normalizer="softmax",
              approx_sigmoid=bool(approx_sigmoid) and rule.numerator is _spec.sigmoid_numerator,
              rescale_threshold=rescale_threshold, window=window,
              kv_lengths=lengths is not None, segments=segments is not None)
-  run: Any = _attention
-  if row_stats:
-    from kernels_pallas.mosaic_gpu_row_stats import row_stats_attention as run
+  run: Any = CLASS_KERNELS["R"] if row_stats else _attention
   if interpret is None:
     return run(cfg, query, key, value, lengths, segments, interpret)
   try:

@@ -763,3 +763,7 @@ def row_stats_attention(cfg: _Cfg, query, key, value, kv_lengths, segment_ids, i
   """
   _check(cfg.spec)
   return _attention(cfg, query, key, value, kv_lengths, segment_ids, interpret)
+
+
+# kp.mosaic_gpu_attention routes class R here (mosaic_gpu.CLASS_KERNELS: no import cycle)
+mga.CLASS_KERNELS["R"] = row_stats_attention

@@ -86,7 +86,7 @@ from jaxsoft.normalizers import tile
 from kernels_pallas import engine
 from kernels_pallas.engine import UnsupportedError
 from kernels_pallas.mosaic_gpu import (
-    THRESHOLD_KERNELS,
+    CLASS_KERNELS,
     _cta,
     _fetch,
     _key_block_range,
@@ -735,5 +735,5 @@ def threshold_attention(query, key, value, *, spec, hp, scale: float, is_causal:
   return _attention(cfg, query, key, value, lengths, interpret)
 
 
-# kp.mosaic_gpu_attention routes class T here (mosaic_gpu.THRESHOLD_KERNELS: no import cycle)
-THRESHOLD_KERNELS["attention"] = threshold_attention
+# kp.mosaic_gpu_attention routes class T here (mosaic_gpu.CLASS_KERNELS: no import cycle)
+CLASS_KERNELS["T"] = threshold_attention
