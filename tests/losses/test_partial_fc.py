@@ -58,8 +58,10 @@ def test_sampling_is_the_margin_loss_over_the_sampled_classes():
       L.partial_fc_loss(x, w, LABELS, sample_rate=0.25, key=key, scale=16.0),
       L.partial_fc_loss(x, w, LABELS, sample_rate=0.25, key=jax.random.key(4), scale=16.0)))(x, w)
   assert np.all(loss <= full + 1e-5)
-  np.testing.assert_array_equal(again, loss)
-  assert not np.array_equal(other, loss)
+  # the same key samples the same classes: equal up to the rounding of another compiled
+  # program (1 ulp seen); another key samples others
+  np.testing.assert_allclose(again, loss, rtol=1e-6, atol=0)
+  assert not np.allclose(other, loss, rtol=1e-4, atol=0)
 
 
 def test_masks_ignore_index_and_one_device_mesh():
